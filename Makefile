@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Each process of a multi-process CPU run uses one thread, so N processes fit on N cores.
+export OMP_NUM_THREADS ?= 1
+export WANDB_MODE ?= offline
+export WANDB_SILENT ?= true
+export PYTHONUNBUFFERED = 1
+
+.PHONY: demo test install bench docs clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/base.txt constraints/test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints/test.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints/test.txt -e '.[bench]'
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) lightning_logs wandb out .pytest_cache
