@@ -1,0 +1,214 @@
+"""Vote rules: how the groups' losses move their learning rates (pure: no Lightning, no process groups).
+
+A rule is an object with one method, :meth:`VoteRule.explore`, called once per vote and per optimizer param group
+with every group's interval loss, every group's current multiplier, and which groups are healthy. It returns the
+vote weights, the winner and the new multipliers. Rules keep their own state (velocity, spread) per param group.
+
+Multipliers are relative to the schedule's learning rate ``lr_t`` (what the optimizer and schedulers say), so
+group ``g`` trains with ``lr_t * multipliers[g]``. The *base* LR is ``lr_t * mean(multipliers)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+# The controller never moves the base LR by more than this factor in one vote (keeps it positive and finite).
+MAX_BASE_LR_CHANGE = 2.0
+
+
+@dataclass
+class VoteResult:
+    """Outcome of one vote for one param group."""
+
+    weights: list[float]
+    winner: int
+    multipliers: list[float]
+
+
+def softmax_weights(losses: Sequence[float], healthy: Sequence[bool], temperature: float) -> list[float]:
+    """``w_g = softmax_g((mean L - L_g) / temperature)`` over the healthy groups; unhealthy groups get 0."""
+    idx = [g for g, ok in enumerate(healthy) if ok]
+    if not idx:
+        return [0.0] * len(losses)
+    mean = sum(losses[g] for g in idx) / len(idx)
+    logits = torch.tensor([(mean - losses[g]) / temperature for g in idx], dtype=torch.float64)
+    probs = torch.softmax(logits, dim=0).tolist()
+    weights = [0.0] * len(losses)
+    for g, p in zip(idx, probs):
+        weights[g] = p
+    return weights
+
+
+def winner_of(losses: Sequence[float], healthy: Sequence[bool]) -> int:
+    """The healthy group with the lowest loss (the lowest index on ties); -1 if none is healthy."""
+    idx = [g for g, ok in enumerate(healthy) if ok]
+    return min(idx, key=lambda g: (losses[g], g)) if idx else -1
+
+
+def symmetric_positions(n: int) -> list[float]:
+    """``n`` evenly spaced points in ``[-1, 1]`` (the fan-out's shape)."""
+    if n == 1:
+        return [0.0]
+    return [-1.0 + 2.0 * k / (n - 1) for k in range(n)]
+
+
+class VoteRule:
+    """Base class: ``explore`` turns one vote's losses into weights, a winner and new multipliers."""
+
+    def explore(
+        self,
+        key: int,
+        losses: Sequence[float],
+        multipliers: Sequence[float],
+        healthy: Sequence[bool],
+        schedule_lr: float,
+        move: bool,
+        generator: torch.Generator,
+    ) -> VoteResult:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@dataclass
+class SoftmaxVote(VoteRule):
+    """The published auto-LR controller (ALGORITHMS.md §1.1), one independent controller per param group ``key``.
+
+    ``delta = sum_g w_g * lr_g - mean_g lr_g``; ``v <- momentum * v + (1 - momentum) * delta``;
+    ``base <- base + meta_lr * v``, bounded to ``[base / 2, base * 2]`` so it stays positive and finite; then every
+    group gets ``base * shape[perm(g)]`` where ``shape`` are the relative multipliers (mean 1) and ``perm`` a fresh
+    random permutation (if ``permute``). Means are over healthy groups only.
+    """
+
+    temperature: float = 0.1
+    momentum: float = 0.9
+    meta_lr: float = 0.5
+    permute: bool = True
+    velocity: dict[int, float] = field(default_factory=dict)
+    shape: dict[int, list[float]] = field(default_factory=dict)
+
+    def explore(
+        self,
+        key: int,
+        losses: Sequence[float],
+        multipliers: Sequence[float],
+        healthy: Sequence[bool],
+        schedule_lr: float,
+        move: bool,
+        generator: torch.Generator,
+    ) -> VoteResult:
+        if key not in self.shape:
+            mean_m = sum(multipliers) / len(multipliers)
+            self.shape[key] = [m / mean_m for m in multipliers]
+        weights = softmax_weights(losses, healthy, self.temperature)
+        winner = winner_of(losses, healthy)
+        if not move or winner < 0 or schedule_lr <= 0:
+            return VoteResult(weights, winner, list(multipliers))
+        idx = [g for g, ok in enumerate(healthy) if ok]
+        lrs = [schedule_lr * m for m in multipliers]
+        mean_lr = sum(lrs[g] for g in idx) / len(idx)
+        delta = sum(weights[g] * lrs[g] for g in idx) - mean_lr
+        v = self.momentum * self.velocity.get(key, 0.0) + (1 - self.momentum) * delta
+        self.velocity[key] = v
+        base = sum(lrs) / len(lrs)
+        new_base = base + self.meta_lr * v
+        if not math.isfinite(new_base):
+            new_base = base
+        new_base = min(max(new_base, base / MAX_BASE_LR_CHANGE), base * MAX_BASE_LR_CHANGE)
+        shape = self.shape[key]
+        order = torch.randperm(len(shape), generator=generator).tolist() if self.permute else range(len(shape))
+        scale = new_base / schedule_lr
+        return VoteResult(weights, winner, [scale * shape[i] for i in order])
+
+    def state_dict(self) -> dict:
+        return {"velocity": dict(self.velocity), "shape": {k: list(v) for k, v in self.shape.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.velocity = {int(k): float(v) for k, v in state.get("velocity", {}).items()}
+        self.shape = {int(k): list(v) for k, v in state.get("shape", {}).items()}
+
+
+@dataclass
+class BestVote(VoteRule):
+    """The lowest-loss group wins; every other group is re-centred on the winner's multiplier.
+
+    The others get ``m_winner * exp(spread * u_g)`` where ``u`` are evenly spaced positions around the winner's
+    (which keeps its own multiplier). The log-spread starts at half the log-range of the initial multipliers and
+    shrinks by ``shrink`` each vote down to ``min_spread`` (never zero: variation is kept).
+    """
+
+    shrink: float = 0.5
+    min_spread: float = 0.05
+    spread: dict[int, float] = field(default_factory=dict)
+
+    def explore(
+        self,
+        key: int,
+        losses: Sequence[float],
+        multipliers: Sequence[float],
+        healthy: Sequence[bool],
+        schedule_lr: float,
+        move: bool,
+        generator: torch.Generator,
+    ) -> VoteResult:
+        winner = winner_of(losses, healthy)
+        weights = [1.0 if g == winner else 0.0 for g in range(len(losses))]
+        if key not in self.spread:
+            half_range = (math.log(max(multipliers)) - math.log(min(multipliers))) / 2
+            self.spread[key] = max(half_range, self.min_spread)
+        if not move or winner < 0:
+            return VoteResult(weights, winner, list(multipliers))
+        spread = max(self.spread[key] * self.shrink, self.min_spread)
+        self.spread[key] = spread
+        n = len(multipliers)
+        positions = symmetric_positions(n)
+        center = min(range(n), key=lambda k: (abs(positions[k]), k))
+        offsets = [p - positions[center] for k, p in enumerate(positions) if k != center]
+        order = torch.randperm(n - 1, generator=generator).tolist()
+        others = [g for g in range(n) if g != winner]
+        new = list(multipliers)
+        for g, k in zip(others, order):
+            new[g] = multipliers[winner] * math.exp(spread * offsets[k])
+        return VoteResult(weights, winner, new)
+
+    def state_dict(self) -> dict:
+        return {"spread": dict(self.spread)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.spread = {int(k): float(v) for k, v in state.get("spread", {}).items()}
+
+
+def make_rule(
+    vote: str,
+    temperature: float,
+    momentum: float,
+    meta_lr: float,
+    permute: bool,
+    shrink: float,
+    min_spread: float,
+) -> VoteRule:
+    """Build the rule named by ``vote`` (``"softmax"`` or ``"best"``)."""
+    if vote == "softmax":
+        return SoftmaxVote(temperature=temperature, momentum=momentum, meta_lr=meta_lr, permute=permute)
+    if vote == "best":
+        return BestVote(shrink=shrink, min_spread=min_spread)
+    raise ValueError(f"`vote` must be one of ('softmax', 'best'), got {vote!r}.")
+
+
+def divergent(losses: Sequence[float], healthy: Sequence[bool], factor: Optional[float]) -> list[bool]:
+    """Which groups count as diverged: non-finite loss, already unhealthy, or loss > factor x best (positive)."""
+    out = [not ok or not math.isfinite(loss) for loss, ok in zip(losses, healthy)]
+    finite = [loss for loss, bad in zip(losses, out) if not bad]
+    if factor is not None and finite and min(finite) > 0:
+        best = min(finite)
+        out = [bad or loss > factor * best for loss, bad in zip(losses, out)]
+    return out
