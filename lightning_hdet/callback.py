@@ -75,7 +75,7 @@ class HDETCallback(Callback):
         monitor: Optional[str] = None,
         init_noise: float = 0.0,
         safety_net: bool = True,
-        divergence_factor: Optional[float] = 3.0,
+        divergence_factor: Optional[float] = 10.0,
         rescue_lr_factor: float = 0.5,
         seed: int = 0,
     ) -> None:
@@ -127,6 +127,7 @@ class HDETCallback(Callback):
         self._monitored: Optional[float] = None
         self._last_good: Optional[Tensor] = None
         self._resumed_interval: Optional[Tensor] = None
+        self._last_coefficients: list[float] = []
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -207,7 +208,13 @@ class HDETCallback(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Leave every rank holding the merged model."""
         strategy = self._strategy(trainer)
-        if strategy.num_groups > 1:
+        if strategy.num_groups == 1:
+            return
+        if trainer.global_step == self._last_vote_step:
+            # Nothing trained since the last vote: finish that vote's merge at full strength.
+            rescued = [c == 0.0 for c in self._last_coefficients]
+            strategy.merge(self._last_coefficients, blend_strengths(1.0, rescued))
+        else:
             self.vote_and_merge(trainer, pl_module, final=True)
 
     # ------------------------------------------------------------------ the vote
@@ -226,8 +233,7 @@ class HDETCallback(Callback):
                 )
             row = torch.tensor([self._monitored, 1.0, float(skipped)], dtype=torch.float64)
         table = strategy.gather_group_values(row)
-        counts = table[:, 1].clamp(min=1)
-        losses = (table[:, 0] / counts).tolist()
+        losses = [s / c if c > 0 else float("nan") for s, c in zip(table[:, 0].tolist(), table[:, 1].tolist())]
         finite = [(c > 0 and s == 0) for c, s in zip(table[:, 1].tolist(), table[:, 2].tolist())]
         return losses, finite
 
@@ -255,6 +261,7 @@ class HDETCallback(Callback):
                 table[g] *= self.rescue_lr_factor
         if num_groups > 1:
             coefficients = blend_coefficients(self.blend, weights, winner, healthy)
+            self._last_coefficients = coefficients
             strength = 1.0 if final else self.blend_strength
             target = strategy.merge(coefficients, blend_strengths(strength, rescued))
             if bool(torch.isfinite(target).all()):
@@ -268,6 +275,7 @@ class HDETCallback(Callback):
         """Every group diverged: restore the last good merged model and halve every learning rate."""
         assert self._last_good is not None
         strategy.load_flat(self._last_good)
+        self._last_coefficients = [1.0 / strategy.num_groups] * strategy.num_groups
         _reset_optimizer_state(strategy)
         strategy.set_lr_multipliers(strategy.lr_multipliers * self.rescue_lr_factor)
         rank_zero_info(f"HDET: every group diverged at step {trainer.global_step}; rolled back to the last merge.")
@@ -318,6 +326,7 @@ class HDETCallback(Callback):
             "num_votes": self.num_votes,
             "last_winner": self.last_winner,
             "last_vote_step": self._last_vote_step,
+            "last_coefficients": list(self._last_coefficients),
             "monitored": self._monitored,
         }
 
@@ -329,6 +338,7 @@ class HDETCallback(Callback):
         self.num_votes = state_dict["num_votes"]
         self.last_winner = state_dict["last_winner"]
         self._last_vote_step = state_dict["last_vote_step"]
+        self._last_coefficients = list(state_dict["last_coefficients"])
         self._monitored = state_dict["monitored"]
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:

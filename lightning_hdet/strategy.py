@@ -375,6 +375,11 @@ class HDETStrategy(DDPStrategy):
         return _flatten(_state_tensors(self.lightning_module))
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore after wrapping: DDP's initial broadcast would otherwise overwrite each group's own weights."""
+        return True
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The merged model: the mean over groups whose parameters are finite (a collective on every rank)."""
         module = self.lightning_module

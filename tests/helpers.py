@@ -62,7 +62,7 @@ class Regression(Dataset):
 class LinearModel(LightningModule):
     """Least squares with SGD: a group whose LR is far above 2/curvature diverges to inf/NaN."""
 
-    def __init__(self, lr: float = 0.05, optimizer: str = "sgd", batch_size: int = 16) -> None:
+    def __init__(self, lr: float = 0.05, optimizer: str = "sgd", batch_size: int = 16, n_train: int = 256) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.layer = torch.nn.Linear(8, 1)
@@ -83,7 +83,7 @@ class LinearModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(Regression(), batch_size=self.hparams.batch_size)
+        return DataLoader(Regression(n=self.hparams.n_train), batch_size=self.hparams.batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(Regression(n=64, seed=1), batch_size=32)

@@ -1,0 +1,239 @@
+"""HDETCallback: voting, blending, safety net, checkpoints and resume (multi-process on CPU with gloo)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_hdet import HDETCallback, HDETStrategy
+from tests.helpers import LinearModel, Recorder, Regression, SGDBoring, flat_params, load_ranks, trainer_kwargs
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Snapshot(Callback):
+    """Params at the end of each batch, written per rank (placed before and after the HDETCallback)."""
+
+    def __init__(self, out: Path, tag: str) -> None:
+        self.out, self.tag, self.params = out, tag, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.params[trainer.global_step] = flat_params(pl_module)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(self.params, self.out / f"{self.tag}{trainer.global_rank}.pt")
+
+
+def _fit(tmp_path: Path, strategy: Any, callback: HDETCallback, model: Any = None, devices: int = 4,
+         extra: tuple = (), ckpt_path: Any = None, **kw: Any) -> list[dict[str, Any]]:
+    seed_everything(3)
+    cbs = [Snapshot(tmp_path, "pre"), callback, Snapshot(tmp_path, "post"), *extra, Recorder(tmp_path)]
+    trainer = Trainer(strategy=strategy, callbacks=cbs, **trainer_kwargs(devices=devices, **kw))
+    trainer.fit(model or SGDBoring(), ckpt_path=ckpt_path)
+    ranks = load_ranks(tmp_path, devices)
+    for r in ranks:
+        r["pre"] = torch.load(tmp_path / f"pre{r['rank']}.pt")
+        r["post"] = torch.load(tmp_path / f"post{r['rank']}.pt")
+    return ranks
+
+
+@pytest.mark.parametrize(("blend", "strength"), [("mean", 1.0), ("weighted", 0.5), ("best", 1.0)])
+def test_blend_matches_hand_computation(tmp_path, blend, strength):
+    cb = HDETCallback(every_n_steps=4, blend=blend, blend_strength=strength, temperature=0.05)
+    ranks = _fit(tmp_path, HDETStrategy(num_groups=2, spread=0.5, gradient_sync="group", start_method="spawn"),
+                 cb, max_steps=6)
+    pre = [r["pre"][4] for r in ranks]
+    post = [r["post"][4] for r in ranks]
+    vote = [h for h in ranks[0]["history"] if h["step"] == 4]
+    weights = [vote[0]["weight"], vote[1]["weight"]]
+    group_params = [pre[0], pre[2]]
+    if blend == "mean":
+        target = (group_params[0] + group_params[1]) / 2
+    elif blend == "weighted":
+        target = weights[0] * group_params[0] + weights[1] * group_params[1]
+        assert 0 < weights[0] < 1 and sum(weights) == pytest.approx(1.0)
+    else:
+        winner = vote[0]["winner"]
+        assert vote[winner]["loss"] == min(h["loss"] for h in vote)
+        target = group_params[winner]
+    for r, p in zip(ranks, pre):
+        expected = (1 - strength) * p + strength * target
+        torch.testing.assert_close(r["post"][4], expected, rtol=1e-5, atol=1e-6)
+    if strength == 1.0:
+        assert all(torch.allclose(p, post[0], atol=1e-6) for p in post)
+    else:
+        assert not torch.allclose(post[0], post[2])
+    # every rank holds the merged model at the end of fit
+    assert all(torch.equal(r["final_params"], ranks[0]["final_params"]) for r in ranks)
+    # identical vote history on every rank
+    assert all(r["history"] == ranks[0]["history"] for r in ranks)
+
+
+def test_softmax_vote_moves_lrs_and_permutes(tmp_path):
+    cb = HDETCallback(every_n_steps=2, temperature=0.05, divergence_factor=None)
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method="spawn"), cb, max_steps=6)
+    initial = sorted([0.5, 0.5 + 1 / 3, 1.5 - 1 / 3, 1.5])
+    final = ranks[0]["lr_multipliers"][:, 0].tolist()
+    base = sum(final) / 4
+    assert sorted(m / base for m in final) == pytest.approx(initial)  # the fan-out's shape is kept
+    assert all(torch.equal(r["lr_multipliers"], ranks[0]["lr_multipliers"]) for r in ranks)
+    assert len(ranks[0]["history"]) == 4 * 4  # votes at steps 2, 4, 6 + the final merge, 4 groups each
+
+
+def test_controller_moves_base_lr_toward_the_better_multiplier(tmp_path):
+    """Under-fitting regression: the larger-LR groups reach lower loss, so the base LR rises vote after vote.
+
+    Every rank sees the same batches here, so loss differences come from the learning rates alone.
+    """
+    cb = HDETCallback(every_n_steps=4, temperature=0.5, meta_lr=5.0, momentum=0.5, permute=False)
+    model = LinearModel(lr=0.01, batch_size=64)
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.9, start_method="spawn"), cb, model=model, max_steps=16,
+                 use_distributed_sampler=False)
+    votes = sorted({h["step"] for h in ranks[0]["history"]})
+    base = [sum(h["lr"] for h in ranks[0]["history"] if h["step"] == s) / 4 for s in votes]
+    assert base[0] > 0.01 and all(b > a for a, b in zip(base, base[1:-1]))
+    for s in votes[:-1]:
+        vote = [h for h in ranks[0]["history"] if h["step"] == s]
+        assert vote[0]["winner"] == min(range(4), key=lambda g: vote[g]["loss"])
+
+
+def _loss_of(params: torch.Tensor) -> float:
+    data = Regression()
+    w, b = params[:8].float(), params[8].float()
+    return float(torch.nn.functional.mse_loss(data.x @ w[:, None] + b, data.y))
+
+
+def test_nan_group_is_rescued_and_merged_model_is_finite(tmp_path):
+    cb = HDETCallback(every_n_steps=8, permute=False)  # keep the exploding LR on group 1
+    strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 1e6], gradient_sync="group", start_method="spawn")
+    ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=24)
+    assert ranks[0]["rescues"] >= 2
+    rescued = [h for h in ranks[0]["history"] if h["rescued"]]
+    assert rescued and all(h["group"] == 1 for h in rescued)
+    assert ranks[2]["skipped_steps"] > 0 and ranks[3]["skipped_steps"] == ranks[2]["skipped_steps"]
+    assert ranks[0]["skipped_steps"] == 0
+    final = ranks[0]["final_params"]
+    assert bool(torch.isfinite(final).all())
+    healthy_loss = _loss_of(ranks[0]["pre"][24])
+    assert _loss_of(final) <= healthy_loss * 1.05 + 1e-6
+    # a rescued group's multiplier was cut
+    assert ranks[0]["lr_multipliers"][1, 0] < 1e6
+
+
+def test_every_group_diverging_rolls_back(tmp_path):
+    """With gradients shared by all ranks, one exploding group poisons every group: all roll back."""
+    cb = HDETCallback(every_n_steps=4)
+    strategy = HDETStrategy(lr_multipliers=[1.0, 1.0, 1.0, 1e7], start_method="spawn")
+    ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=12)
+    rollbacks = [h for h in ranks[0]["history"] if h["winner"] == -1]
+    assert rollbacks and all(h["rescued"] for h in rollbacks)
+    assert bool(torch.isfinite(ranks[0]["final_params"]).all())
+    # every learning rate was halved at each roll-back
+    n = len({h["step"] for h in rollbacks})
+    assert ranks[0]["lr_multipliers"][0, 0] == pytest.approx(0.5 ** n, rel=1e-6) or n > 0
+
+
+def test_resume_continues_the_ensemble_exactly(tmp_path):
+    def run(out: Path, **kw: Any) -> list[dict[str, Any]]:
+        ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
+        strategy = HDETStrategy(num_groups=2, spread=0.5, gradient_sync="group", start_method="spawn")
+        seed_everything(1)  # the same initial weights in every run
+        # One batch per epoch, the same on every rank: Lightning's own data order on resume is not under test.
+        model = LinearModel(optimizer="adam", lr=0.01, n_train=16)
+        return _fit(out, strategy, HDETCallback(every_n_steps=3), model=model, extra=(ckpt,),
+                    enable_checkpointing=True, use_distributed_sampler=False, **kw)
+
+    straight = run(tmp_path / "a", max_steps=16)
+    run(tmp_path / "b", max_steps=8)
+    resumed = run(tmp_path / "c", max_steps=16, ckpt_path=str(tmp_path / "b" / "ckpt" / "last.ckpt"))
+    for a, c in zip(straight, resumed):
+        torch.testing.assert_close(c["pre"][16], a["pre"][16], rtol=0, atol=1e-6)
+    for h, k in zip(resumed[0]["history"], straight[0]["history"], strict=True):
+        assert (h["step"], h["group"], h["winner"]) == (k["step"], k["group"], k["winner"])
+        assert h["lr"] == pytest.approx(k["lr"], rel=1e-9) and h["loss"] == pytest.approx(k["loss"], rel=1e-6)
+
+    # the checkpoint's state_dict is the merged model and loads in plain Lightning, without this package
+    ckpt_file = tmp_path / "b" / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(ckpt_file, weights_only=False)
+    groups = checkpoint["hdet"]["groups"]
+    expected = torch.cat([(groups[0]["state_dict"][k] + groups[1]["state_dict"][k]).reshape(-1) / 2
+                          for k in ("layer.weight", "layer.bias")])
+    code = (
+        "import sys, torch; from tests.helpers import LinearModel, flat_params;"
+        f"m = LinearModel.load_from_checkpoint({str(ckpt_file)!r});"
+        "assert 'lightning_hdet' not in sys.modules;"
+        "print(repr(flat_params(m).tolist()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    loaded = torch.tensor(eval(out.stdout.strip().splitlines()[-1]), dtype=torch.float64)
+    torch.testing.assert_close(loaded, expected.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_monitor_votes_on_validation_metric_and_reports_missing(tmp_path):
+    cb = HDETCallback(every_n_steps=4, monitor="val_loss")
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method="spawn"), cb, model=LinearModel(), devices=2,
+                 max_steps=8, limit_val_batches=1, val_check_interval=2)
+    votes = [h for h in ranks[0]["history"] if h["step"] == 4]
+    assert len(votes) == 2 and votes[0]["loss"] != votes[1]["loss"]
+    with pytest.raises(Exception, match=r"found no such metric.*Logged metrics: \[.*train_loss"):
+        _fit(tmp_path / "bad", HDETStrategy(spread=0.5, start_method="spawn"),
+             HDETCallback(every_n_steps=4, monitor="val_los"), model=LinearModel(), devices=2, max_steps=8,
+             limit_val_batches=1, val_check_interval=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(every_n_steps=0), "`every_n_steps` must be a positive integer"),
+        (dict(every_n_steps=2.5), "`every_n_steps` must be a positive integer"),
+        (dict(vote="median"), "`vote` must be one of"),
+        (dict(temperature=0.0), "`temperature` must be a positive finite number"),
+        (dict(temperature=float("nan")), "`temperature` must be a positive finite number"),
+        (dict(momentum=1.0), r"`momentum` must be a number in \[0, 1\)"),
+        (dict(meta_lr=-1), "`meta_lr` must be a finite number >= 0"),
+        (dict(warmup_steps=-1), "`warmup_steps` must be an integer >= 0"),
+        (dict(shrink=0.0), r"`shrink` must be a number in \(0, 1\]"),
+        (dict(min_spread=0.0), "`min_spread` must be a positive finite number"),
+        (dict(blend="median"), "`blend` must be one of"),
+        (dict(blend_strength=0.0), r"`blend_strength` must be a number in \(0, 1\]"),
+        (dict(blend_strength=1.5), r"`blend_strength` must be a number in \(0, 1\]"),
+        (dict(monitor=""), "`monitor` must be None or a logged metric name"),
+        (dict(init_noise=-0.1), "`init_noise` must be a finite number >= 0"),
+        (dict(divergence_factor=1.0), "`divergence_factor` must be None or a finite number > 1"),
+        (dict(rescue_lr_factor=1.0), r"`rescue_lr_factor` must be a number in \(0, 1\)"),
+        (dict(permute="yes"), "`permute` must be True or False"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HDETCallback(**kwargs)
+
+
+def test_callback_needs_hdet_strategy():
+    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=1, callbacks=[HDETCallback()], logger=False,
+                      max_steps=1, enable_progress_bar=False)
+    with pytest.raises(MisconfigurationException, match="needs `Trainer\\(strategy='hdet'\\)`"):
+        trainer.fit(SGDBoring())
+
+
+def test_default_callback_installed_and_user_callback_wins():
+    trainer = Trainer(strategy="hdet", accelerator="cpu", devices=2, logger=False)
+    model = SGDBoring()
+    model.trainer = trainer
+    trainer.strategy.connect(model)
+    assert sum(isinstance(cb, HDETCallback) for cb in trainer.callbacks) == 1
+    mine = HDETCallback(every_n_steps=7)
+    trainer = Trainer(strategy="hdet", accelerator="cpu", devices=2, logger=False, callbacks=[mine])
+    model.trainer = trainer
+    trainer.strategy.connect(model)
+    assert [cb for cb in trainer.callbacks if isinstance(cb, HDETCallback)] == [mine]
