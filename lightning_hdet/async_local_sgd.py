@@ -310,7 +310,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         if mode not in _MODES:
             raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
         validate_local_steps(local_steps, min_local_steps)
-        validate_outer_hyperparameters(outer_lr, outer_momentum, buffer_size or 1, momentum_activation)
+        validate_outer_hyperparameters(outer_lr, outer_momentum, 1 if buffer_size is None else buffer_size, momentum_activation)
         if not grace_period >= 0:
             raise ValueError(f"`grace_period` must be >= 0 seconds, got {grace_period!r}.")
         if "ddp_comm_hook" in kwargs or "model_averaging_period" in kwargs:
