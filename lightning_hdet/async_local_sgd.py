@@ -142,7 +142,9 @@ class _OuterState:
             if self.budget is not None:
                 in_flight = sum(s.in_flight for w, s in self.workers.items() if w != worker)
                 steps = min(steps, self.budget - self.steps_done - in_flight)
-        stats.in_flight = stats.local_steps = max(steps, 0)
+        stats.in_flight = max(steps, 0)
+        if steps > 0:
+            stats.local_steps = steps
         return stats.in_flight
 
     def metrics(self) -> dict[str, float]:
@@ -522,6 +524,15 @@ class AsyncLocalSGDStrategy(DDPStrategy):
                 self._pulled.copy_(params)
             self._write_params(self._pulled)
         self._round_start = time.perf_counter()
+
+    def worker_stats(self) -> dict[int, dict[str, float]]:
+        """Per-worker progress as the outer optimizer saw it (rank 0 only; empty elsewhere): inner ``steps``,
+        completed ``rounds``, ``local_steps`` of the next round, ``steps_per_s``, ``staleness``."""
+        if self._outer is None:
+            return {}
+        with self._outer.lock:
+            keys = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s")
+            return {w: {k: getattr(s, k) for k in keys} for w, s in sorted(self._outer.workers.items())}
 
     def _log_outer_metrics(self) -> None:
         if not self.is_global_zero or self._outer is None or self._outer.metrics_version == self._logged_version:

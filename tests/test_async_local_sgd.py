@@ -236,3 +236,44 @@ def test_bad_world_checked_before_process_groups():
     # c must be <= 1/N with the default N = number of workers (4)
     with pytest.raises(ValueError, match="momentum_activation"):
         Trainer(strategy=AsyncLocalSGDStrategy(momentum_activation=0.3), accelerator="cpu", devices=4, logger=False)
+
+
+def _outer(mode="async", budget=None, local_steps=4):
+    from lightning_hdet.async_local_sgd import _OuterState
+    from lightning_hdet.local_steps import LocalStepsPolicy
+
+    params = torch.zeros(3)
+    opt = torch.optim.SGD([params], lr=1.0)
+    return _OuterState(params, opt, LocalStepsPolicy(local_steps), mode, budget)
+
+
+def _push(worker, steps, g=None, kind=1.0, seconds=1.0):
+    from lightning_hdet.async_local_sgd import _Push
+
+    return _Push(worker, kind, steps, seconds, 0.0, None if g is None else torch.full((3,), float(g)))
+
+
+def test_outer_state_budget_is_exact_and_shared_by_speed():
+    outer = _outer(budget=10)
+    assert outer.process([_push(0, 0), _push(1, 0)]) == {0: 4, 1: 4}  # hello: H each, 8 of 10 reserved
+    assert outer.process([_push(0, 4, 1.0, seconds=1.0)]) == {0: 2}  # only 2 left after worker 1's 4 in flight
+    assert outer.process([_push(1, 4, 1.0, seconds=4.0)]) == {1: 0}  # budget spent: stop
+    assert outer.process([_push(0, 2, 1.0, seconds=0.5)]) == {0: 0}
+    assert outer.steps_done == 10 and outer.outer_updates == 3
+    torch.testing.assert_close(outer.params, torch.full((3,), -3.0))
+    assert outer.workers[1].staleness == 1  # worker 0's push landed between worker 1's pull and push
+
+
+def test_outer_state_sync_applies_the_mean_once():
+    outer = _outer(mode="sync", budget=100)
+    outer.process([_push(0, 0), _push(1, 0)])
+    assert outer.process([_push(0, 4, 1.0), _push(1, 4, 3.0)]) == {0: 4, 1: 4}
+    assert outer.outer_updates == 1
+    torch.testing.assert_close(outer.params, torch.full((3,), -2.0))
+
+
+def test_outer_state_stop_request_and_bye():
+    outer = _outer()
+    outer.process([_push(0, 0), _push(1, 0)])
+    outer.stop_requested = True
+    assert outer.process([_push(0, 4, 1.0, kind=2.0), _push(1, 4, 1.0)]) == {1: 0}  # a leaving worker gets no reply
