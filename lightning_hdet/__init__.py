@@ -1,18 +1,36 @@
 """lightning-hdet: hyperparameter-divergent ensemble training and asynchronous Local-SGD for Lightning.
 
-Importing the package registers ``Trainer(strategy="hdet")`` and ``"hdet_spawn"``.
+Importing the package registers ``Trainer(strategy=...)`` names: ``"hdet"``, ``"hdet_spawn"``,
+``"async_local_sgd"``, ``"async_local_sgd_spawn"``, ``"diloco"`` and ``"diloco_spawn"``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_hdet.async_local_sgd import AsyncLocalSGDStrategy
 from lightning_hdet.blend import blend_coefficients
 from lightning_hdet.callback import HDETCallback
+from lightning_hdet.delayed_nesterov import DelayedNesterov
 from lightning_hdet.fanout import fan_out
+from lightning_hdet.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.strategy import HDETStrategy
+from lightning_hdet.testing import SlowRanks
 from lightning_hdet.vote import BestVote, SoftmaxVote
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["BestVote", "HDETCallback", "HDETStrategy", "SoftmaxVote", "blend_coefficients", "fan_out"]
+__all__ = [
+    "AsyncLocalSGDStrategy",
+    "BestVote",
+    "DelayedNesterov",
+    "HDETCallback",
+    "HDETStrategy",
+    "LocalStepsPolicy",
+    "SlowRanks",
+    "SoftmaxVote",
+    "blend_coefficients",
+    "dynamic_local_steps",
+    "fan_out",
+]
 
 HDETStrategy.register_strategies(StrategyRegistry)
+AsyncLocalSGDStrategy.register_strategies(StrategyRegistry)

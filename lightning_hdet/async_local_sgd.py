@@ -1,0 +1,673 @@
+"""Asynchronous Local-SGD (Delayed Nesterov + dynamic local steps) and synchronous DiLoCo for Lightning.
+
+Every process is a *worker*: it trains with the user's own (inner) optimizer for a round of local steps,
+then exchanges ``theta_pulled - theta_local`` (the pseudo-gradient) for the newest global parameters.
+The outer optimizer -- global parameters and momentum in host memory -- lives on rank 0, served by a
+background thread over a dedicated ``gloo`` process group (point-to-point messages, received from any
+worker). Rank 0 also trains; its own exchanges go through an in-process queue.
+
+* ``mode="async"``: each push is applied on arrival (Delayed Nesterov or plain Nesterov); no worker ever
+  waits for another one, only for its own exchange.
+* ``mode="sync"`` (DiLoCo): the server waits for every worker's push, averages them and applies one
+  Nesterov-SGD step.
+
+While training, Lightning's collectives (``barrier``, ``broadcast``, ``reduce``, ``all_gather``,
+``reduce_boolean_decision``) are answered locally, because workers are at different step counts.
+Rank 0 is the only rank that validates (with the global parameters, on the whole validation set),
+decides (early stopping, best checkpoints) and writes checkpoints (with the global parameters and the outer
+state); its stop decision reaches the other workers in their next exchange. See ``docs/async.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch import Tensor
+from torch.optim import SGD, Optimizer
+
+from lightning_hdet.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
+from lightning_hdet.local_steps import LocalStepsPolicy, validate_local_steps
+
+Mode = Literal["async", "sync"]
+_MODES = ("async", "sync")
+_CHECKPOINT_KEY = "async_local_sgd"
+
+# Worker -> server header: [kind, steps, compute_s, wait_s]. A payload (the flat pseudo-gradient) follows
+# when steps > 0. Server -> worker header: [next_local_steps (0 = stop), outer_updates]; the flat global
+# parameters follow when next_local_steps > 0.
+_HELLO, _PUSH, _BYE = 0.0, 1.0, 2.0
+_WORKER_HEADER, _SERVER_HEADER = 4, 2
+
+
+@dataclass
+class _Push:
+    worker: int
+    kind: float
+    steps: int
+    compute_s: float
+    wait_s: float
+    pseudo_gradient: Tensor | None
+
+
+@dataclass
+class _WorkerStats:
+    steps_per_s: float = 0.0
+    local_steps: int = 0
+    staleness: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    rounds: int = 0
+    steps: int = 0
+    pulled_version: int = 0
+    in_flight: int = 0
+
+
+@dataclass
+class _OuterState:
+    """The outer optimizer's side: global parameters, outer optimizer, speeds, budget and counters."""
+
+    params: Tensor
+    optimizer: Optimizer
+    policy: LocalStepsPolicy
+    mode: Mode
+    budget: int | None
+    steps_done: int = 0
+    outer_updates: int = 0
+    stop_requested: bool = False
+    workers: dict[int, _WorkerStats] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    metrics_version: int = 0
+
+    def process(self, pushes: list[_Push]) -> dict[int, int]:
+        """Apply a batch of pushes (one at a time in async mode, their mean in sync mode) and return the
+        next round's local step count for each worker that waits for a reply (0 means stop)."""
+        with self.lock:
+            for push in pushes:
+                stats = self.workers.setdefault(push.worker, _WorkerStats())
+                stats.in_flight = 0
+                stats.compute_s, stats.wait_s = push.compute_s, push.wait_s
+                if push.steps > 0:
+                    stats.staleness = self.outer_updates - stats.pulled_version
+                    stats.rounds += 1
+                    stats.steps += push.steps
+                    self.steps_done += push.steps
+                    self.policy.update(push.worker, push.steps, push.compute_s)
+                    stats.steps_per_s = self.policy.speeds.get(push.worker, 0.0)
+            grads = [p.pseudo_gradient for p in pushes if p.pseudo_gradient is not None]
+            if self.mode == "sync" and grads:
+                self._outer_step(torch.stack(grads).mean(0))
+            elif self.mode == "async":
+                for g in grads:
+                    self._outer_step(g)
+            waiting = [p.worker for p in pushes if p.kind != _BYE]
+            replies = {w: self._allocate(w, len(waiting)) for w in waiting}
+            for w in waiting:
+                self.workers[w].pulled_version = self.outer_updates
+            self.metrics_version += 1
+            return replies
+
+    def _outer_step(self, pseudo_gradient: Tensor) -> None:
+        self.params.grad = pseudo_gradient.to(self.params.dtype)
+        self.optimizer.step()
+        self.params.grad = None
+        self.outer_updates += 1
+
+    def _allocate(self, worker: int, n_waiting: int) -> int:
+        stats = self.workers[worker]
+        if self.stop_requested:
+            steps = 0
+        elif self.mode == "sync":
+            steps = self.policy.local_steps
+            if self.budget is not None:
+                steps = min(steps, (self.budget - self.steps_done) // n_waiting)
+        else:
+            steps = self.policy.next_local_steps(worker)
+            if self.budget is not None:
+                in_flight = sum(s.in_flight for w, s in self.workers.items() if w != worker)
+                steps = min(steps, self.budget - self.steps_done - in_flight)
+        stats.in_flight = max(steps, 0)
+        if steps > 0:
+            stats.local_steps = steps
+        return stats.in_flight
+
+    def metrics(self) -> dict[str, float]:
+        """The logged metrics (keys fixed by the project; see docs/async.md)."""
+        with self.lock:
+            out: dict[str, float] = {"async/outer_updates": float(self.outer_updates)}
+            for w, s in sorted(self.workers.items()):
+                for name in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s", "rounds"):
+                    out[f"async/worker{w}/{name}"] = float(getattr(s, name))
+            return out
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "params": self.params.detach().clone(),
+                "optimizer": self.optimizer.state_dict(),
+                "policy": self.policy.state_dict(),
+                "mode": self.mode,
+                "steps_done": self.steps_done,
+                "outer_updates": self.outer_updates,
+                "workers": {w: dict(vars(s)) for w, s in self.workers.items()},
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        with self.lock:
+            if state["params"].numel() != self.params.numel():
+                raise ValueError(
+                    f"The checkpoint's outer state holds {state['params'].numel()} parameters but the model has"
+                    f" {self.params.numel()}."
+                )
+            self.params.data.copy_(state["params"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.policy.load_state_dict(state["policy"])
+            self.steps_done = int(state["steps_done"])
+            self.outer_updates = int(state["outer_updates"])
+            self.workers = {int(w): _WorkerStats(**{**s, "in_flight": 0}) for w, s in state["workers"].items()}
+
+
+class _Server:
+    """Rank 0's exchange service: a receiver thread (pushes from remote workers) and a server thread (applies
+    pushes and replies). Rank 0's own worker talks to it through queues."""
+
+    def __init__(
+        self, outer: _OuterState, world_size: int, push_group: Any, reply_group: Any, grace_period: float, timeout: float
+    ) -> None:
+        self.outer = outer
+        self.world_size = world_size
+        self.push_group, self.reply_group = push_group, reply_group
+        self.grace_period, self.timeout = grace_period, timeout
+        self.inbox: queue.Queue[_Push] = queue.Queue()
+        self.local_replies: queue.Queue[tuple[int, Tensor | None]] = queue.Queue()
+        self.error: BaseException | None = None
+        self._threads = [
+            threading.Thread(target=self._guard, args=(self._receive,), name="async-local-sgd-receiver", daemon=True),
+            threading.Thread(target=self._guard, args=(self._serve,), name="async-local-sgd-server", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join(self.timeout)
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("The asynchronous Local-SGD server on rank 0 failed.") from self.error
+
+    def _guard(self, target: Any) -> None:
+        try:
+            target()
+        except BaseException as err:  # reported to the training thread
+            self.error = err
+            self.local_replies.put((0, None))
+
+    def _receive(self) -> None:
+        remaining = self.world_size - 1
+        numel = self.outer.params.numel()
+        while remaining:
+            header = torch.empty(_WORKER_HEADER, dtype=torch.float64)
+            src = dist.recv(header, src=None, group=self.push_group)
+            kind, steps, compute_s, wait_s = header.tolist()
+            payload = None
+            if steps > 0:
+                payload = torch.empty(numel, dtype=torch.float32)
+                dist.recv(payload, src=src, group=self.push_group)
+            remaining -= kind == _BYE
+            self.inbox.put(_Push(src, kind, int(steps), compute_s, wait_s, payload))
+
+    def _serve(self) -> None:
+        active = set(range(self.world_size))
+        while active:
+            batch = [self.inbox.get(timeout=self.timeout)]
+            if self.outer.mode == "sync":
+                while len(batch) < len(active):
+                    batch.append(self.inbox.get(timeout=self.timeout))
+            else:
+                deadline = time.monotonic() + self.grace_period
+                while (left := deadline - time.monotonic()) > 0:
+                    try:
+                        batch.append(self.inbox.get(timeout=left))
+                    except queue.Empty:
+                        break
+            replies = self.outer.process(batch)
+            active -= {p.worker for p in batch if p.kind == _BYE}
+            for worker, steps in replies.items():
+                self._reply(worker, steps)
+
+    def _reply(self, worker: int, steps: int) -> None:
+        if worker == 0:
+            self.local_replies.put((steps, self.outer.params.detach().clone() if steps else None))
+            return
+        header = torch.tensor([steps, self.outer.outer_updates], dtype=torch.float64)
+        dist.send(header, dst=worker, group=self.reply_group)
+        if steps:
+            dist.send(self.outer.params.detach(), dst=worker, group=self.reply_group)
+
+
+class AsyncLocalSGDStrategy(DDPStrategy):
+    """Asynchronous Local-SGD for devices of unequal speed, and synchronous DiLoCo (``mode="sync"``).
+
+    The model is never wrapped in DDP and gradients are never all-reduced: each worker runs the user's
+    optimizer and schedulers locally for a round of local steps, then exchanges its pseudo-gradient with the
+    outer optimizer on rank 0. ``Trainer(max_steps=S)`` is a sample budget: inner steps summed over all
+    workers equal ``world_size * S`` (fast workers do more of them).
+
+    Args:
+        local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
+        mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
+        outer_lr: outer learning rate (DiLoCo's published value 0.7).
+        outer_momentum: outer Nesterov momentum in [0, 1) (0.9).
+        delayed_nesterov: async only; Delayed Nesterov (True) or plain Nesterov SGD (False).
+        buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
+        momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
+        dynamic_local_steps: async only; give slower workers proportionally fewer local steps.
+        min_local_steps: lower bound of a worker's round length (1).
+        grace_period: async only; pushes arriving within this many seconds are applied together and those
+            workers restart from the same parameters (0).
+        speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
+            ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
+            longest round.
+    """
+
+    strategy_name = "async_local_sgd"
+    _training_phase = False
+
+    def __init__(
+        self,
+        local_steps: int = 50,
+        mode: Mode = "async",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        delayed_nesterov: bool = True,
+        buffer_size: int | None = None,
+        momentum_activation: float = 0.0,
+        dynamic_local_steps: bool = True,
+        min_local_steps: int = 1,
+        grace_period: float = 0.0,
+        speed_smoothing: float = 0.5,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
+        validate_local_steps(local_steps, min_local_steps)
+        validate_outer_hyperparameters(outer_lr, outer_momentum, 1 if buffer_size is None else buffer_size, momentum_activation)
+        if not grace_period >= 0:
+            raise ValueError(f"`grace_period` must be >= 0 seconds, got {grace_period!r}.")
+        if "ddp_comm_hook" in kwargs or "model_averaging_period" in kwargs:
+            raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: the model is not wrapped in DDP.")
+        super().__init__(**kwargs)
+        self.local_steps = local_steps
+        self.mode: Mode = mode
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.delayed_nesterov = delayed_nesterov
+        self.buffer_size = buffer_size
+        self.momentum_activation = momentum_activation
+        self.dynamic_local_steps = dynamic_local_steps
+        self.min_local_steps = min_local_steps
+        self.grace_period = grace_period
+        self.speed_smoothing = speed_smoothing
+        LocalStepsPolicy(local_steps, min_local_steps, dynamic_local_steps, speed_smoothing)  # validates smoothing
+        self._resume_state: dict[str, Any] | None = None
+        self._groups: tuple[Any, Any] | None = None
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._training_phase = False
+        self._server: _Server | None = None
+        self._outer: _OuterState | None = None
+        self._inner_states: dict[int, Any] | None = None
+        self._budget: int | None = None
+        self._saved_limits: tuple[Any, Any] | None = None
+        self._stopped_by_server = False
+        #: This worker's own history: one entry per round, ``(local_steps_assigned, outer_updates_seen)``.
+        self.rounds: list[tuple[int, int]] = []
+        self.inner_steps = 0
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def _expected_world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    def _configure_launcher(self) -> None:
+        if self._expected_world_size < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs at least 2 processes (got devices={self.num_processes},"
+                f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
+            )
+        n = self.buffer_size or self._expected_world_size
+        validate_outer_hyperparameters(self.outer_lr, self.outer_momentum, n, self.momentum_activation)
+        super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        timeout = self._timeout or timedelta(minutes=30)
+        # Two gloo groups: one carries pushes to rank 0, one carries replies, so that rank 0's receiver and
+        # server threads never share a group.
+        self._groups = (dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout))
+
+    def configure_ddp(self) -> None:
+        """No DDP wrapper (no gradient all-reduce); start every worker from rank 0's parameters and buffers."""
+        assert self.model is not None
+        _sync_module_states(self.model)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._reset_run_state()
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
+        # Budget semantics: inner steps summed over workers = world_size * max_steps. The loop itself must
+        # not stop a fast worker at max_steps, so the strategy stops it (trainer.should_stop) instead.
+        self._workers = self.world_size
+        max_steps = trainer.fit_loop.max_steps
+        self._budget = self._workers * max_steps if max_steps >= 0 else None
+        self._saved_limits = (max_steps, trainer.limit_val_batches)
+        trainer.fit_loop.epoch_loop.max_steps = -1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Training data is sharded as in DDP; during ``fit``, validation data is not (rank 0 validates)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.stage != RunningStage.TRAINING:
+            return {"num_replicas": 1, "rank": 0}
+        return super().distributed_sampler_kwargs
+
+    # ------------------------------------------------------------------ flat host buffers
+    def _params(self) -> list[Tensor]:
+        return list(self.lightning_module.parameters())
+
+    def _host_buffer(self, numel: int) -> Tensor:
+        return torch.zeros(numel, dtype=torch.float32, pin_memory=self.root_device.type == "cuda")
+
+    def _sync_stream(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.current_stream(self.root_device).synchronize()
+
+    @torch.no_grad()
+    def _read_params(self, out: Tensor) -> Tensor:
+        offset = 0
+        for p in self._params():
+            out[offset : offset + p.numel()].copy_(p.reshape(-1), non_blocking=True)
+            offset += p.numel()
+        self._sync_stream()
+        return out
+
+    @torch.no_grad()
+    def _write_params(self, flat: Tensor) -> None:
+        offset = 0
+        for p in self._params():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p), non_blocking=True)
+            offset += p.numel()
+        self._sync_stream()
+
+    # ------------------------------------------------------------------ training phase
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        numel = sum(p.numel() for p in self._params())
+        self._pulled = self._host_buffer(numel)
+        self._local = self._host_buffer(numel)
+        if self.is_global_zero:
+            self._start_server(numel)
+        else:
+            trainer.limit_val_batches = 0  # only rank 0 validates, with the global model
+        self._training_phase = True
+        self._round_steps = 0
+        self._steps_in_round = 0
+        self._wait_s = 0.0
+        self._round_start = time.perf_counter()
+        self._exchange(_HELLO)
+
+    def _start_server(self, numel: int) -> None:
+        params = self._host_buffer(numel)
+        self._read_params(params)
+        params.requires_grad_(False)
+        if self.mode == "async" and self.delayed_nesterov:
+            n = self.buffer_size or self._workers
+            optimizer: Optimizer = DelayedNesterov(
+                [params], lr=self.outer_lr, momentum=self.outer_momentum, buffer_size=n,
+                momentum_activation=self.momentum_activation,
+            )
+        else:
+            optimizer = SGD([params], lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+        dynamic = self.dynamic_local_steps and self.mode == "async"
+        policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, dynamic, self.speed_smoothing)
+        self._outer = _OuterState(params, optimizer, policy, self.mode, self._budget)
+        if self._resume_state is not None:
+            self._outer.load_state_dict(self._resume_state)
+            self._resume_state = None
+        assert self._groups is not None
+        timeout = (self._timeout or timedelta(minutes=30)).total_seconds()
+        self._server = _Server(self._outer, self._workers, *self._groups, self.grace_period, timeout)
+        self._server.start()
+        self._logged_version = -1
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._training_phase:
+            self._steps_in_round += 1
+            self.inner_steps += 1
+            if self._steps_in_round >= self._round_steps:
+                self._exchange(_PUSH)
+            self._log_outer_metrics()
+        return output
+
+    def _exchange(self, kind: float) -> None:
+        """Push this round's pseudo-gradient (if any steps were taken) and, unless leaving, pull the new
+        global parameters and the next round's length."""
+        compute_s = time.perf_counter() - self._round_start
+        steps = self._steps_in_round
+        payload = None
+        if steps > 0:
+            payload = torch.sub(self._pulled, self._read_params(self._local), out=self._local)
+        header = [kind, float(steps), compute_s, self._wait_s]
+        start = time.perf_counter()
+        if self.is_global_zero:
+            assert self._server is not None
+            self._server.raise_error()
+            self._server.inbox.put(_Push(0, kind, steps, compute_s, self._wait_s, payload.clone() if payload is not None else None))
+            if kind == _BYE:
+                return
+            next_steps, params = self._server.local_replies.get(timeout=self._server.timeout)
+            self._server.raise_error()
+            outer_updates = self._outer.outer_updates if self._outer is not None else 0
+        else:
+            push_group, reply_group = self._groups  # type: ignore[misc]
+            dist.send(torch.tensor(header, dtype=torch.float64), dst=0, group=push_group)
+            if payload is not None:
+                dist.send(payload, dst=0, group=push_group)
+            if kind == _BYE:
+                return
+            reply = torch.empty(_SERVER_HEADER, dtype=torch.float64)
+            dist.recv(reply, src=0, group=reply_group)
+            next_steps, outer_updates = int(reply[0]), int(reply[1])
+            params = None
+            if next_steps:
+                params = self._pulled
+                dist.recv(params, src=0, group=reply_group)
+        self._wait_s = time.perf_counter() - start
+        self._steps_in_round = 0
+        self._round_steps = int(next_steps)
+        self.rounds.append((self._round_steps, int(outer_updates)))
+        if next_steps == 0:
+            self._stopped_by_server = True
+            self.lightning_module.trainer.should_stop = True
+            # the loop would otherwise run one more batch before it checks should_stop
+            self._round_steps = math.inf  # type: ignore[assignment]
+        else:
+            assert params is not None
+            if params is not self._pulled:
+                self._pulled.copy_(params)
+            self._write_params(self._pulled)
+        self._round_start = time.perf_counter()
+
+    def worker_stats(self) -> dict[int, dict[str, float]]:
+        """Per-worker progress as the outer optimizer saw it (rank 0 only; empty elsewhere): inner ``steps``,
+        completed ``rounds``, ``local_steps`` of the next round, ``steps_per_s``, ``staleness``."""
+        if self._outer is None:
+            return {}
+        with self._outer.lock:
+            keys = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s")
+            return {w: {k: getattr(s, k) for k in keys} for w, s in sorted(self._outer.workers.items())}
+
+    def _log_outer_metrics(self) -> None:
+        if not self.is_global_zero or self._outer is None or self._outer.metrics_version == self._logged_version:
+            return
+        self._logged_version = self._outer.metrics_version
+        trainer = self.lightning_module.trainer
+        metrics = self._outer.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_train_end(self) -> None:
+        """Leave the exchange (pushing any unfinished round), then give every rank the global model."""
+        trainer = self.lightning_module.trainer
+        if self._training_phase:
+            if self.is_global_zero and trainer.should_stop and not self._stopped_by_server:
+                assert self._outer is not None
+                with self._outer.lock:
+                    self._outer.stop_requested = True  # e.g. EarlyStopping on rank 0: stop every worker
+            self._exchange(_BYE)
+            if self._server is not None:
+                self._server.join()
+                self._log_outer_metrics()
+                self._write_params(self._outer.params)  # type: ignore[union-attr]
+            self._training_phase = False
+            _sync_module_states(self.lightning_module)
+            max_steps, limit_val_batches = self._saved_limits  # type: ignore[misc]
+            trainer.fit_loop.epoch_loop.max_steps = max_steps
+            trainer.limit_val_batches = limit_val_batches
+            self._gather_inner_states()
+        super().on_train_end()
+
+    def _gather_inner_states(self) -> None:
+        states: list[Any] = [None] * self._workers
+        local = move_data_to_device(self.optimizers[0].state_dict(), torch.device("cpu"))
+        dist.all_gather_object(states, local, group=self._groups[0])  # type: ignore[index]
+        self._inner_states = dict(enumerate(states))
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._training_phase = False
+        super().on_exception(exception)
+
+    # ------------------------------------------------------------------ global model for validation / checkpoints
+    @contextmanager
+    def _global_params(self) -> Iterator[None]:
+        """On rank 0 during training: temporarily swap in the current global parameters."""
+        if not (self._training_phase and self._outer is not None):
+            yield
+            return
+        saved = self._read_params(self._host_buffer(self._local.numel()))
+        with self._outer.lock:
+            self._write_params(self._outer.params)
+        try:
+            yield
+        finally:
+            self._write_params(saved)
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._training_phase and self._outer is not None:
+            self._validation_ctx = self._global_params()
+            self._validation_ctx.__enter__()
+
+    def on_validation_end(self) -> None:
+        ctx = getattr(self, "_validation_ctx", None)
+        if ctx is not None:
+            self._validation_ctx = None
+            ctx.__exit__(None, None, None)
+        super().on_validation_end()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._global_params():
+            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.is_global_zero and self._outer is not None:
+            state = self._outer.state_dict()
+            state["inner_optimizer_states"] = self._inner_states or {
+                0: self.optimizers[0].state_dict()
+            }
+            checkpoint = {**checkpoint, _CHECKPOINT_KEY: state}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume_state = checkpoint.get(_CHECKPOINT_KEY)
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each worker resumes its own inner optimizer state when the checkpoint has it, else rank 0's."""
+        inner = (checkpoint.get(_CHECKPOINT_KEY) or {}).get("inner_optimizer_states") or {}
+        if self.global_rank in inner:
+            self.optimizers[0].load_state_dict(inner[self.global_rank])
+        else:
+            super().load_optimizer_state_dict(checkpoint)
+
+    # ------------------------------------------------------------------ collectives: local while workers diverge
+    @property
+    def world_size(self) -> int:
+        """1 while workers train independently, so that Lightning's loops issue no per-step collectives."""
+        return 1 if self._training_phase else super().world_size
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._training_phase:
+            super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if self._training_phase else super().broadcast(obj, src)
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        return tensor if self._training_phase else super().reduce(tensor, group, reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor if self._training_phase else super().all_gather(tensor, group, sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """During training only rank 0 decides; its stop decision reaches the workers via the exchange."""
+        if self._training_phase:
+            return bool(decision) and self.is_global_zero
+        return super().reduce_boolean_decision(decision, all)
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("async_local_sgd", "popen", "async"),
+            ("async_local_sgd_spawn", "spawn", "async"),
+            ("diloco", "popen", "sync"),
+            ("diloco_spawn", "spawn", "sync"),
+        )
+        for name, start_method, mode in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"{'Asynchronous Local-SGD' if mode == 'async' else 'DiLoCo'} with start_method '{start_method}'",
+                    mode=mode,
+                    start_method=start_method,
+                )

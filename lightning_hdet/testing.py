@@ -1,0 +1,63 @@
+"""Testing and benchmarking aids: emulate devices of unequal speed on one machine.
+
+:class:`SlowRanks` pads every training step of each rank to a target duration, so ``devices=4`` CPU
+processes behave like four devices whose step times have the given ratios. Padding to a target (rather than
+adding a fixed sleep) keeps the ratios stable even when the real compute time is noisy.
+
+Example -- the four-worker step times of the asynchronous Local-SGD paper (0.58 / 0.75 / 1.51 / 3.33 s),
+scaled down 100x::
+
+    trainer = Trainer(strategy="async_local_sgd", devices=4, callbacks=[SlowRanks.published(scale=0.01)])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+#: Seconds per step of the four heterogeneous workers in the asynchronous Local-SGD paper's toy example.
+PUBLISHED_STEP_SECONDS: tuple[float, ...] = (0.58, 0.75, 1.51, 3.33)
+
+
+class SlowRanks(Callback):
+    """Pad each training step of a rank to ``factors.get(rank, 1) * base_seconds`` seconds.
+
+    Args:
+        factors: slow-down factor per global rank (ranks not listed use factor 1).
+        base_seconds: step duration of a factor-1 rank; each factor-1 rank is padded to it too, so that
+            all ranks' step times have exactly the given ratios.
+    """
+
+    def __init__(self, factors: Mapping[int, float], base_seconds: float = 0.01) -> None:
+        if base_seconds <= 0:
+            raise ValueError(f"`base_seconds` must be > 0, got {base_seconds!r}.")
+        for rank, factor in factors.items():
+            if factor < 1:
+                raise ValueError(f"slow-down factor for rank {rank} must be >= 1, got {factor!r}.")
+        self.factors = dict(factors)
+        self.base_seconds = base_seconds
+        self._start = 0.0
+
+    @classmethod
+    def published(cls, scale: float = 0.01) -> SlowRanks:
+        """The paper's 0.58 / 0.75 / 1.51 / 3.33 s step times (ranks 0-3) multiplied by ``scale``."""
+        fastest = PUBLISHED_STEP_SECONDS[0]
+        return cls({r: s / fastest for r, s in enumerate(PUBLISHED_STEP_SECONDS)}, base_seconds=fastest * scale)
+
+    def step_seconds(self, rank: int) -> float:
+        """The target duration of one training step on ``rank``."""
+        return self.factors.get(rank, 1.0) * self.base_seconds
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        remaining = self.step_seconds(trainer.global_rank) - (time.perf_counter() - self._start)
+        if remaining > 0:
+            time.sleep(remaining)

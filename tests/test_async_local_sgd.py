@@ -1,0 +1,279 @@
+"""Multi-process CPU tests of AsyncLocalSGDStrategy (gloo, fork start method to keep them fast)."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_hdet  # noqa: F401  (registers the strategies)
+from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+
+BASE_SECONDS = 0.05  # a factor-1 step; the slow rank takes 4x
+
+
+class Dump(Callback):
+    """Each rank writes what it did to ``rank{r}.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module):
+        s = trainer.strategy
+        outer = s._outer.state_dict() if getattr(s, "_outer", None) is not None else None
+        torch.save(
+            {
+                "rounds": getattr(s, "rounds", None),
+                "inner_steps": getattr(s, "inner_steps", None),
+                "params": torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]),
+                "outer": outer,
+                "val_losses": getattr(pl_module, "val_losses", []),
+                "val_samples": getattr(pl_module, "val_samples", []),
+            },
+            self.out / f"rank{trainer.global_rank}.pt",
+        )
+
+
+class Regression(LightningModule):
+    """A real small task: linear regression, Adam inner optimizer, validation loss logged with sync_dist."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+        g = torch.Generator().manual_seed(123)
+        w = torch.randn(8, 1, generator=g)
+        x = torch.randn(320, 8, generator=g)
+        self.data = TensorDataset(x, x @ w + 0.01 * torch.randn(320, 1, generator=g))
+        self.val_losses: list[float] = []
+        self.val_samples: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_validation_epoch_start(self):
+        self._seen = 0
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self._seen += len(x)
+        self.log("val_loss", nn.functional.mse_loss(self.layer(x), y), sync_dist=True)
+
+    def on_validation_end(self):
+        if not self.trainer.sanity_checking:
+            self.val_samples.append(self._seen)
+            self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(torch.utils.data.Subset(self.data, range(256)), batch_size=8, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(torch.utils.data.Subset(self.data, range(256, 320)), batch_size=16)
+
+
+def _fit(tmp_path, model, strategy, devices=4, callbacks=(), ckpt_path=None, **kwargs):
+    out = tmp_path / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in callbacks))
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        default_root_dir=tmp_path,
+        logger=CSVLogger(tmp_path, name="logs"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, Dump(out)],
+        **kwargs,
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def _rows(tmp_path):
+    path = next((tmp_path / "logs").glob("version_*/metrics.csv"))
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def _assert_same_params(ranks):
+    for r in ranks[1:]:
+        torch.testing.assert_close(r["params"], ranks[0]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(180)
+def test_async_heterogeneous_dynamic_local_steps(tmp_path):
+    seed_everything(0)
+    strategy = AsyncLocalSGDStrategy(local_steps=8, start_method="fork")
+    ranks = _fit(tmp_path, BoringModel(), strategy, max_steps=40, callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS)],
+                 limit_val_batches=0, num_sanity_val_steps=0)
+    outer = ranks[0]["outer"]
+    # budget: inner steps summed over workers = world size x max_steps
+    assert sum(r["inner_steps"] for r in ranks) == outer["steps_done"] == 4 * 40
+    # fast workers do more of the budget than the slow one
+    assert min(r["inner_steps"] for r in ranks[:3]) > 2 * ranks[3]["inner_steps"]
+    # the slow rank's round length converges to about 1/4 of the fastest rank's
+    last = {w: [n for n, _ in ranks[w]["rounds"] if n > 0][-1] for w in range(4)}
+    assert 0.1 <= last[3] / max(last[w] for w in range(3)) <= 0.45
+    # asynchrony: when the slow worker completes its first round, every fast worker has completed several
+    rows = [row for row in _rows(tmp_path) if row.get("async/worker3/rounds", 0) >= 1]
+    assert all(rows[0][f"async/worker{w}/rounds"] >= 2 for w in range(3))
+    # metrics: staleness of the slow worker reflects the fast workers' pushes in between
+    assert rows[0]["async/worker3/staleness"] >= 3
+    final = _rows(tmp_path)[-1]
+    assert final["async/outer_updates"] == outer["outer_updates"] == sum(len(r["rounds"]) - 1 for r in ranks)
+    for key in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s"):
+        assert f"async/worker3/{key}" in final
+    _assert_same_params(ranks)
+    torch.testing.assert_close(ranks[0]["params"], outer["params"])
+
+
+@pytest.mark.timeout(180)
+def test_sync_h1_matches_ddp(tmp_path):
+    seed_everything(0)
+    ddp = _fit(tmp_path / "ddp", BoringModel(), "ddp_fork", max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
+    seed_everything(0)
+    strategy = AsyncLocalSGDStrategy(local_steps=1, mode="sync", outer_lr=1.0, outer_momentum=0.0, start_method="fork")
+    sync = _fit(tmp_path / "sync", BoringModel(), strategy, max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
+    assert [n for n, _ in sync[0]["rounds"]] == [1] * 6 + [0]
+    assert sync[0]["outer"]["outer_updates"] == 6
+    _assert_same_params(sync)
+    torch.testing.assert_close(sync[0]["params"], ddp[0]["params"], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(sync[0]["params"], ddp[0]["params"] * 0)  # trained something
+
+
+@pytest.mark.timeout(240)
+def test_callbacks_with_slow_worker_then_resume(tmp_path):
+    """ModelCheckpoint(every_n_train_steps), val_check_interval with sync_dist metrics and EarlyStopping, one
+    worker slowed 4x: no hang, checkpoints hold the global model and the outer state, resume continues."""
+    seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1, save_last=True)
+    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer_lr=0.5)
+    first = _fit(tmp_path / "a", Regression(), strategy, max_steps=20, val_check_interval=5,
+                 callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), ckpt])
+    outer = first[0]["outer"]
+    assert outer["steps_done"] == 80
+    _assert_same_params(first)
+    # rank 0 validated the global model on the whole validation set; the loss went down
+    assert set(first[0]["val_samples"]) == {64}
+    assert first[0]["val_losses"][-1] < 0.5 * first[0]["val_losses"][0]
+    # checkpoints: global model + outer state, loadable in plain Lightning
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    state = saved["async_local_sgd"]
+    flat = torch.cat([saved["state_dict"][k].reshape(-1) for k in ("layer.weight", "layer.bias")])
+    assert state["outer_updates"] > 0 and "optimizer" in state and "policy" in state
+    assert 0 in state["inner_optimizer_states"]
+    assert Regression.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt").layer.weight.shape == (1, 8)
+    mid = sorted((tmp_path / "ckpt").glob("epoch*.ckpt"))
+    assert mid
+    for path in mid:  # every checkpoint's weights are the outer optimizer's global parameters at that time
+        c = torch.load(path, weights_only=False)
+        torch.testing.assert_close(
+            torch.cat([c["state_dict"][k].reshape(-1) for k in ("layer.weight", "layer.bias")]),
+            c["async_local_sgd"]["params"],
+        )
+    # resume: the budget is the whole run's (world size x max_steps), counters continue
+    seed_everything(0)
+    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer_lr=0.5)
+    early = EarlyStopping(monitor="val_loss", stopping_threshold=1e9, check_on_train_epoch_end=False)
+    second = _fit(tmp_path / "b", Regression(), strategy, max_steps=400, val_check_interval=5,
+                  ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), early])
+    resumed = second[0]["outer"]
+    assert resumed["outer_updates"] > state["outer_updates"]
+    # EarlyStopping on rank 0 stopped every worker long before the budget of 1600 steps
+    assert state["steps_done"] < resumed["steps_done"] < 400
+    assert all(r["rounds"][-1][0] == 0 for r in second[1:])
+    _assert_same_params(second)
+    flat_end = second[0]["params"]
+    assert not torch.equal(flat, flat_end)
+
+
+def test_registered_names():
+    for name, mode in (("async_local_sgd", "async"), ("async_local_sgd_spawn", "async"), ("diloco", "sync"),
+                       ("diloco_spawn", "sync")):
+        trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+        assert isinstance(trainer.strategy, AsyncLocalSGDStrategy)
+        assert trainer.strategy.mode == mode
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    AsyncLocalSGDStrategy.register_strategies(StrategyRegistry)  # idempotent, never clobbers
+    assert StrategyRegistry["ddp"]["strategy"].__name__ == "DDPStrategy"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(mode="fast"), "mode"),
+        (dict(local_steps=0), "local_steps"),
+        (dict(local_steps=-3), "local_steps"),
+        (dict(outer_lr=0), "outer_lr"),
+        (dict(outer_momentum=1.0), "outer_momentum"),
+        (dict(buffer_size=0), "buffer_size"),
+        (dict(buffer_size=2, momentum_activation=0.6), "momentum_activation"),
+        (dict(min_local_steps=0), "min_local_steps"),
+        (dict(grace_period=-1), "grace_period"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AsyncLocalSGDStrategy(**kwargs)
+
+
+def test_bad_world_checked_before_process_groups():
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        Trainer(strategy=AsyncLocalSGDStrategy(), accelerator="cpu", devices=1, logger=False)
+    # c must be <= 1/N with the default N = number of workers (4)
+    with pytest.raises(ValueError, match="momentum_activation"):
+        Trainer(strategy=AsyncLocalSGDStrategy(momentum_activation=0.3), accelerator="cpu", devices=4, logger=False)
+
+
+def _outer(mode="async", budget=None, local_steps=4):
+    from lightning_hdet.async_local_sgd import _OuterState
+    from lightning_hdet.local_steps import LocalStepsPolicy
+
+    params = torch.zeros(3)
+    opt = torch.optim.SGD([params], lr=1.0)
+    return _OuterState(params, opt, LocalStepsPolicy(local_steps), mode, budget)
+
+
+def _push(worker, steps, g=None, kind=1.0, seconds=1.0):
+    from lightning_hdet.async_local_sgd import _Push
+
+    return _Push(worker, kind, steps, seconds, 0.0, None if g is None else torch.full((3,), float(g)))
+
+
+def test_outer_state_budget_is_exact_and_shared_by_speed():
+    outer = _outer(budget=10)
+    assert outer.process([_push(0, 0), _push(1, 0)]) == {0: 4, 1: 4}  # hello: H each, 8 of 10 reserved
+    assert outer.process([_push(0, 4, 1.0, seconds=1.0)]) == {0: 2}  # only 2 left after worker 1's 4 in flight
+    assert outer.process([_push(1, 4, 1.0, seconds=4.0)]) == {1: 0}  # budget spent: stop
+    assert outer.process([_push(0, 2, 1.0, seconds=0.5)]) == {0: 0}
+    assert outer.steps_done == 10 and outer.outer_updates == 3
+    torch.testing.assert_close(outer.params, torch.full((3,), -3.0))
+    assert outer.workers[1].staleness == 1  # worker 0's push landed between worker 1's pull and push
+
+
+def test_outer_state_sync_applies_the_mean_once():
+    outer = _outer(mode="sync", budget=100)
+    outer.process([_push(0, 0), _push(1, 0)])
+    assert outer.process([_push(0, 4, 1.0), _push(1, 4, 3.0)]) == {0: 4, 1: 4}
+    assert outer.outer_updates == 1
+    torch.testing.assert_close(outer.params, torch.full((3,), -2.0))
+
+
+def test_outer_state_stop_request_and_bye():
+    outer = _outer()
+    outer.process([_push(0, 0), _push(1, 0)])
+    outer.stop_requested = True
+    assert outer.process([_push(0, 4, 1.0, kind=2.0), _push(1, 4, 1.0)]) == {1: 0}  # a leaving worker gets no reply

@@ -1,0 +1,98 @@
+import io
+
+import pytest
+import torch
+
+from lightning_hdet.delayed_nesterov import DelayedNesterov
+
+
+def _push(opt: DelayedNesterov, p: torch.Tensor, g: torch.Tensor) -> None:
+    p.grad = g.clone()
+    opt.step()
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_n_pushes_equal_one_sgd_nesterov_step(n):
+    torch.manual_seed(0)
+    theta0 = torch.randn(7)
+    grads = [torch.randn(7) for _ in range(3)]
+    p_dn, p_sgd = theta0.clone(), theta0.clone()
+    dn = DelayedNesterov([p_dn], lr=0.7, momentum=0.9, buffer_size=n)
+    sgd = torch.optim.SGD([p_sgd], lr=0.7, momentum=0.9, nesterov=True)
+    for g in grads:  # several momentum updates, so momentum carries over
+        for _ in range(n):
+            _push(dn, p_dn, g)
+        p_sgd.grad = g.clone()
+        sgd.step()
+        torch.testing.assert_close(p_dn, p_sgd)
+
+
+def test_intermediate_push_moves_by_lr_g_over_n():
+    p = torch.zeros(5)
+    dn = DelayedNesterov([p], lr=0.5, momentum=0.9, buffer_size=4)
+    g = torch.arange(5.0)
+    # first a full buffer so that the momentum is non-zero; intermediate pushes must still ignore it (c = 0)
+    for _ in range(4):
+        _push(dn, p, g)
+    for _ in range(3):
+        before = p.clone()
+        _push(dn, p, g)
+        torch.testing.assert_close(p - before, -0.5 * g / 4)
+
+
+def test_momentum_activation_formula():
+    lr, beta, n, c = 0.3, 0.8, 2, 0.25
+    p = torch.zeros(3)
+    dn = DelayedNesterov([p], lr=lr, momentum=beta, buffer_size=n, momentum_activation=c)
+    g1, g2, g3 = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-1.0, 0.5, 2.0]), torch.tensor([0.3, 0.3, -0.7])
+    m = torch.zeros(3)
+    expected = torch.zeros(3)
+    # push 1: intermediate, m = 0
+    _push(dn, p, g1)
+    expected -= lr * (c * beta * m + g1 / n)
+    torch.testing.assert_close(p, expected)
+    # push 2: N-th push, momentum update with the buffer mean
+    _push(dn, p, g2)
+    m = beta * m + (g1 + g2) / n
+    expected -= lr * ((1 - c * n + c) * beta * m + g2 / n)
+    torch.testing.assert_close(p, expected)
+    # push 3: intermediate, uses the current momentum
+    _push(dn, p, g3)
+    expected -= lr * (c * beta * m + g3 / n)
+    torch.testing.assert_close(p, expected)
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(1)
+    p1 = torch.randn(4)
+    p2 = p1.clone()
+    a = DelayedNesterov([p1], lr=0.7, momentum=0.9, buffer_size=3, momentum_activation=0.1)
+    for _ in range(4):  # mid-buffer: one momentum update, one pending push
+        _push(a, p1, torch.randn(4))
+    p2.copy_(p1)
+    b = DelayedNesterov([p2], lr=0.7, momentum=0.9, buffer_size=3, momentum_activation=0.1)
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    buffer.seek(0)
+    b.load_state_dict(torch.load(buffer))
+    for _ in range(5):
+        g = torch.randn(4)
+        _push(a, p1, g)
+        _push(b, p2, g)
+        torch.testing.assert_close(p1, p2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(lr=0.0), "outer_lr"),
+        (dict(lr=1.0, momentum=1.0), "outer_momentum"),
+        (dict(lr=1.0, momentum=-0.1), "outer_momentum"),
+        (dict(lr=1.0, buffer_size=0), "buffer_size"),
+        (dict(lr=1.0, buffer_size=4, momentum_activation=0.3), "momentum_activation"),
+        (dict(lr=1.0, momentum_activation=-0.1), "momentum_activation"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DelayedNesterov([torch.zeros(1)], **kwargs)
