@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+import tempfile
 from pathlib import Path
 
 from lightning.pytorch import Trainer
@@ -124,8 +125,8 @@ if __name__ == "__main__":  # regenerate the docs figures: python tests/report_s
 
     from lightning_hdet.report import write_report
 
-    out = Path(sys.argv[1])
-    logger = CSVLogger(out / "_run", name="", version="")
-    record_run([logger])
-    for path in write_report(logger.log_dir, out):
-        print(path)
+    with tempfile.TemporaryDirectory() as run_dir:
+        logger = CSVLogger(run_dir, name="", version="")
+        record_run([logger])
+        for path in write_report(logger.log_dir, Path(sys.argv[1])):
+            print(path)
