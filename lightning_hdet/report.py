@@ -100,7 +100,9 @@ def load_history(run: str | os.PathLike[str]) -> History:
     """
     path = Path(run)
     if not path.exists():
-        raise ValueError(f"run={str(run)!r} does not exist; pass a CSVLogger directory or a W&B run directory")
+        raise ValueError(
+            f"run={str(run)!r} does not exist; pass a CSVLogger directory or a W&B run directory"
+        )
     wandb_file = _find_wandb_file(path)
     if wandb_file is not None:
         return load_wandb_history(wandb_file)
@@ -188,9 +190,9 @@ def _matplotlib() -> Any:
 
 def _new_figure(width: float = 8.0, height: float = 4.5) -> Figure:
     """A pyplot-free Figure (no global state, no GUI backend)."""
+    _matplotlib()
     from matplotlib.figure import Figure
 
-    _matplotlib()
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
@@ -370,8 +372,8 @@ def plot_worker_timeline(history: History) -> Figure:
         ax.barh([y] * len(rounds), [r.compute_s for r in rounds], left=starts, height=0.6,
                 color=member_color(w), edgecolor="white", linewidth=0.5,
                 label="computing" if y == 0 else None)
-        ax.barh([y] * len(rounds), [r.wait_s for r in rounds], left=[s + r.compute_s for s, r in zip(starts, rounds)],
-                height=0.6, color="0.85", edgecolor="0.5", hatch="///", linewidth=0.5,
+        ax.barh([y] * len(rounds), [r.wait_s for r in rounds],
+                left=[s + r.compute_s for s, r in zip(starts, rounds)], height=0.6, color="0.85", edgecolor="0.5", hatch="///", linewidth=0.5,
                 label="waiting" if y == 0 else None)
     ax.set_yticks(range(len(workers)), [f"worker {w}" for w in workers])
     ax.invert_yaxis()
@@ -411,12 +413,13 @@ def plot_staleness(history: History) -> Figure:
 def make_figures(history: History) -> dict[str, Figure]:
     """Every figure the history has data for, keyed by a name from :data:`FIGURE_NAMES`."""
     keys = history.keys
+    worker_fields = {m.group(2) for k in keys if (m := WORKER_KEY.match(k))}
     builders = {
         "hdet_loss": (plot_group_losses, any(GROUP_LOSS.match(k) for k in keys)),
         "hdet_lr": (plot_group_lrs, any(GROUP_LR.match(k) for k in keys)),
         "hdet_vote_weights": (plot_vote_weights, any(VOTE_WEIGHT.match(k) for k in keys)),
-        "async_timeline": (plot_worker_timeline, any(k.endswith("/compute_s") and WORKER_KEY.match(k) for k in keys)),
-        "async_staleness": (plot_staleness, any(k.endswith("/staleness") and WORKER_KEY.match(k) for k in keys)),
+        "async_timeline": (plot_worker_timeline, "compute_s" in worker_fields),
+        "async_staleness": (plot_staleness, "staleness" in worker_fields),
     }
     return {name: build(history) for name, (build, present) in builders.items() if present}
 
@@ -485,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="lightning-hdet-report",
         description="Plot an HDET / async run from its CSVLogger directory or W&B (offline) run directory.",
     )
-    parser.add_argument("run", help="CSVLogger log dir or metrics.csv; wandb/offline-run-* dir or run-*.wandb")
+    parser.add_argument("run", help="CSVLogger log dir or its metrics.csv; W&B run dir or its run-*.wandb")
     parser.add_argument("--out", default=None, help="output directory (default: <run>/report)")
     args = parser.parse_args(argv)
     try:

@@ -54,7 +54,9 @@ def flatten_config(prefix: str, config: Mapping[str, Any]) -> dict[str, Any]:
     """``{"vote": {"sigma": 0.1}}`` under ``"hdet"`` → ``{"hdet/vote/sigma": 0.1}``; values made
     loggable (enums by value, sequences as lists, other objects as ``str``)."""
     if not prefix or prefix.strip("/") != prefix:
-        raise ValueError(f"prefix={prefix!r} must be a non-empty name without leading/trailing '/', e.g. 'hdet'")
+        raise ValueError(
+            f"prefix={prefix!r} must be a non-empty name without leading/trailing '/', e.g. 'hdet'"
+        )
     flat: dict[str, Any] = {}
     for key, value in config.items():
         name = f"{prefix}/{key}"
@@ -65,7 +67,9 @@ def flatten_config(prefix: str, config: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def record_config(trainer: Trainer | Logger | Iterable[Logger], prefix: str, config: Mapping[str, Any]) -> dict[str, Any]:
+def record_config(
+    trainer: Trainer | Logger | Iterable[Logger], prefix: str, config: Mapping[str, Any]
+) -> dict[str, Any]:
     """Record ``config`` under ``<prefix>/...`` in every logger's hyperparameters / run config.
 
     Goes through ``Logger.log_hyperparams`` so it works for ``WandbLogger`` (run config),
@@ -138,7 +142,8 @@ def finish_worker_run(trainer: Trainer) -> bool:
     finished = False
     for logger in trainer.loggers:
         run = getattr(logger, "_experiment", None) if isinstance(logger, WandbLogger) else None
-        if run is not None and getattr(run, "_init_pid", None) == os.getpid() and not getattr(run, "_is_attached", True):
+        created_here = getattr(run, "_init_pid", None) == os.getpid()
+        if run is not None and created_here and not getattr(run, "_is_attached", True):
             run.finish()
             finished = True
     return finished

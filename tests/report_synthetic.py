@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import Logger
@@ -25,6 +26,14 @@ ROUND_EVERY = 3
 STEP_TIME = (0.058, 0.075, 0.151, 0.333)
 DIVERGING_GROUP = 3
 DIVERGES_AT_VOTE = 2
+
+
+def offline_wandb_env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """W&B offline and quiet, with its config/cache/data dirs under ``root`` (nothing in $HOME)."""
+    for var, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        mp.setenv(var, str(root / sub))
+    mp.setenv("WANDB_MODE", "offline")
+    mp.setenv("WANDB_SILENT", "true")
 
 
 def synthetic_metrics(steps: int = STEPS, seed: int = 0) -> dict[int, dict[str, float]]:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from report_synthetic import GROUPS, ROUND_EVERY, STEPS, WORKERS, record_run, synthetic_metrics
+from report_synthetic import (
+    GROUPS, ROUND_EVERY, STEPS, WORKERS, offline_wandb_env, record_run, synthetic_metrics,
+)
 
 from lightning_hdet import report
 from lightning_hdet.report import History, load_history, make_figures, votes
@@ -29,10 +31,7 @@ def recorded(tmp_path_factory):
     """One real 1-process run written by a CSVLogger and an offline WandbLogger at once."""
     root = tmp_path_factory.mktemp("run")
     with pytest.MonkeyPatch.context() as mp:
-        for var, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
-            mp.setenv(var, str(root / sub))
-        mp.setenv("WANDB_MODE", "offline")
-        mp.setenv("WANDB_SILENT", "true")
+        offline_wandb_env(mp, root)
         csv_logger = CSVLogger(root / "csv", name="", version="")
         wandb_logger = WandbLogger(offline=True, save_dir=str(root), project="report-test")
         record_run([csv_logger, wandb_logger])
@@ -128,8 +127,9 @@ def test_figures_show_groups_votes_and_workers(recorded, expected):
 def test_votes_re_emitted_by_self_log_count_once():
     """LightningModule.log(on_step=True) repeats the last vote at later steps; that is one vote."""
     history = History()
-    vote_a = {"hdet/vote/winner": 1, "hdet/vote/weight0": 0.3, "hdet/vote/weight1": 0.7, "hdet/group0/loss": 2.0}
-    vote_b = {"hdet/vote/winner": 1, "hdet/vote/weight0": 0.3, "hdet/vote/weight1": 0.7, "hdet/group0/loss": 1.5}
+    vote_a = {"hdet/vote/winner": 1, "hdet/vote/weight0": 0.3, "hdet/vote/weight1": 0.7,
+              "hdet/group0/loss": 2.0}
+    vote_b = {**vote_a, "hdet/group0/loss": 1.5}  # same winner and weights, a new vote
     for step in range(10):
         history.add(step, {"hdet/group0/lr": 1e-3, **(vote_a if step < 5 else vote_b)})
     assert votes(history) == ([0, 5], [1, 1])
@@ -154,10 +154,7 @@ def test_bad_run_paths_name_the_argument(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_log_figures_to_wandb_logs_images_only_to_wandb(recorded, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "cfg"))
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))
+    offline_wandb_env(monkeypatch, tmp_path)
     figures = make_figures(load_history(recorded["csv"]))
     csv_logger = CSVLogger(tmp_path / "csv")
     wandb_logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="figures")
@@ -165,7 +162,8 @@ def test_log_figures_to_wandb_logs_images_only_to_wandb(recorded, tmp_path, monk
     assert report.log_figures_to_wandb([csv_logger, wandb_logger], figures, step=7) == 1
     wandb_logger.experiment.finish()
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
-    images = sorted(re.sub(r"_\d+_[0-9a-f]+\.png$", "", p.name) for p in (run / "files" / "media" / "images" / "plots").glob("*.png"))
+    media = (run / "files" / "media" / "images" / "plots").glob("*.png")
+    images = sorted(re.sub(r"_\d+_[0-9a-f]+\.png$", "", p.name) for p in media)
     assert images == sorted(report.FIGURE_NAMES)
     history = load_history(run)
     assert {f"plots/{name}.count" for name in report.FIGURE_NAMES} <= history.keys

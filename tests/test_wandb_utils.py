@@ -14,6 +14,7 @@ import yaml
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from report_synthetic import offline_wandb_env
 
 from lightning_hdet.report import load_history
 from lightning_hdet.wandb_utils import (
@@ -26,22 +27,20 @@ from lightning_hdet.wandb_utils import (
     vote_table,
 )
 
-CONFIG = {"groups": 4, "vote": {"mode": "softmax", "sigma": 0.1}, "lrs": (1e-3, 5e-4, 1e-4, 5e-3), "device": object}
+CONFIG = {"groups": 4, "vote": {"mode": "softmax", "sigma": 0.1}, "lrs": (1e-3, 5e-4, 1e-4, 5e-3),
+          "device": object}
 VOTES = [(4, g, 1e-3 * (g + 1), 2.0 - 0.1 * g, 0.25, g == 3, False) for g in range(4)]
 
 
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
-    for var, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
-        monkeypatch.setenv(var, str(tmp_path / sub))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    offline_wandb_env(monkeypatch, tmp_path)
 
 
 def wandb_summary(run_dir) -> dict:
     """State, config and summary of an offline run, via W&B's own reader."""
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(run_dir)],
-                         capture_output=True, text=True, check=True, env=dict(os.environ, WANDB_MODE="offline"))
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(run_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, WANDB_MODE="offline"))
     return json.loads(out.stdout)
 
 
