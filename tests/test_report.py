@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from report_synthetic import (
+from tests.report_synthetic import (
     GROUPS, ROUND_EVERY, STEPS, WORKERS, offline_wandb_env, record_run, synthetic_metrics,
 )
 

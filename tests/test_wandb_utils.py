@@ -14,7 +14,7 @@ import yaml
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from report_synthetic import offline_wandb_env
+from tests.report_synthetic import offline_wandb_env
 
 from lightning_hdet.report import load_history
 from lightning_hdet.wandb_utils import (
