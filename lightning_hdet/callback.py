@@ -17,8 +17,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_hdet.blend import BLENDS, blend_coefficients, blend_strengths
+from lightning_hdet.report import History, log_figures_to_wandb, make_figures
 from lightning_hdet.strategy import HDETStrategy
 from lightning_hdet.vote import divergent, make_rule
+from lightning_hdet.wandb_utils import finish_worker_run, log_vote_history, record_config
 
 
 def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
@@ -115,6 +117,14 @@ class HDETCallback(Callback):
         self.rescue_lr_factor = rescue_lr_factor
         self.seed = seed
         self.rule = make_rule(vote, temperature, momentum, meta_lr, permute, shrink, min_spread)
+        self.config = {
+            "every_n_steps": every_n_steps, "vote": vote, "temperature": temperature, "momentum": momentum,
+            "meta_lr": meta_lr, "warmup_steps": warmup_steps, "permute": permute, "shrink": shrink,
+            "min_spread": min_spread, "blend": blend, "blend_strength": blend_strength, "monitor": monitor,
+            "init_noise": init_noise, "safety_net": safety_net, "divergence_factor": divergence_factor,
+            "rescue_lr_factor": rescue_lr_factor, "seed": seed,
+        }
+        self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.generator = torch.Generator().manual_seed(seed)
         self.history: list[dict[str, Any]] = []
         self.rescues = 0
@@ -144,6 +154,7 @@ class HDETCallback(Callback):
         if stage == "fit":
             # Runs before the strategy wraps the model, so the guard's DDP hook can be registered.
             strategy.guard_nonfinite = self.safety_net
+            record_config(trainer, "hdet", {**strategy.config, "callback": self.config})
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = self._strategy(trainer)
@@ -190,6 +201,8 @@ class HDETCallback(Callback):
         for p in range(1, lrs.shape[1]):
             metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(strategy.num_groups)})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+        if trainer.is_global_zero:
+            self.report.add(trainer.global_step, {**metrics, "hdet/base_lr": float(lrs[:, 0].mean())})
         pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), on_step=True, on_epoch=False, prog_bar=True)
         if self.last_winner >= 0:
             pl_module.log("hdet/leader", float(self.last_winner), on_step=True, on_epoch=False, prog_bar=True)
@@ -216,6 +229,21 @@ class HDETCallback(Callback):
             strategy.merge(self._last_coefficients, blend_strengths(1.0, rescued))
         else:
             self.vote_and_merge(trainer, pl_module, final=True)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Rank 0 logs the vote history table and the run's figures (W&B gets them as images)."""
+        if not trainer.is_global_zero or not self.history:
+            return
+        log_vote_history(trainer, self.history, step=trainer.global_step)
+        if any(type(lg).__name__ == "WandbLogger" for lg in trainer.loggers):
+            try:
+                figures = make_figures(self.report)
+            except ImportError:  # matplotlib is an optional extra
+                return
+            log_figures_to_wandb(trainer.loggers, figures, step=trainer.global_step)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        finish_worker_run(trainer)
 
     # ------------------------------------------------------------------ the vote
     def _signal(self, trainer: Trainer, strategy: HDETStrategy) -> tuple[list[float], list[bool]]:
@@ -307,6 +335,7 @@ class HDETCallback(Callback):
             metrics[f"hdet/group{g}/loss"] = losses[g]
             metrics[f"hdet/vote/weight{g}"] = weights[g]
         if trainer.is_global_zero:
+            self.report.add(step, metrics)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         if any(rescued):

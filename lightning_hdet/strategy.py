@@ -115,6 +115,17 @@ class HDETStrategy(DDPStrategy):
             if not any(isinstance(cb, HDETCallback) for cb in trainer.callbacks):
                 trainer.callbacks.append(HDETCallback())
 
+    @property
+    def config(self) -> dict[str, Any]:
+        """The HDET settings, as recorded in the logger's run config under ``hdet/...``."""
+        return {
+            "num_groups": self.num_groups,
+            "group_size": self.layout.group_size,
+            "lr_multipliers": self.lr_multipliers[:, 0].tolist(),
+            "spread": self.spread,
+            "gradient_sync": self.gradient_sync,
+        }
+
     # ------------------------------------------------------------------ layout and process groups
     def _configure_launcher(self) -> None:
         # Runs when the Trainer is built, before any process or process group exists: validate the layout here.

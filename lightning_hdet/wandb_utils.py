@@ -95,7 +95,7 @@ def _vote_row(row: VoteRow) -> list[Any]:
         if len(values) != len(VOTE_COLUMNS):
             raise ValueError(f"vote row {values!r} has {len(values)} values; expected {list(VOTE_COLUMNS)}")
     step, group, lr, loss, weight, winner, rescued = values
-    return [int(step), int(group), float(lr), float(loss), float(weight), bool(winner), bool(rescued)]
+    return [int(step), int(group), float(lr), float(loss), float(weight), int(winner), bool(rescued)]
 
 
 def vote_rows(rows: Iterable[VoteRow]) -> list[dict[str, Any]]:

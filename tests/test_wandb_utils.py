@@ -29,7 +29,7 @@ from lightning_hdet.wandb_utils import (
 
 CONFIG = {"groups": 4, "vote": {"mode": "softmax", "sigma": 0.1}, "lrs": (1e-3, 5e-4, 1e-4, 5e-3),
           "device": object}
-VOTES = [(4, g, 1e-3 * (g + 1), 2.0 - 0.1 * g, 0.25, g == 3, False) for g in range(4)]
+VOTES = [(4, g, 1e-3 * (g + 1), 2.0 - 0.1 * g, 0.25, 3, False) for g in range(4)]
 
 
 @pytest.fixture
@@ -91,10 +91,10 @@ def test_vote_table_and_plain_fallback(tmp_path):
     assert table.data[3] == [4, 3, 4e-3, pytest.approx(1.7), 0.25, True, False]
     logger = CSVLogger(tmp_path, name="", version="")
     rows = log_vote_history(logger, [dict(zip(VOTE_COLUMNS, v)) for v in VOTES])
-    assert rows == vote_rows(VOTES) and rows[0]["winner"] is False and rows[3]["winner"] is True
+    assert rows == vote_rows(VOTES) and all(r["winner"] == 3 for r in rows)
     with open(tmp_path / "vote_history.csv", newline="") as file:
         written = list(csv.DictReader(file))
-    assert [int(r["group"]) for r in written] == [0, 1, 2, 3] and written[3]["winner"] == "True"
+    assert [int(r["group"]) for r in written] == [0, 1, 2, 3] and written[3]["winner"] == "3"
     with pytest.raises(ValueError, match=r"lacks \['rescued'\]"):
         vote_rows([{c: 0 for c in VOTE_COLUMNS if c != "rescued"}])
     with pytest.raises(ValueError, match="has 3 values"):
