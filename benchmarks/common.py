@@ -56,19 +56,23 @@ class RunSpec:
 
 @dataclass
 class RunResult:
-    """What one run produced. Curves are rank 0's; ``final_val_per_rank`` has every rank's last value.
+    """What one run produced, per rank (ranks differ under HDET; under DDP only their validation shards do).
 
-    ``val_curve`` rows are ``(global_step, val_loss, seconds since the fit started)``. ``fit_s`` is rank
-    0's time inside ``fit``; ``wall_s`` adds process start-up as seen by the caller.
+    ``rank_val_curves[r]`` rows are ``(global_step, val_loss, seconds since the fit started)``;
+    ``rank_lrs[r]`` is rank r's final LR. ``fit_s`` is rank 0's time inside ``fit``; ``wall_s`` adds
+    process start-up as seen by the caller. Convenience properties read rank 0.
     """
 
     spec: RunSpec
-    val_curve: list[tuple[int, float, float]]
+    rank_val_curves: list[list[tuple[int, float, float]]]
     train_loss: list[float]
-    final_val_per_rank: list[float]
-    final_lr: float
+    rank_lrs: list[float]
     fit_s: float
     wall_s: float
+
+    @property
+    def val_curve(self) -> list[tuple[int, float, float]]:
+        return self.rank_val_curves[0]
 
     @property
     def final_val_loss(self) -> float:
@@ -81,7 +85,7 @@ class RunResult:
 
     @property
     def diverged(self) -> bool:
-        """True when any training loss or the final validation loss is not finite."""
+        """True when any of rank 0's training losses or its final validation loss is not finite."""
         return not all(map(math.isfinite, self.train_loss)) or not math.isfinite(self.final_val_loss)
 
     def to_dict(self) -> dict:
@@ -193,10 +197,9 @@ def fit_run(
     ranks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(spec.devices)]
     return RunResult(
         spec=spec,
-        val_curve=[tuple(row) for row in ranks[0]["val_curve"]],
+        rank_val_curves=[[tuple(row) for row in r["val_curve"]] for r in ranks],
         train_loss=ranks[0]["train_loss"],
-        final_val_per_rank=[r["val_curve"][-1][1] if r["val_curve"] else math.nan for r in ranks],
-        final_lr=ranks[0]["lr"],
+        rank_lrs=[r["lr"] for r in ranks],
         fit_s=ranks[0]["fit_s"],
         wall_s=wall_s,
     )

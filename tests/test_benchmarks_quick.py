@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import markdown_table, median, update_doc_section
+from benchmarks.common import RunSpec, fit_run, markdown_table, median, update_doc_section
 from benchmarks.search_baselines import (
     METHODS,
     STARTS,
@@ -58,6 +58,30 @@ def test_update_doc_section_replaces_only_its_block(tmp_path):
     assert doc.read_text() == (
         "# T\n\n<!-- BEGIN a -->\nnew a\n<!-- END a -->\n\nprose\n\n<!-- BEGIN b -->\nnew b\n<!-- END b -->\n"
     )
+
+
+TINY_RUN = dict(steps=4, val_every=2, val_batches=2, batch_size=4, block_size=16, max_chars=60_000,
+                model={"d_model": 16, "n_layers": 1, "n_heads": 2})
+
+
+def test_fit_run_resumes_from_checkpoint_at_a_new_lr(tmp_path):
+    first = fit_run(RunSpec(lr=1e-3, **TINY_RUN), tmp_path / "a", save_ckpt=tmp_path / "a.ckpt")
+    assert [s for s, _, _ in first.val_curve] == [2, 4] and len(first.train_loss) == 4
+    resumed = fit_run(RunSpec(lr=5e-3, **{**TINY_RUN, "steps": 8}), tmp_path / "b", ckpt_path=tmp_path / "a.ckpt")
+    assert [s for s, _, _ in resumed.val_curve] == [6, 8] and len(resumed.train_loss) == 4
+    assert resumed.rank_lrs == [5e-3]
+    assert not resumed.diverged and resumed.best_val_loss < first.val_curve[0][1]
+
+
+@pytest.mark.timeout(180)
+def test_fit_run_on_two_processes_records_every_rank(tmp_path):
+    run = fit_run(RunSpec(lr=1e-3, devices=2, **TINY_RUN), tmp_path)
+    assert len(run.rank_val_curves) == 2 and run.rank_lrs == [1e-3, 1e-3]
+    for curve in run.rank_val_curves:
+        assert [s for s, _, _ in curve] == [2, 4] and all(math.isfinite(v) for _, v, _ in curve)
+    # Each rank validates on its own shard and reports it unsynchronised.
+    assert run.rank_val_curves[0][-1][1] != run.rank_val_curves[1][-1][1]
+    assert run.wall_s >= run.fit_s > 0
 
 
 @pytest.mark.timeout(240)
