@@ -289,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.pbt_interval = args.pbt_interval or max(args.steps // 4, 1)
     args.val_every = args.val_every or max(args.steps // 8, 1)
     args.val_batches = args.val_batches or (2 if args.quick else 8)
+    for flag, value in (("--pbt-interval", args.pbt_interval), ("--val-every", args.val_every)):
+        if args.steps % value:
+            p.error(f"{flag}={value} must divide --steps={args.steps} so every method spends the whole budget")
     return args
 
 
