@@ -267,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=4, help="G: LRs in the grid / trials / PBT members / HDET groups")
     p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 400, quick 32)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")
-    p.add_argument("--good-lr", type=float, default=3e-3, help="the good starting LR (AdamW)")
+    p.add_argument("--good-lr", type=float, default=1e-2, help="the good starting LR (best AdamW LR at S = 400)")
     p.add_argument("--lr-spread", type=float, default=3.0, help="factor between neighbouring grid LRs")
     p.add_argument("--pbt-interval", type=int, default=None, help="PBT steps between exploits (default S/4)")
     p.add_argument("--val-every", type=int, default=None, help="steps between validations (default S/8)")
