@@ -1,0 +1,296 @@
+"""Harness for the benchmarks: run a Lightning fit of the char LM on N CPU processes, record curves,
+summarise over seeds, and write JSON results, markdown tables (into docs/benchmarks.md) and PNG plots.
+
+A run on one process trains in this process; a run on several spawns them with Lightning's
+``ddp_spawn`` machinery over ``gloo`` (or the strategy object passed in). Each rank writes its own
+record (``rank{r}.json``) so per-rank values, which differ under HDET, survive the spawn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import lightning
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+from lightning_hdet.demos import CharCorpusDataModule, CharLM, load_corpus
+from lightning_hdet.demos.corpus import DEFAULT_MAX_CHARS
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "benchmarks" / "results"
+DOCS_DIR = REPO / "docs"
+
+
+@dataclass
+class RunSpec:
+    """One training run of :class:`CharLM` on :class:`CharCorpusDataModule`.
+
+    ``steps`` is the global step to stop at (cumulative when resuming); ``devices`` the number of
+    processes; ``model`` extra ``CharLM`` arguments (``optimizer``, ``d_model``, ...).
+    """
+
+    lr: float
+    steps: int
+    seed: int = 0
+    devices: int = 1
+    batch_size: int = 16
+    block_size: int = 64
+    max_chars: int = DEFAULT_MAX_CHARS
+    val_every: int = 50
+    val_batches: int = 8
+    model: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    """What one run produced, per rank (ranks differ under HDET; under DDP only their validation shards do).
+
+    ``rank_val_curves[r]`` rows are ``(global_step, val_loss, seconds since the fit started)``;
+    ``rank_lrs[r]`` is rank r's final LR. ``fit_s`` is rank 0's time inside ``fit``; ``wall_s`` adds
+    process start-up as seen by the caller. Convenience properties read rank 0.
+    """
+
+    spec: RunSpec
+    rank_val_curves: list[list[tuple[int, float, float]]]
+    train_loss: list[float]
+    rank_lrs: list[float]
+    fit_s: float
+    wall_s: float
+
+    @property
+    def val_curve(self) -> list[tuple[int, float, float]]:
+        return self.rank_val_curves[0]
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val_curve[-1][1] if self.val_curve else math.nan
+
+    @property
+    def best_val_loss(self) -> float:
+        finite = [v for _, v, _ in self.val_curve if math.isfinite(v)]
+        return min(finite) if finite else math.inf
+
+    @property
+    def diverged(self) -> bool:
+        """True when any of rank 0's training losses or its final validation loss is not finite."""
+        return not all(map(math.isfinite, self.train_loss)) or not math.isfinite(self.final_val_loss)
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "final_val_loss": self.final_val_loss,
+            "best_val_loss": self.best_val_loss,
+            "diverged": self.diverged,
+        }
+
+
+class _SetLR(Callback):
+    """Put every param group (and any scheduler's base LR) at ``lr`` when training starts: restoring a
+    checkpoint brings back its old LR, and population-based training changes it between rounds."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = self.lr
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler.base_lrs = [self.lr] * len(config.scheduler.base_lrs)
+
+
+class _Recorder(Callback):
+    """Each rank records its training losses and validation curve and writes ``rank{r}.json``;
+    optionally saves a full checkpoint (model and optimizer) at the end of the fit."""
+
+    def __init__(self, out_dir: Path, save_ckpt: Path | None) -> None:
+        self.out_dir = out_dir
+        self.save_ckpt = save_ckpt
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.t0 = time.perf_counter()
+        self.train_loss: list[float] = []
+        self.val_curve: list[tuple[int, float, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.train_loss.append(float(loss))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            loss = float(trainer.callback_metrics["val_loss"])
+            self.val_curve.append((trainer.global_step, loss, time.perf_counter() - self.t0))
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        fit_s = time.perf_counter() - self.t0
+        if self.save_ckpt is not None:
+            trainer.save_checkpoint(self.save_ckpt)
+        record = {
+            "train_loss": self.train_loss,
+            "val_curve": self.val_curve,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "fit_s": fit_s,
+        }
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def quiet() -> None:
+    """Silence Lightning's per-run banners and warnings that would drown the benchmark tables."""
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def fit_run(
+    spec: RunSpec,
+    workdir: Path,
+    strategy: Strategy | str | None = None,
+    callbacks: Sequence[Callback] = (),
+    ckpt_path: Path | None = None,
+    save_ckpt: Path | None = None,
+) -> RunResult:
+    """Train ``spec`` and return its record. ``strategy`` defaults to ``ddp_spawn`` over ``gloo`` when
+    ``spec.devices > 1``; ``ckpt_path`` resumes (weights, optimizer, step) at ``spec.lr``;
+    ``save_ckpt`` writes a checkpoint at the end."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for stale in workdir.glob("rank*.json"):
+        stale.unlink()
+    if strategy is None:
+        strategy = (
+            DDPStrategy(start_method="spawn", process_group_backend="gloo") if spec.devices > 1 else "auto"
+        )
+    seed_everything(spec.seed, verbose=False)
+    model = CharLM(block_size=spec.block_size, lr=spec.lr, **spec.model)
+    data = CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=spec.devices,
+        strategy=strategy,
+        max_steps=spec.steps,
+        val_check_interval=spec.val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=spec.val_batches,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=workdir,
+        callbacks=[_SetLR(spec.lr), _Recorder(workdir, save_ckpt), *callbacks],
+    )
+    start = time.perf_counter()
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    wall_s = time.perf_counter() - start
+    ranks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(spec.devices)]
+    return RunResult(
+        spec=spec,
+        rank_val_curves=[[tuple(row) for row in r["val_curve"]] for r in ranks],
+        train_loss=ranks[0]["train_loss"],
+        rank_lrs=[r["lr"] for r in ranks],
+        fit_s=ranks[0]["fit_s"],
+        wall_s=wall_s,
+    )
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """Median over seeds; ``None`` (e.g. target never reached) counts as +inf, all-``None`` gives ``None``."""
+    vals = [math.inf if v is None else v for v in values]
+    if not vals:
+        return None
+    m = statistics.median(vals)
+    return None if math.isinf(m) else m
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    """Table cell: a number, ``—`` for missing, ``inf``/``nan`` spelled out."""
+    if value is None:
+        return "—"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+    }
+
+
+def write_json(name: str, payload: dict, results_dir: Path = RESULTS_DIR, max_chars: int = DEFAULT_MAX_CHARS) -> Path:
+    """Write ``results_dir/name.json`` with the machine, the command and the corpus fingerprint added."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "machine": machine(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "corpus_fingerprint": load_corpus(max_chars).fingerprint,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    path = results_dir / f"{name}.json"
+    path.write_text(json.dumps({"meta": meta, **payload}, indent=1, default=float))
+    return path
+
+
+def update_doc_section(doc: Path, name: str, markdown: str) -> None:
+    """Replace the text between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in ``doc``
+    (appending the markers at the end when absent)."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    text = doc.read_text() if doc.exists() else ""
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+
+
+def plot_panels(
+    path: Path, panels: dict[str, dict[str, tuple[Sequence[float], Sequence[float]]]], xlabel: str, ylabel: str
+) -> Path:
+    """One subplot per panel, one line per label; saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False, sharey=True)
+    for ax, (title, lines) in zip(axes[0], panels.items()):
+        for label, (xs, ys) in lines.items():
+            ax.plot(xs, ys, marker=".", label=label)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

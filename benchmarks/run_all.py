@@ -1,0 +1,26 @@
+"""Run every benchmark in turn (what ``make bench`` does); extra arguments (e.g. ``--quick``) are passed on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# Add each benchmark script here as it lands.
+SCRIPTS = ["search_baselines.py"]
+
+
+def main() -> int:
+    for script in SCRIPTS:
+        start = time.perf_counter()
+        rc = subprocess.call([sys.executable, str(HERE / script), *sys.argv[1:]])
+        print(f"{script}: exit {rc} after {time.perf_counter() - start:.0f} s", flush=True)
+        if rc:
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import RunSpec, fit_run, markdown_table, median, update_doc_section
+from benchmarks.search_baselines import (
+    METHODS,
+    STARTS,
+    _best_so_far,
+    lr_grid,
+    pbt_explore,
+    to_target,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_lr_grid_is_geometric_around_the_centre():
+    lrs = lr_grid(1e-3, 4, 3.0)
+    assert len(lrs) == 4
+    assert math.prod(lrs) == pytest.approx(1e-3**4)
+    assert [b / a for a, b in zip(lrs, lrs[1:])] == pytest.approx([3.0] * 3)
+
+
+def test_pbt_explore_perturbs_or_resamples_within_range():
+    rng = random.Random(0)
+    out = [pbt_explore(1e-3, 1e-4, 1e-2, rng) for _ in range(400)]
+    perturbed = [x for x in out if x == pytest.approx(1.2e-3) or x == pytest.approx(0.8e-3)]
+    resampled = [x for x in out if x not in perturbed]
+    assert 0.15 < len(resampled) / len(out) < 0.35
+    assert all(1e-4 <= x <= 1e-2 for x in resampled)
+
+
+def test_best_so_far_and_target():
+    curve = _best_so_far([(8, 3.0, 2.0), (4, 4.0, 1.0), (12, float("nan"), 3.0), (16, 2.5, 4.0)])
+    assert curve == [(4, 4.0, 1.0), (8, 3.0, 2.0), (12, 3.0, 3.0), (16, 2.5, 4.0)]
+    assert to_target(curve, 3.0) == (8, 2.0)
+    assert to_target(curve, 1.0) == (None, None)
+
+
+def test_median_treats_missing_as_never():
+    assert median([1.0, None, 3.0]) == 3.0
+    assert median([None, None, 1.0]) is None
+    assert median([2.0, 1.0, 4.0]) == 2.0
+
+
+def test_update_doc_section_replaces_only_its_block(tmp_path):
+    doc = tmp_path / "b.md"
+    doc.write_text("# T\n\n<!-- BEGIN a -->\nold a\n<!-- END a -->\n\nprose\n")
+    update_doc_section(doc, "a", "new a")
+    update_doc_section(doc, "b", markdown_table(["x", "y"], [["1", "2"]]))
+    update_doc_section(doc, "b", "new b")
+    assert doc.read_text() == (
+        "# T\n\n<!-- BEGIN a -->\nnew a\n<!-- END a -->\n\nprose\n\n<!-- BEGIN b -->\nnew b\n<!-- END b -->\n"
+    )
+
+
+TINY_RUN = dict(steps=4, val_every=2, val_batches=2, batch_size=4, block_size=16, max_chars=60_000,
+                model={"d_model": 16, "n_layers": 1, "n_heads": 2})
+
+
+def test_fit_run_resumes_from_checkpoint_at_a_new_lr(tmp_path):
+    first = fit_run(RunSpec(lr=1e-3, **TINY_RUN), tmp_path / "a", save_ckpt=tmp_path / "a.ckpt")
+    assert [s for s, _, _ in first.val_curve] == [2, 4] and len(first.train_loss) == 4
+    resumed = fit_run(RunSpec(lr=5e-3, **{**TINY_RUN, "steps": 8}), tmp_path / "b", ckpt_path=tmp_path / "a.ckpt")
+    assert [s for s, _, _ in resumed.val_curve] == [6, 8] and len(resumed.train_loss) == 4
+    assert resumed.rank_lrs == [5e-3]
+    assert not resumed.diverged and resumed.best_val_loss < first.val_curve[0][1]
+
+
+@pytest.mark.timeout(180)
+def test_fit_run_on_two_processes_records_every_rank(tmp_path):
+    run = fit_run(RunSpec(lr=1e-3, devices=2, **TINY_RUN), tmp_path)
+    assert len(run.rank_val_curves) == 2 and run.rank_lrs == [1e-3, 1e-3]
+    for curve in run.rank_val_curves:
+        assert [s for s, _, _ in curve] == [2, 4] and all(math.isfinite(v) for _, v, _ in curve)
+    # Each rank validates on its own shard and reports it unsynchronised.
+    assert run.rank_val_curves[0][-1][1] != run.rank_val_curves[1][-1][1]
+    assert run.wall_s >= run.fit_s > 0
+
+
+@pytest.mark.timeout(240)
+def test_search_baselines_quick_mode(tmp_path):
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick",
+           "--results-dir", str(results), "--docs-dir", str(docs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    data = json.loads((results / "search_baselines_quick.json").read_text())
+    assert {"meta", "config", "target_val_loss", "total_wall_s", "rows", "arms"} <= data.keys()
+    assert {"machine", "command", "corpus_fingerprint"} <= data["meta"].keys()
+    cfg = data["config"]
+    budget = cfg["world_size"] * cfg["steps"]
+    rows = data["rows"]
+    assert [(r["start"], r["method"]) for r in rows] == [(s, m) for s in STARTS for m in METHODS]
+    for arm in data["arms"]:
+        if arm["skipped"]:
+            assert arm["method"] == "hdet"
+            continue
+        assert math.isfinite(arm["best_val_loss"]) and arm["best_val_loss"] < math.log(256)
+        assert arm["curve"][-1][0] == budget  # equal total compute for every method
+        if arm["method"] == "grid":
+            assert arm["settled_lr"] in arm["lrs_tried"] and len(arm["lrs_tried"]) == cfg["groups"]
+        if arm["method"] == "optuna_tpe":
+            start_lr = cfg["good_lr"] * STARTS[arm["start"]]
+            assert arm["lrs_tried"][0] == pytest.approx(start_lr)
+            assert len(arm["lrs_tried"]) == cfg["groups"]
+    assert data["target_val_loss"] >= min(a["best_val_loss"] for a in data["arms"] if not a["skipped"])
+
+    text = (docs / "benchmarks.md").read_text()
+    block = text.split("<!-- BEGIN search_baselines_quick -->")[1].split("<!-- END search_baselines_quick -->")[0]
+    table = [line for line in block.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(STARTS) * len(METHODS)
+    assert all(line.count("|") == 9 for line in table)
+    assert "best val loss" in table[0] and "settled LR" in table[0]
+    assert (docs / "img" / "search_baselines_quick.png").read_bytes()[:4] == b"\x89PNG"
+    assert "grid" in proc.stdout and "pbt" in proc.stdout
