@@ -8,14 +8,17 @@
 The model is the demo byte-level LM (``--model.*``), the data the stdlib corpus (``--data.*``).
 """
 
+from __future__ import annotations
+
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_hdet  # noqa: F401  (registers strategy="hdet"; class_path works without it too)
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 
-def main() -> None:
-    LightningCLI(CharLM, CharCorpusDataModule, save_config_kwargs={"overwrite": True})
+def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
+    """``args``/``run`` as in ``LightningCLI``: the tests build the configured objects without training."""
+    return LightningCLI(CharLM, CharCorpusDataModule, args=args, run=run, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":

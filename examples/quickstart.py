@@ -80,9 +80,11 @@ def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger) -> None:
     first = [r for r in hdet.history if r["step"] == hdet.history[0]["step"]]
     last = hdet.history[-len(first):]
     winner = last[0]["winner"]
-    print(f"\nStarted with learning rates {[f'{r['lr']:.1e}' for r in first]} after the first vote;")
-    print(f"ended with {[f'{r['lr']:.1e}' for r in last]} (last winner: group {winner}); "
-          f"rescues: {hdet.rescues}; final val_loss: {float(trainer.callback_metrics.get('val_loss', float('nan'))):.4f}")
+    first_lrs = [f"{r['lr']:.1e}" for r in first]
+    last_lrs = [f"{r['lr']:.1e}" for r in last]
+    val_loss = float(trainer.callback_metrics.get("val_loss", float("nan")))
+    print(f"\nStarted with learning rates {first_lrs} after the first vote;")
+    print(f"ended with {last_lrs} (last winner: group {winner}); rescues: {hdet.rescues}; final val_loss: {val_loss:.4f}")
     csv_logger.save()
     try:
         from lightning_hdet.report import write_report
