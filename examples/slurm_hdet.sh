@@ -15,7 +15,6 @@
 
 set -euo pipefail
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-export NCCL_ASYNC_ERROR_HANDLING=1   # a lost peer raises an error instead of hanging until the timeout
 # export WANDB_MODE=offline          # compute nodes without internet: `wandb sync` the runs afterwards
 
 srun python examples/cli.py fit --config examples/configs/recipe_64gpu.yaml "$@"

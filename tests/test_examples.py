@@ -111,10 +111,18 @@ def test_64gpu_recipe_builds_four_groups_at_the_users_learning_rates() -> None:
                        "--trainer.precision=32-true", "--trainer.logger=false"], run=False)
     strategy = cli.trainer.strategy
     assert (strategy.world_size, strategy.num_groups, strategy.layout.group_size) == (64, 4, 16)
-    lrs = [cli.model.hparams.lr * m for m in strategy._initial_multipliers()]
+    lrs = [cli.model.hparams.lr * m for m in strategy.lr_multipliers[:, 0].tolist()]
     assert lrs == pytest.approx([0.001, 0.0005, 0.0001, 0.005])
     (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "HDETCallback"]
     assert (callback.every_n_steps, callback.vote) == (1000, "best")
+    # The command-line overrides shown in docs/recipes.md reach the strategy and the callback.
+    cli = load_cli_example().main(["--config", str(EXAMPLES / "configs" / "recipe_64gpu.yaml"),
+                                   "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.logger=false",
+                                   "--trainer.strategy.lr_multipliers=[1, 0.3, 0.1, 3]",
+                                   "--trainer.callbacks.every_n_steps=500"], run=False)
+    (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "HDETCallback"]
+    assert cli.trainer.strategy.lr_multipliers[:, 0].tolist() == [1.0, 0.3, 0.1, 3.0]
+    assert callback.every_n_steps == 500
     # The SLURM script asks for exactly the recipe's processes and launches it.
     script = (EXAMPLES / "slurm_hdet.sh").read_text()
     sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
