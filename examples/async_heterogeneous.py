@@ -50,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sync", action="store_true", help="synchronous DiLoCo instead of asynchronous Local-SGD")
     parser.add_argument("--max-steps", type=int, default=150, help="per-worker budget, as with 'ddp'")
-    parser.add_argument("--devices", type=int, default=4, help="CPU processes (the first ones get the fast step times)")
+    parser.add_argument("--devices", type=int, default=4, help="CPU processes (the first get the fast step times)")
     parser.add_argument("--local-steps", type=int, default=20, help="H, inner steps per round")
     args = parser.parse_args()
     seed_everything(0)

@@ -25,7 +25,9 @@ from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--strategy", choices=("hdet", "ddp"), default="hdet")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2, help="processes (one per GPU on GPUs)")
@@ -86,7 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
         enable_model_summary=False,
     )
     model = CharLM(lr=args.lr, d_model=args.d_model, n_layers=args.layers, block_size=args.block_size)
-    data = CharCorpusDataModule(block_size=args.block_size, batch_size=args.batch_size, max_chars=args.max_chars)
+    data = CharCorpusDataModule(
+        block_size=args.block_size, batch_size=args.batch_size, max_chars=args.max_chars
+    )
     trainer.fit(model, datamodule=data)
     # Every rank holds the final (for HDET: merged) model, so a plain validation measures it.
     val_loss = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
@@ -98,8 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
         out = args.out / args.strategy
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        lrs = [f"{lr:.1e}" for lr in summary.get("final_lrs", [])]
         print(f"\n{args.strategy}: {summary['steps']} steps, final model val_loss {val_loss:.4f}"
-              + (f", group LRs {[f'{lr:.1e}' for lr in summary['final_lrs']]}" if args.strategy == "hdet" else ""))
+              + (f", group LRs {lrs}" if lrs else ""))
     return summary
 
 

@@ -18,7 +18,9 @@ from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
     """``args``/``run`` as in ``LightningCLI``: the tests build the configured objects without training."""
-    return LightningCLI(CharLM, CharCorpusDataModule, args=args, run=run, save_config_kwargs={"overwrite": True})
+    return LightningCLI(
+        CharLM, CharCorpusDataModule, args=args, run=run, save_config_kwargs={"overwrite": True}
+    )
 
 
 if __name__ == "__main__":

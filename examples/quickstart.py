@@ -84,7 +84,8 @@ def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger) -> None:
     last_lrs = [f"{r['lr']:.1e}" for r in last]
     val_loss = float(trainer.callback_metrics.get("val_loss", float("nan")))
     print(f"\nStarted with learning rates {first_lrs} after the first vote;")
-    print(f"ended with {last_lrs} (last winner: group {winner}); rescues: {hdet.rescues}; final val_loss: {val_loss:.4f}")
+    print(f"ended with {last_lrs} (last winner: group {winner}); rescues: {hdet.rescues}; "
+          f"final val_loss: {val_loss:.4f}")
     csv_logger.save()
     try:
         from lightning_hdet.report import write_report
