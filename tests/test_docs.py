@@ -32,6 +32,9 @@ SIGNATURES = {
     "Trainer": (Trainer,),
 }
 
+# Built from the literal arguments a doc shows; all validate their arguments in ``__init__``.
+CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks")
+
 
 def python_blocks() -> list[tuple[str, str]]:
     blocks = []
@@ -72,6 +75,13 @@ def test_python_block_uses_real_arguments(where: str, code: str) -> None:
         for kw in node.keywords:
             if kw.arg is not None:
                 assert kw.arg in allowed, f"{where}: {name}({kw.arg}=...) is not an argument of {name}"
+        if name in CONSTRUCTIBLE:
+            try:
+                args = [ast.literal_eval(a) for a in node.args]
+                kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            except ValueError:
+                continue  # not all literal (e.g. a variable): the names were checked above
+            SIGNATURES[name][0](*args, **kwargs)  # the values shown are accepted (validation runs here)
 
 
 def test_blocks_were_found() -> None:
