@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_hdet.blend import BLENDS, blend_coefficients, blend_strengths
 from lightning_hdet.report import History, log_figures_to_wandb, make_figures
 from lightning_hdet.strategy import HDETStrategy
-from lightning_hdet.vote import divergent, make_rule
+from lightning_hdet.vote import divergent, make_rule, winner_of
 from lightning_hdet.wandb_utils import finish_worker_run, log_vote_history, record_config
 
 
@@ -275,8 +275,11 @@ class HDETCallback(Callback):
         rescued = divergent(losses, finite, self.divergence_factor) if self.safety_net else [False] * num_groups
         healthy = [not r for r in rescued]
         table = strategy.lr_multipliers
-        if num_groups > 1 and not any(healthy):
-            self._roll_back(trainer, strategy, losses)
+        # With a shared gradient ("global") a diverging group has contaminated the others before it was caught:
+        # nothing from this interval is kept.
+        contaminated = strategy.gradient_sync == "global" and any(rescued)
+        if num_groups > 1 and (not any(healthy) or contaminated):
+            self._roll_back(trainer, strategy, losses, rescued)
             return
         move = not final and trainer.global_step >= self.warmup_steps and num_groups > 1
         schedule = strategy.schedule_lrs().tolist()
@@ -301,16 +304,26 @@ class HDETCallback(Callback):
         strategy.set_lr_multipliers(table)
         self._record(trainer, strategy, losses, weights, winner, rescued, final)
 
-    def _roll_back(self, trainer: Trainer, strategy: HDETStrategy, losses: list[float]) -> None:
-        """Every group diverged: restore the last good merged model and halve every learning rate."""
+    def _roll_back(self, trainer: Trainer, strategy: HDETStrategy, losses: list[float], rescued: list[bool]) -> None:
+        """Restore every group to the last good merged model; cut the rescued groups' LRs (all of them if all)."""
         assert self._last_good is not None
         strategy.load_flat(self._last_good)
-        self._last_coefficients = [1.0 / strategy.num_groups] * strategy.num_groups
         _reset_optimizer_state(strategy)
-        strategy.set_lr_multipliers(strategy.lr_multipliers * self.rescue_lr_factor)
-        rank_zero_info(f"HDET: every group diverged at step {trainer.global_step}; rolled back to the last merge.")
+        table = strategy.lr_multipliers
+        for g, bad in enumerate(rescued):
+            if bad:
+                table[g] *= self.rescue_lr_factor
+        strategy.set_lr_multipliers(table)
         n = strategy.num_groups
-        self._record(trainer, strategy, losses, [0.0] * n, -1, [True] * n, final=False)
+        self._last_coefficients = [1.0 / n] * n
+        healthy = [not r for r in rescued]
+        winner = winner_of(losses, healthy)
+        rank_zero_info(
+            f"HDET: step {trainer.global_step}: group(s) {[g for g, r in enumerate(rescued) if r]} diverged; every "
+            "group rolled back to the last good merged model."
+        )
+        self._record(trainer, strategy, losses, [1.0 if g == winner else 0.0 for g in range(n)], winner, rescued,
+                     final=False)
 
     def _record(
         self,

@@ -69,9 +69,9 @@ def test_group_sync_params_equal_within_groups_and_differ_across(tmp_path):
 
 
 def test_global_sync_same_gradients_and_lr_ratio(tmp_path):
-    mult = [0.5, 1.0, 2.0, 3.0]
+    mult = [0.5, 3.0]
     strategy = HDETStrategy(lr_multipliers=mult, start_method="spawn")
-    ranks = _fit(tmp_path, strategy, callbacks=[HDETCallback(every_n_steps=1000)])
+    ranks = _fit(tmp_path, strategy, callbacks=[HDETCallback(every_n_steps=1000)], devices=2)
     for r in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["grads"], ranks[0]["grads"]))
     first, last = min(ranks[0]["params_by_step"]), max(ranks[0]["params_by_step"])
@@ -80,13 +80,13 @@ def test_global_sync_same_gradients_and_lr_ratio(tmp_path):
     steps = [(r["params_by_step"][last] - theta0) / m for r, m in zip(ranks, mult)]
     for s in steps[1:]:
         torch.testing.assert_close(s, steps[0], rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(ranks[0]["params_by_step"][last], ranks[3]["params_by_step"][last])
+    assert not torch.allclose(ranks[0]["params_by_step"][last], ranks[1]["params_by_step"][last])
 
 
 def test_spread_zero_reproduces_ddp_bit_for_bit(tmp_path):
-    ddp = _fit(tmp_path / "ddp", "ddp_spawn")
+    ddp = _fit(tmp_path / "ddp", "ddp_spawn", devices=2)
     hdet = _fit(tmp_path / "hdet", HDETStrategy(spread=0.0, start_method="spawn"),
-                callbacks=[HDETCallback(every_n_steps=1000)])
+                callbacks=[HDETCallback(every_n_steps=1000)], devices=2)
     last = max(ddp[0]["params_by_step"])
     for a, b in zip(ddp, hdet):
         assert torch.equal(a["params_by_step"][last], b["params_by_step"][last])
@@ -108,10 +108,10 @@ def _reference_schedule(name: str, lr: float, two_groups: bool, steps: int) -> l
 
 @pytest.mark.parametrize(("scheduler", "two_groups"), [("step", False), ("onecycle", True)])
 def test_effective_lr_is_schedule_times_multiplier(tmp_path, scheduler, two_groups):
-    mult = [1.0, 0.5, 0.1, 5.0]
+    mult = [0.1, 5.0]
     model = SGDBoring(lr=0.01, scheduler=scheduler, two_groups=two_groups)
     ranks = _fit(tmp_path, HDETStrategy(lr_multipliers=mult, start_method="spawn"), model=model,
-                 callbacks=[HDETCallback(every_n_steps=1000)], max_steps=6)
+                 callbacks=[HDETCallback(every_n_steps=1000)], max_steps=6, devices=2)
     ref = _reference_schedule(scheduler, 0.01, two_groups, 6)
     for r in ranks:
         m = mult[r["group_index"]]
