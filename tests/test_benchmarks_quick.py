@@ -84,11 +84,12 @@ def test_fit_run_on_two_processes_records_every_rank(tmp_path):
     assert run.wall_s >= run.fit_s > 0
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_search_baselines_quick_mode(tmp_path):
     results, docs = tmp_path / "results", tmp_path / "docs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick",
-           "--results-dir", str(results), "--docs-dir", str(docs)]
+    starts = ["good", "10x high"]  # two of the three starts, on 2 processes: the HDET arm spawns W processes
+    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
+           "--groups", "2", "--starts", *starts, "--results-dir", str(results), "--docs-dir", str(docs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -98,25 +99,27 @@ def test_search_baselines_quick_mode(tmp_path):
     cfg = data["config"]
     budget = cfg["world_size"] * cfg["steps"]
     rows = data["rows"]
-    assert [(r["start"], r["method"]) for r in rows] == [(s, m) for s in STARTS for m in METHODS]
+    assert [(r["start"], r["method"]) for r in rows] == [(s, m) for s in starts for m in METHODS]
+    assert {a["method"] for a in data["arms"]} == set(METHODS)  # hdet included, none skipped
     for arm in data["arms"]:
-        if arm["skipped"]:
-            assert arm["method"] == "hdet"
-            continue
         assert math.isfinite(arm["best_val_loss"]) and arm["best_val_loss"] < math.log(256)
         assert arm["curve"][-1][0] == budget  # equal total compute for every method
         if arm["method"] == "grid":
             assert arm["settled_lr"] in arm["lrs_tried"] and len(arm["lrs_tried"]) == cfg["groups"]
+        if arm["method"] == "hdet":  # one run of W processes, G groups starting at the grid's LRs
+            assert len(arm["extra"]["history"]) % cfg["groups"] == 0 and arm["extra"]["history"]
+            assert min(arm["lrs_tried"]) > 0 and math.isfinite(arm["extra"]["merged_model_val_loss"])
+            assert arm["settled_lr"] in [row["lr"] for row in arm["extra"]["history"]]
         if arm["method"] == "optuna_tpe":
             start_lr = cfg["good_lr"] * STARTS[arm["start"]]
             assert arm["lrs_tried"][0] == pytest.approx(start_lr)
             assert len(arm["lrs_tried"]) == cfg["groups"]
-    assert data["target_val_loss"] >= min(a["best_val_loss"] for a in data["arms"] if not a["skipped"])
+    assert data["target_val_loss"] >= min(a["best_val_loss"] for a in data["arms"])
 
     text = (docs / "benchmarks.md").read_text()
     block = text.split("<!-- BEGIN search_baselines_quick -->")[1].split("<!-- END search_baselines_quick -->")[0]
     table = [line for line in block.splitlines() if line.startswith("|")]
-    assert len(table) == 2 + len(STARTS) * len(METHODS)
+    assert len(table) == 2 + len(starts) * len(METHODS)
     assert all(line.count("|") == 9 for line in table)
     assert "best val loss" in table[0] and "settled LR" in table[0]
     assert (docs / "img" / "search_baselines_quick.png").read_bytes()[:4] == b"\x89PNG"
