@@ -124,3 +124,42 @@ def test_search_baselines_quick_mode(tmp_path):
     assert "best val loss" in table[0] and "settled LR" in table[0]
     assert (docs / "img" / "search_baselines_quick.png").read_bytes()[:4] == b"\x89PNG"
     assert "grid" in proc.stdout and "pbt" in proc.stdout
+
+
+def run_quick(tmp_path: Path, script: str, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
+    """Run ``benchmarks/<script>.py --quick`` with outputs under ``tmp_path``; return its JSON, the table lines
+    of its docs block and the process."""
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    cmd = [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--quick", *extra,
+           "--results-dir", str(results), "--docs-dir", str(docs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = f"{script}_quick"
+    data = json.loads((results / f"{name}.json").read_text())
+    assert {"meta", "config"} <= data.keys() and data["config"]["quick"] is True
+    block = (docs / "benchmarks.md").read_text().split(f"<!-- BEGIN {name} -->")[1].split(f"<!-- END {name} -->")[0]
+    table = [line for line in block.splitlines() if line.startswith("|")]
+    assert table and table[0] in proc.stdout
+    return data, table, proc
+
+
+@pytest.mark.timeout(240)
+def test_hdet_published_quick_mode(tmp_path):
+    from benchmarks.hdet_published import PUBLISHED
+
+    data, table, _ = run_quick(tmp_path, "hdet_published", "--arms", "ddp_high", "hdet_full")
+    cfg = data["config"]
+    rows = data["rows"]
+    assert [r["key"] for r in rows] == ["ddp_high", "hdet_full"]
+    assert all(r["lr"] == cfg["high_lr"] for r in rows)
+    ddp, hdet = rows
+    assert ddp["history"] == [] and ddp["rescues"] == 0
+    # HDET votes every T steps (plus the final merge), one history row per member.
+    assert len(hdet["history"]) >= cfg["world_size"] * (cfg["steps"] // cfg["every"])
+    assert {h["group"] for h in hdet["history"]} == set(range(cfg["world_size"]))
+    for r in rows:
+        assert r["crashed"] == (not math.isfinite(r["final_val_loss"]) or r["final_val_loss"] >= math.log(256))
+        assert [s for s, _, _ in r["val_curve"]] == list(range(cfg["val_every"], cfg["steps"] + 1, cfg["val_every"]))
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 11 for line in table)
+    assert "published loss" in table[0] and PUBLISHED["HDET full"][1] in table[-1]
+    assert (tmp_path / "docs" / "img" / "hdet_published_quick.png").read_bytes()[:4] == b"\x89PNG"
