@@ -32,7 +32,18 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RunSpec, add_output_args, fit_run, fmt, markdown_table, plot_panels, publish, quiet
+from benchmarks.common import (
+    add_output_args,
+    add_run_args,
+    fill_run_defaults,
+    fit_run,
+    fmt,
+    markdown_table,
+    plot_panels,
+    publish,
+    quiet,
+    run_spec,
+)
 from lightning_hdet.testing import PUBLISHED_STEP_SECONDS
 
 NAME = "async_published"
@@ -69,11 +80,7 @@ def run_method(method: str, level: str, args: argparse.Namespace, work: Path) ->
 
     from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 
-    spec = RunSpec(
-        lr=args.lr, steps=args.steps, seed=args.seed, devices=args.world_size, batch_size=args.batch_size,
-        max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches,
-        model={"d_model": args.d_model, "n_layers": args.n_layers, "weight_decay": 0.1},
-    )
+    spec = run_spec(args, args.lr, weight_decay=0.1)
     common = {"start_method": "spawn", "process_group_backend": "gloo"}
     options = METHODS[method]
     if options is None:
@@ -131,6 +138,7 @@ def table(rows: list[dict], levels: list[str], methods: list[str]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_output_args(p)
+    add_run_args(p)
     p.add_argument("--world-size", type=int, default=None, help="W workers (default 4, quick 2)")
     p.add_argument("--steps", type=int, default=None, help="S: budget is W × S inner steps (default 200, quick 8)")
     p.add_argument("--local-steps", type=int, default=None, help="H (default 20, quick 2)")
@@ -142,13 +150,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2, help="inner AdamW LR")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=None, help="per process (default 16, quick 8)")
-    p.add_argument("--d-model", type=int, default=None, help="default 64, quick 32")
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--max-chars", type=int, default=1_000_000)
-    p.add_argument("--val-every", type=int, default=None, help="rank 0's steps between validations (default S/10, quick S/2)")
-    p.add_argument("--val-batches", type=int, default=None, help="default 8, quick 2")
     args = p.parse_args(argv)
     q = args.quick
     args.world_size = args.world_size or (2 if q else 4)
@@ -156,10 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.local_steps = args.local_steps or (2 if q else 20)
     args.levels = args.levels or (["none", "very"] if q else list(LEVELS))
     args.base_seconds = args.base_seconds or (0.01 if q else 0.05)
-    args.batch_size = args.batch_size or (8 if q else 16)
-    args.d_model = args.d_model or (32 if q else 64)
-    args.val_every = args.val_every or max(args.steps // (2 if q else 10), 1)
-    args.val_batches = args.val_batches or (2 if q else 8)
+    fill_run_defaults(args)
     if args.world_size < 2:
         p.error(f"--world-size={args.world_size} must be at least 2 (the async strategy needs several workers)")
     return args

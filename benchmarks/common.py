@@ -197,7 +197,13 @@ def fit_run(
 ) -> RunResult:
     """Train ``spec`` and return its record. ``strategy`` defaults to ``ddp_spawn`` over ``gloo`` when
     ``spec.devices > 1``; ``ckpt_path`` resumes (weights, optimizer, step) at ``spec.lr``;
-    ``save_ckpt`` writes a checkpoint at the end."""
+    ``save_ckpt`` writes a checkpoint at the end.
+
+    ``BENCH_ACCELERATOR=cuda`` in the environment trains on the one GPU: all ``spec.devices`` processes
+    share ``cuda:0`` and talk over ``gloo`` (NCCL needs one GPU per rank); used by ``gpu_check.sh``."""
+    accelerator = os.environ.get("BENCH_ACCELERATOR", "cpu")
+    if accelerator not in ("cpu", "cuda"):
+        raise ValueError(f"BENCH_ACCELERATOR={accelerator!r} is not supported; use 'cpu' or 'cuda'")
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in workdir.glob("rank*.json"):
         stale.unlink()
@@ -205,12 +211,14 @@ def fit_run(
         strategy = (
             DDPStrategy(start_method="spawn", process_group_backend="gloo") if spec.devices > 1 else "auto"
         )
+    if accelerator == "cuda" and spec.devices > 1:
+        strategy.parallel_devices = [torch.device("cuda", 0)] * spec.devices
     seed_everything(spec.seed, verbose=False)
     model = CharLM(block_size=spec.block_size, lr=spec.lr, **spec.model)
     data = CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars)
     trainer = Trainer(
-        accelerator="cpu",
-        devices=spec.devices,
+        accelerator=accelerator,
+        devices=1 if accelerator == "cuda" else spec.devices,
         strategy=strategy,
         max_steps=spec.steps,
         val_check_interval=spec.val_every,
@@ -362,3 +370,32 @@ def publish(name: str, args: argparse.Namespace, payload: dict, markdown: str, m
 def not_finite_or_worse_than_uniform(loss: float) -> bool:
     """A crashed run: its loss is not finite or no better than guessing uniformly over bytes (ln 256)."""
     return not math.isfinite(loss) or loss >= math.log(256)
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """Model, data and validation options of the char-LM runs; :func:`fill_run_defaults` fills the defaults."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=None, help="per process (default 16, quick 8)")
+    parser.add_argument("--d-model", type=int, default=None, help="model width (default 64, quick 32)")
+    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--max-chars", type=int, default=1_000_000, help="corpus bytes")
+    parser.add_argument("--val-every", type=int, default=None, help="steps between validations (default S/10, quick S/2)")
+    parser.add_argument("--val-batches", type=int, default=None, help="validation batches (default 8, quick 2)")
+
+
+def fill_run_defaults(args: argparse.Namespace) -> None:
+    """Quick or full defaults for the options of :func:`add_run_args` (``args.steps`` must be set)."""
+    q = args.quick
+    args.batch_size = args.batch_size or (8 if q else 16)
+    args.d_model = args.d_model or (32 if q else 64)
+    args.val_every = args.val_every or max(args.steps // (2 if q else 10), 1)
+    args.val_batches = args.val_batches or (2 if q else 8)
+
+
+def run_spec(args: argparse.Namespace, lr: float, **model: object) -> RunSpec:
+    """The :class:`RunSpec` of a script's arguments (``add_run_args``, ``--steps``, ``--world-size``)."""
+    return RunSpec(
+        lr=lr, steps=args.steps, seed=args.seed, devices=args.world_size, batch_size=args.batch_size,
+        max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches,
+        model={"d_model": args.d_model, "n_layers": args.n_layers, **model},
+    )

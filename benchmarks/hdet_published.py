@@ -35,8 +35,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
-    RunSpec,
     add_output_args,
+    add_run_args,
+    fill_run_defaults,
     fit_run,
     fmt,
     markdown_table,
@@ -44,6 +45,7 @@ from benchmarks.common import (
     plot_panels,
     publish,
     quiet,
+    run_spec,
 )
 
 NAME = "hdet_published"
@@ -84,11 +86,7 @@ def run_arm(arm: ArmSpec, args: argparse.Namespace, work: Path) -> dict:
     from lightning_hdet import HDETCallback, HDETStrategy
 
     lr = args.high_lr if arm.high_lr else args.low_lr
-    spec = RunSpec(
-        lr=lr, steps=args.steps, seed=args.seed, devices=args.world_size, batch_size=args.batch_size,
-        max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches,
-        model={"d_model": args.d_model, "n_layers": args.n_layers, "optimizer": args.optimizer},
-    )
+    spec = run_spec(args, lr, optimizer=args.optimizer)
     callbacks = []
     if arm.hdet is None:
         strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
@@ -133,6 +131,7 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_output_args(p)
+    add_run_args(p)
     p.add_argument("--world-size", type=int, default=None, help="W: processes, one HDET member each (default 4, quick 2)")
     p.add_argument("--steps", type=int, default=None, help="S (default 300, quick 12)")
     p.add_argument("--every", type=int, default=None, help="T: steps between HDET votes (default S/10, quick 4)")
@@ -140,24 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--low-lr", type=float, default=0.1)
     p.add_argument("--high-lr", type=float, default=1.0, help="chosen so that plain DDP crashes")
     p.add_argument("--spread", type=float, default=1 / 9, help="HDET fan-out half-width (published 1/9)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", nargs="+", default=[a.key for a in ARMS], choices=[a.key for a in ARMS],
                    metavar="ARM", help=f"configurations to run, of {[a.key for a in ARMS]} (default all)")
-    p.add_argument("--batch-size", type=int, default=None, help="per process (default 16, quick 8)")
-    p.add_argument("--d-model", type=int, default=None, help="default 64, quick 32")
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--max-chars", type=int, default=1_000_000)
-    p.add_argument("--val-every", type=int, default=None, help="default S/10, quick S/2")
-    p.add_argument("--val-batches", type=int, default=None, help="default 8, quick 2")
     args = p.parse_args(argv)
     q = args.quick
     args.world_size = args.world_size or (2 if q else 4)
     args.steps = args.steps or (12 if q else 300)
     args.every = args.every or (4 if q else max(args.steps // 10, 1))
-    args.batch_size = args.batch_size or (8 if q else 16)
-    args.d_model = args.d_model or (32 if q else 64)
-    args.val_every = args.val_every or max(args.steps // (2 if q else 10), 1)
-    args.val_batches = args.val_batches or (2 if q else 8)
+    fill_run_defaults(args)
     if args.world_size < 2:
         p.error(f"--world-size={args.world_size} must be at least 2 (HDET needs several members)")
     return args

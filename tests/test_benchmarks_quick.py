@@ -163,3 +163,57 @@ def test_hdet_published_quick_mode(tmp_path):
     assert len(table) == 2 + len(rows) and all(line.count("|") == 11 for line in table)
     assert "published loss" in table[0] and PUBLISHED["HDET full"][1] in table[-1]
     assert (tmp_path / "docs" / "img" / "hdet_published_quick.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(240)
+def test_async_published_quick_mode(tmp_path):
+    from benchmarks.async_published import LEVELS, PUBLISHED
+
+    methods = ["diloco", "async_dn_dylu"]
+    data, table, _ = run_quick(tmp_path, "async_published", "--levels", "very", "--methods", *methods)
+    cfg = data["config"]
+    rows = data["rows"]
+    assert [(r["level"], r["method"]) for r in rows] == [("very", m) for m in methods]
+    diloco, dylu = rows
+    assert diloco["target"] == diloco["val_curve"][-1][1] == dylu["target"]
+    assert diloco["s_to_target"] is not None  # DiLoCo reaches its own final loss
+    for r in rows:
+        assert math.isfinite(r["final_val_loss"]) and r["final_val_loss"] < math.log(256)
+        # The budget is W x S inner steps in all, however the workers' speeds split it.
+        assert sum(r["inner_steps"].values()) == cfg["world_size"] * cfg["steps"]
+    # Synchronous DiLoCo gives every worker the same rounds of H steps.
+    assert len(set(diloco["inner_steps"].values())) == 1
+    assert all(steps == cfg["local_steps"] * diloco["rounds"][w] for w, steps in diloco["inner_steps"].items())
+    assert LEVELS["very"][-1] == pytest.approx(3.33 / 0.58)
+    assert len(table) == 2 + len(methods) and all(line.count("|") == 5 for line in table)
+    assert f"{PUBLISHED['diloco']['very']:.2f}" in table[2]
+    assert (tmp_path / "docs" / "img" / "async_published_quick.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(300)
+def test_overhead_quick_mode(tmp_path):
+    data, table, _ = run_quick(tmp_path, "overhead", "--intervals", "4")
+    cfg = data["config"]
+    assert [r["arm"] for r in data["throughput"]] == ["ddp", "hdet T=4"]
+    assert data["throughput"][0]["relative_to_ddp"] == 1.0
+    assert all(r["steps_per_s"] > 0 for r in data["throughput"])
+    comm = {r["arm"]: r for r in data["bytes"]}
+    h = cfg["local_steps"]
+    assert list(comm) == ["ddp", "hdet T=4", f"diloco H={h}", f"async H={h}"]
+    ddp = comm["ddp"]
+    # DDP all-reduces the float32 gradients every step: 4 bytes per parameter (plus Lightning's few-byte flags).
+    assert ddp["computed_bytes_per_step"] == 4 * ddp["params"]
+    assert ddp["measured_bytes_per_step"] == pytest.approx(4 * ddp["params"], rel=1e-3)
+    # HDET adds a merge every T steps (and a few bytes of votes and guards).
+    hdet = comm["hdet T=4"]
+    assert hdet["computed_bytes_per_step"] == pytest.approx(4 * hdet["params"] * (1 + 1 / 4))
+    assert hdet["measured_bytes_per_step"] >= 4 * hdet["params"]
+    # DiLoCo: one push and one pull of the model per round of H steps, plus small headers.
+    diloco = comm[f"diloco H={h}"]
+    assert diloco["measured_bytes_per_step"] == pytest.approx(diloco["computed_bytes_per_step"], rel=0.01)
+    mem = data["memory"]
+    assert mem["model_bytes"] == 4 * diloco["params"]
+    assert set(mem["rank0_peak_rss_bytes"]) == {"ddp", "diloco", "async"}
+    assert all(v > mem["model_bytes"] for v in mem["rank0_peak_rss_bytes"].values())
+    headers = [line for line in table if "---" not in line and ("arm" in line or "peak RSS" in line)]
+    assert len(headers) == 3 and len(table) == (2 + 2) + (2 + 4) + (2 + 1)
