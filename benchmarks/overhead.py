@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
                 speed.setdefault(label, []).append((ranks[0]["steps"] - 1) / ranks[0]["span_s"])
                 probes[label] = ranks
         for kind in ("ddp", "diloco", "async"):
+            if kind == "ddp" and args.memory_d_model == args.d_model:  # same model: reuse the throughput run
+                probes["ddp (memory)"] = probes["ddp"]
+                continue
             probes[f"{kind} (memory)"] = run_probe(kind, args, Path(tmp) / f"mem_{kind}", args.exchange_steps, args.memory_d_model)
     total_s = time.perf_counter() - t0
 
