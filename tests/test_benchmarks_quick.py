@@ -84,7 +84,7 @@ def test_fit_run_on_two_processes_records_every_rank(tmp_path):
     assert run.wall_s >= run.fit_s > 0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_search_baselines_quick_mode(tmp_path):
     results, docs = tmp_path / "results", tmp_path / "docs"
     starts = ["good", "10x high"]  # two of the three starts, on 2 processes: the HDET arm spawns W processes
@@ -143,7 +143,7 @@ def run_quick(tmp_path: Path, script: str, *extra: str) -> tuple[dict, list[str]
     return data, table, proc
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_hdet_published_quick_mode(tmp_path):
     from benchmarks.hdet_published import PUBLISHED
 
@@ -165,7 +165,7 @@ def test_hdet_published_quick_mode(tmp_path):
     assert (tmp_path / "docs" / "img" / "hdet_published_quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_async_published_quick_mode(tmp_path):
     from benchmarks.async_published import LEVELS, PUBLISHED
 
@@ -190,7 +190,7 @@ def test_async_published_quick_mode(tmp_path):
     assert (tmp_path / "docs" / "img" / "async_published_quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_overhead_quick_mode(tmp_path):
     data, table, _ = run_quick(tmp_path, "overhead", "--intervals", "4")
     cfg = data["config"]
