@@ -8,6 +8,7 @@ record (``rank{r}.json``) so per-rank values, which differ under HDET, survive t
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -32,6 +33,8 @@ from lightning_hdet.demos.corpus import DEFAULT_MAX_CHARS
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_DIR = REPO / "docs"
+# Sandboxed machines reject the default fd-passing of shared CPU tensors to spawned workers.
+torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 @dataclass
@@ -60,7 +63,10 @@ class RunResult:
 
     ``rank_val_curves[r]`` rows are ``(global_step, val_loss, seconds since the fit started)``;
     ``rank_lrs[r]`` is rank r's final LR. ``fit_s`` is rank 0's time inside ``fit``; ``wall_s`` adds
-    process start-up as seen by the caller. Convenience properties read rank 0.
+    process start-up as seen by the caller. ``rank_extra[r]`` is what the strategy knows at the end of the
+    fit (see :func:`strategy_record`); ``final_model_val_loss`` is the validation loss of the model the fit
+    handed back (merged under HDET, global under async/DiLoCo) on the first ``val_batches`` validation
+    batches, the same batches for every run. Convenience properties read rank 0.
     """
 
     spec: RunSpec
@@ -69,6 +75,8 @@ class RunResult:
     rank_lrs: list[float]
     fit_s: float
     wall_s: float
+    rank_extra: list[dict] = field(default_factory=list)
+    final_model_val_loss: float = math.nan
 
     @property
     def val_curve(self) -> list[tuple[int, float, float]]:
@@ -112,6 +120,30 @@ class _SetLR(Callback):
             config.scheduler.base_lrs = [self.lr] * len(config.scheduler.base_lrs)
 
 
+def strategy_record(trainer: Trainer) -> dict:
+    """What an HDET or async strategy knows at the end of the fit: every group's real LRs, skipped steps and
+    the vote history (HDET); inner steps, rounds and, on rank 0, the outer optimizer's per-worker view (async)."""
+    from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, HDETStrategy):
+        callback = next(cb for cb in trainer.callbacks if isinstance(cb, HDETCallback))
+        return {
+            "group_index": strategy.group_index,
+            "group_lrs": strategy.current_lrs()[:, 0].tolist(),
+            "skipped_steps": strategy.skipped_steps,
+            "rescues": callback.rescues,
+            "history": callback.history,
+        }
+    if isinstance(strategy, AsyncLocalSGDStrategy):
+        return {
+            "inner_steps": strategy.inner_steps,
+            "rounds": strategy.rounds,
+            "worker_stats": {str(w): v for w, v in strategy.worker_stats().items()},
+        }
+    return {}
+
+
 class _Recorder(Callback):
     """Each rank records its training losses and validation curve and writes ``rank{r}.json``;
     optionally saves a full checkpoint (model and optimizer) at the end of the fit."""
@@ -143,6 +175,7 @@ class _Recorder(Callback):
             "val_curve": self.val_curve,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
             "fit_s": fit_s,
+            "extra": strategy_record(trainer),
         }
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -164,7 +197,13 @@ def fit_run(
 ) -> RunResult:
     """Train ``spec`` and return its record. ``strategy`` defaults to ``ddp_spawn`` over ``gloo`` when
     ``spec.devices > 1``; ``ckpt_path`` resumes (weights, optimizer, step) at ``spec.lr``;
-    ``save_ckpt`` writes a checkpoint at the end."""
+    ``save_ckpt`` writes a checkpoint at the end.
+
+    ``BENCH_ACCELERATOR=cuda`` in the environment trains on the one GPU: all ``spec.devices`` processes
+    share ``cuda:0`` and talk over ``gloo`` (NCCL needs one GPU per rank); used by ``gpu_check.sh``."""
+    accelerator = os.environ.get("BENCH_ACCELERATOR", "cpu")
+    if accelerator not in ("cpu", "cuda"):
+        raise ValueError(f"BENCH_ACCELERATOR={accelerator!r} is not supported; use 'cpu' or 'cuda'")
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in workdir.glob("rank*.json"):
         stale.unlink()
@@ -172,12 +211,14 @@ def fit_run(
         strategy = (
             DDPStrategy(start_method="spawn", process_group_backend="gloo") if spec.devices > 1 else "auto"
         )
+    if accelerator == "cuda" and spec.devices > 1:
+        strategy.parallel_devices = [torch.device("cuda", 0)] * spec.devices
     seed_everything(spec.seed, verbose=False)
     model = CharLM(block_size=spec.block_size, lr=spec.lr, **spec.model)
     data = CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars)
     trainer = Trainer(
-        accelerator="cpu",
-        devices=spec.devices,
+        accelerator=accelerator,
+        devices=1 if accelerator == "cuda" else spec.devices,
         strategy=strategy,
         max_steps=spec.steps,
         val_check_interval=spec.val_every,
@@ -202,7 +243,21 @@ def fit_run(
         rank_lrs=[r["lr"] for r in ranks],
         fit_s=ranks[0]["fit_s"],
         wall_s=wall_s,
+        rank_extra=[r["extra"] for r in ranks],
+        final_model_val_loss=evaluate(model, data, spec.val_batches),
     )
+
+
+@torch.no_grad()
+def evaluate(model: CharLM, data: CharCorpusDataModule, batches: int) -> float:
+    """Mean validation loss of ``model`` (in this process, on CPU) over the first ``batches`` batches."""
+    data.setup("validate")
+    model = model.cpu().eval()
+    losses = []
+    for (x, y), _ in zip(data.val_dataloader(), range(batches)):
+        logits = model(x)
+        losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))))
+    return sum(losses) / len(losses)
 
 
 def median(values: Iterable[float | None]) -> float | None:
@@ -294,3 +349,53 @@ def plot_panels(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark script shares: ``--quick`` and where results and docs go."""
+    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the harness, not a result")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--docs-dir", type=Path, default=DOCS_DIR)
+
+
+def publish(name: str, args: argparse.Namespace, payload: dict, markdown: str, max_chars: int = DEFAULT_MAX_CHARS) -> None:
+    """Write ``name.json`` (with the script's arguments as ``config``), put ``markdown`` into
+    ``docs/benchmarks.md`` between ``name``'s markers, and print it."""
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_json(name, {"config": config, **payload}, args.results_dir, max_chars)
+    update_doc_section(args.docs_dir / "benchmarks.md", name, markdown)
+    print(markdown, flush=True)
+
+
+def not_finite_or_worse_than_uniform(loss: float) -> bool:
+    """A crashed run: its loss is not finite or no better than guessing uniformly over bytes (ln 256)."""
+    return not math.isfinite(loss) or loss >= math.log(256)
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """Model, data and validation options of the char-LM runs; :func:`fill_run_defaults` fills the defaults."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=None, help="per process (default 16, quick 8)")
+    parser.add_argument("--d-model", type=int, default=None, help="model width (default 64, quick 32)")
+    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--max-chars", type=int, default=1_000_000, help="corpus bytes")
+    parser.add_argument("--val-every", type=int, default=None, help="steps between validations (default S/10, quick S/2)")
+    parser.add_argument("--val-batches", type=int, default=None, help="validation batches (default 8, quick 2)")
+
+
+def fill_run_defaults(args: argparse.Namespace) -> None:
+    """Quick or full defaults for the options of :func:`add_run_args` (``args.steps`` must be set)."""
+    q = args.quick
+    args.batch_size = args.batch_size or (8 if q else 16)
+    args.d_model = args.d_model or (32 if q else 64)
+    args.val_every = args.val_every or max(args.steps // (2 if q else 10), 1)
+    args.val_batches = args.val_batches or (2 if q else 8)
+
+
+def run_spec(args: argparse.Namespace, lr: float, **model: object) -> RunSpec:
+    """The :class:`RunSpec` of a script's arguments (``add_run_args``, ``--steps``, ``--world-size``)."""
+    return RunSpec(
+        lr=lr, steps=args.steps, seed=args.seed, devices=args.world_size, batch_size=args.batch_size,
+        max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches,
+        model={"d_model": args.d_model, "n_layers": args.n_layers, **model},
+    )

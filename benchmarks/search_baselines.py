@@ -11,8 +11,9 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
   heavy for a 2-core box. ``G`` members start at the grid's LRs; every ``T`` steps the bottom quarter
   copy a random top-quarter member's checkpoint (weights and optimizer state) and perturb its LR by
   ×1.2 or ×0.8, or resample it from the range with probability 0.25;
-- **HDET**: one run on ``W`` processes in ``G`` groups at the grid's LRs — plugged in by
-  :func:`run_hdet_arm` once the HDET callback lands.
+- **HDET**: one run on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at
+  the grid's LRs, voting and blending every ``T`` steps (the PBT interval); by default ``vote="best"``,
+  ``blend="best"``, the groups-of-replicas form our users describe.
 
 Each method starts from a good LR, 10× too high and 10× too low (the grid is centred on the start).
 Reported per method: best validation loss, the LR it settled on, compute (rank-steps) and wall-clock to
@@ -76,7 +77,6 @@ class Arm:
     lrs_tried: list[float]
     diverged_runs: int
     wall_s: float
-    skipped: str | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -180,12 +180,42 @@ def run_pbt(
     )
 
 
-def run_hdet_arm(start: str, lrs: list[float], base: RunSpec, world: int, groups: int, work: Path) -> Arm:
-    """HDET: one run of ``base.steps`` steps on ``world`` processes in ``groups`` groups starting at
-    ``lrs``. Plug-in point for the lead: build the HDET strategy/callback, call
-    ``fit_run(replace(base, devices=world), work, strategy=..., callbacks=[...])`` and turn its
-    ``val_curve`` into an :class:`Arm` with compute ``world * step``."""
-    raise NotImplementedError("the HDET callback has not landed yet")
+def run_hdet_arm(
+    start: str, lrs: list[float], base: RunSpec, world: int, groups: int, interval: int, vote: str, blend: str,
+    work: Path,
+) -> Arm:
+    """HDET: one run of ``base.steps`` steps on ``world`` processes in ``groups`` groups starting at ``lrs``.
+
+    Each group is its own DDP job on ``world / groups`` processes (``gradient_sync="group"``), so a group
+    trains exactly as the matching grid run would until the first vote; every ``interval`` steps the groups
+    vote on their interval training loss and blend. The best-so-far curve takes, at each validation, the
+    best group (each group's first rank), as the grid takes the best of its runs.
+    """
+    from lightning_hdet import HDETCallback, HDETStrategy
+
+    center = math.exp(sum(map(math.log, lrs)) / len(lrs))
+    strategy = HDETStrategy(
+        num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync="group",
+        start_method="spawn", process_group_backend="gloo",
+    )
+    callback = HDETCallback(every_n_steps=interval, vote=vote, blend=blend, seed=base.seed)
+    run = fit_run(replace(base, lr=center, devices=world), work, strategy=strategy, callbacks=[callback])
+    heads = [g * (world // groups) for g in range(groups)]
+    points = []
+    for step in sorted({s for s, _, _ in run.val_curve}):
+        rows = [row for g in heads for row in run.rank_val_curves[g] if row[0] == step]
+        points.append((world * step, min(row[1] for row in rows), max(row[2] for row in rows)))
+    final = {g: run.rank_val_curves[h][-1][1] for g, h in enumerate(heads)}
+    group_lrs = run.rank_extra[0]["group_lrs"]
+    best_group = min(final, key=lambda g: final[g] if math.isfinite(final[g]) else math.inf)
+    curve = _best_so_far(points)
+    history = run.rank_extra[0]["history"]
+    return Arm(
+        "hdet", start, base.seed, group_lrs[best_group], curve[-1][1] if curve else math.inf, curve,
+        sorted({row["lr"] for row in history} | set(lrs)), int(run.diverged), run.wall_s,
+        extra={"history": history, "rescues": run.rank_extra[0]["rescues"],
+               "merged_model_val_loss": run.final_model_val_loss},
+    )
 
 
 def run_start(start: str, args: argparse.Namespace, seed: int, work: Path) -> list[Arm]:
@@ -203,10 +233,10 @@ def run_start(start: str, args: argparse.Namespace, seed: int, work: Path) -> li
         run_optuna(start, center, lo, hi, args.groups, base, work / "optuna"),
         run_pbt(start, lrs, lo, hi, args.pbt_interval, base, args.world_size, work / "pbt"),
     ]
-    try:
-        arms.append(run_hdet_arm(start, lrs, base, args.world_size, args.groups, work / "hdet"))
-    except NotImplementedError as exc:
-        arms.append(Arm("hdet", start, seed, math.nan, math.nan, [], lrs, 0, 0.0, skipped=str(exc)))
+    arms.append(run_hdet_arm(
+        start, lrs, base, args.world_size, args.groups, args.pbt_interval, args.hdet_vote, args.hdet_blend,
+        work / "hdet",
+    ))
     return arms
 
 
@@ -217,7 +247,7 @@ def to_target(curve: list[tuple[int, float, float]], target: float) -> tuple[int
 
 def summarise(arms: list[Arm], margin: float) -> tuple[float, list[dict]]:
     """Target loss and one row per (start, method) with medians over seeds."""
-    reached = [a.best_val_loss for a in arms if a.skipped is None and math.isfinite(a.best_val_loss)]
+    reached = [a.best_val_loss for a in arms if math.isfinite(a.best_val_loss)]
     target = (1 + margin) * min(reached)
     rows = []
     for start in STARTS:
@@ -229,7 +259,6 @@ def summarise(arms: list[Arm], margin: float) -> tuple[float, list[dict]]:
             rows.append({
                 "start": start,
                 "method": method,
-                "skipped": group[0].skipped,
                 "best_val_loss": median(a.best_val_loss for a in group),
                 "settled_lr": median(a.settled_lr for a in group),
                 "rank_steps_to_target": median(h[0] for h in hits),
@@ -249,9 +278,6 @@ def table(rows: list[dict], start_lrs: dict[str, float]) -> str:
     body = []
     for r in rows:
         start = f"{r['start']} ({start_lrs[r['start']]:.2g})"
-        if r["skipped"]:
-            body.append([start, r["method"], f"skipped: {r['skipped']}", "", "", "", "", ""])
-            continue
         body.append([
             start, r["method"], fmt(r["best_val_loss"]), fmt(r["settled_lr"], ".2g"),
             fmt(r["rank_steps_to_target"], "d"), fmt(r["deployed_s_to_target"], ".1f"),
@@ -264,12 +290,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny budget, one seed (about a minute on 2 cores)")
     p.add_argument("--world-size", type=int, default=4, help="W: processes of the job")
+    p.add_argument("--starts", nargs="+", default=list(STARTS), choices=list(STARTS), metavar="START",
+                   help=f"starting LRs to run, of {list(STARTS)} (default all)")
     p.add_argument("--groups", type=int, default=4, help="G: LRs in the grid / trials / PBT members / HDET groups")
     p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 400, quick 32)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")
     p.add_argument("--good-lr", type=float, default=1e-2, help="the good starting LR (best AdamW LR at S = 400)")
     p.add_argument("--lr-spread", type=float, default=3.0, help="factor between neighbouring grid LRs")
-    p.add_argument("--pbt-interval", type=int, default=None, help="PBT steps between exploits (default S/4)")
+    p.add_argument("--pbt-interval", type=int, default=None,
+                   help="PBT steps between exploits, and HDET steps between votes (default S/4)")
+    p.add_argument("--hdet-vote", default="best", choices=("best", "softmax"), help="HDETCallback vote rule")
+    p.add_argument("--hdet-blend", default="best", choices=("best", "mean", "weighted"), help="HDETCallback blend")
     p.add_argument("--val-every", type=int, default=None, help="steps between validations (default S/8)")
     p.add_argument("--val-batches", type=int, default=None, help="validation batches (default 8, quick 2)")
     p.add_argument("--batch-size", type=int, default=None, help="per-process batch size (default 16, quick 8)")
@@ -303,11 +334,11 @@ def main(argv: list[str] | None = None) -> dict:
     arms: list[Arm] = []
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
         for seed in range(args.seeds):
-            for start in STARTS:
+            for start in args.starts:
                 arms += run_start(start, args, seed, Path(tmp) / f"seed{seed}" / start.replace(" ", "_"))
     total_s = time.perf_counter() - t0
     target, rows = summarise(arms, args.margin)
-    start_lrs = {s: args.good_lr * f for s, f in STARTS.items()}
+    start_lrs = {s: args.good_lr * STARTS[s] for s in args.starts}
     payload = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "target_val_loss": target,
@@ -323,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
                 a.method: ([c for c, _, _ in a.curve], [v for _, v, _ in a.curve])
                 for a in arms if a.start == s and a.seed == 0 and a.curve
             }
-            for s in STARTS
+            for s in args.starts
         },
         "compute (rank-steps)",
         "best validation loss so far",

@@ -84,11 +84,12 @@ def test_fit_run_on_two_processes_records_every_rank(tmp_path):
     assert run.wall_s >= run.fit_s > 0
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_search_baselines_quick_mode(tmp_path):
     results, docs = tmp_path / "results", tmp_path / "docs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick",
-           "--results-dir", str(results), "--docs-dir", str(docs)]
+    starts = ["good", "10x high"]  # two of the three starts, on 2 processes: the HDET arm spawns W processes
+    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
+           "--groups", "2", "--starts", *starts, "--results-dir", str(results), "--docs-dir", str(docs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -98,26 +99,121 @@ def test_search_baselines_quick_mode(tmp_path):
     cfg = data["config"]
     budget = cfg["world_size"] * cfg["steps"]
     rows = data["rows"]
-    assert [(r["start"], r["method"]) for r in rows] == [(s, m) for s in STARTS for m in METHODS]
+    assert [(r["start"], r["method"]) for r in rows] == [(s, m) for s in starts for m in METHODS]
+    assert {a["method"] for a in data["arms"]} == set(METHODS)  # hdet included, none skipped
     for arm in data["arms"]:
-        if arm["skipped"]:
-            assert arm["method"] == "hdet"
-            continue
         assert math.isfinite(arm["best_val_loss"]) and arm["best_val_loss"] < math.log(256)
         assert arm["curve"][-1][0] == budget  # equal total compute for every method
         if arm["method"] == "grid":
             assert arm["settled_lr"] in arm["lrs_tried"] and len(arm["lrs_tried"]) == cfg["groups"]
+        if arm["method"] == "hdet":  # one run of W processes, G groups starting at the grid's LRs
+            assert len(arm["extra"]["history"]) % cfg["groups"] == 0 and arm["extra"]["history"]
+            assert min(arm["lrs_tried"]) > 0 and math.isfinite(arm["extra"]["merged_model_val_loss"])
+            assert arm["settled_lr"] in [row["lr"] for row in arm["extra"]["history"]]
         if arm["method"] == "optuna_tpe":
             start_lr = cfg["good_lr"] * STARTS[arm["start"]]
             assert arm["lrs_tried"][0] == pytest.approx(start_lr)
             assert len(arm["lrs_tried"]) == cfg["groups"]
-    assert data["target_val_loss"] >= min(a["best_val_loss"] for a in data["arms"] if not a["skipped"])
+    assert data["target_val_loss"] >= min(a["best_val_loss"] for a in data["arms"])
 
     text = (docs / "benchmarks.md").read_text()
     block = text.split("<!-- BEGIN search_baselines_quick -->")[1].split("<!-- END search_baselines_quick -->")[0]
     table = [line for line in block.splitlines() if line.startswith("|")]
-    assert len(table) == 2 + len(STARTS) * len(METHODS)
+    assert len(table) == 2 + len(starts) * len(METHODS)
     assert all(line.count("|") == 9 for line in table)
     assert "best val loss" in table[0] and "settled LR" in table[0]
     assert (docs / "img" / "search_baselines_quick.png").read_bytes()[:4] == b"\x89PNG"
     assert "grid" in proc.stdout and "pbt" in proc.stdout
+
+
+def run_quick(tmp_path: Path, script: str, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
+    """Run ``benchmarks/<script>.py --quick`` with outputs under ``tmp_path``; return its JSON, the table lines
+    of its docs block and the process."""
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    cmd = [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--quick", *extra,
+           "--results-dir", str(results), "--docs-dir", str(docs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = f"{script}_quick"
+    data = json.loads((results / f"{name}.json").read_text())
+    assert {"meta", "config"} <= data.keys() and data["config"]["quick"] is True
+    block = (docs / "benchmarks.md").read_text().split(f"<!-- BEGIN {name} -->")[1].split(f"<!-- END {name} -->")[0]
+    table = [line for line in block.splitlines() if line.startswith("|")]
+    assert table and table[0] in proc.stdout
+    return data, table, proc
+
+
+@pytest.mark.timeout(360)
+def test_hdet_published_quick_mode(tmp_path):
+    from benchmarks.hdet_published import PUBLISHED
+
+    data, table, _ = run_quick(tmp_path, "hdet_published", "--arms", "ddp_high", "hdet_full")
+    cfg = data["config"]
+    rows = data["rows"]
+    assert [r["key"] for r in rows] == ["ddp_high", "hdet_full"]
+    assert all(r["lr"] == cfg["high_lr"] for r in rows)
+    ddp, hdet = rows
+    assert ddp["history"] == [] and ddp["rescues"] == 0
+    # HDET votes every T steps (plus the final merge), one history row per member.
+    assert len(hdet["history"]) >= cfg["world_size"] * (cfg["steps"] // cfg["every"])
+    assert {h["group"] for h in hdet["history"]} == set(range(cfg["world_size"]))
+    for r in rows:
+        assert r["crashed"] == (not math.isfinite(r["final_val_loss"]) or r["final_val_loss"] >= math.log(256))
+        assert [s for s, _, _ in r["val_curve"]] == list(range(cfg["val_every"], cfg["steps"] + 1, cfg["val_every"]))
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 11 for line in table)
+    assert "published loss" in table[0] and PUBLISHED["HDET full"][1] in table[-1]
+    assert (tmp_path / "docs" / "img" / "hdet_published_quick.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(360)
+def test_async_published_quick_mode(tmp_path):
+    from benchmarks.async_published import LEVELS, PUBLISHED
+
+    methods = ["diloco", "async_dn_dylu"]
+    data, table, _ = run_quick(tmp_path, "async_published", "--levels", "very", "--methods", *methods)
+    cfg = data["config"]
+    rows = data["rows"]
+    assert [(r["level"], r["method"]) for r in rows] == [("very", m) for m in methods]
+    diloco, dylu = rows
+    assert diloco["target"] == diloco["val_curve"][-1][1] == dylu["target"]
+    assert diloco["s_to_target"] is not None  # DiLoCo reaches its own final loss
+    for r in rows:
+        assert math.isfinite(r["final_val_loss"]) and r["final_val_loss"] < math.log(256)
+        # The budget is W x S inner steps in all, however the workers' speeds split it.
+        assert sum(r["inner_steps"].values()) == cfg["world_size"] * cfg["steps"]
+    # Synchronous DiLoCo gives every worker the same rounds of H steps.
+    assert len(set(diloco["inner_steps"].values())) == 1
+    assert all(steps == cfg["local_steps"] * diloco["rounds"][w] for w, steps in diloco["inner_steps"].items())
+    assert LEVELS["very"][-1] == pytest.approx(3.33 / 0.58)
+    assert len(table) == 2 + len(methods) and all(line.count("|") == 5 for line in table)
+    assert f"{PUBLISHED['diloco']['very']:.2f}" in table[2]
+    assert (tmp_path / "docs" / "img" / "async_published_quick.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(480)
+def test_overhead_quick_mode(tmp_path):
+    data, table, _ = run_quick(tmp_path, "overhead", "--intervals", "4")
+    cfg = data["config"]
+    assert [r["arm"] for r in data["throughput"]] == ["ddp", "hdet T=4"]
+    assert data["throughput"][0]["relative_to_ddp"] == 1.0
+    assert all(r["steps_per_s"] > 0 for r in data["throughput"])
+    comm = {r["arm"]: r for r in data["bytes"]}
+    h = cfg["local_steps"]
+    assert list(comm) == ["ddp", "hdet T=4", f"diloco H={h}", f"async H={h}"]
+    ddp = comm["ddp"]
+    # DDP all-reduces the float32 gradients every step: 4 bytes per parameter (plus Lightning's few-byte flags).
+    assert ddp["computed_bytes_per_step"] == 4 * ddp["params"]
+    assert ddp["measured_bytes_per_step"] == pytest.approx(4 * ddp["params"], rel=1e-3)
+    # HDET adds a merge every T steps (and a few bytes of votes and guards).
+    hdet = comm["hdet T=4"]
+    assert hdet["computed_bytes_per_step"] == pytest.approx(4 * hdet["params"] * (1 + 1 / 4))
+    assert hdet["measured_bytes_per_step"] >= 4 * hdet["params"]
+    # DiLoCo: one push and one pull of the model per round of H steps, plus small headers.
+    diloco = comm[f"diloco H={h}"]
+    assert diloco["measured_bytes_per_step"] == pytest.approx(diloco["computed_bytes_per_step"], rel=0.01)
+    mem = data["memory"]
+    assert mem["model_bytes"] == 4 * diloco["params"]
+    assert set(mem["rank0_peak_rss_bytes"]) == {"ddp", "diloco", "async"}
+    assert all(v > mem["model_bytes"] for v in mem["rank0_peak_rss_bytes"].values())
+    headers = [line for line in table if "---" not in line and ("arm" in line or "peak RSS" in line)]
+    assert len(headers) == 3 and len(table) == (2 + 2) + (2 + 4) + (2 + 1)

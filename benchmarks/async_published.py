@@ -1,0 +1,201 @@
+"""Benchmark 3, the published asynchronous Local-SGD table reproduced on the char LM (ALGORITHMS.md §2).
+
+Methods, on ``W`` processes (workers) with the same seed, data and inner optimizer (AdamW), and the same
+sample budget ``Trainer(max_steps=S)`` (inner steps summed over workers = ``W × S``):
+
+- **DDP** (reference): every step waits for the slowest rank;
+- **DiLoCo** (``mode="sync"``): ``H`` inner steps per round, everyone waits for the slowest, outer Nesterov
+  (lr 0.7, momentum 0.9);
+- **async, plain Nesterov**: pushes applied on arrival with plain Nesterov SGD, fixed ``H``;
+- **async DN**: Delayed Nesterov (N = W, c = 0), fixed ``H``;
+- **async DN + DyLU**: Delayed Nesterov with dynamic local steps.
+
+Worker speeds are emulated with :class:`lightning_hdet.testing.SlowRanks`, which pads every step of rank
+``r`` to ``factor_r × base`` seconds: *none* (all 1), *slight* (1, 1.1, 1.2, 1.3), *moderate* (1, 1.5,
+2, 2.5) and *very*, the published 0.58 / 0.75 / 1.51 / 3.33 s step times (scaled so the fastest takes
+``base``). Reported: the final global model's validation loss, and the wall-clock (rank 0's seconds in
+``fit``) until rank 0's validation of the global model first reaches synchronous DiLoCo's final
+validation loss under the same speeds.
+
+Run: ``python benchmarks/async_published.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (
+    add_output_args,
+    add_run_args,
+    fill_run_defaults,
+    fit_run,
+    fmt,
+    markdown_table,
+    plot_panels,
+    publish,
+    quiet,
+    run_spec,
+)
+from lightning_hdet.testing import PUBLISHED_STEP_SECONDS
+
+NAME = "async_published"
+#: Step-time factor of each rank relative to the fastest; ranks beyond the list repeat its last value.
+LEVELS: dict[str, tuple[float, ...]] = {
+    "none": (1.0,),
+    "slight": (1.0, 1.1, 1.2, 1.3),
+    "moderate": (1.0, 1.5, 2.0, 2.5),
+    "very": tuple(s / PUBLISHED_STEP_SECONDS[0] for s in PUBLISHED_STEP_SECONDS),
+}
+#: method -> AsyncLocalSGDStrategy arguments (None: Lightning's DDP).
+METHODS: dict[str, dict | None] = {
+    "ddp": None,
+    "diloco": {"mode": "sync"},
+    "async_nesterov": {"mode": "async", "delayed_nesterov": False, "dynamic_local_steps": False},
+    "async_dn": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": False},
+    "async_dn_dylu": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True},
+}
+# Published final perplexity on C4 (20M model, k = 4) per heterogeneity level; async DN alone is not tabulated.
+PUBLISHED = {
+    "diloco": {"none": 41.35, "slight": 41.35, "moderate": 41.35, "very": 41.35},
+    "async_nesterov": {"none": 44.27, "slight": 44.38, "moderate": 44.29, "very": 44.27},
+    "async_dn_dylu": {"none": 41.27, "slight": 41.27, "moderate": 41.09, "very": 41.13},
+}
+
+
+def factors(level: str, world: int) -> dict[int, float]:
+    table = LEVELS[level]
+    return {r: table[min(r, len(table) - 1)] for r in range(world)}
+
+
+def run_method(method: str, level: str, args: argparse.Namespace, work: Path) -> dict:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+
+    spec = run_spec(args, args.lr, weight_decay=0.1)
+    common = {"start_method": "spawn", "process_group_backend": "gloo"}
+    options = METHODS[method]
+    if options is None:
+        strategy = DDPStrategy(**common)
+    else:
+        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, outer_lr=args.outer_lr,
+                                         outer_momentum=args.outer_momentum, **options, **common)
+    slow = SlowRanks(factors(level, args.world_size), base_seconds=args.base_seconds)
+    run = fit_run(spec, work, strategy=strategy, callbacks=[slow])
+    stats = run.rank_extra[0].get("worker_stats", {})
+    return {
+        "method": method,
+        "level": level,
+        "final_val_loss": run.final_model_val_loss,
+        "val_curve": run.val_curve,
+        "fit_s": run.fit_s,
+        "inner_steps": {w: s["steps"] for w, s in stats.items()},
+        "rounds": {w: s["rounds"] for w, s in stats.items()},
+    }
+
+
+def seconds_to(curve: list, target: float) -> float | None:
+    """Rank 0's seconds in ``fit`` when its validation loss first reached ``target``."""
+    return next((secs for _, loss, secs in curve if loss <= target), None)
+
+
+def summarise(rows: list[dict]) -> None:
+    """Add ``target`` (DiLoCo's final rank-0 validation loss at the same level) and ``s_to_target``."""
+    for level in {r["level"] for r in rows}:
+        diloco = next((r for r in rows if r["level"] == level and r["method"] == "diloco"), None)
+        target = diloco["val_curve"][-1][1] if diloco and diloco["val_curve"] else None
+        for r in rows:
+            if r["level"] == level:
+                r["target"] = target
+                r["s_to_target"] = None if target is None else seconds_to(r["val_curve"], target)
+
+
+def table(rows: list[dict], levels: list[str], methods: list[str]) -> str:
+    headers = ["method"]
+    for level in levels:
+        headers += [f"{level}: final val loss", f"{level}: s to DiLoCo's loss (fit s)"]
+    headers += [f"published ppl ({', '.join(levels)})"]
+    body = []
+    for method in methods:
+        line = [method]
+        for level in levels:
+            r = next(r for r in rows if r["method"] == method and r["level"] == level)
+            line += [fmt(r["final_val_loss"]), f"{fmt(r['s_to_target'], '.1f')} ({r['fit_s']:.1f})"]
+        published = PUBLISHED.get(method)
+        line.append(" / ".join(fmt(published[lv], ".2f") for lv in levels) if published else "—")
+        body.append(line)
+    return markdown_table(headers, body)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_output_args(p)
+    add_run_args(p)
+    p.add_argument("--world-size", type=int, default=None, help="W workers (default 4, quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="S: budget is W × S inner steps (default 200, quick 8)")
+    p.add_argument("--local-steps", type=int, default=None, help="H (default 20, quick 2)")
+    p.add_argument("--levels", nargs="+", default=None, choices=list(LEVELS), metavar="LEVEL",
+                   help=f"heterogeneity levels of {list(LEVELS)} (default all; quick: none very)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD",
+                   help=f"methods of {list(METHODS)} (default all)")
+    p.add_argument("--base-seconds", type=float, default=None, help="step time of the fastest worker (default 0.05, quick 0.01)")
+    p.add_argument("--lr", type=float, default=1e-2, help="inner AdamW LR")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    args = p.parse_args(argv)
+    q = args.quick
+    args.world_size = args.world_size or (2 if q else 4)
+    args.steps = args.steps or (8 if q else 200)
+    args.local_steps = args.local_steps or (2 if q else 20)
+    args.levels = args.levels or (["none", "very"] if q else list(LEVELS))
+    args.base_seconds = args.base_seconds or (0.01 if q else 0.05)
+    fill_run_defaults(args)
+    if args.world_size < 2:
+        p.error(f"--world-size={args.world_size} must be at least 2 (the async strategy needs several workers)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    quiet()
+    name = NAME + ("_quick" if args.quick else "")
+    t0 = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix=name) as tmp:
+        for level in args.levels:
+            for method in args.methods:
+                rows.append(run_method(method, level, args, Path(tmp) / f"{level}_{method}"))
+    total_s = time.perf_counter() - t0
+    summarise(rows)
+    plot = plot_panels(
+        args.docs_dir / "img" / f"{name}.png",
+        {f"speeds: {level}": {r["method"]: ([s for _, _, s in r["val_curve"]], [v for _, v, _ in r["val_curve"]])
+                              for r in rows if r["level"] == level}
+         for level in args.levels},
+        "seconds (rank 0, in fit)", "validation loss (global model)",
+    )
+    ratios = {lv: [round(f, 2) for f in factors(lv, args.world_size).values()] for lv in args.levels}
+    md = (
+        f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} workers, budget W × S = "
+        f"{args.world_size} × {args.steps} inner steps, H = {args.local_steps}, inner AdamW lr {args.lr:g} "
+        f"(weight decay 0.1), outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}; fastest step padded "
+        f"to {args.base_seconds:g} s; step-time factors per rank: {ratios}; seed {args.seed}. Final val loss: the "
+        f"final global model on the first {args.val_batches} validation batches (nats/byte; the paper reports "
+        f"perplexity on C4). Total wall-clock {total_s:.0f} s.\n\n"
+        + table(rows, args.levels, args.methods) + f"\n\n![{name}](img/{plot.name})\n"
+    )
+    payload = {"total_wall_s": total_s, "rows": rows}
+    publish(name, args, payload, md, args.max_chars)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU check (one GPU, no network, PyTorch + Lightning preinstalled; run from the repository root, < 5 min):
+# run the quick benchmarks twice, on CPU and with CUDA tensors (several processes sharing cuda:0 over gloo,
+# since NCCL needs one GPU per rank), check that they agree, and keep both sets of JSON and the step times.
+#   usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu_check_out)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-${OUT:-gpu_check_out}}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
+PY="${PYTHON:-python}"
+"$PY" -c "import torch, lightning; assert torch.cuda.is_available(), 'no CUDA device'; \
+print('torch', torch.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name(0))" \
+  | tee "$OUT_DIR/versions.txt"
+
+run() {  # run <accelerator> <script> [args...]
+  local acc=$1 script=$2; shift 2
+  local dir="$OUT_DIR/$acc"
+  mkdir -p "$dir/docs"
+  BENCH_ACCELERATOR=$acc timeout 120 "$PY" "benchmarks/$script.py" --quick "$@" \
+    --results-dir "$dir" --docs-dir "$dir/docs" > "$dir/$script.log" 2>&1 \
+    || { echo "$acc $script failed:"; tail -30 "$dir/$script.log"; return 1; }
+  echo "$acc $script ok"
+}
+
+for acc in cpu cuda; do
+  run "$acc" hdet_published --arms ddp_low hdet_full
+  run "$acc" async_published --levels very --methods diloco async_dn_dylu
+  run "$acc" overhead
+done
+
+"$PY" - "$OUT_DIR" <<'EOF'
+"""Compare the CPU and CUDA quick runs: same final losses (up to kernel differences), and the step times."""
+import json, math, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+load = lambda acc, name: json.loads((out / acc / f"{name}_quick.json").read_text())
+ok = True
+for name, key in (("hdet_published", "name"), ("async_published", "method")):
+    for cpu, gpu in zip(load("cpu", name)["rows"], load("cuda", name)["rows"]):
+        a, b = cpu["final_val_loss"], gpu["final_val_loss"]
+        # async runs are not deterministic (arrival order), so they get a looser tolerance
+        tol = 0.05 if name == "hdet_published" else 0.3
+        agree = (not math.isfinite(a) and not math.isfinite(b)) or abs(a - b) <= tol * max(1.0, abs(a))
+        ok &= agree
+        print(f"{name:16s} {cpu[key]:24s} cpu {a:.4f} cuda {b:.4f} {'agree' if agree else 'DIFFER'}")
+for acc in ("cpu", "cuda"):
+    for row in load(acc, "overhead")["throughput"]:
+        print(f"overhead {acc:4s} {row['arm']:12s} {row['steps_per_s']:.2f} steps/s ({row['relative_to_ddp']:.3f} x ddp)")
+sys.exit(0 if ok else 1)
+EOF
