@@ -36,14 +36,18 @@ import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import SGD, Optimizer
 
 from lightning_hdet.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
 from lightning_hdet.local_steps import LocalStepsPolicy, validate_local_steps
+from lightning_hdet.report import History, log_report_figures
+from lightning_hdet.wandb_utils import finish_worker_run, record_config
 
 Mode = Literal["async", "sync"]
 _MODES = ("async", "sync")
@@ -332,7 +336,19 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         LocalStepsPolicy(local_steps, min_local_steps, dynamic_local_steps, speed_smoothing)  # validates smoothing
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
+        self.report = History()  # the outer metrics rank 0 logged, for the figures at the end of fit
         self._reset_run_state()
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The settings, as recorded in the logger's run config under ``async/...``."""
+        return {
+            "mode": self.mode, "local_steps": self.local_steps, "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum, "delayed_nesterov": self.delayed_nesterov,
+            "buffer_size": self.buffer_size, "momentum_activation": self.momentum_activation,
+            "dynamic_local_steps": self.dynamic_local_steps, "min_local_steps": self.min_local_steps,
+            "grace_period": self.grace_period, "workers": self._expected_world_size,
+        }
 
     def _reset_run_state(self) -> None:
         self._training_phase = False
@@ -361,8 +377,16 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         validate_outer_hyperparameters(self.outer_lr, self.outer_momentum, n, self.momentum_activation)
         super()._configure_launcher()
 
+    def connect(self, model: pl.LightningModule) -> None:
+        """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures)."""
+        super().connect(model)
+        trainer = model._trainer
+        if trainer is not None and not any(isinstance(cb, AsyncLogging) for cb in trainer.callbacks):
+            trainer.callbacks.append(AsyncLogging())
+
     def setup_distributed(self) -> None:
         super().setup_distributed()
+        rank_zero_info(f"{type(self).__name__}: creating the exchange process groups ({self.mode} mode)")
         timeout = self._timeout or timedelta(minutes=30)
         # Two gloo groups: one carries pushes to rank 0, one carries replies, so that rank 0's receiver and
         # server threads never share a group.
@@ -525,6 +549,11 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             self._write_params(self._pulled)
         self._round_start = time.perf_counter()
 
+    @property
+    def outer_updates(self) -> int:
+        """How many times the outer optimizer has stepped (rank 0; 0 elsewhere)."""
+        return self._outer.outer_updates if self._outer is not None else 0
+
     def worker_stats(self) -> dict[int, dict[str, float]]:
         """Per-worker progress as the outer optimizer saw it (rank 0 only; empty elsewhere): inner ``steps``,
         completed ``rounds``, ``local_steps`` of the next round, ``steps_per_s``, ``staleness``."""
@@ -540,6 +569,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         self._logged_version = self._outer.metrics_version
         trainer = self.lightning_module.trainer
         metrics = self._outer.metrics()
+        self.report.add(trainer.global_step, metrics)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -671,3 +701,31 @@ class AsyncLocalSGDStrategy(DDPStrategy):
                     mode=mode,
                     start_method=start_method,
                 )
+
+
+class AsyncLogging(Callback):
+    """What the async strategy shows: the outer-update count and the slowest worker in the progress bar, its
+    settings in the run config (``async/...``), and at the end of fit the per-worker figures in W&B."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and isinstance(trainer.strategy, AsyncLocalSGDStrategy):
+            record_config(trainer, "async", trainer.strategy.config)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = trainer.strategy
+        stats = strategy.worker_stats() if isinstance(strategy, AsyncLocalSGDStrategy) else {}
+        if not stats:
+            return
+        slowest = min(stats, key=lambda w: stats[w]["steps_per_s"] or math.inf)
+        pl_module.log("async/outer_updates", float(strategy.outer_updates), prog_bar=True, logger=False,
+                      rank_zero_only=True)
+        pl_module.log("async/slowest", float(slowest), prog_bar=True, logger=False, rank_zero_only=True)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if trainer.is_global_zero and isinstance(strategy, AsyncLocalSGDStrategy):
+            log_report_figures(trainer, strategy.report)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_worker_run(trainer)

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_hdet.blend import BLENDS, blend_coefficients, blend_strengths
-from lightning_hdet.report import History, log_figures_to_wandb, make_figures
+from lightning_hdet.report import History, log_report_figures
 from lightning_hdet.strategy import HDETStrategy
 from lightning_hdet.vote import divergent, make_rule, winner_of
 from lightning_hdet.wandb_utils import finish_worker_run, log_vote_history, record_config
@@ -237,12 +237,7 @@ class HDETCallback(Callback):
         if not trainer.is_global_zero or not self.history:
             return
         log_vote_history(trainer, self.history, step=trainer.global_step)
-        if any(type(lg).__name__ == "WandbLogger" for lg in trainer.loggers):
-            try:
-                figures = make_figures(self.report)
-            except ImportError:  # matplotlib is an optional extra
-                return
-            log_figures_to_wandb(trainer.loggers, figures, step=trainer.global_step)
+        log_report_figures(trainer, self.report)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         finish_worker_run(trainer)

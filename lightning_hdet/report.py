@@ -479,6 +479,18 @@ def log_figures_to_wandb(logger: Logger | Iterable[Logger], figures: Mapping[str
     return len(targets)
 
 
+def log_report_figures(trainer: Any, history: History) -> int:
+    """At the end of fit (rank 0): log the run's figures to every ``WandbLogger`` of ``trainer``, if any and if
+    matplotlib (the ``plots`` extra) is installed. Returns how many W&B loggers received them."""
+    if not any(type(lg).__name__ == "WandbLogger" for lg in trainer.loggers):
+        return 0
+    try:
+        figures = make_figures(history)
+    except ImportError:
+        return 0
+    return log_figures_to_wandb(trainer.loggers, figures, step=trainer.global_step)
+
+
 # --------------------------------------------------------------------------------------------- CLI
 
 

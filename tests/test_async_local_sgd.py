@@ -35,6 +35,7 @@ class Dump(Callback):
                 "outer": outer,
                 "val_losses": getattr(pl_module, "val_losses", []),
                 "val_samples": getattr(pl_module, "val_samples", []),
+                "progress": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
             },
             self.out / f"rank{trainer.global_rank}.pt",
         )
@@ -137,6 +138,8 @@ def test_async_heterogeneous_dynamic_local_steps(tmp_path):
         assert f"async/worker3/{key}" in final
     _assert_same_params(ranks)
     torch.testing.assert_close(ranks[0]["params"], outer["params"])
+    # the progress bar shows the outer-update count and the slowest worker (rank 3)
+    assert ranks[0]["progress"]["async/slowest"] == 3.0 and ranks[0]["progress"]["async/outer_updates"] >= 1
 
 
 @pytest.mark.timeout(180)
