@@ -107,6 +107,16 @@ def test_controller_moves_base_lr_toward_the_better_multiplier(tmp_path):
         assert vote[0]["winner"] == min(range(4), key=lambda g: vote[g]["loss"])
 
 
+def test_init_noise_gives_each_group_its_own_start(tmp_path):
+    """Published warm start: with the same LR and a shared gradient, the groups differ only by their noise."""
+    nu = 0.01
+    cb = HDETCallback(every_n_steps=1000, init_noise=nu)
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.0, start_method="spawn"), cb, max_steps=2, devices=2)
+    a, b = ranks[0]["pre"][2], ranks[1]["pre"][2]
+    expected = nu * float(a.norm()) * 2 ** 0.5  # E|eps_0 - eps_1|^2 = 2 nu^2 |theta_0|^2
+    assert 0.6 * expected < float((a - b).norm()) < 1.4 * expected
+
+
 def _loss_of(params: torch.Tensor) -> float:
     data = Regression()
     w, b = params[:8].float(), params[8].float()
