@@ -261,6 +261,12 @@ class HDETCallback(Callback):
                 )
             row = torch.tensor([self._monitored, 1.0, float(skipped)], dtype=torch.float64)
         table = strategy.gather_group_values(row)
+        if self.monitor is None and not bool((table[:, 1] > 0).any()):
+            raise MisconfigurationException(
+                f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step "
+                f"{trainer.global_step} returned one. Return the loss tensor (or a dict with 'loss') from "
+                "`training_step` -- also under manual optimization -- or vote on a logged metric with `monitor=...`."
+            )
         losses = [s / c if c > 0 else float("nan") for s, c in zip(table[:, 0].tolist(), table[:, 1].tolist())]
         finite = [(c > 0 and s == 0) for c, s in zip(table[:, 1].tolist(), table[:, 2].tolist())]
         return losses, finite

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import math
+
 import torch
 from torch.optim import Optimizer
 
@@ -84,6 +86,9 @@ def validate_outer_hyperparameters(
     lr: float, momentum: float, buffer_size: int, momentum_activation: float
 ) -> None:
     """Raise a ValueError naming the argument when an outer-optimizer hyperparameter is out of range."""
+    for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("momentum_activation", momentum_activation)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
     if not lr > 0:
         raise ValueError(f"`outer_lr` must be > 0, got {lr!r}.")
     if not 0 <= momentum < 1:

@@ -1,0 +1,145 @@
+"""Reliability: bad input, stuck peers, faults, killed processes, damaged checkpoints, determinism.
+
+Complements the bad-input tables in test_strategy.py / test_callback.py / test_async_local_sgd.py with the cases
+they do not cover. The guarantees tested here are stated in docs/failure_modes.md.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
+from tests.helpers import LinearModel, SGDBoring, trainer_kwargs
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(num_groups="2"), r"`num_groups` must be a positive integer .* got '2'"),
+        (dict(num_groups=2.0), r"`num_groups` must be a positive integer .* got 2.0"),
+        (dict(spread=float("nan")), r"`spread` must be a number in \[0, 1\), got nan"),
+        (dict(spread="0.1"), r"`spread` must be a number in \[0, 1\), got '0.1'"),
+        (dict(lr_multipliers="12"), "`lr_multipliers` must be a non-empty sequence of positive finite numbers"),
+        (dict(lr_multipliers=[]), "`lr_multipliers` must be a non-empty sequence"),
+        (dict(lr_multipliers=[1.0, "2"]), "`lr_multipliers` must contain positive finite numbers only"),
+        (dict(gradient_sync=None), r"`gradient_sync` must be one of \('global', 'group'\), got None"),
+        # options of sharded strategies: HDET keeps a full replica per rank
+        (dict(sharding_strategy="FULL_SHARD"), r"unsupported argument `sharding_strategy`='FULL_SHARD'.*FSDP"),
+        (dict(offload_optimizer=True), r"unsupported argument `offload_optimizer`=True.*find_unused_parameters"),
+        (dict(process_group=object()), "`process_group` cannot be passed to HDETStrategy"),
+    ],
+)
+def test_hdet_strategy_rejects(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HDETStrategy(**kwargs)
+
+
+def test_hdet_strategy_accepts_ddp_options() -> None:
+    strategy = HDETStrategy(find_unused_parameters=True, static_graph=False, timeout=timedelta(seconds=30))
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "static_graph": False}
+    assert strategy._timeout == timedelta(seconds=30)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(every_n_steps=True), "`every_n_steps` must be a positive integer, got True"),
+        (dict(temperature=float("inf")), "`temperature` must be a positive finite number, got inf"),
+        (dict(meta_lr=float("nan")), "`meta_lr` must be a finite number >= 0, got nan"),
+        (dict(momentum="0.9"), r"`momentum` must be a number in \[0, 1\), got '0.9'"),
+        (dict(monitor=3), "`monitor` must be None or a logged metric name, got 3"),
+        (dict(safety_net=1), "`safety_net` must be True or False, got 1"),
+        (dict(seed="0"), "`seed` must be an integer, got '0'"),
+        (dict(divergence_factor=float("inf")), "`divergence_factor` must be None or a finite number > 1"),
+    ],
+)
+def test_hdet_callback_rejects(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HDETCallback(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(outer_lr=float("inf")), "`outer_lr` must be a finite number, got inf"),
+        (dict(outer_lr="0.7"), "`outer_lr` must be a finite number, got '0.7'"),
+        (dict(outer_momentum=float("nan")), "`outer_momentum` must be a finite number, got nan"),
+        (dict(local_steps=2.5), "`local_steps` must be a positive integer, got 2.5"),
+        (dict(local_steps=4, min_local_steps=8), r"`min_local_steps` \(8\) must not exceed `local_steps` \(4\)"),
+        (dict(grace_period=float("inf")), "`grace_period` must be a finite number of seconds >= 0, got inf"),
+        (dict(speed_smoothing=1.0), r"`speed_smoothing` must be in \[0, 1\), got 1.0"),
+        (dict(mode="sync", buffer_size=4), r"`buffer_size`=4 applies only to Delayed Nesterov.*mode='sync'"),
+        (dict(delayed_nesterov=False, momentum_activation=0.1), r"`momentum_activation`=0.1 applies only to Delayed"),
+        (dict(ddp_comm_hook=lambda *a: None), "`ddp_comm_hook` / `model_averaging_period` do not apply"),
+    ],
+)
+def test_async_strategy_rejects(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AsyncLocalSGDStrategy(**kwargs)
+
+
+def test_async_buffer_larger_than_workers_rejected_before_process_groups() -> None:
+    with pytest.raises(ValueError, match=r"`buffer_size=8` is larger than the number of workers \(4\); allowed: 1..4"):
+        Trainer(strategy=AsyncLocalSGDStrategy(buffer_size=8), accelerator="cpu", devices=4, logger=False)
+
+
+class _NoLR(torch.optim.Optimizer):
+    """An optimizer whose param groups carry no learning rate."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, defaults={"scale": 0.1})
+
+    def step(self, closure: Any = None) -> Any:
+        return closure() if closure is not None else None
+
+
+class _NoLRModel(SGDBoring):
+    def configure_optimizers(self) -> Any:
+        return _NoLR(self.parameters())
+
+
+class _ManualModel(SGDBoring):
+    """Manual optimization; ``return_loss=False`` gives HDET no loss to vote on."""
+
+    def __init__(self, return_loss: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.return_loss = return_loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self.step(batch)
+        self.manual_backward(loss)
+        opt.step()
+        return loss if self.return_loss else None
+
+
+def _single_process(**kw: Any) -> Trainer:
+    """HDET on one process (no process is spawned): enough for errors that do not depend on the world size."""
+    with pytest.warns(UserWarning, match="needs several data-parallel replicas"):
+        return Trainer(strategy=HDETStrategy(), **trainer_kwargs(devices=1, **kw))
+
+
+def test_optimizer_without_numeric_lr_is_rejected() -> None:
+    trainer = _single_process()
+    with pytest.raises(ValueError, match=r"optimizer 0 \(_NoLR\) param group 0 has lr=None"):
+        trainer.fit(_NoLRModel())
+
+
+def test_manual_optimization_needs_a_returned_loss() -> None:
+    trainer = _single_process(callbacks=[HDETCallback(every_n_steps=2)], max_steps=4)
+    trainer.fit(_ManualModel(return_loss=True))  # supported: the multiplier wraps `opt.step()`
+    assert trainer.global_step == 4 and trainer.callbacks[0].num_votes == 2
+    trainer = _single_process(callbacks=[HDETCallback(every_n_steps=2)], max_steps=4)
+    with pytest.raises(MisconfigurationException, match="no training_step up to step 2 returned one"):
+        trainer.fit(_ManualModel(return_loss=False))
