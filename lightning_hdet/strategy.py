@@ -476,7 +476,7 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
     """
     own = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
     for name in kwargs:
-        if name == "process_group":
+        if name == "process_group" and kwargs[name] is not None:
             raise ValueError(
                 "`process_group` cannot be passed to HDETStrategy: it creates the process groups itself "
                 "(one per HDET group)."
