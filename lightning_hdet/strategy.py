@@ -476,12 +476,13 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
     """
     own = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
     for name in kwargs:
-        if name == "process_group" and kwargs[name] is not None:
-            raise ValueError(
-                "`process_group` cannot be passed to HDETStrategy: it creates the process groups itself "
-                "(one per HDET group)."
-            )
-        if name not in own and name not in _DDP_KWARGS:
+        if name == "process_group":
+            if kwargs[name] is not None:
+                raise ValueError(
+                    "`process_group` cannot be passed to HDETStrategy: it creates the process groups itself "
+                    "(one per HDET group)."
+                )
+        elif name not in own and name not in _DDP_KWARGS:
             raise ValueError(
                 f"HDETStrategy got an unsupported argument `{name}`={kwargs[name]!r}. Besides its own and "
                 f"DDPStrategy's arguments it accepts only DistributedDataParallel options: {', '.join(_DDP_KWARGS)}. "
