@@ -143,3 +143,21 @@ def test_manual_optimization_needs_a_returned_loss() -> None:
     trainer = _single_process(callbacks=[HDETCallback(every_n_steps=2)], max_steps=4)
     with pytest.raises(MisconfigurationException, match="no training_step up to step 2 returned one"):
         trainer.fit(_ManualModel(return_loss=False))
+
+
+# ---------------------------------------------------------------------------------------------- damaged checkpoints
+def test_truncated_or_corrupted_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = _single_process(callbacks=[ckpt], enable_checkpointing=True, max_steps=2)
+    trainer.fit(LinearModel())
+    good = (tmp_path / "last.ckpt").read_bytes()
+    (tmp_path / "truncated.ckpt").write_bytes(good[: len(good) // 2])
+    (tmp_path / "garbage.ckpt").write_bytes(b"\x00not a checkpoint" * 64)
+    torch.save({"epoch": 1}, tmp_path / "foreign.ckpt")
+    for name, match in (("truncated", "is truncated or corrupted"), ("garbage", "is truncated or corrupted"),
+                        ("foreign", r"is not a Lightning checkpoint: it has no `state_dict` \(found \['epoch'\]\)")):
+        trainer = _single_process(max_steps=4)
+        with pytest.raises(RuntimeError, match=f"{name}.ckpt.*{match}"):
+            trainer.fit(LinearModel(), ckpt_path=str(tmp_path / f"{name}.ckpt"))
