@@ -7,17 +7,21 @@ they do not cover. The guarantees tested here are stated in docs/failure_modes.m
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
-from tests.helpers import LinearModel, SGDBoring, trainer_kwargs
+from tests.helpers import LinearModel, Recorder, SGDBoring, flat_params, load_ranks, trainer_kwargs
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -147,8 +151,6 @@ def test_manual_optimization_needs_a_returned_loss() -> None:
 
 # ---------------------------------------------------------------------------------------------- damaged checkpoints
 def test_truncated_or_corrupted_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     trainer = _single_process(callbacks=[ckpt], enable_checkpointing=True, max_steps=2)
     trainer.fit(LinearModel())
@@ -161,3 +163,95 @@ def test_truncated_or_corrupted_checkpoint_is_a_clear_error(tmp_path: Path) -> N
         trainer = _single_process(max_steps=4)
         with pytest.raises(RuntimeError, match=f"{name}.ckpt.*{match}"):
             trainer.fit(LinearModel(), ckpt_path=str(tmp_path / f"{name}.ckpt"))
+
+
+# ---------------------------------------------------------------------------------------------- multi-process faults
+class _Fault(Callback):
+    """Injects one fault on chosen ranks at chosen steps: ``sleep`` (a stuck peer), ``kill`` (SIGKILL) or ``nan``
+    (a gradient turns NaN inside the backward pass, before DDP reduces it; the loss stays finite)."""
+
+    def __init__(self, kind: str, ranks: tuple[int, ...], steps: tuple[int, ...]) -> None:
+        self.kind, self.ranks, self.steps = kind, ranks, steps
+        self._armed = False
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if self.kind == "nan" and trainer.global_rank in self.ranks:
+            pl_module.layer.weight.register_hook(lambda g: g * math.nan if self._armed else g)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        hit = trainer.global_rank in self.ranks and trainer.global_step in self.steps
+        self._armed = hit
+        if hit and self.kind == "sleep":
+            time.sleep(120)  # far beyond the strategy's timeout: the peers must give up first
+        if hit and self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Start(Callback):
+    """Each rank's parameters when training starts (after any checkpoint was restored)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(flat_params(pl_module), self.out / f"start{trainer.global_rank}.pt")
+
+
+def _hdet_fit(out: Path, devices: int = 2, num_groups: int = 2, gradient_sync: str = "group",
+              callback: HDETCallback | None = None, extra: tuple = (), ckpt_path: str | None = None,
+              checkpoint_every: int | None = None, **kw: Any) -> list[dict[str, Any]]:
+    """One HDET run on ``devices`` spawned CPU processes with a 20 s collective timeout.
+
+    One batch per epoch, the same on every rank, so that a resumed run sees exactly the data of a straight one.
+    """
+    seed_everything(1)
+    callbacks: list[Callback] = [callback or HDETCallback(every_n_steps=3, init_noise=0.01), *extra, _Start(out),
+                                 Recorder(out)]
+    if checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=checkpoint_every))
+    strategy = HDETStrategy(num_groups=num_groups, spread=0.5, gradient_sync=gradient_sync, start_method="spawn",
+                            timeout=timedelta(seconds=kw.pop("timeout_s", 20)))
+    trainer = Trainer(strategy=strategy, callbacks=callbacks,
+                      **trainer_kwargs(devices=devices, enable_checkpointing=bool(checkpoint_every),
+                                       use_distributed_sampler=False, **kw))
+    trainer.fit(LinearModel(optimizer="adam", lr=0.01, n_train=16), ckpt_path=ckpt_path)
+    ranks = load_ranks(out, devices)
+    for r in ranks:
+        r["start"] = torch.load(out / f"start{r['rank']}.pt")
+    return ranks
+
+
+@pytest.mark.timeout(90)
+def test_stuck_peer_fails_within_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 hangs inside a training step; rank 0's gradient all-reduce gives up after `timeout` (5 s)."""
+    with pytest.raises(Exception, match=r"(?s)Timed out|timed out|timeout"):
+        _hdet_fit(tmp_path, gradient_sync="global", timeout_s=5, extra=(_Fault("sleep", (1,), (2,)),))
+    assert not (tmp_path / "rank0.pt").exists()  # the job stopped; it did not finish around the stuck peer
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("devices", "nan_ranks"), [(4, (2,)), (2, (0, 1))], ids=["one-group", "every-group"])
+def test_nan_gradients(tmp_path: Path, devices: int, nan_ranks: tuple[int, ...]) -> None:
+    """NaN gradients (finite loss) at steps 1-2 on some ranks; global gradient sync, votes every 4 steps.
+
+    One rank of group 1 (of 2 ranks each): that group skips both steps (its other rank too), group 0 never
+    skips, group 1 is rescued at the vote. Every group: every group skips, the vote rolls back and halves all LRs.
+    """
+    cb = HDETCallback(every_n_steps=4, permute=False)
+    ranks = _hdet_fit(tmp_path, devices=devices, gradient_sync="global", callback=cb, max_steps=8,
+                      extra=(_Fault("nan", nan_ranks, (1, 2)),))
+    vote = [h for h in ranks[0]["history"] if h["step"] == 4]
+    if devices == 4:
+        assert [r["skipped_steps"] for r in ranks] == [0, 0, 2, 2]
+        assert [h["rescued"] for h in vote] == [False, True] and vote[0]["winner"] == 0
+        assert ranks[0]["rescues"] == 1
+        assert math.isfinite(vote[1]["loss"])  # rescued for its gradients, not its loss
+    else:
+        assert [r["skipped_steps"] for r in ranks] == [2, 2]
+        assert all(h["rescued"] and h["winner"] == -1 for h in vote)  # roll-back
+        assert ranks[0]["lr_multipliers"][:, 0].tolist() == pytest.approx([0.25, 0.75])  # 0.5 x (0.5, 1.5)
+    assert all(r["history"] == ranks[0]["history"] for r in ranks)
+    assert all(bool(torch.isfinite(r["final_params"]).all()) for r in ranks)
+    assert all(torch.equal(r["final_params"], ranks[0]["final_params"]) for r in ranks)
+    assert all(math.isfinite(x) for r in ranks for x in r["losses"])  # only the gradients were poisoned
