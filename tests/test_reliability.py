@@ -209,7 +209,8 @@ def _hdet_fit(out: Path, devices: int = 2, num_groups: int = 2, gradient_sync: s
     callbacks: list[Callback] = [callback or HDETCallback(every_n_steps=3, init_noise=0.01), *extra, _Start(out),
                                  Recorder(out)]
     if checkpoint_every:
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=checkpoint_every))
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=-1,
+                                         every_n_train_steps=checkpoint_every))
     strategy = HDETStrategy(num_groups=num_groups, spread=0.5, gradient_sync=gradient_sync, start_method="spawn",
                             timeout=timedelta(seconds=kw.pop("timeout_s", 20)))
     trainer = Trainer(strategy=strategy, callbacks=callbacks,
@@ -255,3 +256,60 @@ def test_nan_gradients(tmp_path: Path, devices: int, nan_ranks: tuple[int, ...])
     assert all(bool(torch.isfinite(r["final_params"]).all()) for r in ranks)
     assert all(torch.equal(r["final_params"], ranks[0]["final_params"]) for r in ranks)
     assert all(math.isfinite(x) for r in ranks for x in r["losses"])  # only the gradients were poisoned
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """An uninterrupted 12-step HDET run (2 groups, init noise, votes every 3 steps, checkpoints every 4)."""
+    out = tmp_path_factory.mktemp("straight")
+    return out, _hdet_fit(out, max_steps=12, checkpoint_every=4)
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HDET checkpoint that describes the ensemble, by a readable key."""
+    c = torch.load(path, weights_only=False)
+    out = {f"merged/{k}": v for k, v in c["state_dict"].items()}
+    for g, group in enumerate(c["hdet"]["groups"]):
+        out.update({f"group{g}/{k}": v for k, v in group["state_dict"].items()})
+        out.update({f"group{g}/exp_avg/{i}": s["exp_avg"] for i, s in group["optimizer_states"][0]["state"].items()})
+    out["lr_multipliers"] = c["hdet"]["lr_multipliers"]
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_killed_process_fails_fast_and_resume_is_exact(tmp_path: Path, straight_run: Any) -> None:
+    """SIGKILL of rank 1 at step 6: the job fails at once (not after a hang); resuming the step-4 checkpoint
+    reaches the uninterrupted run's final parameters. Both launches agree bit for bit up to the checkpoint."""
+    straight_dir, straight = straight_run
+    with pytest.raises(Exception, match=r"(?s)SIGKILL|signal 9|Connection closed|Connection reset"):
+        _hdet_fit(tmp_path / "killed", max_steps=12, checkpoint_every=4, extra=(_Fault("kill", (1,), (6,)),))
+    last = tmp_path / "killed" / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 4
+    # determinism: the same seed gives the same run (weights, per-group states, multipliers after a vote)
+    mine, theirs = _checkpoint_tensors(last), _checkpoint_tensors(straight_dir / "ckpt" / "epoch=3-step=4.ckpt")
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine), [k for k in mine if not torch.equal(mine[k], theirs[k])]
+    resumed = _hdet_fit(tmp_path / "resumed", max_steps=12, ckpt_path=str(last))
+    for a, b in zip(straight, resumed):
+        assert a["group_index"] == b["group_index"]
+        torch.testing.assert_close(b["params_by_step"][12], a["params_by_step"][12], rtol=0, atol=1e-6)
+        torch.testing.assert_close(b["final_params"], a["final_params"], rtol=0, atol=1e-6)
+    assert [(h["step"], h["group"], h["winner"]) for h in resumed[0]["history"]] == [
+        (h["step"], h["group"], h["winner"]) for h in straight[0]["history"]]
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_a_different_number_of_groups_starts_every_group_from_the_merged_model(
+        tmp_path: Path, straight_run: Any) -> None:
+    straight_dir, _ = straight_run
+    path = straight_dir / "ckpt" / "epoch=3-step=4.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    assert len(checkpoint["hdet"]["groups"]) == 2
+    merged = torch.cat([checkpoint["state_dict"][k].reshape(-1).double() for k in ("layer.weight", "layer.bias")])
+    group0 = torch.cat([checkpoint["hdet"]["groups"][0]["state_dict"][k].reshape(-1).double()
+                        for k in ("layer.weight", "layer.bias")])
+    assert not torch.equal(merged, group0)  # so "started from the merged model" is a real statement
+    ranks = _hdet_fit(tmp_path, num_groups=1, max_steps=8, ckpt_path=str(path))
+    for r in ranks:
+        torch.testing.assert_close(r["start"], merged, rtol=0, atol=0)
+        assert r["global_step"] == 8 and bool(torch.isfinite(r["final_params"]).all())
