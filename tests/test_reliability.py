@@ -232,19 +232,20 @@ def test_stuck_peer_fails_within_the_timeout(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("devices", "nan_ranks"), [(4, (2,)), (2, (0, 1))], ids=["one-group", "every-group"])
-def test_nan_gradients(tmp_path: Path, devices: int, nan_ranks: tuple[int, ...]) -> None:
-    """NaN gradients (finite loss) at steps 1-2 on some ranks; global gradient sync, votes every 4 steps.
+@pytest.mark.parametrize("nan_ranks", [(1,), (0, 1)], ids=["one-group", "every-group"])
+def test_nan_gradients(tmp_path: Path, nan_ranks: tuple[int, ...]) -> None:
+    """NaN gradients (finite loss) at steps 1-2; 2 groups of 1 rank, gradients averaged over all ranks.
 
-    One rank of group 1 (of 2 ranks each): that group skips both steps (its other rank too), group 0 never
-    skips, group 1 is rescued at the vote. Every group: every group skips, the vote rolls back and halves all LRs.
+    In group 1 only: the guard keeps the NaN out of the shared average, so group 0 trains on; group 1 skips both
+    steps and is rescued at the vote. In every group: every group skips, the vote rolls back and halves all LRs.
     """
     cb = HDETCallback(every_n_steps=4, permute=False)
-    ranks = _hdet_fit(tmp_path, devices=devices, gradient_sync="global", callback=cb, max_steps=8,
+    ranks = _hdet_fit(tmp_path, gradient_sync="global", callback=cb, max_steps=8,
                       extra=(_Fault("nan", nan_ranks, (1, 2)),))
     vote = [h for h in ranks[0]["history"] if h["step"] == 4]
-    if devices == 4:
-        assert [r["skipped_steps"] for r in ranks] == [0, 0, 2, 2]
+    if nan_ranks == (1,):
+        assert [r["skipped_steps"] for r in ranks] == [0, 2]
+        assert not torch.equal(ranks[0]["params_by_step"][1], ranks[0]["params_by_step"][2])  # group 0 stepped
         assert [h["rescued"] for h in vote] == [False, True] and vote[0]["winner"] == 0
         assert ranks[0]["rescues"] == 1
         assert math.isfinite(vote[1]["loss"])  # rescued for its gradients, not its loss
