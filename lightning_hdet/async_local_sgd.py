@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.optim import SGD, Optimizer
 
 from lightning_hdet.checkpoint_io import read_checkpoint
+from lightning_hdet.checks import is_finite_number
 from lightning_hdet.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
 from lightning_hdet.local_steps import LocalStepsPolicy, validate_local_steps
 
@@ -184,10 +185,6 @@ class _OuterState:
             self.workers = {int(w): _WorkerStats(**{**s, "in_flight": 0}) for w, s in state["workers"].items()}
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 class _Server:
     """Rank 0's exchange service: a receiver thread (pushes from remote workers) and a server thread (applies
     pushes and replies). Rank 0's own worker talks to it through queues."""
@@ -318,7 +315,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
         validate_local_steps(local_steps, min_local_steps)
         validate_outer_hyperparameters(outer_lr, outer_momentum, 1 if buffer_size is None else buffer_size, momentum_activation)
-        if not _is_number(grace_period) or grace_period < 0:
+        if not is_finite_number(grace_period) or grace_period < 0:
             raise ValueError(f"`grace_period` must be a finite number of seconds >= 0, got {grace_period!r}.")
         for name, value in (("buffer_size", buffer_size), ("momentum_activation", momentum_activation or None)):
             if value is not None and (mode != "async" or not delayed_nesterov):

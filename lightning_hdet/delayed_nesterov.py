@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import math
-
 import torch
 from torch.optim import Optimizer
+
+from lightning_hdet.checks import is_finite_number
 
 
 class DelayedNesterov(Optimizer):
@@ -87,7 +87,7 @@ def validate_outer_hyperparameters(
 ) -> None:
     """Raise a ValueError naming the argument when an outer-optimizer hyperparameter is out of range."""
     for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("momentum_activation", momentum_activation)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_finite_number(value):
             raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
     if not lr > 0:
         raise ValueError(f"`outer_lr` must be > 0, got {lr!r}.")
