@@ -1,4 +1,5 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both create .venv on first use.
+# `make test` also builds the documentation site (tests/test_docs.py); `make docs` writes it to site/.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -24,9 +25,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints/test.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) lightning_logs wandb out .pytest_cache
+	rm -rf $(VENV) lightning_logs wandb out site .pytest_cache

@@ -50,15 +50,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sync", action="store_true", help="synchronous DiLoCo instead of asynchronous Local-SGD")
     parser.add_argument("--max-steps", type=int, default=150, help="per-worker budget, as with 'ddp'")
+    parser.add_argument("--devices", type=int, default=4, help="CPU processes (the first get the fast step times)")
+    parser.add_argument("--local-steps", type=int, default=20, help="H, inner steps per round")
     args = parser.parse_args()
     seed_everything(0)
     # DiLoCo's published outer setting is lr 0.7, momentum 0.9; on this tiny problem the asynchronous updates
     # oscillate with momentum 0.9, so the async run uses 0.5 (see docs/async.md, "what to pick").
     strategy = AsyncLocalSGDStrategy(
-        local_steps=20, mode="sync" if args.sync else "async", outer_lr=0.7, outer_momentum=0.9 if args.sync else 0.5
+        local_steps=args.local_steps, mode="sync" if args.sync else "async", outer_lr=0.7,
+        outer_momentum=0.9 if args.sync else 0.5,
     )
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=4, max_steps=args.max_steps, val_check_interval=50,
+        strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
+        val_check_interval=min(50, args.max_steps),
         check_val_every_n_epoch=None,
         callbacks=[SlowRanks.published(scale=0.05)], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,

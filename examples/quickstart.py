@@ -66,23 +66,25 @@ def main(argv: list[str] | None = None) -> None:
     model = CharLM(lr=args.lr)
     data = CharCorpusDataModule(block_size=64, batch_size=16, max_chars=args.max_chars)
     trainer.fit(model, datamodule=data)
+    merged = trainer.validate(model, datamodule=data, verbose=False)  # every rank now holds the merged model
     if trainer.is_global_zero:
-        report(trainer, hdet, csv_logger)
+        report(trainer, hdet, csv_logger, merged[0]["val_loss"])
 
 
-def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger) -> None:
+def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger, val_loss: float) -> None:
     """Print what the ensemble found and write the figures."""
     print("\nHDET votes (lr = each group's learning rate after the vote)")
     print(f"{'step':>5} {'group':>5} {'lr':>10} {'loss':>8} {'weight':>7} {'winner':>6} {'rescued':>7}")
     for row in hdet.history:
         print(f"{row['step']:>5} {row['group']:>5} {row['lr']:>10.2e} {row['loss']:>8.4f} {row['weight']:>7.3f} "
               f"{row['winner']:>6} {str(row['rescued']):>7}")
-    first = [r for r in hdet.history if r["step"] == hdet.history[0]["step"]]
-    last = hdet.history[-len(first):]
+    groups = trainer.strategy.num_groups
+    last = hdet.history[-groups:]
     winner = last[0]["winner"]
-    print(f"\nStarted with learning rates {[f'{r['lr']:.1e}' for r in first]} after the first vote;")
-    print(f"ended with {[f'{r['lr']:.1e}' for r in last]} (last winner: group {winner}); "
-          f"rescues: {hdet.rescues}; final val_loss: {float(trainer.callback_metrics.get('val_loss', float('nan'))):.4f}")
+    start = ", ".join(f"{lr:.1e}" for lr in hdet.initial_lrs)
+    end = ", ".join(f"{r['lr']:.1e}" for r in last)
+    print(f"\nLearning rates: started at [{start}], ended at [{end}] (last winner: group {winner}).")
+    print(f"Rescues: {hdet.rescues}. Final validation loss of the merged model: {val_loss:.4f}")
     csv_logger.save()
     try:
         from lightning_hdet.report import write_report

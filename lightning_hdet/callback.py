@@ -124,6 +124,7 @@ class HDETCallback(Callback):
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.generator = torch.Generator().manual_seed(seed)
         self.history: list[dict[str, Any]] = []
+        self.initial_lrs: list[float] = []  # every group's real learning rate when training started
         self.rescues = 0
         self.num_votes = 0
         self.last_winner = -1
@@ -165,6 +166,7 @@ class HDETCallback(Callback):
             self._loss_count.fill_(float(row[1]))
             self._resumed_interval = None
         self._skipped_at_vote = strategy.skipped_steps
+        self.initial_lrs = strategy.current_lrs()[:, 0].tolist()
         if self._last_good is None:
             self._last_good = _host_copy(strategy.flat_state())
         if trainer.ckpt_path is None and self.init_noise > 0:
@@ -337,6 +339,8 @@ class HDETCallback(Callback):
         for g in range(strategy.num_groups):
             metrics[f"hdet/group{g}/loss"] = losses[g]
             metrics[f"hdet/vote/weight{g}"] = weights[g]
+            metrics[f"hdet/group{g}/lr"] = lrs[g]  # the new learning rates, at the vote's own step
+        metrics["hdet/base_lr"] = sum(lrs) / len(lrs)
         if trainer.is_global_zero:
             self.report.add(step, metrics)
             for logger in trainer.loggers:

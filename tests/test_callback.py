@@ -87,7 +87,7 @@ def test_softmax_vote_moves_lrs_and_permutes(tmp_path):
     base = sum(final) / 4
     assert sorted(m / base for m in final) == pytest.approx(initial)  # the fan-out's shape is kept
     assert all(torch.equal(r["lr_multipliers"], ranks[0]["lr_multipliers"]) for r in ranks)
-    assert len(ranks[0]["history"]) == 4 * 4  # votes at steps 2, 4, 6 + the final merge, 4 groups each
+    assert len(ranks[0]["history"]) == 3 * 4  # votes at steps 2, 4, 6 (the final merge adds no vote), 4 groups each
 
 
 def test_controller_moves_base_lr_toward_the_better_multiplier(tmp_path):

@@ -88,7 +88,7 @@ def test_record_config_and_vote_table_reach_the_wandb_run(tmp_path, offline_wand
 def test_vote_table_and_plain_fallback(tmp_path):
     table = vote_table(VOTES)
     assert table.columns == list(VOTE_COLUMNS)
-    assert table.data[3] == [4, 3, 4e-3, pytest.approx(1.7), 0.25, True, False]
+    assert table.data[3] == [4, 3, 4e-3, pytest.approx(1.7), 0.25, 3, False]
     logger = CSVLogger(tmp_path, name="", version="")
     rows = log_vote_history(logger, [dict(zip(VOTE_COLUMNS, v)) for v in VOTES])
     assert rows == vote_rows(VOTES) and all(r["winner"] == 3 for r in rows)

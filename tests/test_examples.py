@@ -1,0 +1,139 @@
+"""Every example runs in its small mode (2 CPU processes, few steps) and prints or writes what it promises."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(*args: str, cwd: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_prints_votes_and_writes_plots(tmp_path: Path) -> None:
+    out = run_example(str(EXAMPLES / "quickstart.py"), "--steps", "10", "--every", "5", "--devices", "2",
+                      "--max-chars", "100000", "--multipliers", "0.3", "3", "--out", str(tmp_path),
+                      cwd=tmp_path)
+    row = r"^\s+(\d+)\s+(\d)\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+(\d)\s+(True|False)$"
+    rows = re.findall(row, out, re.M)
+    assert [(int(s), int(g)) for s, g, *_ in rows] == [(5, 0), (5, 1), (10, 0), (10, 1)], out
+    for step in (5, 10):
+        weights = [float(r[4]) for r in rows if int(r[0]) == step]
+        assert math.isclose(sum(weights), 1.0, abs_tol=2e-3)
+    assert "last winner: group" in out
+    plots = sorted(p.name for p in tmp_path.rglob("*.png"))
+    assert plots == ["hdet_loss.png", "hdet_lr.png", "hdet_vote_weights.png"]
+
+
+@pytest.mark.timeout(300)
+def test_char_lm_hdet_and_ddp(tmp_path: Path) -> None:
+    common = ["--steps", "10", "--every", "5", "--max-chars", "100000", "--out", str(tmp_path)]
+    out = run_example(str(EXAMPLES / "char_lm.py"), "--strategy", "hdet", "--devices", "2", *common,
+                      cwd=tmp_path)
+    hdet = json.loads((tmp_path / "hdet" / "summary.json").read_text())
+    assert hdet["strategy"] == "hdet" and hdet["steps"] == 10 and hdet["votes"] == 2
+    assert len(hdet["final_lrs"]) == 2 and all(lr > 0 for lr in hdet["final_lrs"])
+    assert hdet["val_loss"] < math.log(256)  # learned something beyond a uniform guess over bytes
+    assert f"final model val_loss {hdet['val_loss']:.4f}" in out
+    run_example(str(EXAMPLES / "char_lm.py"), "--strategy", "ddp", "--devices", "1", *common, cwd=tmp_path)
+    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert ddp["strategy"] == "ddp" and ddp["steps"] == 10 and "final_lrs" not in ddp
+    assert ddp["val_loss"] < math.log(256)
+
+
+@pytest.mark.timeout(300)
+def test_async_heterogeneous_spends_the_budget(tmp_path: Path) -> None:
+    out = run_example(str(EXAMPLES / "async_heterogeneous.py"), "--devices", "2", "--max-steps", "20",
+                      "--local-steps", "5", cwd=tmp_path)
+    assert "mode=async" in out
+    workers = re.findall(r"^\s+(\d)\s+[\d.]+s\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)$", out, re.M)
+    assert [int(w[0]) for w in workers] == [0, 1], out
+    assert sum(int(w[1]) for w in workers) == 2 * 20  # the sample budget, shared by speed
+    assert all(int(w[2]) >= 1 for w in workers)
+
+
+@pytest.mark.timeout(300)
+def test_cli_fit_with_yaml_runs_votes(tmp_path: Path) -> None:
+    run_example(str(EXAMPLES / "cli.py"), "fit", "--config", str(EXAMPLES / "configs" / "hdet.yaml"),
+                "--trainer.max_steps=10", "--trainer.val_check_interval=5",
+                "--trainer.callbacks.every_n_steps=5",
+                "--data.max_chars=100000", f"--trainer.default_root_dir={tmp_path}", cwd=tmp_path)
+    (votes,) = tmp_path.rglob("vote_history.csv")
+    rows = list(csv.DictReader(votes.open()))
+    assert [(int(r["step"]), int(r["group"])) for r in rows] == [(5, 0), (5, 1), (10, 0), (10, 1)]
+    (saved,) = tmp_path.rglob("config.yaml")
+    config = yaml.safe_load(saved.read_text())
+    assert config["trainer"]["strategy"]["class_path"] == "lightning_hdet.HDETStrategy"
+
+
+def load_cli_example():
+    spec = importlib.util.spec_from_file_location("example_cli", EXAMPLES / "cli.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_cli_print_config_shows_strategy_and_callback_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:  # --print_config prints and exits, as on the command line
+        load_cli_example().main([
+            "fit", "--config", str(EXAMPLES / "configs" / "hdet.yaml"), "--trainer.devices=4",
+            "--trainer.strategy.num_groups=4", "--trainer.strategy.lr_multipliers=[1, 0.5, 0.1, 5]",
+            "--trainer.callbacks.vote=softmax", "--print_config",
+        ])
+    assert exit_info.value.code in (0, None)
+    config = yaml.safe_load(capsys.readouterr().out)
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_hdet.HDETStrategy"
+    assert strategy["init_args"]["num_groups"] == 4
+    assert strategy["init_args"]["lr_multipliers"] == [1.0, 0.5, 0.1, 5.0]
+    assert strategy["init_args"]["gradient_sync"] == "group"
+    callbacks = config["trainer"]["callbacks"]
+    (callback,) = [c for c in callbacks if c["class_path"] == "lightning_hdet.HDETCallback"]
+    assert callback["init_args"]["vote"] == "softmax" and callback["init_args"]["every_n_steps"] == 20
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_64gpu_recipe_builds_four_groups_at_the_users_learning_rates() -> None:
+    # Built (not run) on CPU: 8 nodes x 8 devices is validated when the Trainer is created.
+    recipe = ["--config", str(EXAMPLES / "configs" / "recipe_64gpu.yaml"), "--trainer.accelerator=cpu",
+              "--trainer.precision=32-true", "--trainer.logger=false"]
+    cli = load_cli_example().main(recipe, run=False)
+    strategy = cli.trainer.strategy
+    assert (strategy.world_size, strategy.num_groups, strategy.layout.group_size) == (64, 4, 16)
+    lrs = [cli.model.hparams.lr * m for m in strategy.lr_multipliers[:, 0].tolist()]
+    assert lrs == pytest.approx([0.001, 0.0005, 0.0001, 0.005])
+    (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "HDETCallback"]
+    assert (callback.every_n_steps, callback.vote) == (1000, "best")
+    # The command-line overrides shown in docs/recipes.md reach the strategy and the callback.
+    overrides = ["--trainer.strategy.lr_multipliers=[1, 0.3, 0.1, 3]",
+                 "--trainer.callbacks.every_n_steps=500"]
+    cli = load_cli_example().main(recipe + overrides, run=False)
+    (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "HDETCallback"]
+    assert cli.trainer.strategy.lr_multipliers[:, 0].tolist() == [1.0, 0.3, 0.1, 3.0]
+    assert callback.every_n_steps == 500
+    # The SLURM script asks for exactly the recipe's processes and launches it.
+    script = (EXAMPLES / "slurm_hdet.sh").read_text()
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
+    assert (int(sbatch["nodes"]), int(sbatch["ntasks-per-node"])) == (8, 8)
+    assert "examples/configs/recipe_64gpu.yaml" in script
+    subprocess.run(["bash", "-n", str(EXAMPLES / "slurm_hdet.sh")], check=True)
