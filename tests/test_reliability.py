@@ -263,7 +263,10 @@ def test_nan_gradients(tmp_path: Path, nan_ranks: tuple[int, ...]) -> None:
 def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """An uninterrupted 12-step HDET run (2 groups, init noise, votes every 3 steps, checkpoints every 4)."""
     out = tmp_path_factory.mktemp("straight")
-    return out, _hdet_fit(out, max_steps=12, checkpoint_every=4)
+    with pytest.MonkeyPatch.context() as mp:  # a fresh rendezvous, as conftest gives each test
+        for name in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
+            mp.delenv(name, raising=False)
+        return out, _hdet_fit(out, max_steps=12, checkpoint_every=4)
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
