@@ -328,3 +328,49 @@ def test_softmax_controller_resumed_with_another_group_count_takes_the_new_fan_o
     assert len(result.multipliers) == 4
     mean = sum(result.multipliers) / 4
     assert [m / mean for m in result.multipliers] == pytest.approx([0.5, 1.0, 1.0, 1.5])
+
+
+@pytest.mark.timeout(120)
+def test_async_killed_worker_fails_fast_and_resume_spends_the_budget(tmp_path: Path) -> None:
+    """Async Local-SGD: SIGKILL of worker 1 mid-training fails the job (rank 0's server does not wait forever);
+    resuming the last checkpoint continues the outer state and spends exactly the whole run's step budget."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def fit(out: Path, extra: tuple = (), ckpt_path: str | None = None) -> None:
+        seed_everything(0)
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+        strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="fork", timeout=timedelta(seconds=20))
+        trainer = Trainer(strategy=strategy, callbacks=[*extra, ckpt],
+                          **trainer_kwargs(devices=2, max_steps=24, enable_checkpointing=True, default_root_dir=out))
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+
+    with pytest.raises(Exception, match=r"(?s)SIGKILL|signal 9|Connection closed|Connection reset|Broken pipe|Read error"):
+        fit(tmp_path / "a", extra=(_KillAfterCheckpoint(tmp_path / "ckpt" / "last.ckpt"),))
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["async_local_sgd"]
+    assert 0 < saved["steps_done"] < 2 * 24
+    fit(tmp_path / "b", extra=(_OuterDump(tmp_path / "outer.pt"),), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    outer = torch.load(tmp_path / "outer.pt", weights_only=False)
+    assert outer["steps_done"] == 2 * 24  # budget: world size x max_steps, over both runs
+    assert outer["outer_updates"] > saved["outer_updates"]
+
+
+class _KillAfterCheckpoint(Callback):
+    """Worker 1 kills itself (SIGKILL) at its first step after rank 0 wrote a checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 1 and self.path.exists():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _OuterDump(Callback):
+    """Rank 0 writes the async outer state at the end of fit (the launching process does not hold it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if trainer.is_global_zero:
+            torch.save(trainer.strategy._outer.state_dict(), self.path)
