@@ -339,7 +339,7 @@ def test_async_killed_worker_fails_fast_and_resume_spends_the_budget(tmp_path: P
     def fit(out: Path, extra: tuple = (), ckpt_path: str | None = None) -> None:
         seed_everything(0)
         ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
-        strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="fork", timeout=timedelta(seconds=20))
+        strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="spawn", timeout=timedelta(seconds=20))
         trainer = Trainer(strategy=strategy, callbacks=[*extra, ckpt],
                           **trainer_kwargs(devices=2, max_steps=24, enable_checkpointing=True, default_root_dir=out))
         trainer.fit(BoringModel(), ckpt_path=ckpt_path)
