@@ -44,6 +44,8 @@ from torch import Tensor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import SGD, Optimizer
 
+from lightning_hdet.checkpoint_io import read_checkpoint
+from lightning_hdet.checks import is_finite_number
 from lightning_hdet.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
 from lightning_hdet.local_steps import LocalStepsPolicy, validate_local_steps
 from lightning_hdet.report import History, log_report_figures
@@ -317,8 +319,14 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
         validate_local_steps(local_steps, min_local_steps)
         validate_outer_hyperparameters(outer_lr, outer_momentum, 1 if buffer_size is None else buffer_size, momentum_activation)
-        if not grace_period >= 0:
-            raise ValueError(f"`grace_period` must be >= 0 seconds, got {grace_period!r}.")
+        if not is_finite_number(grace_period) or grace_period < 0:
+            raise ValueError(f"`grace_period` must be a finite number of seconds >= 0, got {grace_period!r}.")
+        for name, value in (("buffer_size", buffer_size), ("momentum_activation", momentum_activation or None)):
+            if value is not None and (mode != "async" or not delayed_nesterov):
+                raise ValueError(
+                    f"`{name}`={value!r} applies only to Delayed Nesterov (mode='async', delayed_nesterov=True), "
+                    f"got mode={mode!r}, delayed_nesterov={delayed_nesterov!r}."
+                )
         if "ddp_comm_hook" in kwargs or "model_averaging_period" in kwargs:
             raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: the model is not wrapped in DDP.")
         super().__init__(**kwargs)
@@ -374,6 +382,12 @@ class AsyncLocalSGDStrategy(DDPStrategy):
                 f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
             )
         n = self.buffer_size or self._expected_world_size
+        if n > self._expected_world_size:
+            raise ValueError(
+                f"`buffer_size={n}` is larger than the number of workers ({self._expected_world_size}); allowed: "
+                f"1..{self._expected_world_size}. Delayed Nesterov averages N pushes into one momentum update, and "
+                "N beyond one push per worker only delays momentum (the natural choice is the number of workers)."
+            )
         validate_outer_hyperparameters(self.outer_lr, self.outer_momentum, n, self.momentum_activation)
         super()._configure_launcher()
 
@@ -646,7 +660,8 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = read_checkpoint(lambda: super(AsyncLocalSGDStrategy, self).load_checkpoint(
+            checkpoint_path, weights_only=weights_only), checkpoint_path)
         self._resume_state = checkpoint.get(_CHECKPOINT_KEY)
         return checkpoint
 

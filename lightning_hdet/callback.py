@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_hdet.blend import BLENDS, blend_coefficients, blend_strengths
+from lightning_hdet.checks import is_finite_number
 from lightning_hdet.report import History, log_report_figures
 from lightning_hdet.strategy import HDETStrategy
 from lightning_hdet.vote import divergent, make_rule, winner_of
@@ -26,10 +27,6 @@ from lightning_hdet.wandb_utils import finish_worker_run, log_vote_history, reco
 def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
     if not ok:
         raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class HDETCallback(Callback):
@@ -84,25 +81,25 @@ class HDETCallback(Callback):
         _check("every_n_steps", every_n_steps, isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool)
                and every_n_steps >= 1, "a positive integer")
         _check("vote", vote, vote in ("softmax", "best"), "one of ('softmax', 'best')")
-        _check("temperature", temperature, _is_number(temperature) and temperature > 0, "a positive finite number")
-        _check("momentum", momentum, _is_number(momentum) and 0 <= momentum < 1, "a number in [0, 1)")
-        _check("meta_lr", meta_lr, _is_number(meta_lr) and meta_lr >= 0, "a finite number >= 0")
+        _check("temperature", temperature, is_finite_number(temperature) and temperature > 0, "a positive finite number")
+        _check("momentum", momentum, is_finite_number(momentum) and 0 <= momentum < 1, "a number in [0, 1)")
+        _check("meta_lr", meta_lr, is_finite_number(meta_lr) and meta_lr >= 0, "a finite number >= 0")
         _check("warmup_steps", warmup_steps, isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool)
                and warmup_steps >= 0, "an integer >= 0")
         _check("permute", permute, isinstance(permute, bool), "True or False")
-        _check("shrink", shrink, _is_number(shrink) and 0 < shrink <= 1, "a number in (0, 1]")
-        _check("min_spread", min_spread, _is_number(min_spread) and min_spread > 0, "a positive finite number")
+        _check("shrink", shrink, is_finite_number(shrink) and 0 < shrink <= 1, "a number in (0, 1]")
+        _check("min_spread", min_spread, is_finite_number(min_spread) and min_spread > 0, "a positive finite number")
         _check("blend", blend, blend in BLENDS, f"one of {BLENDS}")
-        _check("blend_strength", blend_strength, _is_number(blend_strength) and 0 < blend_strength <= 1,
+        _check("blend_strength", blend_strength, is_finite_number(blend_strength) and 0 < blend_strength <= 1,
                "a number in (0, 1]")
         _check("monitor", monitor, monitor is None or (isinstance(monitor, str) and monitor != ""),
                "None or a logged metric name")
-        _check("init_noise", init_noise, _is_number(init_noise) and init_noise >= 0, "a finite number >= 0")
+        _check("init_noise", init_noise, is_finite_number(init_noise) and init_noise >= 0, "a finite number >= 0")
         _check("safety_net", safety_net, isinstance(safety_net, bool), "True or False")
         _check("divergence_factor", divergence_factor,
-               divergence_factor is None or (_is_number(divergence_factor) and divergence_factor > 1),
+               divergence_factor is None or (is_finite_number(divergence_factor) and divergence_factor > 1),
                "None or a finite number > 1")
-        _check("rescue_lr_factor", rescue_lr_factor, _is_number(rescue_lr_factor) and 0 < rescue_lr_factor < 1,
+        _check("rescue_lr_factor", rescue_lr_factor, is_finite_number(rescue_lr_factor) and 0 < rescue_lr_factor < 1,
                "a number in (0, 1)")
         _check("seed", seed, isinstance(seed, int) and not isinstance(seed, bool), "an integer")
         self.every_n_steps = every_n_steps
@@ -258,6 +255,12 @@ class HDETCallback(Callback):
                 )
             row = torch.tensor([self._monitored, 1.0, float(skipped)], dtype=torch.float64)
         table = strategy.gather_group_values(row)
+        if self.monitor is None and not bool((table[:, 1] > 0).any()):
+            raise MisconfigurationException(
+                f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step "
+                f"{trainer.global_step} returned one. Return the loss tensor (or a dict with 'loss') from "
+                "`training_step` -- also under manual optimization -- or vote on a logged metric with `monitor=...`."
+            )
         losses = [s / c if c > 0 else float("nan") for s, c in zip(table[:, 0].tolist(), table[:, 1].tolist())]
         finite = [(c > 0 and s == 0) for c, s in zip(table[:, 1].tolist(), table[:, 2].tolist())]
         return losses, finite

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lightning_hdet.checks import is_finite_number
+
 
 class DelayedNesterov(Optimizer):
     """Delayed Nesterov outer optimizer.
@@ -84,6 +86,9 @@ def validate_outer_hyperparameters(
     lr: float, momentum: float, buffer_size: int, momentum_activation: float
 ) -> None:
     """Raise a ValueError naming the argument when an outer-optimizer hyperparameter is out of range."""
+    for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("momentum_activation", momentum_activation)):
+        if not is_finite_number(value):
+            raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
     if not lr > 0:
         raise ValueError(f"`outer_lr` must be > 0, got {lr!r}.")
     if not 0 <= momentum < 1:

@@ -39,7 +39,7 @@ class LocalStepsPolicy:
 
     def __init__(self, local_steps: int, min_local_steps: int = 1, dynamic: bool = True, smoothing: float = 0.5) -> None:
         validate_local_steps(local_steps, min_local_steps)
-        if not 0 <= smoothing < 1:
+        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
             raise ValueError(f"`speed_smoothing` must be in [0, 1), got {smoothing!r}.")
         self.local_steps = local_steps
         self.min_local_steps = min_local_steps

@@ -12,6 +12,7 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -29,8 +30,10 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_hdet.checkpoint_io import read_checkpoint
 from lightning_hdet.fanout import check_multipliers, check_num_groups, check_spread, fan_out
 from lightning_hdet.groups import GroupLayout
 from lightning_hdet.safety import FiniteGuard, grads_are_finite
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 
 GradientSync = Literal["global", "group"]
 _GRADIENT_SYNC = ("global", "group")
+# Extra keyword arguments DDPStrategy forwards to torch's DistributedDataParallel; HDET owns `process_group`.
+_DDP_KWARGS = tuple(sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "process_group"}))
 
 
 class _SkipStep(Exception):
@@ -83,6 +88,7 @@ class HDETStrategy(DDPStrategy):
                     f"`lr_multipliers` has {len(lr_multipliers)} values but `num_groups={num_groups}`; "
                     "give exactly one multiplier per group."
                 )
+        _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._requested_groups = num_groups
         self._requested_multipliers = lr_multipliers
@@ -424,6 +430,11 @@ class HDETStrategy(DDPStrategy):
             return None
         return [gathered[self.layout.ranks(g)[0]] for g in range(self.num_groups)]  # type: ignore[index]
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Lightning's reader, with a clear error for a truncated or corrupted file."""
+        return read_checkpoint(lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
+                               checkpoint_path)
+
     def _own_group_state(self, checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
         hdet = checkpoint.get("hdet") or {}
         groups = hdet.get("groups")
@@ -455,6 +466,28 @@ class HDETStrategy(DDPStrategy):
     def teardown(self) -> None:
         self._guard = None
         super().teardown()
+
+
+def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    """Reject keyword arguments that DistributedDataParallel would only refuse after the process groups exist.
+
+    Sharded strategies' options (FSDP's ``sharding_strategy``, DeepSpeed's ``stage``/``offload_optimizer``, ...)
+    land here: HDET needs a full model replica on every rank, because groups merge by averaging whole parameters.
+    """
+    own = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
+    for name in kwargs:
+        if name == "process_group":
+            if kwargs[name] is not None:
+                raise ValueError(
+                    "`process_group` cannot be passed to HDETStrategy: it creates the process groups itself "
+                    "(one per HDET group)."
+                )
+        elif name not in own and name not in _DDP_KWARGS:
+            raise ValueError(
+                f"HDETStrategy got an unsupported argument `{name}`={kwargs[name]!r}. Besides its own and "
+                f"DDPStrategy's arguments it accepts only DistributedDataParallel options: {', '.join(_DDP_KWARGS)}. "
+                "Sharded training (FSDP/DeepSpeed options) is not supported: every rank holds a full replica."
+            )
 
 
 def _state_tensors(module: Module) -> list[Tensor]:

@@ -106,7 +106,7 @@ class SoftmaxVote(VoteRule):
         move: bool,
         generator: torch.Generator,
     ) -> VoteResult:
-        if key not in self.shape:
+        if len(self.shape.get(key, ())) != len(multipliers):  # first vote, or resumed with another group count
             mean_m = sum(multipliers) / len(multipliers)
             self.shape[key] = [m / mean_m for m in multipliers]
         weights = softmax_weights(losses, healthy, self.temperature)
