@@ -273,9 +273,11 @@ class HDETCallback(Callback):
         rescued = divergent(losses, finite, self.divergence_factor) if self.safety_net else [False] * num_groups
         healthy = [not r for r in rescued]
         table = strategy.lr_multipliers
-        # With a shared gradient ("global") a diverging group has contaminated the others before it was caught:
-        # nothing from this interval is kept.
-        contaminated = strategy.gradient_sync == "global" and any(rescued)
+        # With a shared gradient ("global") a group whose *loss* blew up sent huge, still finite gradients into
+        # every group before it was caught: nothing from this interval is kept. (Non-finite gradients alone were
+        # kept out of the average by the strategy's guard, so those rescues leave the healthy groups alone.)
+        blew_up = divergent(losses, [True] * num_groups, self.divergence_factor)
+        contaminated = strategy.gradient_sync == "global" and any(r and b for r, b in zip(rescued, blew_up))
         if num_groups > 1 and (not any(healthy) or contaminated):
             self._roll_back(trainer, strategy, losses, rescued)
             return
