@@ -1,13 +1,15 @@
-"""A real 4-process HDET run logs every documented key to one offline W&B run and to CSVLogger."""
+"""A real 4-process HDET run logs every documented key to one offline W&B run, CSVLogger and TensorBoard."""
 
 from __future__ import annotations
 
 import csv
+import struct
+from pathlib import Path
 
 import pytest
 import wandb
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 from lightning_hdet import HDETCallback, HDETStrategy
 from lightning_hdet.report import load_history
@@ -16,6 +18,22 @@ from tests.report_synthetic import offline_wandb_env
 from tests.test_wandb_utils import wandb_summary
 
 GROUPS = 4
+
+
+def tensorboard_tags(log_dir: str) -> set[str]:
+    """Scalar tags in TensorBoard event files (TFRecord framing: length, crc, Event proto, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    tags = set()
+    for path in Path(log_dir).glob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        offset = 0
+        while offset + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            tags |= {value.tag for value in event.summary.value}
+            offset += 12 + length + 4
+    return tags
 
 
 def documented_keys(groups: int) -> set[str]:
@@ -31,9 +49,10 @@ def test_hdet_run_logs_every_key_to_one_wandb_run_and_csv(tmp_path, monkeypatch)
     seed_everything(0)
     wandb_logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="hdet-keys")
     csv_logger = CSVLogger(save_dir=tmp_path, name="csv", version=0)
+    tb_logger = TensorBoardLogger(save_dir=tmp_path, name="tb", version=0)
     trainer = Trainer(strategy=HDETStrategy(spread=0.5, start_method="spawn"),
                       callbacks=[HDETCallback(every_n_steps=2)],
-                      **trainer_kwargs(logger=[wandb_logger, csv_logger], log_every_n_steps=1, max_steps=6))
+                      **trainer_kwargs(logger=[wandb_logger, csv_logger, tb_logger], log_every_n_steps=1, max_steps=6))
     trainer.fit(LinearModel())
     wandb.finish()
 
@@ -55,3 +74,4 @@ def test_hdet_run_logs_every_key_to_one_wandb_run_and_csv(tmp_path, monkeypatch)
     with open(f"{log_dir}/vote_history.csv") as f:
         votes = list(csv.DictReader(f))
     assert len(votes) == 3 * GROUPS and {int(v["group"]) for v in votes} == set(range(GROUPS))
+    assert documented_keys(GROUPS) <= tensorboard_tags(tb_logger.log_dir)  # the same keys in TensorBoard

@@ -62,7 +62,6 @@ def test_record_config_reaches_csv_hparams(tmp_path):
 
 
 def test_record_config_reaches_tensorboard_hparams(tmp_path):
-    pytest.importorskip("tensorboard")
     from lightning.pytorch.loggers import TensorBoardLogger
 
     logger = TensorBoardLogger(tmp_path, name="", version="")
