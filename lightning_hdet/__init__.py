@@ -14,12 +14,13 @@ from lightning_hdet.fanout import fan_out
 from lightning_hdet.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.strategy import HDETStrategy
 from lightning_hdet.testing import SlowRanks
-from lightning_hdet.vote import BestVote, SoftmaxVote
+from lightning_hdet.vote import Ballot, BestVote, SoftmaxVote
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AsyncLocalSGDStrategy",
+    "Ballot",
     "BestVote",
     "DelayedNesterov",
     "HDETCallback",

@@ -20,7 +20,7 @@ from lightning_hdet.blend import BLENDS, blend_coefficients, blend_strengths
 from lightning_hdet.checks import is_finite_number
 from lightning_hdet.report import History, log_report_figures
 from lightning_hdet.strategy import HDETStrategy
-from lightning_hdet.vote import divergent, make_rule, winner_of
+from lightning_hdet.vote import Ballot, divergent, make_rule, winner_of
 from lightning_hdet.wandb_utils import finish_worker_run, log_vote_history, record_config
 
 
@@ -285,7 +285,8 @@ class HDETCallback(Callback):
         schedule = strategy.schedule_lrs().tolist()
         weights, winner = [1.0 / num_groups] * num_groups, 0
         for p, schedule_lr in enumerate(schedule):
-            result = self.rule.explore(p, losses, table[:, p].tolist(), healthy, schedule_lr, move, self.generator)
+            ballot = Ballot(p, losses, table[:, p].tolist(), healthy, schedule_lr, move)
+            result = self.rule.explore(ballot, self.generator)
             table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
             if p == 0:
                 weights, winner = result.weights, result.winner

@@ -1,8 +1,9 @@
 """Vote rules: how the groups' losses move their learning rates (pure: no Lightning, no process groups).
 
 A rule is an object with one method, :meth:`VoteRule.explore`, called once per vote and per optimizer param group
-with every group's interval loss, every group's current multiplier, and which groups are healthy. It returns the
-vote weights, the winner and the new multipliers. Rules keep their own state (velocity, spread) per param group.
+with a :class:`Ballot` (every group's interval loss and current multiplier, and which groups are healthy). It
+returns the vote weights, the winner and the new multipliers. Rules keep their own state (velocity, spread)
+per param group.
 
 Multipliers are relative to the schedule's learning rate ``lr_t`` (what the optimizer and schedulers say), so
 group ``g`` trains with ``lr_t * multipliers[g]``. The *base* LR is ``lr_t * mean(multipliers)``.
@@ -57,19 +58,22 @@ def symmetric_positions(n: int) -> list[float]:
     return [-1.0 + 2.0 * k / (n - 1) for k in range(n)]
 
 
+@dataclass(frozen=True)
+class Ballot:
+    """What one vote sees for one optimizer param group."""
+
+    key: int  # which param group: rules keep their state (velocity, spread) per key
+    losses: Sequence[float]  # every group's loss signal
+    multipliers: Sequence[float]  # every group's current multiplier
+    healthy: Sequence[bool]  # groups the safety net did not catch
+    schedule_lr: float  # the LR the optimizer/scheduler says for this param group
+    move: bool  # False before ``warmup_steps`` and at the final merge: weigh, but leave the LRs alone
+
+
 class VoteRule:
     """Base class: ``explore`` turns one vote's losses into weights, a winner and new multipliers."""
 
-    def explore(
-        self,
-        key: int,
-        losses: Sequence[float],
-        multipliers: Sequence[float],
-        healthy: Sequence[bool],
-        schedule_lr: float,
-        move: bool,
-        generator: torch.Generator,
-    ) -> VoteResult:
+    def explore(self, ballot: Ballot, generator: torch.Generator) -> VoteResult:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -96,24 +100,17 @@ class SoftmaxVote(VoteRule):
     velocity: dict[int, float] = field(default_factory=dict)
     shape: dict[int, list[float]] = field(default_factory=dict)
 
-    def explore(
-        self,
-        key: int,
-        losses: Sequence[float],
-        multipliers: Sequence[float],
-        healthy: Sequence[bool],
-        schedule_lr: float,
-        move: bool,
-        generator: torch.Generator,
-    ) -> VoteResult:
+    def explore(self, ballot: Ballot, generator: torch.Generator) -> VoteResult:
+        key, losses, multipliers, healthy = ballot.key, ballot.losses, ballot.multipliers, ballot.healthy
         if len(self.shape.get(key, ())) != len(multipliers):  # first vote, or resumed with another group count
             mean_m = sum(multipliers) / len(multipliers)
             self.shape[key] = [m / mean_m for m in multipliers]
         weights = softmax_weights(losses, healthy, self.temperature)
         winner = winner_of(losses, healthy)
-        if not move or winner < 0 or schedule_lr <= 0:
+        if not ballot.move or winner < 0 or ballot.schedule_lr <= 0:
             return VoteResult(weights, winner, list(multipliers))
         idx = [g for g, ok in enumerate(healthy) if ok]
+        schedule_lr = ballot.schedule_lr
         lrs = [schedule_lr * m for m in multipliers]
         mean_lr = sum(lrs[g] for g in idx) / len(idx)
         delta = sum(weights[g] * lrs[g] for g in idx) - mean_lr
@@ -150,22 +147,14 @@ class BestVote(VoteRule):
     min_spread: float = 0.05
     spread: dict[int, float] = field(default_factory=dict)
 
-    def explore(
-        self,
-        key: int,
-        losses: Sequence[float],
-        multipliers: Sequence[float],
-        healthy: Sequence[bool],
-        schedule_lr: float,
-        move: bool,
-        generator: torch.Generator,
-    ) -> VoteResult:
+    def explore(self, ballot: Ballot, generator: torch.Generator) -> VoteResult:
+        key, losses, multipliers, healthy = ballot.key, ballot.losses, ballot.multipliers, ballot.healthy
         winner = winner_of(losses, healthy)
         weights = [1.0 if g == winner else 0.0 for g in range(len(losses))]
         if key not in self.spread:
             half_range = (math.log(max(multipliers)) - math.log(min(multipliers))) / 2
             self.spread[key] = max(half_range, self.min_spread)
-        if not move or winner < 0:
+        if not ballot.move or winner < 0:
             return VoteResult(weights, winner, list(multipliers))
         spread = max(self.spread[key] * self.shrink, self.min_spread)
         self.spread[key] = spread

@@ -320,11 +320,11 @@ def test_resume_with_a_different_number_of_groups_starts_every_group_from_the_me
 
 
 def test_softmax_controller_resumed_with_another_group_count_takes_the_new_fan_out() -> None:
-    from lightning_hdet.vote import SoftmaxVote
+    from lightning_hdet.vote import Ballot, SoftmaxVote
 
     rule = SoftmaxVote(permute=False)
     rule.load_state_dict({"velocity": {0: 0.0}, "shape": {0: [0.5, 1.5]}})  # written by a 2-group run
-    result = rule.explore(0, [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 1.0, 1.5], [True] * 4, 0.1, True, torch.Generator())
+    result = rule.explore(Ballot(0, [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 1.0, 1.5], [True] * 4, 0.1, True), torch.Generator())
     assert len(result.multipliers) == 4
     mean = sum(result.multipliers) / 4
     assert [m / mean for m in result.multipliers] == pytest.approx([0.5, 1.0, 1.0, 1.5])

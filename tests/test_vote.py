@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_hdet.fanout import fan_out
-from lightning_hdet.vote import BestVote, SoftmaxVote, divergent, make_rule, softmax_weights, winner_of
+from lightning_hdet.vote import Ballot, BestVote, SoftmaxVote, divergent, make_rule, softmax_weights, winner_of
 
 G = torch.Generator
 
@@ -35,7 +35,7 @@ def test_softmax_controller_delta_sign_momentum_and_base():
     rule = SoftmaxVote(temperature=0.1, momentum=0.9, meta_lr=0.5, permute=False)
     mult = [0.5, 1.0, 1.5]
     # the highest-LR group has the lowest loss: delta > 0, base LR grows
-    res = rule.explore(0, [1.0, 0.9, 0.8], mult, [True] * 3, 0.01, True, G().manual_seed(0))
+    res = rule.explore(Ballot(0, [1.0, 0.9, 0.8], mult, [True] * 3, 0.01, True), G().manual_seed(0))
     w = softmax_weights([1.0, 0.9, 0.8], [True] * 3, 0.1)
     lrs = [0.01 * m for m in mult]
     delta = sum(a * b for a, b in zip(w, lrs)) - sum(lrs) / 3
@@ -46,11 +46,11 @@ def test_softmax_controller_delta_sign_momentum_and_base():
     assert [x * 0.01 for x in res.multipliers] == pytest.approx([new_base * m for m in mult])
     assert res.winner == 2
     # second vote: momentum carries the old velocity
-    res2 = rule.explore(0, [1.0, 1.0, 1.0], res.multipliers, [True] * 3, 0.01, True, G().manual_seed(0))
+    res2 = rule.explore(Ballot(0, [1.0, 1.0, 1.0], res.multipliers, [True] * 3, 0.01, True), G().manual_seed(0))
     assert rule.velocity[0] == pytest.approx(0.9 * v)
     # the lowest-LR group winning moves the base down
     rule2 = SoftmaxVote(permute=False)
-    res3 = rule2.explore(0, [0.8, 0.9, 1.0], mult, [True] * 3, 0.01, True, G().manual_seed(0))
+    res3 = rule2.explore(Ballot(0, [0.8, 0.9, 1.0], mult, [True] * 3, 0.01, True), G().manual_seed(0))
     assert sum(res3.multipliers) / 3 < 1.0
     assert res2.weights == pytest.approx([1 / 3] * 3)
 
@@ -61,7 +61,7 @@ def test_softmax_permutation_preserves_the_set():
     gen = G().manual_seed(3)
     seen = set()
     for _ in range(10):
-        res = rule.explore(0, [1.0, 1.0, 1.0, 1.0], mult, [True] * 4, 0.1, True, gen)
+        res = rule.explore(Ballot(0, [1.0, 1.0, 1.0, 1.0], mult, [True] * 4, 0.1, True), gen)
         assert sorted(res.multipliers) == pytest.approx(sorted(mult))
         assert len(set(res.multipliers)) == 4  # every group a distinct multiplier
         seen.add(tuple(res.multipliers))
@@ -71,7 +71,7 @@ def test_softmax_permutation_preserves_the_set():
 
 def test_softmax_is_guarded_against_non_positive_lr():
     rule = SoftmaxVote(meta_lr=1e6, permute=False)  # absurd meta LR: the additive update would go negative
-    res = rule.explore(0, [0.1, 0.2, 5.0], [0.5, 1.0, 100.0], [True] * 3, 0.01, True, G().manual_seed(0))
+    res = rule.explore(Ballot(0, [0.1, 0.2, 5.0], [0.5, 1.0, 100.0], [True] * 3, 0.01, True), G().manual_seed(0))
     base = 0.01 * (0.5 + 1.0 + 100.0) / 3
     new_base = 0.01 * sum(res.multipliers) / 3
     assert new_base == pytest.approx(base / 2)
@@ -81,8 +81,8 @@ def test_softmax_is_guarded_against_non_positive_lr():
 def test_no_move_before_warmup_or_with_zero_schedule():
     rule = SoftmaxVote()
     mult = [0.5, 1.5]
-    assert rule.explore(0, [1.0, 0.5], mult, [True, True], 0.01, False, G()).multipliers == mult
-    assert rule.explore(0, [1.0, 0.5], mult, [True, True], 0.0, True, G()).multipliers == mult
+    assert rule.explore(Ballot(0, [1.0, 0.5], mult, [True, True], 0.01, False), G()).multipliers == mult
+    assert rule.explore(Ballot(0, [1.0, 0.5], mult, [True, True], 0.0, True), G()).multipliers == mult
 
 
 def test_best_vote_recentres_and_keeps_spread():
@@ -91,7 +91,7 @@ def test_best_vote_recentres_and_keeps_spread():
     gen = G().manual_seed(0)
     spreads = []
     for _ in range(8):
-        res = rule.explore(0, [0.9, 0.5, 1.2, 3.0], mult, [True] * 4, 0.001, True, gen)
+        res = rule.explore(Ballot(0, [0.9, 0.5, 1.2, 3.0], mult, [True] * 4, 0.001, True), gen)
         assert res.winner == 1 and res.weights == [0.0, 1.0, 0.0, 0.0]
         assert res.multipliers[1] == pytest.approx(mult[1])  # the winner keeps its LR
         logs = sorted(math.log(m / res.multipliers[1]) for m in res.multipliers)
@@ -115,12 +115,12 @@ def test_winner_and_divergence_rules():
 
 def test_rule_state_round_trip():
     rule = SoftmaxVote()
-    rule.explore(0, [1.0, 0.5], [0.5, 1.5], [True, True], 0.1, True, G().manual_seed(0))
+    rule.explore(Ballot(0, [1.0, 0.5], [0.5, 1.5], [True, True], 0.1, True), G().manual_seed(0))
     other = SoftmaxVote()
     other.load_state_dict(rule.state_dict())
     assert other.velocity == rule.velocity and other.shape == rule.shape
     best = BestVote()
-    best.explore(0, [1.0, 0.5], [0.5, 1.5], [True, True], 0.1, True, G().manual_seed(0))
+    best.explore(Ballot(0, [1.0, 0.5], [0.5, 1.5], [True, True], 0.1, True), G().manual_seed(0))
     copy = BestVote()
     copy.load_state_dict(best.state_dict())
     assert copy.spread == best.spread
