@@ -374,3 +374,18 @@ class _OuterDump(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
         if trainer.is_global_zero:
             torch.save(trainer.strategy._outer.state_dict(), self.path)
+
+
+@pytest.mark.timeout(120)
+def test_async_stuck_worker_fails_within_the_timeout(tmp_path: Path) -> None:
+    """Async: worker 1 hangs inside a step; once worker 0 has spent the budget, its exchange with the stuck
+    worker gives up after `timeout` (5 s) and the job fails instead of hanging."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seed_everything(0)
+    strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="spawn", timeout=timedelta(seconds=5))
+    trainer = Trainer(strategy=strategy, callbacks=[_Fault("sleep", (1,), (2,)), Recorder(tmp_path)],
+                      **trainer_kwargs(devices=2, max_steps=24))
+    with pytest.raises(Exception, match=r"(?s)Timed out|timed out|timeout|Timeout"):
+        trainer.fit(BoringModel())
+    assert not (tmp_path / "rank0.pt").exists()  # the job failed instead of finishing around the stuck worker
