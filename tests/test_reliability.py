@@ -389,3 +389,26 @@ def test_async_stuck_worker_fails_within_the_timeout(tmp_path: Path) -> None:
     with pytest.raises(Exception, match=r"(?s)Timed out|timed out|timeout|Timeout"):
         trainer.fit(BoringModel())
     assert not (tmp_path / "rank0.pt").exists()  # the job failed instead of finishing around the stuck worker
+
+
+@pytest.mark.timeout(180)
+def test_async_checkpoint_resumes_with_another_number_of_workers(tmp_path: Path) -> None:
+    """Re-sharding: a 2-worker async checkpoint resumes on 3 workers from its global model and outer state; the
+    budget is then the new world size x max_steps, counting the steps already done."""
+
+    def fit(out: Path, devices: int, max_steps: int, ckpt_path: str | None = None) -> None:
+        seed_everything(0)
+        ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
+        trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=2, start_method="spawn"),
+                          callbacks=[ckpt, Recorder(out), _OuterDump(out / "outer.pt")],
+                          **trainer_kwargs(devices=devices, max_steps=max_steps, enable_checkpointing=True))
+        trainer.fit(LinearModel(n_train=16), ckpt_path=ckpt_path)
+
+    fit(tmp_path / "a", 2, 8)
+    before = torch.load(tmp_path / "a" / "outer.pt", weights_only=False)
+    fit(tmp_path / "b", 3, 16, ckpt_path=str(tmp_path / "a" / "ckpt" / "last.ckpt"))
+    after = torch.load(tmp_path / "b" / "outer.pt", weights_only=False)
+    assert before["steps_done"] == 2 * 8 and after["steps_done"] == 3 * 16
+    assert after["outer_updates"] > before["outer_updates"]
+    ranks = load_ranks(tmp_path / "b", 3)
+    assert all(torch.equal(r["final_params"], ranks[0]["final_params"]) for r in ranks)
