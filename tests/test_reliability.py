@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -412,3 +415,15 @@ def test_async_checkpoint_resumes_with_another_number_of_workers(tmp_path: Path)
     assert after["outer_updates"] > before["outer_updates"]
     ranks = load_ranks(tmp_path / "b", 3)
     assert all(torch.equal(r["final_params"], ranks[0]["final_params"]) for r in ranks)
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_under_the_subprocess_launcher_fails_the_job() -> None:
+    """The `"hdet"` (subprocess) launcher, as torchrun/SLURM jobs use: rank 1 is SIGKILLed mid-training; rank 0
+    fails with an error within the 10 s timeout instead of hanging, and the job exits non-zero."""
+    script = Path(__file__).parent / "scripts" / "kill_rank1_hdet.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "FINISHED" not in proc.stdout
+    assert re.search(r"(?i)timed out|connection|closed|reset|broken pipe|signal", proc.stderr)
