@@ -388,7 +388,7 @@ def test_async_stuck_worker_fails_within_the_timeout(tmp_path: Path) -> None:
     seed_everything(0)
     strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="spawn", timeout=timedelta(seconds=5))
     trainer = Trainer(strategy=strategy, callbacks=[_Fault("sleep", (1,), (2,)), Recorder(tmp_path)],
-                      **trainer_kwargs(devices=2, max_steps=24))
+                      **trainer_kwargs(devices=2, max_steps=8))
     with pytest.raises(Exception, match=r"(?s)Timed out|timed out|timeout|Timeout"):
         trainer.fit(BoringModel())
     assert not (tmp_path / "rank0.pt").exists()  # the job failed instead of finishing around the stuck worker
