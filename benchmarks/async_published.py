@@ -23,7 +23,6 @@ Run: ``python benchmarks/async_published.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time

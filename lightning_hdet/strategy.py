@@ -13,7 +13,6 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,8 +36,6 @@ from lightning_hdet.checkpoint_io import read_checkpoint
 from lightning_hdet.fanout import check_multipliers, check_num_groups, check_spread, fan_out
 from lightning_hdet.groups import GroupLayout
 from lightning_hdet.safety import FiniteGuard, grads_are_finite
-
-log = logging.getLogger(__name__)
 
 GradientSync = Literal["global", "group"]
 _GRADIENT_SYNC = ("global", "group")
