@@ -290,9 +290,7 @@ class HDETCallback(Callback):
             table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
             if p == 0:
                 weights, winner = result.weights, result.winner
-        for g, bad in enumerate(rescued):
-            if bad:
-                table[g] *= self.rescue_lr_factor
+        self._cut_rescued(table, rescued)
         if num_groups > 1:
             coefficients = blend_coefficients(self.blend, weights, winner, healthy)
             self._last_coefficients = coefficients
@@ -305,15 +303,19 @@ class HDETCallback(Callback):
         strategy.set_lr_multipliers(table)
         self._record(trainer, strategy, losses, weights, winner, rescued, final)
 
+    def _cut_rescued(self, table: Tensor, rescued: list[bool]) -> None:
+        """Multiply the rescued groups' rows of the multiplier table by ``rescue_lr_factor`` (in place)."""
+        for g, bad in enumerate(rescued):
+            if bad:
+                table[g] *= self.rescue_lr_factor
+
     def _roll_back(self, trainer: Trainer, strategy: HDETStrategy, losses: list[float], rescued: list[bool]) -> None:
         """Restore every group to the last good merged model; cut the rescued groups' LRs (all of them if all)."""
         assert self._last_good is not None
         strategy.load_flat(self._last_good)
         _reset_optimizer_state(strategy)
         table = strategy.lr_multipliers
-        for g, bad in enumerate(rescued):
-            if bad:
-                table[g] *= self.rescue_lr_factor
+        self._cut_rescued(table, rescued)
         strategy.set_lr_multipliers(table)
         n = strategy.num_groups
         self._last_coefficients = [1.0 / n] * n
