@@ -8,12 +8,17 @@ sample budget ``Trainer(max_steps=S)`` (inner steps summed over workers = ``W ×
   (lr 0.7, momentum 0.9);
 - **async, plain Nesterov**: pushes applied on arrival with plain Nesterov SGD, fixed ``H``;
 - **async DN**: Delayed Nesterov (N = W, c = 0), fixed ``H``;
-- **async DN + DyLU**: Delayed Nesterov with dynamic local steps.
+- **async DN + DyLU**: Delayed Nesterov with dynamic local steps;
+- **DiLoCo / async DN + DyLU with outer momentum 0.5** (``_m0.5``): the published outer momentum 0.9 oscillates
+  under stale pushes when one round moves the model far, as in this short run (see docs/async.md).
+
+The inner AdamW warms up linearly for S/10 steps, then decays with a cosine, as in the papers.
 
 Worker speeds are emulated with :class:`lightning_hdet.testing.SlowRanks`, which pads every step of rank
 ``r`` to ``factor_r × base`` seconds: *none* (all 1), *slight* (1, 1.1, 1.2, 1.3), *moderate* (1, 1.5,
 2, 2.5) and *very*, the published 0.58 / 0.75 / 1.51 / 3.33 s step times (scaled so the fastest takes
-``base``). Reported: the final global model's validation loss, and the wall-clock (rank 0's seconds in
+``base``; the default base exceeds the real compute time of a step here, so the padding sets the
+speeds). Reported: the final global model's validation loss, and the wall-clock (rank 0's seconds in
 ``fit``) until rank 0's validation of the global model first reaches synchronous DiLoCo's final
 validation loss under the same speeds.
 
@@ -26,6 +31,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -38,6 +44,7 @@ from benchmarks.common import (
     fit_run,
     fmt,
     markdown_table,
+    median,
     plot_panels,
     publish,
     quiet,
@@ -60,6 +67,11 @@ METHODS: dict[str, dict | None] = {
     "async_nesterov": {"mode": "async", "delayed_nesterov": False, "dynamic_local_steps": False},
     "async_dn": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": False},
     "async_dn_dylu": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True},
+    # The same two outer optimizers with momentum 0.5: in a short run one round moves the model a large part
+    # of the way, and stale pushes under momentum 0.9 oscillate (docs/async.md, "Choosing the outer settings").
+    "diloco_m0.5": {"mode": "sync", "outer_momentum": 0.5},
+    "async_dn_dylu_m0.5": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True,
+                           "outer_momentum": 0.5},
 }
 # Published final perplexity on C4 (20M model, k = 4) per heterogeneity level; async DN alone is not tabulated.
 PUBLISHED = {
@@ -74,25 +86,27 @@ def factors(level: str, world: int) -> dict[int, float]:
     return {r: table[min(r, len(table) - 1)] for r in range(world)}
 
 
-def run_method(method: str, level: str, args: argparse.Namespace, work: Path) -> dict:
+def run_method(method: str, level: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 
-    spec = run_spec(args, args.lr, weight_decay=0.1)
+    spec = replace(run_spec(args, args.lr, weight_decay=0.1, scheduler="cosine", warmup_steps=args.steps // 10),
+                   seed=seed)
     common = {"start_method": "spawn", "process_group_backend": "gloo"}
     options = METHODS[method]
     if options is None:
         strategy = DDPStrategy(**common)
     else:
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, outer_lr=args.outer_lr,
-                                         outer_momentum=args.outer_momentum, **options, **common)
+        outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, **options}
+        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, **outer, **common)
     slow = SlowRanks(factors(level, args.world_size), base_seconds=args.base_seconds)
     run = fit_run(spec, work, strategy=strategy, callbacks=[slow])
     stats = run.rank_extra[0].get("worker_stats", {})
     return {
         "method": method,
         "level": level,
+        "seed": seed,
         "final_val_loss": run.final_model_val_loss,
         "val_curve": run.val_curve,
         "fit_s": run.fit_s,
@@ -106,15 +120,24 @@ def seconds_to(curve: list, target: float) -> float | None:
     return next((secs for _, loss, secs in curve if loss <= target), None)
 
 
-def summarise(rows: list[dict]) -> None:
-    """Add ``target`` (DiLoCo's final rank-0 validation loss at the same level) and ``s_to_target``."""
-    for level in {r["level"] for r in rows}:
-        diloco = next((r for r in rows if r["level"] == level and r["method"] == "diloco"), None)
-        target = diloco["val_curve"][-1][1] if diloco and diloco["val_curve"] else None
-        for r in rows:
-            if r["level"] == level:
-                r["target"] = target
-                r["s_to_target"] = None if target is None else seconds_to(r["val_curve"], target)
+def summarise(runs: list[dict]) -> list[dict]:
+    """One row per (level, method): medians over seeds of the final loss, the fit time and the seconds to
+    ``target`` (DiLoCo's final rank-0 validation loss at the same level and seed); the first seed's curve,
+    step counts and rounds; every seed's run under ``seeds``."""
+    for run in runs:
+        diloco = next((r for r in runs if r["method"] == "diloco" and (r["level"], r["seed"]) == (run["level"], run["seed"])), None)
+        run["target"] = diloco["val_curve"][-1][1] if diloco and diloco["val_curve"] else None
+        run["s_to_target"] = None if run["target"] is None else seconds_to(run["val_curve"], run["target"])
+    rows = []
+    for key in dict.fromkeys((r["level"], r["method"]) for r in runs):
+        group = [r for r in runs if (r["level"], r["method"]) == key]
+        first = group[0]
+        rows.append({
+            **{k: first[k] for k in ("method", "level", "val_curve", "inner_steps", "rounds")},
+            **{k: median(r[k] for r in group) for k in ("final_val_loss", "fit_s", "s_to_target", "target")},
+            "seeds": group,
+        })
+    return rows
 
 
 def table(rows: list[dict], levels: list[str], methods: list[str]) -> str:
@@ -145,7 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"heterogeneity levels of {list(LEVELS)} (default all; quick: none very)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD",
                    help=f"methods of {list(METHODS)} (default all)")
-    p.add_argument("--base-seconds", type=float, default=None, help="step time of the fastest worker (default 0.05, quick 0.01)")
+    p.add_argument("--base-seconds", type=float, default=None,
+                   help="step time of the fastest worker; above the real compute time of a step (default 0.1, quick 0.01)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per method and level (medians in the table)")
     p.add_argument("--lr", type=float, default=1e-2, help="inner AdamW LR")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
@@ -155,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (8 if q else 200)
     args.local_steps = args.local_steps or (2 if q else 20)
     args.levels = args.levels or (["none", "very"] if q else list(LEVELS))
-    args.base_seconds = args.base_seconds or (0.01 if q else 0.05)
+    args.base_seconds = args.base_seconds or (0.01 if q else 0.1)
     fill_run_defaults(args)
     if args.world_size < 2:
         p.error(f"--world-size={args.world_size} must be at least 2 (the async strategy needs several workers)")
@@ -167,13 +192,14 @@ def main(argv: list[str] | None = None) -> dict:
     quiet()
     name = NAME + ("_quick" if args.quick else "")
     t0 = time.perf_counter()
-    rows = []
+    runs = []
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
-        for level in args.levels:
-            for method in args.methods:
-                rows.append(run_method(method, level, args, Path(tmp) / f"{level}_{method}"))
+        for seed in range(args.seed, args.seed + args.seeds):
+            for level in args.levels:
+                for method in args.methods:
+                    runs.append(run_method(method, level, seed, args, Path(tmp) / f"{level}_{method}_{seed}"))
     total_s = time.perf_counter() - t0
-    summarise(rows)
+    rows = summarise(runs)
     plot = plot_panels(
         args.docs_dir / "img" / f"{name}.png",
         {f"speeds: {level}": {r["method"]: ([s for _, _, s in r["val_curve"]], [v for _, v, _ in r["val_curve"]])
@@ -185,8 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
     md = (
         f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} workers, budget W × S = "
         f"{args.world_size} × {args.steps} inner steps, H = {args.local_steps}, inner AdamW lr {args.lr:g} "
-        f"(weight decay 0.1), outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}; fastest step padded "
-        f"to {args.base_seconds:g} s; step-time factors per rank: {ratios}; seed {args.seed}. Final val loss: the "
+        f"(weight decay 0.1; linear warm-up for S/10 steps, then cosine decay to 10 % at step S, where a fast worker "
+        f"past step S stays), outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}; fastest step padded "
+        f"to {args.base_seconds:g} s; step-time factors per rank: {ratios}; seeds "
+        f"{args.seed}..{args.seed + args.seeds - 1} (medians). Final val loss: the "
         f"final global model on the first {args.val_batches} validation batches (nats/byte; the paper reports "
         f"perplexity on C4). Total wall-clock {total_s:.0f} s.\n\n"
         + table(rows, args.levels, args.methods) + f"\n\n![{name}](img/{plot.name})\n"

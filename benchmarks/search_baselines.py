@@ -293,9 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--starts", nargs="+", default=list(STARTS), choices=list(STARTS), metavar="START",
                    help=f"starting LRs to run, of {list(STARTS)} (default all)")
     p.add_argument("--groups", type=int, default=4, help="G: LRs in the grid / trials / PBT members / HDET groups")
-    p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 400, quick 32)")
+    p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 320, quick 32)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")
-    p.add_argument("--good-lr", type=float, default=1e-2, help="the good starting LR (best AdamW LR at S = 400)")
+    p.add_argument("--good-lr", type=float, default=1e-2, help="the good starting LR (best AdamW LR of a coarse sweep)")
     p.add_argument("--lr-spread", type=float, default=3.0, help="factor between neighbouring grid LRs")
     p.add_argument("--pbt-interval", type=int, default=None,
                    help="PBT steps between exploits, and HDET steps between votes (default S/4)")
@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.groups < 1 or args.world_size % args.groups:
         p.error(f"--world-size={args.world_size} must be a positive multiple of --groups={args.groups}")
-    args.steps = args.steps or (32 if args.quick else 400)
+    args.steps = args.steps or (32 if args.quick else 320)
     args.batch_size = args.batch_size or (8 if args.quick else 16)
     args.d_model = args.d_model or (32 if args.quick else 64)
     args.seeds = args.seeds or (1 if args.quick else 3)
