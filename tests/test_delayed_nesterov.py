@@ -82,6 +82,32 @@ def test_state_dict_round_trip():
         torch.testing.assert_close(p1, p2)
 
 
+def _round_robin_on_a_quadratic(buffer_size: int, momentum: float, rounds: int = 40, workers: int = 4) -> list[float]:
+    """Asynchronous Local-SGD in miniature: on f(x) = |x|^2 / 2, a worker's round of local steps moves its copy
+    half-way to the optimum (pseudo-gradient 0.5 * x_pulled); workers push in turn, each from the parameters it
+    pulled after its previous push, so every push is ``workers - 1`` outer updates stale. Returns |x| per round."""
+    x = torch.ones(1)
+    opt = DelayedNesterov([x], lr=0.7, momentum=momentum, buffer_size=buffer_size)
+    pulled = [x.clone() for _ in range(workers)]
+    norms = []
+    for _ in range(rounds):
+        for w in range(workers):
+            _push(opt, x, 0.5 * pulled[w])
+            pulled[w] = x.clone()
+        norms.append(float(x.abs()))
+    return norms
+
+
+def test_delayed_nesterov_tames_stale_pushes_that_break_plain_nesterov():
+    """Why DN exists, and why a short run may want a smaller outer momentum (docs/async.md)."""
+    plain = _round_robin_on_a_quadratic(buffer_size=1, momentum=0.9)
+    delayed = _round_robin_on_a_quadratic(buffer_size=4, momentum=0.9)
+    delayed_low_momentum = _round_robin_on_a_quadratic(buffer_size=4, momentum=0.5)
+    assert plain[-1] > 1e6  # a full momentum step on every stale push: diverges
+    assert max(delayed) < 1.0 and delayed[-1] > 1e-2  # bounded, but still oscillating after 40 rounds
+    assert delayed_low_momentum[-1] < 1e-4  # converges
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
