@@ -42,7 +42,9 @@ class RunSpec:
     """One training run of :class:`CharLM` on :class:`CharCorpusDataModule`.
 
     ``steps`` is the global step to stop at (cumulative when resuming); ``devices`` the number of
-    processes; ``model`` extra ``CharLM`` arguments (``optimizer``, ``d_model``, ...).
+    processes; ``model`` extra ``CharLM`` arguments (``optimizer``, ``d_model``, ...). ``shard_data=False``
+    gives every process the whole training and validation streams in the same order (Lightning's
+    ``use_distributed_sampler=False``), as independent one-process runs would see them.
     """
 
     lr: float
@@ -55,6 +57,7 @@ class RunSpec:
     val_every: int = 50
     val_batches: int = 8
     model: dict = field(default_factory=dict)
+    shard_data: bool = True
 
 
 @dataclass
@@ -225,6 +228,7 @@ def fit_run(
         check_val_every_n_epoch=None,
         limit_val_batches=spec.val_batches,
         num_sanity_val_steps=0,
+        use_distributed_sampler=spec.shard_data,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -186,10 +186,11 @@ def run_hdet_arm(
 ) -> Arm:
     """HDET: one run of ``base.steps`` steps on ``world`` processes in ``groups`` groups starting at ``lrs``.
 
-    Each group is its own DDP job on ``world / groups`` processes (``gradient_sync="group"``), so a group
-    trains exactly as the matching grid run would until the first vote; every ``interval`` steps the groups
-    vote on their interval training loss and blend. The best-so-far curve takes, at each validation, the
-    best group (each group's first rank), as the grid takes the best of its runs.
+    Each group is its own DDP job on ``world / groups`` processes (``gradient_sync="group"``); with one
+    process per group the data is not sharded, so a group reads the whole training stream as the matching
+    grid run does (shuffled in its own order) and validates on the same first batches. Every ``interval`` steps the groups vote on
+    their interval training loss and blend. The best-so-far curve takes, at each validation, the best group
+    (each group's first rank), as the grid takes the best of its runs.
     """
     from lightning_hdet import HDETCallback, HDETStrategy
 
@@ -199,7 +200,8 @@ def run_hdet_arm(
         start_method="spawn", process_group_backend="gloo",
     )
     callback = HDETCallback(every_n_steps=interval, vote=vote, blend=blend, seed=base.seed)
-    run = fit_run(replace(base, lr=center, devices=world), work, strategy=strategy, callbacks=[callback])
+    spec = replace(base, lr=center, devices=world, shard_data=world > groups)
+    run = fit_run(spec, work, strategy=strategy, callbacks=[callback])
     heads = [g * (world // groups) for g in range(groups)]
     points = []
     for step in sorted({s for s, _, _ in run.val_curve}):
