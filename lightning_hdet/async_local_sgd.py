@@ -264,8 +264,10 @@ class _Server:
                 while len(batch) < len(active):
                     batch.append(self.inbox.get(timeout=self.timeout))
             else:
+                # Pushes within the grace window join the batch; the window closes early once every active
+                # worker is in it (each waits for its reply, so no further push can come).
                 deadline = time.monotonic() + self.grace_period
-                while (left := deadline - time.monotonic()) > 0:
+                while len(batch) < len(active) and (left := deadline - time.monotonic()) > 0:
                     try:
                         batch.append(self.inbox.get(timeout=left))
                     except queue.Empty:
@@ -303,8 +305,9 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
         dynamic_local_steps: async only; give slower workers proportionally fewer local steps.
         min_local_steps: lower bound of a worker's round length (1).
-        grace_period: async only; pushes arriving within this many seconds are applied together and those
-            workers restart from the same parameters (0).
+        grace_period: async only; pushes arriving within this many seconds of a batch's first one are applied
+            one after another as one batch, and those workers restart from the same parameters; the window
+            closes early once every worker still training has pushed (0: each push alone).
         speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
         checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0, so that
             every checkpoint holds each worker's state as of its latest exchange and each worker resumes its own
