@@ -548,11 +548,11 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         payload = None
         if steps > 0:
             payload = torch.sub(self._pulled, self._read_params(self._local), out=self._local)
+        start = time.perf_counter()  # serializing the inner state counts as exchange time
         # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
         inner_state = state_to_bytes(self.optimizers[0].state_dict()) if self.checkpoint_inner_states else None
         state_bytes = inner_state.numel() if inner_state is not None else 0
         header = [kind, float(steps), compute_s, self._wait_s, float(state_bytes)]
-        start = time.perf_counter()
         if self.is_global_zero:
             assert self._server is not None
             self._server.raise_error()
