@@ -44,7 +44,7 @@ from torch import Tensor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import SGD, Optimizer
 
-from lightning_hdet.checkpoint_io import read_checkpoint
+from lightning_hdet.checkpoint_io import read_checkpoint, state_from_bytes, state_to_bytes
 from lightning_hdet.checks import is_finite_number
 from lightning_hdet.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
 from lightning_hdet.local_steps import LocalStepsPolicy, validate_local_steps
@@ -55,11 +55,12 @@ Mode = Literal["async", "sync"]
 _MODES = ("async", "sync")
 _CHECKPOINT_KEY = "async_local_sgd"
 
-# Worker -> server header: [kind, steps, compute_s, wait_s]. A payload (the flat pseudo-gradient) follows
-# when steps > 0. Server -> worker header: [next_local_steps (0 = stop), outer_updates]; the flat global
-# parameters follow when next_local_steps > 0.
+# Worker -> server header: [kind, steps, compute_s, wait_s, inner_state_bytes]. The flat pseudo-gradient
+# follows when steps > 0, then the serialized inner optimizer state when inner_state_bytes > 0.
+# Server -> worker header: [next_local_steps (0 = stop), outer_updates]; the flat global parameters follow
+# when next_local_steps > 0.
 _HELLO, _PUSH, _BYE = 0.0, 1.0, 2.0
-_WORKER_HEADER, _SERVER_HEADER = 4, 2
+_WORKER_HEADER, _SERVER_HEADER = 5, 2
 
 
 @dataclass
@@ -70,6 +71,7 @@ class _Push:
     compute_s: float
     wait_s: float
     pseudo_gradient: Tensor | None
+    inner_state: Tensor | None = None  # the worker's serialized inner optimizer state (uint8), if sent
 
 
 @dataclass
@@ -100,6 +102,8 @@ class _OuterState:
     workers: dict[int, _WorkerStats] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     metrics_version: int = 0
+    #: Each worker's serialized inner optimizer state as of its latest exchange (when workers send it).
+    inner_states: dict[int, Tensor] = field(default_factory=dict)
 
     def process(self, pushes: list[_Push]) -> dict[int, int]:
         """Apply a batch of pushes (one at a time in async mode, their mean in sync mode) and return the
@@ -109,6 +113,8 @@ class _OuterState:
                 stats = self.workers.setdefault(push.worker, _WorkerStats())
                 stats.in_flight = 0
                 stats.compute_s, stats.wait_s = push.compute_s, push.wait_s
+                if push.inner_state is not None:
+                    self.inner_states[push.worker] = push.inner_state
                 if push.steps > 0:
                     stats.staleness = self.outer_updates - stats.pulled_version
                     stats.rounds += 1
@@ -163,8 +169,10 @@ class _OuterState:
             return out
 
     def state_dict(self) -> dict[str, Any]:
+        """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent, each as of
+        that worker's latest exchange (the one counted in ``workers[w]["steps"]``)."""
         with self.lock:
-            return {
+            state = {
                 "params": self.params.detach().clone(),
                 "optimizer": self.optimizer.state_dict(),
                 "policy": self.policy.state_dict(),
@@ -173,6 +181,9 @@ class _OuterState:
                 "outer_updates": self.outer_updates,
                 "workers": {w: dict(vars(s)) for w, s in self.workers.items()},
             }
+            inner = dict(self.inner_states)  # the stored tensors are replaced, never modified
+        state["inner_optimizer_states"] = {w: state_from_bytes(data) for w, data in sorted(inner.items())}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         with self.lock:
@@ -234,13 +245,16 @@ class _Server:
         while remaining:
             header = torch.empty(_WORKER_HEADER, dtype=torch.float64)
             src = dist.recv(header, src=None, group=self.push_group)
-            kind, steps, compute_s, wait_s = header.tolist()
-            payload = None
+            kind, steps, compute_s, wait_s, state_bytes = header.tolist()
+            payload = inner_state = None
             if steps > 0:
                 payload = torch.empty(numel, dtype=torch.float32)
                 dist.recv(payload, src=src, group=self.push_group)
+            if state_bytes > 0:
+                inner_state = torch.empty(int(state_bytes), dtype=torch.uint8)
+                dist.recv(inner_state, src=src, group=self.push_group)
             remaining -= kind == _BYE
-            self.inbox.put(_Push(src, kind, int(steps), compute_s, wait_s, payload))
+            self.inbox.put(_Push(src, kind, int(steps), compute_s, wait_s, payload, inner_state))
 
     def _serve(self) -> None:
         active = set(range(self.world_size))
@@ -250,8 +264,10 @@ class _Server:
                 while len(batch) < len(active):
                     batch.append(self.inbox.get(timeout=self.timeout))
             else:
+                # Pushes within the grace window join the batch; the window closes early once every active
+                # worker is in it (each waits for its reply, so no further push can come).
                 deadline = time.monotonic() + self.grace_period
-                while (left := deadline - time.monotonic()) > 0:
+                while len(batch) < len(active) and (left := deadline - time.monotonic()) > 0:
                     try:
                         batch.append(self.inbox.get(timeout=left))
                     except queue.Empty:
@@ -289,9 +305,15 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
         dynamic_local_steps: async only; give slower workers proportionally fewer local steps.
         min_local_steps: lower bound of a worker's round length (1).
-        grace_period: async only; pushes arriving within this many seconds are applied together and those
-            workers restart from the same parameters (0).
+        grace_period: async only; pushes arriving within this many seconds of a batch's first one are applied
+            one after another as one batch, and those workers restart from the same parameters; the window
+            closes early once every worker still training has pushed (0: each push alone).
         speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
+        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0, so that
+            every checkpoint holds each worker's state as of its latest exchange and each worker resumes its own
+            (True). This adds the optimizer state's size to each push (AdamW: twice the model). With False only
+            pseudo-gradients travel: checkpoints written during training hold rank 0's inner state only, which
+            the other workers then resume from; those written after ``fit`` hold every worker's.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -313,6 +335,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         min_local_steps: int = 1,
         grace_period: float = 0.0,
         speed_smoothing: float = 0.5,
+        checkpoint_inner_states: bool = True,
         **kwargs: Any,
     ) -> None:
         if mode not in _MODES:
@@ -341,6 +364,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         self.min_local_steps = min_local_steps
         self.grace_period = grace_period
         self.speed_smoothing = speed_smoothing
+        self.checkpoint_inner_states = checkpoint_inner_states
         LocalStepsPolicy(local_steps, min_local_steps, dynamic_local_steps, speed_smoothing)  # validates smoothing
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
@@ -355,7 +379,8 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             "outer_momentum": self.outer_momentum, "delayed_nesterov": self.delayed_nesterov,
             "buffer_size": self.buffer_size, "momentum_activation": self.momentum_activation,
             "dynamic_local_steps": self.dynamic_local_steps, "min_local_steps": self.min_local_steps,
-            "grace_period": self.grace_period, "workers": self._expected_world_size,
+            "grace_period": self.grace_period, "checkpoint_inner_states": self.checkpoint_inner_states,
+            "workers": self._expected_world_size,
         }
 
     def _reset_run_state(self) -> None:
@@ -515,19 +540,24 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         return output
 
     def _exchange(self, kind: float) -> None:
-        """Push this round's pseudo-gradient (if any steps were taken) and, unless leaving, pull the new
-        global parameters and the next round's length."""
+        """Push this round's pseudo-gradient (if any steps were taken) and this worker's inner optimizer state
+        (with ``checkpoint_inner_states``) and, unless leaving, pull the new global parameters and the next
+        round's length."""
         compute_s = time.perf_counter() - self._round_start
         steps = self._steps_in_round
         payload = None
         if steps > 0:
             payload = torch.sub(self._pulled, self._read_params(self._local), out=self._local)
-        header = [kind, float(steps), compute_s, self._wait_s]
-        start = time.perf_counter()
+        start = time.perf_counter()  # serializing the inner state counts as exchange time
+        # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
+        inner_state = state_to_bytes(self.optimizers[0].state_dict()) if self.checkpoint_inner_states else None
+        state_bytes = inner_state.numel() if inner_state is not None else 0
+        header = [kind, float(steps), compute_s, self._wait_s, float(state_bytes)]
         if self.is_global_zero:
             assert self._server is not None
             self._server.raise_error()
-            self._server.inbox.put(_Push(0, kind, steps, compute_s, self._wait_s, payload.clone() if payload is not None else None))
+            pseudo_gradient = payload.clone() if payload is not None else None
+            self._server.inbox.put(_Push(0, kind, steps, compute_s, self._wait_s, pseudo_gradient, inner_state))
             if kind == _BYE:
                 return
             next_steps, params = self._server.local_replies.get(timeout=self._server.timeout)
@@ -538,6 +568,8 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             dist.send(torch.tensor(header, dtype=torch.float64), dst=0, group=push_group)
             if payload is not None:
                 dist.send(payload, dst=0, group=push_group)
+            if inner_state is not None:
+                dist.send(inner_state, dst=0, group=push_group)
             if kind == _BYE:
                 return
             reply = torch.empty(_SERVER_HEADER, dtype=torch.float64)
@@ -605,7 +637,8 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             max_steps, limit_val_batches = self._saved_limits  # type: ignore[misc]
             trainer.fit_loop.epoch_loop.max_steps = max_steps
             trainer.limit_val_batches = limit_val_batches
-            self._gather_inner_states()
+            if not self.checkpoint_inner_states:  # else each worker's leaving message carried its final state
+                self._gather_inner_states()
         super().on_train_end()
 
     def _gather_inner_states(self) -> None:
@@ -653,9 +686,8 @@ class AsyncLocalSGDStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.is_global_zero and self._outer is not None:
             state = self._outer.state_dict()
-            state["inner_optimizer_states"] = self._inner_states or {
-                0: self.optimizers[0].state_dict()
-            }
+            if not self.checkpoint_inner_states:  # only rank 0's own state is at hand while training
+                state["inner_optimizer_states"] = self._inner_states or {0: self.optimizers[0].state_dict()}
             checkpoint = {**checkpoint, _CHECKPOINT_KEY: state}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 

@@ -142,6 +142,23 @@ def test_async_heterogeneous_dynamic_local_steps(tmp_path):
     assert ranks[0]["progress"]["async/slowest"] == 3.0 and ranks[0]["progress"]["async/outer_updates"] >= 1
 
 
+@pytest.mark.timeout(150)
+def test_grace_period_applies_every_workers_push_together(tmp_path):
+    """A grace period longer than the test (60 s per batch would time it out): the window closes as soon as every
+    worker has pushed, so each batch holds all four pushes and every worker restarts from the same version."""
+    seed_everything(0)
+    strategy = AsyncLocalSGDStrategy(local_steps=3, grace_period=60.0, dynamic_local_steps=False, start_method="fork")
+    ranks = _fit(tmp_path, BoringModel(), strategy, max_steps=9, limit_val_batches=0, num_sanity_val_steps=0)
+    # (local steps assigned, outer updates seen) per exchange: hello, three full batches of 4 pushes, stop
+    for r in ranks:
+        assert r["rounds"] == [(3, 0), (3, 4), (3, 8), (0, 12)]
+    outer = ranks[0]["outer"]
+    assert sum(r["inner_steps"] for r in ranks) == outer["steps_done"] == 4 * 9
+    assert outer["outer_updates"] == 12
+    assert all(s["rounds"] == 3 and s["staleness"] == 0 for s in outer["workers"].values())
+    _assert_same_params(ranks)
+
+
 @pytest.mark.timeout(180)
 def test_sync_h1_matches_ddp(tmp_path):
     seed_everything(0)
@@ -280,3 +297,34 @@ def test_outer_state_stop_request_and_bye():
     outer.process([_push(0, 0), _push(1, 0)])
     outer.stop_requested = True
     assert outer.process([_push(0, 4, 1.0, kind=2.0), _push(1, 4, 1.0)]) == {1: 0}  # a leaving worker gets no reply
+
+
+def test_grace_window_closes_once_every_active_worker_pushed():
+    """The server's batching, without processes: with a grace period far longer than the test, a batch is
+    applied as soon as every worker still training is in it; a worker that left no longer counts."""
+    import queue
+    import threading
+
+    from lightning_hdet.async_local_sgd import _Server
+
+    outer = _outer()
+    server = _Server(outer, world_size=2, push_group=None, reply_group=None, grace_period=1e6, timeout=60)
+    replies: queue.Queue = queue.Queue()
+    server._reply = lambda worker, steps: replies.put(worker)
+    thread = threading.Thread(target=server._guard, args=(server._serve,), daemon=True)
+    thread.start()
+
+    def exchange(*pushes, expect):
+        for p in pushes:
+            server.inbox.put(p)
+        assert sorted(replies.get(timeout=60) for _ in expect) == sorted(expect)
+
+    exchange(_push(0, 0), _push(1, 0), expect=[0, 1])  # hellos
+    exchange(_push(0, 4, 1.0), _push(1, 4, 1.0), expect=[0, 1])
+    assert outer.workers[0].pulled_version == outer.workers[1].pulled_version == 2  # one batch, both applied
+    exchange(_push(0, 0, kind=2.0), _push(1, 4, 1.0), expect=[1])  # worker 0 leaves
+    exchange(_push(1, 4, 1.0), expect=[1])  # worker 1 alone: no wait for the departed worker
+    server.inbox.put(_push(1, 0, kind=2.0))
+    thread.join(60)
+    assert not thread.is_alive() and server.error is None
+    assert outer.outer_updates == 4 and replies.empty()

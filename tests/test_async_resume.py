@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 from tests.helpers import LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
 
 # Documented in docs/failure_modes.md: an asynchronous run resumed from a checkpoint ends within this relative
@@ -50,3 +51,89 @@ def test_resume_matches_an_uninterrupted_run(tmp_path: Path, mode: str) -> None:
     else:
         assert _loss(c) == pytest.approx(_loss(a), rel=ASYNC_RESUME_RTOL)
     assert _loss(c) < _loss(torch.zeros_like(c))  # and it trained
+
+
+class InnerStates(Callback):
+    """Each worker records its inner optimizer state when training starts (after a resume: what it loaded), right
+    after each of its exchanges (keyed by its inner step count then) and at the end of fit; rank 0 then writes the
+    end-of-fit checkpoint ``end.ckpt``. Written to ``out/rank{r}.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def _state(self, trainer: Trainer) -> dict[str, Any]:
+        return copy.deepcopy(trainer.optimizers[0].state_dict())
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.start = self._state(trainer)
+        self.after_exchange = {0: self.start}  # the first exchange (before any step) sends the start state
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        if strategy._steps_in_round == 0:  # this step ended with an exchange
+            self.after_exchange[strategy.inner_steps] = self._state(trainer)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
+        trainer.save_checkpoint(self.out / "end.ckpt")
+        torch.save({"start": self.start, "after_exchange": self.after_exchange, "end": self._state(trainer)},
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _assert_same_inner_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    torch.testing.assert_close(a["state"], b["state"], rtol=0, atol=0)
+    assert a["param_groups"] == b["param_groups"]
+
+
+def _fit_adam(out: Path, checkpoint_inner_states: bool, ckpt_path: str | None = None) -> list[dict[str, Any]]:
+    seed_everything(0)
+    out.mkdir(parents=True)
+    strategy = AsyncLocalSGDStrategy(local_steps=2, dynamic_local_steps=False, start_method="fork",
+                                     checkpoint_inner_states=checkpoint_inner_states)
+    ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    # Each worker trains on its own shard, so the workers' Adam states differ; steps are paced to 20 ms so that
+    # neither worker runs far ahead of the other.
+    trainer = Trainer(strategy=strategy, callbacks=[ckpt, SlowRanks({}, base_seconds=0.02), InnerStates(out)],
+                      **trainer_kwargs(devices=2, max_steps=16, enable_checkpointing=True, default_root_dir=out))
+    trainer.fit(LinearModel(optimizer="adam", n_train=64, batch_size=8), ckpt_path=ckpt_path)
+    return load_ranks(out, 2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("checkpoint_inner_states", [True, False])
+def test_mid_training_checkpoints_hold_every_workers_inner_state(tmp_path: Path, checkpoint_inner_states: bool) -> None:
+    """With `checkpoint_inner_states` every checkpoint written during training holds each worker's inner optimizer
+    state as of its latest exchange, and each worker resumes its own; without it, only rank 0's (the fallback)."""
+    ranks = _fit_adam(tmp_path / "a", checkpoint_inner_states)
+    saved = {path: torch.load(path, weights_only=True)["async_local_sgd"]
+             for path in (tmp_path / "a" / "ckpt").glob("*.ckpt")}
+    assert len(saved) >= 3
+    both_pushed = []
+    for path, state in saved.items():
+        inner, workers = state["inner_optimizer_states"], state["workers"]
+        if not checkpoint_inner_states:
+            assert list(inner) == [0]  # rank 0's own state only
+            continue
+        assert set(inner) == set(workers)  # every worker that has joined
+        for w, inner_state in inner.items():
+            _assert_same_inner_state(inner_state, ranks[w]["after_exchange"][workers[w]["steps"]])
+        if len(workers) == 2 and all(s["steps"] > 0 for s in workers.values()):
+            both_pushed.append(path)
+            assert not torch.allclose(inner[0]["state"][0]["exp_avg"], inner[1]["state"][0]["exp_avg"])
+    assert both_pushed or not checkpoint_inner_states
+    # the end-of-fit checkpoint holds every worker's final state either way
+    end = torch.load(tmp_path / "a" / "end.ckpt", weights_only=True)["async_local_sgd"]["inner_optimizer_states"]
+    assert set(end) == {0, 1}
+    for w in (0, 1):
+        _assert_same_inner_state(end[w], ranks[w]["end"])
+
+    # resume from a mid-training checkpoint (the earliest in which both workers have pushed)
+    path = min(both_pushed or saved, key=lambda p: saved[p]["steps_done"])
+    inner = saved[path]["inner_optimizer_states"]
+    resumed = _fit_adam(tmp_path / "b", checkpoint_inner_states, ckpt_path=str(path))
+    if checkpoint_inner_states:
+        for w in (0, 1):
+            _assert_same_inner_state(resumed[w]["start"], inner[w])  # its own state, not rank 0's
+    else:
+        for w in (0, 1):
+            _assert_same_inner_state(resumed[w]["start"], inner[0])
+    assert bool(torch.isfinite(resumed[0]["end"]["state"][0]["exp_avg"]).all())
