@@ -11,11 +11,14 @@ the async server's host memory.
   as HDET's go through its own hook, so both arms pay a Python hook per bucket). DDP all-reduces ``4P`` bytes per step (a ring
   all-reduce puts ``2(W-1)/W × 4P`` on each rank's wire); HDET adds one ``4P`` all-reduce per ``T``
   steps; DiLoCo and async send ``4P`` (pseudo-gradient) and receive ``4P`` (global parameters) per
-  round of ``H`` inner steps.
+  round of ``H`` inner steps, and by default (``checkpoint_inner_states=True``) also send their inner
+  optimizer state (AdamW: ``8P``) with every push and with their first and last message; the row
+  "diloco ..., no inner states" turns that off (the states are then gathered once, at the end of ``fit``).
 - **Host memory**: rank 0's peak resident set (``ru_maxrss``) under async DN + DyLU minus under DDP on a
   larger model, relative to the model's float32 size. Rank 0 both trains and runs the outer optimizer,
-  which keeps the global parameters, the Nesterov momentum and the Delayed-Nesterov buffer (3 × model)
-  plus one receive buffer per push; DDP keeps gradient buckets (1 × model) instead.
+  which keeps the global parameters, the Nesterov momentum and the Delayed-Nesterov buffer (3 × model),
+  one receive buffer per push and each worker's latest inner optimizer state (AdamW: 2 × model per
+  worker); DDP keeps gradient buckets (1 × model) instead.
 
 Run: ``python benchmarks/overhead.py [--quick]``.
 """
@@ -43,16 +46,20 @@ NAME = "overhead"
 _COUNTS = {"collective": 0, "sent": 0, "received": 0}
 
 
-def _counting(fn: Any, key: str) -> Any:
-    def wrapper(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+def _counting(fn: Any, key: str, arg: int = 0) -> Any:
+    """Wrap ``fn`` to add the size of its ``arg``-th argument (the tensor this rank hands over) to ``key``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tensor = args[arg]
         _COUNTS[key] += tensor.numel() * tensor.element_size()
-        return fn(tensor, *args, **kwargs)
+        return fn(*args, **kwargs)
 
     return wrapper
 
 
 class Probe(Callback):
-    """In each rank: count the payload bytes passed to ``torch.distributed`` (send, recv, all_reduce) and,
+    """In each rank: count the payload bytes passed to ``torch.distributed`` (send, recv, all_reduce, this
+    rank's input to all_gather) and,
     at the end of the fit, write ``probe{rank}.json`` with the counts, the training steps and their span
     in seconds (first to last training step) and the peak resident memory. ``count_ddp_buckets`` routes DDP's
     gradient buckets through PyTorch's default all-reduce hook, i.e. through the counted Python
@@ -64,11 +71,14 @@ class Probe(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
 
         if not getattr(dist, "_bench_patched", False):
             dist.send = _counting(dist.send, "sent")
             dist.recv = _counting(dist.recv, "received")
             dist.all_reduce = _counting(dist.all_reduce, "collective")
+            # (output list, input tensor); all_gather_object calls it through distributed_c10d's own name
+            dist.all_gather = c10d.all_gather = _counting(c10d.all_gather, "collective", arg=1)
             dist._bench_patched = True
         _COUNTS.update(dict.fromkeys(_COUNTS, 0))
         self.times: list[float] = []
@@ -93,8 +103,11 @@ class Probe(Callback):
         (self.out_dir / f"probe{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def run_probe(kind: str, args: argparse.Namespace, work: Path, steps: int, d_model: int, every: int = 0) -> list[dict]:
-    """One fit of ``kind`` (``ddp``, ``hdet``, ``diloco``, ``async``); returns every rank's probe record."""
+def run_probe(
+    kind: str, args: argparse.Namespace, work: Path, steps: int, d_model: int, every: int = 0, inner_states: bool = True
+) -> list[dict]:
+    """One fit of ``kind`` (``ddp``, ``hdet``, ``diloco``, ``async``); returns every rank's probe record.
+    ``inner_states`` is the async strategy's ``checkpoint_inner_states``."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
@@ -108,7 +121,8 @@ def run_probe(kind: str, args: argparse.Namespace, work: Path, steps: int, d_mod
         callbacks.append(HDETCallback(every_n_steps=every))
     else:
         mode = "sync" if kind == "diloco" else "async"
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, **common)
+        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode,
+                                         checkpoint_inner_states=inner_states, **common)
     spec = RunSpec(
         lr=1e-2, steps=steps, devices=args.world_size, batch_size=args.batch_size, max_chars=args.max_chars,
         val_every=steps, val_batches=1, model={"d_model": d_model, "n_layers": args.n_layers},
@@ -118,14 +132,17 @@ def run_probe(kind: str, args: argparse.Namespace, work: Path, steps: int, d_mod
     return [json.loads((work / f"probe{r}.json").read_text()) for r in range(args.world_size)]
 
 
-def computed_bytes(kind: str, params: int, world: int, every: int, local_steps: int) -> float:
-    """Payload bytes one worker hands to the network per inner step, from the exchange pattern."""
+def computed_bytes(kind: str, params: int, every: int, local_steps: int, steps: int, inner_states: bool) -> float:
+    """Payload bytes one worker hands to the network per inner step, from the exchange pattern (a run of
+    ``steps`` inner steps for DiLoCo/async, whose inner optimizer is AdamW)."""
     model = 4 * params
     if kind == "ddp":
         return model
     if kind == "hdet":
         return model + model / every
-    return 2 * model / local_steps  # diloco / async: push the pseudo-gradient, pull the parameters
+    exchange = 2 * model / local_steps  # diloco / async: push the pseudo-gradient, pull the parameters
+    # AdamW's two moments: with every push and the first and the last message, or gathered once at the end.
+    return exchange + 2 * model * ((1 / local_steps + 2 / steps) if inner_states else 1 / steps)
 
 
 def measured_bytes(probes: list[dict]) -> float:
@@ -182,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
                 probes["ddp (memory)"] = probes["ddp"]
                 continue
             probes[f"{kind} (memory)"] = run_probe(kind, args, Path(tmp) / f"mem_{kind}", args.exchange_steps, args.memory_d_model)
+        probes["diloco (no inner states)"] = run_probe(
+            "diloco", args, Path(tmp) / "diloco_no_inner", args.exchange_steps, args.memory_d_model, inner_states=False)
     total_s = time.perf_counter() - t0
 
     ddp_speed = statistics.median(speed["ddp"])
@@ -190,13 +209,18 @@ def main(argv: list[str] | None = None) -> dict:
         for label, v in speed.items()
     ]
     comm = []
-    for label, kind, every in [("ddp", "ddp", 0), *[(f"hdet T={t}", "hdet", t) for t in args.intervals],
-                               ("diloco (memory)", "diloco", 0), ("async (memory)", "async", 0)]:
+    h = args.local_steps
+    for label, arm, kind, every in [
+        ("ddp", "ddp", "ddp", 0), *[(f"hdet T={t}", f"hdet T={t}", "hdet", t) for t in args.intervals],
+        ("diloco (memory)", f"diloco H={h}", "diloco", 0), ("async (memory)", f"async H={h}", "async", 0),
+        ("diloco (no inner states)", f"diloco H={h}, no inner states", "diloco", 0),
+    ]:
         ranks = probes[label]
         params = ranks[0]["params"]
         comm.append({
-            "arm": label.replace(" (memory)", f" H={args.local_steps}"), "params": params,
-            "computed_bytes_per_step": computed_bytes(kind, params, args.world_size, every, args.local_steps),
+            "arm": arm, "params": params,
+            "computed_bytes_per_step": computed_bytes(kind, params, every, h, args.exchange_steps,
+                                                      inner_states="no inner states" not in arm),
             "measured_bytes_per_step": measured_bytes(ranks),
         })
     model_bytes = 4 * probes["async (memory)"][0]["params"]
