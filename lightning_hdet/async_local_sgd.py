@@ -55,10 +55,11 @@ Mode = Literal["async", "sync"]
 _MODES = ("async", "sync")
 _CHECKPOINT_KEY = "async_local_sgd"
 
-# Worker -> server header: [kind, steps, compute_s, wait_s, inner_state_bytes]. The flat pseudo-gradient
-# follows when steps > 0, then the serialized inner optimizer state when inner_state_bytes > 0.
-# Server -> worker header: [next_local_steps (0 = stop), outer_updates]; the flat global parameters follow
-# when next_local_steps > 0.
+# Worker -> server header: [kind, steps, compute_s, wait_s, inner_state_bytes]. When steps > 0, one flat float32
+# message follows: the pseudo-gradient of the parameters, then the current values of the floating-point buffers;
+# then the serialized inner optimizer state when inner_state_bytes > 0.
+# Server -> worker header: [next_local_steps (0 = stop), outer_updates]; when next_local_steps > 0 the flat
+# global parameters follow, then (if the model has floating-point buffers) the flat global buffers.
 _HELLO, _PUSH, _BYE = 0.0, 1.0, 2.0
 _WORKER_HEADER, _SERVER_HEADER = 5, 2
 
@@ -72,6 +73,7 @@ class _Push:
     wait_s: float
     pseudo_gradient: Tensor | None
     inner_state: Tensor | None = None  # the worker's serialized inner optimizer state (uint8), if sent
+    buffers: Tensor | None = None  # the worker's floating-point buffers (flat values), sent with the pseudo-gradient
 
 
 @dataclass
@@ -89,7 +91,11 @@ class _WorkerStats:
 
 @dataclass
 class _OuterState:
-    """The outer optimizer's side: global parameters, outer optimizer, speeds, budget and counters."""
+    """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget and counters.
+
+    The outer optimizer steps on the parameters only. The global floating-point buffers (e.g. BatchNorm running
+    statistics) are the mean of the latest values pushed by each worker that has pushed so far.
+    """
 
     params: Tensor
     optimizer: Optimizer
@@ -104,6 +110,10 @@ class _OuterState:
     metrics_version: int = 0
     #: Each worker's serialized inner optimizer state as of its latest exchange (when workers send it).
     inner_states: dict[int, Tensor] = field(default_factory=dict)
+    #: The global floating-point buffers, flat (empty for a model without any).
+    buffers: Tensor = field(default_factory=lambda: torch.zeros(0))
+    #: Each worker's floating-point buffers as of its latest push.
+    worker_buffers: dict[int, Tensor] = field(default_factory=dict)
 
     def process(self, pushes: list[_Push]) -> dict[int, int]:
         """Apply a batch of pushes (one at a time in async mode, their mean in sync mode) and return the
@@ -115,6 +125,8 @@ class _OuterState:
                 stats.compute_s, stats.wait_s = push.compute_s, push.wait_s
                 if push.inner_state is not None:
                     self.inner_states[push.worker] = push.inner_state
+                if push.buffers is not None:
+                    self.worker_buffers[push.worker] = push.buffers
                 if push.steps > 0:
                     stats.staleness = self.outer_updates - stats.pulled_version
                     stats.rounds += 1
@@ -122,6 +134,8 @@ class _OuterState:
                     self.steps_done += push.steps
                     self.policy.update(push.worker, push.steps, push.compute_s)
                     stats.steps_per_s = self.policy.speeds.get(push.worker, 0.0)
+            if any(p.buffers is not None for p in pushes):
+                self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
             grads = [p.pseudo_gradient for p in pushes if p.pseudo_gradient is not None]
             if self.mode == "sync" and grads:
                 self._outer_step(torch.stack(grads).mean(0))
@@ -169,11 +183,14 @@ class _OuterState:
             return out
 
     def state_dict(self) -> dict[str, Any]:
-        """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent, each as of
-        that worker's latest exchange (the one counted in ``workers[w]["steps"]``)."""
+        """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent and
+        ``worker_buffers`` the buffers they pushed, each as of that worker's latest exchange (the one counted in
+        ``workers[w]["steps"]``)."""
         with self.lock:
             state = {
                 "params": self.params.detach().clone(),
+                "buffers": self.buffers.clone(),
+                "worker_buffers": {w: b.clone() for w, b in sorted(self.worker_buffers.items())},
                 "optimizer": self.optimizer.state_dict(),
                 "policy": self.policy.state_dict(),
                 "mode": self.mode,
@@ -186,13 +203,20 @@ class _OuterState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; one saved before buffers were exchanged (no ``buffers``) keeps the
+        current global buffers (the model's own)."""
         with self.lock:
-            if state["params"].numel() != self.params.numel():
-                raise ValueError(
-                    f"The checkpoint's outer state holds {state['params'].numel()} parameters but the model has"
-                    f" {self.params.numel()}."
-                )
+            for key, name, own in (("params", "parameters", self.params), ("buffers", "floating-point buffer values",
+                                                                            self.buffers)):
+                if key in state and state[key].numel() != own.numel():
+                    raise ValueError(
+                        f"The checkpoint's outer state holds {state[key].numel()} {name} but the model has"
+                        f" {own.numel()}."
+                    )
             self.params.data.copy_(state["params"])
+            if "buffers" in state:
+                self.buffers.copy_(state["buffers"])
+                self.worker_buffers = {int(w): b.float().clone() for w, b in state["worker_buffers"].items()}
             self.optimizer.load_state_dict(state["optimizer"])
             self.policy.load_state_dict(state["policy"])
             self.steps_done = int(state["steps_done"])
@@ -241,20 +265,23 @@ class _Server:
 
     def _receive(self) -> None:
         remaining = self.world_size - 1
-        numel = self.outer.params.numel()
+        n_params, n_buffers = self.outer.params.numel(), self.outer.buffers.numel()
         while remaining:
             header = torch.empty(_WORKER_HEADER, dtype=torch.float64)
             src = dist.recv(header, src=None, group=self.push_group)
             kind, steps, compute_s, wait_s, state_bytes = header.tolist()
-            payload = inner_state = None
+            payload = inner_state = buffers = None
             if steps > 0:
-                payload = torch.empty(numel, dtype=torch.float32)
+                payload = torch.empty(n_params + n_buffers, dtype=torch.float32)
                 dist.recv(payload, src=src, group=self.push_group)
+                if n_buffers:  # a copy: the server keeps it, and the pseudo-gradient need not stay alive with it
+                    buffers = payload[n_params:].clone()
+                payload = payload[:n_params]
             if state_bytes > 0:
                 inner_state = torch.empty(int(state_bytes), dtype=torch.uint8)
                 dist.recv(inner_state, src=src, group=self.push_group)
             remaining -= kind == _BYE
-            self.inbox.put(_Push(src, kind, int(steps), compute_s, wait_s, payload, inner_state))
+            self.inbox.put(_Push(src, kind, int(steps), compute_s, wait_s, payload, inner_state, buffers))
 
     def _serve(self) -> None:
         active = set(range(self.world_size))
@@ -278,13 +305,16 @@ class _Server:
                 self._reply(worker, steps)
 
     def _reply(self, worker: int, steps: int) -> None:
+        params, buffers = self.outer.params.detach(), self.outer.buffers
         if worker == 0:
-            self.local_replies.put((steps, self.outer.params.detach().clone() if steps else None))
+            self.local_replies.put((steps, torch.cat([params, buffers]) if steps else None))
             return
         header = torch.tensor([steps, self.outer.outer_updates], dtype=torch.float64)
         dist.send(header, dst=worker, group=self.reply_group)
         if steps:
-            dist.send(self.outer.params.detach(), dst=worker, group=self.reply_group)
+            dist.send(params, dst=worker, group=self.reply_group)
+            if buffers.numel():
+                dist.send(buffers, dst=worker, group=self.reply_group)
 
 
 class AsyncLocalSGDStrategy(DDPStrategy):
@@ -463,6 +493,14 @@ class AsyncLocalSGDStrategy(DDPStrategy):
     def _params(self) -> list[Tensor]:
         return list(self.lightning_module.parameters())
 
+    def _buffers(self) -> list[Tensor]:
+        """The floating-point buffers, exchanged like the parameters (integer ones such as counters stay local)."""
+        return [b for b in self.lightning_module.buffers() if torch.is_floating_point(b)]
+
+    def _model_state(self) -> list[Tensor]:
+        """What the exchange carries, in this order: the parameters, then the floating-point buffers."""
+        return self._params() + self._buffers()
+
     def _host_buffer(self, numel: int) -> Tensor:
         return torch.zeros(numel, dtype=torch.float32, pin_memory=self.root_device.type == "cuda")
 
@@ -471,31 +509,34 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             torch.cuda.current_stream(self.root_device).synchronize()
 
     @torch.no_grad()
-    def _read_params(self, out: Tensor) -> Tensor:
+    def _read(self, tensors: list[Tensor], out: Tensor) -> Tensor:
+        """Copy ``tensors`` (on the device) into the flat host buffer ``out``, in order."""
         offset = 0
-        for p in self._params():
-            out[offset : offset + p.numel()].copy_(p.reshape(-1), non_blocking=True)
-            offset += p.numel()
+        for t in tensors:
+            out[offset : offset + t.numel()].copy_(t.reshape(-1), non_blocking=True)
+            offset += t.numel()
         self._sync_stream()
         return out
 
     @torch.no_grad()
-    def _write_params(self, flat: Tensor) -> None:
+    def _write(self, tensors: list[Tensor], flat: Tensor) -> None:
+        """Copy the flat host buffer ``flat`` into ``tensors`` (on the device), in order."""
         offset = 0
-        for p in self._params():
-            p.copy_(flat[offset : offset + p.numel()].view_as(p), non_blocking=True)
-            offset += p.numel()
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t), non_blocking=True)
+            offset += t.numel()
         self._sync_stream()
 
     # ------------------------------------------------------------------ training phase
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        numel = sum(p.numel() for p in self._params())
-        self._pulled = self._host_buffer(numel)
-        self._local = self._host_buffer(numel)
+        self._n_params = sum(p.numel() for p in self._params())
+        numel = self._n_params + sum(b.numel() for b in self._buffers())
+        self._pulled = self._host_buffer(numel)  # theta_pulled, then the pulled global buffers
+        self._local = self._host_buffer(numel)  # the push: pseudo-gradient, then this worker's buffers
         if self.is_global_zero:
-            self._start_server(numel)
+            self._start_server()
         else:
             trainer.limit_val_batches = 0  # only rank 0 validates, with the global model
         self._training_phase = True
@@ -505,10 +546,10 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         self._round_start = time.perf_counter()
         self._exchange(_HELLO)
 
-    def _start_server(self, numel: int) -> None:
-        params = self._host_buffer(numel)
-        self._read_params(params)
+    def _start_server(self) -> None:
+        params = self._read(self._params(), self._host_buffer(self._n_params))
         params.requires_grad_(False)
+        buffers = self._read(self._buffers(), self._host_buffer(self._local.numel() - self._n_params))
         if self.mode == "async" and self.delayed_nesterov:
             n = self.buffer_size or self._workers
             optimizer: Optimizer = DelayedNesterov(
@@ -519,10 +560,12 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             optimizer = SGD([params], lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
         dynamic = self.dynamic_local_steps and self.mode == "async"
         policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, dynamic, self.speed_smoothing)
-        self._outer = _OuterState(params, optimizer, policy, self.mode, self._budget)
+        self._outer = _OuterState(params, optimizer, policy, self.mode, self._budget, buffers=buffers)
         if self._resume_state is not None:
             self._outer.load_state_dict(self._resume_state)
             self._resume_state = None
+            # a run resumed on fewer workers: the missing workers' buffers no longer count in the mean
+            self._outer.worker_buffers = {w: b for w, b in self._outer.worker_buffers.items() if w < self._workers}
         assert self._groups is not None
         timeout = (self._timeout or timedelta(minutes=30)).total_seconds()
         self._server = _Server(self._outer, self._workers, *self._groups, self.grace_period, timeout)
@@ -540,14 +583,16 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         return output
 
     def _exchange(self, kind: float) -> None:
-        """Push this round's pseudo-gradient (if any steps were taken) and this worker's inner optimizer state
-        (with ``checkpoint_inner_states``) and, unless leaving, pull the new global parameters and the next
-        round's length."""
+        """Push this round's pseudo-gradient and floating-point buffers (if any steps were taken) and this worker's
+        inner optimizer state (with ``checkpoint_inner_states``) and, unless leaving, pull the new global
+        parameters and buffers and the next round's length."""
         compute_s = time.perf_counter() - self._round_start
         steps = self._steps_in_round
         payload = None
+        n = self._n_params
         if steps > 0:
-            payload = torch.sub(self._pulled, self._read_params(self._local), out=self._local)
+            payload = self._read(self._model_state(), self._local)
+            torch.sub(self._pulled[:n], payload[:n], out=payload[:n])  # the buffers travel as values
         start = time.perf_counter()  # serializing the inner state counts as exchange time
         # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
         inner_state = state_to_bytes(self.optimizers[0].state_dict()) if self.checkpoint_inner_states else None
@@ -556,8 +601,10 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         if self.is_global_zero:
             assert self._server is not None
             self._server.raise_error()
-            pseudo_gradient = payload.clone() if payload is not None else None
-            self._server.inbox.put(_Push(0, kind, steps, compute_s, self._wait_s, pseudo_gradient, inner_state))
+            pseudo_gradient = payload[:n].clone() if payload is not None else None
+            buffers = payload[n:].clone() if payload is not None and payload.numel() > n else None
+            self._server.inbox.put(
+                _Push(0, kind, steps, compute_s, self._wait_s, pseudo_gradient, inner_state, buffers))
             if kind == _BYE:
                 return
             next_steps, params = self._server.local_replies.get(timeout=self._server.timeout)
@@ -578,7 +625,9 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             params = None
             if next_steps:
                 params = self._pulled
-                dist.recv(params, src=0, group=reply_group)
+                dist.recv(params[:n], src=0, group=reply_group)
+                if params.numel() > n:
+                    dist.recv(params[n:], src=0, group=reply_group)
         self._wait_s = time.perf_counter() - start
         self._steps_in_round = 0
         self._round_steps = int(next_steps)
@@ -592,7 +641,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             assert params is not None
             if params is not self._pulled:
                 self._pulled.copy_(params)
-            self._write_params(self._pulled)
+            self._write(self._model_state(), self._pulled)
         self._round_start = time.perf_counter()
 
     @property
@@ -631,7 +680,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             if self._server is not None:
                 self._server.join()
                 self._log_outer_metrics()
-                self._write_params(self._outer.params)  # type: ignore[union-attr]
+                self._write_global_model()
             self._training_phase = False
             _sync_module_states(self.lightning_module)
             max_steps, limit_val_batches = self._saved_limits  # type: ignore[misc]
@@ -652,19 +701,25 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         super().on_exception(exception)
 
     # ------------------------------------------------------------------ global model for validation / checkpoints
+    def _write_global_model(self) -> None:
+        """Rank 0: write the outer state's global parameters and floating-point buffers into the model."""
+        assert self._outer is not None
+        with self._outer.lock:
+            self._write(self._params(), self._outer.params)
+            self._write(self._buffers(), self._outer.buffers)
+
     @contextmanager
     def _global_params(self) -> Iterator[None]:
-        """On rank 0 during training: temporarily swap in the current global parameters."""
+        """On rank 0 during training: temporarily swap in the current global parameters and buffers."""
         if not (self._training_phase and self._outer is not None):
             yield
             return
-        saved = self._read_params(self._host_buffer(self._local.numel()))
-        with self._outer.lock:
-            self._write_params(self._outer.params)
+        saved = self._read(self._model_state(), self._host_buffer(self._local.numel()))
+        self._write_global_model()
         try:
             yield
         finally:
-            self._write_params(saved)
+            self._write(self._model_state(), saved)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
