@@ -55,9 +55,9 @@ Mode = Literal["async", "sync"]
 _MODES = ("async", "sync")
 _CHECKPOINT_KEY = "async_local_sgd"
 
-# Worker -> server header: [kind, steps, compute_s, wait_s, inner_state_bytes]. When steps > 0, one flat float32
-# message follows: the pseudo-gradient of the parameters, then the current values of the floating-point buffers;
-# then the serialized inner optimizer state when inner_state_bytes > 0.
+# Worker -> server header: [kind, steps, compute_s, wait_s, inner_state_bytes]. When steps > 0, one flat
+# float32 message follows: the pseudo-gradient of the parameters, then the current values of the
+# floating-point buffers; then the serialized inner optimizer state when inner_state_bytes > 0.
 # Server -> worker header: [next_local_steps (0 = stop), outer_updates]; when next_local_steps > 0 the flat
 # global parameters follow, then (if the model has floating-point buffers) the flat global buffers.
 _HELLO, _PUSH, _BYE = 0.0, 1.0, 2.0
@@ -73,7 +73,7 @@ class _Push:
     wait_s: float
     pseudo_gradient: Tensor | None
     inner_state: Tensor | None = None  # the worker's serialized inner optimizer state (uint8), if sent
-    buffers: Tensor | None = None  # the worker's floating-point buffers (flat values), sent with the pseudo-gradient
+    buffers: Tensor | None = None  # the worker's floating-point buffers (flat values), if sent
 
 
 @dataclass
@@ -91,10 +91,10 @@ class _WorkerStats:
 
 @dataclass
 class _OuterState:
-    """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget and counters.
+    """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget, counters.
 
-    The outer optimizer steps on the parameters only. The global floating-point buffers (e.g. BatchNorm running
-    statistics) are the mean of the latest values pushed by each worker that has pushed so far.
+    The outer optimizer steps on the parameters only. The global floating-point buffers (e.g. BatchNorm
+    running statistics) are the mean of the latest values pushed by each worker that has pushed so far.
     """
 
     params: Tensor
@@ -184,8 +184,8 @@ class _OuterState:
 
     def state_dict(self) -> dict[str, Any]:
         """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent and
-        ``worker_buffers`` the buffers they pushed, each as of that worker's latest exchange (the one counted in
-        ``workers[w]["steps"]``)."""
+        ``worker_buffers`` the buffers they pushed, each as of that worker's latest exchange (the one counted
+        in ``workers[w]["steps"]``)."""
         with self.lock:
             state = {
                 "params": self.params.detach().clone(),
@@ -206,8 +206,8 @@ class _OuterState:
         """Restore a :meth:`state_dict`; one saved before buffers were exchanged (no ``buffers``) keeps the
         current global buffers (the model's own)."""
         with self.lock:
-            for key, name, own in (("params", "parameters", self.params), ("buffers", "floating-point buffer values",
-                                                                            self.buffers)):
+            for key, name, own in (("params", "parameters", self.params),
+                                   ("buffers", "floating-point buffer values", self.buffers)):
                 if key in state and state[key].numel() != own.numel():
                     raise ValueError(
                         f"The checkpoint's outer state holds {state[key].numel()} {name} but the model has"
@@ -274,7 +274,7 @@ class _Server:
             if steps > 0:
                 payload = torch.empty(n_params + n_buffers, dtype=torch.float32)
                 dist.recv(payload, src=src, group=self.push_group)
-                if n_buffers:  # a copy: the server keeps it, and the pseudo-gradient need not stay alive with it
+                if n_buffers:  # a copy: the server keeps it; the pseudo-gradient need not stay alive with it
                     buffers = payload[n_params:].clone()
                 payload = payload[:n_params]
             if state_bytes > 0:
@@ -494,7 +494,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         return list(self.lightning_module.parameters())
 
     def _buffers(self) -> list[Tensor]:
-        """The floating-point buffers, exchanged like the parameters (integer ones such as counters stay local)."""
+        """The floating-point buffers, which the exchange carries (integer ones, e.g. counters, stay put)."""
         return [b for b in self.lightning_module.buffers() if torch.is_floating_point(b)]
 
     def _model_state(self) -> list[Tensor]:
@@ -565,7 +565,8 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             self._outer.load_state_dict(self._resume_state)
             self._resume_state = None
             # a run resumed on fewer workers: the missing workers' buffers no longer count in the mean
-            self._outer.worker_buffers = {w: b for w, b in self._outer.worker_buffers.items() if w < self._workers}
+            kept = {w: b for w, b in self._outer.worker_buffers.items() if w < self._workers}
+            self._outer.worker_buffers = kept
         assert self._groups is not None
         timeout = (self._timeout or timedelta(minutes=30)).total_seconds()
         self._server = _Server(self._outer, self._workers, *self._groups, self.grace_period, timeout)
@@ -583,9 +584,9 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         return output
 
     def _exchange(self, kind: float) -> None:
-        """Push this round's pseudo-gradient and floating-point buffers (if any steps were taken) and this worker's
-        inner optimizer state (with ``checkpoint_inner_states``) and, unless leaving, pull the new global
-        parameters and buffers and the next round's length."""
+        """Push this round's pseudo-gradient and floating-point buffers (if any steps were taken) and this
+        worker's inner optimizer state (with ``checkpoint_inner_states``) and, unless leaving, pull the new
+        global parameters and buffers and the next round's length."""
         compute_s = time.perf_counter() - self._round_start
         steps = self._steps_in_round
         payload = None

@@ -1,5 +1,6 @@
-"""Floating-point buffers (BatchNorm running statistics) in AsyncLocalSGDStrategy: they travel with each push, the
-global buffers are the mean of the workers' latest ones, and validation, checkpoints and the end of fit use them."""
+"""Floating-point buffers (BatchNorm running statistics) in AsyncLocalSGDStrategy: they travel with each push,
+the global buffers are the mean of the workers' latest ones, and validation, checkpoints and the end of fit
+use them."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ OFFSET = 10.0  # rank r's inputs have mean r * OFFSET, so the workers' running m
 
 
 class BNModel(LightningModule):
-    """BatchNorm1d then Linear; each rank trains on its own input distribution; validation logs the running mean."""
+    """BatchNorm1d then Linear; each rank trains on its own input distribution; validation logs the running
+    mean."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,9 +59,9 @@ def _bn_state(module: BNModel) -> torch.Tensor:
 
 
 class BNRecorder(Callback):
-    """Per rank, by step: the buffers a push after that step carries, the local buffers after the step (and its
-    possible exchange) and the validation metric; the buffers pulled first and at the end; rank 0 adds the outer
-    state."""
+    """Per rank, by step: the buffers a push after that step carries, the local buffers after the step (and
+    its possible exchange) and the validation metric; the buffers pulled first and at the end; rank 0 adds the
+    outer state."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -75,7 +77,8 @@ class BNRecorder(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
         self.pushed[trainer.global_step + 1] = _bn_state(pl_module)  # the forward pass is done
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self.local[trainer.global_step] = _bn_state(pl_module)
 
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -85,7 +88,8 @@ class BNRecorder(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
         outer = trainer.strategy._outer
         torch.save({"first": self.first, "pushed": self.pushed, "local": self.local, "val": self.val,
-                    "final": _bn_state(pl_module), "outer": outer.state_dict() if outer is not None else None},
+                    "final": _bn_state(pl_module),
+                    "outer": outer.state_dict() if outer is not None else None},
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
@@ -96,9 +100,9 @@ def _fit(out: Path, mode: str, ckpt_path: str | None = None) -> list[dict[str, A
                                      dynamic_local_steps=mode == "async", start_method="fork")
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=3, save_top_k=-1)
     trainer = Trainer(strategy=strategy, callbacks=[ckpt, BNRecorder(out)],
-                      **trainer_kwargs(devices=2, max_steps=8, enable_checkpointing=True, default_root_dir=out,
-                                       use_distributed_sampler=False, limit_val_batches=1, val_check_interval=3,
-                                       num_sanity_val_steps=0))
+                      **trainer_kwargs(devices=2, max_steps=8, enable_checkpointing=True,
+                                       default_root_dir=out, use_distributed_sampler=False,
+                                       limit_val_batches=1, val_check_interval=3, num_sanity_val_steps=0))
     trainer.fit(BNModel(), ckpt_path=ckpt_path)
     return load_ranks(out, 2)
 
@@ -121,7 +125,7 @@ def test_buffers_are_averaged_and_every_rank_ends_with_the_global_ones(tmp_path:
 
     if mode == "async":
         # worker 1 continues from the global buffers: after an exchange (once worker 0 has pushed) its buffers
-        # moved from its own statistics towards worker 0's (the forward passes alone only move them towards its own)
+        # moved from its own statistics towards worker 0's (its forward passes only move them towards its own)
         assert any((pushed_own[:4] - ranks[1]["local"][step][:4]).min() > OFFSET / 4
                    for step, pushed_own in ranks[1]["pushed"].items())
         return  # below: checkpoint, validation and resume, exact in sync mode only (see below)
@@ -130,16 +134,17 @@ def test_buffers_are_averaged_and_every_rank_ends_with_the_global_ones(tmp_path:
     for r in ranks:
         torch.testing.assert_close(r["local"][2], (ranks[0]["pushed"][2] + ranks[1]["pushed"][2]) / 2)
 
-    # A checkpoint written mid-round (step 3 of rounds of 2) holds the global buffers, not rank 0's own. The outer
-    # state cannot change while rank 0 is within a round (every sync round waits for rank 0's push), so the
-    # checkpoint and the validation at step 3 used exactly the outer state's global buffers: the mean of both
-    # workers' buffers after the first round. (In async mode another worker's push may land between them.)
+    # A checkpoint written mid-round (step 3 of rounds of 2) holds the global buffers, not rank 0's own. The
+    # outer state cannot change while rank 0 is within a round (every sync round waits for rank 0's push), so
+    # the checkpoint and the validation at step 3 used exactly the outer state's global buffers: the mean of
+    # both workers' buffers after the first round. (In async mode, another worker's push may come in between.)
     saved = torch.load(tmp_path / "a" / "ckpt" / "epoch=0-step=3.ckpt", weights_only=True)
     state = saved["async_local_sgd"]
     in_state_dict = torch.cat([saved["state_dict"]["bn.running_mean"], saved["state_dict"]["bn.running_var"]])
     assert set(state["worker_buffers"]) == {0, 1}
     torch.testing.assert_close(in_state_dict, state["buffers"], rtol=0, atol=0)
-    torch.testing.assert_close(state["buffers"], (state["worker_buffers"][0] + state["worker_buffers"][1]) / 2)
+    mean = (state["worker_buffers"][0] + state["worker_buffers"][1]) / 2
+    torch.testing.assert_close(state["buffers"], mean)
     assert (in_state_dict[:4] - ranks[0]["local"][3][:4]).abs().min() > 1.0  # rank 0's own differ
     assert ranks[0]["val"][3] == pytest.approx(float(state["buffers"][:4].mean()), abs=1e-5)
     assert abs(ranks[0]["val"][3] - float(ranks[0]["local"][3][:4].mean())) > 1.0
@@ -159,7 +164,8 @@ def _outer(buffers: torch.Tensor | None = None) -> _OuterState:
 
 
 def _push(worker: int, g: float, buffers: list[float] | None) -> _Push:
-    return _Push(worker, 1.0, 4, 1.0, 0.0, torch.full((3,), g), buffers=None if buffers is None else torch.tensor(buffers))
+    values = None if buffers is None else torch.tensor(buffers)
+    return _Push(worker, 1.0, 4, 1.0, 0.0, torch.full((3,), g), buffers=values)
 
 
 def test_outer_state_averages_the_workers_latest_buffers() -> None:
@@ -170,7 +176,7 @@ def test_outer_state_averages_the_workers_latest_buffers() -> None:
     torch.testing.assert_close(outer.buffers, torch.tensor([2.0, 4.0]))
     outer.process([_push(0, 1.0, [2.0, 2.0])])  # worker 0's newer values replace its older ones
     torch.testing.assert_close(outer.buffers, torch.tensor([3.0, 4.0]))
-    torch.testing.assert_close(outer.params, torch.full((3,), -3.0))  # the optimizer stepped on the parameters only
+    torch.testing.assert_close(outer.params, torch.full((3,), -3.0))  # the optimizer steps on parameters only
 
     # checkpoint round trip, including each worker's latest buffers
     state = outer.state_dict()
@@ -178,7 +184,7 @@ def test_outer_state_averages_the_workers_latest_buffers() -> None:
     restored.load_state_dict(state)
     torch.testing.assert_close(restored.buffers, torch.tensor([3.0, 4.0]))
     restored.process([_push(1, 0.0, [6.0, 8.0])])
-    torch.testing.assert_close(restored.buffers, torch.tensor([4.0, 5.0]))  # worker 0's saved [2, 2] still counts
+    torch.testing.assert_close(restored.buffers, torch.tensor([4.0, 5.0]))  # worker 0's saved [2, 2] counts
 
     # a checkpoint from before buffers were exchanged keeps the model's own buffers
     old = {k: v for k, v in state.items() if k not in ("buffers", "worker_buffers")}
