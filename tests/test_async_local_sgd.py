@@ -178,16 +178,22 @@ def test_callbacks_with_slow_worker_then_resume(tmp_path):
     """ModelCheckpoint(every_n_train_steps), val_check_interval with sync_dist metrics and EarlyStopping, one
     worker slowed 4x: no hang, checkpoints hold the global model and the outer state, resume continues."""
     seed_everything(0)
+    model = Regression()
+    with torch.no_grad():
+        x, y = model.data[256:320]
+        initial_val_loss = float(nn.functional.mse_loss(model.layer(x), y))
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1, save_last=True)
     strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer_lr=0.5)
-    first = _fit(tmp_path / "a", Regression(), strategy, max_steps=20, val_check_interval=5,
+    first = _fit(tmp_path / "a", model, strategy, max_steps=20, val_check_interval=5,
                  callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), ckpt])
     outer = first[0]["outer"]
     assert outer["steps_done"] == 80
     _assert_same_params(first)
-    # rank 0 validated the global model on the whole validation set; the loss went down
+    # rank 0 validated the global model on the whole validation set; the loss went down from the initial model's
+    # (not from the first validation's, nor by a fixed large factor: how many outer updates land before a
+    # validation, and how stale they are, depends on timing; seen: 0.45x to 0.66x of the initial loss)
     assert set(first[0]["val_samples"]) == {64}
-    assert first[0]["val_losses"][-1] < 0.5 * first[0]["val_losses"][0]
+    assert first[0]["val_losses"][-1] < 0.8 * initial_val_loss
     # checkpoints: global model + outer state, loadable in plain Lightning
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     state = saved["async_local_sgd"]
