@@ -12,7 +12,7 @@ the async server's host memory.
   all-reduce puts ``2(W-1)/W × 4P`` on each rank's wire); HDET adds one ``4P`` all-reduce per ``T``
   steps; DiLoCo and async send ``4P`` (pseudo-gradient) and receive ``4P`` (global parameters) per
   round of ``H`` inner steps, and by default (``checkpoint_inner_states=True``) also send their inner
-  optimizer state (AdamW: ``8P``) with every push and with their first and last message; the row
+  optimizer state (AdamW: ``8P``) with every push and with their last message; the row
   "diloco ..., no inner states" turns that off (the states are then gathered once, at the end of ``fit``).
 - **Host memory**: rank 0's peak resident set (``ru_maxrss``) under async DN + DyLU minus under DDP on a
   larger model, relative to the model's float32 size. Rank 0 both trains and runs the outer optimizer,
@@ -133,16 +133,18 @@ def run_probe(
 
 
 def computed_bytes(kind: str, params: int, every: int, local_steps: int, steps: int, inner_states: bool) -> float:
-    """Payload bytes one worker hands to the network per inner step, from the exchange pattern (a run of
-    ``steps`` inner steps for DiLoCo/async, whose inner optimizer is AdamW)."""
+    """Payload bytes one worker hands to the network per inner step, from the exchange pattern: for DiLoCo/async
+    a run of ``steps`` inner steps in rounds of ``local_steps`` with AdamW as the inner optimizer (a worker
+    that dynamic local steps gives shorter rounds exchanges more often than this)."""
     model = 4 * params
     if kind == "ddp":
         return model
     if kind == "hdet":
         return model + model / every
     exchange = 2 * model / local_steps  # diloco / async: push the pseudo-gradient, pull the parameters
-    # AdamW's two moments: with every push and the first and the last message, or gathered once at the end.
-    return exchange + 2 * model * ((1 / local_steps + 2 / steps) if inner_states else 1 / steps)
+    # AdamW's two moments: with every push and with the last message (on a fresh run the first message's state
+    # is still empty), or, without inner states, gathered once at the end of fit.
+    return exchange + 2 * model * ((1 / local_steps + 1 / steps) if inner_states else 1 / steps)
 
 
 def measured_bytes(probes: list[dict]) -> float:

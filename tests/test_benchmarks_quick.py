@@ -209,14 +209,14 @@ def test_overhead_quick_mode(tmp_path):
     assert hdet["computed_bytes_per_step"] == pytest.approx(4 * hdet["params"] * (1 + 1 / 4))
     assert hdet["measured_bytes_per_step"] >= 4 * hdet["params"]
     # DiLoCo: one push and one pull of the model per round of H steps, plus small headers; by default each push
-    # (and the first and the last message) also carries AdamW's two moments, serialized; without that, the
-    # moments are gathered once at the end of fit.
+    # and the last message also carry AdamW's two moments, serialized (the first message's are still empty);
+    # without that, the moments are gathered once at the end of fit.
     steps = cfg["exchange_steps"]
     diloco, bare = comm[f"diloco H={h}"], comm[f"diloco H={h}, no inner states"]
     model = 4 * diloco["params"]
-    assert diloco["computed_bytes_per_step"] == pytest.approx(2 * model / h + 2 * model * (1 / h + 2 / steps))
+    assert diloco["computed_bytes_per_step"] == pytest.approx(2 * model / h + 2 * model * (1 / h + 1 / steps))
     assert bare["computed_bytes_per_step"] == pytest.approx(2 * model / h + 2 * model / steps)
-    assert diloco["measured_bytes_per_step"] == pytest.approx(diloco["computed_bytes_per_step"], rel=0.1)
+    assert diloco["measured_bytes_per_step"] == pytest.approx(diloco["computed_bytes_per_step"], rel=0.05)
     assert bare["measured_bytes_per_step"] == pytest.approx(bare["computed_bytes_per_step"], rel=0.05)
     assert comm[f"async H={h}"]["measured_bytes_per_step"] > bare["measured_bytes_per_step"]
     mem = data["memory"]
