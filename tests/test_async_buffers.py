@@ -112,9 +112,11 @@ def _fit(out: Path, mode: str, ckpt_path: str | None = None) -> list[dict[str, A
 def test_buffers_are_averaged_and_every_rank_ends_with_the_global_ones(tmp_path: Path, mode: str) -> None:
     ranks = _fit(tmp_path / "a", mode)
     outer = ranks[0]["outer"]
-    # the workers' statistics differ clearly: each tracks its own inputs
+    # the workers' statistics differ clearly: each tracks its own inputs (both start a round from the same global
+    # mean, and one forward pass at BatchNorm momentum 0.5 moves each halfway to its own inputs' mean, so they
+    # are ~OFFSET / 2 apart after a one-step round, which dynamic local steps can give)
     pushed = [r["pushed"][max(r["pushed"])] for r in ranks]  # every step is pushed: the last one went last
-    assert (pushed[1][:4] - pushed[0][:4]).min() > OFFSET / 2
+    assert (pushed[1][:4] - pushed[0][:4]).min() > OFFSET / 4
     # the outer side kept each worker's latest buffers; the global ones are their mean
     for w in (0, 1):
         torch.testing.assert_close(outer["worker_buffers"][w], pushed[w], rtol=0, atol=0)
