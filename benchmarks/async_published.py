@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import (
     add_output_args,
     add_run_args,
+    begin,
     fill_run_defaults,
     fit_run,
     fmt,
@@ -47,7 +48,6 @@ from benchmarks.common import (
     median,
     plot_panels,
     publish,
-    quiet,
     run_spec,
 )
 from lightning_hdet.testing import PUBLISHED_STEP_SECONDS
@@ -189,9 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    quiet()
-    name = NAME + ("_quick" if args.quick else "")
-    t0 = time.perf_counter()
+    name, t0 = begin(NAME, args.quick)
     runs = []
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
         for seed in range(args.seed, args.seed + args.seeds):

@@ -183,11 +183,13 @@ class _Recorder(Callback):
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def quiet() -> None:
-    """Silence Lightning's per-run banners and warnings that would drown the benchmark tables."""
+def begin(base: str, quick: bool) -> tuple[str, float]:
+    """Start a benchmark script: silence Lightning's per-run banners and warnings that would drown the tables,
+    and return the run's name (``base``, with ``_quick`` in quick mode) and its start time."""
     warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    for logger in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(logger).setLevel(logging.ERROR)
+    return base + ("_quick" if quick else ""), time.perf_counter()
 
 
 def fit_run(

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import (
     add_output_args,
     add_run_args,
+    begin,
     fill_run_defaults,
     fit_run,
     fmt,
@@ -44,7 +45,6 @@ from benchmarks.common import (
     not_finite_or_worse_than_uniform,
     plot_panels,
     publish,
-    quiet,
     run_spec,
 )
 
@@ -154,9 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    quiet()
-    name = NAME + ("_quick" if args.quick else "")
-    t0 = time.perf_counter()
+    name, t0 = begin(NAME, args.quick)
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
         rows = [run_arm(arm, args, Path(tmp) / arm.key) for arm in ARMS if arm.key in args.arms]
     total_s = time.perf_counter() - t0

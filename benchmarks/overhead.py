@@ -40,7 +40,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RunSpec, add_output_args, fit_run, fmt, markdown_table, publish, quiet
+from benchmarks.common import RunSpec, add_output_args, begin, fit_run, fmt, markdown_table, publish
 
 NAME = "overhead"
 _COUNTS = {"collective": 0, "sent": 0, "received": 0}
@@ -183,9 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    quiet()
-    name = NAME + ("_quick" if args.quick else "")
-    t0 = time.perf_counter()
+    name, t0 = begin(NAME, args.quick)
     arms = [("ddp", 0)] + [("hdet", t) for t in args.intervals]
     speed: dict[str, list[float]] = {}
     probes: dict[str, list[dict]] = {}

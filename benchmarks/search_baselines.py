@@ -44,12 +44,12 @@ from benchmarks.common import (
     RESULTS_DIR,
     RunResult,
     RunSpec,
+    begin,
     fit_run,
     fmt,
     markdown_table,
     median,
     plot_panels,
-    quiet,
     update_doc_section,
     write_json,
 )
@@ -330,9 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    quiet()
-    name = NAME + ("_quick" if args.quick else "")
-    t0 = time.perf_counter()
+    name, t0 = begin(NAME, args.quick)
     arms: list[Arm] = []
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
         for seed in range(args.seeds):
