@@ -6,15 +6,15 @@ Importing the package registers ``Trainer(strategy=...)`` names: ``"hdet"``, ``"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_hdet.async_local_sgd import AsyncLocalSGDStrategy
-from lightning_hdet.blend import blend_coefficients
-from lightning_hdet.callback import HDETCallback
-from lightning_hdet.delayed_nesterov import DelayedNesterov
-from lightning_hdet.fanout import fan_out
-from lightning_hdet.local_steps import LocalStepsPolicy, dynamic_local_steps
-from lightning_hdet.strategy import HDETStrategy
+from lightning_hdet.asynchronous.strategy import AsyncLocalSGDStrategy
+from lightning_hdet.hdet.blends import blend_coefficients
+from lightning_hdet.hdet.callback import HDETCallback
+from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
+from lightning_hdet.hdet.layout import fan_out
+from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
+from lightning_hdet.hdet.strategy import HDETStrategy
 from lightning_hdet.testing import SlowRanks
-from lightning_hdet.vote import Ballot, BestVote, SoftmaxVote
+from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote
 
 __version__ = "0.1.0.dev0"
 

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet import AsyncLocalSGDStrategy
-from lightning_hdet.async_local_sgd import _OuterState, _Push
-from lightning_hdet.local_steps import LocalStepsPolicy
+from lightning_hdet.asynchronous.strategy import _OuterState, _Push
+from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy
 from tests.helpers import load_ranks, trainer_kwargs
 
 OFFSET = 10.0  # rank r's inputs have mean r * OFFSET, so the workers' running means differ clearly

@@ -265,8 +265,8 @@ def test_bad_world_checked_before_process_groups():
 
 
 def _outer(mode="async", budget=None, local_steps=4):
-    from lightning_hdet.async_local_sgd import _OuterState
-    from lightning_hdet.local_steps import LocalStepsPolicy
+    from lightning_hdet.asynchronous.strategy import _OuterState
+    from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy
 
     params = torch.zeros(3)
     opt = torch.optim.SGD([params], lr=1.0)
@@ -274,7 +274,7 @@ def _outer(mode="async", budget=None, local_steps=4):
 
 
 def _push(worker, steps, g=None, kind=1.0, seconds=1.0):
-    from lightning_hdet.async_local_sgd import _Push
+    from lightning_hdet.asynchronous.strategy import _Push
 
     return _Push(worker, kind, steps, seconds, 0.0, None if g is None else torch.full((3,), float(g)))
 
@@ -311,7 +311,7 @@ def test_grace_window_closes_once_every_active_worker_pushed():
     import queue
     import threading
 
-    from lightning_hdet.async_local_sgd import _Server
+    from lightning_hdet.asynchronous.strategy import _Server
 
     outer = _outer()
     server = _Server(outer, world_size=2, push_group=None, reply_group=None, grace_period=1e6, timeout=60)

@@ -3,7 +3,7 @@ import io
 import pytest
 import torch
 
-from lightning_hdet.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 
 
 def _push(opt: DelayedNesterov, p: torch.Tensor, g: torch.Tensor) -> None:

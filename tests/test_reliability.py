@@ -37,7 +37,7 @@ from tests.helpers import LinearModel, Recorder, SGDBoring, flat_params, load_ra
         (dict(spread="0.1"), r"`spread` must be a number in \[0, 1\), got '0.1'"),
         (dict(lr_multipliers="12"), "`lr_multipliers` must be a non-empty sequence of positive finite numbers"),
         (dict(lr_multipliers=[]), "`lr_multipliers` must be a non-empty sequence"),
-        (dict(lr_multipliers=[1.0, "2"]), "`lr_multipliers` must contain positive finite numbers only"),
+        (dict(lr_multipliers=[1.0, "2"]), "`lr_multipliers` must be a non-empty sequence of positive finite numbers"),
         (dict(gradient_sync=None), r"`gradient_sync` must be one of \('global', 'group'\), got None"),
         # options of sharded strategies: HDET keeps a full replica per rank
         (dict(sharding_strategy="FULL_SHARD"), r"unsupported argument `sharding_strategy`='FULL_SHARD'.*FSDP"),
@@ -323,7 +323,7 @@ def test_resume_with_a_different_number_of_groups_starts_every_group_from_the_me
 
 
 def test_softmax_controller_resumed_with_another_group_count_takes_the_new_fan_out() -> None:
-    from lightning_hdet.vote import Ballot, SoftmaxVote
+    from lightning_hdet.hdet.votes import Ballot, SoftmaxVote
 
     rule = SoftmaxVote(permute=False)
     rule.load_state_dict({"velocity": {0: 0.0}, "shape": {0: [0.5, 1.5]}})  # written by a 2-group run

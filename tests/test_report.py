@@ -12,8 +12,8 @@ from tests.report_synthetic import (
     GROUPS, ROUND_EVERY, STEPS, WORKERS, offline_wandb_env, record_run, synthetic_metrics,
 )
 
-from lightning_hdet import report
-from lightning_hdet.report import History, load_history, make_figures, votes
+from lightning_hdet.records import report
+from lightning_hdet.records.report import History, load_history, make_figures, votes
 
 pytest.importorskip("matplotlib")
 

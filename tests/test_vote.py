@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.fanout import fan_out
-from lightning_hdet.vote import Ballot, BestVote, SoftmaxVote, divergent, make_rule, softmax_weights, winner_of
+from lightning_hdet.hdet.layout import fan_out
+from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote, divergent, make_rule, softmax_weights, winner_of
 
 G = torch.Generator
 

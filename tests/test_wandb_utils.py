@@ -16,8 +16,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from tests.report_synthetic import offline_wandb_env
 
-from lightning_hdet.report import load_history
-from lightning_hdet.wandb_utils import (
+from lightning_hdet.records.report import load_history
+from lightning_hdet.records.wandb import (
     VOTE_COLUMNS,
     finish_worker_run,
     flatten_config,

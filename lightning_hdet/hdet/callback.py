@@ -1,7 +1,7 @@
 """HDETCallback: every T steps the groups vote on their losses, learning rates move, parameters are blended.
 
-The rules themselves live in :mod:`lightning_hdet.vote` (how LRs move) and :mod:`lightning_hdet.blend` (what the
-groups merge toward); the collectives in :class:`~lightning_hdet.strategy.HDETStrategy`. This callback decides
+The rules themselves live in :mod:`lightning_hdet.hdet.votes` (how LRs move) and :mod:`lightning_hdet.hdet.blends` (what the
+groups merge toward); the collectives in :class:`~lightning_hdet.hdet.strategy.HDETStrategy`. This callback decides
 *when*, keeps the controller's state, runs the safety net, logs, and makes checkpoints resumable.
 """
 
@@ -16,12 +16,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_hdet.blend import BLENDS, blend_coefficients, blend_strengths
-from lightning_hdet.checks import is_finite_number
-from lightning_hdet.report import History, log_report_figures
-from lightning_hdet.strategy import HDETStrategy
-from lightning_hdet.vote import Ballot, divergent, make_rule, winner_of
-from lightning_hdet.wandb_utils import finish_worker_run, log_vote_history, record_config
+from lightning_hdet._checks import is_finite_number
+from lightning_hdet._tensors import host_copy
+from lightning_hdet.hdet.blends import BLENDS, blend_coefficients, blend_strengths
+from lightning_hdet.records.report import History, log_report_figures
+from lightning_hdet.hdet.strategy import HDETStrategy
+from lightning_hdet.hdet.votes import Ballot, divergent, make_rule, winner_of
+from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
 
 
 def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
@@ -168,7 +169,7 @@ class HDETCallback(Callback):
         self._skipped_at_vote = strategy.skipped_steps
         self.initial_lrs = strategy.current_lrs()[:, 0].tolist()
         if self._last_good is None:
-            self._last_good = _host_copy(strategy.flat_state())
+            self._last_good = host_copy(strategy.flat_state())
         if trainer.ckpt_path is None and self.init_noise > 0:
             self._add_init_noise(strategy, pl_module)
         rank_zero_info(
@@ -297,7 +298,7 @@ class HDETCallback(Callback):
             strength = 1.0 if final else self.blend_strength
             target = strategy.merge(coefficients, blend_strengths(strength, rescued))
             if bool(torch.isfinite(target).all()):
-                self._last_good = _host_copy(target, self._last_good)
+                self._last_good = host_copy(target, self._last_good)
             if rescued[strategy.group_index]:
                 _reset_optimizer_state(strategy)
         strategy.set_lr_multipliers(table)
@@ -411,16 +412,7 @@ class HDETCallback(Callback):
         strategy.set_lr_multipliers(hdet["lr_multipliers"])
         self._resumed_interval = hdet["interval"]
         if hdet.get("last_good") is not None:
-            self._last_good = _host_copy(hdet["last_good"])
-
-
-def _host_copy(flat: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """A host copy of a flat parameter vector; pinned when CUDA is in use so device copies are fast."""
-    flat = flat.detach()
-    if out is None or out.shape != flat.shape or out.dtype != flat.dtype:
-        out = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=torch.cuda.is_available())
-    out.copy_(flat)
-    return out
+            self._last_good = host_copy(hdet["last_good"])
 
 
 def _reset_optimizer_state(strategy: HDETStrategy) -> None:

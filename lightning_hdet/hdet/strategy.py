@@ -4,7 +4,7 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
 
 * one process group per HDET group (created identically on every rank),
 * a per-group learning-rate multiplier applied around every optimizer step, so the scheduler never sees it,
-* the collectives the :class:`~lightning_hdet.callback.HDETCallback` builds on: gathering one row of numbers per
+* the collectives the :class:`~lightning_hdet.hdet.callback.HDETCallback` builds on: gathering one row of numbers per
   group and merging (blending) the groups' parameters with one collective of the model's size,
 * an optional guard that skips the optimizer step of a group whose loss or gradients are non-finite,
 * checkpoints whose ``state_dict`` is the merged model, plus every group's own state for an exact resume.
@@ -21,21 +21,30 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_hdet.checkpoint_io import read_checkpoint
-from lightning_hdet.fanout import check_multipliers, check_num_groups, check_spread, fan_out
-from lightning_hdet.groups import GroupLayout
-from lightning_hdet.safety import FiniteGuard, grads_are_finite
+from lightning_hdet._checkpoint import read_checkpoint
+from lightning_hdet._compat import (
+    StrategyRegistry,
+    ddp_process_group,
+    ensure_callback,
+    has_user_comm_hook,
+    register_names,
+    set_ddp_process_group,
+    strategy_timeout,
+    sync_module_states,
+    unwrap_optimizer,
+)
+from lightning_hdet._tensors import assign_flat, flatten, model_state, to_cpu
+from lightning_hdet.hdet.layout import check_multipliers, check_num_groups, check_spread, fan_out
+from lightning_hdet.hdet.layout import GroupLayout
+from lightning_hdet.hdet.guard import FiniteGuard, grads_are_finite
 
 GradientSync = Literal["global", "group"]
 _GRADIENT_SYNC = ("global", "group")
@@ -100,23 +109,19 @@ class HDETStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ registration
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         """Register ``"hdet"`` (subprocess launcher) and ``"hdet_spawn"`` without replacing existing entries."""
-        for name, start_method in (("hdet", "popen"), ("hdet_spawn", "spawn")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"HDET strategy with `start_method` '{start_method}'", start_method=start_method
-                )
+        register_names(strategy_registry, cls, [
+            (name, f"HDET strategy with `start_method` '{method}'", {"start_method": method})
+            for name, method in (("hdet", "popen"), ("hdet_spawn", "spawn"))
+        ])
 
     def connect(self, model: LightningModule) -> None:
-        """Attach the model; install a default :class:`~lightning_hdet.callback.HDETCallback` if none was passed."""
+        """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` if none was passed."""
         super().connect(model)
-        trainer = model._trainer
-        if trainer is not None:
-            from lightning_hdet.callback import HDETCallback
+        from lightning_hdet.hdet.callback import HDETCallback  # the callback imports this module
 
-            if not any(isinstance(cb, HDETCallback) for cb in trainer.callbacks):
-                trainer.callbacks.append(HDETCallback())
+        ensure_callback(model, HDETCallback)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -171,7 +176,7 @@ class HDETStrategy(DDPStrategy):
         rank_zero_info(f"HDET: creating {self.layout.num_groups} process groups of {self.layout.group_size} ranks")
         # Every rank must create every group, in the same order.
         self._group_pgs = [
-            dist.new_group(self.layout.ranks(g), timeout=self._timeout) for g in range(self.layout.num_groups)
+            dist.new_group(self.layout.ranks(g), timeout=strategy_timeout(self)) for g in range(self.layout.num_groups)
         ]
 
     @property
@@ -238,7 +243,7 @@ class HDETStrategy(DDPStrategy):
         """Index of ``optimizer``'s first param group in the flattened list over all optimizers."""
         offset = 0
         for opt in self.optimizers:
-            if _unwrap(opt) is _unwrap(optimizer):
+            if unwrap_optimizer(opt) is unwrap_optimizer(optimizer):
                 return offset
             offset += len(opt.param_groups)
         raise ValueError("The optimizer is not one of the strategy's optimizers.")
@@ -279,7 +284,7 @@ class HDETStrategy(DDPStrategy):
                 if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr):
                     raise ValueError(
                         f"HDETStrategy scales each param group's `lr`, but optimizer {i} "
-                        f"({type(_unwrap(opt)).__name__}) param group {j} has lr={pg.get('lr')!r}; "
+                        f"({type(unwrap_optimizer(opt)).__name__}) param group {j} has lr={pg.get('lr')!r}; "
                         "use an optimizer with a numeric learning rate."
                     )
 
@@ -330,15 +335,14 @@ class HDETStrategy(DDPStrategy):
     def _setup_model(self, model: Module) -> Module:
         if self.gradient_sync == "group":
             # Groups are separate DDP jobs: start them all from rank 0's weights, then reduce inside the group.
-            _sync_module_states(model)
-            self._ddp_kwargs = {**self._ddp_kwargs, "process_group": self.group_process_group}
+            sync_module_states(model)
+            set_ddp_process_group(self, self.group_process_group)
         return super()._setup_model(model)
 
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        user_hook = self._ddp_comm_hook is not None or self._ddp_comm_wrapper is not None
-        if self.guard_nonfinite and not user_hook and not self._uses_grad_scaler():
-            pg = self._ddp_kwargs.get("process_group")
+        if self.guard_nonfinite and not has_user_comm_hook(self) and not self._uses_grad_scaler():
+            pg = ddp_process_group(self)
             size = dist.get_world_size(pg)
             self._guard = FiniteGuard(pg, size, self.root_device)
             self.model.register_comm_hook(self._guard, FiniteGuard.hook)  # type: ignore[union-attr]
@@ -364,14 +368,14 @@ class HDETStrategy(DDPStrategy):
         0 contributes zeros, so non-finite parameters of a diverged group never reach the target.
         Returns the flat target on the host.
         """
-        tensors = _state_tensors(self.lightning_module)
+        tensors = model_state(self.lightning_module)
         target = self._blend_target(tensors, coefficients)
-        _assign_flat(tensors, target, float(strengths[self.group_index]))
+        assign_flat(tensors, target, float(strengths[self.group_index]))
         return target.cpu()
 
     def _blend_target(self, tensors: list[Tensor], coefficients: Sequence[float]) -> Tensor:
         coefficient = float(coefficients[self.group_index]) / self.layout.group_size
-        flat = _flatten(tensors)
+        flat = flatten(tensors)
         if coefficient == 0.0:
             flat.zero_()
         else:
@@ -382,11 +386,11 @@ class HDETStrategy(DDPStrategy):
 
     def load_flat(self, flat: Tensor) -> None:
         """Overwrite the parameters and floating-point buffers with a flat vector (e.g. a host backup)."""
-        _assign_flat(_state_tensors(self.lightning_module), flat.to(self.root_device), 1.0)
+        assign_flat(model_state(self.lightning_module), flat.to(self.root_device), 1.0)
 
     def flat_state(self) -> Tensor:
         """This rank's parameters and floating-point buffers as one flat vector."""
-        return _flatten(_state_tensors(self.lightning_module))
+        return flatten(model_state(self.lightning_module))
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -399,8 +403,8 @@ class HDETStrategy(DDPStrategy):
         module = self.lightning_module
         if self.num_groups == 1 or not dist.is_initialized():
             return module.state_dict()
-        tensors = _state_tensors(module)
-        finite = torch.tensor([float(bool(torch.isfinite(_flatten(tensors)).all()))])
+        tensors = model_state(module)
+        finite = torch.tensor([float(bool(torch.isfinite(flatten(tensors)).all()))])
         healthy = self.gather_group_values(finite)[:, 0] > 0
         if not bool(healthy.any()):
             healthy = torch.ones_like(healthy)
@@ -419,7 +423,7 @@ class HDETStrategy(DDPStrategy):
         if leader:
             mine = {
                 "state_dict": {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()},
-                "optimizer_states": [_to_cpu(_unwrap(opt).state_dict()) for opt in self.optimizers],
+                "optimizer_states": [to_cpu(unwrap_optimizer(opt).state_dict()) for opt in self.optimizers],
             }
         gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
         dist.gather_object(mine, gathered, dst=0)
@@ -485,40 +489,3 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
                 f"DDPStrategy's arguments it accepts only DistributedDataParallel options: {', '.join(_DDP_KWARGS)}. "
                 "Sharded training (FSDP/DeepSpeed options) is not supported: every rank holds a full replica."
             )
-
-
-def _state_tensors(module: Module) -> list[Tensor]:
-    """Parameters and floating-point buffers, in a fixed order (integer buffers such as counters are left alone)."""
-    return [p for p in module.parameters()] + [b for b in module.buffers() if torch.is_floating_point(b)]
-
-
-def _flatten(tensors: list[Tensor]) -> Tensor:
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
-
-
-def _assign_flat(tensors: list[Tensor], flat: Tensor, strength: float) -> None:
-    """Move each tensor toward its slice of ``flat``: ``t <- (1 - strength) * t + strength * slice``."""
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            part = flat[offset : offset + t.numel()].view_as(t).to(t.dtype)
-            offset += t.numel()
-            if strength >= 1.0:
-                t.copy_(part)
-            elif strength > 0.0:
-                t.lerp_(part, strength)
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import csv
 import multiprocessing
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from lightning.pytorch.loggers import Logger, WandbLogger
+
+from lightning_hdet._compat import wandb_run_created_in_this_process
 
 if TYPE_CHECKING:
     import wandb
@@ -141,9 +142,8 @@ def finish_worker_run(trainer: Trainer) -> bool:
         return False
     finished = False
     for logger in trainer.loggers:
-        run = getattr(logger, "_experiment", None) if isinstance(logger, WandbLogger) else None
-        created_here = getattr(run, "_init_pid", None) == os.getpid()
-        if run is not None and created_here and not getattr(run, "_is_attached", True):
+        run = wandb_run_created_in_this_process(logger)
+        if run is not None:
             run.finish()
             finished = True
     return finished

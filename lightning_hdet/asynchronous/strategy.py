@@ -27,29 +27,36 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import SGD, Optimizer
 
-from lightning_hdet.checkpoint_io import read_checkpoint, state_from_bytes, state_to_bytes
-from lightning_hdet.checks import is_finite_number
-from lightning_hdet.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
-from lightning_hdet.local_steps import LocalStepsPolicy, validate_local_steps
-from lightning_hdet.report import History, log_report_figures
-from lightning_hdet.wandb_utils import finish_worker_run, record_config
+from lightning_hdet._checkpoint import read_checkpoint
+from lightning_hdet._compat import (
+    StrategyRegistry,
+    attached_trainer,
+    ensure_callback,
+    register_names,
+    set_loop_max_steps,
+    strategy_timeout,
+    sync_module_states,
+)
+from lightning_hdet._tensors import state_from_bytes, state_to_bytes
+from lightning_hdet._checks import is_finite_number
+from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
+from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
+from lightning_hdet.records.report import History, log_report_figures
+from lightning_hdet.records.wandb import finish_worker_run, record_config
 
 Mode = Literal["async", "sync"]
 _MODES = ("async", "sync")
@@ -449,14 +456,12 @@ class AsyncLocalSGDStrategy(DDPStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures)."""
         super().connect(model)
-        trainer = model._trainer
-        if trainer is not None and not any(isinstance(cb, AsyncLogging) for cb in trainer.callbacks):
-            trainer.callbacks.append(AsyncLogging())
+        ensure_callback(model, AsyncLogging)
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
         rank_zero_info(f"{type(self).__name__}: creating the exchange process groups ({self.mode} mode)")
-        timeout = self._timeout or timedelta(minutes=30)
+        timeout = strategy_timeout(self)
         # Two gloo groups: one carries pushes to rank 0, one carries replies, so that rank 0's receiver and
         # server threads never share a group.
         self._groups = (dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout))
@@ -464,7 +469,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         """No DDP wrapper (no gradient all-reduce); start every worker from rank 0's parameters and buffers."""
         assert self.model is not None
-        _sync_module_states(self.model)
+        sync_module_states(self.model)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -479,12 +484,12 @@ class AsyncLocalSGDStrategy(DDPStrategy):
         max_steps = trainer.fit_loop.max_steps
         self._budget = self._workers * max_steps if max_steps >= 0 else None
         self._saved_limits = (max_steps, trainer.limit_val_batches)
-        trainer.fit_loop.epoch_loop.max_steps = -1
+        set_loop_max_steps(trainer, -1)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Training data is sharded as in DDP; during ``fit``, validation data is not (rank 0 validates)."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.stage != RunningStage.TRAINING:
             return {"num_replicas": 1, "rank": 0}
         return super().distributed_sampler_kwargs
@@ -568,7 +573,7 @@ class AsyncLocalSGDStrategy(DDPStrategy):
             kept = {w: b for w, b in self._outer.worker_buffers.items() if w < self._workers}
             self._outer.worker_buffers = kept
         assert self._groups is not None
-        timeout = (self._timeout or timedelta(minutes=30)).total_seconds()
+        timeout = strategy_timeout(self).total_seconds()
         self._server = _Server(self._outer, self._workers, *self._groups, self.grace_period, timeout)
         self._server.start()
         self._logged_version = -1
@@ -683,9 +688,9 @@ class AsyncLocalSGDStrategy(DDPStrategy):
                 self._log_outer_metrics()
                 self._write_global_model()
             self._training_phase = False
-            _sync_module_states(self.lightning_module)
+            sync_module_states(self.lightning_module)
             max_steps, limit_val_batches = self._saved_limits  # type: ignore[misc]
-            trainer.fit_loop.epoch_loop.max_steps = max_steps
+            set_loop_max_steps(trainer, max_steps)
             trainer.limit_val_batches = limit_val_batches
             if not self.checkpoint_inner_states:  # else each worker's leaving message carried its final state
                 self._gather_inner_states()
@@ -788,22 +793,14 @@ class AsyncLocalSGDStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ registration
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = (
-            ("async_local_sgd", "popen", "async"),
-            ("async_local_sgd_spawn", "spawn", "async"),
-            ("diloco", "popen", "sync"),
-            ("diloco_spawn", "spawn", "sync"),
-        )
-        for name, start_method, mode in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"{'Asynchronous Local-SGD' if mode == 'async' else 'DiLoCo'} with start_method '{start_method}'",
-                    mode=mode,
-                    start_method=start_method,
-                )
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        """Register the async and DiLoCo names (subprocess and spawn launchers) without replacing existing ones."""
+        register_names(strategy_registry, cls, [
+            (name, f"{'Asynchronous Local-SGD' if mode == 'async' else 'DiLoCo'} with start_method '{method}'",
+             {"mode": mode, "start_method": method})
+            for name, method, mode in (("async_local_sgd", "popen", "async"), ("async_local_sgd_spawn", "spawn", "async"),
+                                       ("diloco", "popen", "sync"), ("diloco_spawn", "spawn", "sync"))
+        ])
 
 
 class AsyncLogging(Callback):

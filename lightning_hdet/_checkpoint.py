@@ -1,14 +1,9 @@
-"""Reading checkpoints with an error that says what is wrong with the file, not where the unpickler stopped;
-state dicts as bytes, to send them between processes."""
+"""Reading checkpoints with an error that says what is wrong with the file, not where the unpickler stopped."""
 
 from __future__ import annotations
 
-import io
-from collections.abc import Mapping
 from typing import Any, Callable
 
-import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 
 
 def read_checkpoint(load: Callable[[], dict[str, Any]], path: Any) -> dict[str, Any]:
@@ -32,17 +27,3 @@ def read_checkpoint(load: Callable[[], dict[str, Any]], path: Any) -> dict[str, 
             f"The checkpoint {str(path)!r} is not a Lightning checkpoint: it has no `state_dict` (found {found})."
         )
     return checkpoint
-
-
-def state_to_bytes(state: Mapping[str, Any]) -> torch.Tensor:
-    """A state dict (e.g. an optimizer's, on any device) serialized into a uint8 CPU tensor. The bytes are a
-    snapshot: later in-place updates of the state's tensors do not reach them."""
-    buffer = io.BytesIO()
-    torch.save(move_data_to_device(state, torch.device("cpu")), buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-
-
-def state_from_bytes(data: torch.Tensor) -> dict[str, Any]:
-    """Inverse of :func:`state_to_bytes`, with CPU tensors. Loaded with ``weights_only=True``, as Lightning loads
-    checkpoint files: tensors, numbers, strings and containers (what torch's optimizers keep) only."""
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_hdet.checks import is_finite_number
+from lightning_hdet._checks import is_finite_number
 
 
 class DelayedNesterov(Optimizer):

@@ -1,0 +1,133 @@
+"""Every use of a private Lightning or W&B name, in one place, each with the reason it is needed.
+
+Lightning has no public hook for these. When a Lightning release renames one of them, the checks at the bottom
+fail at import with a message naming it, instead of a hook silently no longer being called. Tested versions:
+``lightning`` as pinned in ``constraints/base.txt`` (the floor in ``pyproject.toml`` is the same release line).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any, Optional
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+
+# Why: DDP broadcasts rank 0's weights only when it wraps a model; HDET's "group" mode (one DDP per group) and the
+# async strategy (no DDP at all) need the same start-from-rank-0 broadcast without the wrapper.
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+
+# Why: the registry's type is private; strategies receive it in their public `register_strategies` classmethod.
+from lightning.pytorch.strategies.strategy import _StrategyRegistry as StrategyRegistry
+from torch.nn import Module
+from torch.optim import Optimizer
+
+__all__ = [
+    "StrategyRegistry",
+    "attached_trainer",
+    "ddp_process_group",
+    "ensure_callback",
+    "has_user_comm_hook",
+    "register_names",
+    "set_ddp_process_group",
+    "set_loop_max_steps",
+    "strategy_timeout",
+    "sync_module_states",
+    "unwrap_optimizer",
+    "wandb_run_created_in_this_process",
+]
+
+#: Private DDPStrategy methods the strategies override (no public hook runs at those moments):
+#: ``_configure_launcher`` runs when the Trainer is built, before any process exists, which is where argument
+#: checks that need the world size belong; ``_setup_model`` is where DDP gets its process group.
+OVERRIDDEN_PRIVATE_HOOKS = ("_configure_launcher", "_setup_model")
+
+
+def sync_module_states(module: Module) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank (what DDP does when it wraps a model)."""
+    _sync_module_states(module)
+
+
+def attached_trainer(model: LightningModule) -> Optional[Trainer]:
+    """The Trainer a module is attached to, or ``None`` (``model.trainer`` raises when there is none)."""
+    return model._trainer  # why: the public property raises instead of returning None before `fit`
+
+
+def ensure_callback(model: LightningModule, callback_type: type[Callback], make: Any = None) -> None:
+    """Append ``make()`` (default: ``callback_type()``) to the Trainer's callbacks unless one is there.
+
+    Why here: a strategy's ``connect`` is the first moment it sees the Trainer; companion callbacks (HDET's vote,
+    async's logging) are installed there when the user passed none.
+    """
+    trainer = attached_trainer(model)
+    if trainer is not None and not any(isinstance(cb, callback_type) for cb in trainer.callbacks):
+        trainer.callbacks.append((make or callback_type)())
+
+
+def unwrap_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer behind a ``LightningOptimizer`` (identity comparisons need the real object)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def strategy_timeout(strategy: DDPStrategy, default: timedelta = timedelta(minutes=30)) -> timedelta:
+    """The ``timeout=`` the user gave the strategy (our own process groups must honour it too)."""
+    return strategy._timeout or default  # why: DDPStrategy keeps it private and has no getter
+
+
+def ddp_process_group(strategy: DDPStrategy) -> Any:
+    """The process group DDP reduces gradients over (``None``: the default, all ranks)."""
+    return strategy._ddp_kwargs.get("process_group")  # why: no public accessor for the DDP kwargs
+
+
+def set_ddp_process_group(strategy: DDPStrategy, process_group: Any) -> None:
+    """Make DDP reduce over ``process_group`` (HDET's "group" mode); call before ``_setup_model`` wraps."""
+    strategy._ddp_kwargs = {**strategy._ddp_kwargs, "process_group": process_group}
+
+
+def has_user_comm_hook(strategy: DDPStrategy) -> bool:
+    """Whether the user registered a DDP communication hook (then HDET's finite-gradient hook stays out)."""
+    return strategy._ddp_comm_hook is not None or strategy._ddp_comm_wrapper is not None
+
+
+def set_loop_max_steps(trainer: Trainer, max_steps: int) -> None:
+    """Change the step limit of a running fit (the async budget is enforced by the strategy, not the loop)."""
+    trainer.fit_loop.epoch_loop.max_steps = max_steps  # why: `Trainer.max_steps` is read-only
+
+
+def register_names(registry: StrategyRegistry, cls: type, entries: Iterable[tuple[str, str, dict[str, Any]]]) -> None:
+    """Register ``(name, description, init_params)`` entries without replacing names a user registered."""
+    for name, description, params in entries:
+        if name not in registry:
+            registry.register(name, cls, description=description, **params)
+
+
+def wandb_run_created_in_this_process(logger: Any) -> Optional[Any]:
+    """A W&B logger's run if it exists, was started by this process and is not attached from another one."""
+    import os
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    if not isinstance(logger, WandbLogger):
+        return None
+    run = getattr(logger, "_experiment", None)  # why: `.experiment` would *create* a run; we only look
+    created_here = getattr(run, "_init_pid", None) == os.getpid()  # why: W&B has no public "owner pid"
+    if run is None or not created_here or getattr(run, "_is_attached", True):
+        return None
+    return run
+
+
+def _check_private_names() -> None:
+    missing = [name for name in OVERRIDDEN_PRIVATE_HOOKS + ("_timeout", "_ddp_kwargs")
+               if not hasattr(DDPStrategy, name) and name not in DDPStrategy.__init__.__code__.co_names]
+    if missing:
+        import lightning
+
+        raise ImportError(
+            f"lightning_hdet relies on DDPStrategy's {missing}, which lightning {lightning.__version__} does not "
+            "have; install the lightning version from lightning_hdet's constraints (see pyproject.toml)."
+        )
+
+
+_check_private_names()

@@ -1,0 +1,1 @@
+"""Asynchronous Local-SGD (Delayed Nesterov, dynamic local steps) and synchronous DiLoCo."""

@@ -1,0 +1,1 @@
+"""HDET: groups of data-parallel replicas at different learning rates that vote and blend."""

@@ -1,0 +1,79 @@
+"""Which ranks form which HDET group, and the groups' initial learning-rate multipliers (pure: no process groups).
+
+Groups are contiguous blocks of equal size. Ranks are numbered node by node, so a group stays inside one node
+whenever the group size divides the number of processes per node, keeping its gradient traffic local.
+
+The published symmetric fan-out (ALGORITHMS.md §1.1): member ``g`` of ``G`` gets
+``rho_g = 1 + spread * (g - (G - 1) / 2) / max((G - 1) / 2, 0.5)``; the multipliers average exactly 1 and lie
+in ``[1 - spread, 1 + spread]``. ``spread = 0`` gives plain data parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_hdet._checks import check_int, check_number, check_positive_list
+
+
+def fan_out(num_groups: int, spread: float) -> list[float]:
+    """Return one learning-rate multiplier per group, symmetric around 1."""
+    check_num_groups(num_groups)
+    check_spread(spread)
+    center = (num_groups - 1) / 2
+    half_width = max(center, 0.5)
+    return [1.0 + spread * (g - center) / half_width for g in range(num_groups)]
+
+
+def check_num_groups(num_groups: int) -> None:
+    check_int("num_groups", num_groups, minimum=1, hint="None gives one group per rank.")
+
+
+def check_spread(spread: float) -> None:
+    check_number("spread", spread, 0.0, 1.0, high_open=True, hint="0 means plain DDP.")
+
+
+def check_multipliers(multipliers: Sequence[float], name: str = "lr_multipliers") -> list[float]:
+    """Validate a sequence of learning-rate multipliers: finite, positive numbers."""
+    return check_positive_list(name, multipliers)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The split of ``world_size`` ranks into ``num_groups`` contiguous groups of equal size."""
+
+    world_size: int
+    num_groups: int
+
+    def __post_init__(self) -> None:
+        check_num_groups(self.num_groups)
+        allowed = ", ".join(map(str, divisors(self.world_size)))
+        if self.num_groups > self.world_size:
+            raise ValueError(
+                f"`num_groups={self.num_groups}` is larger than the number of ranks ({self.world_size}); "
+                f"allowed: a divisor of {self.world_size} ({allowed})."
+            )
+        if self.world_size % self.num_groups:
+            raise ValueError(f"`num_groups={self.num_groups}` does not divide the world size {self.world_size}; "
+                             f"allowed: {allowed}.")
+
+    @property
+    def group_size(self) -> int:
+        return self.world_size // self.num_groups
+
+    def group_of(self, rank: int) -> int:
+        """The group index of a global rank."""
+        return rank // self.group_size
+
+    def ranks(self, group: int) -> list[int]:
+        """The global ranks of one group."""
+        return list(range(group * self.group_size, (group + 1) * self.group_size))
+
+    def crosses_nodes(self, processes_per_node: int) -> bool:
+        """Whether some group spans two nodes although a layout inside nodes was possible."""
+        size = self.group_size
+        return size < processes_per_node and processes_per_node % size != 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
