@@ -10,16 +10,15 @@ import math
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_hdet.demos.corpus import VOCAB_SIZE
+from lightning_hdet.demos.optim import OPTIMIZERS, ScheduleFreeModes, make_optimizer
 
-OPTIMIZERS = ("adamw", "sgd")
 SCHEDULERS = ("constant", "cosine")
 
 
-class CharLM(LightningModule):
+class CharLM(ScheduleFreeModes):
     """Causal byte-level Transformer LM; logs ``train_loss`` every step and ``val_loss`` per validation.
 
     Args:
@@ -30,8 +29,9 @@ class CharLM(LightningModule):
         n_heads: attention heads per block.
         dropout: dropout inside the blocks.
         lr: learning rate (the base LR a scheduler scales).
-        optimizer: ``"adamw"`` or ``"sgd"`` (momentum 0.9).
-        weight_decay: decoupled for AdamW, L2 for SGD.
+        optimizer: ``"adamw"``, ``"sgd"`` (momentum 0.9), ``"prodigy"`` or ``"schedulefree"`` (AdamW; see
+            :mod:`lightning_hdet.demos.optim`).
+        weight_decay: decoupled for the Adam family, L2 for SGD.
         scheduler: ``"constant"`` or ``"cosine"`` (linear warm-up for ``warmup_steps``, then cosine decay
             to 10% of ``lr`` at the trainer's last step), stepped every optimizer step.
         warmup_steps: warm-up length for ``"cosine"``.
@@ -97,10 +97,7 @@ class CharLM(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        if hp.optimizer == "adamw":
-            opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        else:
-            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay)
+        opt = make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
         if hp.scheduler == "constant":
             return opt
         total = max(int(self.trainer.estimated_stepping_batches), 1)

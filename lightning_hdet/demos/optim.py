@@ -1,0 +1,70 @@
+"""Optimizers of the demo models: AdamW, SGD and two that need no LR tuning (Prodigy, schedule-free AdamW).
+
+Prodigy (``prodigyopt``) estimates its step size itself; its ``lr`` is a multiplier of that estimate (1.0 is
+the recommended value). Schedule-free AdamW (``schedulefree``) keeps an averaged iterate that must be swapped
+in for evaluation: :class:`ScheduleFreeModes` does that around validation and at the end of training. Both
+packages are in the ``bench`` extra and imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+import torch
+from lightning.pytorch import LightningModule
+from typing_extensions import override
+
+OPTIMIZERS = ("adamw", "sgd", "prodigy", "schedulefree")
+# The package each optional optimizer comes from, and what to install.
+_OPTIONAL = {"prodigy": ("prodigyopt", "Prodigy"), "schedulefree": ("schedulefree", "AdamWScheduleFree")}
+
+
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (one of :data:`OPTIMIZERS`) over ``params``; SGD uses momentum 0.9."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    if name not in _OPTIONAL:
+        raise ValueError(f"optimizer={name!r} is not supported; choose one of {OPTIMIZERS}")
+    module, cls = _OPTIONAL[name]
+    try:
+        package = importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(
+            f"optimizer={name!r} needs the `{module}` package: pip install {module} (or the `bench` extra)"
+        ) from err
+    return getattr(package, cls)(params, lr=lr, weight_decay=weight_decay)
+
+
+def _set_mode(module: LightningModule, train: bool) -> None:
+    """Switch schedule-free optimizers between their training and averaged (evaluation) weights."""
+    for opt in module.trainer.optimizers:
+        swap = getattr(opt, "train" if train else "eval", None)
+        if callable(swap) and "ScheduleFree" in type(opt).__name__:
+            swap()
+
+
+class ScheduleFreeModes(LightningModule):
+    """Mixin: a schedule-free optimizer trains on its interpolated weights and is evaluated on its average
+    (``optimizer.train()`` / ``optimizer.eval()``); a no-op for every other optimizer."""
+
+    @override
+    def on_train_start(self) -> None:
+        _set_mode(self, train=True)
+
+    @override
+    def on_validation_model_eval(self) -> None:
+        super().on_validation_model_eval()
+        _set_mode(self, train=False)
+
+    @override
+    def on_validation_model_train(self) -> None:
+        super().on_validation_model_train()
+        _set_mode(self, train=True)
+
+    @override
+    def on_train_end(self) -> None:
+        # Hand back the averaged weights: they are the model schedule-free methods promise.
+        _set_mode(self, train=False)

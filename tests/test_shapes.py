@@ -1,0 +1,87 @@
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from lightning_hdet.demos import ShapesCNN, ShapesDataModule, make_shapes
+from lightning_hdet.demos.shapes import CLASSES
+
+
+def _trainer(**kwargs):
+    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    return Trainer(**{**defaults, **kwargs})
+
+
+class _Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_make_shapes_is_deterministic_per_seed():
+    x, y = make_shapes(64, size=16, seed=3)
+    x2, y2 = make_shapes(64, size=16, seed=3)
+    assert x.shape == (64, 1, 16, 16) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    x3, _ = make_shapes(64, size=16, seed=4)
+    assert not torch.equal(x, x3)
+    assert 0 <= int(y.min()) and int(y.max()) < len(CLASSES)
+
+
+def test_every_class_draws_its_own_mask_without_noise():
+    x, y = make_shapes(600, size=16, noise=0.0, seed=0)
+    assert set(y.tolist()) == set(range(len(CLASSES)))  # all classes present, roughly balanced
+    assert min(torch.bincount(y).tolist()) > 600 / len(CLASSES) / 2
+    lit = (x[:, 0] > 0).flatten(1).sum(1).float()
+    assert bool((lit > 0).all())  # every image shows its shape
+    # A disc of radius r lights about pi r^2 pixels, a ring of the same radius far fewer.
+    disc, ring = lit[y == CLASSES.index("disc")].mean(), lit[y == CLASSES.index("ring")].mean()
+    assert disc > 1.3 * ring
+
+
+def test_datamodule_splits_are_distinct_and_reproducible():
+    a, b = ShapesDataModule(batch_size=8, num_train=32, num_val=16), ShapesDataModule(batch_size=8, num_train=32, num_val=16)
+    a.setup("fit"), b.setup("fit")
+    assert torch.equal(a.train_set.tensors[0], b.train_set.tensors[0])
+    assert len(a.train_set) == 32 and len(a.val_set) == 16
+    assert not torch.equal(a.train_set.tensors[0][:16], a.val_set.tensors[0])
+    assert ShapesDataModule.num_classes == len(CLASSES)
+    with pytest.raises(ValueError, match="batch_size"):
+        ShapesDataModule(batch_size=0)
+
+
+def test_a_few_adamw_steps_reduce_the_loss():
+    seed_everything(0)
+    model = ShapesCNN(width=8, lr=1e-2)
+    record = _Losses()
+    trainer = _trainer(max_steps=60, limit_val_batches=0, callbacks=[record])
+    trainer.fit(model, ShapesDataModule(batch_size=32, num_train=2048, num_val=64, noise=0.2))
+    first, last = sum(record.losses[:5]) / 5, sum(record.losses[-5:]) / 5
+    assert first == pytest.approx(math.log(len(CLASSES)), abs=0.15)  # starts near chance
+    assert last < first - 0.1
+
+
+def test_model_rejects_unknown_optimizer_and_bad_lr():
+    with pytest.raises(ValueError, match="optimizer"):
+        ShapesCNN(optimizer="adam9")
+    with pytest.raises(ValueError, match="lr"):
+        ShapesCNN(lr=0)
+
+
+@pytest.mark.parametrize("optimizer, module", [("prodigy", "prodigyopt"), ("schedulefree", "schedulefree")])
+def test_self_tuning_optimizers_train_and_schedule_free_ends_on_its_average(optimizer, module):
+    pytest.importorskip(module)
+    seed_everything(0)
+    model = ShapesCNN(width=8, lr=1.0 if optimizer == "prodigy" else 1e-2, optimizer=optimizer)
+    trainer = _trainer(max_steps=6, limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None)
+    trainer.fit(model, ShapesDataModule(batch_size=16, num_train=256, num_val=16))
+    opt = trainer.optimizers[0]
+    assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
+    if optimizer == "schedulefree":
+        assert opt.param_groups[0]["train_mode"] is False  # the averaged weights are handed back
+    else:
+        assert opt.param_groups[0]["d"] > 0  # Prodigy's own step-size estimate
