@@ -29,7 +29,7 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints/test.txt -e '.[bench]'
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints/bench.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 clean:
