@@ -152,4 +152,24 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
+def quiet_trainer(**kwargs: Any) -> Trainer:
+    """A CPU trainer without logger, checkpoints, progress bar, summary or sanity validation."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    return Trainer(**{**defaults, **kwargs})
+
+
+class TrainLosses(Callback):
+    """Records every training step's loss (``outputs["loss"]``) as a float."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
 __all__ = ["BoringModel", "RandomDataset"]

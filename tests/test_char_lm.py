@@ -2,32 +2,13 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
+from tests.helpers import TrainLosses, quiet_trainer
 
 TINY = dict(block_size=32, d_model=32, n_layers=1, n_heads=2)
-
-
-def _trainer(**kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return Trainer(**{**defaults, **kwargs})
-
-
-class _Losses(Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
 
 
 def test_causal_outputs_do_not_see_the_future():
@@ -45,8 +26,8 @@ def test_loss_decreases_on_one_process(optimizer):
     seed_everything(0)
     lr = 3e-3 if optimizer == "adamw" else 0.3
     model = CharLM(**TINY, lr=lr, optimizer=optimizer)
-    record = _Losses()
-    trainer = _trainer(devices=1, max_steps=30, limit_val_batches=0, callbacks=[record])
+    record = TrainLosses()
+    trainer = quiet_trainer(devices=1, max_steps=30, limit_val_batches=0, callbacks=[record])
     trainer.fit(model, CharCorpusDataModule(block_size=32, batch_size=16, max_chars=60_000))
     first, last = sum(record.losses[:5]) / 5, sum(record.losses[-5:]) / 5
     assert first > math.log(256) * 0.9  # starts near uniform over bytes
@@ -61,7 +42,7 @@ def test_cosine_schedule_warms_up_then_decays():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    trainer = _trainer(devices=1, max_steps=20, limit_val_batches=0, callbacks=[_LR()])
+    trainer = quiet_trainer(devices=1, max_steps=20, limit_val_batches=0, callbacks=[_LR()])
     trainer.fit(model, CharCorpusDataModule(block_size=32, batch_size=4, max_chars=60_000))
     assert lrs[0] == pytest.approx(2e-3) and lrs[4] == pytest.approx(1e-2)
     assert lrs[-1] < lrs[5] and lrs[-1] >= 1e-3 - 1e-12
@@ -90,7 +71,7 @@ class _SaveRank(Callback):
 @pytest.mark.timeout(180)
 def test_two_process_ddp_spawn_run(tmp_path):
     seed_everything(0)
-    trainer = _trainer(
+    trainer = quiet_trainer(
         devices=2,
         strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo"),
         max_steps=10,

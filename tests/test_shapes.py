@@ -2,24 +2,11 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import seed_everything
 
 from lightning_hdet.demos import ShapesCNN, ShapesDataModule, make_shapes
 from lightning_hdet.demos.shapes import CLASSES
-
-
-def _trainer(**kwargs):
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    return Trainer(**{**defaults, **kwargs})
-
-
-class _Losses(Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
+from tests.helpers import TrainLosses, quiet_trainer
 
 
 def test_make_shapes_is_deterministic_per_seed():
@@ -57,8 +44,8 @@ def test_datamodule_splits_are_distinct_and_reproducible():
 def test_a_few_adamw_steps_reduce_the_loss():
     seed_everything(0)
     model = ShapesCNN(width=8, lr=1e-2)
-    record = _Losses()
-    trainer = _trainer(max_steps=60, limit_val_batches=0, callbacks=[record])
+    record = TrainLosses()
+    trainer = quiet_trainer(devices=1, max_steps=60, limit_val_batches=0, callbacks=[record])
     trainer.fit(model, ShapesDataModule(batch_size=32, num_train=2048, num_val=64, noise=0.2))
     first, last = sum(record.losses[:5]) / 5, sum(record.losses[-5:]) / 5
     assert first == pytest.approx(math.log(len(CLASSES)), abs=0.15)  # starts near chance
@@ -77,7 +64,7 @@ def test_self_tuning_optimizers_train_and_schedule_free_ends_on_its_average(opti
     pytest.importorskip(module)
     seed_everything(0)
     model = ShapesCNN(width=8, lr=1.0 if optimizer == "prodigy" else 1e-2, optimizer=optimizer)
-    trainer = _trainer(max_steps=6, limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None)
+    trainer = quiet_trainer(devices=1, max_steps=6, limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None)
     trainer.fit(model, ShapesDataModule(batch_size=16, num_train=256, num_val=16))
     opt = trainer.optimizers[0]
     assert math.isfinite(float(trainer.callback_metrics["val_loss"]))

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_hdet.demos.base import DemoModule
 from lightning_hdet.demos.corpus import VOCAB_SIZE
-from lightning_hdet.demos.optim import OPTIMIZERS, ScheduleFreeModes, make_optimizer
+from lightning_hdet.demos.optim import OPTIMIZERS, make_optimizer
 
 SCHEDULERS = ("constant", "cosine")
 
 
-class CharLM(ScheduleFreeModes):
+class CharLM(DemoModule):
     """Causal byte-level Transformer LM; logs ``train_loss`` every step and ``val_loss`` per validation.
 
     Args:
@@ -85,15 +86,6 @@ class CharLM(ScheduleFreeModes):
         x, y = batch
         logits = self(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        # Each rank keeps its own value: under HDET the members differ and their losses are the signal.
-        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=False)
 
     def configure_optimizers(self):
         hp = self.hparams

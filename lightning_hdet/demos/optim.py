@@ -2,8 +2,8 @@
 
 Prodigy (``prodigyopt``) estimates its step size itself; its ``lr`` is a multiplier of that estimate (1.0 is
 the recommended value). Schedule-free AdamW (``schedulefree``) keeps an averaged iterate that must be swapped
-in for evaluation: :class:`ScheduleFreeModes` does that around validation and at the end of training. Both
-packages are in the ``bench`` extra and imported only when asked for.
+in for evaluation: :class:`~lightning_hdet.demos.base.DemoModule` does that around validation and at the end of
+training. Both packages are in the ``baselines`` extra and imported only when asked for.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Iterable
 
 import torch
 from lightning.pytorch import LightningModule
-from typing_extensions import override
 
 OPTIMIZERS = ("adamw", "sgd", "prodigy", "schedulefree")
 # The package each optional optimizer comes from, and what to install.
@@ -38,33 +37,9 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, w
     return getattr(package, cls)(params, lr=lr, weight_decay=weight_decay)
 
 
-def _set_mode(module: LightningModule, train: bool) -> None:
+def set_schedule_free_mode(module: LightningModule, train: bool) -> None:
     """Switch schedule-free optimizers between their training and averaged (evaluation) weights."""
     for opt in module.trainer.optimizers:
         swap = getattr(opt, "train" if train else "eval", None)
         if callable(swap) and "ScheduleFree" in type(opt).__name__:
             swap()
-
-
-class ScheduleFreeModes(LightningModule):
-    """Mixin: a schedule-free optimizer trains on its interpolated weights and is evaluated on its average
-    (``optimizer.train()`` / ``optimizer.eval()``); a no-op for every other optimizer."""
-
-    @override
-    def on_train_start(self) -> None:
-        _set_mode(self, train=True)
-
-    @override
-    def on_validation_model_eval(self) -> None:
-        super().on_validation_model_eval()
-        _set_mode(self, train=False)
-
-    @override
-    def on_validation_model_train(self) -> None:
-        super().on_validation_model_train()
-        _set_mode(self, train=True)
-
-    @override
-    def on_train_end(self) -> None:
-        # Hand back the averaged weights: they are the model schedule-free methods promise.
-        _set_mode(self, train=False)

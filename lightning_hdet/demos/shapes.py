@@ -17,7 +17,8 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hdet.demos.optim import OPTIMIZERS, ScheduleFreeModes, make_optimizer
+from lightning_hdet.demos.base import DemoModule
+from lightning_hdet.demos.optim import OPTIMIZERS, make_optimizer
 
 CLASSES = ("disc", "square", "plus", "ring", "horizontal stripes", "vertical stripes")
 
@@ -107,7 +108,7 @@ class ShapesDataModule(LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False)
 
 
-class ShapesCNN(ScheduleFreeModes):
+class ShapesCNN(DemoModule):
     """A small conv net (three 3×3 conv layers with ReLU, two max-pools, global average pooling, a linear
     head; no batch norm, so a DDP run equals one process on the whole batch); logs ``train_loss`` every step
     and ``val_loss`` per validation (unsynchronised: under HDET each group keeps its own).
@@ -144,14 +145,6 @@ class ShapesCNN(ScheduleFreeModes):
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         images, labels = batch
         return F.cross_entropy(self(images), labels)
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
