@@ -1,4 +1,4 @@
-"""Harness for the benchmarks: run a Lightning fit of the char LM on N CPU processes, record curves,
+"""Harness for the benchmarks: run a Lightning fit of a workload (the char LM or the shapes CNN) on N CPU processes, record curves,
 summarise over seeds, and write JSON results, markdown tables (into docs/benchmarks.md) and PNG plots.
 
 A run on one process trains in this process; a run on several spawns them with Lightning's
@@ -24,25 +24,31 @@ from pathlib import Path
 
 import lightning
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
-from lightning_hdet.demos import CharCorpusDataModule, CharLM, load_corpus
-from lightning_hdet.demos.corpus import DEFAULT_MAX_CHARS
+from lightning_hdet.demos import CharCorpusDataModule, CharLM, ShapesCNN, ShapesDataModule, load_corpus
+from lightning_hdet.demos.corpus import DEFAULT_MAX_CHARS, VOCAB_SIZE
+from lightning_hdet.demos.shapes import CLASSES
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_DIR = REPO / "docs"
 # Sandboxed machines reject the default fd-passing of shared CPU tensors to spawned workers.
 torch.multiprocessing.set_sharing_strategy("file_system")
+# The two workloads: a byte-level Transformer LM on text and a conv net on procedurally generated images.
+WORKLOADS = ("char_lm", "shapes")
+# Loss of a constant predictor (uniform over the outputs): where a collapsed run sits.
+CHANCE_LOSS = {"char_lm": math.log(VOCAB_SIZE), "shapes": math.log(len(CLASSES))}
 
 
 @dataclass
 class RunSpec:
-    """One training run of :class:`CharLM` on :class:`CharCorpusDataModule`.
+    """One training run of ``workload``: :class:`CharLM` on :class:`CharCorpusDataModule` (``"char_lm"``) or
+    :class:`ShapesCNN` on :class:`ShapesDataModule` (``"shapes"``; ``block_size`` and ``max_chars`` unused).
 
     ``steps`` is the global step to stop at (cumulative when resuming); ``devices`` the number of
-    processes; ``model`` extra ``CharLM`` arguments (``optimizer``, ``d_model``, ...). ``shard_data=False``
+    processes; ``model`` extra model arguments (``optimizer``, ``d_model``, ...). ``shard_data=False``
     gives every process the whole training and validation streams in the same order (Lightning's
     ``use_distributed_sampler=False``), as independent one-process runs would see them.
     """
@@ -58,6 +64,7 @@ class RunSpec:
     val_batches: int = 8
     model: dict = field(default_factory=dict)
     shard_data: bool = True
+    workload: str = "char_lm"
 
 
 @dataclass
@@ -65,7 +72,7 @@ class RunResult:
     """What one run produced, per rank (ranks differ under HDET; under DDP only their validation shards do).
 
     ``rank_val_curves[r]`` rows are ``(global_step, val_loss, seconds since the fit started)``;
-    ``rank_lrs[r]`` is rank r's final LR. ``fit_s`` is rank 0's time inside ``fit``; ``wall_s`` adds
+    ``rank_lrs[r]`` is rank r's final LR (for Prodigy, ``lr`` times its own estimate ``d``). ``fit_s`` is rank 0's time inside ``fit``; ``wall_s`` adds
     process start-up as seen by the caller. ``rank_extra[r]`` is what the strategy knows at the end of the
     fit (see :func:`strategy_record`); ``final_model_val_loss`` is the validation loss of the model the fit
     handed back (merged under HDET, global under async/DiLoCo) on the first ``val_batches`` validation
@@ -173,10 +180,11 @@ class _Recorder(Callback):
         fit_s = time.perf_counter() - self.t0
         if self.save_ckpt is not None:
             trainer.save_checkpoint(self.save_ckpt)
+        group = trainer.optimizers[0].param_groups[0]
         record = {
             "train_loss": self.train_loss,
             "val_curve": self.val_curve,
-            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "lr": group["lr"] * group.get("d", 1.0),  # Prodigy's step size is its estimate d times lr
             "fit_s": fit_s,
             "extra": strategy_record(trainer),
         }
@@ -219,8 +227,7 @@ def fit_run(
     if accelerator == "cuda" and spec.devices > 1:
         strategy.parallel_devices = [torch.device("cuda", 0)] * spec.devices
     seed_everything(spec.seed, verbose=False)
-    model = CharLM(block_size=spec.block_size, lr=spec.lr, **spec.model)
-    data = CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars)
+    model, data = build_workload(spec)
     trainer = Trainer(
         accelerator=accelerator,
         devices=1 if accelerator == "cuda" else spec.devices,
@@ -254,8 +261,19 @@ def fit_run(
     )
 
 
+def build_workload(spec: RunSpec) -> tuple[LightningModule, LightningDataModule]:
+    """The model (at ``spec.lr``, with ``spec.model``'s arguments) and the data of ``spec.workload``."""
+    if spec.workload == "char_lm":
+        model = CharLM(block_size=spec.block_size, lr=spec.lr, **spec.model)
+        return model, CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars)
+    if spec.workload == "shapes":
+        # The data seed is fixed: every run sees the same images; the shuffle follows ``spec.seed``.
+        return ShapesCNN(lr=spec.lr, **spec.model), ShapesDataModule(batch_size=spec.batch_size)
+    raise ValueError(f"workload={spec.workload!r} is not one of {WORKLOADS}")
+
+
 @torch.no_grad()
-def evaluate(model: CharLM, data: CharCorpusDataModule, batches: int) -> float:
+def evaluate(model: LightningModule, data: LightningDataModule, batches: int) -> float:
     """Mean validation loss of ``model`` (in this process, on CPU) over the first ``batches`` batches."""
     data.setup("validate")
     model = model.cpu().eval()
@@ -264,6 +282,16 @@ def evaluate(model: CharLM, data: CharCorpusDataModule, batches: int) -> float:
         logits = model(x)
         losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))))
     return sum(losses) / len(losses)
+
+
+def best_so_far(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """Sort ``(compute, loss, seconds)`` by compute and keep the running minimum of the loss (non-finite
+    losses count as no progress)."""
+    out, best = [], math.inf
+    for compute, loss, secs in sorted(points):
+        best = min(best, loss) if math.isfinite(loss) else best
+        out.append((compute, best, secs))
+    return out
 
 
 def median(values: Iterable[float | None]) -> float | None:
@@ -333,23 +361,27 @@ def update_doc_section(doc: Path, name: str, markdown: str) -> None:
 
 
 def plot_panels(
-    path: Path, panels: dict[str, dict[str, tuple[Sequence[float], Sequence[float]]]], xlabel: str, ylabel: str
+    path: Path, panels: dict[str, dict[str, tuple[Sequence[float], Sequence[float]]]], xlabel: str, ylabel: str,
+    rows: int = 1,
 ) -> Path:
-    """One subplot per panel, one line per label; saved as PNG."""
+    """One subplot per panel, one line per label, on ``rows`` rows (panels of a row share the y axis); saved
+    as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False, sharey=True)
-    for ax, (title, lines) in zip(axes[0], panels.items()):
+    cols = math.ceil(len(panels) / rows)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False, sharey="row")
+    for ax, (title, lines) in zip(axes.flat, panels.items()):
         for label, (xs, ys) in lines.items():
             ax.plot(xs, ys, marker=".", label=label)
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize="small")
+    for row in axes:
+        row[0].set_ylabel(ylabel)
+        row[-1].legend(fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -373,9 +405,10 @@ def publish(name: str, args: argparse.Namespace, payload: dict, markdown: str, m
     print(markdown, flush=True)
 
 
-def not_finite_or_worse_than_uniform(loss: float) -> bool:
-    """A crashed run: its loss is not finite or no better than guessing uniformly over bytes (ln 256)."""
-    return not math.isfinite(loss) or loss >= math.log(256)
+def not_finite_or_worse_than_uniform(loss: float, workload: str = "char_lm") -> bool:
+    """A crashed run: its loss is not finite or no better than a constant predictor (:data:`CHANCE_LOSS`;
+    within 1 %, since a collapsed run hovers around it)."""
+    return not math.isfinite(loss) or loss >= 0.99 * CHANCE_LOSS[workload]
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -389,6 +422,13 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-batches", type=int, default=None, help="validation batches (default 8, quick 2)")
 
 
+def add_start_method_arg(parser: argparse.ArgumentParser) -> None:
+    """``--start-method`` of the multi-process runs."""
+    parser.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
+                        help="how multi-process runs start their processes: spawn (as users do) or fork (skips "
+                        "the ~10 s of imports per run on a loaded machine; changes no number but the wall-clock)")
+
+
 def fill_run_defaults(args: argparse.Namespace) -> None:
     """Quick or full defaults for the options of :func:`add_run_args` (``args.steps`` must be set)."""
     q = args.quick
@@ -399,9 +439,12 @@ def fill_run_defaults(args: argparse.Namespace) -> None:
 
 
 def run_spec(args: argparse.Namespace, lr: float, **model: object) -> RunSpec:
-    """The :class:`RunSpec` of a script's arguments (``add_run_args``, ``--steps``, ``--world-size``)."""
+    """The :class:`RunSpec` of a script's arguments (``add_run_args``, ``--steps``, ``--world-size`` and an
+    optional ``--workload``, default the char LM)."""
+    workload = getattr(args, "workload", "char_lm")
     return RunSpec(
         lr=lr, steps=args.steps, seed=args.seed, devices=args.world_size, batch_size=args.batch_size,
         max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches,
-        model={"d_model": args.d_model, "n_layers": args.n_layers, **model},
+        model={"d_model": args.d_model, "n_layers": args.n_layers, **model} if workload == "char_lm" else model,
+        workload=workload,
     )

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import (
     add_output_args,
     add_run_args,
+    add_start_method_arg,
     begin,
     fill_run_defaults,
     fit_run,
@@ -81,30 +82,35 @@ ARMS = (
 
 
 def run_arm(arm: ArmSpec, args: argparse.Namespace, work: Path) -> dict:
+    lr = args.high_lr if arm.high_lr else args.low_lr
+    return {"key": arm.key, "name": arm.name, **run_config(args, lr, args.optimizer, arm.hdet, work)}
+
+
+def run_config(args: argparse.Namespace, lr: float, optimizer: str, hdet: dict | None, work: Path) -> dict:
+    """One run on ``args.world_size`` processes at ``lr``: plain DDP (``hdet=None``) or HDET with one member per
+    rank (fan-out ``args.spread``, gradients averaged over all ranks) and these ``HDETCallback`` arguments
+    (``vote`` defaults to the published ``"softmax"``); what the tables report about it."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_hdet import HDETCallback, HDETStrategy
 
-    lr = args.high_lr if arm.high_lr else args.low_lr
-    spec = run_spec(args, lr, optimizer=args.optimizer)
+    spec = run_spec(args, lr, optimizer=optimizer)
     callbacks = []
-    if arm.hdet is None:
-        strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    if hdet is None:
+        strategy = DDPStrategy(start_method=args.start_method, process_group_backend="gloo")
     else:
-        strategy = HDETStrategy(spread=args.spread, gradient_sync="global", start_method="spawn",
+        strategy = HDETStrategy(spread=args.spread, gradient_sync="global", start_method=args.start_method,
                                 process_group_backend="gloo")
-        callbacks = [HDETCallback(every_n_steps=args.every, vote="softmax", seed=args.seed, **arm.hdet)]
+        callbacks = [HDETCallback(every_n_steps=args.every, seed=args.seed, **{"vote": "softmax", **hdet})]
     run = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
     extra = run.rank_extra[0]
     final_lrs = extra.get("group_lrs", run.rank_lrs)
     return {
-        "key": arm.key,
-        "name": arm.name,
         "lr": lr,
-        "hdet": arm.hdet,
+        "hdet": hdet,
         "final_val_loss": run.final_model_val_loss,
         "best_val_loss": run.best_val_loss,
-        "crashed": not_finite_or_worse_than_uniform(run.final_model_val_loss),
+        "crashed": not_finite_or_worse_than_uniform(run.final_model_val_loss, spec.workload),
         "nonfinite_steps": sum(not math.isfinite(x) for x in run.train_loss),
         "rescues": extra.get("rescues", 0),
         "final_avg_lr": sum(final_lrs) / len(final_lrs),
@@ -128,27 +134,39 @@ def table(rows: list[dict]) -> str:
     return markdown_table(headers, body)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_published_args(p: argparse.ArgumentParser, quick_steps: int) -> None:
+    """The options of the published HDET set-up (shared with the crash benchmark): output, model and data,
+    start method, W, S, T and the fan-out spread."""
     add_output_args(p)
     add_run_args(p)
+    add_start_method_arg(p)
     p.add_argument("--world-size", type=int, default=None, help="W: processes, one HDET member each (default 4, quick 2)")
-    p.add_argument("--steps", type=int, default=None, help="S (default 300, quick 12)")
+    p.add_argument("--steps", type=int, default=None, help=f"S (default 300, quick {quick_steps})")
     p.add_argument("--every", type=int, default=None, help="T: steps between HDET votes (default S/10, quick 4)")
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
-    p.add_argument("--low-lr", type=float, default=0.1)
-    p.add_argument("--high-lr", type=float, default=1.0, help="chosen so that plain DDP crashes")
     p.add_argument("--spread", type=float, default=1 / 9, help="HDET fan-out half-width (published 1/9)")
-    p.add_argument("--arms", nargs="+", default=[a.key for a in ARMS], choices=[a.key for a in ARMS],
-                   metavar="ARM", help=f"configurations to run, of {[a.key for a in ARMS]} (default all)")
-    args = p.parse_args(argv)
+
+
+def fill_published_defaults(p: argparse.ArgumentParser, args: argparse.Namespace, quick_steps: int) -> None:
+    """Quick or full defaults of :func:`add_published_args`'s options."""
     q = args.quick
     args.world_size = args.world_size or (2 if q else 4)
-    args.steps = args.steps or (12 if q else 300)
+    args.steps = args.steps or (quick_steps if q else 300)
     args.every = args.every or (4 if q else max(args.steps // 10, 1))
     fill_run_defaults(args)
     if args.world_size < 2:
         p.error(f"--world-size={args.world_size} must be at least 2 (HDET needs several members)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_published_args(p, quick_steps=12)
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    p.add_argument("--low-lr", type=float, default=0.1)
+    p.add_argument("--high-lr", type=float, default=1.0, help="chosen so that plain DDP crashes")
+    p.add_argument("--arms", nargs="+", default=[a.key for a in ARMS], choices=[a.key for a in ARMS],
+                   metavar="ARM", help=f"configurations to run, of {[a.key for a in ARMS]} (default all)")
+    args = p.parse_args(argv)
+    fill_published_defaults(p, args, quick_steps=12)
     return args
 
 

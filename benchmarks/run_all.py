@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# In the order of docs/benchmarks.md: 1 published HDET table, 2 search baselines, 3 published async table, 4 overhead.
-SCRIPTS = ["hdet_published.py", "search_baselines.py", "async_published.py", "overhead.py"]
+# In the order of docs/benchmarks.md: 1 published HDET table, 2 search baselines, 3 published async table, 4 overhead,
+# 5 crash (NaN- and collapse-type failures).
+SCRIPTS = ["hdet_published.py", "search_baselines.py", "async_published.py", "overhead.py", "crash.py"]
 
 
 def main() -> int:

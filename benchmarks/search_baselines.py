@@ -1,4 +1,4 @@
-"""Benchmark 2, the claim tested: finding the learning rate at equal total compute.
+"""Benchmark 2, the claim tested: finding the learning rate at equal total compute, on two workloads.
 
 A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-steps:
 
@@ -6,20 +6,27 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
   (deployed side by side, so its wall-clock is that of the slowest run);
 - **Optuna TPE**: ``G`` trials one after another, each on ``W/G`` processes for ``S`` steps, searching
   log-uniformly over the grid's range; the first trial is the starting LR;
-- **population-based training**: a minimal, faithful re-implementation of the synchronous exploit/explore
-  loop of Jaderberg et al. (2017) as Ray Tune's ``PopulationBasedTraining`` does it — Ray itself is too
-  heavy for a 2-core box. ``G`` members start at the grid's LRs; every ``T`` steps the bottom quarter
-  copy a random top-quarter member's checkpoint (weights and optimizer state) and perturb its LR by
-  ×1.2 or ×0.8, or resample it from the range with probability 0.25;
-- **HDET**: one run on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at
-  the grid's LRs, voting and blending every ``T`` steps (the PBT interval); by default ``vote="best"``,
-  ``blend="best"``, the groups-of-replicas form our users describe.
+- **population-based training**: Ray Tune's own ``PopulationBasedTraining`` with its defaults (quantile
+  0.25, perturbation ×1.2 / ×0.8, resample probability 0.25, asynchronous): ``G`` members start at the
+  grid's LRs on ``W/G`` processes each and report (and checkpoint) every ``T`` steps, which is also the
+  perturbation interval; an exploited member restarts from the donor's checkpoint (weights and optimizer);
+- **PBT, minimal** (``pbt_minimal``, not run by default): the same synchronous loop re-implemented without
+  Ray, for machines where Ray's start-up and per-trial processes cost more than the training;
+- **Prodigy** (``lr=1``, its own step-size estimate) and **schedule-free AdamW** (at the start LR): what a
+  user would pick instead of tuning, one run each of ``S`` steps on the whole job's batch (``W`` × the
+  per-process batch in one process: the same samples as DDP on ``W`` processes, without its start-up);
+- **HDET**, one arm per vote rule in ``--hdet-votes``: one run on ``W`` processes in ``G`` groups (each its
+  own DDP job on ``W/G`` processes) at the grid's LRs, voting and blending every ``T`` steps
+  (``blend="best"`` by default). Vote names the installed ``HDETCallback`` does not accept are reported as
+  skipped, so new rules are measured as soon as they land;
+- optionally (``--full-grid``) **grid ×G**: the grid again with every run as large as the whole HDET job
+  (``W``-process batch), i.e. ``G`` × the compute: the reference of the "one run over G LRs at 1/G of the
+  grid's compute" target.
 
 Each method starts from a good LR, 10× too high and 10× too low (the grid is centred on the start).
-Reported per method: best validation loss, the LR it settled on, compute (rank-steps) and wall-clock to
-reach a target loss (``1 + margin`` times the best loss any method reached), medians over seeds.
-Deployed wall-clock assumes each method's natural deployment on W devices (grid and PBT members side by
-side, Optuna trials in sequence) and is computed from measured per-run fit times.
+Reported per workload, start and method (medians over seeds, with the range over seeds): best validation
+loss, the LR it settled on, compute and deployed wall-clock to a target loss; then the targets of issue 13
+as ratios, HDET against every baseline.
 
 Run: ``python benchmarks/search_baselines.py [--quick]``.
 """
@@ -27,9 +34,8 @@ Run: ``python benchmarks/search_baselines.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
-import random
-import shutil
 import sys
 import tempfile
 import time
@@ -42,32 +48,33 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import (
     DOCS_DIR,
     RESULTS_DIR,
+    WORKLOADS,
     RunResult,
     RunSpec,
     begin,
+    best_so_far,
     fit_run,
-    fmt,
-    markdown_table,
-    median,
     plot_panels,
     update_doc_section,
     write_json,
 )
+from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
+from benchmarks.search_report import summarise, tables
 
 NAME = "search_baselines"
 STARTS = {"good": 1.0, "10x high": 10.0, "10x low": 0.1}
-METHODS = ("grid", "optuna_tpe", "pbt", "hdet")
-# Ray Tune's PopulationBasedTraining defaults.
-PBT_QUANTILE = 0.25
-PBT_FACTORS = (1.2, 0.8)
-PBT_RESAMPLE_P = 0.25
+BASELINES = ("grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree")
+# The good AdamW LR of each workload: the best of a coarse sweep (char LM: best grid LR of a first run at
+# S = 400; shapes: 1e-3..1e-2 within 0.06 nats of each other at S = 320, 3e-2 and above collapse to chance).
+GOOD_LR = {"char_lm": 1e-2, "shapes": 5e-3}
 
 
 @dataclass
 class Arm:
-    """One method from one start on one seed: ``curve`` rows are ``(rank_steps, best val loss so far,
-    deployed seconds)``; ``wall_s`` is what it took on this machine."""
+    """One method from one start on one seed of one workload: ``curve`` rows are ``(rank_steps, best val loss
+    so far, deployed seconds)``; ``wall_s`` is what it took on this machine."""
 
+    workload: str
     method: str
     start: str
     seed: int
@@ -85,30 +92,26 @@ def lr_grid(center: float, groups: int, spread: float) -> list[float]:
     return [center * spread ** (k - (groups - 1) / 2) for k in range(groups)]
 
 
-def _best_so_far(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
-    """Sort ``(compute, loss, seconds)`` by compute and keep the running minimum of the loss."""
-    out, best = [], math.inf
-    for compute, loss, secs in sorted(points):
-        best = min(best, loss) if math.isfinite(loss) else best
-        out.append((compute, best, secs))
-    return out
-
-
-def run_grid(start: str, lrs: list[float], base: RunSpec, world: int, work: Path) -> Arm:
-    runs = [fit_run(replace(base, lr=lr), work / f"grid{g}") for g, lr in enumerate(lrs)]
+def _side_by_side(runs: list[RunResult], scale: int) -> list[tuple[int, float, float]]:
+    """Curve of runs deployed side by side: at each validated step, ``scale × step`` rank-steps, the best loss
+    of any run and the slowest run's seconds."""
     points = []
     for step in sorted({s for r in runs for s, _, _ in r.val_curve}):
-        rows = [next((row for row in r.val_curve if row[0] == step), None) for r in runs]
-        rows = [row for row in rows if row is not None]
-        points.append((world * step, min(row[1] for row in rows), max(row[2] for row in rows)))
+        rows = [row for r in runs for row in r.val_curve if row[0] == step]
+        points.append((scale * step, min(row[1] for row in rows), max(row[2] for row in rows)))
+    return best_so_far(points)
+
+
+def run_grid(method: str, lrs: list[float], base: RunSpec, world: int, work: Path) -> dict:
+    """The grid: one run per LR of ``base`` (``grid``: W/G processes each; ``grid_xG``: the whole job's batch)."""
+    runs = [fit_run(replace(base, lr=lr), work / f"grid{g}") for g, lr in enumerate(lrs)]
     best = min(runs, key=lambda r: r.best_val_loss)
-    return Arm(
-        "grid", start, base.seed, best.spec.lr, best.best_val_loss, _best_so_far(points), lrs,
-        sum(r.diverged for r in runs), sum(r.wall_s for r in runs),
-    )
+    scale = world * len(lrs) if method == "grid_xG" else world
+    return dict(settled_lr=best.spec.lr, best_val_loss=best.best_val_loss, curve=_side_by_side(runs, scale),
+                lrs_tried=lrs, diverged_runs=sum(r.diverged for r in runs), wall_s=sum(r.wall_s for r in runs))
 
 
-def run_optuna(start: str, start_lr: float, lo: float, hi: float, trials: int, base: RunSpec, work: Path) -> Arm:
+def run_optuna(start_lr: float, lo: float, hi: float, trials: int, base: RunSpec, work: Path) -> dict:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -129,243 +132,227 @@ def run_optuna(start: str, start_lr: float, lo: float, hi: float, trials: int, b
         spent_steps += r.spec.steps
         spent_s += r.fit_s
     best = min(runs, key=lambda r: r.best_val_loss)
-    return Arm(
-        "optuna_tpe", start, base.seed, best.spec.lr, best.best_val_loss, _best_so_far(points),
-        [r.spec.lr for r in runs], sum(r.diverged for r in runs), sum(r.wall_s for r in runs),
-    )
+    return dict(settled_lr=best.spec.lr, best_val_loss=best.best_val_loss, curve=best_so_far(points),
+                lrs_tried=[r.spec.lr for r in runs], diverged_runs=sum(r.diverged for r in runs),
+                wall_s=sum(r.wall_s for r in runs))
 
 
-def pbt_explore(lr: float, lo: float, hi: float, rng: random.Random) -> float:
-    """Ray's explore step for a continuous hyperparameter: resample from the range with probability
-    0.25, otherwise multiply by 1.2 or 0.8."""
-    if rng.random() < PBT_RESAMPLE_P:
-        return math.exp(rng.uniform(math.log(lo), math.log(hi)))
-    return lr * rng.choice(PBT_FACTORS)
+def run_single(optimizer: str, lr: float, base: RunSpec, world: int, work: Path) -> dict:
+    """One run of a self-tuning optimizer on the whole job's batch for ``S`` steps (``W × S`` rank-steps)."""
+    spec = replace(base, lr=lr, devices=1, batch_size=base.batch_size * world,
+                   model={**base.model, "optimizer": optimizer})
+    run = fit_run(spec, work)
+    return dict(settled_lr=run.rank_lrs[0], best_val_loss=run.best_val_loss, curve=_side_by_side([run], world),
+                lrs_tried=[lr], diverged_runs=int(run.diverged), wall_s=run.wall_s)
 
 
-def run_pbt(
-    start: str, lrs: list[float], lo: float, hi: float, interval: int, base: RunSpec, world: int, work: Path
-) -> Arm:
-    rng = random.Random(base.seed)
-    members = list(lrs)
-    ckpts: list[Path | None] = [None] * len(members)
-    n_swap = max(1, int(len(members) * PBT_QUANTILE))
-    points, deployed_s, wall_s, diverged, history = [], 0.0, 0.0, 0, []
-    for rnd, step in enumerate(range(interval, base.steps + 1, interval)):
-        results = []
-        for m, lr in enumerate(members):
-            spec = replace(base, lr=lr, steps=step, val_every=interval, seed=base.seed + 1000 * rnd + m)
-            out = work / f"member{m}_round{rnd}.ckpt"
-            results.append(fit_run(spec, work / f"member{m}", ckpt_path=ckpts[m], save_ckpt=out))
-            ckpts[m] = out
-        losses = [r.final_val_loss if not r.diverged else math.inf for r in results]
-        diverged += sum(r.diverged for r in results)
-        wall_s += sum(r.wall_s for r in results)
-        deployed_s += max(r.fit_s for r in results)
-        points.append((world * step, min(losses), deployed_s))
-        history.append({"step": step, "lrs": list(members), "val_losses": losses})
-        if step + interval > base.steps:
-            break
-        order = sorted(range(len(members)), key=lambda m: losses[m])
-        for loser in order[-n_swap:]:
-            winner = rng.choice(order[:n_swap])
-            ckpts[loser] = work / f"member{loser}_from{winner}_round{rnd}.ckpt"
-            shutil.copyfile(ckpts[winner], ckpts[loser])
-            members[loser] = pbt_explore(members[winner], lo, hi, rng)
-    final = history[-1]
-    best_m = min(range(len(members)), key=lambda m: final["val_losses"][m])
-    return Arm(
-        "pbt", start, base.seed, final["lrs"][best_m], min(p[1] for p in points), _best_so_far(points),
-        sorted({lr for h in history for lr in h["lrs"]}), diverged, wall_s, extra={"history": history},
-    )
+def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The vote names the installed ``HDETCallback`` accepts, and why each other one is skipped."""
+    from lightning_hdet import HDETCallback
+
+    ok, skipped = [], {}
+    for vote in votes:
+        try:
+            HDETCallback(vote=vote)
+        except (ValueError, TypeError) as err:
+            skipped[vote] = str(err)
+        else:
+            ok.append(vote)
+    return ok, skipped
 
 
-def run_hdet_arm(
-    start: str, lrs: list[float], base: RunSpec, world: int, groups: int, interval: int, vote: str, blend: str,
-    work: Path,
-) -> Arm:
+def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, interval: int, vote: str, blend: str,
+                 start_method: str, work: Path) -> dict:
     """HDET: one run of ``base.steps`` steps on ``world`` processes in ``groups`` groups starting at ``lrs``.
 
     Each group is its own DDP job on ``world / groups`` processes (``gradient_sync="group"``); with one
     process per group the data is not sharded, so a group reads the whole training stream as the matching
-    grid run does (shuffled in its own order) and validates on the same first batches. Every ``interval`` steps the groups vote on
-    their interval training loss and blend. The best-so-far curve takes, at each validation, the best group
-    (each group's first rank), as the grid takes the best of its runs.
+    grid run does (shuffled in its own order) and validates on the same first batches. Every ``interval`` steps
+    the groups vote on their interval training loss and blend. The best-so-far curve takes, at each validation,
+    the best group (each group's first rank), as the grid takes the best of its runs.
     """
     from lightning_hdet import HDETCallback, HDETStrategy
 
     center = math.exp(sum(map(math.log, lrs)) / len(lrs))
     strategy = HDETStrategy(
         num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync="group",
-        start_method="spawn", process_group_backend="gloo",
+        start_method=start_method, process_group_backend="gloo",
     )
     callback = HDETCallback(every_n_steps=interval, vote=vote, blend=blend, seed=base.seed)
     spec = replace(base, lr=center, devices=world, shard_data=world > groups)
     run = fit_run(spec, work, strategy=strategy, callbacks=[callback])
     heads = [g * (world // groups) for g in range(groups)]
-    points = []
-    for step in sorted({s for s, _, _ in run.val_curve}):
-        rows = [row for g in heads for row in run.rank_val_curves[g] if row[0] == step]
-        points.append((world * step, min(row[1] for row in rows), max(row[2] for row in rows)))
-    final = {g: run.rank_val_curves[h][-1][1] for g, h in enumerate(heads)}
-    group_lrs = run.rank_extra[0]["group_lrs"]
+    head_runs = [replace(run, rank_val_curves=[run.rank_val_curves[h]]) for h in heads]
+    final = {g: r.final_val_loss for g, r in enumerate(head_runs)}
     best_group = min(final, key=lambda g: final[g] if math.isfinite(final[g]) else math.inf)
-    curve = _best_so_far(points)
+    curve = _side_by_side(head_runs, world)
     history = run.rank_extra[0]["history"]
-    return Arm(
-        "hdet", start, base.seed, group_lrs[best_group], curve[-1][1] if curve else math.inf, curve,
-        sorted({row["lr"] for row in history} | set(lrs)), int(run.diverged), run.wall_s,
-        extra={"history": history, "rescues": run.rank_extra[0]["rescues"],
-               "merged_model_val_loss": run.final_model_val_loss},
+    return dict(
+        settled_lr=run.rank_extra[0]["group_lrs"][best_group], best_val_loss=curve[-1][1] if curve else math.inf,
+        curve=curve, lrs_tried=sorted({row["lr"] for row in history} | set(lrs)), diverged_runs=int(run.diverged),
+        wall_s=run.wall_s, extra={"history": history, "rescues": run.rank_extra[0]["rescues"],
+                                  "merged_model_val_loss": run.final_model_val_loss},
     )
 
 
-def run_start(start: str, args: argparse.Namespace, seed: int, work: Path) -> list[Arm]:
-    center = args.good_lr * STARTS[start]
-    per_member = args.world_size // args.groups
-    base = RunSpec(
-        lr=center, steps=args.steps, seed=seed, devices=per_member, batch_size=args.batch_size,
-        max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches,
-        model={"d_model": args.d_model, "n_layers": args.n_layers},
+def base_spec(args: argparse.Namespace, workload: str, center: float, seed: int) -> RunSpec:
+    """A grid run of ``workload``: W/G processes, the script's sizes."""
+    model = {"d_model": args.d_model, "n_layers": args.n_layers} if workload == "char_lm" else {"width": args.width}
+    return RunSpec(
+        lr=center, steps=args.steps, seed=seed, devices=args.world_size // args.groups, batch_size=args.batch_size,
+        max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches, model=model,
+        workload=workload,
     )
+
+
+def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, work: Path) -> list[Arm]:
+    """Every method from one start on one seed."""
+    center = args.good_lr[workload] * STARTS[start]
+    base = base_spec(args, workload, center, seed)
     lrs = lr_grid(center, args.groups, args.lr_spread)
-    lo, hi = lrs[0], lrs[-1]
-    arms = [
-        run_grid(start, lrs, base, args.world_size, work / "grid"),
-        run_optuna(start, center, lo, hi, args.groups, base, work / "optuna"),
-        run_pbt(start, lrs, lo, hi, args.pbt_interval, base, args.world_size, work / "pbt"),
-    ]
-    arms.append(run_hdet_arm(
-        start, lrs, base, args.world_size, args.groups, args.pbt_interval, args.hdet_vote, args.hdet_blend,
-        work / "hdet",
-    ))
-    return arms
-
-
-def to_target(curve: list[tuple[int, float, float]], target: float) -> tuple[int | None, float | None]:
-    """First ``(compute, deployed seconds)`` on a best-so-far curve at or below ``target``."""
-    return next(((c, s) for c, loss, s in curve if loss <= target), (None, None))
-
-
-def summarise(arms: list[Arm], margin: float) -> tuple[float, list[dict]]:
-    """Target loss and one row per (start, method) with medians over seeds."""
-    reached = [a.best_val_loss for a in arms if math.isfinite(a.best_val_loss)]
-    target = (1 + margin) * min(reached)
-    rows = []
-    for start in STARTS:
-        for method in METHODS:
-            group = [a for a in arms if a.start == start and a.method == method]
-            if not group:
-                continue
-            hits = [to_target(a.curve, target) for a in group]
-            rows.append({
-                "start": start,
-                "method": method,
-                "best_val_loss": median(a.best_val_loss for a in group),
-                "settled_lr": median(a.settled_lr for a in group),
-                "rank_steps_to_target": median(h[0] for h in hits),
-                "deployed_s_to_target": median(h[1] for h in hits),
-                "wall_s": median(a.wall_s for a in group),
-                "diverged_runs": sum(a.diverged_runs for a in group),
-                "seeds": len(group),
-            })
-    return target, rows
-
-
-def table(rows: list[dict], start_lrs: dict[str, float]) -> str:
-    headers = [
-        "start (LR)", "method", "best val loss", "settled LR", "rank-steps to target",
-        "deployed s to target", "wall s (this machine)", "diverged runs",
-    ]
-    body = []
-    for r in rows:
-        start = f"{r['start']} ({start_lrs[r['start']]:.2g})"
-        body.append([
-            start, r["method"], fmt(r["best_val_loss"]), fmt(r["settled_lr"], ".2g"),
-            fmt(r["rank_steps_to_target"], "d"), fmt(r["deployed_s_to_target"], ".1f"),
-            fmt(r["wall_s"], ".1f"), str(r["diverged_runs"]),
-        ])
-    return markdown_table(headers, body)
+    lo, hi, world = lrs[0], lrs[-1], args.world_size
+    jobs = {
+        "grid": lambda: run_grid("grid", lrs, base, world, work / "grid"),
+        "optuna_tpe": lambda: run_optuna(center, lo, hi, args.groups, base, work / "optuna"),
+        "pbt": lambda: run_pbt(lrs, lo, hi, args.pbt_interval, base, world, work / "pbt"),
+        "pbt_minimal": lambda: run_pbt_minimal(lrs, lo, hi, args.pbt_interval, base, world, work / "pbt_minimal"),
+        "prodigy": lambda: run_single("prodigy", 1.0, base, world, work / "prodigy"),
+        "schedulefree": lambda: run_single("schedulefree", center, base, world, work / "schedulefree"),
+    }
+    for vote in args.votes:
+        jobs[f"hdet_{vote}"] = lambda vote=vote: run_hdet_arm(
+            lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method,
+            work / f"hdet_{vote}")
+    if args.full_grid:
+        whole = replace(base, devices=1, batch_size=args.batch_size * world)
+        jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole, world, work / "grid_xG")
+    return [Arm(workload, method, start, seed, **job()) for method, job in jobs.items() if method in args.run_methods]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny budget, one seed (about a minute on 2 cores)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS, metavar="WORKLOAD",
+                   help=f"of {list(WORKLOADS)} (default both)")
     p.add_argument("--world-size", type=int, default=4, help="W: processes of the job")
     p.add_argument("--starts", nargs="+", default=list(STARTS), choices=list(STARTS), metavar="START",
                    help=f"starting LRs to run, of {list(STARTS)} (default all)")
+    p.add_argument("--methods", nargs="+", default=[m for m in BASELINES if m != "pbt_minimal"], choices=BASELINES,
+                   metavar="METHOD", help=f"baselines to run, of {list(BASELINES)} (default all but pbt_minimal, "
+                   "the Ray-free re-implementation of PBT; pbt is skipped when Ray is missing)")
+    p.add_argument("--hdet-votes", default="best,softmax",
+                   help="comma-separated HDETCallback(vote=...) names, one HDET arm each (default best,softmax)")
+    p.add_argument("--hdet-blend", default="best", choices=("best", "mean", "weighted"), help="HDETCallback blend")
+    p.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
+                   help="how HDET starts its processes: spawn (as users do) or fork (skips the ~10 s of imports "
+                   "per run on a loaded machine; changes no number but the wall-clock)")
+    p.add_argument("--full-grid", action="store_true",
+                   help="also run the grid with every run as large as the whole job (G x the compute)")
     p.add_argument("--groups", type=int, default=4, help="G: LRs in the grid / trials / PBT members / HDET groups")
-    p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 320, quick 32)")
+    p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 320, quick 16)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")
-    p.add_argument("--good-lr", type=float, default=1e-2, help="the good starting LR (best AdamW LR of a coarse sweep)")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds are --first-seed, +1, ... (to split a run)")
+    p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
+                   help="train nothing: summarise the arms of these result files (parts of one run made in "
+                   "parallel, e.g. one per workload and seed, with the same settings) into the table and plot")
+    p.add_argument("--good-lr", nargs="+", default=[], metavar="WORKLOAD=LR",
+                   help=f"override the good starting LR per workload (default {GOOD_LR})")
     p.add_argument("--lr-spread", type=float, default=3.0, help="factor between neighbouring grid LRs")
     p.add_argument("--pbt-interval", type=int, default=None,
-                   help="PBT steps between exploits, and HDET steps between votes (default S/4)")
-    p.add_argument("--hdet-vote", default="best", choices=("best", "softmax"), help="HDETCallback vote rule")
-    p.add_argument("--hdet-blend", default="best", choices=("best", "mean", "weighted"), help="HDETCallback blend")
+                   help="T: PBT steps between perturbations, and HDET steps between votes (default S/4)")
     p.add_argument("--val-every", type=int, default=None, help="steps between validations (default S/8)")
     p.add_argument("--val-batches", type=int, default=None, help="validation batches (default 8, quick 2)")
     p.add_argument("--batch-size", type=int, default=None, help="per-process batch size (default 16, quick 8)")
-    p.add_argument("--max-chars", type=int, default=1_000_000, help="corpus bytes")
-    p.add_argument("--d-model", type=int, default=None, help="model width (default 64, quick 32)")
-    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--max-chars", type=int, default=1_000_000, help="char LM: corpus bytes")
+    p.add_argument("--d-model", type=int, default=None, help="char LM: model width (default 64, quick 32)")
+    p.add_argument("--n-layers", type=int, default=2, help="char LM: Transformer blocks")
+    p.add_argument("--width", type=int, default=None, help="shapes: channels of the first conv (default 16, quick 8)")
     p.add_argument("--margin", type=float, default=0.03, help="target = (1 + margin) × best loss reached")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--docs-dir", type=Path, default=DOCS_DIR)
     args = p.parse_args(argv)
+    fill_defaults(p, args)
+    return args
+
+
+def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Quick or full defaults; which methods run (skipped votes and a missing Ray are recorded)."""
     if args.groups < 1 or args.world_size % args.groups:
         p.error(f"--world-size={args.world_size} must be a positive multiple of --groups={args.groups}")
-    args.steps = args.steps or (32 if args.quick else 320)
-    args.batch_size = args.batch_size or (8 if args.quick else 16)
-    args.d_model = args.d_model or (32 if args.quick else 64)
-    args.seeds = args.seeds or (1 if args.quick else 3)
+    q = args.quick
+    args.steps = args.steps or (16 if q else 320)
+    args.batch_size = args.batch_size or (8 if q else 16)
+    args.d_model = args.d_model or (32 if q else 64)
+    args.width = args.width or (8 if q else 16)
+    args.seeds = args.seeds or (1 if q else 3)
     args.pbt_interval = args.pbt_interval or max(args.steps // 4, 1)
     args.val_every = args.val_every or max(args.steps // 8, 1)
-    args.val_batches = args.val_batches or (2 if args.quick else 8)
+    args.val_batches = args.val_batches or (2 if q else 8)
     for flag, value in (("--pbt-interval", args.pbt_interval), ("--val-every", args.val_every)):
         if args.steps % value:
             p.error(f"{flag}={value} must divide --steps={args.steps} so every method spends the whole budget")
-    return args
+    try:
+        args.good_lr = {**GOOD_LR, **{k: float(v) for k, v in (item.split("=", 1) for item in args.good_lr)}}
+    except ValueError:
+        p.error(f"--good-lr takes WORKLOAD=LR pairs, got {args.good_lr}")
+    args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v])
+    if "pbt" in args.methods and not ray_available():
+        args.skipped["pbt"] = "Ray Tune is not installed (pip install 'ray[tune]', or the `bench` extra)"
+    args.run_methods = [m for m in args.methods if m not in args.skipped]
+    args.run_methods += [f"hdet_{v}" for v in args.votes] + (["grid_xG"] if args.full_grid else [])
+
+
+def merge(args: argparse.Namespace) -> tuple[list[Arm], float]:
+    """The arms of ``args.merge``'s result files and their summed wall-clock; ``args`` takes the workloads,
+    starts, methods and seeds found there (the other settings are the command line's: pass the same ones)."""
+    parts = [json.loads(path.read_text()) for path in args.merge]
+    arms = [Arm(**arm) for part in parts for arm in part["arms"]]
+
+    def present(key: str) -> list:
+        return list(dict.fromkeys(getattr(a, key) for a in arms))  # in order of appearance
+
+    args.workloads, args.starts = present("workload"), present("start")
+    args.run_methods = present("method")
+    args.votes = [m.removeprefix("hdet_") for m in args.run_methods if m.startswith("hdet_")]
+    args.seeds = len(set(present("seed")))
+    for part in parts:
+        args.skipped.update(part.get("skipped", {}))
+    return arms, sum(part["total_wall_s"] for part in parts)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     name, t0 = begin(NAME, args.quick)
-    arms: list[Arm] = []
-    with tempfile.TemporaryDirectory(prefix=name) as tmp:
-        for seed in range(args.seeds):
-            for start in args.starts:
-                arms += run_start(start, args, seed, Path(tmp) / f"seed{seed}" / start.replace(" ", "_"))
-    total_s = time.perf_counter() - t0
-    target, rows = summarise(arms, args.margin)
-    start_lrs = {s: args.good_lr * STARTS[s] for s in args.starts}
-    payload = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "target_val_loss": target,
-        "total_wall_s": total_s,
-        "rows": rows,
-        "arms": [vars(a) for a in arms],
-    }
+    if args.merge:
+        arms, total_s = merge(args)
+    else:
+        arms = []
+        with tempfile.TemporaryDirectory(prefix=name) as tmp:
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                for workload in args.workloads:
+                    for start in args.starts:
+                        work = Path(tmp) / f"seed{seed}" / workload / start.replace(" ", "_")
+                        arms += run_start(workload, start, args, seed, work)
+        total_s = time.perf_counter() - t0
+    summary = summarise(arms, args, STARTS)
+    config = {k: [str(p) for p in v] if k == "merge" else str(v) if isinstance(v, Path) else v
+              for k, v in vars(args).items()}
+    payload = {"config": config, "total_wall_s": total_s, **summary, "arms": [vars(a) for a in arms]}
     write_json(name, payload, args.results_dir, args.max_chars)
     plot = plot_panels(
         args.docs_dir / "img" / f"{name}.png",
         {
-            f"start: {s}": {
+            f"{w}, start: {s}": {
                 a.method: ([c for c, _, _ in a.curve], [v for _, v, _ in a.curve])
-                for a in arms if a.start == s and a.seed == 0 and a.curve
+                for a in arms if a.workload == w and a.start == s and a.seed == 0 and a.curve
             }
-            for s in args.starts
+            for w in args.workloads for s in args.starts
         },
         "compute (rank-steps)",
         "best validation loss so far",
+        rows=len(args.workloads),
     )
-    md = (
-        f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} processes, G = {args.groups}, "
-        f"S = {args.steps} steps, {args.seeds} seed(s), medians over seeds. Target loss = "
-        f"{target:.3f} ((1 + {args.margin}) × best reached). Total wall-clock {total_s:.0f} s.\n\n"
-        + table(rows, start_lrs)
-        + f"\n\n![{name}](img/{plot.name})\n"
-    )
+    md = tables(summary, args, STARTS, total_s) + f"\n\n![{name}](img/{plot.name})\n"
     update_doc_section(args.docs_dir / "benchmarks.md", name, md)
     print(md)
     return payload

@@ -7,15 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import RunSpec, fit_run, markdown_table, median, update_doc_section
-from benchmarks.search_baselines import (
-    METHODS,
-    STARTS,
-    _best_so_far,
-    lr_grid,
-    pbt_explore,
-    to_target,
-)
+from benchmarks.common import RunSpec, best_so_far, fit_run, markdown_table, median, update_doc_section
+from benchmarks.search_baselines import STARTS, accepted_votes, lr_grid
+from benchmarks.search_pbt import pbt_explore, ray_available
+from benchmarks.search_report import to_target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +32,7 @@ def test_pbt_explore_perturbs_or_resamples_within_range():
 
 
 def test_best_so_far_and_target():
-    curve = _best_so_far([(8, 3.0, 2.0), (4, 4.0, 1.0), (12, float("nan"), 3.0), (16, 2.5, 4.0)])
+    curve = best_so_far([(8, 3.0, 2.0), (4, 4.0, 1.0), (12, float("nan"), 3.0), (16, 2.5, 4.0)])
     assert curve == [(4, 4.0, 1.0), (8, 3.0, 2.0), (12, 3.0, 3.0), (16, 2.5, 4.0)]
     assert to_target(curve, 3.0) == (8, 2.0)
     assert to_target(curve, 1.0) == (None, None)
@@ -84,46 +79,98 @@ def test_fit_run_on_two_processes_records_every_rank(tmp_path):
     assert run.wall_s >= run.fit_s > 0
 
 
-@pytest.mark.timeout(480)
-def test_search_baselines_quick_mode(tmp_path):
+def test_vote_names_the_callback_does_not_accept_are_skipped_with_the_reason():
+    ok, skipped = accepted_votes(["best", "no_such_rule", "softmax"])
+    assert ok == ["best", "softmax"]
+    assert list(skipped) == ["no_such_rule"] and "no_such_rule" in skipped["no_such_rule"]
+
+
+def _search_quick(tmp_path: Path, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
+    """Run benchmark 2 in quick mode on W = G = 2 (HDET's processes forked) from the good start."""
     results, docs = tmp_path / "results", tmp_path / "docs"
-    starts = ["good", "10x high"]  # two of the three starts, on 2 processes: the HDET arm spawns W processes
     cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
-           "--groups", "2", "--starts", *starts, "--results-dir", str(results), "--docs-dir", str(docs)]
+           "--groups", "2", "--starts", "good", "--start-method", "fork", *extra, "--results-dir", str(results),
+           "--docs-dir", str(docs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-
     data = json.loads((results / "search_baselines_quick.json").read_text())
-    assert {"meta", "config", "target_val_loss", "total_wall_s", "rows", "arms"} <= data.keys()
-    assert {"machine", "command", "corpus_fingerprint"} <= data["meta"].keys()
-    cfg = data["config"]
-    budget = cfg["world_size"] * cfg["steps"]
-    rows = data["rows"]
-    assert [(r["start"], r["method"]) for r in rows] == [(s, m) for s in starts for m in METHODS]
-    assert {a["method"] for a in data["arms"]} == set(METHODS)  # hdet included, none skipped
-    for arm in data["arms"]:
-        assert math.isfinite(arm["best_val_loss"]) and arm["best_val_loss"] < math.log(256)
-        assert arm["curve"][-1][0] == budget  # equal total compute for every method
-        if arm["method"] == "grid":
-            assert arm["settled_lr"] in arm["lrs_tried"] and len(arm["lrs_tried"]) == cfg["groups"]
-        if arm["method"] == "hdet":  # one run of W processes, G groups starting at the grid's LRs
-            assert len(arm["extra"]["history"]) % cfg["groups"] == 0 and arm["extra"]["history"]
-            assert min(arm["lrs_tried"]) > 0 and math.isfinite(arm["extra"]["merged_model_val_loss"])
-            assert arm["settled_lr"] in [row["lr"] for row in arm["extra"]["history"]]
-        if arm["method"] == "optuna_tpe":
-            start_lr = cfg["good_lr"] * STARTS[arm["start"]]
-            assert arm["lrs_tried"][0] == pytest.approx(start_lr)
-            assert len(arm["lrs_tried"]) == cfg["groups"]
-    assert data["target_val_loss"] >= min(a["best_val_loss"] for a in data["arms"])
-
     text = (docs / "benchmarks.md").read_text()
     block = text.split("<!-- BEGIN search_baselines_quick -->")[1].split("<!-- END search_baselines_quick -->")[0]
-    table = [line for line in block.splitlines() if line.startswith("|")]
-    assert len(table) == 2 + len(starts) * len(METHODS)
-    assert all(line.count("|") == 9 for line in table)
-    assert "best val loss" in table[0] and "settled LR" in table[0]
     assert (docs / "img" / "search_baselines_quick.png").read_bytes()[:4] == b"\x89PNG"
-    assert "grid" in proc.stdout and "pbt" in proc.stdout
+    return data, [line for line in block.splitlines() if line.startswith("|")], proc
+
+
+def _check_equal_compute(data: dict) -> None:
+    cfg = data["config"]
+    for arm in data["arms"]:
+        assert math.isfinite(arm["best_val_loss"]) and arm["best_val_loss"] < math.log(256)
+        # Every method spends W x S rank-steps; the grid of whole-job runs G times that.
+        scale = cfg["groups"] if arm["method"] == "grid_xG" else 1
+        assert arm["curve"][-1][0] == scale * cfg["world_size"] * cfg["steps"]
+
+
+@pytest.mark.timeout(480)
+def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
+    methods = ["grid", "optuna_tpe", "pbt_minimal", "prodigy", "schedulefree"]
+    data, table, proc = _search_quick(tmp_path, "--methods", *methods, "--hdet-votes", "best,softmax,no_such_rule",
+                                      "--full-grid")
+    cfg = data["config"]
+    assert {"meta", "config", "targets_val_loss", "total_wall_s", "rows", "targets", "arms", "skipped"} <= data.keys()
+    assert list(data["skipped"]) == ["no_such_rule"]  # reported, not fatal
+    ran = [*methods, "hdet_best", "hdet_softmax", "grid_xG"]
+    assert cfg["run_methods"] == ran
+    assert [(r["workload"], r["method"]) for r in data["rows"]] == [(w, m) for w in ("char_lm", "shapes") for m in ran]
+    _check_equal_compute(data)
+    for arm in data["arms"]:
+        if arm["method"] == "grid":
+            assert arm["settled_lr"] in arm["lrs_tried"] and len(arm["lrs_tried"]) == cfg["groups"]
+        if arm["method"].startswith("hdet_"):  # one run of W processes, G groups starting at the grid's LRs
+            assert len(arm["extra"]["history"]) % cfg["groups"] == 0 and arm["extra"]["history"]
+            assert arm["settled_lr"] in [row["lr"] for row in arm["extra"]["history"]]
+        if arm["method"] == "optuna_tpe":
+            assert arm["lrs_tried"][0] == pytest.approx(cfg["good_lr"][arm["workload"]] * STARTS[arm["start"]])
+        if arm["method"] == "pbt_minimal":  # G members every round, S / T rounds
+            assert len(arm["extra"]["history"]) == cfg["groups"] * cfg["steps"] // cfg["pbt_interval"]
+        if arm["method"] == "prodigy":  # its own step size: lr (1.0) times its estimate d
+            assert arm["lrs_tried"] == [1.0] and arm["settled_lr"] != 1.0
+    # Targets: HDET's median best loss over each baseline's, its LR over the best grid LR.
+    targets = {(t["workload"], t["vote"]): t for t in data["targets"]}
+    assert set(targets) == {(w, v) for w in ("char_lm", "shapes") for v in ("best", "softmax")}
+    rows = {(r["workload"], r["method"]): r for r in data["rows"]}
+    for (workload, vote), t in targets.items():
+        hdet = rows[(workload, f"hdet_{vote}")]["best_val_loss"]
+        assert t["vs"]["grid"] == pytest.approx(hdet / rows[(workload, "grid")]["best_val_loss"])
+        assert t["vs_best_baseline"] == pytest.approx(hdet / min(rows[(workload, m)]["best_val_loss"] for m in methods))
+        assert t["vs_grid_xG"] == pytest.approx(hdet / rows[(workload, "grid_xG")]["best_val_loss"])
+        assert t["lr_vs_grid"] > 0
+    methods_table = [line for line in table if line.count("|") == 12]
+    assert len(methods_table) == 2 + 2 * len(ran)
+    assert any("÷ best baseline" in line for line in table) and "no_such_rule" in proc.stdout
+    # Parts of a run made in parallel merge into the same summary, without training.
+    part = tmp_path / "results" / "search_baselines_quick.json"
+    merged = tmp_path / "merged"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
+           "--groups", "2", "--merge", str(part), "--results-dir", str(merged), "--docs-dir", str(merged)]
+    subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
+    again = json.loads((merged / "search_baselines_quick.json").read_text())
+    assert again["rows"] == data["rows"] and again["targets"] == data["targets"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not ray_available(), reason="Ray Tune is in the `bench` extra, not the `test` one")
+def test_search_baselines_quick_mode_runs_ray_tune_pbt(tmp_path):
+    data, _, _ = _search_quick(tmp_path, "--workloads", "shapes", "--methods", "pbt", "--hdet-votes", "")
+    cfg = data["config"]
+    [arm] = data["arms"]
+    assert arm["method"] == "pbt" and arm["extra"]["ray_init_s"] > 0
+    _check_equal_compute(data)
+    history = arm["extra"]["history"]
+    # Synchronous rounds: every member reports at every T, G members; losers restart from a donor's checkpoint.
+    steps = list(range(cfg["pbt_interval"], cfg["steps"] + 1, cfg["pbt_interval"]))
+    assert sorted({row["step"] for row in history}) == steps
+    assert len(history) >= cfg["groups"] * len(steps)
+    lo, hi = min(arm["lrs_tried"]), max(arm["lrs_tried"])
+    assert lo > 0 and math.isfinite(hi) and arm["settled_lr"] in arm["lrs_tried"]
 
 
 def run_quick(tmp_path: Path, script: str, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
@@ -225,3 +272,23 @@ def test_overhead_quick_mode(tmp_path):
     assert all(v > mem["model_bytes"] for v in mem["rank0_peak_rss_bytes"].values())
     headers = [line for line in table if "---" not in line and ("arm" in line or "peak RSS" in line)]
     assert len(headers) == 3 and len(table) == (2 + 2) + (2 + 5) + (2 + 1)
+
+
+@pytest.mark.timeout(360)
+def test_crash_quick_mode_nan_and_collapse(tmp_path):
+    from benchmarks.crash import FAILURES
+
+    data, table, proc = run_quick(tmp_path, "crash", "--workloads", "shapes", "--hdet-votes", "best,no_such_rule",
+                                  "--start-method", "fork")
+    rows = data["rows"]
+    assert [(r["failure"], r["arm"]) for r in rows] == [
+        (f, a) for f in ("nan", "collapse") for a in ("ddp_low", "ddp_high", "hdet_best")]
+    for r in rows:
+        optimizer, low, high = FAILURES[("shapes", r["failure"])]
+        assert r["optimizer"] == optimizer and r["lr"] == (low if r["arm"] == "ddp_low" else high)
+        # Crashed: not finite or no better than a constant predictor over the 6 classes.
+        loss = r["final_val_loss"]
+        assert r["crashed"] == (not math.isfinite(loss) or loss >= 0.99 * math.log(6))
+        assert (r["history"] != []) == (r["arm"] == "hdet_best")
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 12 for line in table)
+    assert "no_such_rule" in proc.stdout and "÷ DDP low LR" in table[0]

@@ -1,0 +1,130 @@
+"""Benchmark 5, the safety net: does HDET survive an LR at which plain DDP fails, on both workloads and for two
+kinds of failure?
+
+- **NaN-type**: SGD with momentum 0.9 at an LR where the loss turns NaN/inf (char LM: 1.0, as in benchmark 1;
+  shapes CNN: 10);
+- **collapse-type**: AdamW at an LR where the loss stays finite but no better than a constant predictor (shapes
+  CNN at 0.1: stuck at ln 6, chance level; char LM at 1.0: finite but far above ln 256).
+
+Arms per workload and failure, all on ``W`` processes with the same seeds and data, ``S`` steps: DDP at the low
+(good) LR, DDP at the high LR, and HDET at the high LR as its average, one arm per vote rule of ``--hdet-votes``,
+with the published set-up of benchmark 1 (one member per rank, fan-out spread 1/9, gradients averaged over all
+ranks, a vote every ``T`` steps, warm start ν = 0.01). Vote names the installed ``HDETCallback`` does not accept
+are reported as skipped. Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1).
+
+Run: ``python benchmarks/crash.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import WORKLOADS, begin, fmt, markdown_table, plot_panels, publish
+from benchmarks.hdet_published import add_published_args, fill_published_defaults, run_config
+from benchmarks.search_baselines import accepted_votes
+
+NAME = "crash"
+# (workload, failure) -> (optimizer, low LR, high LR); the high LRs were found by single-process sweeps.
+FAILURES = {
+    ("char_lm", "nan"): ("sgd", 0.1, 1.0),
+    ("char_lm", "collapse"): ("adamw", 1e-2, 1.0),
+    ("shapes", "nan"): ("sgd", 0.1, 10.0),
+    ("shapes", "collapse"): ("adamw", 5e-3, 0.1),
+}
+
+
+def run_case(args: argparse.Namespace, workload: str, failure: str, seed: int, work: Path) -> list[dict]:
+    """DDP low, DDP high and one HDET arm per vote for one workload, failure and seed."""
+    optimizer, low, high = FAILURES[(workload, failure)]
+    case = argparse.Namespace(**{**vars(args), "workload": workload, "seed": seed})
+    arms = [("ddp_low", low, None), ("ddp_high", high, None)]
+    arms += [(f"hdet_{v}", high, {"vote": v, "init_noise": 0.01}) for v in args.votes]
+    return [
+        {"workload": workload, "failure": failure, "arm": key, "seed": seed, "optimizer": optimizer,
+         **run_config(case, lr, optimizer, hdet, work / key)}
+        for key, lr, hdet in arms
+    ]
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def _loss(value: float) -> str:
+    """A loss cell: three decimals, or three significant digits for a blown-up loss."""
+    return fmt(value) if abs(value) < 1e3 else fmt(value, ".3g")
+
+
+def table(rows: list[dict]) -> str:
+    headers = ["workload", "failure", "arm", "optimizer, LR", "final val loss (median)", "range over seeds",
+               "crashed (seeds)", "non-finite steps", "rescues", "final avg LR", "÷ DDP low LR (< 1)"]
+    body = []
+    cases = list(dict.fromkeys((r["workload"], r["failure"], r["arm"]) for r in rows))
+    for workload, failure, arm in cases:
+        mine = [r for r in rows if (r["workload"], r["failure"], r["arm"]) == (workload, failure, arm)]
+        low = [r for r in rows if (r["workload"], r["failure"], r["arm"]) == (workload, failure, "ddp_low")]
+        loss, base = _median(mine, "final_val_loss"), _median(low, "final_val_loss")
+        finals = [r["final_val_loss"] for r in mine]
+        ratio = loss / base if arm != "ddp_low" and base > 0 else None
+        body.append([
+            workload, failure, arm, f"{mine[0]['optimizer']}, {mine[0]['lr']:.3g}", _loss(loss),
+            f"{_loss(min(finals))}–{_loss(max(finals))}" if len(finals) > 1 else _loss(finals[0]),
+            f"{sum(r['crashed'] for r in mine)}/{len(mine)}", str(sum(r["nonfinite_steps"] for r in mine)),
+            str(sum(r["rescues"] for r in mine)), fmt(_median(mine, "final_avg_lr"), ".3g"),
+            "—" if ratio is None else f"{_loss(ratio)} {'✓' if ratio < 1 else '✗'}",
+        ])
+    return markdown_table(headers, body)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_published_args(p, quick_steps=8)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS, metavar="WORKLOAD")
+    p.add_argument("--failures", nargs="+", default=["nan", "collapse"], choices=("nan", "collapse"), metavar="KIND")
+    p.add_argument("--seeds", type=int, default=1, help="seeds --seed, --seed + 1, ... (medians)")
+    p.add_argument("--hdet-votes", default="best,softmax", help="comma-separated HDETCallback(vote=...) names")
+    args = p.parse_args(argv)
+    fill_published_defaults(p, args, quick_steps=8)
+    args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v])
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    name, t0 = begin(NAME, args.quick)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix=name) as tmp:
+        for seed in range(args.seed, args.seed + args.seeds):
+            for workload in args.workloads:
+                for failure in args.failures:
+                    rows += run_case(args, workload, failure, seed, Path(tmp) / f"{seed}_{workload}_{failure}")
+    total_s = time.perf_counter() - t0
+    plot = plot_panels(
+        args.docs_dir / "img" / f"{name}.png",
+        {f"{w}, {f}": {r["arm"]: ([s for s, _, _ in r["val_curve"]], [v for _, v, _ in r["val_curve"]])
+                       for r in rows if (r["workload"], r["failure"], r["seed"]) == (w, f, args.seed)}
+         for w in args.workloads for f in args.failures},
+        "step", "validation loss (rank 0)", rows=len(args.workloads),
+    )
+    skipped = "; ".join(f"`{k}`: {v}" for k, v in args.skipped.items()) or "none"
+    md = (
+        f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} processes, S = {args.steps} steps, HDET "
+        f"votes every {args.every} steps, {args.seeds} seed(s) from {args.seed}, medians; skipped votes: {skipped}. "
+        f"Final val loss: the final (merged) model on the first {args.val_batches} validation batches; crashed: "
+        f"not finite or ≥ 0.99 × the constant predictor's loss. Total wall-clock {total_s:.0f} s.\n\n"
+        + table(rows) + f"\n\n![{name}](img/{plot.name})\n"
+    )
+    publish(name, args, {"total_wall_s": total_s, "rows": rows}, md, args.max_chars)
+    return {"total_wall_s": total_s, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
