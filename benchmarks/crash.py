@@ -18,6 +18,7 @@ Run: ``python benchmarks/crash.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -91,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--failures", nargs="+", default=["nan", "collapse"], choices=("nan", "collapse"), metavar="KIND")
     p.add_argument("--seeds", type=int, default=1, help="seeds --seed, --seed + 1, ... (medians)")
     p.add_argument("--hdet-votes", default="best,softmax", help="comma-separated HDETCallback(vote=...) names")
+    p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
+                   help="train nothing: one table from these result files (parts run in parallel, same settings)")
     args = p.parse_args(argv)
     fill_published_defaults(p, args, quick_steps=8)
     args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v])
@@ -101,12 +104,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     name, t0 = begin(NAME, args.quick)
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix=name) as tmp:
-        for seed in range(args.seed, args.seed + args.seeds):
-            for workload in args.workloads:
-                for failure in args.failures:
-                    rows += run_case(args, workload, failure, seed, Path(tmp) / f"{seed}_{workload}_{failure}")
-    total_s = time.perf_counter() - t0
+    if args.merge:
+        parts = [json.loads(path.read_text()) for path in args.merge]
+        rows = [row for part in parts for row in part["rows"]]
+        args.workloads = list(dict.fromkeys(r["workload"] for r in rows))
+        args.failures = list(dict.fromkeys(r["failure"] for r in rows))
+        total_s = sum(part["total_wall_s"] for part in parts)
+    else:
+        with tempfile.TemporaryDirectory(prefix=name) as tmp:
+            for seed in range(args.seed, args.seed + args.seeds):
+                for workload in args.workloads:
+                    for failure in args.failures:
+                        rows += run_case(args, workload, failure, seed, Path(tmp) / f"{seed}_{workload}_{failure}")
+        total_s = time.perf_counter() - t0
     plot = plot_panels(
         args.docs_dir / "img" / f"{name}.png",
         {f"{w}, {f}": {r["arm"]: ([s for s, _, _ in r["val_curve"]], [v for _, v, _ in r["val_curve"]])
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"not finite or ≥ 0.99 × the constant predictor's loss. Total wall-clock {total_s:.0f} s.\n\n"
         + table(rows) + f"\n\n![{name}](img/{plot.name})\n"
     )
+    args.merge = [str(path) for path in args.merge]
     publish(name, args, {"total_wall_s": total_s, "rows": rows}, md, args.max_chars)
     return {"total_wall_s": total_s, "rows": rows}
 

@@ -237,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=4, help="W: processes of the job")
     p.add_argument("--starts", nargs="+", default=list(STARTS), choices=list(STARTS), metavar="START",
                    help=f"starting LRs to run, of {list(STARTS)} (default all)")
-    p.add_argument("--methods", nargs="+", default=[m for m in BASELINES if m != "pbt_minimal"], choices=BASELINES,
+    p.add_argument("--methods", nargs="*", default=[m for m in BASELINES if m != "pbt_minimal"], choices=BASELINES,
                    metavar="METHOD", help=f"baselines to run, of {list(BASELINES)} (default all but pbt_minimal, "
                    "the Ray-free re-implementation of PBT; pbt is skipped when Ray is missing)")
     p.add_argument("--hdet-votes", default="best,softmax",

@@ -292,3 +292,9 @@ def test_crash_quick_mode_nan_and_collapse(tmp_path):
         assert (r["history"] != []) == (r["arm"] == "hdet_best")
     assert len(table) == 2 + len(rows) and all(line.count("|") == 12 for line in table)
     assert "no_such_rule" in proc.stdout and "÷ DDP low LR" in table[0]
+    # Parts run in parallel merge into one table, without training.
+    merged = tmp_path / "merged"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "crash.py"), "--quick", "--merge",
+           str(tmp_path / "results" / "crash_quick.json"), "--results-dir", str(merged), "--docs-dir", str(merged)]
+    subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert json.loads((merged / "crash_quick.json").read_text())["rows"] == rows
