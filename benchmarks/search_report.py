@@ -120,7 +120,7 @@ def _methods_table(summary: dict, starts: dict, good_lr: dict) -> str:
         lr = good_lr[r["workload"]] * starts[r["start"]]
         body.append([
             r["workload"], f"{r['start']} ({lr:.2g})", r["method"], fmt(r["best_val_loss"]),
-            r["best_val_loss_range"], fmt(r["settled_lr"], ".2g"), fmt(r["rank_steps_to_target"], "d"),
+            r["best_val_loss_range"], fmt(r["settled_lr"], ".2g"), fmt(r["rank_steps_to_target"], ".0f"),
             fmt(r["deployed_s_to_target"], ".1f"), fmt(r["wall_s"], ".1f"), str(r["diverged_runs"]), str(r["seeds"]),
         ])
     return markdown_table(headers, body)
