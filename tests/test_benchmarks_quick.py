@@ -298,3 +298,35 @@ def test_crash_quick_mode_nan_and_collapse(tmp_path):
            str(tmp_path / "results" / "crash_quick.json"), "--results-dir", str(merged), "--docs-dir", str(merged)]
     subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert json.loads((merged / "crash_quick.json").read_text())["rows"] == rows
+
+
+def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
+    import argparse
+
+    from benchmarks.search_baselines import Arm
+    from benchmarks.search_report import summarise, tables
+
+    def arm(method, seed, loss, lr, steps_to_loss):
+        return Arm("shapes", method, "good", seed, lr, loss, [(steps_to_loss, loss, 1.0)], [lr], 0, 1.0)
+
+    arms = [arm("grid", 0, 1.0, 0.01, 64), arm("grid", 1, 1.2, 0.02, 128),
+            arm("prodigy", 0, 1.1, 0.003, 64), arm("prodigy", 1, 0.9, 0.003, 64),
+            arm("hdet_best", 0, 1.05, 0.005, 64), arm("hdet_best", 1, 1.15, 0.08, 128),
+            arm("grid_xG", 0, 1.0, 0.01, 256), arm("grid_xG", 1, 1.0, 0.01, 256)]
+    args = argparse.Namespace(workloads=["shapes"], run_methods=["grid", "prodigy", "hdet_best", "grid_xG"],
+                              votes=["best"], skipped={}, margin=1.0, quick=False, world_size=4, groups=4, steps=32,
+                              pbt_interval=8, val_every=8, val_batches=8, batch_size=16, seeds=2,
+                              good_lr={"shapes": 5e-3})
+    summary = summarise(arms, args, {"good": 1.0})
+    assert summary["targets_val_loss"]["shapes"] == pytest.approx(2 * 0.9)  # (1 + margin) x best, grid_xG excluded
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert rows["grid"]["best_val_loss"] == pytest.approx(1.1) and rows["grid"]["rank_steps_to_target"] == 96
+    assert rows["grid"]["best_val_loss_range"] == "1.000–1.200"
+    [t] = summary["targets"]
+    # Medians: HDET 1.10, grid 1.10, Prodigy 1.00, grid xG 1.00; per seed HDET / best baseline: 1.05, 1.15 / 0.9.
+    assert t["vs"] == {"grid": pytest.approx(1.0), "prodigy": pytest.approx(1.1)}
+    assert t["vs_best_baseline"] == pytest.approx(1.1) and t["vs_grid_xG"] == pytest.approx(1.1)
+    assert t["vs_best_baseline_per_seed"] == pytest.approx([1.05, 1.15 / 0.9])
+    assert t["lr_vs_grid_per_seed"] == pytest.approx([0.5, 4.0]) and t["lr_vs_grid"] == pytest.approx(2.25)
+    text = tables(summary, args, {"good": 1.0}, 10.0)
+    assert "1.100 ✗" in text and "2.25 ✗" in text and "| 96 |" in text
