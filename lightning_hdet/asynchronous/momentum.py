@@ -54,7 +54,7 @@ class MomentumSchedule:
 
 
 @dataclass(frozen=True)
-class OuterSettings:
+class OuterPreset:
     """One named choice of the outer optimizer's numbers (see :data:`OUTER_PRESETS`)."""
 
     lr: float
@@ -66,9 +66,9 @@ class OuterSettings:
 #: ``"published"``: DiLoCo's and the asynchronous Local-SGD paper's outer Nesterov (lr 0.7, momentum 0.9).
 #: ``"robust"``: the default of ``mode="async"``, chosen from the sweep in docs/async.md: the published lr and
 #: momentum with a momentum warm-up and periodic restarts, which keep short runs from oscillating.
-OUTER_PRESETS: dict[str, OuterSettings] = {
-    "published": OuterSettings(lr=0.7, momentum=0.9, warmup=0, restart=0),
-    "robust": OuterSettings(lr=0.7, momentum=0.9, warmup=8, restart=4),
+OUTER_PRESETS: dict[str, OuterPreset] = {
+    "published": OuterPreset(lr=0.7, momentum=0.9, warmup=0, restart=0),
+    "robust": OuterPreset(lr=0.7, momentum=0.9, warmup=16, restart=8),
 }
 
 
@@ -79,7 +79,7 @@ def resolve_outer(
     momentum: Optional[float] = None,
     warmup: Optional[int] = None,
     restart: Optional[int] = None,
-) -> OuterSettings:
+) -> OuterPreset:
     """The preset ``outer`` (default: ``"robust"`` for ``mode="async"``, ``"published"`` for DiLoCo) with every
     explicitly given number in its place."""
     if outer is None:
@@ -87,4 +87,4 @@ def resolve_outer(
     check_choice("outer", outer, tuple(OUTER_PRESETS), hint="Or leave it unset and give the numbers explicitly.")
     given: dict[str, Any] = {"lr": lr, "momentum": momentum, "warmup": warmup, "restart": restart}
     settings = {**asdict(OUTER_PRESETS[outer]), **{k: v for k, v in given.items() if v is not None}}
-    return OuterSettings(**settings)
+    return OuterPreset(**settings)
