@@ -114,13 +114,14 @@ class Codec:
 
     @torch.no_grad()
     def decode(self, message: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        """The ``float32`` vector a message stands for (written into ``out`` when given)."""
+        """The ``float32`` vector a message stands for (written into ``out`` when given; ``"none"`` without ``out``
+        returns a view of the message itself)."""
         if message.numel() != self.nbytes or message.dtype != torch.uint8:
             raise ValueError(f"A {self.name!r} message has {self.nbytes} bytes, got {message.numel()} {message.dtype}.")
+        if self.name == "none":
+            return message.view(torch.float32) if out is None else out.copy_(message.view(torch.float32))
         if out is None:
             out = torch.empty(self.numel, dtype=torch.float32)
-        if self.name == "none":
-            return out.copy_(message.view(torch.float32))
         if self.name == "bf16":
             return out.copy_(message.view(torch.bfloat16))
         scales, values = self._views(message)
