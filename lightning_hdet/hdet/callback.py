@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
-from lightning_hdet.records.report import History, log_report_figures
+from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
 
 log = logging.getLogger(__name__)
