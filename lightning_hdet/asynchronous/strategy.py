@@ -234,7 +234,6 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
         """One exchange of this worker; a reply without steps stops its training loop."""
         assert self._exchange is not None
         worker = self._exchange.worker
-        log.debug("rank %d: exchange %s after %d step(s)", self.global_rank, kind.name, worker.steps_in_round)
         worker.exchange(kind)
         if worker.stopped:
             log.debug("rank %d: stop", self.global_rank)
