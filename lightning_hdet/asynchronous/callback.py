@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_hdet.records.report import log_report_figures
+from lightning_hdet.records import log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, record_config
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
-from lightning_hdet.records.report import History
+from lightning_hdet.records import History
 
 log = logging.getLogger(__name__)
 
