@@ -55,10 +55,9 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
     Args:
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
-        outer: named outer settings, ``"robust"`` (async default: momentum warm-up and restarts) or ``"published"``
-            (sync default), see ``docs/async.md``. ``outer_lr``, ``outer_momentum`` (both presets: 0.7, 0.9),
-            ``momentum_warmup`` (momentum updates to ramp the momentum up over) and ``momentum_restart`` (zero it
-            before every such momentum update; 0: never), when given, replace the preset's numbers.
+        outer: ``"robust"`` (async default: momentum warm-up and restarts) or ``"published"`` (sync default), see
+            ``docs/async.md``; ``outer_lr``/``outer_momentum`` (0.7/0.9) and ``momentum_warmup``/``momentum_restart``
+            (momentum updates to ramp up over / between restarts; 0: none), when given, replace its numbers.
         delayed_nesterov: async only; Delayed Nesterov (True) or plain Nesterov SGD (False).
         buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
         momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
@@ -71,7 +70,8 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
         checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0, so that
             every checkpoint holds each worker's own (True; AdamW: twice the model per push). With False only
             pseudo-gradients travel (see ``docs/async.md`` for what checkpoints then hold).
-        compression, error_feedback: the pushes' codec (``"none"``, ``"bf16"``, ``"int8"``); resend its loss.
+        compression: the pushed pseudo-gradients' codec: ``"none"``, ``"bf16"`` or ``"int8"`` (row-wise scales).
+        error_feedback: with compression, each worker adds what its codec lost to its next push.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
