@@ -19,9 +19,9 @@ pytestmark = pytest.mark.timeout(600)
 SCRIPT = Path(__file__).parent / "scripts" / "hdet_fsdp_run.py"
 
 
-def _run(out: Path, sync: str, shard_where: str) -> list[dict]:
+def _run(out: Path, sync: str, shard_where: str, resume: bool) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), sync, shard_where], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume"], capture_output=True, text=True,
                           timeout=560, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
@@ -42,7 +42,7 @@ def _check_training(ranks: list[dict]) -> None:
 
 
 def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "group", "strategy")
+    ranks = _run(tmp_path, "group", "strategy", resume=True)
     _check_training(ranks)
     first, resumed = [r["first"] for r in ranks], [r["resumed"] for r in ranks]
     # exact resume from the step-3 checkpoint: each group restarts from its own parameters and optimizer state
@@ -62,7 +62,7 @@ def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path
 
 
 def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "global", "configure_model")
+    ranks = _run(tmp_path, "global", "configure_model", resume=False)
     _check_training(ranks)
     first = [r["first"] for r in ranks]
     # one shared gradient: from the same start, group 1 (3x the LR) moved 3x as far in its first step

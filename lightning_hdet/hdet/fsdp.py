@@ -107,6 +107,7 @@ class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
         self.skipped_steps = 0
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         """Register ``"hdet_fsdp"`` without replacing an existing entry."""
         register_names(strategy_registry, cls, [("hdet_fsdp", "HDET groups as FSDP2 shard groups", {})])

@@ -3,7 +3,7 @@ it): 4 CPU processes, 2 groups x 2 shards. Trains, checkpoints at step 3 (the en
 2 steps, then resumes a second Trainer from the checkpoint. Each rank writes what the test asserts on to
 ``OUT/rank{r}.pt``.
 
-Usage: ``python hdet_fsdp_run.py OUT {global,group} {strategy,configure_model}``.
+Usage: ``python hdet_fsdp_run.py OUT {global,group} {strategy,configure_model} {resume,no-resume}``.
 """
 
 import sys
@@ -96,9 +96,10 @@ def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any
 
 
 if __name__ == "__main__":
-    out, sync, shard_where = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    out, sync, shard_where, resume = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "resume"
     first: dict[str, Any] = {}
     trainer = fit(out, sync, shard_where, None, first)
     resumed: dict[str, Any] = {}
-    fit(out, sync, shard_where, out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", resumed)
+    if resume:
+        fit(out, sync, shard_where, out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", resumed)
     torch.save({"first": first, "resumed": resumed}, out / f"rank{trainer.global_rank}.pt")
