@@ -249,7 +249,8 @@ class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The merged model (mean of the groups), as sharded DTensors and buffers: a collective on every rank."""
-        return fsdp_checkpoint.merged_state(self.model, self.num_groups, self.across_groups, self.layout.group_size)
+        return fsdp_checkpoint.merged_state(self.model, self.num_groups, self.across_groups,
+                                            self.shard_mesh.get_group(), self.layout.group_size)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from lightning_hdet.hdet.shards import local_shards, shard_state
 
 
 @torch.no_grad()
-def merged_state(model: Module, num_groups: int, across_groups: Any, group_size: int) -> dict[str, Any]:
+def merged_state(model: Module, num_groups: int, across_groups: Any, shard_group: Any, group_size: int) -> dict[str, Any]:
     """The model's state dict with every floating-point entry replaced by the mean over the healthy groups.
 
     Parameters stay sharded DTensors (their local shards are averaged over the mesh's group dimension); buffers
@@ -50,7 +50,7 @@ def merged_state(model: Module, num_groups: int, across_groups: Any, group_size:
     if num_groups == 1:
         return state
     finite = torch.stack([torch.isfinite(t).all() for t in local_shards(model)]).all().to(torch.float64)
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # a group is healthy if all its shards are ...
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=shard_group)  # a group is healthy if all its shards are ...
     ok = finite.clone()
     dist.all_reduce(ok, group=across_groups)  # ... and the target averages the healthy groups (all if none)
     coefficient = float(finite / ok) if float(ok) > 0 else 1.0 / num_groups
