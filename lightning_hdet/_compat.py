@@ -144,8 +144,9 @@ def wandb_run_created_in_this_process(logger: Any) -> Optional[Any]:
 def _check_private_names() -> None:
     missing = [name for name in OVERRIDDEN_PRIVATE_HOOKS + ("_timeout", "_ddp_kwargs")
                if not hasattr(DDPStrategy, name) and name not in DDPStrategy.__init__.__code__.co_names]
+    in_init = ModelParallelStrategy.__init__.__code__.co_names
     missing += [f"ModelParallelStrategy.{name}" for name in ("_setup_distributed", "_device_mesh", "_timeout")
-                if not hasattr(ModelParallelStrategy, name) and name not in ModelParallelStrategy.__init__.__code__.co_names]
+                if not hasattr(ModelParallelStrategy, name) and name not in in_init]
     if missing:
         import lightning
 

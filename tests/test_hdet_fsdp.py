@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_hdet import HDETFSDPStrategy
+from lightning_hdet.hdet.shards import GroupGradientMean, blend, buckets
 from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH
 
 pytestmark = pytest.mark.timeout(600)
@@ -21,8 +22,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "hdet_fsdp_run.py"
 
 def _run(out: Path, sync: str, shard_where: str, resume: bool) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume"], capture_output=True, text=True,
-                          timeout=560, env=env)
+    args = [sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=560, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
@@ -82,3 +83,32 @@ def test_bad_arguments_fail_before_any_process_group(kwargs: dict, devices: int,
     with pytest.raises(ValueError, match=match):
         Trainer(strategy=HDETFSDPStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    """A one-process gloo group for the collectives' arithmetic (destroyed after the test)."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield torch.distributed.group.WORLD
+    torch.distributed.destroy_process_group()
+
+
+def test_gradient_mean_hook_scales_and_zeroes_non_finite_shards(one_rank) -> None:
+    hook = GroupGradientMean(one_rank, num_groups=4, device=torch.device("cpu"), guard=True)
+    shard = torch.tensor([4.0, 8.0])
+    hook(shard)
+    assert shard.tolist() == [1.0, 2.0] and not bool(hook.flag)  # this group's quarter of the mean over 4 groups
+    shard = torch.tensor([4.0, float("nan")])
+    hook(shard)
+    assert shard.tolist() == [0.0, 0.0] and bool(hook.flag)  # a non-finite shard never leaves the rank
+    hook.reset()
+    assert not bool(hook.flag)
+
+
+def test_blend_in_buckets_writes_the_target_and_moves_by_strength(one_rank) -> None:
+    assert [len(b) for b in buckets([torch.zeros(3), torch.zeros(3), torch.zeros(5)], bucket_numel=6)] == [2, 1]
+    tensors = [torch.tensor([2.0, 4.0]), torch.tensor([8.0], dtype=torch.float64)]
+    out = torch.zeros(3, dtype=torch.float64)
+    blend(tensors, coefficient=0.5, strength=0.25, group=one_rank, out=out, bucket_numel=1)
+    assert out.tolist() == [1.0, 2.0, 4.0]  # target = coefficient x theta (summed over the one rank)
+    assert tensors[0].tolist() == [1.75, 3.5] and tensors[1].tolist() == [7.0]  # (1 - s) theta + s target

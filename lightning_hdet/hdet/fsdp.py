@@ -14,10 +14,8 @@ import inspect
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -37,28 +35,23 @@ from lightning_hdet._compat import (
     materialize_distributed_module,
     register_names,
 )
-from lightning_hdet._tensors import assign_flat, flat_dtype, flatten, float_buffers, host_buffer, numel
 from lightning_hdet.hdet import fsdp_checkpoint
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
+from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
-    blend,
     broadcast_from_first_group,
     check_mesh,
     is_sharded,
-    local_grads_finite,
-    local_shards,
     shard,
-    shard_state,
 )
-from lightning_hdet.hdet.strategy import _SkipStep
 
 # fully_shard's keyword arguments a user may pass through; HDET owns the mesh.
 _FSDP_KWARGS = tuple(sorted(set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}))
 
 
-class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
+class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
     """HDET with every group an FSDP2 shard group: each rank holds ``1 / group_size`` of the model and optimizer.
 
     Args:
@@ -102,9 +95,7 @@ class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
                          **({"timeout": timeout} if timeout is not None else {}))
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = fsdp_kwargs
-        self._gradient_mean: Optional[GroupGradientMean] = None
-        self.guard_nonfinite = False
-        self.skipped_steps = 0
+        self._restore_point: Optional[Tensor] = None  # owned by ShardedEnsembleOps
 
     @classmethod
     @override
@@ -114,7 +105,7 @@ class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
 
     @override
     def connect(self, model: LightningModule) -> None:
-        """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` if none was passed."""
+        """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` unless passed."""
         super().connect(model)
         from lightning_hdet.hdet.callback import HDETCallback  # the callback imports the strategies
 
@@ -135,6 +126,7 @@ class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
         # ModelParallelStrategy's own builds a (data_parallel, tensor_parallel) mesh; HDET's is (group, shard).
         init_model_parallel(self, lambda s: init_device_mesh(
             s.root_device.type, (s.num_groups, s.layout.group_size), mesh_dim_names=("group", "shard")))
+        destroy_default_group_at_exit()
         rank_zero_info(f"HDET-FSDP: {self.num_groups} groups sharded over {self.layout.group_size} ranks each")
 
     @property
@@ -146,6 +138,10 @@ class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
     def across_groups(self) -> Any:
         """The process group of the ranks that hold the same shard in every group (merges, shared gradients)."""
         return self.device_mesh.get_group("group")
+
+    @property
+    def _guard_process_group(self) -> Any:
+        return self.shard_mesh.get_group()  # a guarded step is skipped by the whole group
 
     @property
     @override
@@ -167,83 +163,13 @@ class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
         # Groups start from group 0's shards: with meta-device or unseeded init every rank's own would differ.
         broadcast_from_first_group(self.model, self.across_groups)
         if self.gradient_sync == "global" and self.num_groups > 1:
-            self._gradient_mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device,
-                                                    guard=self.guard_nonfinite)
-            self._gradient_mean.install(self.model)
+            mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, guard=self._guard_enabled)
+            mean.install(self.model)
+            self._guard = mean if self._guard_enabled else None
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._check_numeric_lrs()
         self.setup_precision_plugin()
-
-    # ------------------------------------------------------------------ optimizer step
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union[LightningModule, Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        if self.guard_nonfinite:
-            closure = self._guarded(closure, optimizer)
-        try:
-            with self.scaled_lr(optimizer):
-                return super().optimizer_step(optimizer, closure, model, **kwargs)
-        except _SkipStep:
-            self.skipped_steps += 1
-            return None
-        finally:
-            if self._gradient_mean is not None:
-                self._gradient_mean.flag.zero_()
-
-    def _guarded(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
-        """Skip the step of a group whose loss or gradient shards are not finite (decided for the whole group)."""
-
-        def guarded_closure() -> Any:
-            result = closure()
-            bad = torch.zeros((), dtype=torch.bool, device=self.root_device)
-            if isinstance(result, Tensor):
-                bad |= ~torch.isfinite(result.detach()).all()
-            if self._gradient_mean is not None:
-                bad |= self._gradient_mean.flag
-            else:
-                params = [p for pg in optimizer.param_groups for p in pg["params"]]
-                bad |= ~local_grads_finite(params, self.root_device)
-            flag = bad.to(torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shard_mesh.get_group())
-            if bool(flag):
-                raise _SkipStep
-            return result
-
-        return guarded_closure
-
-    # ------------------------------------------------------------------ merges (local shards only)
-    def merge(self, coefficients: Sequence[float], strengths: Sequence[float]) -> Tensor:
-        """Blend the groups: ``theta_g <- (1 - s_g) theta_g + s_g sum_h c_h theta_h``, shard by shard.
-
-        The parameters' local shards are reduced over the mesh's group dimension (never gathered); the float
-        buffers, which FSDP does not shard, over all ranks. Returns this rank's part of the target on the host.
-        """
-        module = self.lightning_module
-        shards, buffers = local_shards(module), float_buffers(module)
-        coefficient, strength = float(coefficients[self.group_index]), float(strengths[self.group_index])
-        out = host_buffer(numel(shards) + numel(buffers), self.root_device, flat_dtype(shards + buffers))
-        blend(shards, coefficient, strength, self.across_groups, out[: numel(shards)])
-        blend(buffers, coefficient / self.layout.group_size, strength, None, out[numel(shards):])
-        return out
-
-    def flat_state(self) -> Tensor:
-        """This rank's parameter shards and float buffers as one flat vector."""
-        return flatten(shard_state(self.lightning_module))
-
-    def load_flat(self, flat: Tensor) -> None:
-        """Overwrite this rank's parameter shards and float buffers with a flat vector (e.g. a host backup)."""
-        assign_flat(shard_state(self.lightning_module), flat.to(self.root_device), 1.0)
-
-    def ensemble_state(self) -> None:
-        """Each group's state goes into the distributed checkpoint itself (see :meth:`save_checkpoint`)."""
-        return None
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -275,5 +201,5 @@ class HDETFSDPStrategy(HDETGroups, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._gradient_mean = None
+        self._guard = None
         super().teardown()

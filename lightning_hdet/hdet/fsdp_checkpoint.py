@@ -40,7 +40,9 @@ from lightning_hdet.hdet.shards import local_shards, shard_state
 
 
 @torch.no_grad()
-def merged_state(model: Module, num_groups: int, across_groups: Any, shard_group: Any, group_size: int) -> dict[str, Any]:
+def merged_state(
+    model: Module, num_groups: int, across_groups: Any, shard_group: Any, group_size: int
+) -> dict[str, Any]:
     """The model's state dict with every floating-point entry replaced by the mean over the healthy groups.
 
     Parameters stay sharded DTensors (their local shards are averaged over the mesh's group dimension); buffers

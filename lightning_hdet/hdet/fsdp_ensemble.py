@@ -64,7 +64,7 @@ class ShardedEnsembleOps:
 
     @torch.no_grad()
     def add_init_noise(self, relative_std: float, seed: int) -> None:
-        """Published warm start on shards: ``eps ~ N(0, relative_std^2 |theta|^2 / d)``, ``|theta|`` of the full model."""
+        """Published warm start on shards: ``eps ~ N(0, relative_std^2 |theta|^2 / d)``, over the full model."""
         shards = local_shards(self.lightning_module)
         stats = torch.stack([sum((t.double().pow(2).sum() for t in shards), torch.zeros((), dtype=torch.float64,
                                                                                          device=self.root_device)),

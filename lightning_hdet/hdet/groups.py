@@ -1,43 +1,60 @@
-"""What every HDET strategy shares, whatever it does with the model: groups and their learning rates.
+"""What every HDET strategy shares, whatever it does with the model: groups, learning rates, skipped steps.
 
-:class:`HDETGroups` is a mixin for a Lightning data-parallel strategy (``"hdet"`` on DDP, ``"hdet_fsdp"`` on
-FSDP2). It validates ``num_groups`` / ``lr_multipliers`` / ``spread`` / ``gradient_sync`` before any process exists,
-splits the ranks into groups, owns the table of learning-rate multipliers, applies this rank's row around every
-optimizer step (so schedulers never see it) and gathers one row of numbers per group. The host strategy provides
-``optimizers``, ``world_size``, ``global_rank``, ``root_device``, ``num_nodes`` and ``num_processes``.
+:class:`HDETGroups` is mixed into both HDET strategies (``"hdet"`` on DDP, ``"hdet_fsdp"`` on FSDP2), before the
+Lightning base class. It validates ``num_groups`` / ``lr_multipliers`` / ``spread`` / ``gradient_sync`` before
+any process exists, splits the ranks into groups, owns the multiplier table and applies this rank's row around
+every optimizer step (so schedulers never see it), owns the skipped-step counters of the non-finite guard, and
+gathers one row of numbers per group: the read-out half of :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
+
+A host strategy provides Lightning's ``optimizers``, ``world_size``, ``global_rank``, ``root_device``,
+``num_nodes``, ``num_processes``, ``precision_plugin``, and ``_guard`` (the hook whose ``flag`` says a local
+gradient was not finite, or ``None``) and ``_guard_process_group`` (the ranks that skip a step together).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Literal, Optional, Union
+import atexit
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_hdet._checks import check_choice, require
+from lightning_hdet._checks import check_choice
 from lightning_hdet._compat import unwrap_optimizer
-from lightning_hdet.hdet.layout import GroupLayout, check_multipliers, check_num_groups, check_spread, fan_out
+from lightning_hdet.hdet.guard import SkipStep, guarded_closure
+from lightning_hdet.hdet.layout import (
+    GroupLayout,
+    check_multipliers,
+    check_num_groups,
+    check_spread,
+    fan_out,
+    make_layout,
+)
+from lightning_hdet.hdet.multipliers import (
+    MultiplierTable,
+    check_numeric_lrs,
+    param_group_offset,
+    scaled_lr,
+    schedule_lrs,
+)
 
 GradientSync = Literal["global", "group"]
 GRADIENT_SYNC = ("global", "group")
 
 
 class HDETGroups:
-    """Groups of ranks, their learning-rate multipliers, and the one small collective every vote needs."""
+    """Groups of ranks, their learning-rate multipliers, the guard's counters and the vote's one collective."""
 
-    # set by the host strategy (Lightning's ParallelStrategy)
-    optimizers: list[Optimizer]
-    world_size: int
-    global_rank: int
-    root_device: torch.device
-    num_nodes: int
-    num_processes: int
+    _guard: Optional[Any]
 
     def _init_groups(
         self,
@@ -46,21 +63,28 @@ class HDETGroups:
         spread: float,
         gradient_sync: GradientSync,
     ) -> None:
-        """Validate and keep the group settings (call first in the strategy's ``__init__``)."""
+        """Validate and keep the group settings (call first in the strategy's ``__init__``: no process exists yet)."""
         if num_groups is not None:
             check_num_groups(num_groups)
         check_spread(spread)
         check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
         if lr_multipliers is not None:
             lr_multipliers = check_multipliers(lr_multipliers)
-            require("lr_multipliers", lr_multipliers, num_groups is None or len(lr_multipliers) == num_groups,
-                    f"one multiplier per group (num_groups={num_groups})")
+            if num_groups is not None and len(lr_multipliers) != num_groups:
+                raise ValueError(
+                    f"`lr_multipliers` has {len(lr_multipliers)} values but `num_groups={num_groups}`; "
+                    "give exactly one multiplier per group."
+                )
         self._requested_groups = num_groups
         self._requested_multipliers = lr_multipliers
         self.spread = spread
         self.gradient_sync = gradient_sync
         self._layout: Optional[GroupLayout] = None
-        self._multipliers: Optional[Tensor] = None  # [num_groups, num_param_groups], float64 on the host
+        self._multipliers: Optional[MultiplierTable] = None
+        self._guard = None
+        self._guard_enabled = False
+        self._skipped = 0  # since the start of fit
+        self._skipped_at_reset = 0
 
     @property
     def config(self) -> dict[str, Any]:
@@ -83,15 +107,7 @@ class HDETGroups:
             self._requested_multipliers = None
             self.spread = 0.0
             return GroupLayout(1, 1)
-        groups = self._requested_groups
-        if groups is None:
-            groups = len(self._requested_multipliers) if self._requested_multipliers is not None else world_size
-        layout = GroupLayout(world_size, groups)
-        if self._requested_multipliers is not None and len(self._requested_multipliers) != groups:
-            raise ValueError(
-                f"`lr_multipliers` has {len(self._requested_multipliers)} values for {groups} groups; "
-                "give exactly one multiplier per group."
-            )
+        layout = make_layout(world_size, self._requested_groups, self._requested_multipliers)
         if self.num_nodes > 1 and layout.crosses_nodes(self.num_processes):
             rank_zero_warn(
                 f"HDET groups of {layout.group_size} ranks straddle nodes of {self.num_processes} processes; "
@@ -120,10 +136,14 @@ class HDETGroups:
         return self.layout.ranks(self.group_index)
 
     # ------------------------------------------------------------------ learning-rate multipliers
-    def _initial_multipliers(self) -> list[float]:
-        if self._requested_multipliers is not None:
-            return list(self._requested_multipliers)
-        return fan_out(self.num_groups, self.spread)
+    @property
+    def _table(self) -> MultiplierTable:
+        if self._multipliers is None:
+            initial = self._requested_multipliers
+            if initial is None:
+                initial = fan_out(self.num_groups, self.spread)
+            self._multipliers = MultiplierTable(initial)
+        return self._multipliers
 
     @property
     def lr_multipliers(self) -> Tensor:
@@ -132,12 +152,7 @@ class HDETGroups:
         Param groups added during training (e.g. by fine-tuning callbacks) start with their group's first
         multiplier.
         """
-        if self._multipliers is None:
-            self._multipliers = torch.tensor(self._initial_multipliers(), dtype=torch.float64)[:, None]
-        missing = self.num_param_groups - self._multipliers.shape[1]
-        if missing > 0:
-            self._multipliers = torch.cat([self._multipliers, self._multipliers[:, :1].expand(-1, missing)], dim=1)
-        return self._multipliers.clone()
+        return self._table.get(self.num_param_groups)
 
     @property
     def lr_multiplier(self) -> float:
@@ -149,65 +164,80 @@ class HDETGroups:
 
         This is the one place multipliers change at run time; call it with identical values on every rank.
         """
-        table = torch.as_tensor(multipliers, dtype=torch.float64).clone()
-        if table.dim() == 1:
-            table = table[:, None].expand(-1, max(self.num_param_groups, 1)).clone()
-        if table.dim() != 2 or table.shape[0] != self.num_groups:
-            raise ValueError(
-                f"`multipliers` must have one row per group ({self.num_groups}), got shape {tuple(table.shape)}."
-            )
-        if not bool(torch.isfinite(table).all()) or bool((table <= 0).any()):
-            raise ValueError(f"`multipliers` must be positive and finite, got {table.tolist()}.")
-        self._multipliers = table
+        self._table.set(multipliers, self.num_groups, self.num_param_groups)
 
     def param_group_offset(self, optimizer: Optimizer) -> int:
         """Index of ``optimizer``'s first param group in the flattened list over all optimizers."""
-        offset = 0
-        for opt in self.optimizers:
-            if unwrap_optimizer(opt) is unwrap_optimizer(optimizer):
-                return offset
-            offset += len(opt.param_groups)
-        raise ValueError("The optimizer is not one of the strategy's optimizers.")
+        return param_group_offset([unwrap_optimizer(o) for o in self.optimizers], unwrap_optimizer(optimizer))
 
     @property
     def num_param_groups(self) -> int:
         return sum(len(opt.param_groups) for opt in self.optimizers)
 
-    @contextmanager
-    def scaled_lr(self, optimizer: Optimizer) -> Iterator[None]:
+    def scaled_lr(self, optimizer: Optimizer) -> AbstractContextManager[None]:
         """Multiply each param group's ``lr`` by this group's multiplier for the duration of one step."""
         offset = self.param_group_offset(optimizer)
-        row = self.lr_multipliers[self.group_index]
-        saved = [pg["lr"] for pg in optimizer.param_groups]
-        try:
-            for i, pg in enumerate(optimizer.param_groups):
-                pg["lr"] = pg["lr"] * float(row[offset + i])
-            yield
-        finally:
-            for pg, lr in zip(optimizer.param_groups, saved):
-                pg["lr"] = lr
+        row = self.lr_multipliers[self.group_index].tolist()
+        return scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
 
     def schedule_lrs(self) -> Tensor:
         """The learning rate the optimizers and schedulers say, per flattened param group (no multiplier)."""
-        return torch.tensor([float(pg["lr"]) for opt in self.optimizers for pg in opt.param_groups], dtype=torch.float64)
+        return schedule_lrs(self.optimizers)
 
     def current_lrs(self) -> Tensor:
         """Real learning rate of every group and flattened param group: schedule LR x multiplier, ``(G, P)``."""
         return self.lr_multipliers * self.schedule_lrs()
 
-    def _check_numeric_lrs(self) -> None:
-        """Every param group must have a numeric ``lr`` for the multipliers to scale (call after the optimizers exist)."""
-        for i, opt in enumerate(self.optimizers):
-            for j, pg in enumerate(opt.param_groups):
-                lr = pg.get("lr")
-                if isinstance(lr, Tensor):
-                    lr = float(lr)
-                if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr):
-                    raise ValueError(
-                        f"{type(self).__name__} scales each param group's `lr`, but optimizer {i} "
-                        f"({type(unwrap_optimizer(opt)).__name__}) param group {j} has lr={pg.get('lr')!r}; "
-                        "use an optimizer with a numeric learning rate."
-                    )
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)  # type: ignore[misc]
+        check_numeric_lrs([unwrap_optimizer(opt) for opt in self.optimizers])
+
+    # ------------------------------------------------------------------ the step, and the safety net's guard
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self._guard_enabled:
+            closure = guarded_closure(closure, optimizer, self._guard, not self._uses_grad_scaler(),
+                                      self._guard_process_group, self.layout.group_size, self.root_device)
+        try:
+            with self.scaled_lr(optimizer):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        except SkipStep:
+            self._skipped += 1
+            return None
+        finally:
+            if self._guard is not None:
+                self._guard.reset()
+
+    def enable_guard(self) -> None:
+        """Skip the optimizer steps of a group whose loss or gradients are non-finite (call before wrapping)."""
+        self._guard_enabled = True
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the guard skipped on this rank since this strategy started."""
+        return self._skipped
+
+    def interval_skipped(self, reset: bool = True) -> int:
+        """Optimizer steps skipped since the last reset (or the start of fit); ``reset=False`` only peeks."""
+        count = self._skipped - self._skipped_at_reset
+        if reset:
+            self._skipped_at_reset = self._skipped
+        return count
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        self._skipped_at_reset = self._skipped  # a vote interval starts with the fit
+
+    def _uses_grad_scaler(self) -> bool:
+        return isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None
 
     # ------------------------------------------------------------------ the vote's collective
     def gather_group_values(self, values: Tensor) -> Tensor:
@@ -221,3 +251,18 @@ class HDETGroups:
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(table)
         return table.cpu()
+
+
+def destroy_default_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits (registered once per process, however many fits).
+
+    Lightning does it for NCCL only; a gloo group still alive while the interpreter finalizes can abort the process
+    ("terminate called without an active exception").
+    """
+    atexit.unregister(_destroy_default_group)
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

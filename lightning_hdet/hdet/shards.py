@@ -75,14 +75,6 @@ def shard_state(module: Module) -> list[Tensor]:
     return local_shards(module) + float_buffers(module)
 
 
-def local_grads_finite(params: Sequence[Tensor], device: torch.device) -> Tensor:
-    """Whether this rank's gradient shards are all finite (a device tensor, no host sync)."""
-    grads = [local(p.grad) for p in params if p.grad is not None]
-    if not grads:
-        return torch.ones((), dtype=torch.bool, device=device)
-    return torch.stack([torch.isfinite(g).all() for g in grads]).all()
-
-
 class GroupGradientMean:
     """FSDP2 all-reduce hook of ``gradient_sync="global"``: each group's reduced gradient shard is averaged with
     the same shard of the other groups (HSDP done by HDET, so that it can guard it).
@@ -105,6 +97,9 @@ class GroupGradientMean:
             torch.logical_or(self.flag, bad, out=self.flag)
             output.masked_fill_(bad, 0.0)
         dist.all_reduce(output, group=self.group)
+
+    def reset(self) -> None:
+        self.flag.zero_()
 
     def install(self, module: Module) -> None:
         for m in module.modules():

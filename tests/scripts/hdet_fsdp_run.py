@@ -19,7 +19,6 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_hdet import HDETCallback, HDETFSDPStrategy  # noqa: E402
-HDETCallback._strategy = staticmethod(lambda t: t.strategy)  # TEMP
 from tests.helpers import Regression  # noqa: E402
 
 STEPS_PER_EPOCH = 3
