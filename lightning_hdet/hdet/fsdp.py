@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -30,7 +30,6 @@ from typing_extensions import override
 from lightning_hdet._checks import require
 from lightning_hdet._compat import (
     StrategyRegistry,
-    ensure_callback,
     init_model_parallel,
     materialize_distributed_module,
     register_names,
@@ -103,22 +102,12 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         """Register ``"hdet_fsdp"`` without replacing an existing entry."""
         register_names(strategy_registry, cls, [("hdet_fsdp", "HDET groups as FSDP2 shard groups", {})])
 
-    @override
-    def connect(self, model: LightningModule) -> None:
-        """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` unless passed."""
-        super().connect(model)
-        from lightning_hdet.hdet.callback import HDETCallback  # the callback imports the strategies
-
-        ensure_callback(model, HDETCallback)
-
     # ------------------------------------------------------------------ mesh and process groups
     @override
     def _configure_launcher(self) -> None:
-        # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
         world_size = self.num_nodes * self.num_processes
         require("devices", world_size, world_size > 1, "more than one process in all",
                 "HDETFSDPStrategy shards each group over its ranks; with one process use a plain strategy.")
-        self._layout = self._make_layout(world_size)
         super()._configure_launcher()
 
     @override

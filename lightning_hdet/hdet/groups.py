@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hdet._checks import check_choice
-from lightning_hdet._compat import unwrap_optimizer
+from lightning_hdet._compat import ensure_callback, unwrap_optimizer
 from lightning_hdet.hdet.guard import SkipStep, guarded_closure
 from lightning_hdet.hdet.layout import (
     GroupLayout,
@@ -97,7 +97,21 @@ class HDETGroups:
             "gradient_sync": self.gradient_sync,
         }
 
+    @override
+    def connect(self, model: LightningModule) -> None:
+        """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` unless passed."""
+        super().connect(model)  # type: ignore[misc]
+        from lightning_hdet.hdet.callback import HDETCallback  # the callback imports the strategies
+
+        ensure_callback(model, HDETCallback)
+
     # ------------------------------------------------------------------ layout
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
+        self._layout = self._make_layout(self.num_nodes * self.num_processes)
+        super()._configure_launcher()  # type: ignore[misc]
+
     def _make_layout(self, world_size: int) -> GroupLayout:
         if world_size == 1:
             rank_zero_warn(

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -31,7 +30,6 @@ from lightning_hdet._checkpoint import read_checkpoint
 from lightning_hdet._compat import (
     StrategyRegistry,
     ddp_process_group,
-    ensure_callback,
     has_user_comm_hook,
     register_names,
     set_ddp_process_group,
@@ -107,21 +105,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
             for name, method in (("hdet", "popen"), ("hdet_spawn", "spawn"))
         ])
 
-    @override
-    def connect(self, model: LightningModule) -> None:
-        """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` if none was passed."""
-        super().connect(model)
-        from lightning_hdet.hdet.callback import HDETCallback  # the callback imports this module
-
-        ensure_callback(model, HDETCallback)
-
-    # ------------------------------------------------------------------ layout and process groups
-    @override
-    def _configure_launcher(self) -> None:
-        # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
-        self._layout = self._make_layout(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
+    # ------------------------------------------------------------------ process groups
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
