@@ -34,8 +34,6 @@ from lightning_hdet.demos.shapes import CLASSES
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_DIR = REPO / "docs"
-# Sandboxed machines reject the default fd-passing of shared CPU tensors to spawned workers.
-torch.multiprocessing.set_sharing_strategy("file_system")
 # The two workloads: a byte-level Transformer LM on text and a conv net on procedurally generated images.
 WORKLOADS = ("char_lm", "shapes")
 # Loss of a constant predictor (uniform over the outputs): where a collapsed run sits.

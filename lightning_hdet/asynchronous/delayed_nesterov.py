@@ -6,7 +6,8 @@ and updates the momentum only once every ``buffer_size`` pushes; in between, eac
 by its own share ``-lr * g / N`` plus, optionally, a fraction ``c`` of the momentum step.
 
 With ``momentum_activation = 0``, ``N`` pushes of the same ``g`` move the parameters exactly like one
-``torch.optim.SGD(nesterov=True)`` step on ``g``.
+``torch.optim.SGD(nesterov=True)`` step on ``g``. ``momentum_warmup`` / ``momentum_restart`` schedule the momentum
+(see :mod:`lightning_hdet.asynchronous.momentum`); with ``N = 1`` this is Nesterov SGD with that schedule.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_hdet._checks import is_finite_number
+from lightning_hdet._checks import check_int, check_number
+from lightning_hdet.asynchronous.momentum import MomentumSchedule
 
 
 class DelayedNesterov(Optimizer):
@@ -35,6 +37,8 @@ class DelayedNesterov(Optimizer):
         buffer_size: ``N``, pushes per momentum update (>= 1); the natural choice is the number of workers.
         momentum_activation: ``c`` in ``[0, 1/N]``, the share of the momentum step applied on each
             intermediate push (0 = momentum only at the ``N``-th push, as published by default).
+        momentum_warmup: momentum updates over which ``momentum`` ramps up linearly from 0 (0: none).
+        momentum_restart: zero the momentum before every ``momentum_restart``-th momentum update (0: never).
     """
 
     def __init__(
@@ -44,9 +48,13 @@ class DelayedNesterov(Optimizer):
         momentum: float = 0.9,
         buffer_size: int = 1,
         momentum_activation: float = 0.0,
+        momentum_warmup: int = 0,
+        momentum_restart: int = 0,
     ) -> None:
         validate_outer_hyperparameters(lr, momentum, buffer_size, momentum_activation)
-        defaults = dict(lr=lr, momentum=momentum, buffer_size=buffer_size, momentum_activation=momentum_activation)
+        MomentumSchedule(momentum, momentum_warmup, momentum_restart)  # validates
+        defaults = dict(lr=lr, momentum=momentum, buffer_size=buffer_size, momentum_activation=momentum_activation,
+                        momentum_warmup=momentum_warmup, momentum_restart=momentum_restart)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -57,8 +65,8 @@ class DelayedNesterov(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, beta = group["lr"], group["momentum"]
-            n, c = group["buffer_size"], group["momentum_activation"]
+            lr, n, c = group["lr"], group["buffer_size"], group["momentum_activation"]
+            schedule = MomentumSchedule(group["momentum"], group.get("momentum_warmup", 0), group.get("momentum_restart", 0))
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -71,7 +79,11 @@ class DelayedNesterov(Optimizer):
                 m, delta = state["momentum_buffer"], state["delta"]
                 delta.add_(g)
                 state["pushes"] += 1
+                beta = schedule.beta(state.get("updates", 0) + 1)  # of the next momentum update
                 if state["pushes"] == n:
+                    state["updates"] = state.get("updates", 0) + 1  # absent in states saved before schedules
+                    if schedule.restarts(state["updates"]):
+                        m.zero_()
                     m.mul_(beta).add_(delta, alpha=1.0 / n)
                     p.add_(m, alpha=-lr * (1.0 - c * n + c) * beta)
                     delta.zero_()
@@ -87,16 +99,9 @@ def validate_outer_hyperparameters(
 ) -> None:
     """Raise a ValueError naming the argument when an outer-optimizer hyperparameter is out of range."""
     for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("momentum_activation", momentum_activation)):
-        if not is_finite_number(value):
-            raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
-    if not lr > 0:
-        raise ValueError(f"`outer_lr` must be > 0, got {lr!r}.")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"`outer_momentum` must be in [0, 1), got {momentum!r}.")
-    if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
-        raise ValueError(f"`buffer_size` must be a positive integer, got {buffer_size!r}.")
-    if not 0 <= momentum_activation <= 1.0 / buffer_size:
-        raise ValueError(
-            f"`momentum_activation` must be in [0, 1/buffer_size] = [0, {1.0 / buffer_size:g}],"
-            f" got {momentum_activation!r}."
-        )
+        check_number(name, value)
+    check_number("outer_lr", lr, low=0, low_open=True)
+    check_number("outer_momentum", momentum, low=0, high=1, high_open=True)
+    check_int("buffer_size", buffer_size, minimum=1)
+    check_number("momentum_activation", momentum_activation, low=0, high=1.0 / buffer_size,
+                 hint=f"(the upper end is 1/buffer_size, buffer_size={buffer_size})")

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
-from lightning_hdet._checks import check_int, check_number, check_positive_list
+from lightning_hdet._checks import check_number, check_positive_list, is_int, require
 
 
 def fan_out(num_groups: int, spread: float) -> list[float]:
@@ -26,7 +27,8 @@ def fan_out(num_groups: int, spread: float) -> list[float]:
 
 
 def check_num_groups(num_groups: int) -> None:
-    check_int("num_groups", num_groups, minimum=1, hint="None gives one group per rank.")
+    require("num_groups", num_groups, is_int(num_groups) and num_groups >= 1,
+            "a positive integer (or None for one group per rank)")
 
 
 def check_spread(spread: float) -> None:
@@ -77,3 +79,16 @@ class GroupLayout:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def make_layout(world_size: int, num_groups: Optional[int], multipliers: Optional[Sequence[float]]) -> GroupLayout:
+    """The layout a strategy asked for: ``num_groups``, else one group per multiplier, else one group per rank."""
+    groups = num_groups
+    if groups is None:
+        groups = len(multipliers) if multipliers is not None else world_size
+    layout = GroupLayout(world_size, groups)
+    if multipliers is not None and len(multipliers) != groups:
+        raise ValueError(
+            f"`lr_multipliers` has {len(multipliers)} values for {groups} groups; give exactly one multiplier per group."
+        )
+    return layout
