@@ -51,8 +51,9 @@ def test_constant_predictor_level():
 def test_advance_forgets_after_a_rescue_or_a_roll_back():
     history = CollapseHistory([5.0, math.nan, 5.0], [2.0, 2.0, 2.0], [1, 1, 1])
     verdict = Verdict([False, False, True], ["", "", "non-finite"], [1, 1, 1])
-    after = advance(history, verdict, [1.5, 4.0, math.nan], rolled_back=False)
-    assert after.start == [5.0, 4.0, 5.0]  # set once, from the first finite loss
+    after = advance(history, verdict, [1.5, 4.0, math.nan], rolled_back=False, first=[9.0, 4.0, 9.0])
+    assert after.start == [5.0, 4.0, 5.0]  # set once, from the first step's loss
+    assert math.isnan(advance(history, verdict, [1.5, 4.0, 1.0], rolled_back=False).start[1])  # unknown: no rule
     assert after.previous[:2] == [1.5, 4.0] and math.isnan(after.previous[2]) and after.stalled == [1, 1, 0]
     rolled = advance(history, verdict, [1.5, 4.0, math.nan], rolled_back=True)
     assert all(math.isnan(p) for p in rolled.previous) and rolled.stalled == [0, 0, 0]
@@ -66,7 +67,7 @@ def test_good_merge_needs_every_kept_group_below_its_start():
     assert not is_good(rule, fine, [2.0, 3.0], history)
     assert is_good(rule, Verdict([False, True], ["", "rose"], [0, 0]), [2.0, 9.0], history)
     assert not is_good(rule, Verdict([True, True], ["x", "x"], [0, 0]), [2.0, 2.0], history)
-    assert not is_good(rule, fine, [2.0, 2.0], CollapseHistory())  # no starting level yet
+    assert is_good(rule, fine, [2.0, 2.0], CollapseHistory())  # no starting level known: any finite merge is
 
 
 def test_history_state_round_trip_and_resize():

@@ -66,7 +66,7 @@ def test_unhealthy_groups_all_move_and_pairs_follow_the_ranking():
 
 
 def test_slow_reference_group_moves_only_every_few_votes():
-    rule = PBTVote(resample_probability=0.0, reference=3, reference_every=2)
+    rule = PBTVote(resample_probability=0.0, reference_group=3, reference_every=2)
     ballot = _ballot([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0])
     assert rule.explore(ballot, _gen()).sources == [0, 1, 2, 0]  # vote 0: the reference takes part
     assert rule.explore(ballot, _gen()).sources == [0, 1, 0, 3]  # vote 1: exempt, the next worst moves
@@ -89,6 +89,8 @@ def test_bad_arguments_name_themselves():
         PBTVote(factors=(1.2,))
     with pytest.raises(ValueError, match="`min_spread`"):
         PBTVote(min_spread=0.0)
+    with pytest.raises(ValueError, match="`reference_group` must be None or a group index below the number"):
+        PBTVote(reference_group=4).explore(_ballot([1.0, 2.0], [1.0, 1.0]), _gen())
 
 
 def test_copy_plan_one_step_per_source_and_its_matrix():

@@ -29,7 +29,9 @@ def test_loss_curve_bins_sums_and_counts():
     assert copy.row().tolist() == curve.row().tolist()
     curve.reset()
     assert curve.row().tolist() == [0.0, 0.0, 0.0, 0.0]
-    assert LossCurve(interval=3, bins=8).bins == 3  # never more bins than steps
+    short = LossCurve(interval=3, bins=8)  # never more bins than steps
+    short.add(2, torch.tensor(1.0))
+    assert short.bins == 3 and short.row().tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="`bins` must be an integer >= 2"):
         LossCurve(interval=4, bins=1)
 

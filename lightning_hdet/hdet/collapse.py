@@ -140,12 +140,13 @@ def advance(
 ) -> CollapseHistory:
     """The history after a vote.
 
-    A group's starting level is set once: from ``first`` (each group's loss at its first training step) when
-    given, else from its first finite interval loss. A diverged group (it restarts from the healthy groups' model)
-    and every group after a roll-back forget their previous interval and their stall count.
+    A group's starting level is set once, from ``first`` (each group's loss at its first training step; unknown,
+    e.g. after resuming from an older checkpoint: the ``stalled`` rule stays off). A diverged group (it restarts
+    from the healthy groups' model) and every group after a roll-back forget their previous interval and their
+    stall count.
     """
     history = history.sized(len(losses))
-    first = list(first) if first is not None else list(losses)
+    first = list(first) if first is not None else [NAN] * len(losses)
     start = [s if math.isfinite(s) or not math.isfinite(f) else f for s, f in zip(history.start, first)]
     reset = [rolled_back or bad for bad in verdict.diverged]
     previous = [NAN if r else x for r, x in zip(reset, losses)]
@@ -156,11 +157,11 @@ def advance(
 def is_good(rule: CollapseRule, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:
     """Whether this vote's merged model may become the roll-back point.
 
-    Only when every group that counts (did not diverge; diverged groups add nothing to the merge) is below the
-    starting level (less the stall tolerance) it had before this vote: a model merged from groups that have not improved yet, or are sliding
+    Only when every group that counts (did not diverge; diverged groups add nothing to the merge) is below its
+    starting level, less the stall tolerance, where that level is known: a model merged from groups that have not improved yet, or are sliding
     into a collapse, is not a safe place to return to.
     """
     history = history.sized(len(losses))
     kept = [(x, s) for x, s, bad in zip(losses, history.start, verdict.diverged) if not bad]
     floor = 1 - rule.stall_tolerance
-    return bool(kept) and all(math.isfinite(s) and x < floor * s for x, s in kept)
+    return bool(kept) and all(not math.isfinite(s) or x < floor * s for x, s in kept)

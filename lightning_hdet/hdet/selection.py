@@ -93,7 +93,7 @@ class PBTVote(VoteRule):
             perturbing its source's (Ray Tune: 0.25).
         factors: the two perturbation factors, picked at random (Ray Tune: 0.8 and 1.2).
         min_spread: log-distance from the leader's multiplier kept on each side by some group (> 0).
-        reference: index of a slow reference group, moved only every ``reference_every`` votes; ``None``: none.
+        reference_group: index of a slow reference group, moved only every ``reference_every`` votes; ``None``: none.
         reference_every: how often the reference group takes part in selection.
     """
 
@@ -101,7 +101,7 @@ class PBTVote(VoteRule):
     resample_probability: float = 0.25
     factors: tuple[float, float] = (0.8, 1.2)
     min_spread: float = math.log(1.2)
-    reference: Optional[int] = None
+    reference_group: Optional[int] = None
     reference_every: int = 4
     votes: dict[int, int] = field(default_factory=dict)
 
@@ -112,7 +112,7 @@ class PBTVote(VoteRule):
             isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in self.factors),
             "two positive finite numbers")
         check_number("min_spread", self.min_spread, low=0.0, low_open=True)
-        check_int("reference", self.reference, minimum=0, optional=True)
+        check_int("reference_group", self.reference_group, minimum=0, optional=True)
         check_int("reference_every", self.reference_every, minimum=1)
 
     def rank(self, ballot: Ballot) -> list[int]:
@@ -128,7 +128,7 @@ class PBTVote(VoteRule):
         order = self.rank(ballot)
         healthy = [g for g in order if ballot.healthy[g] and math.isfinite(ballot.losses[g])]
         k = quantile_size(len(order), self.quantile)
-        exempt = self.reference if self.reference is not None and vote % self.reference_every else None
+        exempt = self.reference_group if self.reference_group is not None and vote % self.reference_every else None
         candidates = [g for g in reversed(order) if g != exempt]
         movers = [g for g in candidates if g not in healthy]
         movers += [g for g in candidates if g in healthy and g not in movers][: max(k - len(movers), 0)]
@@ -141,6 +141,8 @@ class PBTVote(VoteRule):
         weights = [1.0 if g == winner else 0.0 for g in range(n)]
         multipliers = list(ballot.multipliers)
         vote = self.votes.get(ballot.key, 0)
+        require("reference_group", self.reference_group, self.reference_group is None or self.reference_group < n,
+                f"None or a group index below the number of groups ({n})")
         if not ballot.move or winner < 0 or n < 2:
             return Selection(weights, winner, multipliers, list(range(n)))
         self.votes[ballot.key] = vote + 1

@@ -47,8 +47,8 @@ class LossCurve:
         check_int("bins", bins, minimum=2)
         self.interval = interval
         self.bins = min(bins, interval)  # every bin then holds at least one step
-        self.sums = torch.zeros(bins, dtype=torch.float64, device=device)
-        self.counts = [0] * bins
+        self.sums = torch.zeros(self.bins, dtype=torch.float64, device=device)
+        self.counts = [0] * self.bins
 
     def bin_of(self, position: int) -> int:
         return min(max(position, 0) * self.bins // self.interval, self.bins - 1)
