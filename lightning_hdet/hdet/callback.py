@@ -67,20 +67,11 @@ class HDETCallback(Callback):
         rescue_lr_factor: multiplier applied to a rescued group's learning rate (and to every group's when all
             diverged), in (0, 1).
         seed: seed of the callback's own generator for permutations and init noise (never the global RNG).
-        signal: what the vote compares: ``"mean"`` (the interval's mean training loss), ``"improvement"`` (the
-            slope of the loss over the interval) or ``"forecast"`` (the loss a fitted ``a + b exp(-c t)`` curve
-            reaches at ``forecast_horizon``); the final merge always picks by the mean.
-        forecast_horizon: steps from an interval's start at which ``"forecast"`` reads the curve (None: 4 T).
-        curve_bins: the loss curve is kept as this many equal bins of the interval (on the device).
-        quantile: ``vote="pbt"``: share of groups in the bottom (moving) and top (copied) quantiles.
-        resample_probability: ``vote="pbt"``: chance a moving group draws a fresh LR instead of x0.8 / x1.2.
-        reference_group: ``vote="pbt"``: a slow reference group, moved only every fourth vote (None: none).
-        stall_patience: votes in a row at or above a group's first-step loss before it counts as collapsed.
-        stall_tolerance: relative margin below the first-step loss that still counts as no progress.
-        rise_margin: a group whose loss exceeds ``(1 + rise_margin)`` x its previous interval's counts as diverged.
-        chance_loss: the loss of a constant predictor (e.g. ``math.log(num_classes)``): a group within
-            ``chance_tolerance`` of it (relative) or above counts as collapsed. ``None``: not checked.
-        chance_tolerance: see ``chance_loss``.
+        signal, forecast_horizon, curve_bins: what the vote compares: ``"mean"`` interval loss, its ``"improvement"``
+            (slope) or a ``"forecast"`` (fitted curve at ``forecast_horizon``); the curve is kept in ``curve_bins``.
+        quantile, resample_probability, reference_group: ``vote="pbt"`` settings (Ray Tune's defaults).
+        stall_patience, stall_tolerance, rise_margin, chance_loss, chance_tolerance: the collapse rules of the
+            safety net (``docs/hdet.md``, "Safety net"); ``None`` switches a rule off.
     """
 
     def __init__(
