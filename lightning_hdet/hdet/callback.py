@@ -67,11 +67,17 @@ class HDETCallback(Callback):
         rescue_lr_factor: multiplier applied to a rescued group's learning rate (and to every group's when all
             diverged), in (0, 1).
         seed: seed of the callback's own generator for permutations and init noise (never the global RNG).
-        signal, forecast_horizon, curve_bins: what the vote compares: ``"mean"`` interval loss, its ``"improvement"``
-            (slope) or a ``"forecast"`` (fitted curve at ``forecast_horizon``); the curve is kept in ``curve_bins``.
-        quantile, resample_probability, reference_group: ``vote="pbt"`` settings (Ray Tune's defaults).
-        stall_patience, stall_tolerance, rise_margin, chance_loss, chance_tolerance: the collapse rules of the
-            safety net (``docs/hdet.md``, "Safety net"); ``None`` switches a rule off.
+        signal: what the vote compares: ``"mean"`` (interval loss), ``"improvement"`` (its slope), ``"forecast"``.
+        forecast_horizon: steps from an interval's start at which ``"forecast"`` reads the fitted curve (None: 4 T).
+        curve_bins: each rank keeps the interval's loss curve as this many bins on the device.
+        quantile: ``vote="pbt"``: share of groups that move (bottom) and are copied (top); Ray Tune: 0.25.
+        resample_probability: ``vote="pbt"``: chance of a fresh LR instead of x0.8 / x1.2; Ray Tune: 0.25.
+        reference_group: ``vote="pbt"``: a slow reference group, moved every fourth vote only (None: none).
+        stall_patience: votes in a row at or above its first step's loss before a group counts as collapsed.
+        stall_tolerance: relative margin below the first step's loss that still counts as no progress.
+        rise_margin: a loss above ``(1 + rise_margin)`` x the group's previous interval counts as diverged.
+        chance_loss: a constant predictor's loss (e.g. ``ln(classes)``); a group near it counts as collapsed.
+        chance_tolerance: relative distance to ``chance_loss`` that counts as "near". ``None`` switches rules off.
     """
 
     def __init__(
@@ -193,25 +199,11 @@ class HDETCallback(Callback):
         if isinstance(loss, Tensor):
             self._meter.add(trainer.global_step, loss, first=self._first_pending)
         self._first_pending = self._first_pending and trainer.global_step == 0
-        self._log_step(trainer, pl_module, executor.current_lrs())
+        _log_step(trainer, pl_module, executor.current_lrs(), self.report, self.controller.last_winner)
         step = trainer.global_step
         if step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step:
             self._last_vote_step = step
             self.vote_and_merge(trainer, pl_module)
-
-    def _log_step(self, trainer: Trainer, pl_module: LightningModule, lrs: Tensor) -> None:
-        """Every group's real learning rate, every step (all ranks know them all: rank 0 logs every group)."""
-        num_groups = lrs.shape[0]
-        metrics = {f"hdet/group{g}/lr": float(lrs[g, 0]) for g in range(num_groups)}
-        for p in range(1, lrs.shape[1]):
-            metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
-        if trainer.is_global_zero:
-            self.report.add(trainer.global_step, {**metrics, "hdet/base_lr": float(lrs[:, 0].mean())})
-        pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), on_step=True, on_epoch=False, prog_bar=True)
-        if self.controller.last_winner >= 0:
-            pl_module.log("hdet/leader", float(self.controller.last_winner), on_step=True, on_epoch=False,
-                          prog_bar=True)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -341,3 +333,17 @@ class HDETCallback(Callback):
 
 def _indices(flags: list[bool]) -> list[int]:
     return [g for g, flag in enumerate(flags) if flag]
+
+
+def _log_step(trainer: Trainer, pl_module: LightningModule, lrs: Tensor, report: History, leader: int) -> None:
+    """Every group's real learning rate, every step (all ranks know them all: rank 0 logs every group)."""
+    num_groups = lrs.shape[0]
+    metrics = {f"hdet/group{g}/lr": float(lrs[g, 0]) for g in range(num_groups)}
+    for p in range(1, lrs.shape[1]):
+        metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
+    pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+    if trainer.is_global_zero:
+        report.add(trainer.global_step, {**metrics, "hdet/base_lr": float(lrs[:, 0].mean())})
+    pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), on_step=True, on_epoch=False, prog_bar=True)
+    if leader >= 0:
+        pl_module.log("hdet/leader", float(leader), on_step=True, on_epoch=False, prog_bar=True)
