@@ -68,7 +68,7 @@ def test_collapsed_groups_roll_back_with_cut_lrs_and_no_good_merge():
 
 
 def test_constant_predictor_and_rise_rules_rescue_one_group():
-    controller = HDETController(HDETConfig(chance_loss=math.log(10), permute=False, meta_lr=0.0))
+    controller = HDETController(HDETConfig(chance_loss=math.log(10), rise_margin=1.0, permute=False, meta_lr=0.0))
     decision = controller.decide(_interval([2.25, 1.0], (1.0, 2.0)))  # 2.25 >= 0.95 ln 10 = 2.187
     assert decision.rescued == [True, False] and decision.reasons == ["chance", ""]
     assert decision.coefficients == [0.0, 1.0] and decision.multipliers[:, 0].tolist() == [0.5, 2.0]

@@ -105,9 +105,9 @@ class HDETCallback(Callback):
         quantile: float = 0.25,
         resample_probability: float = 0.25,
         reference_group: Optional[int] = None,
-        stall_patience: Optional[int] = 2,
+        stall_patience: Optional[int] = None,
         stall_tolerance: float = 0.0,
-        rise_margin: Optional[float] = 1.0,
+        rise_margin: Optional[float] = None,
         chance_loss: Optional[float] = None,
         chance_tolerance: float = 0.05,
     ) -> None:
