@@ -1,6 +1,6 @@
 """lightning-hdet: hyperparameter-divergent ensemble training and asynchronous Local-SGD for Lightning.
 
-Importing the package registers ``Trainer(strategy=...)`` names: ``"hdet"``, ``"hdet_spawn"``,
+Importing the package registers ``Trainer(strategy=...)`` names: ``"hdet"``, ``"hdet_spawn"``, ``"hdet_fsdp"``,
 ``"async_local_sgd"``, ``"async_local_sgd_spawn"``, ``"diloco"`` and ``"diloco_spawn"``.
 """
 
@@ -12,6 +12,7 @@ from lightning_hdet.hdet.callback import HDETCallback
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.hdet.layout import fan_out
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
+from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
 from lightning_hdet.hdet.strategy import HDETStrategy
 from lightning_hdet.testing import SlowRanks
 from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote
@@ -24,6 +25,7 @@ __all__ = [
     "BestVote",
     "DelayedNesterov",
     "HDETCallback",
+    "HDETFSDPStrategy",
     "HDETStrategy",
     "LocalStepsPolicy",
     "SlowRanks",
@@ -34,4 +36,5 @@ __all__ = [
 ]
 
 HDETStrategy.register_strategies(StrategyRegistry)
+HDETFSDPStrategy.register_strategies(StrategyRegistry)
 AsyncLocalSGDStrategy.register_strategies(StrategyRegistry)

@@ -14,10 +14,18 @@ from typing import Any, Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
+# Why: the file name Lightning gives the non-tensor part of a distributed checkpoint folder; its own
+# `consolidate_checkpoint` reads it back, so "hdet_fsdp" checkpoints must use the same name.
+from lightning.fabric.utilities.load import _METADATA_FILENAME as DCP_METADATA_FILENAME
+
+# Why: ModelParallelStrategy materializes meta-device modules (`to_empty` + `reset_parameters`) in its `setup`,
+# which "hdet_fsdp" replaces (it shards the model itself when the user did not).
+from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_distributed_module
+
 # Why: DDP broadcasts rank 0's weights only when it wraps a model; HDET's "group" mode (one DDP per group) and the
 # async strategy (no DDP at all) need the same start-from-rank-0 broadcast without the wrapper.
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 # Why: the registry's type is private; strategies receive it in their public `register_strategies` classmethod.
 from lightning.pytorch.strategies.strategy import _StrategyRegistry as StrategyRegistry
@@ -25,11 +33,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 __all__ = [
+    "DCP_METADATA_FILENAME",
     "StrategyRegistry",
     "attached_trainer",
     "ddp_process_group",
     "ensure_callback",
     "has_user_comm_hook",
+    "init_model_parallel",
+    "materialize_distributed_module",
     "register_names",
     "set_ddp_process_group",
     "set_loop_max_steps",
@@ -91,6 +102,18 @@ def has_user_comm_hook(strategy: DDPStrategy) -> bool:
     return strategy._ddp_comm_hook is not None or strategy._ddp_comm_wrapper is not None
 
 
+def init_model_parallel(strategy: ModelParallelStrategy, mesh: Any) -> None:
+    """Start the default process group as ModelParallelStrategy does and publish ``mesh`` as its device mesh.
+
+    Why: "hdet_fsdp" needs a (group, shard) mesh where ModelParallelStrategy's `setup_environment` builds a
+    (data_parallel, tensor_parallel) one; its process-group set-up and the mesh attributes
+    (`strategy.device_mesh`, `LightningModule.device_mesh`) have no public setter.
+    """
+    strategy._setup_distributed()
+    strategy._device_mesh = mesh(strategy)
+    strategy.lightning_module._device_mesh = strategy._device_mesh
+
+
 def set_loop_max_steps(trainer: Trainer, max_steps: int) -> None:
     """Change the step limit of a running fit (the async budget is enforced by the strategy, not the loop)."""
     trainer.fit_loop.epoch_loop.max_steps = max_steps  # why: `Trainer.max_steps` is read-only
@@ -121,6 +144,9 @@ def wandb_run_created_in_this_process(logger: Any) -> Optional[Any]:
 def _check_private_names() -> None:
     missing = [name for name in OVERRIDDEN_PRIVATE_HOOKS + ("_timeout", "_ddp_kwargs")
                if not hasattr(DDPStrategy, name) and name not in DDPStrategy.__init__.__code__.co_names]
+    in_init = ModelParallelStrategy.__init__.__code__.co_names
+    missing += [f"ModelParallelStrategy.{name}" for name in ("_setup_distributed", "_device_mesh", "_timeout")
+                if not hasattr(ModelParallelStrategy, name) and name not in in_init]
     if missing:
         import lightning
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_hdet.asynchronous.compression import Codec
 from lightning_hdet.asynchronous.messages import Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.outer import AsyncStep, OuterSettings, OuterState
 from lightning_hdet.asynchronous.server import Server
@@ -23,9 +24,10 @@ CPU = torch.device("cpu")
 class QueueNetwork(ServerTransport):
     """The server's end for "remote" workers that live in this process: each has an :class:`InProcessTransport`."""
 
-    def __init__(self, n_params: int, workers: list[int]) -> None:
+    def __init__(self, n_params: int, workers: list[int], codec: Codec | None = None) -> None:
         self.pushes: queue.Queue[Push] = queue.Queue()
-        self.ends = {w: InProcessTransport(self.pushes, n_params, 60, lambda: None, worker=w) for w in workers}
+        self.ends = {w: InProcessTransport(self.pushes, n_params, 60, lambda: None, worker=w, codec=codec)
+                     for w in workers}
 
     def receive(self) -> Push:
         return self.pushes.get(timeout=60)
@@ -50,11 +52,12 @@ class Tiny(nn.Module):
             self.stat.fill_(stat)
 
 
-def _start(settings: OuterSettings, budget: int | None) -> tuple[Server, QueueNetwork, list[Tiny]]:
+def _start(settings: OuterSettings, budget: int | None,
+           codec: Codec | None = None) -> tuple[Server, QueueNetwork, list[Tiny]]:
     modules = [Tiny(), Tiny()]
     outer = settings.build(torch.zeros(2), torch.zeros(1), workers=2, budget=budget)
-    network = QueueNetwork(n_params=2, workers=[1])
-    server = Server(outer, workers=2, remote=network, timeout=60)
+    network = QueueNetwork(n_params=2, workers=[1], codec=codec)
+    server = Server(outer, workers=2, remote=network, timeout=60, codec=codec)
     server.start()
     return server, network, modules
 
@@ -90,13 +93,24 @@ def test_server_header_round_trip_and_bad_sizes() -> None:
 
 def test_received_push_splits_the_payload() -> None:
     payload = torch.tensor([1.0, 2.0, 3.0, 9.0])
-    push = Push.received(3, WorkerHeader(Kind.PUSH, 4, 2.0, 0.1), payload, n_params=3)
+    codec = Codec("none", [torch.Size([3])])
+    push = Push.received(3, WorkerHeader(Kind.PUSH, 4, 2.0, 0.1), payload.view(torch.uint8), codec)
     assert (push.worker, push.kind, push.steps, push.compute_s, push.wait_s) == (3, Kind.PUSH, 4, 2.0, 0.1)
     assert push.pseudo_gradient.tolist() == [1.0, 2.0, 3.0] and push.buffers.tolist() == [9.0]
+    assert push.payload_bytes == 16
     payload[3] = 0.0  # the buffers are the server's own copy
     assert push.buffers.tolist() == [9.0]
-    hello = Push.received(1, WorkerHeader(Kind.HELLO, 0, 0.0, 0.0), None, n_params=3)
-    assert hello.pseudo_gradient is None and hello.buffers is None
+    hello = Push.received(1, WorkerHeader(Kind.HELLO, 0, 0.0, 0.0), None, codec)
+    assert hello.pseudo_gradient is None and hello.buffers is None and hello.payload_bytes == 0
+
+
+def test_received_bf16_push_decodes_the_gradient_and_keeps_the_buffers() -> None:
+    codec = Codec("bf16", [torch.Size([3])])
+    wire = torch.cat([codec.encode(torch.tensor([1.0, -0.5, 1 + 2.0**-9])), torch.tensor([9.0]).view(torch.uint8)])
+    push = Push.received(2, WorkerHeader(Kind.PUSH, 1, 1.0, 0.0), wire, codec)
+    # bfloat16 keeps 1 and -0.5 exactly and rounds 1 + 2^-9 to 1; the buffer value travels as float32
+    assert push.pseudo_gradient.tolist() == [1.0, -0.5, 1.0] and push.buffers.tolist() == [9.0]
+    assert push.payload_bytes == 3 * 2 + 4
 
 
 def test_gloo_worker_sends_header_payload_inner_state_in_order() -> None:
@@ -159,6 +173,33 @@ def test_sync_round_applies_the_mean_once_and_ships_inner_states() -> None:
     assert [w.rounds for w in workers] == [[(2, 0), (0, 1)]] * 2  # budget spent: both stop
     assert outer.state_dict()["inner_optimizer_states"][0]["param_groups"][0]["lr"] == 0.25
     assert set(outer.inner_states) == {0}  # worker 1 sends none
+
+
+def test_int8_pushes_with_error_feedback_reach_the_true_sum() -> None:
+    """int8 pushes (one scale per 2-value chunk) through the fake transport; worker 0 keeps its residual and sends
+    it with its next push, worker 1 has no error feedback. Plain SGD outer step (lr 1): theta <- theta - decoded g."""
+    codec = Codec("int8", [torch.Size([2])])
+    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False,
+                             dynamic_local_steps=False)
+    server, network, (m0, m1) = _start(settings, budget=6, codec=codec)
+    w0 = Worker(m0, CPU, server.local, codec=codec)
+    w1 = Worker(m1, CPU, network.ends[1], codec=codec, error_feedback=False)
+    w0.exchange(Kind.HELLO)
+    w1.exchange(Kind.HELLO)
+    # g = [-1, -0.5]: scale 1/127, q = [-127, -64] (-63.5, half to even): theta = [1, 64/127], residual [0, 0.5/127]
+    _round(w0, m0, [1.0, 0.5], 0.0, 2)
+    assert m0.w.tolist() == pytest.approx([1.0, 64 / 127]) and w0.feedback.residual.tolist() == pytest.approx(
+        [0.0, 0.5 / 127])
+    _round(w1, m1, [3.0, 0.0], 0.0, 2)  # g = [-3, 0], exact in int8: theta = [4, 64/127]; budget: w1 stops
+    assert w1.stopped and w1.feedback.residual.numel() == 0
+    _round(w0, m0, m0.w.tolist(), 0.0, 2)  # no change, but the residual travels: theta = [4, 0.5]
+    w0.exchange(Kind.BYE)
+    w1.exchange(Kind.BYE)
+    server.join()
+    outer = server.outer
+    assert outer.params.tolist() == pytest.approx([4.0, 0.5], abs=1e-6)  # the true sum of the changes
+    # each push: one float32 scale + 2 int8 values + the float32 buffer value = 10 bytes
+    assert outer.workers[0].push_bytes == 20 and outer.workers[1].push_bytes == 10
 
 
 def test_a_failed_server_wakes_rank_zeros_worker() -> None:

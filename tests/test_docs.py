@@ -14,7 +14,7 @@ import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, HDETCallback, HDETStrategy, SlowRanks
+from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, HDETCallback, HDETFSDPStrategy, HDETStrategy, SlowRanks
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +24,7 @@ FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 # Classes whose keyword arguments the docs use; **kwargs of the strategies go to DDPStrategy.
 SIGNATURES = {
     "HDETStrategy": (HDETStrategy, DDPStrategy),
+    "HDETFSDPStrategy": (HDETFSDPStrategy,),
     "HDETCallback": (HDETCallback,),
     "AsyncLocalSGDStrategy": (AsyncLocalSGDStrategy, DDPStrategy),
     "DelayedNesterov": (DelayedNesterov,),

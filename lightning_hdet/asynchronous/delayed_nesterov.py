@@ -6,7 +6,8 @@ and updates the momentum only once every ``buffer_size`` pushes; in between, eac
 by its own share ``-lr * g / N`` plus, optionally, a fraction ``c`` of the momentum step.
 
 With ``momentum_activation = 0``, ``N`` pushes of the same ``g`` move the parameters exactly like one
-``torch.optim.SGD(nesterov=True)`` step on ``g``.
+``torch.optim.SGD(nesterov=True)`` step on ``g``. ``momentum_warmup`` / ``momentum_restart`` schedule the momentum
+(see :mod:`lightning_hdet.asynchronous.momentum`); with ``N = 1`` this is Nesterov SGD with that schedule.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_hdet._checks import check_int, check_number
+from lightning_hdet.asynchronous.momentum import MomentumSchedule
 
 
 class DelayedNesterov(Optimizer):
@@ -35,6 +37,8 @@ class DelayedNesterov(Optimizer):
         buffer_size: ``N``, pushes per momentum update (>= 1); the natural choice is the number of workers.
         momentum_activation: ``c`` in ``[0, 1/N]``, the share of the momentum step applied on each
             intermediate push (0 = momentum only at the ``N``-th push, as published by default).
+        momentum_warmup: momentum updates over which ``momentum`` ramps up linearly from 0 (0: none).
+        momentum_restart: zero the momentum before every ``momentum_restart``-th momentum update (0: never).
     """
 
     def __init__(
@@ -44,9 +48,13 @@ class DelayedNesterov(Optimizer):
         momentum: float = 0.9,
         buffer_size: int = 1,
         momentum_activation: float = 0.0,
+        momentum_warmup: int = 0,
+        momentum_restart: int = 0,
     ) -> None:
         validate_outer_hyperparameters(lr, momentum, buffer_size, momentum_activation)
-        defaults = dict(lr=lr, momentum=momentum, buffer_size=buffer_size, momentum_activation=momentum_activation)
+        MomentumSchedule(momentum, momentum_warmup, momentum_restart)  # validates
+        defaults = dict(lr=lr, momentum=momentum, buffer_size=buffer_size, momentum_activation=momentum_activation,
+                        momentum_warmup=momentum_warmup, momentum_restart=momentum_restart)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -57,8 +65,8 @@ class DelayedNesterov(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, beta = group["lr"], group["momentum"]
-            n, c = group["buffer_size"], group["momentum_activation"]
+            lr, n, c = group["lr"], group["buffer_size"], group["momentum_activation"]
+            schedule = MomentumSchedule(group["momentum"], group.get("momentum_warmup", 0), group.get("momentum_restart", 0))
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -71,7 +79,11 @@ class DelayedNesterov(Optimizer):
                 m, delta = state["momentum_buffer"], state["delta"]
                 delta.add_(g)
                 state["pushes"] += 1
+                beta = schedule.beta(state.get("updates", 0) + 1)  # of the next momentum update
                 if state["pushes"] == n:
+                    state["updates"] = state.get("updates", 0) + 1  # absent in states saved before schedules
+                    if schedule.restarts(state["updates"]):
+                        m.zero_()
                     m.mul_(beta).add_(delta, alpha=1.0 / n)
                     p.add_(m, alpha=-lr * (1.0 - c * n + c) * beta)
                     delta.zero_()

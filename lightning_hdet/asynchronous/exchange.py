@@ -22,6 +22,7 @@ from lightning_hdet._tensors import (
     to_cpu,
     write_from,
 )
+from lightning_hdet.asynchronous.compression import Codec
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
 from lightning_hdet.asynchronous.server import Server
@@ -46,22 +47,26 @@ class Exchange:
         timeout: seconds any exchange may wait.
         inner_optimizer: sent with every push when given (``checkpoint_inner_states``).
         outer: rank 0 only: the outer state to serve (see :meth:`OuterSettings.build`).
+        compression: the pseudo-gradients' codec (``"none"``, ``"bf16"``, ``"int8"``; every worker uses the same).
+        error_feedback: each worker keeps what its codec lost and adds it to its next push.
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
-                 inner_optimizer: Optimizer | None = None, outer: OuterState | None = None) -> None:
+                 inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
+                 compression: str = "none", error_feedback: bool = True) -> None:
         self.module, self.device, self.outer, self.groups, self.workers = module, device, outer, groups, workers
         n_params = numel(list(module.parameters()))
+        codec = Codec(compression, [p.shape for p in module.parameters()])  # type: ignore[arg-type]
         self.server: Server | None = None
         transport: WorkerTransport
         if outer is not None:
-            remote = GlooServerTransport(*groups, n_params, outer.buffers.numel())
-            self.server = Server(outer, workers, remote, timeout)
+            remote = GlooServerTransport(*groups, n_params, outer.buffers.numel(), codec)
+            self.server = Server(outer, workers, remote, timeout, codec)
             self.server.start()
             transport = self.server.local
         else:
             transport = GlooWorkerTransport(*groups, n_params)
-        self.worker = Worker(module, device, transport, inner_optimizer)
+        self.worker = Worker(module, device, transport, inner_optimizer, codec, error_feedback)
 
     @staticmethod
     def start_outer(settings: OuterSettings, module: Module, device: torch.device, workers: int,

@@ -5,8 +5,9 @@ One exchange is a push from a worker to the server on rank 0, then (unless the w
 Worker -> server, in this order:
 
 1. a :class:`WorkerHeader` (``float64[5]``);
-2. when ``steps > 0``: one flat ``float32`` payload, the pseudo-gradient of the parameters
-   (``theta_pulled - theta_local``) followed by the current *values* of the floating-point buffers;
+2. when ``steps > 0``: one flat ``uint8`` payload: the pseudo-gradient of the parameters
+   (``theta_pulled - theta_local``) encoded by the run's codec (:mod:`.compression`; ``"none"``: its ``float32``
+   bytes), followed by the ``float32`` bytes of the current *values* of the floating-point buffers;
 3. when ``inner_state_bytes > 0``: the worker's serialized inner optimizer state (``uint8[inner_state_bytes]``).
 
 Server -> worker, in this order:
@@ -26,6 +27,8 @@ from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from lightning_hdet.asynchronous.compression import Codec
 
 
 class Kind(IntEnum):
@@ -107,16 +110,19 @@ class Push:
     inner_state: Tensor | None = None
     #: The worker's floating-point buffer values (flat), if sent and the model has any.
     buffers: Tensor | None = None
+    #: Bytes of the payload as it travelled (the encoded pseudo-gradient and the buffer values).
+    payload_bytes: int = 0
 
     @classmethod
-    def received(cls, worker: int, header: WorkerHeader, payload: Tensor | None, n_params: int,
+    def received(cls, worker: int, header: WorkerHeader, payload: Tensor | None, codec: Codec,
                  inner_state: Tensor | None = None) -> Push:
-        """Split a flat payload (pseudo-gradient, then buffers). The buffers are copied: the server keeps them,
-        and the pseudo-gradient (a view of ``payload``) need not stay alive with them."""
+        """Split a flat ``uint8`` payload (the encoded pseudo-gradient, then the buffers' ``float32`` bytes) and
+        decode the pseudo-gradient. The buffers are copied: the server keeps them, and the pseudo-gradient need not
+        stay alive with them."""
         gradient = buffers = None
         if payload is not None:
-            gradient = payload[:n_params]
-            if payload.numel() > n_params:
-                buffers = payload[n_params:].clone()
+            gradient = codec.decode(payload[: codec.nbytes])
+            if payload.numel() > codec.nbytes:
+                buffers = payload[codec.nbytes :].clone().view(torch.float32)  # a copy: aligned for float32
         return cls(worker, header.kind, header.steps, header.compute_s, header.wait_s, gradient, inner_state,
-                   buffers)
+                   buffers, 0 if payload is None else payload.numel())

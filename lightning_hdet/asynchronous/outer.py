@@ -21,10 +21,11 @@ from lightning_hdet._checks import check_choice, check_number
 from lightning_hdet._tensors import state_from_bytes
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
+from lightning_hdet.asynchronous.momentum import MomentumSchedule, OuterPreset, resolve_outer
 from lightning_hdet.asynchronous.messages import Kind, Push
 
 MODES = ("async", "sync")
-_STAT_KEYS = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s")
+_STAT_KEYS = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s", "push_bytes")
 
 
 @dataclass
@@ -40,6 +41,8 @@ class WorkerStats:
     steps: int = 0
     pulled_version: int = 0
     in_flight: int = 0
+    #: Bytes of pseudo-gradient and buffer payload the worker pushed so far (after compression).
+    push_bytes: int = 0
 
 
 class StepPolicy(Protocol):
@@ -109,20 +112,28 @@ class OuterSettings:
     mode: str = "async"
     local_steps: int = 50
     min_local_steps: int = 1
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    #: ``None``: the preset's (see :data:`~.momentum.OUTER_PRESETS`).
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     delayed_nesterov: bool = True
     buffer_size: int | None = None
     momentum_activation: float = 0.0
     dynamic_local_steps: bool = True
     grace_period: float = 0.0
     speed_smoothing: float = 0.5
+    #: The named outer settings (``None``: ``"robust"`` in async mode, ``"published"`` in sync mode); the explicit
+    #: ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart`` replace its numbers.
+    outer: str | None = None
+    momentum_warmup: int | None = None
+    momentum_restart: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
-        validate_outer_hyperparameters(self.outer_lr, self.outer_momentum,
+        preset = self.preset  # checks the name
+        validate_outer_hyperparameters(preset.lr, preset.momentum,
                                        1 if self.buffer_size is None else self.buffer_size, self.momentum_activation)
+        MomentumSchedule(preset.momentum, preset.warmup, preset.restart)  # checks the warm-up and restart
         check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
         for name, value in (("buffer_size", self.buffer_size), ("momentum_activation", self.momentum_activation or None)):
             if value is not None and (self.mode != "async" or not self.delayed_nesterov):
@@ -130,6 +141,17 @@ class OuterSettings:
                     f"`{name}`={value!r} applies only to Delayed Nesterov (mode='async', delayed_nesterov=True), "
                     f"got mode={self.mode!r}, delayed_nesterov={self.delayed_nesterov!r}."
                 )
+
+    @property
+    def preset(self) -> OuterPreset:
+        """The outer numbers in effect: the named preset with the explicitly given ones in their place."""
+        return resolve_outer(self.outer, self.mode, self.outer_lr, self.outer_momentum, self.momentum_warmup,
+                             self.momentum_restart)
+
+    def numbers(self) -> dict[str, float]:
+        """The outer numbers in effect, by argument name (recorded in the run config)."""
+        p = self.preset
+        return {"outer_lr": p.lr, "outer_momentum": p.momentum, "momentum_warmup": p.warmup, "momentum_restart": p.restart}
 
     def check_workers(self, workers: int) -> None:
         """What depends on the number of workers (checked when the Trainer is built, before any process)."""
@@ -140,20 +162,23 @@ class OuterSettings:
                 " Delayed Nesterov averages N pushes into one momentum update, and N beyond one push per worker"
                 " only delays momentum (the natural choice is the number of workers)."
             )
-        validate_outer_hyperparameters(self.outer_lr, self.outer_momentum, n, self.momentum_activation)
+        validate_outer_hyperparameters(self.preset.lr, self.preset.momentum, n, self.momentum_activation)
 
     def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None) -> OuterState:
         """The outer state over the flat host tensors ``params`` and ``buffers`` (the global model's start):
-        Delayed Nesterov (async, ``delayed_nesterov``) or Nesterov SGD, and the mode's step policy."""
+        Delayed Nesterov (async, ``delayed_nesterov``) or Nesterov SGD, and the mode's step policy. Nesterov SGD
+        with a momentum warm-up or restarts is Delayed Nesterov with ``N = 1`` (the same step)."""
         is_async = self.mode == "async"
         params.requires_grad_(False)
+        p = self.preset
         optimizer: Optimizer
-        if is_async and self.delayed_nesterov:
-            optimizer = DelayedNesterov([params], lr=self.outer_lr, momentum=self.outer_momentum,
-                                        buffer_size=self.buffer_size or workers,
-                                        momentum_activation=self.momentum_activation)
+        if (is_async and self.delayed_nesterov) or p.warmup or p.restart:
+            n = (self.buffer_size or workers) if is_async and self.delayed_nesterov else 1
+            optimizer = DelayedNesterov([params], lr=p.lr, momentum=p.momentum, buffer_size=n,
+                                        momentum_activation=self.momentum_activation, momentum_warmup=p.warmup,
+                                        momentum_restart=p.restart)
         else:
-            optimizer = SGD([params], lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+            optimizer = SGD([params], lr=p.lr, momentum=p.momentum, nesterov=p.momentum > 0)
         policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, self.dynamic_local_steps and is_async,
                                   self.speed_smoothing)
         step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()
@@ -207,6 +232,7 @@ class OuterState:
         stats = self.workers.setdefault(push.worker, WorkerStats())
         stats.in_flight = 0
         stats.compute_s, stats.wait_s = push.compute_s, push.wait_s
+        stats.push_bytes += push.payload_bytes
         if push.inner_state is not None:
             self.inner_states[push.worker] = push.inner_state
         if push.buffers is not None:
@@ -244,7 +270,7 @@ class OuterState:
         with self.lock:
             out: dict[str, float] = {"async/outer_updates": float(self.outer_updates)}
             for w, s in sorted(self.workers.items()):
-                for name in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s", "rounds"):
+                for name in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s", "rounds", "push_bytes"):
                     out[f"async/worker{w}/{name}"] = float(getattr(s, name))
             return out
 

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from lightning_hdet.asynchronous.compression import Codec
 from lightning_hdet.asynchronous.messages import Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterState
 from lightning_hdet.asynchronous.transport import InProcessTransport, ServerTransport
@@ -30,14 +31,16 @@ class Server:
         workers: how many workers exchange (worker 0 included).
         remote: the transport to workers ``1..workers-1`` (``None`` only when ``workers == 1``).
         timeout: seconds any wait may take before the server fails.
+        codec: decodes rank 0's own pushes (default: uncompressed).
     """
 
-    def __init__(self, outer: OuterState, workers: int, remote: ServerTransport | None, timeout: float) -> None:
+    def __init__(self, outer: OuterState, workers: int, remote: ServerTransport | None, timeout: float,
+                 codec: Codec | None = None) -> None:
         self.outer, self.workers, self.remote, self.timeout = outer, workers, remote, timeout
         self.inbox: queue.Queue[Push] = queue.Queue()
         n_params = outer.params.numel()
         #: Rank 0's own worker's transport.
-        self.local = InProcessTransport(self.inbox, n_params, timeout, self.raise_error)
+        self.local = InProcessTransport(self.inbox, n_params, timeout, self.raise_error, codec=codec)
         self.error: BaseException | None = None
         targets: list[tuple[Callable[[], None], str]] = [(self._serve, "async-local-sgd-server")]
         if workers > 1:

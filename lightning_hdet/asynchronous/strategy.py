@@ -32,6 +32,7 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet.asynchronous.callback import AsyncLogging
 from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
+from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
@@ -54,8 +55,9 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
     Args:
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
-        outer_lr: outer learning rate (DiLoCo's published value 0.7).
-        outer_momentum: outer Nesterov momentum in [0, 1) (0.9).
+        outer: ``"robust"`` (async default: momentum warm-up and restarts) or ``"published"`` (sync default), see
+            ``docs/async.md``; ``outer_lr``/``outer_momentum`` (0.7/0.9) and ``momentum_warmup``/``momentum_restart``
+            (momentum updates to ramp up over / between restarts; 0: none), when given, replace its numbers.
         delayed_nesterov: async only; Delayed Nesterov (True) or plain Nesterov SGD (False).
         buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
         momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
@@ -66,10 +68,10 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
             closes early once every worker still training has pushed (0: each push alone).
         speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
         checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0, so that
-            every checkpoint holds each worker's state as of its latest exchange and each worker resumes its own
-            (True). This adds the optimizer state's size to each push (AdamW: twice the model). With False only
-            pseudo-gradients travel: checkpoints written during training hold rank 0's inner state only, which
-            the other workers then resume from; those written after ``fit`` hold every worker's.
+            every checkpoint holds each worker's own (True; AdamW: twice the model per push). With False only
+            pseudo-gradients travel (see ``docs/async.md`` for what checkpoints then hold).
+        compression: the pushed pseudo-gradients' codec: ``"none"``, ``"bf16"`` or ``"int8"`` (row-wise scales).
+        error_feedback: with compression, each worker adds what its codec lost to its next push.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -77,18 +79,22 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
 
     strategy_name = "async_local_sgd"
 
-    def __init__(self, local_steps: int = 50, mode: Mode = "async", outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 delayed_nesterov: bool = True, buffer_size: int | None = None, momentum_activation: float = 0.0,
-                 dynamic_local_steps: bool = True, min_local_steps: int = 1, grace_period: float = 0.0,
-                 speed_smoothing: float = 0.5, checkpoint_inner_states: bool = True, **kwargs: Any) -> None:
-        settings = OuterSettings(mode, local_steps, min_local_steps, outer_lr, outer_momentum, delayed_nesterov,
-                                 buffer_size, momentum_activation, dynamic_local_steps, grace_period, speed_smoothing)
+    def __init__(self, local_steps: int = 50, mode: Mode = "async", outer_lr: float | None = None,
+                 outer_momentum: float | None = None, delayed_nesterov: bool = True, buffer_size: int | None = None,
+                 momentum_activation: float = 0.0, dynamic_local_steps: bool = True, min_local_steps: int = 1,
+                 grace_period: float = 0.0, speed_smoothing: float = 0.5, checkpoint_inner_states: bool = True,
+                 outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
+                 compression: str = "none", error_feedback: bool = True, **kwargs: Any) -> None:
+        arguments = dict(locals())
+        settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
+        check_compression(compression, error_feedback)
         if "ddp_comm_hook" in kwargs or "model_averaging_period" in kwargs:
             raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: the model is not wrapped in DDP.")
         super().__init__(**kwargs)
         for name, value in vars(settings).items():  # the arguments stay readable (and settable) by name
             setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states
+        self.compression, self.error_feedback = compression, error_feedback
         # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
@@ -98,10 +104,11 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
     @property
     def config(self) -> dict[str, Any]:
         """The settings, as recorded in the logger's run config under ``async/...``."""
-        keys = ("mode", "local_steps", "outer_lr", "outer_momentum", "delayed_nesterov", "buffer_size",
-                "momentum_activation", "dynamic_local_steps", "min_local_steps", "grace_period",
-                "checkpoint_inner_states")
-        return {**{k: getattr(self, k) for k in keys}, "workers": self._expected_world_size}
+        keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
+                "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
+                "error_feedback")
+        numbers = self.outer_settings.numbers()  # in effect
+        return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_world_size}
 
     @property
     def outer_settings(self) -> OuterSettings:
@@ -216,7 +223,7 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
         assert self._groups is not None
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
-                                  inner, outer)
+                                  inner, outer, self.compression, self.error_feedback)
         self.diverged = True
         self._run_exchange(Kind.HELLO)
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hdet.asynchronous.compression import Codec
 from lightning_hdet.asynchronous.messages import Push, ServerHeader, WorkerHeader
 
 
@@ -33,7 +34,8 @@ class WorkerTransport(ABC):
 
     @abstractmethod
     def push(self, header: WorkerHeader, payload: Tensor | None, inner_state: Tensor | None) -> None:
-        """Send one message: ``payload`` (pseudo-gradient, then buffer values) when ``header.steps > 0``,
+        """Send one message: ``payload`` (``uint8``: the encoded pseudo-gradient, then the buffer values' bytes)
+        when ``header.steps > 0``,
         ``inner_state`` when ``header.inner_state_bytes > 0``. The caller may reuse ``payload`` once it returns."""
 
     @abstractmethod
@@ -77,11 +79,14 @@ class GlooWorkerTransport(WorkerTransport):
 
 
 class GlooServerTransport(ServerTransport):
-    """Rank 0's end for the remote workers: receives from any rank, replies point to point."""
+    """Rank 0's end for the remote workers: receives from any rank, replies point to point. ``codec`` decodes the
+    pushed pseudo-gradients (default: uncompressed ``float32``)."""
 
-    def __init__(self, push_group: Any, reply_group: Any, n_params: int, n_buffers: int) -> None:
+    def __init__(self, push_group: Any, reply_group: Any, n_params: int, n_buffers: int,
+                 codec: Codec | None = None) -> None:
         self.push_group, self.reply_group = push_group, reply_group
         self.n_params, self.n_buffers = n_params, n_buffers
+        self.codec = codec or Codec("none", [torch.Size([n_params])])
 
     def receive(self) -> Push:
         raw = torch.empty(WorkerHeader.SIZE, dtype=torch.float64)
@@ -89,12 +94,12 @@ class GlooServerTransport(ServerTransport):
         header = WorkerHeader.decode(raw)
         payload = inner_state = None
         if header.steps > 0:
-            payload = torch.empty(self.n_params + self.n_buffers, dtype=torch.float32)
+            payload = torch.empty(self.codec.nbytes + 4 * self.n_buffers, dtype=torch.uint8)
             dist.recv(payload, src=src, group=self.push_group)
         if header.inner_state_bytes > 0:
             inner_state = torch.empty(header.inner_state_bytes, dtype=torch.uint8)
             dist.recv(inner_state, src=src, group=self.push_group)
-        return Push.received(src, header, payload, self.n_params, inner_state)
+        return Push.received(src, header, payload, self.codec, inner_state)
 
     def reply(self, worker: int, header: ServerHeader, params: Tensor, buffers: Tensor) -> None:
         dist.send(header.encode(), dst=worker, group=self.reply_group)
@@ -114,18 +119,20 @@ class InProcessTransport(WorkerTransport):
         timeout: seconds to wait for a reply.
         check: raises if the server failed (called around every wait, so the training thread sees it).
         worker: the worker id this transport speaks for (rank 0).
+        codec: decodes the pushed pseudo-gradients (default: uncompressed ``float32``).
     """
 
     def __init__(self, inbox: queue.Queue[Push], n_params: int, timeout: float, check: Callable[[], None],
-                 worker: int = 0) -> None:
+                 worker: int = 0, codec: Codec | None = None) -> None:
         self.inbox, self.n_params, self.timeout, self.check, self.worker = inbox, n_params, timeout, check, worker
+        self.codec = codec or Codec("none", [torch.Size([n_params])])
         self._replies: queue.Queue[tuple[ServerHeader, Tensor | None]] = queue.Queue()
 
     def push(self, header: WorkerHeader, payload: Tensor | None, inner_state: Tensor | None) -> None:
         self.check()
         # a copy: the worker reuses its payload buffer while the server may still hold this push
         copied = payload.clone() if payload is not None else None
-        self.inbox.put(Push.received(self.worker, header, copied, self.n_params, inner_state))
+        self.inbox.put(Push.received(self.worker, header, copied, self.codec, inner_state))
 
     def pull(self, into: Tensor) -> ServerHeader:
         header, state = self._replies.get(timeout=self.timeout)

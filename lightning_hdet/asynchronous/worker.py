@@ -17,6 +17,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_hdet._tensors import host_buffer, model_state, numel, read_into, state_to_bytes, write_from
+from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback
 from lightning_hdet.asynchronous.messages import Kind, WorkerHeader
 from lightning_hdet.asynchronous.transport import WorkerTransport
 
@@ -31,12 +32,17 @@ class Worker:
         device: where the model lives (host buffers are pinned on CUDA).
         transport: how messages reach the server.
         inner_optimizer: when given, each exchange also sends its state (serialized on the host).
+        codec: encodes the pseudo-gradient (default: uncompressed ``float32``); the server decodes with the same.
+        error_feedback: keep what the codec lost and add it to the next push.
     """
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport,
-                 inner_optimizer: Optimizer | None = None) -> None:
+                 inner_optimizer: Optimizer | None = None, codec: Codec | None = None,
+                 error_feedback: bool = True) -> None:
         self.module, self.device, self.transport, self.inner_optimizer = module, device, transport, inner_optimizer
         self.n_params = numel(list(module.parameters()))
+        codec = codec or Codec("none", [p.shape for p in module.parameters()])
+        self.feedback = ErrorFeedback(codec, error_feedback)
         size = numel(model_state(module))
         self.pulled = host_buffer(size, device)  # theta_pulled, then the pulled global buffers
         self.local = host_buffer(size, device)  # the push: pseudo-gradient, then this worker's buffer values
@@ -68,6 +74,7 @@ class Worker:
         if steps > 0:
             payload = read_into(model_state(self.module), self.local, self.device)
             torch.sub(self.pulled[:n], payload[:n], out=payload[:n])  # the buffers travel as values
+            payload = self._encode(payload)
         start = time.perf_counter()  # serializing the inner state counts as exchange time
         # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
         inner = state_to_bytes(self.inner_optimizer.state_dict()) if self.inner_optimizer is not None else None
@@ -87,3 +94,12 @@ class Worker:
             self.round_steps = reply.next_local_steps
             write_from(model_state(self.module), self.pulled, self.device)
         self.round_start = time.perf_counter()
+
+    def _encode(self, payload: torch.Tensor) -> torch.Tensor:
+        """The wire payload (``uint8``): the encoded pseudo-gradient, then the buffer values' ``float32`` bytes."""
+        message = self.feedback.encode(payload[: self.n_params])
+        if self.feedback.codec.name == "none":
+            return payload.view(torch.uint8)  # the float32 bytes themselves: no copy
+        if payload.numel() == self.n_params:
+            return message
+        return torch.cat([message, payload[self.n_params :].view(torch.uint8)])

@@ -1,4 +1,4 @@
-"""The model-state half of the HDET executor interface: gather, merge, restore, warm start, checkpoint the ensemble.
+"""The model-state half of the HDET executor interface: merge, restore, warm start, checkpoint the ensemble.
 
 :class:`EnsembleOps` is mixed into :class:`~lightning_hdet.hdet.strategy.HDETStrategy` (a DDP strategy: every rank
 holds a full replica, so a group's state is any of its ranks' flat vector). It reads the strategy's
@@ -30,18 +30,6 @@ class EnsembleOps:
     """Collectives and model-state operations the callback's decisions need (see the module docstring)."""
 
     _restore_point: Optional[Tensor]
-
-    def gather_group_values(self, values: Tensor) -> Tensor:
-        """Sum ``values`` (1-D, this rank's numbers) over the ranks of each group; return ``(num_groups, k)``.
-
-        One small all-reduce over all ranks; every rank gets every group's row.
-        """
-        values = values.to(self.root_device, torch.float64).reshape(-1)
-        table = torch.zeros(self.num_groups, values.numel(), dtype=torch.float64, device=self.root_device)
-        table[self.group_index] = values
-        if _distributed(self.world_size):
-            dist.all_reduce(table)
-        return table.cpu()
 
     def add_init_noise(self, relative_std: float, seed: int) -> None:
         """Published warm start: ``theta += eps``, ``eps ~ N(0, relative_std^2 |theta|^2 / d)`` from ``seed``."""

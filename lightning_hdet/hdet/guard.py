@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 
@@ -39,10 +40,15 @@ class FiniteGuard:
 
 def grads_are_finite(optimizer: Optimizer) -> Tensor:
     """Whether every gradient the optimizer would apply is finite (a device tensor, no host sync)."""
-    grads = [p.grad for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
+    # A sharded (DTensor) gradient is checked on this rank's shard: the caller combines the ranks' verdicts.
+    grads = [_local(p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
     if not grads:
         return torch.ones((), dtype=torch.bool)
     return torch.stack([torch.isfinite(g).all() for g in grads]).all()
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class SkipStep(Exception):

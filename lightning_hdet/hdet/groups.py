@@ -1,0 +1,282 @@
+"""What every HDET strategy shares, whatever it does with the model: groups, learning rates, skipped steps.
+
+:class:`HDETGroups` is mixed into both HDET strategies (``"hdet"`` on DDP, ``"hdet_fsdp"`` on FSDP2), before the
+Lightning base class. It validates ``num_groups`` / ``lr_multipliers`` / ``spread`` / ``gradient_sync`` before
+any process exists, splits the ranks into groups, owns the multiplier table and applies this rank's row around
+every optimizer step (so schedulers never see it), owns the skipped-step counters of the non-finite guard, and
+gathers one row of numbers per group: the read-out half of :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
+
+A host strategy provides Lightning's ``optimizers``, ``world_size``, ``global_rank``, ``root_device``,
+``num_nodes``, ``num_processes``, ``precision_plugin``, and ``_guard`` (the hook whose ``flag`` says a local
+gradient was not finite, or ``None``) and ``_guard_process_group`` (the ranks that skip a step together).
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hdet._checks import check_choice
+from lightning_hdet._compat import ensure_callback, unwrap_optimizer
+from lightning_hdet.hdet.guard import SkipStep, guarded_closure
+from lightning_hdet.hdet.layout import (
+    GroupLayout,
+    check_multipliers,
+    check_num_groups,
+    check_spread,
+    fan_out,
+    make_layout,
+)
+from lightning_hdet.hdet.multipliers import (
+    MultiplierTable,
+    check_numeric_lrs,
+    param_group_offset,
+    scaled_lr,
+    schedule_lrs,
+)
+
+GradientSync = Literal["global", "group"]
+GRADIENT_SYNC = ("global", "group")
+
+
+class HDETGroups:
+    """Groups of ranks, their learning-rate multipliers, the guard's counters and the vote's one collective."""
+
+    _guard: Optional[Any]
+
+    def _init_groups(
+        self,
+        num_groups: Optional[int],
+        lr_multipliers: Optional[Sequence[float]],
+        spread: float,
+        gradient_sync: GradientSync,
+    ) -> None:
+        """Validate and keep the group settings (call first in the strategy's ``__init__``: no process exists yet)."""
+        if num_groups is not None:
+            check_num_groups(num_groups)
+        check_spread(spread)
+        check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
+        if lr_multipliers is not None:
+            lr_multipliers = check_multipliers(lr_multipliers)
+            if num_groups is not None and len(lr_multipliers) != num_groups:
+                raise ValueError(
+                    f"`lr_multipliers` has {len(lr_multipliers)} values but `num_groups={num_groups}`; "
+                    "give exactly one multiplier per group."
+                )
+        self._requested_groups = num_groups
+        self._requested_multipliers = lr_multipliers
+        self.spread = spread
+        self.gradient_sync = gradient_sync
+        self._layout: Optional[GroupLayout] = None
+        self._multipliers: Optional[MultiplierTable] = None
+        self._guard = None
+        self._guard_enabled = False
+        self._skipped = 0  # since the start of fit
+        self._skipped_at_reset = 0
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The HDET settings, as recorded in the logger's run config under ``hdet/...``."""
+        return {
+            "num_groups": self.num_groups,
+            "group_size": self.layout.group_size,
+            "lr_multipliers": self.lr_multipliers[:, 0].tolist(),
+            "spread": self.spread,
+            "gradient_sync": self.gradient_sync,
+        }
+
+    @override
+    def connect(self, model: LightningModule) -> None:
+        """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` unless passed."""
+        super().connect(model)  # type: ignore[misc]
+        from lightning_hdet.hdet.callback import HDETCallback  # the callback imports the strategies
+
+        ensure_callback(model, HDETCallback)
+
+    # ------------------------------------------------------------------ layout
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
+        self._layout = self._make_layout(self.num_nodes * self.num_processes)
+        super()._configure_launcher()  # type: ignore[misc]
+
+    def _make_layout(self, world_size: int) -> GroupLayout:
+        if world_size == 1:
+            rank_zero_warn(
+                f"{type(self).__name__} needs several data-parallel replicas to form groups; with a single process "
+                "it trains as plain Lightning would (one group, multiplier 1)."
+            )
+            self._requested_multipliers = None
+            self.spread = 0.0
+            return GroupLayout(1, 1)
+        layout = make_layout(world_size, self._requested_groups, self._requested_multipliers)
+        if self.num_nodes > 1 and layout.crosses_nodes(self.num_processes):
+            rank_zero_warn(
+                f"HDET groups of {layout.group_size} ranks straddle nodes of {self.num_processes} processes; "
+                "choose `num_groups` so the group size divides the processes per node to keep traffic local."
+            )
+        return layout
+
+    @property
+    def layout(self) -> GroupLayout:
+        if self._layout is None:
+            self._layout = self._make_layout(self.world_size)
+        return self._layout
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    @property
+    def group_index(self) -> int:
+        """The group this rank belongs to."""
+        return self.layout.group_of(self.global_rank)
+
+    @property
+    def group_ranks(self) -> list[int]:
+        """The global ranks of this rank's group."""
+        return self.layout.ranks(self.group_index)
+
+    # ------------------------------------------------------------------ learning-rate multipliers
+    @property
+    def _table(self) -> MultiplierTable:
+        if self._multipliers is None:
+            initial = self._requested_multipliers
+            if initial is None:
+                initial = fan_out(self.num_groups, self.spread)
+            self._multipliers = MultiplierTable(initial)
+        return self._multipliers
+
+    @property
+    def lr_multipliers(self) -> Tensor:
+        """Every group's multiplier for every optimizer param group: shape ``(num_groups, num_param_groups)``.
+
+        Param groups added during training (e.g. by fine-tuning callbacks) start with their group's first
+        multiplier.
+        """
+        return self._table.get(self.num_param_groups)
+
+    @property
+    def lr_multiplier(self) -> float:
+        """This rank's multiplier for the first param group."""
+        return float(self.lr_multipliers[self.group_index, 0])
+
+    def set_lr_multipliers(self, multipliers: Union[Sequence[float], Sequence[Sequence[float]], Tensor]) -> None:
+        """Set every group's learning-rate multiplier: ``G`` values (all param groups alike) or a ``G x P`` table.
+
+        This is the one place multipliers change at run time; call it with identical values on every rank.
+        """
+        self._table.set(multipliers, self.num_groups, self.num_param_groups)
+
+    def param_group_offset(self, optimizer: Optimizer) -> int:
+        """Index of ``optimizer``'s first param group in the flattened list over all optimizers."""
+        return param_group_offset([unwrap_optimizer(o) for o in self.optimizers], unwrap_optimizer(optimizer))
+
+    @property
+    def num_param_groups(self) -> int:
+        return sum(len(opt.param_groups) for opt in self.optimizers)
+
+    def scaled_lr(self, optimizer: Optimizer) -> AbstractContextManager[None]:
+        """Multiply each param group's ``lr`` by this group's multiplier for the duration of one step."""
+        offset = self.param_group_offset(optimizer)
+        row = self.lr_multipliers[self.group_index].tolist()
+        return scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
+
+    def schedule_lrs(self) -> Tensor:
+        """The learning rate the optimizers and schedulers say, per flattened param group (no multiplier)."""
+        return schedule_lrs(self.optimizers)
+
+    def current_lrs(self) -> Tensor:
+        """Real learning rate of every group and flattened param group: schedule LR x multiplier, ``(G, P)``."""
+        return self.lr_multipliers * self.schedule_lrs()
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)  # type: ignore[misc]
+        check_numeric_lrs([unwrap_optimizer(opt) for opt in self.optimizers])
+
+    # ------------------------------------------------------------------ the step, and the safety net's guard
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self._guard_enabled:
+            closure = guarded_closure(closure, optimizer, self._guard, not self._uses_grad_scaler(),
+                                      self._guard_process_group, self.layout.group_size, self.root_device)
+        try:
+            with self.scaled_lr(optimizer):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        except SkipStep:
+            self._skipped += 1
+            return None
+        finally:
+            if self._guard is not None:
+                self._guard.reset()
+
+    def enable_guard(self) -> None:
+        """Skip the optimizer steps of a group whose loss or gradients are non-finite (call before wrapping)."""
+        self._guard_enabled = True
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the guard skipped on this rank since this strategy started."""
+        return self._skipped
+
+    def interval_skipped(self, reset: bool = True) -> int:
+        """Optimizer steps skipped since the last reset (or the start of fit); ``reset=False`` only peeks."""
+        count = self._skipped - self._skipped_at_reset
+        if reset:
+            self._skipped_at_reset = self._skipped
+        return count
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        self._skipped_at_reset = self._skipped  # a vote interval starts with the fit
+
+    def _uses_grad_scaler(self) -> bool:
+        return isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None
+
+    # ------------------------------------------------------------------ the vote's collective
+    def gather_group_values(self, values: Tensor) -> Tensor:
+        """Sum ``values`` (1-D, this rank's numbers) over the ranks of each group; return ``(num_groups, k)``.
+
+        One small all-reduce over all ranks; every rank gets every group's row.
+        """
+        values = values.to(self.root_device, torch.float64).reshape(-1)
+        table = torch.zeros(self.num_groups, values.numel(), dtype=torch.float64, device=self.root_device)
+        table[self.group_index] = values
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(table)
+        return table.cpu()
+
+
+def destroy_default_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits (registered once per process, however many fits).
+
+    Lightning does it for NCCL only; a gloo group still alive while the interpreter finalizes can abort the process
+    ("terminate called without an active exception").
+    """
+    atexit.unregister(_destroy_default_group)
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

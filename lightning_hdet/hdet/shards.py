@@ -1,0 +1,161 @@
+"""FSDP2 pieces of ``"hdet_fsdp"`` that need no Lightning: sharding a module, the groups' shared gradient, merges.
+
+Every HDET group is one FSDP2 shard group: ``fully_shard(..., mesh=mesh["shard"])`` on a ``(group, shard)`` device
+mesh, so rank ``(g, k)`` holds shard ``k`` of every parameter of group ``g``. The ranks that hold the same shard
+in different groups form the ``"group"`` dimension of the mesh; merges and the shared gradient of
+``gradient_sync="global"`` are collectives over that dimension on the local shards, never on full parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
+
+from lightning_hdet._tensors import assign_flat, flatten, float_buffers, sync_device
+
+#: Which submodules become FSDP units: a set of module classes, or a predicate on each submodule.
+ShardingPolicy = Union[set[type[Module]], Callable[[Module], bool], None]
+#: A merge moves at most this many elements through one all-reduce (25 MB of float32), so it needs at most one
+#: bucket of extra device memory.
+BUCKET_NUMEL = 25 * 2**20 // 4
+
+
+def is_sharded(module: Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` or one of its submodules (e.g. in ``configure_model``)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def shard(module: Module, mesh: DeviceMesh, policy: ShardingPolicy, **fsdp_kwargs: Any) -> None:
+    """``fully_shard`` every submodule the policy picks (innermost first), then the root."""
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        policy = lambda m: isinstance(m, classes)  # noqa: E731
+    if policy is not None:
+        picked = [m for m in module.modules() if m is not module and policy(m)]
+        for sub in reversed(picked):  # children before parents, as fully_shard requires
+            fully_shard(sub, mesh=mesh, **fsdp_kwargs)
+    fully_shard(module, mesh=mesh, **fsdp_kwargs)
+
+
+def check_mesh(module: Module, mesh: DeviceMesh) -> None:
+    """Every parameter must be a DTensor sharded on this group's shard mesh (not the 2-D mesh, not unsharded)."""
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                f"Parameter `{name}` is not sharded: with `fully_shard` in `configure_model`, shard the root module "
+                "too (`fully_shard(self, mesh=self.device_mesh['shard'])`), or leave sharding to the strategy."
+            )
+        if p.device_mesh != mesh:
+            raise ValueError(
+                f"Parameter `{name}` is sharded on {p.device_mesh}; HDET groups shard on `self.device_mesh['shard']` "
+                "(the groups' shared gradient and merges are the strategy's job, not FSDP's)."
+            )
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_shards(module: Module) -> list[Tensor]:
+    """This rank's shard of every parameter, in ``parameters()`` order (views: writing them writes the model)."""
+    return [local(p.detach()) for p in module.parameters()]
+
+
+def shard_state(module: Module) -> list[Tensor]:
+    """What a merge carries on this rank: the local parameter shards, then the (unsharded) float buffers."""
+    return local_shards(module) + float_buffers(module)
+
+
+class GroupGradientMean:
+    """FSDP2 all-reduce hook of ``gradient_sync="global"``: each group's reduced gradient shard is averaged with
+    the same shard of the other groups (HSDP done by HDET, so that it can guard it).
+
+    With ``guard``, a shard that is not finite is replaced with zeros before it leaves the rank and ``flag``
+    records it (a device tensor: no host sync in the backward pass), so a diverging group cannot poison the
+    others' gradients; its own step is skipped by the strategy.
+    """
+
+    def __init__(self, group: Any, num_groups: int, device: torch.device, guard: bool) -> None:
+        self.group = group
+        self.scale = 1.0 / num_groups
+        self.guard = guard
+        self.flag = torch.zeros((), dtype=torch.bool, device=device)
+
+    def __call__(self, output: Tensor) -> None:
+        output.mul_(self.scale)
+        if self.guard:
+            bad = ~torch.isfinite(output).all()
+            torch.logical_or(self.flag, bad, out=self.flag)
+            output.masked_fill_(bad, 0.0)
+        dist.all_reduce(output, group=self.group)
+
+    def reset(self) -> None:
+        self.flag.zero_()
+
+    def install(self, module: Module) -> None:
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.set_all_reduce_hook(self)
+
+
+def buckets(tensors: Sequence[Tensor], bucket_numel: int = BUCKET_NUMEL) -> Iterator[list[Tensor]]:
+    """Consecutive runs of ``tensors`` of at most ``bucket_numel`` elements (a larger tensor is a bucket alone)."""
+    bucket: list[Tensor] = []
+    size = 0
+    for t in tensors:
+        if bucket and size + t.numel() > bucket_numel:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
+@torch.no_grad()
+def blend(
+    tensors: Sequence[Tensor],
+    coefficient: float,
+    strength: float,
+    group: Any,
+    out: Optional[Tensor] = None,
+    bucket_numel: int = BUCKET_NUMEL,
+) -> None:
+    """``t <- (1 - strength) * t + strength * sum_over(group) coefficient * t``, one bucket at a time.
+
+    A ``coefficient`` of 0 contributes zeros, so a diverged group's non-finite values never reach the target.
+    The target is also written to the flat host tensor ``out`` (the safety net's backup) when given.
+    """
+    offset = 0
+    for bucket in buckets(tensors, bucket_numel):
+        flat = flatten(bucket)
+        if coefficient == 0.0:
+            flat.zero_()
+        else:
+            flat.mul_(coefficient)
+        dist.all_reduce(flat, group=group)
+        assign_flat(bucket, flat, strength)
+        if out is not None:
+            out[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
+        offset += flat.numel()
+    if out is not None and tensors:
+        sync_device(tensors[0].device)  # the host reads `out` next
+
+
+@torch.no_grad()
+def broadcast_from_first_group(module: Module, group: Any) -> None:
+    """Give every group group 0's local parameter shards and rank 0's buffers (FSDP2 broadcasts nothing)."""
+    src = dist.get_global_rank(group, 0)
+    for t in local_shards(module):
+        dist.broadcast(t, src=src, group=group)
+    for b in module.buffers():
+        dist.broadcast(b, src=0)

@@ -1,0 +1,104 @@
+"""Run by tests/test_hdet_fsdp.py under Lightning's subprocess launcher ("hdet_fsdp", as torchrun/SLURM users run
+it): 4 CPU processes, 2 groups x 2 shards. Trains, checkpoints at step 3 (the end of epoch 0), votes/merges every
+2 steps, then resumes a second Trainer from the checkpoint. Each rank writes what the test asserts on to
+``OUT/rank{r}.pt``.
+
+Usage: ``python hdet_fsdp_run.py OUT {global,group} {strategy,configure_model} {resume,no-resume}``.
+"""
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_hdet import HDETCallback, HDETFSDPStrategy  # noqa: E402
+from tests.helpers import Regression  # noqa: E402
+
+STEPS_PER_EPOCH = 3
+
+
+class MLP(LightningModule):
+    """A two-layer regression MLP with AdamW (the optimizer state is sharded too); even sizes so shards are halves."""
+
+    def __init__(self, shard_in_configure_model: bool = False) -> None:
+        super().__init__()
+        self.shard_in_configure_model = shard_in_configure_model
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+    def configure_model(self) -> None:
+        if self.shard_in_configure_model:  # as a ModelParallelStrategy user would
+            mesh = self.device_mesh["shard"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x)[:, :1], y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Regression(n=4 * 4 * STEPS_PER_EPOCH), batch_size=4)
+
+
+def full(module: torch.nn.Module) -> torch.Tensor:
+    """The full parameters (a collective over the shard group: every rank calls it at the same steps)."""
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in module.parameters()])
+
+
+class Probe(Callback):
+    """Records full parameters at every step (``tag`` tells before or after HDETCallback's merge), losses, LRs."""
+
+    def __init__(self, tag: str, record: dict[str, Any]) -> None:
+        self.tag, self.record = tag, record
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.record.setdefault("start", {})[self.tag] = full(pl_module)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self.record.setdefault("lrs", []).append(float(optimizer.param_groups[0]["lr"]))
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.record.setdefault(self.tag, {})[trainer.global_step] = full(pl_module)
+        if self.tag == "before":
+            self.record.setdefault("losses", {})[trainer.global_step] = float(outputs["loss"])
+
+
+def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any]) -> Trainer:
+    seed_everything(3)
+    strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=sync,
+                                auto_wrap_policy={torch.nn.Linear})
+    callbacks = [Probe("before", record), HDETCallback(every_n_steps=2), Probe("after", record)]
+    if ckpt is None:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1))
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=2 * STEPS_PER_EPOCH,
+                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=ckpt is None, default_root_dir=out)
+    model = MLP(shard_where == "configure_model")
+    trainer.fit(model, ckpt_path=ckpt)
+    record["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
+    record["numel"] = sum(p.numel() for p in model.parameters())
+    record["group_index"] = strategy.group_index
+    record["final"] = full(model)
+    return trainer
+
+
+if __name__ == "__main__":
+    out, sync, shard_where, resume = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "resume"
+    first: dict[str, Any] = {}
+    trainer = fit(out, sync, shard_where, None, first)
+    resumed: dict[str, Any] = {}
+    if resume:
+        fit(out, sync, shard_where, out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", resumed)
+    torch.save({"first": first, "resumed": resumed}, out / f"rank{trainer.global_rank}.pt")

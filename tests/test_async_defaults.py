@@ -1,0 +1,102 @@
+"""Issue 15 as multi-process tests (gloo, fork): the defaults improve a model with a slowed worker, and compressed
+pushes still do while sending fewer bytes."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_hdet  # noqa: F401  (registers the strategies)
+from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+from lightning_hdet.asynchronous.compression import Codec
+
+
+class SGDBoring(BoringModel):
+    """Lightning's BoringModel (a 32 -> 2 linear regression onto ones) with plain SGD, lr 0.05, as a new user
+    would try it."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _loss(model: torch.nn.Module) -> float:
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(99))  # the same held-out inputs every time
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), torch.ones(len(x), 2)))
+
+
+class Record(Callback):
+    """Rank 0 writes the global model's loss and the per-worker bytes the outer side counted."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            stats = trainer.strategy.worker_stats()
+            self.out.write_text(json.dumps({"loss": _loss(pl_module), "stats": stats}))
+
+
+def _fit_issue_case(tmp_path: Path, strategy: AsyncLocalSGDStrategy) -> tuple[float, dict]:
+    """The issue's case: 4 workers, rank 3 four times slower, H = 12, a 120-step budget; returns the initial loss
+    and rank 0's record."""
+    seed_everything(0)
+    model = SGDBoring()
+    initial = _loss(model)
+    out = tmp_path / "record.json"
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=120, limit_val_batches=0,
+                      num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path,
+                      callbacks=[SlowRanks({3: 4.0}, base_seconds=0.01), Record(out)])
+    trainer.fit(model)
+    return initial, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(240)
+def test_defaults_improve_the_model_with_a_slow_worker(tmp_path):
+    """With the published outer settings (lr 0.7, momentum 0.9, no warm-up or restarts) this run ended worse than
+    it started (loss 1.20 -> 1.40 to 3.7 in the sweep of docs/async.md); at the defaults it must end below."""
+    initial, record = _fit_issue_case(tmp_path, AsyncLocalSGDStrategy(local_steps=12, start_method="fork"))
+    # seen in the sweep at the chosen default: 0.01-0.03x the initial loss; asserted with a wide margin, since how
+    # stale each push is depends on timing
+    assert record["loss"] < 0.5 * initial
+
+
+@pytest.mark.timeout(240)
+def test_int8_pushes_with_error_feedback_improve_the_model_with_fewer_bytes(tmp_path):
+    strategy = AsyncLocalSGDStrategy(local_steps=12, compression="int8", error_feedback=True, start_method="fork")
+    initial, record = _fit_issue_case(tmp_path, strategy)
+    assert record["loss"] < 0.5 * initial
+    # BoringModel's parameters: a 2 x 32 weight (2 rows) and a bias of 2 (one chunk): 4 * 3 scale bytes + 66 values
+    push = Codec("int8", [torch.Size([2, 32]), torch.Size([2])]).nbytes
+    assert push == 78 < 4 * 66 / 3
+    for stats in record["stats"].values():  # every round's push (and the final partial one) was one message
+        assert stats["push_bytes"] == push * stats["rounds"]
+
+
+def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
+    default = AsyncLocalSGDStrategy()
+    assert (default.config["outer_momentum"], default.config["momentum_warmup"], default.config["momentum_restart"]) \
+        == (0.9, 16, 8)
+    published = AsyncLocalSGDStrategy(outer="published", outer_momentum=0.5)
+    assert (published.config["outer_lr"], published.config["outer_momentum"], published.config["momentum_warmup"]) \
+        == (0.7, 0.5, 0)
+    assert AsyncLocalSGDStrategy(mode="sync").config["momentum_restart"] == 0  # DiLoCo keeps the published setting
+    optimizer = AsyncLocalSGDStrategy(momentum_restart=3).outer_settings.build(
+        torch.zeros(2), torch.zeros(0), workers=4, budget=None).optimizer
+    assert optimizer.defaults["momentum_restart"] == 3 and optimizer.defaults["momentum_warmup"] == 16
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(outer="fast"), r"`outer` must be one of \('published', 'robust'\)"),
+    (dict(momentum_warmup=-1), "`momentum_warmup` must be an integer >= 0, got -1"),
+    (dict(momentum_restart=1.5), "`momentum_restart` must be an integer >= 0, got 1.5"),
+    (dict(compression="fp8"), r"`compression` must be one of \('none', 'bf16', 'int8'\)"),
+    (dict(error_feedback="yes"), "`error_feedback` must be True or False"),
+])
+def test_bad_outer_and_compression_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AsyncLocalSGDStrategy(**kwargs)

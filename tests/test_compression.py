@@ -1,0 +1,109 @@
+"""Pseudo-gradient codecs: round trips against hand-computed values (pure, one process)."""
+
+import pytest
+import torch
+
+from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback, check_compression, row_layout
+
+SHAPES = [torch.Size([2, 4]), torch.Size([3])]  # a weight (2 rows of 4) and a bias (flat)
+
+
+def test_row_layout_rows_of_matrices_and_chunks_of_flat_tensors():
+    shapes = [torch.Size([2, 4]), torch.Size([5]), torch.Size([0]), torch.Size([]), torch.Size([3, 1, 2])]
+    assert row_layout(shapes, chunk=2) == [(0, 2, 4), (8, 2, 2), (12, 1, 1), (13, 1, 1), (14, 3, 2)]
+
+
+def test_none_is_the_float32_bytes_without_a_copy():
+    codec = Codec("none", SHAPES)
+    flat = torch.arange(11.0) - 5.5
+    message = codec.encode(flat)
+    assert codec.nbytes == message.numel() == 44 and message.data_ptr() == flat.data_ptr()
+    assert torch.equal(codec.decode(message), flat)
+
+
+def test_bf16_is_exact_for_representable_values_and_rounds_to_nearest_even():
+    codec = Codec("bf16", SHAPES)
+    exact = torch.tensor([1.0, -0.5, 3.0, 0.15625, -1024.0, 0.0, 2.0**-20, 7.5, -96.0, 1.0 / 64, 0.75])
+    assert codec.nbytes == 22
+    assert torch.equal(codec.decode(codec.encode(exact)), exact)
+    # bfloat16 has 7 mantissa bits: 1 + 2^-9 is below half an ulp (2^-8) of 1; 1 + 3 * 2^-9 is above it
+    inexact = torch.tensor([1 + 2.0**-9, 1 + 3 * 2.0**-9] + [0.0] * 9)
+    assert codec.decode(codec.encode(inexact))[:2].tolist() == [1.0, 1 + 2.0**-7]
+
+
+def test_int8_row_scales_hand_computed():
+    codec = Codec("int8", SHAPES, chunk=2)
+    # segments: weight rows (0, 2, 4); bias chunks (8, 1, 2) and (10, 1, 1) -> 4 scales
+    assert codec.rows == 4 and codec.nbytes == 4 * 4 + 11
+    flat = torch.tensor([1.0, -0.5, 0.25, 0.0,  # absmax 1: q = 127, -63.5 -> -64 (half to even), 31.75 -> 32, 0
+                         0.0, 0.0, 0.0, 0.0,  # an all-zero row: scale 0, values 0
+                         -2.0, 0.5,  # absmax 2: q = -127, 31.75 -> 32
+                         3.0])  # a chunk of one: q = 127
+    message = codec.encode(flat)
+    scales, values = message[:16].view(torch.float32), message[16:].view(torch.int8)
+    torch.testing.assert_close(scales, torch.tensor([1 / 127, 0.0, 2 / 127, 3 / 127]))
+    assert values.tolist() == [127, -64, 32, 0, 0, 0, 0, 0, -127, 32, 127]
+    expected = torch.tensor([1.0, -64 / 127, 32 / 127, 0.0, 0.0, 0.0, 0.0, 0.0, -2.0, 64 / 127, 3.0])
+    torch.testing.assert_close(codec.decode(message), expected)
+
+
+def test_int8_error_is_at_most_half_a_scale_per_row():
+    torch.manual_seed(0)
+    shapes = [torch.Size([16, 33]), torch.Size([700]), torch.Size([4, 2, 3])]
+    codec = Codec("int8", shapes, chunk=256)
+    flat = torch.cat([torch.randn(16 * 33) * torch.logspace(-3, 2, 16).repeat_interleave(33),
+                      torch.randn(700), torch.randn(24) * 1e-6])
+    decoded = codec.decode(codec.encode(flat))
+    for offset, rows, length in codec.segments:
+        block = flat[offset: offset + rows * length].view(rows, length)
+        error = (decoded[offset: offset + rows * length].view(rows, length) - block).abs()
+        bound = block.abs().amax(dim=1, keepdim=True) / 254
+        assert (error <= bound * (1 + 1e-5)).all()
+    assert codec.nbytes == 4 * (16 + 3 + 4) + flat.numel()  # 700 values: chunks of 256, 256, 188
+
+
+def test_error_feedback_carries_the_rounding_to_the_next_push():
+    codec = Codec("bf16", [torch.Size([1])])
+    feedback, plain = ErrorFeedback(codec), ErrorFeedback(codec, enabled=False)
+    g = 1 + 2.0**-9
+    sent = []
+    for _ in range(3):
+        sent.append(codec.decode(feedback.encode(torch.tensor([g]))).item())
+    # push 1: 1 + 2^-9 -> 1, residual 2^-9; push 2: 1 + 2^-8 is a tie -> 1 (even), residual 2^-8;
+    # push 3: 1 + 3 * 2^-9 -> 1 + 2^-7, residual -2^-9
+    assert sent == [1.0, 1.0, 1 + 2.0**-7]
+    assert feedback.residual.tolist() == [-(2.0**-9)]
+    assert [codec.decode(plain.encode(torch.tensor([g]))).item() for _ in range(3)] == [1.0] * 3
+    assert plain.residual.numel() == 0
+
+
+def test_error_feedback_decoded_pushes_sum_to_the_true_ones_minus_the_residual():
+    torch.manual_seed(1)
+    codec = Codec("int8", SHAPES, chunk=2)
+    feedback = ErrorFeedback(codec)
+    pushes = [torch.randn(11) for _ in range(5)]
+    total = sum(codec.decode(feedback.encode(g.clone())) for g in pushes)
+    torch.testing.assert_close(total + feedback.residual, sum(pushes))
+    restored = ErrorFeedback(codec)
+    restored.load_state_dict(feedback.state_dict())
+    assert torch.equal(restored.residual, feedback.residual)
+
+
+def test_none_keeps_no_residual():
+    feedback = ErrorFeedback(Codec("none", SHAPES))
+    flat = torch.ones(11)
+    assert feedback.residual.numel() == 0 and torch.equal(feedback.codec.decode(feedback.encode(flat)), flat)
+
+
+def test_wrong_sizes_and_arguments_are_named():
+    codec = Codec("int8", SHAPES)
+    with pytest.raises(ValueError, match="11 float32 values, got 10"):
+        codec.encode(torch.zeros(10))
+    with pytest.raises(ValueError, match="'int8' message has"):
+        codec.decode(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="`compression` must be one of"):
+        check_compression("fp8", False)
+    with pytest.raises(ValueError, match="`error_feedback` must be True or False"):
+        check_compression("bf16", 1)
+    with pytest.raises(ValueError, match="`chunk` must be a positive integer"):
+        Codec("int8", SHAPES, chunk=0)

@@ -1,0 +1,114 @@
+"""HDETFSDPStrategy ("hdet_fsdp"): HDET groups as FSDP2 shard groups, 4 CPU processes (2 groups x 2 shards, gloo)
+under Lightning's subprocess launcher (see tests/scripts/hdet_fsdp_run.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_hdet import HDETFSDPStrategy
+from lightning_hdet.hdet.shards import GroupGradientMean, blend, buckets
+from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH
+
+pytestmark = pytest.mark.timeout(600)
+SCRIPT = Path(__file__).parent / "scripts" / "hdet_fsdp_run.py"
+
+
+def _run(out: Path, sync: str, shard_where: str, resume: bool) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=560, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def _check_training(ranks: list[dict]) -> None:
+    """Shards are halves, LRs follow the multipliers, losses are finite, each merge lands on the groups' mean."""
+    first = [r["first"] for r in ranks]
+    assert [f["group_index"] for f in first] == [0, 0, 1, 1]
+    assert all(2 * f["local_numel"] == f["numel"] for f in first)
+    assert [f["lrs"][0] for f in first] == pytest.approx([0.01, 0.01, 0.03, 0.03])  # multipliers [1, 3]
+    assert all(torch.isfinite(torch.tensor(list(f["losses"].values()))).all() for f in first)
+    for step in (2, 4):  # votes (every 2 steps): every group ends at the mean of the groups' pre-merge parameters
+        group0, group1 = first[0]["before"][step], first[2]["before"][step]
+        assert not torch.allclose(group0, group1)
+        for f in first:
+            torch.testing.assert_close(f["after"][step], (group0 + group1) / 2)
+
+
+def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "group", "strategy", resume=True)
+    _check_training(ranks)
+    first, resumed = [r["first"] for r in ranks], [r["resumed"] for r in ranks]
+    # exact resume from the step-3 checkpoint: each group restarts from its own parameters and optimizer state
+    for f, r in zip(first, resumed):
+        assert torch.equal(r["start"]["before"], f["before"][STEPS_PER_EPOCH])
+        assert r["losses"] == {s: f["losses"][s] for s in r["losses"]}
+        torch.testing.assert_close(r["final"], f["final"])
+    # Lightning's own consolidation turns the folder into a file whose state_dict is the merged model
+    folder = tmp_path / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(folder)],
+                   check=True, capture_output=True)
+    checkpoint = torch.load(f"{folder}.consolidated", weights_only=True)
+    plain = MLP()
+    plain.load_state_dict(checkpoint["state_dict"])
+    merged = (first[0]["before"][STEPS_PER_EPOCH] + first[2]["before"][STEPS_PER_EPOCH]) / 2
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in plain.parameters()]), merged)
+
+
+def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "global", "configure_model", resume=False)
+    _check_training(ranks)
+    first = [r["first"] for r in ranks]
+    # one shared gradient: from the same start, group 1 (3x the LR) moved 3x as far in its first step
+    start = first[0]["start"]["before"]
+    torch.testing.assert_close(first[2]["before"][1] - start, 3 * (first[0]["before"][1] - start), rtol=1e-4,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize(("kwargs", "devices", "match"), [
+    ({"num_groups": 3}, 4, "does not divide the world size 4"),
+    ({}, 1, "more than one process"),
+    ({"mesh": None}, 4, "`mesh` must be one of fully_shard's arguments"),
+    ({"auto_wrap_policy": 3}, 4, "`auto_wrap_policy` must be None, a set of torch.nn.Module classes"),
+    ({"gradient_sync": "all"}, 4, "`gradient_sync` must be one of"),
+])
+def test_bad_arguments_fail_before_any_process_group(kwargs: dict, devices: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Trainer(strategy=HDETFSDPStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    """A one-process gloo group for the collectives' arithmetic (destroyed after the test)."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield torch.distributed.group.WORLD
+    torch.distributed.destroy_process_group()
+
+
+def test_gradient_mean_hook_scales_and_zeroes_non_finite_shards(one_rank) -> None:
+    hook = GroupGradientMean(one_rank, num_groups=4, device=torch.device("cpu"), guard=True)
+    shard = torch.tensor([4.0, 8.0])
+    hook(shard)
+    assert shard.tolist() == [1.0, 2.0] and not bool(hook.flag)  # this group's quarter of the mean over 4 groups
+    shard = torch.tensor([4.0, float("nan")])
+    hook(shard)
+    assert shard.tolist() == [0.0, 0.0] and bool(hook.flag)  # a non-finite shard never leaves the rank
+    hook.reset()
+    assert not bool(hook.flag)
+
+
+def test_blend_in_buckets_writes_the_target_and_moves_by_strength(one_rank) -> None:
+    assert [len(b) for b in buckets([torch.zeros(3), torch.zeros(3), torch.zeros(5)], bucket_numel=6)] == [2, 1]
+    tensors = [torch.tensor([2.0, 4.0]), torch.tensor([8.0], dtype=torch.float64)]
+    out = torch.zeros(3, dtype=torch.float64)
+    blend(tensors, coefficient=0.5, strength=0.25, group=one_rank, out=out, bucket_numel=1)
+    assert out.tolist() == [1.0, 2.0, 4.0]  # target = coefficient x theta (summed over the one rank)
+    assert tensors[0].tolist() == [1.75, 3.5] and tensors[1].tolist() == [7.0]  # (1 - s) theta + s target
