@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
