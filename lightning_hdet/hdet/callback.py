@@ -2,12 +2,15 @@
 
 The callback decides and the strategy executes. One vote, top to bottom (:meth:`HDETCallback.vote_and_merge`):
 
-1. ``_signal``: every group's loss over the interval and whether it stayed finite (one small all-reduce through the
-   strategy's ``gather_group_values``; the skipped-step count comes from the strategy's reset-on-read counter);
+1. ``_signal``: every group's loss curve over the interval (:mod:`~lightning_hdet.hdet.meter`) and whether it
+   stayed finite (one small all-reduce through the strategy's ``gather_group_values``; the skipped-step count
+   comes from the strategy's reset-on-read counter);
 2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.controller.HDETController` turns those numbers into
-   a :class:`~lightning_hdet.hdet.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.votes` and
-   :mod:`~lightning_hdet.hdet.blends`);
-3. the strategy executes it: ``restore()`` (roll-back) or ``merge(...)``, then ``set_lr_multipliers(...)``;
+   a :class:`~lightning_hdet.hdet.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.signals`,
+   :mod:`~lightning_hdet.hdet.votes`, :mod:`~lightning_hdet.hdet.selection`, :mod:`~lightning_hdet.hdet.blends`
+   and :mod:`~lightning_hdet.hdet.collapse`);
+3. the strategy executes it: ``restore()`` (roll-back) or one ``merge(...)`` per step of the decision's plan, then
+   ``set_lr_multipliers(...)``;
 4. ``_log``: metrics and the vote history.
 
 The callback talks to the strategy only through :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
@@ -18,7 +21,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -28,6 +30,7 @@ from typing_extensions import override
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
+from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
 
@@ -39,8 +42,9 @@ class HDETCallback(Callback):
 
     Args:
         every_n_steps: the interval T between votes/merges, in optimizer steps.
-        vote: ``"softmax"`` (the published auto-LR controller) or ``"best"`` (the lowest loss wins and the other
-            groups are re-centred on the winner's multiplier with a shrinking spread).
+        vote: ``"softmax"`` (the published auto-LR controller), ``"best"`` (the lowest loss wins and the other
+            groups are re-centred on the winner's multiplier with a shrinking spread) or ``"pbt"`` (only the bottom
+            quantile moves: it copies a top group and perturbs its LR by x0.8 / x1.2).
         temperature: softmax temperature, in the loss's own units (published 0.1; pick about the spread of the
             groups' losses you consider meaningful).
         momentum: momentum of the controller's velocity (published 0.9).
@@ -55,12 +59,24 @@ class HDETCallback(Callback):
             ``"val_loss"``) votes on each group's own latest value of that logged metric (log it without
             ``sync_dist`` so each rank keeps its own value).
         init_noise: published warm start: each group starts at ``theta_0 + eps``, ``eps ~ N(0, nu^2 |theta_0|^2 / d)``.
-        safety_net: skip the optimizer steps of a group whose loss or gradients are non-finite and restore it.
+        safety_net: skip the optimizer steps of a group whose loss or gradients are non-finite, restore a diverged
+            or collapsed group from the others, roll every group back when all of them did.
         divergence_factor: a group whose interval loss exceeds this multiple of the best group's is treated as
             diverged (positive losses only); ``None`` disables the rule.
         rescue_lr_factor: multiplier applied to a rescued group's learning rate (and to every group's when all
             diverged), in (0, 1).
         seed: seed of the callback's own generator for permutations and init noise (never the global RNG).
+        signal: what the vote compares: ``"mean"`` (interval loss), ``"improvement"`` (its slope), ``"forecast"``.
+        forecast_horizon: steps from an interval's start at which ``"forecast"`` reads the fitted curve (None: 4 T).
+        curve_bins: each rank keeps the interval's loss curve as this many bins on the device.
+        quantile: ``vote="pbt"``: share of groups that move (bottom) and are copied (top); Ray Tune: 0.25.
+        resample_probability: ``vote="pbt"``: chance of a fresh LR instead of x0.8 / x1.2; Ray Tune: 0.25.
+        reference_group: ``vote="pbt"``: a slow reference group, moved every fourth vote only (None: none).
+        stall_patience: votes in a row at or above its first step's loss before a group counts as collapsed.
+        stall_tolerance: relative margin below the first step's loss that still counts as no progress.
+        rise_margin: a loss above ``(1 + rise_margin)`` x the group's previous interval counts as diverged.
+        chance_loss: a constant predictor's loss (e.g. ``ln(classes)``); a group near it counts as collapsed.
+        chance_tolerance: relative distance to ``chance_loss`` that counts as "near". ``None`` switches rules off.
     """
 
     def __init__(
@@ -82,18 +98,31 @@ class HDETCallback(Callback):
         divergence_factor: Optional[float] = 10.0,
         rescue_lr_factor: float = 0.5,
         seed: int = 0,
+        signal: str = "mean",
+        forecast_horizon: Optional[int] = None,
+        curve_bins: int = 8,
+        quantile: float = 0.25,
+        resample_probability: float = 0.25,
+        reference_group: Optional[int] = None,
+        stall_patience: Optional[int] = None,
+        stall_tolerance: float = 0.0,
+        rise_margin: Optional[float] = None,
+        chance_loss: Optional[float] = None,
+        chance_tolerance: float = 0.05,
     ) -> None:
         self.settings = HDETConfig(
             every_n_steps, vote, temperature, momentum, meta_lr, warmup_steps, permute, shrink, min_spread, blend,
-            blend_strength, monitor, init_noise, safety_net, divergence_factor, rescue_lr_factor, seed,
+            blend_strength, monitor, init_noise, safety_net, divergence_factor, rescue_lr_factor, seed, signal,
+            forecast_horizon, curve_bins, quantile, resample_probability, reference_group, stall_patience,
+            stall_tolerance, rise_margin, chance_loss, chance_tolerance,
         )
         self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.initial_lrs: list[float] = []  # every group's real learning rate when training started
         self._last_vote_step = -1
-        self._loss_sum: Optional[Tensor] = None  # this rank's loss over the interval, on the device (no host sync)
-        self._loss_count: Optional[Tensor] = None
+        self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
+        self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
         self._monitored: Optional[float] = None
         self._resumed_interval: Optional[Tensor] = None
 
@@ -140,15 +169,15 @@ class HDETCallback(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         executor = self._executor(trainer)
-        device = executor.root_device
-        if self._loss_sum is None:
-            self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            self._loss_count = torch.zeros((), dtype=torch.float64, device=device)
-        if self._resumed_interval is not None:
-            row = self._resumed_interval[executor.group_index] / executor.layout.group_size
-            self._loss_sum.fill_(float(row[0]))
-            self._loss_count.fill_(float(row[1]))
-            self._resumed_interval = None
+        if self._meter is None:
+            self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, executor.root_device)
+        every = self.settings.every_n_steps
+        self._meter.reset((trainer.global_step // every) * every)  # votes fall on multiples of every_n_steps
+        resumed = self._resumed_interval
+        if resumed is not None and resumed.shape[1] == self._meter.width:  # older checkpoints: a fresh interval
+            self._meter.load_row(resumed[executor.group_index] / executor.layout.group_size)
+        self._resumed_interval = None
+        self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
         self.initial_lrs = executor.current_lrs()[:, 0].tolist()
         executor.ensure_restore_point()
         if trainer.ckpt_path is None and self.settings.init_noise > 0:
@@ -167,27 +196,13 @@ class HDETCallback(Callback):
         executor = self._executor(trainer)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, Tensor):
-            self._loss_sum += loss.detach().to(self._loss_sum.device, torch.float64).sum()
-            self._loss_count += 1
-        self._log_step(trainer, pl_module, executor.current_lrs())
+            self._meter.add(trainer.global_step, loss, first=self._first_pending)
+        self._first_pending = self._first_pending and trainer.global_step == 0
+        _log_step(trainer, pl_module, executor.current_lrs(), self.report, self.controller.last_winner)
         step = trainer.global_step
         if step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step:
             self._last_vote_step = step
             self.vote_and_merge(trainer, pl_module)
-
-    def _log_step(self, trainer: Trainer, pl_module: LightningModule, lrs: Tensor) -> None:
-        """Every group's real learning rate, every step (all ranks know them all: rank 0 logs every group)."""
-        num_groups = lrs.shape[0]
-        metrics = {f"hdet/group{g}/lr": float(lrs[g, 0]) for g in range(num_groups)}
-        for p in range(1, lrs.shape[1]):
-            metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
-        if trainer.is_global_zero:
-            self.report.add(trainer.global_step, {**metrics, "hdet/base_lr": float(lrs[:, 0].mean())})
-        pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), on_step=True, on_epoch=False, prog_bar=True)
-        if self.controller.last_winner >= 0:
-            pl_module.log("hdet/leader", float(self.controller.last_winner), on_step=True, on_epoch=False,
-                          prog_bar=True)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -226,51 +241,45 @@ class HDETCallback(Callback):
     def vote_and_merge(self, trainer: Trainer, pl_module: LightningModule, final: bool = False) -> None:
         """One vote: losses -> decision (weights, winner, multipliers, rescues) -> merged or rolled-back model."""
         executor = self._executor(trainer)
-        losses, finite = self._signal(trainer, executor)
+        reading = self._signal(trainer, executor)
         decision = self.controller.decide(Interval(
-            step=trainer.global_step, losses=losses, finite=finite, multipliers=executor.lr_multipliers,
-            schedule_lrs=executor.schedule_lrs().tolist(), shared_gradients=executor.gradient_sync == "global",
-            final=final,
+            step=trainer.global_step, losses=reading.losses, finite=reading.finite,
+            multipliers=executor.lr_multipliers, schedule_lrs=executor.schedule_lrs().tolist(),
+            shared_gradients=executor.gradient_sync == "global", final=final, curves=reading.curves,
+            first_losses=reading.first_losses,
         ))
         if decision.roll_back:
             executor.restore()
             rank_zero_info(
-                f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged; every group rolled "
-                "back to the last good merged model."
+                f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
+                f"({[r for r in decision.reasons if r]}); every group rolled back to the last good merged model."
             )
         elif executor.num_groups > 1:
-            executor.merge(decision.coefficients, decision.strengths, restart=decision.rescued)
+            for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
+                executor.merge(step.coefficients, step.strengths, restart=decision.rescued, keep=decision.keep)
         executor.set_lr_multipliers(decision.multipliers)
         self._log_vote(trainer, decision)
-        self._loss_sum.zero_()
-        self._loss_count.zero_()
+        self._meter.reset(trainer.global_step)
 
-    def _signal(self, trainer: Trainer, executor: HDETExecutor) -> tuple[list[float], list[bool]]:
-        """Every group's loss signal for this interval, and whether it stayed finite (no skipped step)."""
-        table = executor.gather_group_values(self._interval_row(trainer, executor, reset=True))
-        if self.settings.monitor is None and not bool((table[:, 1] > 0).any()):
-            raise MisconfigurationException(
-                f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step "
-                f"{trainer.global_step} returned one. Return the loss tensor (or a dict with 'loss') from "
-                "`training_step` -- also under manual optimization -- or vote on a logged metric with `monitor=...`."
-            )
-        losses = [s / c if c > 0 else float("nan") for s, c in zip(table[:, 0].tolist(), table[:, 1].tolist())]
-        finite = [(c > 0 and s == 0) for c, s in zip(table[:, 1].tolist(), table[:, 2].tolist())]
-        return losses, finite
-
-    def _interval_row(self, trainer: Trainer, executor: HDETExecutor, reset: bool) -> Tensor:
-        """This rank's ``[loss sum, loss count, skipped steps]`` of the interval (``reset``: a new interval starts)."""
-        skipped = torch.tensor(float(executor.interval_skipped(reset=reset)), dtype=torch.float64)
-        if self.settings.monitor is None:
-            return torch.stack([self._loss_sum.cpu(), self._loss_count.cpu(), skipped])
-        if self._monitored is None:
+    def _signal(self, trainer: Trainer, executor: HDETExecutor) -> Reading:
+        """Every group's loss curve and signal for this interval, and whether it stayed finite (no skipped step)."""
+        monitor = self.settings.monitor is not None
+        if monitor and self._monitored is None:
             names = sorted(k for k in trainer.callback_metrics if not k.startswith("hdet/"))
             raise MisconfigurationException(
                 f"HDETCallback(monitor={self.settings.monitor!r}) found no such metric at the vote at step "
                 f"{trainer.global_step}. Logged metrics: {names}. Log it in `validation_step` (without "
                 "`sync_dist`) and validate at least once per vote interval, or use `monitor=None`."
             )
-        return torch.tensor([self._monitored, 1.0, float(skipped)], dtype=torch.float64)
+        row = self._meter.row(executor.interval_skipped(reset=True), self._monitored)
+        reading = self._meter.read(executor.gather_group_values(row), monitor)
+        if not reading.counted:
+            raise MisconfigurationException(
+                f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step "
+                f"{trainer.global_step} returned one. Return the loss tensor (or a dict with 'loss') from "
+                "`training_step` -- also under manual optimization -- or vote on a logged metric with `monitor=...`."
+            )
+        return reading
 
     def _log_vote(self, trainer: Trainer, decision: Decision) -> None:
         """Metrics at the vote's own step (rank 0, every logger); the controller already kept the history row."""
@@ -304,8 +313,7 @@ class HDETCallback(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Add the full ensemble: each group's parameters and optimizer state, multipliers and interval losses."""
         executor = self._executor(trainer)
-        row = torch.stack([self._loss_sum.cpu(), self._loss_count.cpu(),
-                           torch.tensor(float(executor.interval_skipped(reset=False)), dtype=torch.float64)])
+        row = self._meter.row(executor.interval_skipped(reset=False))
         checkpoint["hdet"] = {
             "num_groups": executor.num_groups,
             "interval": executor.gather_group_values(row),
@@ -324,3 +332,17 @@ class HDETCallback(Callback):
 
 def _indices(flags: list[bool]) -> list[int]:
     return [g for g, flag in enumerate(flags) if flag]
+
+
+def _log_step(trainer: Trainer, pl_module: LightningModule, lrs: Tensor, report: History, leader: int) -> None:
+    """Every group's real learning rate, every step (all ranks know them all: rank 0 logs every group)."""
+    num_groups = lrs.shape[0]
+    metrics = {f"hdet/group{g}/lr": float(lrs[g, 0]) for g in range(num_groups)}
+    for p in range(1, lrs.shape[1]):
+        metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
+    pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+    if trainer.is_global_zero:
+        report.add(trainer.global_step, {**metrics, "hdet/base_lr": float(lrs[:, 0].mean())})
+    pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), on_step=True, on_epoch=False, prog_bar=True)
+    if leader >= 0:
+        pl_module.log("hdet/leader", float(leader), on_step=True, on_epoch=False, prog_bar=True)

@@ -16,8 +16,11 @@ from lightning_hdet._checks import (
     require,
 )
 from lightning_hdet.hdet.blends import BLENDS
+from lightning_hdet.hdet.collapse import CollapseRule
+from lightning_hdet.hdet.selection import PBTVote
+from lightning_hdet.hdet.signals import SIGNALS
 
-VOTES = ("softmax", "best")
+VOTES = ("softmax", "best", "pbt")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,17 @@ class HDETConfig:
     divergence_factor: Optional[float] = 10.0
     rescue_lr_factor: float = 0.5
     seed: int = 0
+    signal: str = "mean"
+    forecast_horizon: Optional[int] = None
+    curve_bins: int = 8
+    quantile: float = 0.25
+    resample_probability: float = 0.25
+    reference_group: Optional[int] = None
+    stall_patience: Optional[int] = None
+    stall_tolerance: float = 0.0
+    rise_margin: Optional[float] = None
+    chance_loss: Optional[float] = None
+    chance_tolerance: float = 0.05
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -66,6 +80,26 @@ class HDETConfig:
                 "None or a finite number > 1")
         check_number("rescue_lr_factor", self.rescue_lr_factor, 0.0, 1.0, low_open=True, high_open=True)
         check_integer("seed", self.seed)
+        check_choice("signal", self.signal, SIGNALS)
+        require("signal", self.signal, self.monitor is None or self.signal == "mean",
+                f"'mean' when `monitor` is set (got monitor={self.monitor!r})",
+                "The curve signals need every step's training loss: use `monitor=None`.")
+        check_int("forecast_horizon", self.forecast_horizon, minimum=1, optional=True,
+                  hint="Steps from the start of an interval; None: four intervals.")
+        check_int("curve_bins", self.curve_bins, minimum=2)
+        self.pbt_rule()  # validates `quantile`, `resample_probability`, `reference_group`
+        self.collapse_rule()  # validates the collapse arguments
+
+    def pbt_rule(self) -> PBTVote:
+        """The ``vote="pbt"`` rule these settings describe."""
+        return PBTVote(quantile=self.quantile, resample_probability=self.resample_probability,
+                       reference_group=self.reference_group)
+
+    def collapse_rule(self) -> CollapseRule:
+        """The safety net's divergence and collapse rules these settings describe."""
+        return CollapseRule(factor=self.divergence_factor, patience=self.stall_patience,
+                            stall_tolerance=self.stall_tolerance, rise=self.rise_margin,
+                            chance_loss=self.chance_loss, chance_tolerance=self.chance_tolerance)
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as recorded in the logger's run config under ``hdet/callback/...``."""

@@ -10,15 +10,19 @@ hands the :class:`Decision` to the strategy, which executes it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
+from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, is_good, judge
 from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
+from lightning_hdet.hdet.signals import scores
 from lightning_hdet.hdet.votes import Ballot, VoteRule, divergent, make_rule, winner_of
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,8 @@ class Interval:
     schedule_lrs: Sequence[float]  # what the optimizers/schedulers say, one per flattened param group
     shared_gradients: bool  # gradients are averaged over all ranks (``gradient_sync="global"``)
     final: bool = False  # the merge at the end of fit: weigh, merge fully, leave the LRs alone
+    curves: Optional[Tensor] = None  # every group's loss curve, ``(num_groups, 2 * bins)`` (signals.LossCurve.row)
+    first_losses: Optional[Sequence[float]] = None  # every group's loss at its first training step (fresh runs)
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,18 @@ class Decision:
     roll_back: bool  # every group returns to the last good merged model instead of merging
     coefficients: list[float] = field(default_factory=list)  # merge target ``sum_g c_g theta_g`` (empty: no merge)
     strengths: list[float] = field(default_factory=list)  # ``theta_g <- (1 - s_g) theta_g + s_g target``
+    copies: list[MergeStep] = field(default_factory=list)  # ``vote="pbt"``: copy steps instead of one blend
+    keep: bool = True  # the merge target may become the restore point (the safety net judged this vote good)
+    reasons: list[str] = field(default_factory=list)  # why each rescued group counts as diverged ("" if not)
+
+    @property
+    def plan(self) -> list[MergeStep]:
+        """The merge steps to execute in order, one collective each (none at a roll-back)."""
+        if self.roll_back:
+            return []
+        if self.copies:
+            return list(self.copies)
+        return [MergeStep(self.coefficients, self.strengths)] if self.coefficients else []
 
 
 class HDETController:
@@ -58,8 +76,11 @@ class HDETController:
 
     def __init__(self, config: HDETConfig) -> None:
         self.config = config
-        self.rule: VoteRule = make_rule(config.vote, config.temperature, config.momentum, config.meta_lr,
-                                        config.permute, config.shrink, config.min_spread)
+        self.rule: VoteRule = config.pbt_rule() if config.vote == "pbt" else make_rule(
+            config.vote, config.temperature, config.momentum, config.meta_lr, config.permute, config.shrink,
+            config.min_spread)
+        self.collapse = config.collapse_rule()
+        self.collapse_history = CollapseHistory()
         self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
         self.history: list[dict[str, Any]] = []
         self.rescues = 0
@@ -95,46 +116,71 @@ class HDETController:
 
     # ------------------------------------------------------------------ the vote
     def decide(self, interval: Interval) -> Decision:
-        """One vote: safety net -> roll-back or (weights, winner, new multipliers, merge coefficients)."""
-        cfg, losses = self.config, list(interval.losses)
-        num_groups = len(losses)
-        rescued = divergent(losses, interval.finite, cfg.divergence_factor) if cfg.safety_net else [False] * num_groups
-        healthy = [not r for r in rescued]
+        """One vote: safety net -> roll-back or (weights, winner, new multipliers, merge plan)."""
+        losses, num_groups = list(interval.losses), len(interval.losses)
+        verdict = self._judge(interval)
+        healthy = [not r for r in verdict.diverged]
         # With a shared gradient a group whose *loss* blew up sent huge, still finite gradients into every group
         # before it was caught: nothing from this interval is kept. (Non-finite gradients alone were kept out of
         # the average by the strategy's guard, so those rescues leave the healthy groups alone.)
-        blew_up = divergent(losses, [True] * num_groups, cfg.divergence_factor)
-        contaminated = interval.shared_gradients and any(r and b for r, b in zip(rescued, blew_up))
-        if num_groups > 1 and (not any(healthy) or contaminated):
-            decision = self._roll_back(interval, rescued)
-        else:
-            decision = self._vote(interval, rescued)
+        blew_up = divergent(losses, [True] * num_groups, self.config.divergence_factor)
+        contaminated = interval.shared_gradients and any(r and b for r, b in zip(verdict.diverged, blew_up))
+        roll_back = num_groups > 1 and (not any(healthy) or contaminated)
+        decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
+        self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses)
+        keep = not self.config.safety_net or is_good(self.collapse, verdict, losses, self.collapse_history)
+        decision = replace(decision, keep=keep, reasons=verdict.reasons)
         self._count(decision, interval.final)
         return decision
+
+    def _judge(self, interval: Interval) -> Verdict:
+        """The safety net's verdict (nobody diverged when it is off); progress is not judged before warm-up."""
+        num_groups = len(interval.losses)
+        if not self.config.safety_net:
+            return Verdict([False] * num_groups, [""] * num_groups, [0] * num_groups)
+        progress = interval.step >= self.config.warmup_steps
+        return judge(self.collapse, self.collapse_history, interval.losses, interval.finite, progress)
+
+    def _scores(self, interval: Interval, healthy: Sequence[bool]) -> list[float]:
+        """What the vote compares: the ``signal`` of each group's curve, or the interval losses themselves (at the
+        final merge, which picks by level, and whenever a healthy group's curve gives no finite score)."""
+        losses = list(interval.losses)
+        if interval.final or interval.curves is None or self.config.signal == "mean":
+            return losses
+        signal = scores(interval.curves, self.config.signal, self.config.every_n_steps, self.config.forecast_horizon)
+        return signal if all(math.isfinite(x) for x, ok in zip(signal, healthy) if ok) else losses
 
     def _vote(self, interval: Interval, rescued: list[bool]) -> Decision:
         losses, num_groups = list(interval.losses), len(interval.losses)
         healthy = [not r for r in rescued]
         move = not interval.final and interval.step >= self.config.warmup_steps and num_groups > 1
+        signal = self._scores(interval, healthy)
         table = interval.multipliers.clone()
-        weights, winner = [1.0 / num_groups] * num_groups, 0
+        weights, winner, sources = [1.0 / num_groups] * num_groups, 0, list(range(num_groups))
         for p, schedule_lr in enumerate(interval.schedule_lrs):
-            ballot = Ballot(p, losses, table[:, p].tolist(), healthy, schedule_lr, move)
+            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move)
             result = self.rule.explore(ballot, self.generator)
             table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
             if p == 0:
                 weights, winner = result.weights, result.winner
+                sources = result.sources if isinstance(result, Selection) else sources
         coefficients: list[float] = []
         strengths: list[float] = []
+        strength = 1.0 if interval.final else self.config.blend_strength
+        copies = copy_plan(sources, strength, rescued) if num_groups > 1 else []
+        if num_groups > 1 and not copies:
+            # PBT ends on its best group; before warm-up it merges like the other votes.
+            blend = "best" if interval.final and self.config.vote == "pbt" else self.config.blend
+            coefficients = blend_coefficients(blend, weights, winner, healthy)
+            strengths = blend_strengths(strength, rescued)
         if num_groups > 1:
-            coefficients = blend_coefficients(self.config.blend, weights, winner, healthy)
-            strengths = blend_strengths(1.0 if interval.final else self.config.blend_strength, rescued)
-            self.last_coefficients = coefficients
-        log.debug("vote at step %d: losses %s, weights %s, winner %d, rescued %s", interval.step, losses, weights,
-                  winner, rescued)
+            # What finishing this vote's merge means at the end of fit: a PBT copy vote ends on its winner.
+            self.last_coefficients = coefficients or [1.0 if g == winner else 0.0 for g in range(num_groups)]
+        log.debug("vote at step %d: losses %s, signal %s, weights %s, winner %d, rescued %s", interval.step, losses,
+                  signal, weights, winner, rescued)
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
-                        coefficients, strengths)
+                        coefficients, strengths, copies)
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
@@ -162,7 +208,8 @@ class HDETController:
         for g in range(len(decision.losses)):
             self.history.append(
                 {"step": decision.step, "group": g, "lr": lrs[g], "loss": decision.losses[g],
-                 "weight": decision.weights[g], "winner": decision.winner, "rescued": bool(decision.rescued[g])}
+                 "weight": decision.weights[g], "winner": decision.winner, "rescued": bool(decision.rescued[g]),
+                 "reason": decision.reasons[g] if decision.reasons else ""}
             )
 
     def finishing_merge(self) -> tuple[list[float], list[float]]:
@@ -180,6 +227,7 @@ class HDETController:
             "num_votes": self.num_votes,
             "last_winner": self.last_winner,
             "last_coefficients": list(self.last_coefficients),
+            "collapse": self.collapse_history.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -190,6 +238,7 @@ class HDETController:
         self.num_votes = state_dict["num_votes"]
         self.last_winner = state_dict["last_winner"]
         self.last_coefficients = list(state_dict["last_coefficients"])
+        self.collapse_history.load_state_dict(state_dict.get("collapse", {}))  # absent in older checkpoints
 
 
 def _lrs(table: Tensor, interval: Interval) -> list[float]:

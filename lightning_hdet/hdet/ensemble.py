@@ -41,18 +41,21 @@ class EnsembleOps:
             for p in params:
                 p.add_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * std).to(p.device, p.dtype))
 
-    def merge(self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool]) -> None:
+    def merge(
+        self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
+    ) -> None:
         """Blend the groups' parameters and floating-point buffers.
 
         ``target = sum_g coefficients[g] * theta_g`` (one all-reduce of the model's size over all ranks); then each
         group moves ``theta_g <- (1 - strengths[g]) * theta_g + strengths[g] * target``. A group whose coefficient is
         0 contributes zeros, so non-finite parameters of a diverged group never reach the target. A finite target
-        becomes the restore point; the groups flagged in ``restart`` clear their optimizer state.
+        becomes the restore point when ``keep`` (the safety net found every contributing group improving); the groups
+        flagged in ``restart`` clear their optimizer state.
         """
         tensors = model_state(self.lightning_module)
         target = self._blend_target(tensors, coefficients)
         assign_flat(tensors, target, float(strengths[self.group_index]))
-        if bool(torch.isfinite(target).all()):
+        if keep and bool(torch.isfinite(target).all()):
             self._restore_point = host_copy(target, self._restore_point)
         if restart[self.group_index]:
             self._clear_optimizer_state()

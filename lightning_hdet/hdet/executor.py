@@ -76,9 +76,12 @@ class HDETExecutor(Protocol):
     def add_init_noise(self, relative_std: float, seed: int) -> None:
         """Add ``N(0, relative_std^2 |theta|^2 / d)`` to the parameters, drawn from a generator seeded ``seed``."""
 
-    def merge(self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool]) -> None:
-        """``theta_g <- (1 - s_g) theta_g + s_g sum_h c_h theta_h``; a finite target becomes the restore point;
-        groups flagged in ``restart`` start a fresh optimizer state."""
+    def merge(
+        self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
+    ) -> None:
+        """``theta_g <- (1 - s_g) theta_g + s_g sum_h c_h theta_h``; a finite target becomes the restore point
+        unless ``keep`` is False (the safety net judged the vote not good); groups flagged in ``restart`` start a
+        fresh optimizer state."""
 
     def ensure_restore_point(self) -> None:
         """Make the current model state the restore point unless one is held (from a merge or a checkpoint)."""

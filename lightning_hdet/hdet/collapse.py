@@ -1,0 +1,167 @@
+"""Collapse detection for HDET's safety net (pure: no Lightning, no process groups).
+
+A run can fail without a NaN: AdamW at a too-high learning rate saturates at the loss of a constant predictor
+and stays there. Every group then looks equally bad, so comparing groups with each other ("10x worse than the
+best") never fires. These rules also judge each group against its *own* history:
+
+* ``non-finite``: the loss is NaN or infinite (or the group already skipped a step this interval);
+* ``x best``: the loss exceeds ``factor`` times the best group's (positive losses; the rule before this module);
+* ``stalled``: ``patience`` votes in a row at or above ``(1 - stall_tolerance)`` times the group's starting level
+  (the loss of its first training step, i.e. of the untrained model): it has made no progress since it started;
+* ``rose``: the loss exceeds ``(1 + rise)`` times the group's own previous interval;
+* ``chance``: the loss is at or above ``(1 - chance_tolerance) * chance_loss``, the loss of a constant predictor
+  (e.g. ``ln(num_classes)``; for a language model the unigram entropy is the tighter choice).
+
+The progress rules (``stalled``, ``rose``) can be switched off for a vote (``progress=False``), e.g. during a
+learning-rate warm-up, when no progress is expected yet.
+
+:class:`CollapseHistory` is the small per-group state these rules need; :func:`judge` reads it and returns a
+:class:`Verdict`; :func:`advance` returns the history after the vote. A merge may become the roll-back point only
+if :func:`is_good`: every group that counts has improved on its starting level.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lightning_hdet._checks import check_int, check_number
+
+NAN = math.nan
+
+
+@dataclass(frozen=True)
+class CollapseRule:
+    """Which losses count as diverged (see the module's docstring); ``None`` switches a rule off."""
+
+    factor: Optional[float] = 10.0
+    patience: Optional[int] = 2
+    stall_tolerance: float = 0.0
+    rise: Optional[float] = 1.0
+    chance_loss: Optional[float] = None
+    chance_tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        check_number("divergence_factor", self.factor, low=1.0, low_open=True, optional=True)
+        check_int("stall_patience", self.patience, minimum=1, optional=True,
+                  hint="The number of votes in a row at or above a group's starting level; None switches it off.")
+        check_number("stall_tolerance", self.stall_tolerance, 0.0, 1.0, high_open=True,
+                     hint="A relative margin below the starting level that still counts as no progress.")
+        check_number("rise_margin", self.rise, low=0.0, low_open=True, optional=True,
+                     hint="A relative margin: 1.0 flags a group whose loss doubled since its previous interval.")
+        check_number("chance_loss", self.chance_loss, optional=True,
+                     hint="The loss of a constant predictor, e.g. math.log(num_classes).")
+        check_number("chance_tolerance", self.chance_tolerance, 0.0, 1.0, high_open=True)
+
+
+@dataclass
+class CollapseHistory:
+    """Per group: the starting level, the previous interval's loss and the votes in a row without progress."""
+
+    start: list[float] = field(default_factory=list)
+    previous: list[float] = field(default_factory=list)
+    stalled: list[int] = field(default_factory=list)
+
+    def sized(self, num_groups: int) -> "CollapseHistory":
+        """This history, or a fresh one if it was kept for another number of groups (e.g. a re-sharded resume)."""
+        if len(self.start) == num_groups:
+            return self
+        return CollapseHistory([NAN] * num_groups, [NAN] * num_groups, [0] * num_groups)
+
+    def state_dict(self) -> dict:
+        return {"start": list(self.start), "previous": list(self.previous), "stalled": list(self.stalled)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = [float(v) for v in state.get("start", [])]
+        self.previous = [float(v) for v in state.get("previous", [])]
+        self.stalled = [int(v) for v in state.get("stalled", [])]
+
+
+@dataclass
+class Verdict:
+    """The outcome of one vote's check: who diverged and why (``""``: fine), and the updated stall counters."""
+
+    diverged: list[bool]
+    reasons: list[str]
+    stalled: list[int]
+
+    @property
+    def all_diverged(self) -> bool:
+        return bool(self.diverged) and all(self.diverged)
+
+
+def _worse_than_best(losses: Sequence[float], bad: Sequence[bool], factor: Optional[float]) -> list[bool]:
+    finite = [loss for loss, b in zip(losses, bad) if not b]
+    if factor is None or not finite or min(finite) <= 0:
+        return [False] * len(losses)
+    return [loss > factor * min(finite) for loss in losses]
+
+
+def judge(
+    rule: CollapseRule,
+    history: CollapseHistory,
+    losses: Sequence[float],
+    healthy: Sequence[bool],
+    progress: bool = True,
+) -> Verdict:
+    """Which groups count as diverged at this vote, and why (the first reason that applies)."""
+    history = history.sized(len(losses))
+    floor = 1 - rule.stall_tolerance
+    bad = [not ok or not math.isfinite(loss) for loss, ok in zip(losses, healthy)]
+    worse = _worse_than_best(losses, bad, rule.factor)
+    reasons, stalled = [], []
+    for g, loss in enumerate(losses):
+        start, previous = history.start[g], history.previous[g]
+        at_start = progress and not bad[g] and math.isfinite(start) and loss >= floor * start
+        stalled.append(history.stalled[g] + 1 if at_start else 0)
+        if bad[g]:
+            reasons.append("non-finite")
+        elif worse[g]:
+            reasons.append("x best")
+        elif rule.patience is not None and stalled[g] >= rule.patience:
+            reasons.append("stalled")
+        elif progress and rule.rise is not None and math.isfinite(previous) and loss > (1 + rule.rise) * previous:
+            reasons.append("rose")
+        elif rule.chance_loss is not None and loss >= (1 - rule.chance_tolerance) * rule.chance_loss:
+            reasons.append("chance")
+        else:
+            reasons.append("")
+    return Verdict([r != "" for r in reasons], reasons, stalled)
+
+
+def advance(
+    history: CollapseHistory,
+    verdict: Verdict,
+    losses: Sequence[float],
+    rolled_back: bool,
+    first: Optional[Sequence[float]] = None,
+) -> CollapseHistory:
+    """The history after a vote.
+
+    A group's starting level is set once, from ``first`` (each group's loss at its first training step; unknown,
+    e.g. after resuming from an older checkpoint: the ``stalled`` rule stays off). A diverged group (it restarts
+    from the healthy groups' model) and every group after a roll-back forget their previous interval and their
+    stall count.
+    """
+    history = history.sized(len(losses))
+    first = list(first) if first is not None else [NAN] * len(losses)
+    start = [s if math.isfinite(s) or not math.isfinite(f) else f for s, f in zip(history.start, first)]
+    reset = [rolled_back or bad for bad in verdict.diverged]
+    previous = [NAN if r else x for r, x in zip(reset, losses)]
+    stalled = [0 if r else s for r, s in zip(reset, verdict.stalled)]
+    return CollapseHistory(start, previous, stalled)
+
+
+def is_good(rule: CollapseRule, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:
+    """Whether this vote's merged model may become the roll-back point.
+
+    Only when every group that counts (did not diverge; diverged groups add nothing to the merge) is below its
+    starting level, less the stall tolerance, where that level is known: a model merged from groups that have not improved yet, or are sliding
+    into a collapse, is not a safe place to return to.
+    """
+    history = history.sized(len(losses))
+    kept = [(x, s) for x, s, bad in zip(losses, history.start, verdict.diverged) if not bad]
+    floor = 1 - rule.stall_tolerance
+    return bool(kept) and all(not math.isfinite(s) or x < floor * s for x, s in kept)

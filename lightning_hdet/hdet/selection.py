@@ -1,0 +1,181 @@
+"""Population-based selection as a vote rule (pure: no Lightning, no process groups).
+
+PBT (Jaderberg et al. 2017, arXiv 1711.09846) with Ray Tune's defaults: at each vote only the bottom quantile of
+groups moves. Each of them copies a top-quantile group's parameters (exploit) and takes that group's multiplier
+times 0.8 or 1.2 at random, or, with probability ``resample_probability``, a log-uniform draw over the current
+range (explore). The other groups keep their parameters and learning rates, so one unlucky vote cannot drag the
+whole population toward the lowest learning rate the way re-centring every group on the winner does.
+
+The spread never collapses: after the moves, if no group sits at least ``exp(min_spread)`` above (below) the
+leader, a mover is placed there, upward first (the short-horizon bias pushes down).
+
+An optional slow reference group (MF-PBT, arXiv 2506.03225) is exempt from selection except every
+``reference_every`` votes: a longer-horizon member the greedy ones are measured against.
+
+The parameter moves are a :class:`MergePlan`: steps the strategy's ``merge(coefficients, strengths)`` executes
+as they are, one all-reduce each (one per distinct copy source: one for up to seven groups).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from lightning_hdet._checks import check_int, check_number, require
+from lightning_hdet.hdet.votes import Ballot, VoteResult, VoteRule, winner_of
+
+
+@dataclass
+class MergeStep:
+    """One collective: ``target = sum_h coefficients[h] * theta_h``; ``theta_g <- (1 - s_g) theta_g + s_g target``."""
+
+    coefficients: list[float]
+    strengths: list[float]
+
+
+MergePlan = list[MergeStep]
+
+
+def copy_plan(sources: Sequence[int], strength: float = 1.0, rescued: Sequence[bool] = ()) -> MergePlan:
+    """The merge steps that copy ``sources[g]`` into group ``g`` (``sources[g] == g``: left alone).
+
+    One step per distinct source, in increasing source order; a rescued group takes its source fully. Sources are
+    never targets of another copy in the same plan, so the order of the steps does not matter.
+    """
+    n = len(sources)
+    rescued = list(rescued) or [False] * n
+    movers = {g: s for g, s in enumerate(sources) if s != g}
+    require("sources", list(sources), not set(movers) & set(movers.values()),
+            "a copy plan whose sources are not themselves copied into")
+    plan: MergePlan = []
+    for src in sorted(set(movers.values())):
+        coefficients = [1.0 if h == src else 0.0 for h in range(n)]
+        strengths = [(1.0 if rescued[g] else strength) if movers.get(g) == src else 0.0 for g in range(n)]
+        plan.append(MergeStep(coefficients, strengths))
+    return plan
+
+
+def plan_matrix(plan: MergePlan, num_groups: int) -> list[list[float]]:
+    """The ``G x G`` mixing matrix ``M`` the plan applies (``theta' = M theta``), composed step by step."""
+    matrix = [[1.0 if g == h else 0.0 for h in range(num_groups)] for g in range(num_groups)]
+    for step in plan:
+        target = [sum(step.coefficients[k] * matrix[k][h] for k in range(num_groups)) for h in range(num_groups)]
+        matrix = [[(1 - s) * matrix[g][h] + s * target[h] for h in range(num_groups)]
+                  for g, s in enumerate(step.strengths)]
+    return matrix
+
+
+@dataclass
+class Selection(VoteResult):
+    """A vote result that also says which group each group copies (``sources[g] == g``: keeps its own)."""
+
+    sources: list[int] = field(default_factory=list)
+
+
+def quantile_size(num_groups: int, quantile: float) -> int:
+    """Groups in the bottom (and in the top) quantile: ``ceil(G * q)``, at least 1 for G >= 2, at most G // 2."""
+    if num_groups < 2:
+        return 0
+    return min(max(math.ceil(num_groups * quantile), 1), num_groups // 2)
+
+
+@dataclass
+class PBTVote(VoteRule):
+    """Truncation selection: the bottom quantile copies the top quantile and perturbs its multiplier.
+
+    Args:
+        quantile: share of groups in the bottom (movers) and top (sources) quantiles (Ray Tune: 0.25).
+        resample_probability: chance a mover draws its multiplier log-uniformly over the current range instead of
+            perturbing its source's (Ray Tune: 0.25).
+        factors: the two perturbation factors, picked at random (Ray Tune: 0.8 and 1.2).
+        min_spread: log-distance from the leader's multiplier kept on each side by some group (> 0).
+        reference_group: index of a slow reference group, moved only every ``reference_every`` votes; ``None``: none.
+        reference_every: how often the reference group takes part in selection.
+    """
+
+    quantile: float = 0.25
+    resample_probability: float = 0.25
+    factors: tuple[float, float] = (0.8, 1.2)
+    min_spread: float = math.log(1.2)
+    reference_group: Optional[int] = None
+    reference_every: int = 4
+    votes: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_number("quantile", self.quantile, 0.0, 0.5, low_open=True)
+        check_number("resample_probability", self.resample_probability, 0.0, 1.0)
+        require("factors", self.factors, len(self.factors) == 2 and all(
+            isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in self.factors),
+            "two positive finite numbers")
+        check_number("min_spread", self.min_spread, low=0.0, low_open=True)
+        check_int("reference_group", self.reference_group, minimum=0, optional=True)
+        check_int("reference_every", self.reference_every, minimum=1)
+
+    def rank(self, ballot: Ballot) -> list[int]:
+        """Groups from best to worst: healthy ones by loss (lowest index on ties), then the unhealthy ones."""
+        n = len(ballot.losses)
+        def key(g: int) -> tuple:
+            ok = ballot.healthy[g] and math.isfinite(ballot.losses[g])
+            return (0, ballot.losses[g], g) if ok else (1, 0.0, g)
+        return sorted(range(n), key=key)
+
+    def pairs(self, ballot: Ballot, vote: int) -> dict[int, int]:
+        """``{mover: source}``: the k-th worst copies the k-th best; every unhealthy group moves too."""
+        order = self.rank(ballot)
+        healthy = [g for g in order if ballot.healthy[g] and math.isfinite(ballot.losses[g])]
+        k = quantile_size(len(order), self.quantile)
+        exempt = self.reference_group if self.reference_group is not None and vote % self.reference_every else None
+        candidates = [g for g in reversed(order) if g != exempt]
+        movers = [g for g in candidates if g not in healthy]
+        movers += [g for g in candidates if g in healthy and g not in movers][: max(k - len(movers), 0)]
+        sources = [g for g in healthy if g not in movers][: max(k, 1)]
+        return {g: sources[i % len(sources)] for i, g in enumerate(movers)} if sources else {}
+
+    def explore(self, ballot: Ballot, generator: torch.Generator) -> Selection:
+        n = len(ballot.losses)
+        winner = winner_of(ballot.losses, ballot.healthy)
+        weights = [1.0 if g == winner else 0.0 for g in range(n)]
+        multipliers = list(ballot.multipliers)
+        vote = self.votes.get(ballot.key, 0)
+        require("reference_group", self.reference_group, self.reference_group is None or self.reference_group < n,
+                f"None or a group index below the number of groups ({n})")
+        if not ballot.move or winner < 0 or n < 2:
+            return Selection(weights, winner, multipliers, list(range(n)))
+        self.votes[ballot.key] = vote + 1
+        pairs = self.pairs(ballot, vote)
+        low, high = min(multipliers), max(multipliers)
+        for g, src in pairs.items():
+            multipliers[g] = self._perturb(multipliers[src], low, high, generator)
+        self._keep_spread(multipliers, winner, list(pairs))
+        return Selection(weights, winner, multipliers, [pairs.get(g, g) for g in range(n)])
+
+    def _perturb(self, source: float, low: float, high: float, generator: torch.Generator) -> float:
+        draws = torch.rand(2, generator=generator, dtype=torch.float64).tolist()
+        if draws[0] < self.resample_probability:
+            log_low = min(math.log(low), math.log(source) - self.min_spread)
+            log_high = max(math.log(high), math.log(source) + self.min_spread)
+            return math.exp(log_low + draws[1] * (log_high - log_low))
+        return source * (self.factors[0] if draws[1] < 0.5 else self.factors[1])
+
+    def _keep_spread(self, multipliers: list[float], leader: int, movers: list[int]) -> None:
+        """Place movers so some group sits ``exp(min_spread)`` above the leader and some below (up first)."""
+        lead = multipliers[leader]
+        up, down = lead * math.exp(self.min_spread), lead * math.exp(-self.min_spread)
+        free = list(movers)
+        if free and not any(m >= up * (1 - 1e-12) for m in multipliers):
+            g = max(free, key=lambda h: (multipliers[h], -h))
+            multipliers[g] = up
+            free.remove(g)
+        if free and not any(m <= down * (1 + 1e-12) for m in multipliers):
+            g = min(free, key=lambda h: (multipliers[h], h))
+            multipliers[g] = down
+
+    def state_dict(self) -> dict:
+        return {"votes": dict(self.votes)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.votes = {int(k): int(v) for k, v in state.get("votes", {}).items()}

@@ -1,0 +1,92 @@
+"""Collapse detection: each rule against hand-computed losses, the history it keeps, and the good-merge test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_hdet.hdet.collapse import CollapseHistory, CollapseRule, Verdict, advance, is_good, judge
+
+OK = [True, True, True]
+
+
+def test_non_finite_and_worse_than_best():
+    verdict = judge(CollapseRule(), CollapseHistory(), [1.0, 20.0, math.nan], OK)
+    assert verdict.reasons == ["", "x best", "non-finite"] and verdict.diverged == [False, True, True]
+    verdict = judge(CollapseRule(factor=None), CollapseHistory(), [1.0, 20.0, 3.0], [True, True, False])
+    assert verdict.reasons == ["", "", "non-finite"]  # a group that skipped a step is caught whatever its loss
+
+
+def test_a_group_stuck_at_its_starting_level_is_caught_after_patience_votes():
+    rule = CollapseRule(patience=2)
+    history = CollapseHistory()
+    verdict = judge(rule, history, [3.0, 3.0], [True, True])  # first vote: nothing to compare with yet
+    assert verdict.reasons == ["", ""]
+    history = advance(history, verdict, [3.0, 3.0], rolled_back=False, first=[5.5, 5.5])
+    assert history.start == [5.5, 5.5] and history.previous == [3.0, 3.0]
+    verdict = judge(rule, history, [2.0, 6.1], [True, True])
+    assert verdict.reasons == ["", "rose"] and verdict.stalled == [0, 1]  # 6.1 > 2 x 3.0 rose; stalled 1 of 2
+    history = advance(history, Verdict([False, False], ["", ""], verdict.stalled), [2.0, 6.1], rolled_back=False)
+    verdict = judge(rule, history, [1.5, 5.5], [True, True])
+    assert verdict.reasons == ["", "stalled"] and verdict.stalled == [0, 2]
+    loose = CollapseRule(patience=1, stall_tolerance=0.05)  # 5.3 >= 0.95 * 5.5 = 5.225
+    assert judge(loose, history, [1.5, 5.3], [True, True]).reasons == ["", "stalled"]
+    assert judge(rule, history, [1.5, 5.5], [True, True], progress=False).reasons == ["", ""]
+
+
+def test_rise_over_own_previous_interval():
+    history = CollapseHistory([10.0, 10.0], [1.0, 1.0], [0, 0])
+    assert judge(CollapseRule(rise=1.0), history, [2.0, 2.01], [True, True]).reasons == ["", "rose"]
+    assert judge(CollapseRule(rise=None), history, [2.0, 2.01], [True, True]).reasons == ["", ""]
+
+
+def test_constant_predictor_level():
+    rule = CollapseRule(chance_loss=math.log(256), chance_tolerance=0.05)  # 0.95 * 5.545 = 5.268
+    verdict = judge(rule, CollapseHistory(), [5.30, 5.20, 7.0], OK)
+    assert verdict.reasons == ["chance", "", "chance"]
+    assert not verdict.all_diverged and judge(rule, CollapseHistory(), [5.3, 5.4, 5.5], OK).all_diverged
+
+
+def test_advance_forgets_after_a_rescue_or_a_roll_back():
+    history = CollapseHistory([5.0, math.nan, 5.0], [2.0, 2.0, 2.0], [1, 1, 1])
+    verdict = Verdict([False, False, True], ["", "", "non-finite"], [1, 1, 1])
+    after = advance(history, verdict, [1.5, 4.0, math.nan], rolled_back=False, first=[9.0, 4.0, 9.0])
+    assert after.start == [5.0, 4.0, 5.0]  # set once, from the first step's loss
+    assert math.isnan(advance(history, verdict, [1.5, 4.0, 1.0], rolled_back=False).start[1])  # unknown: no rule
+    assert after.previous[:2] == [1.5, 4.0] and math.isnan(after.previous[2]) and after.stalled == [1, 1, 0]
+    rolled = advance(history, verdict, [1.5, 4.0, math.nan], rolled_back=True)
+    assert all(math.isnan(p) for p in rolled.previous) and rolled.stalled == [0, 0, 0]
+
+
+def test_good_merge_needs_every_kept_group_below_its_start():
+    rule = CollapseRule()
+    history = CollapseHistory([3.0, 3.0], [math.nan, math.nan], [0, 0])
+    fine = Verdict([False, False], ["", ""], [0, 0])
+    assert is_good(rule, fine, [2.0, 2.5], history)
+    assert not is_good(rule, fine, [2.0, 3.0], history)
+    assert is_good(rule, Verdict([False, True], ["", "rose"], [0, 0]), [2.0, 9.0], history)
+    assert not is_good(rule, Verdict([True, True], ["x", "x"], [0, 0]), [2.0, 2.0], history)
+    assert is_good(rule, fine, [2.0, 2.0], CollapseHistory())  # no starting level known: any finite merge is
+
+
+def test_history_state_round_trip_and_resize():
+    history = CollapseHistory([5.0, 4.0], [1.0, math.nan], [0, 2])
+    other = CollapseHistory()
+    other.load_state_dict(history.state_dict())
+    assert other.start == [5.0, 4.0] and other.stalled == [0, 2] and math.isnan(other.previous[1])
+    fresh = history.sized(3)
+    assert len(fresh.start) == 3 and all(math.isnan(s) for s in fresh.start)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"factor": 1.0}, "`divergence_factor` must be a finite number > 1"),
+    ({"patience": 0}, "`stall_patience` must be a positive integer or None"),
+    ({"rise": -0.5}, "`rise_margin` must be a finite number > 0 or None"),
+    ({"chance_loss": math.inf}, "`chance_loss` must be a finite number or None"),
+    ({"chance_tolerance": 1.0}, r"`chance_tolerance` must be a number in \[0, 1\)"),
+    ({"stall_tolerance": -0.1}, r"`stall_tolerance` must be a number in \[0, 1\)"),
+])
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CollapseRule(**kwargs)

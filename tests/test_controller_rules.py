@@ -1,0 +1,98 @@
+"""The controller with the PBT vote, the curve signals and the collapse rules, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_hdet import HDETCallback
+from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.controller import HDETController, Interval
+from lightning_hdet.hdet.selection import MergeStep
+from lightning_hdet.hdet.signals import LossCurve
+
+
+def _interval(losses, multipliers, step=4, final=False, curves=None, first=None, finite=None):
+    table = torch.tensor(multipliers, dtype=torch.float64)[:, None]
+    finite = [True] * len(losses) if finite is None else finite
+    return Interval(step, losses, finite, table, [0.1], False, final, curves, first)
+
+
+def test_pbt_decision_copies_the_best_into_the_worst_only():
+    controller = HDETController(HDETConfig(vote="pbt", resample_probability=0.0))
+    decision = controller.decide(_interval([3.0, 1.0, 2.0, 4.0], (0.5, 1.0, 2.0, 4.0)))
+    assert decision.plan == [MergeStep([0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0])] and decision.coefficients == []
+    assert decision.multipliers[:3, 0].tolist() == [0.5, 1.0, 2.0]
+    assert round(float(decision.multipliers[3, 0]), 9) in (0.8, 1.2)
+    assert controller.finishing_merge() == ([0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0])  # ends on the winner
+    final = controller.decide(_interval([3.0, 1.0, 2.0, 4.0], (0.5, 1.0, 2.0, 4.0), final=True))
+    assert final.plan == [MergeStep([0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0])]
+
+
+def _curves(interval: int, shapes) -> torch.Tensor:
+    rows = []
+    for a, b, c in shapes:
+        curve = LossCurve(interval, 8)
+        for t in range(interval):
+            curve.add(t, torch.tensor(a + b * math.exp(-c * t)))
+        rows.append(curve.row())
+    return torch.stack(rows)
+
+
+def test_forecast_signal_votes_for_the_steeper_curve_and_the_final_merge_by_level():
+    curves = _curves(16, [(1.00, 1.0, 0.4), (0.60, 1.5, 0.1)])  # group 0: lower mean; group 1: still falling
+    means = [float(r[:8].sum() / r[8:].sum()) for r in curves]
+    assert means[0] < means[1]
+    mean_vote = HDETController(HDETConfig(every_n_steps=16, vote="best", blend="best"))
+    assert mean_vote.decide(_interval(means, (1.0, 2.0), curves=curves)).winner == 0
+    forecast = HDETController(HDETConfig(every_n_steps=16, vote="best", blend="best", signal="forecast",
+                                         forecast_horizon=64))
+    decision = forecast.decide(_interval(means, (1.0, 2.0), curves=curves))
+    assert decision.winner == 1 and decision.coefficients == [0.0, 1.0] and decision.losses == means
+    assert forecast.decide(_interval(means, (1.0, 2.0), curves=curves, final=True)).winner == 0
+
+
+def test_collapsed_groups_roll_back_with_cut_lrs_and_no_good_merge():
+    controller = HDETController(HDETConfig(stall_patience=1, permute=False, meta_lr=0.0))
+    first = controller.decide(_interval([2.4, 2.5], (1.0, 2.0), first=[2.3, 2.3]))
+    assert not first.roll_back and not first.keep  # nobody below its first step's loss: not a roll-back point
+    second = controller.decide(_interval([2.35, 2.4], (1.0, 2.0), step=8))
+    assert second.roll_back and second.reasons == ["stalled", "stalled"] and second.plan == []
+    assert second.multipliers[:, 0].tolist() == [0.5, 1.0]
+    third = controller.decide(_interval([1.5, 1.9], (0.5, 1.0), step=12))
+    assert not third.roll_back and third.keep and third.reasons == ["", ""]
+    assert controller.collapse_history.start == [2.3, 2.3]
+    assert [h["reason"] for h in controller.history[2:4]] == ["stalled", "stalled"]
+
+
+def test_constant_predictor_and_rise_rules_rescue_one_group():
+    controller = HDETController(HDETConfig(chance_loss=math.log(10), rise_margin=1.0, permute=False, meta_lr=0.0))
+    decision = controller.decide(_interval([2.25, 1.0], (1.0, 2.0)))  # 2.25 >= 0.95 ln 10 = 2.187
+    assert decision.rescued == [True, False] and decision.reasons == ["chance", ""]
+    assert decision.coefficients == [0.0, 1.0] and decision.multipliers[:, 0].tolist() == [0.5, 2.0]
+    rose = controller.decide(_interval([1.0, 2.1], (0.5, 2.0), step=8))  # 2.1 > (1 + 1.0) x 1.0
+    assert rose.reasons == ["", "rose"] and not rose.roll_back
+
+
+def test_safety_net_off_judges_nothing_and_keeps_every_finite_merge():
+    controller = HDETController(HDETConfig(safety_net=False, chance_loss=1.0))
+    decision = controller.decide(_interval([5.0, 5.0], (1.0, 2.0), first=[1.0, 1.0]))
+    assert decision.rescued == [False, False] and decision.keep
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"vote": "pbt", "quantile": 0.9}, r"`quantile` must be a number in \(0, 0.5\]"),
+    ({"signal": "slope"}, "`signal` must be one of"),
+    ({"signal": "forecast", "monitor": "val_loss"}, "`signal` must be 'mean' when `monitor` is set"),
+    ({"forecast_horizon": 0}, "`forecast_horizon` must be a positive integer or None"),
+    ({"curve_bins": 1}, "`curve_bins` must be an integer >= 2"),
+    ({"stall_patience": 0}, "`stall_patience` must be a positive integer or None"),
+    ({"rise_margin": 0}, "`rise_margin` must be a finite number > 0 or None"),
+    ({"chance_loss": float("nan")}, "`chance_loss` must be a finite number or None"),
+    ({"reference_group": -1}, "`reference_group` must be an integer >= 0 or None"),
+])
+def test_callback_rejects_bad_rule_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HDETCallback(**kwargs)
