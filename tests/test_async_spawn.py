@@ -34,5 +34,9 @@ def test_spawn_with_explicit_callbacks_trains(tmp_path: Path, strategy: str) -> 
     final = ranks[0]["final_params"]
     assert torch.isfinite(final).all() and not torch.equal(final, initial)
     assert torch.equal(ranks[1]["final_params"], final)  # every rank ends with the global model
-    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["async_local_sgd"]
-    assert saved["steps_done"] == 2 * 8
+    # The budget (workers x max_steps inner steps) is spent exactly, however the two speeds split it.
+    assert ranks[0]["global_step"] + ranks[1]["global_step"] == 2 * 8
+    # A checkpoint written during training holds the steps done so far: rank 0's step 4 or 8 falls at any point of
+    # the shared budget, depending on how the two speeds split it (asserting all 16 here was timing-dependent).
+    during = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["async_local_sgd"]
+    assert 0 < during["steps_done"] <= 2 * 8
