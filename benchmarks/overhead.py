@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import RunSpec, add_output_args, begin, fit_run, fmt, markdown_table, publish
 
 NAME = "overhead"
+PARTS = ("throughput", "exchange", "lean")
 _COUNTS = {"collective": 0, "sent": 0, "received": 0}
 
 
@@ -101,6 +104,103 @@ class Probe(Callback):
             "params": sum(p.numel() for p in pl_module.parameters()),
         }
         (self.out_dir / f"probe{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class PeakRSS:
+    """Context manager: ``extra`` is this process's peak resident set above its level at entry, in bytes, sampled
+    from ``/proc/self/statm`` every 0.2 ms by a thread (torch's big CPU allocations are ``mmap``s: freed, they
+    leave the resident set, so the peak of one call is seen apart from the rest of the run)."""
+
+    def __enter__(self) -> "PeakRSS":
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.0002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.extra = max(self.peak, _rss()) - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class MemoryProbe(Callback):
+    """In each rank: the peak extra resident memory of every HDET merge and of one checkpoint written at the end
+    of the fit (``trainer.save_checkpoint``); writes ``memory{rank}.json`` with them and the sizes they compare to:
+    the model (float32 bytes) and this rank's own state (parameters and optimizer state)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.merges: list[int] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = trainer.strategy
+        if not hasattr(strategy, "merge"):
+            return
+        merge = strategy.merge
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            with PeakRSS() as peak:
+                out = merge(*args, **kwargs)
+            self.merges.append(peak.extra)
+            return out
+
+        strategy.merge = measured
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_hdet._tensors import to_cpu
+
+        with PeakRSS() as peak:
+            trainer.save_checkpoint(self.out_dir / "end.ckpt")
+        optimizer_state = to_cpu([opt.state_dict()["state"] for opt in trainer.optimizers])
+        record = {
+            "merge_extra_bytes": max(self.merges, default=0),
+            "checkpoint_extra_bytes": peak.extra,
+            "model_bytes": 4 * sum(p.numel() for p in pl_module.parameters()),
+            "own_state_bytes": _bytes(list(pl_module.state_dict().values())) + _bytes(optimizer_state),
+        }
+        (self.out_dir / f"memory{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested structure."""
+    if hasattr(obj, "element_size"):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_bytes(v) for v in obj)
+    return 0
+
+
+def run_memory(kind: str, args: argparse.Namespace, work: Path, world_size: int) -> list[dict]:
+    """A short fit of a large char LM (``--lean-d-model``) under ``kind`` (``ddp`` or ``hdet``, one group per
+    rank, a merge every 2 steps) on ``world_size`` processes; every rank's :class:`MemoryProbe` record."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_hdet import HDETCallback, HDETStrategy
+
+    common = {"start_method": "spawn", "process_group_backend": "gloo"}
+    callbacks: list[Callback] = [MemoryProbe(work)]
+    if kind == "ddp":
+        strategy = DDPStrategy(**common)
+    else:
+        strategy = HDETStrategy(**common)
+        callbacks.append(HDETCallback(every_n_steps=2))
+    spec = RunSpec(lr=1e-3, steps=4, devices=world_size, batch_size=2, max_chars=args.max_chars, val_every=4,
+                   val_batches=1, model={"d_model": args.lean_d_model, "n_layers": 4})
+    work.mkdir(parents=True, exist_ok=True)
+    fit_run(spec, work, strategy=strategy, callbacks=callbacks)
+    return [json.loads((work / f"memory{r}.json").read_text()) for r in range(world_size)]
 
 
 def run_probe(
@@ -167,6 +267,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=None, help="per process (default 16, quick 8)")
     p.add_argument("--max-chars", type=int, default=1_000_000)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="throughput (with the bytes of ddp/hdet), exchange (diloco/async bytes and host memory), "
+                        "lean (HDET merge and checkpoint memory); results of a subset go to overhead_<parts>")
+    p.add_argument("--lean-d-model", type=int, default=None, help="width of the lean memory runs (default 768, quick 64)")
+    p.add_argument("--lean-world-sizes", type=int, nargs="+", default=None, help="G = W of the checkpoint memory runs (default 2 4, quick 2)")
     args = p.parse_args(argv)
     q = args.quick
     args.steps = args.steps or (16 if q else 300)
@@ -176,6 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.d_model = args.d_model or (32 if q else 64)
     args.memory_d_model = args.memory_d_model or (32 if q else 256)
     args.batch_size = args.batch_size or (8 if q else 16)
+    args.lean_d_model = args.lean_d_model or (64 if q else 768)
+    args.lean_world_sizes = args.lean_world_sizes or ([2] if q else [2, 4])
     if args.world_size < 2:
         p.error(f"--world-size={args.world_size} must be at least 2")
     return args
@@ -183,46 +290,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    name, t0 = begin(NAME, args.quick)
+    parts = [part for part in PARTS if part in args.parts]
+    name, t0 = begin(NAME if parts == list(PARTS) else "_".join([NAME, *parts]), args.quick)
+    payload: dict[str, Any] = {}
+    sections: list[str] = []
+    with tempfile.TemporaryDirectory(prefix=name) as tmp:
+        probes: dict[str, list[dict]] = {}
+        if "throughput" in parts:
+            speed = measure_throughput(args, Path(tmp), probes)
+            payload.update(throughput=speed["rows"], raw_speed=speed["raw"])
+            sections.append(markdown_table(["arm", "steps/s (rank 0)", "relative to ddp", "repeats"], [
+                [r["arm"], fmt(r["steps_per_s"], ".2f"), fmt(r["relative_to_ddp"], ".3f"),
+                 " / ".join(fmt(x, ".2f") for x in payload["raw_speed"][r["arm"]])] for r in payload["throughput"]]))
+        if "exchange" in parts:
+            payload["memory"], table = measure_exchange(args, Path(tmp), probes)
+            sections.append(table)
+        if probes:
+            payload["bytes"] = bytes_rows(args, probes)
+            sections.insert(1 if "throughput" in parts else 0, markdown_table(
+                ["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)"],
+                [[r["arm"], str(r["params"]), fmt(r["computed_bytes_per_step"], ".0f"),
+                  fmt(r["measured_bytes_per_step"], ".0f")] for r in payload["bytes"]]))
+        if "lean" in parts:
+            payload["lean"], table = measure_lean(args, Path(tmp))
+            sections.append(table)
+    payload["total_wall_s"] = time.perf_counter() - t0
+    md = (
+        f"Mode: {'quick' if args.quick else 'full'}; parts: {', '.join(parts)}; W = {args.world_size} processes; "
+        f"throughput: width {args.d_model}, {args.steps} steps per arm, {args.repeats} interleaved repeat(s), "
+        f"median; bytes and memory: width {args.memory_d_model}, budget {args.exchange_steps} steps, H = "
+        f"{args.local_steps}; lean: width {args.lean_d_model}, 4 layers. Load average at the start "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores. Total wall-clock {payload['total_wall_s']:.0f} s.\n\n"
+        + "\n\n".join(sections) + "\n"
+    )
+    publish(name, args, payload, md, args.max_chars)
+    return payload
+
+
+def measure_throughput(args: argparse.Namespace, tmp: Path, probes: dict[str, list[dict]]) -> dict:
+    """DDP and HDET at every T, interleaved over the repeats; rows with the median, and ``raw`` per arm."""
     arms = [("ddp", 0)] + [("hdet", t) for t in args.intervals]
     speed: dict[str, list[float]] = {}
-    probes: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix=name) as tmp:
-        for rep in range(args.repeats):
-            for kind, every in arms:
-                label = kind if kind == "ddp" else f"hdet T={every}"
-                ranks = run_probe(kind, args, Path(tmp) / f"{label}_{rep}".replace(" ", "_"), args.steps, args.d_model, every)
-                speed.setdefault(label, []).append((ranks[0]["steps"] - 1) / ranks[0]["span_s"])
-                probes[label] = ranks
-        for kind in ("ddp", "diloco", "async"):
-            if kind == "ddp" and args.memory_d_model == args.d_model:  # same model: reuse the throughput run
-                probes["ddp (memory)"] = probes["ddp"]
-                continue
-            probes[f"{kind} (memory)"] = run_probe(kind, args, Path(tmp) / f"mem_{kind}", args.exchange_steps, args.memory_d_model)
-        probes["diloco (no inner states)"] = run_probe(
-            "diloco", args, Path(tmp) / "diloco_no_inner", args.exchange_steps, args.memory_d_model, inner_states=False)
-    total_s = time.perf_counter() - t0
-
+    for rep in range(args.repeats):
+        for kind, every in arms:
+            label = kind if kind == "ddp" else f"hdet T={every}"
+            ranks = run_probe(kind, args, tmp / f"{label}_{rep}".replace(" ", "_"), args.steps, args.d_model, every)
+            speed.setdefault(label, []).append((ranks[0]["steps"] - 1) / ranks[0]["span_s"])
+            probes[label] = ranks
     ddp_speed = statistics.median(speed["ddp"])
-    throughput = [
+    return {"rows": [
         {"arm": label, "steps_per_s": statistics.median(v), "relative_to_ddp": statistics.median(v) / ddp_speed}
         for label, v in speed.items()
-    ]
-    comm = []
-    h = args.local_steps
-    for label, arm, kind, every in [
-        ("ddp", "ddp", "ddp", 0), *[(f"hdet T={t}", f"hdet T={t}", "hdet", t) for t in args.intervals],
-        ("diloco (memory)", f"diloco H={h}", "diloco", 0), ("async (memory)", f"async H={h}", "async", 0),
-        ("diloco (no inner states)", f"diloco H={h}, no inner states", "diloco", 0),
-    ]:
-        ranks = probes[label]
-        params = ranks[0]["params"]
-        comm.append({
-            "arm": arm, "params": params,
-            "computed_bytes_per_step": computed_bytes(kind, params, every, h, args.exchange_steps,
-                                                      inner_states="no inner states" not in arm),
-            "measured_bytes_per_step": measured_bytes(ranks),
-        })
+    ], "raw": speed}
+
+
+def measure_exchange(args: argparse.Namespace, tmp: Path, probes: dict[str, list[dict]]) -> tuple[dict, str]:
+    """DiLoCo and async (and DDP on the same larger model): their bytes and rank 0's peak host memory."""
+    for kind in ("ddp", "diloco", "async"):
+        if kind == "ddp" and args.memory_d_model == args.d_model and "ddp" in probes:  # reuse the throughput run
+            probes["ddp (memory)"] = probes["ddp"]
+            continue
+        probes[f"{kind} (memory)"] = run_probe(kind, args, tmp / f"mem_{kind}", args.exchange_steps, args.memory_d_model)
+    probes["diloco (no inner states)"] = run_probe(
+        "diloco", args, tmp / "diloco_no_inner", args.exchange_steps, args.memory_d_model, inner_states=False)
     model_bytes = 4 * probes["async (memory)"][0]["params"]
     rss = {k: probes[f"{k} (memory)"][0]["peak_rss_bytes"] for k in ("ddp", "diloco", "async")}
     memory = {
@@ -231,29 +361,51 @@ def main(argv: list[str] | None = None) -> dict:
         "async_minus_ddp_over_model": (rss["async"] - rss["ddp"]) / model_bytes,
         "diloco_minus_ddp_over_model": (rss["diloco"] - rss["ddp"]) / model_bytes,
     }
-    md = (
-        f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} processes; throughput: width "
-        f"{args.d_model}, {args.steps} steps per arm, {args.repeats} interleaved repeat(s), median; bytes and "
-        f"memory: width {args.memory_d_model}, budget {args.exchange_steps} steps, H = {args.local_steps}. "
-        f"Total wall-clock {total_s:.0f} s.\n\n"
-        + markdown_table(["arm", "steps/s (rank 0)", "relative to ddp"],
-                         [[r["arm"], fmt(r["steps_per_s"], ".2f"), fmt(r["relative_to_ddp"], ".3f")] for r in throughput])
-        + "\n\n"
-        + markdown_table(["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)"],
-                         [[r["arm"], str(r["params"]), fmt(r["computed_bytes_per_step"], ".0f"),
-                           fmt(r["measured_bytes_per_step"], ".0f")] for r in comm])
-        + "\n\n"
-        + markdown_table(["rank 0 peak RSS", "ddp", "diloco", "async DN+DyLU", "model (float32)",
-                          "(async − ddp) / model", "(diloco − ddp) / model"],
-                         [["MB", *(fmt(rss[k] / 2**20, ".1f") for k in ("ddp", "diloco", "async")),
-                           fmt(model_bytes / 2**20, ".2f"), fmt(memory["async_minus_ddp_over_model"], ".1f"),
-                           fmt(memory["diloco_minus_ddp_over_model"], ".1f")]])
-        + "\n"
-    )
-    payload = {"total_wall_s": total_s, "throughput": throughput, "bytes": comm, "memory": memory,
-               "raw_speed": speed}
-    publish(name, args, payload, md, args.max_chars)
-    return payload
+    table = markdown_table(["rank 0 peak RSS", "ddp", "diloco", "async DN+DyLU", "model (float32)",
+                            "(async − ddp) / model", "(diloco − ddp) / model"],
+                           [["MB", *(fmt(rss[k] / 2**20, ".1f") for k in ("ddp", "diloco", "async")),
+                             fmt(model_bytes / 2**20, ".2f"), fmt(memory["async_minus_ddp_over_model"], ".1f"),
+                             fmt(memory["diloco_minus_ddp_over_model"], ".1f")]])
+    return memory, table
+
+
+def bytes_rows(args: argparse.Namespace, probes: dict[str, list[dict]]) -> list[dict]:
+    """Computed and measured bytes per inner step of every arm that ran."""
+    h = args.local_steps
+    rows = []
+    for label, arm, kind, every in [
+        ("ddp", "ddp", "ddp", 0), *[(f"hdet T={t}", f"hdet T={t}", "hdet", t) for t in args.intervals],
+        ("diloco (memory)", f"diloco H={h}", "diloco", 0), ("async (memory)", f"async H={h}", "async", 0),
+        ("diloco (no inner states)", f"diloco H={h}, no inner states", "diloco", 0),
+    ]:
+        if label not in probes:
+            continue
+        ranks = probes[label]
+        params = ranks[0]["params"]
+        rows.append({
+            "arm": arm, "params": params,
+            "computed_bytes_per_step": computed_bytes(kind, params, every, h, args.exchange_steps,
+                                                      inner_states="no inner states" not in arm),
+            "measured_bytes_per_step": measured_bytes(ranks),
+        })
+    return rows
+
+
+def measure_lean(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], str]:
+    """Rank 0's peak extra memory during a merge and during a checkpoint, HDET (G = W) against DDP."""
+    rows = []
+    for world_size in args.lean_world_sizes:
+        for kind in ("ddp", "hdet"):
+            rank0 = run_memory(kind, args, tmp / f"lean_{kind}_{world_size}", world_size)[0]
+            rows.append({"arm": kind, "world_size": world_size, **rank0})
+    mb = lambda x: fmt(x / 2**20, ".1f")  # noqa: E731
+    table = markdown_table(
+        ["arm", "W (= G for hdet)", "model MB", "rank 0 own state MB", "merge: peak extra MB",
+         "checkpoint: peak extra MB", "checkpoint extra / (own state + model)"],
+        [[r["arm"], str(r["world_size"]), mb(r["model_bytes"]), mb(r["own_state_bytes"]),
+          mb(r["merge_extra_bytes"]) if r["arm"] == "hdet" else "—", mb(r["checkpoint_extra_bytes"]),
+          fmt(r["checkpoint_extra_bytes"] / (r["own_state_bytes"] + r["model_bytes"]), ".2f")] for r in rows])
+    return rows, table
 
 
 if __name__ == "__main__":
