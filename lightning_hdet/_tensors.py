@@ -30,9 +30,14 @@ def numel(tensors: Sequence[Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
+def flat_dtype(tensors: Sequence[Tensor]) -> torch.dtype:
+    """The dtype of the flat vectors that carry ``tensors``: float64 if any tensor is float64, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
-    """A new flat copy on the tensors' device: float64 if any tensor is float64, else float32."""
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    """A new flat copy on the tensors' device, in :func:`flat_dtype`."""
+    dtype = flat_dtype(tensors)
     return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 
 
