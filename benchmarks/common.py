@@ -33,8 +33,6 @@ from lightning_hdet.demos.corpus import DEFAULT_MAX_CHARS
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_DIR = REPO / "docs"
-# Sandboxed machines reject the default fd-passing of shared CPU tensors to spawned workers.
-torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 @dataclass

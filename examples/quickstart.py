@@ -87,7 +87,7 @@ def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger, val_loss
     print(f"Rescues: {hdet.rescues}. Final validation loss of the merged model: {val_loss:.4f}")
     csv_logger.save()
     try:
-        from lightning_hdet.records.report import write_report
+        from lightning_hdet.records import write_report
     except ImportError:
         return
     paths = write_report(csv_logger.log_dir, Path(csv_logger.log_dir) / "plots")

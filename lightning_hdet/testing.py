@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 #: Seconds per step of the four heterogeneous workers in the asynchronous Local-SGD paper's toy example.
 PUBLISHED_STEP_SECONDS: tuple[float, ...] = (0.58, 0.75, 1.51, 3.33)
@@ -52,9 +53,11 @@ class SlowRanks(Callback):
         """The target duration of one training step on ``rank``."""
         return self.factors.get(rank, 1.0) * self.base_seconds
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

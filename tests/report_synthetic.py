@@ -132,7 +132,7 @@ def record_run(loggers: list[Logger], steps: int = STEPS) -> None:
 if __name__ == "__main__":  # regenerate the docs figures: python tests/report_synthetic.py docs/img
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_hdet.records.report import write_report
+    from lightning_hdet.records import write_report
 
     with tempfile.TemporaryDirectory() as run_dir:
         logger = CSVLogger(run_dir, name="", version="")

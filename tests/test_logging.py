@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 from lightning_hdet import HDETCallback, HDETStrategy
-from lightning_hdet.records.report import load_history
+from lightning_hdet.records import load_history
 from tests.helpers import LinearModel, trainer_kwargs
 from tests.report_synthetic import offline_wandb_env
 from tests.test_wandb_utils import wandb_summary

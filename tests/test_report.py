@@ -12,8 +12,11 @@ from tests.report_synthetic import (
     GROUPS, ROUND_EVERY, STEPS, WORKERS, offline_wandb_env, record_run, synthetic_metrics,
 )
 
+from lightning_hdet.records import History, load_history, make_figures
+from lightning_hdet.records import figures as figures_module
+from lightning_hdet.records import history as history_module
 from lightning_hdet.records import report
-from lightning_hdet.records.report import History, load_history, make_figures, votes
+from lightning_hdet.records.history import votes
 
 pytest.importorskip("matplotlib")
 
@@ -69,7 +72,7 @@ def test_history_has_every_documented_key_and_value(recorded, expected, kind):
 def test_cli_writes_every_png(recorded, kind, tmp_path, capsys):
     assert report.main([str(recorded[kind]), "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.split()
-    assert printed == [str(tmp_path / f"{name}.png") for name in report.FIGURE_NAMES]
+    assert printed == [str(tmp_path / f"{name}.png") for name in figures_module.FIGURE_NAMES]
     for path in map(Path, printed):
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
@@ -78,7 +81,7 @@ def test_cli_writes_every_png(recorded, kind, tmp_path, capsys):
 def test_figures_show_groups_votes_and_workers(recorded, expected):
     history = load_history(recorded["csv"])
     figures = make_figures(history)
-    assert list(figures) == list(report.FIGURE_NAMES)
+    assert list(figures) == list(figures_module.FIGURE_NAMES)
 
     ax = figures["hdet_loss"].axes[0]
     assert [line.get_label() for line in ax.get_lines()] == [f"group {g}" for g in range(GROUPS)]
@@ -117,7 +120,7 @@ def test_figures_show_groups_votes_and_workers(recorded, expected):
         y = round(bar.get_y() + bar.get_height() / 2)
         ends[y] = max(ends.get(y, 0.0), bar.get_x() + bar.get_width())
     for w in range(WORKERS):
-        rounds = report.worker_rounds(history, w)
+        rounds = history_module.worker_rounds(history, w)
         assert ends[w] == pytest.approx(sum(r.compute_s + r.wait_s for r in rounds), rel=1e-6)
 
     ax = figures["async_staleness"].axes[0]
@@ -158,12 +161,12 @@ def test_log_figures_to_wandb_logs_images_only_to_wandb(recorded, tmp_path, monk
     figures = make_figures(load_history(recorded["csv"]))
     csv_logger = CSVLogger(tmp_path / "csv")
     wandb_logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="figures")
-    assert report.log_figures_to_wandb(csv_logger, figures) == 0
-    assert report.log_figures_to_wandb([csv_logger, wandb_logger], figures, step=7) == 1
+    assert figures_module.log_figures_to_wandb(csv_logger, figures) == 0
+    assert figures_module.log_figures_to_wandb([csv_logger, wandb_logger], figures, step=7) == 1
     wandb_logger.experiment.finish()
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     media = (run / "files" / "media" / "images" / "plots").glob("*.png")
     images = sorted(re.sub(r"_\d+_[0-9a-f]+\.png$", "", p.name) for p in media)
-    assert images == sorted(report.FIGURE_NAMES)
+    assert images == sorted(figures_module.FIGURE_NAMES)
     history = load_history(run)
-    assert {f"plots/{name}.count" for name in report.FIGURE_NAMES} <= history.keys
+    assert {f"plots/{name}.count" for name in figures_module.FIGURE_NAMES} <= history.keys

@@ -16,7 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from tests.report_synthetic import offline_wandb_env
 
-from lightning_hdet.records.report import load_history
+from lightning_hdet.records import load_history
 from lightning_hdet.records.wandb import (
     VOTE_COLUMNS,
     finish_worker_run,

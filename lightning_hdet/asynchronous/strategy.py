@@ -55,7 +55,7 @@ from lightning_hdet._tensors import state_from_bytes, state_to_bytes
 from lightning_hdet._checks import is_finite_number
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
-from lightning_hdet.records.report import History, log_report_figures
+from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, record_config
 
 Mode = Literal["async", "sync"]

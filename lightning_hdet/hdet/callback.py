@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_hdet._checks import is_finite_number
 from lightning_hdet._tensors import host_copy
 from lightning_hdet.hdet.blends import BLENDS, blend_coefficients, blend_strengths
-from lightning_hdet.records.report import History, log_report_figures
+from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.hdet.strategy import HDETStrategy
 from lightning_hdet.hdet.votes import Ballot, divergent, make_rule, winner_of
 from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config

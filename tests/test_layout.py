@@ -1,0 +1,136 @@
+"""The package's architecture rules, checked on its source (issue #12): sizes, private Lightning access in one
+module, pure modules free of Lightning and process groups, and no import cycles between the packages."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hdet"
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
+# Pure math: no Lightning, no process groups (unit-tested against hand-computed values).
+PURE = ["hdet/layout.py", "hdet/votes.py", "hdet/blends.py", "hdet/controller.py", "hdet/signals.py",
+        "hdet/selection.py", "hdet/collapse.py", "asynchronous/delayed_nesterov.py", "asynchronous/local_steps.py",
+        "asynchronous/messages.py", "asynchronous/outer.py", "asynchronous/compression.py", "records/history.py",
+        "_checks.py"]
+# Private names of Lightning / W&B objects that only lightning_hdet/_compat.py may touch.
+PRIVATE_ATTRIBUTES = {"_trainer", "_optimizer", "_timeout", "_ddp_kwargs", "_ddp_comm_hook", "_ddp_comm_wrapper",
+                      "_experiment", "_init_pid", "_is_attached", "epoch_loop"}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
+
+
+def _imports(tree: ast.Module) -> list[str]:
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+@pytest.mark.parametrize("path", _modules(), ids=_rel)
+def test_no_class_over_300_lines_and_no_function_over_60(path: Path) -> None:
+    too_long = []
+    for node in ast.walk(_tree(path)):
+        limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if node.end_lineno - start + 1 > limit:
+                too_long.append(f"{node.name}: {node.end_lineno - start + 1} lines (limit {limit})")
+    assert not too_long, f"{_rel(path)}: {too_long}"
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if _rel(p) != "_compat.py"], ids=_rel)
+def test_private_lightning_and_wandb_names_only_in_compat(path: Path) -> None:
+    tree = _tree(path)
+    private_imports = [n for n in _imports(tree) if n.split(".")[0] in ("lightning", "pytorch_lightning", "wandb")
+                       and any(part.startswith("_") for part in n.split("."))]
+    attributes = sorted({node.attr for node in ast.walk(tree)
+                         if isinstance(node, ast.Attribute) and node.attr in PRIVATE_ATTRIBUTES})
+    assert not private_imports and not attributes, (
+        f"{_rel(path)} touches private Lightning/W&B names {private_imports + attributes}: "
+        "go through lightning_hdet/_compat.py"
+    )
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_pure_modules_need_neither_lightning_nor_process_groups(name: str) -> None:
+    path = PACKAGE / name
+    if not path.exists():
+        pytest.skip(f"{name} does not exist in this layout")
+    impure = [n for n in _imports(_tree(path))
+              if n.split(".")[0] in ("lightning", "pytorch_lightning", "wandb")
+              or n.startswith("torch.distributed")]
+    assert not impure, f"{name} is a pure module but imports {impure}"
+
+
+def test_packages_import_each_other_without_cycles() -> None:
+    """hdet/ and asynchronous/ never import each other; records/ and the private helpers import neither."""
+    edges: dict[str, set[str]] = {}
+    for path in _modules():
+        parts = _rel(path).split("/")
+        source = parts[0] if len(parts) > 1 else parts[0][:-3]
+        for name in _imports(_tree(path)):
+            if name.startswith("lightning_hdet."):
+                target = name.split(".")[1]
+                if target != source:
+                    edges.setdefault(source, set()).add(target)
+    assert "asynchronous" not in edges.get("hdet", set()) and "hdet" not in edges.get("asynchronous", set())
+    for leaf in ("records", "_checks", "_tensors", "_compat", "_checkpoint"):
+        assert not edges.get(leaf, set()) & {"hdet", "asynchronous"}, (leaf, edges.get(leaf))
+
+
+def _lightning_classes() -> list[type]:
+    import lightning_hdet
+    from lightning_hdet.testing import SlowRanks
+
+    found = {SlowRanks}
+    for name in lightning_hdet.__all__:
+        obj = getattr(lightning_hdet, name)
+        if isinstance(obj, type) and any(base.__module__.startswith("lightning.") for base in obj.__mro__[1:]):
+            found.add(obj)
+    for cls in list(found):  # companion callbacks installed by the strategies
+        found.update(c for c in cls.__subclasses__() if c.__module__.startswith("lightning_hdet"))
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def test_every_overridden_lightning_hook_carries_override() -> None:
+    """A Lightning release that renames a hook must not silently stop calling ours (``@override`` + type checkers)."""
+    import lightning_hdet.asynchronous.strategy as async_strategy
+
+    classes = _lightning_classes() + [c for c in vars(async_strategy).values()
+                                      if isinstance(c, type) and c.__module__.startswith("lightning_hdet")
+                                      and any(b.__module__.startswith("lightning.") for b in c.__mro__[1:])]
+    missing = []
+    for cls in classes:
+        lightning_bases = [b for b in cls.__mro__[1:] if b.__module__.startswith("lightning.")]
+        for name, member in vars(cls).items():
+            func = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+            if callable(func) and any(name in vars(b) for b in lightning_bases) and name != "__init__":
+                if not getattr(func, "__override__", False):
+                    missing.append(f"{cls.__name__}.{name}")
+    assert not missing, f"overridden Lightning hooks without @override: {sorted(set(missing))}"
+
+
+def test_report_module_runs_without_a_double_import_warning() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "lightning_hdet.report", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "RuntimeWarning" not in done.stderr and "lightning-hdet-report" in done.stdout
