@@ -212,7 +212,7 @@ def run_probe(
 
     from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
 
-    common = {"start_method": "spawn", "process_group_backend": "gloo"}
+    common = {"start_method": "spawn", "process_group_backend": os.environ.get("BENCH_BACKEND", "gloo")}
     callbacks: list[Callback] = [Probe(work, count_ddp_buckets=kind == "ddp")]
     if kind == "ddp":
         strategy = DDPStrategy(**common)
