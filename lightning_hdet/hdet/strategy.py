@@ -200,6 +200,7 @@ class HDETStrategy(EnsembleOps, DDPStrategy):
         ]
         # Lightning destroys the default group at exit for NCCL only; a gloo group still alive while the interpreter
         # finalizes can abort the process ("terminate called without an active exception"): destroy it first.
+        atexit.unregister(_destroy_default_group)  # once per process, however many fits
         atexit.register(_destroy_default_group)
 
     @property
