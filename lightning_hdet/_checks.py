@@ -82,3 +82,13 @@ def _interval(low: Optional[float], high: Optional[float], low_open: bool, high_
     if low is None:
         return f"a finite number {'<' if high_open else '<='} {high:g}"
     return f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def check_positive(name: str, value: Any) -> None:
+    """A positive finite number."""
+    require(name, value, is_finite_number(value) and value > 0, "a positive finite number")
+
+
+def check_integer(name: str, value: Any) -> None:
+    """Any integer (not a ``bool``), e.g. a seed."""
+    require(name, value, is_int(value), "an integer")

@@ -1,13 +1,21 @@
 """HDETCallback: every T steps the groups vote on their losses, learning rates move, parameters are blended.
 
-The rules themselves live in :mod:`lightning_hdet.hdet.votes` (how LRs move) and :mod:`lightning_hdet.hdet.blends` (what the
-groups merge toward); the collectives in :class:`~lightning_hdet.hdet.strategy.HDETStrategy`. This callback decides
-*when*, keeps the controller's state, runs the safety net, logs, and makes checkpoints resumable.
+The callback decides and the strategy executes. One vote, top to bottom (:meth:`HDETCallback.vote_and_merge`):
+
+1. ``_signal``: every group's loss over the interval and whether it stayed finite (one small all-reduce through the
+   strategy's ``gather_group_values``; the skipped-step count comes from the strategy's reset-on-read counter);
+2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.controller.HDETController` turns those numbers into
+   a :class:`~lightning_hdet.hdet.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.votes` and
+   :mod:`~lightning_hdet.hdet.blends`);
+3. the strategy executes it: ``restore()`` (roll-back) or ``merge(...)``, then ``set_lr_multipliers(...)``;
+4. ``_log``: metrics and the vote history.
+
+The callback talks to the strategy only through :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 from typing import Any, Optional
 
 import torch
@@ -15,19 +23,15 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_hdet._checks import is_finite_number
-from lightning_hdet._tensors import host_copy
-from lightning_hdet.hdet.blends import BLENDS, blend_coefficients, blend_strengths
+from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.controller import Decision, HDETController, Interval
+from lightning_hdet.hdet.executor import HDETExecutor, is_executor
 from lightning_hdet.records import History, log_report_figures
-from lightning_hdet.hdet.strategy import HDETStrategy
-from lightning_hdet.hdet.votes import Ballot, divergent, make_rule, winner_of
 from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
 
-
-def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+log = logging.getLogger(__name__)
 
 
 class HDETCallback(Callback):
@@ -79,157 +83,120 @@ class HDETCallback(Callback):
         rescue_lr_factor: float = 0.5,
         seed: int = 0,
     ) -> None:
-        _check("every_n_steps", every_n_steps, isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool)
-               and every_n_steps >= 1, "a positive integer")
-        _check("vote", vote, vote in ("softmax", "best"), "one of ('softmax', 'best')")
-        _check("temperature", temperature, is_finite_number(temperature) and temperature > 0, "a positive finite number")
-        _check("momentum", momentum, is_finite_number(momentum) and 0 <= momentum < 1, "a number in [0, 1)")
-        _check("meta_lr", meta_lr, is_finite_number(meta_lr) and meta_lr >= 0, "a finite number >= 0")
-        _check("warmup_steps", warmup_steps, isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool)
-               and warmup_steps >= 0, "an integer >= 0")
-        _check("permute", permute, isinstance(permute, bool), "True or False")
-        _check("shrink", shrink, is_finite_number(shrink) and 0 < shrink <= 1, "a number in (0, 1]")
-        _check("min_spread", min_spread, is_finite_number(min_spread) and min_spread > 0, "a positive finite number")
-        _check("blend", blend, blend in BLENDS, f"one of {BLENDS}")
-        _check("blend_strength", blend_strength, is_finite_number(blend_strength) and 0 < blend_strength <= 1,
-               "a number in (0, 1]")
-        _check("monitor", monitor, monitor is None or (isinstance(monitor, str) and monitor != ""),
-               "None or a logged metric name")
-        _check("init_noise", init_noise, is_finite_number(init_noise) and init_noise >= 0, "a finite number >= 0")
-        _check("safety_net", safety_net, isinstance(safety_net, bool), "True or False")
-        _check("divergence_factor", divergence_factor,
-               divergence_factor is None or (is_finite_number(divergence_factor) and divergence_factor > 1),
-               "None or a finite number > 1")
-        _check("rescue_lr_factor", rescue_lr_factor, is_finite_number(rescue_lr_factor) and 0 < rescue_lr_factor < 1,
-               "a number in (0, 1)")
-        _check("seed", seed, isinstance(seed, int) and not isinstance(seed, bool), "an integer")
-        self.every_n_steps = every_n_steps
-        self.vote = vote
-        self.warmup_steps = warmup_steps
-        self.blend = blend
-        self.blend_strength = blend_strength
-        self.monitor = monitor
-        self.init_noise = init_noise
-        self.safety_net = safety_net
-        self.divergence_factor = divergence_factor
-        self.rescue_lr_factor = rescue_lr_factor
-        self.seed = seed
-        self.rule = make_rule(vote, temperature, momentum, meta_lr, permute, shrink, min_spread)
-        self.config = {
-            "every_n_steps": every_n_steps, "vote": vote, "temperature": temperature, "momentum": momentum,
-            "meta_lr": meta_lr, "warmup_steps": warmup_steps, "permute": permute, "shrink": shrink,
-            "min_spread": min_spread, "blend": blend, "blend_strength": blend_strength, "monitor": monitor,
-            "init_noise": init_noise, "safety_net": safety_net, "divergence_factor": divergence_factor,
-            "rescue_lr_factor": rescue_lr_factor, "seed": seed,
-        }
+        self.settings = HDETConfig(
+            every_n_steps, vote, temperature, momentum, meta_lr, warmup_steps, permute, shrink, min_spread, blend,
+            blend_strength, monitor, init_noise, safety_net, divergence_factor, rescue_lr_factor, seed,
+        )
+        self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
+        self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.history: list[dict[str, Any]] = []
         self.initial_lrs: list[float] = []  # every group's real learning rate when training started
-        self.rescues = 0
-        self.num_votes = 0
-        self.last_winner = -1
         self._last_vote_step = -1
-        self._loss_sum: Optional[Tensor] = None
+        self._loss_sum: Optional[Tensor] = None  # this rank's loss over the interval, on the device (no host sync)
         self._loss_count: Optional[Tensor] = None
-        self._skipped_at_vote = 0
         self._monitored: Optional[float] = None
-        self._last_good: Optional[Tensor] = None
         self._resumed_interval: Optional[Tensor] = None
-        self._last_coefficients: list[float] = []
+
+    # Read-outs kept from before the controller existed (the vote's state lives in the controller).
+    every_n_steps = property(lambda self: self.settings.every_n_steps)
+    vote = property(lambda self: self.settings.vote)
+    history = property(lambda self: self.controller.history)
+    rescues = property(lambda self: self.controller.rescues)
+    num_votes = property(lambda self: self.controller.num_votes)
+    last_winner = property(lambda self: self.controller.last_winner)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
-    def _strategy(trainer: Trainer) -> HDETStrategy:
+    def _executor(trainer: Trainer) -> HDETExecutor:
         strategy = trainer.strategy
-        if not isinstance(strategy, HDETStrategy):
+        if not is_executor(strategy):
             raise MisconfigurationException(
                 f"HDETCallback needs `Trainer(strategy='hdet')` (or an HDETStrategy), got {type(strategy).__name__}."
             )
-        return strategy
+        return strategy  # type: ignore[return-value]
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        strategy = self._strategy(trainer)
+        executor = self._executor(trainer)
         if stage == "fit":
-            # Runs before the strategy wraps the model, so the guard's DDP hook can be registered.
-            strategy.guard_nonfinite = self.safety_net
-            record_config(trainer, "hdet", {**strategy.config, "callback": self.config})
+            if self.settings.safety_net:
+                executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
+            record_config(trainer, "hdet", {**executor.config, "callback": self.config})
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = self._strategy(trainer)
-        device = strategy.root_device
+        executor = self._executor(trainer)
+        device = executor.root_device
         if self._loss_sum is None:
             self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             self._loss_count = torch.zeros((), dtype=torch.float64, device=device)
         if self._resumed_interval is not None:
-            row = self._resumed_interval[strategy.group_index] / strategy.layout.group_size
+            row = self._resumed_interval[executor.group_index] / executor.layout.group_size
             self._loss_sum.fill_(float(row[0]))
             self._loss_count.fill_(float(row[1]))
             self._resumed_interval = None
-        self._skipped_at_vote = strategy.skipped_steps
-        self.initial_lrs = strategy.current_lrs()[:, 0].tolist()
-        if self._last_good is None:
-            self._last_good = host_copy(strategy.flat_state())
-        if trainer.ckpt_path is None and self.init_noise > 0:
-            self._add_init_noise(strategy, pl_module)
+        self.initial_lrs = executor.current_lrs()[:, 0].tolist()
+        executor.ensure_restore_point()
+        if trainer.ckpt_path is None and self.settings.init_noise > 0:
+            executor.add_init_noise(self.settings.init_noise, self.controller.noise_seed(executor.group_index))
         rank_zero_info(
-            f"HDET: {strategy.num_groups} groups of {strategy.layout.group_size} ranks, gradient_sync="
-            f"{strategy.gradient_sync!r}, vote={self.vote!r} every {self.every_n_steps} steps, blend={self.blend!r}"
+            f"HDET: {executor.num_groups} groups of {executor.layout.group_size} ranks, gradient_sync="
+            f"{executor.gradient_sync!r}, vote={self.settings.vote!r} every {self.settings.every_n_steps} steps, "
+            f"blend={self.settings.blend!r}"
         )
 
-    def _add_init_noise(self, strategy: HDETStrategy, pl_module: LightningModule) -> None:
-        """Published warm start: theta_g = theta_0 + eps_g, identical on the ranks of a group."""
-        params = [p for p in pl_module.parameters()]
-        flat = torch.cat([p.detach().reshape(-1).double() for p in params])
-        std = self.init_noise * float(flat.norm()) / math.sqrt(flat.numel())
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + strategy.group_index + 1)
-        with torch.no_grad():
-            for p in params:
-                p.add_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * std).to(p.device, p.dtype))
-
     # ------------------------------------------------------------------ per step
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        strategy = self._strategy(trainer)
+        executor = self._executor(trainer)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, Tensor):
             self._loss_sum += loss.detach().to(self._loss_sum.device, torch.float64).sum()
             self._loss_count += 1
-        lrs = strategy.current_lrs()
-        metrics = {f"hdet/group{g}/lr": float(lrs[g, 0]) for g in range(strategy.num_groups)}
+        self._log_step(trainer, pl_module, executor.current_lrs())
+        step = trainer.global_step
+        if step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step:
+            self._last_vote_step = step
+            self.vote_and_merge(trainer, pl_module)
+
+    def _log_step(self, trainer: Trainer, pl_module: LightningModule, lrs: Tensor) -> None:
+        """Every group's real learning rate, every step (all ranks know them all: rank 0 logs every group)."""
+        num_groups = lrs.shape[0]
+        metrics = {f"hdet/group{g}/lr": float(lrs[g, 0]) for g in range(num_groups)}
         for p in range(1, lrs.shape[1]):
-            metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(strategy.num_groups)})
+            metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
         if trainer.is_global_zero:
             self.report.add(trainer.global_step, {**metrics, "hdet/base_lr": float(lrs[:, 0].mean())})
         pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), on_step=True, on_epoch=False, prog_bar=True)
-        if self.last_winner >= 0:
-            pl_module.log("hdet/leader", float(self.last_winner), on_step=True, on_epoch=False, prog_bar=True)
-        step = trainer.global_step
-        if step > 0 and step % self.every_n_steps == 0 and step != self._last_vote_step:
-            self._last_vote_step = step
-            self.vote_and_merge(trainer, pl_module)
+        if self.controller.last_winner >= 0:
+            pl_module.log("hdet/leader", float(self.controller.last_winner), on_step=True, on_epoch=False,
+                          prog_bar=True)
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.monitor is None or trainer.sanity_checking:
+        if self.settings.monitor is None or trainer.sanity_checking:
             return
-        value = trainer.callback_metrics.get(self.monitor)
+        value = trainer.callback_metrics.get(self.settings.monitor)
         if value is not None:
             self._monitored = float(value)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Leave every rank holding the merged model."""
-        strategy = self._strategy(trainer)
-        if strategy.num_groups == 1:
+        executor = self._executor(trainer)
+        if executor.num_groups == 1:
             return
         if trainer.global_step == self._last_vote_step:
             # Nothing trained since the last vote: finish that vote's merge at full strength.
-            rescued = [c == 0.0 for c in self._last_coefficients]
-            strategy.merge(self._last_coefficients, blend_strengths(1.0, rescued))
+            coefficients, strengths = self.controller.finishing_merge()
+            executor.merge(coefficients, strengths, restart=[False] * executor.num_groups)
         else:
             self.vote_and_merge(trainer, pl_module, final=True)
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Rank 0 logs the vote history table and the run's figures (W&B gets them as images)."""
         if not trainer.is_global_zero or not self.history:
@@ -237,26 +204,37 @@ class HDETCallback(Callback):
         log_vote_history(trainer, self.history, step=trainer.global_step)
         log_report_figures(trainer, self.report)
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         finish_worker_run(trainer)
 
     # ------------------------------------------------------------------ the vote
-    def _signal(self, trainer: Trainer, strategy: HDETStrategy) -> tuple[list[float], list[bool]]:
+    def vote_and_merge(self, trainer: Trainer, pl_module: LightningModule, final: bool = False) -> None:
+        """One vote: losses -> decision (weights, winner, multipliers, rescues) -> merged or rolled-back model."""
+        executor = self._executor(trainer)
+        losses, finite = self._signal(trainer, executor)
+        decision = self.controller.decide(Interval(
+            step=trainer.global_step, losses=losses, finite=finite, multipliers=executor.lr_multipliers,
+            schedule_lrs=executor.schedule_lrs().tolist(), shared_gradients=executor.gradient_sync == "global",
+            final=final,
+        ))
+        if decision.roll_back:
+            executor.restore()
+            rank_zero_info(
+                f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged; every group rolled "
+                "back to the last good merged model."
+            )
+        elif executor.num_groups > 1:
+            executor.merge(decision.coefficients, decision.strengths, restart=decision.rescued)
+        executor.set_lr_multipliers(decision.multipliers)
+        self._log_vote(trainer, decision)
+        self._loss_sum.zero_()
+        self._loss_count.zero_()
+
+    def _signal(self, trainer: Trainer, executor: HDETExecutor) -> tuple[list[float], list[bool]]:
         """Every group's loss signal for this interval, and whether it stayed finite (no skipped step)."""
-        skipped = strategy.skipped_steps - self._skipped_at_vote
-        if self.monitor is None:
-            row = torch.stack([self._loss_sum.cpu(), self._loss_count.cpu(), torch.tensor(float(skipped))])
-        else:
-            if self._monitored is None:
-                names = sorted(k for k in trainer.callback_metrics if not k.startswith("hdet/"))
-                raise MisconfigurationException(
-                    f"HDETCallback(monitor={self.monitor!r}) found no such metric at the vote at step "
-                    f"{trainer.global_step}. Logged metrics: {names}. Log it in `validation_step` (without "
-                    "`sync_dist`) and validate at least once per vote interval, or use `monitor=None`."
-                )
-            row = torch.tensor([self._monitored, 1.0, float(skipped)], dtype=torch.float64)
-        table = strategy.gather_group_values(row)
-        if self.monitor is None and not bool((table[:, 1] > 0).any()):
+        table = executor.gather_group_values(self._interval_row(trainer, executor, reset=True))
+        if self.settings.monitor is None and not bool((table[:, 1] > 0).any()):
             raise MisconfigurationException(
                 f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step "
                 f"{trainer.global_step} returned one. Return the loss tensor (or a dict with 'loss') from "
@@ -266,157 +244,69 @@ class HDETCallback(Callback):
         finite = [(c > 0 and s == 0) for c, s in zip(table[:, 1].tolist(), table[:, 2].tolist())]
         return losses, finite
 
-    def vote_and_merge(self, trainer: Trainer, pl_module: LightningModule, final: bool = False) -> None:
-        """One vote: losses -> weights and winner -> new learning rates -> merged parameters."""
-        strategy = self._strategy(trainer)
-        num_groups = strategy.num_groups
-        losses, finite = self._signal(trainer, strategy)
-        rescued = divergent(losses, finite, self.divergence_factor) if self.safety_net else [False] * num_groups
-        healthy = [not r for r in rescued]
-        table = strategy.lr_multipliers
-        # With a shared gradient ("global") a group whose *loss* blew up sent huge, still finite gradients into
-        # every group before it was caught: nothing from this interval is kept. (Non-finite gradients alone were
-        # kept out of the average by the strategy's guard, so those rescues leave the healthy groups alone.)
-        blew_up = divergent(losses, [True] * num_groups, self.divergence_factor)
-        contaminated = strategy.gradient_sync == "global" and any(r and b for r, b in zip(rescued, blew_up))
-        if num_groups > 1 and (not any(healthy) or contaminated):
-            self._roll_back(trainer, strategy, losses, rescued)
-            return
-        move = not final and trainer.global_step >= self.warmup_steps and num_groups > 1
-        schedule = strategy.schedule_lrs().tolist()
-        weights, winner = [1.0 / num_groups] * num_groups, 0
-        for p, schedule_lr in enumerate(schedule):
-            ballot = Ballot(p, losses, table[:, p].tolist(), healthy, schedule_lr, move)
-            result = self.rule.explore(ballot, self.generator)
-            table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
-            if p == 0:
-                weights, winner = result.weights, result.winner
-        self._cut_rescued(table, rescued)
-        if num_groups > 1:
-            coefficients = blend_coefficients(self.blend, weights, winner, healthy)
-            self._last_coefficients = coefficients
-            strength = 1.0 if final else self.blend_strength
-            target = strategy.merge(coefficients, blend_strengths(strength, rescued))
-            if bool(torch.isfinite(target).all()):
-                self._last_good = host_copy(target, self._last_good)
-            if rescued[strategy.group_index]:
-                _reset_optimizer_state(strategy)
-        strategy.set_lr_multipliers(table)
-        self._record(trainer, strategy, losses, weights, winner, rescued, final)
-
-    def _cut_rescued(self, table: Tensor, rescued: list[bool]) -> None:
-        """Multiply the rescued groups' rows of the multiplier table by ``rescue_lr_factor`` (in place)."""
-        for g, bad in enumerate(rescued):
-            if bad:
-                table[g] *= self.rescue_lr_factor
-
-    def _roll_back(self, trainer: Trainer, strategy: HDETStrategy, losses: list[float], rescued: list[bool]) -> None:
-        """Restore every group to the last good merged model; cut the rescued groups' LRs (all of them if all)."""
-        assert self._last_good is not None
-        strategy.load_flat(self._last_good)
-        _reset_optimizer_state(strategy)
-        table = strategy.lr_multipliers
-        self._cut_rescued(table, rescued)
-        strategy.set_lr_multipliers(table)
-        n = strategy.num_groups
-        self._last_coefficients = [1.0 / n] * n
-        healthy = [not r for r in rescued]
-        winner = winner_of(losses, healthy)
-        rank_zero_info(
-            f"HDET: step {trainer.global_step}: group(s) {[g for g, r in enumerate(rescued) if r]} diverged; every "
-            "group rolled back to the last good merged model."
-        )
-        self._record(trainer, strategy, losses, [1.0 if g == winner else 0.0 for g in range(n)], winner, rescued,
-                     final=False)
-
-    def _record(
-        self,
-        trainer: Trainer,
-        strategy: HDETStrategy,
-        losses: list[float],
-        weights: list[float],
-        winner: int,
-        rescued: list[bool],
-        final: bool,
-    ) -> None:
-        step = trainer.global_step
-        self.rescues += sum(rescued)
-        self.num_votes += 0 if final else 1
-        self.last_winner = winner
-        lrs = strategy.current_lrs()[:, 0].tolist()
-        for g in range(strategy.num_groups):
-            self.history.append(
-                {"step": step, "group": g, "lr": lrs[g], "loss": losses[g], "weight": weights[g],
-                 "winner": winner, "rescued": bool(rescued[g])}
+    def _interval_row(self, trainer: Trainer, executor: HDETExecutor, reset: bool) -> Tensor:
+        """This rank's ``[loss sum, loss count, skipped steps]`` of the interval (``reset``: a new interval starts)."""
+        skipped = torch.tensor(float(executor.interval_skipped(reset=reset)), dtype=torch.float64)
+        if self.settings.monitor is None:
+            return torch.stack([self._loss_sum.cpu(), self._loss_count.cpu(), skipped])
+        if self._monitored is None:
+            names = sorted(k for k in trainer.callback_metrics if not k.startswith("hdet/"))
+            raise MisconfigurationException(
+                f"HDETCallback(monitor={self.settings.monitor!r}) found no such metric at the vote at step "
+                f"{trainer.global_step}. Logged metrics: {names}. Log it in `validation_step` (without "
+                "`sync_dist`) and validate at least once per vote interval, or use `monitor=None`."
             )
-        metrics: dict[str, float] = {"hdet/vote/winner": float(winner), "hdet/rescues": float(self.rescues)}
-        for g in range(strategy.num_groups):
-            metrics[f"hdet/group{g}/loss"] = losses[g]
-            metrics[f"hdet/vote/weight{g}"] = weights[g]
-            metrics[f"hdet/group{g}/lr"] = lrs[g]  # the new learning rates, at the vote's own step
-        metrics["hdet/base_lr"] = sum(lrs) / len(lrs)
+        return torch.tensor([self._monitored, 1.0, float(skipped)], dtype=torch.float64)
+
+    def _log_vote(self, trainer: Trainer, decision: Decision) -> None:
+        """Metrics at the vote's own step (rank 0, every logger); the controller already kept the history row."""
+        metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner),
+                                     "hdet/rescues": float(self.controller.rescues)}
+        for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
+            metrics[f"hdet/group{g}/loss"] = loss
+            metrics[f"hdet/vote/weight{g}"] = weight
+            metrics[f"hdet/group{g}/lr"] = lr  # the new learning rates, at the vote's own step
+        metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
         if trainer.is_global_zero:
-            self.report.add(step, metrics)
+            self.report.add(decision.step, metrics)
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
-        if any(rescued):
-            names = [g for g, r in enumerate(rescued) if r]
-            rank_zero_info(f"HDET: step {step}: rescued group(s) {names} (losses {losses}); total rescues {self.rescues}")
-        self._loss_sum.zero_()
-        self._loss_count.zero_()
-        self._skipped_at_vote = strategy.skipped_steps
+                logger.log_metrics(metrics, step=decision.step)
+        if any(decision.rescued):
+            rank_zero_info(f"HDET: step {decision.step}: rescued group(s) {_indices(decision.rescued)} (losses "
+                           f"{decision.losses}); total rescues {self.controller.rescues}")
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule.state_dict(),
-            "generator": self.generator.get_state(),
-            "history": list(self.history),
-            "rescues": self.rescues,
-            "num_votes": self.num_votes,
-            "last_winner": self.last_winner,
-            "last_vote_step": self._last_vote_step,
-            "last_coefficients": list(self._last_coefficients),
-            "monitored": self._monitored,
-        }
+        return {**self.controller.state_dict(), "last_vote_step": self._last_vote_step, "monitored": self._monitored}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.rule.load_state_dict(state_dict["rule"])
-        self.generator.set_state(state_dict["generator"])
-        self.history = list(state_dict["history"])
-        self.rescues = state_dict["rescues"]
-        self.num_votes = state_dict["num_votes"]
-        self.last_winner = state_dict["last_winner"]
+        self.controller.load_state_dict(state_dict)
         self._last_vote_step = state_dict["last_vote_step"]
-        self._last_coefficients = list(state_dict["last_coefficients"])
         self._monitored = state_dict["monitored"]
 
+    @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Add the full ensemble: each group's parameters and optimizer state, multipliers and interval losses."""
-        strategy = self._strategy(trainer)
-        skipped = float(strategy.skipped_steps - self._skipped_at_vote)
-        row = torch.stack([self._loss_sum.cpu(), self._loss_count.cpu(), torch.tensor(skipped, dtype=torch.float64)])
+        executor = self._executor(trainer)
+        row = torch.stack([self._loss_sum.cpu(), self._loss_count.cpu(),
+                           torch.tensor(float(executor.interval_skipped(reset=False)), dtype=torch.float64)])
         checkpoint["hdet"] = {
-            "num_groups": strategy.num_groups,
-            "lr_multipliers": strategy.lr_multipliers,
-            "interval": strategy.gather_group_values(row),
-            "groups": strategy.ensemble_state() if strategy.num_groups > 1 else None,
-            "last_good": self._last_good.cpu() if self._last_good is not None else None,
+            "num_groups": executor.num_groups,
+            "interval": executor.gather_group_values(row),
+            **executor.save_ensemble(),
         }
 
+    @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         hdet = checkpoint.get("hdet")
-        strategy = self._strategy(trainer)
-        if not hdet or hdet.get("num_groups") != strategy.num_groups:
+        executor = self._executor(trainer)
+        if not hdet or hdet.get("num_groups") != executor.num_groups:
             return
-        strategy.set_lr_multipliers(hdet["lr_multipliers"])
+        executor.load_ensemble(hdet)
         self._resumed_interval = hdet["interval"]
-        if hdet.get("last_good") is not None:
-            self._last_good = host_copy(hdet["last_good"])
 
 
-def _reset_optimizer_state(strategy: HDETStrategy) -> None:
-    """A rescued group restarts its optimizer state (moments from the diverged region would mislead it)."""
-    for optimizer in strategy.optimizers:
-        optimizer.state.clear()
-
+def _indices(flags: list[bool]) -> list[int]:
+    return [g for g, flag in enumerate(flags) if flag]

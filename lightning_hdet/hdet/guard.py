@@ -6,7 +6,7 @@ poison the other ranks' average, then averages the bucket exactly as DDP's built
 (multiply by ``1 / world_size``, then all-reduce), so a run without any non-finite value is bit-identical to DDP.
 """
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,3 +43,43 @@ def grads_are_finite(optimizer: Optimizer) -> Tensor:
     if not grads:
         return torch.ones((), dtype=torch.bool)
     return torch.stack([torch.isfinite(g).all() for g in grads]).all()
+
+
+class SkipStep(Exception):
+    """Raised from inside the closure to skip an optimizer step before it touches any state."""
+
+
+def guarded_closure(
+    closure: Callable[[], Any],
+    optimizer: Optimizer,
+    guard: Optional[FiniteGuard],
+    check_grads: bool,
+    group: Any,
+    group_size: int,
+    device: torch.device,
+) -> Callable[[], Any]:
+    """Wrap an optimizer closure: raise :class:`SkipStep` when the loss or the gradients are non-finite on any rank
+    of this rank's group (``group``), so the whole group skips the step together.
+
+    ``guard``: the DDP hook's flag (local gradients before the average); without one, ``check_grads`` checks the
+    averaged gradients (off under a grad scaler, which skips non-finite steps itself).
+    """
+
+    def closure_with_guard() -> Any:
+        result = closure()
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        if isinstance(result, Tensor):
+            bad |= ~torch.isfinite(result.detach()).all()
+        if guard is not None:
+            bad |= guard.flag
+        elif check_grads:
+            bad |= ~grads_are_finite(optimizer)
+        if group_size > 1:
+            flag = bad.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            bad = flag.bool()
+        if bool(bad):  # the one host sync of a guarded step: whether to step at all
+            raise SkipStep
+        return result
+
+    return closure_with_guard

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from lightning_hdet._checks import check_int, check_number, check_positive_list
 
@@ -77,3 +78,16 @@ class GroupLayout:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def make_layout(world_size: int, num_groups: Optional[int], multipliers: Optional[Sequence[float]]) -> GroupLayout:
+    """The layout a strategy asked for: ``num_groups``, else one group per multiplier, else one group per rank."""
+    groups = num_groups
+    if groups is None:
+        groups = len(multipliers) if multipliers is not None else world_size
+    layout = GroupLayout(world_size, groups)
+    if multipliers is not None and len(multipliers) != groups:
+        raise ValueError(
+            f"`lr_multipliers` has {len(multipliers)} values for {groups} groups; give exactly one multiplier per group."
+        )
+    return layout

@@ -2,23 +2,24 @@
 
 A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`. It adds
 
-* one process group per HDET group (created identically on every rank),
+* one process group per HDET group (created identically on every rank, destroyed in ``teardown``),
 * a per-group learning-rate multiplier applied around every optimizer step, so the scheduler never sees it,
-* the collectives the :class:`~lightning_hdet.hdet.callback.HDETCallback` builds on: gathering one row of numbers per
-  group and merging (blending) the groups' parameters with one collective of the model's size,
+* the executor side of :class:`~lightning_hdet.hdet.executor.HDETExecutor`, which the
+  :class:`~lightning_hdet.hdet.callback.HDETCallback` drives: gathering one row of numbers per group, merging
+  (blending) the groups' parameters with one collective of the model's size, rolling back to a restore point,
 * an optional guard that skips the optimizer step of a group whose loss or gradients are non-finite,
 * checkpoints whose ``state_dict`` is the merged model, plus every group's own state for an exact resume.
 """
 
 from __future__ import annotations
 
+import atexit
 import inspect
-import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import logging
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Literal, Optional, Union
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -41,10 +42,19 @@ from lightning_hdet._compat import (
     sync_module_states,
     unwrap_optimizer,
 )
-from lightning_hdet._tensors import assign_flat, flatten, model_state, to_cpu
-from lightning_hdet.hdet.layout import check_multipliers, check_num_groups, check_spread, fan_out
-from lightning_hdet.hdet.layout import GroupLayout
-from lightning_hdet.hdet.guard import FiniteGuard, grads_are_finite
+from lightning_hdet.hdet.ensemble import EnsembleOps
+from lightning_hdet.hdet.guard import FiniteGuard, SkipStep, guarded_closure
+from lightning_hdet.hdet.layout import GroupLayout, check_multipliers, check_num_groups, check_spread, fan_out, make_layout
+from lightning_hdet.hdet.multipliers import (
+    MultiplierTable,
+    check_numeric_lrs,
+    param_group_offset,
+    scaled_lr,
+    schedule_lrs,
+)
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
 
 GradientSync = Literal["global", "group"]
 _GRADIENT_SYNC = ("global", "group")
@@ -52,11 +62,7 @@ _GRADIENT_SYNC = ("global", "group")
 _DDP_KWARGS = tuple(sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "process_group"}))
 
 
-class _SkipStep(Exception):
-    """Raised from inside the closure to skip an optimizer step before it touches any state."""
-
-
-class HDETStrategy(DDPStrategy):
+class HDETStrategy(EnsembleOps, DDPStrategy):
     """Data parallelism with groups of replicas that train with different learning rates.
 
     Args:
@@ -70,6 +76,22 @@ class HDETStrategy(DDPStrategy):
             step size). ``"group"``: each group is its own DDP job on its own process group, so groups diverge
             between merges.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts.
+
+    The executor interface (:class:`~lightning_hdet.hdet.executor.HDETExecutor`), through which the callback and
+    nothing else drives HDET; the strategy owns the state behind it (call on every rank, same arguments):
+
+    * read-outs: ``layout``, ``num_groups``, ``group_index``, ``gradient_sync``, ``root_device``, ``config``,
+      ``lr_multipliers`` (a copy), ``schedule_lrs()``, ``current_lrs()``;
+    * ``set_lr_multipliers(table)``: the one writer of the multiplier table;
+    * ``enable_guard()``: turn the non-finite step guard on; the callback calls it from ``setup(stage="fit")``,
+      before the model is wrapped (the guard is a DDP communication hook);
+    * ``interval_skipped(reset=True)``: steps skipped since the last reset (reset on read; the total stays in
+      ``skipped_steps``);
+    * ``gather_group_values(values)``: one small all-reduce, every group's row on every rank;
+    * ``add_init_noise(relative_std, seed)``: the published warm start;
+    * ``merge(coefficients, strengths, restart)``, ``ensure_restore_point()``, ``restore()``: blend, keep the last
+      finite target on the host, roll back to it;
+    * ``save_ensemble()`` / ``load_ensemble(state)``: the ensemble part of a checkpoint.
     """
 
     strategy_name = "hdet"
@@ -102,13 +124,16 @@ class HDETStrategy(DDPStrategy):
         self.gradient_sync = gradient_sync
         self._layout: Optional[GroupLayout] = None
         self._group_pgs: list[Any] = []
-        self._multipliers: Optional[Tensor] = None  # [num_groups, num_param_groups], float64 on the host
+        self._multipliers: Optional[MultiplierTable] = None
+        self._guard_enabled = False
         self._guard: Optional[FiniteGuard] = None
-        self.guard_nonfinite = False
-        self.skipped_steps = 0
+        self._skipped = 0  # since the start of fit
+        self._skipped_at_reset = 0
+        self._restore_point: Optional[Tensor] = None  # owned by EnsembleOps
 
     # ------------------------------------------------------------------ registration
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         """Register ``"hdet"`` (subprocess launcher) and ``"hdet_spawn"`` without replacing existing entries."""
         register_names(strategy_registry, cls, [
@@ -116,6 +141,7 @@ class HDETStrategy(DDPStrategy):
             for name, method in (("hdet", "popen"), ("hdet_spawn", "spawn"))
         ])
 
+    @override
     def connect(self, model: LightningModule) -> None:
         """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` if none was passed."""
         super().connect(model)
@@ -135,6 +161,7 @@ class HDETStrategy(DDPStrategy):
         }
 
     # ------------------------------------------------------------------ layout and process groups
+    @override
     def _configure_launcher(self) -> None:
         # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
         self._layout = self._make_layout(self.num_nodes * self.num_processes)
@@ -149,15 +176,7 @@ class HDETStrategy(DDPStrategy):
             self._requested_multipliers = None
             self.spread = 0.0
             return GroupLayout(1, 1)
-        groups = self._requested_groups
-        if groups is None:
-            groups = len(self._requested_multipliers) if self._requested_multipliers is not None else world_size
-        layout = GroupLayout(world_size, groups)
-        if self._requested_multipliers is not None and len(self._requested_multipliers) != groups:
-            raise ValueError(
-                f"`lr_multipliers` has {len(self._requested_multipliers)} values for {groups} groups; "
-                "give exactly one multiplier per group."
-            )
+        layout = make_layout(world_size, self._requested_groups, self._requested_multipliers)
         if self.num_nodes > 1 and layout.crosses_nodes(self.num_processes):
             rank_zero_warn(
                 f"HDET groups of {layout.group_size} ranks straddle nodes of {self.num_processes} processes; "
@@ -171,6 +190,7 @@ class HDETStrategy(DDPStrategy):
             self._layout = self._make_layout(self.world_size)
         return self._layout
 
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         rank_zero_info(f"HDET: creating {self.layout.num_groups} process groups of {self.layout.group_size} ranks")
@@ -178,6 +198,10 @@ class HDETStrategy(DDPStrategy):
         self._group_pgs = [
             dist.new_group(self.layout.ranks(g), timeout=strategy_timeout(self)) for g in range(self.layout.num_groups)
         ]
+        # Lightning destroys the default group at exit for NCCL only; a gloo group still alive while the interpreter
+        # finalizes can abort the process ("terminate called without an active exception"): destroy it first.
+        atexit.unregister(_destroy_default_group)  # once per process, however many fits
+        atexit.register(_destroy_default_group)
 
     @property
     def num_groups(self) -> int:
@@ -199,10 +223,14 @@ class HDETStrategy(DDPStrategy):
         return self._group_pgs[self.group_index] if self._group_pgs else None
 
     # ------------------------------------------------------------------ learning-rate multipliers
-    def _initial_multipliers(self) -> list[float]:
-        if self._requested_multipliers is not None:
-            return list(self._requested_multipliers)
-        return fan_out(self.num_groups, self.spread)
+    @property
+    def _table(self) -> MultiplierTable:
+        if self._multipliers is None:
+            initial = self._requested_multipliers
+            if initial is None:
+                initial = fan_out(self.num_groups, self.spread)
+            self._multipliers = MultiplierTable(initial)
+        return self._multipliers
 
     @property
     def lr_multipliers(self) -> Tensor:
@@ -211,12 +239,7 @@ class HDETStrategy(DDPStrategy):
         Param groups added during training (e.g. by fine-tuning callbacks) start with their group's first
         multiplier.
         """
-        if self._multipliers is None:
-            self._multipliers = torch.tensor(self._initial_multipliers(), dtype=torch.float64)[:, None]
-        missing = self.num_param_groups - self._multipliers.shape[1]
-        if missing > 0:
-            self._multipliers = torch.cat([self._multipliers, self._multipliers[:, :1].expand(-1, missing)], dim=1)
-        return self._multipliers.clone()
+        return self._table.get(self.num_param_groups)
 
     @property
     def lr_multiplier(self) -> float:
@@ -228,66 +251,36 @@ class HDETStrategy(DDPStrategy):
 
         This is the one place multipliers change at run time; call it with identical values on every rank.
         """
-        table = torch.as_tensor(multipliers, dtype=torch.float64).clone()
-        if table.dim() == 1:
-            table = table[:, None].expand(-1, max(self.num_param_groups, 1)).clone()
-        if table.dim() != 2 or table.shape[0] != self.num_groups:
-            raise ValueError(
-                f"`multipliers` must have one row per group ({self.num_groups}), got shape {tuple(table.shape)}."
-            )
-        if not bool(torch.isfinite(table).all()) or bool((table <= 0).any()):
-            raise ValueError(f"`multipliers` must be positive and finite, got {table.tolist()}.")
-        self._multipliers = table
+        self._table.set(multipliers, self.num_groups, self.num_param_groups)
 
     def param_group_offset(self, optimizer: Optimizer) -> int:
         """Index of ``optimizer``'s first param group in the flattened list over all optimizers."""
-        offset = 0
-        for opt in self.optimizers:
-            if unwrap_optimizer(opt) is unwrap_optimizer(optimizer):
-                return offset
-            offset += len(opt.param_groups)
-        raise ValueError("The optimizer is not one of the strategy's optimizers.")
+        return param_group_offset([unwrap_optimizer(o) for o in self.optimizers], unwrap_optimizer(optimizer))
 
     @property
     def num_param_groups(self) -> int:
         return sum(len(opt.param_groups) for opt in self.optimizers)
 
-    @contextmanager
-    def scaled_lr(self, optimizer: Optimizer) -> Iterator[None]:
+    def scaled_lr(self, optimizer: Optimizer) -> AbstractContextManager[None]:
         """Multiply each param group's ``lr`` by this group's multiplier for the duration of one step."""
         offset = self.param_group_offset(optimizer)
-        row = self.lr_multipliers[self.group_index]
-        saved = [pg["lr"] for pg in optimizer.param_groups]
-        try:
-            for i, pg in enumerate(optimizer.param_groups):
-                pg["lr"] = pg["lr"] * float(row[offset + i])
-            yield
-        finally:
-            for pg, lr in zip(optimizer.param_groups, saved):
-                pg["lr"] = lr
+        row = self.lr_multipliers[self.group_index].tolist()
+        return scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
 
     def schedule_lrs(self) -> Tensor:
         """The learning rate the optimizers and schedulers say, per flattened param group (no multiplier)."""
-        return torch.tensor([float(pg["lr"]) for opt in self.optimizers for pg in opt.param_groups], dtype=torch.float64)
+        return schedule_lrs(self.optimizers)
 
     def current_lrs(self) -> Tensor:
         """Real learning rate of every group and flattened param group: schedule LR x multiplier, ``(G, P)``."""
         return self.lr_multipliers * self.schedule_lrs()
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
-        for i, opt in enumerate(self.optimizers):
-            for j, pg in enumerate(opt.param_groups):
-                lr = pg.get("lr")
-                if isinstance(lr, Tensor):
-                    lr = float(lr)
-                if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr):
-                    raise ValueError(
-                        f"HDETStrategy scales each param group's `lr`, but optimizer {i} "
-                        f"({type(unwrap_optimizer(opt)).__name__}) param group {j} has lr={pg.get('lr')!r}; "
-                        "use an optimizer with a numeric learning rate."
-                    )
+        check_numeric_lrs([unwrap_optimizer(opt) for opt in self.optimizers])
 
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -295,43 +288,46 @@ class HDETStrategy(DDPStrategy):
         model: Optional[Union[LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        if self.guard_nonfinite:
-            closure = self._guarded(closure, optimizer)
+        if self._guard_enabled:
+            closure = guarded_closure(closure, optimizer, self._guard, not self._uses_grad_scaler(),
+                                      self.group_process_group, self.layout.group_size, self.root_device)
         try:
             with self.scaled_lr(optimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
-        except _SkipStep:
-            self.skipped_steps += 1
+        except SkipStep:
+            self._skipped += 1
             return None
         finally:
             if self._guard is not None:
                 self._guard.reset()
 
     # ------------------------------------------------------------------ safety net: skip non-finite steps
+    def enable_guard(self) -> None:
+        """Skip the optimizer steps of a group whose loss or gradients are non-finite (call before wrapping)."""
+        self._guard_enabled = True
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the guard skipped on this rank since this strategy started."""
+        return self._skipped
+
+    def interval_skipped(self, reset: bool = True) -> int:
+        """Optimizer steps skipped since the last reset (or the start of fit); ``reset=False`` only peeks."""
+        count = self._skipped - self._skipped_at_reset
+        if reset:
+            self._skipped_at_reset = self._skipped
+        return count
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._skipped_at_reset = self._skipped  # a vote interval starts with the fit
+
     def _uses_grad_scaler(self) -> bool:
         return isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None
 
-    def _guarded(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
-        def guarded_closure() -> Any:
-            result = closure()
-            bad = torch.zeros((), dtype=torch.bool, device=self.root_device)
-            if isinstance(result, Tensor):
-                bad |= ~torch.isfinite(result.detach()).all()
-            if self._guard is not None:
-                bad |= self._guard.flag
-            elif not self._uses_grad_scaler():
-                bad |= ~grads_are_finite(optimizer)
-            if self.layout.group_size > 1:
-                flag = bad.to(torch.int32)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group_process_group)
-                bad = flag.bool()
-            if bool(bad):
-                raise _SkipStep
-            return result
-
-        return guarded_closure
-
     # ------------------------------------------------------------------ DDP wrapping
+    @override
     def _setup_model(self, model: Module) -> Module:
         if self.gradient_sync == "group":
             # Groups are separate DDP jobs: start them all from rank 0's weights, then reduce inside the group.
@@ -339,134 +335,33 @@ class HDETStrategy(DDPStrategy):
             set_ddp_process_group(self, self.group_process_group)
         return super()._setup_model(model)
 
+    @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        if self.guard_nonfinite and not has_user_comm_hook(self) and not self._uses_grad_scaler():
+        if self._guard_enabled and not has_user_comm_hook(self) and not self._uses_grad_scaler():
             pg = ddp_process_group(self)
-            size = dist.get_world_size(pg)
-            self._guard = FiniteGuard(pg, size, self.root_device)
+            self._guard = FiniteGuard(pg, dist.get_world_size(pg), self.root_device)
             self.model.register_comm_hook(self._guard, FiniteGuard.hook)  # type: ignore[union-attr]
 
-    # ------------------------------------------------------------------ collectives used by the callback
-    def gather_group_values(self, values: Tensor) -> Tensor:
-        """Sum ``values`` (1-D, this rank's numbers) over the ranks of each group; return ``(num_groups, k)``.
-
-        One small all-reduce over all ranks; every rank gets every group's row.
-        """
-        values = values.to(self.root_device, torch.float64).reshape(-1)
-        table = torch.zeros(self.num_groups, values.numel(), dtype=torch.float64, device=self.root_device)
-        table[self.group_index] = values
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(table)
-        return table.cpu()
-
-    def merge(self, coefficients: Sequence[float], strengths: Sequence[float]) -> Tensor:
-        """Blend the groups' parameters and floating-point buffers.
-
-        ``target = sum_g coefficients[g] * theta_g`` (one all-reduce of the model's size over all ranks); then each
-        group moves ``theta_g <- (1 - strengths[g]) * theta_g + strengths[g] * target``. A group whose coefficient is
-        0 contributes zeros, so non-finite parameters of a diverged group never reach the target.
-        Returns the flat target on the host.
-        """
-        tensors = model_state(self.lightning_module)
-        target = self._blend_target(tensors, coefficients)
-        assign_flat(tensors, target, float(strengths[self.group_index]))
-        return target.cpu()
-
-    def _blend_target(self, tensors: list[Tensor], coefficients: Sequence[float]) -> Tensor:
-        coefficient = float(coefficients[self.group_index]) / self.layout.group_size
-        flat = flatten(tensors)
-        if coefficient == 0.0:
-            flat.zero_()
-        else:
-            flat.mul_(coefficient)
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(flat)
-        return flat
-
-    def load_flat(self, flat: Tensor) -> None:
-        """Overwrite the parameters and floating-point buffers with a flat vector (e.g. a host backup)."""
-        assign_flat(model_state(self.lightning_module), flat.to(self.root_device), 1.0)
-
-    def flat_state(self) -> Tensor:
-        """This rank's parameters and floating-point buffers as one flat vector."""
-        return flatten(model_state(self.lightning_module))
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Restore after wrapping: DDP's initial broadcast would otherwise overwrite each group's own weights."""
-        return True
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The merged model: the mean over groups whose parameters are finite (a collective on every rank)."""
-        module = self.lightning_module
-        if self.num_groups == 1 or not dist.is_initialized():
-            return module.state_dict()
-        tensors = model_state(module)
-        finite = torch.tensor([float(bool(torch.isfinite(flatten(tensors)).all()))])
-        healthy = self.gather_group_values(finite)[:, 0] > 0
-        if not bool(healthy.any()):
-            healthy = torch.ones_like(healthy)
-        target = self._blend_target(tensors, (healthy.double() / healthy.sum()).tolist())
-        merged: dict[int, Tensor] = {}
-        offset = 0
-        for t in tensors:
-            merged[id(t)] = target[offset : offset + t.numel()].view_as(t).to(t.dtype).clone()
-            offset += t.numel()
-        return {k: merged.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}
-
-    def ensemble_state(self) -> Optional[list[dict[str, Any]]]:
-        """Every group's own parameters and optimizer states, gathered on rank 0 (``None`` elsewhere)."""
-        leader = self.global_rank == self.group_ranks[0]
-        mine = None
-        if leader:
-            mine = {
-                "state_dict": {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()},
-                "optimizer_states": [to_cpu(unwrap_optimizer(opt).state_dict()) for opt in self.optimizers],
-            }
-        gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(mine, gathered, dst=0)
-        if not self.is_global_zero:
-            return None
-        return [gathered[self.layout.ranks(g)[0]] for g in range(self.num_groups)]  # type: ignore[index]
-
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Lightning's reader, with a clear error for a truncated or corrupted file."""
         return read_checkpoint(lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
                                checkpoint_path)
 
-    def _own_group_state(self, checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
-        hdet = checkpoint.get("hdet") or {}
-        groups = hdet.get("groups")
-        if not groups:
-            return None
-        if len(groups) != self.num_groups:
-            rank_zero_warn(
-                f"The checkpoint holds {len(groups)} HDET groups but this run has {self.num_groups}; every group "
-                "starts from the checkpoint's merged model and a fresh optimizer state."
-            )
-            return None
-        return groups[self.group_index]
-
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        own = self._own_group_state(checkpoint)
-        if own is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        self.lightning_module.load_state_dict(own["state_dict"], strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        own = self._own_group_state(checkpoint)
-        hdet_groups = (checkpoint.get("hdet") or {}).get("groups")
-        if own is None and hdet_groups:
-            return  # re-sharded resume: fresh optimizer state for every group
-        if own is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        super().load_optimizer_state_dict({"optimizer_states": own["optimizer_states"]})
-
+    @override
     def teardown(self) -> None:
         self._guard = None
+        # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
+        for pg in self._group_pgs:
+            dist.destroy_process_group(pg)
+        self._group_pgs = []
         super().teardown()
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,198 @@
+"""The HDET controller: one interval's numbers in, one decision out (pure: no Lightning, no process groups).
+
+:meth:`HDETController.decide` is the whole vote: which groups diverged (the safety net), whether every group must
+roll back, the vote weights and winner, the new learning-rate multipliers (the vote rule, then the rescue cuts), and
+what the groups merge toward. It owns the vote rule's state, the generator of its random permutations and the vote
+counters, and checkpoints them through ``state_dict``/``load_state_dict``. It never touches a model: the callback
+hands the :class:`Decision` to the strategy, which executes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
+from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.votes import Ballot, VoteRule, divergent, make_rule, winner_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """What one vote interval measured, identical on every rank."""
+
+    step: int  # the optimizer step of the vote
+    losses: Sequence[float]  # every group's loss signal (NaN for a group that produced none)
+    finite: Sequence[bool]  # every group stayed finite (no skipped optimizer step)
+    multipliers: Tensor  # the current multiplier table, ``(num_groups, num_param_groups)``, float64
+    schedule_lrs: Sequence[float]  # what the optimizers/schedulers say, one per flattened param group
+    shared_gradients: bool  # gradients are averaged over all ranks (``gradient_sync="global"``)
+    final: bool = False  # the merge at the end of fit: weigh, merge fully, leave the LRs alone
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the strategy executes after one vote, and what the callback logs."""
+
+    step: int
+    losses: list[float]
+    weights: list[float]  # vote weights of the first param group (one-hot on the winner at a roll-back)
+    winner: int  # -1 when no group is healthy
+    multipliers: Tensor  # the new multiplier table (rescued groups' rows already cut)
+    lrs: list[float]  # every group's new real learning rate of the first param group (for the logs)
+    rescued: list[bool]  # groups the safety net caught: they take the target fully and restart their optimizer
+    roll_back: bool  # every group returns to the last good merged model instead of merging
+    coefficients: list[float] = field(default_factory=list)  # merge target ``sum_g c_g theta_g`` (empty: no merge)
+    strengths: list[float] = field(default_factory=list)  # ``theta_g <- (1 - s_g) theta_g + s_g target``
+
+
+class HDETController:
+    """Turns intervals into decisions; owns the vote rule, the permutation generator and the vote counters."""
+
+    def __init__(self, config: HDETConfig) -> None:
+        self.config = config
+        self.rule: VoteRule = make_rule(config.vote, config.temperature, config.momentum, config.meta_lr,
+                                        config.permute, config.shrink, config.min_spread)
+        self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
+        self.history: list[dict[str, Any]] = []
+        self.rescues = 0
+        self.num_votes = 0
+        self.last_winner = -1
+        self.last_coefficients: list[float] = []
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator of the rule's permutations (seeded by ``config.seed``; the global RNG is never touched)."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.config.seed)
+        return self._generator
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A torch.Generator cannot cross torch.multiprocessing's spawn under the default sharing strategy (PyTorch
+        # #146828: "unable to resize file"), and the spawn launcher pickles every callback: send its state as bytes.
+        state = dict(self.__dict__)
+        if self._generator is not None:
+            state["_generator"] = bytes(self._generator.get_state().numpy().tobytes())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        generator = state.pop("_generator")
+        self.__dict__.update(state)
+        self._generator = None
+        if generator is not None:
+            self.generator.set_state(torch.frombuffer(bytearray(generator), dtype=torch.uint8))
+
+    def noise_seed(self, group: int) -> int:
+        """Seed of group ``group``'s initial noise (published warm start): distinct per group, equal within one."""
+        return self.config.seed * 100_003 + group + 1
+
+    # ------------------------------------------------------------------ the vote
+    def decide(self, interval: Interval) -> Decision:
+        """One vote: safety net -> roll-back or (weights, winner, new multipliers, merge coefficients)."""
+        cfg, losses = self.config, list(interval.losses)
+        num_groups = len(losses)
+        rescued = divergent(losses, interval.finite, cfg.divergence_factor) if cfg.safety_net else [False] * num_groups
+        healthy = [not r for r in rescued]
+        # With a shared gradient a group whose *loss* blew up sent huge, still finite gradients into every group
+        # before it was caught: nothing from this interval is kept. (Non-finite gradients alone were kept out of
+        # the average by the strategy's guard, so those rescues leave the healthy groups alone.)
+        blew_up = divergent(losses, [True] * num_groups, cfg.divergence_factor)
+        contaminated = interval.shared_gradients and any(r and b for r, b in zip(rescued, blew_up))
+        if num_groups > 1 and (not any(healthy) or contaminated):
+            decision = self._roll_back(interval, rescued)
+        else:
+            decision = self._vote(interval, rescued)
+        self._count(decision, interval.final)
+        return decision
+
+    def _vote(self, interval: Interval, rescued: list[bool]) -> Decision:
+        losses, num_groups = list(interval.losses), len(interval.losses)
+        healthy = [not r for r in rescued]
+        move = not interval.final and interval.step >= self.config.warmup_steps and num_groups > 1
+        table = interval.multipliers.clone()
+        weights, winner = [1.0 / num_groups] * num_groups, 0
+        for p, schedule_lr in enumerate(interval.schedule_lrs):
+            ballot = Ballot(p, losses, table[:, p].tolist(), healthy, schedule_lr, move)
+            result = self.rule.explore(ballot, self.generator)
+            table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
+            if p == 0:
+                weights, winner = result.weights, result.winner
+        coefficients: list[float] = []
+        strengths: list[float] = []
+        if num_groups > 1:
+            coefficients = blend_coefficients(self.config.blend, weights, winner, healthy)
+            strengths = blend_strengths(1.0 if interval.final else self.config.blend_strength, rescued)
+            self.last_coefficients = coefficients
+        log.debug("vote at step %d: losses %s, weights %s, winner %d, rescued %s", interval.step, losses, weights,
+                  winner, rescued)
+        table = self._cut(table, rescued)
+        return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
+                        coefficients, strengths)
+
+    def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
+        """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
+        losses, num_groups = list(interval.losses), len(interval.losses)
+        self.last_coefficients = [1.0 / num_groups] * num_groups
+        winner = winner_of(losses, [not r for r in rescued])
+        weights = [1.0 if g == winner else 0.0 for g in range(num_groups)]
+        log.debug("roll-back at step %d: losses %s, rescued %s", interval.step, losses, rescued)
+        table = self._cut(interval.multipliers.clone(), rescued)
+        return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, True)
+
+    def _cut(self, table: Tensor, rescued: Sequence[bool]) -> Tensor:
+        """Multiply the rescued groups' rows of the multiplier table by ``rescue_lr_factor`` (in place)."""
+        for g, bad in enumerate(rescued):
+            if bad:
+                table[g] *= self.config.rescue_lr_factor
+        return table
+
+    def _count(self, decision: Decision, final: bool) -> None:
+        self.rescues += sum(decision.rescued)
+        # A roll-back counts as a vote even at the final merge (it moved the learning rates).
+        self.num_votes += 0 if final and not decision.roll_back else 1
+        self.last_winner = decision.winner
+        lrs = decision.lrs
+        for g in range(len(decision.losses)):
+            self.history.append(
+                {"step": decision.step, "group": g, "lr": lrs[g], "loss": decision.losses[g],
+                 "weight": decision.weights[g], "winner": decision.winner, "rescued": bool(decision.rescued[g])}
+            )
+
+    def finishing_merge(self) -> tuple[list[float], list[float]]:
+        """Coefficients and strengths that finish the last vote's merge at full strength (nothing trained since)."""
+        rescued = [c == 0.0 for c in self.last_coefficients]
+        return list(self.last_coefficients), blend_strengths(1.0, rescued)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule.state_dict(),
+            "generator": self.generator.get_state(),
+            "history": list(self.history),
+            "rescues": self.rescues,
+            "num_votes": self.num_votes,
+            "last_winner": self.last_winner,
+            "last_coefficients": list(self.last_coefficients),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rule.load_state_dict(state_dict["rule"])
+        self.generator.set_state(state_dict["generator"])
+        self.history = list(state_dict["history"])
+        self.rescues = state_dict["rescues"]
+        self.num_votes = state_dict["num_votes"]
+        self.last_winner = state_dict["last_winner"]
+        self.last_coefficients = list(state_dict["last_coefficients"])
+
+
+def _lrs(table: Tensor, interval: Interval) -> list[float]:
+    """Real learning rates of the first param group: multiplier x schedule LR (what the strategy will apply)."""
+    schedule = float(interval.schedule_lrs[0]) if len(interval.schedule_lrs) else 0.0
+    return (table[:, 0] * schedule).tolist()

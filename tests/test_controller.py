@@ -1,0 +1,89 @@
+"""The HDET controller as a pure object: one interval in, one decision out, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.controller import HDETController, Interval
+
+
+def _interval(losses, finite=None, multipliers=(0.5, 1.5), step=4, shared=False, final=False, lr=0.1):
+    table = torch.tensor(multipliers, dtype=torch.float64)[:, None]
+    finite = [True] * len(losses) if finite is None else finite
+    return Interval(step, losses, finite, table, [lr], shared, final)
+
+
+def test_softmax_vote_weights_multipliers_and_merge_by_hand():
+    controller = HDETController(HDETConfig(temperature=1.0, momentum=0.5, meta_lr=1.0, permute=False))
+    decision = controller.decide(_interval([2.0, 1.0]))
+    # weights = softmax((mean - L) / T) = softmax([-0.5, 0.5])
+    w1 = math.exp(0.5) / (math.exp(0.5) + math.exp(-0.5))
+    assert decision.weights == pytest.approx([1 - w1, w1]) and decision.winner == 1
+    # lrs 0.05, 0.15; delta = sum w lr - mean lr; v = 0.5 * delta; base 0.1 -> 0.1 + v; shape (0.5, 1.5) kept
+    delta = (1 - w1) * 0.05 + w1 * 0.15 - 0.1
+    base = 0.1 + 0.5 * delta
+    assert decision.multipliers[:, 0].tolist() == pytest.approx([base / 0.1 * 0.5, base / 0.1 * 1.5])
+    assert decision.lrs == pytest.approx([base * 0.5, base * 1.5])
+    assert decision.coefficients == [0.5, 0.5] and decision.strengths == [1.0, 1.0]
+    assert not decision.roll_back and decision.rescued == [False, False]
+    assert (controller.num_votes, controller.last_winner, controller.rescues) == (1, 1, 0)
+    assert [h["weight"] for h in controller.history] == pytest.approx(decision.weights)
+
+
+def test_warmup_and_final_leave_multipliers_alone():
+    controller = HDETController(HDETConfig(warmup_steps=10, blend="best", blend_strength=0.5))
+    decision = controller.decide(_interval([2.0, 1.0], step=4))
+    assert decision.multipliers[:, 0].tolist() == [0.5, 1.5]
+    assert decision.coefficients == [0.0, 1.0] and decision.strengths == [0.5, 0.5]
+    final = controller.decide(_interval([2.0, 1.0], step=20, final=True))
+    assert final.multipliers[:, 0].tolist() == [0.5, 1.5] and final.strengths == [1.0, 1.0]
+    assert controller.num_votes == 1  # the final merge is no vote
+
+
+def test_rescue_cuts_the_diverged_group_and_keeps_it_out_of_the_merge():
+    controller = HDETController(HDETConfig(permute=False, meta_lr=0.0, rescue_lr_factor=0.25))
+    decision = controller.decide(_interval([1.0, 1.0, 50.0], multipliers=(1.0, 2.0, 4.0)))  # 50 > 10 x 1
+    assert decision.rescued == [False, False, True] and not decision.roll_back
+    assert decision.multipliers[:, 0].tolist() == pytest.approx([1.0, 2.0, 1.0])
+    assert decision.coefficients == [0.5, 0.5, 0.0] and decision.strengths == [1.0, 1.0, 1.0]
+    assert controller.rescues == 1
+
+
+def test_roll_back_when_a_loss_blew_up_under_shared_gradients_or_all_diverged():
+    controller = HDETController(HDETConfig(permute=False))
+    decision = controller.decide(_interval([1.0, 50.0], shared=True))
+    assert decision.roll_back and decision.rescued == [False, True] and decision.winner == 0
+    assert decision.weights == [1.0, 0.0] and decision.multipliers[:, 0].tolist() == [0.5, 0.75]
+    assert controller.last_coefficients == [0.5, 0.5]
+    everyone = controller.decide(_interval([1.0, 1.0], finite=[False, False]))
+    assert everyone.roll_back and everyone.winner == -1 and everyone.multipliers[:, 0].tolist() == [0.25, 0.75]
+    assert controller.num_votes == 2 and controller.rescues == 3
+    # non-finite gradients alone (finite loss) under shared gradients: a rescue, no roll-back
+    assert not controller.decide(_interval([1.0, 1.0], finite=[True, False], shared=True)).roll_back
+
+
+def test_finishing_merge_repeats_the_last_coefficients_at_full_strength():
+    controller = HDETController(HDETConfig(blend="weighted", blend_strength=0.5))
+    decision = controller.decide(_interval([2.0, 1.0]))
+    coefficients, strengths = controller.finishing_merge()
+    assert coefficients == decision.coefficients and strengths == [1.0, 1.0]
+
+
+def test_state_round_trip_and_pickling_keep_the_generator():
+    config = HDETConfig(seed=5)
+    controller = HDETController(config)
+    for _ in range(3):
+        controller.decide(_interval([1.0, 2.0, 3.0], multipliers=(0.5, 1.0, 1.5)))
+    copy = HDETController(config)
+    copy.load_state_dict(controller.state_dict())
+    unpickled = pickle.loads(pickle.dumps(controller))
+    nxt = [c.decide(_interval([1.0, 2.0, 3.0], multipliers=(0.5, 1.0, 1.5))).multipliers for c in
+           (controller, copy, unpickled)]
+    assert torch.equal(nxt[0], nxt[1]) and torch.equal(nxt[0], nxt[2])
+    assert copy.history == controller.history and copy.num_votes == 4
+    assert controller.noise_seed(1) == 5 * 100_003 + 2
