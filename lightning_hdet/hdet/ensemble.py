@@ -20,8 +20,28 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer
-from lightning_hdet._tensors import assign_flat, flatten, host_copy, model_state, to_cpu
-from lightning_hdet.hdet.checkpoints import own_group_state, resharded, state_dict_with
+from lightning_hdet._tensors import (
+    all_finite,
+    flat_dtype,
+    flatten,
+    host_buffer,
+    host_copy,
+    model_state,
+    numel,
+    read_into,
+    reduced_buckets,
+    sync_device,
+    to_cpu,
+    write_from,
+)
+from lightning_hdet.hdet.checkpoints import (
+    group_dir,
+    group_file,
+    own_group_state,
+    read_group_file,
+    resharded,
+    state_dict_with,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,42 +74,61 @@ class EnsembleOps:
                 p.add_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * std).to(p.device, p.dtype))
 
     def merge(self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool]) -> None:
-        """Blend the groups' parameters and floating-point buffers.
+        """Blend the groups' parameters and floating-point buffers, one bucket of at most 25 MiB at a time.
 
-        ``target = sum_g coefficients[g] * theta_g`` (one all-reduce of the model's size over all ranks); then each
-        group moves ``theta_g <- (1 - strengths[g]) * theta_g + strengths[g] * target``. A group whose coefficient is
-        0 contributes zeros, so non-finite parameters of a diverged group never reach the target. A finite target
-        becomes the restore point; the groups flagged in ``restart`` clear their optimizer state.
+        ``target = sum_g coefficients[g] * theta_g`` (all-reduces over all ranks, bucket by bucket, so a merge needs
+        one bucket of extra device memory); each group moves ``theta_g <- (1 - strengths[g]) * theta_g +
+        strengths[g] * target``. A group whose coefficient is 0 contributes zeros, so non-finite parameters of a
+        diverged group never reach the target. A finite target becomes the restore point (written into the host
+        copy bucket by bucket); the groups flagged in ``restart`` clear their optimizer state.
         """
         tensors = model_state(self.lightning_module)
-        target = self._blend_target(tensors, coefficients)
-        assign_flat(tensors, target, float(strengths[self.group_index]))
-        if bool(torch.isfinite(target).all()):
-            self._restore_point = host_copy(target, self._restore_point)
+        keep = self._contributions_finite(tensors, coefficients)
+        if keep:
+            self._restore_point = self._restore_buffer(tensors)
+        strength = float(strengths[self.group_index])
+        for bucket, flat in reduced_buckets(tensors, self._coefficient(coefficients), self._all_reduce):
+            bucket.scatter(flat, strength)
+            if keep:
+                self._restore_point[bucket.offset : bucket.offset + bucket.numel].copy_(flat, non_blocking=True)
+        sync_device(self.root_device)  # the host copy is read later: the non-blocking copies must have landed
         if restart[self.group_index]:
             self._clear_optimizer_state()
         log.debug("merge: coefficients %s, strengths %s", list(coefficients), list(strengths))
 
-    def _blend_target(self, tensors: list[Tensor], coefficients: Sequence[float]) -> Tensor:
-        coefficient = float(coefficients[self.group_index]) / self.layout.group_size
-        flat = flatten(tensors)
-        if coefficient == 0.0:
-            flat.zero_()
-        else:
-            flat.mul_(coefficient)
+    def _coefficient(self, coefficients: Sequence[float]) -> float:
+        return float(coefficients[self.group_index]) / self.layout.group_size
+
+    def _all_reduce(self, flat: Tensor) -> None:
         if _distributed(self.world_size):
             dist.all_reduce(flat)
-        return flat
+
+    def _contributions_finite(self, tensors: list[Tensor], coefficients: Sequence[float]) -> bool:
+        """Whether every group with a non-zero coefficient holds finite values, i.e. the merge target will be
+        finite: checked before any bucket is written, so the restore point is replaced only by a finite target
+        (one small all-reduce and one host read per merge)."""
+        finite = all_finite(tensors) if self._coefficient(coefficients) != 0.0 else torch.ones((), dtype=torch.bool)
+        row = self.gather_group_values(finite.double().reshape(1))[:, 0]
+        return all(float(n) == self.layout.group_size for n, c in zip(row, coefficients) if c != 0.0)
+
+    def _restore_buffer(self, tensors: list[Tensor]) -> Tensor:
+        """The host buffer of the restore point (reused; pinned on CUDA)."""
+        size, dtype = numel(tensors), flat_dtype(tensors)
+        held = self._restore_point
+        if held is not None and held.numel() == size and held.dtype == dtype:
+            return held
+        return host_buffer(size, self.root_device, dtype)
 
     def ensure_restore_point(self) -> None:
         """Make the current model state the restore point unless one is held (from a merge or a checkpoint)."""
         if self._restore_point is None:
-            self._restore_point = host_copy(flatten(model_state(self.lightning_module)))
+            tensors = model_state(self.lightning_module)
+            self._restore_point = read_into(tensors, self._restore_buffer(tensors), self.root_device)
 
     def restore(self) -> None:
         """Roll back to the restore point; every group restarts its optimizer state."""
         assert self._restore_point is not None, "ensure_restore_point() runs at the start of fit"
-        assign_flat(model_state(self.lightning_module), self._restore_point.to(self.root_device), 1.0)
+        write_from(model_state(self.lightning_module), self._restore_point, self.root_device)
         self._clear_optimizer_state()
         log.debug("roll-back to the restore point")
 
@@ -100,10 +139,12 @@ class EnsembleOps:
 
     # ------------------------------------------------------------------ checkpoints
     def save_ensemble(self) -> dict[str, Any]:
-        """Multipliers, every group's own state (rank 0; a collective) and the restore point, for ``checkpoint["hdet"]``."""
+        """Multipliers, the number of per-group files and the restore point, for ``checkpoint["hdet"]``. The groups'
+        own states are not in it: each group's leader writes its own file beside the checkpoint
+        (``save_checkpoint``)."""
         return {
             "lr_multipliers": self.lr_multipliers,
-            "groups": self.ensemble_state() if self.num_groups > 1 else None,
+            "group_files": self.num_groups if self.num_groups > 1 else None,
             "last_good": self._restore_point.cpu() if self._restore_point is not None else None,
         }
 
@@ -113,33 +154,59 @@ class EnsembleOps:
         if state.get("last_good") is not None:
             self._restore_point = host_copy(state["last_good"])
 
-    def ensemble_state(self) -> Optional[list[dict[str, Any]]]:
-        """Every group's own parameters and optimizer states, gathered on rank 0 (``None`` elsewhere)."""
-        mine = None
-        if self.global_rank == self.group_ranks[0]:
-            mine = {
-                "state_dict": {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()},
-                "optimizer_states": [to_cpu(unwrap_optimizer(opt).state_dict()) for opt in self.optimizers],
-            }
-        gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(mine, gathered, dst=0)
-        if not self.is_global_zero:
-            return None
-        return [gathered[self.layout.ranks(g)[0]] for g in range(self.num_groups)]  # type: ignore[index]
+    def own_state(self) -> dict[str, Any]:
+        """This group's own parameters, buffers and optimizer states, on the host (what its leader writes)."""
+        return {
+            "state_dict": to_cpu(self.lightning_module.state_dict()),
+            "optimizer_states": [to_cpu(unwrap_optimizer(opt).state_dict()) for opt in self.optimizers],
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Each group's first rank writes its group's own state beside the checkpoint; then rank 0 writes the
+        checkpoint itself (the merged model), which therefore never names a file that is not there yet."""
+        if (checkpoint.get("hdet") or {}).get("group_files"):
+            if self.global_rank == self.group_ranks[0]:
+                self.checkpoint_io.save_checkpoint(self.own_state(), group_file(filepath, self.group_index))
+            self.barrier("hdet_group_files")
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint and its per-group files (``ModelCheckpoint(save_top_k=...)`` rotates both)."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(group_dir(filepath))
+
+    def attach_own_state(self, checkpoint: dict[str, Any], checkpoint_path: Any, weights_only: Optional[bool]) -> None:
+        """Read this group's own file into ``checkpoint["hdet"]["own"]`` when the checkpoint was written by as many
+        groups as this run has (each rank reads its own group's file only)."""
+        hdet = checkpoint.get("hdet") or {}
+        if hdet.get("group_files") != self.num_groups:
+            return
+        path = group_file(checkpoint_path, self.group_index)
+        load = lambda: self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)  # noqa: E731
+        hdet["own"] = read_group_file(load, checkpoint_path, path, self.num_groups)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The merged model: the mean over groups whose parameters are finite (a collective on every rank)."""
+        """The merged model, on rank 0's host: the mean over groups whose parameters are finite, reduced to rank 0
+        one bucket at a time (a collective on every rank). Other ranks return their own state dict, which
+        Lightning does not write."""
         module = self.lightning_module
         if self.num_groups == 1 or not dist.is_initialized():
             return module.state_dict()
         tensors = model_state(module)
-        finite = torch.tensor([float(bool(torch.isfinite(flatten(tensors)).all()))])
-        healthy = self.gather_group_values(finite)[:, 0] > 0
+        healthy = self.gather_group_values(all_finite(tensors).double().reshape(1))[:, 0] == self.layout.group_size
         if not bool(healthy.any()):
             healthy = torch.ones_like(healthy)
-        target = self._blend_target(tensors, (healthy.double() / healthy.sum()).tolist())
-        return state_dict_with(module, tensors, target)
+        coefficient = self._coefficient((healthy.double() / healthy.sum()).tolist())
+        merged = [torch.empty(t.shape, dtype=t.dtype) for t in tensors] if self.is_global_zero else None
+        index = {id(t): i for i, t in enumerate(tensors)}
+        for bucket, flat in reduced_buckets(tensors, coefficient, lambda x: dist.reduce(x, dst=0)):
+            for t, start, stop, part in bucket.parts(flat) if merged is not None else ():
+                merged[index[id(t)]].view(-1)[start:stop].copy_(part)
+        return module.state_dict() if merged is None else state_dict_with(module, tensors, merged)
 
     @property
     @override

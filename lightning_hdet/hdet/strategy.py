@@ -6,9 +6,10 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
 * a per-group learning-rate multiplier applied around every optimizer step, so the scheduler never sees it,
 * the executor side of :class:`~lightning_hdet.hdet.executor.HDETExecutor`, which the
   :class:`~lightning_hdet.hdet.callback.HDETCallback` drives: gathering one row of numbers per group, merging
-  (blending) the groups' parameters with one collective of the model's size, rolling back to a restore point,
-* an optional guard that skips the optimizer step of a group whose loss or gradients are non-finite,
-* checkpoints whose ``state_dict`` is the merged model, plus every group's own state for an exact resume.
+  (blending) the groups' parameters in 25 MiB buckets, rolling back to a restore point,
+* an optional guard that flags, on the device, the optimizer steps of a group whose loss or gradients are
+  non-finite (skipped on the device by fused optimizers),
+* checkpoints whose ``state_dict`` is the merged model, plus one file per group with its own state.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import atexit
 import inspect
 import logging
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from lightning_hdet._compat import (
     unwrap_optimizer,
 )
 from lightning_hdet.hdet.ensemble import EnsembleOps
-from lightning_hdet.hdet.guard import FiniteGuard, SkipStep, guarded_closure
+from lightning_hdet.hdet.guard import FiniteGuard, NonFiniteSteps, skips_on_device
 from lightning_hdet.hdet.layout import GroupLayout, check_multipliers, check_num_groups, check_spread, fan_out, make_layout
 from lightning_hdet.hdet.multipliers import (
     MultiplierTable,
@@ -85,8 +86,7 @@ class HDETStrategy(EnsembleOps, DDPStrategy):
     * ``set_lr_multipliers(table)``: the one writer of the multiplier table;
     * ``enable_guard()``: turn the non-finite step guard on; the callback calls it from ``setup(stage="fit")``,
       before the model is wrapped (the guard is a DDP communication hook);
-    * ``interval_skipped(reset=True)``: steps skipped since the last reset (reset on read; the total stays in
-      ``skipped_steps``);
+    * ``interval_skipped(reset=True)``: flagged steps since the last reset (the total: ``skipped_steps``);
     * ``gather_group_values(values)``: one small all-reduce, every group's row on every rank;
     * ``add_init_noise(relative_std, seed)``: the published warm start;
     * ``merge(coefficients, strengths, restart)``, ``ensure_restore_point()``, ``restore()``: blend, keep the last
@@ -127,8 +127,7 @@ class HDETStrategy(EnsembleOps, DDPStrategy):
         self._multipliers: Optional[MultiplierTable] = None
         self._guard_enabled = False
         self._guard: Optional[FiniteGuard] = None
-        self._skipped = 0  # since the start of fit
-        self._skipped_at_reset = 0
+        self._steps: Optional[NonFiniteSteps] = None  # flags and counts non-finite steps on the device
         self._restore_point: Optional[Tensor] = None  # owned by EnsembleOps
 
     # ------------------------------------------------------------------ registration
@@ -264,7 +263,7 @@ class HDETStrategy(EnsembleOps, DDPStrategy):
     def scaled_lr(self, optimizer: Optimizer) -> AbstractContextManager[None]:
         """Multiply each param group's ``lr`` by this group's multiplier for the duration of one step."""
         offset = self.param_group_offset(optimizer)
-        row = self.lr_multipliers[self.group_index].tolist()
+        row = self._table.row(self.group_index, self.num_param_groups)
         return scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
 
     def schedule_lrs(self) -> Tensor:
@@ -288,40 +287,41 @@ class HDETStrategy(EnsembleOps, DDPStrategy):
         model: Optional[Union[LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        if self._guard_enabled:
-            closure = guarded_closure(closure, optimizer, self._guard, not self._uses_grad_scaler(),
-                                      self.group_process_group, self.layout.group_size, self.root_device)
-        try:
+        if self._steps is None:  # guard off
             with self.scaled_lr(optimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
-        except SkipStep:
-            self._skipped += 1
-            return None
+        inner = unwrap_optimizer(optimizer)
+        scaler = self._uses_grad_scaler()  # a GradScaler skips non-finite steps itself and owns ``found_inf``
+        exact = skips_on_device(inner) and not scaler
+        closure = self._steps.wrap(closure, optimizer, self._guard, not scaler, self.group_process_group,
+                                   self.layout.group_size, exact)
+        try:
+            with self.scaled_lr(optimizer), (self._steps.found_inf(inner) if exact else nullcontext()):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             if self._guard is not None:
                 self._guard.reset()
 
-    # ------------------------------------------------------------------ safety net: skip non-finite steps
+    # ------------------------------------------------------------------ safety net: non-finite steps
     def enable_guard(self) -> None:
-        """Skip the optimizer steps of a group whose loss or gradients are non-finite (call before wrapping)."""
+        """Flag the optimizer steps whose loss or gradients are non-finite, and skip them where the optimizer can
+        do so on the device (see :class:`~lightning_hdet.hdet.guard.NonFiniteSteps`); call before wrapping."""
         self._guard_enabled = True
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps the guard skipped on this rank since this strategy started."""
-        return self._skipped
+        """Optimizer steps the guard flagged on this rank since this strategy started (reads the device counter)."""
+        return self._steps.total() if self._steps is not None else 0
 
     def interval_skipped(self, reset: bool = True) -> int:
-        """Optimizer steps skipped since the last reset (or the start of fit); ``reset=False`` only peeks."""
-        count = self._skipped - self._skipped_at_reset
-        if reset:
-            self._skipped_at_reset = self._skipped
-        return count
+        """Flagged steps since the last reset (or the start of fit); ``reset=False`` only peeks. One host read of
+        the device counter: called at votes and checkpoints, never per step."""
+        return self._steps.interval(reset) if self._steps is not None else 0
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._skipped_at_reset = self._skipped  # a vote interval starts with the fit
+        self.interval_skipped(reset=True)  # a vote interval starts with the fit
 
     def _uses_grad_scaler(self) -> bool:
         return isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None
@@ -338,6 +338,8 @@ class HDETStrategy(EnsembleOps, DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
+        if self._guard_enabled and self._steps is None:
+            self._steps = NonFiniteSteps(self.root_device)
         if self._guard_enabled and not has_user_comm_hook(self) and not self._uses_grad_scaler():
             pg = ddp_process_group(self)
             self._guard = FiniteGuard(pg, dist.get_world_size(pg), self.root_device)
@@ -345,13 +347,16 @@ class HDETStrategy(EnsembleOps, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Lightning's reader, with a clear error for a truncated or corrupted file."""
-        return read_checkpoint(lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
-                               checkpoint_path)
+        """Lightning's reader, with a clear error for a truncated or corrupted file; adds this group's own state."""
+        checkpoint = read_checkpoint(
+            lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
+            checkpoint_path)
+        self.attach_own_state(checkpoint, checkpoint_path, weights_only)
+        return checkpoint
 
     @override
     def teardown(self) -> None:
-        self._guard = None
+        self._guard = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
         # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
         for pg in self._group_pgs:
             dist.destroy_process_group(pg)
