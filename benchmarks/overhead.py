@@ -270,8 +270,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                    help="throughput (with the bytes of ddp/hdet), exchange (diloco/async bytes and host memory), "
                         "lean (HDET merge and checkpoint memory); results of a subset go to overhead_<parts>")
-    p.add_argument("--lean-d-model", type=int, default=None, help="width of the lean memory runs (default 768, quick 64)")
-    p.add_argument("--lean-world-sizes", type=int, nargs="+", default=None, help="G = W of the checkpoint memory runs (default 2 4, quick 2)")
+    p.add_argument("--lean-d-model", type=int, default=None,
+                   help="width of the lean memory runs (default 768, quick 64)")
+    p.add_argument("--lean-world-sizes", type=int, nargs="+", default=None,
+                   help="G = W of the merge/checkpoint memory runs (default 2 4, quick 2)")
     args = p.parse_args(argv)
     q = args.quick
     args.steps = args.steps or (16 if q else 300)
