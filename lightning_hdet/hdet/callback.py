@@ -97,13 +97,27 @@ class HDETCallback(Callback):
         self._monitored: Optional[float] = None
         self._resumed_interval: Optional[Tensor] = None
 
-    # Read-outs kept from before the controller existed (the vote's state lives in the controller).
-    every_n_steps = property(lambda self: self.settings.every_n_steps)
-    vote = property(lambda self: self.settings.vote)
-    history = property(lambda self: self.controller.history)
-    rescues = property(lambda self: self.controller.rescues)
-    num_votes = property(lambda self: self.controller.num_votes)
-    last_winner = property(lambda self: self.controller.last_winner)
+    # Read-outs (the settings live in `settings`, the vote's state in `controller`).
+    @property
+    def every_n_steps(self) -> int:
+        return self.settings.every_n_steps
+
+    @property
+    def vote(self) -> str:
+        return self.settings.vote
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One row per vote and group: step, group, new LR, loss, weight, winner, rescued."""
+        return self.controller.history
+
+    @property
+    def rescues(self) -> int:
+        return self.controller.rescues
+
+    @property
+    def num_votes(self) -> int:
+        return self.controller.num_votes
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
