@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_hdet._checks import check_int, check_number, check_positive_list
+from lightning_hdet._checks import check_number, check_positive_list, is_int, require
 
 
 def fan_out(num_groups: int, spread: float) -> list[float]:
@@ -27,7 +27,8 @@ def fan_out(num_groups: int, spread: float) -> list[float]:
 
 
 def check_num_groups(num_groups: int) -> None:
-    check_int("num_groups", num_groups, minimum=1, hint="None gives one group per rank.")
+    require("num_groups", num_groups, is_int(num_groups) and num_groups >= 1,
+            "a positive integer (or None for one group per rank)")
 
 
 def check_spread(spread: float) -> None:
