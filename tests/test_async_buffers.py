@@ -15,8 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet import AsyncLocalSGDStrategy
-from lightning_hdet.asynchronous.strategy import _OuterState, _Push
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy
+from lightning_hdet.asynchronous.messages import Kind, Push
+from lightning_hdet.asynchronous.outer import AsyncStep, OuterState
 from tests.helpers import load_ranks, trainer_kwargs
 
 OFFSET = 10.0  # rank r's inputs have mean r * OFFSET, so the workers' running means differ clearly
@@ -158,16 +159,16 @@ def test_buffers_are_averaged_and_every_rank_ends_with_the_global_ones(tmp_path:
         torch.testing.assert_close(r["final"], resumed[0]["outer"]["buffers"], rtol=0, atol=0)
 
 
-def _outer(buffers: torch.Tensor | None = None) -> _OuterState:
+def _outer(buffers: torch.Tensor | None = None) -> OuterState:
     params = torch.zeros(3)
     opt = torch.optim.SGD([params], lr=1.0)
     extra = {} if buffers is None else {"buffers": buffers}
-    return _OuterState(params, opt, LocalStepsPolicy(4), "async", None, **extra)
+    return OuterState(params, opt, LocalStepsPolicy(4), AsyncStep(), None, **extra)
 
 
-def _push(worker: int, g: float, buffers: list[float] | None) -> _Push:
+def _push(worker: int, g: float, buffers: list[float] | None) -> Push:
     values = None if buffers is None else torch.tensor(buffers)
-    return _Push(worker, 1.0, 4, 1.0, 0.0, torch.full((3,), g), buffers=values)
+    return Push(worker, Kind.PUSH, 4, 1.0, 0.0, torch.full((3,), g), buffers=values)
 
 
 def test_outer_state_averages_the_workers_latest_buffers() -> None:

@@ -14,6 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy
+from lightning_hdet.asynchronous.messages import Kind, Push
+from lightning_hdet.asynchronous.outer import AsyncStep, OuterState, SyncStep
+from lightning_hdet.asynchronous.server import Server
+from lightning_hdet.asynchronous.transport import ServerTransport
 
 BASE_SECONDS = 0.05  # a factor-1 step; the slow rank takes 4x
 
@@ -264,19 +269,15 @@ def test_bad_world_checked_before_process_groups():
         Trainer(strategy=AsyncLocalSGDStrategy(momentum_activation=0.3), accelerator="cpu", devices=4, logger=False)
 
 
-def _outer(mode="async", budget=None, local_steps=4):
-    from lightning_hdet.asynchronous.strategy import _OuterState
-    from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy
-
+def _outer(mode="async", budget=None, local_steps=4, grace_period=0.0):
     params = torch.zeros(3)
     opt = torch.optim.SGD([params], lr=1.0)
-    return _OuterState(params, opt, LocalStepsPolicy(local_steps), mode, budget)
+    step = AsyncStep(grace_period) if mode == "async" else SyncStep()
+    return OuterState(params, opt, LocalStepsPolicy(local_steps), step, budget)
 
 
-def _push(worker, steps, g=None, kind=1.0, seconds=1.0):
-    from lightning_hdet.asynchronous.strategy import _Push
-
-    return _Push(worker, kind, steps, seconds, 0.0, None if g is None else torch.full((3,), float(g)))
+def _push(worker, steps, g=None, kind=Kind.PUSH, seconds=1.0):
+    return Push(worker, kind, steps, seconds, 0.0, None if g is None else torch.full((3,), float(g)))
 
 
 def test_outer_state_budget_is_exact_and_shared_by_speed():
@@ -302,22 +303,23 @@ def test_outer_state_stop_request_and_bye():
     outer = _outer()
     outer.process([_push(0, 0), _push(1, 0)])
     outer.stop_requested = True
-    assert outer.process([_push(0, 4, 1.0, kind=2.0), _push(1, 4, 1.0)]) == {1: 0}  # a leaving worker gets no reply
+    assert outer.process([_push(0, 4, 1.0, kind=Kind.BYE), _push(1, 4, 1.0)]) == {1: 0}  # a leaving worker gets no reply
 
 
 def test_grace_window_closes_once_every_active_worker_pushed():
     """The server's batching, without processes: with a grace period far longer than the test, a batch is
     applied as soon as every worker still training is in it; a worker that left no longer counts."""
     import queue
-    import threading
+    from unittest import mock
 
-    from lightning_hdet.asynchronous.strategy import _Server
-
-    outer = _outer()
-    server = _Server(outer, world_size=2, push_group=None, reply_group=None, grace_period=1e6, timeout=60)
+    outer = _outer(grace_period=1e6)
     replies: queue.Queue = queue.Queue()
-    server._reply = lambda worker, steps: replies.put(worker)
-    thread = threading.Thread(target=server._guard, args=(server._serve,), daemon=True)
+    remote = mock.create_autospec(ServerTransport, instance=True)
+    remote.receive.side_effect = lambda: queue.Queue().get()  # nothing comes over the wire: pushes go to the inbox
+    server = Server(outer, workers=2, remote=remote, timeout=60)
+    server.local.reply = lambda header, params, buffers: replies.put(0)
+    remote.reply.side_effect = lambda worker, header, params, buffers: replies.put(worker)
+    thread = server._threads[-1]  # the server thread alone; the receiver is not started
     thread.start()
 
     def exchange(*pushes, expect):
@@ -328,9 +330,9 @@ def test_grace_window_closes_once_every_active_worker_pushed():
     exchange(_push(0, 0), _push(1, 0), expect=[0, 1])  # hellos
     exchange(_push(0, 4, 1.0), _push(1, 4, 1.0), expect=[0, 1])
     assert outer.workers[0].pulled_version == outer.workers[1].pulled_version == 2  # one batch, both applied
-    exchange(_push(0, 0, kind=2.0), _push(1, 4, 1.0), expect=[1])  # worker 0 leaves
+    exchange(_push(0, 0, kind=Kind.BYE), _push(1, 4, 1.0), expect=[1])  # worker 0 leaves
     exchange(_push(1, 4, 1.0), expect=[1])  # worker 1 alone: no wait for the departed worker
-    server.inbox.put(_push(1, 0, kind=2.0))
+    server.inbox.put(_push(1, 0, kind=Kind.BYE))
     thread.join(60)
     assert not thread.is_alive() and server.error is None
     assert outer.outer_updates == 4 and replies.empty()

@@ -70,7 +70,7 @@ class InnerStates(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = trainer.strategy
-        if strategy._steps_in_round == 0:  # this step ended with an exchange
+        if strategy._exchange.worker.steps_in_round == 0:  # this step ended with an exchange
             self.after_exchange[strategy.inner_steps] = self._state(trainer)
 
     def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:

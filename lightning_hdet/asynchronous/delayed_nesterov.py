@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_hdet._checks import is_finite_number
+from lightning_hdet._checks import check_int, check_number
 
 
 class DelayedNesterov(Optimizer):
@@ -87,16 +87,9 @@ def validate_outer_hyperparameters(
 ) -> None:
     """Raise a ValueError naming the argument when an outer-optimizer hyperparameter is out of range."""
     for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("momentum_activation", momentum_activation)):
-        if not is_finite_number(value):
-            raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
-    if not lr > 0:
-        raise ValueError(f"`outer_lr` must be > 0, got {lr!r}.")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"`outer_momentum` must be in [0, 1), got {momentum!r}.")
-    if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
-        raise ValueError(f"`buffer_size` must be a positive integer, got {buffer_size!r}.")
-    if not 0 <= momentum_activation <= 1.0 / buffer_size:
-        raise ValueError(
-            f"`momentum_activation` must be in [0, 1/buffer_size] = [0, {1.0 / buffer_size:g}],"
-            f" got {momentum_activation!r}."
-        )
+        check_number(name, value)
+    check_number("outer_lr", lr, low=0, low_open=True)
+    check_number("outer_momentum", momentum, low=0, high=1, high_open=True)
+    check_int("buffer_size", buffer_size, minimum=1)
+    check_number("momentum_activation", momentum_activation, low=0, high=1.0 / buffer_size,
+                 hint=f"(the upper end is 1/buffer_size, buffer_size={buffer_size})")

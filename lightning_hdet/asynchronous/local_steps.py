@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_hdet._checks import check_int, check_number
+
 
 def smoothed_speed(previous: float | None, measured: float, smoothing: float) -> float:
     """Exponential moving average of steps/s: ``smoothing * previous + (1 - smoothing) * measured``."""
@@ -38,9 +40,7 @@ class LocalStepsPolicy:
     """
 
     def __init__(self, local_steps: int, min_local_steps: int = 1, dynamic: bool = True, smoothing: float = 0.5) -> None:
-        validate_local_steps(local_steps, min_local_steps)
-        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
-            raise ValueError(f"`speed_smoothing` must be in [0, 1), got {smoothing!r}.")
+        validate_local_steps(local_steps, min_local_steps, smoothing)
         self.local_steps = local_steps
         self.min_local_steps = min_local_steps
         self.dynamic = dynamic
@@ -66,10 +66,10 @@ class LocalStepsPolicy:
         self.speeds = {int(k): float(v) for k, v in state["speeds"].items()}
 
 
-def validate_local_steps(local_steps: int, min_local_steps: int) -> None:
-    """Raise a ValueError naming the argument when ``H`` or its lower bound is invalid."""
-    for name, value in (("local_steps", local_steps), ("min_local_steps", min_local_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+def validate_local_steps(local_steps: int, min_local_steps: int, smoothing: float = 0.5) -> None:
+    """Raise a ValueError naming the argument when ``H``, its lower bound or the speed smoothing is invalid."""
+    check_int("local_steps", local_steps, minimum=1)
+    check_int("min_local_steps", min_local_steps, minimum=1)
     if min_local_steps > local_steps:
         raise ValueError(f"`min_local_steps` ({min_local_steps}) must not exceed `local_steps` ({local_steps}).")
+    check_number("speed_smoothing", smoothing, low=0, high=1, high_open=True)

@@ -1,0 +1,108 @@
+"""This process's part of the exchange during one ``fit``: its :class:`~.worker.Worker` and, on rank 0, the
+:class:`~.outer.OuterState` with its :class:`~.server.Server`. No Lightning: the strategy drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_hdet._tensors import (
+    float_buffers,
+    host_buffer,
+    model_state,
+    numel,
+    read_into,
+    to_cpu,
+    write_from,
+)
+from lightning_hdet.asynchronous.messages import Kind
+from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
+from lightning_hdet.asynchronous.server import Server
+from lightning_hdet.asynchronous.transport import GlooServerTransport, GlooWorkerTransport, WorkerTransport
+from lightning_hdet.asynchronous.worker import Worker
+
+
+def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat host copies of the module's parameters and of its floating-point buffers."""
+    params, buffers = list(module.parameters()), float_buffers(module)
+    return (read_into(params, host_buffer(numel(params), device), device),
+            read_into(buffers, host_buffer(numel(buffers), device), device))
+
+
+class Exchange:
+    """Start the exchange (rank 0 also starts the outer state and its server), run it, leave it.
+
+    Args:
+        module: the model on ``device``.
+        groups: the two ``gloo`` groups (pushes, replies).
+        workers: how many processes exchange.
+        timeout: seconds any exchange may wait.
+        inner_optimizer: sent with every push when given (``checkpoint_inner_states``).
+        outer: rank 0 only: the outer state to serve (see :meth:`OuterSettings.build`).
+    """
+
+    def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
+                 inner_optimizer: Optimizer | None = None, outer: OuterState | None = None) -> None:
+        self.module, self.device, self.outer, self.groups, self.workers = module, device, outer, groups, workers
+        n_params = numel(list(module.parameters()))
+        self.server: Server | None = None
+        transport: WorkerTransport
+        if outer is not None:
+            remote = GlooServerTransport(*groups, n_params, outer.buffers.numel())
+            self.server = Server(outer, workers, remote, timeout)
+            self.server.start()
+            transport = self.server.local
+        else:
+            transport = GlooWorkerTransport(*groups, n_params)
+        self.worker = Worker(module, device, transport, inner_optimizer)
+
+    @staticmethod
+    def start_outer(settings: OuterSettings, module: Module, device: torch.device, workers: int,
+                    budget: int | None, resume: dict[str, Any] | None) -> OuterState:
+        """Rank 0: the outer state, from this model or from the checkpoint's outer state ``resume`` (on fewer
+        workers, the others' buffers no longer count)."""
+        outer = settings.build(*read_model(module, device), workers, budget)
+        if resume is not None:
+            outer.load_state_dict(resume, workers=workers)
+        return outer
+
+    def leave(self, stop_everyone: bool) -> None:
+        """Push any unfinished round and leave; rank 0 (``stop_everyone``: e.g. EarlyStopping decided) then waits
+        for every worker to leave and writes the global model into its module."""
+        if self.outer is not None and stop_everyone and not self.worker.stopped:
+            self.outer.request_stop()
+        self.worker.exchange(Kind.BYE)
+        if self.server is not None:
+            self.server.join()
+            self.write_global_model()
+
+    def gather_inner_states(self, optimizer: Optimizer) -> dict[int, Any]:
+        """Every worker's inner optimizer state, on every worker (a collective: all must call it)."""
+        states: list[Any] = [None] * self.workers
+        dist.all_gather_object(states, to_cpu(optimizer.state_dict()), group=self.groups[0])
+        return dict(enumerate(states))
+
+    def write_global_model(self) -> None:
+        """Rank 0: write the outer state's global parameters and floating-point buffers into the module."""
+        assert self.outer is not None
+        params, buffers = self.outer.global_model()
+        write_from(list(self.module.parameters()), params, self.device)
+        write_from(float_buffers(self.module), buffers, self.device)
+
+    @contextmanager
+    def global_model(self) -> Iterator[None]:
+        """Rank 0: the module holds the current global model inside the block, its own outside."""
+        tensors = model_state(self.module)
+        saved = read_into(tensors, host_buffer(numel(tensors), self.device), self.device)
+        self.write_global_model()
+        try:
+            yield
+        finally:
+            write_from(tensors, saved, self.device)

@@ -1,0 +1,303 @@
+"""The outer side of Local-SGD: global parameters and buffers, the outer optimizer, the step budget, per-worker
+statistics and inner optimizer states. Pure: no process groups, no Lightning.
+
+How pushes become outer updates and how long each worker's next round is differ between the two modes, and are
+two step policies: :class:`AsyncStep` (each push applied on arrival, round lengths by speed, budget shared by
+speed) and :class:`SyncStep` (DiLoCo: the mean of every worker's push, one outer step, equal round lengths).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.optim import SGD, Optimizer
+
+from lightning_hdet._checks import check_choice, check_number
+from lightning_hdet._tensors import state_from_bytes
+from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
+from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
+from lightning_hdet.asynchronous.messages import Kind, Push
+
+MODES = ("async", "sync")
+_STAT_KEYS = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s")
+
+
+@dataclass
+class WorkerStats:
+    """What the outer side knows about one worker."""
+
+    steps_per_s: float = 0.0
+    local_steps: int = 0
+    staleness: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    rounds: int = 0
+    steps: int = 0
+    pulled_version: int = 0
+    in_flight: int = 0
+
+
+class StepPolicy(Protocol):
+    """How a batch of pushes becomes outer updates, and how long a worker's next round is."""
+
+    #: ``"async"`` or ``"sync"`` (recorded in checkpoints).
+    mode: str
+    #: Seconds after a batch's first push during which later pushes join it; ``None``: until every worker
+    #: still training has pushed.
+    batch_window: float | None
+
+    def apply(self, outer: OuterState, gradients: list[Tensor]) -> None:
+        """Step the outer optimizer (through :meth:`OuterState.outer_step`) with the batch's pseudo-gradients."""
+
+    def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
+        """``worker``'s next round length within the budget left (``n_waiting`` workers wait for a reply)."""
+
+
+class AsyncStep:
+    """Asynchronous Local-SGD: every push is its own outer update, in arrival order; each worker's next round
+    length follows its speed; the budget left is shared without waiting for anyone.
+
+    Args:
+        grace_period: pushes arriving within this many seconds of a batch's first one join that batch.
+    """
+
+    mode = "async"
+
+    def __init__(self, grace_period: float = 0.0) -> None:
+        self.batch_window: float | None = grace_period
+
+    def apply(self, outer: OuterState, gradients: list[Tensor]) -> None:
+        for g in gradients:
+            outer.outer_step(g)
+
+    def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
+        steps = outer.local_steps.next_local_steps(worker)
+        if outer.budget is None:
+            return steps
+        in_flight = sum(s.in_flight for w, s in outer.workers.items() if w != worker)
+        return min(steps, outer.budget - outer.steps_done - in_flight)
+
+
+class SyncStep:
+    """DiLoCo: one outer update with the mean of every worker's push; every worker runs ``H`` steps, the last
+    round shortened so that the budget is met exactly."""
+
+    mode = "sync"
+    #: ``None``: a batch waits for every worker still training.
+    batch_window: float | None = None
+
+    def apply(self, outer: OuterState, gradients: list[Tensor]) -> None:
+        if gradients:
+            outer.outer_step(torch.stack(gradients).mean(0))
+
+    def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
+        steps = outer.local_steps.local_steps
+        if outer.budget is None:
+            return steps
+        return min(steps, (outer.budget - outer.steps_done) // n_waiting)
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """The outer side's hyperparameters (the strategy's arguments of the same names), checked on creation."""
+
+    mode: str = "async"
+    local_steps: int = 50
+    min_local_steps: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    delayed_nesterov: bool = True
+    buffer_size: int | None = None
+    momentum_activation: float = 0.0
+    dynamic_local_steps: bool = True
+    grace_period: float = 0.0
+    speed_smoothing: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, MODES)
+        validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
+        validate_outer_hyperparameters(self.outer_lr, self.outer_momentum,
+                                       1 if self.buffer_size is None else self.buffer_size, self.momentum_activation)
+        check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
+        for name, value in (("buffer_size", self.buffer_size), ("momentum_activation", self.momentum_activation or None)):
+            if value is not None and (self.mode != "async" or not self.delayed_nesterov):
+                raise ValueError(
+                    f"`{name}`={value!r} applies only to Delayed Nesterov (mode='async', delayed_nesterov=True), "
+                    f"got mode={self.mode!r}, delayed_nesterov={self.delayed_nesterov!r}."
+                )
+
+    def check_workers(self, workers: int) -> None:
+        """What depends on the number of workers (checked when the Trainer is built, before any process)."""
+        n = self.buffer_size or workers
+        if n > workers:
+            raise ValueError(
+                f"`buffer_size={n}` is larger than the number of workers ({workers}); allowed: 1..{workers}."
+                " Delayed Nesterov averages N pushes into one momentum update, and N beyond one push per worker"
+                " only delays momentum (the natural choice is the number of workers)."
+            )
+        validate_outer_hyperparameters(self.outer_lr, self.outer_momentum, n, self.momentum_activation)
+
+    def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None) -> OuterState:
+        """The outer state over the flat host tensors ``params`` and ``buffers`` (the global model's start):
+        Delayed Nesterov (async, ``delayed_nesterov``) or Nesterov SGD, and the mode's step policy."""
+        is_async = self.mode == "async"
+        params.requires_grad_(False)
+        optimizer: Optimizer
+        if is_async and self.delayed_nesterov:
+            optimizer = DelayedNesterov([params], lr=self.outer_lr, momentum=self.outer_momentum,
+                                        buffer_size=self.buffer_size or workers,
+                                        momentum_activation=self.momentum_activation)
+        else:
+            optimizer = SGD([params], lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+        policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, self.dynamic_local_steps and is_async,
+                                  self.speed_smoothing)
+        step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()
+        return OuterState(params, optimizer, policy, step, budget, buffers=buffers)
+
+
+@dataclass
+class OuterState:
+    """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget, counters.
+
+    The outer optimizer steps on the parameters only. The global floating-point buffers (e.g. BatchNorm
+    running statistics) are the mean of the latest values pushed by each worker that has pushed so far.
+    Thread-safe: every public method holds :attr:`lock`.
+    """
+
+    params: Tensor
+    optimizer: Optimizer
+    local_steps: LocalStepsPolicy
+    step_policy: StepPolicy
+    budget: int | None
+    #: The global floating-point buffers, flat (empty for a model without any).
+    buffers: Tensor = field(default_factory=lambda: torch.zeros(0))
+    steps_done: int = 0
+    outer_updates: int = 0
+    stop_requested: bool = False
+    workers: dict[int, WorkerStats] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    metrics_version: int = 0
+    #: Each worker's serialized inner optimizer state as of its latest exchange (when workers send it).
+    inner_states: dict[int, Tensor] = field(default_factory=dict)
+    #: Each worker's floating-point buffers as of its latest push.
+    worker_buffers: dict[int, Tensor] = field(default_factory=dict)
+
+    def process(self, pushes: list[Push]) -> dict[int, int]:
+        """Apply a batch of pushes (as the step policy says) and return the next round's local step count for
+        each worker that waits for a reply (0 means stop)."""
+        with self.lock:
+            for push in pushes:
+                self._record(push)
+            if any(p.buffers is not None for p in pushes):
+                self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
+            self.step_policy.apply(self, [p.pseudo_gradient for p in pushes if p.pseudo_gradient is not None])
+            waiting = [p.worker for p in pushes if p.kind != Kind.BYE]
+            replies = {w: self._allocate(w, len(waiting)) for w in waiting}
+            for w in waiting:
+                self.workers[w].pulled_version = self.outer_updates
+            self.metrics_version += 1
+            return replies
+
+    def _record(self, push: Push) -> None:
+        stats = self.workers.setdefault(push.worker, WorkerStats())
+        stats.in_flight = 0
+        stats.compute_s, stats.wait_s = push.compute_s, push.wait_s
+        if push.inner_state is not None:
+            self.inner_states[push.worker] = push.inner_state
+        if push.buffers is not None:
+            self.worker_buffers[push.worker] = push.buffers
+        if push.steps > 0:
+            stats.staleness = self.outer_updates - stats.pulled_version
+            stats.rounds += 1
+            stats.steps += push.steps
+            self.steps_done += push.steps
+            self.local_steps.update(push.worker, push.steps, push.compute_s)
+            stats.steps_per_s = self.local_steps.speeds.get(push.worker, 0.0)
+
+    def outer_step(self, pseudo_gradient: Tensor) -> None:
+        """One outer update (called by the step policy, under the lock)."""
+        self.params.grad = pseudo_gradient.to(self.params.dtype)
+        self.optimizer.step()
+        self.params.grad = None
+        self.outer_updates += 1
+
+    def _allocate(self, worker: int, n_waiting: int) -> int:
+        stats = self.workers[worker]
+        steps = 0 if self.stop_requested else self.step_policy.allocate(self, worker, n_waiting)
+        stats.in_flight = max(steps, 0)
+        if steps > 0:
+            stats.local_steps = steps
+        return stats.in_flight
+
+    def request_stop(self) -> None:
+        """Every worker's next reply says stop (e.g. EarlyStopping decided on rank 0)."""
+        with self.lock:
+            self.stop_requested = True
+
+    def metrics(self) -> dict[str, float]:
+        """The logged metrics (keys fixed by the project; see docs/async.md)."""
+        with self.lock:
+            out: dict[str, float] = {"async/outer_updates": float(self.outer_updates)}
+            for w, s in sorted(self.workers.items()):
+                for name in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s", "rounds"):
+                    out[f"async/worker{w}/{name}"] = float(getattr(s, name))
+            return out
+
+    def worker_stats(self) -> dict[int, dict[str, float]]:
+        """Per-worker progress: inner ``steps``, ``rounds``, next ``local_steps``, ``steps_per_s``, ``staleness``,
+        ``compute_s``, ``wait_s``."""
+        with self.lock:
+            return {w: {k: getattr(s, k) for k in _STAT_KEYS} for w, s in sorted(self.workers.items())}
+
+    def global_model(self) -> tuple[Tensor, Tensor]:
+        """Consistent copies of the global parameters and buffers."""
+        with self.lock:
+            return self.params.detach().clone(), self.buffers.clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent and
+        ``worker_buffers`` the buffers they pushed, each as of that worker's latest exchange (the one counted
+        in ``workers[w]["steps"]``)."""
+        with self.lock:
+            state = {
+                "params": self.params.detach().clone(),
+                "buffers": self.buffers.clone(),
+                "worker_buffers": {w: b.clone() for w, b in sorted(self.worker_buffers.items())},
+                "optimizer": self.optimizer.state_dict(),
+                "policy": self.local_steps.state_dict(),
+                "mode": self.step_policy.mode,
+                "steps_done": self.steps_done,
+                "outer_updates": self.outer_updates,
+                "workers": {w: dict(vars(s)) for w, s in self.workers.items()},
+            }
+            inner = dict(self.inner_states)  # the stored tensors are replaced, never modified
+        state["inner_optimizer_states"] = {w: state_from_bytes(data) for w, data in sorted(inner.items())}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any], workers: int | None = None) -> None:
+        """Restore a :meth:`state_dict`; one saved before buffers were exchanged (no ``buffers``) keeps the
+        current global buffers (the model's own). With ``workers`` (a run resumed on fewer workers), the
+        buffers of workers ``>= workers`` no longer count in the mean."""
+        with self.lock:
+            for key, name, own in (("params", "parameters", self.params),
+                                   ("buffers", "floating-point buffer values", self.buffers)):
+                if key in state and state[key].numel() != own.numel():
+                    raise ValueError(
+                        f"The checkpoint's outer state holds {state[key].numel()} {name} but the model has"
+                        f" {own.numel()}."
+                    )
+            self.params.data.copy_(state["params"])
+            if "buffers" in state:
+                self.buffers.copy_(state["buffers"])
+                self.worker_buffers = {int(w): b.float().clone() for w, b in state["worker_buffers"].items()
+                                       if workers is None or int(w) < workers}
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.local_steps.load_state_dict(state["policy"])
+            self.steps_done = int(state["steps_done"])
+            self.outer_updates = int(state["outer_updates"])
+            self.workers = {int(w): WorkerStats(**{**s, "in_flight": 0}) for w, s in state["workers"].items()}
