@@ -85,6 +85,7 @@ class Probe(Callback):
             dist._bench_patched = True
         _COUNTS.update(dict.fromkeys(_COUNTS, 0))
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.count_ddp_buckets:
@@ -94,12 +95,14 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())  # this process's CPU time: robust to other jobs on the machine
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         record = {
             **_COUNTS,
             "steps": len(self.times),
             "span_s": self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0,
+            "cpu_span_s": self.cpu_times[-1] - self.cpu_times[0] if len(self.cpu_times) > 1 else 0.0,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "params": sum(p.numel() for p in pl_module.parameters()),
         }
@@ -300,10 +303,15 @@ def main(argv: list[str] | None = None) -> dict:
         probes: dict[str, list[dict]] = {}
         if "throughput" in parts:
             speed = measure_throughput(args, Path(tmp), probes)
-            payload.update(throughput=speed["rows"], raw_speed=speed["raw"])
-            sections.append(markdown_table(["arm", "steps/s (rank 0)", "relative to ddp", "repeats"], [
-                [r["arm"], fmt(r["steps_per_s"], ".2f"), fmt(r["relative_to_ddp"], ".3f"),
-                 " / ".join(fmt(x, ".2f") for x in payload["raw_speed"][r["arm"]])] for r in payload["throughput"]]))
+            payload.update(throughput=speed["rows"], raw_speed=speed["raw"], raw_cpu_s_per_step=speed["raw_cpu"])
+            sections.append(markdown_table(
+                ["arm", "steps/s (rank 0)", "relative to ddp", "repeats", "CPU ms/step (rank 0)",
+                 "ddp's CPU time / arm's", "repeats (CPU ms/step)"],
+                [[r["arm"], fmt(r["steps_per_s"], ".2f"), fmt(r["relative_to_ddp"], ".3f"),
+                  " / ".join(fmt(x, ".2f") for x in payload["raw_speed"][r["arm"]]), fmt(r["cpu_ms_per_step"], ".1f"),
+                  fmt(r["cpu_relative_to_ddp"], ".3f"),
+                  " / ".join(fmt(1000 * x, ".1f") for x in payload["raw_cpu_s_per_step"][r["arm"]])]
+                 for r in payload["throughput"]]))
         if "exchange" in parts:
             payload["memory"], table = measure_exchange(args, Path(tmp), probes)
             sections.append(table)
@@ -333,17 +341,21 @@ def measure_throughput(args: argparse.Namespace, tmp: Path, probes: dict[str, li
     """DDP and HDET at every T, interleaved over the repeats; rows with the median, and ``raw`` per arm."""
     arms = [("ddp", 0)] + [("hdet", t) for t in args.intervals]
     speed: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # rank 0's CPU seconds per step: what a step costs, whatever else runs
     for rep in range(args.repeats):
         for kind, every in arms:
             label = kind if kind == "ddp" else f"hdet T={every}"
             ranks = run_probe(kind, args, tmp / f"{label}_{rep}".replace(" ", "_"), args.steps, args.d_model, every)
             speed.setdefault(label, []).append((ranks[0]["steps"] - 1) / ranks[0]["span_s"])
+            cpu.setdefault(label, []).append(ranks[0]["cpu_span_s"] / (ranks[0]["steps"] - 1))
             probes[label] = ranks
-    ddp_speed = statistics.median(speed["ddp"])
+    ddp_speed, ddp_cpu = statistics.median(speed["ddp"]), statistics.median(cpu["ddp"])
     return {"rows": [
-        {"arm": label, "steps_per_s": statistics.median(v), "relative_to_ddp": statistics.median(v) / ddp_speed}
+        {"arm": label, "steps_per_s": statistics.median(v), "relative_to_ddp": statistics.median(v) / ddp_speed,
+         "cpu_ms_per_step": 1000 * statistics.median(cpu[label]),
+         "cpu_relative_to_ddp": ddp_cpu / statistics.median(cpu[label])}
         for label, v in speed.items()
-    ], "raw": speed}
+    ], "raw": speed, "raw_cpu": cpu}
 
 
 def measure_exchange(args: argparse.Namespace, tmp: Path, probes: dict[str, list[dict]]) -> tuple[dict, str]:
