@@ -4,7 +4,8 @@ the async server's host memory.
 - **Throughput**: ``"ddp"`` and HDET (one member per rank, published fan-out, gradients averaged over all
   ranks, a vote and merge every ``T`` = 50 / 100 / 1000 steps) on the same ``W`` processes and model,
   measured side by side in one invocation (arms interleaved over ``--repeats``): rank 0's training
-  steps per second from its first to its last training step (start-up and validation excluded).
+  steps per second from its first to its last training step (start-up and validation excluded), and its CPU
+  seconds per step over the same span (the cost of a step, robust to other jobs sharing the machine).
 - **Bytes per inner step**, per worker, float32 payload: computed from the parameter count ``P`` and the
   exchange pattern, and measured by counting the bytes each rank hands to ``torch.distributed``'s Python
   ``send``/``recv``/``all_reduce`` (DDP's gradient buckets go through PyTorch's default all-reduce hook,
@@ -20,7 +21,12 @@ the async server's host memory.
   one receive buffer per push and each worker's latest inner optimizer state (AdamW: 2 × model per
   worker); DDP keeps gradient buckets (1 × model) instead.
 
-Run: ``python benchmarks/overhead.py [--quick]``.
+- **Lean HDET** (``lean``): rank 0's peak resident memory above its level at the call during each HDET merge
+  and during a checkpoint, on a wider model (``--lean-d-model``, 4 layers), HDET with one group per rank
+  (G = W = 2 and 4) against DDP: a merge should need one 25 MiB bucket, a checkpoint rank 0's own state plus one
+  model whatever G is.
+
+Run: ``python benchmarks/overhead.py [--quick] [--parts throughput exchange lean]``.
 """
 
 from __future__ import annotations
