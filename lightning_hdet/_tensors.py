@@ -142,13 +142,14 @@ def buckets(tensors: Sequence[Tensor], bucket_bytes: int = BUCKET_BYTES) -> Iter
         yield bucket
 
 
-@torch.no_grad()
 def reduced_buckets(
     tensors: Sequence[Tensor], coefficient: float, reduce: Callable[[Tensor], None], bucket_bytes: int = BUCKET_BYTES
 ) -> Iterator[tuple[Bucket, Tensor]]:
     """Each bucket with its reduction ``reduce(coefficient * bucket)`` (``reduce`` works in place, e.g. an
     all-reduce). A coefficient of 0 contributes exact zeros, so non-finite values of an excluded member never
-    reach the sum. Only one bucket is alive at a time, as long as the caller lets go of it before the next."""
+    reach the sum. Only one bucket is alive at a time if the caller ``del``s it at the end of each iteration (no
+    ``torch.no_grad`` decorator here: its generator wrapper would hold the previous item, a second bucket; the
+    buckets are built from detached tensors anyway)."""
     for bucket in buckets(tensors, bucket_bytes):
         if coefficient == 0.0:
             flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=tensors[0].device)
@@ -156,6 +157,7 @@ def reduced_buckets(
             flat = bucket.gather().mul_(coefficient)
         reduce(flat)
         yield bucket, flat
+        del flat  # with the caller's ``del``, the next bucket can reuse this one's memory
 
 
 @torch.no_grad()

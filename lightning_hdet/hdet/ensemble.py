@@ -91,6 +91,7 @@ class EnsembleOps:
             bucket.scatter(flat, strength)
             if keep:
                 self._restore_point[bucket.offset : bucket.offset + bucket.numel].copy_(flat, non_blocking=True)
+            del flat  # one bucket alive at a time
         sync_device(self.root_device)  # the host copy is read later: the non-blocking copies must have landed
         if restart[self.group_index]:
             self._clear_optimizer_state()
@@ -206,6 +207,7 @@ class EnsembleOps:
         for bucket, flat in reduced_buckets(tensors, coefficient, lambda x: dist.reduce(x, dst=0)):
             for t, start, stop, part in bucket.parts(flat) if merged is not None else ():
                 merged[index[id(t)]].view(-1)[start:stop].copy_(part)
+            del flat  # one bucket alive at a time
         return module.state_dict() if merged is None else state_dict_with(module, tensors, merged)
 
     @property
