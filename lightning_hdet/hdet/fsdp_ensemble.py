@@ -27,11 +27,14 @@ class ShardedEnsembleOps:
 
     _restore_point: Optional[Tensor]
 
-    def merge(self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool]) -> None:
+    def merge(
+        self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
+    ) -> None:
         """``theta_g <- (1 - s_g) theta_g + s_g sum_h c_h theta_h``, shard by shard, in buckets of at most 25 MB.
 
-        A group whose coefficient is 0 contributes zeros. A finite target becomes the restore point; the groups
-        flagged in ``restart`` clear their optimizer state.
+        A group whose coefficient is 0 contributes zeros. A finite target becomes the restore point when ``keep``
+        (the safety net judged the merge good; identical on every rank); the groups flagged in ``restart`` clear
+        their optimizer state.
         """
         module = self.lightning_module
         shards, buffers = local_shards(module), float_buffers(module)
@@ -39,11 +42,12 @@ class ShardedEnsembleOps:
         target = host_buffer(numel(shards) + numel(buffers), self.root_device, flat_dtype(shards + buffers))
         blend(shards, coefficient, strength, self.across_groups, target[: numel(shards)])
         blend(buffers, coefficient / self.layout.group_size, strength, None, target[numel(shards):])
-        # Every rank holds a different part of the target: the restore point moves only if all parts are finite.
-        finite = torch.isfinite(target).all().to(self.root_device, torch.int32)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if bool(finite):
-            self._restore_point = target
+        if keep:
+            # Every rank holds a different part of the target: the restore point moves only if all parts are finite.
+            finite = torch.isfinite(target).all().to(self.root_device, torch.int32)
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if bool(finite):
+                self._restore_point = target
         if restart[self.group_index]:
             self._clear_optimizer_state()
 
