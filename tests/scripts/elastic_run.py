@@ -7,6 +7,7 @@ middle of its round after N exchanges; ``--step-s`` paces each step (so that the
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -29,17 +30,26 @@ def val_loss(module: torch.nn.Module) -> dict:
 
 
 class Pace(Callback):
-    def __init__(self, step_s: float, die_after: int) -> None:
-        self.step_s, self.die_after = step_s, die_after
+    """Sleeps ``step_s`` per step until ``until`` exists (then ``fast_s``); ``mark`` is created once this worker has
+    joined (its first reply came). The pacing only makes sure the others are mid-run when one dies or joins."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.step_s, self.fast_s, self.die_after = args.step_s, args.fast_s, args.die_after
+        self.until, self.mark = args.slow_until, args.mark_joined
+
+    def on_train_start(self, trainer, pl_module):
+        if self.mark:
+            Path(self.mark).touch()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        time.sleep(self.step_s)
+        time.sleep(self.fast_s if self.until and os.path.exists(self.until) else self.step_s)
         rounds = trainer.strategy.rounds
         if self.die_after and len(rounds) > self.die_after and trainer.global_step % 4 == 2:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-round: its unfinished round must be discarded
 
 
 def server(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     seed_everything(0)
     model = LinearModel()
     initial = val_loss(model)["val_loss"]
@@ -58,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     model = LinearModel()
     strategy = ElasticWorkerStrategy(args.address, reconnect_s=args.reconnect_s, heartbeat_s=0.5)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=-1, logger=False,
-                      callbacks=[Pace(args.step_s, args.die_after)], enable_checkpointing=False,
+                      callbacks=[Pace(args)], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model)
     Path(args.out).write_text(json.dumps({"sessions": strategy.sessions, "inner_steps": strategy.inner_steps,
@@ -77,6 +87,9 @@ if __name__ == "__main__":
     parser.add_argument("--lease-s", type=float, default=10.0)
     parser.add_argument("--max-idle-s", type=float, default=None)
     parser.add_argument("--step-s", type=float, default=0.02)
+    parser.add_argument("--fast-s", type=float, default=0.0)
+    parser.add_argument("--slow-until", default=None)
+    parser.add_argument("--mark-joined", default=None)
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--reconnect-s", type=float, default=60.0)
     args = parser.parse_args()

@@ -16,7 +16,7 @@ from typing import Any, Union
 from torch import Tensor
 
 from lightning_hdet.asynchronous.compression import Codec
-from lightning_hdet.asynchronous.elastic.membership import SessionLost, StoreHost, abort, session_group
+from lightning_hdet.asynchronous.elastic.membership import SessionLost, StoreHost, abort, first_line, session_group
 from lightning_hdet.asynchronous.elastic.transport import SessionServerEnd
 from lightning_hdet.asynchronous.messages import Kind, Push, ServerHeader
 
@@ -81,7 +81,7 @@ class SessionHub:
                 if push.kind == Kind.BYE:
                     return
         except (SessionLost, RuntimeError) as err:  # group creation fails with a plain RuntimeError
-            self.inbox.put(Lost(session, str(err).splitlines()[0][:200]))
+            self.inbox.put(Lost(session, first_line(err)))
 
     def reply(self, session: int, header: ServerHeader, params: Tensor, buffers: Tensor) -> None:
         """Answer ``session`` (raises :class:`SessionLost` when it is gone)."""

@@ -107,7 +107,7 @@ class Registration:
             self.config: dict[str, Any] = json.loads(self.store.get(_CONFIG))
             self.session = int(self.store.add(_COUNTER, 1))
         except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError derive from RuntimeError
-            raise SessionLost(f"cannot register with the outer service at {address}: {err}") from err
+            raise SessionLost(f"cannot register with the outer service at {address}: {first_line(err)}") from err
         self.alive = True
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
@@ -117,7 +117,7 @@ class Registration:
             self.group = session_group(self.store, self.session, 1, local_address_towards(host, port), timeout)
         except RuntimeError as err:  # the server went away between registering and meeting
             self._stop.set()
-            raise SessionLost(f"session {self.session}: cannot meet the outer service: {err}") from err
+            raise SessionLost(f"session {self.session}: cannot meet the outer service: {first_line(err)}") from err
 
     def _beat(self, every: float) -> None:
         while not self._stop.is_set():
@@ -133,6 +133,11 @@ class Registration:
         self._stop.set()
         self._heartbeat.join(timeout=5)
         abort(self.group)
+
+
+def first_line(err: BaseException) -> str:
+    """torch's network errors carry a C++ stack trace after the first line."""
+    return (str(err).splitlines() or [""])[0][:300]
 
 
 def abort(group: Any) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_hdet.asynchronous.compression import Codec
-from lightning_hdet.asynchronous.elastic.membership import SessionLost
+from lightning_hdet.asynchronous.elastic.membership import SessionLost, first_line
 from lightning_hdet.asynchronous.messages import Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.transport import WorkerTransport
 
@@ -27,7 +27,7 @@ def _guarded(session: int, what: str, call: Callable[[], T]) -> T:
     try:
         return call()
     except RuntimeError as err:  # gloo: peer closed, timeout, aborted
-        raise SessionLost(f"session {session}: {what} failed: {err}") from err
+        raise SessionLost(f"session {session}: {what} failed: {first_line(err)}") from err
 
 
 def _send(group: Any, tensor: Tensor, dst: int, tag: int) -> None:
