@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_hdet._checks import require
+from lightning_hdet._compat import gloo_options
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,7 @@ def local_address_towards(host: str, port: int) -> str:
 
 def session_group(store: dist.Store, session: int, rank: int, host: str, timeout: float) -> Any:
     """The session's two-rank gloo group (rank 0: server, rank 1: worker), on a device bound to ``host``."""
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=timeout)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options = gloo_options(timedelta(seconds=timeout), host)
     return dist.ProcessGroupGloo(dist.PrefixStore(f"elastic/session/{session}/", store), rank, 2, options)
 
 

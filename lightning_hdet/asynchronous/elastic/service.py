@@ -98,6 +98,7 @@ class OuterService:
         self._parked: dict[int, Push] = {}
         self._marks = {"checkpoint": 0, "evaluate": 0}
         self.hub: SessionHub | None = None
+        self._first_session: float | None = None
         if self.checkpoint is not None and self.checkpoint.exists():
             self._resume(torch.load(self.checkpoint, weights_only=True))
 
@@ -171,6 +172,7 @@ class OuterService:
             self._end(session, "expired")
         if self.table.live:
             self._idle_since = now
+            self._first_session = self._first_session or now
 
     def _end(self, session: int, reason: str) -> None:
         """End a session: its group is torn down, its in-flight steps and buffers released, parked workers
@@ -273,7 +275,8 @@ class OuterService:
         return {"outer_updates": self.outer.outer_updates, "steps_done": self.outer.steps_done, "budget": self.budget,
                 "live": sorted(self.table.live), "ended": {str(k): v for k, v in sorted(self.table.ended.items())},
                 "workers": {str(k): v for k, v in self.outer.worker_stats().items()},
-                "evaluations": self.evaluations}
+                "evaluations": self.evaluations,
+                "elapsed_s": time.monotonic() - self._first_session if self._first_session else 0.0}
 
     def save(self) -> None:
         """Checkpoint (atomically: a crash leaves the previous file) the outer state, the global model, the next
