@@ -48,6 +48,33 @@ class Pace(Callback):
             os.kill(os.getpid(), signal.SIGKILL)  # mid-round: its unfinished round must be discarded
 
 
+class KillRank(Callback):
+    """The single-job mode of today: one rank SIGKILLs itself at a given step (as a lost spot machine would)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step > 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def single(args: argparse.Namespace) -> None:
+    """Today's single-job mode on 4 processes (one Lightning job, one process group)."""
+    from lightning_hdet import AsyncLocalSGDStrategy
+
+    seed_everything(0)
+    model = LinearModel()
+    initial = val_loss(model)["val_loss"]
+    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=args.local_steps), accelerator="cpu", devices=4,
+                      max_steps=args.budget // 4, logger=False, enable_checkpointing=False,
+                      callbacks=[Pace(args), KillRank(3, args.kill_at_step)], enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model)
+    if trainer.global_rank == 0:
+        Path(args.out).write_text(json.dumps({"initial_loss": initial, "final_loss": val_loss(model)["val_loss"]}))
+
+
 def server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     seed_everything(0)
@@ -77,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["server", "worker"])
+    parser.add_argument("role", choices=["server", "worker", "single"])
     parser.add_argument("--address", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=int, default=240)
@@ -91,6 +118,7 @@ if __name__ == "__main__":
     parser.add_argument("--slow-until", default=None)
     parser.add_argument("--mark-joined", default=None)
     parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--kill-at-step", type=int, default=0)
     parser.add_argument("--reconnect-s", type=float, default=60.0)
     args = parser.parse_args()
-    server(args) if args.role == "server" else worker(args)
+    {"server": server, "worker": worker, "single": single}[args.role](args)
