@@ -209,3 +209,23 @@ def test_a_killed_service_restarts_from_its_checkpoint_and_workers_reconnect(tmp
         sessions = json.loads((tmp_path / f"w{i}.json").read_text())["sessions"]
         assert len(sessions) == 2 and min(sessions[1:]) > max(int(s) for s in at_kill["workers"])
     assert result["finite"] and result["final_loss"] < result["initial_loss"]
+
+
+@pytest.mark.timeout(600)
+def test_a_frozen_worker_expires_and_diloco_continues_with_the_live_set(tmp_path: Path) -> None:
+    """DiLoCo (every live worker in each outer step) with one worker frozen by SIGSTOP: its heartbeats stop, its
+    lease expires, and the other worker's steps finish the budget without it."""
+    address = f"127.0.0.1:{_free_port()}"
+    status = tmp_path / "ckpt.pt.status.json"
+    server = _start("server", tmp_path / "server.json", "--address", address, "--budget", "96", "--mode", "sync",
+                    "--lease-s", "4", "--checkpoint", str(tmp_path / "ckpt.pt"))
+    workers = [_start("worker", tmp_path / f"w{i}.json", "--address", address, "--step-s", "0.1") for i in (1, 2)]
+    try:
+        _wait_for(lambda: _status(status).get("outer_updates", 0) >= 2, "the run to be under way")
+        workers[1].send_signal(signal.SIGSTOP)
+        assert _finish([workers[0], server]) == [0, 0]
+    finally:
+        workers[1].kill()
+    result = json.loads((tmp_path / "server.json").read_text())
+    assert sorted(result["ended"].values()) == ["expired", "left"]
+    assert result["steps_done"] == 96 and result["finite"] and result["final_loss"] < result["initial_loss"]

@@ -52,6 +52,7 @@ class SessionHub:
         self.timeout, self.n_buffers, self.codec = timeout, n_buffers, codec
         self.inbox: queue.Queue[Union[Push, Lost]] = queue.Queue()
         self._ends: dict[int, SessionServerEnd] = {}
+        self._dropped: set[int] = set()
         self._lock = threading.Lock()
 
     @property
@@ -74,7 +75,11 @@ class SessionHub:
             group = session_group(self.host.store, session, 0, self.host.host, self.timeout)
             end = SessionServerEnd(group, session, self.n_buffers, self.codec)
             with self._lock:
+                dropped = session in self._dropped  # ended while the group formed: its worker must find out
                 self._ends[session] = end
+            if dropped:
+                self.drop(session)
+                return
             while True:
                 push = end.receive()
                 self.inbox.put(push)
@@ -95,5 +100,6 @@ class SessionHub:
         """Forget ``session`` and tear its group down (its thread, if still waiting, then ends)."""
         with self._lock:
             end = self._ends.pop(session, None)
-        if end is not None:
-            abort(end.group)
+            self._dropped.add(session)
+        if end is not None:  # on its own thread: tearing down a group whose peer is frozen must not stall the loop
+            threading.Thread(target=abort, args=(end.group,), daemon=True, name=f"elastic-drop-{session}").start()
