@@ -108,6 +108,22 @@ def test_parse_address_names_the_argument() -> None:
         parse_address("localhost")
 
 
+def test_arguments_are_checked_before_anything_connects() -> None:
+    from lightning_hdet import ElasticWorkerStrategy, OuterService
+    from tests.helpers import LinearModel
+
+    with pytest.raises(ValueError, match="`server`"):
+        ElasticWorkerStrategy("no-port")
+    with pytest.raises(ValueError, match="`reconnect_s`"):
+        ElasticWorkerStrategy("127.0.0.1:1", reconnect_s=-1)
+    with pytest.raises(ValueError, match="`momentum_activation`"):
+        OuterService(LinearModel(), "127.0.0.1:0", budget=10, momentum_activation=0.1, buffer_size=2)
+    with pytest.raises(ValueError, match="`budget`"):
+        OuterService(LinearModel(), "127.0.0.1:0", budget=0)
+    service = OuterService(LinearModel(), "127.0.0.1:0", budget=10, local_steps=3)  # binds nothing before run()
+    assert service.hub is None and service.outer.budget == 10
+
+
 # processes on loopback
 def _free_port() -> int:
     with socket.socket() as s:
