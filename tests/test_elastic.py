@@ -164,11 +164,12 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[int]:
 @pytest.fixture(scope="module")
 def killed_and_joined(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Service + 4 workers; worker 4 SIGKILLs itself mid-round after 3 exchanges; a fifth worker starts once the
-    run is under way. Workers pace their steps slowly until the fifth has joined, so both happen mid-run."""
+    run is under way. The others wait at their step 20 until the fifth has joined (80 of 240 steps), so both
+    happen mid-run whatever the machine's load (no timing is asserted)."""
     d = tmp_path_factory.mktemp("elastic")
     address = f"127.0.0.1:{_free_port()}"
     joined = d / "joined"
-    common = ["--address", address, "--step-s", "0.3", "--fast-s", "0.01", "--slow-until", str(joined)]
+    common = ["--address", address, "--step-s", "0.05", "--hold-at", "20", "--hold-until", str(joined)]
     server = _start("server", d / "server.json", "--address", address, "--budget", "240", "--checkpoint",
                     str(d / "ckpt.pt"))
     workers = [_start("worker", d / f"w{i}.json", *common, *(["--die-after", "3"] if i == 4 else []))

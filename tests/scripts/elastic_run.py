@@ -30,19 +30,24 @@ def val_loss(module: torch.nn.Module) -> dict:
 
 
 class Pace(Callback):
-    """Sleeps ``step_s`` per step until ``until`` exists (then ``fast_s``); ``mark`` is created once this worker has
-    joined (its first reply came). The pacing only makes sure the others are mid-run when one dies or joins."""
+    """Sleeps ``step_s`` after each step; from step ``hold_at`` on, waits until the file ``hold_until`` exists (the
+    fifth worker creates it, ``mark_joined``, once it has joined), so that a joining worker always finds the run
+    under way however slowly it starts. ``die_after``: SIGKILL itself mid-round after that many exchanges."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.step_s, self.fast_s, self.die_after = args.step_s, args.fast_s, args.die_after
-        self.until, self.mark = args.slow_until, args.mark_joined
+        self.step_s, self.die_after = args.step_s, args.die_after
+        self.hold_at, self.until, self.mark = args.hold_at, args.hold_until, args.mark_joined
 
     def on_train_start(self, trainer, pl_module):
         if self.mark:
             Path(self.mark).touch()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        time.sleep(self.fast_s if self.until and os.path.exists(self.until) else self.step_s)
+        time.sleep(self.step_s)
+        deadline = time.monotonic() + 900
+        while self.until and trainer.global_step >= self.hold_at and not os.path.exists(self.until):
+            assert time.monotonic() < deadline, "the joining worker never came"
+            time.sleep(0.1)
         rounds = trainer.strategy.rounds
         if self.die_after and len(rounds) > self.die_after and trainer.global_step % 4 == 2:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-round: its unfinished round must be discarded
@@ -114,8 +119,8 @@ if __name__ == "__main__":
     parser.add_argument("--lease-s", type=float, default=10.0)
     parser.add_argument("--max-idle-s", type=float, default=None)
     parser.add_argument("--step-s", type=float, default=0.02)
-    parser.add_argument("--fast-s", type=float, default=0.0)
-    parser.add_argument("--slow-until", default=None)
+    parser.add_argument("--hold-at", type=int, default=0)
+    parser.add_argument("--hold-until", default=None)
     parser.add_argument("--mark-joined", default=None)
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--kill-at-step", type=int, default=0)
