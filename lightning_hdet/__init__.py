@@ -10,6 +10,7 @@ from lightning_hdet.asynchronous.strategy import AsyncLocalSGDStrategy
 from lightning_hdet.hdet.blends import blend_coefficients
 from lightning_hdet.hdet.callback import HDETCallback
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.elastic import ElasticWorkerStrategy, OuterService
 from lightning_hdet.hdet.layout import fan_out
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
@@ -24,10 +25,12 @@ __all__ = [
     "Ballot",
     "BestVote",
     "DelayedNesterov",
+    "ElasticWorkerStrategy",
     "HDETCallback",
     "HDETFSDPStrategy",
     "HDETStrategy",
     "LocalStepsPolicy",
+    "OuterService",
     "SlowRanks",
     "SoftmaxVote",
     "blend_coefficients",

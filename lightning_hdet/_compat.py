@@ -38,6 +38,7 @@ __all__ = [
     "attached_trainer",
     "ddp_process_group",
     "ensure_callback",
+    "gloo_options",
     "has_user_comm_hook",
     "init_model_parallel",
     "materialize_distributed_module",
@@ -139,6 +140,19 @@ def wandb_run_created_in_this_process(logger: Any) -> Optional[Any]:
     if run is None or not created_here or getattr(run, "_is_attached", True):
         return None
     return run
+
+
+def gloo_options(timeout: timedelta, host: str) -> Any:
+    """Options of a ``ProcessGroupGloo`` whose device is bound to ``host`` (elastic sessions bind to the address the
+    user gives)."""
+    import torch.distributed as dist
+
+    # why: torch's public constructor takes only a timeout and picks the device from the host name; the options'
+    # fields are underscored (torch's own `new_group` sets them the same way)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return options
 
 
 def _check_private_names() -> None:

@@ -331,3 +331,17 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     assert t["lr_vs_grid_per_seed"] == pytest.approx([0.5, 4.0]) and t["lr_vs_grid"] == pytest.approx(2.25)
     text = tables(summary, args, {"good": 1.0}, 10.0)
     assert "1.100 ✗" in text and "2.25 ✗" in text and "| 96 |" in text
+
+
+@pytest.mark.timeout(1500)
+def test_elastic_quick_mode(tmp_path):
+    data, table, _ = run_quick(tmp_path, "elastic", "--budget", "64", "--step-s", "0.02")
+    rows = data["rows"]
+    assert list(rows) == ["elastic, no failure", "elastic, one of 4 killed at 50 %",
+                          "single job (today), one of 4 killed at 50 %"]
+    for arm in list(rows)[:2]:
+        assert not rows[arm]["job_lost"] and rows[arm]["steps_done"] == 64
+        assert rows[arm]["final_loss"] < rows[arm]["initial_loss"]
+    assert rows["elastic, one of 4 killed at 50 %"]["exit_codes"][3] == -9
+    assert rows["single job (today), one of 4 killed at 50 %"]["job_lost"]
+    assert len(table) == 2 + 3

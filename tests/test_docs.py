@@ -12,9 +12,19 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, HDETCallback, HDETFSDPStrategy, HDETStrategy, SlowRanks
+from lightning_hdet import (
+    AsyncLocalSGDStrategy,
+    DelayedNesterov,
+    ElasticWorkerStrategy,
+    HDETCallback,
+    HDETFSDPStrategy,
+    HDETStrategy,
+    OuterService,
+    SlowRanks,
+)
+from lightning_hdet.asynchronous.outer import OuterSettings
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +38,8 @@ SIGNATURES = {
     "HDETCallback": (HDETCallback,),
     "AsyncLocalSGDStrategy": (AsyncLocalSGDStrategy, DDPStrategy),
     "DelayedNesterov": (DelayedNesterov,),
+    "ElasticWorkerStrategy": (ElasticWorkerStrategy, SingleDeviceStrategy),
+    "OuterService": (OuterService, OuterSettings),
     "SlowRanks": (SlowRanks,),
     "CharLM": (CharLM,),
     "CharCorpusDataModule": (CharCorpusDataModule,),
@@ -35,7 +47,7 @@ SIGNATURES = {
 }
 
 # Built from the literal arguments a doc shows; all validate their arguments in ``__init__``.
-CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks")
+CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks", "ElasticWorkerStrategy")
 
 
 def python_blocks() -> list[tuple[str, str]]:

@@ -260,6 +260,16 @@ class OuterState:
             stats.local_steps = steps
         return stats.in_flight
 
+    def release(self, worker: int) -> None:
+        """``worker`` left for good (an elastic session ended): its in-flight steps return to the budget, its speed
+        no longer sets the others' round lengths, and its buffers leave the global mean."""
+        with self.lock:
+            if worker in self.workers:
+                self.workers[worker].in_flight = 0
+            self.local_steps.speeds.pop(worker, None)
+            if self.worker_buffers.pop(worker, None) is not None and self.worker_buffers:
+                self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
+
     def request_stop(self) -> None:
         """Every worker's next reply says stop (e.g. EarlyStopping decided on rank 0)."""
         with self.lock:

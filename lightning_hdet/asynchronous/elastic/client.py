@@ -1,0 +1,77 @@
+"""A worker's connection to the outer service: one session at a time, reopened with back-off when it is lost.
+
+When the server is gone (killed, restarting from its checkpoint, network down), :meth:`SessionClient.reopen`
+tries to register again for up to ``reconnect_s`` seconds, waiting :func:`~.sessions.backoff` between attempts,
+and raises a :class:`RuntimeError` naming the server once that time has passed (``reconnect_s=0``: fail fast).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from lightning_hdet.asynchronous.elastic.membership import Registration, SessionLost
+from lightning_hdet.asynchronous.elastic.sessions import backoff
+from lightning_hdet.asynchronous.elastic.transport import SessionWorkerTransport
+
+log = logging.getLogger(__name__)
+
+
+class SessionClient:
+    """One worker's sessions with the service at ``address``.
+
+    Args:
+        address: the service's ``"host:port"``.
+        reconnect_s: seconds to keep trying to open a session before giving up.
+        heartbeat_s: seconds between heartbeats.
+        timeout_s: seconds any message may take.
+    """
+
+    def __init__(self, address: str, reconnect_s: float, heartbeat_s: float, timeout_s: float) -> None:
+        self.address, self.reconnect_s, self.heartbeat_s, self.timeout_s = address, reconnect_s, heartbeat_s, timeout_s
+        self.registration: Registration | None = None
+        #: Every session this worker opened, in order.
+        self.sessions: list[int] = []
+
+    @property
+    def session(self) -> int:
+        assert self.registration is not None
+        return self.registration.session
+
+    @property
+    def config(self) -> dict:
+        assert self.registration is not None
+        return self.registration.config
+
+    def transport(self) -> SessionWorkerTransport:
+        """The current session's transport."""
+        assert self.registration is not None
+        return SessionWorkerTransport(self.registration.group, self.session, int(self.config["n_params"]))
+
+    def reopen(self) -> int:
+        """Close the current session (if any) and open a new one, retrying with back-off; its id."""
+        self.close()
+        deadline, attempt = time.monotonic() + self.reconnect_s, 0
+        while True:
+            try:
+                self.registration = Registration(self.address, self.heartbeat_s, self.timeout_s,
+                                                 connect_s=max(1.0, min(10.0, self.reconnect_s)))
+                break
+            except (SessionLost, RuntimeError) as err:
+                wait = backoff(attempt)
+                if time.monotonic() + wait > deadline:
+                    raise RuntimeError(
+                        f"No outer service reachable at {self.address} within reconnect_s={self.reconnect_s}s: {err}"
+                        " Start (or restart) the service, or raise `reconnect_s` to wait longer."
+                    ) from err
+                log.warning("outer service at %s unreachable (%s); retrying in %.1fs", self.address, err, wait)
+                time.sleep(wait)
+                attempt += 1
+        self.sessions.append(self.session)
+        log.info("session %d opened with %s", self.session, self.address)
+        return self.session
+
+    def close(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None

@@ -1,0 +1,147 @@
+"""Registration, heartbeats and per-session process groups, on torch's own machinery.
+
+The server hosts a :class:`torch.distributed.TCPStore` at the address the user gives (a socket bound to exactly
+that host and port is handed to the store). A worker registers by incrementing the store's session counter (the
+value it gets back is its session id), beats by incrementing its own counter every ``heartbeat_s``, and meets the
+server in a fresh two-rank ``ProcessGroupGloo`` under the store prefix of its session (server rank 0, worker
+rank 1), each side bound to its own address. Nothing here decides anything: :mod:`.sessions` keeps the books.
+Trusted networks only: the store and gloo neither authenticate nor encrypt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_hdet._checks import require
+from lightning_hdet._compat import gloo_options
+
+log = logging.getLogger(__name__)
+
+_COUNTER, _CONFIG = "elastic/next_session", "elastic/config"
+
+
+class SessionLost(RuntimeError):
+    """A session's process group or store failed (the peer died, hung past the timeout, or left)."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``."""
+    host, sep, port = str(address).rpartition(":")
+    ok = bool(sep and host and port.isdigit() and 0 <= int(port) < 65536)
+    require("server", address, ok, "'host:port' (e.g. '10.0.0.5:29400')",
+            "Give the address the outer service binds to and the workers reach.")
+    return host.strip("[]"), int(port)
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent: a UDP socket only picks a route)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port or 1))
+        return probe.getsockname()[0]
+
+
+def session_group(store: dist.Store, session: int, rank: int, host: str, timeout: float) -> Any:
+    """The session's two-rank gloo group (rank 0: server, rank 1: worker), on a device bound to ``host``."""
+    options = gloo_options(timedelta(seconds=timeout), host)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"elastic/session/{session}/", store), rank, 2, options)
+
+
+def beat_key(session: int) -> str:
+    return f"elastic/beat/{session}"
+
+
+class StoreHost:
+    """The server's store: bound to the given address, holding the run's config and the session counter.
+
+    Args:
+        address: ``"host:port"`` to bind (port 0: any free port, see :attr:`port`).
+        config: what every worker must agree on (sizes, codec), read by workers when they register.
+        next_id: the first session id to hand out.
+    """
+
+    def __init__(self, address: str, config: dict[str, Any], next_id: int, timeout: float) -> None:
+        self.host, port = parse_address(address)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server rebinds at once
+        self._socket.bind((self.host, port))  # exactly the address given, not every interface
+        self._socket.listen(128)
+        self.port = self._socket.getsockname()[1]
+        self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout), master_listen_fd=self._socket.fileno())
+        self.store.set(_CONFIG, json.dumps(config))
+        self.store.add(_COUNTER, next_id - 1)  # the next registration gets next_id
+
+    def registered(self) -> int:
+        """The largest session id handed out so far."""
+        return self.store.add(_COUNTER, 0)
+
+    def beats(self, session: int) -> int:
+        return self.store.add(beat_key(session), 0)
+
+
+class Registration:
+    """A worker's side of one session: its store client, id, heartbeat thread and process group.
+
+    Args:
+        address: the server's ``"host:port"``.
+        heartbeat_s: seconds between heartbeats.
+        timeout: seconds any message of the session may take (longer than any round).
+        connect_s: seconds to wait for the store when registering.
+    """
+
+    def __init__(self, address: str, heartbeat_s: float, timeout: float, connect_s: float) -> None:
+        host, port = parse_address(address)
+        try:
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_s))
+            self._beat_store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_s))
+            self.config: dict[str, Any] = json.loads(self.store.get(_CONFIG))
+            self.session = int(self.store.add(_COUNTER, 1))
+        except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError derive from RuntimeError
+            raise SessionLost(f"cannot register with the outer service at {address}: {first_line(err)}") from err
+        self.alive = True
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
+                                           name=f"elastic-heartbeat-{self.session}")
+        self._heartbeat.start()
+        try:
+            self.group = session_group(self.store, self.session, 1, local_address_towards(host, port), timeout)
+        except RuntimeError as err:  # the server went away between registering and meeting
+            self._stop.set()
+            raise SessionLost(f"session {self.session}: cannot meet the outer service: {first_line(err)}") from err
+
+    def _beat(self, every: float) -> None:
+        while not self._stop.is_set():
+            try:
+                self._beat_store.add(beat_key(self.session), 1)
+            except RuntimeError:  # the server is gone: the next exchange finds out and reconnects
+                self.alive = False
+                return
+            self._stop.wait(every)
+
+    def close(self) -> None:
+        """Stop beating (the server's lease for this session then runs out if it did not see us leave)."""
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
+        abort(self.group)
+
+
+def first_line(err: BaseException) -> str:
+    """torch's network errors carry a C++ stack trace after the first line."""
+    return (str(err).splitlines() or [""])[0][:300]
+
+
+def abort(group: Any) -> None:
+    """Tear a session's group down so that a thread blocked on it returns (best effort: the peer may be gone)."""
+    try:
+        group.abort()
+    except RuntimeError as err:  # already broken: nothing left to tear down
+        log.debug("abort: %s", err)

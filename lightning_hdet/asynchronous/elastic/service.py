@@ -1,0 +1,307 @@
+"""The outer optimizer as its own service, for workers that come and go (``docs/elastic.md``).
+
+:class:`OuterService` owns the global model, the outer state (:class:`~..outer.OuterState`: Delayed Nesterov or
+DiLoCo, the sample budget, per-worker statistics), the session table (:mod:`.sessions`), validation and its own
+checkpoints. Workers are separate Lightning jobs (:class:`~.strategy.ElasticWorkerStrategy`) that register a
+session, pull the newest global model and run the usual rounds; one loop here applies their pushes in order, so
+every decision (batches, round lengths, leaving, parking) is taken in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_hdet._checks import check_int, check_number, require
+from lightning_hdet._tensors import float_buffers, write_from
+from lightning_hdet.asynchronous.compression import Codec, check_compression
+from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.elastic.hub import Lost, SessionHub
+from lightning_hdet.asynchronous.elastic.membership import SessionLost
+from lightning_hdet.asynchronous.elastic.sessions import SessionTable, live_buffer_size, should_park
+from lightning_hdet.asynchronous.exchange import read_model
+from lightning_hdet.asynchronous.messages import Kind, Push, ServerHeader
+from lightning_hdet.asynchronous.outer import OuterSettings
+
+log = logging.getLogger(__name__)
+FORMAT = "lightning_hdet.elastic/1"
+Evaluate = Callable[[Module], Mapping[str, float]]
+
+
+def resize_buffer(optimizer: Optimizer, size: int) -> bool:
+    """Set Delayed Nesterov's ``N`` to ``size`` where no push is buffered (a momentum-update boundary); True if
+    every parameter group took it."""
+    done = True
+    for group in optimizer.param_groups:
+        if all(optimizer.state.get(p, {}).get("pushes", 0) == 0 for p in group["params"]):
+            group["buffer_size"] = size
+        else:
+            done = False
+    return done
+
+
+class OuterService:
+    """The outer optimizer's service at ``address``; :meth:`run` serves until the budget is spent and every
+    session has left.
+
+    Args:
+        module: the model; its parameters and floating-point buffers are the global model's start (or the
+            checkpoint's), and it holds the global model after :meth:`run`.
+        address: ``"host:port"`` to bind (trusted networks only: nothing is authenticated or encrypted).
+        budget: inner steps summed over all workers and sessions (``None``: until :meth:`request_stop`).
+        checkpoint: file the service checkpoints itself to, and resumes from when it exists.
+        checkpoint_every: outer updates between checkpoints (also one at the end).
+        lease_s: seconds without a heartbeat after which a session ends.
+        heartbeat_s: seconds between the service's membership checks (workers beat at their own interval).
+        timeout_s: seconds any message may take; longer than the longest round (a parked worker waits too).
+        compression: the pseudo-gradients' codec (the workers read it from the service).
+        evaluate: called with the global model in ``module`` every ``evaluate_every`` outer updates and at the
+            end; its metrics are kept in :attr:`evaluations`, the checkpoint and the status file.
+        max_idle_s: end when no session was live for this long (``None``: wait for workers indefinitely).
+        **outer: :class:`~..outer.OuterSettings` (``mode``, ``local_steps``, ``outer``, ``outer_lr``, ...).
+    """
+
+    def __init__(self, module: Module, address: str, budget: int | None, checkpoint: str | Path | None = None,
+                 checkpoint_every: int = 10, lease_s: float = 10.0, heartbeat_s: float = 0.5,
+                 timeout_s: float = 1800.0, compression: str = "none", evaluate: Evaluate | None = None,
+                 evaluate_every: int = 0, max_idle_s: float | None = None, **outer: Any) -> None:
+        check_int("budget", budget, minimum=1, optional=True)
+        check_int("checkpoint_every", checkpoint_every, minimum=1)
+        check_int("evaluate_every", evaluate_every, minimum=0)
+        for name, value in (("heartbeat_s", heartbeat_s), ("timeout_s", timeout_s)):
+            check_number(name, value, low=0, low_open=True, hint="It is in seconds.")
+        check_number("max_idle_s", max_idle_s, low=0, optional=True)
+        check_compression(compression, True)
+        self.settings = OuterSettings(**outer)
+        require("momentum_activation", self.settings.momentum_activation, self.settings.momentum_activation == 0,
+                "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
+        self.module, self.address, self.budget = module, address, budget
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+        self.checkpoint_every, self.evaluate, self.evaluate_every = checkpoint_every, evaluate, evaluate_every
+        self.heartbeat_s, self.timeout_s, self.max_idle_s = heartbeat_s, timeout_s, max_idle_s
+        self.compression = compression
+        self.outer = self.settings.build(*read_model(module, torch.device("cpu")), 1, budget)
+        self.table = SessionTable(lease_s)
+        #: ``(outer_updates, metrics)`` of every evaluation.
+        self.evaluations: list[tuple[int, dict[str, float]]] = []
+        self._parked: dict[int, Push] = {}
+        self._marks = {"checkpoint": 0, "evaluate": 0}
+        self.hub: SessionHub | None = None
+        self._first_session: float | None = None
+        if self.checkpoint is not None and self.checkpoint.exists():
+            self._resume(torch.load(self.checkpoint, weights_only=True))
+
+    # life cycle
+    def start(self) -> None:
+        """Bind the address and open registration."""
+        n_buffers = self.outer.buffers.numel()
+        codec = Codec(self.compression, [p.shape for p in self.module.parameters()])
+        config = {"n_params": self.outer.params.numel(), "n_buffers": n_buffers, "compression": self.compression,
+                  "mode": self.settings.mode}
+        self.hub = SessionHub(self.address, config, self.table.next_id, self.timeout_s, n_buffers, codec)
+        self._next_tick = 0.0
+        self._idle_since = time.monotonic()
+        log.info("outer service at %s:%d (sessions from %d)", self.hub.host.host, self.hub.port, self.table.next_id)
+
+    def run(self) -> None:
+        """Serve until the budget is spent (or a stop was requested) and every session has left; then evaluate,
+        checkpoint, and leave the global model in ``module``."""
+        if self.hub is None:
+            self.start()
+        try:
+            while not self._finished():
+                item = self._next(self.heartbeat_s)
+                if isinstance(item, Lost):
+                    self._end(item.session, f"lost: {item.reason}")
+                elif item is not None and self.table.is_live(item.worker):  # else: an ended session's, discarded
+                    self._apply(self._collect(item))
+        finally:
+            self._write_global_model()
+            if self.evaluate is not None:
+                self._evaluate()
+            self.save()
+        log.info("outer service done: %d outer updates, %d inner steps", self.outer.outer_updates,
+                 self.outer.steps_done)
+
+    def request_stop(self) -> None:
+        """Every worker's next reply says stop (e.g. from ``evaluate``, for early stopping)."""
+        self.outer.request_stop()
+
+    def _finished(self) -> bool:
+        if self.table.live:
+            return False
+        spent = self.budget is not None and self.outer.steps_done >= self.budget
+        idle = self.max_idle_s is not None and time.monotonic() - self._idle_since >= self.max_idle_s
+        return spent or self.outer.stop_requested or idle
+
+    # membership
+    def _next(self, timeout: float) -> Union[Push, Lost, None]:
+        """The next message or loss, or None after ``timeout``; checks membership every ``heartbeat_s``."""
+        assert self.hub is not None
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._tick(now)
+            self._next_tick = now + self.heartbeat_s
+        try:
+            return self.hub.inbox.get(timeout=max(0.0, min(timeout, self._next_tick - now)))
+        except queue.Empty:
+            return None
+
+    def _tick(self, now: float) -> None:
+        """Open newly registered sessions, read heartbeats, end the sessions whose lease ran out."""
+        assert self.hub is not None
+        for session in range(self.table.next_id, self.hub.registered() + 1):
+            self.table.open(session, now)
+            self.hub.attach(session)
+            log.info("session %d opened (%d live)", session, len(self.table.live))
+            self._follow_live_set()
+        for session in list(self.table.live):
+            self.table.beat(session, self.hub.beats(session), now)
+        for session in self.table.expired(now):
+            self._end(session, "expired")
+        if self.table.live:
+            self._idle_since = now
+            self._first_session = self._first_session or now
+
+    def _end(self, session: int, reason: str) -> None:
+        """End a session: its group is torn down, its in-flight steps and buffers released, parked workers
+        reconsidered (they may get its share)."""
+        assert self.hub is not None
+        if not self.table.end(session, reason):
+            return
+        log.info("session %d ended (%s); %d live", session, reason, len(self.table.live))
+        self.hub.drop(session)
+        self._parked.pop(session, None)
+        self.outer.release(session)
+        self._follow_live_set()
+        self._retry_parked()
+
+    def _follow_live_set(self) -> None:
+        """Delayed Nesterov's ``N`` follows the live sessions (see :func:`~.sessions.live_buffer_size`)."""
+        if isinstance(self.outer.optimizer, DelayedNesterov) and self.settings.mode == "async" \
+                and self.settings.delayed_nesterov:
+            with self.outer.lock:
+                resize_buffer(self.outer.optimizer, live_buffer_size(self.settings.buffer_size, len(self.table.live)))
+
+    # the exchange
+    def _collect(self, first: Push) -> list[Push]:
+        """One batch: the first push, then others within the step policy's window; without a window (DiLoCo)
+        until every live session is in the batch (sessions that end meanwhile no longer count)."""
+        batch = [first]
+        window = self.outer.step_policy.batch_window
+        deadline = None if window is None else time.monotonic() + window
+        while not set(self.table.live) <= {p.worker for p in batch}:
+            left = self.heartbeat_s if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                break
+            item = self._next(left)
+            if isinstance(item, Lost):
+                self._end(item.session, f"lost: {item.reason}")
+            elif item is not None and self.table.is_live(item.worker):
+                batch.append(item)
+        return [p for p in batch if self.table.is_live(p.worker)]
+
+    def _apply(self, batch: list[Push]) -> None:
+        if not batch:
+            return
+        for session, steps in self.outer.process(batch).items():
+            self._answer(session, steps, next(p for p in batch if p.worker == session))
+        for push in batch:
+            if push.kind == Kind.BYE:
+                self._end(push.worker, "left")
+        self._follow_live_set()
+        self._retry_parked()
+        self._after_update()
+
+    def _answer(self, session: int, steps: int, push: Push) -> None:
+        """Reply with the next round, or park the worker (see :func:`~.sessions.should_park`)."""
+        assert self.hub is not None
+        left = None if self.budget is None else self.budget - self.outer.steps_done
+        others = sum(s.in_flight for w, s in self.outer.workers.items() if w != session and self.table.is_live(w))
+        if should_park(steps, left, others):
+            self._parked[session] = push
+            return
+        try:
+            self.hub.reply(session, ServerHeader(steps, self.outer.outer_updates), self.outer.params.detach(),
+                           self.outer.buffers)
+        except SessionLost as err:
+            self._end(session, f"lost: {err}")
+
+    def _retry_parked(self) -> None:
+        """Ask again for each parked worker's round, as if it had just said hello (no steps, nothing pushed)."""
+        for session, push in list(self._parked.items()):
+            del self._parked[session]
+            again = replace(push, kind=Kind.HELLO, steps=0, pseudo_gradient=None, inner_state=None, buffers=None,
+                            payload_bytes=0)
+            for worker, steps in self.outer.process([again]).items():
+                self._answer(worker, steps, again)
+
+    def _after_update(self) -> None:
+        updates = self.outer.outer_updates
+        if self.evaluate is not None and self.evaluate_every and updates >= self._marks["evaluate"] + self.evaluate_every:
+            self._marks["evaluate"] = updates
+            self._write_global_model()
+            self._evaluate()
+        if updates >= self._marks["checkpoint"] + self.checkpoint_every:
+            self._marks["checkpoint"] = updates
+            self.save()
+
+    # the global model: validation and checkpoints in one place
+    def _write_global_model(self) -> None:
+        params, buffers = self.outer.global_model()
+        device = next(self.module.parameters()).device
+        write_from(list(self.module.parameters()), params, device)
+        write_from(float_buffers(self.module), buffers, device)
+
+    def _evaluate(self) -> None:
+        assert self.evaluate is not None
+        metrics = {k: float(v) for k, v in self.evaluate(self.module).items()}
+        self.evaluations.append((self.outer.outer_updates, metrics))
+        log.info("evaluation at %d outer updates: %s", self.outer.outer_updates, metrics)
+
+    def status(self) -> dict[str, Any]:
+        """Progress, as written beside the checkpoint (``<checkpoint>.status.json``)."""
+        return {"outer_updates": self.outer.outer_updates, "steps_done": self.outer.steps_done, "budget": self.budget,
+                "live": sorted(self.table.live), "ended": {str(k): v for k, v in sorted(self.table.ended.items())},
+                "workers": {str(k): v for k, v in self.outer.worker_stats().items()},
+                "evaluations": self.evaluations,
+                "elapsed_s": time.monotonic() - self._first_session if self._first_session else 0.0}
+
+    def save(self) -> None:
+        """Checkpoint (atomically: a crash leaves the previous file) the outer state, the global model, the next
+        session id and the evaluations; and write the status file."""
+        if self.checkpoint is None:
+            return
+        self._write_global_model()
+        state = {"format": FORMAT, "outer": self.outer.state_dict(), "next_session": self.table.next_id,
+                 "state_dict": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
+                 "evaluations": [[u, m] for u, m in self.evaluations]}
+        tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.checkpoint)
+        status = self.checkpoint.with_name(self.checkpoint.name + ".status.json")
+        status.with_suffix(".tmp").write_text(json.dumps(self.status()))
+        os.replace(status.with_suffix(".tmp"), status)
+
+    def _resume(self, state: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint: every session of the previous run is over (its workers open new ones)."""
+        require("checkpoint", str(self.checkpoint), state.get("format") == FORMAT, f"a {FORMAT} checkpoint")
+        self.outer.load_state_dict(state["outer"])
+        for worker in list(self.outer.workers):
+            self.outer.release(worker)
+        self.table = SessionTable(self.table.lease_s, next_id=int(state["next_session"]))
+        self.evaluations = [(int(u), dict(m)) for u, m in state["evaluations"]]
+        self._marks = dict.fromkeys(self._marks, self.outer.outer_updates)
+        log.info("resumed from %s: %d outer updates, %d inner steps", self.checkpoint, self.outer.outer_updates,
+                 self.outer.steps_done)

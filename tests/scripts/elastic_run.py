@@ -1,0 +1,129 @@
+"""Run by tests/test_elastic.py and benchmarks/elastic.py: one process of an elastic run on loopback.
+
+``server``: an OuterService for ``LinearModel`` whose evaluation is the validation loss; writes ``--out`` (JSON).
+``worker``: one Lightning job (``devices=1``) with ElasticWorkerStrategy; ``--die-after N`` SIGKILLs itself in the
+middle of its round after N exchanges; ``--step-s`` paces each step (so that the others are mid-run when it dies).
+"""
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_hdet.asynchronous.elastic import ElasticWorkerStrategy, OuterService  # noqa: E402
+from tests.helpers import LinearModel, Regression  # noqa: E402
+
+
+def val_loss(module: torch.nn.Module) -> dict:
+    data = Regression(n=256, seed=0)  # the training task (another seed draws another w*)
+    with torch.no_grad():
+        return {"val_loss": float(torch.nn.functional.mse_loss(module.layer(data.x), data.y))}
+
+
+class Pace(Callback):
+    """Sleeps ``step_s`` after each step; from step ``hold_at`` on, waits until the file ``hold_until`` exists (the
+    fifth worker creates it, ``mark_joined``, once it has joined), so that a joining worker always finds the run
+    under way however slowly it starts. ``die_after``: SIGKILL itself mid-round after that many exchanges."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.step_s, self.die_after = args.step_s, args.die_after
+        self.hold_at, self.until, self.mark = args.hold_at, args.hold_until, args.mark_joined
+
+    def on_train_start(self, trainer, pl_module):
+        if self.mark:
+            Path(self.mark).touch()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(self.step_s)
+        deadline = time.monotonic() + 900
+        while self.until and trainer.global_step >= self.hold_at and not os.path.exists(self.until):
+            assert time.monotonic() < deadline, "the joining worker never came"
+            time.sleep(0.1)
+        rounds = trainer.strategy.rounds
+        if self.die_after and len(rounds) > self.die_after and trainer.global_step % 4 == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-round: its unfinished round must be discarded
+
+
+class KillRank(Callback):
+    """The single-job mode of today: one rank SIGKILLs itself at a given step (as a lost spot machine would)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step > 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def single(args: argparse.Namespace) -> None:
+    """Today's single-job mode on 4 processes (one Lightning job, one process group)."""
+    from lightning_hdet import AsyncLocalSGDStrategy
+
+    seed_everything(0)
+    model = LinearModel()
+    initial = val_loss(model)["val_loss"]
+    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=args.local_steps), accelerator="cpu", devices=4,
+                      max_steps=args.budget // 4, logger=False, enable_checkpointing=False,
+                      callbacks=[Pace(args), KillRank(3, args.kill_at_step)], enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model)
+    if trainer.global_rank == 0:
+        Path(args.out).write_text(json.dumps({"initial_loss": initial, "final_loss": val_loss(model)["val_loss"]}))
+
+
+def server(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    seed_everything(0)
+    model = LinearModel()
+    initial = val_loss(model)["val_loss"]
+    service = OuterService(model, args.address, args.budget, checkpoint=args.checkpoint, checkpoint_every=1,
+                           lease_s=args.lease_s, local_steps=args.local_steps, mode=args.mode, evaluate=val_loss,
+                           evaluate_every=0, max_idle_s=args.max_idle_s)
+    start = time.perf_counter()
+    service.run()
+    final = val_loss(model)["val_loss"]
+    Path(args.out).write_text(json.dumps({
+        "initial_loss": initial, "final_loss": final, "finite": bool(torch.isfinite(model.layer.weight).all()),
+        "wall_s": time.perf_counter() - start, **service.status()}))
+
+
+def worker(args: argparse.Namespace) -> None:
+    model = LinearModel()
+    strategy = ElasticWorkerStrategy(args.address, reconnect_s=args.reconnect_s, heartbeat_s=0.5)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=-1, logger=False,
+                      callbacks=[Pace(args)], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model)
+    Path(args.out).write_text(json.dumps({"sessions": strategy.sessions, "inner_steps": strategy.inner_steps,
+                                          "rounds": strategy.rounds}))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["server", "worker", "single"])
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--budget", type=int, default=240)
+    parser.add_argument("--local-steps", type=int, default=4)
+    parser.add_argument("--mode", default="async")
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--lease-s", type=float, default=10.0)
+    parser.add_argument("--max-idle-s", type=float, default=None)
+    parser.add_argument("--step-s", type=float, default=0.02)
+    parser.add_argument("--hold-at", type=int, default=0)
+    parser.add_argument("--hold-until", default=None)
+    parser.add_argument("--mark-joined", default=None)
+    parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--kill-at-step", type=int, default=0)
+    parser.add_argument("--reconnect-s", type=float, default=60.0)
+    args = parser.parse_args()
+    {"server": server, "worker": worker, "single": single}[args.role](args)

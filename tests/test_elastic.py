@@ -1,0 +1,248 @@
+"""Workers that come and go (issue 16): the session bookkeeping against hand-computed values, then an outer
+service and its workers as separate processes on loopback (tests/scripts/elastic_run.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.elastic.membership import parse_address
+from lightning_hdet.asynchronous.elastic.service import resize_buffer
+from lightning_hdet.asynchronous.elastic.sessions import (
+    SessionTable,
+    backoff,
+    live_buffer_size,
+    session_seed,
+    should_park,
+)
+from lightning_hdet.asynchronous.messages import Kind, Push
+from lightning_hdet.asynchronous.outer import OuterSettings
+
+SCRIPT = Path(__file__).parent / "scripts" / "elastic_run.py"
+
+
+# pure bookkeeping
+def test_leases_are_renewed_by_a_changed_counter_and_expire_after_lease_s() -> None:
+    table = SessionTable(lease_s=10.0)
+    table.open(1, now=0.0)
+    table.open(2, now=3.0)
+    table.beat(1, beats=1, now=5.0)  # renewed at 5
+    table.beat(2, beats=4, now=6.0)  # renewed at 6
+    table.beat(1, beats=1, now=9.0)  # unchanged: not renewed
+    assert table.expired(now=14.9) == []
+    assert table.expired(now=15.0) == [1]  # 15 - 5 >= 10
+    assert table.expired(now=16.0) == [1, 2]
+    assert table.end(1, "expired") and not table.end(1, "expired")  # once
+    assert sorted(table.live) == [2] and table.ended == {1: "expired"}
+    assert table.next_id == 3
+
+
+def test_session_ids_are_never_reused_and_a_restart_continues_after_the_checkpoint() -> None:
+    table = SessionTable(lease_s=1.0, next_id=7)
+    table.open(7, now=0.0)
+    table.end(7, "left")
+    with pytest.raises(ValueError, match="never reused"):
+        table.open(7, now=1.0)
+    table.open(9, now=1.0)
+    assert table.next_id == 10 and not table.is_live(7) and table.is_live(9)
+    with pytest.raises(ValueError, match="lease_s"):
+        SessionTable(lease_s=0)
+
+
+def test_buffer_size_follows_the_live_set() -> None:
+    assert [live_buffer_size(None, n) for n in (0, 1, 4, 5)] == [1, 1, 4, 5]
+    assert [live_buffer_size(3, n) for n in (0, 2, 3, 8)] == [1, 2, 3, 3]
+
+
+def test_a_worker_is_parked_only_while_others_hold_budget_in_flight() -> None:
+    assert should_park(0, budget_left=10, others_in_flight=10)
+    assert not should_park(0, budget_left=10, others_in_flight=0)  # nobody can release anything: stop
+    assert not should_park(0, budget_left=0, others_in_flight=5)  # budget spent: stop
+    assert not should_park(3, budget_left=10, others_in_flight=5)  # it got a round
+    assert not should_park(0, budget_left=None, others_in_flight=5)  # no budget: a stop was requested
+
+
+def test_backoff_doubles_up_to_its_cap_and_seeds_differ_per_session() -> None:
+    assert [backoff(k) for k in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert [session_seed(100, s) for s in (1, 2, 9)] == [101, 102, 109]
+
+
+def test_resize_buffer_waits_for_a_momentum_boundary() -> None:
+    p = torch.zeros(2)
+    dn = DelayedNesterov([p], lr=1.0, momentum=0.5, buffer_size=2)
+    assert resize_buffer(dn, 3) and dn.param_groups[0]["buffer_size"] == 3  # no state yet: a boundary
+    p.grad = torch.ones(2)
+    dn.step()  # one push buffered of 3
+    assert not resize_buffer(dn, 1) and dn.param_groups[0]["buffer_size"] == 3
+    dn.step(), dn.step()  # the third push updates the momentum: a boundary again
+    assert resize_buffer(dn, 1) and dn.param_groups[0]["buffer_size"] == 1
+
+
+def test_release_returns_in_flight_steps_and_drops_speed_and_buffers() -> None:
+    outer = OuterSettings(local_steps=4, outer="published").build(torch.zeros(3), torch.zeros(1), 2, budget=20)
+    hello = [Push(w, Kind.HELLO, 0, 0.0, 0.0) for w in (1, 2)]
+    assert outer.process(hello) == {1: 4, 2: 4}
+    push = Push(1, Kind.PUSH, 4, 1.0, 0.0, pseudo_gradient=torch.zeros(3), buffers=torch.tensor([2.0]))
+    assert outer.process([push]) == {1: 4}  # 20 - 4 done - 4 in flight at worker 2 leaves 12
+    outer.worker_buffers[2] = torch.tensor([4.0])
+    outer.release(2)
+    assert outer.workers[2].in_flight == 0 and 2 not in outer.worker_buffers
+    assert outer.buffers.tolist() == [2.0]  # the mean of the workers that remain
+    assert 1 in outer.local_steps.speeds and 2 not in outer.local_steps.speeds
+
+
+def test_parse_address_names_the_argument() -> None:
+    assert parse_address("127.0.0.1:29400") == ("127.0.0.1", 29400)
+    assert parse_address("[::1]:5") == ("::1", 5)
+    with pytest.raises(ValueError, match="`server`"):
+        parse_address("localhost")
+
+
+def test_arguments_are_checked_before_anything_connects() -> None:
+    from lightning_hdet import ElasticWorkerStrategy, OuterService
+    from tests.helpers import LinearModel
+
+    with pytest.raises(ValueError, match="`server`"):
+        ElasticWorkerStrategy("no-port")
+    with pytest.raises(ValueError, match="`reconnect_s`"):
+        ElasticWorkerStrategy("127.0.0.1:1", reconnect_s=-1)
+    with pytest.raises(ValueError, match="`momentum_activation`"):
+        OuterService(LinearModel(), "127.0.0.1:0", budget=10, momentum_activation=0.1, buffer_size=2)
+    with pytest.raises(ValueError, match="`budget`"):
+        OuterService(LinearModel(), "127.0.0.1:0", budget=0)
+    service = OuterService(LinearModel(), "127.0.0.1:0", budget=10, local_steps=3)  # binds nothing before run()
+    assert service.hub is None and service.outer.budget == 10
+
+
+# processes on loopback
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(role: str, out: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    log = open(out.with_suffix(".log"), "w")
+    return subprocess.Popen(["nice", "-n", "10", sys.executable, str(SCRIPT), role, "--out", str(out), *args],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _status(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _wait_for(condition, what: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def killed_and_joined(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Service + 4 workers; worker 4 SIGKILLs itself mid-round after 3 exchanges; a fifth worker starts once the
+    run is under way. The others wait at their step 20 until the fifth has joined (80 of 240 steps), so both
+    happen mid-run whatever the machine's load (no timing is asserted)."""
+    d = tmp_path_factory.mktemp("elastic")
+    address = f"127.0.0.1:{_free_port()}"
+    joined = d / "joined"
+    common = ["--address", address, "--step-s", "0.05", "--hold-at", "20", "--hold-until", str(joined)]
+    server = _start("server", d / "server.json", "--address", address, "--budget", "240", "--checkpoint",
+                    str(d / "ckpt.pt"))
+    workers = [_start("worker", d / f"w{i}.json", *common, *(["--die-after", "3"] if i == 4 else []))
+               for i in range(1, 5)]
+    status = d / "ckpt.pt.status.json"
+    _wait_for(lambda: _status(status).get("outer_updates", 0) >= 4, "the run to be under way")
+    fifth = _start("worker", d / "w5.json", *common, "--mark-joined", str(joined))
+    codes = _finish([*workers, fifth, server])
+    return {"dir": d, "codes": codes, "server": json.loads((d / "server.json").read_text())}
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_worker_ends_only_its_session_and_the_others_finish_the_budget(killed_and_joined: dict) -> None:
+    codes, server = killed_and_joined["codes"], killed_and_joined["server"]
+    assert codes[3] == -signal.SIGKILL  # the killed worker
+    assert codes[:3] == [0, 0, 0] and codes[4] == 0 and codes[5] == 0  # everyone else, the service included
+    assert server["steps_done"] == server["budget"] == 240  # its unfinished round was discarded, its share redone
+    lost = [s for s, why in server["ended"].items() if why.startswith("lost")]
+    assert len(lost) == 1 and server["live"] == []
+    assert server["finite"] and server["final_loss"] < server["initial_loss"]
+
+
+@pytest.mark.timeout(600)
+def test_a_fifth_worker_joins_mid_run_and_pushes(killed_and_joined: dict) -> None:
+    server = killed_and_joined["server"]
+    fifth = json.loads((killed_and_joined["dir"] / "w5.json").read_text())
+    (session,) = fifth["sessions"]
+    stats = server["workers"][str(session)]
+    assert stats["steps"] > 0 and stats["rounds"] > 0 and fifth["inner_steps"] >= stats["steps"]
+    assert fifth["rounds"][0][1] > 0  # it started from a global model that had already been updated
+    assert server["ended"][str(session)] == "left"
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_service_restarts_from_its_checkpoint_and_workers_reconnect(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    ckpt, status = tmp_path / "ckpt.pt", tmp_path / "ckpt.pt.status.json"
+    serve = ["--address", address, "--budget", "160", "--checkpoint", str(ckpt)]
+    server = _start("server", tmp_path / "server1.json", *serve)
+    pace = ["--address", address, "--step-s", "0.2"]
+    patient = [_start("worker", tmp_path / f"w{i}.json", *pace, "--reconnect-s", "180") for i in (1, 2)]
+    impatient = _start("worker", tmp_path / "w3.json", *pace, "--reconnect-s", "0")
+    _wait_for(lambda: _status(status).get("outer_updates", 0) >= 4, "the run to be under way")
+    server.kill()
+    server.wait()
+    at_kill = _status(status)
+    assert _finish([impatient]) == [1]  # reconnect_s=0: fails as soon as its session is lost
+    assert "No outer service reachable" in (tmp_path / "w3.log").read_text()
+    restarted = _start("server", tmp_path / "server2.json", *serve)
+    assert _finish([*patient, restarted]) == [0, 0, 0]
+    result = json.loads((tmp_path / "server2.json").read_text())
+    assert result["outer_updates"] > at_kill["outer_updates"] and result["steps_done"] == 160
+    for i in (1, 2):
+        sessions = json.loads((tmp_path / f"w{i}.json").read_text())["sessions"]
+        assert len(sessions) == 2 and min(sessions[1:]) > max(int(s) for s in at_kill["workers"])
+    assert result["finite"] and result["final_loss"] < result["initial_loss"]
+
+
+@pytest.mark.timeout(600)
+def test_a_frozen_worker_expires_and_diloco_continues_with_the_live_set(tmp_path: Path) -> None:
+    """DiLoCo (every live worker in each outer step) with one worker frozen by SIGSTOP: its heartbeats stop, its
+    lease expires, and the other worker's steps finish the budget without it."""
+    address = f"127.0.0.1:{_free_port()}"
+    status = tmp_path / "ckpt.pt.status.json"
+    server = _start("server", tmp_path / "server.json", "--address", address, "--budget", "96", "--mode", "sync",
+                    "--lease-s", "4", "--checkpoint", str(tmp_path / "ckpt.pt"))
+    workers = [_start("worker", tmp_path / f"w{i}.json", "--address", address, "--step-s", "0.1") for i in (1, 2)]
+    try:
+        _wait_for(lambda: _status(status).get("outer_updates", 0) >= 2, "the run to be under way")
+        workers[1].send_signal(signal.SIGSTOP)
+        assert _finish([workers[0], server]) == [0, 0]
+    finally:
+        workers[1].kill()
+    result = json.loads((tmp_path / "server.json").read_text())
+    assert sorted(result["ended"].values()) == ["expired", "left"]
+    assert result["steps_done"] == 96 and result["finite"] and result["final_loss"] < result["initial_loss"]
