@@ -41,6 +41,7 @@ class Interval:
     final: bool = False  # the merge at the end of fit: weigh, merge fully, leave the LRs alone
     curves: Optional[Tensor] = None  # every group's loss curve, ``(num_groups, 2 * bins)`` (signals.LossCurve.row)
     first_losses: Optional[Sequence[float]] = None  # every group's loss at its first training step (fresh runs)
+    heldout: Optional[Sequence[float]] = None  # ``signal="heldout"``: every group's averaged iterate's held-out loss
 
 
 @dataclass(frozen=True)
@@ -142,12 +143,16 @@ class HDETController:
         return judge(self.collapse, self.collapse_history, interval.losses, interval.finite, progress)
 
     def _scores(self, interval: Interval, healthy: Sequence[bool]) -> list[float]:
-        """What the vote compares: the ``signal`` of each group's curve, or the interval losses themselves (at the
-        final merge, which picks by level, and whenever a healthy group's curve gives no finite score)."""
+        """What the vote compares: the ``signal`` of each group's curve or its held-out loss, or the interval losses
+        themselves (at the final merge, which picks by level, and whenever a healthy group has no finite score)."""
         losses = list(interval.losses)
-        if interval.final or interval.curves is None or self.config.signal == "mean":
+        if self.config.signal == "heldout" and not interval.final and interval.heldout is not None:
+            signal = list(interval.heldout)
+        elif interval.final or interval.curves is None or self.config.signal in ("mean", "heldout"):
             return losses
-        signal = scores(interval.curves, self.config.signal, self.config.every_n_steps, self.config.forecast_horizon)
+        else:
+            signal = scores(interval.curves, self.config.signal, self.config.every_n_steps,
+                            self.config.forecast_horizon)
         return signal if all(math.isfinite(x) for x, ok in zip(signal, healthy) if ok) else losses
 
     def _vote(self, interval: Interval, rescued: list[bool]) -> Decision:

@@ -22,9 +22,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet._checks import check_choice, check_int, check_number
+from lightning_hdet._checks import check_choice, check_int, check_number, require
 
-SIGNALS = ("mean", "improvement", "forecast")
+SIGNALS = ("mean", "improvement", "forecast", "heldout")  # "heldout": see hdet/heldout.py
 # Decay rates tried by the forecast, as multiples of 1 / interval: slower ones make the fit's asymptote an
 # ill-conditioned extrapolation far below the data; faster ones are indistinguishable from a step.
 _RATES = [0.5 * 1.25**k for k in range(18)]
@@ -157,6 +157,8 @@ def score(row: Sequence[float], signal: str, interval: int, horizon: Optional[fl
     ``forecast``: the fitted curve at step ``horizon`` of the interval (default: four intervals on).
     """
     check_choice("signal", signal, SIGNALS)
+    require("signal", signal, signal != "heldout", "a signal of the training curve here",
+            "signal='heldout' scores averaged parameters on held-out batches (hdet/heldout.py), not the curve.")
     if signal == "mean":
         return mean_loss(row)
     points = curve_points(row, interval)
