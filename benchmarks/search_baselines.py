@@ -175,8 +175,8 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     Each group is its own DDP job on ``world / groups`` processes (``gradient_sync="group"``); with one
     process per group the data is not sharded, so a group reads the whole training stream as the matching
     grid run does (shuffled in its own order) and validates on the same first batches. Every ``interval`` steps
-    the groups vote on their interval training loss (or ``vote``'s signal) and blend. The best-so-far curve takes, at each validation,
-    the best group (each group's first rank), as the grid takes the best of its runs.
+    the groups vote on their interval training loss (or ``vote``'s signal) and blend. The best-so-far curve
+    takes, at each validation, the best group (each group's first rank), as the grid takes the best of its runs.
     """
     from lightning_hdet import HDETCallback, HDETStrategy
 

@@ -57,8 +57,9 @@ class ParameterAverage:
     def update(self) -> None:
         """Fold the current parameters in (call once per optimizer step)."""
         self.count += 1
+        weight = average_weight(self.count, self.decay)  # a host float: no device->host sync
         with torch.no_grad():
-            torch._foreach_lerp_(self.average, [p.detach() for p in self.params], average_weight(self.count, self.decay))
+            torch._foreach_lerp_(self.average, [p.detach() for p in self.params], weight)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:

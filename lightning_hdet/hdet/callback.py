@@ -110,9 +110,9 @@ class HDETCallback(Callback):
         quantile: float = 0.25,
         resample_probability: float = 0.25,
         reference_group: Optional[int] = None,
-        stall_patience: Optional[int] = None,
+        stall_patience: Optional[int] = 2,
         stall_tolerance: float = 0.0,
-        rise_margin: Optional[float] = None,
+        rise_margin: Optional[float] = 1.0,
         chance_loss: Optional[float] = None,
         chance_tolerance: float = 0.05,
         heldout_batches: int = 4,
@@ -260,7 +260,7 @@ class HDETCallback(Callback):
             step=trainer.global_step, losses=reading.losses, finite=reading.finite,
             multipliers=executor.lr_multipliers, schedule_lrs=executor.schedule_lrs().tolist(),
             shared_gradients=executor.gradient_sync == "global", final=final, curves=reading.curves,
-            first_losses=reading.first_losses, heldout=heldout,
+            first_losses=reading.first_losses, first_errors=reading.first_errors, heldout=heldout,
         ))
         if decision.roll_back:
             executor.restore()

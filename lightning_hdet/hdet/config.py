@@ -53,9 +53,9 @@ class HDETConfig:
     quantile: float = 0.25
     resample_probability: float = 0.25
     reference_group: Optional[int] = None
-    stall_patience: Optional[int] = None
+    stall_patience: Optional[int] = 2
     stall_tolerance: float = 0.0
-    rise_margin: Optional[float] = None
+    rise_margin: Optional[float] = 1.0
     chance_loss: Optional[float] = None
     chance_tolerance: float = 0.05
     heldout_batches: int = 4

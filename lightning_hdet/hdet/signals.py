@@ -143,6 +143,18 @@ def forecast(points: Sequence[Point], interval: int, horizon: float) -> float:
     return a + b * math.exp(-c * horizon)
 
 
+def curve_error(row: Sequence[float]) -> float:
+    """Standard error of the interval's mean loss from a gathered :meth:`LossCurve.row`: the spread of its bin
+    means over the square root of their number (0.0 with fewer than two bins; a trend inflates it, which only
+    makes the safety net's noise margins wider)."""
+    bins = len(row) // 2
+    means = [row[b] / row[bins + b] for b in range(bins) if row[bins + b] > 0]
+    if len(means) < 2 or not all(math.isfinite(m) for m in means):
+        return 0.0
+    centre = sum(means) / len(means)
+    return math.sqrt(sum((m - centre) ** 2 for m in means) / (len(means) - 1) / len(means))
+
+
 def mean_loss(row: Sequence[float]) -> float:
     """The interval's mean loss per step from a gathered :meth:`LossCurve.row` (``nan`` if no step was counted)."""
     bins = len(row) // 2
