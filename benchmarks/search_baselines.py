@@ -15,10 +15,10 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
 - **Prodigy** (``lr=1``, its own step-size estimate) and **schedule-free AdamW** (at the start LR): what a
   user would pick instead of tuning, one run each of ``S`` steps on the whole job's batch (``W`` × the
   per-process batch in one process: the same samples as DDP on ``W`` processes, without its start-up);
-- **HDET**, one arm per vote rule in ``--hdet-votes``: one run on ``W`` processes in ``G`` groups (each its
-  own DDP job on ``W/G`` processes) at the grid's LRs, voting and blending every ``T`` steps
-  (``blend="best"`` by default). Vote names the installed ``HDETCallback`` does not accept are reported as
-  skipped, so new rules are measured as soon as they land;
+- **HDET**, one arm per entry of ``--hdet-votes`` (``VOTE`` or ``VOTE:SIGNAL``, e.g. ``pbt:heldout``): one run
+  on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at the grid's LRs, voting and
+  blending every ``T`` steps (``blend="best"`` by default). Entries the installed ``HDETCallback`` does not
+  accept are reported as skipped, so new rules are measured as soon as they land;
 - optionally (``--full-grid``) **grid ×G**: the grid again with every run as large as the whole HDET job
   (``W``-process batch), i.e. ``G`` × the compute: the reference of the "one run over G LRs at 1/G of the
   grid's compute" target.
@@ -146,14 +146,21 @@ def run_single(optimizer: str, lr: float, base: RunSpec, world: int, work: Path)
                 lrs_tried=[lr], diverged_runs=int(run.diverged), wall_s=run.wall_s)
 
 
+def vote_and_signal(entry: str) -> tuple[str, str]:
+    """``"pbt:heldout"`` -> ``("pbt", "heldout")``; a bare vote name votes on the interval's mean loss."""
+    vote, _, signal = entry.partition(":")
+    return vote, signal or "mean"
+
+
 def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The vote names the installed ``HDETCallback`` accepts, and why each other one is skipped."""
+    """The ``VOTE[:SIGNAL]`` entries the installed ``HDETCallback`` accepts, and why each other one is skipped."""
     from lightning_hdet import HDETCallback
 
     ok, skipped = [], {}
     for vote in votes:
+        name, signal = vote_and_signal(vote)
         try:
-            HDETCallback(vote=vote)
+            HDETCallback(vote=name, signal=signal)
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
         else:
@@ -168,8 +175,8 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     Each group is its own DDP job on ``world / groups`` processes (``gradient_sync="group"``); with one
     process per group the data is not sharded, so a group reads the whole training stream as the matching
     grid run does (shuffled in its own order) and validates on the same first batches. Every ``interval`` steps
-    the groups vote on their interval training loss and blend. The best-so-far curve takes, at each validation,
-    the best group (each group's first rank), as the grid takes the best of its runs.
+    the groups vote on their interval training loss (or ``vote``'s signal) and blend. The best-so-far curve
+    takes, at each validation, the best group (each group's first rank), as the grid takes the best of its runs.
     """
     from lightning_hdet import HDETCallback, HDETStrategy
 
@@ -178,7 +185,8 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
         num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync="group",
         start_method=start_method, process_group_backend="gloo",
     )
-    callback = HDETCallback(every_n_steps=interval, vote=vote, blend=blend, seed=base.seed)
+    name, signal = vote_and_signal(vote)
+    callback = HDETCallback(every_n_steps=interval, vote=name, signal=signal, blend=blend, seed=base.seed)
     spec = replace(base, lr=center, devices=world, shard_data=world > groups)
     run = fit_run(spec, work, strategy=strategy, callbacks=[callback])
     heads = [g * (world // groups) for g in range(groups)]
@@ -222,7 +230,7 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
     for vote in args.votes:
         jobs[f"hdet_{vote}"] = lambda vote=vote: run_hdet_arm(
             lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method,
-            work / f"hdet_{vote}")
+            work / f"hdet_{vote.replace(':', '_')}")
     if args.full_grid:
         whole = replace(base, devices=1, batch_size=args.batch_size * world)
         jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole, world, work / "grid_xG")
@@ -241,7 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    metavar="METHOD", help=f"baselines to run, of {list(BASELINES)} (default all but pbt_minimal, "
                    "the Ray-free re-implementation of PBT; pbt is skipped when Ray is missing)")
     p.add_argument("--hdet-votes", default="best,softmax",
-                   help="comma-separated HDETCallback(vote=...) names, one HDET arm each (default best,softmax)")
+                   help="comma-separated HDETCallback vote names, each optionally with a signal (VOTE:SIGNAL, e.g. "
+                   "pbt:heldout), one HDET arm each (default best,softmax)")
     p.add_argument("--hdet-blend", default="best", choices=("best", "mean", "weighted"), help="HDETCallback blend")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                    help="how HDET starts its processes: spawn (as users do) or fork (skips the ~10 s of imports "

@@ -90,3 +90,53 @@ def test_history_state_round_trip_and_resize():
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CollapseRule(**kwargs)
+
+
+# ------------------------------------------------------------------ noise (the rules safe to be on by default)
+def test_rise_must_exceed_the_interval_noise():
+    """Previous interval 1.0. This one averages 3.0 with standard error 0.6: 3.0 - 2 x 0.6 = 1.8 is not above
+    2 x 1.0, so one noisy step does not count as a rise; with standard error 0.4, 3.0 - 0.8 = 2.2 > 2.0 does."""
+    history = CollapseHistory([10.0], [1.0], [0], [0.0], [True])
+    assert judge(CollapseRule(rise=1.0), history, [3.0], [True], errors=[0.6]).reasons == [""]
+    assert judge(CollapseRule(rise=1.0), history, [3.0], [True], errors=[0.4]).reasons == ["rose"]
+
+
+def test_stall_needs_the_loss_above_the_starting_levels_noise_band():
+    """Start 1.0 with standard error 0.1: the band is 1.0 +- 0.2. A loss of 1.1 is inside it (no stall, and the
+    group has not left its start); 1.3 is above it (left, and at the start level: one stalled vote)."""
+    rule = CollapseRule(patience=1)
+    fresh = CollapseHistory([1.0], [math.nan], [0], [0.1], [False])
+    assert judge(rule, fresh, [1.1], [True]).stalled == [0]
+    assert judge(rule, fresh, [1.3], [True]).reasons == ["stalled"]
+
+
+def test_a_plateau_at_the_starting_level_is_not_a_collapse_until_the_loss_left_it():
+    """A group that never left its start's band (a plateau before learning starts) is not stalled, however long;
+    once it has been outside the band (here below: it learned), coming back above the band counts."""
+    rule = CollapseRule(patience=2, rise=None)  # the stall rule alone (0.5 -> 1.25 would also be a rise)
+    history = CollapseHistory([1.0], [math.nan], [0], [0.1], [False])
+    for loss in (1.15, 1.19, 1.15):  # inside 1.0 + 2 x 0.1, never left: the upper bound 1.2 is not reached
+        verdict = judge(rule, history, [loss], [True])
+        assert verdict.reasons == [""] and verdict.stalled == [0]
+        history = advance(history, verdict, [loss], rolled_back=False)
+    assert history.left == [False]
+    verdict = judge(rule, history, [0.5], [True])  # learned: left the band below
+    history = advance(history, verdict, [0.5], rolled_back=False)
+    assert history.left == [True]
+    for expected in (1, 2):  # back above the band twice: stalled after `patience` votes
+        verdict = judge(rule, history, [1.25], [True])
+        assert verdict.stalled == [expected]
+        history = advance(history, verdict, [1.25], rolled_back=False)
+    assert verdict.reasons == ["stalled"]
+    assert advance(history, verdict, [1.25], rolled_back=True).left == [False]  # a roll-back forgets it
+
+
+def test_the_starting_level_and_its_error_are_set_once_from_the_first_vote():
+    verdict = Verdict([False], [""], [0])
+    history = advance(CollapseHistory(), verdict, [2.0], rolled_back=False, first=[2.5], first_error=[0.05])
+    assert history.start == [2.5] and history.start_error == [0.05] and history.left == [True]  # 2.0 < 2.4
+    later = advance(history, verdict, [2.0], rolled_back=False, first=[9.0], first_error=[1.0])
+    assert later.start == [2.5] and later.start_error == [0.05]
+    old = CollapseHistory()
+    old.load_state_dict({"start": [2.5], "previous": [2.0], "stalled": [1]})  # a checkpoint before the noise rule
+    assert old.sized(1).start_error == [0.0] and old.sized(1).left == [True]

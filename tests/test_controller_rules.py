@@ -76,6 +76,21 @@ def test_constant_predictor_and_rise_rules_rescue_one_group():
     assert rose.reasons == ["", "rose"] and not rose.roll_back
 
 
+def test_collapse_rules_are_on_by_default_but_do_not_judge_progress_at_the_final_merge():
+    """Start 1.0 (no noise given); the interval at 0.5 halves it. 2.0 four times that: a rise, except in the final
+    merge's interval (often a fragment of a few steps), where only non-finite and x-best groups are kept out."""
+    config = HDETConfig(permute=False, meta_lr=0.0)
+    assert (config.stall_patience, config.rise_margin) == (2, 1.0)
+    for final, reasons in ((False, ["rose", "rose"]), (True, ["", ""])):
+        controller = HDETController(config)
+        controller.decide(_interval([0.5, 0.5], (1.0, 2.0), first=[1.0, 1.0]))
+        assert controller.decide(_interval([2.0, 2.0], (1.0, 2.0), step=8, final=final)).reasons == reasons
+    controller = HDETController(config)
+    controller.decide(_interval([0.5, 0.5], (1.0, 2.0), first=[1.0, 1.0]))
+    final = controller.decide(_interval([0.5, math.nan], (1.0, 2.0), step=8, final=True))
+    assert final.reasons == ["", "non-finite"] and final.coefficients == [1.0, 0.0]
+
+
 def test_safety_net_off_judges_nothing_and_keeps_every_finite_merge():
     controller = HDETController(HDETConfig(safety_net=False, chance_loss=1.0))
     decision = controller.decide(_interval([5.0, 5.0], (1.0, 2.0), first=[1.0, 1.0]))

@@ -109,9 +109,9 @@ def _full_loss(params: torch.Tensor) -> float:
 @pytest.mark.parametrize("net", ["collapse", "factor only"])
 def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(tmp_path, net):
     """AdamW at LRs 1 and 2: both groups sit at ln(10) with finite losses. The ratio rule (10x the best) never
-    fires; the collapse rules see every group stuck at its first-step loss, roll every group back to the last good
-    merge (here the initial model) and halve the LRs until training works."""
-    kwargs = {"stall_patience": 2, "rise_margin": 1.0} if net == "collapse" else {}  # the defaults: ratio rule only
+    fires; the collapse rules (on by default) see every group knocked above its first-step loss and stuck there, roll
+    every group back to the last good merge (here the initial model) and halve the LRs until training works."""
+    kwargs = {} if net == "collapse" else {"stall_patience": None, "rise_margin": None}  # defaults / ratio only
     callback = HDETCallback(every_n_steps=10, vote="best", permute=False, **kwargs)
     strategy = HDETStrategy(lr_multipliers=[1.0, 2.0], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, Clusters(lr=1.0), strategy, callback, devices=2, max_steps=150)

@@ -12,8 +12,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hdet"
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
 # Pure math: no Lightning, no process groups (unit-tested against hand-computed values).
 PURE = ["hdet/layout.py", "hdet/votes.py", "hdet/blends.py", "hdet/controller.py", "hdet/signals.py",
-        "hdet/selection.py", "hdet/collapse.py", "asynchronous/delayed_nesterov.py", "asynchronous/local_steps.py",
-        "asynchronous/messages.py", "asynchronous/outer.py", "asynchronous/compression.py", "asynchronous/elastic/sessions.py", "records/history.py",
+        "hdet/selection.py", "hdet/collapse.py", "hdet/averaging.py", "asynchronous/delayed_nesterov.py",
+        "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",
+        "asynchronous/compression.py", "asynchronous/elastic/sessions.py", "records/history.py",
         "_checks.py"]
 # Private names of Lightning / W&B objects that only lightning_hdet/_compat.py may touch.
 PRIVATE_ATTRIBUTES = {"_trainer", "_optimizer", "_timeout", "_ddp_kwargs", "_ddp_comm_hook", "_ddp_comm_wrapper",

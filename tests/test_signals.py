@@ -77,3 +77,21 @@ def test_forecast_credits_a_steeper_curve_the_mean_ranks_behind():
     assert forecasts[1] < forecasts[0]
     with pytest.raises(ValueError, match="`signal` must be one of"):
         score([1.0, 1.0], "level", interval)
+
+
+def test_curve_error_is_the_spread_of_the_bin_means_over_root_n():
+    from lightning_hdet.hdet.signals import curve_error
+
+    # Bin means 1, 2, 3 (sums 2, 4, 6 over 2 steps each): sample std 1, standard error 1 / sqrt(3).
+    assert curve_error([2.0, 4.0, 6.0, 2.0, 2.0, 2.0]) == pytest.approx(1 / math.sqrt(3))
+    assert curve_error([2.0, 0.0, 2.0, 0.0]) == 0.0  # one bin: no spread to measure
+
+
+def test_meter_pools_the_first_step_over_every_rank_with_its_standard_error():
+    from lightning_hdet.hdet.meter import _pooled_first
+
+    # Group 0: ranks with first losses 1 and 3 (sum 4, squares 10); group 1: one rank at 2. Mean 2 over n = 3,
+    # sample variance ((1-2)^2 + (3-2)^2 + 0) / 2 = 1, standard error sqrt(1 / 3).
+    mean, error = _pooled_first([[4.0, 10.0, 2.0], [2.0, 4.0, 1.0]])
+    assert mean == pytest.approx(2.0) and error == pytest.approx(math.sqrt(1 / 3))
+    assert _pooled_first([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]) == (None, 0.0)

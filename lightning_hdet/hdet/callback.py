@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -30,6 +31,7 @@ from typing_extensions import override
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
+from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
@@ -66,7 +68,8 @@ class HDETCallback(Callback):
         rescue_lr_factor: multiplier applied to a rescued group's learning rate (and to every group's when all
             diverged), in (0, 1).
         seed: seed of the callback's own generator for permutations and init noise (never the global RNG).
-        signal: what the vote compares: ``"mean"`` (interval loss), ``"improvement"`` (its slope), ``"forecast"``.
+        signal: what the vote compares: ``"mean"`` (interval loss), ``"improvement"`` (its slope), ``"forecast"``,
+            ``"heldout"`` (each group's averaged parameters scored on the same validation batches).
         forecast_horizon: steps from an interval's start at which ``"forecast"`` reads the fitted curve (None: 4 T).
         curve_bins: each rank keeps the interval's loss curve as this many bins on the device.
         quantile: ``vote="pbt"``: share of groups that move (bottom) and are copied (top); Ray Tune: 0.25.
@@ -77,6 +80,9 @@ class HDETCallback(Callback):
         rise_margin: a loss above ``(1 + rise_margin)`` x the group's previous interval counts as diverged.
         chance_loss: a constant predictor's loss (e.g. ``ln(classes)``); a group near it counts as collapsed.
         chance_tolerance: relative distance to ``chance_loss`` that counts as "near". ``None`` switches rules off.
+        heldout_batches: ``signal="heldout"``: validation batches every group scores (split over a group's ranks).
+        heldout_decay: ``signal="heldout"``: None averages the interval's iterates uniformly; a float is an EMA decay.
+        heldout_loss: ``signal="heldout"``: ``(module, batch) -> mean loss``; None calls ``module.heldout_loss(batch)``.
     """
 
     def __init__(
@@ -104,17 +110,20 @@ class HDETCallback(Callback):
         quantile: float = 0.25,
         resample_probability: float = 0.25,
         reference_group: Optional[int] = None,
-        stall_patience: Optional[int] = None,
+        stall_patience: Optional[int] = 2,
         stall_tolerance: float = 0.0,
-        rise_margin: Optional[float] = None,
+        rise_margin: Optional[float] = 1.0,
         chance_loss: Optional[float] = None,
         chance_tolerance: float = 0.05,
+        heldout_batches: int = 4,
+        heldout_decay: Optional[float] = None,
+        heldout_loss: Optional[HeldoutLoss] = None,
     ) -> None:
         self.settings = HDETConfig(
             every_n_steps, vote, temperature, momentum, meta_lr, warmup_steps, permute, shrink, min_spread, blend,
             blend_strength, monitor, init_noise, safety_net, divergence_factor, rescue_lr_factor, seed, signal,
             forecast_horizon, curve_bins, quantile, resample_probability, reference_group, stall_patience,
-            stall_tolerance, rise_margin, chance_loss, chance_tolerance,
+            stall_tolerance, rise_margin, chance_loss, chance_tolerance, heldout_batches, heldout_decay,
         )
         self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
         self.controller = HDETController(self.settings)
@@ -125,6 +134,7 @@ class HDETCallback(Callback):
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
         self._monitored: Optional[float] = None
         self._resumed_interval: Optional[Tensor] = None
+        self._heldout = HeldoutScorer(heldout_batches, heldout_decay, heldout_loss) if signal == "heldout" else None
 
     # Read-outs (the settings live in `settings`, the vote's state in `controller`).
     @property
@@ -182,6 +192,8 @@ class HDETCallback(Callback):
         executor.ensure_restore_point()
         if trainer.ckpt_path is None and self.settings.init_noise > 0:
             executor.add_init_noise(self.settings.init_noise, self.controller.noise_seed(executor.group_index))
+        if self._heldout is not None:
+            self._heldout.start(trainer, pl_module)  # after the init noise: it averages the noised parameters
         rank_zero_info(
             f"HDET: {executor.num_groups} groups of {executor.layout.group_size} ranks, gradient_sync="
             f"{executor.gradient_sync!r}, vote={self.settings.vote!r} every {self.settings.every_n_steps} steps, "
@@ -198,6 +210,8 @@ class HDETCallback(Callback):
         if isinstance(loss, Tensor):
             self._meter.add(trainer.global_step, loss, first=self._first_pending)
         self._first_pending = self._first_pending and trainer.global_step == 0
+        if self._heldout is not None:
+            self._heldout.step(trainer.global_step)
         _log_step(trainer, pl_module, executor.current_lrs(), self.report, self.controller.last_winner)
         step = trainer.global_step
         if step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step:
@@ -241,12 +255,12 @@ class HDETCallback(Callback):
     def vote_and_merge(self, trainer: Trainer, pl_module: LightningModule, final: bool = False) -> None:
         """One vote: losses -> decision (weights, winner, multipliers, rescues) -> merged or rolled-back model."""
         executor = self._executor(trainer)
-        reading = self._signal(trainer, executor)
+        reading, heldout = self._signal(trainer, pl_module, executor, final)
         decision = self.controller.decide(Interval(
             step=trainer.global_step, losses=reading.losses, finite=reading.finite,
             multipliers=executor.lr_multipliers, schedule_lrs=executor.schedule_lrs().tolist(),
             shared_gradients=executor.gradient_sync == "global", final=final, curves=reading.curves,
-            first_losses=reading.first_losses,
+            first_losses=reading.first_losses, first_errors=reading.first_errors, heldout=heldout,
         ))
         if decision.roll_back:
             executor.restore()
@@ -258,45 +272,32 @@ class HDETCallback(Callback):
             for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
                 executor.merge(step.coefficients, step.strengths, restart=decision.rescued, keep=decision.keep)
         executor.set_lr_multipliers(decision.multipliers)
-        self._log_vote(trainer, decision)
+        _log_vote(trainer, decision, self.controller.rescues, self.report, heldout)
         self._meter.reset(trainer.global_step)
+        if self._heldout is not None:
+            self._heldout.restart()  # the next interval averages from the merged (or restored) parameters
 
-    def _signal(self, trainer: Trainer, executor: HDETExecutor) -> Reading:
-        """Every group's loss curve and signal for this interval, and whether it stayed finite (no skipped step)."""
+    def _signal(
+        self, trainer: Trainer, pl_module: LightningModule, executor: HDETExecutor, final: bool
+    ) -> tuple[Reading, Optional[list[float]]]:
+        """Every group's loss curve for this interval, whether it stayed finite (no skipped step) and, with
+        ``signal="heldout"``, its averaged iterate's held-out loss: one small all-reduce for all of it."""
         monitor = self.settings.monitor is not None
         if monitor and self._monitored is None:
-            names = sorted(k for k in trainer.callback_metrics if not k.startswith("hdet/"))
-            raise MisconfigurationException(
-                f"HDETCallback(monitor={self.settings.monitor!r}) found no such metric at the vote at step "
-                f"{trainer.global_step}. Logged metrics: {names}. Log it in `validation_step` (without "
-                "`sync_dist`) and validate at least once per vote interval, or use `monitor=None`."
-            )
+            raise _missing_metric(trainer, self.settings.monitor)
         row = self._meter.row(executor.interval_skipped(reset=True), self._monitored)
-        reading = self._meter.read(executor.gather_group_values(row), monitor)
+        scored = self._heldout is not None and not final  # the final merge picks by level: nothing to score
+        if scored:
+            row = torch.cat([row, self._heldout.row(trainer, pl_module, executor)])
+        table = executor.gather_group_values(row)
+        reading = self._meter.read(table[:, : self._meter.width], monitor)
         if not reading.counted:
             raise MisconfigurationException(
                 f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step "
                 f"{trainer.global_step} returned one. Return the loss tensor (or a dict with 'loss') from "
                 "`training_step` -- also under manual optimization -- or vote on a logged metric with `monitor=...`."
             )
-        return reading
-
-    def _log_vote(self, trainer: Trainer, decision: Decision) -> None:
-        """Metrics at the vote's own step (rank 0, every logger); the controller already kept the history row."""
-        metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner),
-                                     "hdet/rescues": float(self.controller.rescues)}
-        for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
-            metrics[f"hdet/group{g}/loss"] = loss
-            metrics[f"hdet/vote/weight{g}"] = weight
-            metrics[f"hdet/group{g}/lr"] = lr  # the new learning rates, at the vote's own step
-        metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
-        if trainer.is_global_zero:
-            self.report.add(decision.step, metrics)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=decision.step)
-        if any(decision.rescued):
-            rank_zero_info(f"HDET: step {decision.step}: rescued group(s) {_indices(decision.rescued)} (losses "
-                           f"{decision.losses}); total rescues {self.controller.rescues}")
+        return reading, HeldoutScorer.read(table[:, self._meter.width :]) if scored else None
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -328,6 +329,36 @@ class HDETCallback(Callback):
             return
         executor.load_ensemble(hdet)
         self._resumed_interval = hdet["interval"]
+
+
+def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException:
+    names = sorted(k for k in trainer.callback_metrics if not k.startswith("hdet/"))
+    return MisconfigurationException(
+        f"HDETCallback(monitor={monitor!r}) found no such metric at the vote at step {trainer.global_step}. Logged "
+        f"metrics: {names}. Log it in `validation_step` (without `sync_dist`) and validate at least once per vote "
+        "interval, or use `monitor=None`."
+    )
+
+
+def _log_vote(
+    trainer: Trainer, decision: Decision, rescues: int, report: History, heldout: Optional[list[float]]
+) -> None:
+    """Metrics at the vote's own step (rank 0, every logger); the controller already kept the history row."""
+    metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
+    for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
+        metrics[f"hdet/group{g}/loss"] = loss
+        metrics[f"hdet/vote/weight{g}"] = weight
+        metrics[f"hdet/group{g}/lr"] = lr  # the new learning rates, at the vote's own step
+    for g, value in enumerate(heldout or []):
+        metrics[f"hdet/group{g}/heldout"] = value
+    metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
+    if trainer.is_global_zero:
+        report.add(decision.step, metrics)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=decision.step)
+    if any(decision.rescued):
+        rank_zero_info(f"HDET: step {decision.step}: rescued group(s) {_indices(decision.rescued)} (losses "
+                       f"{decision.losses}); total rescues {rescues}")
 
 
 def _indices(flags: list[bool]) -> list[int]:

@@ -7,10 +7,23 @@ best") never fires. These rules also judge each group against its *own* history:
 * ``non-finite``: the loss is NaN or infinite (or the group already skipped a step this interval);
 * ``x best``: the loss exceeds ``factor`` times the best group's (positive losses; the rule before this module);
 * ``stalled``: ``patience`` votes in a row at or above ``(1 - stall_tolerance)`` times the group's starting level
-  (the loss of its first training step, i.e. of the untrained model): it has made no progress since it started;
-* ``rose``: the loss exceeds ``(1 + rise)`` times the group's own previous interval;
+  (the loss of the untrained model at the first training step) plus ``NOISE_Z`` standard errors of that level,
+  *after its loss has left that level's noise band once* (fell below it, or was knocked above it): it has made no
+  progress since. A plateau at the untrained loss, where nothing has happened yet, is not counted: by its loss
+  alone it cannot be told from a collapse back to exactly that level, and rolling back and cutting every LR on a
+  plateau only lengthens it (``chance_loss`` catches a group that sits at the constant predictor's level);
+* ``rose``: the loss, less ``NOISE_Z`` standard errors of the interval's mean, exceeds ``(1 + rise)`` times the
+  group's own previous interval;
 * ``chance``: the loss is at or above ``(1 - chance_tolerance) * chance_loss``, the loss of a constant predictor
   (e.g. ``ln(num_classes)``; for a language model the unigram entropy is the tighter choice).
+
+**Noise.** The progress rules compare numbers measured on a few batches. A single first step's loss is one batch:
+an easy batch makes a low starting level that a healthy group's later intervals sit above, and a short interval
+of small batches can double by chance. So both rules ask for the difference to exceed the noise: the starting
+level is the mean of the first step's loss over *every* rank (all groups start from the same model, so every
+rank's first batch measures the same thing) with its standard error over the ranks, and an interval's standard
+error comes from the spread of its curve's bins (:func:`~lightning_hdet.hdet.signals.curve_error`). Where the
+noise is small (large batches, e.g. a collapse at the constant predictor's level) the rules are as before.
 
 The progress rules (``stalled``, ``rose``) can be switched off for a vote (``progress=False``), e.g. during a
 learning-rate warm-up, when no progress is expected yet.
@@ -30,6 +43,7 @@ from typing import Optional
 from lightning_hdet._checks import check_int, check_number
 
 NAN = math.nan
+NOISE_Z = 2.0  # standard errors a difference must exceed before the progress rules believe it (about 95 %)
 
 
 @dataclass(frozen=True)
@@ -58,25 +72,35 @@ class CollapseRule:
 
 @dataclass
 class CollapseHistory:
-    """Per group: the starting level, the previous interval's loss and the votes in a row without progress."""
+    """Per group: the starting level and its standard error, the previous interval's loss and the votes in a row
+    without progress."""
 
     start: list[float] = field(default_factory=list)
     previous: list[float] = field(default_factory=list)
     stalled: list[int] = field(default_factory=list)
+    start_error: list[float] = field(default_factory=list)
+    left: list[bool] = field(default_factory=list)  # the group's loss has left its starting level at some vote
 
     def sized(self, num_groups: int) -> "CollapseHistory":
         """This history, or a fresh one if it was kept for another number of groups (e.g. a re-sharded resume)."""
         if len(self.start) == num_groups:
+            if len(self.start_error) != num_groups or len(self.left) != num_groups:  # an older history
+                return CollapseHistory(self.start, self.previous, self.stalled, [0.0] * num_groups,
+                                       [True] * num_groups)  # judged as before the noise rules
             return self
-        return CollapseHistory([NAN] * num_groups, [NAN] * num_groups, [0] * num_groups)
+        return CollapseHistory([NAN] * num_groups, [NAN] * num_groups, [0] * num_groups, [0.0] * num_groups,
+                               [False] * num_groups)
 
     def state_dict(self) -> dict:
-        return {"start": list(self.start), "previous": list(self.previous), "stalled": list(self.stalled)}
+        return {"start": list(self.start), "previous": list(self.previous), "stalled": list(self.stalled),
+                "start_error": list(self.start_error), "left": list(self.left)}
 
     def load_state_dict(self, state: dict) -> None:
         self.start = [float(v) for v in state.get("start", [])]
         self.previous = [float(v) for v in state.get("previous", [])]
         self.stalled = [int(v) for v in state.get("stalled", [])]
+        self.start_error = [float(v) for v in state.get("start_error", [])]
+        self.left = [bool(v) for v in state.get("left", [])]
 
 
 @dataclass
@@ -92,6 +116,14 @@ class Verdict:
         return bool(self.diverged) and all(self.diverged)
 
 
+def _left_start(history: CollapseHistory, g: int, loss: float) -> bool:
+    """Whether group ``g``'s loss has left its starting level's noise band (``NOISE_Z`` standard errors either
+    side), now or at an earlier vote."""
+    start, band = history.start[g], NOISE_Z * history.start_error[g]
+    now = math.isfinite(start) and math.isfinite(loss) and abs(loss - start) > band
+    return history.left[g] or now
+
+
 def _worse_than_best(losses: Sequence[float], bad: Sequence[bool], factor: Optional[float]) -> list[bool]:
     finite = [loss for loss, b in zip(losses, bad) if not b]
     if factor is None or not finite or min(finite) <= 0:
@@ -105,16 +137,24 @@ def judge(
     losses: Sequence[float],
     healthy: Sequence[bool],
     progress: bool = True,
+    errors: Optional[Sequence[float]] = None,
 ) -> Verdict:
-    """Which groups count as diverged at this vote, and why (the first reason that applies)."""
+    """Which groups count as diverged at this vote, and why (the first reason that applies).
+
+    ``errors``: each group's standard error of this interval's loss (None: no margin for the ``rose`` rule).
+    """
     history = history.sized(len(losses))
     floor = 1 - rule.stall_tolerance
     bad = [not ok or not math.isfinite(loss) for loss, ok in zip(losses, healthy)]
     worse = _worse_than_best(losses, bad, rule.factor)
+    errors = [e if math.isfinite(e) else 0.0 for e in errors] if errors is not None else [0.0] * len(losses)
     reasons, stalled = [], []
     for g, loss in enumerate(losses):
-        start, previous = history.start[g], history.previous[g]
-        at_start = progress and not bad[g] and math.isfinite(start) and loss >= floor * start
+        start = history.start[g] + NOISE_Z * history.start_error[g]  # the starting level's upper bound
+        previous, low = history.previous[g], loss - NOISE_Z * errors[g]  # this interval's lower bound
+        at_start = (progress and not bad[g] and math.isfinite(start) and loss >= floor * start
+                    and _left_start(history, g, loss))
+        rose = progress and rule.rise is not None and math.isfinite(previous) and low > (1 + rule.rise) * previous
         stalled.append(history.stalled[g] + 1 if at_start else 0)
         if bad[g]:
             reasons.append("non-finite")
@@ -122,7 +162,7 @@ def judge(
             reasons.append("x best")
         elif rule.patience is not None and stalled[g] >= rule.patience:
             reasons.append("stalled")
-        elif progress and rule.rise is not None and math.isfinite(previous) and loss > (1 + rule.rise) * previous:
+        elif rose:
             reasons.append("rose")
         elif rule.chance_loss is not None and loss >= (1 - rule.chance_tolerance) * rule.chance_loss:
             reasons.append("chance")
@@ -137,21 +177,27 @@ def advance(
     losses: Sequence[float],
     rolled_back: bool,
     first: Optional[Sequence[float]] = None,
+    first_error: Optional[Sequence[float]] = None,
 ) -> CollapseHistory:
     """The history after a vote.
 
     A group's starting level is set once, from ``first`` (each group's loss at its first training step; unknown,
-    e.g. after resuming from an older checkpoint: the ``stalled`` rule stays off). A diverged group (it restarts
-    from the healthy groups' model) and every group after a roll-back forget their previous interval and their
-    stall count.
+    e.g. after resuming from an older checkpoint: the ``stalled`` rule stays off), with its standard error
+    ``first_error`` (None: no margin). A diverged group (it restarts from the healthy groups' model) and every
+    group after a roll-back forget their previous interval and their stall count.
     """
     history = history.sized(len(losses))
     first = list(first) if first is not None else [NAN] * len(losses)
-    start = [s if math.isfinite(s) or not math.isfinite(f) else f for s, f in zip(history.start, first)]
+    first_error = list(first_error) if first_error is not None else [0.0] * len(losses)
+    fresh = [not math.isfinite(s) and math.isfinite(f) for s, f in zip(history.start, first)]
+    start = [f if new else s for new, s, f in zip(fresh, history.start, first)]
+    error = [e if new else old for new, old, e in zip(fresh, history.start_error, first_error)]
     reset = [rolled_back or bad for bad in verdict.diverged]
     previous = [NAN if r else x for r, x in zip(reset, losses)]
     stalled = [0 if r else s for r, s in zip(reset, verdict.stalled)]
-    return CollapseHistory(start, previous, stalled)
+    known = CollapseHistory(start, previous, stalled, error, list(history.left))  # with a start set this vote
+    left = [not r and _left_start(known, g, x) for g, (r, x) in enumerate(zip(reset, losses))]
+    return CollapseHistory(start, previous, stalled, error, left)
 
 
 def is_good(rule: CollapseRule, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:

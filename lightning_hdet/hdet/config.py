@@ -53,11 +53,13 @@ class HDETConfig:
     quantile: float = 0.25
     resample_probability: float = 0.25
     reference_group: Optional[int] = None
-    stall_patience: Optional[int] = None
+    stall_patience: Optional[int] = 2
     stall_tolerance: float = 0.0
-    rise_margin: Optional[float] = None
+    rise_margin: Optional[float] = 1.0
     chance_loss: Optional[float] = None
     chance_tolerance: float = 0.05
+    heldout_batches: int = 4
+    heldout_decay: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -87,6 +89,10 @@ class HDETConfig:
         check_int("forecast_horizon", self.forecast_horizon, minimum=1, optional=True,
                   hint="Steps from the start of an interval; None: four intervals.")
         check_int("curve_bins", self.curve_bins, minimum=2)
+        check_int("heldout_batches", self.heldout_batches, minimum=1,
+                  hint="Validation batches every group scores at a vote with signal='heldout'.")
+        check_number("heldout_decay", self.heldout_decay, 0.0, 1.0, high_open=True, optional=True,
+                     hint="None: the interval's uniform average; a float: an EMA with that decay.")
         self.pbt_rule()  # validates `quantile`, `resample_probability`, `reference_group`
         self.collapse_rule()  # validates the collapse arguments
 

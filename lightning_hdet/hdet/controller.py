@@ -22,7 +22,7 @@ from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
 from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, is_good, judge
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
-from lightning_hdet.hdet.signals import scores
+from lightning_hdet.hdet.signals import curve_error, scores
 from lightning_hdet.hdet.votes import Ballot, VoteRule, divergent, make_rule, winner_of
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class Interval:
     final: bool = False  # the merge at the end of fit: weigh, merge fully, leave the LRs alone
     curves: Optional[Tensor] = None  # every group's loss curve, ``(num_groups, 2 * bins)`` (signals.LossCurve.row)
     first_losses: Optional[Sequence[float]] = None  # every group's loss at its first training step (fresh runs)
+    first_errors: Optional[Sequence[float]] = None  # the standard error of ``first_losses``
+    heldout: Optional[Sequence[float]] = None  # ``signal="heldout"``: every group's averaged iterate's held-out loss
 
 
 @dataclass(frozen=True)
@@ -127,27 +129,36 @@ class HDETController:
         contaminated = interval.shared_gradients and any(r and b for r, b in zip(verdict.diverged, blew_up))
         roll_back = num_groups > 1 and (not any(healthy) or contaminated)
         decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
-        self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses)
+        self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses,
+                                        interval.first_errors)
         keep = not self.config.safety_net or is_good(self.collapse, verdict, losses, self.collapse_history)
         decision = replace(decision, keep=keep, reasons=verdict.reasons)
         self._count(decision, interval.final)
         return decision
 
     def _judge(self, interval: Interval) -> Verdict:
-        """The safety net's verdict (nobody diverged when it is off); progress is not judged before warm-up."""
+        """The safety net's verdict (nobody diverged when it is off); progress is not judged before warm-up, nor at
+        the final merge (its interval is often a fragment of a few steps, and a roll-back there would throw away
+        the end of the run on that little evidence; non-finite and ``x best`` groups are still kept out)."""
         num_groups = len(interval.losses)
         if not self.config.safety_net:
             return Verdict([False] * num_groups, [""] * num_groups, [0] * num_groups)
-        progress = interval.step >= self.config.warmup_steps
-        return judge(self.collapse, self.collapse_history, interval.losses, interval.finite, progress)
+        progress = interval.step >= self.config.warmup_steps and not interval.final
+        curve = interval.curves is not None and self.config.monitor is None  # the losses are the curve's means
+        errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None
+        return judge(self.collapse, self.collapse_history, interval.losses, interval.finite, progress, errors)
 
     def _scores(self, interval: Interval, healthy: Sequence[bool]) -> list[float]:
-        """What the vote compares: the ``signal`` of each group's curve, or the interval losses themselves (at the
-        final merge, which picks by level, and whenever a healthy group's curve gives no finite score)."""
+        """What the vote compares: the ``signal`` of each group's curve or its held-out loss, or the interval losses
+        themselves (at the final merge, which picks by level, and whenever a healthy group has no finite score)."""
         losses = list(interval.losses)
-        if interval.final or interval.curves is None or self.config.signal == "mean":
+        if self.config.signal == "heldout" and not interval.final and interval.heldout is not None:
+            signal = list(interval.heldout)
+        elif interval.final or interval.curves is None or self.config.signal in ("mean", "heldout"):
             return losses
-        signal = scores(interval.curves, self.config.signal, self.config.every_n_steps, self.config.forecast_horizon)
+        else:
+            signal = scores(interval.curves, self.config.signal, self.config.every_n_steps,
+                            self.config.forecast_horizon)
         return signal if all(math.isfinite(x) for x, ok in zip(signal, healthy) if ok) else losses
 
     def _vote(self, interval: Interval, rescued: list[bool]) -> Decision:

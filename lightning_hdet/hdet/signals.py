@@ -22,9 +22,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet._checks import check_choice, check_int, check_number
+from lightning_hdet._checks import check_choice, check_int, check_number, require
 
-SIGNALS = ("mean", "improvement", "forecast")
+SIGNALS = ("mean", "improvement", "forecast", "heldout")  # "heldout": see hdet/heldout.py
 # Decay rates tried by the forecast, as multiples of 1 / interval: slower ones make the fit's asymptote an
 # ill-conditioned extrapolation far below the data; faster ones are indistinguishable from a step.
 _RATES = [0.5 * 1.25**k for k in range(18)]
@@ -143,6 +143,18 @@ def forecast(points: Sequence[Point], interval: int, horizon: float) -> float:
     return a + b * math.exp(-c * horizon)
 
 
+def curve_error(row: Sequence[float]) -> float:
+    """Standard error of the interval's mean loss from a gathered :meth:`LossCurve.row`: the spread of its bin
+    means over the square root of their number (0.0 with fewer than two bins; a trend inflates it, which only
+    makes the safety net's noise margins wider)."""
+    bins = len(row) // 2
+    means = [row[b] / row[bins + b] for b in range(bins) if row[bins + b] > 0]
+    if len(means) < 2 or not all(math.isfinite(m) for m in means):
+        return 0.0
+    centre = sum(means) / len(means)
+    return math.sqrt(sum((m - centre) ** 2 for m in means) / (len(means) - 1) / len(means))
+
+
 def mean_loss(row: Sequence[float]) -> float:
     """The interval's mean loss per step from a gathered :meth:`LossCurve.row` (``nan`` if no step was counted)."""
     bins = len(row) // 2
@@ -157,6 +169,8 @@ def score(row: Sequence[float], signal: str, interval: int, horizon: Optional[fl
     ``forecast``: the fitted curve at step ``horizon`` of the interval (default: four intervals on).
     """
     check_choice("signal", signal, SIGNALS)
+    require("signal", signal, signal != "heldout", "a signal of the training curve here",
+            "signal='heldout' scores averaged parameters on held-out batches (hdet/heldout.py), not the curve.")
     if signal == "mean":
         return mean_loss(row)
     points = curve_points(row, interval)
