@@ -17,7 +17,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer
-from lightning_hdet._tensors import all_finite, flatten, host_copy, model_state, reduced_buckets, to_cpu
+from lightning_hdet._tensors import all_finite, flatten, model_state, reduced_buckets, to_cpu
 from lightning_hdet.hdet.checkpoints import (
     group_dir,
     group_file,
@@ -56,12 +56,6 @@ class EnsembleOps(MergeOps):
             "group_files": self.num_groups if self.num_groups > 1 else None,
             "last_good": self._restore_point.cpu() if self._restore_point is not None else None,
         }
-
-    def load_ensemble(self, state: dict[str, Any]) -> None:
-        """Multipliers and restore point from ``checkpoint["hdet"]`` (the groups' states load with the model)."""
-        self.set_lr_multipliers(state["lr_multipliers"])
-        if state.get("last_good") is not None:
-            self._restore_point = host_copy(state["last_good"])
 
     def own_state(self) -> dict[str, Any]:
         """This group's own parameters, buffers and optimizer states, on the host (what its first rank writes)."""

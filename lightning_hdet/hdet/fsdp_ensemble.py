@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_hdet._tensors import float_buffers, host_copy, numel
+from lightning_hdet._tensors import float_buffers, numel
 from lightning_hdet.hdet.merge import MergeOps, MergePart
 from lightning_hdet.hdet.shards import local_shards
 
@@ -52,9 +52,3 @@ class ShardedEnsembleOps(MergeOps):
             "groups": None,
             "last_good": self._restore_point,
         }
-
-    def load_ensemble(self, state: dict[str, Any]) -> None:
-        """Multipliers and restore point (this rank's, read from the folder by the strategy's ``load_checkpoint``)."""
-        self.set_lr_multipliers(state["lr_multipliers"])
-        if state.get("last_good") is not None:
-            self._restore_point = host_copy(state["last_good"])

@@ -4,9 +4,9 @@
 and :class:`~lightning_hdet.hdet.fsdp_ensemble.ShardedEnsembleOps` (``"hdet_fsdp"``: local shards). A subclass
 says what a merge carries through one hook, :meth:`MergeOps._merge_parts`; merging in 25 MiB buckets, the finite
 check before the restore point is overwritten, the roll-back and the optimizer restart are written once, here.
-It reads the strategy's ``layout``, ``group_index``, ``world_size``, ``root_device``, ``optimizers`` and
-``gather_group_values``, and owns one piece of state: the restore point (the last good merge target of this
-rank's tensors, a flat host copy, pinned on CUDA).
+It reads the strategy's ``layout``, ``group_index``, ``world_size``, ``root_device``, ``optimizers``,
+``gather_group_values`` and ``set_lr_multipliers``, and owns one piece of state: the restore point (the last good
+merge target of this rank's tensors, a flat host copy, pinned on CUDA).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from lightning_hdet._tensors import (
     all_finite,
     flat_dtype,
     host_buffer,
+    host_copy,
     numel,
     read_into,
     reduced_buckets,
@@ -114,6 +115,13 @@ class MergeOps:
         write_from(self._restorable_tensors(), self._restore_point, self.root_device)
         self._clear_optimizer_state()
         log.debug("roll-back to the restore point")
+
+    def load_ensemble(self, state: dict[str, Any]) -> None:
+        """Multipliers and restore point from ``checkpoint["hdet"]`` (this rank's restore point; the groups' own
+        states are read when Lightning restores the model and optimizers)."""
+        self.set_lr_multipliers(state["lr_multipliers"])
+        if state.get("last_good") is not None:
+            self._restore_point = host_copy(state["last_good"])
 
     def _clear_optimizer_state(self) -> None:
         """A rescued group restarts its optimizer state (moments from the diverged region would mislead it)."""
