@@ -455,9 +455,6 @@ def measure_lean(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], str]:
     return rows, table
 
 
-if __name__ == "__main__":
-    main()
-
 
 def run_sharded(arm: str, args: argparse.Namespace, work: Path) -> dict:
     """One fit of the sharded part (``benchmarks/sharded_fit.py`` under Lightning's subprocess launcher); rank 0's
@@ -509,3 +506,7 @@ def measure_sharded(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], st
           mb(r["peak_rss_bytes"]), mb(r["merge_extra_bytes"]) if r["arm"].startswith("hdet") else "—",
           mb(r["checkpoint_extra_bytes"]), mb(r["own_state_bytes"]), mb(r["model_bytes"])] for r in rows])
     return rows, table
+
+
+if __name__ == "__main__":
+    main()
