@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     parts = [part for part in PARTS if part in args.parts]
     name, t0 = begin(NAME if parts == list(DEFAULT_PARTS) else "_".join([NAME, *parts]), args.quick)
+    load = os.getloadavg()[0]
     payload: dict[str, Any] = {}
     sections: list[str] = []
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
@@ -356,14 +357,21 @@ def main(argv: list[str] | None = None) -> dict:
             payload["sharded"], table = measure_sharded(args, Path(tmp))
             sections.append(table)
     payload["total_wall_s"] = time.perf_counter() - t0
+    settings = {
+        "throughput": f"throughput: W = {args.world_size}, width {args.d_model}, {args.steps} steps per arm, "
+                      f"{args.repeats} interleaved repeat(s), median",
+        "exchange": f"bytes and memory: W = {args.world_size}, width {args.memory_d_model}, budget "
+                    f"{args.exchange_steps} steps, H = {args.local_steps}",
+        "lean": f"lean: width {args.lean_d_model}, 4 layers",
+        "sharded": f"sharded: W = {args.sharded_world_size}, G = {args.sharded_groups}, width {args.sharded_d_model}, "
+                   f"4 layers, {args.sharded_steps} steps per arm, T = {args.sharded_every}, {args.repeats} "
+                   "interleaved repeat(s), median",
+    }
     md = (
-        f"Mode: {'quick' if args.quick else 'full'}; parts: {', '.join(parts)}; W = {args.world_size} processes; "
-        f"throughput: width {args.d_model}, {args.steps} steps per arm, {args.repeats} interleaved repeat(s), "
-        f"median; bytes and memory: width {args.memory_d_model}, budget {args.exchange_steps} steps, H = "
-        f"{args.local_steps}; lean: width {args.lean_d_model}, 4 layers; sharded: W = {args.sharded_world_size}, "
-        f"G = {args.sharded_groups}, width {args.sharded_d_model}, 4 layers, {args.sharded_steps} steps, T = "
-        f"{args.sharded_every}. Load average at the start "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores. Total wall-clock {payload['total_wall_s']:.0f} s.\n\n"
+        f"Mode: {'quick' if args.quick else 'full'}; parts: {', '.join(parts)}; "
+        + "; ".join(settings[part] for part in parts)
+        + f". Load average at the start {load:.1f} on {os.cpu_count()} cores. Total wall-clock "
+        f"{payload['total_wall_s']:.0f} s.\n\n"
         + "\n\n".join(sections) + "\n"
     )
     publish(name, args, payload, md, args.max_chars)
