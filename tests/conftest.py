@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -12,3 +13,12 @@ def _fresh_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's process group gets a new free port (Lightning keeps MASTER_PORT in the environment once set)."""
     for name in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group() -> None:
+    """Each test starts without a default process group. A single-process Trainer run earlier in this pytest
+    process leaves Lightning's gloo group alive (Lightning destroys it at teardown only for NCCL); a forked rank
+    would inherit it, and some tests assert that a strategy itself creates none."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -11,6 +11,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader, Dataset
 
+# How most multi-process tests start their ranks: Lightning's own multiprocessing launcher with "fork" (what
+# `strategy="ddp_fork"` uses). A forked rank shares the test process's imported torch and Lightning; a spawned one
+# imports them again, about 5 CPU-seconds per rank, which made spawning most of the suite's time on 2 cores.
+# `spawn` (pickling the strategy and callbacks across) is tested where it matters: tests/test_spawn.py,
+# tests/test_async_spawn.py and the W&B test; the default subprocess launcher by the tests that run scripts.
+START = "fork"
+
 
 def flat_params(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).double().cpu() for p in module.parameters()])

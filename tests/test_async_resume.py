@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
-from tests.helpers import LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
+from tests.helpers import START, LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
 
 # Documented in docs/failure_modes.md: an asynchronous run resumed from a checkpoint ends within this relative
 # distance of an uninterrupted run's final loss (the order of pushes differs, so it cannot be bit-exact).
@@ -24,7 +24,7 @@ def _fit(out: Path, mode: str, max_steps: int, ckpt_path: str | None = None) -> 
     # One batch, the same on every rank and every step: Lightning's data order on resume is not under test.
     model = LinearModel(lr=0.05, n_train=16)
     strategy = AsyncLocalSGDStrategy(local_steps=2, mode=mode, outer_lr=1.0, outer_momentum=0.5,
-                                     dynamic_local_steps=False, start_method="spawn")
+                                     dynamic_local_steps=False, start_method=START)
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
     trainer = Trainer(strategy=strategy, callbacks=[ckpt, Recorder(out)],
                       **trainer_kwargs(devices=2, max_steps=max_steps, enable_checkpointing=True,

@@ -194,7 +194,8 @@ def run_quick(tmp_path: Path, script: str, *extra: str) -> tuple[dict, list[str]
 def test_hdet_published_quick_mode(tmp_path):
     from benchmarks.hdet_published import PUBLISHED
 
-    data, table, _ = run_quick(tmp_path, "hdet_published", "--arms", "ddp_high", "hdet_full")
+    data, table, _ = run_quick(tmp_path, "hdet_published", "--arms", "ddp_high", "hdet_full",
+                              "--start-method", "fork")
     cfg = data["config"]
     rows = data["rows"]
     assert [r["key"] for r in rows] == ["ddp_high", "hdet_full"]

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import HDETCallback, HDETStrategy
 from lightning_hdet.hdet.checkpoints import group_file
-from tests.helpers import LinearModel, Recorder, Regression, SGDBoring, flat_params, load_ranks, trainer_kwargs
+from tests.helpers import START, LinearModel, Recorder, Regression, SGDBoring, flat_params, load_ranks, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def _fit(tmp_path: Path, strategy: Any, callback: HDETCallback, model: Any = Non
 @pytest.mark.parametrize(("blend", "strength"), [("mean", 1.0), ("weighted", 0.5), ("best", 1.0)])
 def test_blend_matches_hand_computation(tmp_path, blend, strength):
     cb = HDETCallback(every_n_steps=4, blend=blend, blend_strength=strength, temperature=5.0)
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="group", start_method="spawn"), cb, max_steps=6,
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="group", start_method=START), cb, max_steps=6,
                  devices=2)
     pre = [r["pre"][4] for r in ranks]
     post = [r["post"][4] for r in ranks]
@@ -82,7 +82,7 @@ def test_blend_matches_hand_computation(tmp_path, blend, strength):
 
 def test_softmax_vote_moves_lrs_and_permutes(tmp_path):
     cb = HDETCallback(every_n_steps=2, temperature=0.05, divergence_factor=None)
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method="spawn"), cb, max_steps=6)
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method=START), cb, max_steps=6)
     initial = sorted([0.5, 0.5 + 1 / 3, 1.5 - 1 / 3, 1.5])
     final = ranks[0]["lr_multipliers"][:, 0].tolist()
     base = sum(final) / 4
@@ -98,7 +98,7 @@ def test_controller_moves_base_lr_toward_the_better_multiplier(tmp_path):
     """
     cb = HDETCallback(every_n_steps=4, temperature=0.5, meta_lr=5.0, momentum=0.5, permute=False)
     model = LinearModel(lr=0.01, batch_size=64)
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.9, start_method="spawn"), cb, model=model, max_steps=16,
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.9, start_method=START), cb, model=model, max_steps=16,
                  use_distributed_sampler=False)
     votes = sorted({h["step"] for h in ranks[0]["history"]})
     base = [sum(h["lr"] for h in ranks[0]["history"] if h["step"] == s) / 4 for s in votes]
@@ -112,7 +112,7 @@ def test_init_noise_gives_each_group_its_own_start(tmp_path):
     """Published warm start: with the same LR and a shared gradient, the groups differ only by their noise."""
     nu = 0.01
     cb = HDETCallback(every_n_steps=1000, init_noise=nu)
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.0, start_method="spawn"), cb, max_steps=2, devices=2)
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.0, start_method=START), cb, max_steps=2, devices=2)
     a, b = ranks[0]["pre"][2], ranks[1]["pre"][2]
     expected = nu * float(a.norm()) * 2 ** 0.5  # E|eps_0 - eps_1|^2 = 2 nu^2 |theta_0|^2
     assert 0.6 * expected < float((a - b).norm()) < 1.4 * expected
@@ -126,7 +126,7 @@ def _loss_of(params: torch.Tensor) -> float:
 
 def test_nan_group_is_rescued_and_merged_model_is_finite(tmp_path):
     cb = HDETCallback(every_n_steps=8, permute=False)  # keep the exploding LR on group 1
-    strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 1e6], gradient_sync="group", start_method="spawn")
+    strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 1e6], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=24)
     assert ranks[0]["rescues"] >= 2
     rescued = [h for h in ranks[0]["history"] if h["rescued"]]
@@ -152,7 +152,7 @@ def test_global_sync_divergence_rolls_every_group_back(tmp_path):
     """With gradients shared by all ranks, one exploding group poisons the others before it is caught:
     every group rolls back to the last good merge and the exploding group's LR is cut each time."""
     cb = HDETCallback(every_n_steps=4, permute=False)
-    strategy = HDETStrategy(lr_multipliers=[1.0, 1e7], start_method="spawn")
+    strategy = HDETStrategy(lr_multipliers=[1.0, 1e7], start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=12, devices=2)
     history = ranks[0]["history"]
     assert sorted({h["step"] for h in history}) == [4, 8, 12]
@@ -165,7 +165,7 @@ def test_global_sync_divergence_rolls_every_group_back(tmp_path):
 
 def test_all_groups_non_finite_halves_every_lr(tmp_path):
     cb = HDETCallback(every_n_steps=4, permute=False)
-    strategy = HDETStrategy(lr_multipliers=[1e7, 2e7], gradient_sync="group", start_method="spawn")
+    strategy = HDETStrategy(lr_multipliers=[1e7, 2e7], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=8, devices=2)
     rollbacks = [h for h in ranks[0]["history"] if h["winner"] == -1]
     assert rollbacks and all(h["rescued"] for h in rollbacks)
@@ -176,7 +176,7 @@ def test_all_groups_non_finite_halves_every_lr(tmp_path):
 def test_resume_continues_the_ensemble_exactly(tmp_path):
     def run(out: Path, **kw: Any) -> list[dict[str, Any]]:
         ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
-        strategy = HDETStrategy(spread=0.5, gradient_sync="group", start_method="spawn")
+        strategy = HDETStrategy(spread=0.5, gradient_sync="group", start_method=START)
         seed_everything(1)  # the same initial weights in every run
         # One batch per epoch, the same on every rank: Lightning's own data order on resume is not under test.
         model = LinearModel(optimizer="adam", lr=0.01, n_train=16)
@@ -212,12 +212,12 @@ def test_resume_continues_the_ensemble_exactly(tmp_path):
 
 def test_monitor_votes_on_validation_metric_and_reports_missing(tmp_path):
     cb = HDETCallback(every_n_steps=4, monitor="val_loss")
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method="spawn"), cb, model=LinearModel(), devices=2,
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method=START), cb, model=LinearModel(), devices=2,
                  max_steps=8, limit_val_batches=1, val_check_interval=2)
     votes = [h for h in ranks[0]["history"] if h["step"] == 4]
     assert len(votes) == 2 and votes[0]["loss"] != votes[1]["loss"]
     with pytest.raises(Exception, match=r"found no such metric.*Logged metrics: \[.*train_loss"):
-        _fit(tmp_path / "bad", HDETStrategy(spread=0.5, start_method="spawn"),
+        _fit(tmp_path / "bad", HDETStrategy(spread=0.5, start_method=START),
              HDETCallback(every_n_steps=4, monitor="val_los"), model=LinearModel(), devices=2, max_steps=8,
              limit_val_batches=1, val_check_interval=2)
 

@@ -6,7 +6,7 @@ from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
-from tests.helpers import TrainLosses, quiet_trainer
+from tests.helpers import START, TrainLosses, quiet_trainer
 
 TINY = dict(block_size=32, d_model=32, n_layers=1, n_heads=2)
 
@@ -69,11 +69,11 @@ class _SaveRank(Callback):
 
 
 @pytest.mark.timeout(180)
-def test_two_process_ddp_spawn_run(tmp_path):
+def test_two_process_ddp_run(tmp_path):
     seed_everything(0)
     trainer = quiet_trainer(
         devices=2,
-        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo"),
+        strategy=DDPStrategy(start_method=START, process_group_backend="gloo"),
         max_steps=10,
         val_check_interval=10,
         limit_val_batches=3,

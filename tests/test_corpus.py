@@ -9,6 +9,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_hdet.demos import CharCorpusDataModule, CharLM, load_corpus
 from lightning_hdet.demos.corpus import stdlib_dir
 
+from tests.helpers import START
+
 SMALL = 60_000
 
 
@@ -82,7 +84,7 @@ def test_ranks_get_different_shards(tmp_path):
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo"),
+        strategy=DDPStrategy(start_method=START, process_group_backend="gloo"),
         max_steps=1,
         limit_val_batches=0,
         logger=False,

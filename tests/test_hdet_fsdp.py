@@ -22,15 +22,6 @@ pytestmark = pytest.mark.timeout(600)
 SCRIPT = Path(__file__).parent / "scripts" / "hdet_fsdp_run.py"
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_process_group() -> None:
-    """Start without a default process group: a single-process Trainer run earlier in the same pytest process can
-    leave Lightning's gloo group alive (Lightning destroys it at teardown only for NCCL), and these tests assert
-    that the strategy itself creates none, or create their own one-rank group."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 def _run(out: Path, sync: str, shard_where: str, resume: bool) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume"]

@@ -1,4 +1,4 @@
-"""The PBT vote and the collapse-aware safety net inside real runs (multi-process on CPU with gloo, spawn)."""
+"""The PBT vote and the collapse-aware safety net inside real runs (multi-process on CPU with gloo)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet import HDETCallback, HDETStrategy
-from tests.helpers import LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
+from tests.helpers import START, LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(600)
 CLASSES = 10
@@ -58,7 +58,7 @@ def test_pbt_climbs_from_a_too_low_lr_where_best_stops(tmp_path, vote):
     steps, start = 40, 0.002
     grid = {lr: _grid_loss(lr, steps) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 0.5)}
     best_grid = min(grid, key=grid.get)
-    strategy = HDETStrategy(lr_multipliers=[0.5, 0.8, 1.25, 2.0], gradient_sync="group", start_method="spawn")
+    strategy = HDETStrategy(lr_multipliers=[0.5, 0.8, 1.25, 2.0], gradient_sync="group", start_method=START)
     callback = HDETCallback(every_n_steps=2, vote=vote, blend="best", resample_probability=0.0, seed=0)
     ranks = _fit(tmp_path, LinearModel(lr=start, batch_size=64), strategy, callback, devices=4, max_steps=steps)
     settled = _winner_lr(ranks[0])
@@ -113,7 +113,7 @@ def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(tmp_path, net):
     merge (here the initial model) and halve the LRs until training works."""
     kwargs = {"stall_patience": 2, "rise_margin": 1.0} if net == "collapse" else {}  # the defaults: ratio rule only
     callback = HDETCallback(every_n_steps=10, vote="best", permute=False, **kwargs)
-    strategy = HDETStrategy(lr_multipliers=[1.0, 2.0], gradient_sync="group", start_method="spawn")
+    strategy = HDETStrategy(lr_multipliers=[1.0, 2.0], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, Clusters(lr=1.0), strategy, callback, devices=2, max_steps=150)
     final = _full_loss(ranks[0]["final_params"])
     lrs = ranks[0]["lr_multipliers"][:, 0].tolist()

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
 from lightning_hdet.hdet.checkpoints import group_dir, group_file
-from tests.helpers import LinearModel, Recorder, SGDBoring, flat_params, load_ranks, trainer_kwargs
+from tests.helpers import START, LinearModel, Recorder, SGDBoring, flat_params, load_ranks, trainer_kwargs
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -205,7 +205,7 @@ class _Start(Callback):
 def _hdet_fit(out: Path, devices: int = 2, num_groups: int = 2, gradient_sync: str = "group",
               callback: HDETCallback | None = None, extra: tuple = (), ckpt_path: str | None = None,
               checkpoint_every: int | None = None, optimizer: str = "adam", **kw: Any) -> list[dict[str, Any]]:
-    """One HDET run on ``devices`` spawned CPU processes with a 20 s collective timeout.
+    """One HDET run on ``devices`` forked CPU processes with a 20 s collective timeout.
 
     One batch per epoch, the same on every rank, so that a resumed run sees exactly the data of a straight one.
     """
@@ -215,7 +215,7 @@ def _hdet_fit(out: Path, devices: int = 2, num_groups: int = 2, gradient_sync: s
     if checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=-1,
                                          every_n_train_steps=checkpoint_every))
-    strategy = HDETStrategy(num_groups=num_groups, spread=0.5, gradient_sync=gradient_sync, start_method="spawn",
+    strategy = HDETStrategy(num_groups=num_groups, spread=0.5, gradient_sync=gradient_sync, start_method=START,
                             timeout=timedelta(seconds=kw.pop("timeout_s", 20)))
     trainer = Trainer(strategy=strategy, callbacks=callbacks,
                       **trainer_kwargs(devices=devices, enable_checkpointing=bool(checkpoint_every),
@@ -372,7 +372,7 @@ def test_async_killed_worker_fails_fast_and_resume_spends_the_budget(tmp_path: P
     def fit(out: Path, extra: tuple = (), ckpt_path: str | None = None) -> None:
         seed_everything(0)
         ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
-        strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="spawn", timeout=timedelta(seconds=20))
+        strategy = AsyncLocalSGDStrategy(local_steps=2, start_method=START, timeout=timedelta(seconds=20))
         trainer = Trainer(strategy=strategy, callbacks=[*extra, ckpt],
                           **trainer_kwargs(devices=2, max_steps=24, enable_checkpointing=True, default_root_dir=out))
         trainer.fit(BoringModel(), ckpt_path=ckpt_path)
@@ -416,7 +416,7 @@ def test_async_stuck_worker_fails_within_the_timeout(tmp_path: Path) -> None:
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="spawn", timeout=timedelta(seconds=5))
+    strategy = AsyncLocalSGDStrategy(local_steps=2, start_method=START, timeout=timedelta(seconds=5))
     trainer = Trainer(strategy=strategy, callbacks=[_Fault("sleep", (1,), (2,)), Recorder(tmp_path)],
                       **trainer_kwargs(devices=2, max_steps=8))
     with pytest.raises(Exception, match=r"(?s)Timed out|timed out|timeout|Timeout"):
@@ -432,7 +432,7 @@ def test_async_checkpoint_resumes_with_another_number_of_workers(tmp_path: Path)
     def fit(out: Path, devices: int, max_steps: int, ckpt_path: str | None = None) -> None:
         seed_everything(0)
         ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
-        trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=2, start_method="spawn"),
+        trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=2, start_method=START),
                           callbacks=[ckpt, Recorder(out), _OuterDump(out / "outer.pt")],
                           **trainer_kwargs(devices=devices, max_steps=max_steps, enable_checkpointing=True))
         trainer.fit(LinearModel(n_train=16), ckpt_path=ckpt_path)

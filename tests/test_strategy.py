@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_hdet
 from lightning_hdet import HDETCallback, HDETStrategy
-from tests.helpers import Recorder, SGDBoring, load_ranks, make_scheduler, trainer_kwargs
+from tests.helpers import START, Recorder, SGDBoring, load_ranks, make_scheduler, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,7 +53,7 @@ def test_fan_out_default_multipliers():
 
 
 def test_group_sync_params_equal_within_groups_and_differ_across(tmp_path):
-    strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 4.0], gradient_sync="group", start_method="spawn")
+    strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 4.0], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, callbacks=[HDETCallback(every_n_steps=1000)])
     last = max(ranks[0]["params_by_step"])
     p = [r["params_by_step"][last] for r in ranks]
@@ -70,7 +70,7 @@ def test_group_sync_params_equal_within_groups_and_differ_across(tmp_path):
 
 def test_global_sync_same_gradients_and_lr_ratio(tmp_path):
     mult = [0.5, 3.0]
-    strategy = HDETStrategy(lr_multipliers=mult, start_method="spawn")
+    strategy = HDETStrategy(lr_multipliers=mult, start_method=START)
     ranks = _fit(tmp_path, strategy, callbacks=[HDETCallback(every_n_steps=1000)], devices=2)
     for r in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["grads"], ranks[0]["grads"]))
@@ -84,8 +84,8 @@ def test_global_sync_same_gradients_and_lr_ratio(tmp_path):
 
 
 def test_spread_zero_reproduces_ddp_bit_for_bit(tmp_path):
-    ddp = _fit(tmp_path / "ddp", "ddp_spawn", devices=2)
-    hdet = _fit(tmp_path / "hdet", HDETStrategy(spread=0.0, start_method="spawn"),
+    ddp = _fit(tmp_path / "ddp", DDPStrategy(start_method=START, process_group_backend="gloo"), devices=2)
+    hdet = _fit(tmp_path / "hdet", HDETStrategy(spread=0.0, start_method=START),
                 callbacks=[HDETCallback(every_n_steps=1000)], devices=2)
     last = max(ddp[0]["params_by_step"])
     for a, b in zip(ddp, hdet):
@@ -110,7 +110,7 @@ def _reference_schedule(name: str, lr: float, two_groups: bool, steps: int) -> l
 def test_effective_lr_is_schedule_times_multiplier(tmp_path, scheduler, two_groups):
     mult = [0.1, 5.0]
     model = SGDBoring(lr=0.01, scheduler=scheduler, two_groups=two_groups)
-    ranks = _fit(tmp_path, HDETStrategy(lr_multipliers=mult, start_method="spawn"), model=model,
+    ranks = _fit(tmp_path, HDETStrategy(lr_multipliers=mult, start_method=START), model=model,
                  callbacks=[HDETCallback(every_n_steps=1000)], max_steps=6, devices=2)
     ref = _reference_schedule(scheduler, 0.01, two_groups, 6)
     for r in ranks:
@@ -124,7 +124,7 @@ def test_effective_lr_is_schedule_times_multiplier(tmp_path, scheduler, two_grou
 
 
 def test_bf16_accumulation_and_clipping(tmp_path):
-    strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 2.0], gradient_sync="group", start_method="spawn")
+    strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 2.0], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, callbacks=[HDETCallback(every_n_steps=1000)], precision="bf16-mixed",
                  accumulate_grad_batches=2, gradient_clip_val=0.5, max_steps=4)
     assert all(r["global_step"] == 4 for r in ranks)
