@@ -211,7 +211,8 @@ def fit_run(
     ``save_ckpt`` writes a checkpoint at the end.
 
     ``BENCH_ACCELERATOR=cuda`` in the environment trains on the one GPU: all ``spec.devices`` processes
-    share ``cuda:0`` and talk over ``gloo`` (NCCL needs one GPU per rank); used by ``gpu_check.sh``."""
+    share ``cuda:0`` and talk over ``gloo`` (NCCL needs one GPU per rank); used by ``gpu_check.sh``. With
+    ``BENCH_BACKEND=nccl`` too, rank r uses ``cuda:r`` (the strategy passed in must use ``nccl``)."""
     accelerator = os.environ.get("BENCH_ACCELERATOR", "cpu")
     if accelerator not in ("cpu", "cuda"):
         raise ValueError(f"BENCH_ACCELERATOR={accelerator!r} is not supported; use 'cpu' or 'cuda'")
@@ -223,7 +224,9 @@ def fit_run(
             DDPStrategy(start_method="spawn", process_group_backend="gloo") if spec.devices > 1 else "auto"
         )
     if accelerator == "cuda" and spec.devices > 1:
-        strategy.parallel_devices = [torch.device("cuda", 0)] * spec.devices
+        # BENCH_BACKEND=nccl: one GPU per rank (NCCL needs that); otherwise every rank shares cuda:0 over gloo
+        nccl = os.environ.get("BENCH_BACKEND") == "nccl"
+        strategy.parallel_devices = [torch.device("cuda", r if nccl else 0) for r in range(spec.devices)]
     seed_everything(spec.seed, verbose=False)
     model, data = build_workload(spec)
     trainer = Trainer(

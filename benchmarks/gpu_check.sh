@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check (one GPU, no network, PyTorch + Lightning preinstalled; run from the repository root, < 5 min):
 # run the quick benchmarks twice, on CPU and with CUDA tensors (several processes sharing cuda:0 over gloo,
-# since NCCL needs one GPU per rank), check that they agree, and keep both sets of JSON and the step times.
+# since NCCL needs one GPU per rank), check that they agree, and keep both sets of JSON and the step times;
+# with 2 GPUs, also HDET vs DDP steps/s over NCCL (one process per GPU).
 #   usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu_check_out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,16 @@ for acc in cpu cuda; do
   run "$acc" overhead
 done
 
+# HDET vs DDP steps/s over NCCL (T = 100): NCCL needs one GPU per rank, so this needs 2 GPUs.
+if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  mkdir -p "$OUT_DIR/nccl/docs"
+  BENCH_ACCELERATOR=cuda BENCH_BACKEND=nccl timeout 300 "$PY" benchmarks/overhead.py --parts throughput \
+    --intervals 100 --steps 300 --repeats 2 --results-dir "$OUT_DIR/nccl" --docs-dir "$OUT_DIR/nccl/docs" \
+    > "$OUT_DIR/nccl/overhead.log" 2>&1 && echo "nccl overhead ok" || { echo "nccl overhead failed:"; tail -30 "$OUT_DIR/nccl/overhead.log"; }
+else
+  echo "nccl overhead skipped: HDET vs DDP over NCCL needs 2 GPUs (one per rank); the cuda run above shares one over gloo"
+fi
+
 "$PY" - "$OUT_DIR" <<'EOF'
 """Compare the CPU and CUDA quick runs: same final losses (up to kernel differences), and the step times."""
 import json, math, sys
@@ -48,5 +59,12 @@ for name, key in (("hdet_published", "name"), ("async_published", "method")):
 for acc in ("cpu", "cuda"):
     for row in load(acc, "overhead")["throughput"]:
         print(f"overhead {acc:4s} {row['arm']:12s} {row['steps_per_s']:.2f} steps/s ({row['relative_to_ddp']:.3f} x ddp)")
+nccl = out / "nccl" / "overhead_throughput.json"
+if nccl.exists():
+    data = json.loads(nccl.read_text())
+    for row in data["throughput"]:
+        runs = " / ".join(f"{x:.2f}" for x in data["raw_speed"][row["arm"]])
+        print(f"overhead nccl {row['arm']:12s} {row['steps_per_s']:.2f} steps/s ({row['relative_to_ddp']:.3f} x ddp; "
+              f"repeats {runs})")
 sys.exit(0 if ok else 1)
 EOF

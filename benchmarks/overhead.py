@@ -4,7 +4,8 @@ the async server's host memory.
 - **Throughput**: ``"ddp"`` and HDET (one member per rank, published fan-out, gradients averaged over all
   ranks, a vote and merge every ``T`` = 50 / 100 / 1000 steps) on the same ``W`` processes and model,
   measured side by side in one invocation (arms interleaved over ``--repeats``): rank 0's training
-  steps per second from its first to its last training step (start-up and validation excluded).
+  steps per second from its first to its last training step (start-up and validation excluded), and its CPU
+  seconds per step over the same span (the cost of a step, robust to other jobs sharing the machine).
 - **Bytes per inner step**, per worker, float32 payload: computed from the parameter count ``P`` and the
   exchange pattern, and measured by counting the bytes each rank hands to ``torch.distributed``'s Python
   ``send``/``recv``/``all_reduce`` (DDP's gradient buckets go through PyTorch's default all-reduce hook,
@@ -20,17 +21,31 @@ the async server's host memory.
   one receive buffer per push and each worker's latest inner optimizer state (AdamW: 2 × model per
   worker); DDP keeps gradient buckets (1 × model) instead.
 
-Run: ``python benchmarks/overhead.py [--quick]``.
+- **Lean HDET** (``lean``): rank 0's peak resident memory above its level at the call during each HDET merge
+  and during a checkpoint, on a wider model (``--lean-d-model``, 4 layers), HDET with one group per rank
+  (G = W = 2 and 4) against DDP: a merge should need one 25 MiB bucket, a checkpoint rank 0's own state plus one
+  model whatever G is.
+- **Sharded** (``sharded``, asked for by name): ``hdet_fsdp`` against Lightning's FSDP2
+  (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) and ``hdet`` against DDP, side by side
+  in one invocation on ``W`` = 4 processes (HDET: G = 2 groups, a vote every ``T`` steps), arms interleaved over
+  ``--repeats``: rank 0's steps/s and CPU time per step (each repeat shown), its peak resident memory while
+  training, its peak extra memory during a merge and during a checkpoint (``trainer.save_checkpoint``), and its
+  own state. Each fit runs ``benchmarks/sharded_fit.py`` under Lightning's subprocess launcher.
+
+Run: ``python benchmarks/overhead.py [--quick] [--parts throughput exchange lean sharded]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +58,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import RunSpec, add_output_args, begin, fit_run, fmt, markdown_table, publish
 
 NAME = "overhead"
+PARTS = ("throughput", "exchange", "lean", "sharded")
+DEFAULT_PARTS = ("throughput", "exchange", "lean")  # ``sharded`` runs 4 processes per arm: asked for by name
+# The sharded part's arms and the baseline each is compared with.
+SHARDED_BASELINES = {"ddp": "ddp", "hdet": "ddp", "fsdp2": "fsdp2", "hdet_fsdp": "fsdp2"}
 _COUNTS = {"collective": 0, "sent": 0, "received": 0}
 
 
@@ -82,6 +101,7 @@ class Probe(Callback):
             dist._bench_patched = True
         _COUNTS.update(dict.fromkeys(_COUNTS, 0))
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.count_ddp_buckets:
@@ -91,16 +111,117 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())  # this process's CPU time: robust to other jobs on the machine
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         record = {
             **_COUNTS,
             "steps": len(self.times),
             "span_s": self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0,
+            "cpu_span_s": self.cpu_times[-1] - self.cpu_times[0] if len(self.cpu_times) > 1 else 0.0,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "params": sum(p.numel() for p in pl_module.parameters()),
         }
         (self.out_dir / f"probe{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class PeakRSS:
+    """Context manager: ``extra`` is this process's peak resident set above its level at entry, in bytes, sampled
+    from ``/proc/self/statm`` every 0.2 ms by a thread (torch's big CPU allocations are ``mmap``s: freed, they
+    leave the resident set, so the peak of one call is seen apart from the rest of the run)."""
+
+    def __enter__(self) -> "PeakRSS":
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.0002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.extra = max(self.peak, _rss()) - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class MemoryProbe(Callback):
+    """In each rank: the peak extra resident memory of every HDET merge and of one checkpoint written at the end
+    of the fit (``trainer.save_checkpoint``); writes ``memory{rank}.json`` with them and the sizes they compare to:
+    the model (float32 bytes) and this rank's own state (parameters and optimizer state)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.merges: list[int] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = trainer.strategy
+        if not hasattr(strategy, "merge"):
+            return
+        merge = strategy.merge
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            with PeakRSS() as peak:
+                out = merge(*args, **kwargs)
+            self.merges.append(peak.extra)
+            return out
+
+        strategy.merge = measured
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_hdet._tensors import to_cpu
+
+        with PeakRSS() as peak:
+            trainer.save_checkpoint(self.out_dir / "end.ckpt")
+        optimizer_state = to_cpu([opt.state_dict()["state"] for opt in trainer.optimizers])
+        record = {
+            "merge_extra_bytes": max(self.merges, default=0),
+            "checkpoint_extra_bytes": peak.extra,
+            "model_bytes": 4 * sum(p.numel() for p in pl_module.parameters()),
+            "own_state_bytes": _bytes(list(pl_module.state_dict().values())) + _bytes(optimizer_state),
+        }
+        (self.out_dir / f"memory{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested structure (of a DTensor: this rank's shard)."""
+    if hasattr(obj, "to_local"):
+        obj = obj.to_local()
+    if hasattr(obj, "element_size"):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_bytes(v) for v in obj)
+    return 0
+
+
+def run_memory(kind: str, args: argparse.Namespace, work: Path, world_size: int) -> list[dict]:
+    """A short fit of a large char LM (``--lean-d-model``) under ``kind`` (``ddp`` or ``hdet``, one group per
+    rank, a merge every 2 steps) on ``world_size`` processes; every rank's :class:`MemoryProbe` record."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_hdet import HDETCallback, HDETStrategy
+
+    common = {"start_method": "spawn", "process_group_backend": "gloo"}
+    callbacks: list[Callback] = [MemoryProbe(work)]
+    if kind == "ddp":
+        strategy = DDPStrategy(**common)
+    else:
+        strategy = HDETStrategy(**common)
+        callbacks.append(HDETCallback(every_n_steps=2))
+    spec = RunSpec(lr=1e-3, steps=4, devices=world_size, batch_size=2, max_chars=args.max_chars, val_every=4,
+                   val_batches=1, model={"d_model": args.lean_d_model, "n_layers": 4})
+    work.mkdir(parents=True, exist_ok=True)
+    fit_run(spec, work, strategy=strategy, callbacks=callbacks)
+    return [json.loads((work / f"memory{r}.json").read_text()) for r in range(world_size)]
 
 
 def run_probe(
@@ -112,7 +233,7 @@ def run_probe(
 
     from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
 
-    common = {"start_method": "spawn", "process_group_backend": "gloo"}
+    common = {"start_method": "spawn", "process_group_backend": os.environ.get("BENCH_BACKEND", "gloo")}
     callbacks: list[Callback] = [Probe(work, count_ddp_buckets=kind == "ddp")]
     if kind == "ddp":
         strategy = DDPStrategy(**common)
@@ -167,6 +288,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=None, help="per process (default 16, quick 8)")
     p.add_argument("--max-chars", type=int, default=1_000_000)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS),
+                   help="throughput (with the bytes of ddp/hdet), exchange (diloco/async bytes and host memory), "
+                        "lean (HDET merge and checkpoint memory), sharded (hdet_fsdp vs FSDP2 and hdet vs DDP on "
+                        "--sharded-world-size processes; not in the default); results of a subset other than the "
+                        "default go to overhead_<parts>")
+    p.add_argument("--lean-d-model", type=int, default=None,
+                   help="width of the lean memory runs (default 768, quick 64)")
+    p.add_argument("--lean-world-sizes", type=int, nargs="+", default=None,
+                   help="G = W of the merge/checkpoint memory runs (default 2 4, quick 2)")
+    p.add_argument("--sharded-world-size", type=int, default=4, help="W of the sharded part (default 4)")
+    p.add_argument("--sharded-groups", type=int, default=2, help="G of hdet and hdet_fsdp in the sharded part")
+    p.add_argument("--sharded-d-model", type=int, default=None, help="width, 4 layers (default 256, quick 64)")
+    p.add_argument("--sharded-steps", type=int, default=None, help="steps per sharded arm (default 200, quick 24)")
+    p.add_argument("--sharded-every", type=int, default=None, help="T of the sharded part (default 100, quick 8)")
     args = p.parse_args(argv)
     q = args.quick
     args.steps = args.steps or (16 if q else 300)
@@ -176,6 +311,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.d_model = args.d_model or (32 if q else 64)
     args.memory_d_model = args.memory_d_model or (32 if q else 256)
     args.batch_size = args.batch_size or (8 if q else 16)
+    args.lean_d_model = args.lean_d_model or (64 if q else 768)
+    args.lean_world_sizes = args.lean_world_sizes or ([2] if q else [2, 4])
+    args.sharded_d_model = args.sharded_d_model or (64 if q else 256)
+    args.sharded_steps = args.sharded_steps or (24 if q else 200)
+    args.sharded_every = args.sharded_every or (8 if q else 100)
     if args.world_size < 2:
         p.error(f"--world-size={args.world_size} must be at least 2")
     return args
@@ -183,46 +323,91 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    name, t0 = begin(NAME, args.quick)
+    parts = [part for part in PARTS if part in args.parts]
+    name, t0 = begin(NAME if parts == list(DEFAULT_PARTS) else "_".join([NAME, *parts]), args.quick)
+    load = os.getloadavg()[0]
+    payload: dict[str, Any] = {}
+    sections: list[str] = []
+    with tempfile.TemporaryDirectory(prefix=name) as tmp:
+        probes: dict[str, list[dict]] = {}
+        if "throughput" in parts:
+            speed = measure_throughput(args, Path(tmp), probes)
+            payload.update(throughput=speed["rows"], raw_speed=speed["raw"], raw_cpu_s_per_step=speed["raw_cpu"])
+            sections.append(markdown_table(
+                ["arm", "steps/s (rank 0)", "relative to ddp", "repeats", "CPU ms/step (rank 0)",
+                 "ddp's CPU time / arm's", "repeats (CPU ms/step)"],
+                [[r["arm"], fmt(r["steps_per_s"], ".2f"), fmt(r["relative_to_ddp"], ".3f"),
+                  " / ".join(fmt(x, ".2f") for x in payload["raw_speed"][r["arm"]]), fmt(r["cpu_ms_per_step"], ".1f"),
+                  fmt(r["cpu_relative_to_ddp"], ".3f"),
+                  " / ".join(fmt(1000 * x, ".1f") for x in payload["raw_cpu_s_per_step"][r["arm"]])]
+                 for r in payload["throughput"]]))
+        if "exchange" in parts:
+            payload["memory"], table = measure_exchange(args, Path(tmp), probes)
+            sections.append(table)
+        if probes:
+            payload["bytes"] = bytes_rows(args, probes)
+            sections.insert(1 if "throughput" in parts else 0, markdown_table(
+                ["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)"],
+                [[r["arm"], str(r["params"]), fmt(r["computed_bytes_per_step"], ".0f"),
+                  fmt(r["measured_bytes_per_step"], ".0f")] for r in payload["bytes"]]))
+        if "lean" in parts:
+            payload["lean"], table = measure_lean(args, Path(tmp))
+            sections.append(table)
+        if "sharded" in parts:
+            payload["sharded"], table = measure_sharded(args, Path(tmp))
+            sections.append(table)
+    payload["total_wall_s"] = time.perf_counter() - t0
+    settings = {
+        "throughput": f"throughput: W = {args.world_size}, width {args.d_model}, {args.steps} steps per arm, "
+                      f"{args.repeats} interleaved repeat(s), median",
+        "exchange": f"bytes and memory: W = {args.world_size}, width {args.memory_d_model}, budget "
+                    f"{args.exchange_steps} steps, H = {args.local_steps}",
+        "lean": f"lean: width {args.lean_d_model}, 4 layers",
+        "sharded": f"sharded: W = {args.sharded_world_size}, G = {args.sharded_groups}, width {args.sharded_d_model}, "
+                   f"4 layers, {args.sharded_steps} steps per arm, T = {args.sharded_every}, {args.repeats} "
+                   "interleaved repeat(s), median",
+    }
+    md = (
+        f"Mode: {'quick' if args.quick else 'full'}; parts: {', '.join(parts)}; "
+        + "; ".join(settings[part] for part in parts)
+        + f". Load average at the start {load:.1f} on {os.cpu_count()} cores. Total wall-clock "
+        f"{payload['total_wall_s']:.0f} s.\n\n"
+        + "\n\n".join(sections) + "\n"
+    )
+    publish(name, args, payload, md, args.max_chars)
+    return payload
+
+
+def measure_throughput(args: argparse.Namespace, tmp: Path, probes: dict[str, list[dict]]) -> dict:
+    """DDP and HDET at every T, interleaved over the repeats; rows with the median, and ``raw`` per arm."""
     arms = [("ddp", 0)] + [("hdet", t) for t in args.intervals]
     speed: dict[str, list[float]] = {}
-    probes: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix=name) as tmp:
-        for rep in range(args.repeats):
-            for kind, every in arms:
-                label = kind if kind == "ddp" else f"hdet T={every}"
-                ranks = run_probe(kind, args, Path(tmp) / f"{label}_{rep}".replace(" ", "_"), args.steps, args.d_model, every)
-                speed.setdefault(label, []).append((ranks[0]["steps"] - 1) / ranks[0]["span_s"])
-                probes[label] = ranks
-        for kind in ("ddp", "diloco", "async"):
-            if kind == "ddp" and args.memory_d_model == args.d_model:  # same model: reuse the throughput run
-                probes["ddp (memory)"] = probes["ddp"]
-                continue
-            probes[f"{kind} (memory)"] = run_probe(kind, args, Path(tmp) / f"mem_{kind}", args.exchange_steps, args.memory_d_model)
-        probes["diloco (no inner states)"] = run_probe(
-            "diloco", args, Path(tmp) / "diloco_no_inner", args.exchange_steps, args.memory_d_model, inner_states=False)
-    total_s = time.perf_counter() - t0
-
-    ddp_speed = statistics.median(speed["ddp"])
-    throughput = [
-        {"arm": label, "steps_per_s": statistics.median(v), "relative_to_ddp": statistics.median(v) / ddp_speed}
+    cpu: dict[str, list[float]] = {}  # rank 0's CPU seconds per step: what a step costs, whatever else runs
+    for rep in range(args.repeats):
+        for kind, every in arms:
+            label = kind if kind == "ddp" else f"hdet T={every}"
+            ranks = run_probe(kind, args, tmp / f"{label}_{rep}".replace(" ", "_"), args.steps, args.d_model, every)
+            speed.setdefault(label, []).append((ranks[0]["steps"] - 1) / ranks[0]["span_s"])
+            cpu.setdefault(label, []).append(ranks[0]["cpu_span_s"] / (ranks[0]["steps"] - 1))
+            probes[label] = ranks
+    ddp_speed, ddp_cpu = statistics.median(speed["ddp"]), statistics.median(cpu["ddp"])
+    return {"rows": [
+        {"arm": label, "steps_per_s": statistics.median(v), "relative_to_ddp": statistics.median(v) / ddp_speed,
+         "cpu_ms_per_step": 1000 * statistics.median(cpu[label]),
+         "cpu_relative_to_ddp": ddp_cpu / statistics.median(cpu[label])}
         for label, v in speed.items()
-    ]
-    comm = []
-    h = args.local_steps
-    for label, arm, kind, every in [
-        ("ddp", "ddp", "ddp", 0), *[(f"hdet T={t}", f"hdet T={t}", "hdet", t) for t in args.intervals],
-        ("diloco (memory)", f"diloco H={h}", "diloco", 0), ("async (memory)", f"async H={h}", "async", 0),
-        ("diloco (no inner states)", f"diloco H={h}, no inner states", "diloco", 0),
-    ]:
-        ranks = probes[label]
-        params = ranks[0]["params"]
-        comm.append({
-            "arm": arm, "params": params,
-            "computed_bytes_per_step": computed_bytes(kind, params, every, h, args.exchange_steps,
-                                                      inner_states="no inner states" not in arm),
-            "measured_bytes_per_step": measured_bytes(ranks),
-        })
+    ], "raw": speed, "raw_cpu": cpu}
+
+
+def measure_exchange(args: argparse.Namespace, tmp: Path, probes: dict[str, list[dict]]) -> tuple[dict, str]:
+    """DiLoCo and async (and DDP on the same larger model): their bytes and rank 0's peak host memory."""
+    for kind in ("ddp", "diloco", "async"):
+        if kind == "ddp" and args.memory_d_model == args.d_model and "ddp" in probes:  # reuse the throughput run
+            probes["ddp (memory)"] = probes["ddp"]
+            continue
+        probes[f"{kind} (memory)"] = run_probe(kind, args, tmp / f"mem_{kind}", args.exchange_steps, args.memory_d_model)
+    probes["diloco (no inner states)"] = run_probe(
+        "diloco", args, tmp / "diloco_no_inner", args.exchange_steps, args.memory_d_model, inner_states=False)
     model_bytes = 4 * probes["async (memory)"][0]["params"]
     rss = {k: probes[f"{k} (memory)"][0]["peak_rss_bytes"] for k in ("ddp", "diloco", "async")}
     memory = {
@@ -231,29 +416,104 @@ def main(argv: list[str] | None = None) -> dict:
         "async_minus_ddp_over_model": (rss["async"] - rss["ddp"]) / model_bytes,
         "diloco_minus_ddp_over_model": (rss["diloco"] - rss["ddp"]) / model_bytes,
     }
-    md = (
-        f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} processes; throughput: width "
-        f"{args.d_model}, {args.steps} steps per arm, {args.repeats} interleaved repeat(s), median; bytes and "
-        f"memory: width {args.memory_d_model}, budget {args.exchange_steps} steps, H = {args.local_steps}. "
-        f"Total wall-clock {total_s:.0f} s.\n\n"
-        + markdown_table(["arm", "steps/s (rank 0)", "relative to ddp"],
-                         [[r["arm"], fmt(r["steps_per_s"], ".2f"), fmt(r["relative_to_ddp"], ".3f")] for r in throughput])
-        + "\n\n"
-        + markdown_table(["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)"],
-                         [[r["arm"], str(r["params"]), fmt(r["computed_bytes_per_step"], ".0f"),
-                           fmt(r["measured_bytes_per_step"], ".0f")] for r in comm])
-        + "\n\n"
-        + markdown_table(["rank 0 peak RSS", "ddp", "diloco", "async DN+DyLU", "model (float32)",
-                          "(async − ddp) / model", "(diloco − ddp) / model"],
-                         [["MB", *(fmt(rss[k] / 2**20, ".1f") for k in ("ddp", "diloco", "async")),
-                           fmt(model_bytes / 2**20, ".2f"), fmt(memory["async_minus_ddp_over_model"], ".1f"),
-                           fmt(memory["diloco_minus_ddp_over_model"], ".1f")]])
-        + "\n"
-    )
-    payload = {"total_wall_s": total_s, "throughput": throughput, "bytes": comm, "memory": memory,
-               "raw_speed": speed}
-    publish(name, args, payload, md, args.max_chars)
-    return payload
+    table = markdown_table(["rank 0 peak RSS", "ddp", "diloco", "async DN+DyLU", "model (float32)",
+                            "(async − ddp) / model", "(diloco − ddp) / model"],
+                           [["MB", *(fmt(rss[k] / 2**20, ".1f") for k in ("ddp", "diloco", "async")),
+                             fmt(model_bytes / 2**20, ".2f"), fmt(memory["async_minus_ddp_over_model"], ".1f"),
+                             fmt(memory["diloco_minus_ddp_over_model"], ".1f")]])
+    return memory, table
+
+
+def bytes_rows(args: argparse.Namespace, probes: dict[str, list[dict]]) -> list[dict]:
+    """Computed and measured bytes per inner step of every arm that ran."""
+    h = args.local_steps
+    rows = []
+    for label, arm, kind, every in [
+        ("ddp", "ddp", "ddp", 0), *[(f"hdet T={t}", f"hdet T={t}", "hdet", t) for t in args.intervals],
+        ("diloco (memory)", f"diloco H={h}", "diloco", 0), ("async (memory)", f"async H={h}", "async", 0),
+        ("diloco (no inner states)", f"diloco H={h}, no inner states", "diloco", 0),
+    ]:
+        if label not in probes:
+            continue
+        ranks = probes[label]
+        params = ranks[0]["params"]
+        rows.append({
+            "arm": arm, "params": params,
+            "computed_bytes_per_step": computed_bytes(kind, params, every, h, args.exchange_steps,
+                                                      inner_states="no inner states" not in arm),
+            "measured_bytes_per_step": measured_bytes(ranks),
+        })
+    return rows
+
+
+def measure_lean(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], str]:
+    """Rank 0's peak extra memory during a merge and during a checkpoint, HDET (G = W) against DDP."""
+    rows = []
+    for world_size in args.lean_world_sizes:
+        for kind in ("ddp", "hdet"):
+            rank0 = run_memory(kind, args, tmp / f"lean_{kind}_{world_size}", world_size)[0]
+            rows.append({"arm": kind, "world_size": world_size, **rank0})
+    mb = lambda x: fmt(x / 2**20, ".1f")  # noqa: E731
+    table = markdown_table(
+        ["arm", "W (= G for hdet)", "model MB", "rank 0 own state MB", "merge: peak extra MB",
+         "checkpoint: peak extra MB", "checkpoint extra / (own state + model)"],
+        [[r["arm"], str(r["world_size"]), mb(r["model_bytes"]), mb(r["own_state_bytes"]),
+          mb(r["merge_extra_bytes"]) if r["arm"] == "hdet" else "—", mb(r["checkpoint_extra_bytes"]),
+          fmt(r["checkpoint_extra_bytes"] / (r["own_state_bytes"] + r["model_bytes"]), ".2f")] for r in rows])
+    return rows, table
+
+
+
+def run_sharded(arm: str, args: argparse.Namespace, work: Path) -> dict:
+    """One fit of the sharded part (``benchmarks/sharded_fit.py`` under Lightning's subprocess launcher); rank 0's
+    :class:`Probe` and :class:`MemoryProbe` records, merged."""
+    settings = {"world_size": args.sharded_world_size, "groups": args.sharded_groups, "every": args.sharded_every,
+                "steps": args.sharded_steps, "batch_size": args.batch_size, "max_chars": args.max_chars,
+                "d_model": args.sharded_d_model}
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    script = Path(__file__).with_name("sharded_fit.py")
+    proc = subprocess.run([sys.executable, str(script), arm, str(work), json.dumps(settings)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sharded arm {arm!r} failed:\n{proc.stderr[-4000:]}")
+    return {**json.loads((work / "probe0.json").read_text()), **json.loads((work / "memory0.json").read_text())}
+
+
+def measure_sharded(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], str]:
+    """``hdet_fsdp`` against FSDP2 and ``hdet`` against DDP in one run, arms interleaved over the repeats: rank 0's
+    steps/s and CPU time per step, its peak resident memory while training, its peak extra memory during a merge
+    and during a checkpoint, and its own state (parameters and optimizer state it holds)."""
+    runs: dict[str, list[dict]] = {arm: [] for arm in SHARDED_BASELINES}
+    for rep in range(args.repeats):
+        for arm in SHARDED_BASELINES:
+            runs[arm].append(run_sharded(arm, args, tmp / f"sharded_{arm}_{rep}"))
+    rows = []
+    for arm, records in runs.items():
+        speed = [(r["steps"] - 1) / r["span_s"] for r in records]
+        cpu = [1000 * r["cpu_span_s"] / (r["steps"] - 1) for r in records]
+        rows.append({"arm": arm, "baseline": SHARDED_BASELINES[arm], "steps_per_s": statistics.median(speed),
+                     "raw_speed": speed, "cpu_ms_per_step": statistics.median(cpu), "raw_cpu_ms_per_step": cpu,
+                     **{k: max(r[k] for r in records) for k in ("peak_rss_bytes", "merge_extra_bytes",
+                                                                 "checkpoint_extra_bytes")},
+                     "model_bytes": records[0]["model_bytes"], "own_state_bytes": records[0]["own_state_bytes"]})
+    by_arm = {r["arm"]: r for r in rows}
+    for r in rows:
+        base = by_arm[r["baseline"]]
+        r["relative_speed"] = r["steps_per_s"] / base["steps_per_s"]
+        r["relative_cpu"] = base["cpu_ms_per_step"] / r["cpu_ms_per_step"]
+    mb = lambda x: fmt(x / 2**20, ".1f")  # noqa: E731
+    table = markdown_table(
+        ["arm", "against", "steps/s (rank 0)", "× baseline", "repeats", "CPU ms/step (rank 0)",
+         "baseline's CPU / arm's", "repeats (CPU ms)", "rank 0 peak RSS MB", "merge: peak extra MB",
+         "checkpoint: peak extra MB", "rank 0 own state MB", "model MB"],
+        [[r["arm"], r["baseline"], fmt(r["steps_per_s"], ".2f"), fmt(r["relative_speed"], ".3f"),
+          " / ".join(fmt(x, ".2f") for x in r["raw_speed"]), fmt(r["cpu_ms_per_step"], ".1f"),
+          fmt(r["relative_cpu"], ".3f"), " / ".join(fmt(x, ".1f") for x in r["raw_cpu_ms_per_step"]),
+          mb(r["peak_rss_bytes"]), mb(r["merge_extra_bytes"]) if r["arm"].startswith("hdet") else "—",
+          mb(r["checkpoint_extra_bytes"]), mb(r["own_state_bytes"]), mb(r["model_bytes"])] for r in rows])
+    return rows, table
 
 
 if __name__ == "__main__":

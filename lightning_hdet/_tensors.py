@@ -8,7 +8,7 @@ the floating-point buffers" in a fixed order; integer buffers (counters) are nev
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -52,6 +52,125 @@ def assign_flat(tensors: Sequence[Tensor], flat: Tensor, strength: float = 1.0) 
             t.copy_(part)
         elif strength > 0.0:
             t.lerp_(part, strength)
+
+
+# Merges move the model through one bucket at a time: at most this many bytes of extra device memory (DDP's default
+# bucket is 25 MiB too), whatever the model's size.
+BUCKET_BYTES = 25 * 2**20
+
+
+def reduction_dtype(tensor: Tensor) -> torch.dtype:
+    """The dtype a tensor is averaged in: float64 stays float64; float32, bfloat16 and float16 sum in float32."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+class Bucket:
+    """Consecutive slices of a list of tensors, at most ``BUCKET_BYTES`` in one reduction dtype.
+
+    A slice is ``(tensor, start, stop)`` in the tensor's flattened (logical) order; ``offset`` is where the bucket
+    starts in the flat order of :func:`flatten`, so host copies line up with it.
+    """
+
+    def __init__(self, dtype: torch.dtype, offset: int) -> None:
+        self.dtype = dtype
+        self.offset = offset
+        self.slices: list[tuple[Tensor, int, int]] = []
+        self.numel = 0
+
+    def add(self, tensor: Tensor, start: int, stop: int) -> None:
+        self.slices.append((tensor, start, stop))
+        self.numel += stop - start
+
+    def gather(self) -> Tensor:
+        """A new flat copy of the bucket's slices, in its reduction dtype (the one bucket of extra memory)."""
+        return torch.cat([_flat(t)[a:b].to(self.dtype) for t, a, b in self.slices])
+
+    @torch.no_grad()
+    def scatter(self, flat: Tensor, strength: float = 1.0) -> None:
+        """Move each slice toward its part of ``flat``: ``x <- (1 - strength) * x + strength * part``."""
+        for t, a, b, part in self.parts(flat):
+            if t.is_contiguous():
+                _move(t.detach().view(-1)[a:b], part, strength)
+            else:  # a whole non-contiguous tensor (it is never split): write through its own shape
+                _move(t, part.view(t.shape), strength)
+
+    def parts(self, flat: Tensor) -> Iterator[tuple[Tensor, int, int, Tensor]]:
+        """``(tensor, start, stop, part of flat)`` for every slice."""
+        offset = 0
+        for t, a, b in self.slices:
+            yield t, a, b, flat[offset : offset + b - a]
+            offset += b - a
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return tensor.detach().reshape(-1)  # a view for contiguous tensors; a copy (one tensor) otherwise
+
+
+def _move(dest: Tensor, part: Tensor, strength: float) -> None:
+    part = part.to(dest.dtype)
+    if strength >= 1.0:
+        dest.copy_(part)
+    elif strength > 0.0:
+        dest.lerp_(part, strength)
+
+
+def buckets(tensors: Sequence[Tensor], bucket_bytes: int = BUCKET_BYTES) -> Iterator[Bucket]:
+    """Split ``tensors`` (in order) into buckets of at most ``bucket_bytes`` each in their reduction dtype.
+
+    A contiguous tensor larger than a bucket is split across buckets; a non-contiguous one (rare: e.g. a
+    channels-last weight) is kept whole, since only contiguous memory can be written back slice by slice.
+    """
+    bucket: Optional[Bucket] = None
+    offset = 0
+    for t in tensors:
+        dtype = reduction_dtype(t)
+        capacity = max(bucket_bytes // (torch.finfo(dtype).bits // 8), 1)
+        if bucket is not None and bucket.dtype != dtype:
+            yield bucket
+            bucket = None
+        start = 0
+        while start < t.numel():
+            bucket = bucket or Bucket(dtype, offset)
+            stop = min(start + capacity - bucket.numel, t.numel()) if t.is_contiguous() else t.numel()
+            bucket.add(t, start, stop)
+            offset += stop - start
+            start = stop
+            if bucket.numel >= capacity:
+                yield bucket
+                bucket = None
+    if bucket is not None:
+        yield bucket
+
+
+def reduced_buckets(
+    tensors: Sequence[Tensor], coefficient: float, reduce: Callable[[Tensor], None], bucket_bytes: int = BUCKET_BYTES
+) -> Iterator[tuple[Bucket, Tensor]]:
+    """Each bucket with its reduction ``reduce(coefficient * bucket)`` (``reduce`` works in place, e.g. an
+    all-reduce). A coefficient of 0 contributes exact zeros, so non-finite values of an excluded member never
+    reach the sum. Only one bucket is alive at a time if the caller ``del``s it at the end of each iteration (no
+    ``torch.no_grad`` decorator here: its generator wrapper would hold the previous item, a second bucket; the
+    buckets are built from detached tensors anyway)."""
+    for bucket in buckets(tensors, bucket_bytes):
+        if coefficient == 0.0:
+            flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=tensors[0].device)
+        else:
+            flat = bucket.gather().mul_(coefficient)
+        reduce(flat)
+        yield bucket, flat
+        del flat  # with the caller's ``del``, the next bucket can reuse this one's memory
+
+
+@torch.no_grad()
+def all_finite(tensors: Sequence[Tensor], bucket_bytes: int = BUCKET_BYTES) -> Tensor:
+    """Whether every value of ``tensors`` is finite: a bool device tensor (no host sync), checked in chunks of
+    at most ``bucket_bytes`` so the check needs no more than a chunk's worth of flags."""
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    ok = torch.ones((), dtype=torch.bool, device=tensors[0].device)
+    for t in tensors:
+        for chunk in _flat(t).split(max(bucket_bytes // max(t.element_size(), 1), 1)):
+            ok &= torch.isfinite(chunk).all()
+    return ok
 
 
 def host_buffer(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -85,8 +85,8 @@ class LinearModel(LightningModule):
         self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.hparams.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        if self.hparams.optimizer in ("adam", "fused-adam"):  # fused: skips non-finite steps on the device
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, fused=self.hparams.optimizer == "fused-adam")
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
     def train_dataloader(self) -> DataLoader:

@@ -271,8 +271,12 @@ def test_overhead_quick_mode(tmp_path):
     assert mem["model_bytes"] == 4 * diloco["params"]
     assert set(mem["rank0_peak_rss_bytes"]) == {"ddp", "diloco", "async"}
     assert all(v > mem["model_bytes"] for v in mem["rank0_peak_rss_bytes"].values())
+    # lean: rank 0's peak extra memory of a merge and of a checkpoint, DDP against HDET (G = W = 2)
+    lean = {r["arm"]: r for r in data["lean"]}
+    assert list(lean) == ["ddp", "hdet"] and lean["ddp"]["merge_extra_bytes"] == 0
+    assert all(r["checkpoint_extra_bytes"] > 0 and r["own_state_bytes"] > r["model_bytes"] for r in lean.values())
     headers = [line for line in table if "---" not in line and ("arm" in line or "peak RSS" in line)]
-    assert len(headers) == 3 and len(table) == (2 + 2) + (2 + 5) + (2 + 1)
+    assert len(headers) == 4 and len(table) == (2 + 2) + (2 + 5) + (2 + 1) + (2 + 2)
 
 
 @pytest.mark.timeout(360)

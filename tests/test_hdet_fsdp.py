@@ -13,7 +13,9 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_hdet import HDETFSDPStrategy
-from lightning_hdet.hdet.shards import GroupGradientMean, blend, buckets
+from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
+from lightning_hdet.hdet.layout import GroupLayout
+from lightning_hdet.hdet.shards import GroupGradientMean
 from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,10 +107,30 @@ def test_gradient_mean_hook_scales_and_zeroes_non_finite_shards(one_rank) -> Non
     assert not bool(hook.flag)
 
 
-def test_blend_in_buckets_writes_the_target_and_moves_by_strength(one_rank) -> None:
-    assert [len(b) for b in buckets([torch.zeros(3), torch.zeros(3), torch.zeros(5)], bucket_numel=6)] == [2, 1]
-    tensors = [torch.tensor([2.0, 4.0]), torch.tensor([8.0], dtype=torch.float64)]
-    out = torch.zeros(3, dtype=torch.float64)
-    blend(tensors, coefficient=0.5, strength=0.25, group=one_rank, out=out, bucket_numel=1)
-    assert out.tolist() == [1.0, 2.0, 4.0]  # target = coefficient x theta (summed over the one rank)
-    assert tensors[0].tolist() == [1.75, 3.5] and tensors[1].tolist() == [7.0]  # (1 - s) theta + s target
+class _OneRankShards(ShardedEnsembleOps):
+    """ShardedEnsembleOps on one rank: the strategy's read-outs it needs, nothing else."""
+
+    def __init__(self, module: torch.nn.Module, group) -> None:
+        self.lightning_module, self.across_groups = module, group
+        self.layout, self.group_index, self.root_device = GroupLayout(1, 1), 0, torch.device("cpu")
+        self.optimizers, self._restore_point = [], None
+
+    def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
+        return values.double().reshape(1, -1)
+
+
+def test_sharded_merge_writes_the_target_and_moves_by_strength(one_rank) -> None:
+    """Shards and float buffers go through the shared bucketed merge; the target becomes the restore point."""
+    module = torch.nn.Linear(2, 1)
+    module.register_buffer("stat", torch.tensor([8.0], dtype=torch.float64))
+    with torch.no_grad():
+        module.weight.copy_(torch.tensor([[2.0, 4.0]]))
+        module.bias.fill_(6.0)
+    ops = _OneRankShards(module, one_rank)
+    ops.merge([0.5], [0.25], [False])
+    # target = coefficient x theta (summed over the one rank), in the order shards, then buffers; float64 (buffer)
+    assert ops._restore_point.dtype == torch.float64 and ops._restore_point.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert module.weight.tolist() == [[1.75, 3.5]] and module.bias.tolist() == [5.25]  # (1 - s) theta + s target
+    assert module.stat.tolist() == [7.0]
+    ops.restore()
+    assert module.weight.tolist() == [[1.0, 2.0]] and module.stat.tolist() == [4.0]

@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
+from lightning_hdet.hdet.checkpoints import group_dir, group_file
 from tests.helpers import START, LinearModel, Recorder, SGDBoring, flat_params, load_ranks, trainer_kwargs
 
 
@@ -203,7 +204,7 @@ class _Start(Callback):
 
 def _hdet_fit(out: Path, devices: int = 2, num_groups: int = 2, gradient_sync: str = "group",
               callback: HDETCallback | None = None, extra: tuple = (), ckpt_path: str | None = None,
-              checkpoint_every: int | None = None, **kw: Any) -> list[dict[str, Any]]:
+              checkpoint_every: int | None = None, optimizer: str = "adam", **kw: Any) -> list[dict[str, Any]]:
     """One HDET run on ``devices`` forked CPU processes with a 20 s collective timeout.
 
     One batch per epoch, the same on every rank, so that a resumed run sees exactly the data of a straight one.
@@ -219,7 +220,7 @@ def _hdet_fit(out: Path, devices: int = 2, num_groups: int = 2, gradient_sync: s
     trainer = Trainer(strategy=strategy, callbacks=callbacks,
                       **trainer_kwargs(devices=devices, enable_checkpointing=bool(checkpoint_every),
                                        use_distributed_sampler=False, **kw))
-    trainer.fit(LinearModel(optimizer="adam", lr=0.01, n_train=16), ckpt_path=ckpt_path)
+    trainer.fit(LinearModel(optimizer=optimizer, lr=0.01, n_train=16), ckpt_path=ckpt_path)
     ranks = load_ranks(out, devices)
     for r in ranks:
         r["start"] = torch.load(out / f"start{r['rank']}.pt")
@@ -235,20 +236,25 @@ def test_stuck_peer_fails_within_the_timeout(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nan_ranks", [(1,), (0, 1)], ids=["one-group", "every-group"])
-def test_nan_gradients(tmp_path: Path, nan_ranks: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(("nan_ranks", "optimizer"), [((1,), "adam"), ((0, 1), "adam"), ((1,), "fused-adam")],
+                         ids=["one-group", "every-group", "one-group-fused"])
+def test_nan_gradients(tmp_path: Path, nan_ranks: tuple[int, ...], optimizer: str) -> None:
     """NaN gradients (finite loss) at steps 1-2; 2 groups of 1 rank, gradients averaged over all ranks.
 
-    In group 1 only: the guard keeps the NaN out of the shared average, so group 0 trains on; group 1 skips both
-    steps and is rescued at the vote. In every group: every group skips, the vote rolls back and halves all LRs.
+    In group 1 only: the guard keeps the NaN out of the shared average, so group 0 trains on; group 1's two steps
+    are flagged and it is rescued at the vote. A fused Adam skips them on the device (its parameters do not move);
+    a plain one steps on the NaN-free average. In every group: every step is flagged, the vote rolls back and
+    halves all LRs.
     """
     cb = HDETCallback(every_n_steps=4, permute=False)
-    ranks = _hdet_fit(tmp_path, gradient_sync="global", callback=cb, max_steps=8,
+    ranks = _hdet_fit(tmp_path, gradient_sync="global", callback=cb, max_steps=8, optimizer=optimizer,
                       extra=(_Fault("nan", nan_ranks, (1, 2)),))
     vote = [h for h in ranks[0]["history"] if h["step"] == 4]
     if nan_ranks == (1,):
         assert [r["skipped_steps"] for r in ranks] == [0, 2]
         assert not torch.equal(ranks[0]["params_by_step"][1], ranks[0]["params_by_step"][2])  # group 0 stepped
+        skipped = torch.equal(ranks[1]["params_by_step"][1], ranks[1]["params_by_step"][3])
+        assert skipped == (optimizer == "fused-adam")
         assert [h["rescued"] for h in vote] == [False, True] and vote[0]["winner"] == 0
         assert ranks[0]["rescues"] == 1
         assert math.isfinite(vote[1]["loss"])  # rescued for its gradients, not its loss
@@ -272,11 +278,17 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[d
         return out, _hdet_fit(out, max_steps=12, checkpoint_every=4)
 
 
+def _group_states(path: Path) -> list[dict[str, Any]]:
+    """Each group's own state, from the files its leader wrote beside the checkpoint."""
+    count = torch.load(path, weights_only=False)["hdet"]["group_files"]
+    return [torch.load(group_file(path, g), weights_only=True) for g in range(count)]
+
+
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HDET checkpoint that describes the ensemble, by a readable key."""
     c = torch.load(path, weights_only=False)
     out = {f"merged/{k}": v for k, v in c["state_dict"].items()}
-    for g, group in enumerate(c["hdet"]["groups"]):
+    for g, group in enumerate(_group_states(path)):
         out.update({f"group{g}/{k}": v for k, v in group["state_dict"].items()})
         out.update({f"group{g}/exp_avg/{i}": s["exp_avg"] for i, s in group["optimizer_states"][0]["state"].items()})
     out["lr_multipliers"] = c["hdet"]["lr_multipliers"]
@@ -305,15 +317,33 @@ def test_killed_process_fails_fast_and_resume_is_exact(tmp_path: Path, straight_
         (h["step"], h["group"], h["winner"]) for h in straight[0]["history"]]
 
 
+def test_each_group_writes_its_own_state_beside_the_checkpoint(straight_run: Any) -> None:
+    """Rank 0 never holds another group's state: the Lightning checkpoint has the merged model and no group's
+    parameters or optimizer state; each group's leader wrote its own file, which loads on its own and holds one
+    group's parameters and optimizer state; the merged model is the mean of the two."""
+    straight_dir, _ = straight_run
+    path = straight_dir / "ckpt" / "epoch=3-step=4.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    assert "groups" not in checkpoint["hdet"] and checkpoint["hdet"]["group_files"] == 2
+    assert sorted(p.name for p in Path(group_dir(path)).iterdir()) == ["group0.pt", "group1.pt"]
+    groups = _group_states(path)
+    for group in groups:
+        assert set(group) == {"state_dict", "optimizer_states"} and len(group["optimizer_states"]) == 1
+        assert set(group["optimizer_states"][0]["state"]) == {0, 1}  # Adam's state of the weight and the bias
+    for key, merged in checkpoint["state_dict"].items():
+        assert not torch.equal(groups[0]["state_dict"][key], groups[1]["state_dict"][key])  # init noise
+        torch.testing.assert_close(merged, (groups[0]["state_dict"][key] + groups[1]["state_dict"][key]) / 2)
+
+
 @pytest.mark.timeout(120)
 def test_resume_with_a_different_number_of_groups_starts_every_group_from_the_merged_model(
         tmp_path: Path, straight_run: Any) -> None:
     straight_dir, _ = straight_run
     path = straight_dir / "ckpt" / "epoch=3-step=4.ckpt"
     checkpoint = torch.load(path, weights_only=False)
-    assert len(checkpoint["hdet"]["groups"]) == 2
+    assert checkpoint["hdet"]["group_files"] == 2
     merged = torch.cat([checkpoint["state_dict"][k].reshape(-1).double() for k in ("layer.weight", "layer.bias")])
-    group0 = torch.cat([checkpoint["hdet"]["groups"][0]["state_dict"][k].reshape(-1).double()
+    group0 = torch.cat([_group_states(path)[0]["state_dict"][k].reshape(-1).double()
                         for k in ("layer.weight", "layer.bias")])
     assert not torch.equal(merged, group0)  # so "started from the merged model" is a real statement
     ranks = _hdet_fit(tmp_path, num_groups=1, max_steps=8, ckpt_path=str(path))

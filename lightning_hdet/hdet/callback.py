@@ -212,11 +212,19 @@ class HDETCallback(Callback):
         self._first_pending = self._first_pending and trainer.global_step == 0
         if self._heldout is not None:
             self._heldout.step(trainer.global_step)
-        _log_step(trainer, pl_module, executor.current_lrs(), self.report, self.controller.last_winner)
         step = trainer.global_step
-        if step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step:
+        vote = step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step
+        if vote:
             self._last_vote_step = step
             self.vote_and_merge(trainer, pl_module)
+        if trainer.is_global_zero and (vote or step % trainer.log_every_n_steps == 0):
+            lrs = executor.current_lrs()
+            if not vote:  # a vote logged its new learning rates itself
+                _log_lrs(trainer, lrs, step, self.report)
+            pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
+            if self.controller.last_winner >= 0:
+                pl_module.log("hdet/leader", float(self.controller.last_winner), prog_bar=True, logger=False,
+                              rank_zero_only=True)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -365,15 +373,15 @@ def _indices(flags: list[bool]) -> list[int]:
     return [g for g, flag in enumerate(flags) if flag]
 
 
-def _log_step(trainer: Trainer, pl_module: LightningModule, lrs: Tensor, report: History, leader: int) -> None:
-    """Every group's real learning rate, every step (all ranks know them all: rank 0 logs every group)."""
+def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History) -> None:
+    """Every group's real learning rate (schedule x multiplier), by rank 0 straight to the loggers at Lightning's
+    ``log_every_n_steps`` (as ``LearningRateMonitor`` does): multipliers change only at votes, which log them too.
+    Going through ``LightningModule.log`` every step cost about 10 % of a small model's step time."""
     num_groups = lrs.shape[0]
     metrics = {f"hdet/group{g}/lr": float(lrs[g, 0]) for g in range(num_groups)}
     for p in range(1, lrs.shape[1]):
         metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
-    pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
-    if trainer.is_global_zero:
-        report.add(trainer.global_step, {**metrics, "hdet/base_lr": float(lrs[:, 0].mean())})
-    pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), on_step=True, on_epoch=False, prog_bar=True)
-    if leader >= 0:
-        pl_module.log("hdet/leader", float(leader), on_step=True, on_epoch=False, prog_bar=True)
+    metrics["hdet/base_lr"] = float(lrs[:, 0].mean())
+    report.add(step, metrics)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)

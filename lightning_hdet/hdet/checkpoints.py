@@ -1,43 +1,77 @@
-"""What an HDET checkpoint holds besides Lightning's own keys, and how each group finds its own state in it.
+"""What an HDET checkpoint holds besides Lightning's own keys, where each group's own state lives, and how a group
+finds it.
 
 ``checkpoint["state_dict"]`` is the merged model (so the file loads in plain Lightning); ``checkpoint["hdet"]``
-holds every group's own parameters and optimizer states (``groups``), the multiplier table, the restore point and
-the interrupted interval's loss sums, so a resume continues the ensemble exactly.
+holds the multiplier table, the restore point, the interrupted interval's loss sums and ``group_files``: how many
+groups wrote their own parameters and optimizer states beside the checkpoint, one file each,
+``<checkpoint>.hdet/group<g>.pt`` (written by the group's first rank, read by the group's ranks only, so rank 0
+never holds another group's state). A resume with the same number of groups continues the ensemble exactly.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 
 
+def group_dir(checkpoint_path: Any) -> str:
+    """The folder of the per-group files beside ``checkpoint_path``."""
+    return f"{checkpoint_path}.hdet"
+
+
+def group_file(checkpoint_path: Any, group: int) -> str:
+    """Group ``group``'s own state beside ``checkpoint_path``. A symbolic link (``ModelCheckpoint(save_last="link")``)
+    is followed to the checkpoint it names, whose files these are."""
+    path = str(checkpoint_path)
+    if os.path.islink(path):
+        path = os.path.realpath(path)
+    return f"{group_dir(path)}/group{group}.pt"
+
+
+def read_group_file(
+    load: Callable[[], dict[str, Any]], checkpoint_path: Any, path: str, num_groups: int
+) -> dict[str, Any]:
+    """``load()`` the group file ``path``, with an error that says what to do when it is missing."""
+    try:
+        return load()
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"The HDET checkpoint {str(checkpoint_path)!r} was written by {num_groups} groups, each with its own state "
+            f"in {group_dir(checkpoint_path)!r}, but {path!r} is missing. Copy the `.hdet` folder along with the "
+            "checkpoint, or resume with another `num_groups` (every group then starts from the merged model)."
+        ) from err
+
+
+def _group_count(hdet: dict[str, Any]) -> int:
+    inline = hdet.get("groups")  # checkpoints written before the per-group files held every group inline
+    return len(inline) if inline else int(hdet.get("group_files") or 0)
+
+
 def own_group_state(checkpoint: dict[str, Any], num_groups: int, group_index: int) -> Optional[dict[str, Any]]:
     """This group's own ``{"state_dict", "optimizer_states"}``, or ``None`` (no ensemble, or another group count)."""
-    groups = (checkpoint.get("hdet") or {}).get("groups")
-    if not groups:
+    hdet = checkpoint.get("hdet") or {}
+    count = _group_count(hdet)
+    if not count:
         return None
-    if len(groups) != num_groups:
+    if count != num_groups:
         rank_zero_warn(
-            f"The checkpoint holds {len(groups)} HDET groups but this run has {num_groups}; every group "
+            f"The checkpoint holds {count} HDET groups but this run has {num_groups}; every group "
             "starts from the checkpoint's merged model and a fresh optimizer state."
         )
         return None
-    return groups[group_index]
+    return hdet["groups"][group_index] if hdet.get("groups") else hdet["own"]
 
 
 def resharded(checkpoint: dict[str, Any], own: Optional[dict[str, Any]]) -> bool:
     """A checkpoint of an ensemble with another number of groups: every group starts a fresh optimizer state."""
-    return own is None and bool((checkpoint.get("hdet") or {}).get("groups"))
+    return own is None and _group_count(checkpoint.get("hdet") or {}) > 0
 
 
-def state_dict_with(module: Module, tensors: list[Tensor], flat: Tensor) -> dict[str, Any]:
-    """``module.state_dict()`` with ``tensors`` (its parameters and float buffers) replaced by slices of ``flat``."""
-    merged: dict[int, Tensor] = {}
-    offset = 0
-    for t in tensors:
-        merged[id(t)] = flat[offset : offset + t.numel()].view_as(t).to(t.dtype).clone()
-        offset += t.numel()
+def state_dict_with(module: Module, tensors: list[Tensor], values: list[Tensor]) -> dict[str, Any]:
+    """``module.state_dict()`` with ``tensors`` (its parameters and float buffers) replaced by ``values``."""
+    merged = {id(t): v for t, v in zip(tensors, values)}
     return {k: merged.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}

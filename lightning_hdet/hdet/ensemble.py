@@ -1,35 +1,40 @@
-"""The model-state half of the HDET executor interface: merge, restore, warm start, checkpoint the ensemble.
+"""The model-state half of the HDET executor interface for full replicas: warm start, checkpoint the ensemble.
 
 :class:`EnsembleOps` is mixed into :class:`~lightning_hdet.hdet.strategy.HDETStrategy` (a DDP strategy: every rank
-holds a full replica, so a group's state is any of its ranks' flat vector). It reads the strategy's
-``lightning_module``, ``layout``, ``group_index``, ``world_size``, ``root_device``, ``optimizers`` and
-``lr_multipliers``, and owns one piece of state: the restore point (the last finite merge target, on the host).
-A sharded strategy implements the same methods over its shards.
+holds a full replica, so a group's state is any of its ranks' tensors). Merges, the restore point and roll-backs
+come from :class:`~lightning_hdet.hdet.merge.MergeOps`, over the model's parameters and float buffers. It reads the
+strategy's ``lightning_module``, ``layout``, ``group_index``, ``group_ranks``, ``world_size``, ``root_device``,
+``optimizers``, ``checkpoint_io`` and ``lr_multipliers``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer
-from lightning_hdet._tensors import assign_flat, flatten, host_copy, model_state, to_cpu
-from lightning_hdet.hdet.checkpoints import own_group_state, resharded, state_dict_with
+from lightning_hdet._tensors import all_finite, flatten, model_state, reduced_buckets, to_cpu
+from lightning_hdet.hdet.checkpoints import (
+    group_dir,
+    group_file,
+    own_group_state,
+    read_group_file,
+    resharded,
+    state_dict_with,
+)
+from lightning_hdet.hdet.merge import MergeOps, MergePart
 
-log = logging.getLogger(__name__)
 
+class EnsembleOps(MergeOps):
+    """Warm start and checkpoints of an ensemble of full replicas (see the module docstring)."""
 
-class EnsembleOps:
-    """Collectives and model-state operations the callback's decisions need (see the module docstring)."""
-
-    _restore_point: Optional[Tensor]
+    def _merge_parts(self) -> list[MergePart]:
+        """Every rank holds its group's full model: each contributes ``1 / group_size`` of it, summed over all ranks."""
+        return [MergePart(model_state(self.lightning_module), 1.0 / self.layout.group_size, None)]
 
     def add_init_noise(self, relative_std: float, seed: int) -> None:
         """Published warm start: ``theta += eps``, ``eps ~ N(0, relative_std^2 |theta|^2 / d)`` from ``seed``."""
@@ -41,96 +46,71 @@ class EnsembleOps:
             for p in params:
                 p.add_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * std).to(p.device, p.dtype))
 
-    def merge(
-        self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
-    ) -> None:
-        """Blend the groups' parameters and floating-point buffers.
-
-        ``target = sum_g coefficients[g] * theta_g`` (one all-reduce of the model's size over all ranks); then each
-        group moves ``theta_g <- (1 - strengths[g]) * theta_g + strengths[g] * target``. A group whose coefficient is
-        0 contributes zeros, so non-finite parameters of a diverged group never reach the target. A finite target
-        becomes the restore point when ``keep`` (the safety net found every contributing group improving); the groups
-        flagged in ``restart`` clear their optimizer state.
-        """
-        tensors = model_state(self.lightning_module)
-        target = self._blend_target(tensors, coefficients)
-        assign_flat(tensors, target, float(strengths[self.group_index]))
-        if keep and bool(torch.isfinite(target).all()):
-            self._restore_point = host_copy(target, self._restore_point)
-        if restart[self.group_index]:
-            self._clear_optimizer_state()
-        log.debug("merge: coefficients %s, strengths %s", list(coefficients), list(strengths))
-
-    def _blend_target(self, tensors: list[Tensor], coefficients: Sequence[float]) -> Tensor:
-        coefficient = float(coefficients[self.group_index]) / self.layout.group_size
-        flat = flatten(tensors)
-        if coefficient == 0.0:
-            flat.zero_()
-        else:
-            flat.mul_(coefficient)
-        if _distributed(self.world_size):
-            dist.all_reduce(flat)
-        return flat
-
-    def ensure_restore_point(self) -> None:
-        """Make the current model state the restore point unless one is held (from a merge or a checkpoint)."""
-        if self._restore_point is None:
-            self._restore_point = host_copy(flatten(model_state(self.lightning_module)))
-
-    def restore(self) -> None:
-        """Roll back to the restore point; every group restarts its optimizer state."""
-        assert self._restore_point is not None, "ensure_restore_point() runs at the start of fit"
-        assign_flat(model_state(self.lightning_module), self._restore_point.to(self.root_device), 1.0)
-        self._clear_optimizer_state()
-        log.debug("roll-back to the restore point")
-
-    def _clear_optimizer_state(self) -> None:
-        """A rescued group restarts its optimizer state (moments from the diverged region would mislead it)."""
-        for optimizer in self.optimizers:
-            optimizer.state.clear()
-
     # ------------------------------------------------------------------ checkpoints
     def save_ensemble(self) -> dict[str, Any]:
-        """Multipliers, every group's own state (rank 0; a collective) and the restore point, for ``checkpoint["hdet"]``."""
+        """Multipliers, the number of per-group files and the restore point, for ``checkpoint["hdet"]``. The groups'
+        own states are not in it: each group's first rank writes its own file beside the checkpoint
+        (``save_checkpoint``)."""
         return {
             "lr_multipliers": self.lr_multipliers,
-            "groups": self.ensemble_state() if self.num_groups > 1 else None,
+            "group_files": self.num_groups if self.num_groups > 1 else None,
             "last_good": self._restore_point.cpu() if self._restore_point is not None else None,
         }
 
-    def load_ensemble(self, state: dict[str, Any]) -> None:
-        """Multipliers and restore point from ``checkpoint["hdet"]`` (the groups' states load with the model)."""
-        self.set_lr_multipliers(state["lr_multipliers"])
-        if state.get("last_good") is not None:
-            self._restore_point = host_copy(state["last_good"])
+    def own_state(self) -> dict[str, Any]:
+        """This group's own parameters, buffers and optimizer states, on the host (what its first rank writes)."""
+        return {
+            "state_dict": to_cpu(self.lightning_module.state_dict()),
+            "optimizer_states": [to_cpu(unwrap_optimizer(opt).state_dict()) for opt in self.optimizers],
+        }
 
-    def ensemble_state(self) -> Optional[list[dict[str, Any]]]:
-        """Every group's own parameters and optimizer states, gathered on rank 0 (``None`` elsewhere)."""
-        mine = None
-        if self.global_rank == self.group_ranks[0]:
-            mine = {
-                "state_dict": {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()},
-                "optimizer_states": [to_cpu(unwrap_optimizer(opt).state_dict()) for opt in self.optimizers],
-            }
-        gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(mine, gathered, dst=0)
-        if not self.is_global_zero:
-            return None
-        return [gathered[self.layout.ranks(g)[0]] for g in range(self.num_groups)]  # type: ignore[index]
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Each group's first rank writes its group's own state beside the checkpoint; then rank 0 writes the
+        checkpoint itself (the merged model), which therefore never names a file that is not there yet."""
+        if (checkpoint.get("hdet") or {}).get("group_files"):
+            if self.global_rank == self.group_ranks[0]:
+                self.checkpoint_io.save_checkpoint(self.own_state(), group_file(filepath, self.group_index))
+            self.barrier("hdet_group_files")
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint and its per-group files (``ModelCheckpoint(save_top_k=...)`` rotates both)."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(group_dir(filepath))
+
+    def attach_own_state(self, checkpoint: dict[str, Any], checkpoint_path: Any, weights_only: Optional[bool]) -> None:
+        """Read this group's own file into ``checkpoint["hdet"]["own"]`` when the checkpoint was written by as many
+        groups as this run has (each rank reads its own group's file only)."""
+        hdet = checkpoint.get("hdet") or {}
+        if hdet.get("group_files") != self.num_groups:
+            return
+        path = group_file(checkpoint_path, self.group_index)
+        load = lambda: self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)  # noqa: E731
+        hdet["own"] = read_group_file(load, checkpoint_path, path, self.num_groups)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The merged model: the mean over groups whose parameters are finite (a collective on every rank)."""
+        """The merged model, on rank 0's host: the mean over groups whose parameters are finite, reduced to rank 0
+        one bucket at a time (a collective on every rank). Other ranks return their own state dict, which
+        Lightning does not write."""
         module = self.lightning_module
         if self.num_groups == 1 or not dist.is_initialized():
             return module.state_dict()
         tensors = model_state(module)
-        finite = torch.tensor([float(bool(torch.isfinite(flatten(tensors)).all()))])
-        healthy = self.gather_group_values(finite)[:, 0] > 0
+        healthy = self.gather_group_values(all_finite(tensors).double().reshape(1))[:, 0] == self.layout.group_size
         if not bool(healthy.any()):
             healthy = torch.ones_like(healthy)
-        target = self._blend_target(tensors, (healthy.double() / healthy.sum()).tolist())
-        return state_dict_with(module, tensors, target)
+        coefficient = float(healthy.double()[self.group_index] / healthy.sum()) / self.layout.group_size
+        merged = [torch.empty(t.shape, dtype=t.dtype) for t in tensors] if self.is_global_zero else None
+        index = {id(t): i for i, t in enumerate(tensors)}
+        for bucket, flat in reduced_buckets(tensors, coefficient, lambda x: dist.reduce(x, dst=0)):
+            for t, start, stop, part in bucket.parts(flat) if merged is not None else ():
+                merged[index[id(t)]].view(-1)[start:stop].copy_(part)
+            del flat  # one bucket alive at a time
+        return module.state_dict() if merged is None else state_dict_with(module, tensors, merged)
 
     @property
     @override
@@ -154,6 +134,3 @@ class EnsembleOps:
             return super().load_optimizer_state_dict(checkpoint)
         super().load_optimizer_state_dict({"optimizer_states": own["optimizer_states"]})
 
-
-def _distributed(world_size: int) -> bool:
-    return dist.is_available() and dist.is_initialized() and world_size > 1

@@ -64,11 +64,12 @@ class HDETExecutor(Protocol):
         """Real learning rates ``(num_groups, num_param_groups)``: schedule LR x multiplier."""
 
     def enable_guard(self) -> None:
-        """Skip the optimizer steps of a group whose loss or gradients are non-finite. Call before the model is
-        wrapped: from the callback's ``setup(stage="fit")``."""
+        """Flag (and, where the optimizer can, skip on the device) the optimizer steps of a group whose loss or
+        gradients are non-finite. Call before the model is wrapped: from the callback's ``setup(stage="fit")``."""
 
     def interval_skipped(self, reset: bool = True) -> int:
-        """Optimizer steps the guard skipped on this rank since the last reset (``reset=False`` only peeks)."""
+        """Optimizer steps the guard flagged on this rank since the last reset (``reset=False`` only peeks); reads a
+        device counter, so call it at votes, not per step."""
 
     def gather_group_values(self, values: Tensor) -> Tensor:
         """Sum 1-D ``values`` over the ranks of each group: ``(num_groups, k)`` on the host, on every rank."""
@@ -90,7 +91,8 @@ class HDETExecutor(Protocol):
         """Roll every group back to the restore point, with a fresh optimizer state."""
 
     def save_ensemble(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the ensemble: multipliers, every group's own state, the restore point."""
+        """What a checkpoint keeps of the ensemble: multipliers, the restore point and where every group's own state
+        is (each group writes its own)."""
 
     def load_ensemble(self, state: dict[str, Any]) -> None:
         """Inverse of :meth:`save_ensemble` (the groups' own states are read when Lightning restores the model)."""

@@ -94,7 +94,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
                          **({"timeout": timeout} if timeout is not None else {}))
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = fsdp_kwargs
-        self._restore_point: Optional[Tensor] = None  # owned by ShardedEnsembleOps
+        self._restore_point: Optional[Tensor] = None  # owned by MergeOps (fsdp_ensemble.py, merge.py)
 
     @classmethod
     @override

@@ -3,8 +3,8 @@
 :class:`HDETGroups` is mixed into both HDET strategies (``"hdet"`` on DDP, ``"hdet_fsdp"`` on FSDP2), before the
 Lightning base class. It validates ``num_groups`` / ``lr_multipliers`` / ``spread`` / ``gradient_sync`` before
 any process exists, splits the ranks into groups, owns the multiplier table and applies this rank's row around
-every optimizer step (so schedulers never see it), owns the skipped-step counters of the non-finite guard, and
-gathers one row of numbers per group: the read-out half of :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
+every optimizer step (so schedulers never see it), owns the non-finite step check (flags and counts on the device:
+no host sync per step), and gathers one row of numbers per group: the read-out half of :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
 
 A host strategy provides Lightning's ``optimizers``, ``world_size``, ``global_rank``, ``root_device``,
 ``num_nodes``, ``num_processes``, ``precision_plugin``, and ``_guard`` (the hook whose ``flag`` says a local
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
-from lightning_hdet.hdet.guard import SkipStep, guarded_closure
+from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device
 from lightning_hdet.hdet.layout import (
     GroupLayout,
     check_multipliers,
@@ -83,8 +83,7 @@ class HDETGroups:
         self._multipliers: Optional[MultiplierTable] = None
         self._guard = None
         self._guard_enabled = False
-        self._skipped = 0  # since the start of fit
-        self._skipped_at_reset = 0
+        self._steps: Optional[NonFiniteSteps] = None  # flags and counts non-finite steps on the device
 
     @property
     def config(self) -> dict[str, Any]:
@@ -191,7 +190,7 @@ class HDETGroups:
     def scaled_lr(self, optimizer: Optimizer) -> AbstractContextManager[None]:
         """Multiply each param group's ``lr`` by this group's multiplier for the duration of one step."""
         offset = self.param_group_offset(optimizer)
-        row = self.lr_multipliers[self.group_index].tolist()
+        row = self._table.row(self.group_index, self.num_param_groups)  # cached floats: nothing allocated per step
         return scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
 
     def schedule_lrs(self) -> Tensor:
@@ -216,39 +215,42 @@ class HDETGroups:
         model: Optional[Union[LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        if self._guard_enabled:
-            closure = guarded_closure(closure, optimizer, self._guard, not self._uses_grad_scaler(),
-                                      self._guard_process_group, self.layout.group_size, self.root_device)
-        try:
+        if not self._guard_enabled:
             with self.scaled_lr(optimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        except SkipStep:
-            self._skipped += 1
-            return None
+        if self._steps is None:
+            self._steps = NonFiniteSteps(self.root_device)
+        inner = unwrap_optimizer(optimizer)
+        scaler = self._uses_grad_scaler()  # a GradScaler skips non-finite steps itself and owns ``found_inf``
+        exact = skips_on_device(inner) and not scaler
+        closure = self._steps.wrap(closure, optimizer, self._guard, not scaler, self._guard_process_group,
+                                   self.layout.group_size, exact)
+        try:
+            with self.scaled_lr(optimizer), (self._steps.found_inf(inner) if exact else nullcontext()):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         finally:
             if self._guard is not None:
                 self._guard.reset()
 
     def enable_guard(self) -> None:
-        """Skip the optimizer steps of a group whose loss or gradients are non-finite (call before wrapping)."""
+        """Flag the optimizer steps whose loss or gradients are non-finite, and skip them where the optimizer can
+        do so on the device (see :class:`~lightning_hdet.hdet.guard.NonFiniteSteps`); call before wrapping."""
         self._guard_enabled = True
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps the guard skipped on this rank since this strategy started."""
-        return self._skipped
+        """Optimizer steps the guard flagged on this rank since this strategy started (reads the device counter)."""
+        return self._steps.total() if self._steps is not None else 0
 
     def interval_skipped(self, reset: bool = True) -> int:
-        """Optimizer steps skipped since the last reset (or the start of fit); ``reset=False`` only peeks."""
-        count = self._skipped - self._skipped_at_reset
-        if reset:
-            self._skipped_at_reset = self._skipped
-        return count
+        """Flagged steps since the last reset (or the start of fit); ``reset=False`` only peeks. One host read of
+        the device counter: called at votes and checkpoints, never per step."""
+        return self._steps.interval(reset) if self._steps is not None else 0
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
-        self._skipped_at_reset = self._skipped  # a vote interval starts with the fit
+        self.interval_skipped(reset=True)  # a vote interval starts with the fit
 
     def _uses_grad_scaler(self) -> bool:
         return isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None

@@ -1,11 +1,14 @@
-"""Detecting non-finite steps without host synchronisation inside the backward pass.
+"""Detecting non-finite steps on the device: no host synchronisation in the backward pass or the optimizer step.
 
 :class:`FiniteGuard` is a DDP communication hook: for each gradient bucket it records (as a device tensor, so no
 host sync) whether the rank's *local* gradient is finite, replaces a non-finite bucket with zeros so it cannot
 poison the other ranks' average, then averages the bucket exactly as DDP's built-in reduction does
 (multiply by ``1 / world_size``, then all-reduce), so a run without any non-finite value is bit-identical to DDP.
+:class:`NonFiniteSteps` turns the flags into a skipped (or neutralised) optimizer step, still on the device.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
@@ -51,41 +54,90 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class SkipStep(Exception):
-    """Raised from inside the closure to skip an optimizer step before it touches any state."""
+def skips_on_device(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` can skip a step on the device: torch's fused Adam, AdamW, SGD and Adagrad read a
+    ``found_inf`` tensor (as under torch's GradScaler) and then leave parameters and state untouched, step count
+    included."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def guarded_closure(
-    closure: Callable[[], Any],
-    optimizer: Optimizer,
-    guard: Optional[FiniteGuard],
-    check_grads: bool,
-    group: Any,
-    group_size: int,
-    device: torch.device,
-) -> Callable[[], Any]:
-    """Wrap an optimizer closure: raise :class:`SkipStep` when the loss or the gradients are non-finite on any rank
-    of this rank's group (``group``), so the whole group skips the step together.
+class NonFiniteSteps:
+    """Flags optimizer steps whose loss or gradients are non-finite, on the device: no host sync per step.
 
-    ``guard``: the DDP hook's flag (local gradients before the average); without one, ``check_grads`` checks the
-    averaged gradients (off under a grad scaler, which skips non-finite steps itself).
+    What a flagged step does depends on the optimizer (see :func:`skips_on_device`):
+
+    * **exact skip**, on the device: the flag, agreed within the group, is the optimizer's ``found_inf``;
+    * **deferred**: any other optimizer steps with the gradient the guard left. The DDP hook replaced non-finite
+      contributions by zeros before the average (without the hook, a non-finite averaged gradient is zeroed), so
+      nothing non-finite reaches the parameters, but the optimizer state still moves (momentum, weight decay, step
+      count). Skipping instead would need the flag on the host every step, i.e. a device-to-host sync per step;
+      the vote rescues the flagged group anyway (merged back, optimizer state restarted).
+
+    ``count`` sums flagged steps on the device; :meth:`total` and :meth:`interval` bring it to the host (a host
+    sync: at votes and checkpoints, never per step).
     """
 
-    def closure_with_guard() -> Any:
-        result = closure()
-        bad = torch.zeros((), dtype=torch.bool, device=device)
-        if isinstance(result, Tensor):
-            bad |= ~torch.isfinite(result.detach()).all()
-        if guard is not None:
-            bad |= guard.flag
-        elif check_grads:
-            bad |= ~grads_are_finite(optimizer)
-        if group_size > 1:
-            flag = bad.to(torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            bad = flag.bool()
-        if bool(bad):  # the one host sync of a guarded step: whether to step at all
-            raise SkipStep
-        return result
+    def __init__(self, device: torch.device) -> None:
+        self.flag = torch.zeros((), dtype=torch.float32, device=device)
+        self.count = torch.zeros((), dtype=torch.float32, device=device)
+        self._total = 0  # host side: flagged steps up to the last read
+        self._at_reset = 0
 
-    return closure_with_guard
+    def total(self) -> int:
+        """Flagged steps since this object was made."""
+        self._total += int(self.count.item())
+        self.count.zero_()
+        return self._total
+
+    def interval(self, reset: bool = True) -> int:
+        """Flagged steps since the last reset; ``reset=False`` only peeks."""
+        count = self.total() - self._at_reset
+        if reset:
+            self._at_reset = self._total
+        return count
+
+    @contextmanager
+    def found_inf(self, optimizer: Optimizer) -> Iterator[None]:
+        """Hand the flag to ``optimizer`` as ``found_inf`` for one step (GradScaler's protocol), then take it back."""
+        optimizer.found_inf = self.flag  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+
+    def wrap(self, closure: Callable[[], Any], optimizer: Optimizer, guard: Optional[FiniteGuard], check_grads: bool,
+             group: Any, group_size: int, exact: bool) -> Callable[[], Any]:
+        """``closure`` followed by the check. ``guard``: the DDP hook's flag (local gradients before the average);
+        without one, ``check_grads`` checks the averaged gradients (off under a grad scaler, which skips non-finite
+        steps itself). ``exact``: the optimizer skips on the flag, so the group's ranks agree on it first."""
+
+        def closure_with_check() -> Any:
+            result = closure()
+            bad = torch.zeros((), dtype=torch.bool, device=self.flag.device)
+            if isinstance(result, Tensor):
+                bad |= ~torch.isfinite(result.detach()).all()
+            if guard is not None:
+                bad |= guard.flag
+            elif check_grads:
+                grads_bad = ~grads_are_finite(optimizer)
+                if not exact:  # the same averaged gradient on every rank of the group: they all zero it alike
+                    zero_grads(optimizer, grads_bad)
+                bad |= grads_bad
+            if exact and group_size > 1:  # a tiny all-reduce, queued on the device like the step itself
+                agreed = bad.to(torch.int32)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+                bad = agreed.bool()
+            self.flag.copy_(bad)
+            self.count.add_(self.flag)
+            return result
+
+        return closure_with_check
+
+
+@torch.no_grad()
+def zero_grads(optimizer: Optimizer, bad: Tensor) -> None:
+    """Replace every gradient by zeros where the device flag ``bad`` is set (no host sync)."""
+    for pg in optimizer.param_groups:
+        for p in pg["params"]:
+            if p.grad is not None:
+                _local(p.grad).masked_fill_(bad, 0.0)  # a DTensor's local shard: written in place

@@ -20,13 +20,27 @@ class MultiplierTable:
 
     def __init__(self, initial: Sequence[float]) -> None:
         self._table = torch.tensor(list(initial), dtype=torch.float64)[:, None]
+        self._rows: dict[int, list[float]] = {}  # plain floats per group, for the per-step path
 
     def get(self, num_param_groups: int) -> Tensor:
         """A copy of the table, widened to ``num_param_groups`` columns."""
+        self._widen(num_param_groups)
+        return self._table.clone()
+
+    def row(self, group: int, num_param_groups: int) -> list[float]:
+        """Group ``group``'s multipliers as floats, cached until the table changes: every optimizer step reads
+        them, so this path allocates nothing."""
+        if self._table.shape[1] < num_param_groups:
+            self._widen(num_param_groups)
+        if group not in self._rows:
+            self._rows[group] = self._table[group].tolist()
+        return self._rows[group]
+
+    def _widen(self, num_param_groups: int) -> None:
         missing = num_param_groups - self._table.shape[1]
         if missing > 0:
             self._table = torch.cat([self._table, self._table[:, :1].expand(-1, missing)], dim=1)
-        return self._table.clone()
+            self._rows.clear()
 
     def set(self, multipliers: Any, num_groups: int, num_param_groups: int) -> None:
         """Replace the table: ``G`` values (all param groups alike) or a ``G x P`` table; positive and finite."""
@@ -38,6 +52,7 @@ class MultiplierTable:
         if not bool(torch.isfinite(table).all()) or bool((table <= 0).any()):
             raise ValueError(f"`multipliers` must be positive and finite, got {table.tolist()}.")
         self._table = table
+        self._rows.clear()
 
 
 def param_group_offset(optimizers: Sequence[Optimizer], optimizer: Optimizer) -> int:

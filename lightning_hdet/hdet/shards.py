@@ -1,4 +1,4 @@
-"""FSDP2 pieces of ``"hdet_fsdp"`` that need no Lightning: sharding a module, the groups' shared gradient, merges.
+"""FSDP2 pieces of ``"hdet_fsdp"`` that need no Lightning: sharding a module, the groups' shared gradient, local shards.
 
 Every HDET group is one FSDP2 shard group: ``fully_shard(..., mesh=mesh["shard"])`` on a ``(group, shard)`` device
 mesh, so rank ``(g, k)`` holds shard ``k`` of every parameter of group ``g``. The ranks that hold the same shard
@@ -8,8 +8,7 @@ in different groups form the ``"group"`` dimension of the mesh; merges and the s
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -19,13 +18,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
-from lightning_hdet._tensors import assign_flat, flatten, float_buffers, sync_device
+from lightning_hdet._tensors import float_buffers
 
 #: Which submodules become FSDP units: a set of module classes, or a predicate on each submodule.
 ShardingPolicy = Union[set[type[Module]], Callable[[Module], bool], None]
-#: A merge moves at most this many elements through one all-reduce (25 MB of float32), so it needs at most one
-#: bucket of extra device memory.
-BUCKET_NUMEL = 25 * 2**20 // 4
 
 
 def is_sharded(module: Module) -> bool:
@@ -105,50 +101,6 @@ class GroupGradientMean:
         for m in module.modules():
             if isinstance(m, FSDPModule):
                 m.set_all_reduce_hook(self)
-
-
-def buckets(tensors: Sequence[Tensor], bucket_numel: int = BUCKET_NUMEL) -> Iterator[list[Tensor]]:
-    """Consecutive runs of ``tensors`` of at most ``bucket_numel`` elements (a larger tensor is a bucket alone)."""
-    bucket: list[Tensor] = []
-    size = 0
-    for t in tensors:
-        if bucket and size + t.numel() > bucket_numel:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += t.numel()
-    if bucket:
-        yield bucket
-
-
-@torch.no_grad()
-def blend(
-    tensors: Sequence[Tensor],
-    coefficient: float,
-    strength: float,
-    group: Any,
-    out: Optional[Tensor] = None,
-    bucket_numel: int = BUCKET_NUMEL,
-) -> None:
-    """``t <- (1 - strength) * t + strength * sum_over(group) coefficient * t``, one bucket at a time.
-
-    A ``coefficient`` of 0 contributes zeros, so a diverged group's non-finite values never reach the target.
-    The target is also written to the flat host tensor ``out`` (the safety net's backup) when given.
-    """
-    offset = 0
-    for bucket in buckets(tensors, bucket_numel):
-        flat = flatten(bucket)
-        if coefficient == 0.0:
-            flat.zero_()
-        else:
-            flat.mul_(coefficient)
-        dist.all_reduce(flat, group=group)
-        assign_flat(bucket, flat, strength)
-        if out is not None:
-            out[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
-        offset += flat.numel()
-    if out is not None and tensors:
-        sync_device(tensors[0].device)  # the host reads `out` next
 
 
 @torch.no_grad()

@@ -7,9 +7,10 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
   (shared with ``"hdet_fsdp"`` through :class:`~lightning_hdet.hdet.groups.HDETGroups`),
 * the executor side of :class:`~lightning_hdet.hdet.executor.HDETExecutor`, which the
   :class:`~lightning_hdet.hdet.callback.HDETCallback` drives: gathering one row of numbers per group, merging
-  (blending) the groups' parameters with one collective of the model's size, rolling back to a restore point,
-* an optional guard that skips the optimizer step of a group whose loss or gradients are non-finite,
-* checkpoints whose ``state_dict`` is the merged model, plus every group's own state for an exact resume.
+  (blending) the groups' parameters in 25 MiB buckets, rolling back to a restore point,
+* an optional guard that flags, on the device, the optimizer steps of a group whose loss or gradients are
+  non-finite (skipped on the device by fused optimizers),
+* checkpoints whose ``state_dict`` is the merged model, plus one file per group with its own state.
 """
 
 from __future__ import annotations
@@ -70,8 +71,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     * ``set_lr_multipliers(table)``: the one writer of the multiplier table;
     * ``enable_guard()``: turn the non-finite step guard on; the callback calls it from ``setup(stage="fit")``,
       before the model is wrapped (the guard is a DDP communication hook);
-    * ``interval_skipped(reset=True)``: steps skipped since the last reset (reset on read; the total stays in
-      ``skipped_steps``);
+    * ``interval_skipped(reset=True)``: flagged steps since the last reset (the total: ``skipped_steps``);
     * ``gather_group_values(values)``: one small all-reduce, every group's row on every rank;
     * ``add_init_noise(relative_std, seed)``: the published warm start;
     * ``merge(coefficients, strengths, restart)``, ``ensure_restore_point()``, ``restore()``: blend, keep the last
@@ -93,7 +93,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self._restore_point: Optional[Tensor] = None  # owned by EnsembleOps
+        self._restore_point: Optional[Tensor] = None  # owned by MergeOps (ensemble.py, merge.py)
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -144,13 +144,16 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Lightning's reader, with a clear error for a truncated or corrupted file."""
-        return read_checkpoint(lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
-                               checkpoint_path)
+        """Lightning's reader, with a clear error for a truncated or corrupted file; adds this group's own state."""
+        checkpoint = read_checkpoint(
+            lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
+            checkpoint_path)
+        self.attach_own_state(checkpoint, checkpoint_path, weights_only)
+        return checkpoint
 
     @override
     def teardown(self) -> None:
-        self._guard = None
+        self._guard = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
         # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
         for pg in self._group_pgs:
             dist.destroy_process_group(pg)
