@@ -205,7 +205,8 @@ def test_callbacks_with_slow_worker_then_resume(tmp_path):
     state = saved["async_local_sgd"]
     flat = torch.cat([saved["state_dict"][k].reshape(-1) for k in ("layer.weight", "layer.bias")])
     assert state["outer_updates"] > 0 and "optimizer" in state and "policy" in state
-    assert 0 in state["inner_optimizer_states"]
+    assert state["inner_optimizer_states"] == {}  # inner states stay with their workers: one file each
+    assert all((tmp_path / "ckpt" / f"last.ckpt.worker{w}.pt").exists() for w in range(4))
     assert Regression.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt").layer.weight.shape == (1, 8)
     mid = sorted((tmp_path / "ckpt").glob("epoch*.ckpt"))
     assert mid

@@ -12,6 +12,7 @@ every worker's push, one outer step at the end of the round, equal round lengths
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -250,11 +251,13 @@ class OuterState:
     def receive(self, push: Push, gradients: Iterable[Tensor]) -> None:
         """One push: its statistics, then its pseudo-gradient's fragments (``float32``, in order), each applied
         (or, DiLoCo, summed) as it arrives; ``gradients`` may be a stream still arriving over the network."""
+        stream = iter(gradients)
+        first = next(stream, None)  # waited for without the lock: a slow sender does not hold up the others
         with self.model_lock:
             with self.lock:
                 self._record(push)
             count = 0
-            for index, gradient in enumerate(gradients):
+            for index, gradient in enumerate(stream if first is None else itertools.chain([first], stream)):
                 self.step_policy.receive(self, index, gradient)
                 count += 1
             if count and count != len(self.views):
