@@ -344,8 +344,9 @@ class OuterState:
 
     def release(self, worker: int) -> None:
         """``worker`` left for good (an elastic session ended): its in-flight steps return to the budget, its speed
-        no longer sets the others' round lengths, and its buffers leave the global mean."""
-        with self.lock:
+        no longer sets the others' round lengths, and its buffers leave the global mean (under :attr:`model_lock`:
+        the buffers are part of the global model a reply or snapshot reads)."""
+        with self.model_lock, self.lock:
             if worker in self.workers:
                 self.workers[worker].in_flight = 0
             self.local_steps.speeds.pop(worker, None)

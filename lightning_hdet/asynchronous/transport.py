@@ -60,6 +60,72 @@ class ServerTransport(ABC):
         ``header.next_local_steps > 0``."""
 
 
+#: Sends one tensor to the peer / receives one tensor from it (a process group's point-to-point call).
+Send = Callable[[Tensor], None]
+Recv = Callable[[Tensor], None]
+
+
+def send_push(send: Send, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
+              inner_state: Tensor | None) -> None:
+    """A push in wire order: the header, the buffers, the inner state, then the fragments as they are produced."""
+    send(header.encode())
+    for part in (buffers, inner_state):
+        if part is not None:
+            send(part)
+    for message in messages:
+        send(message)
+
+
+def receive_push(worker: int, header: WorkerHeader, recv: Recv, layout: Fragments, n_buffers: int,
+                 received: Tensor) -> tuple[Push, Iterator[Tensor]]:
+    """The rest of a push whose ``header`` arrived: its buffers and inner state, and an iterator receiving its
+    fragments one at a time into ``received`` (one fragment-sized buffer, reused)."""
+    buffers = inner_state = None
+    if header.steps > 0 and n_buffers:
+        buffers = torch.empty(n_buffers, dtype=torch.float32)
+        recv(buffers)
+    if header.inner_state_bytes > 0:
+        inner_state = torch.empty(header.inner_state_bytes, dtype=torch.uint8)
+        recv(inner_state)
+    push = Push.of(worker, header, buffers, inner_state, layout.nbytes)
+    return push, _fragments(recv, layout, received) if header.steps > 0 else iter(())
+
+
+def _fragments(recv: Recv, layout: Fragments, received: Tensor) -> Iterator[Tensor]:
+    for codec in layout.codecs:
+        message = received[: codec.nbytes]
+        recv(message)
+        yield message
+
+
+def send_reply(send: Send, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
+    """A reply in wire order: the header, then (unless it says stop) the parameters' fragments and the buffers."""
+    send(header.encode())
+    if header.next_local_steps > 0:
+        for part in params:
+            send(part)
+        if buffers.numel():
+            send(buffers)
+
+
+def receive_reply(recv: Recv, layout: Fragments, into: Tensor) -> ServerHeader:
+    """A reply: its header and, unless it says stop, the global parameters then buffers into ``into``."""
+    raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
+    recv(raw)
+    header = ServerHeader.decode(raw)
+    if header.next_local_steps > 0:
+        for part in layout.split(into):
+            recv(part)
+        if into.numel() > layout.numel:
+            recv(into[layout.numel :])
+    return header
+
+
+def receive_buffer(layout: Fragments) -> Tensor:
+    """One buffer the size of the largest encoded fragment (every fragment of every push lands in it)."""
+    return torch.empty(max((c.nbytes for c in layout.codecs), default=0), dtype=torch.uint8)
+
+
 class GlooWorkerTransport(WorkerTransport):
     """A remote worker (rank > 0): point-to-point messages to and from rank 0 over two ``gloo`` groups."""
 
@@ -68,23 +134,10 @@ class GlooWorkerTransport(WorkerTransport):
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
-        dist.send(header.encode(), dst=0, group=self.push_group)
-        for part in (buffers, inner_state):
-            if part is not None:
-                dist.send(part, dst=0, group=self.push_group)
-        for message in messages:
-            dist.send(message, dst=0, group=self.push_group)
+        send_push(lambda t: dist.send(t, dst=0, group=self.push_group), header, messages, buffers, inner_state)
 
     def pull(self, into: Tensor) -> ServerHeader:
-        raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
-        dist.recv(raw, src=0, group=self.reply_group)
-        header = ServerHeader.decode(raw)
-        if header.next_local_steps > 0:
-            for part in self.layout.split(into):
-                dist.recv(part, src=0, group=self.reply_group)
-            if into.numel() > self.layout.numel:
-                dist.recv(into[self.layout.numel :], src=0, group=self.reply_group)
-        return header
+        return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into)
 
 
 class GlooServerTransport(ServerTransport):
@@ -93,35 +146,16 @@ class GlooServerTransport(ServerTransport):
 
     def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, n_buffers: int) -> None:
         self.push_group, self.reply_group, self.layout, self.n_buffers = push_group, reply_group, layout, n_buffers
-        self._received = torch.empty(max((c.nbytes for c in layout.codecs), default=0), dtype=torch.uint8)
+        self._received = receive_buffer(layout)
 
     def receive(self) -> tuple[Push, Iterator[Tensor]]:
         raw = torch.empty(WorkerHeader.SIZE, dtype=torch.float64)
         src = dist.recv(raw, src=None, group=self.push_group)
-        header = WorkerHeader.decode(raw)
-        buffers = inner_state = None
-        if header.steps > 0 and self.n_buffers:
-            buffers = torch.empty(self.n_buffers, dtype=torch.float32)
-            dist.recv(buffers, src=src, group=self.push_group)
-        if header.inner_state_bytes > 0:
-            inner_state = torch.empty(header.inner_state_bytes, dtype=torch.uint8)
-            dist.recv(inner_state, src=src, group=self.push_group)
-        push = Push.of(src, header, buffers, inner_state, self.layout.nbytes)
-        return push, self._fragments(src) if header.steps > 0 else iter(())
-
-    def _fragments(self, src: int) -> Iterator[Tensor]:
-        for codec in self.layout.codecs:
-            message = self._received[: codec.nbytes]
-            dist.recv(message, src=src, group=self.push_group)
-            yield message
+        return receive_push(src, WorkerHeader.decode(raw), lambda t: dist.recv(t, src=src, group=self.push_group),
+                            self.layout, self.n_buffers, self._received)
 
     def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
-        dist.send(header.encode(), dst=worker, group=self.reply_group)
-        if header.next_local_steps > 0:
-            for part in params:
-                dist.send(part, dst=worker, group=self.reply_group)
-            if buffers.numel():
-                dist.send(buffers, dst=worker, group=self.reply_group)
+        send_reply(lambda t: dist.send(t, dst=worker, group=self.reply_group), header, params, buffers)
 
 
 class InProcessTransport(WorkerTransport):
