@@ -166,3 +166,32 @@ def test_each_worker_checkpoints_its_own_inner_state_and_residual(tmp_path: Path
         torch.testing.assert_close(resumed[w]["residual"], residual, rtol=0, atol=0)
     assert not torch.equal(resumed[0]["start"]["state"][0]["exp_avg"], resumed[1]["start"]["state"][0]["exp_avg"])
     assert bool(torch.isfinite(resumed[0]["end"]["state"][0]["exp_avg"]).all())
+
+
+def test_a_checkpoint_takes_one_snapshot_of_the_outer_state(tmp_path: Path) -> None:
+    """A push applied between ``lightning_module_state_dict`` and ``save_checkpoint`` (rank 0, during training)
+    changes neither: the checkpoint's model and its outer state are the same snapshot."""
+    from lightning_hdet._tensors import numel
+    from lightning_hdet.asynchronous.exchange import Exchange
+    from lightning_hdet.asynchronous.messages import Kind, Push
+
+    model = LinearModel(lr=0.05, n_train=16)
+    strategy = AsyncLocalSGDStrategy(local_steps=2, outer_lr=1.0, outer_momentum=0.0, start_method=START)
+    strategy.connect(model)
+    exchange = Exchange.__new__(Exchange)  # rank 0's part without process groups: its outer state and module
+    exchange.module, exchange.device = model, torch.device("cpu")
+    exchange.outer = Exchange.start_outer(strategy.outer_settings, model, exchange.device, 2, None, None)
+    strategy._exchange, strategy.diverged = exchange, True  # rank 0 while training: pushes keep arriving
+    own = [p.detach().clone() for p in model.parameters()]
+    state_dict = strategy.lightning_module_state_dict()
+    n = numel(list(model.parameters()))
+    push = Push(1, Kind.PUSH, 2, 1.0, 0.0, pseudo_gradient=torch.ones(n))
+    exchange.outer.process([Push(1, Kind.HELLO, 0, 0.0, 0.0)])
+    exchange.outer.process([push])  # the push lands between the two calls
+    strategy.save_checkpoint({"state_dict": state_dict}, tmp_path / "c.ckpt")
+    saved = torch.load(tmp_path / "c.ckpt", weights_only=True)
+    flat = torch.cat([saved["state_dict"][k].flatten() for k, _ in model.named_parameters()])
+    torch.testing.assert_close(flat, saved["async_local_sgd"]["params"])
+    assert not torch.equal(flat, exchange.outer.params)  # the push did land, after the snapshot
+    for mine, p in zip(own, model.parameters()):  # the module holds its own parameters again
+        torch.testing.assert_close(mine, p.detach())

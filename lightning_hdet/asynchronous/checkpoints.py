@@ -43,12 +43,16 @@ class WorkerCheckpoints(LocalCollectivesStrategy):
     _exchange: Exchange | None = None
     _resume_state: dict[str, Any] | None = None
     _resume_worker: dict[str, Any] | None = None
+    #: Rank 0: the outer state snapshot ``lightning_module_state_dict`` took for the checkpoint being written.
+    _outer_snapshot: dict[str, Any] | None = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         outer = self._exchange.outer if self._exchange is not None else None
+        snapshot, self._outer_snapshot = self._outer_snapshot, None
         if self.is_global_zero and outer is not None:
-            checkpoint = {**checkpoint, CHECKPOINT_KEY: outer.state_dict()}
+            # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
         super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
         if self.optimizers and "optimizer_states" in checkpoint:  # not for weights-only checkpoints
             own: dict[str, Any] = {"optimizer": self.optimizers[0].state_dict()}

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -85,19 +85,25 @@ class Exchange:
             self.server.join()
             self.write_global_model()
 
-    def write_global_model(self) -> None:
-        """Rank 0: write the outer state's global parameters and floating-point buffers into the module."""
+    def write_global_model(self, snapshot: Mapping[str, Any] | None = None) -> None:
+        """Rank 0: write the global parameters and floating-point buffers into the module: the outer state's, or
+        those of ``snapshot`` (an :meth:`~.outer.OuterState.state_dict`)."""
         assert self.outer is not None
+        if snapshot is not None:
+            write_from(list(self.module.parameters()), snapshot["params"], self.device)
+            write_from(float_buffers(self.module), snapshot["buffers"], self.device)
+            return
         with self.outer.model_lock:  # straight from the outer state: no host copy of the global model
             write_from(list(self.module.parameters()), self.outer.params, self.device)
             write_from(float_buffers(self.module), self.outer.buffers, self.device)
 
     @contextmanager
-    def global_model(self) -> Iterator[None]:
-        """Rank 0: the module holds the current global model inside the block, its own outside."""
+    def global_model(self, snapshot: Mapping[str, Any] | None = None) -> Iterator[None]:
+        """Rank 0: the module holds the current global model (or ``snapshot``'s) inside the block, its own
+        outside."""
         tensors = model_state(self.module)
         saved = read_into(tensors, host_buffer(numel(tensors), self.device), self.device)
-        self.write_global_model()
+        self.write_global_model(snapshot)
         try:
             yield
         finally:

@@ -280,12 +280,13 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
 
     # the global model for validation and checkpoints (rank 0, while training)
     @contextmanager
-    def _global_model(self) -> Iterator[None]:
-        """On rank 0 during training: temporarily swap in the current global parameters and buffers."""
+    def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
+        """On rank 0 during training: temporarily swap in the current global parameters and buffers (or those of
+        ``snapshot``, an outer state's ``state_dict``)."""
         if not (self.diverged and self._outer is not None and self._exchange is not None):
             yield
             return
-        with self._exchange.global_model():
+        with self._exchange.global_model(snapshot):
             yield
 
     @override
@@ -303,7 +304,12 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        with self._global_model():
+        """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
+        state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
+        :meth:`save_checkpoint`), so the two always hold the same global model."""
+        snapshot = self._outer.state_dict() if self.diverged and self._outer is not None else None
+        self._outer_snapshot = snapshot
+        with self._global_model(snapshot):
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
     @classmethod
