@@ -57,7 +57,16 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RunSpec, add_output_args, begin, fit_run, fmt, markdown_table, publish
+from benchmarks.common import (
+    RunSpec,
+    add_output_args,
+    add_start_method_arg,
+    begin,
+    fit_run,
+    fmt,
+    markdown_table,
+    publish,
+)
 
 NAME = "overhead"
 PARTS = ("throughput", "exchange", "lean", "sharded")
@@ -218,7 +227,7 @@ def run_memory(kind: str, args: argparse.Namespace, work: Path, world_size: int)
 
     from lightning_hdet import HDETCallback, HDETStrategy
 
-    common = {"start_method": "spawn", "process_group_backend": "gloo"}
+    common = {"start_method": args.start_method, "process_group_backend": "gloo"}
     callbacks: list[Callback] = [MemoryProbe(work)]
     if kind == "ddp":
         strategy = DDPStrategy(**common)
@@ -242,7 +251,7 @@ def run_probe(
 
     from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
 
-    common = {"start_method": "spawn", "process_group_backend": os.environ.get("BENCH_BACKEND", "gloo")}
+    common = {"start_method": args.start_method, "process_group_backend": os.environ.get("BENCH_BACKEND", "gloo")}
     callbacks: list[Callback] = [Probe(work, count_ddp_buckets=kind == "ddp")]
     if kind == "ddp":
         strategy = DDPStrategy(**common)
@@ -294,6 +303,7 @@ def measured_bytes(probes: list[dict]) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_output_args(p)
+    add_start_method_arg(p)
     p.add_argument("--world-size", type=int, default=2, help="W processes")
     p.add_argument("--steps", type=int, default=None, help="throughput steps per arm (default 300, quick 16)")
     p.add_argument("--intervals", type=int, nargs="+", default=None, help="HDET T values (default 50 100 1000; quick 4 8)")
