@@ -95,11 +95,14 @@ def _round(worker: Worker, module: Tiny, w: list[float], stat: float, steps: int
 
 def _one_round_each(server: Server, workers: list[Worker], modules: list[Tiny]) -> None:
     """Each worker in its own thread (a sync batch waits for both): hello, one round of 2 steps leaving
-    w = [1, 1], stat 2 (worker 0) and w = [3, -1], stat 6 (worker 1), then leave; wait for the server to end."""
+    w = [1, 1], stat 2 (worker 0) and w = [3, -1], stat 6 (worker 1), then leave; wait for the server to end.
+    Both pull the starting model before either pushes (async: else the later hello pulls the first push)."""
     local = {0: ([1.0, 1.0], 2.0), 1: ([3.0, -1.0], 6.0)}
+    pulled = threading.Barrier(2, timeout=60)
 
     def run(w: int) -> None:
         workers[w].exchange(Kind.HELLO)
+        pulled.wait()
         _round(workers[w], modules[w], *local[w], 2)
         workers[w].exchange(Kind.BYE)
 
