@@ -17,8 +17,14 @@ from torch import Tensor
 
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, first_line
 from lightning_hdet.asynchronous.messages import Fragments, Push, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.transport import (WorkerTransport, receive_buffer, receive_push, receive_reply,
-                                                   send_push, send_reply)
+from lightning_hdet.asynchronous.transport import (
+    WorkerTransport,
+    receive_buffer,
+    receive_push,
+    receive_reply,
+    send_push,
+    send_reply,
+)
 
 PUSH_TAG, REPLY_TAG = 1, 2
 _SERVER, _WORKER = 0, 1
