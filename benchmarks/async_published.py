@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import (
     add_output_args,
     add_run_args,
+    add_start_method_arg,
     begin,
     fill_run_defaults,
     fit_run,
@@ -96,7 +97,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
 
     spec = replace(run_spec(args, args.lr, weight_decay=0.1, scheduler="cosine", warmup_steps=args.steps // 10),
                    seed=seed)
-    common = {"start_method": "spawn", "process_group_backend": "gloo"}
+    common = {"start_method": args.start_method, "process_group_backend": "gloo"}
     options = METHODS[method]
     if options is None:
         strategy = DDPStrategy(**common)
@@ -165,6 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_output_args(p)
     add_run_args(p)
+    add_start_method_arg(p)
     p.add_argument("--world-size", type=int, default=None, help="W workers (default 4, quick 2)")
     p.add_argument("--steps", type=int, default=None, help="S: budget is W × S inner steps (default 200, quick 8)")
     p.add_argument("--local-steps", type=int, default=None, help="H (default 20, quick 2)")

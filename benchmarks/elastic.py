@@ -11,7 +11,7 @@ Arms (the regression task of the tests, ``LinearModel``; each step padded by ``-
   its share of the budget, and Lightning's launcher ends the job.
 
 Wall-clock is from launching the processes to the last one exiting (Python and Lightning start-up included, the
-same in every arm). Run: ``python benchmarks/elastic.py [--quick]`` (nice'd: ``nice -n 10``).
+same in every arm). Run: ``python benchmarks/elastic.py [--quick]``.
 """
 
 from __future__ import annotations

@@ -6,20 +6,22 @@ the async server's host memory.
   measured side by side in one invocation (arms interleaved over ``--repeats``): rank 0's training
   steps per second from its first to its last training step (start-up and validation excluded), and its CPU
   seconds per step over the same span (the cost of a step, robust to other jobs sharing the machine).
-- **Bytes per inner step**, per worker, float32 payload: computed from the parameter count ``P`` and the
-  exchange pattern, and measured by counting the bytes each rank hands to ``torch.distributed``'s Python
+- **Bytes per inner step**, per worker: computed from the parameter count ``P``, the codec and the exchange
+  pattern, and measured by counting the bytes each rank hands to ``torch.distributed``'s Python
   ``send``/``recv``/``all_reduce`` (DDP's gradient buckets go through PyTorch's default all-reduce hook,
   as HDET's go through its own hook, so both arms pay a Python hook per bucket). DDP all-reduces ``4P`` bytes per step (a ring
   all-reduce puts ``2(W-1)/W × 4P`` on each rank's wire); HDET adds one ``4P`` all-reduce per ``T``
-  steps; DiLoCo and async send ``4P`` (pseudo-gradient) and receive ``4P`` (global parameters) per
-  round of ``H`` inner steps, and by default (``checkpoint_inner_states=True``) also send their inner
-  optimizer state (AdamW: ``8P``) with every push and with their last message; the row
-  "diloco ..., no inner states" turns that off (the states are then gathered once, at the end of ``fit``).
-- **Host memory**: rank 0's peak resident set (``ru_maxrss``) under async DN + DyLU minus under DDP on a
-  larger model, relative to the model's float32 size. Rank 0 both trains and runs the outer optimizer,
-  which keeps the global parameters, the Nesterov momentum and the Delayed-Nesterov buffer (3 × model),
-  one receive buffer per push and each worker's latest inner optimizer state (AdamW: 2 × model per
-  worker); DDP keeps gradient buckets (1 × model) instead.
+  steps; DiLoCo and async send the encoded pseudo-gradient (``4P`` uncompressed, ``2P`` in bf16, ``P`` plus
+  one float32 scale per row in int8) and receive ``4P`` (global parameters) per round of ``H`` inner steps,
+  against the bound of two float32 models per round, ``8P / H``. By default nothing else travels (each worker
+  checkpoints its own inner optimizer state); the row "inner states" sets ``checkpoint_inner_states=True``,
+  which also sends AdamW's state (``8P``) with every push and with the last message.
+- **Host memory**: rank 0's peak resident set (``ru_maxrss``) under async DN + DyLU and under DiLoCo minus
+  under DDP, at two model widths, relative to the model's float32 size, and its slope (extra memory per unit
+  of model between the two widths: what grows with the model, without the fixed costs). Rank 0 both trains
+  and runs the outer optimizer, which keeps the global parameters and the momentum (and the DN buffer, or
+  DiLoCo's round sum: 3 × model) and one fragment (at most 25 MiB) of a push in flight; its worker keeps
+  the pulled model (1 ×); DDP keeps gradient buckets (1 × model) instead.
 
 - **Lean HDET** (``lean``): rank 0's peak resident memory above its level at the call during each HDET merge
   and during a checkpoint, on a wider model (``--lean-d-model``, 4 layers), HDET with one group per rank
@@ -55,7 +57,16 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RunSpec, add_output_args, begin, fit_run, fmt, markdown_table, publish
+from benchmarks.common import (
+    RunSpec,
+    add_output_args,
+    add_start_method_arg,
+    begin,
+    fit_run,
+    fmt,
+    markdown_table,
+    publish,
+)
 
 NAME = "overhead"
 PARTS = ("throughput", "exchange", "lean", "sharded")
@@ -114,7 +125,13 @@ class Probe(Callback):
         self.cpu_times.append(time.process_time())  # this process's CPU time: robust to other jobs on the machine
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_hdet.asynchronous.messages import Fragments
+
+        compression = getattr(trainer.strategy, "compression", "none")
         record = {
+            # what one encoded push of the parameters weighs (the codec's bytes), and the float buffers' values
+            "encoded_push_bytes": Fragments([p.shape for p in pl_module.parameters()], compression).nbytes,
+            "float_buffer_values": sum(b.numel() for b in pl_module.buffers() if b.is_floating_point()),
             **_COUNTS,
             "steps": len(self.times),
             "span_s": self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0,
@@ -210,7 +227,7 @@ def run_memory(kind: str, args: argparse.Namespace, work: Path, world_size: int)
 
     from lightning_hdet import HDETCallback, HDETStrategy
 
-    common = {"start_method": "spawn", "process_group_backend": "gloo"}
+    common = {"start_method": args.start_method, "process_group_backend": "gloo"}
     callbacks: list[Callback] = [MemoryProbe(work)]
     if kind == "ddp":
         strategy = DDPStrategy(**common)
@@ -225,15 +242,16 @@ def run_memory(kind: str, args: argparse.Namespace, work: Path, world_size: int)
 
 
 def run_probe(
-    kind: str, args: argparse.Namespace, work: Path, steps: int, d_model: int, every: int = 0, inner_states: bool = True
+    kind: str, args: argparse.Namespace, work: Path, steps: int, d_model: int, every: int = 0,
+    inner_states: bool = False, compression: str = "none",
 ) -> list[dict]:
     """One fit of ``kind`` (``ddp``, ``hdet``, ``diloco``, ``async``); returns every rank's probe record.
-    ``inner_states`` is the async strategy's ``checkpoint_inner_states``."""
+    ``inner_states`` and ``compression`` are the async strategy's ``checkpoint_inner_states`` and ``compression``."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
 
-    common = {"start_method": "spawn", "process_group_backend": os.environ.get("BENCH_BACKEND", "gloo")}
+    common = {"start_method": args.start_method, "process_group_backend": os.environ.get("BENCH_BACKEND", "gloo")}
     callbacks: list[Callback] = [Probe(work, count_ddp_buckets=kind == "ddp")]
     if kind == "ddp":
         strategy = DDPStrategy(**common)
@@ -242,8 +260,8 @@ def run_probe(
         callbacks.append(HDETCallback(every_n_steps=every))
     else:
         mode = "sync" if kind == "diloco" else "async"
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode,
-                                         checkpoint_inner_states=inner_states, **common)
+        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, checkpoint_inner_states=inner_states,
+                                         compression=compression, **common)
     spec = RunSpec(
         lr=1e-2, steps=steps, devices=args.world_size, batch_size=args.batch_size, max_chars=args.max_chars,
         val_every=steps, val_batches=1, model={"d_model": d_model, "n_layers": args.n_layers},
@@ -253,19 +271,27 @@ def run_probe(
     return [json.loads((work / f"probe{r}.json").read_text()) for r in range(args.world_size)]
 
 
-def computed_bytes(kind: str, params: int, every: int, local_steps: int, steps: int, inner_states: bool) -> float:
+def computed_bytes(kind: str, probe: dict, every: int, local_steps: int, steps: int, inner_states: bool) -> float:
     """Payload bytes one worker hands to the network per inner step, from the exchange pattern: for DiLoCo/async
-    a run of ``steps`` inner steps in rounds of ``local_steps`` with AdamW as the inner optimizer (a worker
-    that dynamic local steps gives shorter rounds exchanges more often than this)."""
-    model = 4 * params
+    a run of ``steps`` inner steps in rounds of ``local_steps``, each round one push (the encoded pseudo-gradient,
+    ``probe["encoded_push_bytes"]``, and the float buffers' values) and one pull (the float32 parameters and
+    buffers), with AdamW as the inner optimizer (a worker that dynamic local steps gives shorter rounds
+    exchanges more often than this)."""
+    model = 4 * probe["params"]
     if kind == "ddp":
         return model
     if kind == "hdet":
         return model + model / every
-    exchange = 2 * model / local_steps  # diloco / async: push the pseudo-gradient, pull the parameters
-    # AdamW's two moments: with every push and with the last message (on a fresh run the first message's state
-    # is still empty), or, without inner states, gathered once at the end of fit.
-    return exchange + 2 * model * ((1 / local_steps + 1 / steps) if inner_states else 1 / steps)
+    buffers = 4 * probe["float_buffer_values"]
+    exchange = (probe["encoded_push_bytes"] + buffers + model + buffers) / local_steps
+    # AdamW's two moments with every push and with the last message (on a fresh run the first message's state is
+    # still empty); by default they never travel.
+    return exchange + (2 * model * (1 / local_steps + 1 / steps) if inner_states else 0.0)
+
+
+def bound_bytes(params: int, local_steps: int) -> float:
+    """Two float32 models per round of ``local_steps`` inner steps: the uncompressed push and pull alone."""
+    return 2 * 4 * params / local_steps
 
 
 def measured_bytes(probes: list[dict]) -> float:
@@ -277,6 +303,7 @@ def measured_bytes(probes: list[dict]) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_output_args(p)
+    add_start_method_arg(p)
     p.add_argument("--world-size", type=int, default=2, help="W processes")
     p.add_argument("--steps", type=int, default=None, help="throughput steps per arm (default 300, quick 16)")
     p.add_argument("--intervals", type=int, nargs="+", default=None, help="HDET T values (default 50 100 1000; quick 4 8)")
@@ -284,7 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-steps", type=int, default=None, help="H for DiLoCo/async (default 20, quick 2)")
     p.add_argument("--exchange-steps", type=int, default=None, help="budget S of the DiLoCo/async runs (default 100, quick 8)")
     p.add_argument("--d-model", type=int, default=None, help="throughput model width (default 64, quick 32)")
-    p.add_argument("--memory-d-model", type=int, default=None, help="width for the bytes/memory runs (default 256, quick 32)")
+    p.add_argument("--memory-d-models", type=int, nargs=2, default=None,
+                   help="the two widths of the memory runs; the first also for the bytes runs (default 256 512, quick 32 64)")
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=None, help="per process (default 16, quick 8)")
     p.add_argument("--max-chars", type=int, default=1_000_000)
@@ -309,7 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.local_steps = args.local_steps or (2 if q else 20)
     args.exchange_steps = args.exchange_steps or (8 if q else 100)
     args.d_model = args.d_model or (32 if q else 64)
-    args.memory_d_model = args.memory_d_model or (32 if q else 256)
+    args.memory_d_models = args.memory_d_models or ([32, 64] if q else [256, 512])
     args.batch_size = args.batch_size or (8 if q else 16)
     args.lean_d_model = args.lean_d_model or (64 if q else 768)
     args.lean_world_sizes = args.lean_world_sizes or ([2] if q else [2, 4])
@@ -342,14 +370,18 @@ def main(argv: list[str] | None = None) -> dict:
                   " / ".join(fmt(1000 * x, ".1f") for x in payload["raw_cpu_s_per_step"][r["arm"]])]
                  for r in payload["throughput"]]))
         if "exchange" in parts:
-            payload["memory"], table = measure_exchange(args, Path(tmp), probes)
+            exchange, table = measure_exchange(args, Path(tmp), probes)
+            payload.update(exchange)
             sections.append(table)
         if probes:
             payload["bytes"] = bytes_rows(args, probes)
             sections.insert(1 if "throughput" in parts else 0, markdown_table(
-                ["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)"],
+                ["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)",
+                 "measured / (2 models / H)"],
                 [[r["arm"], str(r["params"]), fmt(r["computed_bytes_per_step"], ".0f"),
-                  fmt(r["measured_bytes_per_step"], ".0f")] for r in payload["bytes"]]))
+                  fmt(r["measured_bytes_per_step"], ".0f"),
+                  fmt(r["measured_over_bound"], ".3f") if "measured_over_bound" in r else ""]
+                 for r in payload["bytes"]]))
         if "lean" in parts:
             payload["lean"], table = measure_lean(args, Path(tmp))
             sections.append(table)
@@ -360,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {
         "throughput": f"throughput: W = {args.world_size}, width {args.d_model}, {args.steps} steps per arm, "
                       f"{args.repeats} interleaved repeat(s), median",
-        "exchange": f"bytes and memory: W = {args.world_size}, width {args.memory_d_model}, budget "
+        "exchange": f"bytes: width {args.memory_d_models[0]}, memory: widths "
+                    f"{' and '.join(str(w) for w in args.memory_d_models)}; W = {args.world_size}, budget "
                     f"{args.exchange_steps} steps, H = {args.local_steps}",
         "lean": f"lean: width {args.lean_d_model}, 4 layers",
         "sharded": f"sharded: W = {args.sharded_world_size}, G = {args.sharded_groups}, width {args.sharded_d_model}, "
@@ -399,50 +432,62 @@ def measure_throughput(args: argparse.Namespace, tmp: Path, probes: dict[str, li
     ], "raw": speed, "raw_cpu": cpu}
 
 
+#: The DiLoCo/async rows of the bytes table: (label suffix, kind, checkpoint_inner_states, compression).
+BYTES_ARMS = [("", "diloco", False, "none"), ("", "async", False, "none"), (", inner states", "diloco", True, "none"),
+              (", bf16", "diloco", False, "bf16"), (", int8", "diloco", False, "int8")]
+MEMORY_KINDS = ("ddp", "diloco", "async")
+
+
 def measure_exchange(args: argparse.Namespace, tmp: Path, probes: dict[str, list[dict]]) -> tuple[dict, str]:
-    """DiLoCo and async (and DDP on the same larger model): their bytes and rank 0's peak host memory."""
-    for kind in ("ddp", "diloco", "async"):
-        if kind == "ddp" and args.memory_d_model == args.d_model and "ddp" in probes:  # reuse the throughput run
-            probes["ddp (memory)"] = probes["ddp"]
-            continue
-        probes[f"{kind} (memory)"] = run_probe(kind, args, tmp / f"mem_{kind}", args.exchange_steps, args.memory_d_model)
-    probes["diloco (no inner states)"] = run_probe(
-        "diloco", args, tmp / "diloco_no_inner", args.exchange_steps, args.memory_d_model, inner_states=False)
-    model_bytes = 4 * probes["async (memory)"][0]["params"]
-    rss = {k: probes[f"{k} (memory)"][0]["peak_rss_bytes"] for k in ("ddp", "diloco", "async")}
-    memory = {
-        "model_bytes": model_bytes,
-        "rank0_peak_rss_bytes": rss,
-        "async_minus_ddp_over_model": (rss["async"] - rss["ddp"]) / model_bytes,
-        "diloco_minus_ddp_over_model": (rss["diloco"] - rss["ddp"]) / model_bytes,
-    }
-    table = markdown_table(["rank 0 peak RSS", "ddp", "diloco", "async DN+DyLU", "model (float32)",
-                            "(async − ddp) / model", "(diloco − ddp) / model"],
-                           [["MB", *(fmt(rss[k] / 2**20, ".1f") for k in ("ddp", "diloco", "async")),
-                             fmt(model_bytes / 2**20, ".2f"), fmt(memory["async_minus_ddp_over_model"], ".1f"),
-                             fmt(memory["diloco_minus_ddp_over_model"], ".1f")]])
-    return memory, table
+    """DDP, DiLoCo and async at both memory widths (rank 0's peak host memory and its slope per unit of model),
+    and the DiLoCo/async bytes rows (the first width's runs, plus inner states, bf16 and int8)."""
+    for width in args.memory_d_models:
+        for kind in MEMORY_KINDS:
+            probes[f"{kind} (memory {width})"] = run_probe(kind, args, tmp / f"mem_{kind}_{width}", args.exchange_steps, width)
+    width = args.memory_d_models[0]
+    for suffix, kind, inner, compression in BYTES_ARMS:
+        label = f"{kind} H={args.local_steps}{suffix}"
+        probes[label] = (probes[f"{kind} (memory {width})"] if not suffix else run_probe(
+            kind, args, tmp / label.replace(" ", "_").replace(",", ""), args.exchange_steps, width, 0, inner, compression))
+    memory = []
+    for width in args.memory_d_models:
+        rss = {k: probes[f"{k} (memory {width})"][0]["peak_rss_bytes"] for k in MEMORY_KINDS}
+        model_bytes = 4 * probes[f"ddp (memory {width})"][0]["params"]
+        memory.append({"width": width, "model_bytes": model_bytes, "rank0_peak_rss_bytes": rss,
+                       **{f"{k}_minus_ddp_over_model": (rss[k] - rss["ddp"]) / model_bytes for k in ("diloco", "async")}})
+    small, large = memory
+    slope = {k: ((large["rank0_peak_rss_bytes"][k] - large["rank0_peak_rss_bytes"]["ddp"])
+                 - (small["rank0_peak_rss_bytes"][k] - small["rank0_peak_rss_bytes"]["ddp"]))
+             / (large["model_bytes"] - small["model_bytes"]) for k in ("diloco", "async")}
+    mb = 2**20
+    rows = [[str(m["width"]), fmt(m["model_bytes"] / mb, ".2f"),
+             *(fmt(m["rank0_peak_rss_bytes"][k] / mb, ".1f") for k in MEMORY_KINDS),
+             fmt(m["async_minus_ddp_over_model"], ".1f"), fmt(m["diloco_minus_ddp_over_model"], ".1f")]
+            for m in memory]
+    rows.append(["slope (per unit of model)", "", "", "", "", fmt(slope["async"], ".1f"), fmt(slope["diloco"], ".1f")])
+    table = markdown_table(["width", "model (float32, MB)", "rank 0 peak RSS ddp (MB)", "diloco (MB)",
+                            "async DN+DyLU (MB)", "(async − ddp) / model", "(diloco − ddp) / model"], rows)
+    return {"memory": memory, "memory_slope": slope}, table
 
 
 def bytes_rows(args: argparse.Namespace, probes: dict[str, list[dict]]) -> list[dict]:
     """Computed and measured bytes per inner step of every arm that ran."""
     h = args.local_steps
     rows = []
-    for label, arm, kind, every in [
-        ("ddp", "ddp", "ddp", 0), *[(f"hdet T={t}", f"hdet T={t}", "hdet", t) for t in args.intervals],
-        ("diloco (memory)", f"diloco H={h}", "diloco", 0), ("async (memory)", f"async H={h}", "async", 0),
-        ("diloco (no inner states)", f"diloco H={h}, no inner states", "diloco", 0),
+    for label, kind, every, inner in [
+        ("ddp", "ddp", 0, False), *[(f"hdet T={t}", "hdet", t, False) for t in args.intervals],
+        *[(f"{kind} H={h}{suffix}", kind, 0, inner) for suffix, kind, inner, _ in BYTES_ARMS],
     ]:
         if label not in probes:
             continue
         ranks = probes[label]
         params = ranks[0]["params"]
-        rows.append({
-            "arm": arm, "params": params,
-            "computed_bytes_per_step": computed_bytes(kind, params, every, h, args.exchange_steps,
-                                                      inner_states="no inner states" not in arm),
-            "measured_bytes_per_step": measured_bytes(ranks),
-        })
+        row = {"arm": label, "params": params,
+               "computed_bytes_per_step": computed_bytes(kind, ranks[0], every, h, args.exchange_steps, inner),
+               "measured_bytes_per_step": measured_bytes(ranks)}
+        if kind in ("diloco", "async"):
+            row["measured_over_bound"] = row["measured_bytes_per_step"] / bound_bytes(params, h)
+        rows.append(row)
     return rows
 
 

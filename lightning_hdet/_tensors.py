@@ -30,6 +30,19 @@ def numel(tensors: Sequence[Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
+def flat_pieces(tensors: Sequence[Tensor], start: int, end: int) -> list[Tensor]:
+    """Views of the values ``[start, end)`` of the tensors' flat concatenation (each tensor contiguous), in order:
+    a fragment of a model read or written without flattening the whole of it."""
+    pieces, offset = [], 0
+    for t in tensors:
+        n = t.numel()
+        lo, hi = max(start, offset), min(end, offset + n)
+        if lo < hi:
+            pieces.append(t.detach().view(-1)[lo - offset : hi - offset])
+        offset += n
+    return pieces
+
+
 def flat_dtype(tensors: Sequence[Tensor]) -> torch.dtype:
     """The dtype of the flat vectors that carry ``tensors``: float64 if any tensor is float64, else float32."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -12,28 +12,52 @@ import torch
 from torch import nn
 
 from lightning_hdet.asynchronous.compression import Codec
-from lightning_hdet.asynchronous.messages import Kind, Push, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader, fragment_layout
 from lightning_hdet.asynchronous.outer import AsyncStep, OuterSettings, OuterState
 from lightning_hdet.asynchronous.server import Server
-from lightning_hdet.asynchronous.transport import GlooWorkerTransport, InProcessTransport, ServerTransport
+from lightning_hdet.asynchronous.transport import GlooWorkerTransport, ServerTransport, WorkerTransport
 from lightning_hdet.asynchronous.worker import Worker
 
 CPU = torch.device("cpu")
 
 
+class QueueEnd(WorkerTransport):
+    """A "remote" worker living in this process: its push (with copies of its fragments) goes into the network's
+    queue; its pull waits for the server's reply."""
+
+    def __init__(self, worker: int, pushes: queue.Queue, layout: Fragments) -> None:
+        self.worker, self.pushes, self.layout = worker, pushes, layout
+        self.replies: queue.Queue = queue.Queue()
+
+    def push(self, header, messages, buffers, inner_state) -> None:
+        copied = None if buffers is None else buffers.clone()
+        push = Push.of(self.worker, header, copied, inner_state, self.layout.nbytes)
+        self.pushes.put((push, [m.clone() for m in messages]))
+
+    def pull(self, into: torch.Tensor) -> ServerHeader:
+        header, state = self.replies.get(timeout=60)
+        if state is not None:
+            into.copy_(state)
+        return header
+
+
 class QueueNetwork(ServerTransport):
-    """The server's end for "remote" workers that live in this process: each has an :class:`InProcessTransport`."""
+    """The server's end for "remote" workers that live in this process (a fake transport)."""
 
-    def __init__(self, n_params: int, workers: list[int], codec: Codec | None = None) -> None:
-        self.pushes: queue.Queue[Push] = queue.Queue()
-        self.ends = {w: InProcessTransport(self.pushes, n_params, 60, lambda: None, worker=w, codec=codec)
-                     for w in workers}
+    def __init__(self, layout: Fragments, workers: list[int]) -> None:
+        self.pushes: queue.Queue = queue.Queue()
+        self.ends = {w: QueueEnd(w, self.pushes, layout) for w in workers}
+        #: every fragment each reply carried, by worker
+        self.replied: dict[int, list[list[torch.Tensor]]] = {w: [] for w in workers}
 
-    def receive(self) -> Push:
-        return self.pushes.get(timeout=60)
+    def receive(self):
+        push, messages = self.pushes.get(timeout=60)
+        return push, iter(messages)
 
-    def reply(self, worker: int, header: ServerHeader, params: torch.Tensor, buffers: torch.Tensor) -> None:
-        self.ends[worker].reply(header, params, buffers)
+    def reply(self, worker: int, header: ServerHeader, params, buffers: torch.Tensor) -> None:
+        parts = [p.clone() for p in params] if header.next_local_steps > 0 else []
+        self.replied[worker].append(parts)
+        self.ends[worker].replies.put((header, torch.cat([*parts, buffers]) if parts else None))
 
 
 class Tiny(nn.Module):
@@ -53,11 +77,12 @@ class Tiny(nn.Module):
 
 
 def _start(settings: OuterSettings, budget: int | None,
-           codec: Codec | None = None) -> tuple[Server, QueueNetwork, list[Tiny]]:
+           layout: Fragments | None = None) -> tuple[Server, QueueNetwork, list[Tiny]]:
     modules = [Tiny(), Tiny()]
-    outer = settings.build(torch.zeros(2), torch.zeros(1), workers=2, budget=budget)
-    network = QueueNetwork(n_params=2, workers=[1], codec=codec)
-    server = Server(outer, workers=2, remote=network, timeout=60, codec=codec)
+    layout = layout or Fragments([torch.Size([2])])
+    outer = settings.build(torch.zeros(2), torch.zeros(1), workers=2, budget=budget, ranges=layout.ranges)
+    network = QueueNetwork(layout, workers=[1])
+    server = Server(outer, workers=2, remote=network, timeout=60, layout=layout)
     server.start()
     return server, network, modules
 
@@ -66,6 +91,27 @@ def _round(worker: Worker, module: Tiny, w: list[float], stat: float, steps: int
     module.set(w, stat)
     assert [worker.step() for _ in range(steps)][-1]  # the round is complete after `steps` steps
     worker.exchange(Kind.PUSH)
+
+
+def _one_round_each(server: Server, workers: list[Worker], modules: list[Tiny]) -> None:
+    """Each worker in its own thread (a sync batch waits for both): hello, one round of 2 steps leaving
+    w = [1, 1], stat 2 (worker 0) and w = [3, -1], stat 6 (worker 1), then leave; wait for the server to end.
+    Both pull the starting model before either pushes (async: else the later hello pulls the first push)."""
+    local = {0: ([1.0, 1.0], 2.0), 1: ([3.0, -1.0], 6.0)}
+    pulled = threading.Barrier(2, timeout=60)
+
+    def run(w: int) -> None:
+        workers[w].exchange(Kind.HELLO)
+        pulled.wait()
+        _round(workers[w], modules[w], *local[w], 2)
+        workers[w].exchange(Kind.BYE)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    server.join()
 
 
 # --------------------------------------------------------------------------------------------- the wire format
@@ -91,34 +137,25 @@ def test_server_header_round_trip_and_bad_sizes() -> None:
         WorkerHeader.decode(torch.zeros(5, dtype=torch.float32))
 
 
-def test_received_push_splits_the_payload() -> None:
-    payload = torch.tensor([1.0, 2.0, 3.0, 9.0])
-    codec = Codec("none", [torch.Size([3])])
-    push = Push.received(3, WorkerHeader(Kind.PUSH, 4, 2.0, 0.1), payload.view(torch.uint8), codec)
+def test_push_of_a_header_counts_its_payload() -> None:
+    header = WorkerHeader(Kind.PUSH, 4, 2.0, 0.1)
+    push = Push.of(3, header, torch.tensor([9.0]), gradient_bytes=12)
     assert (push.worker, push.kind, push.steps, push.compute_s, push.wait_s) == (3, Kind.PUSH, 4, 2.0, 0.1)
-    assert push.pseudo_gradient.tolist() == [1.0, 2.0, 3.0] and push.buffers.tolist() == [9.0]
-    assert push.payload_bytes == 16
-    payload[3] = 0.0  # the buffers are the server's own copy
-    assert push.buffers.tolist() == [9.0]
-    hello = Push.received(1, WorkerHeader(Kind.HELLO, 0, 0.0, 0.0), None, codec)
+    assert push.pseudo_gradient is None and push.buffers.tolist() == [9.0]
+    assert push.payload_bytes == 12 + 4  # the encoded fragments, then one float32 buffer value
+    hello = Push.of(1, WorkerHeader(Kind.HELLO, 0, 0.0, 0.0), None, gradient_bytes=12)
     assert hello.pseudo_gradient is None and hello.buffers is None and hello.payload_bytes == 0
 
 
-def test_received_bf16_push_decodes_the_gradient_and_keeps_the_buffers() -> None:
-    codec = Codec("bf16", [torch.Size([3])])
-    wire = torch.cat([codec.encode(torch.tensor([1.0, -0.5, 1 + 2.0**-9])), torch.tensor([9.0]).view(torch.uint8)])
-    push = Push.received(2, WorkerHeader(Kind.PUSH, 1, 1.0, 0.0), wire, codec)
-    # bfloat16 keeps 1 and -0.5 exactly and rounds 1 + 2^-9 to 1; the buffer value travels as float32
-    assert push.pseudo_gradient.tolist() == [1.0, -0.5, 1.0] and push.buffers.tolist() == [9.0]
-    assert push.payload_bytes == 3 * 2 + 4
-
-
-def test_gloo_worker_sends_header_payload_inner_state_in_order() -> None:
+def test_gloo_worker_sends_header_buffers_inner_state_then_fragments_in_order() -> None:
+    layout = Fragments([torch.Size([2]), torch.Size([3])], max_bytes=12)  # two fragments: 2 and 3 values
+    fragments = iter([torch.ones(8, dtype=torch.uint8), torch.ones(12, dtype=torch.uint8)])
     with mock.patch("torch.distributed.send") as send:
-        GlooWorkerTransport("pushes", "replies", n_params=2).push(
-            WorkerHeader(Kind.PUSH, 2, 1.0, 0.0, 5), torch.ones(3), torch.zeros(5, dtype=torch.uint8))
+        GlooWorkerTransport("pushes", "replies", layout).push(
+            WorkerHeader(Kind.PUSH, 2, 1.0, 0.0, 5), fragments, torch.ones(1), torch.zeros(5, dtype=torch.uint8))
     sent = [(c.args[0].dtype, c.args[0].numel(), c.kwargs["dst"], c.kwargs["group"]) for c in send.call_args_list]
-    assert sent == [(torch.float64, 5, 0, "pushes"), (torch.float32, 3, 0, "pushes"), (torch.uint8, 5, 0, "pushes")]
+    assert sent == [(torch.float64, 5, 0, "pushes"), (torch.float32, 1, 0, "pushes"), (torch.uint8, 5, 0, "pushes"),
+                    (torch.uint8, 8, 0, "pushes"), (torch.uint8, 12, 0, "pushes")]
 
 
 # ------------------------------------------------------------------------- workers and the server, one process
@@ -149,25 +186,12 @@ def test_async_rounds_apply_each_push_share_the_budget_and_leave() -> None:
 
 
 def test_sync_round_applies_the_mean_once_and_ships_inner_states() -> None:
-    """DiLoCo: both pushes, one outer step with their mean; every worker pulls the same model. Each worker runs
-    in its own thread (a sync batch waits for both)."""
+    """DiLoCo: both pushes, one outer step with their mean; every worker pulls the same model; buffers [4]."""
     settings = OuterSettings(mode="sync", local_steps=2, outer_lr=1.0, outer_momentum=0.0)
     server, network, modules = _start(settings, budget=4)
     inner = torch.optim.SGD(modules[0].parameters(), lr=0.25)
     workers = [Worker(modules[0], CPU, server.local, inner), Worker(modules[1], CPU, network.ends[1])]
-    local = {0: ([1.0, 1.0], 2.0), 1: ([3.0, -1.0], 6.0)}
-
-    def run(w: int) -> None:
-        workers[w].exchange(Kind.HELLO)  # H = min(2, (4 - 0) // 2) = 2
-        _round(workers[w], modules[w], *local[w], 2)  # mean g = -[2, 0]: theta = [2, 0]; buffers = [4]
-        workers[w].exchange(Kind.BYE)
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    server.join()
+    _one_round_each(server, workers, modules)  # H = min(2, 4 // 2) = 2; mean g = -[2, 0]: theta = [2, 0]
     outer = server.outer
     assert outer.params.tolist() == [2.0, 0.0] and outer.buffers.tolist() == [4.0] and outer.outer_updates == 1
     assert [w.rounds for w in workers] == [[(2, 0), (0, 1)]] * 2  # budget spent: both stop
@@ -178,12 +202,12 @@ def test_sync_round_applies_the_mean_once_and_ships_inner_states() -> None:
 def test_int8_pushes_with_error_feedback_reach_the_true_sum() -> None:
     """int8 pushes (one scale per 2-value chunk) through the fake transport; worker 0 keeps its residual and sends
     it with its next push, worker 1 has no error feedback. Plain SGD outer step (lr 1): theta <- theta - decoded g."""
-    codec = Codec("int8", [torch.Size([2])])
+    layout = Fragments([torch.Size([2])], "int8")
     settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False,
                              dynamic_local_steps=False)
-    server, network, (m0, m1) = _start(settings, budget=6, codec=codec)
-    w0 = Worker(m0, CPU, server.local, codec=codec)
-    w1 = Worker(m1, CPU, network.ends[1], codec=codec, error_feedback=False)
+    server, network, (m0, m1) = _start(settings, budget=6, layout=layout)
+    w0 = Worker(m0, CPU, server.local, layout=layout)
+    w1 = Worker(m1, CPU, network.ends[1], layout=layout, error_feedback=False)
     w0.exchange(Kind.HELLO)
     w1.exchange(Kind.HELLO)
     # g = [-1, -0.5]: scale 1/127, q = [-127, -64] (-63.5, half to even): theta = [1, 64/127], residual [0, 0.5/127]
@@ -204,8 +228,8 @@ def test_int8_pushes_with_error_feedback_reach_the_true_sum() -> None:
 
 def test_a_failed_server_wakes_rank_zeros_worker() -> None:
     outer = mock.create_autospec(OuterState, instance=True)
-    outer.params, outer.step_policy = torch.zeros(2), AsyncStep()
-    outer.process.side_effect = RuntimeError("outer step failed")
+    outer.params, outer.step_policy, outer.ranges = torch.zeros(2), AsyncStep(), [(0, 2)]
+    outer.close.side_effect = RuntimeError("outer step failed")
     remote = mock.create_autospec(ServerTransport, instance=True)
     remote.receive.side_effect = lambda: queue.Queue().get(timeout=60)  # no remote message ever comes
     server = Server(outer, workers=2, remote=remote, timeout=60)
@@ -214,3 +238,75 @@ def test_a_failed_server_wakes_rank_zeros_worker() -> None:
     with pytest.raises(RuntimeError, match="server on rank 0 failed") as error:
         worker.exchange(Kind.HELLO)
     assert "outer step failed" in str(error.value.__cause__)
+
+
+# ------------------------------------------------------------------------------- fragments: pure, then streamed
+def test_fragment_layout_groups_parameters_and_cuts_large_ones() -> None:
+    """At most 8 values per fragment: a (3, 4) matrix is cut into row blocks (2 rows, then 1), a (10, 2) one into
+    4 + 4 + 2 rows, a flat 20-vector into chunks of 8, 8, 4; small pieces share a fragment while they fit."""
+    shapes = [torch.Size([3, 4]), torch.Size([5]), torch.Size([0]), torch.Size([10, 2]), torch.Size([20])]
+    layout = fragment_layout(shapes, max_values=8)
+    assert [(f.start, [tuple(s) for s in f.shapes]) for f in layout] == [
+        (0, [(2, 4)]), (8, [(1, 4)]), (12, [(5,)]), (17, [(4, 2)]), (25, [(4, 2)]), (33, [(2, 2)]),
+        (37, [(8,)]), (45, [(8,)]), (53, [(4,)])]
+    assert layout[-1].end == 57 == sum(s.numel() for s in shapes)
+    packed = fragment_layout([torch.Size([2]), torch.Size([3]), torch.Size([4])], max_values=5)
+    assert [f.shapes for f in packed] == [(torch.Size([2]), torch.Size([3])), (torch.Size([4]),)]
+    with pytest.raises(ValueError, match="at least one value"):
+        fragment_layout(shapes, max_values=0)
+
+
+@pytest.mark.parametrize("name", ["none", "bf16", "int8"])
+def test_fragments_reassemble_what_the_whole_codec_sends(name: str) -> None:
+    """Split, encoded fragment by fragment and joined, a vector decodes to exactly what one message of the whole
+    vector decodes to, in as many bytes: row blocks and 256-value chunks keep every int8 scale."""
+    shapes = [torch.Size([300, 4]), torch.Size([1000]), torch.Size([7])]
+    flat = torch.randn(sum(s.numel() for s in shapes), generator=torch.Generator().manual_seed(0))
+    layout = Fragments(shapes, name, max_bytes=4 * 512)  # 512 values: 128 rows, or 2 chunks of 256
+    assert len(layout.fragments) > 3 and layout.largest <= 512
+    whole = Codec(name, shapes)
+    assert layout.nbytes == whole.nbytes
+    torch.testing.assert_close(layout.join(layout.encode(flat)), whole.decode(whole.encode(flat.clone())),
+                               rtol=0, atol=0)
+    assert [v.data_ptr() for v in layout.split(flat)] == [flat[s:].data_ptr() for s, _ in layout.ranges]  # views
+
+
+def test_the_server_applies_each_fragment_as_it_arrives() -> None:
+    """A push of three fragments (a 5-value model in fragments of at most 2 values): when fragment k+1 is asked
+    for, fragment k is already in the global parameters (plain SGD outer step, lr 1: theta <- theta - g), and
+    the server decodes into one fragment-sized buffer."""
+    layout = Fragments([torch.Size([5])], max_bytes=8)
+    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False)
+    outer = settings.build(torch.zeros(5), torch.zeros(0), workers=1, budget=None, ranges=layout.ranges)
+    server = Server(outer, workers=1, remote=None, timeout=60, layout=layout)
+    assert server._decoded.numel() == 2 and len(outer.views) == 3
+
+    def arriving():
+        for k, (start, end) in enumerate(layout.ranges):
+            assert outer.params[:start].tolist() == [-1.0] * start  # fragments 0..k-1 applied
+            assert outer.params[start:].tolist() == [0.0] * (5 - start)
+            yield torch.ones(end - start).view(torch.uint8)
+
+    server.accept(Push.of(0, WorkerHeader(Kind.PUSH, 2, 1.0, 0.0), gradient_bytes=layout.nbytes), arriving())
+    assert outer.params.tolist() == [-1.0] * 5 and outer.outer_updates == 1 and outer.workers[0].push_bytes == 20
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_streamed_rounds_match_the_whole_vector_rounds(mode: str) -> None:
+    """Two workers, pushes and pulls of Tiny's 2-value parameter in fragments of one value each: the global model
+    is the hand-computed one, and the reply travelled fragment by fragment. Outer step plain SGD, lr 1 (sync:
+    theta <- theta - mean g)."""
+    layout = Fragments([torch.Size([2])], max_bytes=4)  # one value per fragment
+    kwargs = {"delayed_nesterov": False} if mode == "async" else {}
+    settings = OuterSettings(mode=mode, local_steps=2, outer_lr=1.0, outer_momentum=0.0, dynamic_local_steps=False,
+                             **kwargs)
+    server, network, modules = _start(settings, budget=4, layout=layout)
+    workers = [Worker(modules[0], CPU, server.local, layout=layout),
+               Worker(modules[1], CPU, network.ends[1], layout=layout)]
+    _one_round_each(server, workers, modules)
+    outer = server.outer
+    # async: theta = -(g0 + g1) = [4, 0]; sync: theta = -(g0 + g1) / 2 = [2, 0]; buffers: mean [4]
+    assert outer.params.tolist() == ([4.0, 0.0] if mode == "async" else [2.0, 0.0])
+    assert outer.buffers.tolist() == [4.0] and outer.steps_done == 4
+    hello_reply, *later = network.replied[1]
+    assert [p.tolist() for p in hello_reply] == [[0.0], [0.0]] and later == [[]]  # two 1-value fragments; stop

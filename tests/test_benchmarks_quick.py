@@ -218,7 +218,8 @@ def test_async_published_quick_mode(tmp_path):
     from benchmarks.async_published import LEVELS, PUBLISHED
 
     methods = ["diloco", "async_dn_dylu"]
-    data, table, _ = run_quick(tmp_path, "async_published", "--levels", "very", "--methods", *methods)
+    data, table, _ = run_quick(tmp_path, "async_published", "--levels", "very", "--methods", *methods,
+                               "--start-method", "fork")
     cfg = data["config"]
     rows = data["rows"]
     assert [(r["level"], r["method"]) for r in rows] == [("very", m) for m in methods]
@@ -238,16 +239,24 @@ def test_async_published_quick_mode(tmp_path):
     assert (tmp_path / "docs" / "img" / "async_published_quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.timeout(480)
+# Every default part at its smallest: one repeat, tiny widths, forked ranks (13 short fits; what is asserted is
+# bytes and the tables' shape, not speed or a memory level). The exchange runs keep the quick budget and widths:
+# below them Lightning's fixed start-up traffic is no longer small against the bytes per step.
+SMALLEST_OVERHEAD = ("--intervals", "4", "--repeats", "1", "--steps", "6", "--d-model", "16", "--batch-size", "4",
+                     "--local-steps", "2", "--lean-d-model", "32", "--start-method", "fork")
+
+
+@pytest.mark.timeout(600)
 def test_overhead_quick_mode(tmp_path):
-    data, table, _ = run_quick(tmp_path, "overhead", "--intervals", "4")
+    data, table, _ = run_quick(tmp_path, "overhead", *SMALLEST_OVERHEAD)
     cfg = data["config"]
     assert [r["arm"] for r in data["throughput"]] == ["ddp", "hdet T=4"]
     assert data["throughput"][0]["relative_to_ddp"] == 1.0
     assert all(r["steps_per_s"] > 0 for r in data["throughput"])
     comm = {r["arm"]: r for r in data["bytes"]}
     h = cfg["local_steps"]
-    assert list(comm) == ["ddp", "hdet T=4", f"diloco H={h}", f"async H={h}", f"diloco H={h}, no inner states"]
+    assert list(comm) == ["ddp", "hdet T=4", f"diloco H={h}", f"async H={h}", f"diloco H={h}, inner states",
+                          f"diloco H={h}, bf16", f"diloco H={h}, int8"]
     ddp = comm["ddp"]
     # DDP all-reduces the float32 gradients every step: 4 bytes per parameter (plus Lightning's few-byte flags).
     assert ddp["computed_bytes_per_step"] == 4 * ddp["params"]
@@ -256,27 +265,36 @@ def test_overhead_quick_mode(tmp_path):
     hdet = comm["hdet T=4"]
     assert hdet["computed_bytes_per_step"] == pytest.approx(4 * hdet["params"] * (1 + 1 / 4))
     assert hdet["measured_bytes_per_step"] >= 4 * hdet["params"]
-    # DiLoCo: one push and one pull of the model per round of H steps, plus small headers; by default each push
-    # and the last message also carry AdamW's two moments, serialized (the first message's are still empty);
-    # without that, the moments are gathered once at the end of fit.
+    # DiLoCo: one push and one pull of the model per round of H steps (the char LM has no float buffers), plus
+    # small headers: the bound of two models per round; the inner states row also sends AdamW's two moments
+    # with each push and the last message (the first message's are still empty).
     steps = cfg["exchange_steps"]
-    diloco, bare = comm[f"diloco H={h}"], comm[f"diloco H={h}, no inner states"]
+    diloco, inner = comm[f"diloco H={h}"], comm[f"diloco H={h}, inner states"]
     model = 4 * diloco["params"]
-    assert diloco["computed_bytes_per_step"] == pytest.approx(2 * model / h + 2 * model * (1 / h + 1 / steps))
-    assert bare["computed_bytes_per_step"] == pytest.approx(2 * model / h + 2 * model / steps)
-    assert diloco["measured_bytes_per_step"] == pytest.approx(diloco["computed_bytes_per_step"], rel=0.05)
-    assert bare["measured_bytes_per_step"] == pytest.approx(bare["computed_bytes_per_step"], rel=0.05)
-    assert comm[f"async H={h}"]["measured_bytes_per_step"] > bare["measured_bytes_per_step"]
-    mem = data["memory"]
-    assert mem["model_bytes"] == 4 * diloco["params"]
-    assert set(mem["rank0_peak_rss_bytes"]) == {"ddp", "diloco", "async"}
-    assert all(v > mem["model_bytes"] for v in mem["rank0_peak_rss_bytes"].values())
+    assert diloco["computed_bytes_per_step"] == pytest.approx(2 * model / h)
+    assert inner["computed_bytes_per_step"] == pytest.approx(2 * model / h + 2 * model * (1 / h + 1 / steps))
+    for row in (diloco, inner):
+        assert row["measured_bytes_per_step"] == pytest.approx(row["computed_bytes_per_step"], rel=0.05)
+    assert diloco["measured_over_bound"] == pytest.approx(1.0, rel=0.05)
+    # compressed pushes: bf16 halves the push, int8 quarters it (plus its scales); the pull stays float32
+    bf16, int8 = comm[f"diloco H={h}, bf16"], comm[f"diloco H={h}, int8"]
+    assert bf16["computed_bytes_per_step"] == pytest.approx(1.5 * model / h)
+    assert bf16["measured_bytes_per_step"] == pytest.approx(bf16["computed_bytes_per_step"], rel=0.05)
+    assert int8["measured_bytes_per_step"] < bf16["measured_bytes_per_step"] < diloco["measured_bytes_per_step"]
+    assert comm[f"async H={h}"]["measured_bytes_per_step"] >= diloco["measured_bytes_per_step"] * 0.95
+    small, large = data["memory"]
+    assert (small["width"], large["width"]) == tuple(cfg["memory_d_models"])
+    assert small["model_bytes"] == 4 * diloco["params"] < large["model_bytes"]
+    for m in (small, large):
+        assert set(m["rank0_peak_rss_bytes"]) == {"ddp", "diloco", "async"}
+        assert all(v > m["model_bytes"] for v in m["rank0_peak_rss_bytes"].values())
+    assert set(data["memory_slope"]) == {"diloco", "async"}
     # lean: rank 0's peak extra memory of a merge and of a checkpoint, DDP against HDET (G = W = 2)
     lean = {r["arm"]: r for r in data["lean"]}
     assert list(lean) == ["ddp", "hdet"] and lean["ddp"]["merge_extra_bytes"] == 0
     assert all(r["checkpoint_extra_bytes"] > 0 and r["own_state_bytes"] > r["model_bytes"] for r in lean.values())
     headers = [line for line in table if "---" not in line and ("arm" in line or "peak RSS" in line)]
-    assert len(headers) == 4 and len(table) == (2 + 2) + (2 + 5) + (2 + 1) + (2 + 2)
+    assert len(headers) == 4 and len(table) == (2 + 2) + (2 + 7) + (2 + 3) + (2 + 2)
 
 
 @pytest.mark.timeout(360)

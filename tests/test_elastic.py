@@ -101,6 +101,46 @@ def test_release_returns_in_flight_steps_and_drops_speed_and_buffers() -> None:
     assert 1 in outer.local_steps.speeds and 2 not in outer.local_steps.speeds
 
 
+class _LoopbackGroup:
+    """Both ends of a two-rank group in one process: what one sends on a tag, the other receives in order."""
+
+    class _Done:
+        def wait(self) -> None:
+            pass
+
+    def __init__(self) -> None:
+        self.queues: dict[int, list[torch.Tensor]] = {}
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Done:
+        self.queues.setdefault(tag, []).append(tensors[0].clone())
+        return self._Done()
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Done:
+        tensors[0].copy_(self.queues[tag].pop(0))
+        return self._Done()
+
+
+def test_session_transports_stream_fragments_and_the_service_gets_a_whole_push() -> None:
+    from lightning_hdet.asynchronous.elastic.transport import SessionServerEnd, SessionWorkerTransport
+    from lightning_hdet.asynchronous.messages import Fragments, ServerHeader, WorkerHeader
+
+    layout = Fragments([torch.Size([6, 4]), torch.Size([5])], "bf16", max_bytes=4 * 8)  # several fragments
+    assert len(layout.fragments) > 2
+    group = _LoopbackGroup()
+    worker, server = SessionWorkerTransport(group, 7, layout), SessionServerEnd(group, 7, 2, layout)
+    gradient = torch.arange(29, dtype=torch.float32) / 4  # exact in bf16
+    worker.push(WorkerHeader(Kind.PUSH, 3, 1.5, 0.25, 0), layout.encode(gradient), torch.tensor([1.0, 2.0]), None)
+    push = server.receive()
+    assert (push.worker, push.kind, push.steps) == (7, Kind.PUSH, 3) and push.buffers.tolist() == [1.0, 2.0]
+    torch.testing.assert_close(push.pseudo_gradient, gradient)
+    assert push.payload_bytes == layout.nbytes + 8
+    params, into = torch.randn(29), torch.zeros(31)
+    server.reply(ServerHeader(4, 9), params, torch.tensor([3.0, 4.0]))
+    assert worker.pull(into) == ServerHeader(4, 9)
+    torch.testing.assert_close(into, torch.cat([params, torch.tensor([3.0, 4.0])]))
+    assert not any(group.queues.values())  # nothing left over on either tag
+
+
 def test_parse_address_names_the_argument() -> None:
     assert parse_address("127.0.0.1:29400") == ("127.0.0.1", 29400)
     assert parse_address("[::1]:5") == ("::1", 5)
@@ -134,7 +174,7 @@ def _free_port() -> int:
 def _start(role: str, out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     log = open(out.with_suffix(".log"), "w")
-    return subprocess.Popen(["nice", "-n", "10", sys.executable, str(SCRIPT), role, "--out", str(out), *args],
+    return subprocess.Popen([sys.executable, str(SCRIPT), role, "--out", str(out), *args],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 

@@ -140,10 +140,12 @@ class Codec:
 
 class ErrorFeedback:
     """A worker's codec with error feedback: each push sends ``codec(g + residual)`` and keeps
-    ``residual = g + residual - decoded`` for the next one (zero for ``"none"``, which loses nothing).
+    ``residual = g + residual - decoded`` for the next one (zero for ``"none"``, which loses nothing). A push that
+    travels in fragments encodes each with its own codec and the matching slice of the residual
+    (:meth:`encode_part`).
 
     Args:
-        codec: the push's codec.
+        codec: the whole push's codec (its name and size).
         enabled: False sends ``codec(g)`` and keeps no residual.
     """
 
@@ -151,17 +153,25 @@ class ErrorFeedback:
         self.codec = codec
         self.enabled = enabled and codec.name != "none"
         self.residual = torch.zeros(codec.numel if self.enabled else 0, dtype=torch.float32)
-        self._decoded = torch.empty_like(self.residual)
+        self._decoded = torch.empty(0, dtype=torch.float32)
 
-    @torch.no_grad()
     def encode(self, pseudo_gradient: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """The message for this push. Adds the residual to ``pseudo_gradient`` in place (the caller's push buffer,
         which is rebuilt every round) to avoid a model-sized temporary."""
+        return self.encode_part(self.codec, pseudo_gradient, 0, out)
+
+    @torch.no_grad()
+    def encode_part(self, codec: Codec, values: Tensor, start: int, out: Optional[Tensor] = None) -> Tensor:
+        """The message for the values ``[start, start + codec.numel)`` of this push (``values``, changed in
+        place like :meth:`encode`), with that slice of the residual."""
         if not self.enabled:
-            return self.codec.encode(pseudo_gradient, out)
-        pseudo_gradient.add_(self.residual)
-        message = self.codec.encode(pseudo_gradient, out)
-        torch.sub(pseudo_gradient, self.codec.decode(message, self._decoded), out=self.residual)
+            return codec.encode(values, out)
+        residual = self.residual[start : start + codec.numel]
+        values.add_(residual)
+        message = codec.encode(values, out)
+        if self._decoded.numel() < codec.numel:
+            self._decoded = torch.empty(codec.numel, dtype=torch.float32)
+        torch.sub(values, codec.decode(message, self._decoded[: codec.numel]), out=residual)
         return message
 
     def state_dict(self) -> dict[str, Tensor]:

@@ -4,12 +4,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -19,11 +18,9 @@ from lightning_hdet._tensors import (
     model_state,
     numel,
     read_into,
-    to_cpu,
     write_from,
 )
-from lightning_hdet.asynchronous.compression import Codec
-from lightning_hdet.asynchronous.messages import Kind
+from lightning_hdet.asynchronous.messages import Fragments, Kind
 from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
 from lightning_hdet.asynchronous.server import Server
 from lightning_hdet.asynchronous.transport import GlooServerTransport, GlooWorkerTransport, WorkerTransport
@@ -45,7 +42,7 @@ class Exchange:
         groups: the two ``gloo`` groups (pushes, replies).
         workers: how many processes exchange.
         timeout: seconds any exchange may wait.
-        inner_optimizer: sent with every push when given (``checkpoint_inner_states``).
+        inner_optimizer: sent with every push when given (``checkpoint_inner_states=True``).
         outer: rank 0 only: the outer state to serve (see :meth:`OuterSettings.build`).
         compression: the pseudo-gradients' codec (``"none"``, ``"bf16"``, ``"int8"``; every worker uses the same).
         error_feedback: each worker keeps what its codec lost and adds it to its next push.
@@ -55,25 +52,25 @@ class Exchange:
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
                  compression: str = "none", error_feedback: bool = True) -> None:
         self.module, self.device, self.outer, self.groups, self.workers = module, device, outer, groups, workers
-        n_params = numel(list(module.parameters()))
-        codec = Codec(compression, [p.shape for p in module.parameters()])  # type: ignore[arg-type]
+        layout = Fragments([p.shape for p in module.parameters()], compression)  # type: ignore[arg-type]
         self.server: Server | None = None
         transport: WorkerTransport
         if outer is not None:
-            remote = GlooServerTransport(*groups, n_params, outer.buffers.numel(), codec)
-            self.server = Server(outer, workers, remote, timeout, codec)
+            remote = GlooServerTransport(*groups, layout, outer.buffers.numel())
+            self.server = Server(outer, workers, remote, timeout, layout)
             self.server.start()
             transport = self.server.local
         else:
-            transport = GlooWorkerTransport(*groups, n_params)
-        self.worker = Worker(module, device, transport, inner_optimizer, codec, error_feedback)
+            transport = GlooWorkerTransport(*groups, layout)
+        self.worker = Worker(module, device, transport, inner_optimizer, layout, error_feedback)
 
     @staticmethod
     def start_outer(settings: OuterSettings, module: Module, device: torch.device, workers: int,
                     budget: int | None, resume: dict[str, Any] | None) -> OuterState:
         """Rank 0: the outer state, from this model or from the checkpoint's outer state ``resume`` (on fewer
         workers, the others' buffers no longer count)."""
-        outer = settings.build(*read_model(module, device), workers, budget)
+        ranges = Fragments([p.shape for p in module.parameters()]).ranges  # the same for every codec
+        outer = settings.build(*read_model(module, device), workers, budget, ranges)
         if resume is not None:
             outer.load_state_dict(resume, workers=workers)
         return outer
@@ -88,25 +85,25 @@ class Exchange:
             self.server.join()
             self.write_global_model()
 
-    def gather_inner_states(self, optimizer: Optimizer) -> dict[int, Any]:
-        """Every worker's inner optimizer state, on every worker (a collective: all must call it)."""
-        states: list[Any] = [None] * self.workers
-        dist.all_gather_object(states, to_cpu(optimizer.state_dict()), group=self.groups[0])
-        return dict(enumerate(states))
-
-    def write_global_model(self) -> None:
-        """Rank 0: write the outer state's global parameters and floating-point buffers into the module."""
+    def write_global_model(self, snapshot: Mapping[str, Any] | None = None) -> None:
+        """Rank 0: write the global parameters and floating-point buffers into the module: the outer state's, or
+        those of ``snapshot`` (an :meth:`~.outer.OuterState.state_dict`)."""
         assert self.outer is not None
-        params, buffers = self.outer.global_model()
-        write_from(list(self.module.parameters()), params, self.device)
-        write_from(float_buffers(self.module), buffers, self.device)
+        if snapshot is not None:
+            write_from(list(self.module.parameters()), snapshot["params"], self.device)
+            write_from(float_buffers(self.module), snapshot["buffers"], self.device)
+            return
+        with self.outer.model_lock:  # straight from the outer state: no host copy of the global model
+            write_from(list(self.module.parameters()), self.outer.params, self.device)
+            write_from(float_buffers(self.module), self.outer.buffers, self.device)
 
     @contextmanager
-    def global_model(self) -> Iterator[None]:
-        """Rank 0: the module holds the current global model inside the block, its own outside."""
+    def global_model(self, snapshot: Mapping[str, Any] | None = None) -> Iterator[None]:
+        """Rank 0: the module holds the current global model (or ``snapshot``'s) inside the block, its own
+        outside."""
         tensors = model_state(self.module)
         saved = read_into(tensors, host_buffer(numel(tensors), self.device), self.device)
-        self.write_global_model()
+        self.write_global_model(snapshot)
         try:
             yield
         finally:

@@ -1,26 +1,32 @@
 """The exchange's wire format, as code. Pure: no process groups, no Lightning.
 
 One exchange is a push from a worker to the server on rank 0, then (unless the worker leaves) the server's reply.
+Model-sized vectors travel in **fragments** (:class:`Fragments`: consecutive parameters, or row blocks of a large
+one, of at most :data:`FRAGMENT_BYTES` of ``float32`` each, as DDP's 25 MiB buckets), so that rank 0 applies each
+fragment as it arrives and never holds a whole model per worker.
 
 Worker -> server, in this order:
 
 1. a :class:`WorkerHeader` (``float64[5]``);
-2. when ``steps > 0``: one flat ``uint8`` payload: the pseudo-gradient of the parameters
-   (``theta_pulled - theta_local``) encoded by the run's codec (:mod:`.compression`; ``"none"``: its ``float32``
-   bytes), followed by the ``float32`` bytes of the current *values* of the floating-point buffers;
-3. when ``inner_state_bytes > 0``: the worker's serialized inner optimizer state (``uint8[inner_state_bytes]``).
+2. when ``steps > 0`` and the model has floating-point buffers: their current *values* (``float32``);
+3. when ``inner_state_bytes > 0``: the worker's serialized inner optimizer state (``uint8[inner_state_bytes]``;
+   only with ``checkpoint_inner_states=True``, off by default);
+4. when ``steps > 0``: one ``uint8`` message per fragment: that fragment of the pseudo-gradient
+   (``theta_pulled - theta_local``) encoded by the fragment's codec (:mod:`.compression`; ``"none"``: its
+   ``float32`` bytes).
 
 Server -> worker, in this order:
 
 1. a :class:`ServerHeader` (``float64[2]``);
-2. when ``next_local_steps > 0``: the flat ``float32`` global parameters, then (only if the model has
-   floating-point buffers, as a second message) the flat global buffers.
+2. when ``next_local_steps > 0``: the global parameters, one ``float32`` message per fragment, then (only if the
+   model has floating-point buffers) the global buffers.
 
 Headers are ``float64`` so that step counts and seconds share one tensor exactly (integers up to 2**53).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar
@@ -28,7 +34,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lightning_hdet.asynchronous.compression import Codec
+from lightning_hdet.asynchronous.compression import DEFAULT_CHUNK, Codec, CodecName
+
+#: Largest fragment of a pushed or pulled model, in bytes of ``float32`` values (DDP's default bucket size).
+FRAGMENT_BYTES = 25 * 2**20
 
 
 class Kind(IntEnum):
@@ -97,32 +106,133 @@ class ServerHeader:
 
 @dataclass
 class Push:
-    """A worker's message as the server sees it, once received (whichever transport carried it)."""
+    """A worker's message as the server sees it, once its header (and buffers, inner state) arrived; the
+    pseudo-gradient's fragments are applied as they arrive and never gathered (``pseudo_gradient`` is only set
+    by code that holds a whole push anyway, e.g. tests calling :meth:`~.outer.OuterState.process`)."""
 
     worker: int
     kind: Kind
     steps: int
     compute_s: float
     wait_s: float
-    #: ``theta_pulled - theta_local`` of the parameters (``None`` when no steps were taken).
+    #: ``theta_pulled - theta_local`` of the parameters, whole (``None`` when streamed or no steps were taken).
     pseudo_gradient: Tensor | None = None
     #: The worker's serialized inner optimizer state (uint8), if sent.
     inner_state: Tensor | None = None
     #: The worker's floating-point buffer values (flat), if sent and the model has any.
     buffers: Tensor | None = None
-    #: Bytes of the payload as it travelled (the encoded pseudo-gradient and the buffer values).
+    #: Bytes of the payload as it travelled (the encoded pseudo-gradient's fragments and the buffer values).
     payload_bytes: int = 0
 
     @classmethod
-    def received(cls, worker: int, header: WorkerHeader, payload: Tensor | None, codec: Codec,
-                 inner_state: Tensor | None = None) -> Push:
-        """Split a flat ``uint8`` payload (the encoded pseudo-gradient, then the buffers' ``float32`` bytes) and
-        decode the pseudo-gradient. The buffers are copied: the server keeps them, and the pseudo-gradient need not
-        stay alive with them."""
-        gradient = buffers = None
-        if payload is not None:
-            gradient = codec.decode(payload[: codec.nbytes])
-            if payload.numel() > codec.nbytes:
-                buffers = payload[codec.nbytes :].clone().view(torch.float32)  # a copy: aligned for float32
-        return cls(worker, header.kind, header.steps, header.compute_s, header.wait_s, gradient, inner_state,
-                   buffers, 0 if payload is None else payload.numel())
+    def of(cls, worker: int, header: WorkerHeader, buffers: Tensor | None = None,
+           inner_state: Tensor | None = None, gradient_bytes: int = 0) -> Push:
+        """The push a header announces (``gradient_bytes``: what its fragments weigh on the wire)."""
+        payload = (gradient_bytes + (0 if buffers is None else 4 * buffers.numel())) if header.steps > 0 else 0
+        return cls(worker, header.kind, header.steps, header.compute_s, header.wait_s, None, inner_state, buffers,
+                   payload)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One fragment of the flat parameter vector: values ``[start, start + numel)``, made of pieces of these
+    shapes (whole parameters, or row blocks / chunks of one larger than a fragment)."""
+
+    start: int
+    shapes: tuple[torch.Size, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shapes)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+def _pieces(shape: torch.Size, max_values: int) -> list[torch.Size]:
+    """``shape`` cut into pieces of at most ``max_values`` values: row blocks of a tensor with two or more
+    dimensions (at least one row each), chunks of a flat one (a multiple of the int8 codec's chunk, so that its
+    scales are the same as the whole tensor's)."""
+    n = shape.numel()
+    if n <= max_values:
+        return [shape]
+    if len(shape) >= 2:
+        rows = max(1, max_values // (n // shape[0]))
+        return [torch.Size([min(rows, shape[0] - r), *shape[1:]]) for r in range(0, shape[0], rows)]
+    chunk = max_values - max_values % DEFAULT_CHUNK if max_values >= DEFAULT_CHUNK else max_values
+    return [torch.Size([min(chunk, n - r)]) for r in range(0, n, chunk)]
+
+
+def fragment_layout(shapes: Sequence[torch.Size], max_values: int) -> list[Fragment]:
+    """Consecutive pieces of the tensors of ``shapes`` (flat, in order) grouped into fragments of at most
+    ``max_values`` values (a single row longer than that is a fragment by itself). Empty tensors take none."""
+    if max_values < 1:
+        raise ValueError(f"A fragment holds at least one value, got max_values={max_values}.")
+    fragments: list[Fragment] = []
+    pieces: list[torch.Size] = []
+    start = size = 0
+    for shape in shapes:
+        for piece in _pieces(torch.Size(shape), max_values) if torch.Size(shape).numel() else []:
+            if pieces and size + piece.numel() > max_values:
+                fragments.append(Fragment(start, tuple(pieces)))
+                start, pieces, size = start + size, [], 0
+            pieces.append(piece)
+            size += piece.numel()
+    if pieces:
+        fragments.append(Fragment(start, tuple(pieces)))
+    return fragments
+
+
+class Fragments:
+    """How a model's flat parameters travel: the :func:`fragment_layout` and one codec per fragment.
+
+    Args:
+        shapes: the parameters' shapes, in order.
+        compression: the pseudo-gradients' codec (replies are always ``float32``).
+        max_bytes: the largest fragment, in bytes of ``float32`` values.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], compression: CodecName = "none",
+                 max_bytes: int = FRAGMENT_BYTES) -> None:
+        self.fragments = fragment_layout(shapes, max(1, max_bytes // 4))
+        self.codecs = [Codec(compression, f.shapes) for f in self.fragments]
+        self.numel = sum(f.numel for f in self.fragments)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each fragment in the flat vector."""
+        return [(f.start, f.end) for f in self.fragments]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one encoded pseudo-gradient (all fragments)."""
+        return sum(c.nbytes for c in self.codecs)
+
+    @property
+    def largest(self) -> int:
+        """Values in the largest fragment (the size of a fragment buffer)."""
+        return max((f.numel for f in self.fragments), default=0)
+
+    def split(self, flat: Tensor) -> Iterator[Tensor]:
+        """Views of ``flat``, one per fragment, in order (no copies)."""
+        if flat.numel() < self.numel:
+            raise ValueError(f"Expected at least {self.numel} values, got {flat.numel()}.")
+        return (flat[s:e] for s, e in self.ranges)
+
+    def encode(self, flat: Tensor) -> Iterator[Tensor]:
+        """Each fragment of ``flat`` encoded by its codec, in order (no error feedback)."""
+        return (codec.encode(part) for codec, part in zip(self.codecs, self.split(flat)))
+
+    def decode(self, messages: Iterable[Tensor], out: Tensor) -> Iterator[Tensor]:
+        """Each arriving fragment message decoded into ``out`` (a buffer of at least :attr:`largest` values,
+        reused for every fragment: consume each before the next), in order. The receiver checks the count."""
+        for codec, message in zip(self.codecs, messages):
+            yield codec.decode(message, None if codec.name == "none" else out[: codec.numel])  # "none": a view
+
+    def join(self, messages: Iterable[Tensor]) -> Tensor:
+        """The whole decoded vector (reassembly, for tests and small models)."""
+        flat = torch.empty(self.numel, dtype=torch.float32)
+        for (s, e), codec, message in zip(self.ranges, self.codecs, messages):
+            codec.decode(message, flat[s:e])
+        return flat

@@ -1,15 +1,20 @@
 """The outer side of Local-SGD: global parameters and buffers, the outer optimizer, the step budget, per-worker
-statistics and inner optimizer states. Pure: no process groups, no Lightning.
+statistics (and, only with ``checkpoint_inner_states=True``, inner optimizer states). Pure: no process groups, no
+Lightning.
 
-How pushes become outer updates and how long each worker's next round is differ between the two modes, and are
-two step policies: :class:`AsyncStep` (each push applied on arrival, round lengths by speed, budget shared by
-speed) and :class:`SyncStep` (DiLoCo: the mean of every worker's push, one outer step, equal round lengths).
+Pushes arrive in fragments (:class:`~.messages.Fragments`) and are applied fragment by fragment as they arrive:
+the outer optimizer holds one parameter per fragment (views of the flat global parameters), so that stepping a
+fragment is the step of the whole vector restricted to it. How pushes become outer updates and how long each
+worker's next round is differ between the two modes, and are two step policies: :class:`AsyncStep` (each push
+applied on arrival, round lengths by speed, budget shared by speed) and :class:`SyncStep` (DiLoCo: the mean of
+every worker's push, one outer step at the end of the round, equal round lengths).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,8 +59,14 @@ class StepPolicy(Protocol):
     #: still training has pushed.
     batch_window: float | None
 
-    def apply(self, outer: OuterState, gradients: list[Tensor]) -> None:
-        """Step the outer optimizer (through :meth:`OuterState.outer_step`) with the batch's pseudo-gradients."""
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        """One arriving fragment of a push's pseudo-gradient (``index``: which fragment)."""
+
+    def pushed(self, outer: OuterState) -> None:
+        """A push's last fragment has arrived."""
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        """The batch closed; ``pushes`` of its pushes carried a pseudo-gradient."""
 
     def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
         """``worker``'s next round length within the budget left (``n_waiting`` workers wait for a reply)."""
@@ -74,9 +85,14 @@ class AsyncStep:
     def __init__(self, grace_period: float = 0.0) -> None:
         self.batch_window: float | None = grace_period
 
-    def apply(self, outer: OuterState, gradients: list[Tensor]) -> None:
-        for g in gradients:
-            outer.outer_step(g)
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        outer.step_fragment(index, gradient)
+
+    def pushed(self, outer: OuterState) -> None:
+        outer.outer_updates += 1
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        pass
 
     def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
         steps = outer.local_steps.next_local_steps(worker)
@@ -94,9 +110,15 @@ class SyncStep:
     #: ``None``: a batch waits for every worker still training.
     batch_window: float | None = None
 
-    def apply(self, outer: OuterState, gradients: list[Tensor]) -> None:
-        if gradients:
-            outer.outer_step(torch.stack(gradients).mean(0))
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        outer.accumulate(index, gradient)  # the sum of the round's pushes: one model, not one per worker
+
+    def pushed(self, outer: OuterState) -> None:
+        pass
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        if pushes:
+            outer.step_mean(pushes)
 
     def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
         steps = outer.local_steps.local_steps
@@ -164,21 +186,24 @@ class OuterSettings:
             )
         validate_outer_hyperparameters(self.preset.lr, self.preset.momentum, n, self.momentum_activation)
 
-    def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None) -> OuterState:
+    def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None,
+              ranges: list[tuple[int, int]] | None = None) -> OuterState:
         """The outer state over the flat host tensors ``params`` and ``buffers`` (the global model's start):
         Delayed Nesterov (async, ``delayed_nesterov``) or Nesterov SGD, and the mode's step policy. Nesterov SGD
-        with a momentum warm-up or restarts is Delayed Nesterov with ``N = 1`` (the same step)."""
+        with a momentum warm-up or restarts is Delayed Nesterov with ``N = 1`` (the same step). ``ranges``: the
+        fragments pushes arrive in (default: one)."""
         is_async = self.mode == "async"
         params.requires_grad_(False)
+        views = [params[s:e] for s, e in ranges or [(0, params.numel())]]  # leaves: params needs no grad
         p = self.preset
         optimizer: Optimizer
         if (is_async and self.delayed_nesterov) or p.warmup or p.restart:
             n = (self.buffer_size or workers) if is_async and self.delayed_nesterov else 1
-            optimizer = DelayedNesterov([params], lr=p.lr, momentum=p.momentum, buffer_size=n,
+            optimizer = DelayedNesterov(views, lr=p.lr, momentum=p.momentum, buffer_size=n,
                                         momentum_activation=self.momentum_activation, momentum_warmup=p.warmup,
                                         momentum_restart=p.restart)
         else:
-            optimizer = SGD([params], lr=p.lr, momentum=p.momentum, nesterov=p.momentum > 0)
+            optimizer = SGD(views, lr=p.lr, momentum=p.momentum, nesterov=p.momentum > 0)
         policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, self.dynamic_local_steps and is_async,
                                   self.speed_smoothing)
         step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()
@@ -189,9 +214,11 @@ class OuterSettings:
 class OuterState:
     """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget, counters.
 
-    The outer optimizer steps on the parameters only. The global floating-point buffers (e.g. BatchNorm
-    running statistics) are the mean of the latest values pushed by each worker that has pushed so far.
-    Thread-safe: every public method holds :attr:`lock`.
+    The outer optimizer steps on the parameters only, one fragment at a time (its parameters are the fragments'
+    views of :attr:`params`). The global floating-point buffers (e.g. BatchNorm running statistics) are the mean
+    of the latest values pushed by each worker that has pushed so far. Thread-safe: :attr:`model_lock` guards the
+    global model for a whole push, reply or snapshot (so no reply mixes two versions); :attr:`lock` the
+    counters and statistics (taken after :attr:`model_lock`, never before).
     """
 
     params: Tensor
@@ -206,27 +233,67 @@ class OuterState:
     stop_requested: bool = False
     workers: dict[int, WorkerStats] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    model_lock: threading.Lock = field(default_factory=threading.Lock)
     metrics_version: int = 0
-    #: Each worker's serialized inner optimizer state as of its latest exchange (when workers send it).
+    #: Each worker's serialized inner optimizer state as of its latest exchange (only when workers send it).
     inner_states: dict[int, Tensor] = field(default_factory=dict)
     #: Each worker's floating-point buffers as of its latest push.
     worker_buffers: dict[int, Tensor] = field(default_factory=dict)
 
-    def process(self, pushes: list[Push]) -> dict[int, int]:
-        """Apply a batch of pushes (as the step policy says) and return the next round's local step count for
-        each worker that waits for a reply (0 means stop)."""
-        with self.lock:
-            for push in pushes:
+    def __post_init__(self) -> None:
+        #: The outer optimizer's parameters: one view of :attr:`params` per fragment, in order.
+        self.views: list[Tensor] = [p for group in self.optimizer.param_groups for p in group["params"]]
+        ends = torch.tensor([v.numel() for v in self.views]).cumsum(0).tolist()
+        #: ``(start, end)`` of each fragment in :attr:`params`.
+        self.ranges: list[tuple[int, int]] = list(zip([0, *ends[:-1]], ends))
+        self._sum: Tensor | None = None  # SyncStep: the round's summed pseudo-gradient
+
+    def receive(self, push: Push, gradients: Iterable[Tensor]) -> None:
+        """One push: its statistics, then its pseudo-gradient's fragments (``float32``, in order), each applied
+        (or, DiLoCo, summed) as it arrives; ``gradients`` may be a stream still arriving over the network."""
+        stream = iter(gradients)
+        first = next(stream, None)  # waited for without the lock: a slow sender does not hold up the others
+        with self.model_lock:
+            with self.lock:
                 self._record(push)
+            count = 0
+            for index, gradient in enumerate(stream if first is None else itertools.chain([first], stream)):
+                self.step_policy.receive(self, index, gradient)
+                count += 1
+            if count and count != len(self.views):
+                raise ValueError(f"A push has {len(self.views)} fragments, got {count}.")
+            if count:
+                with self.lock:
+                    self.step_policy.pushed(self)
+
+    def close(self, pushes: list[Push]) -> dict[int, int]:
+        """Close a batch of received pushes (as the step policy says) and return the next round's local step
+        count for each worker that waits for a reply (0 means stop)."""
+        with self.model_lock, self.lock:
             if any(p.buffers is not None for p in pushes):
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
-            self.step_policy.apply(self, [p.pseudo_gradient for p in pushes if p.pseudo_gradient is not None])
+            self.step_policy.close(self, sum(p.steps > 0 for p in pushes))
             waiting = [p.worker for p in pushes if p.kind != Kind.BYE]
             replies = {w: self._allocate(w, len(waiting)) for w in waiting}
-            for w in waiting:
-                self.workers[w].pulled_version = self.outer_updates
             self.metrics_version += 1
             return replies
+
+    def process(self, pushes: list[Push]) -> dict[int, int]:
+        """:meth:`receive` then :meth:`close` pushes that carry their whole ``pseudo_gradient`` (one process, e.g.
+        tests); every waiting worker then pulls the current version."""
+        for push in pushes:
+            gradient = push.pseudo_gradient
+            self.receive(push, [] if gradient is None else [gradient[s:e] for s, e in self.ranges])
+        replies = self.close(pushes)
+        for worker in replies:
+            self.mark_pulled(worker)
+        return replies
+
+    def mark_pulled(self, worker: int) -> int:
+        """``worker`` pulls the global model now (under :attr:`model_lock`): its version, for staleness."""
+        with self.lock:
+            self.workers[worker].pulled_version = self.outer_updates
+            return self.outer_updates
 
     def _record(self, push: Push) -> None:
         stats = self.workers.setdefault(push.worker, WorkerStats())
@@ -245,11 +312,26 @@ class OuterState:
             self.local_steps.update(push.worker, push.steps, push.compute_s)
             stats.steps_per_s = self.local_steps.speeds.get(push.worker, 0.0)
 
-    def outer_step(self, pseudo_gradient: Tensor) -> None:
-        """One outer update (called by the step policy, under the lock)."""
-        self.params.grad = pseudo_gradient.to(self.params.dtype)
-        self.optimizer.step()
-        self.params.grad = None
+    def step_fragment(self, index: int, gradient: Tensor) -> None:
+        """The outer step of one fragment (called by the step policy, under :attr:`model_lock`)."""
+        view = self.views[index]
+        view.grad = gradient.to(view.dtype)
+        self.optimizer.step()  # steps only the fragment with a gradient
+        view.grad = None
+
+    def accumulate(self, index: int, gradient: Tensor) -> None:
+        """Add one fragment to the round's sum (DiLoCo)."""
+        if self._sum is None:
+            self._sum = torch.zeros_like(self.params)
+        start, end = self.ranges[index]
+        self._sum[start:end].add_(gradient)
+
+    def step_mean(self, pushes: int) -> None:
+        """One outer update with the mean of the round's ``pushes`` summed pseudo-gradients (DiLoCo)."""
+        assert self._sum is not None
+        for index, (start, end) in enumerate(self.ranges):
+            self.step_fragment(index, self._sum[start:end].div_(pushes))
+        self._sum.zero_()
         self.outer_updates += 1
 
     def _allocate(self, worker: int, n_waiting: int) -> int:
@@ -262,8 +344,9 @@ class OuterState:
 
     def release(self, worker: int) -> None:
         """``worker`` left for good (an elastic session ended): its in-flight steps return to the budget, its speed
-        no longer sets the others' round lengths, and its buffers leave the global mean."""
-        with self.lock:
+        no longer sets the others' round lengths, and its buffers leave the global mean (under :attr:`model_lock`:
+        the buffers are part of the global model a reply or snapshot reads)."""
+        with self.model_lock, self.lock:
             if worker in self.workers:
                 self.workers[worker].in_flight = 0
             self.local_steps.speeds.pop(worker, None)
@@ -292,14 +375,14 @@ class OuterState:
 
     def global_model(self) -> tuple[Tensor, Tensor]:
         """Consistent copies of the global parameters and buffers."""
-        with self.lock:
+        with self.model_lock:
             return self.params.detach().clone(), self.buffers.clone()
 
     def state_dict(self) -> dict[str, Any]:
         """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent and
         ``worker_buffers`` the buffers they pushed, each as of that worker's latest exchange (the one counted
         in ``workers[w]["steps"]``)."""
-        with self.lock:
+        with self.model_lock, self.lock:
             state = {
                 "params": self.params.detach().clone(),
                 "buffers": self.buffers.clone(),
@@ -319,7 +402,7 @@ class OuterState:
         """Restore a :meth:`state_dict`; one saved before buffers were exchanged (no ``buffers``) keeps the
         current global buffers (the model's own). With ``workers`` (a run resumed on fewer workers), the
         buffers of workers ``>= workers`` no longer count in the mean."""
-        with self.lock:
+        with self.model_lock, self.lock:
             for key, name, own in (("params", "parameters", self.params),
                                    ("buffers", "floating-point buffer values", self.buffers)):
                 if key in state and state[key].numel() != own.numel():

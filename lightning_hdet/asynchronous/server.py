@@ -1,10 +1,12 @@
 """Rank 0's exchange service: the outer optimizer answering the workers, on two background threads.
 
-The *receiver* thread takes remote workers' messages from a :class:`~.transport.ServerTransport` into the inbox
-(rank 0's own worker puts its pushes there directly, through :class:`~.transport.InProcessTransport`). The
-*server* thread takes batches from the inbox, applies them to the :class:`~.outer.OuterState` and replies to
-every worker that waits. Batches follow the step policy: ``batch_window`` seconds after the first push (closing
-early once every worker still training is in the batch), or until every worker still training has pushed.
+The *receiver* thread takes remote workers' messages from a :class:`~.transport.ServerTransport` and applies each
+fragment of their pseudo-gradients to the :class:`~.outer.OuterState` as it arrives (rank 0's own worker does the
+same from its training thread, through :class:`~.transport.InProcessTransport`); each applied push then goes to
+the inbox. The *server* thread takes batches from the inbox, closes them (the step policy) and replies to every
+worker that waits, fragment by fragment. Batches follow the step policy: ``batch_window`` seconds after the first
+push (closing early once every worker still training is in the batch), or until every worker still training has
+pushed.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from lightning_hdet.asynchronous.compression import Codec
-from lightning_hdet.asynchronous.messages import Kind, Push, ServerHeader
+import torch
+from torch import Tensor
+
+from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterState
 from lightning_hdet.asynchronous.transport import InProcessTransport, ServerTransport
 
@@ -31,16 +35,21 @@ class Server:
         workers: how many workers exchange (worker 0 included).
         remote: the transport to workers ``1..workers-1`` (``None`` only when ``workers == 1``).
         timeout: seconds any wait may take before the server fails.
-        codec: decodes rank 0's own pushes (default: uncompressed).
+        layout: the fragments and their codecs (default: ``outer``'s fragments, uncompressed).
     """
 
     def __init__(self, outer: OuterState, workers: int, remote: ServerTransport | None, timeout: float,
-                 codec: Codec | None = None) -> None:
+                 layout: Fragments | None = None) -> None:
         self.outer, self.workers, self.remote, self.timeout = outer, workers, remote, timeout
+        self.layout = layout or Fragments([torch.Size([e - s]) for s, e in outer.ranges])
+        if self.layout.ranges != outer.ranges:
+            raise ValueError(f"The pushes' fragments {self.layout.ranges} are not the outer state's {outer.ranges}.")
         self.inbox: queue.Queue[Push] = queue.Queue()
-        n_params = outer.params.numel()
+        self._decoded = torch.empty(self.layout.largest, dtype=torch.float32)  # rank 0's own worker's
+        self._decoded_remote = torch.empty(self.layout.largest if workers > 1 else 0, dtype=torch.float32)
         #: Rank 0's own worker's transport.
-        self.local = InProcessTransport(self.inbox, n_params, timeout, self.raise_error, codec=codec)
+        self.local = InProcessTransport(self.accept, self.read_model, timeout, self.raise_error,
+                                        gradient_bytes=self.layout.nbytes)
         self.error: BaseException | None = None
         targets: list[tuple[Callable[[], None], str]] = [(self._serve, "async-local-sgd-server")]
         if workers > 1:
@@ -69,29 +78,45 @@ class Server:
             self.error = err
             self.local.wake()
 
+    def accept(self, push: Push, messages: Iterable[Tensor]) -> None:
+        """Apply a push fragment by fragment as its encoded ``messages`` arrive, then queue it for its batch."""
+        out = self._decoded if push.worker == self.local.worker else self._decoded_remote
+        self.outer.receive(push, self.layout.decode(messages, out))
+        self.inbox.put(push)
+
+    def read_model(self, worker: int, into: Tensor) -> int:
+        """Copy the global parameters and buffers into ``into`` (rank 0's own pull); the version copied."""
+        n = self.layout.numel
+        with self.outer.model_lock:
+            into[:n].copy_(self.outer.params)
+            into[n:].copy_(self.outer.buffers)
+            return self.outer.mark_pulled(worker)
+
     def _receive(self) -> None:
         assert self.remote is not None
         remaining = self.workers - 1
         while remaining:
-            push = self.remote.receive()
+            push, messages = self.remote.receive()
             remaining -= push.kind == Kind.BYE
-            self.inbox.put(push)
+            self.accept(push, messages)
 
     def _serve(self) -> None:
         active = set(range(self.workers))
         while active:
             batch = self._collect(len(active))
-            replies = self.outer.process(batch)
+            replies = self.outer.close(batch)
             active -= {p.worker for p in batch if p.kind == Kind.BYE}
-            log.debug("applied %d push(es); %d worker(s) still training", len(batch), len(active))
-            params, buffers = self.outer.params.detach(), self.outer.buffers
+            log.debug("closed a batch of %d push(es); %d worker(s) still training", len(batch), len(active))
             for worker, steps in replies.items():
-                header = ServerHeader(steps, self.outer.outer_updates)
                 if worker == self.local.worker:
-                    self.local.reply(header, params, buffers)
-                else:
-                    assert self.remote is not None
-                    self.remote.reply(worker, header, params, buffers)
+                    # its pull copies the model, and the version then, unless it stops
+                    self.local.reply(ServerHeader(steps, self.outer.outer_updates))
+                    continue
+                assert self.remote is not None
+                with self.outer.model_lock:  # one version, fragment by fragment, with no copy
+                    header = ServerHeader(steps, self.outer.mark_pulled(worker))
+                    self.remote.reply(worker, header, self.layout.split(self.outer.params.detach()),
+                                      self.outer.buffers)
 
     def _collect(self, active: int) -> list[Push]:
         """One batch: the first push, then those within the policy's window (a window closes early once every

@@ -8,7 +8,7 @@ decides (early stopping, best checkpoints) and writes checkpoints. See ``docs/as
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import fields
 from typing import Any, Literal
@@ -20,7 +20,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hdet._checkpoint import read_checkpoint
 from lightning_hdet._compat import (
     StrategyRegistry,
     attached_trainer,
@@ -31,7 +30,7 @@ from lightning_hdet._compat import (
     sync_module_states,
 )
 from lightning_hdet.asynchronous.callback import AsyncLogging
-from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
+from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints
 from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
@@ -41,10 +40,9 @@ from lightning_hdet.records import History
 log = logging.getLogger(__name__)
 
 Mode = Literal["async", "sync"]
-_CHECKPOINT_KEY = "async_local_sgd"
 
 
-class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
+class AsyncLocalSGDStrategy(WorkerCheckpoints):
     """Asynchronous Local-SGD for devices of unequal speed, and synchronous DiLoCo (``mode="sync"``).
 
     The model is never wrapped in DDP and gradients are never all-reduced: each worker runs the user's
@@ -68,8 +66,9 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
             closes early once every worker still training has pushed (0: each push alone).
         speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
         checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0, so that
-            every checkpoint holds each worker's own (True; AdamW: twice the model per push). With False only
-            pseudo-gradients travel (see ``docs/async.md`` for what checkpoints then hold).
+            checkpoints written during training hold each worker's state as of its latest exchange (AdamW: twice
+            the model per push, and twice the model per worker on rank 0). False (default): inner states never
+            leave their worker; each worker writes its own file beside every checkpoint (see ``docs/async.md``).
         compression: the pushed pseudo-gradients' codec: ``"none"``, ``"bf16"`` or ``"int8"`` (row-wise scales).
         error_feedback: with compression, each worker adds what its codec lost to its next push.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
@@ -82,7 +81,7 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
     def __init__(self, local_steps: int = 50, mode: Mode = "async", outer_lr: float | None = None,
                  outer_momentum: float | None = None, delayed_nesterov: bool = True, buffer_size: int | None = None,
                  momentum_activation: float = 0.0, dynamic_local_steps: bool = True, min_local_steps: int = 1,
-                 grace_period: float = 0.0, speed_smoothing: float = 0.5, checkpoint_inner_states: bool = True,
+                 grace_period: float = 0.0, speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
                  outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
                  compression: str = "none", error_feedback: bool = True, **kwargs: Any) -> None:
         arguments = dict(locals())
@@ -118,7 +117,6 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
     def _reset_run_state(self) -> None:
         self.diverged = False
         self._exchange: Exchange | None = None
-        self._inner_states: dict[int, Any] | None = None
         self._budget: int | None = None
         self._saved_limits: tuple[Any, Any] | None = None
 
@@ -224,6 +222,7 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
                                   inner, outer, self.compression, self.error_feedback)
+        self.restore_worker(self._exchange.worker)
         self.diverged = True
         self._run_exchange(Kind.HELLO)
 
@@ -272,8 +271,6 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
             max_steps, limit_val_batches = self._saved_limits  # type: ignore[misc]
             set_loop_max_steps(trainer, max_steps)
             trainer.limit_val_batches = limit_val_batches
-            if not self.checkpoint_inner_states:  # else each worker's leaving message carried its final state
-                self._inner_states = self._exchange.gather_inner_states(self.optimizers[0])
         super().on_train_end()
 
     @override
@@ -283,12 +280,13 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
 
     # the global model for validation and checkpoints (rank 0, while training)
     @contextmanager
-    def _global_model(self) -> Iterator[None]:
-        """On rank 0 during training: temporarily swap in the current global parameters and buffers."""
+    def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
+        """On rank 0 during training: temporarily swap in the current global parameters and buffers (or those of
+        ``snapshot``, an outer state's ``state_dict``)."""
         if not (self.diverged and self._outer is not None and self._exchange is not None):
             yield
             return
-        with self._exchange.global_model():
+        with self._exchange.global_model(snapshot):
             yield
 
     @override
@@ -306,33 +304,13 @@ class AsyncLocalSGDStrategy(LocalCollectivesStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        with self._global_model():
+        """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
+        state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
+        :meth:`save_checkpoint`), so the two always hold the same global model."""
+        snapshot = self._outer.state_dict() if self.diverged and self._outer is not None else None
+        self._outer_snapshot = snapshot
+        with self._global_model(snapshot):
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.is_global_zero and self._outer is not None:
-            state = self._outer.state_dict()
-            if not self.checkpoint_inner_states:  # only rank 0's own state is at hand while training
-                state["inner_optimizer_states"] = self._inner_states or {0: self.optimizers[0].state_dict()}
-            checkpoint = {**checkpoint, _CHECKPOINT_KEY: state}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = read_checkpoint(lambda: super(AsyncLocalSGDStrategy, self).load_checkpoint(
-            checkpoint_path, weights_only=weights_only), checkpoint_path)
-        self._resume_state = checkpoint.get(_CHECKPOINT_KEY)
-        return checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each worker resumes its own inner optimizer state when the checkpoint has it, else rank 0's."""
-        inner = (checkpoint.get(_CHECKPOINT_KEY) or {}).get("inner_optimizer_states") or {}
-        if self.global_rank in inner:
-            self.optimizers[0].load_state_dict(inner[self.global_rank])
-        else:
-            super().load_optimizer_state_dict(checkpoint)
 
     @classmethod
     @override

@@ -1,9 +1,11 @@
 """How exchange messages travel: a small interface and its two implementations.
 
-* :class:`WorkerTransport` is a worker's end: :meth:`~WorkerTransport.push` one message (header, flat payload,
-  inner state), then :meth:`~WorkerTransport.pull` the reply into a flat host buffer.
+* :class:`WorkerTransport` is a worker's end: :meth:`~WorkerTransport.push` one message (header, buffers, inner
+  state, then the pseudo-gradient's fragments as they are produced), then :meth:`~WorkerTransport.pull` the reply
+  into a flat host buffer.
 * :class:`ServerTransport` is the server's end for remote workers: :meth:`~ServerTransport.receive` the next
-  message from any of them, :meth:`~ServerTransport.reply` to one.
+  message from any of them (its fragments arrive one at a time, into one fragment-sized buffer),
+  :meth:`~ServerTransport.reply` to one, fragment by fragment.
 
 :class:`GlooWorkerTransport` / :class:`GlooServerTransport` carry them point to point over two ``gloo``
 process groups (one for pushes, one for replies, so that rank 0's receiver and server threads never share a
@@ -18,25 +20,25 @@ from __future__ import annotations
 
 import queue
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_hdet.asynchronous.compression import Codec
-from lightning_hdet.asynchronous.messages import Push, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.messages import Fragments, Push, ServerHeader, WorkerHeader
 
 
 class WorkerTransport(ABC):
     """A worker's end of the exchange."""
 
     @abstractmethod
-    def push(self, header: WorkerHeader, payload: Tensor | None, inner_state: Tensor | None) -> None:
-        """Send one message: ``payload`` (``uint8``: the encoded pseudo-gradient, then the buffer values' bytes)
-        when ``header.steps > 0``,
-        ``inner_state`` when ``header.inner_state_bytes > 0``. The caller may reuse ``payload`` once it returns."""
+    def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
+             inner_state: Tensor | None) -> None:
+        """Send one message: ``buffers`` (``float32`` values) and the encoded fragments ``messages`` (``uint8``,
+        produced one at a time; each may be overwritten once the next is asked for) when ``header.steps > 0``,
+        ``inner_state`` when ``header.inner_state_bytes > 0``."""
 
     @abstractmethod
     def pull(self, into: Tensor) -> ServerHeader:
@@ -47,104 +49,153 @@ class ServerTransport(ABC):
     """The server's end of the exchange with the remote workers."""
 
     @abstractmethod
-    def receive(self) -> Push:
-        """The next message from any remote worker (blocks)."""
+    def receive(self) -> tuple[Push, Iterator[Tensor]]:
+        """The next message from any remote worker (blocks): its :class:`Push` (header, buffers, inner state) and
+        an iterator over its encoded fragments, which must be consumed, each before the next, before the next
+        :meth:`receive`."""
 
     @abstractmethod
-    def reply(self, worker: int, header: ServerHeader, params: Tensor, buffers: Tensor) -> None:
-        """Answer ``worker``; ``params`` and ``buffers`` (flat) travel only when ``header.next_local_steps > 0``."""
+    def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
+        """Answer ``worker``; the parameters' fragments ``params`` and the ``buffers`` travel only when
+        ``header.next_local_steps > 0``."""
+
+
+#: Sends one tensor to the peer / receives one tensor from it (a process group's point-to-point call).
+Send = Callable[[Tensor], None]
+Recv = Callable[[Tensor], None]
+
+
+def send_push(send: Send, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
+              inner_state: Tensor | None) -> None:
+    """A push in wire order: the header, the buffers, the inner state, then the fragments as they are produced."""
+    send(header.encode())
+    for part in (buffers, inner_state):
+        if part is not None:
+            send(part)
+    for message in messages:
+        send(message)
+
+
+def receive_push(worker: int, header: WorkerHeader, recv: Recv, layout: Fragments, n_buffers: int,
+                 received: Tensor) -> tuple[Push, Iterator[Tensor]]:
+    """The rest of a push whose ``header`` arrived: its buffers and inner state, and an iterator receiving its
+    fragments one at a time into ``received`` (one fragment-sized buffer, reused)."""
+    buffers = inner_state = None
+    if header.steps > 0 and n_buffers:
+        buffers = torch.empty(n_buffers, dtype=torch.float32)
+        recv(buffers)
+    if header.inner_state_bytes > 0:
+        inner_state = torch.empty(header.inner_state_bytes, dtype=torch.uint8)
+        recv(inner_state)
+    push = Push.of(worker, header, buffers, inner_state, layout.nbytes)
+    return push, _fragments(recv, layout, received) if header.steps > 0 else iter(())
+
+
+def _fragments(recv: Recv, layout: Fragments, received: Tensor) -> Iterator[Tensor]:
+    for codec in layout.codecs:
+        message = received[: codec.nbytes]
+        recv(message)
+        yield message
+
+
+def send_reply(send: Send, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
+    """A reply in wire order: the header, then (unless it says stop) the parameters' fragments and the buffers."""
+    send(header.encode())
+    if header.next_local_steps > 0:
+        for part in params:
+            send(part)
+        if buffers.numel():
+            send(buffers)
+
+
+def receive_reply(recv: Recv, layout: Fragments, into: Tensor) -> ServerHeader:
+    """A reply: its header and, unless it says stop, the global parameters then buffers into ``into``."""
+    raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
+    recv(raw)
+    header = ServerHeader.decode(raw)
+    if header.next_local_steps > 0:
+        for part in layout.split(into):
+            recv(part)
+        if into.numel() > layout.numel:
+            recv(into[layout.numel :])
+    return header
+
+
+def receive_buffer(layout: Fragments) -> Tensor:
+    """One buffer the size of the largest encoded fragment (every fragment of every push lands in it)."""
+    return torch.empty(max((c.nbytes for c in layout.codecs), default=0), dtype=torch.uint8)
 
 
 class GlooWorkerTransport(WorkerTransport):
     """A remote worker (rank > 0): point-to-point messages to and from rank 0 over two ``gloo`` groups."""
 
-    def __init__(self, push_group: Any, reply_group: Any, n_params: int) -> None:
-        self.push_group, self.reply_group, self.n_params = push_group, reply_group, n_params
+    def __init__(self, push_group: Any, reply_group: Any, layout: Fragments) -> None:
+        self.push_group, self.reply_group, self.layout = push_group, reply_group, layout
 
-    def push(self, header: WorkerHeader, payload: Tensor | None, inner_state: Tensor | None) -> None:
-        dist.send(header.encode(), dst=0, group=self.push_group)
-        for part in (payload, inner_state):
-            if part is not None:
-                dist.send(part, dst=0, group=self.push_group)
+    def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
+             inner_state: Tensor | None) -> None:
+        send_push(lambda t: dist.send(t, dst=0, group=self.push_group), header, messages, buffers, inner_state)
 
     def pull(self, into: Tensor) -> ServerHeader:
-        raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
-        dist.recv(raw, src=0, group=self.reply_group)
-        header = ServerHeader.decode(raw)
-        if header.next_local_steps > 0:
-            dist.recv(into[: self.n_params], src=0, group=self.reply_group)
-            if into.numel() > self.n_params:
-                dist.recv(into[self.n_params :], src=0, group=self.reply_group)
-        return header
+        return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into)
 
 
 class GlooServerTransport(ServerTransport):
-    """Rank 0's end for the remote workers: receives from any rank, replies point to point. ``codec`` decodes the
-    pushed pseudo-gradients (default: uncompressed ``float32``)."""
+    """Rank 0's end for the remote workers: receives from any rank, replies point to point. Fragments land in one
+    fragment-sized receive buffer, reused for every fragment of every push."""
 
-    def __init__(self, push_group: Any, reply_group: Any, n_params: int, n_buffers: int,
-                 codec: Codec | None = None) -> None:
-        self.push_group, self.reply_group = push_group, reply_group
-        self.n_params, self.n_buffers = n_params, n_buffers
-        self.codec = codec or Codec("none", [torch.Size([n_params])])
+    def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, n_buffers: int) -> None:
+        self.push_group, self.reply_group, self.layout, self.n_buffers = push_group, reply_group, layout, n_buffers
+        self._received = receive_buffer(layout)
 
-    def receive(self) -> Push:
+    def receive(self) -> tuple[Push, Iterator[Tensor]]:
         raw = torch.empty(WorkerHeader.SIZE, dtype=torch.float64)
         src = dist.recv(raw, src=None, group=self.push_group)
-        header = WorkerHeader.decode(raw)
-        payload = inner_state = None
-        if header.steps > 0:
-            payload = torch.empty(self.codec.nbytes + 4 * self.n_buffers, dtype=torch.uint8)
-            dist.recv(payload, src=src, group=self.push_group)
-        if header.inner_state_bytes > 0:
-            inner_state = torch.empty(header.inner_state_bytes, dtype=torch.uint8)
-            dist.recv(inner_state, src=src, group=self.push_group)
-        return Push.received(src, header, payload, self.codec, inner_state)
+        return receive_push(src, WorkerHeader.decode(raw), lambda t: dist.recv(t, src=src, group=self.push_group),
+                            self.layout, self.n_buffers, self._received)
 
-    def reply(self, worker: int, header: ServerHeader, params: Tensor, buffers: Tensor) -> None:
-        dist.send(header.encode(), dst=worker, group=self.reply_group)
-        if header.next_local_steps > 0:
-            dist.send(params, dst=worker, group=self.reply_group)
-            if buffers.numel():
-                dist.send(buffers, dst=worker, group=self.reply_group)
+    def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
+        send_reply(lambda t: dist.send(t, dst=worker, group=self.reply_group), header, params, buffers)
 
 
 class InProcessTransport(WorkerTransport):
-    """Rank 0's own worker and the server in the same process: pushes go straight into the server's inbox,
-    replies come back through a queue.
+    """Rank 0's own worker and the server in the same process: each pushed fragment is handed to the server as
+    it is produced (``accept`` applies it; nothing is copied or queued), and a pull copies the global model
+    straight into the worker's buffer.
 
     Args:
-        inbox: the server's queue of received pushes.
-        n_params: parameters in the flat payload (the rest are buffer values).
+        accept: the server's entry for a push and its fragments (it consumes them before returning).
+        read_model: the server's copy of the global model into a worker's buffer; returns the version copied.
         timeout: seconds to wait for a reply.
         check: raises if the server failed (called around every wait, so the training thread sees it).
         worker: the worker id this transport speaks for (rank 0).
-        codec: decodes the pushed pseudo-gradients (default: uncompressed ``float32``).
+        gradient_bytes: bytes of one encoded pseudo-gradient (counted in ``push_bytes``).
     """
 
-    def __init__(self, inbox: queue.Queue[Push], n_params: int, timeout: float, check: Callable[[], None],
-                 worker: int = 0, codec: Codec | None = None) -> None:
-        self.inbox, self.n_params, self.timeout, self.check, self.worker = inbox, n_params, timeout, check, worker
-        self.codec = codec or Codec("none", [torch.Size([n_params])])
-        self._replies: queue.Queue[tuple[ServerHeader, Tensor | None]] = queue.Queue()
+    def __init__(self, accept: Callable[[Push, Iterable[Tensor]], None], read_model: Callable[[int, Tensor], int],
+                 timeout: float, check: Callable[[], None], worker: int = 0, gradient_bytes: int = 0) -> None:
+        self.accept, self.read_model, self.timeout, self.check = accept, read_model, timeout, check
+        self.worker, self.gradient_bytes = worker, gradient_bytes
+        self._replies: queue.Queue[ServerHeader] = queue.Queue()
 
-    def push(self, header: WorkerHeader, payload: Tensor | None, inner_state: Tensor | None) -> None:
+    def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
+             inner_state: Tensor | None) -> None:
         self.check()
-        # a copy: the worker reuses its payload buffer while the server may still hold this push
-        copied = payload.clone() if payload is not None else None
-        self.inbox.put(Push.received(self.worker, header, copied, self.codec, inner_state))
+        # the buffers are copied: the server keeps them, and the worker reuses its buffer
+        buffers = buffers.clone() if buffers is not None else None
+        self.accept(Push.of(self.worker, header, buffers, inner_state, self.gradient_bytes), messages)
 
     def pull(self, into: Tensor) -> ServerHeader:
-        header, state = self._replies.get(timeout=self.timeout)
+        header = self._replies.get(timeout=self.timeout)
         self.check()
-        if state is not None:
-            into.copy_(state)
+        if header.next_local_steps > 0:
+            header = ServerHeader(header.next_local_steps, self.read_model(self.worker, into))
         return header
 
-    def reply(self, header: ServerHeader, params: Tensor, buffers: Tensor) -> None:
-        """The server's side: answer the in-process worker (a snapshot of the global model)."""
-        self._replies.put((header, torch.cat([params, buffers]) if header.next_local_steps > 0 else None))
+    def reply(self, header: ServerHeader) -> None:
+        """The server's side: the in-process worker may go on (its :meth:`pull` copies the global model)."""
+        self._replies.put(header)
 
     def wake(self) -> None:
         """Wake a waiting :meth:`pull` (the server failed; :meth:`pull` then raises through ``check``)."""
-        self._replies.put((ServerHeader(0, 0), None))
+        self._replies.put(ServerHeader(0, 0))

@@ -1,8 +1,8 @@
 """One worker's side of the exchange: counting its round and, at its end, one exchange over a transport.
 
-An exchange reads the model into a flat host buffer, turns the parameters into the pseudo-gradient
-``theta_pulled - theta_local`` (buffers travel as values), pushes it, pulls the new global model into the host
-buffer ``theta_pulled`` and writes it into the model. No Lightning and no process groups here: the strategy
+An exchange pushes the pseudo-gradient ``theta_pulled - theta_local`` fragment by fragment (each read from the
+model into one fragment-sized host buffer, encoded and sent before the next is read; buffers travel as values),
+pulls the new global model into the host buffer ``theta_pulled`` and writes it into the model. No Lightning and no process groups here: the strategy
 calls :meth:`Worker.step` after each inner optimizer step and :meth:`Worker.exchange` at the start and end.
 """
 
@@ -12,13 +12,25 @@ import logging
 import math
 import time
 
+from collections.abc import Iterator
+
 import torch
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_hdet._tensors import host_buffer, model_state, numel, read_into, state_to_bytes, write_from
+from lightning_hdet._tensors import (
+    flat_pieces,
+    float_buffers,
+    host_buffer,
+    model_state,
+    numel,
+    read_into,
+    state_to_bytes,
+    write_from,
+)
 from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback
-from lightning_hdet.asynchronous.messages import Kind, WorkerHeader
+from lightning_hdet.asynchronous.messages import Fragments, Kind, WorkerHeader
 from lightning_hdet.asynchronous.transport import WorkerTransport
 
 log = logging.getLogger(__name__)
@@ -32,20 +44,26 @@ class Worker:
         device: where the model lives (host buffers are pinned on CUDA).
         transport: how messages reach the server.
         inner_optimizer: when given, each exchange also sends its state (serialized on the host).
-        codec: encodes the pseudo-gradient (default: uncompressed ``float32``); the server decodes with the same.
+        layout: the fragments and their codecs (default: :class:`~.messages.Fragments` of the parameters,
+            uncompressed); the server decodes with the same.
         error_feedback: keep what the codec lost and add it to the next push.
     """
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport,
-                 inner_optimizer: Optimizer | None = None, codec: Codec | None = None,
+                 inner_optimizer: Optimizer | None = None, layout: Fragments | None = None,
                  error_feedback: bool = True) -> None:
         self.module, self.device, self.transport, self.inner_optimizer = module, device, transport, inner_optimizer
+        shapes = [p.shape for p in module.parameters()]
         self.n_params = numel(list(module.parameters()))
-        codec = codec or Codec("none", [p.shape for p in module.parameters()])
-        self.feedback = ErrorFeedback(codec, error_feedback)
-        size = numel(model_state(module))
-        self.pulled = host_buffer(size, device)  # theta_pulled, then the pulled global buffers
-        self.local = host_buffer(size, device)  # the push: pseudo-gradient, then this worker's buffer values
+        self.layout = layout or Fragments(shapes)
+        self.feedback = ErrorFeedback(Codec(self.layout.codecs[0].name if self.layout.codecs else "none", shapes),
+                                      error_feedback)
+        self.pulled = host_buffer(numel(model_state(module)), device)  # theta_pulled, then the global buffers
+        # one fragment of the push at a time, and this worker's buffer values
+        self.fragment = host_buffer(self.layout.largest, device)
+        encoded = [c.nbytes for c in self.layout.codecs if c.name != "none"]  # "none" sends the fragment's bytes
+        self.message = torch.empty(max(encoded, default=0), dtype=torch.uint8)
+        self.buffers = host_buffer(numel(float_buffers(module)), device)
         #: One entry per exchange: ``(local_steps_assigned, outer_updates_seen)``.
         self.rounds: list[tuple[int, int]] = []
         self.inner_steps = 0
@@ -67,20 +85,19 @@ class Worker:
         return self.steps_in_round >= self.round_steps
 
     def exchange(self, kind: Kind) -> None:
-        """Push this round (pseudo-gradient and buffers, if any steps were taken; the inner state when sending
-        it) and, unless leaving, pull the next round's length and the global model into the module."""
+        """Push this round (buffers and the pseudo-gradient's fragments, if any steps were taken; the inner state
+        when sending it) and, unless leaving, pull the next round's length and the global model into the module."""
         compute_s = time.perf_counter() - self.round_start
-        steps, payload, n = self.steps_in_round, None, self.n_params
-        if steps > 0:
-            payload = read_into(model_state(self.module), self.local, self.device)
-            torch.sub(self.pulled[:n], payload[:n], out=payload[:n])  # the buffers travel as values
-            payload = self._encode(payload)
-        start = time.perf_counter()  # serializing the inner state counts as exchange time
+        steps = self.steps_in_round
+        start = time.perf_counter()  # reading, encoding and serializing count as exchange time
+        buffers = None
+        if steps > 0 and self.buffers.numel():
+            buffers = read_into(float_buffers(self.module), self.buffers, self.device)
         # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
         inner = state_to_bytes(self.inner_optimizer.state_dict()) if self.inner_optimizer is not None else None
         header = WorkerHeader(kind, steps, compute_s, self.wait_s, inner.numel() if inner is not None else 0)
         log.debug("push %s after %d step(s)", kind.name, steps)
-        self.transport.push(header, payload, inner)
+        self.transport.push(header, self._messages() if steps > 0 else iter(()), buffers, inner)
         if kind == Kind.BYE:
             return
         reply = self.transport.pull(self.pulled)
@@ -95,11 +112,13 @@ class Worker:
             write_from(model_state(self.module), self.pulled, self.device)
         self.round_start = time.perf_counter()
 
-    def _encode(self, payload: torch.Tensor) -> torch.Tensor:
-        """The wire payload (``uint8``): the encoded pseudo-gradient, then the buffer values' ``float32`` bytes."""
-        message = self.feedback.encode(payload[: self.n_params])
-        if self.feedback.codec.name == "none":
-            return payload.view(torch.uint8)  # the float32 bytes themselves: no copy
-        if payload.numel() == self.n_params:
-            return message
-        return torch.cat([message, payload[self.n_params :].view(torch.uint8)])
+    def _messages(self) -> Iterator[Tensor]:
+        """The encoded fragments of ``theta_pulled - theta_local``, one at a time (each read from the model into
+        the fragment buffer, which the next one overwrites)."""
+        params = list(self.module.parameters())
+        for fragment, codec in zip(self.layout.fragments, self.layout.codecs):
+            values = read_into(flat_pieces(params, fragment.start, fragment.end), self.fragment[: fragment.numel],
+                               self.device)
+            torch.sub(self.pulled[fragment.start : fragment.end], values, out=values)
+            out = None if codec.name == "none" else self.message[: codec.nbytes]
+            yield self.feedback.encode_part(codec, values, fragment.start, out)

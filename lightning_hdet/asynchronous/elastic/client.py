@@ -13,6 +13,7 @@ import time
 from lightning_hdet.asynchronous.elastic.membership import Registration, SessionLost
 from lightning_hdet.asynchronous.elastic.sessions import backoff
 from lightning_hdet.asynchronous.elastic.transport import SessionWorkerTransport
+from lightning_hdet.asynchronous.messages import Fragments
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ class SessionClient:
         assert self.registration is not None
         return self.registration.config
 
-    def transport(self) -> SessionWorkerTransport:
-        """The current session's transport."""
+    def transport(self, layout: Fragments) -> SessionWorkerTransport:
+        """The current session's transport, for pushes in ``layout``."""
         assert self.registration is not None
-        return SessionWorkerTransport(self.registration.group, self.session, int(self.config["n_params"]))
+        return SessionWorkerTransport(self.registration.group, self.session, layout)
 
     def reopen(self) -> int:
         """Close the current session (if any) and open a new one, retrying with back-off; its id."""

@@ -15,10 +15,9 @@ from typing import Any, Union
 
 from torch import Tensor
 
-from lightning_hdet.asynchronous.compression import Codec
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, StoreHost, abort, first_line, session_group
 from lightning_hdet.asynchronous.elastic.transport import SessionServerEnd
-from lightning_hdet.asynchronous.messages import Kind, Push, ServerHeader
+from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +42,13 @@ class SessionHub:
         next_id: the first session id to hand out.
         timeout: seconds any message may take (longer than any round).
         n_buffers: floating-point buffer values in a push.
-        codec: decodes the pushed pseudo-gradients.
+        layout: the pushes' fragments and their codec.
     """
 
     def __init__(self, address: str, config: dict[str, Any], next_id: int, timeout: float, n_buffers: int,
-                 codec: Codec) -> None:
+                 layout: Fragments) -> None:
         self.host = StoreHost(address, config, next_id, timeout)
-        self.timeout, self.n_buffers, self.codec = timeout, n_buffers, codec
+        self.timeout, self.n_buffers, self.layout = timeout, n_buffers, layout
         self.inbox: queue.Queue[Union[Push, Lost]] = queue.Queue()
         self._ends: dict[int, SessionServerEnd] = {}
         self._dropped: set[int] = set()
@@ -73,7 +72,7 @@ class SessionHub:
     def _receive(self, session: int) -> None:
         try:
             group = session_group(self.host.store, session, 0, self.host.host, self.timeout)
-            end = SessionServerEnd(group, session, self.n_buffers, self.codec)
+            end = SessionServerEnd(group, session, self.n_buffers, self.layout)
             with self._lock:
                 dropped = session in self._dropped  # ended while the group formed: its worker must find out
                 self._ends[session] = end

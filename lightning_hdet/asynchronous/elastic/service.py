@@ -25,13 +25,13 @@ from torch.optim import Optimizer
 
 from lightning_hdet._checks import check_int, check_number, require
 from lightning_hdet._tensors import float_buffers, write_from
-from lightning_hdet.asynchronous.compression import Codec, check_compression
+from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic.hub import Lost, SessionHub
 from lightning_hdet.asynchronous.elastic.membership import SessionLost
 from lightning_hdet.asynchronous.elastic.sessions import SessionTable, live_buffer_size, should_park
 from lightning_hdet.asynchronous.exchange import read_model
-from lightning_hdet.asynchronous.messages import Kind, Push, ServerHeader
+from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterSettings
 
 log = logging.getLogger(__name__)
@@ -106,10 +106,10 @@ class OuterService:
     def start(self) -> None:
         """Bind the address and open registration."""
         n_buffers = self.outer.buffers.numel()
-        codec = Codec(self.compression, [p.shape for p in self.module.parameters()])
+        layout = Fragments([p.shape for p in self.module.parameters()], self.compression)  # type: ignore[arg-type]
         config = {"n_params": self.outer.params.numel(), "n_buffers": n_buffers, "compression": self.compression,
                   "mode": self.settings.mode}
-        self.hub = SessionHub(self.address, config, self.table.next_id, self.timeout_s, n_buffers, codec)
+        self.hub = SessionHub(self.address, config, self.table.next_id, self.timeout_s, n_buffers, layout)
         self._next_tick = 0.0
         self._idle_since = time.monotonic()
         log.info("outer service at %s:%d (sessions from %d)", self.hub.host.host, self.hub.port, self.table.next_id)

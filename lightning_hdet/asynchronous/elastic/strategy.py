@@ -21,11 +21,10 @@ from typing_extensions import override
 from lightning_hdet._checks import check_bool, check_int, check_number
 from lightning_hdet._compat import set_loop_max_steps
 from lightning_hdet._tensors import float_buffers, numel
-from lightning_hdet.asynchronous.compression import Codec
 from lightning_hdet.asynchronous.elastic.client import SessionClient
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, parse_address
 from lightning_hdet.asynchronous.elastic.sessions import session_seed
-from lightning_hdet.asynchronous.messages import Kind
+from lightning_hdet.asynchronous.messages import Fragments, Kind
 from lightning_hdet.asynchronous.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -111,7 +110,7 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
             )
         torch.manual_seed(session_seed(self.seed, session))
         if self._worker is not None:
-            self._worker.transport = self._client.transport()
+            self._worker.transport = self._client.transport(self._worker.layout)
             self._worker.steps_in_round = 0  # the unfinished round is lost with its session
 
     @override
@@ -120,8 +119,9 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
         if self._client is None:
             return
         module = self.lightning_module
-        codec = Codec(self._client.config["compression"], [p.shape for p in module.parameters()])
-        self._worker = Worker(module, self.root_device, self._client.transport(), None, codec, self.error_feedback)
+        layout = Fragments([p.shape for p in module.parameters()], self._client.config["compression"])
+        self._worker = Worker(module, self.root_device, self._client.transport(layout), None, layout,
+                              self.error_feedback)
         self._exchange(Kind.HELLO)
 
     @override

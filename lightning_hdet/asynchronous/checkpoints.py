@@ -1,0 +1,101 @@
+"""The strategy's checkpoint files: rank 0 writes the Lightning checkpoint with the outer state, and every worker
+writes its own inner optimizer state (and its error-feedback residual) to a file beside it, so that inner states
+never travel to rank 0.
+
+``trainer.save_checkpoint(path)`` runs on every rank (Lightning's contract; ``ModelCheckpoint`` calls it on every
+rank): rank 0 writes ``path``; each rank ``r`` writes ``path.worker{r}.pt`` (:func:`worker_file`) with the state it
+holds at that moment. ``fit(ckpt_path=path)`` then gives each worker its own file back; a worker without one
+(e.g. a checkpoint its own callback did not write, or a run resumed on more workers) starts from rank 0's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from typing_extensions import override
+
+from lightning_hdet._checkpoint import read_checkpoint
+from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
+from lightning_hdet.asynchronous.exchange import Exchange
+from lightning_hdet.asynchronous.worker import Worker
+
+log = logging.getLogger(__name__)
+
+#: The key of the outer state in a Lightning checkpoint.
+CHECKPOINT_KEY = "async_local_sgd"
+
+
+def worker_file(filepath: Any, rank: int) -> str:
+    """The file beside the checkpoint ``filepath`` that holds worker ``rank``'s own state."""
+    return f"{filepath}.worker{rank}.pt"
+
+
+class WorkerCheckpoints(LocalCollectivesStrategy):
+    """Checkpoint hooks of :class:`~.strategy.AsyncLocalSGDStrategy`: the outer state in rank 0's file, each
+    worker's inner optimizer state and error-feedback residual in its own file (see the module docstring)."""
+
+    #: Every exchange also sends the worker's inner optimizer state to rank 0 (set by the subclass).
+    checkpoint_inner_states = False
+    #: This process's part of the exchange during and after ``fit`` (set by the subclass).
+    _exchange: Exchange | None = None
+    _resume_state: dict[str, Any] | None = None
+    _resume_worker: dict[str, Any] | None = None
+    #: Rank 0: the outer state snapshot ``lightning_module_state_dict`` took for the checkpoint being written.
+    _outer_snapshot: dict[str, Any] | None = None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        outer = self._exchange.outer if self._exchange is not None else None
+        snapshot, self._outer_snapshot = self._outer_snapshot, None
+        if self.is_global_zero and outer is not None:
+            # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
+        if self.optimizers and "optimizer_states" in checkpoint:  # not for weights-only checkpoints
+            own: dict[str, Any] = {"optimizer": self.optimizers[0].state_dict()}
+            if self._exchange is not None:
+                own["error_feedback"] = self._exchange.worker.feedback.state_dict()
+            self.checkpoint_io.save_checkpoint(own, worker_file(filepath, self.global_rank))
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)  # rank 0 removes
+        own = worker_file(filepath, self.global_rank)
+        if get_filesystem(own).exists(own):
+            self.checkpoint_io.remove_checkpoint(own)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = read_checkpoint(lambda: super(WorkerCheckpoints, self).load_checkpoint(
+            checkpoint_path, weights_only=weights_only), checkpoint_path)
+        self._resume_state = checkpoint.get(CHECKPOINT_KEY)
+        own = worker_file(checkpoint_path, self.global_rank)
+        self._resume_worker = None
+        if get_filesystem(own).exists(own):
+            self._resume_worker = self.checkpoint_io.load_checkpoint(own, weights_only=weights_only)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each worker resumes its own inner optimizer state: the one it sent to rank 0 (with
+        ``checkpoint_inner_states``), else its own file, else rank 0's."""
+        sent = (checkpoint.get(CHECKPOINT_KEY) or {}).get("inner_optimizer_states") or {}
+        if self.global_rank in sent:
+            self.optimizers[0].load_state_dict(sent[self.global_rank])
+        elif self._resume_worker is not None:
+            self.optimizers[0].load_state_dict(self._resume_worker["optimizer"])
+        else:
+            if self.global_rank:
+                log.warning("rank %d: the checkpoint has no inner optimizer state of this worker (no file %s);"
+                            " it starts from rank 0's", self.global_rank, worker_file("<checkpoint>", self.global_rank))
+            super().load_optimizer_state_dict(checkpoint)
+
+    def restore_worker(self, worker: Worker) -> None:
+        """Give a new :class:`Worker` its error-feedback residual from the checkpoint it resumes (if any)."""
+        saved = (self._resume_worker or {}).get("error_feedback")
+        if saved is not None:
+            worker.feedback.load_state_dict(saved)
+        self._resume_worker = None
