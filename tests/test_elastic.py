@@ -203,7 +203,8 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def killed_and_joined(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Service + 4 workers; worker 4 SIGKILLs itself mid-round after 3 exchanges; a fifth worker starts once the
+    """Service + 4 workers; worker 4 SIGKILLs itself mid-round after 3 exchanges and worker 3 is preempted (SIGTERM,
+    which Lightning turns into an exception) after 4; a fifth worker starts once the
     run is under way. The others wait at their step 20 until the fifth has joined (80 of 240 steps), so both
     happen mid-run whatever the machine's load (no timing is asserted)."""
     d = tmp_path_factory.mktemp("elastic")
@@ -212,8 +213,8 @@ def killed_and_joined(tmp_path_factory: pytest.TempPathFactory) -> dict:
     common = ["--address", address, "--step-s", "0.05", "--hold-at", "20", "--hold-until", str(joined)]
     server = _start("server", d / "server.json", "--address", address, "--budget", "240", "--checkpoint",
                     str(d / "ckpt.pt"))
-    workers = [_start("worker", d / f"w{i}.json", *common, *(["--die-after", "3"] if i == 4 else []))
-               for i in range(1, 5)]
+    dies = {3: ["--die-after", "4", "--die-by", "term"], 4: ["--die-after", "3"]}
+    workers = [_start("worker", d / f"w{i}.json", *common, *dies.get(i, [])) for i in range(1, 5)]
     status = d / "ckpt.pt.status.json"
     _wait_for(lambda: _status(status).get("outer_updates", 0) >= 4, "the run to be under way")
     fifth = _start("worker", d / "w5.json", *common, "--mark-joined", str(joined))
@@ -222,13 +223,16 @@ def killed_and_joined(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_a_killed_worker_ends_only_its_session_and_the_others_finish_the_budget(killed_and_joined: dict) -> None:
+def test_killed_and_preempted_workers_end_only_their_sessions_and_the_others_finish_the_budget(killed_and_joined: dict) -> None:
     codes, server = killed_and_joined["codes"], killed_and_joined["server"]
     assert codes[3] == -signal.SIGKILL  # the killed worker
+    # The preempted one stopped on its SIGTERM before finishing (Lightning then exits with status 0).
+    d = killed_and_joined["dir"]
+    assert "Received SIGTERM" in (d / "w3.log").read_text() and not (d / "w3.json").exists()
     assert codes[:3] == [0, 0, 0] and codes[4] == 0 and codes[5] == 0  # everyone else, the service included
-    assert server["steps_done"] == server["budget"] == 240  # its unfinished round was discarded, its share redone
+    assert server["steps_done"] == server["budget"] == 240  # their unfinished rounds were discarded, redone
     lost = [s for s, why in server["ended"].items() if why.startswith("lost")]
-    assert len(lost) == 1 and server["live"] == []
+    assert len(lost) == 2 and server["live"] == []
     assert server["finite"] and server["final_loss"] < server["initial_loss"]
 
 

@@ -1,7 +1,8 @@
 """Run by tests/test_elastic.py and benchmarks/elastic.py: one process of an elastic run on loopback.
 
 ``server``: an OuterService for ``LinearModel`` whose evaluation is the validation loss; writes ``--out`` (JSON).
-``worker``: one Lightning job (``devices=1``) with ElasticWorkerStrategy; ``--die-after N`` SIGKILLs itself in the
+``worker``: one Lightning job (``devices=1``) with ElasticWorkerStrategy; ``--die-after N`` SIGKILLs (``--die-by
+term``: SIGTERMs, as a preempted spot machine is told) itself in the
 middle of its round after N exchanges; ``--step-s`` paces each step (so that the others are mid-run when it dies).
 """
 
@@ -32,10 +33,12 @@ def val_loss(module: torch.nn.Module) -> dict:
 class Pace(Callback):
     """Sleeps ``step_s`` after each step; from step ``hold_at`` on, waits until the file ``hold_until`` exists (the
     fifth worker creates it, ``mark_joined``, once it has joined), so that a joining worker always finds the run
-    under way however slowly it starts. ``die_after``: SIGKILL itself mid-round after that many exchanges."""
+    under way however slowly it starts. ``die_after``: SIGKILL (or ``die_by``) itself mid-round after that many
+    exchanges."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.step_s, self.die_after = args.step_s, args.die_after
+        self.die_by = signal.SIGTERM if args.die_by == "term" else signal.SIGKILL
         self.hold_at, self.until, self.mark = args.hold_at, args.hold_until, args.mark_joined
 
     def on_train_start(self, trainer, pl_module):
@@ -50,7 +53,7 @@ class Pace(Callback):
             time.sleep(0.1)
         rounds = trainer.strategy.rounds
         if self.die_after and len(rounds) > self.die_after and trainer.global_step % 4 == 2:
-            os.kill(os.getpid(), signal.SIGKILL)  # mid-round: its unfinished round must be discarded
+            os.kill(os.getpid(), self.die_by)  # mid-round: its unfinished round must be discarded
 
 
 class KillRank(Callback):
@@ -123,6 +126,7 @@ if __name__ == "__main__":
     parser.add_argument("--hold-until", default=None)
     parser.add_argument("--mark-joined", default=None)
     parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--die-by", choices=("kill", "term"), default="kill")
     parser.add_argument("--kill-at-step", type=int, default=0)
     parser.add_argument("--reconnect-s", type=float, default=60.0)
     args = parser.parse_args()
