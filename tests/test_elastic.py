@@ -290,3 +290,28 @@ def test_a_frozen_worker_expires_and_diloco_continues_with_the_live_set(tmp_path
     result = json.loads((tmp_path / "server.json").read_text())
     assert sorted(result["ended"].values()) == ["expired", "left"]
     assert result["steps_done"] == 96 and result["finite"] and result["final_loss"] < result["initial_loss"]
+
+
+@pytest.mark.timeout(600)
+def test_the_service_validates_the_global_model_and_stops_every_worker_early(tmp_path: Path) -> None:
+    """Validation and early stopping in one place: the service evaluates the global model every 2 outer updates and
+    requests a stop once its loss is below 1.0, long before a budget of 100000 steps."""
+    address = f"127.0.0.1:{_free_port()}"
+    server = _start("server", tmp_path / "server.json", "--address", address, "--budget", "100000",
+                    "--stop-below", "1.0")
+    # Each worker holds at its first step until the other has started, so both are in the run before it stops.
+    started = {i: tmp_path / f"started{i}" for i in (1, 2)}
+    workers = [_start("worker", tmp_path / f"w{i}.json", "--address", address, "--mark-joined", str(started[i]),
+                      "--hold-at", "1", "--hold-until", str(started[3 - i])) for i in (1, 2)]
+    assert _finish([*workers, server]) == [0, 0, 0]
+    result = json.loads((tmp_path / "server.json").read_text())
+    # The service's own record: (outer updates, metrics) every 2 updates until the stop, then once at the end.
+    losses = [(updates, metrics["val_loss"]) for updates, metrics in result["evaluations"]]
+    stop = next(i for i, (_, loss) in enumerate(losses) if loss < 1.0)
+    assert losses[0][1] > 1.0 and all(u == 2 * (i + 1) for i, (u, _) in enumerate(losses[: stop + 1]))
+    # Rounds already handed out finish after the stop request: at most one more per worker.
+    assert losses[-1][0] <= losses[stop][0] + 2 and losses[-1][1] == pytest.approx(result["final_loss"])
+    assert result["steps_done"] < 100000 and result["final_loss"] < 1.0 and result["live"] == []
+    for i in (1, 2):  # both workers trained, then left on the stop reply
+        assert json.loads((tmp_path / f"w{i}.json").read_text())["inner_steps"] > 0
+    assert sorted(result["ended"].values()) == ["left", "left"]

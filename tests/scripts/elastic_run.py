@@ -88,9 +88,16 @@ def server(args: argparse.Namespace) -> None:
     seed_everything(0)
     model = LinearModel()
     initial = val_loss(model)["val_loss"]
+    def evaluate(module: torch.nn.Module) -> dict[str, float]:
+        """Validation of the global model, in one place; early stopping below ``--stop-below``."""
+        metrics = val_loss(module)
+        if metrics["val_loss"] < args.stop_below:
+            service.request_stop()
+        return metrics
+
     service = OuterService(model, args.address, args.budget, checkpoint=args.checkpoint, checkpoint_every=1,
-                           lease_s=args.lease_s, local_steps=args.local_steps, mode=args.mode, evaluate=val_loss,
-                           evaluate_every=0, max_idle_s=args.max_idle_s)
+                           lease_s=args.lease_s, local_steps=args.local_steps, mode=args.mode, evaluate=evaluate,
+                           evaluate_every=2 if args.stop_below > 0 else 0, max_idle_s=args.max_idle_s)
     start = time.perf_counter()
     service.run()
     final = val_loss(model)["val_loss"]
@@ -129,5 +136,6 @@ if __name__ == "__main__":
     parser.add_argument("--die-by", choices=("kill", "term"), default="kill")
     parser.add_argument("--kill-at-step", type=int, default=0)
     parser.add_argument("--reconnect-s", type=float, default=60.0)
+    parser.add_argument("--stop-below", type=float, default=0.0)
     args = parser.parse_args()
     {"server": server, "worker": worker, "single": single}[args.role](args)
