@@ -34,10 +34,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from lightning_hdet._tensors import BUCKET_BYTES
 from lightning_hdet.asynchronous.compression import DEFAULT_CHUNK, Codec, CodecName
 
-#: Largest fragment of a pushed or pulled model, in bytes of ``float32`` values (DDP's default bucket size).
-FRAGMENT_BYTES = 25 * 2**20
+#: Largest fragment of a pushed or pulled model, in bytes of ``float32`` values: the size of HDET's merge buckets
+#: (DDP's default bucket size), one number for both.
+FRAGMENT_BYTES = BUCKET_BYTES
 
 
 class Kind(IntEnum):
