@@ -37,20 +37,22 @@ SCRIPT = REPO / "tests" / "scripts" / "elastic_run.py"
 NAME = "elastic"
 
 
-def _start(role: str, out: Path, *args: str) -> subprocess.Popen:
+def launch(role: str, out: Path, *args: str) -> subprocess.Popen:
+    """Start one process of an elastic run (tests/scripts/elastic_run.py ``role``), its output in ``out``.log."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     log = open(out.with_suffix(".log"), "w")
     return subprocess.Popen([sys.executable, str(SCRIPT), role, "--out", str(out), *args], stdout=log,
                             stderr=subprocess.STDOUT, env=env)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _read(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON file a process writes, or ``{}`` while it is missing or half-written."""
     try:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
@@ -58,21 +60,21 @@ def _read(path: Path) -> dict:
 
 
 def elastic(args: argparse.Namespace, work: Path, kill: bool) -> dict:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     common = ["--address", address, "--budget", str(args.budget), "--local-steps", str(args.local_steps)]
     start = time.perf_counter()
-    server = _start("server", work / "server.json", *common, "--checkpoint", str(work / "ckpt.pt"))
-    workers = [_start("worker", work / f"w{i}.json", "--address", address, "--step-s", str(args.step_s))
+    server = launch("server", work / "server.json", *common, "--checkpoint", str(work / "ckpt.pt"))
+    workers = [launch("worker", work / f"w{i}.json", "--address", address, "--step-s", str(args.step_s))
                for i in range(4)]
     killed_at = None
     while kill and killed_at is None and server.poll() is None:
-        done = _read(work / "ckpt.pt.status.json").get("steps_done", 0)
+        done = read_json(work / "ckpt.pt.status.json").get("steps_done", 0)
         if done >= args.budget // 2:
             workers[3].send_signal(signal.SIGKILL)
             killed_at = done
         time.sleep(0.05)
     codes = [p.wait(timeout=args.timeout) for p in (*workers, server)]
-    result = _read(work / "server.json")
+    result = read_json(work / "server.json")
     return {"wall_s": time.perf_counter() - start, "final_loss": result.get("final_loss"),
             "initial_loss": result.get("initial_loss"), "steps_done": result.get("steps_done"),
             "service_s": result.get("elapsed_s"), "killed_at_steps": killed_at, "exit_codes": codes,
@@ -81,10 +83,10 @@ def elastic(args: argparse.Namespace, work: Path, kill: bool) -> dict:
 
 def single_job(args: argparse.Namespace, work: Path) -> dict:
     start = time.perf_counter()
-    job = _start("single", work / "single.json", "--budget", str(args.budget), "--local-steps", str(args.local_steps),
+    job = launch("single", work / "single.json", "--budget", str(args.budget), "--local-steps", str(args.local_steps),
                  "--step-s", str(args.step_s), "--kill-at-step", str(args.budget // 8), "--address", "unused:0")
     code = job.wait(timeout=args.timeout)
-    result = _read(work / "single.json")
+    result = read_json(work / "single.json")
     return {"wall_s": time.perf_counter() - start, "final_loss": result.get("final_loss"), "steps_done": None,
             "service_s": None, "killed_at_steps": args.budget // 2, "exit_codes": [code], "job_lost": code != 0}
 

@@ -4,17 +4,15 @@ service and its workers as separate processes on loopback (tests/scripts/elastic
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.elastic import free_port, launch, read_json
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic.membership import parse_address
 from lightning_hdet.asynchronous.elastic.service import resize_buffer
@@ -28,7 +26,6 @@ from lightning_hdet.asynchronous.elastic.sessions import (
 from lightning_hdet.asynchronous.messages import Kind, Push
 from lightning_hdet.asynchronous.outer import OuterSettings
 
-SCRIPT = Path(__file__).parent / "scripts" / "elastic_run.py"
 
 
 # pure bookkeeping
@@ -164,25 +161,7 @@ def test_arguments_are_checked_before_anything_connects() -> None:
     assert service.hub is None and service.outer.budget == 10
 
 
-# processes on loopback
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(role: str, out: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    log = open(out.with_suffix(".log"), "w")
-    return subprocess.Popen([sys.executable, str(SCRIPT), role, "--out", str(out), *args],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _status(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
+# processes on loopback (started by benchmarks.elastic.launch)
 
 
 def _wait_for(condition, what: str, timeout: float = 240.0) -> None:
@@ -208,16 +187,16 @@ def killed_and_joined(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run is under way. The others wait at their step 20 until the fifth has joined (80 of 240 steps), so both
     happen mid-run whatever the machine's load (no timing is asserted)."""
     d = tmp_path_factory.mktemp("elastic")
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     joined = d / "joined"
     common = ["--address", address, "--step-s", "0.05", "--hold-at", "20", "--hold-until", str(joined)]
-    server = _start("server", d / "server.json", "--address", address, "--budget", "240", "--checkpoint",
+    server = launch("server", d / "server.json", "--address", address, "--budget", "240", "--checkpoint",
                     str(d / "ckpt.pt"))
     dies = {3: ["--die-after", "4", "--die-by", "term"], 4: ["--die-after", "3"]}
-    workers = [_start("worker", d / f"w{i}.json", *common, *dies.get(i, [])) for i in range(1, 5)]
+    workers = [launch("worker", d / f"w{i}.json", *common, *dies.get(i, [])) for i in range(1, 5)]
     status = d / "ckpt.pt.status.json"
-    _wait_for(lambda: _status(status).get("outer_updates", 0) >= 4, "the run to be under way")
-    fifth = _start("worker", d / "w5.json", *common, "--mark-joined", str(joined))
+    _wait_for(lambda: read_json(status).get("outer_updates", 0) >= 4, "the run to be under way")
+    fifth = launch("worker", d / "w5.json", *common, "--mark-joined", str(joined))
     codes = _finish([*workers, fifth, server])
     return {"dir": d, "codes": codes, "server": json.loads((d / "server.json").read_text())}
 
@@ -249,20 +228,20 @@ def test_a_fifth_worker_joins_mid_run_and_pushes(killed_and_joined: dict) -> Non
 
 @pytest.mark.timeout(600)
 def test_a_killed_service_restarts_from_its_checkpoint_and_workers_reconnect(tmp_path: Path) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     ckpt, status = tmp_path / "ckpt.pt", tmp_path / "ckpt.pt.status.json"
     serve = ["--address", address, "--budget", "160", "--checkpoint", str(ckpt)]
-    server = _start("server", tmp_path / "server1.json", *serve)
+    server = launch("server", tmp_path / "server1.json", *serve)
     pace = ["--address", address, "--step-s", "0.2"]
-    patient = [_start("worker", tmp_path / f"w{i}.json", *pace, "--reconnect-s", "180") for i in (1, 2)]
-    impatient = _start("worker", tmp_path / "w3.json", *pace, "--reconnect-s", "0")
-    _wait_for(lambda: _status(status).get("outer_updates", 0) >= 4, "the run to be under way")
+    patient = [launch("worker", tmp_path / f"w{i}.json", *pace, "--reconnect-s", "180") for i in (1, 2)]
+    impatient = launch("worker", tmp_path / "w3.json", *pace, "--reconnect-s", "0")
+    _wait_for(lambda: read_json(status).get("outer_updates", 0) >= 4, "the run to be under way")
     server.kill()
     server.wait()
-    at_kill = _status(status)
+    at_kill = read_json(status)
     assert _finish([impatient]) == [1]  # reconnect_s=0: fails as soon as its session is lost
     assert "No outer service reachable" in (tmp_path / "w3.log").read_text()
-    restarted = _start("server", tmp_path / "server2.json", *serve)
+    restarted = launch("server", tmp_path / "server2.json", *serve)
     assert _finish([*patient, restarted]) == [0, 0, 0]
     result = json.loads((tmp_path / "server2.json").read_text())
     assert result["outer_updates"] > at_kill["outer_updates"] and result["steps_done"] == 160
@@ -276,13 +255,13 @@ def test_a_killed_service_restarts_from_its_checkpoint_and_workers_reconnect(tmp
 def test_a_frozen_worker_expires_and_diloco_continues_with_the_live_set(tmp_path: Path) -> None:
     """DiLoCo (every live worker in each outer step) with one worker frozen by SIGSTOP: its heartbeats stop, its
     lease expires, and the other worker's steps finish the budget without it."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     status = tmp_path / "ckpt.pt.status.json"
-    server = _start("server", tmp_path / "server.json", "--address", address, "--budget", "96", "--mode", "sync",
+    server = launch("server", tmp_path / "server.json", "--address", address, "--budget", "96", "--mode", "sync",
                     "--lease-s", "4", "--checkpoint", str(tmp_path / "ckpt.pt"))
-    workers = [_start("worker", tmp_path / f"w{i}.json", "--address", address, "--step-s", "0.1") for i in (1, 2)]
+    workers = [launch("worker", tmp_path / f"w{i}.json", "--address", address, "--step-s", "0.1") for i in (1, 2)]
     try:
-        _wait_for(lambda: _status(status).get("outer_updates", 0) >= 2, "the run to be under way")
+        _wait_for(lambda: read_json(status).get("outer_updates", 0) >= 2, "the run to be under way")
         workers[1].send_signal(signal.SIGSTOP)
         assert _finish([workers[0], server]) == [0, 0]
     finally:
@@ -296,12 +275,12 @@ def test_a_frozen_worker_expires_and_diloco_continues_with_the_live_set(tmp_path
 def test_the_service_validates_the_global_model_and_stops_every_worker_early(tmp_path: Path) -> None:
     """Validation and early stopping in one place: the service evaluates the global model every 2 outer updates and
     requests a stop once its loss is below 1.0, long before a budget of 100000 steps."""
-    address = f"127.0.0.1:{_free_port()}"
-    server = _start("server", tmp_path / "server.json", "--address", address, "--budget", "100000",
+    address = f"127.0.0.1:{free_port()}"
+    server = launch("server", tmp_path / "server.json", "--address", address, "--budget", "100000",
                     "--stop-below", "1.0")
     # Each worker holds at its first step until the other has started, so both are in the run before it stops.
     started = {i: tmp_path / f"started{i}" for i in (1, 2)}
-    workers = [_start("worker", tmp_path / f"w{i}.json", "--address", address, "--mark-joined", str(started[i]),
+    workers = [launch("worker", tmp_path / f"w{i}.json", "--address", address, "--mark-joined", str(started[i]),
                       "--hold-at", "1", "--hold-until", str(started[3 - i])) for i in (1, 2)]
     assert _finish([*workers, server]) == [0, 0, 0]
     result = json.loads((tmp_path / "server.json").read_text())
