@@ -240,6 +240,55 @@ def test_a_failed_server_wakes_rank_zeros_worker() -> None:
     assert "outer step failed" in str(error.value.__cause__)
 
 
+class EagerNetwork(QueueNetwork):
+    """Worker 1 is fast: as soon as it is replied to, it pushes its next round (and the test gives the server a
+    second to apply it) before the server goes on to reply to the batch's other workers."""
+
+    def __init__(self, layout: Fragments, workers: list[int], outer: OuterState) -> None:
+        super().__init__(layout, workers)
+        self.outer, self.raced = outer, False
+
+    def reply(self, worker: int, header: ServerHeader, params, buffers: torch.Tensor) -> None:
+        super().reply(worker, header, params, buffers)
+        if worker == 1 and header.next_local_steps > 0 and not self.raced:
+            self.raced = True
+            push = Push.of(1, WorkerHeader(Kind.PUSH, steps=2, compute_s=0.1, wait_s=0.0), None, None, 8)
+            self.pushes.put((push, [torch.tensor([1.0, -1.0]).view(torch.uint8)]))  # encoded: bytes
+            for _ in range(100):  # without the reply gate, the push is applied within milliseconds
+                if self.outer.outer_updates:
+                    break
+                threading.Event().wait(0.01)
+
+
+def test_every_worker_of_a_batch_restarts_from_the_same_version() -> None:
+    """Grace period 60 s, three workers: worker 1 is replied to first and pushes again at once; that push waits
+    until worker 2 has been sent, and rank 0's own worker has pulled, the batch's version (0, the start)."""
+    settings = OuterSettings(mode="async", local_steps=2, dynamic_local_steps=False, grace_period=60.0,
+                             outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False)
+    layout = Fragments([torch.Size([2])])
+    outer = settings.build(torch.zeros(2), torch.zeros(0), workers=3, budget=None, ranges=layout.ranges)
+    network = EagerNetwork(layout, [1, 2], outer)
+    server = Server(outer, workers=3, remote=network, timeout=60, layout=layout)
+    server.start()
+    hello = WorkerHeader(Kind.HELLO, steps=0, compute_s=0.0, wait_s=0.0)
+    for w in (1, 2):
+        network.pushes.put((Push.of(w, hello), []))
+    server.local.push(hello, [], None, None)
+    pulled = torch.full((2,), float("nan"))
+    local = server.local.pull(pulled)
+    remote = {w: network.ends[w].replies.get(timeout=60)[0] for w in (1, 2)}
+    assert network.raced
+    assert [local.outer_updates, remote[1].outer_updates, remote[2].outer_updates] == [0, 0, 0]
+    assert pulled.tolist() == [0.0, 0.0]  # the start, without worker 1's next round in it
+    bye = WorkerHeader(Kind.BYE, steps=0, compute_s=0.0, wait_s=0.0)
+    server.local.push(bye, [], None, None)
+    network.pushes.put((Push.of(2, bye), []))
+    assert network.ends[1].replies.get(timeout=60)[0].outer_updates == 1  # then its push was applied
+    network.pushes.put((Push.of(1, bye), []))
+    server.join()
+    assert outer.params.tolist() == [-1.0, 1.0]  # outer LR 1, no momentum: minus the pseudo-gradient
+
+
 # ------------------------------------------------------------------------------- fragments: pure, then streamed
 def test_fragment_layout_groups_parameters_and_cuts_large_ones() -> None:
     """At most 8 values per fragment: a (3, 4) matrix is cut into row blocks (2 rows, then 1), a (10, 2) one into

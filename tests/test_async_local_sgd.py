@@ -319,7 +319,14 @@ def test_grace_window_closes_once_every_active_worker_pushed():
     remote = mock.create_autospec(ServerTransport, instance=True)
     remote.receive.side_effect = lambda: queue.Queue().get()  # nothing comes over the wire: pushes go to the inbox
     server = Server(outer, workers=2, remote=remote, timeout=60)
-    server.local.reply = lambda header: replies.put(0)
+    pulled = torch.empty(outer.params.numel() + outer.buffers.numel())
+
+    def local_reply(header):  # rank 0's worker pulls the model on a reply, as InProcessTransport.pull does
+        if header.next_local_steps > 0:
+            server.read_model(0, pulled)
+        replies.put(0)
+
+    server.local.reply = local_reply
     remote.reply.side_effect = lambda worker, header, params, buffers: replies.put(worker)
     thread = server._threads[-1]  # the server thread alone; the receiver is not started
     thread.start()

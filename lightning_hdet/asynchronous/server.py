@@ -7,6 +7,11 @@ the inbox. The *server* thread takes batches from the inbox, closes them (the st
 worker that waits, fragment by fragment. Batches follow the step policy: ``batch_window`` seconds after the first
 push (closing early once every worker still training is in the batch), or until every worker still training has
 pushed.
+
+Every worker of a batch restarts from the same version: from the batch's close until its last reply has been
+sent (and rank 0's own worker has pulled), a newly arriving push waits before it is applied (the *reply gate*).
+Without it, a fast worker replied to first could push its next round, and have it applied, before a slower
+worker of the same batch was sent the model.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class Server:
         self.local = InProcessTransport(self.accept, self.read_model, timeout, self.raise_error,
                                         gradient_bytes=self.layout.nbytes)
         self.error: BaseException | None = None
+        self._gate = threading.Condition()
+        self._replies_pending = 0  # > 0: a batch's replies are being sent; pushes wait before being applied
         targets: list[tuple[Callable[[], None], str]] = [(self._serve, "async-local-sgd-server")]
         if workers > 1:
             targets.insert(0, (self._receive, "async-local-sgd-receiver"))
@@ -77,10 +84,16 @@ class Server:
         except BaseException as err:  # reported to the training thread
             self.error = err
             self.local.wake()
+            with self._gate:  # a push waiting at the gate fails now, not after its timeout
+                self._gate.notify_all()
 
     def accept(self, push: Push, messages: Iterable[Tensor]) -> None:
         """Apply a push fragment by fragment as its encoded ``messages`` arrive, then queue it for its batch."""
         out = self._decoded if push.worker == self.local.worker else self._decoded_remote
+        with self._gate:
+            self._wait_for_replies(f"A push from worker {push.worker}")
+        self.raise_error()
+        # the stream is read only now: a remote sender waits meanwhile (no copy is queued)
         self.outer.receive(push, self.layout.decode(messages, out))
         self.inbox.put(push)
 
@@ -90,7 +103,20 @@ class Server:
         with self.outer.model_lock:
             into[:n].copy_(self.outer.params)
             into[n:].copy_(self.outer.buffers)
-            return self.outer.mark_pulled(worker)
+            version = self.outer.mark_pulled(worker)
+        self._replied()
+        return version
+
+    def _wait_for_replies(self, who: str) -> None:
+        """Wait (holding :attr:`_gate`) until the last batch's replies are all done, or the server failed."""
+        if not self._gate.wait_for(lambda: self._replies_pending == 0 or self.error is not None, self.timeout):
+            raise TimeoutError(f"{who} waited over {self.timeout} s for the previous batch's replies.")
+
+    def _replied(self) -> None:
+        """One of the batch's pending replies is done (rank 0's pull, or the server's loop over the others)."""
+        with self._gate:
+            self._replies_pending -= 1
+            self._gate.notify_all()
 
     def _receive(self) -> None:
         assert self.remote is not None
@@ -104,9 +130,16 @@ class Server:
         active = set(range(self.workers))
         while active:
             batch = self._collect(len(active))
+            with self._gate:  # closed before close(): no push may enter the version this batch is sent
+                # rank 0's pull of the last batch may still be pending (async: the inbox can already hold pushes)
+                self._wait_for_replies("The next batch")
+                self._replies_pending = 1  # this loop
             replies = self.outer.close(batch)
             active -= {p.worker for p in batch if p.kind == Kind.BYE}
             log.debug("closed a batch of %d push(es); %d worker(s) still training", len(batch), len(active))
+            if replies.get(self.local.worker, 0) > 0:
+                with self._gate:  # and rank 0's own pull
+                    self._replies_pending += 1
             for worker, steps in replies.items():
                 if worker == self.local.worker:
                     # its pull copies the model, and the version then, unless it stops
@@ -117,6 +150,7 @@ class Server:
                     header = ServerHeader(steps, self.outer.mark_pulled(worker))
                     self.remote.reply(worker, header, self.layout.split(self.outer.params.detach()),
                                       self.outer.buffers)
+            self._replied()
 
     def _collect(self, active: int) -> list[Push]:
         """One batch: the first push, then those within the policy's window (a window closes early once every
