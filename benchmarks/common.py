@@ -48,7 +48,8 @@ class RunSpec:
     ``steps`` is the global step to stop at (cumulative when resuming); ``devices`` the number of
     processes; ``model`` extra model arguments (``optimizer``, ``d_model``, ...). ``shard_data=False``
     gives every process the whole training and validation streams in the same order (Lightning's
-    ``use_distributed_sampler=False``), as independent one-process runs would see them.
+    ``use_distributed_sampler=False``), as independent one-process runs would see them: the training order is
+    fixed by ``seed`` (the datamodules' ``shuffle_seed``), however the processes were started.
     """
 
     lr: float
@@ -266,10 +267,10 @@ def build_workload(spec: RunSpec) -> tuple[LightningModule, LightningDataModule]
     """The model (at ``spec.lr``, with ``spec.model``'s arguments) and the data of ``spec.workload``."""
     if spec.workload == "char_lm":
         model = CharLM(block_size=spec.block_size, lr=spec.lr, **spec.model)
-        return model, CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars)
+        return model, CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars, shuffle_seed=spec.seed)
     if spec.workload == "shapes":
         # The data seed is fixed: every run sees the same images; the shuffle follows ``spec.seed``.
-        return ShapesCNN(lr=spec.lr, **spec.model), ShapesDataModule(batch_size=spec.batch_size)
+        return ShapesCNN(lr=spec.lr, **spec.model), ShapesDataModule(batch_size=spec.batch_size, shuffle_seed=spec.seed)
     raise ValueError(f"workload={spec.workload!r} is not one of {WORKLOADS}")
 
 

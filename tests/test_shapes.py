@@ -4,7 +4,7 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 
-from lightning_hdet.demos import ShapesCNN, ShapesDataModule, make_shapes
+from lightning_hdet.demos import CharCorpusDataModule, ShapesCNN, ShapesDataModule, make_shapes
 from lightning_hdet.demos.shapes import CLASSES
 from tests.helpers import TrainLosses, quiet_trainer
 
@@ -39,6 +39,26 @@ def test_datamodule_splits_are_distinct_and_reproducible():
     assert ShapesDataModule.num_classes == len(CLASSES)
     with pytest.raises(ValueError, match="batch_size"):
         ShapesDataModule(batch_size=0)
+
+
+@pytest.mark.parametrize("make", [lambda **kw: ShapesDataModule(batch_size=8, num_train=64, num_val=8, **kw),
+                                  lambda **kw: CharCorpusDataModule(block_size=16, batch_size=8, max_chars=20_000, **kw)],
+                         ids=["shapes", "char_lm"])
+def test_a_shuffle_seed_fixes_the_training_order_whatever_the_global_rng(make):
+    """A launched rank re-seeds the global RNG after the model was built; with ``shuffle_seed`` the order does not
+    depend on it (benchmarks compare one-process runs with the ranks of a job), without it it does."""
+
+    def first_labels(global_seed: int, **kw) -> list[int]:
+        dm = make(**kw)
+        dm.setup("fit")
+        torch.manual_seed(global_seed)
+        return [int(y.flatten()[0]) for _, y in dm.train_dataloader()][:6]
+
+    assert first_labels(1, shuffle_seed=5) == first_labels(2, shuffle_seed=5)
+    assert first_labels(1, shuffle_seed=5) != first_labels(1, shuffle_seed=6)
+    assert first_labels(1) != first_labels(2)
+    with pytest.raises(ValueError, match=r"shuffle_seed must be an int or None, got '5'"):
+        make(shuffle_seed="5")
 
 
 def test_a_few_adamw_steps_reduce_the_loss():

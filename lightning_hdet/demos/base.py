@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet.demos.optim import set_schedule_free_mode
+
+
+def shuffle_generator(shuffle_seed: int | None) -> torch.Generator | None:
+    """The training ``DataLoader``'s shuffle: ``None`` follows the global seed (as any ``DataLoader``); an int
+    gives one fixed order, the same in a one-process run and in every rank of a launched job (whose global RNG
+    is re-seeded after the model was built, so its order would differ). Lightning's ``DistributedSampler``
+    (sharded data) ignores it."""
+    if shuffle_seed is None:
+        return None
+    if not isinstance(shuffle_seed, int) or isinstance(shuffle_seed, bool):
+        raise ValueError(f"shuffle_seed must be an int or None, got {shuffle_seed!r}")
+    return torch.Generator().manual_seed(shuffle_seed)
 
 
 class DemoModule(LightningModule):

@@ -24,6 +24,8 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_hdet.demos.base import shuffle_generator
+
 VOCAB_SIZE = 256
 DEFAULT_MAX_CHARS = 1_000_000
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -129,6 +131,8 @@ class CharCorpusDataModule(LightningDataModule):
         val_fraction: share of the bytes, at the end, held out for validation.
         num_workers: ``DataLoader`` worker processes.
         root: read ``.py`` files from this directory instead of the stdlib (tests, other corpora).
+        shuffle_seed: a fixed training order (see :func:`~lightning_hdet.demos.base.shuffle_generator`); ``None``:
+            it follows the global seed.
     """
 
     vocab_size = VOCAB_SIZE
@@ -141,8 +145,11 @@ class CharCorpusDataModule(LightningDataModule):
         val_fraction: float = 0.1,
         num_workers: int = 0,
         root: str | None = None,
+        shuffle_seed: int | None = None,
     ) -> None:
         super().__init__()
+        shuffle_generator(shuffle_seed)  # checked now; made per fit (a generator cannot cross a spawn)
+        self.shuffle_seed = shuffle_seed
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -162,7 +169,8 @@ class CharCorpusDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
+            generator=shuffle_generator(self.shuffle_seed),
         )
 
     def val_dataloader(self) -> DataLoader:
