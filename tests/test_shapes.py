@@ -57,7 +57,7 @@ def test_a_shuffle_seed_fixes_the_training_order_whatever_the_global_rng(make):
     assert first_labels(1, shuffle_seed=5) == first_labels(2, shuffle_seed=5)
     assert first_labels(1, shuffle_seed=5) != first_labels(1, shuffle_seed=6)
     assert first_labels(1) != first_labels(2)
-    with pytest.raises(ValueError, match=r"shuffle_seed must be an int or None, got '5'"):
+    with pytest.raises(ValueError, match=r"`shuffle_seed` must be an int or None, got '5'\."):
         make(shuffle_seed="5")
 
 

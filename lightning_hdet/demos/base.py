@@ -7,19 +7,22 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hdet._checks import is_int, require
 from lightning_hdet.demos.optim import set_schedule_free_mode
+
+
+def check_shuffle_seed(shuffle_seed: object) -> None:
+    """A datamodule's ``shuffle_seed`` argument: an int or ``None`` (checked when the datamodule is made)."""
+    require("shuffle_seed", shuffle_seed, shuffle_seed is None or is_int(shuffle_seed), "an int or None",
+            "None follows the global seed; an int fixes the training order.")
 
 
 def shuffle_generator(shuffle_seed: int | None) -> torch.Generator | None:
     """The training ``DataLoader``'s shuffle: ``None`` follows the global seed (as any ``DataLoader``); an int
     gives one fixed order, the same in a one-process run and in every rank of a launched job (whose global RNG
     is re-seeded after the model was built, so its order would differ). Lightning's ``DistributedSampler``
-    (sharded data) ignores it."""
-    if shuffle_seed is None:
-        return None
-    if not isinstance(shuffle_seed, int) or isinstance(shuffle_seed, bool):
-        raise ValueError(f"shuffle_seed must be an int or None, got {shuffle_seed!r}")
-    return torch.Generator().manual_seed(shuffle_seed)
+    (sharded data) ignores it. Made per fit: a generator cannot cross a spawn."""
+    return None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
 
 
 class DemoModule(LightningModule):

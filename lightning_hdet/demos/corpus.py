@@ -24,7 +24,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_hdet.demos.base import shuffle_generator
+from lightning_hdet.demos.base import check_shuffle_seed, shuffle_generator
 
 VOCAB_SIZE = 256
 DEFAULT_MAX_CHARS = 1_000_000
@@ -148,7 +148,7 @@ class CharCorpusDataModule(LightningDataModule):
         shuffle_seed: int | None = None,
     ) -> None:
         super().__init__()
-        shuffle_generator(shuffle_seed)  # checked now; made per fit (a generator cannot cross a spawn)
+        check_shuffle_seed(shuffle_seed)
         self.shuffle_seed = shuffle_seed
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if not isinstance(value, int) or value < 1:

@@ -17,7 +17,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hdet.demos.base import DemoModule, shuffle_generator
+from lightning_hdet.demos.base import DemoModule, check_shuffle_seed, shuffle_generator
 from lightning_hdet.demos.optim import OPTIMIZERS, make_optimizer
 
 CLASSES = ("disc", "square", "plus", "ring", "horizontal stripes", "vertical stripes")
@@ -91,7 +91,7 @@ class ShapesDataModule(LightningDataModule):
         seed: int = 0, shuffle_seed: int | None = None,
     ) -> None:
         super().__init__()
-        shuffle_generator(shuffle_seed)  # checked now; made per fit (a generator cannot cross a spawn)
+        check_shuffle_seed(shuffle_seed)
         self.shuffle_seed = shuffle_seed
         for name, value in (("batch_size", batch_size), ("num_train", num_train), ("num_val", num_val)):
             if not isinstance(value, int) or value < 1:
