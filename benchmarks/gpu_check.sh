@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU check (one GPU, no network, PyTorch + Lightning preinstalled; run from the repository root, < 5 min):
+# GPU check (one GPU, no network, PyTorch + Lightning preinstalled; run from the repository root, < 8 min):
 # run the quick benchmarks twice, on CPU and with CUDA tensors (several processes sharing cuda:0 over gloo,
-# since NCCL needs one GPU per rank), check that they agree, and keep both sets of JSON and the step times;
-# with 2 GPUs, also HDET vs DDP steps/s over NCCL (one process per GPU).
+# since NCCL needs one GPU per rank; the two halves run side by side), check that they agree, and keep both
+# sets of JSON and the step times; then HDET's per-step path on the GPU over NCCL (benchmarks/sync_check.py:
+# synchronising CUDA calls per step and steps/s against DDP, float32 and bf16-mixed); with 2 GPUs, also HDET
+# vs DDP steps/s over NCCL (one process per GPU).
 #   usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu_check_out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,17 +20,25 @@ run() {  # run <accelerator> <script> [args...]
   local acc=$1 script=$2; shift 2
   local dir="$OUT_DIR/$acc"
   mkdir -p "$dir/docs"
-  BENCH_ACCELERATOR=$acc timeout 120 "$PY" "benchmarks/$script.py" --quick "$@" \
+  BENCH_ACCELERATOR=$acc timeout 300 "$PY" "benchmarks/$script.py" --quick "$@" \
     --results-dir "$dir" --docs-dir "$dir/docs" > "$dir/$script.log" 2>&1 \
     || { echo "$acc $script failed:"; tail -30 "$dir/$script.log"; return 1; }
   echo "$acc $script ok"
 }
 
-for acc in cpu cuda; do
-  run "$acc" hdet_published --arms ddp_low hdet_full
-  run "$acc" async_published --levels very --methods diloco async_dn_dylu
-  run "$acc" overhead
-done
+half() {  # the three quick benchmarks on one accelerator
+  run "$1" hdet_published --arms ddp_low hdet_full && run "$1" async_published --levels very --methods diloco \
+    async_dn_dylu && run "$1" overhead
+}
+half cpu & cpu_half=$!
+cuda_rc=0; half cuda || cuda_rc=$?
+cpu_rc=0; wait "$cpu_half" || cpu_rc=$?
+
+# HDET's per-step path on the GPU over NCCL (one rank): no synchronising call per step beyond DDP's, steps/s.
+sync_rc=0
+timeout 300 "$PY" benchmarks/sync_check.py --out "$OUT_DIR/sync" --repeats 2 > "$OUT_DIR/sync_check.log" 2>&1 \
+  || sync_rc=$?
+grep -E '^[|]|HDET adds|sync_check' "$OUT_DIR/sync_check.log" || tail -30 "$OUT_DIR/sync_check.log"
 
 # HDET vs DDP steps/s over NCCL (T = 100): NCCL needs one GPU per rank, so this needs 2 GPUs.
 if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
@@ -68,3 +78,4 @@ if nccl.exists():
               f"repeats {runs})")
 sys.exit(0 if ok else 1)
 EOF
+exit $(( cpu_rc || cuda_rc || sync_rc ))

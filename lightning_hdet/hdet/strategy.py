@@ -110,9 +110,14 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         rank_zero_info(f"HDET: creating {self.layout.num_groups} process groups of {self.layout.group_size} ranks")
-        # Every rank must create every group, in the same order.
+        # Every rank creates every group, in the same order. Except over gloo on GPUs: Lightning then binds the
+        # default group to the device, and torch (2.11-2.13) has a rank outside a new group split gloo's
+        # communicator, which gloo cannot do (AttributeError: perform_nocolor_split). The groups are disjoint, so
+        # each rank can create only its own (the others stay None); NCCL keeps the faster split.
+        own_only = self.root_device.type != "cpu" and dist.get_backend() == "gloo"
         self._group_pgs = [
-            dist.new_group(self.layout.ranks(g), timeout=strategy_timeout(self)) for g in range(self.layout.num_groups)
+            dist.new_group(self.layout.ranks(g), timeout=strategy_timeout(self), use_local_synchronization=own_only)
+            for g in range(self.layout.num_groups)
         ]
         destroy_default_group_at_exit()
 
@@ -156,7 +161,8 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         self._guard = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
         # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
         for pg in self._group_pgs:
-            dist.destroy_process_group(pg)
+            if pg is not None:  # None: another group's, never created on this rank (gloo on GPUs, above)
+                dist.destroy_process_group(pg)
         self._group_pgs = []
         super().teardown()
 
