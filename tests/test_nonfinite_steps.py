@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device
+from lightning_hdet._tensors import finite
+from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device, zero_grads
 
 
 def _step(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, steps: NonFiniteSteps, grad: float) -> None:
@@ -58,3 +59,35 @@ def test_other_optimizers_step_on_a_zeroed_gradient_and_the_flag_waits_for_the_v
     torch.testing.assert_close(param.detach(), torch.full((3,), 0.81))
     torch.testing.assert_close(optimizer.state[param]["momentum_buffer"], torch.full((3,), 0.9))
     assert steps.total() == 1
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "expected"),
+    [
+        ([1.0, -2.0, 3.0], torch.float32, True),
+        ([1.0, math.nan, 3.0], torch.float32, False),
+        ([math.inf, 1.0], torch.float32, False),
+        ([math.inf, -math.inf], torch.float32, False),  # the sum is NaN, not 0
+        ([3e38, 3e38], torch.float32, False),  # finite elements whose sum overflows float32: counted as non-finite
+        ([6e4, 6e4], torch.float16, True),  # half precision is summed in float32: 1.2e5 does not overflow
+        ([6e4, math.inf], torch.float16, False),
+        ([1e38, 2e38], torch.bfloat16, True),  # 3e38 < float32's max
+    ],
+)
+def test_finite_reads_one_sum(values: list[float], dtype: torch.dtype, expected: bool) -> None:
+    result = finite(torch.tensor(values, dtype=dtype))
+    assert result.dtype == torch.bool and result.dim() == 0
+    assert bool(result) is expected
+
+
+def test_zero_grads_clears_non_finite_gradients_only_when_flagged() -> None:
+    """The flag zeroes every gradient, NaN and inf included (0 * inf is NaN, then 0); unflagged (hence finite)
+    gradients stay bit-equal."""
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([a, b], lr=0.1)
+    a.grad, b.grad = torch.tensor([1.5, 1e-30, -7.0]), torch.tensor([0.25, -3.0])
+    zero_grads(optimizer, torch.tensor(False))
+    assert torch.equal(a.grad, torch.tensor([1.5, 1e-30, -7.0])) and torch.equal(b.grad, torch.tensor([0.25, -3.0]))
+    a.grad = torch.tensor([1.5, math.nan, -math.inf])
+    zero_grads(optimizer, torch.tensor(True))
+    assert torch.equal(a.grad, torch.zeros(3)) and torch.equal(b.grad, torch.zeros(2))

@@ -42,6 +42,6 @@ def test_blend_in_buckets_equals_the_flat_blend_bit_for_bit() -> None:
 def test_zero_coefficient_contributes_exact_zeros_and_all_finite_sees_non_finite_values() -> None:
     tensors = _tensors()
     tensors[0][3, 2] = float("nan")
-    assert not bool(all_finite(tensors, bucket_bytes=16))
-    assert bool(all_finite(tensors[1:], bucket_bytes=16))
+    assert not bool(all_finite(tensors))
+    assert bool(all_finite(tensors[1:]))
     assert all(bool((flat == 0).all()) for _, flat in reduced_buckets(tensors, 0.0, lambda x: None))

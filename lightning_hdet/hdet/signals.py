@@ -56,7 +56,9 @@ class LossCurve:
     def add(self, position: int, loss: Tensor) -> None:
         """Add one step's loss (a device tensor; its sum if it has several elements) at ``position``."""
         b = self.bin_of(position)
-        self.sums[b] += loss.detach().to(self.sums.device, torch.float64).sum()
+        value = loss.detach().to(self.sums.device)
+        # One in-place add on the bin's view (float64 accumulates): a scalar loss costs one launch per step.
+        self.sums.select(0, b).add_(value if value.dim() == 0 else value.sum())
         self.counts[b] += 1
 
     def row(self) -> Tensor:
