@@ -164,6 +164,29 @@ class PeakRSS:
         self.extra = max(self.peak, _rss()) - self.base
 
 
+class PeakAllocated:
+    """Context manager: ``extra`` is the peak of the bytes held by tensors allocated inside it, from torch's
+    profiler's allocation and free events (what a GPU's caching allocator would have to hold; unlike the
+    resident set, blind to the C library's reuse of freed memory and to the transport's own buffers)."""
+
+    def __enter__(self) -> "PeakAllocated":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._profile.__exit__(*exc)
+        # an op's own allocations are its ``self`` bytes; frees (and allocations outside ops) are "[memory]" events
+        events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in self._profile.events()
+                        if e.self_cpu_memory_usage)
+        live = self.extra = 0
+        for _, change in events:
+            live += change
+            self.extra = max(self.extra, live)
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -177,6 +200,7 @@ class MemoryProbe(Callback):
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
         self.merges: list[int] = []
+        self.merge_tensors: list[int] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
@@ -185,9 +209,10 @@ class MemoryProbe(Callback):
         merge = strategy.merge
 
         def measured(*args: Any, **kwargs: Any) -> Any:
-            with PeakRSS() as peak:
+            with PeakRSS() as peak, PeakAllocated() as tensors:
                 out = merge(*args, **kwargs)
             self.merges.append(peak.extra)
+            self.merge_tensors.append(tensors.extra)
             return out
 
         strategy.merge = measured
@@ -200,6 +225,7 @@ class MemoryProbe(Callback):
         optimizer_state = to_cpu([opt.state_dict()["state"] for opt in trainer.optimizers])
         record = {
             "merge_extra_bytes": max(self.merges, default=0),
+            "merge_tensor_bytes": max(self.merge_tensors, default=0),
             "checkpoint_extra_bytes": peak.extra,
             "model_bytes": 4 * sum(p.numel() for p in pl_module.parameters()),
             "own_state_bytes": _bytes(list(pl_module.state_dict().values())) + _bytes(optimizer_state),
@@ -501,9 +527,10 @@ def measure_lean(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], str]:
     mb = lambda x: fmt(x / 2**20, ".1f")  # noqa: E731
     table = markdown_table(
         ["arm", "W (= G for hdet)", "model MB", "rank 0 own state MB", "merge: peak extra MB",
-         "checkpoint: peak extra MB", "checkpoint extra / (own state + model)"],
+         "merge: peak tensors MB", "checkpoint: peak extra MB", "checkpoint extra / (own state + model)"],
         [[r["arm"], str(r["world_size"]), mb(r["model_bytes"]), mb(r["own_state_bytes"]),
-          mb(r["merge_extra_bytes"]) if r["arm"] == "hdet" else "—", mb(r["checkpoint_extra_bytes"]),
+          mb(r["merge_extra_bytes"]) if r["arm"] == "hdet" else "—",
+          mb(r["merge_tensor_bytes"]) if r["arm"] == "hdet" else "—", mb(r["checkpoint_extra_bytes"]),
           fmt(r["checkpoint_extra_bytes"] / (r["own_state_bytes"] + r["model_bytes"]), ".2f")] for r in rows])
     return rows, table
 

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=None, help="HDET groups (default: one per process)")
     parser.add_argument("--multipliers", type=float, nargs="+", default=None,
                         help="HDET: one learning-rate multiplier per group (default: [0.3, 3] for 2 groups)")
-    parser.add_argument("--vote", choices=("softmax", "best"), default="best")
+    parser.add_argument("--vote", choices=("pbt", "softmax", "best"), default="pbt")
     parser.add_argument("--every", type=int, default=20, help="HDET: steps between votes")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=3e-3, help="base learning rate (AdamW)")

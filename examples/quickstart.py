@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="base learning rate of the model's AdamW")
     parser.add_argument("--multipliers", type=float, nargs="+", default=[0.1, 0.3, 1.0, 3.0],
                         help="one learning-rate multiplier per group")
-    parser.add_argument("--vote", choices=("softmax", "best"), default="best")
+    parser.add_argument("--vote", choices=("pbt", "softmax", "best"), default="pbt")
     parser.add_argument("--max-chars", type=int, default=400_000, help="corpus size in bytes")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
     parser.add_argument("--wandb", action="store_true", help="also log to W&B (offline without an account)")

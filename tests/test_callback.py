@@ -50,7 +50,7 @@ def _fit(tmp_path: Path, strategy: Any, callback: HDETCallback, model: Any = Non
 
 @pytest.mark.parametrize(("blend", "strength"), [("mean", 1.0), ("weighted", 0.5), ("best", 1.0)])
 def test_blend_matches_hand_computation(tmp_path, blend, strength):
-    cb = HDETCallback(every_n_steps=4, blend=blend, blend_strength=strength, temperature=5.0)
+    cb = HDETCallback(every_n_steps=4, vote="softmax", blend=blend, blend_strength=strength, temperature=5.0)
     ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="group", start_method=START), cb, max_steps=6,
                  devices=2)
     pre = [r["pre"][4] for r in ranks]
@@ -81,7 +81,7 @@ def test_blend_matches_hand_computation(tmp_path, blend, strength):
 
 
 def test_softmax_vote_moves_lrs_and_permutes(tmp_path):
-    cb = HDETCallback(every_n_steps=2, temperature=0.05, divergence_factor=None)
+    cb = HDETCallback(every_n_steps=2, vote="softmax", temperature=0.05, divergence_factor=None)
     ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method=START), cb, max_steps=6)
     initial = sorted([0.5, 0.5 + 1 / 3, 1.5 - 1 / 3, 1.5])
     final = ranks[0]["lr_multipliers"][:, 0].tolist()
@@ -96,7 +96,7 @@ def test_controller_moves_base_lr_toward_the_better_multiplier(tmp_path):
 
     Every rank sees the same batches here, so loss differences come from the learning rates alone.
     """
-    cb = HDETCallback(every_n_steps=4, temperature=0.5, meta_lr=5.0, momentum=0.5, permute=False)
+    cb = HDETCallback(every_n_steps=4, vote="softmax", temperature=0.5, meta_lr=5.0, momentum=0.5, permute=False)
     model = LinearModel(lr=0.01, batch_size=64)
     ranks = _fit(tmp_path, HDETStrategy(spread=0.9, start_method=START), cb, model=model, max_steps=16,
                  use_distributed_sampler=False)
@@ -106,6 +106,29 @@ def test_controller_moves_base_lr_toward_the_better_multiplier(tmp_path):
     for s in votes[:-1]:
         vote = [h for h in ranks[0]["history"] if h["step"] == s]
         assert vote[0]["winner"] == min(range(4), key=lambda g: vote[g]["loss"])
+
+
+def test_the_default_vote_climbs_from_a_too_low_learning_rate(tmp_path):
+    """The default vote (``pbt``) on the under-fitting regression, every group's LR too low: the leader keeps its
+    LR, the worst group copies it and a mover always sits x1.2 above the leader, so the LR a vote picks climbs past
+    the start's highest (``softmax`` would move about 0.5 % per vote here, see docs/hdet.md)."""
+    cb = HDETCallback(every_n_steps=4)
+    assert cb.settings.vote == "pbt"
+    model = LinearModel(lr=0.01, batch_size=64)
+    strategy = HDETStrategy(lr_multipliers=[0.25, 0.5, 0.75, 1.0], start_method=START)
+    ranks = _fit(tmp_path, strategy, cb, model=model, max_steps=36, use_distributed_sampler=False)
+    history = ranks[0]["history"]
+    votes = sorted({h["step"] for h in history})
+    winner_lr = []
+    for s in votes:
+        vote = [h for h in history if h["step"] == s]
+        winner = vote[0]["winner"]
+        assert winner == min(range(4), key=lambda g: vote[g]["loss"])  # the lowest interval loss leads
+        winner_lr.append(vote[winner]["lr"])
+    assert max(h["lr"] for h in history if h["step"] == votes[0]) > 0.01  # a mover went above the start at once
+    assert winner_lr[-1] >= 1.2 * 0.01 * (1 - 1e-9)  # the leader's LR ends above every starting LR
+    assert winner_lr[-1] > winner_lr[0]
+    assert float(ranks[0]["lr_multipliers"][:, 0].max()) > 1.0
 
 
 def test_init_noise_gives_each_group_its_own_start(tmp_path):
@@ -125,7 +148,7 @@ def _loss_of(params: torch.Tensor) -> float:
 
 
 def test_nan_group_is_rescued_and_merged_model_is_finite(tmp_path):
-    cb = HDETCallback(every_n_steps=8, permute=False)  # keep the exploding LR on group 1
+    cb = HDETCallback(every_n_steps=8, vote="softmax", permute=False)  # keep the exploding LR on group 1
     strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 1e6], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=24)
     assert ranks[0]["rescues"] >= 2
@@ -151,7 +174,7 @@ def _assert_cut_per_rescue(rank: dict, initial: list[float]) -> None:
 def test_global_sync_divergence_rolls_every_group_back(tmp_path):
     """With gradients shared by all ranks, one exploding group poisons the others before it is caught:
     every group rolls back to the last good merge and the exploding group's LR is cut each time."""
-    cb = HDETCallback(every_n_steps=4, permute=False)
+    cb = HDETCallback(every_n_steps=4, vote="softmax", permute=False)
     strategy = HDETStrategy(lr_multipliers=[1.0, 1e7], start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=12, devices=2)
     history = ranks[0]["history"]
@@ -164,7 +187,7 @@ def test_global_sync_divergence_rolls_every_group_back(tmp_path):
 
 
 def test_all_groups_non_finite_halves_every_lr(tmp_path):
-    cb = HDETCallback(every_n_steps=4, permute=False)
+    cb = HDETCallback(every_n_steps=4, vote="softmax", permute=False)
     strategy = HDETStrategy(lr_multipliers=[1e7, 2e7], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=8, devices=2)
     rollbacks = [h for h in ranks[0]["history"] if h["winner"] == -1]

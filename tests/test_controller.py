@@ -19,7 +19,7 @@ def _interval(losses, finite=None, multipliers=(0.5, 1.5), step=4, shared=False,
 
 
 def test_softmax_vote_weights_multipliers_and_merge_by_hand():
-    controller = HDETController(HDETConfig(temperature=1.0, momentum=0.5, meta_lr=1.0, permute=False))
+    controller = HDETController(HDETConfig(vote="softmax", temperature=1.0, momentum=0.5, meta_lr=1.0, permute=False))
     decision = controller.decide(_interval([2.0, 1.0]))
     # weights = softmax((mean - L) / T) = softmax([-0.5, 0.5])
     w1 = math.exp(0.5) / (math.exp(0.5) + math.exp(-0.5))
@@ -36,7 +36,7 @@ def test_softmax_vote_weights_multipliers_and_merge_by_hand():
 
 
 def test_warmup_and_final_leave_multipliers_alone():
-    controller = HDETController(HDETConfig(warmup_steps=10, blend="best", blend_strength=0.5))
+    controller = HDETController(HDETConfig(vote="softmax", warmup_steps=10, blend="best", blend_strength=0.5))
     decision = controller.decide(_interval([2.0, 1.0], step=4))
     assert decision.multipliers[:, 0].tolist() == [0.5, 1.5]
     assert decision.coefficients == [0.0, 1.0] and decision.strengths == [0.5, 0.5]
@@ -46,7 +46,7 @@ def test_warmup_and_final_leave_multipliers_alone():
 
 
 def test_rescue_cuts_the_diverged_group_and_keeps_it_out_of_the_merge():
-    controller = HDETController(HDETConfig(permute=False, meta_lr=0.0, rescue_lr_factor=0.25))
+    controller = HDETController(HDETConfig(vote="softmax", permute=False, meta_lr=0.0, rescue_lr_factor=0.25))
     decision = controller.decide(_interval([1.0, 1.0, 50.0], multipliers=(1.0, 2.0, 4.0)))  # 50 > 10 x 1
     assert decision.rescued == [False, False, True] and not decision.roll_back
     assert decision.multipliers[:, 0].tolist() == pytest.approx([1.0, 2.0, 1.0])
@@ -55,7 +55,7 @@ def test_rescue_cuts_the_diverged_group_and_keeps_it_out_of_the_merge():
 
 
 def test_roll_back_when_a_loss_blew_up_under_shared_gradients_or_all_diverged():
-    controller = HDETController(HDETConfig(permute=False))
+    controller = HDETController(HDETConfig(vote="softmax", permute=False))
     decision = controller.decide(_interval([1.0, 50.0], shared=True))
     assert decision.roll_back and decision.rescued == [False, True] and decision.winner == 0
     assert decision.weights == [1.0, 0.0] and decision.multipliers[:, 0].tolist() == [0.5, 0.75]
@@ -68,7 +68,7 @@ def test_roll_back_when_a_loss_blew_up_under_shared_gradients_or_all_diverged():
 
 
 def test_finishing_merge_repeats_the_last_coefficients_at_full_strength():
-    controller = HDETController(HDETConfig(blend="weighted", blend_strength=0.5))
+    controller = HDETController(HDETConfig(vote="softmax", blend="weighted", blend_strength=0.5))
     decision = controller.decide(_interval([2.0, 1.0]))
     coefficients, strengths = controller.finishing_merge()
     assert coefficients == decision.coefficients and strengths == [1.0, 1.0]

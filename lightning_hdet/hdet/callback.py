@@ -44,9 +44,8 @@ class HDETCallback(Callback):
 
     Args:
         every_n_steps: the interval T between votes/merges, in optimizer steps.
-        vote: ``"softmax"`` (the published auto-LR controller), ``"best"`` (the lowest loss wins and the other
-            groups are re-centred on the winner's multiplier with a shrinking spread) or ``"pbt"`` (only the bottom
-            quantile moves: it copies a top group and perturbs its LR by x0.8 / x1.2).
+        vote: ``"pbt"`` (default: the bottom quantile copies a top group, its LR x0.8 / x1.2), ``"softmax"`` (the
+            published auto-LR controller) or ``"best"`` (the winner's LR, the others re-centred on it).
         temperature: softmax temperature, in the loss's own units (published 0.1; pick about the spread of the
             groups' losses you consider meaningful).
         momentum: momentum of the controller's velocity (published 0.9).
@@ -88,7 +87,7 @@ class HDETCallback(Callback):
     def __init__(
         self,
         every_n_steps: int = 100,
-        vote: str = "softmax",
+        vote: str = "pbt",
         temperature: float = 0.1,
         momentum: float = 0.9,
         meta_lr: float = 0.5,

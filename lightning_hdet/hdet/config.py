@@ -31,7 +31,7 @@ class HDETConfig:
     """
 
     every_n_steps: int = 100
-    vote: str = "softmax"
+    vote: str = "pbt"
     temperature: float = 0.1
     momentum: float = 0.9
     meta_lr: float = 0.5

@@ -79,7 +79,7 @@ def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any
     seed_everything(3)
     strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=sync,
                                 auto_wrap_policy={torch.nn.Linear})
-    callbacks = [Probe("before", record), HDETCallback(every_n_steps=2), Probe("after", record)]
+    callbacks = [Probe("before", record), HDETCallback(every_n_steps=2, vote="softmax"), Probe("after", record)]
     if ckpt is None:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=2 * STEPS_PER_EPOCH,
