@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 
@@ -179,6 +180,11 @@ def all_finite(tensors: Sequence[Tensor]) -> Tensor:
     if not tensors:
         return torch.ones((), dtype=torch.bool)
     return torch.stack([finite(t.detach()) for t in tensors]).all()
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def finite(t: Tensor) -> Tensor:

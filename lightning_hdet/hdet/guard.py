@@ -18,10 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_hdet._tensors import finite
+from lightning_hdet._tensors import finite, local
 
 
 class FiniteGuard:
@@ -52,15 +51,11 @@ class FiniteGuard:
 def grads_are_finite(optimizer: Optimizer) -> Tensor:
     """Whether every gradient the optimizer would apply is finite (a device tensor, no host sync)."""
     # A sharded (DTensor) gradient is checked on this rank's shard: the caller combines the ranks' verdicts.
-    grads = [_local(p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
+    grads = [local(p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
     if not grads:
         return torch.ones((), dtype=torch.bool)
     return torch.stack([finite(g) for g in grads]).all()
 
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def skips_on_device(optimizer: Optimizer) -> bool:
@@ -149,4 +144,4 @@ def zero_grads(optimizer: Optimizer, bad: Tensor) -> None:
     for pg in optimizer.param_groups:
         for p in pg["params"]:
             if p.grad is not None:  # a DTensor's local shard: written in place; x * False, then NaN -> 0 (see hook)
-                _local(p.grad).mul_(keep).nan_to_num_(0.0, 0.0, 0.0)
+                local(p.grad).mul_(keep).nan_to_num_(0.0, 0.0, 0.0)

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
-from lightning_hdet._tensors import float_buffers
+from lightning_hdet._tensors import float_buffers, local
 
 #: Which submodules become FSDP units: a set of module classes, or a predicate on each submodule.
 ShardingPolicy = Union[set[type[Module]], Callable[[Module], bool], None]
@@ -54,11 +54,6 @@ def check_mesh(module: Module, mesh: DeviceMesh) -> None:
                 f"Parameter `{name}` is sharded on {p.device_mesh}; HDET groups shard on `self.device_mesh['shard']` "
                 "(the groups' shared gradient and merges are the strategy's job, not FSDP's)."
             )
-
-
-def local(t: Tensor) -> Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_shards(module: Module) -> list[Tensor]:
