@@ -55,7 +55,7 @@ def test_forecast_signal_votes_for_the_steeper_curve_and_the_final_merge_by_leve
 
 
 def test_collapsed_groups_roll_back_with_cut_lrs_and_no_good_merge():
-    controller = HDETController(HDETConfig(stall_patience=1, permute=False, meta_lr=0.0))
+    controller = HDETController(HDETConfig(vote="softmax", stall_patience=1, permute=False, meta_lr=0.0))
     first = controller.decide(_interval([2.4, 2.5], (1.0, 2.0), first=[2.3, 2.3]))
     assert not first.roll_back and not first.keep  # nobody below its first step's loss: not a roll-back point
     second = controller.decide(_interval([2.35, 2.4], (1.0, 2.0), step=8))
@@ -68,7 +68,7 @@ def test_collapsed_groups_roll_back_with_cut_lrs_and_no_good_merge():
 
 
 def test_constant_predictor_and_rise_rules_rescue_one_group():
-    controller = HDETController(HDETConfig(chance_loss=math.log(10), rise_margin=1.0, permute=False, meta_lr=0.0))
+    controller = HDETController(HDETConfig(vote="softmax", chance_loss=math.log(10), rise_margin=1.0, permute=False, meta_lr=0.0))
     decision = controller.decide(_interval([2.25, 1.0], (1.0, 2.0)))  # 2.25 >= 0.95 ln 10 = 2.187
     assert decision.rescued == [True, False] and decision.reasons == ["chance", ""]
     assert decision.coefficients == [0.0, 1.0] and decision.multipliers[:, 0].tolist() == [0.5, 2.0]
@@ -79,7 +79,7 @@ def test_constant_predictor_and_rise_rules_rescue_one_group():
 def test_collapse_rules_are_on_by_default_but_do_not_judge_progress_at_the_final_merge():
     """Start 1.0 (no noise given); the interval at 0.5 halves it. 2.0 four times that: a rise, except in the final
     merge's interval (often a fragment of a few steps), where only non-finite and x-best groups are kept out."""
-    config = HDETConfig(permute=False, meta_lr=0.0)
+    config = HDETConfig(vote="softmax", permute=False, meta_lr=0.0)
     assert (config.stall_patience, config.rise_margin) == (2, 1.0)
     for final, reasons in ((False, ["rose", "rose"]), (True, ["", ""])):
         controller = HDETController(config)

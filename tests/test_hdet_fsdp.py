@@ -3,6 +3,7 @@ under Lightning's subprocess launcher (see tests/scripts/hdet_fsdp_run.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -22,9 +23,10 @@ pytestmark = pytest.mark.timeout(600)
 SCRIPT = Path(__file__).parent / "scripts" / "hdet_fsdp_run.py"
 
 
-def _run(out: Path, sync: str, shard_where: str, resume: bool) -> list[dict]:
+def _run(out: Path, sync: str, shard_where: str, resume: bool, nan: bool = False) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume"]
+    args = [sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume",
+            *(["nan"] if nan else [])]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=560, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
@@ -72,6 +74,19 @@ def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:
     start = first[0]["start"]["before"]
     torch.testing.assert_close(first[2]["before"][1] - start, 3 * (first[0]["before"][1] - start), rtol=1e-4,
                                atol=1e-6)
+
+
+def test_safety_net_rescues_a_sharded_group_whose_loss_goes_nan(tmp_path: Path) -> None:
+    """Group 1 (both its shards) has a NaN loss at step 3: the step is flagged on its ranks only, the vote at
+    step 4 rescues it (it takes group 0's parameters, its LR is halved) and every rank ends finite and equal."""
+    first = [r["first"] for r in _run(tmp_path, "group", "strategy", resume=False, nan=True)]
+    assert [f["skipped"] for f in first] == [0, 0, 1, 1]
+    assert all(math.isnan(f["losses"][4]) == (f["group_index"] == 1) for f in first)  # step 3's loss, logged at 4
+    for f in first:
+        assert f["lrs"][4] == pytest.approx(0.01 if f["group_index"] == 0 else 0.03 * 0.5)  # meta_lr=0: only the cut
+        assert all(torch.isfinite(params).all() for params in f["before"].values())  # no NaN reached a parameter
+        torch.testing.assert_close(f["after"][4], first[0]["before"][4])  # the target: the healthy group alone
+    assert all(torch.isfinite(f["final"]).all() and torch.equal(f["final"], first[0]["final"]) for f in first)
 
 
 @pytest.mark.parametrize(("kwargs", "devices", "match"), [

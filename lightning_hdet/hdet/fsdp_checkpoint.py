@@ -35,7 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_hdet._compat import DCP_METADATA_FILENAME, unwrap_optimizer
-from lightning_hdet._tensors import numel
+from lightning_hdet._tensors import all_finite, numel
 from lightning_hdet.hdet.shards import local_shards, shard_state
 
 
@@ -51,7 +51,7 @@ def merged_state(
     state = get_model_state_dict(model)
     if num_groups == 1:
         return state
-    finite = torch.stack([torch.isfinite(t).all() for t in local_shards(model)]).all().to(torch.float64)
+    finite = all_finite(local_shards(model)).to(torch.float64)
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=shard_group)  # a group is healthy if all its shards are ...
     ok = finite.clone()
     dist.all_reduce(ok, group=across_groups)  # ... and the target averages the healthy groups (all if none)

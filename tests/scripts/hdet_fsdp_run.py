@@ -3,7 +3,8 @@ it): 4 CPU processes, 2 groups x 2 shards. Trains, checkpoints at step 3 (the en
 2 steps, then resumes a second Trainer from the checkpoint. Each rank writes what the test asserts on to
 ``OUT/rank{r}.pt``.
 
-Usage: ``python hdet_fsdp_run.py OUT {global,group} {strategy,configure_model} {resume,no-resume}``.
+Usage: ``python hdet_fsdp_run.py OUT {global,group} {strategy,configure_model} {resume,no-resume} [nan]``;
+``nan``: group 1's loss is NaN at step 3, learning rates move only by the safety net's cut (``meta_lr=0``).
 """
 
 import sys
@@ -27,9 +28,10 @@ STEPS_PER_EPOCH = 3
 class MLP(LightningModule):
     """A two-layer regression MLP with AdamW (the optimizer state is sharded too); even sizes so shards are halves."""
 
-    def __init__(self, shard_in_configure_model: bool = False) -> None:
+    def __init__(self, shard_in_configure_model: bool = False, nan_at: int = -1) -> None:
         super().__init__()
         self.shard_in_configure_model = shard_in_configure_model
+        self.nan_at = nan_at
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
     def configure_model(self) -> None:
@@ -42,7 +44,10 @@ class MLP(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x)[:, :1], y)
+        loss = torch.nn.functional.mse_loss(self.net(x)[:, :1], y)
+        if self.trainer.global_step == self.nan_at and self.trainer.strategy.group_index == 1:
+            loss = loss * float("nan")  # both ranks of group 1: its gradients are NaN, group 0's are not
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=0.01)
@@ -66,7 +71,8 @@ class Probe(Callback):
         self.record.setdefault("start", {})[self.tag] = full(pl_module)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        self.record.setdefault("lrs", []).append(float(optimizer.param_groups[0]["lr"]))
+        if self.tag == "before":  # one entry per step
+            self.record.setdefault("lrs", []).append(float(optimizer.param_groups[0]["lr"]))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -75,29 +81,31 @@ class Probe(Callback):
             self.record.setdefault("losses", {})[trainer.global_step] = float(outputs["loss"])
 
 
-def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any]) -> Trainer:
+def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any], nan: bool = False) -> Trainer:
     seed_everything(3)
     strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=sync,
                                 auto_wrap_policy={torch.nn.Linear})
-    callbacks = [Probe("before", record), HDETCallback(every_n_steps=2, vote="softmax"), Probe("after", record)]
+    hdet = HDETCallback(every_n_steps=2, vote="softmax", **({"meta_lr": 0.0, "permute": False} if nan else {}))
+    callbacks = [Probe("before", record), hdet, Probe("after", record)]
     if ckpt is None:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=2 * STEPS_PER_EPOCH,
                       callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=ckpt is None, default_root_dir=out)
-    model = MLP(shard_where == "configure_model")
+    model = MLP(shard_where == "configure_model", nan_at=3 if nan else -1)
     trainer.fit(model, ckpt_path=ckpt)
     record["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
     record["numel"] = sum(p.numel() for p in model.parameters())
     record["group_index"] = strategy.group_index
     record["final"] = full(model)
+    record["skipped"] = strategy.skipped_steps
     return trainer
 
 
 if __name__ == "__main__":
     out, sync, shard_where, resume = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "resume"
     first: dict[str, Any] = {}
-    trainer = fit(out, sync, shard_where, None, first)
+    trainer = fit(out, sync, shard_where, None, first, nan=sys.argv[5:] == ["nan"])
     resumed: dict[str, Any] = {}
     if resume:
         fit(out, sync, shard_where, out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", resumed)
