@@ -52,6 +52,7 @@ class SessionHub:
         self.inbox: queue.Queue[Union[Push, Lost]] = queue.Queue()
         self._ends: dict[int, SessionServerEnd] = {}
         self._dropped: set[int] = set()
+        self._teardowns: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     @property
@@ -101,4 +102,13 @@ class SessionHub:
             end = self._ends.pop(session, None)
             self._dropped.add(session)
         if end is not None:  # on its own thread: tearing down a group whose peer is frozen must not stall the loop
-            threading.Thread(target=abort, args=(end.group,), daemon=True, name=f"elastic-drop-{session}").start()
+            teardown = threading.Thread(target=abort, args=(end.group,), daemon=True, name=f"elastic-drop-{session}")
+            self._teardowns.append(teardown)
+            teardown.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Wait (up to ``timeout`` seconds each) for the groups being torn down: a thread still inside a group's
+        ``abort`` when the interpreter exits makes the C++ runtime terminate the process (seen: the service exited
+        with SIGABRT, "terminate called without an active exception", after a normal end)."""
+        for teardown in self._teardowns:
+            teardown.join(timeout)

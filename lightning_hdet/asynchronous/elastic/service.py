@@ -131,6 +131,7 @@ class OuterService:
             if self.evaluate is not None:
                 self._evaluate()
             self.save()
+            self.hub.close()
         log.info("outer service done: %d outer updates, %d inner steps", self.outer.outer_updates,
                  self.outer.steps_done)
 
