@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (one GPU, no network, PyTorch + Lightning preinstalled; run from the repository root, < 8 min):
+# GPU check (one GPU, no network, PyTorch + Lightning preinstalled; run from the repository root, about 10 min; the first run, on an H200, passed 500 s):
 # run the quick benchmarks twice, on CPU and with CUDA tensors (several processes sharing cuda:0 over gloo,
 # since NCCL needs one GPU per rank; the two halves run side by side), check that they agree, and keep both
 # sets of JSON and the step times; then HDET's per-step path on the GPU over NCCL (benchmarks/sync_check.py:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hdet._tensors import finite, local
+from lightning_hdet._tensors import all_finite, finite, local
 
 
 class FiniteGuard:
@@ -51,11 +51,7 @@ class FiniteGuard:
 def grads_are_finite(optimizer: Optimizer) -> Tensor:
     """Whether every gradient the optimizer would apply is finite (a device tensor, no host sync)."""
     # A sharded (DTensor) gradient is checked on this rank's shard: the caller combines the ranks' verdicts.
-    grads = [local(p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
-    if not grads:
-        return torch.ones((), dtype=torch.bool)
-    return torch.stack([finite(g) for g in grads]).all()
-
+    return all_finite([local(p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None])
 
 
 def skips_on_device(optimizer: Optimizer) -> bool:
