@@ -23,7 +23,12 @@ speeds). Reported: the final global model's validation loss, and the wall-clock 
 ``fit``) until rank 0's validation of the global model first reaches synchronous DiLoCo's final
 validation loss under the same speeds.
 
-Run: ``python benchmarks/async_published.py [--quick]``.
+``--long-horizon`` tests the paper's claim where it was made (issue 15): many rounds per worker (small H,
+a small model, short padded steps) under the *very* speeds, at the published outer momentum 0.9, three seeds;
+it publishes as ``async_long_horizon`` with the rounds per worker, the seed spread and each method's final
+loss ÷ DiLoCo's at the same budget of inner steps ("per update").
+
+Run: ``python benchmarks/async_published.py [--quick] [--long-horizon]``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,6 +61,7 @@ from benchmarks.common import (
 from lightning_hdet.testing import PUBLISHED_STEP_SECONDS
 
 NAME = "async_published"
+LONG_HORIZON_NAME = "async_long_horizon"
 #: Step-time factor of each rank relative to the fastest; ranks beyond the list repeat its last value.
 LEVELS: dict[str, tuple[float, ...]] = {
     "none": (1.0,),
@@ -85,6 +92,19 @@ PUBLISHED = {
 }
 
 
+#: option -> (full, quick) default; LONG_HORIZON replaces some under ``--long-horizon``.
+DEFAULTS: dict[str, tuple] = {
+    "world_size": (4, 2), "steps": (200, 8), "local_steps": (20, 2), "levels": (list(LEVELS), ["none", "very"]),
+    "methods": (list(METHODS), list(METHODS)), "base_seconds": (0.1, 0.01), "seeds": (1, 1), "block_size": (64, 64),
+}
+#: Many short rounds: every worker, the slowest under *very* too (one step per round under DyLU), does >= 100.
+LONG_HORIZON: dict[str, tuple] = {
+    "steps": (500, 16), "local_steps": (4, 2), "levels": (["very"], ["very"]), "base_seconds": (0.05, 0.01),
+    "methods": (["ddp", "diloco", "async_dn_dylu", "async_default"], ["diloco", "async_dn_dylu"]),
+    "seeds": (3, 1), "block_size": (32, 16), "d_model": (32, 32), "batch_size": (8, 8),
+}
+
+
 def factors(level: str, world: int) -> dict[int, float]:
     table = LEVELS[level]
     return {r: table[min(r, len(table) - 1)] for r in range(world)}
@@ -96,7 +116,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
     from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 
     spec = replace(run_spec(args, args.lr, weight_decay=0.1, scheduler="cosine", warmup_steps=args.steps // 10),
-                   seed=seed)
+                   seed=seed, block_size=args.block_size)
     common = {"start_method": args.start_method, "process_group_backend": "gloo"}
     options = METHODS[method]
     if options is None:
@@ -126,23 +146,34 @@ def seconds_to(curve: list, target: float) -> float | None:
 
 
 def summarise(runs: list[dict]) -> list[dict]:
-    """One row per (level, method): medians over seeds of the final loss, the fit time and the seconds to
-    ``target`` (DiLoCo's final rank-0 validation loss at the same level and seed); the first seed's curve,
-    step counts and rounds; every seed's run under ``seeds``."""
+    """One row per (level, method): medians over seeds of the final loss, the fit time, the seconds to
+    ``target`` (DiLoCo's final rank-0 validation loss at the same level and seed) and the final loss ÷
+    DiLoCo's; the seeds' range of the final loss and ratio, and of the rounds over workers; the first seed's
+    curve, step counts and rounds; every seed's run under ``seeds``."""
     for run in runs:
         diloco = next((r for r in runs if r["method"] == "diloco" and (r["level"], r["seed"]) == (run["level"], run["seed"])), None)
         run["target"] = diloco["val_curve"][-1][1] if diloco and diloco["val_curve"] else None
         run["s_to_target"] = None if run["target"] is None else seconds_to(run["val_curve"], run["target"])
+        run["vs_diloco"] = run["final_val_loss"] / diloco["final_val_loss"] if diloco else None
     rows = []
     for key in dict.fromkeys((r["level"], r["method"]) for r in runs):
         group = [r for r in runs if (r["level"], r["method"]) == key]
         first = group[0]
+        rounds = [n for r in group for n in r["rounds"].values()]
         rows.append({
             **{k: first[k] for k in ("method", "level", "val_curve", "inner_steps", "rounds")},
-            **{k: median(r[k] for r in group) for k in ("final_val_loss", "fit_s", "s_to_target", "target")},
+            **{k: median(r[k] for r in group) for k in ("final_val_loss", "fit_s", "s_to_target", "target", "vs_diloco")},
+            **{f"{k}_range": spread(r[k] for r in group) for k in ("final_val_loss", "vs_diloco")},
+            "rounds_range": (min(rounds), max(rounds)) if rounds else None,
             "seeds": group,
         })
     return rows
+
+
+def spread(values: Iterable[float | None]) -> tuple[float, float] | None:
+    """(min, max) over seeds, ``None`` when a value is missing."""
+    vals = list(values)
+    return None if not vals or None in vals else (min(vals), max(vals))
 
 
 def table(rows: list[dict], levels: list[str], methods: list[str]) -> str:
@@ -162,31 +193,49 @@ def table(rows: list[dict], levels: list[str], methods: list[str]) -> str:
     return markdown_table(headers, body)
 
 
+def horizon_table(rows: list[dict]) -> str:
+    """The long-horizon table: one row per (level, method) with the rounds per worker and the seed spread."""
+    headers = ["level", "method", "rounds per worker (min–max)", "final val loss, median (seeds' range)",
+               "÷ DiLoCo's, median (seeds' range)", "s to DiLoCo's loss (fit s)", "published ppl"]
+    body = []
+    for r in rows:
+        rounds, loss, ratio = r["rounds_range"], r["final_val_loss_range"], r["vs_diloco_range"]
+        published = PUBLISHED.get(r["method"], {}).get(r["level"])
+        body.append([
+            r["level"], r["method"], "—" if rounds is None else f"{rounds[0]}–{rounds[1]}",
+            f"{fmt(r['final_val_loss'])} ({fmt(loss[0])}–{fmt(loss[1])})",
+            "—" if ratio is None else f"{fmt(r['vs_diloco'], '.4f')} ({fmt(ratio[0], '.4f')}–{fmt(ratio[1], '.4f')})",
+            f"{fmt(r['s_to_target'], '.1f')} ({r['fit_s']:.1f})", fmt(published, ".2f"),
+        ])
+    return markdown_table(headers, body)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_output_args(p)
     add_run_args(p)
     add_start_method_arg(p)
+    p.add_argument("--long-horizon", action="store_true",
+                   help=f"many short rounds (defaults: {', '.join(f'{k}={v[0]}' for k, v in LONG_HORIZON.items())}); "
+                   f"publishes as {LONG_HORIZON_NAME}")
     p.add_argument("--world-size", type=int, default=None, help="W workers (default 4, quick 2)")
     p.add_argument("--steps", type=int, default=None, help="S: budget is W × S inner steps (default 200, quick 8)")
     p.add_argument("--local-steps", type=int, default=None, help="H (default 20, quick 2)")
+    p.add_argument("--block-size", type=int, default=None, help="sequence length (default 64)")
     p.add_argument("--levels", nargs="+", default=None, choices=list(LEVELS), metavar="LEVEL",
                    help=f"heterogeneity levels of {list(LEVELS)} (default all; quick: none very)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD",
+    p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), metavar="METHOD",
                    help=f"methods of {list(METHODS)} (default all)")
     p.add_argument("--base-seconds", type=float, default=None,
                    help="step time of the fastest worker; above the real compute time of a step (default 0.1, quick 0.01)")
-    p.add_argument("--seeds", type=int, default=1, help="seeds per method and level (medians in the table)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per method and level (medians in the table; default 1)")
     p.add_argument("--lr", type=float, default=1e-2, help="inner AdamW LR")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     args = p.parse_args(argv)
-    q = args.quick
-    args.world_size = args.world_size or (2 if q else 4)
-    args.steps = args.steps or (8 if q else 200)
-    args.local_steps = args.local_steps or (2 if q else 20)
-    args.levels = args.levels or (["none", "very"] if q else list(LEVELS))
-    args.base_seconds = args.base_seconds or (0.01 if q else 0.1)
+    for option, (full, quick) in {**DEFAULTS, **(LONG_HORIZON if args.long_horizon else {})}.items():
+        if getattr(args, option) is None:
+            setattr(args, option, quick if args.quick else full)
     fill_run_defaults(args)
     if args.world_size < 2:
         p.error(f"--world-size={args.world_size} must be at least 2 (the async strategy needs several workers)")
@@ -195,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    name, t0 = begin(NAME, args.quick)
+    name, t0 = begin(LONG_HORIZON_NAME if args.long_horizon else NAME, args.quick)
     runs = []
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
         for seed in range(args.seed, args.seed + args.seeds):
@@ -214,14 +263,15 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = {lv: [round(f, 2) for f in factors(lv, args.world_size).values()] for lv in args.levels}
     md = (
         f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} workers, budget W × S = "
-        f"{args.world_size} × {args.steps} inner steps, H = {args.local_steps}, inner AdamW lr {args.lr:g} "
+        f"{args.world_size} × {args.steps} inner steps, H = {args.local_steps}, char LM d_model {args.d_model}, "
+        f"{args.n_layers} layers, sequence {args.block_size}, batch {args.batch_size}; inner AdamW lr {args.lr:g} "
         f"(weight decay 0.1; linear warm-up for S/10 steps, then cosine decay to 10 % at step S, where a fast worker "
         f"past step S stays), outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}; fastest step padded "
         f"to {args.base_seconds:g} s; step-time factors per rank: {ratios}; seeds "
         f"{args.seed}..{args.seed + args.seeds - 1} (medians). Final val loss: the "
         f"final global model on the first {args.val_batches} validation batches (nats/byte; the paper reports "
         f"perplexity on C4). Total wall-clock {total_s:.0f} s.\n\n"
-        + table(rows, args.levels, args.methods) + f"\n\n![{name}](img/{plot.name})\n"
+        + (horizon_table(rows) if args.long_horizon else table(rows, args.levels, args.methods)) + f"\n\n![{name}](img/{plot.name})\n"
     )
     payload = {"total_wall_s": total_s, "rows": rows}
     publish(name, args, payload, md, args.max_chars)

@@ -239,6 +239,30 @@ def test_async_published_quick_mode(tmp_path):
     assert (tmp_path / "docs" / "img" / "async_published_quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
+
+def test_async_long_horizon_table_gives_rounds_seed_spread_and_loss_over_diloco():
+    from benchmarks.async_published import horizon_table, parse_args, summarise
+
+    args = parse_args(["--long-horizon", "--seeds", "2"])
+    assert (args.levels, args.local_steps, args.seeds, args.world_size) == (["very"], 4, 2, 4)
+    assert parse_args(["--long-horizon", "--quick"]).methods == ["diloco", "async_dn_dylu"]
+
+    def run(method, seed, loss, rounds):
+        curve = [(10, loss + 0.5, 1.0), (20, loss, 2.0 + seed)]
+        return {"method": method, "level": "very", "seed": seed, "final_val_loss": loss, "val_curve": curve,
+                "fit_s": 3.0 + seed, "inner_steps": {}, "rounds": rounds}
+
+    rows = summarise([run("diloco", 0, 2.0, {"0": 100, "1": 100}), run("async_dn_dylu", 0, 1.9, {"0": 150, "1": 101}),
+                      run("diloco", 1, 2.5, {"0": 100, "1": 100}), run("async_dn_dylu", 1, 2.4, {"0": 160, "1": 99})])
+    diloco, dylu = rows
+    assert diloco["vs_diloco"] == 1.0 and diloco["rounds_range"] == (100, 100)
+    # per seed: 1.9 / 2.0 and 2.4 / 2.5; DiLoCo's final loss reached at 2 s (seed 0) and 3 s (seed 1)
+    assert dylu["rounds_range"] == (99, 160) and dylu["final_val_loss_range"] == (1.9, 2.4)
+    assert dylu["vs_diloco"] == pytest.approx(0.955) and dylu["vs_diloco_range"] == pytest.approx((0.95, 0.96))
+    assert dylu["s_to_target"] == pytest.approx(2.5)
+    lines = horizon_table(rows).splitlines()
+    assert lines[3] == "| very | async_dn_dylu | 99–160 | 2.150 (1.900–2.400) | 0.9550 (0.9500–0.9600) | 2.5 (3.5) | 41.13 |"
+
 # Every default part at its smallest: one repeat, tiny widths, forked ranks (13 short fits; what is asserted is
 # bytes and the tables' shape, not speed or a memory level). The exchange runs keep the quick budget and widths:
 # below them Lightning's fixed start-up traffic is no longer small against the bytes per step.
