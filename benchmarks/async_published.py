@@ -94,8 +94,9 @@ PUBLISHED = {
 
 #: option -> (full, quick) default; LONG_HORIZON replaces some under ``--long-horizon``.
 DEFAULTS: dict[str, tuple] = {
-    "world_size": (4, 2), "steps": (200, 8), "local_steps": (20, 2), "levels": (list(LEVELS), ["none", "very"]),
-    "methods": (list(METHODS), list(METHODS)), "base_seconds": (0.1, 0.01), "seeds": (1, 1), "block_size": (64, 64),
+    "world_size": (4, 2), "steps": (200, 8), "local_steps": (20, 2), "block_size": (64, 64),
+    "levels": (list(LEVELS), ["none", "very"]), "methods": (list(METHODS), list(METHODS)),
+    "base_seconds": (0.1, 0.01), "seeds": (1, 1),
 }
 #: Many short rounds: every worker, the slowest under *very* too (one step per round under DyLU), does >= 100.
 LONG_HORIZON: dict[str, tuple] = {
@@ -162,7 +163,8 @@ def summarise(runs: list[dict]) -> list[dict]:
         rounds = [n for r in group for n in r["rounds"].values()]
         rows.append({
             **{k: first[k] for k in ("method", "level", "val_curve", "inner_steps", "rounds")},
-            **{k: median(r[k] for r in group) for k in ("final_val_loss", "fit_s", "s_to_target", "target", "vs_diloco")},
+            **{k: median(r[k] for r in group)
+               for k in ("final_val_loss", "fit_s", "s_to_target", "target", "vs_diloco")},
             **{f"{k}_range": spread(r[k] for r in group) for k in ("final_val_loss", "vs_diloco")},
             "rounds_range": (min(rounds), max(rounds)) if rounds else None,
             "seeds": group,
@@ -204,7 +206,8 @@ def horizon_table(rows: list[dict]) -> str:
         body.append([
             r["level"], r["method"], "—" if rounds is None else f"{rounds[0]}–{rounds[1]}",
             f"{fmt(r['final_val_loss'])} ({fmt(loss[0])}–{fmt(loss[1])})",
-            "—" if ratio is None else f"{fmt(r['vs_diloco'], '.4f')} ({fmt(ratio[0], '.4f')}–{fmt(ratio[1], '.4f')})",
+            "—" if ratio is None
+            else f"{fmt(r['vs_diloco'], '.4f')} ({fmt(ratio[0], '.4f')}–{fmt(ratio[1], '.4f')})",
             f"{fmt(r['s_to_target'], '.1f')} ({r['fit_s']:.1f})", fmt(published, ".2f"),
         ])
     return markdown_table(headers, body)
@@ -216,7 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_args(p)
     add_start_method_arg(p)
     p.add_argument("--long-horizon", action="store_true",
-                   help=f"many short rounds (defaults: {', '.join(f'{k}={v[0]}' for k, v in LONG_HORIZON.items())}); "
+                   help="many short rounds (defaults: "
+                   f"{', '.join(f'{k}={v[0]}' for k, v in LONG_HORIZON.items())}); "
                    f"publishes as {LONG_HORIZON_NAME}")
     p.add_argument("--world-size", type=int, default=None, help="W workers (default 4, quick 2)")
     p.add_argument("--steps", type=int, default=None, help="S: budget is W × S inner steps (default 200, quick 8)")
@@ -228,7 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"methods of {list(METHODS)} (default all)")
     p.add_argument("--base-seconds", type=float, default=None,
                    help="step time of the fastest worker; above the real compute time of a step (default 0.1, quick 0.01)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per method and level (medians in the table; default 1)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="seeds per method and level (medians in the table; default 1)")
     p.add_argument("--lr", type=float, default=1e-2, help="inner AdamW LR")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
@@ -263,15 +268,17 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = {lv: [round(f, 2) for f in factors(lv, args.world_size).values()] for lv in args.levels}
     md = (
         f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} workers, budget W × S = "
-        f"{args.world_size} × {args.steps} inner steps, H = {args.local_steps}, char LM d_model {args.d_model}, "
-        f"{args.n_layers} layers, sequence {args.block_size}, batch {args.batch_size}; inner AdamW lr {args.lr:g} "
+        f"{args.world_size} × {args.steps} inner steps, H = {args.local_steps}, char LM d_model "
+        f"{args.d_model}, {args.n_layers} layers, sequence {args.block_size}, batch {args.batch_size}; inner "
+        f"AdamW lr {args.lr:g} "
         f"(weight decay 0.1; linear warm-up for S/10 steps, then cosine decay to 10 % at step S, where a fast worker "
         f"past step S stays), outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}; fastest step padded "
         f"to {args.base_seconds:g} s; step-time factors per rank: {ratios}; seeds "
         f"{args.seed}..{args.seed + args.seeds - 1} (medians). Final val loss: the "
         f"final global model on the first {args.val_batches} validation batches (nats/byte; the paper reports "
         f"perplexity on C4). Total wall-clock {total_s:.0f} s.\n\n"
-        + (horizon_table(rows) if args.long_horizon else table(rows, args.levels, args.methods)) + f"\n\n![{name}](img/{plot.name})\n"
+        + (horizon_table(rows) if args.long_horizon else table(rows, args.levels, args.methods))
+        + f"\n\n![{name}](img/{plot.name})\n"
     )
     payload = {"total_wall_s": total_s, "rows": rows}
     publish(name, args, payload, md, args.max_chars)
