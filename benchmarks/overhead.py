@@ -12,7 +12,8 @@ the async server's host memory.
   as HDET's go through its own hook, so both arms pay a Python hook per bucket). DDP all-reduces ``4P`` bytes per step (a ring
   all-reduce puts ``2(W-1)/W × 4P`` on each rank's wire); HDET adds one ``4P`` all-reduce per ``T``
   steps; DiLoCo and async send the encoded pseudo-gradient (``4P`` uncompressed, ``2P`` in bf16, ``P`` plus
-  one float32 scale per row in int8) and receive ``4P`` (global parameters) per round of ``H`` inner steps,
+  one float32 scale per row in int8) and receive ``4P`` (global parameters; ``2P`` with
+  ``pull_compression="bf16"``) per round of ``H`` inner steps,
   against the bound of two float32 models per round, ``8P / H``. By default nothing else travels (each worker
   checkpoints its own inner optimizer state); the row "inner states" sets ``checkpoint_inner_states=True``,
   which also sends AdamW's state (``8P``) with every push and with the last message.
@@ -127,10 +128,12 @@ class Probe(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from lightning_hdet.asynchronous.messages import Fragments
 
-        compression = getattr(trainer.strategy, "compression", "none")
+        layout = Fragments([p.shape for p in pl_module.parameters()], getattr(trainer.strategy, "compression", "none"),
+                           pull_compression=getattr(trainer.strategy, "pull_compression", "none"))
         record = {
-            # what one encoded push of the parameters weighs (the codec's bytes), and the float buffers' values
-            "encoded_push_bytes": Fragments([p.shape for p in pl_module.parameters()], compression).nbytes,
+            # what one encoded push and one pull of the parameters weigh (the codecs' bytes), the float buffers' values
+            "encoded_push_bytes": layout.nbytes,
+            "encoded_pull_bytes": layout.pull_nbytes,
             "float_buffer_values": sum(b.numel() for b in pl_module.buffers() if b.is_floating_point()),
             **_COUNTS,
             "steps": len(self.times),
@@ -269,10 +272,11 @@ def run_memory(kind: str, args: argparse.Namespace, work: Path, world_size: int)
 
 def run_probe(
     kind: str, args: argparse.Namespace, work: Path, steps: int, d_model: int, every: int = 0,
-    inner_states: bool = False, compression: str = "none",
+    inner_states: bool = False, compression: str = "none", pull_compression: str = "none",
 ) -> list[dict]:
-    """One fit of ``kind`` (``ddp``, ``hdet``, ``diloco``, ``async``); returns every rank's probe record.
-    ``inner_states`` and ``compression`` are the async strategy's ``checkpoint_inner_states`` and ``compression``."""
+    """One fit of ``kind`` (``ddp``, ``hdet``, ``diloco``, ``async``); returns every rank's probe record, rank 0's
+    with the final model's validation loss. ``inner_states``, ``compression`` and ``pull_compression`` are the
+    async strategy's ``checkpoint_inner_states``, ``compression`` and ``pull_compression``."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
@@ -287,29 +291,31 @@ def run_probe(
     else:
         mode = "sync" if kind == "diloco" else "async"
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, checkpoint_inner_states=inner_states,
-                                         compression=compression, **common)
+                                         compression=compression, pull_compression=pull_compression, **common)
     spec = RunSpec(
         lr=1e-2, steps=steps, devices=args.world_size, batch_size=args.batch_size, max_chars=args.max_chars,
-        val_every=steps, val_batches=1, model={"d_model": d_model, "n_layers": args.n_layers},
+        val_every=steps, val_batches=4, model={"d_model": d_model, "n_layers": args.n_layers},
     )
     work.mkdir(parents=True, exist_ok=True)
-    fit_run(spec, work, strategy=strategy, callbacks=callbacks)
-    return [json.loads((work / f"probe{r}.json").read_text()) for r in range(args.world_size)]
+    run = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
+    records = [json.loads((work / f"probe{r}.json").read_text()) for r in range(args.world_size)]
+    records[0]["final_val_loss"] = run.final_model_val_loss
+    return records
 
 
 def computed_bytes(kind: str, probe: dict, every: int, local_steps: int, steps: int, inner_states: bool) -> float:
     """Payload bytes one worker hands to the network per inner step, from the exchange pattern: for DiLoCo/async
     a run of ``steps`` inner steps in rounds of ``local_steps``, each round one push (the encoded pseudo-gradient,
-    ``probe["encoded_push_bytes"]``, and the float buffers' values) and one pull (the float32 parameters and
-    buffers), with AdamW as the inner optimizer (a worker that dynamic local steps gives shorter rounds
-    exchanges more often than this)."""
+    ``probe["encoded_push_bytes"]``, and the float buffers' values) and one pull (the encoded parameters,
+    ``probe["encoded_pull_bytes"]``, and the float32 buffers), with AdamW as the inner optimizer (a worker that
+    dynamic local steps gives shorter rounds exchanges more often than this)."""
     model = 4 * probe["params"]
     if kind == "ddp":
         return model
     if kind == "hdet":
         return model + model / every
     buffers = 4 * probe["float_buffer_values"]
-    exchange = (probe["encoded_push_bytes"] + buffers + model + buffers) / local_steps
+    exchange = (probe["encoded_push_bytes"] + buffers + probe["encoded_pull_bytes"] + buffers) / local_steps
     # AdamW's two moments with every push and with the last message (on a fresh run the first message's state is
     # still empty); by default they never travel.
     return exchange + (2 * model * (1 / local_steps + 1 / steps) if inner_states else 0.0)
@@ -403,10 +409,12 @@ def main(argv: list[str] | None = None) -> dict:
             payload["bytes"] = bytes_rows(args, probes)
             sections.insert(1 if "throughput" in parts else 0, markdown_table(
                 ["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)",
-                 "measured / (2 models / H)"],
+                 "measured / (2 models / H)", "final val loss", "change vs uncompressed"],
                 [[r["arm"], str(r["params"]), fmt(r["computed_bytes_per_step"], ".0f"),
                   fmt(r["measured_bytes_per_step"], ".0f"),
-                  fmt(r["measured_over_bound"], ".3f") if "measured_over_bound" in r else ""]
+                  fmt(r["measured_over_bound"], ".3f") if "measured_over_bound" in r else "",
+                  fmt(r.get("final_val_loss"), ".4f"),
+                  fmt(100 * r["loss_change"], "+.2f") + " %" if "loss_change" in r else ""]
                  for r in payload["bytes"]]))
         if "lean" in parts:
             payload["lean"], table = measure_lean(args, Path(tmp))
@@ -458,9 +466,12 @@ def measure_throughput(args: argparse.Namespace, tmp: Path, probes: dict[str, li
     ], "raw": speed, "raw_cpu": cpu}
 
 
-#: The DiLoCo/async rows of the bytes table: (label suffix, kind, checkpoint_inner_states, compression).
-BYTES_ARMS = [("", "diloco", False, "none"), ("", "async", False, "none"), (", inner states", "diloco", True, "none"),
-              (", bf16", "diloco", False, "bf16"), (", int8", "diloco", False, "int8")]
+#: The DiLoCo/async rows of the bytes table: (label suffix, kind, checkpoint_inner_states, compression,
+#: pull_compression).
+BYTES_ARMS = [("", "diloco", False, "none", "none"), ("", "async", False, "none", "none"),
+              (", inner states", "diloco", True, "none", "none"), (", bf16", "diloco", False, "bf16", "none"),
+              (", bf16 push and pull", "diloco", False, "bf16", "bf16"), (", int8", "diloco", False, "int8", "none"),
+              (", int8 push, bf16 pull", "diloco", False, "int8", "bf16")]
 MEMORY_KINDS = ("ddp", "diloco", "async")
 
 
@@ -471,10 +482,11 @@ def measure_exchange(args: argparse.Namespace, tmp: Path, probes: dict[str, list
         for kind in MEMORY_KINDS:
             probes[f"{kind} (memory {width})"] = run_probe(kind, args, tmp / f"mem_{kind}_{width}", args.exchange_steps, width)
     width = args.memory_d_models[0]
-    for suffix, kind, inner, compression in BYTES_ARMS:
+    for suffix, kind, inner, compression, pull in BYTES_ARMS:
         label = f"{kind} H={args.local_steps}{suffix}"
         probes[label] = (probes[f"{kind} (memory {width})"] if not suffix else run_probe(
-            kind, args, tmp / label.replace(" ", "_").replace(",", ""), args.exchange_steps, width, 0, inner, compression))
+            kind, args, tmp / label.replace(" ", "_").replace(",", ""), args.exchange_steps, width, 0, inner,
+            compression, pull))
     memory = []
     for width in args.memory_d_models:
         rss = {k: probes[f"{k} (memory {width})"][0]["peak_rss_bytes"] for k in MEMORY_KINDS}
@@ -502,7 +514,7 @@ def bytes_rows(args: argparse.Namespace, probes: dict[str, list[dict]]) -> list[
     rows = []
     for label, kind, every, inner in [
         ("ddp", "ddp", 0, False), *[(f"hdet T={t}", "hdet", t, False) for t in args.intervals],
-        *[(f"{kind} H={h}{suffix}", kind, 0, inner) for suffix, kind, inner, _ in BYTES_ARMS],
+        *[(f"{kind} H={h}{suffix}", kind, 0, inner) for suffix, kind, inner, _, _ in BYTES_ARMS],
     ]:
         if label not in probes:
             continue
@@ -513,6 +525,10 @@ def bytes_rows(args: argparse.Namespace, probes: dict[str, list[dict]]) -> list[
                "measured_bytes_per_step": measured_bytes(ranks)}
         if kind in ("diloco", "async"):
             row["measured_over_bound"] = row["measured_bytes_per_step"] / bound_bytes(params, h)
+            row["final_val_loss"] = ranks[0]["final_val_loss"]
+            plain = probes.get(f"{kind} H={h}")  # the same mode uncompressed, same seed and data
+            if plain is not None:
+                row["loss_change"] = row["final_val_loss"] / plain[0]["final_val_loss"] - 1
         rows.append(row)
     return rows
 

@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# In the order of docs/benchmarks.md: 1 published HDET table, 2 search baselines, 3 published async table and
-# its long-horizon variant, 4 overhead, 5 crash (NaN- and collapse-type failures), 6 elastic (a worker lost
-# mid-run). Each entry is a script and its own arguments; the command line's (e.g. ``--quick``) follow them.
+# In the order of docs/benchmarks.md: 1 published HDET table, 2 search baselines, 3 published async table, its
+# long-horizon variant and the async defaults on three tasks, 4 overhead, 5 crash (NaN- and collapse-type
+# failures), 6 elastic (a worker lost mid-run). Each entry is a script and its own arguments; the command line's
+# (e.g. ``--quick``) follow them.
 SCRIPTS = [["hdet_published.py"], ["search_baselines.py"], ["async_published.py"],
-           ["async_published.py", "--long-horizon"], ["overhead.py"], ["crash.py"], ["elastic.py"]]
+           ["async_published.py", "--long-horizon"], ["async_defaults.py"], ["overhead.py"], ["crash.py"],
+           ["elastic.py"]]
 
 
 def main() -> int:

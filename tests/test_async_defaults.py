@@ -66,8 +66,9 @@ def test_defaults_improve_the_model_with_a_slow_worker(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_int8_pushes_with_error_feedback_improve_the_model_with_fewer_bytes(tmp_path):
-    strategy = AsyncLocalSGDStrategy(local_steps=12, compression="int8", error_feedback=True, start_method="fork")
+def test_int8_pushes_and_bf16_pulls_improve_the_model_with_fewer_bytes(tmp_path):
+    strategy = AsyncLocalSGDStrategy(local_steps=12, compression="int8", error_feedback=True, pull_compression="bf16",
+                                     start_method="fork")
     initial, record = _fit_issue_case(tmp_path, strategy)
     assert record["loss"] < 0.5 * initial
     # BoringModel's parameters: a 2 x 32 weight (2 rows) and a bias of 2 (one chunk): 4 * 3 scale bytes + 66 values
@@ -96,6 +97,7 @@ def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
     (dict(momentum_restart=1.5), "`momentum_restart` must be an integer >= 0, got 1.5"),
     (dict(compression="fp8"), r"`compression` must be one of \('none', 'bf16', 'int8'\)"),
     (dict(error_feedback="yes"), "`error_feedback` must be True or False"),
+    (dict(pull_compression="int8"), r"`pull_compression` must be one of \('none', 'bf16'\).*8-bit weights"),
 ])
 def test_bad_outer_and_compression_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

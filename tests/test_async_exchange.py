@@ -15,7 +15,13 @@ from lightning_hdet.asynchronous.compression import Codec
 from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader, fragment_layout
 from lightning_hdet.asynchronous.outer import AsyncStep, OuterSettings, OuterState
 from lightning_hdet.asynchronous.server import Server
-from lightning_hdet.asynchronous.transport import GlooWorkerTransport, ServerTransport, WorkerTransport
+from lightning_hdet.asynchronous.transport import (
+    GlooWorkerTransport,
+    ServerTransport,
+    WorkerTransport,
+    receive_reply,
+    send_reply,
+)
 from lightning_hdet.asynchronous.worker import Worker
 
 CPU = torch.device("cpu")
@@ -35,16 +41,15 @@ class QueueEnd(WorkerTransport):
         self.pushes.put((push, [m.clone() for m in messages]))
 
     def pull(self, into: torch.Tensor) -> ServerHeader:
-        header, state = self.replies.get(timeout=60)
-        if state is not None:
-            into.copy_(state)
-        return header
+        wire = iter(self.replies.get(timeout=60))  # what the server sent, read back by the real receiving code
+        return receive_reply(lambda t: t.copy_(next(wire)), self.layout, into, self.layout.pull_buffer())
 
 
 class QueueNetwork(ServerTransport):
     """The server's end for "remote" workers that live in this process (a fake transport)."""
 
     def __init__(self, layout: Fragments, workers: list[int]) -> None:
+        self.layout = layout
         self.pushes: queue.Queue = queue.Queue()
         self.ends = {w: QueueEnd(w, self.pushes, layout) for w in workers}
         #: every fragment each reply carried, by worker
@@ -55,9 +60,10 @@ class QueueNetwork(ServerTransport):
         return push, iter(messages)
 
     def reply(self, worker: int, header: ServerHeader, params, buffers: torch.Tensor) -> None:
-        parts = [p.clone() for p in params] if header.next_local_steps > 0 else []
-        self.replied[worker].append(parts)
-        self.ends[worker].replies.put((header, torch.cat([*parts, buffers]) if parts else None))
+        wire: list[torch.Tensor] = []
+        send_reply(lambda t: wire.append(t.clone()), header, params, buffers)
+        self.replied[worker].append(wire[1 : 1 + len(self.layout.ranges)])  # the parameters' fragments
+        self.ends[worker].replies.put(wire)
 
 
 class Tiny(nn.Module):
@@ -76,11 +82,12 @@ class Tiny(nn.Module):
             self.stat.fill_(stat)
 
 
-def _start(settings: OuterSettings, budget: int | None,
-           layout: Fragments | None = None) -> tuple[Server, QueueNetwork, list[Tiny]]:
+def _start(settings: OuterSettings, budget: int | None, layout: Fragments | None = None,
+           start: list[float] | None = None) -> tuple[Server, QueueNetwork, list[Tiny]]:
     modules = [Tiny(), Tiny()]
     layout = layout or Fragments([torch.Size([2])])
-    outer = settings.build(torch.zeros(2), torch.zeros(1), workers=2, budget=budget, ranges=layout.ranges)
+    params = torch.zeros(2) if start is None else torch.tensor(start)
+    outer = settings.build(params, torch.zeros(1), workers=2, budget=budget, ranges=layout.ranges)
     network = QueueNetwork(layout, workers=[1])
     server = Server(outer, workers=2, remote=network, timeout=60, layout=layout)
     server.start()
@@ -276,14 +283,15 @@ def test_every_worker_of_a_batch_restarts_from_the_same_version() -> None:
     server.local.push(hello, [], None, None)
     pulled = torch.full((2,), float("nan"))
     local = server.local.pull(pulled)
-    remote = {w: network.ends[w].replies.get(timeout=60)[0] for w in (1, 2)}
+    remote = {w: ServerHeader.decode(network.ends[w].replies.get(timeout=60)[0]) for w in (1, 2)}
     assert network.raced
     assert [local.outer_updates, remote[1].outer_updates, remote[2].outer_updates] == [0, 0, 0]
     assert pulled.tolist() == [0.0, 0.0]  # the start, without worker 1's next round in it
     bye = WorkerHeader(Kind.BYE, steps=0, compute_s=0.0, wait_s=0.0)
     server.local.push(bye, [], None, None)
     network.pushes.put((Push.of(2, bye), []))
-    assert network.ends[1].replies.get(timeout=60)[0].outer_updates == 1  # then its push was applied
+    # then its push was applied
+    assert ServerHeader.decode(network.ends[1].replies.get(timeout=60)[0]).outer_updates == 1
     network.pushes.put((Push.of(1, bye), []))
     server.join()
     assert outer.params.tolist() == [-1.0, 1.0]  # outer LR 1, no momentum: minus the pseudo-gradient
@@ -359,3 +367,41 @@ def test_streamed_rounds_match_the_whole_vector_rounds(mode: str) -> None:
     assert outer.buffers.tolist() == [4.0] and outer.steps_done == 4
     hello_reply, *later = network.replied[1]
     assert [p.tolist() for p in hello_reply] == [[0.0], [0.0]] and later == [[]]  # two 1-value fragments; stop
+
+
+# ------------------------------------------------------------------------------------------ compressed pulls
+def test_a_bf16_pull_rounds_each_fragment_to_nearest_bfloat16() -> None:
+    """Two fragments (3 values, then a 2 x 2 parameter) sent by the real wire code: 2 bytes per value, each value
+    the nearest bfloat16 (spacing 2**-7 at 1), the buffers in float32; rank 0's own pull gets the same values."""
+    layout = Fragments([torch.Size([3]), torch.Size([2, 2])], pull_compression="bf16", max_bytes=16)
+    params = torch.tensor([1 + 2**-10, 1 + 3 * 2**-9, -2.0, 0.1, 0.5, 3 + 2**-6, 1e-3])
+    wire: list[torch.Tensor] = []
+    send_reply(lambda t: wire.append(t.clone()), ServerHeader(5, 3),
+               layout.encode_pull(params, layout.pull_buffer()), torch.tensor([0.25]))
+    assert [t.numel() for t in wire[1:3]] == [6, 8] == [c.nbytes for c in layout.pull_codecs]
+    assert layout.pull_nbytes == 14 == 2 * params.numel()
+    into = torch.empty(8)
+    it = iter(wire)
+    header = receive_reply(lambda t: t.copy_(next(it)), layout, into, layout.pull_buffer())
+    assert header == ServerHeader(5, 3)
+    assert into[:3].tolist() == [1.0, 1.0078125, -2.0]  # 1 + 2**-10 -> 1; 1 + 3 * 2**-9 -> 1 + 2**-7
+    torch.testing.assert_close(into[:7], params.bfloat16().float(), rtol=0, atol=0)
+    assert into[7].item() == 0.25
+    own = torch.empty(7)
+    layout.pull_into(params, own, layout.pull_buffer())
+    assert torch.equal(own, into[:7])
+
+
+def test_bf16_pulls_leave_workers_rounded_and_the_global_model_exact() -> None:
+    """DiLoCo over two workers with bf16 pulls, outer plain SGD lr 1: both workers start from the rounded
+    global model [1, 1 + 2**-7], yet the global model keeps its float32 offset: g0 = [0, 2**-7], g1 = [-2,
+    2 + 2**-7], theta = start - mean g = [2 + 2**-10, 1 + 3 * 2**-9 - 1 - 2**-7]."""
+    layout = Fragments([torch.Size([2])], pull_compression="bf16", max_bytes=4)
+    settings = OuterSettings(mode="sync", local_steps=2, outer_lr=1.0, outer_momentum=0.0)
+    server, network, modules = _start(settings, budget=4, layout=layout, start=[1 + 2**-10, 1 + 3 * 2**-9])
+    workers = [Worker(modules[0], CPU, server.local, layout=layout),
+               Worker(modules[1], CPU, network.ends[1], layout=layout)]
+    _one_round_each(server, workers, modules)
+    for worker in workers:  # the hello's pull (leaving pulls nothing)
+        assert worker.pulled[:2].tolist() == [1.0, 1.0078125]
+    assert server.outer.params.tolist() == [2 + 2**-10, 1 + 3 * 2**-9 - 1.0078125]

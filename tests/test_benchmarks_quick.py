@@ -239,6 +239,17 @@ def test_async_published_quick_mode(tmp_path):
     assert (tmp_path / "docs" / "img" / "async_published_quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_async_defaults_quick_mode(tmp_path):
+    """The regression task only (two forked fits): both outer settings start from the same model, and the cells
+    are the final ÷ initial loss."""
+    data, table, _ = run_quick(tmp_path, "async_defaults", "--tasks", "regression", "--start-method", "fork")
+    robust, published = data["runs"]
+    assert (robust["outer"], published["outer"]) == ("robust", "published")
+    assert robust["initial"] == published["initial"] > 0
+    for run in data["runs"]:
+        assert run["ratio"] == pytest.approx(run["final"] / run["initial"]) and math.isfinite(run["ratio"])
+    assert table[0] == "| task | outer | very |" and f"{robust['ratio']:.3f}" in table[2]
+
 
 def test_async_long_horizon_table_gives_rounds_seed_spread_and_loss_over_diloco():
     from benchmarks.async_published import horizon_table, parse_args, summarise
@@ -263,6 +274,7 @@ def test_async_long_horizon_table_gives_rounds_seed_spread_and_loss_over_diloco(
     lines = horizon_table(rows).splitlines()
     assert lines[3] == "| very | async_dn_dylu | 99–160 | 2.150 (1.900–2.400) | 0.9550 (0.9500–0.9600) | 2.5 (3.5) | 41.13 |"
 
+
 # Every default part at its smallest: one repeat, tiny widths, forked ranks (13 short fits; what is asserted is
 # bytes and the tables' shape, not speed or a memory level). The exchange runs keep the quick budget and widths:
 # below them Lightning's fixed start-up traffic is no longer small against the bytes per step.
@@ -280,7 +292,8 @@ def test_overhead_quick_mode(tmp_path):
     comm = {r["arm"]: r for r in data["bytes"]}
     h = cfg["local_steps"]
     assert list(comm) == ["ddp", "hdet T=4", f"diloco H={h}", f"async H={h}", f"diloco H={h}, inner states",
-                          f"diloco H={h}, bf16", f"diloco H={h}, int8"]
+                          f"diloco H={h}, bf16", f"diloco H={h}, bf16 push and pull", f"diloco H={h}, int8",
+                          f"diloco H={h}, int8 push, bf16 pull"]
     ddp = comm["ddp"]
     # DDP all-reduces the float32 gradients every step: 4 bytes per parameter (plus Lightning's few-byte flags).
     assert ddp["computed_bytes_per_step"] == 4 * ddp["params"]
@@ -300,11 +313,18 @@ def test_overhead_quick_mode(tmp_path):
     for row in (diloco, inner):
         assert row["measured_bytes_per_step"] == pytest.approx(row["computed_bytes_per_step"], rel=0.05)
     assert diloco["measured_over_bound"] == pytest.approx(1.0, rel=0.05)
-    # compressed pushes: bf16 halves the push, int8 quarters it (plus its scales); the pull stays float32
+    # compressed pushes: bf16 halves the push, int8 quarters it (plus its scales); the pull stays float32 unless
+    # pull_compression="bf16" halves it too: then a round moves half the bound
     bf16, int8 = comm[f"diloco H={h}, bf16"], comm[f"diloco H={h}, int8"]
+    both, int8_bf16 = comm[f"diloco H={h}, bf16 push and pull"], comm[f"diloco H={h}, int8 push, bf16 pull"]
     assert bf16["computed_bytes_per_step"] == pytest.approx(1.5 * model / h)
-    assert bf16["measured_bytes_per_step"] == pytest.approx(bf16["computed_bytes_per_step"], rel=0.05)
+    assert both["computed_bytes_per_step"] == pytest.approx(model / h)
+    for row in (bf16, both):
+        assert row["measured_bytes_per_step"] == pytest.approx(row["computed_bytes_per_step"], rel=0.05)
     assert int8["measured_bytes_per_step"] < bf16["measured_bytes_per_step"] < diloco["measured_bytes_per_step"]
+    assert int8_bf16["measured_bytes_per_step"] < both["measured_bytes_per_step"]
+    assert all(math.isfinite(row["final_val_loss"]) for row in (diloco, bf16, both, int8, int8_bf16))
+    assert diloco["loss_change"] == 0.0
     assert comm[f"async H={h}"]["measured_bytes_per_step"] >= diloco["measured_bytes_per_step"] * 0.95
     small, large = data["memory"]
     assert (small["width"], large["width"]) == tuple(cfg["memory_d_models"])
@@ -318,7 +338,7 @@ def test_overhead_quick_mode(tmp_path):
     assert list(lean) == ["ddp", "hdet"] and lean["ddp"]["merge_extra_bytes"] == 0
     assert all(r["checkpoint_extra_bytes"] > 0 and r["own_state_bytes"] > r["model_bytes"] for r in lean.values())
     headers = [line for line in table if "---" not in line and ("arm" in line or "peak RSS" in line)]
-    assert len(headers) == 4 and len(table) == (2 + 2) + (2 + 7) + (2 + 3) + (2 + 2)
+    assert len(headers) == 4 and len(table) == (2 + 2) + (2 + 9) + (2 + 3) + (2 + 2)
 
 
 @pytest.mark.timeout(360)

@@ -1,3 +1,4 @@
+import copy
 import io
 
 import pytest
@@ -25,6 +26,31 @@ def test_n_pushes_equal_one_sgd_nesterov_step(n):
         p_sgd.grad = g.clone()
         sgd.step()
         torch.testing.assert_close(p_dn, p_sgd)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_n_1_holds_only_the_momentum_buffer_and_resumes_an_sgd_state(momentum):
+    """DiLoCo's outer step is DN with N = 1: it keeps one model of momentum (none at momentum 0, no ``delta``),
+    and a state saved by the ``torch.optim.SGD(nesterov=True)`` it replaced resumes to the same next steps."""
+    torch.manual_seed(1)
+    theta0, grads = torch.randn(6), [torch.randn(6) for _ in range(4)]
+    p_sgd, p_dn = theta0.clone(), theta0.clone()
+    sgd = torch.optim.SGD([p_sgd], lr=0.7, momentum=momentum, nesterov=momentum > 0)
+    for g in grads[:2]:
+        p_sgd.grad = g.clone()
+        sgd.step()
+    dn = DelayedNesterov([p_dn], lr=0.1, momentum=0.5, buffer_size=1)  # lr, momentum: the saved ones win
+    p_dn.copy_(p_sgd)
+    dn.load_state_dict(copy.deepcopy(sgd.state_dict()))  # as from a file: no buffer shared with sgd
+    assert (dn.param_groups[0]["lr"], dn.param_groups[0]["momentum"]) == (0.7, momentum)
+    for g in grads[2:]:
+        p_sgd.grad = g.clone()
+        sgd.step()
+        _push(dn, p_dn, g)
+        torch.testing.assert_close(p_dn, p_sgd)
+    state = dn.state[p_dn]
+    assert "delta" not in state
+    assert ("momentum_buffer" in state) == (momentum > 0)
 
 
 def test_intermediate_push_moves_by_lr_g_over_n():

@@ -28,16 +28,22 @@ from lightning_hdet._checks import check_bool, check_choice, check_int
 
 CodecName = Literal["none", "bf16", "int8"]
 CODECS: tuple[str, ...] = ("none", "bf16", "int8")
+#: Codecs for the pulled global parameters: int8's error (up to ``absmax / 254`` per row) would be an error in the
+#: weights themselves, not in one update of them.
+PULL_CODECS: tuple[str, ...] = ("none", "bf16")
 #: Values per int8 scale for flat (0-D / 1-D) tensors: 4 bytes of scale per 256 values (1.6 %).
 DEFAULT_CHUNK = 256
 _SCALE_BYTES = 4  # one float32 per row
 
 
-def check_compression(compression: object, error_feedback: object) -> None:
-    """The strategy's ``compression`` / ``error_feedback`` arguments (raises the package's ``ValueError``)."""
+def check_compression(compression: object, error_feedback: object, pull_compression: object = "none") -> None:
+    """The strategy's ``compression`` / ``error_feedback`` / ``pull_compression`` arguments (raises the package's
+    ``ValueError``)."""
     check_choice("compression", compression, CODECS,
                  hint="'bf16' halves a push, 'int8' quarters it (plus one float32 scale per row).")
     check_bool("error_feedback", error_feedback)
+    check_choice("pull_compression", pull_compression, PULL_CODECS,
+                 hint="'bf16' halves a pull; 8-bit weights would lose too much of the model itself.")
 
 
 def row_layout(shapes: Sequence[torch.Size], chunk: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:

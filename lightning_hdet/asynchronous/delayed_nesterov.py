@@ -68,30 +68,51 @@ class DelayedNesterov(Optimizer):
             lr, n, c = group["lr"], group["buffer_size"], group["momentum_activation"]
             schedule = MomentumSchedule(group["momentum"], group.get("momentum_warmup", 0), group.get("momentum_restart", 0))
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    state["delta"] = torch.zeros_like(p)
-                    state["pushes"] = 0
-                m, delta = state["momentum_buffer"], state["delta"]
-                delta.add_(g)
-                state["pushes"] += 1
-                beta = schedule.beta(state.get("updates", 0) + 1)  # of the next momentum update
-                if state["pushes"] == n:
-                    state["updates"] = state.get("updates", 0) + 1  # absent in states saved before schedules
-                    if schedule.restarts(state["updates"]):
-                        m.zero_()
-                    m.mul_(beta).add_(delta, alpha=1.0 / n)
-                    p.add_(m, alpha=-lr * (1.0 - c * n + c) * beta)
-                    delta.zero_()
-                    state["pushes"] = 0
-                elif c > 0:
-                    p.add_(m, alpha=-lr * c * beta)
-                p.add_(g, alpha=-lr / n)
+                if p.grad is not None:
+                    self._step_one(p, p.grad, lr, n, c, schedule)
         return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Also loads the state of the ``torch.optim.SGD(nesterov=True)`` that DiLoCo's outer step was before
+        (the same step as ``N = 1``): its ``lr`` and ``momentum`` and momentum buffers are kept, the settings it
+        lacks take this optimizer's values, its other settings are dropped."""
+        groups = [{**{k: v for k, v in own.items() if k != "params"},
+                   **{k: v for k, v in saved.items() if k in own}}
+                  for own, saved in zip(self.param_groups, state_dict["param_groups"])]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
+    def _step_one(self, p: torch.Tensor, g: torch.Tensor, lr: float, n: int, c: float,
+                  schedule: MomentumSchedule) -> None:
+        """One push on one parameter. Buffers are made only where the step reads them: no ``delta`` with
+        ``N = 1`` (the push is the whole momentum update) and no momentum buffer with momentum 0, so that
+        DiLoCo's Nesterov step holds one model of momentum and nothing else (``torch.optim.SGD`` also makes a
+        model-sized temporary). ``get`` with defaults: states saved before schedules, or by ``SGD``, lack keys."""
+        state = self.state[p]
+        pushes, updates = state.get("pushes", 0) + 1, state.get("updates", 0)
+        beta = schedule.beta(updates + 1)  # of the next momentum update
+        m = state.get("momentum_buffer")
+        if pushes == n:
+            updates, pushes = updates + 1, 0
+            if schedule.momentum > 0:
+                if m is None:
+                    m = state["momentum_buffer"] = torch.zeros_like(p)
+                if schedule.restarts(updates):
+                    m.zero_()
+                m.mul_(beta)
+                if n == 1:
+                    m.add_(g)
+                else:
+                    m.add_(state["delta"].add_(g), alpha=1.0 / n)
+                    state["delta"].zero_()
+                p.add_(m, alpha=-lr * (1.0 - c * n + c) * beta)
+        elif schedule.momentum > 0:  # momentum 0: nothing to accumulate for
+            if "delta" not in state:
+                state["delta"] = torch.zeros_like(p)
+            state["delta"].add_(g)
+            if c > 0 and m is not None:
+                p.add_(m, alpha=-lr * c * beta)
+        p.add_(g, alpha=-lr / n)
+        state["pushes"], state["updates"] = pushes, updates
 
 
 def validate_outer_hyperparameters(

@@ -46,13 +46,15 @@ class Exchange:
         outer: rank 0 only: the outer state to serve (see :meth:`OuterSettings.build`).
         compression: the pseudo-gradients' codec (``"none"``, ``"bf16"``, ``"int8"``; every worker uses the same).
         error_feedback: each worker keeps what its codec lost and adds it to its next push.
+        pull_compression: the pulled global parameters' codec (``"none"`` or ``"bf16"``).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
-                 compression: str = "none", error_feedback: bool = True) -> None:
+                 compression: str = "none", error_feedback: bool = True, pull_compression: str = "none") -> None:
         self.module, self.device, self.outer, self.groups, self.workers = module, device, outer, groups, workers
-        layout = Fragments([p.shape for p in module.parameters()], compression)  # type: ignore[arg-type]
+        layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
+                           pull_compression=pull_compression)  # type: ignore[arg-type]
         self.server: Server | None = None
         transport: WorkerTransport
         if outer is not None:

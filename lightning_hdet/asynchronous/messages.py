@@ -18,8 +18,9 @@ Worker -> server, in this order:
 Server -> worker, in this order:
 
 1. a :class:`ServerHeader` (``float64[2]``);
-2. when ``next_local_steps > 0``: the global parameters, one ``float32`` message per fragment, then (only if the
-   model has floating-point buffers) the global buffers.
+2. when ``next_local_steps > 0``: the global parameters, one message per fragment encoded by the pull codec
+   (``"none"``: ``float32``; ``"bf16"``: the parameters rounded to bfloat16, whose float32 originals stay on rank
+   0), then (only if the model has floating-point buffers) the global buffers (``float32``).
 
 Headers are ``float64`` so that step counts and seconds share one tensor exactly (integers up to 2**53).
 """
@@ -191,14 +192,16 @@ class Fragments:
 
     Args:
         shapes: the parameters' shapes, in order.
-        compression: the pseudo-gradients' codec (replies are always ``float32``).
+        compression: the pseudo-gradients' codec.
         max_bytes: the largest fragment, in bytes of ``float32`` values.
+        pull_compression: the pulled global parameters' codec (``"none"`` or ``"bf16"``).
     """
 
     def __init__(self, shapes: Sequence[torch.Size], compression: CodecName = "none",
-                 max_bytes: int = FRAGMENT_BYTES) -> None:
+                 max_bytes: int = FRAGMENT_BYTES, pull_compression: CodecName = "none") -> None:
         self.fragments = fragment_layout(shapes, max(1, max_bytes // 4))
         self.codecs = [Codec(compression, f.shapes) for f in self.fragments]
+        self.pull_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments]
         self.numel = sum(f.numel for f in self.fragments)
 
     @property
@@ -210,6 +213,16 @@ class Fragments:
     def nbytes(self) -> int:
         """Bytes of one encoded pseudo-gradient (all fragments)."""
         return sum(c.nbytes for c in self.codecs)
+
+    @property
+    def pull_nbytes(self) -> int:
+        """Bytes of one pulled set of global parameters (all fragments)."""
+        return sum(c.nbytes for c in self.pull_codecs)
+
+    def pull_buffer(self) -> Tensor:
+        """A buffer for one encoded pull fragment (empty when pulls are not encoded: they travel as views)."""
+        encoded = [c.nbytes for c in self.pull_codecs if c.name != "none"]
+        return torch.empty(max(encoded, default=0), dtype=torch.uint8)
 
     @property
     def largest(self) -> int:
@@ -225,6 +238,19 @@ class Fragments:
     def encode(self, flat: Tensor) -> Iterator[Tensor]:
         """Each fragment of ``flat`` encoded by its codec, in order (no error feedback)."""
         return (codec.encode(part) for codec, part in zip(self.codecs, self.split(flat)))
+
+    def encode_pull(self, params: Tensor, buffer: Tensor) -> Iterator[Tensor]:
+        """Each fragment of the global ``params`` encoded by its pull codec, in order: the ``float32`` views of
+        ``params`` themselves (``"none"``), or messages written into ``buffer`` (:meth:`pull_buffer`, reused: send
+        each before the next)."""
+        for codec, part in zip(self.pull_codecs, self.split(params)):
+            yield part if codec.name == "none" else codec.encode(part, buffer[: codec.nbytes])
+
+    def pull_into(self, params: Tensor, into: Tensor, buffer: Tensor) -> None:
+        """What a pull of ``params`` leaves a worker with, written into ``into`` (rank 0's own worker, which needs
+        no bytes to travel, still gets the same values as the others)."""
+        for codec, message, part in zip(self.pull_codecs, self.encode_pull(params, buffer), self.split(into)):
+            part.copy_(message) if codec.name == "none" else codec.decode(message, part)
 
     def decode(self, messages: Iterable[Tensor], out: Tensor) -> Iterator[Tensor]:
         """Each arriving fragment message decoded into ``out`` (a buffer of at least :attr:`largest` values,

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.optim import SGD, Optimizer
+from torch.optim import Optimizer
 
 from lightning_hdet._checks import check_choice, check_number
 from lightning_hdet._tensors import state_from_bytes
@@ -189,21 +189,17 @@ class OuterSettings:
     def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None,
               ranges: list[tuple[int, int]] | None = None) -> OuterState:
         """The outer state over the flat host tensors ``params`` and ``buffers`` (the global model's start):
-        Delayed Nesterov (async, ``delayed_nesterov``) or Nesterov SGD, and the mode's step policy. Nesterov SGD
-        with a momentum warm-up or restarts is Delayed Nesterov with ``N = 1`` (the same step). ``ranges``: the
-        fragments pushes arrive in (default: one)."""
+        Delayed Nesterov (async, ``delayed_nesterov``) or Nesterov SGD, i.e. Delayed Nesterov with ``N = 1`` (the
+        same step, without ``torch.optim.SGD``'s model-sized temporary), and the mode's step policy. ``ranges``:
+        the fragments pushes arrive in (default: one)."""
         is_async = self.mode == "async"
         params.requires_grad_(False)
         views = [params[s:e] for s, e in ranges or [(0, params.numel())]]  # leaves: params needs no grad
         p = self.preset
-        optimizer: Optimizer
-        if (is_async and self.delayed_nesterov) or p.warmup or p.restart:
-            n = (self.buffer_size or workers) if is_async and self.delayed_nesterov else 1
-            optimizer = DelayedNesterov(views, lr=p.lr, momentum=p.momentum, buffer_size=n,
-                                        momentum_activation=self.momentum_activation, momentum_warmup=p.warmup,
-                                        momentum_restart=p.restart)
-        else:
-            optimizer = SGD(views, lr=p.lr, momentum=p.momentum, nesterov=p.momentum > 0)
+        n = (self.buffer_size or workers) if is_async and self.delayed_nesterov else 1
+        optimizer = DelayedNesterov(views, lr=p.lr, momentum=p.momentum, buffer_size=n,
+                                    momentum_activation=self.momentum_activation, momentum_warmup=p.warmup,
+                                    momentum_restart=p.restart)
         policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, self.dynamic_local_steps and is_async,
                                   self.speed_smoothing)
         step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()

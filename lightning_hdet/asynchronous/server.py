@@ -52,6 +52,7 @@ class Server:
         self.inbox: queue.Queue[Push] = queue.Queue()
         self._decoded = torch.empty(self.layout.largest, dtype=torch.float32)  # rank 0's own worker's
         self._decoded_remote = torch.empty(self.layout.largest if workers > 1 else 0, dtype=torch.float32)
+        self._reply = self.layout.pull_buffer()  # used under the outer state's model lock only
         #: Rank 0's own worker's transport.
         self.local = InProcessTransport(self.accept, self.read_model, timeout, self.raise_error,
                                         gradient_bytes=self.layout.nbytes)
@@ -98,10 +99,11 @@ class Server:
         self.inbox.put(push)
 
     def read_model(self, worker: int, into: Tensor) -> int:
-        """Copy the global parameters and buffers into ``into`` (rank 0's own pull); the version copied."""
+        """Copy the global parameters (as a pull leaves them: see ``pull_compression``) and buffers into ``into``
+        (rank 0's own pull); the version copied."""
         n = self.layout.numel
         with self.outer.model_lock:
-            into[:n].copy_(self.outer.params)
+            self.layout.pull_into(self.outer.params.detach(), into[:n], self._reply)
             into[n:].copy_(self.outer.buffers)
             version = self.outer.mark_pulled(worker)
         self._replied()
@@ -148,7 +150,7 @@ class Server:
                 assert self.remote is not None
                 with self.outer.model_lock:  # one version, fragment by fragment, with no copy
                     header = ServerHeader(steps, self.outer.mark_pulled(worker))
-                    self.remote.reply(worker, header, self.layout.split(self.outer.params.detach()),
+                    self.remote.reply(worker, header, self.layout.encode_pull(self.outer.params.detach(), self._reply),
                                       self.outer.buffers)
             self._replied()
 

@@ -71,6 +71,8 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
             leave their worker; each worker writes its own file beside every checkpoint (see ``docs/async.md``).
         compression: the pushed pseudo-gradients' codec: ``"none"``, ``"bf16"`` or ``"int8"`` (row-wise scales).
         error_feedback: with compression, each worker adds what its codec lost to its next push.
+        pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (workers train from the
+            global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -83,17 +85,18 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
                  momentum_activation: float = 0.0, dynamic_local_steps: bool = True, min_local_steps: int = 1,
                  grace_period: float = 0.0, speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
                  outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
-                 compression: str = "none", error_feedback: bool = True, **kwargs: Any) -> None:
+                 compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
+                 **kwargs: Any) -> None:
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
-        check_compression(compression, error_feedback)
+        check_compression(compression, error_feedback, pull_compression)
         if "ddp_comm_hook" in kwargs or "model_averaging_period" in kwargs:
             raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: the model is not wrapped in DDP.")
         super().__init__(**kwargs)
         for name, value in vars(settings).items():  # the arguments stay readable (and settable) by name
             setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states
-        self.compression, self.error_feedback = compression, error_feedback
+        self.compression, self.error_feedback, self.pull_compression = compression, error_feedback, pull_compression
         # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
@@ -105,7 +108,7 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         """The settings, as recorded in the logger's run config under ``async/...``."""
         keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
                 "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
-                "error_feedback")
+                "error_feedback", "pull_compression")
         numbers = self.outer_settings.numbers()  # in effect
         return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_world_size}
 
@@ -221,7 +224,7 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         assert self._groups is not None
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
-                                  inner, outer, self.compression, self.error_feedback)
+                                  inner, outer, self.compression, self.error_feedback, self.pull_compression)
         self.restore_worker(self._exchange.worker)
         self.diverged = True
         self._run_exchange(Kind.HELLO)

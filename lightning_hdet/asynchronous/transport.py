@@ -108,14 +108,20 @@ def send_reply(send: Send, header: ServerHeader, params: Iterable[Tensor], buffe
             send(buffers)
 
 
-def receive_reply(recv: Recv, layout: Fragments, into: Tensor) -> ServerHeader:
-    """A reply: its header and, unless it says stop, the global parameters then buffers into ``into``."""
+def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor) -> ServerHeader:
+    """A reply: its header and, unless it says stop, the global parameters (each encoded fragment received into
+    ``message``, :meth:`~.messages.Fragments.pull_buffer`, and decoded into place; ``float32`` ones straight into
+    place) then buffers into ``into``."""
     raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
     recv(raw)
     header = ServerHeader.decode(raw)
     if header.next_local_steps > 0:
-        for part in layout.split(into):
-            recv(part)
+        for codec, part in zip(layout.pull_codecs, layout.split(into)):
+            if codec.name == "none":
+                recv(part)
+            else:
+                recv(message[: codec.nbytes])
+                codec.decode(message[: codec.nbytes], part)
         if into.numel() > layout.numel:
             recv(into[layout.numel :])
     return header
@@ -131,13 +137,14 @@ class GlooWorkerTransport(WorkerTransport):
 
     def __init__(self, push_group: Any, reply_group: Any, layout: Fragments) -> None:
         self.push_group, self.reply_group, self.layout = push_group, reply_group, layout
+        self._message = layout.pull_buffer()
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
         send_push(lambda t: dist.send(t, dst=0, group=self.push_group), header, messages, buffers, inner_state)
 
     def pull(self, into: Tensor) -> ServerHeader:
-        return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into)
+        return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into, self._message)
 
 
 class GlooServerTransport(ServerTransport):

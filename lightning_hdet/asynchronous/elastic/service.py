@@ -66,6 +66,7 @@ class OuterService:
         heartbeat_s: seconds between the service's membership checks (workers beat at their own interval).
         timeout_s: seconds any message may take; longer than the longest round (a parked worker waits too).
         compression: the pseudo-gradients' codec (the workers read it from the service).
+        pull_compression: the pulled global parameters' codec, ``"none"`` or ``"bf16"`` (read by the workers too).
         evaluate: called with the global model in ``module`` every ``evaluate_every`` outer updates and at the
             end; its metrics are kept in :attr:`evaluations`, the checkpoint and the status file.
         max_idle_s: end when no session was live for this long (``None``: wait for workers indefinitely).
@@ -75,14 +76,15 @@ class OuterService:
     def __init__(self, module: Module, address: str, budget: int | None, checkpoint: str | Path | None = None,
                  checkpoint_every: int = 10, lease_s: float = 10.0, heartbeat_s: float = 0.5,
                  timeout_s: float = 1800.0, compression: str = "none", evaluate: Evaluate | None = None,
-                 evaluate_every: int = 0, max_idle_s: float | None = None, **outer: Any) -> None:
+                 evaluate_every: int = 0, max_idle_s: float | None = None, pull_compression: str = "none",
+                 **outer: Any) -> None:
         check_int("budget", budget, minimum=1, optional=True)
         check_int("checkpoint_every", checkpoint_every, minimum=1)
         check_int("evaluate_every", evaluate_every, minimum=0)
         for name, value in (("heartbeat_s", heartbeat_s), ("timeout_s", timeout_s)):
             check_number(name, value, low=0, low_open=True, hint="It is in seconds.")
         check_number("max_idle_s", max_idle_s, low=0, optional=True)
-        check_compression(compression, True)
+        check_compression(compression, True, pull_compression)
         self.settings = OuterSettings(**outer)
         require("momentum_activation", self.settings.momentum_activation, self.settings.momentum_activation == 0,
                 "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
@@ -90,7 +92,7 @@ class OuterService:
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.checkpoint_every, self.evaluate, self.evaluate_every = checkpoint_every, evaluate, evaluate_every
         self.heartbeat_s, self.timeout_s, self.max_idle_s = heartbeat_s, timeout_s, max_idle_s
-        self.compression = compression
+        self.compression, self.pull_compression = compression, pull_compression
         self.outer = self.settings.build(*read_model(module, torch.device("cpu")), 1, budget)
         self.table = SessionTable(lease_s)
         #: ``(outer_updates, metrics)`` of every evaluation.
@@ -106,9 +108,10 @@ class OuterService:
     def start(self) -> None:
         """Bind the address and open registration."""
         n_buffers = self.outer.buffers.numel()
-        layout = Fragments([p.shape for p in self.module.parameters()], self.compression)  # type: ignore[arg-type]
+        layout = Fragments([p.shape for p in self.module.parameters()], self.compression,  # type: ignore[arg-type]
+                           pull_compression=self.pull_compression)  # type: ignore[arg-type]
         config = {"n_params": self.outer.params.numel(), "n_buffers": n_buffers, "compression": self.compression,
-                  "mode": self.settings.mode}
+                  "pull_compression": self.pull_compression, "mode": self.settings.mode}
         self.hub = SessionHub(self.address, config, self.table.next_id, self.timeout_s, n_buffers, layout)
         self._next_tick = 0.0
         self._idle_since = time.monotonic()

@@ -119,7 +119,9 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
         if self._client is None:
             return
         module = self.lightning_module
-        layout = Fragments([p.shape for p in module.parameters()], self._client.config["compression"])
+        config = self._client.config
+        layout = Fragments([p.shape for p in module.parameters()], config["compression"],
+                           pull_compression=config["pull_compression"])
         self._worker = Worker(module, self.root_device, self._client.transport(layout), None, layout,
                               self.error_feedback)
         self._exchange(Kind.HELLO)

@@ -51,6 +51,7 @@ class SessionWorkerTransport(WorkerTransport):
 
     def __init__(self, group: Any, session: int, layout: Fragments) -> None:
         self.group, self.session, self.layout = group, session, layout
+        self._message = layout.pull_buffer()
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
@@ -59,7 +60,7 @@ class SessionWorkerTransport(WorkerTransport):
 
     def pull(self, into: Tensor) -> ServerHeader:
         recv = partial(_recv, self.group, src=_SERVER, tag=REPLY_TAG)
-        return _guarded(self.session, "pull", lambda: receive_reply(recv, self.layout, into))
+        return _guarded(self.session, "pull", lambda: receive_reply(recv, self.layout, into, self._message))
 
 
 class SessionServerEnd:
@@ -72,6 +73,7 @@ class SessionServerEnd:
     def __init__(self, group: Any, session: int, n_buffers: int, layout: Fragments) -> None:
         self.group, self.session, self.n_buffers, self.layout = group, session, n_buffers, layout
         self._received = receive_buffer(layout)
+        self._reply = layout.pull_buffer()
 
     def receive(self) -> Push:
         def receive() -> Push:
@@ -87,4 +89,5 @@ class SessionServerEnd:
 
     def reply(self, header: ServerHeader, params: Tensor, buffers: Tensor) -> None:
         send = partial(_send, self.group, dst=_WORKER, tag=REPLY_TAG)
-        _guarded(self.session, "reply", lambda: send_reply(send, header, self.layout.split(params), buffers))
+        messages = self.layout.encode_pull(params, self._reply)
+        _guarded(self.session, "reply", lambda: send_reply(send, header, messages, buffers))
