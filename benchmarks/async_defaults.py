@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.async_published import LEVELS, factors
 from benchmarks.common import (
+    RunSpec,
     add_output_args,
     add_start_method_arg,
     begin,
@@ -42,7 +43,6 @@ from benchmarks.common import (
     markdown_table,
     median,
     publish,
-    RunSpec,
 )
 
 NAME = "async_defaults"

@@ -407,15 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
             sections.append(table)
         if probes:
             payload["bytes"] = bytes_rows(args, probes)
-            sections.insert(1 if "throughput" in parts else 0, markdown_table(
-                ["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)",
-                 "measured / (2 models / H)", "final val loss", "change vs uncompressed"],
-                [[r["arm"], str(r["params"]), fmt(r["computed_bytes_per_step"], ".0f"),
-                  fmt(r["measured_bytes_per_step"], ".0f"),
-                  fmt(r["measured_over_bound"], ".3f") if "measured_over_bound" in r else "",
-                  fmt(r.get("final_val_loss"), ".4f"),
-                  fmt(100 * r["loss_change"], "+.2f") + " %" if "loss_change" in r else ""]
-                 for r in payload["bytes"]]))
+            sections.insert(1 if "throughput" in parts else 0, bytes_table(payload["bytes"]))
         if "lean" in parts:
             payload["lean"], table = measure_lean(args, Path(tmp))
             sections.append(table)
@@ -531,6 +523,19 @@ def bytes_rows(args: argparse.Namespace, probes: dict[str, list[dict]]) -> list[
                 row["loss_change"] = row["final_val_loss"] / plain[0]["final_val_loss"] - 1
         rows.append(row)
     return rows
+
+
+def bytes_table(rows: list[dict]) -> str:
+    """The bytes table of :func:`bytes_rows`: computed and measured bytes per inner step, against the bound, and
+    the final loss of each DiLoCo/async arm against the same mode uncompressed."""
+    return markdown_table(
+        ["arm", "parameters", "bytes/inner step, computed", "bytes/inner step, measured (worker 1)",
+         "measured / (2 models / H)", "final val loss", "change vs uncompressed"],
+        [[r["arm"], str(r["params"]), fmt(r["computed_bytes_per_step"], ".0f"), fmt(r["measured_bytes_per_step"], ".0f"),
+          fmt(r["measured_over_bound"], ".3f") if "measured_over_bound" in r else "",
+          fmt(r.get("final_val_loss"), ".4f"),
+          fmt(100 * r["loss_change"], "+.2f") + " %" if "loss_change" in r else ""]
+         for r in rows])
 
 
 def measure_lean(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], str]:
