@@ -117,11 +117,13 @@ class _LoopbackGroup:
         return self._Done()
 
 
-def test_session_transports_stream_fragments_and_the_service_gets_a_whole_push() -> None:
+@pytest.mark.parametrize("pull", ["none", "bf16"])
+def test_session_transports_stream_fragments_and_the_service_gets_a_whole_push(pull: str) -> None:
     from lightning_hdet.asynchronous.elastic.transport import SessionServerEnd, SessionWorkerTransport
     from lightning_hdet.asynchronous.messages import Fragments, ServerHeader, WorkerHeader
 
-    layout = Fragments([torch.Size([6, 4]), torch.Size([5])], "bf16", max_bytes=4 * 8)  # several fragments
+    layout = Fragments([torch.Size([6, 4]), torch.Size([5])], "bf16", max_bytes=4 * 8,  # several fragments
+                       pull_compression=pull)  # type: ignore[arg-type]
     assert len(layout.fragments) > 2
     group = _LoopbackGroup()
     worker, server = SessionWorkerTransport(group, 7, layout), SessionServerEnd(group, 7, 2, layout)
@@ -134,7 +136,8 @@ def test_session_transports_stream_fragments_and_the_service_gets_a_whole_push()
     params, into = torch.randn(29), torch.zeros(31)
     server.reply(ServerHeader(4, 9), params, torch.tensor([3.0, 4.0]))
     assert worker.pull(into) == ServerHeader(4, 9)
-    torch.testing.assert_close(into, torch.cat([params, torch.tensor([3.0, 4.0])]))
+    pulled = params if pull == "none" else params.bfloat16().float()  # what a bf16 pull leaves the worker with
+    torch.testing.assert_close(into, torch.cat([pulled, torch.tensor([3.0, 4.0])]), rtol=0, atol=0)
     assert not any(group.queues.values())  # nothing left over on either tag
 
 
