@@ -49,7 +49,8 @@ class RunSpec:
     processes; ``model`` extra model arguments (``optimizer``, ``d_model``, ...). ``shard_data=False``
     gives every process the whole training and validation streams in the same order (Lightning's
     ``use_distributed_sampler=False``), as independent one-process runs would see them: the training order is
-    fixed by ``seed`` (the datamodules' ``shuffle_seed``), however the processes were started.
+    fixed by ``seed`` (the datamodules' ``shuffle_seed``), however the processes were started. ``shard_train``
+    (with ``shard_data=False``) shards only the training stream: every process validates on the same batches.
     """
 
     lr: float
@@ -64,6 +65,7 @@ class RunSpec:
     model: dict = field(default_factory=dict)
     shard_data: bool = True
     workload: str = "char_lm"
+    shard_train: bool = False
 
 
 @dataclass
@@ -267,10 +269,12 @@ def build_workload(spec: RunSpec) -> tuple[LightningModule, LightningDataModule]
     """The model (at ``spec.lr``, with ``spec.model``'s arguments) and the data of ``spec.workload``."""
     if spec.workload == "char_lm":
         model = CharLM(block_size=spec.block_size, lr=spec.lr, **spec.model)
-        return model, CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars, shuffle_seed=spec.seed)
+        return model, CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars, shuffle_seed=spec.seed,
+                                           shard_train=spec.shard_train)
     if spec.workload == "shapes":
         # The data seed is fixed: every run sees the same images; the shuffle follows ``spec.seed``.
-        return ShapesCNN(lr=spec.lr, **spec.model), ShapesDataModule(batch_size=spec.batch_size, shuffle_seed=spec.seed)
+        data = ShapesDataModule(batch_size=spec.batch_size, shuffle_seed=spec.seed, shard_train=spec.shard_train)
+        return ShapesCNN(lr=spec.lr, **spec.model), data
     raise ValueError(f"workload={spec.workload!r} is not one of {WORKLOADS}")
 
 

@@ -146,21 +146,24 @@ def run_single(optimizer: str, lr: float, base: RunSpec, world: int, work: Path)
                 lrs_tried=[lr], diverged_runs=int(run.diverged), wall_s=run.wall_s)
 
 
-def vote_and_signal(entry: str) -> tuple[str, str]:
-    """``"pbt:heldout"`` -> ``("pbt", "heldout")``; a bare vote name votes on the interval's mean loss."""
-    vote, _, signal = entry.partition(":")
-    return vote, signal or "mean"
+def parse_hdet_arm(entry: str) -> tuple[str, str, str]:
+    """``"pbt:heldout@global"`` -> ``("pbt", "heldout", "global")``: the vote, its signal (default ``mean``) and
+    the strategy's ``gradient_sync`` (default ``group``)."""
+    rule, _, sync = entry.partition("@")
+    vote, _, signal = rule.partition(":")
+    return vote, signal or "mean", sync or "group"
 
 
 def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The ``VOTE[:SIGNAL]`` entries the installed ``HDETCallback`` accepts, and why each other one is skipped."""
-    from lightning_hdet import HDETCallback
+    """The ``VOTE[:SIGNAL][@SYNC]`` entries the installed package accepts, and why each other one is skipped."""
+    from lightning_hdet import HDETCallback, HDETStrategy
 
     ok, skipped = [], {}
     for vote in votes:
-        name, signal = vote_and_signal(vote)
+        name, signal, sync = parse_hdet_arm(vote)
         try:
             HDETCallback(vote=name, signal=signal)
+            HDETStrategy(num_groups=2, gradient_sync=sync)
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
         else:
@@ -172,22 +175,26 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
                  start_method: str, work: Path) -> dict:
     """HDET: one run of ``base.steps`` steps on ``world`` processes in ``groups`` groups starting at ``lrs``.
 
-    Each group is its own DDP job on ``world / groups`` processes (``gradient_sync="group"``); with one
+    ``@group`` (default): each group is its own DDP job on ``world / groups`` processes; with one
     process per group the data is not sharded, so a group reads the whole training stream as the matching
-    grid run does (shuffled in its own order) and validates on the same first batches. Every ``interval`` steps
+    grid run does (shuffled in its own order). ``@global`` (published, the strategy's default): every rank
+    reads its own shard of the training stream and each step's gradient is averaged over all ranks, so every
+    group steps on the whole job's batch, at its own LR. Either way every rank validates on the same first
+    batches. Every ``interval`` steps
     the groups vote on their interval training loss (or ``vote``'s signal) and blend. The best-so-far curve
     takes, at each validation, the best group (each group's first rank), as the grid takes the best of its runs.
     """
     from lightning_hdet import HDETCallback, HDETStrategy
 
     center = math.exp(sum(map(math.log, lrs)) / len(lrs))
+    name, signal, sync = parse_hdet_arm(vote)
     strategy = HDETStrategy(
-        num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync="group",
+        num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync=sync,
         start_method=start_method, process_group_backend="gloo",
     )
-    name, signal = vote_and_signal(vote)
     callback = HDETCallback(every_n_steps=interval, vote=name, signal=signal, blend=blend, seed=base.seed)
-    spec = replace(base, lr=center, devices=world, shard_data=world > groups)
+    shared = sync == "global"
+    spec = replace(base, lr=center, devices=world, shard_data=world > groups and not shared, shard_train=shared)
     run = fit_run(spec, work, strategy=strategy, callbacks=[callback])
     heads = [g * (world // groups) for g in range(groups)]
     head_runs = [replace(run, rank_val_curves=[run.rank_val_curves[h]]) for h in heads]
@@ -249,8 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    metavar="METHOD", help=f"baselines to run, of {list(BASELINES)} (default all but pbt_minimal, "
                    "the Ray-free re-implementation of PBT; pbt is skipped when Ray is missing)")
     p.add_argument("--hdet-votes", default="best,softmax",
-                   help="comma-separated HDETCallback vote names, each optionally with a signal (VOTE:SIGNAL, e.g. "
-                   "pbt:heldout), one HDET arm each (default best,softmax)")
+                   help="comma-separated HDETCallback vote names, each optionally with a signal and the strategy's "
+                   "gradient_sync (VOTE[:SIGNAL][@SYNC], e.g. pbt:heldout, pbt@global; default signal mean, sync "
+                   "group), one HDET arm each (default best,softmax)")
     p.add_argument("--hdet-blend", default="best", choices=("best", "mean", "weighted"), help="HDETCallback blend")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                    help="how HDET starts its processes: spawn (as users do) or fork (skips the ~10 s of imports "

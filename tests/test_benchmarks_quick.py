@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import RunSpec, best_so_far, fit_run, markdown_table, median, update_doc_section
-from benchmarks.search_baselines import STARTS, accepted_votes, lr_grid
+from benchmarks.search_baselines import STARTS, accepted_votes, lr_grid, parse_hdet_arm
 from benchmarks.search_pbt import pbt_explore, ray_available
 from benchmarks.search_report import to_target
 
@@ -80,9 +80,12 @@ def test_fit_run_on_two_processes_records_every_rank(tmp_path):
 
 
 def test_vote_names_the_callback_does_not_accept_are_skipped_with_the_reason():
-    ok, skipped = accepted_votes(["best", "no_such_rule", "softmax"])
-    assert ok == ["best", "softmax"]
-    assert list(skipped) == ["no_such_rule"] and "no_such_rule" in skipped["no_such_rule"]
+    ok, skipped = accepted_votes(["best", "no_such_rule", "softmax", "pbt:heldout@global", "pbt@nowhere"])
+    assert ok == ["best", "softmax", "pbt:heldout@global"]
+    assert list(skipped) == ["no_such_rule", "pbt@nowhere"] and "no_such_rule" in skipped["no_such_rule"]
+    assert "gradient_sync" in skipped["pbt@nowhere"] and "'nowhere'" in skipped["pbt@nowhere"]
+    assert parse_hdet_arm("pbt") == ("pbt", "mean", "group")
+    assert parse_hdet_arm("softmax:heldout@global") == ("softmax", "heldout", "global")
 
 
 def _search_quick(tmp_path: Path, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
@@ -112,12 +115,12 @@ def _check_equal_compute(data: dict) -> None:
 @pytest.mark.timeout(480)
 def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
     methods = ["grid", "optuna_tpe", "pbt_minimal", "prodigy", "schedulefree"]
-    data, table, proc = _search_quick(tmp_path, "--methods", *methods, "--hdet-votes", "best,softmax,no_such_rule",
-                                      "--full-grid")
+    data, table, proc = _search_quick(tmp_path, "--methods", *methods, "--hdet-votes",
+                                      "best,softmax@global,no_such_rule", "--full-grid")
     cfg = data["config"]
     assert {"meta", "config", "targets_val_loss", "total_wall_s", "rows", "targets", "arms", "skipped"} <= data.keys()
     assert list(data["skipped"]) == ["no_such_rule"]  # reported, not fatal
-    ran = [*methods, "hdet_best", "hdet_softmax", "grid_xG"]
+    ran = [*methods, "hdet_best", "hdet_softmax@global", "grid_xG"]
     assert cfg["run_methods"] == ran
     assert [(r["workload"], r["method"]) for r in data["rows"]] == [(w, m) for w in ("char_lm", "shapes") for m in ran]
     _check_equal_compute(data)
@@ -135,7 +138,7 @@ def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
             assert arm["lrs_tried"] == [1.0] and arm["settled_lr"] != 1.0
     # Targets: HDET's median best loss over each baseline's, its LR over the best grid LR.
     targets = {(t["workload"], t["vote"]): t for t in data["targets"]}
-    assert set(targets) == {(w, v) for w in ("char_lm", "shapes") for v in ("best", "softmax")}
+    assert set(targets) == {(w, v) for w in ("char_lm", "shapes") for v in ("best", "softmax@global")}
     rows = {(r["workload"], r["method"]): r for r in data["rows"]}
     for (workload, vote), t in targets.items():
         hdet = rows[(workload, f"hdet_{vote}")]["best_val_loss"]

@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,6 +60,34 @@ def test_a_shuffle_seed_fixes_the_training_order_whatever_the_global_rng(make):
     assert first_labels(1) != first_labels(2)
     with pytest.raises(ValueError, match=r"`shuffle_seed` must be an int or None, got '5'\."):
         make(shuffle_seed="5")
+
+
+@pytest.mark.parametrize("make", [lambda **kw: ShapesDataModule(batch_size=4, num_train=64, num_val=8, **kw),
+                                  lambda **kw: CharCorpusDataModule(block_size=16, batch_size=4, max_chars=20_000, **kw)],
+                         ids=["shapes", "char_lm"])
+def test_shard_train_gives_each_rank_its_own_training_shard_and_the_whole_validation_set(make):
+    """What HDET's groups need under ``gradient_sync="global"``: the gradient averages disjoint shards, while every
+    rank validates on the same batches (``use_distributed_sampler=False`` leaves validation alone)."""
+
+    def loaders(rank: int, world: int, **kw):
+        dm = make(shuffle_seed=3, **kw)
+        dm.trainer = SimpleNamespace(world_size=world, global_rank=rank)
+        dm.setup("fit")
+        return dm, dm.train_dataloader(), dm.val_dataloader()
+
+    dm, *_ = loaders(0, 1)
+    size = len(dm.train_set)
+    shards = [list(iter(loader.sampler)) for _, loader, _ in (loaders(r, 2, shard_train=True) for r in range(2))]
+    assert len(shards[0]) == len(shards[1]) == size // 2
+    assert not set(shards[0]) & set(shards[1])  # disjoint: the global gradient averages twice the batch
+    assert shards[0] == list(iter(loaders(0, 2, shard_train=True)[1].sampler))  # the same order on every call
+    vals = [[y.tolist() for _, y in loaders(r, 2, shard_train=True)[2]] for r in range(2)]
+    assert vals[0] == vals[1] and sum(len(v) for v in vals[0]) == len(dm.val_set)  # whole, on every rank
+    # Without shard_train, or with one process, every rank reads the whole training set in the seed's order.
+    whole = [[y.tolist() for _, y in loaders(r, 2)[1]] for r in range(2)]
+    assert whole[0] == whole[1] == [y.tolist() for _, y in loaders(0, 1, shard_train=True)[1]]
+    with pytest.raises(ValueError, match=r"`shard_train` must be True or False, got 1\."):
+        make(shard_train=1)
 
 
 def test_a_few_adamw_steps_reduce_the_loss():

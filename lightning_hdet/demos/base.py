@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightning_hdet._checks import is_int, require
@@ -23,6 +24,32 @@ def shuffle_generator(shuffle_seed: int | None) -> torch.Generator | None:
     is re-seeded after the model was built, so its order would differ). Lightning's ``DistributedSampler``
     (sharded data) ignores it. Made per fit: a generator cannot cross a spawn."""
     return None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
+
+
+def check_shard_train(shard_train: object) -> None:
+    """A datamodule's ``shard_train`` argument: a bool."""
+    require("shard_train", shard_train, isinstance(shard_train, bool), "True or False",
+            "True gives every rank its own shard of the training set and the whole validation set "
+            "(with Trainer(use_distributed_sampler=False)).")
+
+
+def training_loader(
+    dataset: Dataset, batch_size: int, shuffle_seed: int | None, shard_train: bool, trainer: Trainer | None,
+    num_workers: int = 0,
+) -> DataLoader:
+    """The shuffled training ``DataLoader`` of a demo datamodule.
+
+    ``shard_train`` with more than one process: rank r reads its own shard, as under Lightning's
+    ``DistributedSampler``, but made here, so that ``Trainer(use_distributed_sampler=False)`` leaves the
+    validation set whole on every rank. HDET's groups under ``gradient_sync="global"`` then average the whole
+    job's batch every step and still validate on the same batches, so their losses compare. Every rank must use
+    the same ``shuffle_seed`` (``None``: 0, the sampler's default) or the shards would overlap."""
+    if shard_train and trainer is not None and trainer.world_size > 1:
+        sampler = DistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                     shuffle=True, seed=0 if shuffle_seed is None else shuffle_seed, drop_last=True)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=num_workers,
+                      generator=shuffle_generator(shuffle_seed))
 
 
 class DemoModule(LightningModule):

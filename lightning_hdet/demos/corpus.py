@@ -24,7 +24,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_hdet.demos.base import check_shuffle_seed, shuffle_generator
+from lightning_hdet.demos.base import check_shard_train, check_shuffle_seed, training_loader
 
 VOCAB_SIZE = 256
 DEFAULT_MAX_CHARS = 1_000_000
@@ -133,6 +133,8 @@ class CharCorpusDataModule(LightningDataModule):
         root: read ``.py`` files from this directory instead of the stdlib (tests, other corpora).
         shuffle_seed: a fixed training order (see :func:`~lightning_hdet.demos.base.shuffle_generator`); ``None``:
             it follows the global seed.
+        shard_train: each rank reads its own shard of the training blocks and the whole validation set (see
+            :func:`~lightning_hdet.demos.base.training_loader`; use with ``use_distributed_sampler=False``).
     """
 
     vocab_size = VOCAB_SIZE
@@ -146,10 +148,13 @@ class CharCorpusDataModule(LightningDataModule):
         num_workers: int = 0,
         root: str | None = None,
         shuffle_seed: int | None = None,
+        shard_train: bool = False,
     ) -> None:
         super().__init__()
         check_shuffle_seed(shuffle_seed)
+        check_shard_train(shard_train)
         self.shuffle_seed = shuffle_seed
+        self.shard_train = shard_train
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -168,9 +173,8 @@ class CharCorpusDataModule(LightningDataModule):
         self.val_set = BlockDataset(self.corpus.val, self.block_size)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
-            generator=shuffle_generator(self.shuffle_seed),
+        return training_loader(
+            self.train_set, self.batch_size, self.shuffle_seed, self.shard_train, self.trainer, self.num_workers
         )
 
     def val_dataloader(self) -> DataLoader:

@@ -17,7 +17,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hdet.demos.base import DemoModule, check_shuffle_seed, shuffle_generator
+from lightning_hdet.demos.base import DemoModule, check_shard_train, check_shuffle_seed, training_loader
 from lightning_hdet.demos.optim import OPTIMIZERS, make_optimizer
 
 CLASSES = ("disc", "square", "plus", "ring", "horizontal stripes", "vertical stripes")
@@ -82,17 +82,21 @@ class ShapesDataModule(LightningDataModule):
         noise: standard deviation of the pixel noise.
         seed: data seed (the training shuffle follows the global seed, as for any ``DataLoader``).
         shuffle_seed: a fixed training order instead (see :func:`~lightning_hdet.demos.base.shuffle_generator`).
+        shard_train: each rank reads its own shard of the training set and the whole validation set (see
+            :func:`~lightning_hdet.demos.base.training_loader`; use with ``use_distributed_sampler=False``).
     """
 
     num_classes = len(CLASSES)
 
     def __init__(
         self, batch_size: int = 32, num_train: int = 8192, num_val: int = 1024, size: int = 16, noise: float = 0.6,
-        seed: int = 0, shuffle_seed: int | None = None,
+        seed: int = 0, shuffle_seed: int | None = None, shard_train: bool = False,
     ) -> None:
         super().__init__()
         check_shuffle_seed(shuffle_seed)
+        check_shard_train(shard_train)
         self.shuffle_seed = shuffle_seed
+        self.shard_train = shard_train
         for name, value in (("batch_size", batch_size), ("num_train", num_train), ("num_val", num_val)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -105,8 +109,7 @@ class ShapesDataModule(LightningDataModule):
         self.val_set = TensorDataset(*make_shapes(hp.num_val, hp.size, hp.noise, seed=2 * hp.seed + 1))
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          generator=shuffle_generator(self.shuffle_seed))
+        return training_loader(self.train_set, self.batch_size, self.shuffle_seed, self.shard_train, self.trainer)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False)
