@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [row for part in parts for row in part["rows"]]
         args.workloads = list(dict.fromkeys(r["workload"] for r in rows))
         args.failures = list(dict.fromkeys(r["failure"] for r in rows))
+        seeds = sorted({r["seed"] for r in rows})  # the header counts the parts' seeds, not the command line's
+        args.seed, args.seeds = seeds[0], len(seeds)
         total_s = sum(part["total_wall_s"] for part in parts)
     else:
         with tempfile.TemporaryDirectory(prefix=name) as tmp:

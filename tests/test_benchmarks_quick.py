@@ -364,10 +364,11 @@ def test_crash_quick_mode_nan_and_collapse(tmp_path):
     assert "no_such_rule" in proc.stdout and "÷ DDP low LR" in table[0]
     # Parts run in parallel merge into one table, without training.
     merged = tmp_path / "merged"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "crash.py"), "--quick", "--merge",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "crash.py"), "--quick", "--seed", "5", "--seeds", "4", "--merge",
            str(tmp_path / "results" / "crash_quick.json"), "--results-dir", str(merged), "--docs-dir", str(merged)]
     subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert json.loads((merged / "crash_quick.json").read_text())["rows"] == rows
+    assert "1 seed(s) from 0," in (merged / "benchmarks.md").read_text()  # the parts' seeds, not the command's
 
 
 def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
