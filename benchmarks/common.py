@@ -192,6 +192,17 @@ class _Recorder(Callback):
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+class _LoadWeights(Callback):
+    """Every rank starts from the weights saved at ``path`` (a ``state_dict``) instead of the model's own
+    initialisation: a second fit continuing from a first one's final model, with a fresh optimizer."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        pl_module.load_state_dict(torch.load(self.path, weights_only=True))
+
+
 def begin(base: str, quick: bool) -> tuple[str, float]:
     """Start a benchmark script: silence Lightning's per-run banners and warnings that would drown the tables,
     and return the run's name (``base``, with ``_quick`` in quick mode) and its start time."""
@@ -208,10 +219,13 @@ def fit_run(
     callbacks: Sequence[Callback] = (),
     ckpt_path: Path | None = None,
     save_ckpt: Path | None = None,
+    init_weights: Path | None = None,
+    save_weights: Path | None = None,
 ) -> RunResult:
     """Train ``spec`` and return its record. ``strategy`` defaults to ``ddp_spawn`` over ``gloo`` when
     ``spec.devices > 1``; ``ckpt_path`` resumes (weights, optimizer, step) at ``spec.lr``;
-    ``save_ckpt`` writes a checkpoint at the end.
+    ``save_ckpt`` writes a checkpoint at the end; ``init_weights`` starts from a saved ``state_dict`` (weights
+    only) and ``save_weights`` saves the final model's (the merged one under HDET).
 
     ``BENCH_ACCELERATOR=cuda`` in the environment trains on the one GPU: all ``spec.devices`` processes
     share ``cuda:0`` and talk over ``gloo`` (NCCL needs one GPU per rank); used by ``gpu_check.sh``. With
@@ -247,11 +261,14 @@ def fit_run(
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=workdir,
-        callbacks=[_SetLR(spec.lr), _Recorder(workdir, save_ckpt), *callbacks],
+        callbacks=[_SetLR(spec.lr), _Recorder(workdir, save_ckpt), *callbacks,
+                   *([_LoadWeights(init_weights)] if init_weights is not None else [])],
     )
     start = time.perf_counter()
     trainer.fit(model, data, ckpt_path=ckpt_path)
     wall_s = time.perf_counter() - start
+    if save_weights is not None:
+        torch.save(model.state_dict(), save_weights)
     ranks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(spec.devices)]
     return RunResult(
         spec=spec,

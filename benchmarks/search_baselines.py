@@ -155,15 +155,17 @@ def parse_hdet_arm(entry: str) -> tuple[str, str, str]:
 
 
 def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The ``VOTE[:SIGNAL][@SYNC]`` entries the installed package accepts, and why each other one is skipped."""
+    """The ``VOTE[:SIGNAL][@SYNC]`` entries (or two-step ``FIRST>SECOND``) the installed package accepts, and why
+    each other one is skipped."""
     from lightning_hdet import HDETCallback, HDETStrategy
 
     ok, skipped = [], {}
     for vote in votes:
-        name, signal, sync = parse_hdet_arm(vote)
         try:
-            HDETCallback(vote=name, signal=signal)
-            HDETStrategy(num_groups=2, gradient_sync=sync)
+            for step in vote.split(">"):
+                name, signal, sync = parse_hdet_arm(step)
+                HDETCallback(vote=name, signal=signal)
+                HDETStrategy(num_groups=2, gradient_sync=sync)
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
         else:
@@ -172,7 +174,8 @@ def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, interval: int, vote: str, blend: str,
-                 start_method: str, work: Path) -> dict:
+                 start_method: str, work: Path, init_weights: Path | None = None,
+                 save_weights: Path | None = None) -> dict:
     """HDET: one run of ``base.steps`` steps on ``world`` processes in ``groups`` groups starting at ``lrs``.
 
     ``@group`` (default): each group is its own DDP job on ``world / groups`` processes; with one
@@ -195,7 +198,8 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     callback = HDETCallback(every_n_steps=interval, vote=name, signal=signal, blend=blend, seed=base.seed)
     shared = sync == "global"
     spec = replace(base, lr=center, devices=world, shard_data=world > groups and not shared, shard_train=shared)
-    run = fit_run(spec, work, strategy=strategy, callbacks=[callback])
+    run = fit_run(spec, work, strategy=strategy, callbacks=[callback], init_weights=init_weights,
+                  save_weights=save_weights)
     heads = [g * (world // groups) for g in range(groups)]
     head_runs = [replace(run, rank_val_curves=[run.rank_val_curves[h]]) for h in heads]
     final = {g: r.final_val_loss for g, r in enumerate(head_runs)}
@@ -208,6 +212,28 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
         wall_s=run.wall_s, extra={"history": history, "rescues": run.rank_extra[0]["rescues"],
                                   "merged_model_val_loss": run.final_model_val_loss},
     )
+
+
+def run_two_step(lrs: list[float], base: RunSpec, args: argparse.Namespace, entry: str, work: Path) -> dict:
+    """``FIRST>SECOND``: HDET arm ``FIRST`` over the grid's LRs for half the steps, then arm ``SECOND`` for the
+    other half from its final (merged) model, its LRs a grid of factor ``--two-step-spread`` around the LR the
+    first half settled on (a fresh optimizer, the next shuffle of the data). Same total compute as any arm."""
+    first, second = entry.split(">")
+    half = replace(base, steps=base.steps // 2)
+    weights = work / "first.pt"
+    one = run_hdet_arm(lrs, half, args.world_size, args.groups, args.pbt_interval, first, args.hdet_blend,
+                       args.start_method, work / "first", save_weights=weights)
+    near = lr_grid(one["settled_lr"], args.groups, args.two_step_spread)
+    two = run_hdet_arm(near, replace(half, seed=base.seed + 1000), args.world_size, args.groups, args.pbt_interval,
+                       second, args.hdet_blend, args.start_method, work / "second", init_weights=weights)
+    done_steps, done_s = args.world_size * half.steps, max((s for _, _, s in one["curve"]), default=0.0)
+    later = [(done_steps + c, loss, done_s + secs) for c, loss, secs in two["curve"]]
+    return dict(settled_lr=two["settled_lr"], best_val_loss=min(one["best_val_loss"], two["best_val_loss"]),
+                curve=best_so_far(one["curve"] + later), lrs_tried=sorted(set(one["lrs_tried"] + two["lrs_tried"])),
+                diverged_runs=one["diverged_runs"] + two["diverged_runs"], wall_s=one["wall_s"] + two["wall_s"],
+                extra={"history": one["extra"]["history"] + [{**row, "step": row["step"] + half.steps}
+                                                             for row in two["extra"]["history"]], "first_settled_lr":
+                       one["settled_lr"], "merged_model_val_loss": two["extra"]["merged_model_val_loss"]})
 
 
 def base_spec(args: argparse.Namespace, workload: str, center: float, seed: int) -> RunSpec:
@@ -235,9 +261,10 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
         "schedulefree": lambda: run_single("schedulefree", center, base, world, work / "schedulefree"),
     }
     for vote in args.votes:
-        jobs[f"hdet_{vote}"] = lambda vote=vote: run_hdet_arm(
-            lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method,
-            work / f"hdet_{vote.replace(':', '_')}")
+        where = work / f"hdet_{vote.replace(':', '_').replace('>', '_then_')}"
+        jobs[f"hdet_{vote}"] = (lambda vote=vote, where=where: run_two_step(lrs, base, args, vote, where)) if ">" in vote \
+            else (lambda vote=vote, where=where: run_hdet_arm(
+                lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method, where))
     if args.full_grid:
         whole = replace(base, devices=1, batch_size=args.batch_size * world)
         jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole, world, work / "grid_xG")
@@ -258,7 +285,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hdet-votes", default="best,softmax",
                    help="comma-separated HDETCallback vote names, each optionally with a signal and the strategy's "
                    "gradient_sync (VOTE[:SIGNAL][@SYNC], e.g. pbt:heldout, pbt@global; default signal mean, sync "
-                   "group), one HDET arm each (default best,softmax)")
+                   "group), one HDET arm each (default best,softmax); FIRST>SECOND (e.g. pbt>pbt@global) runs FIRST "
+                   "for half the steps, then SECOND from its model around the LR it found (--two-step-spread)")
+    p.add_argument("--two-step-spread", type=float, default=1.5,
+                   help="FIRST>SECOND arms: factor between neighbouring LRs of the second half's grid")
     p.add_argument("--hdet-blend", default="best", choices=("best", "mean", "weighted"), help="HDETCallback blend")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                    help="how HDET starts its processes: spawn (as users do) or fork (skips the ~10 s of imports "
@@ -305,6 +335,9 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.pbt_interval = args.pbt_interval or max(args.steps // 4, 1)
     args.val_every = args.val_every or max(args.steps // 8, 1)
     args.val_batches = args.val_batches or (2 if q else 8)
+    if any(">" in v for v in args.hdet_votes.split(",")) and args.steps % (2 * args.pbt_interval):
+        p.error(f"a FIRST>SECOND arm runs --steps={args.steps} in two halves: they must be multiples of "
+                f"--pbt-interval={args.pbt_interval}")
     for flag, value in (("--pbt-interval", args.pbt_interval), ("--val-every", args.val_every)):
         if args.steps % value:
             p.error(f"{flag}={value} must divide --steps={args.steps} so every method spends the whole budget")

@@ -116,11 +116,11 @@ def _check_equal_compute(data: dict) -> None:
 def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
     methods = ["grid", "optuna_tpe", "pbt_minimal", "prodigy", "schedulefree"]
     data, table, proc = _search_quick(tmp_path, "--methods", *methods, "--hdet-votes",
-                                      "best,softmax@global,no_such_rule", "--full-grid")
+                                      "best>pbt@global,softmax@global,no_such_rule", "--full-grid")
     cfg = data["config"]
     assert {"meta", "config", "targets_val_loss", "total_wall_s", "rows", "targets", "arms", "skipped"} <= data.keys()
     assert list(data["skipped"]) == ["no_such_rule"]  # reported, not fatal
-    ran = [*methods, "hdet_best", "hdet_softmax@global", "grid_xG"]
+    ran = [*methods, "hdet_best>pbt@global", "hdet_softmax@global", "grid_xG"]
     assert cfg["run_methods"] == ran
     assert [(r["workload"], r["method"]) for r in data["rows"]] == [(w, m) for w in ("char_lm", "shapes") for m in ran]
     _check_equal_compute(data)
@@ -130,6 +130,11 @@ def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
         if arm["method"].startswith("hdet_"):  # one run of W processes, G groups starting at the grid's LRs
             assert len(arm["extra"]["history"]) % cfg["groups"] == 0 and arm["extra"]["history"]
             assert arm["settled_lr"] in [row["lr"] for row in arm["extra"]["history"]]
+        if ">" in arm["method"]:  # two halves: the second's LRs around the first's, from the first's model
+            first, half = arm["extra"]["first_settled_lr"], cfg["steps"] // 2
+            second = [row["lr"] for row in arm["extra"]["history"] if row["step"] > half]
+            assert second and all(first / 1.5 / 1.2 <= lr <= first * 1.5 * 1.2 for lr in second)
+            assert first in arm["lrs_tried"] and arm["curve"][-1][0] == cfg["world_size"] * cfg["steps"]
         if arm["method"] == "optuna_tpe":
             assert arm["lrs_tried"][0] == pytest.approx(cfg["good_lr"][arm["workload"]] * STARTS[arm["start"]])
         if arm["method"] == "pbt_minimal":  # G members every round, S / T rounds
@@ -138,7 +143,7 @@ def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
             assert arm["lrs_tried"] == [1.0] and arm["settled_lr"] != 1.0
     # Targets: HDET's median best loss over each baseline's, its LR over the best grid LR.
     targets = {(t["workload"], t["vote"]): t for t in data["targets"]}
-    assert set(targets) == {(w, v) for w in ("char_lm", "shapes") for v in ("best", "softmax@global")}
+    assert set(targets) == {(w, v) for w in ("char_lm", "shapes") for v in ("best>pbt@global", "softmax@global")}
     rows = {(r["workload"], r["method"]): r for r in data["rows"]}
     for (workload, vote), t in targets.items():
         hdet = rows[(workload, f"hdet_{vote}")]["best_val_loss"]
