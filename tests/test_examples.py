@@ -137,3 +137,15 @@ def test_64gpu_recipe_builds_four_groups_at_the_users_learning_rates() -> None:
     assert (int(sbatch["nodes"]), int(sbatch["ntasks-per-node"])) == (8, 8)
     assert "examples/configs/recipe_64gpu.yaml" in script
     subprocess.run(["bash", "-n", str(EXAMPLES / "slurm_hdet.sh")], check=True)
+
+
+@pytest.mark.timeout(300)
+def test_the_docs_search_then_train_recipe_continues_from_the_searched_model(tmp_path: Path) -> None:
+    """docs/hdet.md's two fits in one script under the default launcher: the LR read from the search's history is
+    one it tried, the second fit starts from exactly the searched model, and its groups stay near that LR."""
+    out = tmp_path / "recipe.json"
+    run_example(str(ROOT / "tests" / "scripts" / "search_then_train.py"), str(out), cwd=tmp_path)
+    got = json.loads(out.read_text())
+    assert got["chosen_lr"] in got["searched_lrs"]
+    assert got["second_start"] == got["searched"]  # continued, not re-initialised
+    assert got["steps"] == 8 and all(got["chosen_lr"] / 3 < lr < got["chosen_lr"] * 3 for lr in got["second_lrs"])
