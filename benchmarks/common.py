@@ -397,14 +397,15 @@ def plot_panels(
     cols = math.ceil(len(panels) / rows)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False, sharey="row")
     for ax, (title, lines) in zip(axes.flat, panels.items()):
-        for label, (xs, ys) in lines.items():
-            ax.plot(xs, ys, marker=".", label=label)
+        for i, (label, (xs, ys)) in enumerate(lines.items()):
+            # past the 10 colours of the default cycle, a new line style keeps every label distinct
+            ax.plot(xs, ys, marker=".", label=label, linestyle=("-", "--", ":")[i // 10 % 3])
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     for row in axes:
         row[0].set_ylabel(ylabel)
-        row[-1].legend(fontsize="small")
+        row[-1].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside, not over
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -362,7 +362,9 @@ def merge(args: argparse.Namespace) -> tuple[list[Arm], float]:
         return list(dict.fromkeys(getattr(a, key) for a in arms))  # in order of appearance
 
     args.workloads, args.starts = present("workload"), present("start")
-    args.run_methods = present("method")
+    methods = present("method")  # in the order of a single run: baselines, HDET arms, grid x G
+    args.run_methods = ([m for m in BASELINES if m in methods] + [m for m in methods if m.startswith("hdet_")]
+                        + [m for m in methods if m == "grid_xG"])
     args.votes = [m.removeprefix("hdet_") for m in args.run_methods if m.startswith("hdet_")]
     args.seeds = len(set(present("seed")))
     for part in parts:
