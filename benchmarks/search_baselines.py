@@ -262,9 +262,11 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
     }
     for vote in args.votes:
         where = work / f"hdet_{vote.replace(':', '_').replace('>', '_then_')}"
-        jobs[f"hdet_{vote}"] = (lambda vote=vote, where=where: run_two_step(lrs, base, args, vote, where)) if ">" in vote \
-            else (lambda vote=vote, where=where: run_hdet_arm(
-                lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method, where))
+        if ">" in vote:
+            jobs[f"hdet_{vote}"] = lambda vote=vote, where=where: run_two_step(lrs, base, args, vote, where)
+        else:
+            jobs[f"hdet_{vote}"] = lambda vote=vote, where=where: run_hdet_arm(
+                lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method, where)
     if args.full_grid:
         whole = replace(base, devices=1, batch_size=args.batch_size * world)
         jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole, world, work / "grid_xG")
