@@ -12,13 +12,21 @@ HERE = Path(__file__).resolve().parent
 # long-horizon variant and the async defaults on three tasks, 4 overhead, 5 crash (NaN- and collapse-type
 # failures), 6 elastic (a worker lost mid-run). Each entry is a script and its own arguments; the command line's
 # (e.g. ``--quick``) follow them.
-SCRIPTS = [["hdet_published.py"], ["search_baselines.py"], ["async_published.py"],
+# Benchmark 2 with every method and HDET arm of its table in docs/benchmarks.md, at that table's sizes unless
+# ``--quick`` is passed (the sizes come last, and only without it).
+SEARCH = ["--full-grid", "good", "--methods", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
+          "--hdet-votes", "softmax,pbt,pbt:heldout,softmax:heldout,pbt@global,softmax@global,pbt:heldout@global,"
+          "pbt>pbt@global"]
+SEARCH_SIZES = ["--steps", "128", "--pbt-interval", "32", "--val-every", "16"]
+SCRIPTS = [["hdet_published.py"], ["search_baselines.py", *SEARCH], ["async_published.py"],
            ["async_published.py", "--long-horizon"], ["async_defaults.py"], ["overhead.py"], ["crash.py"],
            ["elastic.py"]]
 
 
 def main() -> int:
     for script, *args in SCRIPTS:
+        if script == "search_baselines.py" and "--quick" not in sys.argv[1:]:
+            args = [*args, *SEARCH_SIZES]
         start = time.perf_counter()
         rc = subprocess.call([sys.executable, str(HERE / script), *args, *sys.argv[1:]])
         print(f"{' '.join([script, *args])}: exit {rc} after {time.perf_counter() - start:.0f} s", flush=True)

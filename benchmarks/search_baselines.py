@@ -267,7 +267,7 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
         else:
             jobs[f"hdet_{vote}"] = lambda vote=vote, where=where: run_hdet_arm(
                 lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method, where)
-    if args.full_grid:
+    if args.full_grid is not None and (not args.full_grid or start in args.full_grid):
         whole = replace(base, devices=1, batch_size=args.batch_size * world)
         jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole, world, work / "grid_xG")
     return [Arm(workload, method, start, seed, **job()) for method, job in jobs.items() if method in args.run_methods]
@@ -295,8 +295,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                    help="how HDET starts its processes: spawn (as users do) or fork (skips the ~10 s of imports "
                    "per run on a loaded machine; changes no number but the wall-clock)")
-    p.add_argument("--full-grid", action="store_true",
-                   help="also run the grid with every run as large as the whole job (G x the compute)")
+    p.add_argument("--full-grid", nargs="*", default=None, choices=list(STARTS), metavar="START",
+                   help="also run the grid with every run as large as the whole job (G x the compute), from these "
+                   "starts (none named: every start)")
     p.add_argument("--groups", type=int, default=4, help="G: LRs in the grid / trials / PBT members / HDET groups")
     p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 320, quick 16)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")
@@ -351,7 +352,7 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if "pbt" in args.methods and not ray_available():
         args.skipped["pbt"] = "Ray Tune is not installed (pip install 'ray[tune]', or the `bench` extra)"
     args.run_methods = [m for m in args.methods if m not in args.skipped]
-    args.run_methods += [f"hdet_{v}" for v in args.votes] + (["grid_xG"] if args.full_grid else [])
+    args.run_methods += [f"hdet_{v}" for v in args.votes] + (["grid_xG"] if args.full_grid is not None else [])
 
 
 def merge(args: argparse.Namespace) -> tuple[list[Arm], float]:
