@@ -12,12 +12,12 @@ HERE = Path(__file__).resolve().parent
 # long-horizon variant and the async defaults on three tasks, 4 overhead, 5 crash (NaN- and collapse-type
 # failures), 6 elastic (a worker lost mid-run). Each entry is a script and its own arguments; the command line's
 # (e.g. ``--quick``) follow them.
-# Benchmark 2 with every method and HDET arm of its table in docs/benchmarks.md, at that table's sizes unless
-# ``--quick`` is passed (the sizes come last, and only without it).
+# Benchmark 2 with every method and HDET arm of its table in docs/benchmarks.md.
 SEARCH = ["--full-grid", "good", "--methods", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
           "--hdet-votes", "softmax,pbt,pbt:heldout,softmax:heldout,pbt@global,softmax@global,pbt:heldout@global,"
           "pbt>pbt@global"]
-SEARCH_SIZES = ["--steps", "128", "--pbt-interval", "32", "--val-every", "16"]
+# Arguments a script takes only at full size: they would override ``--quick``'s sizes.
+FULL_SIZE = {"search_baselines.py": ["--steps", "128", "--pbt-interval", "32", "--val-every", "16"]}
 SCRIPTS = [["hdet_published.py"], ["search_baselines.py", *SEARCH], ["async_published.py"],
            ["async_published.py", "--long-horizon"], ["async_defaults.py"], ["overhead.py"], ["crash.py"],
            ["elastic.py"]]
@@ -25,8 +25,8 @@ SCRIPTS = [["hdet_published.py"], ["search_baselines.py", *SEARCH], ["async_publ
 
 def main() -> int:
     for script, *args in SCRIPTS:
-        if script == "search_baselines.py" and "--quick" not in sys.argv[1:]:
-            args = [*args, *SEARCH_SIZES]
+        if "--quick" not in sys.argv[1:]:
+            args = [*args, *FULL_SIZE.get(script, [])]
         start = time.perf_counter()
         rc = subprocess.call([sys.executable, str(HERE / script), *args, *sys.argv[1:]])
         print(f"{' '.join([script, *args])}: exit {rc} after {time.perf_counter() - start:.0f} s", flush=True)

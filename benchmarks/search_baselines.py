@@ -183,9 +183,9 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     grid run does (shuffled in its own order). ``@global`` (published, the strategy's default): every rank
     reads its own shard of the training stream and each step's gradient is averaged over all ranks, so every
     group steps on the whole job's batch, at its own LR. Either way every rank validates on the same first
-    batches. Every ``interval`` steps
-    the groups vote on their interval training loss (or ``vote``'s signal) and blend. The best-so-far curve
-    takes, at each validation, the best group (each group's first rank), as the grid takes the best of its runs.
+    batches. Every ``interval`` steps the groups vote on their interval training loss (or ``vote``'s signal) and
+    blend. The best-so-far curve takes, at each validation, the best group (each group's first rank), as the grid
+    takes the best of its runs.
     """
     from lightning_hdet import HDETCallback, HDETStrategy
 
