@@ -36,17 +36,18 @@ __all__ = [
     "DCP_METADATA_FILENAME",
     "StrategyRegistry",
     "attached_trainer",
-    "ddp_process_group",
+    "ddp_kwarg",
     "ensure_callback",
     "gloo_options",
     "has_user_comm_hook",
     "init_model_parallel",
     "materialize_distributed_module",
     "register_names",
-    "set_ddp_process_group",
+    "set_ddp_kwarg",
     "set_loop_max_steps",
     "strategy_timeout",
     "sync_module_states",
+    "unwrap_ddp",
     "unwrap_optimizer",
     "wandb_run_created_in_this_process",
 ]
@@ -88,14 +89,24 @@ def strategy_timeout(strategy: DDPStrategy, default: timedelta = timedelta(minut
     return strategy._timeout or default  # why: DDPStrategy keeps it private and has no getter
 
 
-def ddp_process_group(strategy: DDPStrategy) -> Any:
-    """The process group DDP reduces gradients over (``None``: the default, all ranks)."""
-    return strategy._ddp_kwargs.get("process_group")  # why: no public accessor for the DDP kwargs
+def ddp_kwarg(strategy: DDPStrategy, name: str, default: Any = None) -> Any:
+    """One of the keyword arguments the strategy wraps the model with (``process_group``: ``None`` is all ranks)."""
+    return strategy._ddp_kwargs.get(name, default)  # why: no public accessor for the DDP kwargs
 
 
-def set_ddp_process_group(strategy: DDPStrategy, process_group: Any) -> None:
-    """Make DDP reduce over ``process_group`` (HDET's "group" mode); call before ``_setup_model`` wraps."""
-    strategy._ddp_kwargs = {**strategy._ddp_kwargs, "process_group": process_group}
+def set_ddp_kwarg(strategy: DDPStrategy, name: str, value: Any) -> None:
+    """Wrap the model with ``name=value`` (HDET's "group" mode sets ``process_group``); call before ``_setup_model``."""
+    strategy._ddp_kwargs = {**strategy._ddp_kwargs, name: value}
+
+
+def unwrap_ddp(wrapped: Any) -> Module:
+    """The module inside ``wrapped``, its DDP gradient hooks removed (to wrap it again over another process group).
+
+    Why: the wrapper's autograd hooks stay on the parameters until it is garbage-collected; left there, every backward
+    would also reduce over the old process group. torch has no public API to remove them (2.13).
+    """
+    wrapped._remove_autograd_hooks()
+    return wrapped.module  # type: ignore[return-value]
 
 
 def has_user_comm_hook(strategy: DDPStrategy) -> bool:
@@ -156,17 +167,22 @@ def gloo_options(timeout: timedelta, host: str) -> Any:
 
 
 def _check_private_names() -> None:
-    missing = [name for name in OVERRIDDEN_PRIVATE_HOOKS + ("_timeout", "_ddp_kwargs")
+    missing = [f"DDPStrategy.{name}" for name in OVERRIDDEN_PRIVATE_HOOKS + ("_timeout", "_ddp_kwargs")
                if not hasattr(DDPStrategy, name) and name not in DDPStrategy.__init__.__code__.co_names]
     in_init = ModelParallelStrategy.__init__.__code__.co_names
     missing += [f"ModelParallelStrategy.{name}" for name in ("_setup_distributed", "_device_mesh", "_timeout")
                 if not hasattr(ModelParallelStrategy, name) and name not in in_init]
+    from torch.nn.parallel import DistributedDataParallel
+
+    missing += [] if hasattr(DistributedDataParallel, "_remove_autograd_hooks") else [
+        "torch.nn.parallel.DistributedDataParallel._remove_autograd_hooks"]
     if missing:
         import lightning
+        import torch
 
         raise ImportError(
-            f"lightning_hdet relies on DDPStrategy's {missing}, which lightning {lightning.__version__} does not "
-            "have; install the lightning version from lightning_hdet's constraints (see pyproject.toml)."
+            f"lightning_hdet relies on {missing}, which lightning {lightning.__version__} / torch {torch.__version__} "
+            "do not have; install the versions from lightning_hdet's constraints (see pyproject.toml)."
         )
 
 

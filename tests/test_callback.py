@@ -196,14 +196,18 @@ def test_all_groups_non_finite_halves_every_lr(tmp_path):
     assert bool(torch.isfinite(ranks[0]["final_params"]).all())
 
 
-def test_resume_continues_the_ensemble_exactly(tmp_path):
+@pytest.mark.parametrize("search_steps", [None, 6], ids=["search", "search ends at 6"])
+def test_resume_continues_the_ensemble_exactly(tmp_path, search_steps):
+    """Resumed at step 8: with ``search_steps=6`` the resumed run must average gradients globally from its first
+    step, or it would not match the straight run."""
+
     def run(out: Path, **kw: Any) -> list[dict[str, Any]]:
         ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
         strategy = HDETStrategy(spread=0.5, gradient_sync="group", start_method=START)
         seed_everything(1)  # the same initial weights in every run
         # One batch per epoch, the same on every rank: Lightning's own data order on resume is not under test.
         model = LinearModel(optimizer="adam", lr=0.01, n_train=16)
-        return _fit(out, strategy, HDETCallback(every_n_steps=3), model=model, extra=(ckpt,),
+        return _fit(out, strategy, HDETCallback(every_n_steps=3, search_steps=search_steps), model=model, extra=(ckpt,),
                     enable_checkpointing=True, use_distributed_sampler=False, devices=2, **kw)
 
     straight = run(tmp_path / "a", max_steps=16)
@@ -214,6 +218,8 @@ def test_resume_continues_the_ensemble_exactly(tmp_path):
     for h, k in zip(resumed[0]["history"], straight[0]["history"], strict=True):
         assert (h["step"], h["group"], h["winner"]) == (k["step"], k["group"], k["winner"])
         assert h["lr"] == pytest.approx(k["lr"], rel=1e-9) and h["loss"] == pytest.approx(k["loss"], rel=1e-6)
+    if search_steps is not None:
+        return  # (what follows does not depend on the search)
 
     # the checkpoint's state_dict is the merged model and loads in plain Lightning, without this package
     ckpt_file = tmp_path / "b" / "ckpt" / "last.ckpt"
@@ -265,6 +271,8 @@ def test_monitor_votes_on_validation_metric_and_reports_missing(tmp_path):
         (dict(init_noise=-0.1), "`init_noise` must be a finite number >= 0"),
         (dict(divergence_factor=1.0), "`divergence_factor` must be None or a finite number > 1"),
         (dict(rescue_lr_factor=1.0), r"`rescue_lr_factor` must be a number in \(0, 1\)"),
+        (dict(search_steps=0), "`search_steps` must be a positive integer or None"),
+        (dict(refine_spread=0.5), "`refine_spread` must be a finite number >= 1"),
         (dict(permute="yes"), "`permute` must be True or False"),
     ],
 )

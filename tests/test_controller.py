@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
 
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import HDETController, Interval
+from lightning_hdet.hdet.multipliers import centred_grid
 
 
 def _interval(losses, finite=None, multipliers=(0.5, 1.5), step=4, shared=False, final=False, lr=0.1):
@@ -87,3 +89,52 @@ def test_state_round_trip_and_pickling_keep_the_generator():
     assert torch.equal(nxt[0], nxt[1]) and torch.equal(nxt[0], nxt[2])
     assert copy.history == controller.history and copy.num_votes == 4
     assert controller.noise_seed(1) == 5 * 100_003 + 2
+
+
+def test_centred_grid_by_hand():
+    table = centred_grid([2.0, 0.2], 3, 1.5)
+    torch.testing.assert_close(table, torch.tensor([[2.0 / 1.5, 0.2 / 1.5], [2.0, 0.2], [3.0, 0.3]], dtype=torch.float64))
+    assert centred_grid([1.0], 4, 4.0)[:, 0].tolist() == pytest.approx([1 / 8, 1 / 2, 2.0, 8.0])
+    assert centred_grid([0.7], 2, 1.0)[:, 0].tolist() == [0.7, 0.7]
+
+
+@pytest.mark.parametrize("vote", ["pbt", "softmax", "best"])
+def test_the_search_ends_on_the_winner_with_a_narrow_grid_around_its_lr(vote):
+    controller = HDETController(HDETConfig(vote=vote, blend="mean", blend_strength=0.5, refine_spread=2.0,
+                                           signal="improvement" if vote == "pbt" else "mean"))
+    controller.decide(_interval([3.0, 2.0, 1.0], multipliers=(0.5, 1.0, 4.0), step=4))  # the rule's state moves
+    searched = _interval([3.0, 1.0, 2.0], multipliers=(0.5, 1.0, 4.0), step=8)
+    decision = controller.decide(replace(searched, refine=True))
+    # winner by level (group 1, multiplier 1.0); its model in full for everyone; every optimizer restarts
+    assert decision.refined and decision.winner == 1 and controller.searched_at == 8
+    assert decision.coefficients == [0.0, 1.0, 0.0] and decision.strengths == [1.0, 1.0, 1.0]
+    assert decision.restart == [True, True, True] and decision.rescued == [False, False, False]
+    assert decision.multipliers[:, 0].tolist() == pytest.approx([0.5, 1.0, 2.0])
+    assert decision.lrs == pytest.approx([0.05, 0.1, 0.2])
+    assert controller.num_votes == 2
+    # the rule starts afresh from the new grid: a fresh controller at the same table votes the same way
+    fresh = HDETController(HDETConfig(vote=vote, permute=False))
+    after = _interval([2.0, 1.0, 3.0], multipliers=(0.5, 1.0, 2.0), step=12)
+    if vote == "best":
+        assert controller.rule.state_dict() == {"spread": {}}
+        expected = fresh.decide(after).multipliers
+        assert sorted(controller.decide(after).multipliers[:, 0].tolist()) == pytest.approx(
+            sorted(expected[:, 0].tolist()))
+    restored = HDETController(HDETConfig(vote=vote))
+    restored.load_state_dict(controller.state_dict())
+    assert restored.searched_at == 8
+
+
+def test_no_search_end_at_a_roll_back():
+    controller = HDETController(HDETConfig(vote="pbt"))
+    decision = controller.decide(replace(_interval([1.0, 1.0], finite=[False, False]), refine=True))
+    assert decision.roll_back and not decision.refined and controller.searched_at is None
+    assert decision.restart == [True, True]  # both rescued
+
+
+def test_the_search_ends_once_at_the_first_vote_at_or_after_search_steps():
+    assert not HDETController(HDETConfig()).search_ends(10**6)  # search_steps=None: a search for the whole run
+    controller = HDETController(HDETConfig(search_steps=6))
+    assert [controller.search_ends(step) for step in (4, 6, 8)] == [False, True, True]
+    controller.decide(replace(_interval([2.0, 1.0], step=8), refine=True))
+    assert controller.searched_at == 8 and not controller.search_ends(12)

@@ -67,7 +67,9 @@ def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path
 
 
 def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "global", "configure_model", resume=False)
+    """Built with ``"group"`` and switched to ``"global"`` once sharded (``set_gradient_sync``, as ``search_steps``
+    does): from the first step every group's gradient is the mean over the groups."""
+    ranks = _run(tmp_path, "group>global", "configure_model", resume=False)
     _check_training(ranks)
     first = [r["first"] for r in ranks]
     # one shared gradient: from the same start, group 1 (3x the LR) moved 3x as far in its first step

@@ -83,6 +83,27 @@ def test_global_sync_same_gradients_and_lr_ratio(tmp_path):
     assert not torch.allclose(ranks[0]["params_by_step"][last], ranks[1]["params_by_step"][last])
 
 
+def test_search_steps_end_the_search_on_the_winner_and_switch_to_global_gradients(tmp_path):
+    strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 4.0], gradient_sync="group", start_method=START)
+    callback = HDETCallback(every_n_steps=3, search_steps=3, refine_spread=2.0)
+    ranks = _fit(tmp_path, strategy, callbacks=[callback], max_steps=8)
+    # the search (steps 1-3): gradients reduced inside each group only
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["grads"][:3], ranks[1]["grads"][:3]))
+    assert not any(torch.allclose(a, b) for a, b in zip(ranks[0]["grads"][:3], ranks[2]["grads"][:3]))
+    # the vote at step 3 ended it: every rank holds the winner's model ...
+    assert all(torch.equal(r["params_by_step"][3], ranks[0]["params_by_step"][3]) for r in ranks)
+    vote = [h for h in ranks[0]["history"] if h["step"] == 3]
+    winner = vote[0]["winner"]
+    assert vote[winner]["loss"] == min(h["loss"] for h in vote)
+    # ... the LRs are a grid of ratio 2 around the winner's, and every later step averages over all four ranks
+    centre = 0.1 * [1.0, 4.0][winner]
+    assert [h["lr"] for h in vote] == pytest.approx([centre / 2**0.5, centre * 2**0.5])
+    assert [r["effective_lrs"][3][0] for r in ranks] == pytest.approx([vote[g]["lr"] for g in (0, 0, 1, 1)])
+    for r in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["grads"][3:], ranks[0]["grads"][3:]))
+    assert len(ranks[0]["grads"]) == 8
+
+
 def test_spread_zero_reproduces_ddp_bit_for_bit(tmp_path):
     ddp = _fit(tmp_path / "ddp", DDPStrategy(start_method=START, process_group_backend="gloo"), devices=2)
     hdet = _fit(tmp_path / "hdet", HDETStrategy(spread=0.0, start_method=START),

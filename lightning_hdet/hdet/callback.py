@@ -82,6 +82,10 @@ class HDETCallback(Callback):
         heldout_batches: ``signal="heldout"``: validation batches every group scores (split over a group's ranks).
         heldout_decay: ``signal="heldout"``: None averages the interval's iterates uniformly; a float is an EMA decay.
         heldout_loss: ``signal="heldout"``: ``(module, batch) -> mean loss``; None calls ``module.heldout_loss(batch)``.
+        search_steps: the first vote at or after this step ends the search: every group takes the winner's model
+            (a fresh optimizer state), the LRs a grid of ratio ``refine_spread`` around its LR, and gradients are
+            averaged over all ranks from then on (``gradient_sync="global"``). ``None``: search the whole run.
+        refine_spread: the ratio between neighbouring groups' LRs once the search ended (>= 1).
     """
 
     def __init__(
@@ -117,12 +121,15 @@ class HDETCallback(Callback):
         heldout_batches: int = 4,
         heldout_decay: Optional[float] = None,
         heldout_loss: Optional[HeldoutLoss] = None,
+        search_steps: Optional[int] = None,
+        refine_spread: float = 1.5,
     ) -> None:
         self.settings = HDETConfig(
             every_n_steps, vote, temperature, momentum, meta_lr, warmup_steps, permute, shrink, min_spread, blend,
             blend_strength, monitor, init_noise, safety_net, divergence_factor, rescue_lr_factor, seed, signal,
             forecast_horizon, curve_bins, quantile, resample_probability, reference_group, stall_patience,
-            stall_tolerance, rise_margin, chance_loss, chance_tolerance, heldout_batches, heldout_decay,
+            stall_tolerance, rise_margin, chance_loss, chance_tolerance, heldout_batches, heldout_decay, search_steps,
+            refine_spread,
         )
         self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
         self.controller = HDETController(self.settings)
@@ -191,6 +198,8 @@ class HDETCallback(Callback):
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
         self.initial_lrs = executor.current_lrs()[:, 0].tolist()
         executor.ensure_restore_point()
+        if self.controller.searched_at is not None:
+            executor.set_gradient_sync("global")  # resumed after the search ended
         if trainer.ckpt_path is None and self.settings.init_noise > 0:
             executor.add_init_noise(self.settings.init_noise, self.controller.noise_seed(executor.group_index))
         if self._heldout is not None:
@@ -270,17 +279,9 @@ class HDETCallback(Callback):
             multipliers=executor.lr_multipliers, schedule_lrs=executor.schedule_lrs().tolist(),
             shared_gradients=executor.gradient_sync == "global", final=final, curves=reading.curves,
             first_losses=reading.first_losses, first_errors=reading.first_errors, heldout=heldout,
+            refine=not final and self.controller.search_ends(trainer.global_step),
         ))
-        if decision.roll_back:
-            executor.restore()
-            rank_zero_info(
-                f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
-                f"({[r for r in decision.reasons if r]}); every group rolled back to the last good merged model."
-            )
-        elif executor.num_groups > 1:
-            for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
-                executor.merge(step.coefficients, step.strengths, restart=decision.rescued, keep=decision.keep)
-        executor.set_lr_multipliers(decision.multipliers)
+        _execute(executor, decision)
         _log_vote(trainer, decision, self.controller.rescues, self.report, heldout)
         self._meter.reset(trainer.global_step)
         if self._heldout is not None:
@@ -338,6 +339,25 @@ class HDETCallback(Callback):
             return
         executor.load_ensemble(hdet)
         self._resumed_interval = hdet["interval"]
+
+
+def _execute(executor: HDETExecutor, decision: Decision) -> None:
+    """The strategy carries out one decision: roll back, or merge (one collective per step of the plan); then the
+    new multipliers and, when the decision ended the search, gradients averaged over all ranks."""
+    if decision.roll_back:
+        executor.restore()
+        rank_zero_info(
+            f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
+            f"({[r for r in decision.reasons if r]}); every group rolled back to the last good merged model."
+        )
+    elif executor.num_groups > 1:
+        for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
+            executor.merge(step.coefficients, step.strengths, restart=decision.restart, keep=decision.keep)
+    executor.set_lr_multipliers(decision.multipliers)
+    if decision.refined:
+        executor.set_gradient_sync("global")
+        rank_zero_info(f"HDET: step {decision.step}: search ended on group {decision.winner}; every group trains "
+                       f"from its model at LRs {decision.lrs} with gradient_sync='global'.")
 
 
 def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException:

@@ -60,6 +60,8 @@ class HDETConfig:
     chance_tolerance: float = 0.05
     heldout_batches: int = 4
     heldout_decay: Optional[float] = None
+    search_steps: Optional[int] = None
+    refine_spread: float = 1.5
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -93,6 +95,10 @@ class HDETConfig:
                   hint="Validation batches every group scores at a vote with signal='heldout'.")
         check_number("heldout_decay", self.heldout_decay, 0.0, 1.0, high_open=True, optional=True,
                      hint="None: the interval's uniform average; a float: an EMA with that decay.")
+        check_int("search_steps", self.search_steps, minimum=1, optional=True,
+                  hint="None searches for the whole run; N ends the search at the first vote at or after step N.")
+        check_number("refine_spread", self.refine_spread, low=1.0,
+                     hint="The ratio between neighbouring groups' LRs after the search (1 gives every group its LR).")
         self.pbt_rule()  # validates `quantile`, `resample_probability`, `reference_group`
         self.collapse_rule()  # validates the collapse arguments
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
 from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, is_good, judge
 from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.signals import curve_error, scores
 from lightning_hdet.hdet.votes import Ballot, VoteRule, divergent, make_rule, winner_of
@@ -43,6 +44,7 @@ class Interval:
     first_losses: Optional[Sequence[float]] = None  # every group's loss at its first training step (fresh runs)
     first_errors: Optional[Sequence[float]] = None  # the standard error of ``first_losses``
     heldout: Optional[Sequence[float]] = None  # ``signal="heldout"``: every group's averaged iterate's held-out loss
+    refine: bool = False  # the search ends here (``search_steps``): winner's model, LRs a narrow grid around its LR
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,13 @@ class Decision:
     copies: list[MergeStep] = field(default_factory=list)  # ``vote="pbt"``: copy steps instead of one blend
     keep: bool = True  # the merge target may become the restore point (the safety net judged this vote good)
     reasons: list[str] = field(default_factory=list)  # why each rescued group counts as diverged ("" if not)
+    refined: bool = False  # the search ended: every group took the winner's model and restarts its optimizer
+
+    @property
+    def restart(self) -> list[bool]:
+        """Groups that clear their optimizer state after the merge: the rescued ones, or all when the search ended
+        (each group's moments were gathered on another group's parameters)."""
+        return [True] * len(self.rescued) if self.refined else list(self.rescued)
 
     @property
     def plan(self) -> list[MergeStep]:
@@ -89,6 +98,7 @@ class HDETController:
         self.num_votes = 0
         self.last_winner = -1
         self.last_coefficients: list[float] = []
+        self.searched_at: Optional[int] = None  # the step of the vote that ended the search (``search_steps``)
 
     @property
     def generator(self) -> torch.Generator:
@@ -111,6 +121,11 @@ class HDETController:
         self._generator = None
         if generator is not None:
             self.generator.set_state(torch.frombuffer(bytearray(generator), dtype=torch.uint8))
+
+    def search_ends(self, step: int) -> bool:
+        """Whether a vote at ``step`` ends the search (``search_steps``; it ends once)."""
+        end = self.config.search_steps
+        return end is not None and step >= end and self.searched_at is None
 
     def noise_seed(self, group: int) -> int:
         """Seed of group ``group``'s initial noise (published warm start): distinct per group, equal within one."""
@@ -154,7 +169,7 @@ class HDETController:
         losses = list(interval.losses)
         if self.config.signal == "heldout" and not interval.final and interval.heldout is not None:
             signal = list(interval.heldout)
-        elif interval.final or interval.curves is None or self.config.signal in ("mean", "heldout"):
+        elif interval.final or interval.refine or interval.curves is None or self.config.signal in ("mean", "heldout"):
             return losses
         else:
             signal = scores(interval.curves, self.config.signal, self.config.every_n_steps,
@@ -164,7 +179,8 @@ class HDETController:
     def _vote(self, interval: Interval, rescued: list[bool]) -> Decision:
         losses, num_groups = list(interval.losses), len(interval.losses)
         healthy = [not r for r in rescued]
-        move = not interval.final and interval.step >= self.config.warmup_steps and num_groups > 1
+        ending = interval.final or interval.refine  # picks by level, merges fully, leaves the rule alone
+        move = not ending and interval.step >= self.config.warmup_steps and num_groups > 1
         signal = self._scores(interval, healthy)
         table = interval.multipliers.clone()
         weights, winner, sources = [1.0 / num_groups] * num_groups, 0, list(range(num_groups))
@@ -177,11 +193,12 @@ class HDETController:
                 sources = result.sources if isinstance(result, Selection) else sources
         coefficients: list[float] = []
         strengths: list[float] = []
-        strength = 1.0 if interval.final else self.config.blend_strength
+        strength = 1.0 if ending else self.config.blend_strength
         copies = copy_plan(sources, strength, rescued) if num_groups > 1 else []
         if num_groups > 1 and not copies:
-            # PBT ends on its best group; before warm-up it merges like the other votes.
-            blend = "best" if interval.final and self.config.vote == "pbt" else self.config.blend
+            # PBT ends on its best group, and so does a search; before warm-up PBT merges like the other votes.
+            ending_on_best = interval.refine or (interval.final and self.config.vote == "pbt")
+            blend = "best" if ending_on_best else self.config.blend
             coefficients = blend_coefficients(blend, weights, winner, healthy)
             strengths = blend_strengths(strength, rescued)
         if num_groups > 1:
@@ -189,9 +206,20 @@ class HDETController:
             self.last_coefficients = coefficients or [1.0 if g == winner else 0.0 for g in range(num_groups)]
         log.debug("vote at step %d: losses %s, signal %s, weights %s, winner %d, rescued %s", interval.step, losses,
                   signal, weights, winner, rescued)
+        refined = interval.refine and winner >= 0 and num_groups > 1
+        if refined:
+            table = self._end_search(interval.step, table[winner].tolist(), num_groups)
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
-                        coefficients, strengths, copies)
+                        coefficients, strengths, copies, refined=refined)
+
+    def _end_search(self, step: int, row: list[float], num_groups: int) -> Tensor:
+        """The search's winner's multipliers become the centre of a grid of ratio ``refine_spread``; the vote rule
+        starts afresh from that grid (its velocity, spread or vote count described the search)."""
+        self.searched_at = step
+        self.rule.load_state_dict({})
+        log.debug("search ended at step %d around multipliers %s", step, row)
+        return centred_grid(row, num_groups, self.config.refine_spread)
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
@@ -239,6 +267,7 @@ class HDETController:
             "last_winner": self.last_winner,
             "last_coefficients": list(self.last_coefficients),
             "collapse": self.collapse_history.state_dict(),
+            "searched_at": self.searched_at,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -250,6 +279,7 @@ class HDETController:
         self.last_winner = state_dict["last_winner"]
         self.last_coefficients = list(state_dict["last_coefficients"])
         self.collapse_history.load_state_dict(state_dict.get("collapse", {}))  # absent in older checkpoints
+        self.searched_at = state_dict.get("searched_at")
 
 
 def _lrs(table: Tensor, interval: Interval) -> list[float]:

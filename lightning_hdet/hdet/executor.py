@@ -54,6 +54,10 @@ class HDETExecutor(Protocol):
     def lr_multipliers(self) -> Tensor:
         """A copy of the multiplier table, ``(num_groups, num_param_groups)``, float64 on the host."""
 
+    def set_gradient_sync(self, gradient_sync: str) -> None:
+        """Average gradients over all ranks (``"global"``) or inside each group (``"group"``) from the next step on
+        (the only writer after construction; a wrapped model is wrapped again, a collective)."""
+
     def set_lr_multipliers(self, multipliers: Any) -> None:
         """Replace the multiplier table (the only writer; applied around every later optimizer step)."""
 

@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hdet._checks import require
+from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import (
     StrategyRegistry,
     init_model_parallel,
@@ -36,13 +36,14 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
+from lightning_hdet.hdet.groups import GRADIENT_SYNC, GradientSync, HDETGroups, destroy_default_group_at_exit
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
     broadcast_from_first_group,
     check_mesh,
     is_sharded,
+    set_all_reduce_hook,
     shard,
 )
 
@@ -151,14 +152,28 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         self.model_to_device()
         # Groups start from group 0's shards: with meta-device or unseeded init every rank's own would differ.
         broadcast_from_first_group(self.model, self.across_groups)
-        if self.gradient_sync == "global" and self.num_groups > 1:
-            mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, guard=self._guard_enabled)
-            mean.install(self.model)
-            self._guard = mean if self._guard_enabled else None
+        self._install_gradient_mean()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _install_gradient_mean(self) -> None:
+        """``"global"``: each group's reduced gradient shard is averaged over the groups (guarded when the guard is
+        on); ``"group"``: no hook."""
+        shared = self.gradient_sync == "global" and self.num_groups > 1
+        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, self._guard_enabled) \
+            if shared else None
+        set_all_reduce_hook(self.model, mean)
+        self._guard = mean if self._guard_enabled else None
+
+    def set_gradient_sync(self, gradient_sync: GradientSync) -> None:
+        """Average gradient shards over the groups (``"global"``) or not (``"group"``) from the next step on: the
+        all-reduce hook is installed or removed (no collective)."""
+        check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
+        self.gradient_sync = gradient_sync
+        if self.model is not None and is_sharded(self.model):
+            self._install_gradient_mean()
 
     # ------------------------------------------------------------------ checkpoints
     @override

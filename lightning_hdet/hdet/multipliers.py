@@ -55,6 +55,13 @@ class MultiplierTable:
         self._rows.clear()
 
 
+def centred_grid(row: Sequence[float], num_groups: int, ratio: float) -> Tensor:
+    """A ``num_groups x len(row)`` table: group ``g`` gets ``row * ratio ** (g - (num_groups - 1) / 2)``, a geometric
+    grid with ``ratio`` between neighbouring groups whose geometric mean is ``row`` (where a search ended)."""
+    powers = torch.arange(num_groups, dtype=torch.float64) - (num_groups - 1) / 2
+    return torch.tensor(list(row), dtype=torch.float64)[None, :] * (float(ratio) ** powers)[:, None]
+
+
 def param_group_offset(optimizers: Sequence[Optimizer], optimizer: Optimizer) -> int:
     """Index of ``optimizer``'s first param group in the flattened list over all ``optimizers``."""
     offset = 0

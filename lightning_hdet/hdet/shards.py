@@ -8,7 +8,7 @@ in different groups form the ``"group"`` dimension of the mesh; merges and the s
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -92,10 +92,12 @@ class GroupGradientMean:
     def reset(self) -> None:
         self.flag.zero_()
 
-    def install(self, module: Module) -> None:
-        for m in module.modules():
-            if isinstance(m, FSDPModule):
-                m.set_all_reduce_hook(self)
+
+def set_all_reduce_hook(module: Module, hook: Optional[GroupGradientMean]) -> None:
+    """Install ``hook`` on every FSDP2 module of ``module`` (``None``: no hook, each group reduces on its own)."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_all_reduce_hook(hook)  # type: ignore[arg-type]  # None is torch's own default (no hook)
 
 
 @torch.no_grad()

@@ -28,17 +28,19 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hdet._checkpoint import read_checkpoint
+from lightning_hdet._checks import check_choice
 from lightning_hdet._compat import (
     StrategyRegistry,
-    ddp_process_group,
+    ddp_kwarg,
     has_user_comm_hook,
+    unwrap_ddp,
     register_names,
-    set_ddp_process_group,
+    set_ddp_kwarg,
     strategy_timeout,
     sync_module_states,
 )
 from lightning_hdet.hdet.ensemble import EnsembleOps
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
+from lightning_hdet.hdet.groups import GRADIENT_SYNC, GradientSync, HDETGroups, destroy_default_group_at_exit
 from lightning_hdet.hdet.guard import FiniteGuard
 from typing_extensions import override
 
@@ -69,6 +71,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     * read-outs: ``layout``, ``num_groups``, ``group_index``, ``gradient_sync``, ``root_device``, ``config``,
       ``lr_multipliers`` (a copy), ``schedule_lrs()``, ``current_lrs()``;
     * ``set_lr_multipliers(table)``: the one writer of the multiplier table;
+    * ``set_gradient_sync(mode)``: switch between ``"group"`` and ``"global"`` between steps (DDP wraps again);
     * ``enable_guard()``: turn the non-finite step guard on; the callback calls it from ``setup(stage="fit")``,
       before the model is wrapped (the guard is a DDP communication hook);
     * ``interval_skipped(reset=True)``: flagged steps since the last reset (the total: ``skipped_steps``);
@@ -133,17 +136,39 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     # ------------------------------------------------------------------ DDP wrapping
     @override
     def _setup_model(self, model: Module) -> Module:
-        if self.gradient_sync == "group":
+        group = self.gradient_sync == "group"
+        if group and ddp_kwarg(self, "init_sync", True):
             # Groups are separate DDP jobs: start them all from rank 0's weights, then reduce inside the group.
             sync_module_states(model)
-            set_ddp_process_group(self, self.group_process_group)
+        set_ddp_kwarg(self, "process_group", self.group_process_group if group else None)
         return super()._setup_model(model)
+
+    def set_gradient_sync(self, gradient_sync: GradientSync) -> None:
+        """Average gradients over all ranks (``"global"``) or inside each group (``"group"``) from the next step on.
+
+        A model already wrapped is wrapped again by DDP over the new process group (every rank, at the same step,
+        between steps); every group keeps its own parameters.
+        """
+        check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
+        if gradient_sync == self.gradient_sync:
+            return
+        self.gradient_sync = gradient_sync
+        wrapped = self.model
+        if isinstance(wrapped, DistributedDataParallel):
+            # Why init_sync=False: DDP's constructor would broadcast rank 0's parameters over the new process group,
+            # replacing every other group's own (a run resumed after its search holds one model per group).
+            user_init_sync = ddp_kwarg(self, "init_sync", True)
+            set_ddp_kwarg(self, "init_sync", False)
+            self.model = unwrap_ddp(wrapped)
+            self.configure_ddp()
+            set_ddp_kwarg(self, "init_sync", user_init_sync)
+        log.debug("gradient_sync is now %r", gradient_sync)
 
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
         if self._guard_enabled and not has_user_comm_hook(self) and not self._uses_grad_scaler():
-            pg = ddp_process_group(self)
+            pg = ddp_kwarg(self, "process_group")
             self._guard = FiniteGuard(pg, dist.get_world_size(pg), self.root_device)
             self.model.register_comm_hook(self._guard, FiniteGuard.hook)  # type: ignore[union-attr]
 

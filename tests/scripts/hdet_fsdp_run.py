@@ -3,8 +3,10 @@ it): 4 CPU processes, 2 groups x 2 shards. Trains, checkpoints at step 3 (the en
 2 steps, then resumes a second Trainer from the checkpoint. Each rank writes what the test asserts on to
 ``OUT/rank{r}.pt``.
 
-Usage: ``python hdet_fsdp_run.py OUT {global,group} {strategy,configure_model} {resume,no-resume} [nan]``;
-``nan``: group 1's loss is NaN at step 3, learning rates move only by the safety net's cut (``meta_lr=0``).
+Usage: ``python hdet_fsdp_run.py OUT {global,group,group>global} {strategy,configure_model} {resume,no-resume} [nan]``;
+``group>global``: built with ``"group"``, switched to ``"global"`` by ``set_gradient_sync`` once the model is sharded,
+before the first step; ``nan``: group 1's loss is NaN at step 3, learning rates move only by the safety net's cut
+(``meta_lr=0``).
 """
 
 import sys
@@ -81,12 +83,20 @@ class Probe(Callback):
             self.record.setdefault("losses", {})[trainer.global_step] = float(outputs["loss"])
 
 
+class SwitchToGlobal(Callback):
+    """``set_gradient_sync("global")`` on the sharded model, before the first step (what ``search_steps`` calls)."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.set_gradient_sync("global")
+
+
 def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any], nan: bool = False) -> Trainer:
     seed_everything(3)
-    strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=sync,
+    first, _, later = sync.partition(">")
+    strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=first,
                                 auto_wrap_policy={torch.nn.Linear})
     hdet = HDETCallback(every_n_steps=2, vote="softmax", **({"meta_lr": 0.0, "permute": False} if nan else {}))
-    callbacks = [Probe("before", record), hdet, Probe("after", record)]
+    callbacks = [Probe("before", record), hdet, Probe("after", record), *([SwitchToGlobal()] if later else [])]
     if ckpt is None:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=2 * STEPS_PER_EPOCH,
