@@ -41,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,6 +59,8 @@ from benchmarks.common import (
     update_doc_section,
     write_json,
 )
+from lightning_hdet.hdet.multipliers import centred_grid
+
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
 from benchmarks.search_report import summarise, tables
 
@@ -89,7 +92,7 @@ class Arm:
 
 def lr_grid(center: float, groups: int, spread: float) -> list[float]:
     """``groups`` LRs spaced by a factor ``spread``, geometrically centred on ``center``."""
-    return [center * spread ** (k - (groups - 1) / 2) for k in range(groups)]
+    return centred_grid([center], groups, spread)[:, 0].tolist()
 
 
 def _side_by_side(runs: list[RunResult], scale: int) -> list[tuple[int, float, float]]:
@@ -146,12 +149,29 @@ def run_single(optimizer: str, lr: float, base: RunSpec, world: int, work: Path)
                 lrs_tried=[lr], diverged_runs=int(run.diverged), wall_s=run.wall_s)
 
 
-def parse_hdet_arm(entry: str) -> tuple[str, str, str]:
-    """``"pbt:heldout@global"`` -> ``("pbt", "heldout", "global")``: the vote, its signal (default ``mean``) and
-    the strategy's ``gradient_sync`` (default ``group``)."""
-    rule, _, sync = entry.partition("@")
+class HDETArm(NamedTuple):
+    vote: str
+    signal: str
+    sync: str
+    search: bool  # ``+search``: the callback ends the search at half the steps (``search_steps``) and trains globally
+    reference: bool  # ``+ref``: group G/2 is MF-PBT's slow reference group (``reference_group``)
+
+
+ARM_SUFFIXES = ("search", "ref")
+
+
+def parse_hdet_arm(entry: str) -> HDETArm:
+    """``"pbt:heldout@global"`` -> ``("pbt", "heldout", "global", False, False)``: the vote, its signal (default
+    ``mean``), the strategy's ``gradient_sync`` (default ``group``); suffixes: ``+search`` is one fit of the
+    search-then-train recipe (``HDETCallback(search_steps=S/2)``), ``+ref`` gives ``vote="pbt"`` a slow reference
+    group (``reference_group=G/2``)."""
+    head, *suffixes = entry.split("+")
+    unknown = [s for s in suffixes if s not in ARM_SUFFIXES]
+    if unknown:
+        raise ValueError(f"HDET arm {entry!r}: suffixes are {['+' + s for s in ARM_SUFFIXES]}, got '+{unknown[0]}'.")
+    rule, _, sync = head.partition("@")
     vote, _, signal = rule.partition(":")
-    return vote, signal or "mean", sync or "group"
+    return HDETArm(vote, signal or "mean", sync or "group", "search" in suffixes, "ref" in suffixes)
 
 
 def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -163,9 +183,10 @@ def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
     for vote in votes:
         try:
             for step in vote.split(">"):
-                name, signal, sync = parse_hdet_arm(step)
-                HDETCallback(vote=name, signal=signal)
-                HDETStrategy(num_groups=2, gradient_sync=sync)
+                arm = parse_hdet_arm(step)
+                HDETCallback(vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None,
+                             reference_group=1 if arm.reference else None)
+                HDETStrategy(num_groups=2, gradient_sync=arm.sync)
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
         else:
@@ -175,7 +196,7 @@ def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, interval: int, vote: str, blend: str,
                  start_method: str, work: Path, init_weights: Path | None = None,
-                 save_weights: Path | None = None) -> dict:
+                 save_weights: Path | None = None, refine_spread: float = 1.5) -> dict:
     """HDET: one run of ``base.steps`` steps on ``world`` processes in ``groups`` groups starting at ``lrs``.
 
     ``@group`` (default): each group is its own DDP job on ``world / groups`` processes; with one
@@ -185,18 +206,22 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     group steps on the whole job's batch, at its own LR. Either way every rank validates on the same first
     batches. Every ``interval`` steps the groups vote on their interval training loss (or ``vote``'s signal) and
     blend. The best-so-far curve takes, at each validation, the best group (each group's first rank), as the grid
-    takes the best of its runs.
+    takes the best of its runs. ``+search``: one fit of the search-then-train recipe, the callback ending the
+    search at half the steps (LRs then a grid of ratio ``refine_spread`` around the winner's, ``global`` sync);
+    every rank reads its own shard throughout. ``+ref``: group ``groups // 2`` is a slow reference group (MF-PBT).
     """
     from lightning_hdet import HDETCallback, HDETStrategy
 
     center = math.exp(sum(map(math.log, lrs)) / len(lrs))
-    name, signal, sync = parse_hdet_arm(vote)
+    arm = parse_hdet_arm(vote)
     strategy = HDETStrategy(
-        num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync=sync,
+        num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync=arm.sync,
         start_method=start_method, process_group_backend="gloo",
     )
-    callback = HDETCallback(every_n_steps=interval, vote=name, signal=signal, blend=blend, seed=base.seed)
-    shared = sync == "global"
+    callback = HDETCallback(every_n_steps=interval, vote=arm.vote, signal=arm.signal, blend=blend, seed=base.seed,
+                            search_steps=base.steps // 2 if arm.search else None, refine_spread=refine_spread,
+                            reference_group=groups // 2 if arm.reference else None)
+    shared = arm.sync == "global" or arm.search
     spec = replace(base, lr=center, devices=world, shard_data=world > groups and not shared, shard_train=shared)
     run = fit_run(spec, work, strategy=strategy, callbacks=[callback], init_weights=init_weights,
                   save_weights=save_weights)
@@ -266,7 +291,8 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
             jobs[f"hdet_{vote}"] = lambda vote=vote, where=where: run_two_step(lrs, base, args, vote, where)
         else:
             jobs[f"hdet_{vote}"] = lambda vote=vote, where=where: run_hdet_arm(
-                lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method, where)
+                lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method, where,
+                refine_spread=args.two_step_spread)
     if args.full_grid is not None and (not args.full_grid or start in args.full_grid):
         whole = replace(base, devices=1, batch_size=args.batch_size * world)
         jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole, world, work / "grid_xG")
@@ -288,9 +314,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated HDETCallback vote names, each optionally with a signal and the strategy's "
                    "gradient_sync (VOTE[:SIGNAL][@SYNC], e.g. pbt:heldout, pbt@global; default signal mean, sync "
                    "group), one HDET arm each (default best,softmax); FIRST>SECOND (e.g. pbt>pbt@global) runs FIRST "
-                   "for half the steps, then SECOND from its model around the LR it found (--two-step-spread)")
+                   "for half the steps, then SECOND from its model around the LR it found (--two-step-spread); "
+                   "VOTE+search (e.g. pbt+search) does that in one fit (HDETCallback(search_steps=S/2)); +ref gives "
+                   "pbt a slow reference group (MF-PBT, reference_group=G/2)")
     p.add_argument("--two-step-spread", type=float, default=1.5,
-                   help="FIRST>SECOND arms: factor between neighbouring LRs of the second half's grid")
+                   help="FIRST>SECOND and +search arms: factor between neighbouring LRs of the second half's grid")
     p.add_argument("--hdet-blend", default="best", choices=("best", "mean", "weighted"), help="HDETCallback blend")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                    help="how HDET starts its processes: spawn (as users do) or fork (skips the ~10 s of imports "

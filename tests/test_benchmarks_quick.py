@@ -80,12 +80,17 @@ def test_fit_run_on_two_processes_records_every_rank(tmp_path):
 
 
 def test_vote_names_the_callback_does_not_accept_are_skipped_with_the_reason():
-    ok, skipped = accepted_votes(["best", "no_such_rule", "softmax", "pbt:heldout@global", "pbt@nowhere"])
-    assert ok == ["best", "softmax", "pbt:heldout@global"]
-    assert list(skipped) == ["no_such_rule", "pbt@nowhere"] and "no_such_rule" in skipped["no_such_rule"]
+    ok, skipped = accepted_votes(["best", "no_such_rule", "softmax", "pbt:heldout@global", "pbt@nowhere", "pbt+search",
+                                  "pbt+later"])
+    assert ok == ["best", "softmax", "pbt:heldout@global", "pbt+search"]
+    assert list(skipped) == ["no_such_rule", "pbt@nowhere", "pbt+later"] and "no_such_rule" in skipped["no_such_rule"]
     assert "gradient_sync" in skipped["pbt@nowhere"] and "'nowhere'" in skipped["pbt@nowhere"]
-    assert parse_hdet_arm("pbt") == ("pbt", "mean", "group")
-    assert parse_hdet_arm("softmax:heldout@global") == ("softmax", "heldout", "global")
+    assert parse_hdet_arm("pbt") == ("pbt", "mean", "group", False, False)
+    assert parse_hdet_arm("softmax:heldout@global") == ("softmax", "heldout", "global", False, False)
+    assert parse_hdet_arm("pbt:improvement+search") == ("pbt", "improvement", "group", True, False)
+    assert parse_hdet_arm("pbt@global+ref+search") == ("pbt", "mean", "global", True, True)
+    with pytest.raises(ValueError, match=r"suffixes are \['\+search', '\+ref'\], got '\+later'"):
+        parse_hdet_arm("pbt+later")
 
 
 def _search_quick(tmp_path: Path, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
@@ -116,11 +121,11 @@ def _check_equal_compute(data: dict) -> None:
 def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
     methods = ["grid", "optuna_tpe", "pbt_minimal", "prodigy", "schedulefree"]
     data, table, proc = _search_quick(tmp_path, "--methods", *methods, "--hdet-votes",
-                                      "best>pbt@global,softmax@global,no_such_rule", "--full-grid")
+                                      "best>pbt@global,softmax+search,no_such_rule", "--full-grid")
     cfg = data["config"]
     assert {"meta", "config", "targets_val_loss", "total_wall_s", "rows", "targets", "arms", "skipped"} <= data.keys()
     assert list(data["skipped"]) == ["no_such_rule"]  # reported, not fatal
-    ran = [*methods, "hdet_best>pbt@global", "hdet_softmax@global", "grid_xG"]
+    ran = [*methods, "hdet_best>pbt@global", "hdet_softmax+search", "grid_xG"]
     assert cfg["run_methods"] == ran
     assert [(r["workload"], r["method"]) for r in data["rows"]] == [(w, m) for w in ("char_lm", "shapes") for m in ran]
     _check_equal_compute(data)
@@ -135,6 +140,10 @@ def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
             second = [row["lr"] for row in arm["extra"]["history"] if row["step"] > half]
             assert second and all(first / 1.5 / 1.2 <= lr <= first * 1.5 * 1.2 for lr in second)
             assert first in arm["lrs_tried"] and arm["curve"][-1][0] == cfg["world_size"] * cfg["steps"]
+        if arm["method"].endswith("+search"):  # one fit: from the vote ending the search, a grid of ratio 1.5
+            end = min(row["step"] for row in arm["extra"]["history"] if row["step"] >= cfg["steps"] // 2)
+            grid = sorted(row["lr"] for row in arm["extra"]["history"] if row["step"] == end)
+            assert [b / a for a, b in zip(grid, grid[1:])] == pytest.approx([1.5] * (cfg["groups"] - 1))
         if arm["method"] == "optuna_tpe":
             assert arm["lrs_tried"][0] == pytest.approx(cfg["good_lr"][arm["workload"]] * STARTS[arm["start"]])
         if arm["method"] == "pbt_minimal":  # G members every round, S / T rounds
@@ -143,7 +152,7 @@ def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
             assert arm["lrs_tried"] == [1.0] and arm["settled_lr"] != 1.0
     # Targets: HDET's median best loss over each baseline's, its LR over the best grid LR.
     targets = {(t["workload"], t["vote"]): t for t in data["targets"]}
-    assert set(targets) == {(w, v) for w in ("char_lm", "shapes") for v in ("best>pbt@global", "softmax@global")}
+    assert set(targets) == {(w, v) for w in ("char_lm", "shapes") for v in ("best>pbt@global", "softmax+search")}
     rows = {(r["workload"], r["method"]): r for r in data["rows"]}
     for (workload, vote), t in targets.items():
         hdet = rows[(workload, f"hdet_{vote}")]["best_val_loss"]
