@@ -33,11 +33,11 @@ from lightning_hdet._compat import (
     StrategyRegistry,
     ddp_kwarg,
     has_user_comm_hook,
-    unwrap_ddp,
     register_names,
     set_ddp_kwarg,
     strategy_timeout,
     sync_module_states,
+    unwrap_ddp,
 )
 from lightning_hdet.hdet.ensemble import EnsembleOps
 from lightning_hdet.hdet.groups import GRADIENT_SYNC, GradientSync, HDETGroups, destroy_default_group_at_exit
