@@ -346,6 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layers", type=int, default=2, help="char LM: Transformer blocks")
     p.add_argument("--width", type=int, default=None, help="shapes: channels of the first conv (default 16, quick 8)")
     p.add_argument("--margin", type=float, default=0.03, help="target = (1 + margin) × best loss reached")
+    p.add_argument("--name", default=NAME, help="name of the results file and of the docs block (e.g. for a table of "
+                   "extra seeds beside the main one)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--docs-dir", type=Path, default=DOCS_DIR)
     args = p.parse_args(argv)
@@ -405,7 +407,7 @@ def merge(args: argparse.Namespace) -> tuple[list[Arm], float]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    name, t0 = begin(NAME, args.quick)
+    name, t0 = begin(args.name, args.quick)
     if args.merge:
         arms, total_s = merge(args)
     else:

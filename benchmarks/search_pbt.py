@@ -52,10 +52,13 @@ def _start_ray(cpus: int) -> float:
     return _STATE["ray_init_s"]
 
 
-def _member(config: dict, base: RunSpec, interval: int) -> None:
-    """One PBT member (runs in a Ray worker): ``interval`` steps per report, resuming from Tune's checkpoint."""
+def _member(config: dict, base: RunSpec, interval: int, reports: str) -> None:
+    """One PBT member (runs in a Ray worker): ``interval`` steps per report, resuming from Tune's checkpoint. Every
+    report is also appended to ``reports/<trial id>.jsonl``: Ray's own per-trial table can lack a report of a
+    member that was restarted from a donor (seen once on 2026-12-01), and the summary needs all of them."""
     from ray import tune
 
+    log = Path(reports) / f"{tune.get_context().get_trial_id()}.jsonl"
     lr = config["lr"]
     work = Path(tempfile.mkdtemp(prefix="pbt_member"))
     step, ckpt_path = 0, None
@@ -74,8 +77,11 @@ def _member(config: dict, base: RunSpec, interval: int) -> None:
         run = fit_run(spec, work / "fit", ckpt_path=ckpt_path, save_ckpt=out / "model.ckpt")
         (out / "step.json").write_text(json.dumps({"step": step}))
         loss = run.final_val_loss if not run.diverged else math.inf
-        tune.report({"val_loss": loss, "step": step, "lr": lr, "fit_s": run.fit_s, "wall_s": run.wall_s,
-                     "diverged": int(run.diverged)}, checkpoint=tune.Checkpoint.from_directory(str(out)))
+        metrics = {"val_loss": loss, "step": step, "lr": lr, "fit_s": run.fit_s, "wall_s": run.wall_s,
+                   "diverged": int(run.diverged)}
+        with log.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(out)))
         ckpt_path = out / "model.ckpt"
 
 
@@ -98,15 +104,18 @@ def _run_pbt_here(lrs: list[float], lo: float, hi: float, interval: int, base: R
         time_attr="step", perturbation_interval=interval, hyperparam_mutations={"lr": tune.loguniform(lo, hi)},
         synch=True,  # rounds: a loser restarts from a donor at the same step, so every member spends S steps
     )
+    reports = work / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    member = tune.with_parameters(_member, base=base, interval=interval, reports=str(reports.resolve()))
     tuner = tune.Tuner(
-        tune.with_resources(tune.with_parameters(_member, base=base, interval=interval), {"cpu": base.devices}),
+        tune.with_resources(member, {"cpu": base.devices}),
         param_space={"lr": tune.grid_search(list(lrs))},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler, num_samples=1),
         # Stopping at S keeps PBT from perturbing (and re-training) a member after its last step.
         run_config=tune.RunConfig(storage_path=str(work.resolve()), name="pbt", verbose=0, stop={"step": base.steps}),
     )
-    results = tuner.fit()
-    rows = [r.metrics_dataframe.to_dict("records") for r in results if r.metrics_dataframe is not None]
+    tuner.fit()
+    rows = [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(reports.glob("*.jsonl"))]
     return _summarise_members(rows, world, time.perf_counter() - start, init_s)
 
 

@@ -167,10 +167,12 @@ def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
     part = tmp_path / "results" / "search_baselines_quick.json"
     merged = tmp_path / "merged"
     cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
-           "--groups", "2", "--merge", str(part), "--results-dir", str(merged), "--docs-dir", str(merged)]
+           "--groups", "2", "--merge", str(part), "--results-dir", str(merged), "--docs-dir", str(merged),
+           "--name", "extra_seeds"]  # its own results file and docs block
     subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
-    again = json.loads((merged / "search_baselines_quick.json").read_text())
+    again = json.loads((merged / "extra_seeds_quick.json").read_text())
     assert again["rows"] == data["rows"] and again["targets"] == data["targets"]
+    assert "<!-- BEGIN extra_seeds_quick -->" in (merged / "benchmarks.md").read_text()
 
 
 @pytest.mark.timeout(600)
