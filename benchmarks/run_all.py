@@ -14,7 +14,8 @@ HERE = Path(__file__).resolve().parent
 # (e.g. ``--quick``) follow them.
 # Benchmark 2 with every method and HDET arm of its table in docs/benchmarks.md, its HDET processes forked as the
 # table's were (saves ~10 s of imports per HDET run; changes no number but the wall-clock).
-SEARCH = ["--start-method", "fork", "--full-grid", "good", "--methods", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
+SEARCH = ["--start-method", "fork", "--full-grid", "good",
+          "--methods", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
           "--hdet-votes", "softmax,pbt,pbt:heldout,softmax:heldout,pbt@global,softmax@global,pbt:heldout@global,"
           "pbt>pbt@global,pbt+search,pbt@global+search,pbt+ref"]
 # Arguments a script takes only at full size: they would override ``--quick``'s sizes.

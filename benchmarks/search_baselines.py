@@ -59,10 +59,9 @@ from benchmarks.common import (
     update_doc_section,
     write_json,
 )
-from lightning_hdet.hdet.multipliers import centred_grid
-
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
 from benchmarks.search_report import summarise, tables
+from lightning_hdet.hdet.multipliers import centred_grid
 
 NAME = "search_baselines"
 STARTS = {"good": 1.0, "10x high": 10.0, "10x low": 0.1}

@@ -174,8 +174,8 @@ def _check_private_names() -> None:
                 if not hasattr(ModelParallelStrategy, name) and name not in in_init]
     from torch.nn.parallel import DistributedDataParallel
 
-    missing += [] if hasattr(DistributedDataParallel, "_remove_autograd_hooks") else [
-        "torch.nn.parallel.DistributedDataParallel._remove_autograd_hooks"]
+    if not hasattr(DistributedDataParallel, "_remove_autograd_hooks"):
+        missing.append("torch.nn.parallel.DistributedDataParallel._remove_autograd_hooks")
     if missing:
         import lightning
         import torch

@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hdet._checks import check_choice, require
+from lightning_hdet._checks import require
 from lightning_hdet._compat import (
     StrategyRegistry,
     init_model_parallel,
@@ -36,7 +36,7 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
-from lightning_hdet.hdet.groups import GRADIENT_SYNC, GradientSync, HDETGroups, destroy_default_group_at_exit
+from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
@@ -167,11 +167,8 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         set_all_reduce_hook(self.model, mean)
         self._guard = mean if self._guard_enabled else None
 
-    def set_gradient_sync(self, gradient_sync: GradientSync) -> None:
-        """Average gradient shards over the groups (``"global"``) or not (``"group"``) from the next step on: the
-        all-reduce hook is installed or removed (no collective)."""
-        check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
-        self.gradient_sync = gradient_sync
+    def _apply_gradient_sync(self) -> None:
+        """The all-reduce hook that averages gradient shards over the groups is installed or removed (no collective)."""
         if self.model is not None and is_sharded(self.model):
             self._install_gradient_mean()
 

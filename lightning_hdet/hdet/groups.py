@@ -179,6 +179,21 @@ class HDETGroups:
         """
         self._table.set(multipliers, self.num_groups, self.num_param_groups)
 
+    def set_gradient_sync(self, gradient_sync: GradientSync) -> None:
+        """Average gradients over all ranks (``"global"``) or inside each group (``"group"``) from the next step on.
+
+        The one writer of ``gradient_sync`` after ``__init__``; call it on every rank at the same step, between
+        steps. Every group keeps its own parameters; how the strategy switches is its ``_apply_gradient_sync``.
+        """
+        check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
+        if gradient_sync != self.gradient_sync:
+            self.gradient_sync = gradient_sync
+            self._apply_gradient_sync()
+
+    def _apply_gradient_sync(self) -> None:
+        """Make the wrapped or sharded model reduce gradients as ``gradient_sync`` now says (the strategy's hook)."""
+        raise NotImplementedError
+
     def param_group_offset(self, optimizer: Optimizer) -> int:
         """Index of ``optimizer``'s first param group in the flattened list over all optimizers."""
         return param_group_offset([unwrap_optimizer(o) for o in self.optimizers], unwrap_optimizer(optimizer))

@@ -28,7 +28,6 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hdet._checkpoint import read_checkpoint
-from lightning_hdet._checks import check_choice
 from lightning_hdet._compat import (
     StrategyRegistry,
     ddp_kwarg,
@@ -40,7 +39,7 @@ from lightning_hdet._compat import (
     unwrap_ddp,
 )
 from lightning_hdet.hdet.ensemble import EnsembleOps
-from lightning_hdet.hdet.groups import GRADIENT_SYNC, GradientSync, HDETGroups, destroy_default_group_at_exit
+from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
 from lightning_hdet.hdet.guard import FiniteGuard
 from typing_extensions import override
 
@@ -143,16 +142,8 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         set_ddp_kwarg(self, "process_group", self.group_process_group if group else None)
         return super()._setup_model(model)
 
-    def set_gradient_sync(self, gradient_sync: GradientSync) -> None:
-        """Average gradients over all ranks (``"global"``) or inside each group (``"group"``) from the next step on.
-
-        A model already wrapped is wrapped again by DDP over the new process group (every rank, at the same step,
-        between steps); every group keeps its own parameters.
-        """
-        check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
-        if gradient_sync == self.gradient_sync:
-            return
-        self.gradient_sync = gradient_sync
+    def _apply_gradient_sync(self) -> None:
+        """A model already wrapped is wrapped again by DDP over the new process group."""
         wrapped = self.model
         if isinstance(wrapped, DistributedDataParallel):
             # Why init_sync=False: DDP's constructor would broadcast rank 0's parameters over the new process group,
@@ -162,7 +153,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
             self.model = unwrap_ddp(wrapped)
             self.configure_ddp()
             set_ddp_kwarg(self, "init_sync", user_init_sync)
-        log.debug("gradient_sync is now %r", gradient_sync)
+        log.debug("gradient_sync is now %r", self.gradient_sync)
 
     @override
     def configure_ddp(self) -> None:
