@@ -196,10 +196,12 @@ def test_all_groups_non_finite_halves_every_lr(tmp_path):
     assert bool(torch.isfinite(ranks[0]["final_params"]).all())
 
 
-@pytest.mark.parametrize("search_steps", [None, 6], ids=["search", "search ends at 6"])
-def test_resume_continues_the_ensemble_exactly(tmp_path, search_steps):
+@pytest.mark.parametrize(("vote", "search_steps"), [("pbt", None), ("pbt", 6), ("pb2", None)],
+                         ids=["search", "search ends at 6", "pb2"])
+def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
     """Resumed at step 8: with ``search_steps=6`` the resumed run must average gradients globally from its first
-    step, or it would not match the straight run."""
+    step, or it would not match the straight run; ``vote="pb2"`` must pick the same LRs from its restored
+    observations."""
 
     def run(out: Path, **kw: Any) -> list[dict[str, Any]]:
         ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
@@ -207,7 +209,8 @@ def test_resume_continues_the_ensemble_exactly(tmp_path, search_steps):
         seed_everything(1)  # the same initial weights in every run
         # One batch per epoch, the same on every rank: Lightning's own data order on resume is not under test.
         model = LinearModel(optimizer="adam", lr=0.01, n_train=16)
-        return _fit(out, strategy, HDETCallback(every_n_steps=3, search_steps=search_steps), model=model, extra=(ckpt,),
+        callback = HDETCallback(every_n_steps=3, vote=vote, search_steps=search_steps)
+        return _fit(out, strategy, callback, model=model, extra=(ckpt,),
                     enable_checkpointing=True, use_distributed_sampler=False, devices=2, **kw)
 
     straight = run(tmp_path / "a", max_steps=16)
@@ -218,8 +221,8 @@ def test_resume_continues_the_ensemble_exactly(tmp_path, search_steps):
     for h, k in zip(resumed[0]["history"], straight[0]["history"], strict=True):
         assert (h["step"], h["group"], h["winner"]) == (k["step"], k["group"], k["winner"])
         assert h["lr"] == pytest.approx(k["lr"], rel=1e-9) and h["loss"] == pytest.approx(k["loss"], rel=1e-6)
-    if search_steps is not None:
-        return  # (what follows does not depend on the search)
+    if search_steps is not None or vote != "pbt":
+        return  # (what follows depends on neither the search nor the vote)
 
     # the checkpoint's state_dict is the merged model and loads in plain Lightning, without this package
     ckpt_file = tmp_path / "b" / "ckpt" / "last.ckpt"

@@ -44,8 +44,8 @@ class HDETCallback(Callback):
 
     Args:
         every_n_steps: the interval T between votes/merges, in optimizer steps.
-        vote: ``"pbt"`` (default: the bottom quantile copies a top group, its LR x0.8 / x1.2), ``"softmax"`` (the
-            published auto-LR controller) or ``"best"`` (the winner's LR, the others re-centred on it).
+        vote: ``"pbt"`` (default: the bottom quantile copies a top group, its LR x0.8 / x1.2; ``"pb2"``: a bandit
+            picks that LR), ``"softmax"`` (the published controller) or ``"best"`` (all re-centred on the winner).
         temperature: softmax temperature, in the loss's own units (published 0.1; pick about the spread of the
             groups' losses you consider meaningful).
         momentum: momentum of the controller's velocity (published 0.9).
@@ -71,7 +71,7 @@ class HDETCallback(Callback):
             ``"heldout"`` (each group's averaged parameters scored on the same validation batches).
         forecast_horizon: steps from an interval's start at which ``"forecast"`` reads the fitted curve (None: 4 T).
         curve_bins: each rank keeps the interval's loss curve as this many bins on the device.
-        quantile: ``vote="pbt"``: share of groups that move (bottom) and are copied (top); Ray Tune: 0.25.
+        quantile: ``vote="pbt"``/``"pb2"``: share of groups that move (bottom) and are copied (top); Ray Tune: 0.25.
         resample_probability: ``vote="pbt"``: chance of a fresh LR instead of x0.8 / x1.2; Ray Tune: 0.25.
         reference_group: ``vote="pbt"``: a slow reference group, moved every fourth vote only (None: none).
         stall_patience: votes in a row at or above its first step's loss before a group counts as collapsed.

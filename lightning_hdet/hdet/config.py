@@ -17,10 +17,12 @@ from lightning_hdet._checks import (
 )
 from lightning_hdet.hdet.blends import BLENDS
 from lightning_hdet.hdet.collapse import CollapseRule
+from lightning_hdet.hdet.bandit import PB2Vote
 from lightning_hdet.hdet.selection import PBTVote
 from lightning_hdet.hdet.signals import SIGNALS
 
-VOTES = ("softmax", "best", "pbt")
+VOTES = ("softmax", "best", "pbt", "pb2")
+SELECTION_VOTES = ("pbt", "pb2")  # truncation selection: the bottom groups copy a top group
 
 
 @dataclass(frozen=True)
@@ -99,13 +101,14 @@ class HDETConfig:
                   hint="None searches for the whole run; N ends the search at the first vote at or after step N.")
         check_number("refine_spread", self.refine_spread, low=1.0,
                      hint="The ratio between neighbouring groups' LRs after the search (1 gives every group its LR).")
-        self.pbt_rule()  # validates `quantile`, `resample_probability`, `reference_group`
+        self.selection_rule()  # validates `quantile`, `resample_probability`, `reference_group`
         self.collapse_rule()  # validates the collapse arguments
 
-    def pbt_rule(self) -> PBTVote:
-        """The ``vote="pbt"`` rule these settings describe."""
-        return PBTVote(quantile=self.quantile, resample_probability=self.resample_probability,
-                       reference_group=self.reference_group)
+    def selection_rule(self) -> PBTVote:
+        """The ``vote="pbt"`` rule these settings describe, or ``"pb2"``'s (PBT's selection, a bandit's explore)."""
+        rule = PB2Vote if self.vote == "pb2" else PBTVote
+        return rule(quantile=self.quantile, resample_probability=self.resample_probability,
+                    reference_group=self.reference_group)
 
     def collapse_rule(self) -> CollapseRule:
         """The safety net's divergence and collapse rules these settings describe."""

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
 from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, is_good, judge
-from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.config import SELECTION_VOTES, HDETConfig
 from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.signals import curve_error, scores
@@ -87,7 +87,7 @@ class HDETController:
 
     def __init__(self, config: HDETConfig) -> None:
         self.config = config
-        self.rule: VoteRule = config.pbt_rule() if config.vote == "pbt" else make_rule(
+        self.rule: VoteRule = config.selection_rule() if config.vote in SELECTION_VOTES else make_rule(
             config.vote, config.temperature, config.momentum, config.meta_lr, config.permute, config.shrink,
             config.min_spread)
         self.collapse = config.collapse_rule()
@@ -197,7 +197,7 @@ class HDETController:
         copies = copy_plan(sources, strength, rescued) if num_groups > 1 else []
         if num_groups > 1 and not copies:
             # PBT ends on its best group, and so does a search; before warm-up PBT merges like the other votes.
-            ending_on_best = interval.refine or (interval.final and self.config.vote == "pbt")
+            ending_on_best = interval.refine or (interval.final and self.config.vote in SELECTION_VOTES)
             blend = "best" if ending_on_best else self.config.blend
             coefficients = blend_coefficients(blend, weights, winner, healthy)
             strengths = blend_strengths(strength, rescued)

@@ -147,11 +147,16 @@ class PBTVote(VoteRule):
             return Selection(weights, winner, multipliers, list(range(n)))
         self.votes[ballot.key] = vote + 1
         pairs = self.pairs(ballot, vote)
-        low, high = min(multipliers), max(multipliers)
-        for g, src in pairs.items():
-            multipliers[g] = self._perturb(multipliers[src], low, high, generator)
+        for g, m in self._moves(ballot, pairs, generator).items():
+            multipliers[g] = m
         self._keep_spread(multipliers, winner, list(pairs))
         return Selection(weights, winner, multipliers, [pairs.get(g, g) for g in range(n)])
+
+    def _moves(self, ballot: Ballot, pairs: dict[int, int], generator: torch.Generator) -> dict[int, float]:
+        """Each mover's new multiplier (the explore step): its source's, perturbed. Sources never move, so they
+        are read from the ballot."""
+        low, high = min(ballot.multipliers), max(ballot.multipliers)
+        return {g: self._perturb(ballot.multipliers[src], low, high, generator) for g, src in pairs.items()}
 
     def _perturb(self, source: float, low: float, high: float, generator: torch.Generator) -> float:
         draws = torch.rand(2, generator=generator, dtype=torch.float64).tolist()
