@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 SEARCH = ["--start-method", "fork", "--full-grid", "good",
           "--methods", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
           "--hdet-votes", "softmax,pbt,pbt:heldout,softmax:heldout,pbt@global,softmax@global,pbt:heldout@global,"
-          "pbt>pbt@global,pbt+search,pbt@global+search,pbt+ref"]
+          "pbt>pbt@global,pbt+search,pbt@global+search,pbt+ref,pb2,pb2+search,pb2@global"]
 # Arguments a script takes only at full size: they would override ``--quick``'s sizes.
 FULL_SIZE = {"search_baselines.py": ["--steps", "128", "--pbt-interval", "32", "--val-every", "16"]}
 SCRIPTS = [["hdet_published.py"], ["search_baselines.py", *SEARCH], ["async_published.py"],

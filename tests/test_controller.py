@@ -132,6 +132,22 @@ def test_no_search_end_at_a_roll_back():
     assert decision.restart == [True, True]  # both rescued
 
 
+def test_the_search_waits_for_a_winner_below_its_starting_level():
+    """Every group still at the untrained model's loss (1.79 +- 2 x 0.01): the search goes on with an ordinary vote;
+    at the next vote the winner is below 1.77, and the search ends there."""
+    controller = HDETController(HDETConfig(search_steps=4))
+    first = replace(_interval([1.785, 1.79], step=4), first_losses=[1.79, 1.79], first_errors=[0.01, 0.01],
+                    refine=True)
+    plateau = controller.decide(first)
+    assert not plateau.refined and controller.searched_at is None and controller.search_ends(8)
+    assert plateau.restart == [False, False]
+    left = controller.decide(replace(_interval([1.60, 1.78], step=8), refine=True))
+    assert left.refined and left.winner == 0 and controller.searched_at == 8
+    # without a known starting level (e.g. `monitor`) the search ends where it is asked to
+    unknown = HDETController(HDETConfig(search_steps=4))
+    assert unknown.decide(replace(_interval([1.785, 1.79], step=4), refine=True)).refined
+
+
 def test_the_search_ends_once_at_the_first_vote_at_or_after_search_steps():
     assert not HDETController(HDETConfig()).search_ends(10**6)  # search_steps=None: a search for the whole run
     controller = HDETController(HDETConfig(search_steps=6))

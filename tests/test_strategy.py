@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_hdet
 from lightning_hdet import HDETCallback, HDETStrategy
-from tests.helpers import START, Recorder, SGDBoring, load_ranks, make_scheduler, trainer_kwargs
+from tests.helpers import START, LinearModel, Recorder, SGDBoring, load_ranks, make_scheduler, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -86,7 +86,8 @@ def test_global_sync_same_gradients_and_lr_ratio(tmp_path):
 def test_search_steps_end_the_search_on_the_winner_and_switch_to_global_gradients(tmp_path):
     strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 4.0], gradient_sync="group", start_method=START)
     callback = HDETCallback(every_n_steps=3, search_steps=3, refine_spread=2.0)
-    ranks = _fit(tmp_path, strategy, callbacks=[callback], max_steps=8)
+    # least squares learns fast enough that the winner is below its first step's loss (less the noise) at step 3
+    ranks = _fit(tmp_path, strategy, model=LinearModel(lr=0.1), callbacks=[callback], max_steps=8)
     # the search (steps 1-3): gradients reduced inside each group only
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["grads"][:3], ranks[1]["grads"][:3]))
     assert not any(torch.allclose(a, b) for a, b in zip(ranks[0]["grads"][:3], ranks[2]["grads"][:3]))

@@ -82,9 +82,9 @@ class HDETCallback(Callback):
         heldout_batches: ``signal="heldout"``: validation batches every group scores (split over a group's ranks).
         heldout_decay: ``signal="heldout"``: None averages the interval's iterates uniformly; a float is an EMA decay.
         heldout_loss: ``signal="heldout"``: ``(module, batch) -> mean loss``; None calls ``module.heldout_loss(batch)``.
-        search_steps: the first vote at or after this step ends the search: every group takes the winner's model
-            (a fresh optimizer state), the LRs a grid of ratio ``refine_spread`` around its LR, and gradients are
-            averaged over all ranks from then on (``gradient_sync="global"``). ``None``: search the whole run.
+        search_steps: the first vote at or after this step whose winner is below its first loss ends the search:
+            every group takes its model (a fresh optimizer state), the LRs a grid of ratio ``refine_spread`` around
+            its LR, gradients averaged over all ranks from then on (``"global"``). ``None``: search the whole run.
         refine_spread: the ratio between neighbouring groups' LRs once the search ended (>= 1).
     """
 

@@ -200,6 +200,15 @@ def advance(
     return CollapseHistory(start, previous, stalled, error, left)
 
 
+def has_progressed(history: CollapseHistory, group: int, loss: float) -> bool:
+    """Whether ``loss`` is below group ``group``'s starting level less ``NOISE_Z`` standard errors (True where that
+    level is unknown)."""
+    if group >= len(history.start) or group >= len(history.start_error):
+        return True
+    start = history.start[group] - NOISE_Z * history.start_error[group]
+    return not math.isfinite(start) or loss < start
+
+
 def is_good(rule: CollapseRule, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:
     """Whether this vote's merged model may become the roll-back point.
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, is_good, judge
+from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, has_progressed, is_good, judge
 from lightning_hdet.hdet.config import SELECTION_VOTES, HDETConfig
 from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
@@ -143,9 +143,11 @@ class HDETController:
         blew_up = divergent(losses, [True] * num_groups, self.config.divergence_factor)
         contaminated = interval.shared_gradients and any(r and b for r, b in zip(verdict.diverged, blew_up))
         roll_back = num_groups > 1 and (not any(healthy) or contaminated)
-        decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
         self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses,
                                         interval.first_errors)
+        if interval.refine and not self._search_can_end(losses, healthy):
+            interval = replace(interval, refine=False)  # an ordinary vote; the next one tries again
+        decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
         keep = not self.config.safety_net or is_good(self.collapse, verdict, losses, self.collapse_history)
         decision = replace(decision, keep=keep, reasons=verdict.reasons)
         self._count(decision, interval.final)
@@ -162,6 +164,14 @@ class HDETController:
         curve = interval.curves is not None and self.config.monitor is None  # the losses are the curve's means
         errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None
         return judge(self.collapse, self.collapse_history, interval.losses, interval.finite, progress, errors)
+
+    def _search_can_end(self, losses: Sequence[float], healthy: Sequence[bool]) -> bool:
+        """The search ends only on a winner below its starting level's noise band: one still on the untrained model's
+        plateau says nothing about the LR, and a narrow grid around it under one shared gradient stays there (shapes
+        from a 10x high start, benchmark 2). Where the starting level is unknown (``monitor``, older checkpoints) it
+        ends as asked."""
+        winner = winner_of(losses, healthy)
+        return winner >= 0 and has_progressed(self.collapse_history, winner, losses[winner])
 
     def _scores(self, interval: Interval, healthy: Sequence[bool]) -> list[float]:
         """What the vote compares: the ``signal`` of each group's curve or its held-out loss, or the interval losses
