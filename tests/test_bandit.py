@@ -10,7 +10,7 @@ import torch
 
 from lightning_hdet.hdet.bandit import PB2Vote, Posterior, standardise, time_kernel, ucb_picks
 from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController
+from lightning_hdet.hdet.controller import HDETController, Interval
 from lightning_hdet.hdet.selection import PBTVote
 from lightning_hdet.hdet.votes import Ballot
 
@@ -117,8 +117,14 @@ def test_pb2_state_round_trips():
 def test_the_controller_builds_pb2_and_ends_on_the_best_group():
     controller = HDETController(HDETConfig(vote="pb2"))
     assert isinstance(controller.rule, PB2Vote)
+    table = torch.tensor([[0.5], [1.5]], dtype=torch.float64)
+    final = controller.decide(Interval(8, [2.0, 1.0], [True, True], table, [0.1], False, final=True))
+    assert final.coefficients == [0.0, 1.0] and final.strengths == [1.0, 1.0]  # like pbt: the winner's model
+    assert final.multipliers.tolist() == table.tolist()  # and the LRs left alone
     with pytest.raises(ValueError, match=r"`vote` must be one of .*'pb2'"):
         HDETConfig(vote="pb3")
+    with pytest.raises(ValueError, match=r"`signal` must be a level .* with vote='pb2'.*improvement itself"):
+        HDETConfig(vote="pb2", signal="improvement")
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

@@ -90,6 +90,9 @@ class HDETConfig:
         require("signal", self.signal, self.monitor is None or self.signal == "mean",
                 f"'mean' when `monitor` is set (got monitor={self.monitor!r})",
                 "The curve signals need every step's training loss: use `monitor=None`.")
+        require("signal", self.signal, self.vote != "pb2" or self.signal != "improvement",
+                "a level ('mean', 'forecast' or 'heldout') with vote='pb2'",
+                "PB2 measures each group's improvement itself, from one level to the next.")
         check_int("forecast_horizon", self.forecast_horizon, minimum=1, optional=True,
                   hint="Steps from the start of an interval; None: four intervals.")
         check_int("curve_bins", self.curve_bins, minimum=2)
