@@ -12,12 +12,13 @@ HERE = Path(__file__).resolve().parent
 # long-horizon variant and the async defaults on three tasks, 4 overhead, 5 crash (NaN- and collapse-type
 # failures), 6 elastic (a worker lost mid-run). Each entry is a script and its own arguments; the command line's
 # (e.g. ``--quick``) follow them.
-# Benchmark 2 with every method and HDET arm of its table in docs/benchmarks.md, its HDET processes forked as the
+# Benchmark 2 with every method and HDET arm of its tables in docs/benchmarks.md (every remedy of issue 13), its HDET processes forked as the
 # table's were (saves ~10 s of imports per HDET run; changes no number but the wall-clock).
 SEARCH = ["--start-method", "fork", "--full-grid", "good",
           "--methods", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
           "--hdet-votes", "softmax,pbt,pbt:heldout,softmax:heldout,pbt@global,softmax@global,pbt:heldout@global,"
-          "pbt>pbt@global,pbt+search,pbt@global+search,pbt+ref,pb2,pb2+search,pb2@global"]
+          "pbt>pbt@global,pbt+search,pbt@global+search,pbt+ref,pb2,pb2+search,pb2@global,"
+          "pbt:improvement,softmax:improvement,pbt:forecast,softmax:forecast"]
 # Arguments a script takes only at full size: they would override ``--quick``'s sizes.
 FULL_SIZE = {"search_baselines.py": ["--steps", "128", "--pbt-interval", "32", "--val-every", "16"]}
 SCRIPTS = [["hdet_published.py"], ["search_baselines.py", *SEARCH], ["async_published.py"],
