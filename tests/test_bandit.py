@@ -100,6 +100,13 @@ def test_pb2_moves_up_to_the_lr_that_improves_most_against_a_lower_level():
     assert third.multipliers[1] > 2.0  # the mover copies group 0's model, at a higher LR than any but group 3's
 
 
+def test_pb2_perturbs_as_pbt_where_its_range_is_empty():
+    # factors (1, 1) and one multiplier for all: no range to search; PBT's perturbation (x1.0) instead
+    rule = PB2Vote(factors=(1.0, 1.0), resample_probability=0.0)
+    result = rule.explore(_ballot([1.0, 2.0], [1.0, 1.0]), torch.Generator().manual_seed(0))
+    assert result.multipliers == [1.0, 1.0] and result.sources == [0, 0]
+
+
 def test_pb2_state_round_trips():
     rule, gen = PB2Vote(), torch.Generator().manual_seed(0)
     rule.explore(_ballot([1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.0, 4.0]), gen)

@@ -165,10 +165,10 @@ class PB2Vote(PBTVote):
 
     def _moves(self, ballot: Ballot, pairs: dict[int, int], generator: torch.Generator) -> dict[int, float]:
         rows = self.observations.get(ballot.key, [])
-        if not rows or not pairs:
-            return super()._moves(ballot, pairs, generator)
         low = min(ballot.multipliers) * min(self.factors)
         high = max(ballot.multipliers) * max(self.factors)
+        if not rows or not pairs or high <= low:  # (an empty range: factors (1, 1) and one multiplier for all)
+            return super()._moves(ballot, pairs, generator)
         picks = ucb_picks(rows, self.intervals[ballot.key], low, high, len(pairs), self.kappa, self.epsilon)
         return dict(zip(pairs, picks))
 
