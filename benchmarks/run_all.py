@@ -12,8 +12,9 @@ HERE = Path(__file__).resolve().parent
 # long-horizon variant and the async defaults on three tasks, 4 overhead, 5 crash (NaN- and collapse-type
 # failures), 6 elastic (a worker lost mid-run). Each entry is a script and its own arguments; the command line's
 # (e.g. ``--quick``) follow them.
-# Benchmark 2 with every method and HDET arm of its tables in docs/benchmarks.md (every remedy of issue 13), its HDET processes forked as the
-# table's were (saves ~10 s of imports per HDET run; changes no number but the wall-clock).
+# Benchmark 2 with every method and HDET arm of its tables in docs/benchmarks.md (every remedy of issue 13), its
+# HDET processes forked as the tables' were (saves ~10 s of imports per HDET run; changes no number but the
+# wall-clock).
 SEARCH = ["--start-method", "fork", "--full-grid", "good",
           "--methods", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
           "--hdet-votes", "softmax,pbt,pbt:heldout,softmax:heldout,pbt@global,softmax@global,pbt:heldout@global,"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -53,20 +54,23 @@ class Posterior:
     noise: float
     epsilon: float
 
+    @cached_property
     def _factor(self) -> tuple[Tensor, Tensor]:
+        """The Cholesky factor of the noisy Gram matrix and ``K^-1 targets``, once per posterior (the likelihood that
+        chooses it and its predictions share them)."""
         gram = time_kernel(self.inputs, self.inputs, self.length_scale, self.epsilon)
         chol = torch.linalg.cholesky(gram + self.noise * torch.eye(len(self.inputs), dtype=torch.float64))
         return chol, torch.cholesky_solve(self.targets[:, None], chol)[:, 0]
 
     def log_likelihood(self) -> float:
         """``log p(targets)`` under this kernel and noise (what the grid of length scales and noises compares)."""
-        chol, alpha = self._factor()
+        chol, alpha = self._factor
         n = len(self.targets)
         return float(-0.5 * self.targets @ alpha - chol.diagonal().log().sum() - 0.5 * n * math.log(2 * math.pi))
 
     def predict(self, queries: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior mean and standard deviation of the noise-free function at ``queries`` (rows ``(t, x)``)."""
-        chol, alpha = self._factor()
+        chol, alpha = self._factor
         cross = time_kernel(queries, self.inputs, self.length_scale, self.epsilon)
         v = torch.linalg.solve_triangular(chol, cross.T, upper=False)
         return cross @ alpha, (1 - v.square().sum(0)).clamp_min(0).sqrt()

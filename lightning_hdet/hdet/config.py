@@ -15,9 +15,9 @@ from lightning_hdet._checks import (
     is_finite_number,
     require,
 )
+from lightning_hdet.hdet.bandit import PB2Vote
 from lightning_hdet.hdet.blends import BLENDS
 from lightning_hdet.hdet.collapse import CollapseRule
-from lightning_hdet.hdet.bandit import PB2Vote
 from lightning_hdet.hdet.selection import PBTVote
 from lightning_hdet.hdet.signals import SIGNALS
 
