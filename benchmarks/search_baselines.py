@@ -263,6 +263,7 @@ def run_two_step(lrs: list[float], base: RunSpec, args: argparse.Namespace, entr
 def base_spec(args: argparse.Namespace, workload: str, center: float, seed: int) -> RunSpec:
     """A grid run of ``workload``: W/G processes, the script's sizes."""
     model = {"d_model": args.d_model, "n_layers": args.n_layers} if workload == "char_lm" else {"width": args.width}
+    model["optimizer"] = args.optimizer
     return RunSpec(
         lr=center, steps=args.steps, seed=seed, devices=args.world_size // args.groups, batch_size=args.batch_size,
         max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches, model=model,
@@ -325,6 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--full-grid", nargs="*", default=None, choices=list(STARTS), metavar="START",
                    help="also run the grid with every run as large as the whole job (G x the compute), from these "
                    "starts (none named: every start)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "schedulefree"),
+                   help="the optimizer whose LR grid, TPE, PBT and HDET search (default adamw; schedulefree: "
+                   "schedule-free AdamW, the baseline's optimizer); prodigy and schedulefree runs keep their own")
     p.add_argument("--groups", type=int, default=4, help="G: LRs in the grid / trials / PBT members / HDET groups")
     p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 320, quick 16)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")

@@ -145,6 +145,10 @@ def _targets_table(summary: dict) -> str:
     return markdown_table(headers, body)
 
 
+# How the table names the optimizer whose LR grid, TPE, PBT and HDET search (``--optimizer``).
+OPTIMIZER_NAMES = {"adamw": "AdamW", "schedulefree": "schedule-free AdamW"}
+
+
 def tables(summary: dict, args: argparse.Namespace, starts: dict, total_s: float) -> str:
     """The generated block of docs/benchmarks.md: settings, skipped arms, the methods and the targets tables."""
     targets = ", ".join(f"{w} {v:.3f}" for w, v in summary["targets_val_loss"].items())
@@ -153,7 +157,7 @@ def tables(summary: dict, args: argparse.Namespace, starts: dict, total_s: float
         f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} processes, G = {args.groups}, "
         f"S = {args.steps} steps, T = {args.pbt_interval} (PBT interval, HDET vote interval), validation every "
         f"{args.val_every} steps on {args.val_batches} batches, batch {args.batch_size} per process, "
-        f"{args.seeds} seed(s), medians over seeds. Target loss ((1 + {args.margin}) × best reached at equal "
+        f"{args.seeds} seed(s), medians over seeds; LRs searched for {OPTIMIZER_NAMES[args.optimizer]}. Target loss ((1 + {args.margin}) × best reached at equal "
         f"compute): {targets}. Skipped: {skipped}. Total wall-clock {total_s:.0f} s.\n\n"
         + _methods_table(summary, starts, args.good_lr)
         + "\n\nIssue 13's targets, HDET's median best validation loss divided by each baseline's (≤ 1 means HDET is "

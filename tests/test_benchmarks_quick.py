@@ -403,7 +403,7 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     args = argparse.Namespace(workloads=["shapes"], run_methods=["grid", "prodigy", "hdet_best", "grid_xG"],
                               votes=["best"], skipped={}, margin=1.0, quick=False, world_size=4, groups=4, steps=32,
                               pbt_interval=8, val_every=8, val_batches=8, batch_size=16, seeds=2,
-                              good_lr={"shapes": 5e-3})
+                              good_lr={"shapes": 5e-3}, optimizer="schedulefree")
     summary = summarise(arms, args, {"good": 1.0})
     assert summary["targets_val_loss"]["shapes"] == pytest.approx(2 * 0.9)  # (1 + margin) x best, grid_xG excluded
     rows = {r["method"]: r for r in summary["rows"]}
@@ -417,6 +417,7 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     assert t["lr_vs_grid_per_seed"] == pytest.approx([0.5, 4.0]) and t["lr_vs_grid"] == pytest.approx(2.25)
     text = tables(summary, args, {"good": 1.0}, 10.0)
     assert "1.100 ✗" in text and "2.25 ✗" in text and "| 96 |" in text
+    assert "LRs searched for schedule-free AdamW" in text
 
 
 @pytest.mark.timeout(1500)

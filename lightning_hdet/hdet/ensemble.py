@@ -26,7 +26,7 @@ from lightning_hdet.hdet.checkpoints import (
     resharded,
     state_dict_with,
 )
-from lightning_hdet.hdet.merge import MergeOps, MergePart
+from lightning_hdet.hdet.merge import MergeOps, MergePart, iterate_states
 
 
 class EnsembleOps(MergeOps):
@@ -34,7 +34,9 @@ class EnsembleOps(MergeOps):
 
     def _merge_parts(self) -> list[MergePart]:
         """Every rank holds its group's full model: each contributes ``1 / group_size`` of it, summed over all ranks."""
-        return [MergePart(model_state(self.lightning_module), 1.0 / self.layout.group_size, None)]
+        module, scale = self.lightning_module, 1.0 / self.layout.group_size
+        return [MergePart(model_state(module), scale, None),
+                MergePart(iterate_states(self.optimizers, list(module.parameters())), scale, None, False)]
 
     def add_init_noise(self, relative_std: float, seed: int) -> None:
         """Published warm start: ``theta += eps``, ``eps ~ N(0, relative_std^2 |theta|^2 / d)`` from ``seed``."""
@@ -133,4 +135,3 @@ class EnsembleOps(MergeOps):
         if own is None:
             return super().load_optimizer_state_dict(checkpoint)
         super().load_optimizer_state_dict({"optimizer_states": own["optimizer_states"]})
-

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hdet._tensors import float_buffers, numel
-from lightning_hdet.hdet.merge import MergeOps, MergePart
+from lightning_hdet.hdet.merge import MergeOps, MergePart, iterate_states
 from lightning_hdet.hdet.shards import local_shards
 
 
@@ -28,7 +28,9 @@ class ShardedEnsembleOps(MergeOps):
         """The same shard of every group meets across the groups; buffers (replicated) over all ranks."""
         module = self.lightning_module
         return [MergePart(local_shards(module), 1.0, self.across_groups),
-                MergePart(float_buffers(module), 1.0 / self.layout.group_size, None)]
+                MergePart(float_buffers(module), 1.0 / self.layout.group_size, None),
+                MergePart(iterate_states(self.optimizers, list(module.parameters())), 1.0, self.across_groups,
+                          False)]
 
     @torch.no_grad()
     def add_init_noise(self, relative_std: float, seed: int) -> None:

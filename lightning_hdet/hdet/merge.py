@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hdet._compat import unwrap_optimizer
 from lightning_hdet._tensors import (
     all_finite,
     flat_dtype,
     host_buffer,
     host_copy,
+    local,
     numel,
     read_into,
     reduced_buckets,
@@ -36,11 +38,32 @@ log = logging.getLogger(__name__)
 
 class MergePart(NamedTuple):
     """Tensors a merge averages with one collective: each rank contributes ``coefficient * scale * t`` and
-    ``group`` (``None``: all ranks) sums the contributions."""
+    ``group`` (``None``: all ranks) sums the contributions; ``restorable`` ones are in the restore point."""
 
     tensors: list[Tensor]
     scale: float
     group: Any
+    restorable: bool = True
+
+
+def iterate_states(optimizers: Sequence[Any], params: Sequence[Tensor]) -> list[Tensor]:
+    """The schedule-free base iterate ``z`` of every parameter a schedule-free optimizer owns, in ``params`` order
+    (this rank's shard of it). A parameter not stepped yet gets a scratch copy of itself (what its
+    ``z`` starts from), so every rank of a merge carries the same tensors.
+
+    Why: schedule-free optimizers (``schedulefree``) hold the parameters at ``y = (1 - beta) z + beta x`` and keep
+    ``z`` in their state; the average ``x`` they evaluate is implied. Blending ``y`` alone leaves each group its
+    own ``z``: after ``eval()``, ``x = (y - (1 - beta) z) / beta`` is a point no group reached (a PBT copy would
+    put a loser's ``z`` under the winner's weights). Blending ``z`` with the same coefficients keeps both linear.
+    """
+    owners = {p: opt for opt in map(unwrap_optimizer, optimizers) if "ScheduleFree" in type(opt).__name__
+              for group in opt.param_groups for p in group["params"]}
+    iterates = []
+    for p in params:
+        if p in owners:
+            z = owners[p].state.get(p, {}).get("z")
+            iterates.append(local(z) if z is not None else local(p.detach()).clone())
+    return iterates
 
 
 class MergeOps:
@@ -49,11 +72,12 @@ class MergeOps:
     _restore_point: Optional[Tensor]
 
     def _merge_parts(self) -> list[MergePart]:
-        """What this rank's merges carry, in the order of the restore point (the strategy's hook)."""
+        """What this rank's merges carry, in the order of the restore point (the strategy's hook); schedule-free
+        iterates (:func:`iterate_states`) last, outside the restore point (a roll-back restarts the optimizers)."""
         raise NotImplementedError
 
     def _restorable_tensors(self) -> list[Tensor]:
-        return [t for part in self._merge_parts() for t in part.tensors]
+        return [t for part in self._merge_parts() if part.restorable for t in part.tensors]
 
     def merge(
         self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
@@ -67,21 +91,20 @@ class MergeOps:
         target becomes the restore point, written into its host copy bucket by bucket; the groups flagged in
         ``restart`` clear their optimizer state.
         """
-        parts = self._merge_parts()
-        tensors = [t for part in parts for t in part.tensors]
+        parts = [part for part in self._merge_parts() if part.tensors]
         coefficient = float(coefficients[self.group_index])
-        keep = keep and self._contributions_finite(tensors, coefficient, coefficients)
+        keep = keep and self._contributions_finite([t for p in parts for t in p.tensors], coefficient, coefficients)
         if keep:
-            self._restore_point = self._restore_buffer(tensors)
+            self._restore_point = self._restore_buffer([t for p in parts if p.restorable for t in p.tensors])
         strength, offset = float(strengths[self.group_index]), 0
         for part in parts:
             for bucket, flat in reduced_buckets(part.tensors, coefficient * part.scale, _AllReduce(part.group)):
                 bucket.scatter(flat, strength)
-                if keep:
+                if keep and part.restorable:
                     start = offset + bucket.offset
                     self._restore_point[start : start + bucket.numel].copy_(flat, non_blocking=True)
                 del flat  # one bucket alive at a time
-            offset += numel(part.tensors)
+            offset += numel(part.tensors) if part.restorable else 0
         sync_device(self.root_device)  # the host copy is read later: the non-blocking copies must have landed
         if restart[self.group_index]:
             self._clear_optimizer_state()
