@@ -23,10 +23,10 @@ pytestmark = pytest.mark.timeout(600)
 SCRIPT = Path(__file__).parent / "scripts" / "hdet_fsdp_run.py"
 
 
-def _run(out: Path, sync: str, shard_where: str, resume: bool, nan: bool = False) -> list[dict]:
+def _run(out: Path, sync: str, shard_where: str, resume: bool, extra: str = "") -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume",
-            *(["nan"] if nan else [])]
+            *([extra] if extra else [])]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=560, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
@@ -81,7 +81,7 @@ def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:
 def test_safety_net_rescues_a_sharded_group_whose_loss_goes_nan(tmp_path: Path) -> None:
     """Group 1 (both its shards) has a NaN loss at step 3: the step is flagged on its ranks only, the vote at
     step 4 rescues it (it takes group 0's parameters, its LR is halved) and every rank ends finite and equal."""
-    first = [r["first"] for r in _run(tmp_path, "group", "strategy", resume=False, nan=True)]
+    first = [r["first"] for r in _run(tmp_path, "group", "strategy", resume=False, extra="nan")]
     assert [f["skipped"] for f in first] == [0, 0, 1, 1]
     assert all(math.isnan(f["losses"][4]) == (f["group_index"] == 1) for f in first)  # step 3's loss, logged at 4
     for f in first:
@@ -89,6 +89,19 @@ def test_safety_net_rescues_a_sharded_group_whose_loss_goes_nan(tmp_path: Path) 
         assert all(torch.isfinite(params).all() for params in f["before"].values())  # no NaN reached a parameter
         torch.testing.assert_close(f["after"][4], first[0]["before"][4])  # the target: the healthy group alone
     assert all(torch.isfinite(f["final"]).all() and torch.equal(f["final"], first[0]["final"]) for f in first)
+
+
+def test_schedule_free_shards_blend_their_base_iterate_with_the_parameters(tmp_path: Path) -> None:
+    """Schedule-free AdamW on shards: each vote (mean blend) gives every group the mean of the groups' ``z`` (a
+    DTensor in the optimizer state) as of their parameters, so the average it evaluates is blended too."""
+    ranks = _run(tmp_path, "group", "strategy", resume=False, extra="schedulefree")
+    _check_training(ranks)
+    first = [r["first"] for r in ranks]
+    for step in (2, 4):
+        group0, group1 = first[0]["before_z"][step], first[2]["before_z"][step]
+        assert not torch.allclose(group0, group1)
+        for f in first:
+            torch.testing.assert_close(f["after_z"][step], (group0 + group1) / 2)
 
 
 @pytest.mark.parametrize(("kwargs", "devices", "match"), [

@@ -3,10 +3,11 @@ it): 4 CPU processes, 2 groups x 2 shards. Trains, checkpoints at step 3 (the en
 2 steps, then resumes a second Trainer from the checkpoint. Each rank writes what the test asserts on to
 ``OUT/rank{r}.pt``.
 
-Usage: ``python hdet_fsdp_run.py OUT {global,group,group>global} {strategy,configure_model} {resume,no-resume} [nan]``;
+Usage: ``python hdet_fsdp_run.py OUT {global,group,group>global} {strategy,configure_model} {resume,no-resume}
+[nan|schedulefree]``;
 ``group>global``: built with ``"group"``, switched to ``"global"`` by ``set_gradient_sync`` once the model is sharded,
 before the first step; ``nan``: group 1's loss is NaN at step 3, learning rates move only by the safety net's cut
-(``meta_lr=0``).
+(``meta_lr=0``); ``schedulefree``: schedule-free AdamW instead of AdamW, its base iterate ``z`` recorded too.
 """
 
 import sys
@@ -30,10 +31,10 @@ STEPS_PER_EPOCH = 3
 class MLP(LightningModule):
     """A two-layer regression MLP with AdamW (the optimizer state is sharded too); even sizes so shards are halves."""
 
-    def __init__(self, shard_in_configure_model: bool = False, nan_at: int = -1) -> None:
+    def __init__(self, shard_in_configure_model: bool = False, nan_at: int = -1, schedule_free: bool = False) -> None:
         super().__init__()
         self.shard_in_configure_model = shard_in_configure_model
-        self.nan_at = nan_at
+        self.nan_at, self.schedule_free = nan_at, schedule_free
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
     def configure_model(self) -> None:
@@ -52,7 +53,15 @@ class MLP(LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.schedule_free:
+            import schedulefree
+
+            return schedulefree.AdamWScheduleFree(self.parameters(), lr=0.01, warmup_steps=0)
         return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def on_train_start(self) -> None:
+        if self.schedule_free:
+            self.trainer.optimizers[0].train()
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Regression(n=4 * 4 * STEPS_PER_EPOCH), batch_size=4)
@@ -79,6 +88,10 @@ class Probe(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.record.setdefault(self.tag, {})[trainer.global_step] = full(pl_module)
+        if pl_module.schedule_free:
+            state = trainer.optimizers[0].state
+            z = torch.cat([state[p]["z"].full_tensor().detach().reshape(-1) for p in pl_module.parameters()])
+            self.record.setdefault(f"{self.tag}_z", {})[trainer.global_step] = z
         if self.tag == "before":
             self.record.setdefault("losses", {})[trainer.global_step] = float(outputs["loss"])
 
@@ -90,7 +103,8 @@ class SwitchToGlobal(Callback):
         trainer.strategy.set_gradient_sync("global")
 
 
-def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any], nan: bool = False) -> Trainer:
+def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any], nan: bool = False,
+        schedule_free: bool = False) -> Trainer:
     seed_everything(3)
     first, _, later = sync.partition(">")
     strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=first,
@@ -102,7 +116,7 @@ def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=2 * STEPS_PER_EPOCH,
                       callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=ckpt is None, default_root_dir=out)
-    model = MLP(shard_where == "configure_model", nan_at=3 if nan else -1)
+    model = MLP(shard_where == "configure_model", nan_at=3 if nan else -1, schedule_free=schedule_free)
     trainer.fit(model, ckpt_path=ckpt)
     record["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
     record["numel"] = sum(p.numel() for p in model.parameters())
@@ -115,7 +129,8 @@ def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any
 if __name__ == "__main__":
     out, sync, shard_where, resume = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "resume"
     first: dict[str, Any] = {}
-    trainer = fit(out, sync, shard_where, None, first, nan=sys.argv[5:] == ["nan"])
+    trainer = fit(out, sync, shard_where, None, first, nan=sys.argv[5:] == ["nan"],
+                  schedule_free=sys.argv[5:] == ["schedulefree"])
     resumed: dict[str, Any] = {}
     if resume:
         fit(out, sync, shard_where, out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", resumed)
