@@ -2,9 +2,10 @@
 
 :class:`EnsembleOps` is mixed into :class:`~lightning_hdet.hdet.strategy.HDETStrategy` (a DDP strategy: every rank
 holds a full replica, so a group's state is any of its ranks' tensors). Merges, the restore point and roll-backs
-come from :class:`~lightning_hdet.hdet.merge.MergeOps`, over the model's parameters and float buffers. It reads the
-strategy's ``lightning_module``, ``layout``, ``group_index``, ``group_ranks``, ``world_size``, ``root_device``,
-``optimizers``, ``checkpoint_io`` and ``lr_multipliers``.
+come from :class:`~lightning_hdet.hdet.merge.MergeOps`, over the model's parameters and float buffers (and the
+base iterate of schedule-free optimizers). It reads the strategy's ``lightning_module``, ``layout``,
+``group_index``, ``group_ranks``, ``world_size``, ``root_device``, ``optimizers``, ``checkpoint_io`` and
+``lr_multipliers``.
 """
 
 from __future__ import annotations

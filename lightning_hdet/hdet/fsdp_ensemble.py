@@ -3,7 +3,8 @@
 :class:`ShardedEnsembleOps` is mixed into :class:`~lightning_hdet.hdet.fsdp.HDETFSDPStrategy`. Merges, the restore
 point and roll-backs come from :class:`~lightning_hdet.hdet.merge.MergeOps`, over this rank's part of the model:
 the local parameter shards, reduced across the mesh's group dimension (``across_groups``: never a full
-parameter), then the unsharded float buffers, reduced over all ranks; the restore point is this rank's part of
+parameter), then the unsharded float buffers, reduced over all ranks, then the local shards of schedule-free
+optimizers' base iterate (not restored: a roll-back restarts the optimizer); the restore point is this rank's part of
 the last good merge target, on the host. It reads the strategy's ``lightning_module``, ``layout``,
 ``group_index``, ``root_device``, ``optimizers``, ``across_groups``, ``shard_mesh`` and ``lr_multipliers``.
 """

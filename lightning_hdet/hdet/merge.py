@@ -48,8 +48,8 @@ class MergePart(NamedTuple):
 
 def iterate_states(optimizers: Sequence[Any], params: Sequence[Tensor]) -> list[Tensor]:
     """The schedule-free base iterate ``z`` of every parameter a schedule-free optimizer owns, in ``params`` order
-    (this rank's shard of it). A parameter not stepped yet gets a scratch copy of itself (what its
-    ``z`` starts from), so every rank of a merge carries the same tensors.
+    (this rank's shard of it). A parameter not stepped yet gets a scratch copy of itself (what its ``z`` starts
+    from), so every rank of a merge carries the same tensors.
 
     Why: schedule-free optimizers (``schedulefree``) hold the parameters at ``y = (1 - beta) z + beta x`` and keep
     ``z`` in their state; the average ``x`` they evaluate is implied. Blending ``y`` alone leaves each group its
