@@ -158,7 +158,8 @@ def tables(summary: dict, args: argparse.Namespace, starts: dict, total_s: float
         f"S = {args.steps} steps, T = {args.pbt_interval} (PBT interval, HDET vote interval), validation every "
         f"{args.val_every} steps on {args.val_batches} batches, batch {args.batch_size} per process, "
         f"{args.seeds} seed(s), medians over seeds; LRs searched for {OPTIMIZER_NAMES[args.optimizer]}. Target "
-        f"loss ((1 + {args.margin}) × best reached at equal compute): {targets}. Skipped: {skipped}. Total wall-clock {total_s:.0f} s.\n\n"
+        f"loss ((1 + {args.margin}) × best reached at equal compute): {targets}. Skipped: {skipped}. Total "
+        f"wall-clock {total_s:.0f} s.\n\n"
         + _methods_table(summary, starts, args.good_lr)
         + "\n\nIssue 13's targets, HDET's median best validation loss divided by each baseline's (≤ 1 means HDET is "
         "at least as good), per seed the range of HDET ÷ that seed's best baseline; ✓ / ✗ against the target.\n\n"

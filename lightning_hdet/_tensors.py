@@ -182,6 +182,12 @@ def all_finite(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack([finite(t.detach()) for t in tensors]).all()
 
 
+def is_schedule_free(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is one of ``schedulefree``'s: it keeps a second iterate ``z`` of every parameter in its
+    state and swaps the weights with ``train()`` / ``eval()`` (matched by class name: the package is optional)."""
+    return "ScheduleFree" in type(optimizer).__name__
+
+
 def local(t: Tensor) -> Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
     return t.to_local() if isinstance(t, DTensor) else t

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 import torch
 from lightning.pytorch import LightningModule
 
+from lightning_hdet._tensors import is_schedule_free
+
 OPTIMIZERS = ("adamw", "sgd", "prodigy", "schedulefree")
 # The package each optional optimizer comes from, and what to install.
 _OPTIONAL = {"prodigy": ("prodigyopt", "Prodigy"), "schedulefree": ("schedulefree", "AdamWScheduleFree")}
@@ -41,5 +43,5 @@ def set_schedule_free_mode(module: LightningModule, train: bool) -> None:
     """Switch schedule-free optimizers between their training and averaged (evaluation) weights."""
     for opt in module.trainer.optimizers:
         swap = getattr(opt, "train" if train else "eval", None)
-        if callable(swap) and "ScheduleFree" in type(opt).__name__:
+        if callable(swap) and is_schedule_free(opt):
             swap()

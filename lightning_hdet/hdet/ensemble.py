@@ -35,9 +35,12 @@ class EnsembleOps(MergeOps):
 
     def _merge_parts(self) -> list[MergePart]:
         """Every rank holds its group's full model: each contributes ``1 / group_size`` of it, summed over all ranks."""
-        module, scale = self.lightning_module, 1.0 / self.layout.group_size
-        return [MergePart(model_state(module), scale, None),
-                MergePart(iterate_states(self.optimizers, list(module.parameters())), scale, None, False)]
+        return [MergePart(model_state(self.lightning_module), 1.0 / self.layout.group_size, None)]
+
+    def _iterate_part(self) -> MergePart:
+        """Reduced as the parameters are."""
+        params = list(self.lightning_module.parameters())
+        return MergePart(iterate_states(self.optimizers, params), 1.0 / self.layout.group_size, None)
 
     def add_init_noise(self, relative_std: float, seed: int) -> None:
         """Published warm start: ``theta += eps``, ``eps ~ N(0, relative_std^2 |theta|^2 / d)`` from ``seed``."""

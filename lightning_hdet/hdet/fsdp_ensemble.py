@@ -29,9 +29,12 @@ class ShardedEnsembleOps(MergeOps):
         """The same shard of every group meets across the groups; buffers (replicated) over all ranks."""
         module = self.lightning_module
         return [MergePart(local_shards(module), 1.0, self.across_groups),
-                MergePart(float_buffers(module), 1.0 / self.layout.group_size, None),
-                MergePart(iterate_states(self.optimizers, list(module.parameters())), 1.0, self.across_groups,
-                          False)]
+                MergePart(float_buffers(module), 1.0 / self.layout.group_size, None)]
+
+    def _iterate_part(self) -> MergePart:
+        """The same shard of every group's iterate meets across the groups, as the parameters' shards do."""
+        return MergePart(iterate_states(self.optimizers, list(self.lightning_module.parameters())), 1.0,
+                         self.across_groups)
 
     @torch.no_grad()
     def add_init_noise(self, relative_std: float, seed: int) -> None:

@@ -25,6 +25,7 @@ from lightning_hdet._tensors import (
     flat_dtype,
     host_buffer,
     host_copy,
+    is_schedule_free,
     local,
     numel,
     read_into,
@@ -38,12 +39,11 @@ log = logging.getLogger(__name__)
 
 class MergePart(NamedTuple):
     """Tensors a merge averages with one collective: each rank contributes ``coefficient * scale * t`` and
-    ``group`` (``None``: all ranks) sums the contributions; ``restorable`` ones are in the restore point."""
+    ``group`` (``None``: all ranks) sums the contributions."""
 
     tensors: list[Tensor]
     scale: float
     group: Any
-    restorable: bool = True
 
 
 def iterate_states(optimizers: Sequence[Any], params: Sequence[Tensor]) -> list[Tensor]:
@@ -56,7 +56,7 @@ def iterate_states(optimizers: Sequence[Any], params: Sequence[Tensor]) -> list[
     own ``z``: after ``eval()``, ``x = (y - (1 - beta) z) / beta`` is a point no group reached (a PBT copy would
     put a loser's ``z`` under the winner's weights). Blending ``z`` with the same coefficients keeps both linear.
     """
-    owners = {p: opt for opt in map(unwrap_optimizer, optimizers) if "ScheduleFree" in type(opt).__name__
+    owners = {p: opt for opt in map(unwrap_optimizer, optimizers) if is_schedule_free(opt)
               for group in opt.param_groups for p in group["params"]}
     iterates = []
     for p in params:
@@ -72,12 +72,17 @@ class MergeOps:
     _restore_point: Optional[Tensor]
 
     def _merge_parts(self) -> list[MergePart]:
-        """What this rank's merges carry, in the order of the restore point (the strategy's hook); schedule-free
-        iterates (:func:`iterate_states`) last, outside the restore point (a roll-back restarts the optimizers)."""
+        """What this rank's merges carry, in the order of the restore point (the strategy's hook)."""
+        raise NotImplementedError
+
+    def _iterate_part(self) -> MergePart:
+        """Schedule-free optimizers' base iterates (:func:`iterate_states`), reduced as the parameters are (the
+        strategy's hook): merged after the restore point's parts, not kept in it (a roll-back restarts the
+        optimizers), so only merges build it."""
         raise NotImplementedError
 
     def _restorable_tensors(self) -> list[Tensor]:
-        return [t for part in self._merge_parts() if part.restorable for t in part.tensors]
+        return [t for part in self._merge_parts() for t in part.tensors]
 
     def merge(
         self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
@@ -91,20 +96,21 @@ class MergeOps:
         target becomes the restore point, written into its host copy bucket by bucket; the groups flagged in
         ``restart`` clear their optimizer state.
         """
-        parts = [part for part in self._merge_parts() if part.tensors]
+        parts, iterates = self._merge_parts(), self._iterate_part()
+        tensors = [t for part in parts for t in part.tensors]
         coefficient = float(coefficients[self.group_index])
-        keep = keep and self._contributions_finite([t for p in parts for t in p.tensors], coefficient, coefficients)
+        keep = keep and self._contributions_finite(tensors + iterates.tensors, coefficient, coefficients)
         if keep:
-            self._restore_point = self._restore_buffer([t for p in parts if p.restorable for t in p.tensors])
+            self._restore_point = self._restore_buffer(tensors)
         strength, offset = float(strengths[self.group_index]), 0
-        for part in parts:
+        for part in [*parts, iterates]:
             for bucket, flat in reduced_buckets(part.tensors, coefficient * part.scale, _AllReduce(part.group)):
                 bucket.scatter(flat, strength)
-                if keep and part.restorable:
+                if keep and part is not iterates:
                     start = offset + bucket.offset
                     self._restore_point[start : start + bucket.numel].copy_(flat, non_blocking=True)
                 del flat  # one bucket alive at a time
-            offset += numel(part.tensors) if part.restorable else 0
+            offset += numel(part.tensors)
         sync_device(self.root_device)  # the host copy is read later: the non-blocking copies must have landed
         if restart[self.group_index]:
             self._clear_optimizer_state()
