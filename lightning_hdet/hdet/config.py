@@ -44,7 +44,6 @@ class HDETConfig:
     blend: str = "mean"
     blend_strength: float = 1.0
     monitor: Optional[str] = None
-    init_noise: float = 0.0
     safety_net: bool = True
     divergence_factor: Optional[float] = 10.0
     rescue_lr_factor: float = 0.5
@@ -79,7 +78,6 @@ class HDETConfig:
         check_number("blend_strength", self.blend_strength, 0.0, 1.0, low_open=True)
         require("monitor", self.monitor, self.monitor is None or (isinstance(self.monitor, str) and self.monitor != ""),
                 "None or a logged metric name")
-        check_number("init_noise", self.init_noise, low=0.0)
         check_bool("safety_net", self.safety_net)
         factor = self.divergence_factor
         require("divergence_factor", factor, factor is None or (is_finite_number(factor) and factor > 1),

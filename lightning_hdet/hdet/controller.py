@@ -99,6 +99,8 @@ class HDETController:
         self.last_winner = -1
         self.last_coefficients: list[float] = []
         self.searched_at: Optional[int] = None  # the step of the vote that ended the search (``search_steps``)
+        # From which step a vote may end the search (None: never); the callback sizes it from the run's length.
+        self.search_steps: Optional[int] = config.search_steps
 
     @property
     def generator(self) -> torch.Generator:
@@ -124,12 +126,8 @@ class HDETController:
 
     def search_ends(self, step: int) -> bool:
         """Whether a vote at ``step`` ends the search (``search_steps``; it ends once)."""
-        end = self.config.search_steps
+        end = self.search_steps
         return end is not None and step >= end and self.searched_at is None
-
-    def noise_seed(self, group: int) -> int:
-        """Seed of group ``group``'s initial noise (published warm start): distinct per group, equal within one."""
-        return self.config.seed * 100_003 + group + 1
 
     # ------------------------------------------------------------------ the vote
     def decide(self, interval: Interval) -> Decision:
