@@ -472,3 +472,28 @@ def run_spec(args: argparse.Namespace, lr: float, **model: object) -> RunSpec:
         model={"d_model": args.d_model, "n_layers": args.n_layers, **model} if workload == "char_lm" else model,
         workload=workload,
     )
+
+
+def hdet_callbacks(every_n_steps: int, vote: str = "pbt", signal: str = "mean", blend: str = "mean",
+                   search_steps: int | None = None, refine_spread: float = 1.5, reference_group: int | None = None,
+                   blend_strength: float = 1.0, init_noise: float = 0.0, seed: int = 0,
+                   **softmax: float) -> list[Callback]:
+    """The HDET callbacks of one benchmark arm from its flat names (the arms' labels and the results' columns
+    keep 0.x's flat arguments): the vote object with its own options, the research options of
+    :mod:`lightning_hdet.experimental` where an arm asks for one, and ``InitNoise`` for ``init_noise``."""
+    from lightning_hdet import PBT, Best, HDETCallback, Search, Softmax, experimental
+
+    rules = {"softmax": lambda: Softmax(blend=blend, **softmax), "best": lambda: Best(blend=blend),
+             "pbt": lambda: PBT() if reference_group is None else experimental.ReferencePBT(
+                 reference_group=reference_group),
+             "pb2": experimental.PB2}
+    rule: object = rules[vote]() if vote in rules else vote  # another name: HDETCallback's error says which exist
+    if blend_strength != 1.0:
+        rule = experimental.PartialMerge(rule, strength=blend_strength)
+    signals = {"improvement": experimental.Improvement, "forecast": experimental.Forecast,
+               "heldout": experimental.Heldout}
+    kind = signals[signal]() if signal in signals else signal
+    search = Search(steps=search_steps, refine_spread=refine_spread) if search_steps else False
+    callbacks: list[Callback] = [HDETCallback(every_n_steps=every_n_steps, vote=rule, signal=kind, search=search,
+                                              seed=seed)]
+    return callbacks + ([experimental.InitNoise(init_noise, seed=seed)] if init_noise > 0 else [])
