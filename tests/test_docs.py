@@ -14,15 +14,22 @@ import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+import lightning_hdet
+from lightning_hdet import experimental
 from lightning_hdet import (
+    PBT,
     AsyncLocalSGDStrategy,
+    Best,
     DelayedNesterov,
     ElasticWorkerStrategy,
     HDETCallback,
     HDETFSDPStrategy,
     HDETStrategy,
     OuterService,
+    SafetyNet,
+    Search,
     SlowRanks,
+    Softmax,
 )
 from lightning_hdet.asynchronous.outer import OuterSettings
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
@@ -44,7 +51,16 @@ SIGNATURES = {
     "CharLM": (CharLM,),
     "CharCorpusDataModule": (CharCorpusDataModule,),
     "Trainer": (Trainer,),
+    "PBT": (PBT,),
+    "Softmax": (Softmax,),
+    "Best": (Best,),
+    "Search": (Search,),
+    "SafetyNet": (SafetyNet,),
+    **{name: (getattr(experimental, name),) for name in experimental.__all__},
 }
+# The rules' objects a doc may pass as an argument value: built too, so their values are checked.
+RULES = {name: getattr(lightning_hdet, name, None) or getattr(experimental, name)
+         for name in ("PBT", "Softmax", "Best", "Search", "SafetyNet", *experimental.__all__)}
 
 # Built from the literal arguments a doc shows; all validate their arguments in ``__init__``.
 CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks", "ElasticWorkerStrategy")
@@ -91,11 +107,22 @@ def test_python_block_uses_real_arguments(where: str, code: str) -> None:
                 assert kw.arg in allowed, f"{where}: {name}({kw.arg}=...) is not an argument of {name}"
         if name in CONSTRUCTIBLE:
             try:
-                args = [ast.literal_eval(a) for a in node.args]
-                kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                args = [_value(a) for a in node.args]
+                kwargs = {kw.arg: _value(kw.value) for kw in node.keywords}
             except ValueError:
                 continue  # not all literal (e.g. a variable): the names were checked above
             SIGNATURES[name][0](*args, **kwargs)  # the values shown are accepted (validation runs here)
+
+
+def _value(node: ast.expr) -> object:
+    """A literal, or a rule object built from literals (``vote=PBT(quantile=0.25)``); ``ValueError`` otherwise."""
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) in RULES:
+        args, kwargs = [_value(a) for a in node.args], {k.arg: _value(k.value) for k in node.keywords}
+        try:
+            return RULES[node.func.id](*args, **kwargs)
+        except (TypeError, ValueError) as err:  # a value the doc shows is refused: not "not literal"
+            raise AssertionError(f"{ast.unparse(node)}: {err}") from err
+    return ast.literal_eval(node)
 
 
 def test_blocks_were_found() -> None:
