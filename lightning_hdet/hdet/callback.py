@@ -158,8 +158,7 @@ class HDETCallback(Callback):
         rank_zero_info(
             f"HDET: {executor.num_groups} groups of {executor.layout.group_size} ranks, gradient_sync="
             f"{executor.gradient_sync!r}, vote={self.settings.vote!r} every {self.settings.every_n_steps} steps, "
-            + ("searching the whole run" if self.controller.search_steps is None
-               else f"search ends from step {self.controller.search_steps}")
+            + _search_state(self.controller)
         )
 
     # ------------------------------------------------------------------ per step
@@ -304,6 +303,13 @@ def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
                        "run; give HDETCallback(search=Search(steps=...)) to end it.")
         return None
     return int(total) // 2
+
+
+def _search_state(controller: HDETController) -> str:
+    if controller.searched_at is not None:
+        return f"the search ended at step {controller.searched_at}"
+    end = controller.search_steps
+    return "searching the whole run" if end is None else f"the search ends at a vote from step {end} on"
 
 
 def _execute(executor: HDETExecutor, decision: Decision) -> None:

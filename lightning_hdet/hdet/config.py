@@ -1,4 +1,7 @@
-"""HDETCallback's settings as one validated, immutable value (pure: no Lightning, no process groups)."""
+"""HDETCallback's rules resolved into one flat, validated, immutable value (pure: no Lightning, no process groups).
+
+Users never build it: :func:`~lightning_hdet.hdet.options.resolve` does, from the rule objects, and the controller
+reads it. Every check lives here once, so an error names the argument whichever object carried it."""
 
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ SELECTION_VOTES = ("pbt", "pb2")  # truncation selection: the bottom groups copy
 
 @dataclass(frozen=True)
 class HDETConfig:
-    """Every argument of :class:`~lightning_hdet.hdet.callback.HDETCallback` (documented there), checked on creation.
+    """Every setting of :class:`~lightning_hdet.hdet.callback.HDETCallback`'s rules (documented on them), checked on
+    creation.
 
     Errors name the argument, the value and what is allowed, before any process or process group exists.
     """

@@ -76,7 +76,7 @@ class HDETGroups:
             check_spread(spread)
             require("spread", spread, lr_multipliers is None, "None when `lr_multipliers` is given",
                     "`spread` only shapes the default multipliers; give one or the other.")
-        gradient_sync = gradient_sync or self.preset.gradient_sync
+        gradient_sync = self.preset.gradient_sync if gradient_sync is None else gradient_sync
         check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
         if lr_multipliers is not None:
             lr_multipliers = check_multipliers(lr_multipliers)
