@@ -542,3 +542,17 @@ def test_stamp_line_names_commit_command_date_machine_seeds_and_wall_clock(monke
     assert common.seeds_text([4, 1]) == "1, 4" and common.seeds_text(None) == "none"
     assert common.args_seeds(argparse.Namespace(first_seed=3, seed=0, seeds=2)) == [3, 4]
     assert common.args_seeds(argparse.Namespace(seed=5)) == [5] and common.args_seeds(argparse.Namespace()) == []
+
+
+def test_a_part_run_by_make_bench_stamps_the_command_the_docs_check_accepts(monkeypatch):
+    import shlex
+
+    from benchmarks import common
+    from benchmarks.run_all import PARTS, commands
+
+    assert len({p.name for p in PARTS}) == len(PARTS) and all((REPO / "benchmarks" / p.script).is_file() for p in PARTS)
+    assert set(commands(full=False)) < set(commands(full=True))
+    for part in PARTS:  # run_all starts each script by its absolute path, as below
+        monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / part.script), *part.command()[2:]])
+        assert common.this_command() == shlex.join(part.command()) in commands(full=True)
+        assert (common.this_command() in commands(full=False)) == (not part.full)
