@@ -189,6 +189,32 @@ def test_diagrams_render_offline_in_headless_chromium(site: Path) -> None:
         assert dom.count('<div class="mermaid">') == diagrams, name
 
 
+@pytest.mark.parametrize(("where", "code"), python_blocks(), ids=[w for w, _ in python_blocks()])
+def test_python_block_uses_real_arguments(where: str, code: str) -> None:
+    tree = ast.parse(code)  # a syntax error in a doc block fails here
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name not in SIGNATURES:
+            continue
+        allowed = {p for cls in SIGNATURES[name] for p in inspect.signature(cls.__init__).parameters}
+        for kw in node.keywords:
+            if kw.arg is not None:
+                assert kw.arg in allowed, f"{where}: {name}({kw.arg}=...) is not an argument of {name}"
+        if name in CONSTRUCTIBLE:
+            try:
+                args = [ast.literal_eval(a) for a in node.args]
+                kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            except ValueError:
+                continue  # not all literal (e.g. a variable): the names were checked above
+            SIGNATURES[name][0](*args, **kwargs)  # the values shown are accepted (validation runs here)
+
+
+def test_blocks_were_found() -> None:
+    assert len(python_blocks()) >= 10
+
+
 MAX_CODE_LINE = 88  # what fits a code block of the page at its default width, without scrolling
 
 
