@@ -132,6 +132,8 @@ def stale_reason(record: dict | None, inputs: dict, docs_dir: Path, repo: Path =
     if record.get("key") != key_of(inputs):
         changed = [k for k, v in inputs.items() if record.get("inputs", {}).get(k) != v]
         return f"changed since it ran: {', '.join(changed) or 'the key'}"
+    if "outputs" not in record:
+        return "its record does not say what it wrote"
     for shown, digest in record["outputs"]["files"].items():
         path = Path(shown) if Path(shown).is_absolute() else repo / shown
         if not path.is_file() or sha256(path.read_bytes()) != digest:
