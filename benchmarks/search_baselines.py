@@ -57,6 +57,7 @@ from benchmarks.common import (
     best_so_far,
     fit_run,
     plot_panels,
+    stamp,
     update_doc_section,
     write_json,
 )
@@ -441,7 +442,8 @@ def main(argv: list[str] | None = None) -> dict:
         "best validation loss so far",
         rows=len(args.workloads),
     )
-    md = tables(summary, args, STARTS, total_s) + f"\n\n![{name}](img/{plot.name})\n"
+    md = tables(summary, args, STARTS, total_s) + f"\n\n![{name}](img/{plot.name})\n\n"
+    md += stamp(sorted({a.seed for a in arms}))  # a merge's parts may have run any seeds
     update_doc_section(args.docs_dir / "benchmarks.md", name, md)
     print(md)
     return payload
