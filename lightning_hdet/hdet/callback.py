@@ -32,9 +32,11 @@ from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
 from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
+from lightning_hdet.hdet.console import counted, rounded_list
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
+from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
 from lightning_hdet.records import History, log_report_figures
-from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
+from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config, vote_history_locations
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,7 @@ class HDETCallback(Callback):
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.initial_lrs: list[float] = []  # every group's real learning rate when training started
+        self.result: Optional[HDETResult] = None  # what the run found, set at the end of fit (every rank)
         self._last_vote_step = -1
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
@@ -183,6 +186,11 @@ class HDETCallback(Callback):
             if self.settings.safety_net:
                 executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
             record_config(trainer, "hdet", {**executor.config, "callback": self.config})
+            rank_zero_info(  # here: before any progress bar exists, so the line does not land inside one
+                f"HDET: {counted(executor.num_groups, 'group')} of {counted(executor.layout.group_size, 'rank')}, "
+                f"gradient_sync={executor.gradient_sync!r}, vote={self.settings.vote!r} every "
+                f"{self.settings.every_n_steps} steps, blend={self.settings.blend!r}"
+            )
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -204,11 +212,6 @@ class HDETCallback(Callback):
             executor.add_init_noise(self.settings.init_noise, self.controller.noise_seed(executor.group_index))
         if self._heldout is not None:
             self._heldout.start(trainer, pl_module)  # after the init noise: it averages the noised parameters
-        rank_zero_info(
-            f"HDET: {executor.num_groups} groups of {executor.layout.group_size} ranks, gradient_sync="
-            f"{executor.gradient_sync!r}, vote={self.settings.vote!r} every {self.settings.every_n_steps} steps, "
-            f"blend={self.settings.blend!r}"
-        )
 
     # ------------------------------------------------------------------ per step
     @override
@@ -232,17 +235,27 @@ class HDETCallback(Callback):
             if not vote:  # a vote logged its new learning rates itself
                 _log_lrs(trainer, lrs, step, self.report)
             pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
-            if self.controller.last_winner >= 0:
-                pl_module.log("hdet/leader", float(self.controller.last_winner), prog_bar=True, logger=False,
-                              rank_zero_only=True)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Validate the model a checkpoint holds (:mod:`~lightning_hdet.hdet.validation`), unless the vote reads
+        each group's own validation metric (``monitor``)."""
+        if self.settings.monitor is None:
+            self._executor(trainer).validate_merged(True)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._executor(trainer).validate_merged(False)  # before ModelCheckpoint saves (Lightning orders it last)
         if self.settings.monitor is None or trainer.sanity_checking:
             return
         value = trainer.callback_metrics.get(self.settings.monitor)
         if value is not None:
             self._monitored = float(value)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._checked_strategy is not None:  # no collective: a failed validation gives each group its own back
+            self._checked_strategy.validate_merged(False)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -259,11 +272,18 @@ class HDETCallback(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Rank 0 logs the vote history table and the run's figures (W&B gets them as images)."""
-        if not trainer.is_global_zero or not self.history:
+        """Rank 0 logs the vote history table and the run's figures (W&B gets them as images); every rank keeps
+        :attr:`result`, rank 0 logs its summary."""
+        executor = self._executor(trainer)
+        self.result = make_result(self.history, executor.current_lrs().tolist(), self.initial_lrs, self.num_votes,
+                                  self.rescues, self.controller.searched_at,
+                                  vote_history_locations(trainer) if self.history else [])
+        if not trainer.is_global_zero or executor.num_groups == 1:
             return
-        log_vote_history(trainer, self.history, step=trainer.global_step)
-        log_report_figures(trainer, self.report)
+        if self.history:
+            log_vote_history(trainer, self.history, step=trainer.global_step)
+            log_report_figures(trainer, self.report)
+        rank_zero_info(self.result.summary())
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -282,7 +302,7 @@ class HDETCallback(Callback):
             refine=not final and self.controller.search_ends(trainer.global_step),
         ))
         _execute(executor, decision)
-        _log_vote(trainer, decision, self.controller.rescues, self.report, heldout)
+        _log_vote(trainer, decision, self.controller.rescues, self.report, heldout, final)
         self._meter.reset(trainer.global_step)
         if self._heldout is not None:
             self._heldout.restart()  # the next interval averages from the merged (or restored) parameters
@@ -348,7 +368,7 @@ def _execute(executor: HDETExecutor, decision: Decision) -> None:
         executor.restore()
         rank_zero_info(
             f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
-            f"({[r for r in decision.reasons if r]}); every group rolled back to the last good merged model."
+            f"({'; '.join(r for r in decision.reasons if r)}); every group rolled back to the last good merged model."
         )
     elif executor.num_groups > 1:
         for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
@@ -357,7 +377,7 @@ def _execute(executor: HDETExecutor, decision: Decision) -> None:
     if decision.refined:
         executor.set_gradient_sync("global")
         rank_zero_info(f"HDET: step {decision.step}: search ended on group {decision.winner}; every group trains "
-                       f"from its model at LRs {decision.lrs} with gradient_sync='global'.")
+                       f"from its model at LRs {rounded_list(decision.lrs)} with gradient_sync='global'.")
 
 
 def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException:
@@ -370,9 +390,10 @@ def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException
 
 
 def _log_vote(
-    trainer: Trainer, decision: Decision, rescues: int, report: History, heldout: Optional[list[float]]
+    trainer: Trainer, decision: Decision, rescues: int, report: History, heldout: Optional[list[float]], final: bool
 ) -> None:
-    """Metrics at the vote's own step (rank 0, every logger); the controller already kept the history row."""
+    """Metrics at the vote's own step (rank 0, every logger) and one console line; the controller already kept the
+    history row."""
     metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
     for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
         metrics[f"hdet/group{g}/loss"] = loss
@@ -385,9 +406,10 @@ def _log_vote(
         report.add(decision.step, metrics)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=decision.step)
+    rank_zero_info(vote_line(decision.step, decision.winner, decision.losses, decision.lrs, final))
     if any(decision.rescued):
         rank_zero_info(f"HDET: step {decision.step}: rescued group(s) {_indices(decision.rescued)} (losses "
-                       f"{decision.losses}); total rescues {rescues}")
+                       f"{rounded_list(decision.losses)}); total rescues {rescues}")
 
 
 def _indices(flags: list[bool]) -> list[int]:

@@ -33,6 +33,7 @@ from lightning_hdet._tensors import (
     sync_device,
     write_from,
 )
+from lightning_hdet.hdet.validation import MergedValidation
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,15 @@ class MergeOps:
         self.set_lr_multipliers(state["lr_multipliers"])
         if state.get("last_good") is not None:
             self._restore_point = host_copy(state["last_good"])
+
+    def validate_merged(self, on: bool) -> None:
+        """``on``: every rank holds the checkpoint's merged model (its own state kept on the host), for validation;
+        off: each group's own state back (:mod:`~lightning_hdet.hdet.validation`). Idempotent; ``on`` is a collective."""
+        view = self.__dict__.setdefault("_merged_validation", MergedValidation())
+        if on:
+            view.swap_in(self)
+        else:
+            view.swap_out(self)
 
     def _clear_optimizer_state(self) -> None:
         """A rescued group restarts its optimizer state (moments from the diverged region would mislead it)."""

@@ -38,6 +38,7 @@ from lightning_hdet._compat import (
     sync_module_states,
     unwrap_ddp,
 )
+from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.ensemble import EnsembleOps
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
 from lightning_hdet.hdet.guard import FiniteGuard
@@ -111,7 +112,8 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        rank_zero_info(f"HDET: creating {self.layout.num_groups} process groups of {self.layout.group_size} ranks")
+        rank_zero_info(f"HDET: creating {counted(self.layout.num_groups, 'process group')} of "
+                       f"{counted(self.layout.group_size, 'rank')} each")
         # Every rank creates every group, in the same order. Except over gloo on GPUs: Lightning then binds the
         # default group to the device, and torch (2.11-2.13) has a rank outside a new group split gloo's
         # communicator, which gloo cannot do (AttributeError: perform_nocolor_split). The groups are disjoint, so

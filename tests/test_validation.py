@@ -1,0 +1,112 @@
+"""Validation under HDET describes the model a checkpoint holds (lightning_hdet/hdet/validation.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_hdet import HDETCallback, HDETStrategy
+from lightning_hdet.hdet.checkpoints import group_file
+from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
+from lightning_hdet.hdet.layout import GroupLayout
+from tests.helpers import START, LinearModel, Regression, trainer_kwargs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class SyncedLinear(LinearModel):
+    """``val_loss`` averaged over all ranks (each holds a quarter of the 64 items: no sampler padding), so the
+    monitored value is the whole validation set's loss, which one plain process can check."""
+
+    def validation_step(self, batch, batch_idx) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Regression(n=64, seed=1), batch_size=16)
+
+
+class ResultProbe(Callback):
+    """Writes rank 0's ``HDETCallback.result`` (set in the HDET callback's ``on_fit_end``, which runs first)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            hdet = next(cb for cb in trainer.callbacks if isinstance(cb, HDETCallback))
+            torch.save(hdet.result, self.out / "result.pt")
+
+
+def test_model_checkpoint_keeps_the_best_model_by_its_own_validation_loss(tmp_path: Path) -> None:
+    """Four groups 0.3x-10x apart, each training on its own: ModelCheckpoint(monitor="val_loss", save_top_k=1)'s
+    best score is the saved file's own validation loss, read back by plain Lightning in one process."""
+    seed_everything(0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1)
+    strategy = HDETStrategy(lr_multipliers=[0.3, 1.0, 3.0, 10.0], gradient_sync="group", start_method=START)
+    callbacks = [HDETCallback(every_n_steps=100), ResultProbe(tmp_path), checkpoint]
+    trainer = Trainer(strategy=strategy, callbacks=callbacks,
+                      **trainer_kwargs(max_steps=8, val_check_interval=2, limit_val_batches=None,
+                                       num_sanity_val_steps=0, enable_checkpointing=True))
+    trainer.fit(SyncedLinear(lr=0.02))
+    saved = torch.load(checkpoint.best_model_path, weights_only=False)
+    monitored = next(v["best_model_score"] for k, v in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    plain = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+    [result] = plain.validate(SyncedLinear.load_from_checkpoint(checkpoint.best_model_path), verbose=False)
+    assert float(monitored) == pytest.approx(result["val_loss"], rel=1e-5)
+    # each group wrote its own state beside it (swapped back before ModelCheckpoint saved), whose mean is the file's
+    own = [torch.load(group_file(checkpoint.best_model_path, g), weights_only=True)["state_dict"] for g in range(4)]
+    assert not torch.allclose(own[0]["layer.weight"], own[3]["layer.weight"])
+    for key, merged in saved["state_dict"].items():
+        torch.testing.assert_close(sum(o[key] for o in own) / 4, merged)
+    # what the run hands back: no vote in 8 steps, the final merge's winner, the LRs the groups started at
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert result.votes == 0 and result.rescues == 0 and [s for s, _ in result.winners] == [8]
+    assert result.initial_lrs == pytest.approx([0.006, 0.02, 0.06, 0.2])
+    assert result.lrs == result.group_lrs[result.winners[0][1]] and result.vote_history == []  # no logger
+
+
+class _TwoGroupShards(ShardedEnsembleOps):
+    """ShardedEnsembleOps on one rank, told there is a second, healthy group (which contributes nothing here)."""
+
+    def __init__(self, module: torch.nn.Module, group) -> None:
+        self.lightning_module, self.across_groups = module, group
+        self.layout, self.group_index, self.root_device = GroupLayout(2, 2), 0, torch.device("cpu")
+        self.optimizers, self._restore_point = [], None
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
+        return values.double().reshape(1, -1).repeat(2, 1)  # both groups report this rank's values
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield torch.distributed.group.WORLD
+    torch.distributed.destroy_process_group()
+
+
+def test_sharded_groups_validate_the_merge_target_and_get_their_own_state_back(one_rank) -> None:
+    """"hdet_fsdp"'s shards and buffers: swapped in, each holds the checkpoint's coefficient (1/2 of two healthy
+    groups) times its shard, summed over the groups (this rank alone); swapped out, exactly its own values."""
+    module = torch.nn.Linear(2, 1)
+    module.register_buffer("stat", torch.tensor([8.0], dtype=torch.float64))
+    with torch.no_grad():
+        module.weight.copy_(torch.tensor([[2.0, 4.0]]))
+        module.bias.fill_(6.0)
+    ops = _TwoGroupShards(module, one_rank)
+    ops.validate_merged(True)
+    ops.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
+    assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0] and module.stat.tolist() == [4.0]
+    assert ops._restore_point is None  # keep=False: the restore point is not the validation's
+    ops.validate_merged(False)
+    assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0] and module.stat.tolist() == [8.0]
