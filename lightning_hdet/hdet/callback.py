@@ -186,11 +186,7 @@ class HDETCallback(Callback):
             if self.settings.safety_net:
                 executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
             record_config(trainer, "hdet", {**executor.config, "callback": self.config})
-            rank_zero_info(  # here: before any progress bar exists, so the line does not land inside one
-                f"HDET: {counted(executor.num_groups, 'group')} of {counted(executor.layout.group_size, 'rank')}, "
-                f"gradient_sync={executor.gradient_sync!r}, vote={self.settings.vote!r} every "
-                f"{self.settings.every_n_steps} steps, blend={self.settings.blend!r}"
-            )
+            rank_zero_info(_settings_line(executor, self.settings))  # before any progress bar: not inside one
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -238,8 +234,7 @@ class HDETCallback(Callback):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Validate the model a checkpoint holds (:mod:`~lightning_hdet.hdet.validation`), unless the vote reads
-        each group's own validation metric (``monitor``)."""
+        """Validate the model a checkpoint holds, unless the vote reads each group's own (``monitor``)."""
         if self.settings.monitor is None:
             self._executor(trainer).validate_merged(True)
 
@@ -251,11 +246,6 @@ class HDETCallback(Callback):
         value = trainer.callback_metrics.get(self.settings.monitor)
         if value is not None:
             self._monitored = float(value)
-
-    @override
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._checked_strategy is not None:  # no collective: a failed validation gives each group its own back
-            self._checked_strategy.validate_merged(False)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -272,18 +262,9 @@ class HDETCallback(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Rank 0 logs the vote history table and the run's figures (W&B gets them as images); every rank keeps
-        :attr:`result`, rank 0 logs its summary."""
-        executor = self._executor(trainer)
-        self.result = make_result(self.history, executor.current_lrs().tolist(), self.initial_lrs, self.num_votes,
-                                  self.rescues, self.controller.searched_at,
-                                  vote_history_locations(trainer) if self.history else [])
-        if not trainer.is_global_zero or executor.num_groups == 1:
-            return
-        if self.history:
-            log_vote_history(trainer, self.history, step=trainer.global_step)
-            log_report_figures(trainer, self.report)
-        rank_zero_info(self.result.summary())
+        """Every rank keeps :attr:`result`; rank 0 logs the vote history table, the run's figures (W&B gets them as
+        images) and the result's summary."""
+        self.result = _hand_back(trainer, self, self._executor(trainer))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -359,6 +340,26 @@ class HDETCallback(Callback):
             return
         executor.load_ensemble(hdet)
         self._resumed_interval = hdet["interval"]
+
+
+def _settings_line(executor: HDETExecutor, settings: HDETConfig) -> str:
+    return (f"HDET: {counted(executor.num_groups, 'group')} of {counted(executor.layout.group_size, 'rank')}, "
+            f"gradient_sync={executor.gradient_sync!r}, vote={settings.vote!r} every {settings.every_n_steps} steps, "
+            f"blend={settings.blend!r}")
+
+
+def _hand_back(trainer: Trainer, callback: HDETCallback, executor: HDETExecutor) -> HDETResult:
+    """The run's result (every rank); rank 0 also logs the vote history, the figures and the summary."""
+    history = callback.history
+    result = make_result(history, executor.current_lrs().tolist(), callback.initial_lrs, callback.num_votes,
+                         callback.rescues, callback.controller.searched_at,
+                         vote_history_locations(trainer) if history else [])
+    if trainer.is_global_zero and executor.num_groups > 1:
+        if history:
+            log_vote_history(trainer, history, step=trainer.global_step)
+            log_report_figures(trainer, callback.report)
+        rank_zero_info(result.summary())
+    return result
 
 
 def _execute(executor: HDETExecutor, decision: Decision) -> None:

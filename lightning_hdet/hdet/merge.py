@@ -162,6 +162,12 @@ class MergeOps:
         else:
             view.swap_out(self)
 
+    def on_exception(self, exception: BaseException) -> None:
+        """An exception inside validation gives each group its own state back (no collective): what the model in
+        memory holds after a failed ``fit``, and what a retry or a later ``trainer.save_checkpoint`` starts from."""
+        self.validate_merged(False)
+        super().on_exception(exception)  # type: ignore[misc]
+
     def _clear_optimizer_state(self) -> None:
         """A rescued group restarts its optimizer state (moments from the diverged region would mislead it)."""
         for optimizer in self.optimizers:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Union
 from lightning.pytorch.loggers import Logger, WandbLogger
 
 from lightning_hdet._compat import wandb_run_created_in_this_process
+from lightning_hdet.records.history import VOTE_CSV
 
 if TYPE_CHECKING:
     import wandb
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 VOTE_COLUMNS = ("step", "group", "lr", "loss", "weight", "winner", "rescued")
 #: Key under which the vote history table is logged.
 VOTE_TABLE_KEY = "hdet/vote/history"
-#: File name of the vote history beside the other loggers' files (read back by ``lightning-hdet-report``).
-VOTE_CSV = "vote_history.csv"
 
 VoteRow = Union[Mapping[str, Any], Sequence[Any]]
 
