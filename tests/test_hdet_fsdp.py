@@ -17,6 +17,7 @@ from lightning_hdet import HDETFSDPStrategy
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
 from lightning_hdet.hdet.layout import GroupLayout
 from lightning_hdet.hdet.shards import GroupGradientMean
+from tests.helpers import Regression
 from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,7 +48,9 @@ def _check_training(ranks: list[dict]) -> None:
 
 
 def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "group", "strategy", resume=True)
+    """Validating at each epoch's end too: the validated model is the merged one a checkpoint holds, and each group's
+    own state comes back after it (the exact resume and merges below would not hold otherwise)."""
+    ranks = _run(tmp_path, "group", "strategy", resume=True, extra="validate")
     _check_training(ranks)
     first, resumed = [r["first"] for r in ranks], [r["resumed"] for r in ranks]
     # exact resume from the step-3 checkpoint: each group restarts from its own parameters and optimizer state
@@ -64,6 +67,13 @@ def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path
     plain.load_state_dict(checkpoint["state_dict"])
     merged = (first[0]["before"][STEPS_PER_EPOCH] + first[2]["before"][STEPS_PER_EPOCH]) / 2
     torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in plain.parameters()]), merged)
+    # validation saw that merged model on every rank, and logged the consolidated file's own validation loss
+    for f in first:
+        torch.testing.assert_close(f["validated"][STEPS_PER_EPOCH], merged)
+    x, y = Regression(n=16, seed=1).x, Regression(n=16, seed=1).y
+    with torch.no_grad():
+        own_loss = float(torch.nn.functional.mse_loss(plain.net(x)[:, :1], y))
+    assert first[0]["val_loss"][STEPS_PER_EPOCH] == pytest.approx(own_loss, rel=1e-5)
 
 
 def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -35,6 +35,7 @@ from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
 from lightning_hdet.hdet.console import counted, rounded_list
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
+from lightning_hdet.hdet.validation import unmerged_validation_warning
 from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config, vote_history_locations
 
@@ -186,7 +187,7 @@ class HDETCallback(Callback):
             if self.settings.safety_net:
                 executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
             record_config(trainer, "hdet", {**executor.config, "callback": self.config})
-            rank_zero_info(_settings_line(executor, self.settings))  # before any progress bar: not inside one
+            _announce(executor, self.settings)  # here: before any progress bar exists, so not inside one
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -342,10 +343,13 @@ class HDETCallback(Callback):
         self._resumed_interval = hdet["interval"]
 
 
-def _settings_line(executor: HDETExecutor, settings: HDETConfig) -> str:
-    return (f"HDET: {counted(executor.num_groups, 'group')} of {counted(executor.layout.group_size, 'rank')}, "
-            f"gradient_sync={executor.gradient_sync!r}, vote={settings.vote!r} every {settings.every_n_steps} steps, "
-            f"blend={settings.blend!r}")
+def _announce(executor: HDETExecutor, settings: HDETConfig) -> None:
+    """The settings line (rank 0), and what validation shows when the vote reads each group's own metric."""
+    rank_zero_info(f"HDET: {counted(executor.num_groups, 'group')} of {counted(executor.layout.group_size, 'rank')}, "
+                   f"gradient_sync={executor.gradient_sync!r}, vote={settings.vote!r} every {settings.every_n_steps} "
+                   f"steps, blend={settings.blend!r}")
+    if settings.monitor is not None and executor.num_groups > 1:
+        rank_zero_warn(unmerged_validation_warning(settings.monitor))
 
 
 def _hand_back(trainer: Trainer, callback: HDETCallback, executor: HDETExecutor) -> HDETResult:

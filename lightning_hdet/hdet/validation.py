@@ -13,6 +13,9 @@ _merge_parts`: parameters or their local shards, the float buffers, and the sche
 :meth:`~lightning_hdet.hdet.merge.MergeOps.merge` (``keep=False``: the restore point and the optimizer states are
 left alone). Cost per validation: one device-to-host and one host-to-device copy of this rank's part of the
 model, and the merge's all-reduces.
+
+Not under ``HDETCallback(monitor=...)``: that vote compares each group's own value of a validation metric, so
+validation runs each group's own model, and a warning at the start of fit says what the metric then describes.
 """
 
 from __future__ import annotations
@@ -20,8 +23,29 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.nn import Module
 
 from lightning_hdet._tensors import all_finite, flat_dtype, host_buffer, numel, read_into, write_from
+
+
+def unmerged_validation_warning(monitor: str) -> str:
+    """What validation shows when the vote reads each group's own validation metric."""
+    return (
+        f"HDETCallback(monitor={monitor!r}) votes on each group's own {monitor!r}, so validation runs each group's own "
+        f"model: what ModelCheckpoint, EarlyStopping and the progress bar see for {monitor!r} is a group's value, not "
+        "that of the merged model a checkpoint holds (each group's value is logged as hdet/group{g}/loss at the "
+        "votes). To keep checkpoints by the saved model's own value, vote on the training loss (monitor=None)."
+    )
+
+
+def reshard(module: Module) -> None:
+    """Free FSDP2's unsharded parameters, so the shards are what the next forward gathers. Why: a module FSDP2
+    treats as a root (e.g. a submodule called directly from ``validation_step``) keeps its gathered parameters
+    after a forward without backward; writing the shards under it would leave the next forward on stale values."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 def healthy_mean(ops: Any, tensors: list[Tensor]) -> list[float]:
@@ -55,6 +79,7 @@ class MergedValidation:
         """Keep this rank's own state on the host, then hold the checkpoint's merged model on every rank."""
         if self.active or ops.num_groups == 1:
             return
+        reshard(ops.lightning_module)
         parts = [*ops._merge_parts(), ops._iterate_part()]
         tensors = [t for part in parts for t in part.tensors]
         size, dtype = numel(tensors), flat_dtype(tensors)
@@ -70,5 +95,6 @@ class MergedValidation:
         """Give this rank its own state back (exactly the values :meth:`swap_in` kept)."""
         if not self.active:
             return
+        reshard(ops.lightning_module)  # the validation's forwards may have left merged parameters gathered
         write_from(self._tensors, self._buffer, ops.root_device)
         self._tensors = None
