@@ -1,4 +1,5 @@
-"""Validation under HDET describes the model a checkpoint holds (lightning_hdet/hdet/validation.py)."""
+"""Validation under HDET describes the model a checkpoint holds (lightning_hdet/hdet/validation.py); the sharded
+swap's arithmetic is tested in tests/test_hdet_fsdp.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from torch.utils.data import DataLoader
 
 from lightning_hdet import HDETCallback, HDETStrategy
 from lightning_hdet.hdet.checkpoints import group_file
-from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
-from lightning_hdet.hdet.layout import GroupLayout
 from tests.helpers import START, LinearModel, Regression, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,43 +69,3 @@ def test_model_checkpoint_keeps_the_best_model_by_its_own_validation_loss(tmp_pa
     assert result.votes == 0 and result.rescues == 0 and [s for s, _ in result.winners] == [8]
     assert result.initial_lrs == pytest.approx([0.006, 0.02, 0.06, 0.2])
     assert result.lrs == result.group_lrs[result.winners[0][1]] and result.vote_history == []  # no logger
-
-
-class _TwoGroupShards(ShardedEnsembleOps):
-    """ShardedEnsembleOps on one rank, told there is a second, healthy group (which contributes nothing here)."""
-
-    def __init__(self, module: torch.nn.Module, group) -> None:
-        self.lightning_module, self.across_groups = module, group
-        self.layout, self.group_index, self.root_device = GroupLayout(2, 2), 0, torch.device("cpu")
-        self.optimizers, self._restore_point = [], None
-
-    @property
-    def num_groups(self) -> int:
-        return self.layout.num_groups
-
-    def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
-        return values.double().reshape(1, -1).repeat(2, 1)  # both groups report this rank's values
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield torch.distributed.group.WORLD
-    torch.distributed.destroy_process_group()
-
-
-def test_sharded_groups_validate_the_merge_target_and_get_their_own_state_back(one_rank) -> None:
-    """"hdet_fsdp"'s shards and buffers: swapped in, each holds the checkpoint's coefficient (1/2 of two healthy
-    groups) times its shard, summed over the groups (this rank alone); swapped out, exactly its own values."""
-    module = torch.nn.Linear(2, 1)
-    module.register_buffer("stat", torch.tensor([8.0], dtype=torch.float64))
-    with torch.no_grad():
-        module.weight.copy_(torch.tensor([[2.0, 4.0]]))
-        module.bias.fill_(6.0)
-    ops = _TwoGroupShards(module, one_rank)
-    ops.validate_merged(True)
-    ops.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
-    assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0] and module.stat.tolist() == [4.0]
-    assert ops._restore_point is None  # keep=False: the restore point is not the validation's
-    ops.validate_merged(False)
-    assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0] and module.stat.tolist() == [8.0]
