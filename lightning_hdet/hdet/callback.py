@@ -29,10 +29,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.console import counted, rounded_list
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
 from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
-from lightning_hdet.hdet.console import counted, rounded_list
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
 from lightning_hdet.hdet.validation import unmerged_validation_warning

@@ -79,7 +79,8 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     * ``add_init_noise(relative_std, seed)``: the published warm start;
     * ``merge(coefficients, strengths, restart)``, ``ensure_restore_point()``, ``restore()``: blend, keep the last
       finite target on the host, roll back to it;
-    * ``save_ensemble()`` / ``load_ensemble(state)``: the ensemble part of a checkpoint.
+    * ``save_ensemble()`` / ``load_ensemble(state)``: the ensemble part of a checkpoint;
+    * ``validate_merged(on)``: hold the checkpoint's merged model for validation, or each group's own state again.
     """
 
     strategy_name = "hdet"
