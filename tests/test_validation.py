@@ -29,6 +29,12 @@ class SyncedLinear(LinearModel):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(Regression(n=64, seed=1), batch_size=16)
 
+    def test_step(self, batch, batch_idx) -> None:
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self.layer(x), y), sync_dist=True)
+
+    test_dataloader = val_dataloader
+
 
 class ResultProbe(Callback):
     """Writes rank 0's ``HDETCallback.result`` (set in the HDET callback's ``on_fit_end``, which runs first)."""
@@ -57,13 +63,16 @@ def test_model_checkpoint_keeps_the_best_model_by_its_own_validation_loss(tmp_pa
     monitored = next(v["best_model_score"] for k, v in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
     plain = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                     enable_model_summary=False)
-    [result] = plain.validate(SyncedLinear.load_from_checkpoint(checkpoint.best_model_path), verbose=False)
-    assert float(monitored) == pytest.approx(result["val_loss"], rel=1e-5)
+    [validated] = plain.validate(SyncedLinear.load_from_checkpoint(checkpoint.best_model_path), verbose=False)
+    assert float(monitored) == pytest.approx(validated["val_loss"], rel=1e-5)
     # each group wrote its own state beside it (swapped back before ModelCheckpoint saved), whose mean is the file's
     own = [torch.load(group_file(checkpoint.best_model_path, g), weights_only=True)["state_dict"] for g in range(4)]
     assert not torch.allclose(own[0]["layer.weight"], own[3]["layer.weight"])
     for key, merged in saved["state_dict"].items():
         torch.testing.assert_close(sum(o[key] for o in own) / 4, merged)
+    # testing the best checkpoint: every group reads its own file back, and the test sees the merged model too
+    [tested] = trainer.test(ckpt_path="best", verbose=False)
+    assert tested["test_loss"] == pytest.approx(validated["val_loss"], rel=1e-5)
     # what the run hands back: no vote in 8 steps, the final merge's winner, the LRs the groups started at
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result.votes == 0 and result.rescues == 0 and [s for s, _ in result.winners] == [8]
