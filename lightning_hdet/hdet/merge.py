@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer
 from lightning_hdet._tensors import (
@@ -162,24 +163,29 @@ class MergeOps:
         else:
             view.swap_out(self)
 
+    @override
     def on_test_start(self) -> None:
         """Test (and predict with) the model a checkpoint holds, as validation does: e.g. after
         ``trainer.test(ckpt_path="best")`` each group holds its own state from the checkpoint's group files."""
         super().on_test_start()  # type: ignore[misc]
         self.validate_merged(True)
 
+    @override
     def on_test_end(self) -> None:
         self.validate_merged(False)
         super().on_test_end()  # type: ignore[misc]
 
+    @override
     def on_predict_start(self) -> None:
         super().on_predict_start()  # type: ignore[misc]
         self.validate_merged(True)
 
+    @override
     def on_predict_end(self) -> None:
         self.validate_merged(False)
         super().on_predict_end()  # type: ignore[misc]
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """An exception inside validation gives each group its own state back (no collective): what the model in
         memory holds after a failed ``fit``, and what a retry or a later ``trainer.save_checkpoint`` starts from."""
