@@ -17,6 +17,7 @@ from lightning_hdet import HDETFSDPStrategy
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
 from lightning_hdet.hdet.layout import GroupLayout
 from lightning_hdet.hdet.shards import GroupGradientMean
+from tests.helpers import Regression
 from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,7 +48,9 @@ def _check_training(ranks: list[dict]) -> None:
 
 
 def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "group", "strategy", resume=True)
+    """Validating at each epoch's end too: the validated model is the merged one a checkpoint holds, and each group's
+    own state comes back after it (the exact resume and merges below would not hold otherwise)."""
+    ranks = _run(tmp_path, "group", "strategy", resume=True, extra="validate")
     _check_training(ranks)
     first, resumed = [r["first"] for r in ranks], [r["resumed"] for r in ranks]
     # exact resume from the step-3 checkpoint: each group restarts from its own parameters and optimizer state
@@ -64,6 +67,13 @@ def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path
     plain.load_state_dict(checkpoint["state_dict"])
     merged = (first[0]["before"][STEPS_PER_EPOCH] + first[2]["before"][STEPS_PER_EPOCH]) / 2
     torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in plain.parameters()]), merged)
+    # validation saw that merged model on every rank, and logged the consolidated file's own validation loss
+    for f in first:
+        torch.testing.assert_close(f["validated"][STEPS_PER_EPOCH], merged)
+    x, y = Regression(n=16, seed=1).x, Regression(n=16, seed=1).y
+    with torch.no_grad():
+        own_loss = float(torch.nn.functional.mse_loss(plain.net(x)[:, :1], y))
+    assert first[0]["val_loss"][STEPS_PER_EPOCH] == pytest.approx(own_loss, rel=1e-5)
 
 
 def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:
@@ -149,13 +159,19 @@ class _OneRankShards(ShardedEnsembleOps):
         return values.double().reshape(1, -1)
 
 
-def test_sharded_merge_writes_the_target_and_moves_by_strength(one_rank) -> None:
-    """Shards and float buffers go through the shared bucketed merge; the target becomes the restore point."""
+def _weighted_linear() -> torch.nn.Linear:
+    """Weights [2, 4], bias 6 and a float64 buffer 8: shards, then buffers, as a merge carries them."""
     module = torch.nn.Linear(2, 1)
     module.register_buffer("stat", torch.tensor([8.0], dtype=torch.float64))
     with torch.no_grad():
         module.weight.copy_(torch.tensor([[2.0, 4.0]]))
         module.bias.fill_(6.0)
+    return module
+
+
+def test_sharded_merge_writes_the_target_and_moves_by_strength(one_rank) -> None:
+    """Shards and float buffers go through the shared bucketed merge; the target becomes the restore point."""
+    module = _weighted_linear()
     ops = _OneRankShards(module, one_rank)
     ops.merge([0.5], [0.25], [False])
     # target = coefficient x theta (summed over the one rank), in the order shards, then buffers; float64 (buffer)
@@ -164,3 +180,32 @@ def test_sharded_merge_writes_the_target_and_moves_by_strength(one_rank) -> None
     assert module.stat.tolist() == [7.0]
     ops.restore()
     assert module.weight.tolist() == [[1.0, 2.0]] and module.stat.tolist() == [4.0]
+
+
+class _TwoGroupShards(_OneRankShards):
+    """Told there is a second, healthy group of one rank (which contributes nothing: this rank is alone)."""
+
+    def __init__(self, module: torch.nn.Module, group) -> None:
+        super().__init__(module, group)
+        self.layout = GroupLayout(2, 2)
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
+        return values.double().reshape(1, -1).repeat(2, 1)  # both groups report this rank's values
+
+
+def test_sharded_groups_validate_the_merge_target_and_get_their_own_state_back(one_rank) -> None:
+    """Validation's swap (hdet/validation.py) on shards and buffers: swapped in, each holds the checkpoint's
+    coefficient (1/2 of two healthy groups) times its shard, summed over the groups (this rank alone); swapped out,
+    exactly its own values."""
+    module = _weighted_linear()
+    ops = _TwoGroupShards(module, one_rank)
+    ops.validate_merged(True)
+    ops.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
+    assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0] and module.stat.tolist() == [4.0]
+    assert ops._restore_point is None  # keep=False: the restore point is not the validation's
+    ops.validate_merged(False)
+    assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0] and module.stat.tolist() == [8.0]

@@ -1,4 +1,5 @@
-"""The report on a small recorded run: loading CSVLogger and W&B offline runs, and every figure."""
+"""The report on a small recorded run: loading CSVLogger, TensorBoard and W&B offline runs and a vote history, and
+every figure."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from tests.report_synthetic import (
     GROUPS, ROUND_EVERY, STEPS, WORKERS, offline_wandb_env, record_run, synthetic_metrics,
 )
@@ -17,6 +18,7 @@ from lightning_hdet.records import figures as figures_module
 from lightning_hdet.records import history as history_module
 from lightning_hdet.records import report
 from lightning_hdet.records.history import votes
+from lightning_hdet.records.wandb import log_vote_history
 
 pytest.importorskip("matplotlib")
 
@@ -31,17 +33,18 @@ DOCUMENTED_KEYS = (
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """One real 1-process run written by a CSVLogger and an offline WandbLogger at once."""
+    """One real 1-process run written by a CSVLogger, a TensorBoardLogger and an offline WandbLogger at once."""
     root = tmp_path_factory.mktemp("run")
     with pytest.MonkeyPatch.context() as mp:
         offline_wandb_env(mp, root)
         csv_logger = CSVLogger(root / "csv", name="", version="")
+        tb_logger = TensorBoardLogger(root / "tb", name="", version="")
         wandb_logger = WandbLogger(offline=True, save_dir=str(root), project="report-test")
-        record_run([csv_logger, wandb_logger])
+        record_run([csv_logger, tb_logger, wandb_logger])
         wandb_logger.experiment.finish()  # flush the transaction log before reading it back
     runs = list((root / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    return {"csv": Path(csv_logger.log_dir), "wandb": runs[0]}
+    return {"csv": Path(csv_logger.log_dir), "tb": Path(tb_logger.log_dir), "wandb": runs[0]}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def expected():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["csv", "wandb"])
+@pytest.mark.parametrize("kind", ["csv", "tb", "wandb"])
 def test_history_has_every_documented_key_and_value(recorded, expected, kind):
     history = load_history(recorded[kind])
     assert DOCUMENTED_KEYS <= history.keys
@@ -68,7 +71,7 @@ def test_history_has_every_documented_key_and_value(recorded, expected, kind):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["csv", "wandb"])
+@pytest.mark.parametrize("kind", ["csv", "tb", "wandb"])
 def test_cli_writes_every_png(recorded, kind, tmp_path, capsys):
     assert report.main([str(recorded[kind]), "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.split()
@@ -148,7 +151,7 @@ def test_history_reads_wandb_spelling_of_non_finite_values():
 def test_bad_run_paths_name_the_argument(tmp_path):
     with pytest.raises(ValueError, match="run=.*does not exist"):
         load_history(tmp_path / "missing")
-    with pytest.raises(ValueError, match="neither a CSVLogger metrics.csv nor a W&B"):
+    with pytest.raises(ValueError, match="no CSVLogger metrics.csv, TensorBoard event file, W&B"):
         load_history(tmp_path)
     (tmp_path / "metrics.csv").write_text("step,loss\n0,1.0\n")
     with pytest.raises(ValueError, match="none of the hdet/... or async/... keys"):
@@ -170,3 +173,20 @@ def test_log_figures_to_wandb_logs_images_only_to_wandb(recorded, tmp_path, monk
     assert images == sorted(figures_module.FIGURE_NAMES)
     history = load_history(run)
     assert {f"plots/{name}.count" for name in figures_module.FIGURE_NAMES} <= history.keys
+
+
+def test_vote_history_csv_alone_or_beside_the_metrics_gives_the_vote_keys(tmp_path):
+    """A run whose metrics lack the vote keys (e.g. another logger got them) still shows its votes from the
+    ``vote_history.csv`` beside them, and that file alone is a run too."""
+    logger = CSVLogger(tmp_path, name="", version="")
+    logger.log_metrics({"train_loss": 1.0}, step=0)
+    logger.save()
+    rows = [{"step": 4, "group": g, "lr": 0.1 * (g + 1), "loss": 2.0 - g, "weight": float(g), "winner": 1,
+             "rescued": g == 0} for g in range(2)]
+    log_vote_history(logger, rows + [{**r, "step": 8, "loss": 1.0, "rescued": False} for r in rows])
+    for run in (Path(logger.log_dir), Path(logger.log_dir) / "vote_history.csv"):
+        history = load_history(run)
+        assert votes(history) == ([4, 8], [1, 1])
+        assert history.rows[4]["hdet/group1/lr"] == pytest.approx(0.2) and history.rows[4]["hdet/group0/loss"] == 2.0
+        assert history_module.rescues(history) == [4]
+    assert load_history(Path(logger.log_dir)).rows[0]["train_loss"] == 1.0

@@ -54,7 +54,8 @@ def training_loader(
 
 class DemoModule(LightningModule):
     """Base of the demo models: subclasses define ``_loss(batch)``; this logs ``train_loss`` every step and
-    ``val_loss`` per validation (unsynchronised: under HDET each group keeps its own value, the vote's signal),
+    ``val_loss`` per validation (unsynchronised: each rank keeps its own value, of the merged model under HDET, or of
+its own group's with ``HDETCallback(monitor="val_loss")``, the vote's signal),
     and lets a schedule-free optimizer train on its interpolated weights and validate on its average
     (``optimizer.train()`` / ``optimizer.eval()``; a no-op for every other optimizer)."""
 

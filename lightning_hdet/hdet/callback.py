@@ -25,18 +25,22 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.console import counted, rounded_list
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, refuse_moved, resolve
+from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
+from lightning_hdet.hdet.validation import unmerged_validation_warning
 from lightning_hdet.records import History, log_report_figures
-from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
+from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config, vote_history_locations
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,7 @@ class HDETCallback(Callback):
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.initial_lrs: list[float] = []  # every group's real learning rate when training started
+        self.result: Optional[HDETResult] = None  # what the run found, set at the end of fit (every rank)
         self._last_vote_step = -1
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
@@ -135,6 +140,7 @@ class HDETCallback(Callback):
             if self.settings.safety_net:
                 executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
             record_config(trainer, "hdet", {**executor.config, "callback": self.config})
+            _announce(executor, self.settings, _search_plan(self.search, trainer))  # here: before any progress bar exists, so not inside one
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -155,11 +161,8 @@ class HDETCallback(Callback):
         self.controller.search_steps = search_steps(self.search, trainer)
         if self._heldout is not None:
             self._heldout.start(trainer, pl_module)  # after experimental.InitNoise (on_fit_start): it averages those
-        rank_zero_info(
-            f"HDET: {executor.num_groups} groups of {executor.layout.group_size} ranks, gradient_sync="
-            f"{executor.gradient_sync!r}, vote={self.settings.vote!r} every {self.settings.every_n_steps} steps, "
-            + _search_state(self.controller)
-        )
+        if self.controller.searched_at is not None:
+            rank_zero_info(f"HDET: resumed after the search ended at step {self.controller.searched_at}")
 
     # ------------------------------------------------------------------ per step
     @override
@@ -183,12 +186,16 @@ class HDETCallback(Callback):
             if not vote:  # a vote logged its new learning rates itself
                 _log_lrs(trainer, lrs, step, self.report)
             pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
-            if self.controller.last_winner >= 0:
-                pl_module.log("hdet/leader", float(self.controller.last_winner), prog_bar=True, logger=False,
-                              rank_zero_only=True)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Validate the model a checkpoint holds, unless the vote reads each group's own (``monitor``)."""
+        if self.settings.monitor is None:
+            self._executor(trainer).validate_merged(True)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._executor(trainer).validate_merged(False)  # before ModelCheckpoint saves (Lightning orders it last)
         if self.settings.monitor is None or trainer.sanity_checking:
             return
         value = trainer.callback_metrics.get(self.settings.monitor)
@@ -210,11 +217,9 @@ class HDETCallback(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Rank 0 logs the vote history table and the run's figures (W&B gets them as images)."""
-        if not trainer.is_global_zero or not self.history:
-            return
-        log_vote_history(trainer, self.history, step=trainer.global_step)
-        log_report_figures(trainer, self.report)
+        """Every rank keeps :attr:`result`; rank 0 logs the vote history table, the run's figures (W&B gets them as
+        images) and the result's summary."""
+        self.result = _hand_back(trainer, self, self._executor(trainer))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -233,7 +238,7 @@ class HDETCallback(Callback):
             refine=not final and self.controller.search_ends(trainer.global_step),
         ))
         _execute(executor, decision)
-        _log_vote(trainer, decision, self.controller.rescues, self.report, heldout)
+        _log_vote(trainer, decision, self.controller.rescues, self.report, heldout, final)
         self._meter.reset(trainer.global_step)
         if self._heldout is not None:
             self._heldout.restart()  # the next interval averages from the merged (or restored) parameters
@@ -305,11 +310,38 @@ def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
     return int(total) // 2
 
 
-def _search_state(controller: HDETController) -> str:
-    if controller.searched_at is not None:
-        return f"the search ended at step {controller.searched_at}"
-    end = controller.search_steps
-    return "searching the whole run" if end is None else f"the search ends at a vote from step {end} on"
+def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
+    """Where the search ends, as known at set-up (an epoch-bounded run's length is resolved at train start)."""
+    if search is None:
+        return "no search (the vote runs the whole run)"
+    if search.steps is None and trainer.max_steps <= 0:
+        return "the search ends halfway through the run's estimated steps"
+    steps = search.steps if search.steps is not None else trainer.max_steps // 2
+    return f"the search ends at a vote from step {steps} on"
+
+
+def _announce(executor: HDETExecutor, settings: HDETConfig, plan: str) -> None:
+    """The settings line (rank 0), and what validation shows when the vote reads each group's own metric."""
+    blend = f", blend={settings.blend!r}" if settings.vote in ("softmax", "best") else ""  # PBT copies, never blends
+    rank_zero_info(f"HDET: {counted(executor.num_groups, 'group')} of {counted(executor.layout.group_size, 'rank')}, "
+                   f"gradient_sync={executor.gradient_sync!r}, vote={settings.vote!r} every {settings.every_n_steps} "
+                   f"steps{blend}, {plan}")
+    if settings.monitor is not None and executor.num_groups > 1:
+        rank_zero_warn(unmerged_validation_warning(settings.monitor))
+
+
+def _hand_back(trainer: Trainer, callback: HDETCallback, executor: HDETExecutor) -> HDETResult:
+    """The run's result (every rank); rank 0 also logs the vote history, the figures and the summary."""
+    history = callback.history
+    result = make_result(history, executor.current_lrs().tolist(), callback.initial_lrs, callback.num_votes,
+                         callback.rescues, callback.controller.searched_at,
+                         vote_history_locations(trainer) if history else [])
+    if trainer.is_global_zero and executor.num_groups > 1:
+        if history:
+            log_vote_history(trainer, history, step=trainer.global_step)
+            log_report_figures(trainer, callback.report)
+        rank_zero_info(result.summary())
+    return result
 
 
 def _execute(executor: HDETExecutor, decision: Decision) -> None:
@@ -319,7 +351,7 @@ def _execute(executor: HDETExecutor, decision: Decision) -> None:
         executor.restore()
         rank_zero_info(
             f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
-            f"({[r for r in decision.reasons if r]}); every group rolled back to the last good merged model."
+            f"({'; '.join(r for r in decision.reasons if r)}); every group rolled back to the last good merged model."
         )
     elif executor.num_groups > 1:
         for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
@@ -328,7 +360,7 @@ def _execute(executor: HDETExecutor, decision: Decision) -> None:
     if decision.refined:
         executor.set_gradient_sync("global")
         rank_zero_info(f"HDET: step {decision.step}: search ended on group {decision.winner}; every group trains "
-                       f"from its model at LRs {decision.lrs} with gradient_sync='global'.")
+                       f"from its model at LRs {rounded_list(decision.lrs)} with gradient_sync='global'.")
 
 
 def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException:
@@ -341,9 +373,10 @@ def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException
 
 
 def _log_vote(
-    trainer: Trainer, decision: Decision, rescues: int, report: History, heldout: Optional[list[float]]
+    trainer: Trainer, decision: Decision, rescues: int, report: History, heldout: Optional[list[float]], final: bool
 ) -> None:
-    """Metrics at the vote's own step (rank 0, every logger); the controller already kept the history row."""
+    """Metrics at the vote's own step (rank 0, every logger) and one console line; the controller already kept the
+    history row."""
     metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
     for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
         metrics[f"hdet/group{g}/loss"] = loss
@@ -356,9 +389,10 @@ def _log_vote(
         report.add(decision.step, metrics)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=decision.step)
+    rank_zero_info(vote_line(decision.step, decision.winner, decision.losses, decision.lrs, final))
     if any(decision.rescued):
         rank_zero_info(f"HDET: step {decision.step}: rescued group(s) {_indices(decision.rescued)} (losses "
-                       f"{decision.losses}); total rescues {rescues}")
+                       f"{rounded_list(decision.losses)}); total rescues {rescues}")
 
 
 def _indices(flags: list[bool]) -> list[int]:

@@ -94,6 +94,10 @@ class HDETExecutor(Protocol):
     def restore(self) -> None:
         """Roll every group back to the restore point, with a fresh optimizer state."""
 
+    def validate_merged(self, on: bool) -> None:
+        """``on``: hold the checkpoint's merged model on every rank (for validation); off: each group's own state
+        back. Idempotent."""
+
     def save_ensemble(self) -> dict[str, Any]:
         """What a checkpoint keeps of the ensemble: multipliers, the restore point and where every group's own state
         is (each group writes its own)."""

@@ -35,6 +35,7 @@ from lightning_hdet._compat import (
     register_names,
 )
 from lightning_hdet.hdet import fsdp_checkpoint
+from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
 from lightning_hdet.hdet.shards import (
@@ -121,7 +122,8 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         init_model_parallel(self, lambda s: init_device_mesh(
             s.root_device.type, (s.num_groups, s.layout.group_size), mesh_dim_names=("group", "shard")))
         destroy_default_group_at_exit()
-        rank_zero_info(f"HDET-FSDP: {self.num_groups} groups sharded over {self.layout.group_size} ranks each")
+        rank_zero_info(f"HDET-FSDP: {counted(self.num_groups, 'group')} sharded over "
+                       f"{counted(self.layout.group_size, 'rank')} each")
 
     @property
     def shard_mesh(self) -> DeviceMesh:

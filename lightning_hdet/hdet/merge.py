@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer
 from lightning_hdet._tensors import (
@@ -33,6 +34,7 @@ from lightning_hdet._tensors import (
     sync_device,
     write_from,
 )
+from lightning_hdet.hdet.validation import MergedValidation
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +153,44 @@ class MergeOps:
         self.set_lr_multipliers(state["lr_multipliers"])
         if state.get("last_good") is not None:
             self._restore_point = host_copy(state["last_good"])
+
+    def validate_merged(self, on: bool) -> None:
+        """``on``: every rank holds the checkpoint's merged model (its own state kept on the host), for validation;
+        off: each group's own state back (:mod:`~lightning_hdet.hdet.validation`). Idempotent; ``on`` is a collective."""
+        view = self.__dict__.setdefault("_merged_validation", MergedValidation())
+        if on:
+            view.swap_in(self)
+        else:
+            view.swap_out(self)
+
+    @override
+    def on_test_start(self) -> None:
+        """Test (and predict with) the model a checkpoint holds, as validation does: e.g. after
+        ``trainer.test(ckpt_path="best")`` each group holds its own state from the checkpoint's group files."""
+        super().on_test_start()  # type: ignore[misc]
+        self.validate_merged(True)
+
+    @override
+    def on_test_end(self) -> None:
+        self.validate_merged(False)
+        super().on_test_end()  # type: ignore[misc]
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()  # type: ignore[misc]
+        self.validate_merged(True)
+
+    @override
+    def on_predict_end(self) -> None:
+        self.validate_merged(False)
+        super().on_predict_end()  # type: ignore[misc]
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """An exception inside validation gives each group its own state back (no collective): what the model in
+        memory holds after a failed ``fit``, and what a retry or a later ``trainer.save_checkpoint`` starts from."""
+        self.validate_merged(False)
+        super().on_exception(exception)  # type: ignore[misc]
 
     def _clear_optimizer_state(self) -> None:
         """A rescued group restarts its optimizer state (moments from the diverged region would mislead it)."""

@@ -38,6 +38,7 @@ from lightning_hdet._compat import (
     sync_module_states,
     unwrap_ddp,
 )
+from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.ensemble import EnsembleOps
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
 from lightning_hdet.hdet.guard import FiniteGuard
@@ -82,7 +83,8 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     * ``add_init_noise(relative_std, seed)``: the published warm start;
     * ``merge(coefficients, strengths, restart)``, ``ensure_restore_point()``, ``restore()``: blend, keep the last
       finite target on the host, roll back to it;
-    * ``save_ensemble()`` / ``load_ensemble(state)``: the ensemble part of a checkpoint.
+    * ``save_ensemble()`` / ``load_ensemble(state)``: the ensemble part of a checkpoint;
+    * ``validate_merged(on)``: hold the checkpoint's merged model for validation, or each group's own state again.
     """
 
     strategy_name = "hdet"
@@ -117,7 +119,8 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        rank_zero_info(f"HDET: creating {self.layout.num_groups} process groups of {self.layout.group_size} ranks")
+        rank_zero_info(f"HDET: creating {counted(self.layout.num_groups, 'process group')} of "
+                       f"{counted(self.layout.group_size, 'rank')} each")
         # Every rank creates every group, in the same order. Except over gloo on GPUs: Lightning then binds the
         # default group to the device, and torch (2.11-2.13) has a rank outside a new group split gloo's
         # communicator, which gloo cannot do (AttributeError: perform_nocolor_split). The groups are disjoint, so

@@ -1,7 +1,8 @@
 """A run's logged scalars read back into one table, and what it says (votes, rescues, async rounds).
 
 Pure: no matplotlib, no Lightning. The HDET callback and the async strategy fill a :class:`History` live on rank
-0; :func:`load_history` reads one back from a ``CSVLogger`` directory or a W&B offline run.
+0; :func:`load_history` reads one back from a ``CSVLogger`` directory, a ``TensorBoardLogger`` one or a W&B
+offline run, and fills in what the ``vote_history.csv`` beside it holds (or reads that file alone).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_hdet.records.tensorboard import find_event_files, read_scalars
+
 GROUP_LR = re.compile(r"^hdet/group(\d+)/lr$")
 GROUP_LOSS = re.compile(r"^hdet/group(\d+)/loss$")
 VOTE_WEIGHT = re.compile(r"^hdet/vote/weight(\d+)$")
@@ -25,6 +28,8 @@ BASE_LR = "hdet/base_lr"
 RESCUES = "hdet/rescues"
 WORKER_KEY = re.compile(r"^async/worker(\d+)/(\w+)$")
 _WANDB_STEP = "trainer/global_step"
+#: File name of the vote history written beside a non-W&B logger's files (one row per vote and group).
+VOTE_CSV = "vote_history.csv"
 
 
 @dataclass
@@ -44,6 +49,13 @@ class History:
             number = _as_float(value)
             if number is not None:
                 row[key] = number
+
+    def fill(self, other: History) -> None:
+        """Take the values of ``other`` for the (step, key) pairs this history lacks."""
+        for step, row in other.rows.items():
+            mine = self.rows.setdefault(step, {})
+            for key, value in row.items():
+                mine.setdefault(key, value)
 
     @property
     def keys(self) -> set[str]:
@@ -76,27 +88,59 @@ def _as_float(value: Any) -> float | None:
 
 
 def load_history(run: str | os.PathLike[str]) -> History:
-    """Load a run's metrics from a CSVLogger directory (or its ``metrics.csv``) or a W&B run.
+    """Load a run's metrics from a CSVLogger directory (or its ``metrics.csv``), a TensorBoardLogger directory (or
+    an ``events.out.tfevents.*`` file), a W&B run, or a ``vote_history.csv`` alone.
 
     A W&B run is a ``run-*.wandb`` file, an ``offline-run-*`` / ``run-*`` directory holding one, or a
-    ``wandb`` directory (its ``latest-run`` is used). Nothing is sent over the network.
+    ``wandb`` directory (its ``latest-run`` is used). A ``vote_history.csv`` beside the metrics fills in the vote
+    keys they lack. Nothing is sent over the network.
     """
     path = Path(run)
     if not path.exists():
         raise ValueError(
-            f"run={str(run)!r} does not exist; pass a CSVLogger directory or a W&B run directory"
+            f"run={str(run)!r} does not exist; pass a CSVLogger, TensorBoardLogger or W&B run directory"
         )
+    if path.name == VOTE_CSV:
+        return load_vote_history(path)
     wandb_file = _find_wandb_file(path)
     if wandb_file is not None:
         return load_wandb_history(wandb_file)
     csv_file = _find_metrics_csv(path)
-    if csv_file is not None:
-        return load_csv_history(csv_file)
-    raise ValueError(
-        f"run={str(run)!r} holds neither a CSVLogger metrics.csv nor a W&B run-*.wandb file; "
-        "allowed: a CSVLogger log dir (e.g. lightning_logs/version_0), its metrics.csv, "
-        "a wandb/offline-run-* directory or its run-*.wandb file"
-    )
+    events = find_event_files(path) if csv_file is None else []
+    if csv_file is None and not events:
+        raise ValueError(
+            f"run={str(run)!r} holds no CSVLogger metrics.csv, TensorBoard event file, W&B run-*.wandb file or "
+            f"{VOTE_CSV}; allowed: a CSVLogger or TensorBoardLogger log dir (e.g. lightning_logs/version_0), its "
+            f"metrics.csv or events.out.tfevents.* file, a wandb/offline-run-* directory or its run-*.wandb file, "
+            f"a {VOTE_CSV}"
+        )
+    history = load_csv_history(csv_file) if csv_file is not None else load_tensorboard_history(events)
+    votes = (csv_file or events[0]).parent / VOTE_CSV
+    if votes.is_file():
+        history.fill(load_vote_history(votes))
+    return history
+
+
+def load_tensorboard_history(event_files: list[Path]) -> History:
+    """Read the scalars of a TensorBoardLogger run's event files."""
+    history = History()
+    for step, tag, value in read_scalars(event_files):
+        history.add(step, {tag: value})
+    return history
+
+
+def load_vote_history(vote_csv: str | os.PathLike[str]) -> History:
+    """The vote keys (every group's new LR and loss, the weights, the winner, the cumulative rescues) rebuilt from
+    a ``vote_history.csv`` (columns ``step, group, lr, loss, weight, winner, rescued``)."""
+    history, rescues = History(), 0
+    with open(vote_csv, newline="") as file:
+        for record in csv.DictReader(file):
+            step, group = int(record["step"]), int(record["group"])
+            rescues += record["rescued"] == "True"
+            history.add(step, {f"hdet/group{group}/lr": record["lr"], f"hdet/group{group}/loss": record["loss"],
+                               f"hdet/vote/weight{group}": record["weight"], VOTE_WINNER: record["winner"],
+                               RESCUES: rescues})
+    return history
 
 
 def _find_metrics_csv(path: Path) -> Path | None:

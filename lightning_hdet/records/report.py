@@ -1,6 +1,7 @@
 """The report: ``python -m lightning_hdet.report RUN [--out DIR]`` (console script ``lightning-hdet-report``).
 
-Reads a ``CSVLogger`` directory or a W&B offline run directory and writes PNGs: per-group loss curves with the
+Reads a ``CSVLogger`` or ``TensorBoardLogger`` directory (the ``vote_history.csv`` beside either fills in the
+votes), a ``vote_history.csv`` alone, or a W&B offline run directory, and writes PNGs: per-group loss curves with the
 votes marked, per-group learning rates, vote weights as a heatmap, and for async runs a per-worker timeline of
 rounds and a staleness histogram.
 """
@@ -34,9 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-hdet-report``: write the PNGs and print their paths."""
     parser = argparse.ArgumentParser(
         prog="lightning-hdet-report",
-        description="Plot an HDET / async run from its CSVLogger directory or W&B (offline) run directory.",
+        description="Plot an HDET / async run from its CSVLogger or TensorBoardLogger directory, its vote_history.csv "
+                    "or its W&B (offline) run directory.",
     )
-    parser.add_argument("run", help="CSVLogger log dir or its metrics.csv; W&B run dir or its run-*.wandb")
+    parser.add_argument("run", help="CSVLogger / TensorBoardLogger log dir, its metrics.csv or events.out.tfevents.* "
+                        "file, a vote_history.csv; W&B run dir or its run-*.wandb")
     parser.add_argument("--out", default=None, help="output directory (default: <run>/report)")
     args = parser.parse_args(argv)
     try:

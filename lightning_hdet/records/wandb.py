@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Union
 from lightning.pytorch.loggers import Logger, WandbLogger
 
 from lightning_hdet._compat import wandb_run_created_in_this_process
+from lightning_hdet.records.history import VOTE_CSV
 
 if TYPE_CHECKING:
     import wandb
@@ -118,16 +119,34 @@ def log_vote_history(trainer: Trainer | Logger | Iterable[Logger], rows: Sequenc
     writes files); returns the plain rows."""
     plain = vote_rows(rows)
     for logger in _loggers(trainer):
+        path = _vote_csv(logger)
         if isinstance(logger, WandbLogger):
             logger.log_metrics({VOTE_TABLE_KEY: vote_table(rows)}, step=step)  # type: ignore[dict-item]
-        elif getattr(logger, "log_dir", None):
-            path = Path(logger.log_dir) / "vote_history.csv"
+        elif path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "w", newline="") as file:
                 writer = csv.DictWriter(file, fieldnames=VOTE_COLUMNS)
                 writer.writeheader()
                 writer.writerows(plain)
     return plain
+
+
+def _vote_csv(logger: Logger) -> Path | None:
+    """The ``vote_history.csv`` a logger other than W&B gets (``None``: it has no ``log_dir``)."""
+    log_dir = None if isinstance(logger, WandbLogger) else getattr(logger, "log_dir", None)
+    return Path(log_dir) / VOTE_CSV if log_dir else None
+
+
+def vote_history_locations(trainer: Trainer | Logger | Iterable[Logger]) -> list[str]:
+    """Where :func:`log_vote_history` puts the vote table for these loggers: W&B's table key, the CSV paths."""
+    places = []
+    for logger in _loggers(trainer):
+        path = _vote_csv(logger)
+        if isinstance(logger, WandbLogger):
+            places.append(f"W&B table {VOTE_TABLE_KEY!r}")
+        elif path is not None:
+            places.append(str(path))
+    return places
 
 
 def finish_worker_run(trainer: Trainer) -> bool:

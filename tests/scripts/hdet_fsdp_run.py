@@ -4,10 +4,11 @@ it): 4 CPU processes, 2 groups x 2 shards. Trains, checkpoints at step 3 (the en
 ``OUT/rank{r}.pt``.
 
 Usage: ``python hdet_fsdp_run.py OUT {global,group,group>global} {strategy,configure_model} {resume,no-resume}
-[nan|schedulefree]``;
+[nan|schedulefree|validate]``;
 ``group>global``: built with ``"group"``, switched to ``"global"`` by ``set_gradient_sync`` once the model is sharded,
 before the first step; ``nan``: group 1's loss is NaN at step 3, learning rates move only by the safety net's cut
-(``meta_lr=0``); ``schedulefree``: schedule-free AdamW instead of AdamW, its base iterate ``z`` recorded too.
+(``meta_lr=0``); ``schedulefree``: schedule-free AdamW instead of AdamW, its base iterate ``z`` recorded too;
+``validate``: validation at every epoch's end (``val_loss`` over all ranks), the validated parameters recorded.
 """
 
 import sys
@@ -31,10 +32,11 @@ STEPS_PER_EPOCH = 3
 class MLP(LightningModule):
     """A two-layer regression MLP with AdamW (the optimizer state is sharded too); even sizes so shards are halves."""
 
-    def __init__(self, shard_in_configure_model: bool = False, nan_at: int = -1, schedule_free: bool = False) -> None:
+    def __init__(self, shard_in_configure_model: bool = False, nan_at: int = -1, schedule_free: bool = False,
+                 validate: bool = False) -> None:
         super().__init__()
         self.shard_in_configure_model = shard_in_configure_model
-        self.nan_at, self.schedule_free = nan_at, schedule_free
+        self.nan_at, self.schedule_free, self.validate = nan_at, schedule_free, validate
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
     def configure_model(self) -> None:
@@ -66,6 +68,14 @@ class MLP(LightningModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Regression(n=4 * 4 * STEPS_PER_EPOCH), batch_size=4)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x)[:, :1], y), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        # 4 items per rank, one batch each: the mean over ranks is the whole set's loss
+        return DataLoader(Regression(n=16, seed=1) if self.validate else [], batch_size=4)
+
 
 def full(module: torch.nn.Module) -> torch.Tensor:
     """The full parameters (a collective over the shard group: every rank calls it at the same steps)."""
@@ -95,6 +105,15 @@ class Probe(Callback):
         if self.tag == "before":
             self.record.setdefault("losses", {})[trainer.global_step] = float(outputs["loss"])
 
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if self.tag == "before" and not trainer.sanity_checking:
+            self.record.setdefault("validated", {})[trainer.global_step] = full(pl_module)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.tag == "before" and not trainer.sanity_checking:
+            self.record.setdefault("val_loss", {})[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
+
 
 class SwitchToGlobal(Callback):
     """``set_gradient_sync("global")`` on the sharded model, before the first step (what ``search_steps`` calls)."""
@@ -104,7 +123,7 @@ class SwitchToGlobal(Callback):
 
 
 def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any], nan: bool = False,
-        schedule_free: bool = False) -> Trainer:
+        schedule_free: bool = False, validate: bool = False) -> Trainer:
     seed_everything(3)
     first, _, later = sync.partition(">")
     strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=first,
@@ -116,8 +135,9 @@ def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=2 * STEPS_PER_EPOCH,
                       callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=ckpt is None, default_root_dir=out)
-    model = MLP(shard_where == "configure_model", nan_at=3 if nan else -1, schedule_free=schedule_free)
+                      enable_checkpointing=ckpt is None, default_root_dir=out, limit_val_batches=1.0 if validate else 0)
+    model = MLP(shard_where == "configure_model", nan_at=3 if nan else -1, schedule_free=schedule_free,
+                validate=validate)
     trainer.fit(model, ckpt_path=ckpt)
     record["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
     record["numel"] = sum(p.numel() for p in model.parameters())
@@ -131,7 +151,7 @@ if __name__ == "__main__":
     out, sync, shard_where, resume = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "resume"
     first: dict[str, Any] = {}
     trainer = fit(out, sync, shard_where, None, first, nan=sys.argv[5:] == ["nan"],
-                  schedule_free=sys.argv[5:] == ["schedulefree"])
+                  schedule_free=sys.argv[5:] == ["schedulefree"], validate=sys.argv[5:] == ["validate"])
     resumed: dict[str, Any] = {}
     if resume:
         fit(out, sync, shard_where, out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", resumed)

@@ -1,0 +1,22 @@
+"""How HDET's console lines spell numbers: counts with their noun's number, floats rounded (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+DIGITS = 4  # significant digits of a float in a console line: enough to compare groups, short enough to read
+
+
+def counted(n: int, noun: str) -> str:
+    """``"1 rank"``, ``"4 ranks"``: a count with its noun in the right number (regular plurals only)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def rounded(value: float) -> str:
+    """A float with :data:`DIGITS` significant digits (``nan`` and ``inf`` spelled as Python does)."""
+    return f"{value:.{DIGITS}g}"
+
+
+def rounded_list(values: Iterable[float]) -> str:
+    """``[0.4123, 1.5, nan]``: a list of floats, each :func:`rounded`."""
+    return "[" + ", ".join(rounded(float(v)) for v in values) + "]"

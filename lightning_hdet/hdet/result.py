@@ -1,0 +1,86 @@
+"""What HDET hands back: :class:`HDETResult` at the end of ``fit`` (``HDETCallback.result``), its one-paragraph
+summary, and the one short line each vote logs (pure: no Lightning, no process group).
+
+Ray Tune returns a result with the best configuration; HDET's counterpart is the learning rates the run ended
+on, which vote picked which group, how often the safety net stepped in and where the full vote table went.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_hdet.hdet.console import rounded, rounded_list
+
+
+@dataclass(frozen=True)
+class HDETResult:
+    """What an HDET run found (every rank holds the same; rank 0 logs its :meth:`summary`).
+
+    Attributes:
+        lrs: the learning rate of each optimizer param group that the last vote's winner ended ``fit`` with (the
+            schedule's LR at the end times the winner's multiplier): where to continue from.
+        group_lrs: every group's real learning rates at the end, ``[group][param group]``.
+        initial_lrs: every group's first-param-group learning rate when training started.
+        winners: ``(step, group)`` of every vote, in order (group ``-1``: no group was healthy).
+        votes: the votes counted (a final merge that moved nothing is not one).
+        rescues: groups the safety net restored (a roll-back counts every diverged group).
+        searched_at: the step of the vote that ended the search (``search_steps``), ``None`` if none did.
+        vote_history: where the per-group vote table went (``vote_history.csv`` paths, the W&B table's key).
+    """
+
+    lrs: list[float]
+    group_lrs: list[list[float]]
+    initial_lrs: list[float]
+    winners: list[tuple[int, int]]
+    votes: int
+    rescues: int
+    searched_at: Optional[int]
+    vote_history: list[str]
+
+    def summary(self) -> str:
+        """The run in a few lines, numbers rounded."""
+        winner = self.winners[-1][1] if self.winners else -1
+        tally = ", ".join(f"group {g} x{n}" for g, n in sorted(Counter(g for _, g in self.winners).items()))
+        lines = [
+            f"HDET result: {self.votes} vote(s), {self.rescues} rescue(s)"
+            + (f", search ended at step {self.searched_at}" if self.searched_at is not None else ""),
+            f"  LRs found (per param group{', group ' + str(winner) if winner >= 0 else ''}): "
+            f"{rounded_list(self.lrs)}; every group started at {rounded_list(self.initial_lrs)}",
+            f"  winners: {tally or 'none'}",
+            f"  vote history: {', '.join(self.vote_history) or 'not written (no logger with a log_dir)'}",
+        ]
+        return "\n".join(lines)
+
+
+def make_result(
+    history: Sequence[Mapping[str, Any]],
+    group_lrs: Sequence[Sequence[float]],
+    initial_lrs: Sequence[float],
+    votes: int,
+    rescues: int,
+    searched_at: Optional[int],
+    vote_history: Sequence[str],
+) -> HDETResult:
+    """The result from the controller's history rows (one per vote and group) and the end-of-fit LR table."""
+    winners: list[tuple[int, int]] = []
+    for row in history:
+        if not winners or winners[-1][0] != row["step"]:
+            winners.append((int(row["step"]), int(row["winner"])))
+    table = [[float(lr) for lr in row] for row in group_lrs]
+    last = winners[-1][1] if winners else -1
+    if last >= 0:
+        lrs = table[last]
+    else:  # no vote or no healthy winner: the groups' mean
+        lrs = [sum(column) / len(column) for column in zip(*table)] if table else []
+    return HDETResult(lrs, table, [float(x) for x in initial_lrs], winners, votes, rescues, searched_at,
+                      list(vote_history))
+
+
+def vote_line(step: int, winner: int, losses: Sequence[float], lrs: Sequence[float], final: bool = False) -> str:
+    """One vote in one short line: ``HDET: vote at step 200: group 2 won (loss 0.4123); losses [...]; LRs [...]``."""
+    head = f"HDET: {'final merge' if final else 'vote'} at step {step}: "
+    won = f"group {winner} won (loss {rounded(losses[winner])})" if winner >= 0 else "no group was healthy"
+    return f"{head}{won}; losses {rounded_list(losses)}; LRs {rounded_list(lrs)}"
