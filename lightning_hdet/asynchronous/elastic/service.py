@@ -224,6 +224,8 @@ class OuterService:
         for push in batch:
             if push.kind == Kind.BYE:
                 self._end(push.worker, "left")
+            elif self.outer.excluded(push.worker):  # told to stop: its session ends, its share goes to the others
+                self._end(push.worker, f"excluded: {self.outer.rejection_streak(push.worker)} pushes in a row rejected")
         self._follow_live_set()
         self._retry_parked()
         self._after_update()
@@ -233,12 +235,12 @@ class OuterService:
         assert self.hub is not None
         left = None if self.budget is None else self.budget - self.outer.steps_done
         others = sum(s.in_flight for w, s in self.outer.workers.items() if w != session and self.table.is_live(w))
-        if should_park(steps, left, others):
+        if should_park(steps, left, others) and not self.outer.excluded(session):
             self._parked[session] = push
             return
         try:
-            self.hub.reply(session, ServerHeader(steps, self.outer.outer_updates), self.outer.params.detach(),
-                           self.outer.buffers)
+            header = ServerHeader(steps, self.outer.outer_updates, self.outer.rejection_streak(session))
+            self.hub.reply(session, header, self.outer.params.detach(), self.outer.buffers)
         except SessionLost as err:
             self._end(session, f"lost: {err}")
 

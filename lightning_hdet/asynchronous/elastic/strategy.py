@@ -123,13 +123,17 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
         layout = Fragments([p.shape for p in module.parameters()], config["compression"],
                            pull_compression=config["pull_compression"])
         self._worker = Worker(module, self.root_device, self._client.transport(layout), None, layout,
-                              self.error_feedback)
+                              self.error_feedback, self.optimizers[0])
+        self._worker.name = f"session {self._client.session}"
         self._exchange(Kind.HELLO)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._worker is not None and not self._worker.stopped and self._worker.step():
+        if self._worker is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._worker.inner_lr(optimizer):  # cut after rejected pushes in a row
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._worker.stopped and self._worker.step():
             self._exchange(Kind.PUSH)
         return output
 
