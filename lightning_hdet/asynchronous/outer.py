@@ -321,9 +321,8 @@ class OuterState:
             stats.rejected_steps += push.steps
             stats.rejected_streak += 1
             streak = stats.rejected_streak
-        log.warning("A push of worker %d was rejected: %s. Its %d inner step(s) are discarded (%d rejection(s) in a"
-                    " row; %d exclude it); it restarts from the global model.", push.worker, reason, push.steps,
-                    streak, self.max_rejections)
+        log.warning("A push of worker %d was rejected: %s (%d in a row; %d stop the worker).%s", push.worker, reason,
+                    streak, self.max_rejections, f" Its {push.steps} inner step(s) do not count." if push.steps else "")
 
     def rejection_streak(self, worker: int) -> int:
         """How many of ``worker``'s latest pushes in a row were rejected (sent in its reply)."""

@@ -147,7 +147,7 @@ class Worker:
             log.error("%s stops: its last %d push(es) in a row were rejected (non-finite or far off the others). The"
                       " other workers go on; see docs/failure_modes.md.", self.name, rejected)
         else:
-            log.warning("%s: its push was rejected (%d in a row); it restarts from the global model with a fresh"
+            log.warning("%s: its round was rejected (%d in a row); it restarts from the global model with a fresh"
                         " inner optimizer state and %g x its inner learning rate this round.", self.name, rejected,
                         self.lr_factor)
 
