@@ -9,7 +9,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # In the order of docs/benchmarks.md: 1 published HDET table, 2 search baselines, 3 published async table, its
-# long-horizon variant and the async defaults on three tasks, 4 overhead, 5 crash (NaN- and collapse-type
+# long-horizon variant, the async defaults on three tasks and one bad worker, 4 overhead, 5 crash (NaN- and collapse-type
 # failures), 6 elastic (a worker lost mid-run). Each entry is a script and its own arguments; the command line's
 # (e.g. ``--quick``) follow them.
 # Benchmark 2 with every method and HDET arm of its tables in docs/benchmarks.md (every remedy of issue 13), its
@@ -29,7 +29,7 @@ SEARCH_SF = ["--start-method", "fork", "--optimizer", "schedulefree", "--name", 
 FULL_SIZE = {"search_baselines.py": ["--steps", "128", "--pbt-interval", "32", "--val-every", "16"]}
 SCRIPTS = [["hdet_published.py"], ["search_baselines.py", *SEARCH], ["search_baselines.py", *SEARCH_SF],
            ["async_published.py"],
-           ["async_published.py", "--long-horizon"], ["async_defaults.py"], ["overhead.py"], ["crash.py"],
+           ["async_published.py", "--long-horizon"], ["async_defaults.py"], ["bad_worker.py", "--levels", "none", "very"], ["overhead.py"], ["crash.py"],
            ["elastic.py"]]
 
 
