@@ -105,6 +105,7 @@ BAD = {
     "shape": torch.ones(4),
     "dtype": torch.ones(3, dtype=torch.float64),
     "huge": [1e6, 0.0, 0.0],
+    "missing": None,  # steps, but no pseudo-gradient
 }
 
 

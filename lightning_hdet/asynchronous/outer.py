@@ -287,6 +287,8 @@ class OuterState:
                     self._stage = torch.empty_like(self.params, requires_grad=False)
                 reason, kept, norm = self.check.inspect(push.worker, fragments, self.ranges,
                                                         None if stable else self._stage)
+                if reason is None and push.steps > 0 and self.ranges and not kept:
+                    reason = "steps without a pseudo-gradient"
                 reason = reason or buffers_problem(push.buffers, self.buffers.numel())
                 if reason is None:
                     self._apply(push, kept)
