@@ -222,3 +222,17 @@ def test_a_worker_with_non_finite_steps_does_not_push() -> None:
     worker.exchange(Kind.BYE)
     server.join()
     assert DISCARDED_BY_WORKER.startswith("discarded by the worker")
+
+
+def test_the_inner_lr_is_cut_only_inside_the_step_and_restored_for_the_scheduler() -> None:
+    """Three rejections in a row: 0.5 ** 2 of each group's LR inside the block, the scheduler's value after."""
+    module = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD([{"params": [module.weight], "lr": 0.1}, {"params": [module.bias], "lr": 0.3}])
+    worker = Worker(module, CPU, None, optimizer=optimizer)  # type: ignore[arg-type]
+    worker.rejected = 3
+    with worker.inner_lr(optimizer):
+        assert [g["lr"] for g in optimizer.param_groups] == [0.025, 0.075]
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.3]
+    worker.rejected = 0
+    with worker.inner_lr(optimizer):
+        assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.3]
