@@ -37,12 +37,16 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback
 
 from benchmarks.common import (
     add_output_args,
@@ -116,7 +120,8 @@ def factors(level: str, world: int) -> dict[int, float]:
     return {r: table[min(r, len(table) - 1)] for r in range(world)}
 
 
-def run_method(method: str, level: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
+def run_method(method: str, level: str, seed: int, args: argparse.Namespace, work: Path,
+               callbacks: Sequence[Callback] = ()) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
@@ -132,7 +137,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
         outer = {"outer": "published", "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, **options}
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, **outer, **common)
     slow = SlowRanks(factors(level, args.world_size), base_seconds=args.base_seconds)
-    run = fit_run(spec, work, strategy=strategy, callbacks=[slow])
+    run = fit_run(spec, work, strategy=strategy, callbacks=[slow, *callbacks])
     stats = run.rank_extra[0].get("worker_stats", {})
     return {
         "method": method,
@@ -143,6 +148,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
         "fit_s": run.fit_s,
         "inner_steps": {w: s["steps"] for w, s in stats.items()},
         "rounds": {w: s["rounds"] for w, s in stats.items()},
+        "rejected": {w: s.get("rejected", 0) for w, s in stats.items()},
     }
 
 

@@ -101,6 +101,7 @@ PARTS = (
     Part("async_published", "async_published.py", minutes=30),
     Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
     Part("async_defaults", "async_defaults.py", minutes=13),
+    Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=6),
     Part("overhead", "overhead.py", minutes=4, code=("benchmarks/sharded_fit.py",)),
     Part("crash", "crash.py", minutes=15),
     Part("elastic", "elastic.py", minutes=5, code=("tests/scripts/elastic_run.py",)),

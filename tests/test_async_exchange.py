@@ -135,10 +135,10 @@ def test_worker_header_round_trip() -> None:
 
 
 def test_server_header_round_trip_and_bad_sizes() -> None:
-    header = ServerHeader(next_local_steps=12, outer_updates=345)
-    assert header.encode().tolist() == [12.0, 345.0]
+    header = ServerHeader(next_local_steps=12, outer_updates=345, rejected=2)
+    assert header.encode().tolist() == [12.0, 345.0, 2.0]
     assert ServerHeader.decode(header.encode()) == header
-    with pytest.raises(ValueError, match=r"server header is float64\[2\], got torch.float64\[5\]"):
+    with pytest.raises(ValueError, match=r"server header is float64\[3\], got torch.float64\[5\]"):
         ServerHeader.decode(torch.zeros(5, dtype=torch.float64))
     with pytest.raises(ValueError, match="worker header"):
         WorkerHeader.decode(torch.zeros(5, dtype=torch.float32))
@@ -328,20 +328,24 @@ def test_fragments_reassemble_what_the_whole_codec_sends(name: str) -> None:
     assert [v.data_ptr() for v in layout.split(flat)] == [flat[s:].data_ptr() for s, _ in layout.ranges]  # views
 
 
-def test_the_server_applies_each_fragment_as_it_arrives() -> None:
-    """A push of three fragments (a 5-value model in fragments of at most 2 values): when fragment k+1 is asked
-    for, fragment k is already in the global parameters (plain SGD outer step, lr 1: theta <- theta - g), and
-    the server decodes into one fragment-sized buffer."""
+@pytest.mark.parametrize("check_pushes", [False, True])
+def test_the_server_applies_each_fragment_as_it_arrives_or_once_checked(check_pushes: bool) -> None:
+    """A push of three fragments (a 5-value model in fragments of at most 2 values). Unchecked: when fragment
+    k+1 is asked for, fragment k is already in the global parameters (plain SGD outer step, lr 1: theta <- theta -
+    g). Checked: nothing is applied before the last fragment arrived (they wait in the staging buffer). The
+    server decodes into one fragment-sized buffer."""
     layout = Fragments([torch.Size([5])], max_bytes=8)
-    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False)
+    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False,
+                             check_pushes=check_pushes)
     outer = settings.build(torch.zeros(5), torch.zeros(0), workers=1, budget=None, ranges=layout.ranges)
     server = Server(outer, workers=1, remote=None, timeout=60, layout=layout)
     assert server._decoded.numel() == 2 and len(outer.views) == 3
 
     def arriving():
         for k, (start, end) in enumerate(layout.ranges):
-            assert outer.params[:start].tolist() == [-1.0] * start  # fragments 0..k-1 applied
-            assert outer.params[start:].tolist() == [0.0] * (5 - start)
+            applied = 0 if check_pushes else start
+            assert outer.params[:applied].tolist() == [-1.0] * applied  # fragments 0..k-1 applied (unchecked)
+            assert outer.params[applied:].tolist() == [0.0] * (5 - applied)
             yield torch.ones(end - start).view(torch.uint8)
 
     server.accept(Push.of(0, WorkerHeader(Kind.PUSH, 2, 1.0, 0.0), gradient_bytes=layout.nbytes), arriving())

@@ -297,3 +297,74 @@ def test_the_service_validates_the_global_model_and_stops_every_worker_early(tmp
     for i in (1, 2):  # both workers trained, then left on the stop reply
         assert json.loads((tmp_path / f"w{i}.json").read_text())["inner_steps"] > 0
     assert sorted(result["ended"].values()) == ["left", "left"]
+
+
+def test_a_token_keeps_out_workers_without_it_and_admits_those_with_it() -> None:
+    """One process: the service's store on loopback, its admissions on a thread; workers register from this
+    thread (the session's gloo group is left out). A worker without the token is refused before it takes a session
+    id; one with a wrong token takes an id that is refused (and never reused); one with the right token is
+    admitted."""
+    import threading
+    from unittest import mock
+
+    from lightning_hdet import OuterService
+    from lightning_hdet.asynchronous.elastic.membership import Registration
+    from tests.helpers import LinearModel
+
+    with pytest.raises(ValueError, match="`token` must be None or a non-empty string, got '<hidden>'"):
+        OuterService(LinearModel(), "127.0.0.1:0", budget=10, token="")
+    service = OuterService(LinearModel(), "127.0.0.1:0", budget=10, token="s3cret")
+    service.start()
+    address, admitted, stop = f"127.0.0.1:{service.hub.port}", [], threading.Event()
+
+    def admissions() -> None:
+        while not stop.is_set():
+            admitted.extend(service._admitted(time.monotonic()))
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=admissions, daemon=True)
+    thread.start()
+    try:
+        with mock.patch("lightning_hdet.asynchronous.elastic.membership.session_group"):
+            with pytest.raises(PermissionError, match="requires a `token`"):
+                Registration(address, 1.0, 30.0, 5.0)
+            with pytest.raises(PermissionError, match="refused this worker: its `token` does not match"):
+                Registration(address, 1.0, 30.0, 5.0, token="guess")
+            registration = Registration(address, 1.0, 30.0, 5.0, token="s3cret")
+            registration.close()
+        assert registration.session == 2 and admitted == [2] and service.table.ended == {1: "refused: wrong token"}
+    finally:
+        stop.set()
+        thread.join(5)
+        service.hub.close()
+
+
+def test_a_session_rejected_max_rejections_times_in_a_row_is_told_to_stop_and_ends() -> None:
+    """The service's own loop, one process, with a hub that records replies: session 1 pushes NaN three times;
+    each is rejected (the global model stays the start), the third reply says stop with 3 rejections, and the
+    session ends as excluded."""
+    from lightning_hdet import OuterService
+    from lightning_hdet.asynchronous.messages import Push
+    from tests.helpers import LinearModel
+
+    class Hub:
+        def __init__(self) -> None:
+            self.replies: list = []
+
+        def reply(self, session, header, params, buffers) -> None:
+            self.replies.append(header)
+
+        def drop(self, session) -> None:
+            pass
+
+    service = OuterService(LinearModel(), "127.0.0.1:0", budget=100, local_steps=2)
+    service.hub = Hub()
+    start = service.outer.params.clone()
+    service.table.open(1, time.monotonic())
+    service._apply([Push(1, Kind.HELLO, 0, 0.0, 0.0)])
+    for _ in range(3):
+        service._apply([Push(1, Kind.PUSH, 2, 1.0, 0.0, torch.full((9,), float("nan")))])
+    assert [(h.next_local_steps, h.rejected) for h in service.hub.replies] == [(2, 0), (2, 1), (2, 2), (0, 3)]
+    assert service.table.ended == {1: "excluded: 3 pushes in a row rejected"} and not service.table.live
+    assert torch.equal(service.outer.params, start) and service.outer.steps_done == 0
+    assert service.status()["workers"]["1"]["rejected"] == 3

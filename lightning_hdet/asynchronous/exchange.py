@@ -47,11 +47,14 @@ class Exchange:
         compression: the pseudo-gradients' codec (``"none"``, ``"bf16"``, ``"int8"``; every worker uses the same).
         error_feedback: each worker keeps what its codec lost and adds it to its next push.
         pull_compression: the pulled global parameters' codec (``"none"`` or ``"bf16"``).
+        optimizer: the inner optimizer (its state is cleared after a rejected push).
+        check_self: the worker checks its round is finite before pushing it (see :class:`~.worker.Worker`).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
-                 compression: str = "none", error_feedback: bool = True, pull_compression: str = "none") -> None:
+                 compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
+                 optimizer: Optimizer | None = None, check_self: bool = True) -> None:
         self.module, self.device, self.outer, self.groups, self.workers = module, device, outer, groups, workers
         layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
                            pull_compression=pull_compression)  # type: ignore[arg-type]
@@ -64,7 +67,7 @@ class Exchange:
             transport = self.server.local
         else:
             transport = GlooWorkerTransport(*groups, layout)
-        self.worker = Worker(module, device, transport, inner_optimizer, layout, error_feedback)
+        self.worker = Worker(module, device, transport, inner_optimizer, layout, error_feedback, optimizer, check_self)
 
     @staticmethod
     def start_outer(settings: OuterSettings, module: Module, device: torch.device, workers: int,

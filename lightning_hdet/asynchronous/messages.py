@@ -17,7 +17,7 @@ Worker -> server, in this order:
 
 Server -> worker, in this order:
 
-1. a :class:`ServerHeader` (``float64[2]``);
+1. a :class:`ServerHeader` (``float64[3]``);
 2. when ``next_local_steps > 0``: the global parameters, one message per fragment encoded by the pull codec
    (``"none"``: ``float32``; ``"bf16"``: the parameters rounded to bfloat16, whose float32 originals stay on rank
    0), then (only if the model has floating-point buffers) the global buffers (``float32``).
@@ -89,22 +89,26 @@ class WorkerHeader:
 
 @dataclass(frozen=True)
 class ServerHeader:
-    """The header of the server's reply (``float64[2]``, fields in this order)."""
+    """The header of the server's reply (``float64[3]``, fields in this order)."""
 
     #: Inner steps of the worker's next round; 0 means stop (no model follows).
     next_local_steps: int
     #: How many outer updates the global model that follows has had (the version the worker pulls).
     outer_updates: int
+    #: How many of the worker's latest pushes in a row were rejected (0: its last push was applied); the worker
+    #: then resets its inner optimizer state (see :mod:`.checks`).
+    rejected: int = 0
 
-    SIZE: ClassVar[int] = 2
+    SIZE: ClassVar[int] = 3
 
     def encode(self) -> Tensor:
-        return torch.tensor([float(self.next_local_steps), float(self.outer_updates)], dtype=torch.float64)
+        return torch.tensor([float(self.next_local_steps), float(self.outer_updates), float(self.rejected)],
+                            dtype=torch.float64)
 
     @classmethod
     def decode(cls, tensor: Tensor) -> ServerHeader:
-        steps, outer_updates = _decode(tensor, cls.SIZE, "server header")
-        return cls(int(steps), int(outer_updates))
+        steps, outer_updates, rejected = _decode(tensor, cls.SIZE, "server header")
+        return cls(int(steps), int(outer_updates), int(rejected))
 
 
 @dataclass
@@ -126,6 +130,8 @@ class Push:
     buffers: Tensor | None = None
     #: Bytes of the payload as it travelled (the encoded pseudo-gradient's fragments and the buffer values).
     payload_bytes: int = 0
+    #: Why the outer side rejected the push (``None``: applied, or not looked at yet).
+    rejected: str | None = None
 
     @classmethod
     def of(cls, worker: int, header: WorkerHeader, buffers: Tensor | None = None,

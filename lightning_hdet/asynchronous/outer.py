@@ -13,6 +13,7 @@ every worker's push, one outer step at the end of the round, equal round lengths
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,13 +25,17 @@ from torch.optim import Optimizer
 
 from lightning_hdet._checks import check_choice, check_number
 from lightning_hdet._tensors import state_from_bytes
+from lightning_hdet.asynchronous.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem, check_push_settings
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
 from lightning_hdet.asynchronous.momentum import MomentumSchedule, OuterPreset, resolve_outer
 from lightning_hdet.asynchronous.messages import Kind, Push
 
+log = logging.getLogger(__name__)
+
 MODES = ("async", "sync")
-_STAT_KEYS = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s", "push_bytes")
+_STAT_KEYS = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s", "push_bytes",
+              "rejected")
 
 
 @dataclass
@@ -48,6 +53,11 @@ class WorkerStats:
     in_flight: int = 0
     #: Bytes of pseudo-gradient and buffer payload the worker pushed so far (after compression).
     push_bytes: int = 0
+    #: Pushes rejected (by the checks, or discarded by the worker itself), their inner steps, and how many of the
+    #: latest pushes in a row were rejected.
+    rejected: int = 0
+    rejected_steps: int = 0
+    rejected_streak: int = 0
 
 
 class StepPolicy(Protocol):
@@ -148,9 +158,14 @@ class OuterSettings:
     outer: str | None = None
     momentum_warmup: int | None = None
     momentum_restart: int | None = None
+    #: Check every push before it is applied (:mod:`.checks`), and the rule's numbers.
+    check_pushes: bool = True
+    max_norm_ratio: float = PushCheck.MAX_NORM_RATIO
+    max_rejections: int = PushCheck.MAX_REJECTIONS
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
+        check_push_settings(self.check_pushes, self.max_norm_ratio, self.max_rejections)
         validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
         preset = self.preset  # checks the name
         validate_outer_hyperparameters(preset.lr, preset.momentum,
@@ -203,7 +218,9 @@ class OuterSettings:
         policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, self.dynamic_local_steps and is_async,
                                   self.speed_smoothing)
         step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()
-        return OuterState(params, optimizer, policy, step, budget, buffers=buffers)
+        check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
+        return OuterState(params, optimizer, policy, step, budget, buffers=buffers, check=check,
+                          max_rejections=self.max_rejections)
 
 
 @dataclass
@@ -235,6 +252,10 @@ class OuterState:
     inner_states: dict[int, Tensor] = field(default_factory=dict)
     #: Each worker's floating-point buffers as of its latest push.
     worker_buffers: dict[int, Tensor] = field(default_factory=dict)
+    #: The checks every push passes before it is applied (``None``: applied as it arrives, unchecked).
+    check: PushCheck | None = None
+    #: Rejections in a row after which a worker's next reply says stop.
+    max_rejections: int = PushCheck.MAX_REJECTIONS
 
     def __post_init__(self) -> None:
         #: The outer optimizer's parameters: one view of :attr:`params` per fragment, in order.
@@ -243,32 +264,86 @@ class OuterState:
         #: ``(start, end)`` of each fragment in :attr:`params`.
         self.ranges: list[tuple[int, int]] = list(zip([0, *ends[:-1]], ends))
         self._sum: Tensor | None = None  # SyncStep: the round's summed pseudo-gradient
+        self._stage: Tensor | None = None  # a checked stream's fragments until its verdict (one push at a time)
 
-    def receive(self, push: Push, gradients: Iterable[Tensor]) -> None:
-        """One push: its statistics, then its pseudo-gradient's fragments (``float32``, in order), each applied
-        (or, DiLoCo, summed) as it arrives; ``gradients`` may be a stream still arriving over the network."""
+    def receive(self, push: Push, gradients: Iterable[Tensor], stable: bool = False) -> None:
+        """One push: its pseudo-gradient's fragments (``float32``, in order; ``gradients`` may be a stream still
+        arriving over the network) and its statistics. Unchecked, each fragment is applied (or, DiLoCo, summed)
+        as it arrives. Checked (:attr:`check`), every fragment is inspected and kept (``stable``: the given
+        tensors stay valid, as views of a whole pseudo-gradient do; else copied into one staging buffer) and the
+        push is applied only once all of it passed; a rejected one leaves no trace but its counts."""
         stream = iter(gradients)
         first = next(stream, None)  # waited for without the lock: a slow sender does not hold up the others
+        fragments = stream if first is None else itertools.chain([first], stream)
         with self.model_lock:
+            if push.kind == Kind.PUSH and push.steps == 0:  # a round the worker discarded itself
+                for _ in fragments:
+                    pass
+                self._reject(push, DISCARDED_BY_WORKER)
+            elif self.check is None:
+                self._apply(push, fragments)
+            else:
+                if self._stage is None and not stable:
+                    self._stage = torch.empty_like(self.params, requires_grad=False)
+                reason, kept, norm = self.check.inspect(push.worker, fragments, self.ranges,
+                                                        None if stable else self._stage)
+                if reason is None and push.steps > 0 and self.ranges and not kept:
+                    reason = "steps without a pseudo-gradient"
+                reason = reason or buffers_problem(push.buffers, self.buffers.numel())
+                if reason is None:
+                    self._apply(push, kept)
+                    if kept:
+                        self.check.accepted(push.worker, norm)
+                else:
+                    self._reject(push, reason)
+
+    def _apply(self, push: Push, fragments: Iterable[Tensor]) -> None:
+        with self.lock:
+            self._record(push)
+        count = 0
+        for index, gradient in enumerate(fragments):
+            self.step_policy.receive(self, index, gradient)
+            count += 1
+        if count and count != len(self.views):
+            raise ValueError(f"A push has {len(self.views)} fragments, got {count}.")
+        if count:
             with self.lock:
-                self._record(push)
-            count = 0
-            for index, gradient in enumerate(stream if first is None else itertools.chain([first], stream)):
-                self.step_policy.receive(self, index, gradient)
-                count += 1
-            if count and count != len(self.views):
-                raise ValueError(f"A push has {len(self.views)} fragments, got {count}.")
-            if count:
-                with self.lock:
-                    self.step_policy.pushed(self)
+                self.step_policy.pushed(self)
+
+    def _reject(self, push: Push, reason: str) -> None:
+        """Discard ``push`` whole: its steps do not count (the budget's share it held is free again), its buffers
+        and inner state are dropped; only the rejection is counted."""
+        push.rejected = reason
+        with self.lock:
+            stats = self.workers.setdefault(push.worker, WorkerStats())
+            stats.in_flight = 0
+            stats.compute_s, stats.wait_s = push.compute_s, push.wait_s
+            stats.push_bytes += push.payload_bytes
+            stats.rejected += 1
+            stats.rejected_steps += push.steps
+            stats.rejected_streak += 1
+            streak = stats.rejected_streak
+        log.warning("A push of worker %d was rejected: %s (%d in a row; %d stop the worker).%s", push.worker, reason,
+                    streak, self.max_rejections, f" Its {push.steps} inner step(s) do not count." if push.steps else "")
+
+    def rejection_streak(self, worker: int) -> int:
+        """How many of ``worker``'s latest pushes in a row were rejected (sent in its reply)."""
+        with self.lock:
+            stats = self.workers.get(worker)
+            return stats.rejected_streak if stats is not None else 0
+
+    def excluded(self, worker: int) -> bool:
+        """``worker`` was rejected ``max_rejections`` times in a row: its replies say stop."""
+        return self.rejection_streak(worker) >= self.max_rejections
 
     def close(self, pushes: list[Push]) -> dict[int, int]:
         """Close a batch of received pushes (as the step policy says) and return the next round's local step
         count for each worker that waits for a reply (0 means stop)."""
         with self.model_lock, self.lock:
-            if any(p.buffers is not None for p in pushes):
+            if any(p.buffers is not None and p.rejected is None for p in pushes):
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
-            self.step_policy.close(self, sum(p.steps > 0 for p in pushes))
+            # DiLoCo's mean is over the pushes applied: a rejected one is not in the sum
+            self.step_policy.close(self, sum(p.steps > 0 and p.rejected is None for p in pushes))
             waiting = [p.worker for p in pushes if p.kind != Kind.BYE]
             replies = {w: self._allocate(w, len(waiting)) for w in waiting}
             self.metrics_version += 1
@@ -278,12 +353,19 @@ class OuterState:
         """:meth:`receive` then :meth:`close` pushes that carry their whole ``pseudo_gradient`` (one process, e.g.
         tests); every waiting worker then pulls the current version."""
         for push in pushes:
-            gradient = push.pseudo_gradient
-            self.receive(push, [] if gradient is None else [gradient[s:e] for s, e in self.ranges])
+            self.receive(push, self._split(push.pseudo_gradient), stable=True)
         replies = self.close(pushes)
         for worker in replies:
             self.mark_pulled(worker)
         return replies
+
+    def _split(self, gradient: Tensor | None) -> list[Tensor]:
+        """A whole pseudo-gradient as fragments; one of the wrong size or dimension as it is, for the checks."""
+        if gradient is None:
+            return []
+        if gradient.dim() != 1 or gradient.numel() != self.params.numel():
+            return [gradient]
+        return [gradient[s:e] for s, e in self.ranges]
 
     def mark_pulled(self, worker: int) -> int:
         """``worker`` pulls the global model now (under :attr:`model_lock`): its version, for staleness."""
@@ -301,6 +383,7 @@ class OuterState:
         if push.buffers is not None:
             self.worker_buffers[push.worker] = push.buffers
         if push.steps > 0:
+            stats.rejected_streak = 0
             stats.staleness = self.outer_updates - stats.pulled_version
             stats.rounds += 1
             stats.steps += push.steps
@@ -332,7 +415,8 @@ class OuterState:
 
     def _allocate(self, worker: int, n_waiting: int) -> int:
         stats = self.workers[worker]
-        steps = 0 if self.stop_requested else self.step_policy.allocate(self, worker, n_waiting)
+        stop = self.stop_requested or stats.rejected_streak >= self.max_rejections
+        steps = 0 if stop else self.step_policy.allocate(self, worker, n_waiting)
         stats.in_flight = max(steps, 0)
         if steps > 0:
             stats.local_steps = steps
@@ -359,7 +443,8 @@ class OuterState:
         with self.lock:
             out: dict[str, float] = {"async/outer_updates": float(self.outer_updates)}
             for w, s in sorted(self.workers.items()):
-                for name in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s", "rounds", "push_bytes"):
+                for name in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s", "rounds", "push_bytes",
+                             "rejected"):
                     out[f"async/worker{w}/{name}"] = float(getattr(s, name))
             return out
 

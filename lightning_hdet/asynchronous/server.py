@@ -143,13 +143,14 @@ class Server:
                 with self._gate:  # and rank 0's own pull
                     self._replies_pending += 1
             for worker, steps in replies.items():
+                rejected = self.outer.rejection_streak(worker)
                 if worker == self.local.worker:
                     # its pull copies the model, and the version then, unless it stops
-                    self.local.reply(ServerHeader(steps, self.outer.outer_updates))
+                    self.local.reply(ServerHeader(steps, self.outer.outer_updates, rejected))
                     continue
                 assert self.remote is not None
                 with self.outer.model_lock:  # one version, fragment by fragment, with no copy
-                    header = ServerHeader(steps, self.outer.mark_pulled(worker))
+                    header = ServerHeader(steps, self.outer.mark_pulled(worker), rejected)
                     self.remote.reply(worker, header, self.layout.encode_pull(self.outer.params.detach(), self._reply),
                                       self.outer.buffers)
             self._replied()

@@ -73,6 +73,11 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         error_feedback: with compression, each worker adds what its codec lost to its next push.
         pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (workers train from the
             global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost).
+        check_pushes: every push is checked before rank 0 applies it (finite, its layout, a norm within
+            ``max_norm_ratio`` times the recent median) and each worker checks its own round is finite; a bad push
+            is discarded whole and its worker restarts from the global model (``docs/failure_modes.md``).
+        max_norm_ratio: a push whose norm exceeds this multiple of the recent median is rejected (10).
+        max_rejections: a worker rejected this many times in a row stops; the others go on (3).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -86,6 +91,7 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
                  grace_period: float = 0.0, speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
                  outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
+                 check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
                  **kwargs: Any) -> None:
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
@@ -108,7 +114,7 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         """The settings, as recorded in the logger's run config under ``async/...``."""
         keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
                 "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
-                "error_feedback", "pull_compression")
+                "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections")
         numbers = self.outer_settings.numbers()  # in effect
         return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_world_size}
 
@@ -224,14 +230,19 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         assert self._groups is not None
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
-                                  inner, outer, self.compression, self.error_feedback, self.pull_compression)
+                                  inner, outer, self.compression, self.error_feedback, self.pull_compression,
+                                  self.optimizers[0], self.check_pushes)
+        self._exchange.worker.name = f"rank {self.global_rank}"
         self.restore_worker(self._exchange.worker)
         self.diverged = True
         self._run_exchange(Kind.HELLO)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._exchange is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._exchange.worker.inner_lr(optimizer):  # cut after rejected pushes in a row
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.diverged:
             assert self._exchange is not None
             if self._exchange.worker.step():

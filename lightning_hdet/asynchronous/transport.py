@@ -196,7 +196,7 @@ class InProcessTransport(WorkerTransport):
         header = self._replies.get(timeout=self.timeout)
         self.check()
         if header.next_local_steps > 0:
-            header = ServerHeader(header.next_local_steps, self.read_model(self.worker, into))
+            header = ServerHeader(header.next_local_steps, self.read_model(self.worker, into), header.rejected)
         return header
 
     def reply(self, header: ServerHeader) -> None:

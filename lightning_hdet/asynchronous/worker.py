@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -47,12 +47,22 @@ class Worker:
         layout: the fragments and their codecs (default: :class:`~.messages.Fragments` of the parameters,
             uncompressed); the server decodes with the same.
         error_feedback: keep what the codec lost and add it to the next push.
+        optimizer: the inner optimizer, whose state is cleared when a push of this worker was rejected.
+        check_self: before pushing, check that the local parameters and buffers are finite; a round that is not
+            is discarded (pushed without steps: the server counts it as rejected) instead of pushed.
     """
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport,
                  inner_optimizer: Optimizer | None = None, layout: Fragments | None = None,
-                 error_feedback: bool = True) -> None:
+                 error_feedback: bool = True, optimizer: Optimizer | None = None, check_self: bool = True) -> None:
         self.module, self.device, self.transport, self.inner_optimizer = module, device, transport, inner_optimizer
+        self.optimizer, self.check_self = optimizer, check_self
+        #: How this worker is named in its warnings (the strategies say which rank or session).
+        self.name = "this worker"
+        #: How many of this worker's latest pushes in a row were rejected (from the server's last reply).
+        self.rejected = 0
+        #: Rounds this worker discarded itself (non-finite).
+        self.discarded = 0
         shapes = [p.shape for p in module.parameters()]
         self.n_params = numel(list(module.parameters()))
         self.layout = layout or Fragments(shapes)
@@ -93,6 +103,11 @@ class Worker:
         buffers = None
         if steps > 0 and self.buffers.numel():
             buffers = read_into(float_buffers(self.module), self.buffers, self.device)
+        if steps > 0 and self.check_self and not self._finite(buffers):
+            self.discarded += 1
+            log.warning("%s: its local steps went non-finite; its round of %d step(s) is discarded, not pushed.",
+                        self.name, steps)
+            steps, buffers = 0, None
         # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
         inner = state_to_bytes(self.inner_optimizer.state_dict()) if self.inner_optimizer is not None else None
         header = WorkerHeader(kind, steps, compute_s, self.wait_s, inner.numel() if inner is not None else 0)
@@ -105,12 +120,58 @@ class Worker:
         self.wait_s = time.perf_counter() - start
         self.steps_in_round = 0
         self.rounds.append((reply.next_local_steps, reply.outer_updates))
+        self._recover(reply.rejected, reply.next_local_steps == 0)
         if reply.next_local_steps == 0:
             self.round_steps = math.inf  # the loop would otherwise run one more batch before it stops
         else:
             self.round_steps = reply.next_local_steps
             write_from(model_state(self.module), self.pulled, self.device)
         self.round_start = time.perf_counter()
+
+    def _finite(self, buffers: Tensor | None) -> bool:
+        """The local parameters (one norm per tensor, one device sync per round) and buffer values are finite."""
+        params = [p.detach() for p in self.module.parameters()]
+        finite = not params or bool(torch.stack(torch._foreach_norm(params)).isfinite().all())
+        return finite and (buffers is None or bool(torch.isfinite(buffers).all()))
+
+    def _recover(self, rejected: int, stop: bool) -> None:
+        """After a rejected push: no trace of the bad round stays (the codec's residual, the inner optimizer's
+        state); the model is the global one the reply brings."""
+        self.rejected = rejected
+        if not rejected:
+            return
+        self.feedback.residual.zero_()
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        if stop:
+            log.error("%s stops: its last %d push(es) in a row were rejected (non-finite or far off the others). The"
+                      " other workers go on; see docs/failure_modes.md.", self.name, rejected)
+        else:
+            log.warning("%s: its round was rejected (%d in a row); it restarts from the global model with a fresh"
+                        " inner optimizer state and %g x its inner learning rate this round.", self.name, rejected,
+                        self.lr_factor)
+
+    @property
+    def lr_factor(self) -> float:
+        """The inner learning rate's multiplier this round: halved for every rejection in a row after the first."""
+        return 0.5 ** max(0, self.rejected - 1)
+
+    @contextmanager
+    def inner_lr(self, optimizer: Optimizer) -> Iterator[None]:
+        """Inside the block, ``optimizer``'s learning rates are cut by :attr:`lr_factor` (restored after, so that a
+        scheduler's values are never lost)."""
+        factor = self.lr_factor
+        if factor == 1.0:
+            yield
+            return
+        saved = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        try:
+            yield
+        finally:
+            for group, lr in zip(optimizer.param_groups, saved):
+                group["lr"] = lr
 
     def _messages(self) -> Iterator[Tensor]:
         """The encoded fragments of ``theta_pulled - theta_local``, one at a time (each read from the model into

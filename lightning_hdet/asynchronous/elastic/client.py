@@ -26,10 +26,13 @@ class SessionClient:
         reconnect_s: seconds to keep trying to open a session before giving up.
         heartbeat_s: seconds between heartbeats.
         timeout_s: seconds any message may take.
+        token: the service's shared secret, if it requires one (a refusal is not retried).
     """
 
-    def __init__(self, address: str, reconnect_s: float, heartbeat_s: float, timeout_s: float) -> None:
+    def __init__(self, address: str, reconnect_s: float, heartbeat_s: float, timeout_s: float,
+                 token: str | None = None) -> None:
         self.address, self.reconnect_s, self.heartbeat_s, self.timeout_s = address, reconnect_s, heartbeat_s, timeout_s
+        self.token = token
         self.registration: Registration | None = None
         #: Every session this worker opened, in order.
         self.sessions: list[int] = []
@@ -56,7 +59,7 @@ class SessionClient:
         while True:
             try:
                 self.registration = Registration(self.address, self.heartbeat_s, self.timeout_s,
-                                                 connect_s=max(1.0, min(10.0, self.reconnect_s)))
+                                                 connect_s=max(1.0, min(10.0, self.reconnect_s)), token=self.token)
                 break
             except (SessionLost, RuntimeError) as err:
                 wait = backoff(attempt)

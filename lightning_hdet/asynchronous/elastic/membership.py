@@ -5,11 +5,16 @@ that host and port is handed to the store). A worker registers by incrementing t
 value it gets back is its session id), beats by incrementing its own counter every ``heartbeat_s``, and meets the
 server in a fresh two-rank ``ProcessGroupGloo`` under the store prefix of its session (server rank 0, worker
 rank 1), each side bound to its own address. Nothing here decides anything: :mod:`.sessions` keeps the books.
-Trusted networks only: the store and gloo neither authenticate nor encrypt.
+Trusted networks only: the store and gloo neither authenticate nor encrypt. A shared ``token`` (optional) only
+keeps a stray process from joining by mistake: a worker proves it knows the token by writing
+``HMAC-SHA256(token, session id)`` under its session (the token itself never travels), and waits for the
+service's verdict before it meets it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import socket
@@ -58,6 +63,28 @@ def beat_key(session: int) -> str:
     return f"elastic/beat/{session}"
 
 
+def auth_key(session: int) -> str:
+    return f"elastic/auth/{session}"
+
+
+def verdict_key(session: int) -> str:
+    return f"elastic/verdict/{session}"
+
+
+def token_proof(token: str, session: int) -> str:
+    """What a worker with ``token`` writes for ``session``: an HMAC of the session id (useless for another one)."""
+    return hmac.new(token.encode(), f"lightning_hdet.elastic/{session}".encode(), hashlib.sha256).hexdigest()
+
+
+def proof_matches(token: str, session: int, proof: str) -> bool:
+    return hmac.compare_digest(token_proof(token, session), proof)
+
+
+def refused_message(address: str) -> str:
+    return (f"The outer service at {address} refused this worker: its `token` does not match the service's. Give"
+            " ElasticWorkerStrategy(token=...) the token the OuterService was started with.")
+
+
 class StoreHost:
     """The server's store: bound to the given address, holding the run's config and the session counter.
 
@@ -80,6 +107,15 @@ class StoreHost:
         self.store.set(_CONFIG, json.dumps(config))
         self.store.add(_COUNTER, next_id - 1)  # the next registration gets next_id
 
+    def proof(self, session: int) -> str | None:
+        """What ``session``'s worker wrote to prove it knows the token (``None``: nothing yet; never blocks)."""
+        key = auth_key(session)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def decide(self, session: int, admitted: bool) -> None:
+        """Tell ``session``'s worker whether it may meet the service."""
+        self.store.set(verdict_key(session), "admitted" if admitted else "refused")
+
     def registered(self) -> int:
         """The largest session id handed out so far."""
         return self.store.add(_COUNTER, 0)
@@ -96,15 +132,25 @@ class Registration:
         heartbeat_s: seconds between heartbeats.
         timeout: seconds any message of the session may take (longer than any round).
         connect_s: seconds to wait for the store when registering.
+        token: the shared secret, when the service requires one (raises :class:`PermissionError` when refused).
     """
 
-    def __init__(self, address: str, heartbeat_s: float, timeout: float, connect_s: float) -> None:
+    def __init__(self, address: str, heartbeat_s: float, timeout: float, connect_s: float,
+                 token: str | None = None) -> None:
         host, port = parse_address(address)
         try:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_s))
             self._beat_store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_s))
             self.config: dict[str, Any] = json.loads(self.store.get(_CONFIG))
+            if self.config.get("token") and token is None:
+                raise PermissionError(f"The outer service at {address} requires a `token`; give ElasticWorkerStrategy"
+                                      "(token=...) the one the OuterService was started with.")
             self.session = int(self.store.add(_COUNTER, 1))
+            if self.config.get("token"):
+                self.store.set(auth_key(self.session), token_proof(token, self.session))
+                self.store.wait([verdict_key(self.session)], timedelta(seconds=timeout))
+                if self.store.get(verdict_key(self.session)).decode() != "admitted":
+                    raise PermissionError(refused_message(address))
         except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError derive from RuntimeError
             raise SessionLost(f"cannot register with the outer service at {address}: {first_line(err)}") from err
         self.alive = True

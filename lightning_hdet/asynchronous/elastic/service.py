@@ -28,8 +28,8 @@ from lightning_hdet._tensors import float_buffers, write_from
 from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic.hub import Lost, SessionHub
-from lightning_hdet.asynchronous.elastic.membership import SessionLost
-from lightning_hdet.asynchronous.elastic.sessions import SessionTable, live_buffer_size, should_park
+from lightning_hdet.asynchronous.elastic.membership import SessionLost, proof_matches
+from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_token, live_buffer_size, should_park
 from lightning_hdet.asynchronous.exchange import read_model
 from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterSettings
@@ -58,7 +58,7 @@ class OuterService:
     Args:
         module: the model; its parameters and floating-point buffers are the global model's start (or the
             checkpoint's), and it holds the global model after :meth:`run`.
-        address: ``"host:port"`` to bind (trusted networks only: nothing is authenticated or encrypted).
+        address: ``"host:port"`` to bind (trusted networks only: nothing is encrypted, see ``token``).
         budget: inner steps summed over all workers and sessions (``None``: until :meth:`request_stop`).
         checkpoint: file the service checkpoints itself to, and resumes from when it exists.
         checkpoint_every: outer updates between checkpoints (also one at the end).
@@ -70,6 +70,9 @@ class OuterService:
         evaluate: called with the global model in ``module`` every ``evaluate_every`` outer updates and at the
             end; its metrics are kept in :attr:`evaluations`, the checkpoint and the status file.
         max_idle_s: end when no session was live for this long (``None``: wait for workers indefinitely).
+        token: a shared secret every worker must give (``ElasticWorkerStrategy(token=...)``) to open a session;
+            ``None`` (default): any process that reaches the address may join. It keeps stray processes out; it is
+            not encryption (the model and the pushes still travel in the clear).
         **outer: :class:`~..outer.OuterSettings` (``mode``, ``local_steps``, ``outer``, ``outer_lr``, ...).
     """
 
@@ -77,7 +80,8 @@ class OuterService:
                  checkpoint_every: int = 10, lease_s: float = 10.0, heartbeat_s: float = 0.5,
                  timeout_s: float = 1800.0, compression: str = "none", evaluate: Evaluate | None = None,
                  evaluate_every: int = 0, max_idle_s: float | None = None, pull_compression: str = "none",
-                 **outer: Any) -> None:
+                 token: str | None = None, **outer: Any) -> None:
+        check_token(token)
         check_int("budget", budget, minimum=1, optional=True)
         check_int("checkpoint_every", checkpoint_every, minimum=1)
         check_int("evaluate_every", evaluate_every, minimum=0)
@@ -92,7 +96,8 @@ class OuterService:
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.checkpoint_every, self.evaluate, self.evaluate_every = checkpoint_every, evaluate, evaluate_every
         self.heartbeat_s, self.timeout_s, self.max_idle_s = heartbeat_s, timeout_s, max_idle_s
-        self.compression, self.pull_compression = compression, pull_compression
+        self.compression, self.pull_compression, self.token = compression, pull_compression, token
+        self._pending: dict[int, float] = {}  # registered sessions waiting for their token's proof, since when
         self.outer = self.settings.build(*read_model(module, torch.device("cpu")), 1, budget)
         self.table = SessionTable(lease_s)
         #: ``(outer_updates, metrics)`` of every evaluation.
@@ -111,10 +116,11 @@ class OuterService:
         layout = Fragments([p.shape for p in self.module.parameters()], self.compression,  # type: ignore[arg-type]
                            pull_compression=self.pull_compression)  # type: ignore[arg-type]
         config = {"n_params": self.outer.params.numel(), "n_buffers": n_buffers, "compression": self.compression,
-                  "pull_compression": self.pull_compression, "mode": self.settings.mode}
+                  "pull_compression": self.pull_compression, "mode": self.settings.mode, "token": self.token is not None}
         self.hub = SessionHub(self.address, config, self.table.next_id, self.timeout_s, n_buffers, layout)
         self._next_tick = 0.0
         self._idle_since = time.monotonic()
+        self._scanned = self.table.next_id - 1  # the largest registered session id looked at
         log.info("outer service at %s:%d (sessions from %d)", self.hub.host.host, self.hub.port, self.table.next_id)
 
     def run(self) -> None:
@@ -165,7 +171,7 @@ class OuterService:
     def _tick(self, now: float) -> None:
         """Open newly registered sessions, read heartbeats, end the sessions whose lease ran out."""
         assert self.hub is not None
-        for session in range(self.table.next_id, self.hub.registered() + 1):
+        for session in self._admitted(now):
             self.table.open(session, now)
             self.hub.attach(session)
             log.info("session %d opened (%d live)", session, len(self.table.live))
@@ -177,6 +183,29 @@ class OuterService:
         if self.table.live:
             self._idle_since = now
             self._first_session = self._first_session or now
+
+    def _admitted(self, now: float) -> list[int]:
+        """Newly registered sessions that may open, in id order: all of them without a token; with one, those
+        whose worker proved it knows it (a wrong proof, or none within ``lease_s``, is refused)."""
+        assert self.hub is not None
+        registered = self.hub.registered()
+        self._pending.update({s: now for s in range(self._scanned + 1, registered + 1)})
+        self._scanned = max(self._scanned, registered)
+        admitted = []
+        for session, since in sorted(self._pending.items()):
+            proof = None if self.token is None else self.hub.host.proof(session)
+            if self.token is not None and proof is None and now - since < self.table.lease_s:
+                continue  # registered a moment ago: its proof follows
+            ok = self.token is None or (proof is not None and proof_matches(self.token, session, proof))
+            if self.token is not None:
+                self.hub.host.decide(session, ok)
+            del self._pending[session]
+            if ok:
+                admitted.append(session)
+            else:
+                self.table.refuse(session, "refused: wrong token")
+                log.warning("session %d refused: its worker's token does not match", session)
+        return admitted
 
     def _end(self, session: int, reason: str) -> None:
         """End a session: its group is torn down, its in-flight steps and buffers released, parked workers
@@ -224,6 +253,8 @@ class OuterService:
         for push in batch:
             if push.kind == Kind.BYE:
                 self._end(push.worker, "left")
+            elif self.outer.excluded(push.worker):  # told to stop: its session ends, its share goes to the others
+                self._end(push.worker, f"excluded: {self.outer.rejection_streak(push.worker)} pushes in a row rejected")
         self._follow_live_set()
         self._retry_parked()
         self._after_update()
@@ -233,12 +264,12 @@ class OuterService:
         assert self.hub is not None
         left = None if self.budget is None else self.budget - self.outer.steps_done
         others = sum(s.in_flight for w, s in self.outer.workers.items() if w != session and self.table.is_live(w))
-        if should_park(steps, left, others):
+        if should_park(steps, left, others) and not self.outer.excluded(session):
             self._parked[session] = push
             return
         try:
-            self.hub.reply(session, ServerHeader(steps, self.outer.outer_updates), self.outer.params.detach(),
-                           self.outer.buffers)
+            header = ServerHeader(steps, self.outer.outer_updates, self.outer.rejection_streak(session))
+            self.hub.reply(session, header, self.outer.params.detach(), self.outer.buffers)
         except SessionLost as err:
             self._end(session, f"lost: {err}")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_hdet._checks import check_int, check_number
+from lightning_hdet._checks import check_int, check_number, require
 
 
 @dataclass
@@ -79,8 +79,19 @@ class SessionTable:
         self.ended[session] = reason
         return True
 
+    def refuse(self, session: int, reason: str) -> None:
+        """``session`` registered but was never opened (e.g. a wrong token): its id is used up."""
+        self.next_id = max(self.next_id, session + 1)
+        self.ended[session] = reason
+
     def is_live(self, session: int) -> bool:
         return session in self.live
+
+
+def check_token(token: object) -> None:
+    """The shared secret of :class:`~.service.OuterService` / :class:`~.strategy.ElasticWorkerStrategy`."""
+    require("token", "<hidden>" if isinstance(token, str) else token, token is None or (isinstance(token, str) and token),
+            "None or a non-empty string", "Set the same token on the service and on every worker.")
 
 
 def live_buffer_size(configured: int | None, live: int) -> int:

@@ -23,6 +23,7 @@ from lightning_hdet._compat import set_loop_max_steps
 from lightning_hdet._tensors import float_buffers, numel
 from lightning_hdet.asynchronous.elastic.client import SessionClient
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, parse_address
+from lightning_hdet.asynchronous.elastic.sessions import check_token
 from lightning_hdet.asynchronous.elastic.sessions import session_seed
 from lightning_hdet.asynchronous.messages import Fragments, Kind
 from lightning_hdet.asynchronous.worker import Worker
@@ -47,12 +48,15 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
         heartbeat_s: seconds between heartbeats (keep well below the service's ``lease_s``).
         timeout_s: seconds any message may take; longer than a round (a parked worker waits for its reply).
         error_feedback: with a compressing service, keep what the codec lost and add it to the next push.
+        token: the shared secret of a service started with one (``OuterService(token=...)``); a wrong one is
+            refused with a :class:`PermissionError`. It keeps stray processes out; it is not encryption.
     """
 
     def __init__(self, server: str, device: Any = None, seed: int = 0, reconnect_s: float = 60.0,
                  heartbeat_s: float = 1.0, timeout_s: float = 1800.0, error_feedback: bool = True,
-                 **kwargs: Any) -> None:
+                 token: str | None = None, **kwargs: Any) -> None:
         parse_address(server)
+        check_token(token)
         check_int("seed", seed, minimum=0)
         check_number("reconnect_s", reconnect_s, low=0, hint="It is in seconds; 0 fails at once.")
         for name, value in (("heartbeat_s", heartbeat_s), ("timeout_s", timeout_s)):
@@ -62,7 +66,7 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         super().__init__(device=device, **kwargs)
         self.server, self.seed, self.reconnect_s = server, seed, reconnect_s
-        self.heartbeat_s, self.timeout_s, self.error_feedback = heartbeat_s, timeout_s, error_feedback
+        self.heartbeat_s, self.timeout_s, self.error_feedback, self.token = heartbeat_s, timeout_s, error_feedback, token
         self._client: SessionClient | None = None
         self._worker: Worker | None = None
         self._saved_limits: tuple[int, Any] | None = None
@@ -93,7 +97,7 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
         self._saved_limits = (trainer.fit_loop.max_steps, trainer.limit_val_batches)
         set_loop_max_steps(trainer, -1)
         trainer.limit_val_batches = 0
-        self._client = SessionClient(self.server, self.reconnect_s, self.heartbeat_s, self.timeout_s)
+        self._client = SessionClient(self.server, self.reconnect_s, self.heartbeat_s, self.timeout_s, self.token)
         self._open()  # before the data loaders exist, so that the session's seed orders the data
 
     def _open(self) -> None:
@@ -123,13 +127,17 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
         layout = Fragments([p.shape for p in module.parameters()], config["compression"],
                            pull_compression=config["pull_compression"])
         self._worker = Worker(module, self.root_device, self._client.transport(layout), None, layout,
-                              self.error_feedback)
+                              self.error_feedback, self.optimizers[0])
+        self._worker.name = f"session {self._client.session}"
         self._exchange(Kind.HELLO)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._worker is not None and not self._worker.stopped and self._worker.step():
+        if self._worker is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._worker.inner_lr(optimizer):  # cut after rejected pushes in a row
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._worker.stopped and self._worker.step():
             self._exchange(Kind.PUSH)
         return output
 

@@ -1,0 +1,136 @@
+"""What a push must be before the outer optimizer applies it. Pure: no process groups, no Lightning.
+
+One worker with a bad batch, an overflow or a faulty device must not poison the global model that every other
+worker trains from. Rank 0's server and the elastic :class:`~.elastic.service.OuterService` therefore look at every
+push before any of it is applied (``docs/failure_modes.md``, "A worker goes bad"):
+
+* **form**: as many fragments as the layout has, each a flat ``float32`` tensor of its fragment's size; the
+  floating-point buffer values the right size, ``float32`` and finite;
+* **finite**: every fragment's norm (one reduction per fragment, no copy: NaN or Inf anywhere makes it NaN or
+  Inf) is finite;
+* **norm**: the whole pseudo-gradient's norm is at most ``max_norm_ratio`` times the larger of the median of this
+  worker's and of everyone's recent accepted norms (once ``min_history`` pushes were accepted, and never against
+  a median of 0). A median follows a schedule (warm-up, decay) and ignores one odd push; a multiple of it still
+  lets a push several times larger than usual through (a longer round, a loss spike), so that only an outlier by
+  an order of magnitude is refused.
+
+A worker can also discard its own round (its local steps went non-finite): it pushes with no steps, which the
+outer side counts as a rejection of that worker. ``max_rejections`` rejections in a row exclude the worker.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_hdet._checks import check_bool, check_int, check_number
+
+#: Reasons a push is rejected (logged, and counted in ``async/worker{i}/rejected``).
+DISCARDED_BY_WORKER = "discarded by the worker (its local steps went non-finite)"
+
+
+def check_push_settings(check_pushes: bool, max_norm_ratio: float, max_rejections: int) -> None:
+    """The strategy's / service's ``check_pushes``, ``max_norm_ratio`` and ``max_rejections`` arguments."""
+    check_bool("check_pushes", check_pushes)
+    check_number("max_norm_ratio", max_norm_ratio, low=1, low_open=True,
+                 hint="A push is refused when its norm exceeds this multiple of the recent median.")
+    check_int("max_rejections", max_rejections, minimum=1,
+              hint="A worker whose pushes are rejected this many times in a row stops.")
+    if not check_pushes and (max_norm_ratio != PushCheck.MAX_NORM_RATIO or max_rejections != PushCheck.MAX_REJECTIONS):
+        raise ValueError(
+            f"`max_norm_ratio`={max_norm_ratio!r} / `max_rejections`={max_rejections!r} have no effect with"
+            " check_pushes=False (nothing is checked); drop them, or keep check_pushes=True."
+        )
+
+
+class PushCheck:
+    """The checks on arriving pushes, and the recent accepted norms they compare with.
+
+    Args:
+        max_norm_ratio: a push whose norm exceeds this multiple of the reference median is rejected.
+        max_rejections: rejections in a row after which a worker is excluded.
+        window: accepted norms kept, per worker and overall.
+        min_history: accepted pushes (overall) before the norm rule applies.
+    """
+
+    MAX_NORM_RATIO = 10.0
+    MAX_REJECTIONS = 3
+
+    def __init__(self, max_norm_ratio: float = MAX_NORM_RATIO, max_rejections: int = MAX_REJECTIONS,
+                 window: int = 32, min_history: int = 4) -> None:
+        check_push_settings(True, max_norm_ratio, max_rejections)
+        check_int("window", window, minimum=1)
+        check_int("min_history", min_history, minimum=1)
+        self.max_norm_ratio, self.max_rejections = max_norm_ratio, max_rejections
+        self.window, self.min_history = window, min_history
+        self._all: deque[float] = deque(maxlen=window)
+        self._own: dict[int, deque[float]] = {}
+
+    def limit(self, worker: int) -> float:
+        """The largest norm ``worker``'s next push may have (``inf`` until the norm rule applies)."""
+        if len(self._all) < self.min_history:
+            return math.inf
+        reference = statistics.median(self._all)
+        own = self._own.get(worker)
+        if own:
+            reference = max(reference, statistics.median(own))
+        return self.max_norm_ratio * reference if reference > 0 else math.inf
+
+    def accepted(self, worker: int, norm: float) -> None:
+        """Record an applied push's norm."""
+        self._all.append(norm)
+        self._own.setdefault(worker, deque(maxlen=self.window)).append(norm)
+
+    def inspect(self, worker: int, fragments: Iterable[Tensor], ranges: Sequence[tuple[int, int]],
+                stage: Tensor | None) -> tuple[str | None, list[Tensor], float]:
+        """Read every arriving fragment (all of them, so that a stream is always consumed), check its form and
+        norm, and keep it: a view of the fragment itself (``stage=None``: the caller's tensors stay valid), or a
+        copy in ``stage``'s slice (a stream reuses its buffers). Returns ``(reason, kept, norm)``; ``reason`` is
+        ``None`` for a push that may be applied."""
+        reason, kept, squares = None, [], 0.0
+        for index, fragment in enumerate(fragments):
+            if reason is not None:
+                continue
+            reason = _form(index, fragment, ranges)
+            if reason is None:
+                norm = float(torch.linalg.vector_norm(fragment))  # the one reduction of this fragment
+                if not math.isfinite(norm):
+                    reason = f"non-finite values in fragment {index}"
+                squares += norm * norm
+                if stage is not None:
+                    start, end = ranges[index]
+                    fragment = stage[start:end].copy_(fragment)
+                kept.append(fragment)
+        if reason is None and kept and len(kept) != len(ranges):
+            reason = f"{len(kept)} fragments, the layout has {len(ranges)}"
+        norm = math.sqrt(squares)
+        if reason is None and kept and not norm <= self.limit(worker):
+            reason = f"norm {norm:.4g} above {self.max_norm_ratio:g} x the recent median (limit {self.limit(worker):.4g})"
+        return reason, kept, norm
+
+
+def buffers_problem(buffers: Tensor | None, n_buffers: int) -> str | None:
+    """What is wrong with a push's floating-point buffer values (``None``: nothing)."""
+    if buffers is None:
+        return None
+    if buffers.dtype != torch.float32 or buffers.numel() != n_buffers:
+        return f"buffers are {buffers.dtype}[{buffers.numel()}], expected torch.float32[{n_buffers}]"
+    if not bool(torch.isfinite(buffers).all()):
+        return "non-finite buffer values"
+    return None
+
+
+def _form(index: int, fragment: Tensor, ranges: Sequence[tuple[int, int]]) -> str | None:
+    if index >= len(ranges):
+        return f"more fragments than the layout's {len(ranges)}"
+    size = ranges[index][1] - ranges[index][0]
+    if fragment.dtype != torch.float32:
+        return f"fragment {index} is {fragment.dtype}, expected torch.float32"
+    if fragment.dim() != 1 or fragment.numel() != size:
+        return f"fragment {index} has shape {tuple(fragment.shape)}, expected ({size},)"
+    return None
