@@ -169,6 +169,11 @@ def gloo_options(timeout: timedelta, host: str) -> Any:
 def _check_private_names() -> None:
     missing = [f"DDPStrategy.{name}" for name in OVERRIDDEN_PRIVATE_HOOKS + ("_timeout", "_ddp_kwargs")
                if not hasattr(DDPStrategy, name) and name not in DDPStrategy.__init__.__code__.co_names]
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    # the Fabric strategies read and set the same two through the functions above
+    missing += [f"lightning.fabric DDPStrategy.{name}" for name in ("_timeout", "_ddp_kwargs")
+                if name not in FabricDDPStrategy.__init__.__code__.co_names]
     in_init = ModelParallelStrategy.__init__.__code__.co_names
     missing += [f"ModelParallelStrategy.{name}" for name in ("_setup_distributed", "_device_mesh", "_timeout")
                 if not hasattr(ModelParallelStrategy, name) and name not in in_init]

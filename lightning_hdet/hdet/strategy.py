@@ -39,7 +39,12 @@ from lightning_hdet._compat import (
     unwrap_ddp,
 )
 from lightning_hdet.hdet.ensemble import EnsembleOps
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
+from lightning_hdet.hdet.groups import (
+    GradientSync,
+    HDETGroups,
+    destroy_default_group_at_exit,
+    destroy_process_groups,
+)
 from lightning_hdet.hdet.guard import FiniteGuard
 from typing_extensions import override
 
@@ -112,15 +117,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         rank_zero_info(f"HDET: creating {self.layout.num_groups} process groups of {self.layout.group_size} ranks")
-        # Every rank creates every group, in the same order. Except over gloo on GPUs: Lightning then binds the
-        # default group to the device, and torch (2.11-2.13) has a rank outside a new group split gloo's
-        # communicator, which gloo cannot do (AttributeError: perform_nocolor_split). The groups are disjoint, so
-        # each rank can create only its own (the others stay None); NCCL keeps the faster split.
-        own_only = self.root_device.type != "cpu" and dist.get_backend() == "gloo"
-        self._group_pgs = [
-            dist.new_group(self.layout.ranks(g), timeout=strategy_timeout(self), use_local_synchronization=own_only)
-            for g in range(self.layout.num_groups)
-        ]
+        self._group_pgs = self._new_group_process_groups(strategy_timeout(self))
         destroy_default_group_at_exit()
 
     @property
@@ -176,10 +173,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     def teardown(self) -> None:
         self._guard = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
         # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
-        for pg in self._group_pgs:
-            if pg is not None:  # None: another group's, never created on this rank (gloo on GPUs, above)
-                dist.destroy_process_group(pg)
-        self._group_pgs = []
+        self._group_pgs = destroy_process_groups(self._group_pgs)
         super().teardown()
 
 
