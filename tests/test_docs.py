@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -18,13 +20,17 @@ from lightning_hdet import (
     AsyncLocalSGDStrategy,
     DelayedNesterov,
     ElasticWorkerStrategy,
+    AsyncLocalSGDFabricStrategy,
     HDETCallback,
+    HDETFabricStrategy,
     HDETFSDPStrategy,
+    HDETLoop,
     HDETStrategy,
     OuterService,
     SlowRanks,
 )
 from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,10 +50,15 @@ SIGNATURES = {
     "CharLM": (CharLM,),
     "CharCorpusDataModule": (CharCorpusDataModule,),
     "Trainer": (Trainer,),
+    "Fabric": (Fabric,),
+    "HDETFabricStrategy": (HDETFabricStrategy, FabricDDPStrategy),
+    "HDETLoop": (HDETLoop, HDETConfig),  # **settings are HDETCallback's, validated by HDETConfig
+    "AsyncLocalSGDFabricStrategy": (OuterSettings, FabricDDPStrategy, AsyncLocalSGDStrategy),
 }
 
 # Built from the literal arguments a doc shows; all validate their arguments in ``__init__``.
-CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks", "ElasticWorkerStrategy")
+CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks", "ElasticWorkerStrategy",
+                 "HDETFabricStrategy")
 
 
 def python_blocks() -> list[tuple[str, str]]:

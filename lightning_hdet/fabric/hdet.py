@@ -35,8 +35,11 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
     """Data parallelism with groups of replicas that train with different learning rates, for Fabric loops.
 
     Args:
-        num_groups, lr_multipliers, spread, gradient_sync: as for the Trainer's
+        num_groups: number of groups (``None``: one per rank), as for the Trainer's
             :class:`~lightning_hdet.hdet.strategy.HDETStrategy`.
+        lr_multipliers: one learning-rate multiplier per group (``None``: the fan-out set by ``spread``).
+        spread: half-width of the published fan-out, in ``[0, 1)``.
+        gradient_sync: ``"global"`` (gradients averaged over all ranks) or ``"group"`` (inside each group).
         **kwargs: everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts.
 
     Set the model and optimizer up with ``fabric.setup(model, optimizer)`` (one model; its optimizers get the
