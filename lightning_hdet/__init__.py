@@ -19,6 +19,7 @@ from lightning_hdet.hdet.layout import fan_out
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
 from lightning_hdet.hdet.strategy import HDETStrategy
+from lightning_hdet.replay import HDETReplay, LRTrajectory
 from lightning_hdet.testing import SlowRanks
 from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote
 
@@ -35,6 +36,8 @@ __all__ = [
     "HDETFSDPStrategy",
     "HDETFabricStrategy",
     "HDETLoop",
+    "HDETReplay",
+    "LRTrajectory",
     "HDETStrategy",
     "LocalStepsPolicy",
     "OuterService",

@@ -25,6 +25,7 @@ from lightning_hdet import (
     HDETFabricStrategy,
     HDETFSDPStrategy,
     HDETLoop,
+    HDETReplay,
     HDETStrategy,
     OuterService,
     SlowRanks,
@@ -51,6 +52,7 @@ SIGNATURES = {
     "CharCorpusDataModule": (CharCorpusDataModule,),
     "Trainer": (Trainer,),
     "Fabric": (Fabric,),
+    "HDETReplay": (HDETReplay,),
     "HDETFabricStrategy": (HDETFabricStrategy, FabricDDPStrategy),
     "HDETLoop": (HDETLoop, HDETConfig),  # **settings are HDETCallback's, validated by HDETConfig
     "AsyncLocalSGDFabricStrategy": (OuterSettings, FabricDDPStrategy, AsyncLocalSGDStrategy),
