@@ -37,6 +37,7 @@ from lightning_hdet._compat import (
     strategy_timeout,
     sync_module_states,
     unwrap_ddp,
+    weights_only_kwargs,
 )
 from lightning_hdet.hdet.ensemble import EnsembleOps
 from lightning_hdet.hdet.groups import (
@@ -164,7 +165,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Lightning's reader, with a clear error for a truncated or corrupted file; adds this group's own state."""
         checkpoint = read_checkpoint(
-            lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
+            lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, **weights_only_kwargs(weights_only)),
             checkpoint_path)
         self.attach_own_state(checkpoint, checkpoint_path, weights_only)
         return checkpoint
