@@ -143,3 +143,17 @@ def test_fabric_strategies_refuse_bad_arguments() -> None:
         Fabric(accelerator="cpu", devices=1, strategy="async_local_sgd")
     with pytest.raises(TypeError, match="strategy='hdet'"):
         HDETLoop(Fabric(accelerator="cpu", devices=1))
+    strategy = HDETFabricStrategy(gradient_sync="group")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)  # not launched: the checks come first
+    with pytest.raises(ValueError, match="fabric.setup"):
+        HDETLoop(fabric)
+    model = torch.nn.Linear(2, 1)
+    strategy.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="monitor"):
+        HDETLoop(fabric, monitor="val_loss")
+    with pytest.raises(ValueError, match="signal"):
+        HDETLoop(fabric, signal="heldout")
+    with pytest.raises(ValueError, match="search_steps"):
+        HDETLoop(fabric, search_steps=10)
+    with pytest.raises(ValueError, match="every_n_steps"):
+        HDETLoop(fabric, every_n_steps=0)
