@@ -55,6 +55,21 @@ def test_bad_sources_are_refused(tmp_path: Path) -> None:
         HDETReplay([], initial_multipliers=[1.0])
 
 
+@pytest.mark.parametrize("layout", ["trainer", "fabric"])
+def test_replay_reads_a_checkpoint(tmp_path: Path, layout: str) -> None:
+    rows = _rows(3, [0.2, 0.8], 1) + _rows(6, [0.4, 0.1], 0)
+    state = {"history": rows, "last_vote_step": 6}
+    checkpoint = {"callbacks": {"HDETCallback": state}} if layout == "trainer" else {"hdet": state, "model": {}}
+    torch.save(checkpoint, tmp_path / "run.ckpt")
+    replay = HDETReplay(tmp_path / "run.ckpt", initial_multipliers=[0.5, 2.0])
+    assert [(p.start, p.group) for p in replay.trajectory.pieces] == [(0, 1), (3, 0), (6, 0)]
+    with pytest.raises(ValueError, match="initial_multipliers"):
+        HDETReplay(tmp_path / "run.ckpt")  # a checkpoint holds no run config
+    torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    with pytest.raises(ValueError, match="no HDETCallback or HDETLoop state"):
+        HDETReplay(tmp_path / "plain.ckpt", initial_multipliers=[1.0])
+
+
 def test_replay_reproduces_the_winning_lrs_of_an_hdet_run(tmp_path: Path) -> None:
     steps = 10  # votes at 4 and 8, the final vote at 10
     kwargs = dict(max_steps=steps, limit_val_batches=0)
