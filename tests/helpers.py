@@ -6,13 +6,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader, Dataset
-
-from lightning_hdet._compat import CHECKPOINT_NAMED_BY_RANK_ZERO
 
 # How most multi-process tests start their ranks: Lightning's own multiprocessing launcher with "fork" (what
 # `strategy="ddp_fork"` uses). A forked rank shares the test process's imported torch and Lightning; a spawned one
@@ -20,13 +17,6 @@ from lightning_hdet._compat import CHECKPOINT_NAMED_BY_RANK_ZERO
 # `spawn` (pickling the strategy and callbacks across) is tested where it matters: tests/test_spawn.py,
 # tests/test_async_spawn.py and the W&B test; the default subprocess launcher by the tests that run scripts.
 START = "fork"
-
-# Lightning < 2.6 lets each rank name its checkpoint files itself: a lagging async worker names its own file apart
-# and resumes from rank 0's inner state (warned; docs/quickstart.md, "Supported versions"). The tests that check
-# every worker's own file run on the lowest supported Lightning as expected failures.
-NEEDS_RANK_ZERO_CHECKPOINT_NAMES = pytest.mark.xfail(
-    not CHECKPOINT_NAMED_BY_RANK_ZERO, strict=False,
-    reason="Lightning < 2.6: ModelCheckpoint names files on every rank, a lagging worker's own file is named apart")
 
 
 def flat_params(module: torch.nn.Module) -> torch.Tensor:

@@ -19,7 +19,7 @@ from lightning_hdet.asynchronous.messages import Kind, Push
 from lightning_hdet.asynchronous.outer import AsyncStep, OuterState, SyncStep
 from lightning_hdet.asynchronous.server import Server
 from lightning_hdet.asynchronous.transport import ServerTransport
-from tests.helpers import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
+from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
 BASE_SECONDS = 0.05  # a factor-1 step; the slow rank takes 4x
 

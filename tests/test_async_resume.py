@@ -12,15 +12,8 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
-from tests.helpers import (
-    NEEDS_RANK_ZERO_CHECKPOINT_NAMES,
-    START,
-    LinearModel,
-    Recorder,
-    Regression,
-    load_ranks,
-    trainer_kwargs,
-)
+from tests.helpers import START, LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
+from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
 # Documented in docs/failure_modes.md: an asynchronous run resumed from a checkpoint ends within this relative
 # distance of an uninterrupted run's final loss (the order of pushes differs, so it cannot be bit-exact).
