@@ -10,7 +10,7 @@ export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test install bench bench-full docs docs-serve clean
+.PHONY: demo test test-lowest install bench bench-full docs docs-serve clean
 
 install: $(STAMP)
 
@@ -24,6 +24,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The suite on the lowest supported Lightning (constraints/lowest.txt), a pure-Python install beside the pinned one.
+LOWEST := .lowest
+test-lowest: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(LOWEST) -c constraints/lowest.txt lightning
+	PYTHONPATH=$(LOWEST):. $(PY) -m pytest tests
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
@@ -44,4 +50,4 @@ bench-full: $(STAMP)
 	$(PY) benchmarks/run_all.py --full $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) lightning_logs wandb out site .pytest_cache
+	rm -rf $(VENV) $(LOWEST) lightning_logs wandb out site .pytest_cache

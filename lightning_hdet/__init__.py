@@ -1,8 +1,11 @@
 """lightning-hdet: hyperparameter-divergent ensemble training and asynchronous Local-SGD for Lightning.
 
 Importing the package registers ``Trainer(strategy=...)`` names: ``"hdet"``, ``"hdet_spawn"``, ``"hdet_published"``,
-``"hdet_fsdp"``, ``"async_local_sgd"``, ``"async_local_sgd_spawn"``, ``"diloco"`` and ``"diloco_spawn"``.
+``"hdet_fsdp"``, ``"async_local_sgd"``, ``"async_local_sgd_spawn"``, ``"diloco"`` and ``"diloco_spawn"``; and
+``Fabric(strategy=...)`` names: ``"hdet"``, ``"async_local_sgd"``, ``"diloco"`` (each also with ``_spawn`` and ``_fork``).
 """
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -11,10 +14,12 @@ from lightning_hdet.hdet.blends import blend_coefficients
 from lightning_hdet.hdet.callback import HDETCallback
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic import ElasticWorkerStrategy, OuterService
+from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
 from lightning_hdet.hdet.layout import fan_out
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
 from lightning_hdet.hdet.strategy import HDETStrategy
+from lightning_hdet.replay import HDETReplay, LRTrajectory
 from lightning_hdet.testing import SlowRanks
 from lightning_hdet.hdet.options import PBT, Best, SafetyNet, Search, Softmax
 from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote
@@ -22,6 +27,7 @@ from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AsyncLocalSGDFabricStrategy",
     "AsyncLocalSGDStrategy",
     "Ballot",
     "Best",
@@ -30,6 +36,10 @@ __all__ = [
     "ElasticWorkerStrategy",
     "HDETCallback",
     "HDETFSDPStrategy",
+    "HDETFabricStrategy",
+    "HDETLoop",
+    "HDETReplay",
+    "LRTrajectory",
     "HDETStrategy",
     "LocalStepsPolicy",
     "OuterService",
@@ -47,3 +57,5 @@ __all__ = [
 HDETStrategy.register_strategies(StrategyRegistry)
 HDETFSDPStrategy.register_strategies(StrategyRegistry)
 AsyncLocalSGDStrategy.register_strategies(StrategyRegistry)
+HDETFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+AsyncLocalSGDFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

@@ -2,16 +2,19 @@
 
 Lightning has no public hook for these. When a Lightning release renames one of them, the checks at the bottom
 fail at import with a message naming it, instead of a hook silently no longer being called. Tested versions:
-``lightning`` as pinned in ``constraints/base.txt`` (the floor in ``pyproject.toml`` is the same release line).
+``lightning`` as pinned in ``constraints/base.txt`` (2.6.6) and the floor in ``constraints/lowest.txt`` (2.4.0,
+``make test-lowest``); every name below exists in both, and the shims after them cover what changed in between.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
 # Why: the file name Lightning gives the non-tensor part of a distributed checkpoint folder; its own
@@ -25,6 +28,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module as m
 # Why: DDP broadcasts rank 0's weights only when it wraps a model; HDET's "group" mode (one DDP per group) and the
 # async strategy (no DDP at all) need the same start-from-rank-0 broadcast without the wrapper.
 from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 # Why: the registry's type is private; strategies receive it in their public `register_strategies` classmethod.
@@ -35,6 +39,7 @@ from torch.optim import Optimizer
 __all__ = [
     "DCP_METADATA_FILENAME",
     "StrategyRegistry",
+    "CHECKPOINT_NAMED_BY_RANK_ZERO",
     "attached_trainer",
     "ddp_kwarg",
     "ensure_callback",
@@ -50,12 +55,29 @@ __all__ = [
     "unwrap_ddp",
     "unwrap_optimizer",
     "wandb_run_created_in_this_process",
+    "weights_only_kwargs",
 ]
 
 #: Private DDPStrategy methods the strategies override (no public hook runs at those moments):
 #: ``_configure_launcher`` runs when the Trainer is built, before any process exists, which is where argument
 #: checks that need the world size belong; ``_setup_model`` is where DDP gets its process group.
 OVERRIDDEN_PRIVATE_HOOKS = ("_configure_launcher", "_setup_model")
+
+
+#: Lightning 2.6 added ``weights_only`` to ``Strategy.load_checkpoint`` and ``CheckpointIO.load_checkpoint``; 2.4 and
+#: 2.5 take the path alone (and load as ``torch.load``'s default says).
+CHECKPOINT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(TorchCheckpointIO.load_checkpoint).parameters
+
+
+#: Lightning 2.6's ModelCheckpoint lets rank 0 alone decide whether a checkpoint name is taken. Before (2.4, 2.5) every
+#: rank looks itself, so an async worker that saves after rank 0 wrote the file names its own file "...-v1": on
+#: resume it finds none and starts from rank 0's inner state (with a warning). The async strategy warns up front.
+CHECKPOINT_NAMED_BY_RANK_ZERO = "reduce_boolean_decision" in inspect.getsource(ModelCheckpoint.file_exists)
+
+
+def weights_only_kwargs(weights_only: Optional[bool]) -> dict[str, Any]:
+    """``{"weights_only": ...}`` for the Lightning releases whose checkpoint readers take it, else ``{}``."""
+    return {"weights_only": weights_only} if CHECKPOINT_TAKES_WEIGHTS_ONLY else {}
 
 
 def sync_module_states(module: Module) -> None:
@@ -169,6 +191,11 @@ def gloo_options(timeout: timedelta, host: str) -> Any:
 def _check_private_names() -> None:
     missing = [f"DDPStrategy.{name}" for name in OVERRIDDEN_PRIVATE_HOOKS + ("_timeout", "_ddp_kwargs")
                if not hasattr(DDPStrategy, name) and name not in DDPStrategy.__init__.__code__.co_names]
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    # the Fabric strategies read and set the same two through the functions above
+    missing += [f"lightning.fabric DDPStrategy.{name}" for name in ("_timeout", "_ddp_kwargs")
+                if name not in FabricDDPStrategy.__init__.__code__.co_names]
     in_init = ModelParallelStrategy.__init__.__code__.co_names
     missing += [f"ModelParallelStrategy.{name}" for name in ("_setup_distributed", "_device_mesh", "_timeout")
                 if not hasattr(ModelParallelStrategy, name) and name not in in_init]

@@ -19,6 +19,7 @@ from lightning_hdet.asynchronous.messages import Kind, Push
 from lightning_hdet.asynchronous.outer import AsyncStep, OuterState, SyncStep
 from lightning_hdet.asynchronous.server import Server
 from lightning_hdet.asynchronous.transport import ServerTransport
+from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
 BASE_SECONDS = 0.05  # a factor-1 step; the slow rank takes 4x
 
@@ -179,6 +180,7 @@ def test_sync_h1_matches_ddp(tmp_path):
     assert not torch.equal(sync[0]["params"], ddp[0]["params"] * 0)  # trained something
 
 
+@NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 @pytest.mark.timeout(240)
 def test_callbacks_with_slow_worker_then_resume(tmp_path):
     """ModelCheckpoint(every_n_train_steps), val_check_interval with sync_dist metrics and EarlyStopping, one

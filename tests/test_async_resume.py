@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 from tests.helpers import START, LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
+from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
 # Documented in docs/failure_modes.md: an asynchronous run resumed from a checkpoint ends within this relative
 # distance of an uninterrupted run's final loss (the order of pushes differs, so it cannot be bit-exact).
@@ -135,6 +136,7 @@ def test_pushed_inner_states_hold_every_workers_state_as_of_its_exchange(tmp_pat
         _assert_same_inner_state(resumed[w]["start"], saved[path]["inner_optimizer_states"][w])  # its own
 
 
+@NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 @pytest.mark.timeout(240)
 def test_each_worker_checkpoints_its_own_inner_state_and_residual(tmp_path: Path) -> None:
     """By default nothing but pseudo-gradients travels: rank 0's checkpoints hold no inner states, and every

@@ -16,6 +16,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -27,8 +29,12 @@ from lightning_hdet import (
     Best,
     DelayedNesterov,
     ElasticWorkerStrategy,
+    AsyncLocalSGDFabricStrategy,
     HDETCallback,
+    HDETFabricStrategy,
     HDETFSDPStrategy,
+    HDETLoop,
+    HDETReplay,
     HDETStrategy,
     OuterService,
     SafetyNet,
@@ -37,6 +43,7 @@ from lightning_hdet import (
     Softmax,
 )
 from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,13 +69,19 @@ SIGNATURES = {
     "Search": (Search,),
     "SafetyNet": (SafetyNet,),
     **{name: (getattr(experimental, name),) for name in experimental.__all__},
+    "Fabric": (Fabric,),
+    "HDETReplay": (HDETReplay,),
+    "HDETFabricStrategy": (HDETFabricStrategy, FabricDDPStrategy),
+    "HDETLoop": (HDETLoop, HDETConfig),  # **settings are HDETCallback's, validated by HDETConfig
+    "AsyncLocalSGDFabricStrategy": (OuterSettings, FabricDDPStrategy, AsyncLocalSGDStrategy),
 }
 # The rules' objects a doc may pass as an argument value: built too, so their values are checked.
 RULES = {name: getattr(lightning_hdet, name, None) or getattr(experimental, name)
          for name in ("PBT", "Softmax", "Best", "Search", "SafetyNet", *experimental.__all__)}
 
 # Built from the literal arguments a doc shows; all validate their arguments in ``__init__``.
-CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks", "ElasticWorkerStrategy")
+CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks", "ElasticWorkerStrategy",
+                 "HDETFabricStrategy")
 
 
 def python_blocks() -> list[tuple[str, str]]:

@@ -18,6 +18,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from typing_extensions import override
 
 from lightning_hdet._checkpoint import read_checkpoint
+from lightning_hdet._compat import weights_only_kwargs
 from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.worker import Worker
@@ -70,12 +71,12 @@ class WorkerCheckpoints(LocalCollectivesStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = read_checkpoint(lambda: super(WorkerCheckpoints, self).load_checkpoint(
-            checkpoint_path, weights_only=weights_only), checkpoint_path)
+            checkpoint_path, **weights_only_kwargs(weights_only)), checkpoint_path)
         self._resume_state = checkpoint.get(CHECKPOINT_KEY)
         own = worker_file(checkpoint_path, self.global_rank)
         self._resume_worker = None
         if get_filesystem(own).exists(own):
-            self._resume_worker = self.checkpoint_io.load_checkpoint(own, weights_only=weights_only)
+            self._resume_worker = self.checkpoint_io.load_checkpoint(own, **weights_only_kwargs(weights_only))
         return checkpoint
 
     @override

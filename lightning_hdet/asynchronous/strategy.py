@@ -13,14 +13,17 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import fields
 from typing import Any, Literal
 
+import lightning
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hdet._compat import (
+    CHECKPOINT_NAMED_BY_RANK_ZERO,
     StrategyRegistry,
     attached_trainer,
     ensure_callback,
@@ -195,6 +198,10 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self._reset_run_state()
+        if not CHECKPOINT_NAMED_BY_RANK_ZERO and any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks):
+            rank_zero_warn(f"lightning {lightning.__version__}: ModelCheckpoint names files on every rank, so a "
+                           "worker saving after rank 0 wrote a checkpoint gives its own file another name and resumes "
+                           "from rank 0's inner optimizer state. Lightning >= 2.6 keeps every worker's own state.")
         if len(self.optimizers) != 1:
             raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
         # Budget: inner steps summed over workers = world_size * max_steps. The loop itself must not stop a fast

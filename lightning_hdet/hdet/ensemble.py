@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_hdet._compat import unwrap_optimizer
+from lightning_hdet._compat import unwrap_optimizer, weights_only_kwargs
 from lightning_hdet._tensors import all_finite, flatten, model_state, reduced_buckets, to_cpu
 from lightning_hdet.hdet.checkpoints import (
     group_dir,
@@ -94,7 +94,7 @@ class EnsembleOps(MergeOps):
         if hdet.get("group_files") != self.num_groups:
             return
         path = group_file(checkpoint_path, self.group_index)
-        load = lambda: self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)  # noqa: E731
+        load = lambda: self.checkpoint_io.load_checkpoint(path, **weights_only_kwargs(weights_only))  # noqa: E731
         hdet["own"] = read_group_file(load, checkpoint_path, path, self.num_groups)
 
     @override

@@ -139,6 +139,16 @@ class HDETGroups:
             )
         return layout
 
+    def _new_group_process_groups(self, timeout: Any) -> list[Any]:
+        """One process group per HDET group (call on every rank, after the default group exists)."""
+        # Every rank creates every group, in the same order. Except over gloo on GPUs: Lightning then binds the
+        # default group to the device, and torch (2.11-2.13) has a rank outside a new group split gloo's
+        # communicator, which gloo cannot do (AttributeError: perform_nocolor_split). The groups are disjoint, so
+        # each rank can create only its own (the others stay None); NCCL keeps the faster split.
+        own_only = self.root_device.type != "cpu" and dist.get_backend() == "gloo"
+        return [dist.new_group(self.layout.ranks(g), timeout=timeout, use_local_synchronization=own_only)
+                for g in range(self.layout.num_groups)]
+
     @property
     def layout(self) -> GroupLayout:
         if self._layout is None:
@@ -295,6 +305,14 @@ class HDETGroups:
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(table)
         return table.cpu()
+
+
+def destroy_process_groups(groups: Sequence[Any]) -> list[Any]:
+    """Destroy HDET's groups (before the default group they were built on); returns the empty list to keep."""
+    for pg in groups:
+        if pg is not None:  # None: another group's, never created on this rank (gloo on GPUs)
+            dist.destroy_process_group(pg)
+    return []
 
 
 def destroy_default_group_at_exit() -> None:

@@ -37,10 +37,16 @@ from lightning_hdet._compat import (
     strategy_timeout,
     sync_module_states,
     unwrap_ddp,
+    weights_only_kwargs,
 )
 from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.ensemble import EnsembleOps
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
+from lightning_hdet.hdet.groups import (
+    GradientSync,
+    HDETGroups,
+    destroy_default_group_at_exit,
+    destroy_process_groups,
+)
 from lightning_hdet.hdet.guard import FiniteGuard
 from typing_extensions import override
 
@@ -121,15 +127,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         super().setup_distributed()
         rank_zero_info(f"HDET: creating {counted(self.layout.num_groups, 'process group')} of "
                        f"{counted(self.layout.group_size, 'rank')} each")
-        # Every rank creates every group, in the same order. Except over gloo on GPUs: Lightning then binds the
-        # default group to the device, and torch (2.11-2.13) has a rank outside a new group split gloo's
-        # communicator, which gloo cannot do (AttributeError: perform_nocolor_split). The groups are disjoint, so
-        # each rank can create only its own (the others stay None); NCCL keeps the faster split.
-        own_only = self.root_device.type != "cpu" and dist.get_backend() == "gloo"
-        self._group_pgs = [
-            dist.new_group(self.layout.ranks(g), timeout=strategy_timeout(self), use_local_synchronization=own_only)
-            for g in range(self.layout.num_groups)
-        ]
+        self._group_pgs = self._new_group_process_groups(strategy_timeout(self))
         destroy_default_group_at_exit()
 
     @property
@@ -176,7 +174,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Lightning's reader, with a clear error for a truncated or corrupted file; adds this group's own state."""
         checkpoint = read_checkpoint(
-            lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
+            lambda: super(HDETStrategy, self).load_checkpoint(checkpoint_path, **weights_only_kwargs(weights_only)),
             checkpoint_path)
         self.attach_own_state(checkpoint, checkpoint_path, weights_only)
         return checkpoint
@@ -185,10 +183,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     def teardown(self) -> None:
         self._guard = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
         # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
-        for pg in self._group_pgs:
-            if pg is not None:  # None: another group's, never created on this rank (gloo on GPUs, above)
-                dist.destroy_process_group(pg)
-        self._group_pgs = []
+        self._group_pgs = destroy_process_groups(self._group_pgs)
         super().teardown()
 
 

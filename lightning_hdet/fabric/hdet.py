@@ -1,0 +1,165 @@
+"""``Fabric(strategy="hdet")``: HDET's groups, multipliers and merges on Lightning Fabric's DDP strategy.
+
+The same core as the Trainer's ``"hdet"`` (:class:`~lightning_hdet.hdet.strategy.HDETStrategy`): the groups, the
+multiplier table and the vote's collective come from :class:`~lightning_hdet.hdet.groups.HDETGroups`, merges, the
+restore point and the merged state dict from :class:`~lightning_hdet.hdet.ensemble.EnsembleOps`. What differs is
+Fabric's shape of a strategy: the user's loop calls ``optimizer.step()`` (Fabric routes it to
+:meth:`HDETFabricStrategy.optimizer_step`, where this rank's multipliers are applied), Fabric has no callbacks, so
+the loop drives the votes through :class:`~lightning_hdet.fabric.loop.HDETLoop`, and ``fabric.save`` asks the
+strategy for each module's state (:meth:`get_module_state_dict`: the merged model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
+from lightning_hdet.hdet.ensemble import EnsembleOps
+from lightning_hdet.hdet.groups import (
+    GradientSync,
+    HDETGroups,
+    destroy_default_group_at_exit,
+    destroy_process_groups,
+)
+from lightning_hdet.hdet.multipliers import check_numeric_lrs
+
+
+class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
+    """Data parallelism with groups of replicas that train with different learning rates, for Fabric loops.
+
+    Args:
+        num_groups: number of groups (``None``: one per rank), as for the Trainer's
+            :class:`~lightning_hdet.hdet.strategy.HDETStrategy`.
+        lr_multipliers: one learning-rate multiplier per group (``None``: the fan-out set by ``spread``).
+        spread: half-width of the published fan-out, in ``[0, 1)``.
+        gradient_sync: ``"global"`` (gradients averaged over all ranks) or ``"group"`` (inside each group).
+        **kwargs: everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts.
+
+    Set the model and optimizer up with ``fabric.setup(model, optimizer)`` (one model; its optimizers get the
+    multipliers); vote with :class:`~lightning_hdet.fabric.loop.HDETLoop`. ``fabric.save`` writes the merged
+    model (a collective: call it on every rank, as Fabric requires anyway) and rank 0's optimizer state;
+    ``fabric.load`` gives every group that merged model, which also becomes the restore point.
+
+    The Trainer strategy's non-finite step guard (a DDP communication hook that skips a group's non-finite steps)
+    is not installed here: a group whose loss diverges is still caught at the next vote and rescued from the
+    others, or every group rolls back to the last good merge.
+    """
+
+    strategy_name = "hdet"
+
+    def __init__(
+        self,
+        num_groups: Optional[int] = None,
+        lr_multipliers: Optional[Sequence[float]] = None,
+        spread: float = 1 / 9,
+        gradient_sync: GradientSync = "global",
+        **kwargs: Any,
+    ) -> None:
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync)
+        if kwargs.get("process_group") is not None:
+            raise ValueError("`process_group` cannot be passed to HDETFabricStrategy: it creates the process groups "
+                             "itself (one per HDET group).")
+        kwargs.pop("process_group", None)
+        super().__init__(**kwargs)
+        self._group_pgs: list[Any] = []
+        self._restore_point = None  # owned by MergeOps (merge.py)
+        self._module: Optional[Module] = None
+        self._optimizers: list[Optimizer] = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"hdet"`` (subprocess launcher), ``"hdet_spawn"`` and ``"hdet_fork"`` (notebooks) in Fabric's
+        registry, without replacing names a user registered."""
+        register_names(strategy_registry, cls, [
+            (name, f"HDET for Fabric with `start_method` '{method}'", {"start_method": method})
+            for name, method in (("hdet", "popen"), ("hdet_spawn", "spawn"), ("hdet_fork", "fork"))
+        ])
+
+    # ------------------------------------------------------------------ what the shared core reads
+    @property
+    def lightning_module(self) -> Module:
+        """The model set up by ``fabric.setup`` (unwrapped): the name the shared core reads it by."""
+        if self._module is None:
+            raise RuntimeError("HDETFabricStrategy has no model yet: call `fabric.setup(model, optimizer)` first.")
+        return self._module
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers set up by ``fabric.setup``/``fabric.setup_optimizers``, in that order (their param groups
+        are the multiplier table's columns)."""
+        return self._optimizers
+
+    # ------------------------------------------------------------------ process groups and set-up
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._group_pgs = self._new_group_process_groups(strategy_timeout(self))
+        destroy_default_group_at_exit()
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        if self._module is not None and self._module is not module:
+            raise ValueError("HDETFabricStrategy trains one model: `fabric.setup` was called for a second one.")
+        self._module = module
+        group = self.gradient_sync == "group"
+        if group:
+            # Groups are separate DDP jobs: start them all from rank 0's weights, then reduce inside the group.
+            sync_module_states(module)
+            set_ddp_kwarg(self, "process_group", self._group_pgs[self.group_index])
+        return super().setup_module(module)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        check_numeric_lrs([optimizer])
+        self._optimizers.append(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    def _apply_gradient_sync(self) -> None:
+        # The user's loop holds the DDP-wrapped model Fabric returned: it cannot be wrapped again behind its back.
+        raise ValueError(
+            "HDETFabricStrategy cannot switch `gradient_sync` during training (the loop holds Fabric's DDP wrapper); "
+            f"it stays {self.gradient_sync!r}. Use gradient_sync='global' with `HDETLoop(search=Search(steps=N))`."
+        )
+
+    # ------------------------------------------------------------------ the step
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The user's ``optimizer.step()``: this group's learning rates for the duration of the step."""
+        with self.scaled_lr(optimizer):
+            return FabricDDPStrategy.optimizer_step(self, optimizer, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """The merged model for HDET's model (a collective), what any other module says for the others."""
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        if inner is self._module:
+            return self.lightning_module_state_dict()
+        return super().get_module_state_dict(module)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Every group takes the loaded model, which becomes the restore point."""
+        super().load_module_state_dict(module, state_dict, strict=strict)
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        if inner is self._module:
+            self._restore_point = None
+            self.ensure_restore_point()
+
+    @override
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        # Fabric's signature, not the Trainer's that EnsembleOps extends (its per-group files are Trainer-only).
+        FabricDDPStrategy.save_checkpoint(self, *args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        self._group_pgs = destroy_process_groups(self._group_pgs)
+        super().teardown()

@@ -1,0 +1,158 @@
+"""HDETLoop: the votes of a Fabric training loop, which has no callbacks (the Trainer's HDETCallback's role).
+
+The loop calls :meth:`HDETLoop.step` after every ``optimizer.step()``; every ``every_n_steps`` steps the groups
+vote, exactly as under the Trainer: the same :class:`~lightning_hdet.hdet.meter.IntervalMeter` (this rank's loss
+curve on the device, one small all-reduce per vote), the same pure
+:class:`~lightning_hdet.hdet.controller.HDETController` deciding, the strategy executing the decision through the
+:class:`~lightning_hdet.hdet.executor.HDETExecutor` interface. :meth:`HDETLoop.finish` leaves every rank holding
+the merged model. It is a stateful object for ``fabric.save``/``fabric.load`` (the vote rule, history, counters
+and multipliers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from lightning.fabric import Fabric
+from torch import Tensor
+
+from lightning_hdet.fabric.hdet import HDETFabricStrategy
+from lightning_hdet.hdet.callback import _execute
+from lightning_hdet.hdet.controller import Decision, HDETController, Interval
+from lightning_hdet.hdet.defaults import DEFAULT_VOTE
+from lightning_hdet.hdet.meter import IntervalMeter
+from lightning_hdet.hdet.options import SafetyNet, Search, Vote, refuse_moved, resolve
+from lightning_hdet.records.wandb import log_vote_history
+
+
+class HDETLoop:
+    """Votes, merges and the safety net for a Fabric loop on ``Fabric(strategy="hdet")``.
+
+    Args:
+        fabric: the launched :class:`~lightning.fabric.Fabric`, after ``fabric.setup(model, optimizer)``.
+        every_n_steps, vote, safety_net, warmup_steps, seed: as for
+            :class:`~lightning_hdet.hdet.callback.HDETCallback` (rule objects such as ``PBT(...)`` or names).
+            The votes compare each group's training loss (what :meth:`step` receives); the Trainer's
+            ``monitor`` and research ``signal`` need its validation loop and do not exist here.
+        search: ``False`` (default: vote the whole run) or ``Search(steps=N)``: a Fabric loop cannot switch
+            gradient averaging mid-run, so a search needs ``HDETFabricStrategy(gradient_sync="global")``, and
+            its length is not known to HDETLoop, so ``steps`` must be given.
+
+    Example::
+
+        hdet = HDETLoop(fabric, every_n_steps=50)
+        for batch in loader:
+            loss = model(batch)
+            fabric.backward(loss)
+            optimizer.step()  # this group's learning rate
+            optimizer.zero_grad()
+            hdet.step(loss)  # a vote every 50 steps (a collective: every rank calls it)
+        hdet.finish()  # every rank holds the merged model
+    """
+
+    def __init__(self, fabric: Fabric, every_n_steps: int = 100, vote: Union[str, Vote] = DEFAULT_VOTE,
+                 search: Union[bool, Search] = False, safety_net: Union[bool, SafetyNet] = True,
+                 warmup_steps: int = 0, seed: int = 0, **moved: Any) -> None:
+        refuse_moved(moved)  # 0.x arguments: the error says where each one went
+        strategy = fabric.strategy
+        if not isinstance(strategy, HDETFabricStrategy):
+            raise TypeError(f"HDETLoop needs `Fabric(strategy='hdet')` (an HDETFabricStrategy), got "
+                            f"{type(strategy).__name__}.")
+        if not strategy.optimizers:
+            raise ValueError("HDETLoop starts from the set-up model and optimizer: call "
+                             "`fabric.setup(model, optimizer)` before creating it.")
+        self.settings, search_rule, _ = resolve(every_n_steps, vote, search, safety_net, None, "mean",
+                                                warmup_steps, seed)
+        _check_search(search_rule, strategy.gradient_sync)
+        self.fabric, self.strategy = fabric, strategy
+        self.controller = HDETController(self.settings)
+        self.controller.search_steps = None if search_rule is None else search_rule.steps
+        self.global_step = 0  # optimizer steps taken (counted by `step`)
+        self._last_vote_step = -1
+        self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, strategy.root_device)
+        self._fresh = True  # the run's first step is ahead (not resumed): its loss is the safety net's start level
+        self.initial_lrs: list[float] = strategy.current_lrs()[:, 0].tolist()
+        strategy.ensure_restore_point()
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One row per vote and group: step, group, new LR, loss, weight, winner, rescued, reason."""
+        return self.controller.history
+
+    def step(self, loss: Tensor) -> Optional[Decision]:
+        """Count one optimizer step and its loss (kept on the device); vote when ``every_n_steps`` have passed.
+
+        Call on every rank after each ``optimizer.step()``. Returns the vote's decision, or ``None``.
+        """
+        self.global_step += 1
+        self._meter.add(self.global_step, loss.detach(), first=self._fresh and self.global_step == 1)
+        if self.global_step % self.settings.every_n_steps:
+            return None
+        return self._vote(final=False)
+
+    def finish(self) -> None:
+        """End the run: vote on the last interval (weigh, merge fully, leave the LRs alone) so every rank holds
+        the merged model, and write the vote history (``vote_history.csv`` beside each logger's files)."""
+        if self.strategy.num_groups > 1:
+            if self.global_step == self._last_vote_step:
+                coefficients, strengths = self.controller.finishing_merge()  # nothing trained since the vote
+                self.strategy.merge(coefficients, strengths, restart=[False] * self.strategy.num_groups)
+            else:
+                self._vote(final=True)
+        if self.fabric.is_global_zero and self.history:
+            log_vote_history(self.fabric.loggers, self.history, step=self.global_step)
+
+    def _vote(self, final: bool) -> Decision:
+        """One vote: the groups' loss curves (one all-reduce) -> the controller's decision -> the strategy's merge."""
+        strategy, step = self.strategy, self.global_step
+        table = strategy.gather_group_values(self._meter.row(strategy.interval_skipped(reset=True)))
+        reading = self._meter.read(table, monitor=False)
+        if not reading.counted:
+            raise ValueError(f"HDETLoop counted no training loss up to step {step}: pass each step's loss to `step`.")
+        decision = self.controller.decide(Interval(
+            step=step, losses=reading.losses, finite=reading.finite, multipliers=strategy.lr_multipliers,
+            schedule_lrs=strategy.schedule_lrs().tolist(), shared_gradients=strategy.gradient_sync == "global",
+            final=final, curves=reading.curves, first_losses=reading.first_losses, first_errors=reading.first_errors,
+            refine=not final and self.controller.search_ends(step),
+        ))
+        _execute(strategy, decision)
+        self._last_vote_step = step
+        self._meter.reset(step)
+        self.fabric.log_dict(vote_metrics(decision, self.controller.rescues), step=step)
+        return decision
+
+    # ------------------------------------------------------------------ fabric.save / fabric.load
+    def state_dict(self) -> dict[str, Any]:
+        """The vote's state, the step count and the multipliers (the interval in progress starts afresh on load)."""
+        return {**self.controller.state_dict(), "last_vote_step": self._last_vote_step,
+                "global_step": self.global_step, "lr_multipliers": self.strategy.lr_multipliers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state)
+        self._last_vote_step = state["last_vote_step"]
+        self.global_step = state["global_step"]
+        self.strategy.set_lr_multipliers(state["lr_multipliers"])
+        self._fresh = False
+        self._meter.reset(self.global_step)
+
+
+def vote_metrics(decision: Decision, rescues: int) -> dict[str, float]:
+    """What a vote logs (the Trainer's names): winner, rescues, every group's loss, weight and new LR, base LR."""
+    metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
+    for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
+        metrics.update({f"hdet/group{g}/loss": loss, f"hdet/vote/weight{g}": weight, f"hdet/group{g}/lr": lr})
+    metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
+    return metrics
+
+
+def _check_search(search: Optional[Search], gradient_sync: str) -> None:
+    """Refuse a search a Fabric loop cannot carry out (see ``HDETLoop``'s ``search``)."""
+    if search is None:
+        return
+    if search.steps is None:
+        raise ValueError("HDETLoop(search=Search(steps=None)): a Fabric loop's length is unknown to HDETLoop, so "
+                         "the search cannot end at half of it; give Search(steps=N) or search=False.")
+    if gradient_sync != "global":
+        raise ValueError(f"HDETLoop(search=Search(steps={search.steps})) ends the search with every group "
+                         "averaging gradients over all ranks, which a Fabric loop cannot switch to mid-run; use "
+                         "HDETFabricStrategy(gradient_sync='global') or search=False.")
