@@ -38,8 +38,12 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         num_groups: number of groups (``None``: one per rank), as for the Trainer's
             :class:`~lightning_hdet.hdet.strategy.HDETStrategy`.
         lr_multipliers: one learning-rate multiplier per group (``None``: the fan-out set by ``spread``).
-        spread: half-width of the published fan-out, in ``[0, 1)``.
-        gradient_sync: ``"global"`` (gradients averaged over all ranks) or ``"group"`` (inside each group).
+        spread: half-width of the published fan-out, in ``[0, 1)`` (``None``: the preset's).
+        gradient_sync: ``"global"`` (gradients averaged over all ranks) or ``"group"`` (inside each group);
+            ``None``: the preset's.
+        preset: ``"published"`` (default here: the paper's ±11 % fan-out, ``"global"``; a Fabric loop cannot
+            end the Trainer's recommended search, which switches ``"group"`` to ``"global"`` mid-run) or
+            ``"recommended"`` (the Trainer default's 27x grid and ``"group"``, voted without a search).
         **kwargs: everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts.
 
     Set the model and optimizer up with ``fabric.setup(model, optimizer)`` (one model; its optimizers get the
@@ -58,11 +62,12 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         self,
         num_groups: Optional[int] = None,
         lr_multipliers: Optional[Sequence[float]] = None,
-        spread: float = 1 / 9,
-        gradient_sync: GradientSync = "global",
+        spread: Optional[float] = None,
+        gradient_sync: Optional[GradientSync] = None,
+        preset: str = "published",
         **kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
         if kwargs.get("process_group") is not None:
             raise ValueError("`process_group` cannot be passed to HDETFabricStrategy: it creates the process groups "
                              "itself (one per HDET group).")

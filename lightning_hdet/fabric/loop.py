@@ -30,13 +30,17 @@ class HDETLoop:
 
     Args:
         fabric: the launched :class:`~lightning.fabric.Fabric`, after ``fabric.setup(model, optimizer)``.
-        every_n_steps, vote, safety_net, warmup_steps, seed: as for
-            :class:`~lightning_hdet.hdet.callback.HDETCallback` (rule objects such as ``PBT(...)`` or names).
-            The votes compare each group's training loss (what :meth:`step` receives); the Trainer's
-            ``monitor`` and research ``signal`` need its validation loop and do not exist here.
+        every_n_steps: steps between votes, as for :class:`~lightning_hdet.hdet.callback.HDETCallback`.
+        vote: the vote rule (``PBT(...)``, ``Softmax(...)``, ``Best(...)`` or a name), as for HDETCallback. The
+            votes compare each group's training loss (what :meth:`step` receives); the Trainer's ``monitor``
+            and research ``signal`` need its validation loop and do not exist here.
         search: ``False`` (default: vote the whole run) or ``Search(steps=N)``: a Fabric loop cannot switch
             gradient averaging mid-run, so a search needs ``HDETFabricStrategy(gradient_sync="global")``, and
             its length is not known to HDETLoop, so ``steps`` must be given.
+        safety_net: ``True``, ``False`` or ``SafetyNet(...)``, as for HDETCallback.
+        warmup_steps: votes before this step only merge, as for HDETCallback.
+        seed: seed of the votes' random draws, as for HDETCallback.
+        **moved: refused: the 0.x arguments, each with the place it moved to.
 
     Example::
 
