@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from lightning_hdet import PBT, Best, HDETCallback, SafetyNet, Search, Softmax
-from lightning_hdet.experimental import PartialMerge
+from lightning_hdet.experimental import PB2, PartialMerge
+from lightning_hdet.hdet.layout import fan_out
 from lightning_hdet.testing import FakeWorld
+from tests.helpers import Regression
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -166,3 +168,98 @@ def test_the_fake_holds_every_rank_to_the_same_calls():
         world.run(lambda executor: executor.set_lr_multipliers([1.0, 2.0 + executor.group_index]))
     table = world.run(lambda executor: executor.gather_group_values(torch.tensor([1.0 + executor.group_index])))
     assert table[0].tolist() == [[1.0], [2.0]] and torch.equal(table[0], table[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The vote rules on a real (least-squares) problem, in one process: every group takes SGD steps on the same four
+# batches of 64 in order (as every rank of a multi-process run without a distributed sampler); under
+# gradient_sync="global" the groups' gradients are averaged through the executor's own collective.
+DATA = Regression()
+
+
+def _least_squares(global_gradients: bool = False):
+    def step(executor, index):
+        theta, rows = executor.params, slice(64 * (index % 4), 64 * (index % 4) + 64)
+        x, y = DATA.x[rows].double(), DATA.y[rows, 0].double()
+        residual = x @ theta[:8] + theta[8] - y
+        grad = torch.cat([2 * x.T @ residual, 2 * residual.sum().reshape(1)]) / len(y)
+        if global_gradients:
+            grad = executor.gather_group_values(grad).mean(dim=0)
+        theta.sub_(float(executor.current_lrs()[executor.group_index, 0]) * grad)
+        return float((residual**2).mean())
+
+    return step
+
+
+def _full_loss(theta):
+    return float(((DATA.x.double() @ theta[:8] + theta[8] - DATA.y[:, 0].double()) ** 2).mean())
+
+
+def _grid_loss(lr: float, steps: int) -> float:
+    """Plain SGD at ``lr`` from the same start: one group, no callback."""
+    world = FakeWorld(params=torch.zeros(1, 9), lr_multipliers=[1.0], schedule_lrs=[lr])
+    step = _least_squares()
+    world.run(lambda executor: [step(executor, s) for s in range(steps)])
+    return _full_loss(world.params[0])
+
+
+def _winner_lr(history):
+    last = [h for h in history if h["step"] == max(h["step"] for h in history)]
+    return last[last[0]["winner"]]["lr"]
+
+
+@pytest.mark.parametrize("vote", ["pbt", "pb2", "best"])
+def test_pbt_climbs_from_a_too_low_lr_where_best_stops(vote):
+    """SGD from an LR 50x below the best grid LR: every vote the highest LR has the lowest loss. PBT always keeps a
+    group 1.2x above its leader, so it climbs to the good LRs, and so does PB2, whose bound reaches 1.2x above the
+    population; ``best`` re-centres on the winner with a spread that shrinks to ``min_spread`` and stops far below."""
+    steps, start = 40, 0.002
+    grid = {lr: _grid_loss(lr, steps) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 0.5)}
+    best_grid = min(grid, key=grid.get)
+    rule = {"pbt": PBT(resample_probability=0.0), "pb2": PB2(), "best": Best(blend="best")}[vote]
+    world = FakeWorld(params=torch.zeros(9), lr_multipliers=[0.5, 0.8, 1.25, 2.0], schedule_lrs=[start])
+    runs = world.fit(_callback(every_n_steps=2, vote=rule, seed=0), _least_squares(), max_steps=steps)
+    settled = _winner_lr(runs[0][0].history)
+    assert all(cb.history == runs[0][0].history for cb, _ in runs)
+    if vote != "best":
+        assert best_grid / 4 <= settled <= best_grid * 4
+    else:
+        assert settled < best_grid / 4
+
+
+def test_the_default_vote_climbs_from_a_too_low_learning_rate():
+    """The default vote (``pbt``), every group's LR too low, one shared gradient: the leader keeps its LR, the worst
+    group copies it and a mover sits x1.2 above the leader, so the LR a vote picks climbs past the start's highest
+    (``softmax`` would move about 0.5 % per vote here, see docs/hdet.md)."""
+    world = FakeWorld(params=torch.zeros(9), lr_multipliers=[0.25, 0.5, 0.75, 1.0], schedule_lrs=[0.01],
+                      gradient_sync="global")
+    (cb, _), *_ = world.fit(_callback(every_n_steps=4), _least_squares(global_gradients=True), max_steps=36)
+    assert cb.settings.vote == "pbt"
+    votes = sorted({h["step"] for h in cb.history})
+    winner_lr = []
+    for s in votes:
+        vote = [h for h in cb.history if h["step"] == s]
+        assert vote[0]["winner"] == min(range(4), key=lambda g: vote[g]["loss"])  # the lowest interval loss leads
+        winner_lr.append(vote[vote[0]["winner"]]["lr"])
+    assert max(h["lr"] for h in cb.history if h["step"] == votes[0]) > 0.01  # a mover went above the start at once
+    assert winner_lr[-1] >= 1.2 * 0.01 * (1 - 1e-9) and winner_lr[-1] > winner_lr[0]
+
+
+def test_softmax_moves_the_base_lr_toward_the_better_multiplier_and_keeps_the_fan_out():
+    """Under-fitting least squares with one shared gradient: the larger-LR groups reach lower loss, so the base LR
+    rises vote after vote, the winner is the lowest loss, and the fan-out's shape is kept (permuted or not)."""
+    for permute in (False, True):
+        world = FakeWorld(params=torch.zeros(9), lr_multipliers=fan_out(4, 0.9), schedule_lrs=[0.01],
+                          gradient_sync="global")
+        vote = Softmax(temperature=0.5, meta_lr=5.0, momentum=0.5, permute=permute)
+        (cb, _), *_ = world.fit(_callback(every_n_steps=4, vote=vote), _least_squares(global_gradients=True),
+                                max_steps=16)
+        votes = sorted({h["step"] for h in cb.history})
+        assert votes == [4, 8, 12, 16] and len(cb.history) == 4 * 4
+        base = [sum(h["lr"] for h in cb.history if h["step"] == s) / 4 for s in votes]
+        assert base[0] > 0.01 and all(b > a for a, b in zip(base, base[1:]))
+        for s in votes:
+            vote_rows = [h for h in cb.history if h["step"] == s]
+            assert vote_rows[0]["winner"] == min(range(4), key=lambda g: vote_rows[g]["loss"])
+        final = world.table.get(1)[:, 0].tolist()
+        assert sorted(m / (sum(final) / 4) for m in final) == pytest.approx(fan_out(4, 0.9))
