@@ -6,6 +6,7 @@ test_strategy.py, test_spawn.py, test_hdet_fsdp.py)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,11 @@ def test_softmax_moves_the_base_lr_toward_the_better_multiplier_and_keeps_the_fa
             assert vote_rows[0]["winner"] == min(range(4), key=lambda g: vote_rows[g]["loss"])
         final = world.table.get(1)[:, 0].tolist()
         assert sorted(m / (sum(final) / 4) for m in final) == pytest.approx(fan_out(4, 0.9))
+
+
+def test_the_documented_example_runs():
+    """docs/configuration.md's FakeWorld example, run as written (its own assert checks the merge)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    section = text[text.index("## `FakeWorld`"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    exec(compile(code, "docs/configuration.md", "exec"), {})
