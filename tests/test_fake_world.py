@@ -1,7 +1,8 @@
 """HDETCallback's votes, merges, rescues, roll-backs and the search's end in one process, over
 :class:`lightning_hdet.testing.FakeWorld` (every group's parameters as a row of one tensor), against values computed
-by hand. The collectives themselves and the launchers are tested with several processes (test_callback.py,
-test_strategy.py, test_spawn.py, test_hdet_fsdp.py)."""
+by hand; then the vote rules and the collapse-aware safety net on real (least-squares, ReLU MLP) training. The
+collectives themselves, the guard, checkpoints and the launchers are tested with several processes
+(test_callback.py, test_strategy.py, test_spawn.py, test_hdet_fsdp.py, test_reliability.py)."""
 
 from __future__ import annotations
 
@@ -272,3 +273,77 @@ def test_the_documented_example_runs():
     section = text[text.index("## `FakeWorld`"):]
     code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
     exec(compile(code, "docs/configuration.md", "exec"), {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The collapse-aware safety net on a real collapse, in one process: each group trains its own copy of a small ReLU
+# MLP with its own AdamW (restarted whenever the world restarts that group's optimizer state).
+CLASSES = 10
+
+
+def _clusters():
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(CLASSES, 8, generator=g)
+    y = torch.arange(1024) % CLASSES
+    return centers[y] + torch.randn(1024, 8, generator=g), y
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, CLASSES))
+
+
+def _adamw_on_clusters(world):
+    """A training step: AdamW on the group's own MLP, shuffled batches of 64 (the same order in every group)."""
+    x, y = _clusters()
+    states = {}
+
+    def step(executor, index):
+        g = executor.group_index
+        if g not in states or states[g][2] != world.restarts[g]:
+            net = states[g][0] if g in states else _mlp()
+            states[g] = (net, torch.optim.AdamW(net.parameters(), lr=1.0), world.restarts[g])
+        net, optimizer, _ = states[g]
+        epoch, batch = divmod(index, len(y) // 64)
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))[64 * batch : 64 * batch + 64]
+        torch.nn.utils.vector_to_parameters(executor.params.float(), net.parameters())
+        loss = torch.nn.functional.cross_entropy(net(x[order]), y[order])
+        optimizer.zero_grad()
+        loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = float(executor.current_lrs()[g, 0])
+        optimizer.step()
+        executor.params.copy_(torch.nn.utils.parameters_to_vector(net.parameters()).detach().double())
+        return float(loss.detach())
+
+    return step
+
+
+def _clusters_loss(theta):
+    net, (x, y) = _mlp(), _clusters()
+    torch.nn.utils.vector_to_parameters(theta.float(), net.parameters())
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(net(x), y))
+
+
+@pytest.mark.parametrize("net", ["collapse", "factor only"])
+def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(net):
+    """AdamW at LRs 1 and 2: both groups sit at ln(10) with finite losses. The ratio rule (10x the best) never
+    fires; the collapse rules (on by default) see every group knocked above its first-step loss and stuck there, roll
+    every group back to the last good merge (here the initial model) and halve the LRs until training works."""
+    safety_net = SafetyNet() if net == "collapse" else SafetyNet(stall_patience=None, rise_margin=None)  # ratio only
+    start = torch.nn.utils.parameters_to_vector(_mlp().parameters()).detach()
+    world = FakeWorld(params=start, lr_multipliers=[1.0, 2.0], schedule_lrs=[1.0])
+    (cb, _), _ = world.fit(_callback(every_n_steps=10, vote="best", safety_net=safety_net),
+                           _adamw_on_clusters(world), max_steps=150)
+    final = _clusters_loss(world.params[0])
+    if net == "factor only":
+        assert cb.rescues == 0 and final > 0.95 * math.log(CLASSES)  # collapsed, and nobody noticed
+        return
+    history = cb.history
+    roll_backs = [s for s in sorted({h["step"] for h in history}) if all(h["rescued"] for h in history if h["step"] == s)]
+    assert len(roll_backs) >= 2 and {h["reason"] for h in history if h["rescued"]} <= {"stalled", "rose"}
+    assert cb.rescues == 2 * len(roll_backs)
+    assert max(world.table.get(1)[:, 0].tolist()) < 1.0  # every roll-back halved every LR
+    assert math.isfinite(final) and final < 0.7 * math.log(CLASSES)  # trains again, far below the collapsed level
