@@ -176,16 +176,13 @@ def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
     torch.testing.assert_close(loaded, expected.double(), rtol=1e-6, atol=1e-6)
 
 
-def test_monitor_votes_on_validation_metric_and_reports_missing(tmp_path):
+def test_monitor_votes_on_each_groups_own_validation_metric(tmp_path):
     cb = HDETCallback(every_n_steps=4, monitor="val_loss", search=False)
     ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="global", start_method=START), cb, model=LinearModel(), devices=2,
                  max_steps=8, limit_val_batches=1, val_check_interval=2)
     votes = [h for h in ranks[0]["history"] if h["step"] == 4]
     assert len(votes) == 2 and votes[0]["loss"] != votes[1]["loss"]
-    with pytest.raises(Exception, match=r"found no such metric.*Logged metrics: \[.*train_loss"):
-        _fit(tmp_path / "bad", HDETStrategy(spread=0.5, start_method=START),
-             HDETCallback(every_n_steps=4, monitor="val_los"), model=LinearModel(), devices=2, max_steps=8,
-             limit_val_batches=1, val_check_interval=2)
+    # (a metric that was never logged: tests/test_fake_world.py)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import PBT, Best, HDETCallback, SafetyNet, Search, Softmax
 from lightning_hdet.experimental import PB2, PartialMerge
@@ -171,6 +172,13 @@ def test_the_fake_holds_every_rank_to_the_same_calls():
     table = world.run(lambda executor: executor.gather_group_values(torch.tensor([1.0 + executor.group_index])))
     assert table[0].tolist() == [[1.0], [2.0]] and torch.equal(table[0], table[1])
 
+
+def test_a_monitored_metric_never_logged_is_an_error_naming_the_logged_ones():
+    world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
+    with pytest.raises(MisconfigurationException, match=r"monitor='val_los'\) found no such metric at the vote at step "
+                                                        r"4\. Logged metrics: \['train_loss', 'val_loss'\]"):
+        world.fit(_callback(every_n_steps=4, monitor="val_los"), _drift(_falling), max_steps=4,
+                  callback_metrics={"val_loss": 1.0, "train_loss": 1.0, "hdet/base_lr": 0.1})
 
 # ---------------------------------------------------------------------------------------------------------------
 # The vote rules on a real (least-squares) problem, in one process: every group takes SGD steps on the same four
