@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import PBT, Best, HDETCallback, HDETStrategy, SafetyNet, Search, Softmax
-from lightning_hdet.experimental import PB2, InitNoise, PartialMerge
+from lightning_hdet.experimental import InitNoise, PartialMerge
 from lightning_hdet.hdet.checkpoints import group_file
 from tests.helpers import START, LinearModel, Recorder, Regression, SGDBoring, flat_params, load_ranks, trainer_kwargs
 
@@ -129,12 +129,11 @@ def test_global_sync_divergence_rolls_every_group_back(tmp_path):
     assert all(torch.equal(r["final_params"], final) for r in ranks)
 
 
-@pytest.mark.parametrize(("vote", "search_steps"), [("pbt", None), ("pbt", 6), ("pb2", None)],
-                         ids=["search", "search ends at 6", "pb2"])
+@pytest.mark.parametrize(("vote", "search_steps"), [("pbt", None), ("pbt", 6)], ids=["search", "search ends at 6"])
 def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
     """Resumed at step 8: with ``search_steps=6`` the resumed run must average gradients globally from its first
-    step, or it would not match the straight run; ``vote="pb2"`` must pick the same LRs from its restored
-    observations."""
+    step (the strategy wraps the model again before training), or it would not match the straight run. That a
+    vote rule's own state (``PB2``'s observations) resumes exactly is tested in one process (test_fake_world.py)."""
 
     def run(out: Path, **kw: Any) -> list[dict[str, Any]]:
         ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
@@ -143,7 +142,7 @@ def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
         # One batch per epoch, the same on every rank: Lightning's own data order on resume is not under test.
         model = LinearModel(optimizer="adam", lr=0.01, n_train=16)
         search = False if search_steps is None else Search(steps=search_steps)
-        callback = HDETCallback(every_n_steps=3, vote=PB2() if vote == "pb2" else vote, search=search)
+        callback = HDETCallback(every_n_steps=3, vote=vote, search=search)
         return _fit(out, strategy, callback, model=model, extra=(ckpt,),
                     enable_checkpointing=True, use_distributed_sampler=False, devices=2, **kw)
 
@@ -155,8 +154,8 @@ def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
     for h, k in zip(resumed[0]["history"], straight[0]["history"], strict=True):
         assert (h["step"], h["group"], h["winner"]) == (k["step"], k["group"], k["winner"])
         assert h["lr"] == pytest.approx(k["lr"], rel=1e-9) and h["loss"] == pytest.approx(k["loss"], rel=1e-6)
-    if search_steps is not None or vote != "pbt":
-        return  # (what follows depends on neither the search nor the vote)
+    if search_steps is not None:
+        return  # (what follows does not depend on the search)
 
     # the checkpoint's state_dict is the merged model and loads in plain Lightning, without this package
     ckpt_file = tmp_path / "b" / "ckpt" / "last.ckpt"

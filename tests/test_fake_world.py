@@ -355,3 +355,27 @@ def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(net):
     assert cb.rescues == 2 * len(roll_backs)
     assert max(world.table.get(1)[:, 0].tolist()) < 1.0  # every roll-back halved every LR
     assert math.isfinite(final) and final < 0.7 * math.log(CLASSES)  # trains again, far below the collapsed level
+
+
+@pytest.mark.parametrize(("vote", "search"), [(PB2(), False), ("pbt", Search(steps=6))], ids=["pb2", "search ends at 6"])
+def test_resume_continues_the_votes_exactly(vote, search):
+    """Resumed at step 8 from every group's checkpoint: ``PB2`` picks the same LRs from its restored observations,
+    and after a search that ended at 6 the resumed run averages gradients over all groups from its first step (or
+    it would not match the straight run)."""
+
+    def run(**kw):
+        world = FakeWorld(params=torch.zeros(9), lr_multipliers=[0.5, 0.8, 1.25, 2.0], schedule_lrs=[0.01])
+        step = _least_squares(global_gradients=True)
+        sync_aware = lambda executor, index: _least_squares(executor.gradient_sync == "global")(executor, index)  # noqa: E731
+        runs = world.fit(_callback(every_n_steps=3, vote=vote, search=search), sync_aware if search else step,
+                         max_steps=kw.pop("max_steps"), **kw)
+        return world, runs
+
+    straight, straight_runs = run(max_steps=16)
+    half, _ = run(max_steps=16, save_at=8)
+    resumed, resumed_runs = run(max_steps=16, resume=half.checkpoints)
+    torch.testing.assert_close(resumed.params, straight.params, rtol=0, atol=1e-12)
+    assert resumed.gradient_sync == straight.gradient_sync
+    for h, k in zip(resumed_runs[0][0].history, straight_runs[0][0].history, strict=True):
+        assert (h["step"], h["group"], h["winner"]) == (k["step"], k["group"], k["winner"])
+        assert h["lr"] == pytest.approx(k["lr"], rel=1e-12) and h["loss"] == pytest.approx(k["loss"], rel=1e-9)

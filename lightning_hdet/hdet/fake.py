@@ -97,25 +97,46 @@ class FakeWorld:
         return results
 
     def fit(self, make_callback: Callable[[], Any], train_step: Callable[[FakeExecutor, int], Any], max_steps: int,
+            save_at: Optional[int] = None, resume: Optional[Sequence[dict[str, Any]]] = None,
             **trainer: Any) -> list[tuple[Any, FakeTrainer]]:
         """Train every group ``max_steps`` steps under its own ``make_callback()``, as ``Trainer.fit`` calls a
         callback: ``setup``, ``on_train_start``, then per step ``train_step(executor, step)`` (it moves the group's
         ``executor.params`` and returns the step's loss) and ``on_train_batch_end``, and ``on_train_end``. Returns
-        every group's ``(callback, trainer)``; ``trainer`` sets :class:`FakeTrainer` fields."""
+        every group's ``(callback, trainer)``; ``trainer`` sets :class:`FakeTrainer` fields.
+
+        ``save_at``: after that step every group writes its checkpoint into ``checkpoints`` (the callback's state,
+        what its ``on_save_checkpoint`` adds, the group's parameters), as ``ModelCheckpoint`` after the callback;
+        ``resume``: such checkpoints, loaded as ``Trainer.fit(ckpt_path=...)`` does before training goes on."""
 
         def body(executor: FakeExecutor) -> tuple[Any, FakeTrainer]:
             callback, run = make_callback(), FakeTrainer(executor, max_steps=max_steps, **trainer)
             module = FakeModule()
             callback.setup(run, module, "fit")
+            if resume is not None:
+                self._load(executor, callback, run, module, resume[executor.group_index])
             callback.on_train_start(run, module)
-            for step in range(max_steps):
+            for step in range(run.global_step, max_steps):
                 loss = torch.as_tensor(train_step(executor, step), dtype=torch.float64)
                 run.global_step = step + 1
                 callback.on_train_batch_end(run, module, {"loss": loss}, None, step)
+                if run.global_step == save_at:
+                    checkpoint = {"state": callback.state_dict(), "global_step": run.global_step}
+                    callback.on_save_checkpoint(run, module, checkpoint)
+                    self.checkpoints[executor.group_index] = {**checkpoint, "params": executor.params.clone()}
             callback.on_train_end(run, module)
             return callback, run
 
+        self.checkpoints: list[Optional[dict[str, Any]]] = [None] * self.num_groups
         return self.run(body)
+
+    @staticmethod
+    def _load(executor: FakeExecutor, callback: Any, run: FakeTrainer, module: FakeModule,
+              checkpoint: dict[str, Any]) -> None:
+        """Lightning's order: the callbacks' ``on_load_checkpoint``, their states, then the model."""
+        run.ckpt_path, run.global_step = "fake.ckpt", checkpoint["global_step"]
+        callback.on_load_checkpoint(run, module, checkpoint)
+        callback.load_state_dict(checkpoint["state"])
+        executor.params.copy_(checkpoint["params"])
 
     def barrier(self) -> None:
         """Wait for every group's thread (a single group needs no thread)."""
