@@ -1,4 +1,13 @@
-"""Testing and benchmarking aids: emulate devices of unequal speed on one machine.
+"""Testing and benchmarking aids: HDET in one process, and devices of unequal speed on one machine.
+
+:class:`FakeWorld` (see :mod:`lightning_hdet.hdet.fake`) holds every HDET group's parameters as plain tensors and
+implements the strategy side of HDET for each group, so an :class:`~lightning_hdet.HDETCallback` (or your own vote
+rule) can be tested in one process, without a process group, against values computed by hand::
+
+    world = FakeWorld(params=[[1.0], [3.0]], lr_multipliers=[1.0, 2.0])
+    world.fit(lambda: HDETCallback(every_n_steps=2, vote=Softmax(), search=False),
+              train_step=lambda executor, step: 1.0 / (step + 1 + executor.group_index), max_steps=2)
+    world.params  # both groups at the mean, [[2.0], [2.0]]
 
 :class:`SlowRanks` pads every training step of each rank to a target duration, so ``devices=4`` CPU
 processes behave like four devices whose step times have the given ratios. Padding to a target (rather than
@@ -19,6 +28,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from lightning_hdet.hdet.fake import FakeExecutor, FakeModule, FakeTrainer, FakeWorld
 
 #: Seconds per step of the four heterogeneous workers in the asynchronous Local-SGD paper's toy example.
 PUBLISHED_STEP_SECONDS: tuple[float, ...] = (0.58, 0.75, 1.51, 3.33)
@@ -64,3 +75,6 @@ class SlowRanks(Callback):
         remaining = self.step_seconds(trainer.global_rank) - (time.perf_counter() - self._start)
         if remaining > 0:
             time.sleep(remaining)
+
+
+__all__ = ["PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowRanks"]

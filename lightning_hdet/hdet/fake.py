@@ -1,0 +1,321 @@
+"""An in-memory HDET world: G groups' parameters as rows of one tensor, one thread per group, no process group.
+
+:class:`FakeWorld` implements :class:`~lightning_hdet.hdet.executor.HDETExecutor` for every group of one process
+(:meth:`FakeWorld.executor`), so :class:`~lightning_hdet.hdet.callback.HDETCallback` (or a user's own rule) votes,
+merges, rescues, rolls back and ends its search exactly as under ``strategy="hdet"``, in milliseconds and against
+values a test can compute by hand. Each group is one rank: :meth:`FakeWorld.run` drives one callback per group in
+its own thread, as each rank of a real run drives its own, and every collective of the interface meets the other
+groups' threads at a barrier, the way an all-reduce does.
+
+What it keeps faithful: a merge's target ``sum_g c_g theta_g`` (a group with coefficient 0 contributes exact
+zeros), ``theta_g <- (1 - s_g) theta_g + s_g target``, the restore point (the last finite target of a kept vote,
+else the model at the start), a roll-back to it, the optimizer restarts (counted per group in ``restarts``), the
+multiplier table, the skipped-step counter (set by the test through :meth:`FakeWorld.skip`), and the executor's
+contract: every collective is called by every group with the same arguments in the same order (a mismatch raises
+``AssertionError`` naming both calls).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_hdet.hdet.layout import GroupLayout
+from lightning_hdet.hdet.multipliers import MultiplierTable
+
+#: Seconds a group's thread waits for the others at a collective before the run is declared stuck.
+TIMEOUT = 30.0
+
+
+class FakeWorld:
+    """Every group's state (see the module docstring).
+
+    Args:
+        params: every group's parameters, ``(num_groups, d)`` (or ``d`` values: each group starts from them).
+        lr_multipliers: every group's multiplier of the first param group (one per group).
+        schedule_lrs: what the optimizers and schedulers say, one per flattened param group.
+        gradient_sync: ``"group"`` or ``"global"``, as the strategy's.
+        num_groups: the number of groups when ``params`` is one vector.
+    """
+
+    def __init__(self, params: Any, lr_multipliers: Sequence[float], schedule_lrs: Sequence[float] = (0.1,),
+                 gradient_sync: str = "group", num_groups: Optional[int] = None) -> None:
+        params = torch.as_tensor(params, dtype=torch.float64)
+        if params.dim() == 1:
+            params = params[None, :].repeat(num_groups or len(lr_multipliers), 1)
+        self.params = params.clone()
+        self.num_groups = int(params.shape[0])
+        if len(lr_multipliers) != self.num_groups:
+            raise ValueError(f"`lr_multipliers` has {len(lr_multipliers)} values for {self.num_groups} groups.")
+        self.layout = GroupLayout(self.num_groups, self.num_groups)
+        self.table = MultiplierTable(lr_multipliers)
+        self.schedule = torch.tensor(list(schedule_lrs), dtype=torch.float64)
+        self.gradient_sync = gradient_sync
+        self.restore_point: Optional[Tensor] = None
+        self.restarts = [0] * self.num_groups  # optimizer-state restarts per group
+        self.skipped = [0] * self.num_groups  # guard-flagged steps per group since its last reset
+        self.guard_enabled = False
+        self.calls: list[tuple[Any, ...]] = []  # every collective once, in order (group 0's view)
+        self._slots: list[Any] = [None] * self.num_groups
+        self._barrier = threading.Barrier(self.num_groups, timeout=TIMEOUT)
+
+    def executor(self, group: int) -> FakeExecutor:
+        """Group ``group``'s view of the world (its one rank's strategy)."""
+        return FakeExecutor(self, group)
+
+    def skip(self, group: int, steps: int = 1) -> None:
+        """Count ``steps`` optimizer steps of ``group`` as flagged by the guard (its loss or gradient not finite)."""
+        self.skipped[group] += steps
+
+    def run(self, body: Callable[[FakeExecutor], Any]) -> list[Any]:
+        """Run ``body(executor)`` for every group at once, one thread each; their results in group order. The first
+        error of a group is raised here (the others' threads are released from their barrier)."""
+        results: list[Any] = [None] * self.num_groups
+        errors: list[BaseException] = []
+
+        def target(g: int) -> None:
+            try:
+                results[g] = body(self.executor(g))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller below
+                errors.append(error)
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(g,), name=f"hdet-group{g}") for g in range(self.num_groups)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self._barrier.reset()
+        if errors:
+            raise min(errors, key=lambda e: isinstance(e, threading.BrokenBarrierError))
+        return results
+
+    def fit(self, make_callback: Callable[[], Any], train_step: Callable[[FakeExecutor, int], Any], max_steps: int,
+            save_at: Optional[int] = None, resume: Optional[Sequence[dict[str, Any]]] = None,
+            **trainer: Any) -> list[tuple[Any, FakeTrainer]]:
+        """Train every group ``max_steps`` steps under its own ``make_callback()``, as ``Trainer.fit`` calls a
+        callback: ``setup``, ``on_train_start``, then per step ``train_step(executor, step)`` (it moves the group's
+        ``executor.params`` and returns the step's loss) and ``on_train_batch_end``, and ``on_train_end``. Returns
+        every group's ``(callback, trainer)``; ``trainer`` sets :class:`FakeTrainer` fields.
+
+        ``save_at``: after that step every group writes its checkpoint into ``checkpoints`` (the callback's state,
+        what its ``on_save_checkpoint`` adds, the group's parameters), as ``ModelCheckpoint`` after the callback;
+        ``resume``: such checkpoints, loaded as ``Trainer.fit(ckpt_path=...)`` does before training goes on."""
+
+        def body(executor: FakeExecutor) -> tuple[Any, FakeTrainer]:
+            callback, run = make_callback(), FakeTrainer(executor, max_steps=max_steps, **trainer)
+            module = FakeModule()
+            callback.setup(run, module, "fit")
+            if resume is not None:
+                self._load(executor, callback, run, module, resume[executor.group_index])
+            callback.on_train_start(run, module)
+            for step in range(run.global_step, max_steps):
+                loss = torch.as_tensor(train_step(executor, step), dtype=torch.float64)
+                run.global_step = step + 1
+                callback.on_train_batch_end(run, module, {"loss": loss}, None, step)
+                if run.global_step == save_at:
+                    checkpoint = {"state": callback.state_dict(), "global_step": run.global_step}
+                    callback.on_save_checkpoint(run, module, checkpoint)
+                    self.checkpoints[executor.group_index] = {**checkpoint, "params": executor.params.clone()}
+            callback.on_train_end(run, module)
+            return callback, run
+
+        self.checkpoints: list[Optional[dict[str, Any]]] = [None] * self.num_groups
+        return self.run(body)
+
+    @staticmethod
+    def _load(executor: FakeExecutor, callback: Any, run: FakeTrainer, module: FakeModule,
+              checkpoint: dict[str, Any]) -> None:
+        """Lightning's order: the callbacks' ``on_load_checkpoint``, their states, then the model."""
+        run.ckpt_path, run.global_step = "fake.ckpt", checkpoint["global_step"]
+        callback.on_load_checkpoint(run, module, checkpoint)
+        callback.load_state_dict(checkpoint["state"])
+        executor.params.copy_(checkpoint["params"])
+
+    def barrier(self) -> None:
+        """Wait for every group's thread (a single group needs no thread)."""
+        if self.num_groups > 1:
+            self._barrier.wait()
+
+    def exchange(self, group: int, call: tuple[Any, ...], value: Any = None) -> list[Any]:
+        """A collective: every group offers ``value`` under ``call`` (the arguments that must match); each gets
+        every group's value. A single group needs no thread."""
+        self._slots[group] = (call, value)
+        self.barrier()
+        offered = list(self._slots)
+        self.barrier()  # everybody has read the slots before they are reused
+        for g, (other, _) in enumerate(offered):
+            if not _same(other, call):
+                raise AssertionError(f"group {group} called {call} while group {g} called {other}: every rank must "
+                                     "call the executor's collectives with the same arguments in the same order.")
+        if group == 0:
+            self.calls.append(call)
+        return [v for _, v in offered]
+
+
+class FakeExecutor:
+    """One group's :class:`~lightning_hdet.hdet.executor.HDETExecutor` over a :class:`FakeWorld`."""
+
+    def __init__(self, world: FakeWorld, group: int) -> None:
+        self.world = world
+        self.group = group
+
+    # ------------------------------------------------------------------ read-outs
+    @property
+    def layout(self) -> GroupLayout:
+        return self.world.layout
+
+    @property
+    def num_groups(self) -> int:
+        return self.world.num_groups
+
+    @property
+    def group_index(self) -> int:
+        return self.group
+
+    @property
+    def gradient_sync(self) -> str:
+        return self.world.gradient_sync
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"num_groups": self.num_groups, "group_size": 1, "gradient_sync": self.gradient_sync, "fake": True}
+
+    @property
+    def lr_multipliers(self) -> Tensor:
+        return self.world.table.get(len(self.world.schedule))
+
+    @property
+    def params(self) -> Tensor:
+        """This group's parameters (a view of its row of the world's tensor)."""
+        return self.world.params[self.group]
+
+    def schedule_lrs(self) -> Tensor:
+        return self.world.schedule.clone()
+
+    def current_lrs(self) -> Tensor:
+        return self.lr_multipliers * self.schedule_lrs()
+
+    # ------------------------------------------------------------------ writers (collectives)
+    def set_gradient_sync(self, gradient_sync: str) -> None:
+        self.world.exchange(self.group, ("set_gradient_sync", gradient_sync))
+        self.world.gradient_sync = gradient_sync
+
+    def set_lr_multipliers(self, multipliers: Any) -> None:
+        table = torch.as_tensor(multipliers, dtype=torch.float64)
+        self.world.exchange(self.group, ("set_lr_multipliers", table))
+        if self.group == 0:
+            self.world.table.set(table, self.num_groups, len(self.world.schedule))
+        self.world.barrier()  # nobody reads the table half-written
+
+    def enable_guard(self) -> None:
+        self.world.guard_enabled = True
+
+    def interval_skipped(self, reset: bool = True) -> int:
+        count = self.world.skipped[self.group]
+        if reset:
+            self.world.skipped[self.group] = 0
+        return count
+
+    def gather_group_values(self, values: Tensor) -> Tensor:
+        """Every group's ``values`` as one row (one rank per group: the sum over a group's ranks is its own)."""
+        values = values.to(torch.float64).reshape(-1).cpu()
+        return torch.stack(self.world.exchange(self.group, ("gather_group_values", values.numel()), values))
+
+    def add_init_noise(self, relative_std: float, seed: int) -> None:
+        """As the strategy's: ``N(0, relative_std^2 |theta|^2 / d)`` from a generator seeded ``seed``."""
+        theta = self.params
+        std = relative_std * float(theta.norm()) / math.sqrt(theta.numel())
+        theta.add_(torch.randn(theta.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * std)
+
+    def merge(self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool],
+              keep: bool = True) -> None:
+        call = ("merge", tuple(map(float, coefficients)), tuple(map(float, strengths)), tuple(map(bool, restart)),
+                bool(keep))
+        c = float(coefficients[self.group])
+        contribution = self.params * c if c != 0.0 else torch.zeros_like(self.params)
+        finite = bool(torch.isfinite(self.params).all()) or c == 0.0
+        offered = self.world.exchange(self.group, call, (contribution, finite))
+        target = torch.stack([v for v, _ in offered]).sum(dim=0)
+        if keep and all(ok for _, ok in offered) and self.group == 0:
+            self.world.restore_point = target.clone()
+        s = float(strengths[self.group])
+        if s >= 1.0:
+            self.params.copy_(target)
+        elif s > 0.0:
+            self.params.lerp_(target, s)
+        if restart[self.group]:
+            self.world.restarts[self.group] += 1
+        self.world.barrier()  # every group's row is written before anybody reads it again
+
+    def ensure_restore_point(self) -> None:
+        self.world.exchange(self.group, ("ensure_restore_point",))
+        if self.group == 0 and self.world.restore_point is None:
+            self.world.restore_point = self.world.params[0].clone()
+        self.world.barrier()
+
+    def restore(self) -> None:
+        self.world.exchange(self.group, ("restore",))
+        assert self.world.restore_point is not None, "ensure_restore_point() runs at the start of fit"
+        self.params.copy_(self.world.restore_point)
+        self.world.restarts[self.group] += 1
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_ensemble(self) -> dict[str, Any]:
+        point = self.world.restore_point
+        return {"lr_multipliers": self.lr_multipliers, "group_files": None,
+                "last_good": None if point is None else point.clone()}
+
+    def load_ensemble(self, state: dict[str, Any]) -> None:
+        self.set_lr_multipliers(state["lr_multipliers"])
+        if state.get("last_good") is not None and self.group == 0:
+            self.world.restore_point = state["last_good"].clone()
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    if len(a) != len(b):
+        return False
+    return all(torch.equal(x, y) if isinstance(x, Tensor) and isinstance(y, Tensor) else x == y for x, y in zip(a, b))
+
+
+@dataclass
+class FakeModule:
+    """What the callback asks of a LightningModule: ``log`` (kept in ``logged``)."""
+
+    logged: dict[str, float] = field(default_factory=dict)
+
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        self.logged[name] = float(value)
+
+
+@dataclass
+class FakeTrainer:
+    """What the callback asks of a Trainer, for one group's rank (``strategy`` is its :class:`FakeExecutor`)."""
+
+    strategy: FakeExecutor
+    max_steps: int = -1
+    global_step: int = 0
+    log_every_n_steps: int = 50
+    ckpt_path: Optional[str] = None
+    sanity_checking: bool = False
+    estimated_stepping_batches: float = math.inf
+    callback_metrics: dict[str, Any] = field(default_factory=dict)
+    loggers: list[Any] = field(default_factory=list)
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.group_index == 0
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.group_index
