@@ -12,6 +12,7 @@ from lightning_hdet.hdet.callback import HDETCallback
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic import ElasticWorkerStrategy, OuterService
 from lightning_hdet.hdet.layout import fan_out
+from lightning_hdet.hdet.plateau import PlateauRule
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
 from lightning_hdet.hdet.strategy import HDETStrategy
@@ -31,6 +32,7 @@ __all__ = [
     "HDETStrategy",
     "LocalStepsPolicy",
     "OuterService",
+    "PlateauRule",
     "SlowRanks",
     "SoftmaxVote",
     "blend_coefficients",

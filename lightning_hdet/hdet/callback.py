@@ -33,6 +33,7 @@ from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
 from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
+from lightning_hdet.hdet.plateau import PlateauRule
 from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
 
@@ -45,7 +46,7 @@ class HDETCallback(Callback):
     Args:
         every_n_steps: the interval T between votes/merges, in optimizer steps.
         vote: ``"pbt"`` (default: the bottom quantile copies a top group, its LR x0.8 / x1.2; ``"pb2"``: a bandit
-            picks that LR), ``"softmax"`` (the published controller) or ``"best"`` (all re-centred on the winner).
+            picks that LR), ``"softmax"``, ``"best"`` or ``"trust_region"`` (:mod:`~lightning_hdet.hdet.trust_region`).
         temperature: softmax temperature, in the loss's own units (published 0.1; pick about the spread of the
             groups' losses you consider meaningful).
         momentum: momentum of the controller's velocity (published 0.9).
@@ -62,10 +63,8 @@ class HDETCallback(Callback):
         init_noise: published warm start: each group starts at ``theta_0 + eps``, ``eps ~ N(0, nu^2 |theta_0|^2 / d)``.
         safety_net: skip the optimizer steps of a group whose loss or gradients are non-finite, restore a diverged
             or collapsed group from the others, roll every group back when all of them did.
-        divergence_factor: a group whose interval loss exceeds this multiple of the best group's is treated as
-            diverged (positive losses only); ``None`` disables the rule.
-        rescue_lr_factor: multiplier applied to a rescued group's learning rate (and to every group's when all
-            diverged), in (0, 1).
+        divergence_factor: a loss above this multiple of the best group's (positive losses) diverged; None: off.
+        rescue_lr_factor: a rescued group's LR is multiplied by this (all groups' if all diverged), in (0, 1).
         seed: seed of the callback's own generator for permutations and init noise (never the global RNG).
         signal: what the vote compares: ``"mean"`` (interval loss), ``"improvement"`` (its slope), ``"forecast"``,
             ``"heldout"`` (each group's averaged parameters scored on the same validation batches).
@@ -86,6 +85,7 @@ class HDETCallback(Callback):
             every group takes its model (a fresh optimizer state), the LRs a grid of ratio ``refine_spread`` around
             its LR, gradients averaged over all ranks from then on (``"global"``). ``None``: search the whole run.
         refine_spread: the ratio between neighbouring groups' LRs once the search ended (>= 1).
+        plateau: a :class:`~lightning_hdet.hdet.plateau.PlateauRule`: a loss stuck at its first level fails; None: off.
     """
 
     def __init__(
@@ -123,13 +123,14 @@ class HDETCallback(Callback):
         heldout_loss: Optional[HeldoutLoss] = None,
         search_steps: Optional[int] = None,
         refine_spread: float = 1.5,
+        plateau: Optional[PlateauRule] = PlateauRule(),
     ) -> None:
         self.settings = HDETConfig(
             every_n_steps, vote, temperature, momentum, meta_lr, warmup_steps, permute, shrink, min_spread, blend,
             blend_strength, monitor, init_noise, safety_net, divergence_factor, rescue_lr_factor, seed, signal,
             forecast_horizon, curve_bins, quantile, resample_probability, reference_group, stall_patience,
             stall_tolerance, rise_margin, chance_loss, chance_tolerance, heldout_batches, heldout_decay, search_steps,
-            refine_spread,
+            refine_spread, plateau,
         )
         self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
         self.controller = HDETController(self.settings)
@@ -197,7 +198,7 @@ class HDETCallback(Callback):
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
         self.initial_lrs = executor.current_lrs()[:, 0].tolist()
-        executor.ensure_restore_point()
+        executor.ensure_restore_point(keep_initial=self.controller.keeps_initial)
         if self.controller.searched_at is not None:
             executor.set_gradient_sync("global")  # resumed after the search ended
         if trainer.ckpt_path is None and self.settings.init_noise > 0:
@@ -345,7 +346,7 @@ def _execute(executor: HDETExecutor, decision: Decision) -> None:
     """The strategy carries out one decision: roll back, or merge (one collective per step of the plan); then the
     new multipliers and, when the decision ended the search, gradients averaged over all ranks."""
     if decision.roll_back:
-        executor.restore()
+        executor.restore(decision.from_initial)
         rank_zero_info(
             f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
             f"({[r for r in decision.reasons if r]}); every group rolled back to the last good merged model."

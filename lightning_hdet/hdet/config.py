@@ -18,10 +18,11 @@ from lightning_hdet._checks import (
 from lightning_hdet.hdet.bandit import PB2Vote
 from lightning_hdet.hdet.blends import BLENDS
 from lightning_hdet.hdet.collapse import CollapseRule
+from lightning_hdet.hdet.plateau import PlateauRule
 from lightning_hdet.hdet.selection import PBTVote
 from lightning_hdet.hdet.signals import SIGNALS
 
-VOTES = ("softmax", "best", "pbt", "pb2")
+VOTES = ("softmax", "best", "pbt", "pb2", "trust_region")
 SELECTION_VOTES = ("pbt", "pb2")  # truncation selection: the bottom groups copy a top group
 
 
@@ -64,6 +65,7 @@ class HDETConfig:
     heldout_decay: Optional[float] = None
     search_steps: Optional[int] = None
     refine_spread: float = 1.5
+    plateau: Optional[PlateauRule] = PlateauRule()
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -106,6 +108,8 @@ class HDETConfig:
                      hint="The ratio between neighbouring groups' LRs after the search (1 gives every group its LR).")
         self.selection_rule()  # validates `quantile`, `resample_probability`, `reference_group`
         self.collapse_rule()  # validates the collapse arguments
+        require("plateau", self.plateau, self.plateau is None or isinstance(self.plateau, PlateauRule),
+                "None or a PlateauRule", "e.g. PlateauRule(steps=200, cut=0.1); None switches the rule off.")
 
     def selection_rule(self) -> PBTVote:
         """The ``vote="pbt"`` rule these settings describe, or ``"pb2"``'s (PBT's selection, a bandit's explore)."""
