@@ -15,9 +15,10 @@ HERE = Path(__file__).resolve().parent
 # Benchmark 2 with every method and HDET arm of its tables in docs/benchmarks.md (every remedy of issue 13), its
 # HDET processes forked as the tables' were (saves ~10 s of imports per HDET run; changes no number but the
 # wall-clock).
-SEARCH = ["--start-method", "fork", "--full-grid", "good",
-          "--methods", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
+SEARCH = ["--start-method", "fork", "--full-grid",
+          "--methods", "untuned", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
           "--hdet-votes", "softmax,pbt,pbt:heldout,softmax:heldout,pbt@global,softmax@global,pbt:heldout@global,"
+          "trust_region@global,"
           "pbt>pbt@global,pbt+search,pbt@global+search,pbt+ref,pb2,pb2+search,pb2@global,"
           "pbt:improvement,softmax:improvement,pbt:forecast,softmax:forecast"]
 # Benchmark 2 again with schedule-free AdamW as the optimizer whose LR every search (grid, TPE, PBT, HDET) tunes:
@@ -29,7 +30,7 @@ SEARCH_SF = ["--start-method", "fork", "--optimizer", "schedulefree", "--name", 
 FULL_SIZE = {"search_baselines.py": ["--steps", "128", "--pbt-interval", "32", "--val-every", "16"]}
 SCRIPTS = [["hdet_published.py"], ["search_baselines.py", *SEARCH], ["search_baselines.py", *SEARCH_SF],
            ["async_published.py"],
-           ["async_published.py", "--long-horizon"], ["async_defaults.py"], ["overhead.py"], ["crash.py"],
+           ["async_published.py", "--long-horizon"], ["async_defaults.py"], ["overhead.py"], ["crash.py", "--full-grid", "--default-votes", "pbt,trust_region"],
            ["elastic.py"]]
 
 
