@@ -155,3 +155,30 @@ def test_the_controller_rolls_a_stuck_ensemble_back_onto_the_ladder_and_leaves_a
     switched_off = HDETController(HDETConfig(every_n_steps=100, plateau=None))
     for step in (100, 200, 300, 400):
         assert not switched_off.decide(_interval(step, [1.86] * 4, [0.9, 0.96, 1.04, 1.1])).roll_back
+
+
+def test_a_roll_back_flagged_initial_returns_to_the_model_the_fit_started_from():
+    """One rank (no process group): the restore point becomes a merge's target (half the model); a roll-back
+    flagged ``initial`` writes the kept initial model instead, and without one kept falls back to the restore point."""
+    from tests.test_hdet_fsdp import _OneRankShards
+
+    module = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        module.weight.copy_(torch.tensor([[2.0, 4.0]]))
+        module.bias.fill_(6.0)
+    ops = _OneRankShards(module, None)
+    ops.ensure_restore_point(keep_initial=True)
+    ops.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
+    assert module.weight.tolist() == [[1.0, 2.0]] and ops._restore_point.tolist() == [1.0, 2.0, 3.0]
+    with torch.no_grad():
+        module.bias.fill_(100.0)
+    ops.restore(initial=[True])
+    assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0]
+    ops.restore(initial=[False])
+    assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0]
+    plain = _OneRankShards(module, None)
+    plain.ensure_restore_point()  # no initial model kept: the restore point it is
+    with torch.no_grad():
+        module.bias.fill_(100.0)
+    plain.restore(initial=[True])
+    assert module.bias.tolist() == [3.0]

@@ -140,8 +140,9 @@ class MergeOps:
         if self._restore_point is None:
             tensors = self._restorable_tensors()
             self._restore_point = read_into(tensors, self._restore_buffer(tensors), self.root_device)
-            if keep_initial:
-                self._initial_point = host_copy(self._restore_point)
+            if keep_initial:  # pinned like the restore point on CUDA
+                held = self._restore_point
+                self._initial_point = host_buffer(held.numel(), self.root_device, held.dtype).copy_(held)
 
     def restore(self, initial: Sequence[bool] = ()) -> None:
         """Roll back to the restore point, or, for the groups flagged in ``initial``, to the initial model where one
