@@ -5,7 +5,7 @@ predictor (the label prior) and stays there: no NaN, no rise, every group equall
 :mod:`~lightning_hdet.hdet.collapse` deliberately leave a plateau alone (``stalled`` needs the loss back at the
 untrained model's level, ``chance`` needs the user's ``chance_loss``; the prior's loss is often well below the
 untrained model's), so the run sits there to the end. This rule closes that hole with the loss alone, the way
-``ReduceLROnPlateau`` does, but per group and with the ensemble's evidence:
+``ReduceLROnPlateau`` does, on the whole ensemble's evidence:
 
 * the ensemble **improves** at a vote when its best group's interval loss is below the best so far by more than
   ``NOISE_Z`` standard errors of that interval and a relative ``min_gain``; otherwise it is **stuck** for the
@@ -29,14 +29,15 @@ in which no group improved for ``steps`` steps is touched (where a lower learnin
 ``ReduceLROnPlateau`` would pick too, and the ladder's upper half keeps the model).
 
 :class:`PlateauHistory` is the state (the best level, steps stuck); :func:`judge_plateau` returns a
-:class:`PlateauVerdict`; :func:`ladder` is the all-stuck ensemble's new multiplier table.
+:class:`PlateauVerdict`; :func:`ladder` is the all-stuck ensemble's new multiplier table, :func:`from_initial` which of its groups
+restart from the initial model.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -48,8 +49,8 @@ from lightning_hdet.hdet.collapse import NOISE_Z, Verdict
 
 @dataclass(frozen=True)
 class PlateauRule:
-    """``steps``: optimizer steps a group may go without a new best before it counts as stuck (``None`` switches
-    the rule off); ``cut``: the ladder's top rung relative to the current LRs, in (0, 1) (its bottom rung is
+    """``steps``: optimizer steps the ensemble may go without a new best before every group fails (``None``
+    switches the rule off); ``cut``: the ladder's top rung relative to the current LRs, in (0, 1) (its bottom rung is
     ``cut ** 2``); ``min_gain``: the relative improvement on the best so far that counts as a new best."""
 
     steps: Optional[int] = 200
