@@ -10,7 +10,7 @@ export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test install bench docs clean
+.PHONY: demo test install bench bench-full docs docs-serve clean
 
 install: $(STAMP)
 
@@ -28,9 +28,20 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
+# The site at http://127.0.0.1:8000, rebuilt on every edit (`make docs` builds a copy that also works from disk).
+docs-serve: $(STAMP)
+	$(VENV)/bin/mkdocs serve
+
+# The benchmarks' parts whose cached result is stale (benchmarks/run_all.py prints the plan and an estimate
+# first); an interrupted run resumes, an unchanged part is not rerun. bench-full adds the research tables.
+BENCH_ARGS ?=
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints/bench.txt -e '.[bench]'
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+
+bench-full: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints/bench.txt -e '.[bench]'
+	$(PY) benchmarks/run_all.py --full $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) lightning_logs wandb out site .pytest_cache

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         + markdown_table(["task", "outer", *(f"{level}" for level in args.levels)], rows) + "\n"
     )
     payload = {"total_wall_s": total_s, "runs": runs}
-    publish(name, args, payload, md)
+    publish(name, args, payload, md, seeds=range(args.seeds))  # seeds 0..n-1 whatever --seed says
     return payload
 
 

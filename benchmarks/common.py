@@ -14,7 +14,10 @@ import logging
 import math
 import os
 import platform
+import re
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -209,9 +212,15 @@ class _LoadWeights(Callback):
         pl_module.load_state_dict(torch.load(self.path, weights_only=True))
 
 
+# When this process's benchmark started (set by :func:`begin`): the wall-clock of its tables' stamps.
+_STARTED = time.perf_counter()
+
+
 def begin(base: str, quick: bool) -> tuple[str, float]:
     """Start a benchmark script: silence Lightning's per-run banners and warnings that would drown the tables,
     and return the run's name (``base``, with ``_quick`` in quick mode) and its start time."""
+    global _STARTED
+    _STARTED = time.perf_counter()
     warnings.filterwarnings("ignore")
     for logger in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(logger).setLevel(logging.ERROR)
@@ -378,6 +387,73 @@ def write_json(name: str, payload: dict, results_dir: Path = RESULTS_DIR, max_ch
     return path
 
 
+# The line under every generated block: who made it, how, when, where, on which seeds, in how long. Legacy
+# stamps (blocks generated before stamps existed) say what their results file recorded and "unknown" for the rest.
+STAMP = re.compile(
+    r"^\*Stamp(?P<legacy> \(legacy\))? · commit (?P<commit>\S+) · command `(?P<command>[^`]+)` · "
+    r"date (?P<date>[^·]+) · machine (?P<machine>[^·]+) · seeds (?P<seeds>[^·]+) · wall-clock (?P<wall>[^*]+)\*$"
+)
+
+
+def git_commit(repo: Path = REPO) -> str:
+    """The short commit of ``repo``'s HEAD, ``+dirty`` when the package or the benchmark scripts differ from it
+    (the tables then come from uncommitted code on top of it); ``unknown`` outside a git checkout."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short=10", "HEAD")
+        dirty = git("status", "--porcelain", "--", "lightning_hdet", "benchmarks/*.py", "tests/scripts")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def this_command() -> str:
+    """This process's command line as a user would type it from the repository root (``python benchmarks/x.py
+    ...``): the form the stamps record and ``benchmarks/run_all.py`` compares with its parts' commands."""
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(REPO).as_posix() if script.is_relative_to(REPO) else str(script)
+    return shlex.join(["python", shown, *sys.argv[1:]])
+
+
+def seeds_text(seeds: Iterable[int] | None) -> str:
+    """``0–2`` for a run of three or more consecutive seeds, ``0, 1`` otherwise, ``none`` when unseeded."""
+    seeds = sorted(set(seeds or ()))
+    if not seeds:
+        return "none"
+    if len(seeds) >= 3 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def args_seeds(args: argparse.Namespace) -> list[int]:
+    """The seeds a script's arguments name: ``--seeds`` (a count) from ``--first-seed`` or ``--seed``, else
+    ``--seed`` alone; none when the script takes no seed."""
+    first = getattr(args, "first_seed", getattr(args, "seed", None))
+    count = getattr(args, "seeds", None)
+    if isinstance(count, int):
+        return list(range(first or 0, (first or 0) + count))
+    return [] if first is None else [first]
+
+
+def wall_text(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+def stamp(seeds: Iterable[int] | None, wall_s: float | None = None) -> str:
+    """The stamp line of a block generated now by this process (see :data:`STAMP`)."""
+    m = machine()
+    where = f"{m['cpu_count']} cores, {platform.system()}, Python {m['python']}, torch {m['torch']}, " \
+            f"lightning {m['lightning']}"
+    if os.environ.get("BENCH_ACCELERATOR", "cpu") != "cpu":
+        where += f", accelerator {os.environ['BENCH_ACCELERATOR']}"
+    wall = time.perf_counter() - _STARTED if wall_s is None else wall_s
+    return (f"*Stamp · commit {git_commit()} · command `{this_command()}` · "
+            f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · machine {where} · "
+            f"seeds {seeds_text(seeds)} · wall-clock {wall_text(wall)}*")
+
+
 def update_doc_section(doc: Path, name: str, markdown: str) -> None:
     """Replace the text between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in ``doc``
     (appending the markers at the end when absent)."""
@@ -430,11 +506,14 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs-dir", type=Path, default=DOCS_DIR)
 
 
-def publish(name: str, args: argparse.Namespace, payload: dict, markdown: str, max_chars: int = DEFAULT_MAX_CHARS) -> None:
-    """Write ``name.json`` (with the script's arguments as ``config``), put ``markdown`` into
-    ``docs/benchmarks.md`` between ``name``'s markers, and print it."""
+def publish(name: str, args: argparse.Namespace, payload: dict, markdown: str, max_chars: int = DEFAULT_MAX_CHARS,
+            seeds: Iterable[int] | None = None) -> None:
+    """Write ``name.json`` (with the script's arguments as ``config``), put ``markdown`` and its :func:`stamp`
+    into ``docs/benchmarks.md`` between ``name``'s markers, and print them. ``seeds`` defaults to those the
+    arguments name (:func:`args_seeds`)."""
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     write_json(name, {"config": config, **payload}, args.results_dir, max_chars)
+    markdown = f"{markdown.rstrip()}\n\n{stamp(args_seeds(args) if seeds is None else seeds)}"
     update_doc_section(args.docs_dir / "benchmarks.md", name, markdown)
     print(markdown, flush=True)
 
@@ -482,3 +561,28 @@ def run_spec(args: argparse.Namespace, lr: float, **model: object) -> RunSpec:
         model={"d_model": args.d_model, "n_layers": args.n_layers, **model} if workload == "char_lm" else model,
         workload=workload,
     )
+
+
+def hdet_callbacks(every_n_steps: int, vote: str = "pbt", signal: str = "mean", blend: str = "mean",
+                   search_steps: int | None = None, refine_spread: float = 1.5, reference_group: int | None = None,
+                   blend_strength: float = 1.0, init_noise: float = 0.0, seed: int = 0,
+                   **softmax: float) -> list[Callback]:
+    """The HDET callbacks of one benchmark arm from its flat names (the arms' labels and the results' columns
+    keep 0.x's flat arguments): the vote object with its own options, the research options of
+    :mod:`lightning_hdet.experimental` where an arm asks for one, and ``InitNoise`` for ``init_noise``."""
+    from lightning_hdet import PBT, Best, HDETCallback, Search, Softmax, experimental
+
+    rules = {"softmax": lambda: Softmax(blend=blend, **softmax), "best": lambda: Best(blend=blend),
+             "pbt": lambda: PBT() if reference_group is None else experimental.ReferencePBT(
+                 reference_group=reference_group),
+             "pb2": experimental.PB2}
+    rule: object = rules[vote]() if vote in rules else vote  # another name: HDETCallback's error says which exist
+    if blend_strength != 1.0:
+        rule = experimental.PartialMerge(rule, strength=blend_strength)
+    signals = {"improvement": experimental.Improvement, "forecast": experimental.Forecast,
+               "heldout": experimental.Heldout}
+    kind = signals[signal]() if signal in signals else signal
+    search = Search(steps=search_steps, refine_spread=refine_spread) if search_steps else False
+    callbacks: list[Callback] = [HDETCallback(every_n_steps=every_n_steps, vote=rule, signal=kind, search=search,
+                                              seed=seed)]
+    return callbacks + ([experimental.InitNoise(init_noise, seed=seed)] if init_noise > 0 else [])

@@ -12,7 +12,8 @@ Arms per workload and failure, all on ``W`` processes with the same seeds and da
 with the published set-up of benchmark 1 (one member per rank, fan-out spread 1/9, gradients averaged over all
 ranks, a vote every ``T`` steps, warm start ν = 0.01). Vote names the installed ``HDETCallback`` does not accept
 are reported as skipped; ``--default-votes`` arms run as a user would (the callback's defaults but the vote, no
-warm start). Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1). Issue 28's
+warm start, and no end to the search: ``benchmarks/common.py:hdet_callbacks()`` runs ``search=False`` unless an
+arm asks for one, as the published set-up does). Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1). Issue 28's
 price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
 HDET ÷ the best of a full-batch grid from the high LR down to the low one (``grid_xG``, the ceiling; target
 ≤ 1.5 from 100-300x too high).

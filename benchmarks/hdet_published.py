@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
+    hdet_callbacks,
     add_output_args,
     add_run_args,
     add_start_method_arg,
@@ -92,7 +93,7 @@ def run_config(args: argparse.Namespace, lr: float, optimizer: str, hdet: dict |
     (``vote`` defaults to the published ``"softmax"``); what the tables report about it."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_hdet import HDETCallback, HDETStrategy
+    from lightning_hdet import HDETStrategy
 
     spec = run_spec(args, lr, optimizer=optimizer)
     callbacks = []
@@ -101,7 +102,7 @@ def run_config(args: argparse.Namespace, lr: float, optimizer: str, hdet: dict |
     else:
         strategy = HDETStrategy(spread=args.spread, gradient_sync="global", start_method=args.start_method,
                                 process_group_backend="gloo")
-        callbacks = [HDETCallback(every_n_steps=args.every, seed=args.seed, **{"vote": "softmax", **hdet})]
+        callbacks = hdet_callbacks(args.every, seed=args.seed, **{"vote": "softmax", **hdet})
     run = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
     extra = run.rank_extra[0]
     final_lrs = extra.get("group_lrs", run.rank_lrs)

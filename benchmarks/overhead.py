@@ -261,8 +261,8 @@ def run_memory(kind: str, args: argparse.Namespace, work: Path, world_size: int)
     if kind == "ddp":
         strategy = DDPStrategy(**common)
     else:
-        strategy = HDETStrategy(**common)
-        callbacks.append(HDETCallback(every_n_steps=2))
+        strategy = HDETStrategy(spread=1 / 9, gradient_sync="global", **common)  # the overhead tables' set-up
+        callbacks.append(HDETCallback(every_n_steps=2, search=False))
     spec = RunSpec(lr=1e-3, steps=4, devices=world_size, batch_size=2, max_chars=args.max_chars, val_every=4,
                    val_batches=1, model={"d_model": args.lean_d_model, "n_layers": 4})
     work.mkdir(parents=True, exist_ok=True)
@@ -286,8 +286,8 @@ def run_probe(
     if kind == "ddp":
         strategy = DDPStrategy(**common)
     elif kind == "hdet":
-        strategy = HDETStrategy(**common)
-        callbacks.append(HDETCallback(every_n_steps=every))
+        strategy = HDETStrategy(spread=1 / 9, gradient_sync="global", **common)  # the overhead tables' set-up
+        callbacks.append(HDETCallback(every_n_steps=every, search=False))
     else:
         mode = "sync" if kind == "diloco" else "async"
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, checkpoint_inner_states=inner_states,

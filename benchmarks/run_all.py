@@ -1,48 +1,219 @@
-"""Run every benchmark in turn (what ``make bench`` does); extra arguments (e.g. ``--quick``) are passed on."""
+"""Run the benchmarks' parts in turn, each only when its cached result is stale (what ``make bench`` does).
+
+``make bench`` runs the :data:`PARTS` marked ``bench``; ``make bench-full`` (``--full``) adds the research
+tables. A part's result is cached under a key of its command and the code it runs (``benchmarks/cache.py``):
+a part whose key and outputs are unchanged is skipped, so an interrupted run resumes where it stopped and a
+second run with nothing changed only checks. Before running, the plan is printed with an estimate of the time
+left on a 2-core machine (each part's last measured time where known, else its estimate below).
+
+Usage: ``python benchmarks/run_all.py [--full] [--parts NAME ...] [--force] [--dry-run] [--list]`` followed by
+any options for every script (``--quick``, ``--results-dir DIR``, ``--docs-dir DIR``).
+"""
 
 from __future__ import annotations
 
+import argparse
+import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# In the order of docs/benchmarks.md: 1 published HDET table, 2 search baselines, 3 published async table, its
-# long-horizon variant and the async defaults on three tasks, 4 overhead, 5 crash (NaN- and collapse-type
-# failures), 6 elastic (a worker lost mid-run). Each entry is a script and its own arguments; the command line's
-# (e.g. ``--quick``) follow them.
-# Benchmark 2 with every method and HDET arm of its tables in docs/benchmarks.md (every remedy of issue 13), its
-# HDET processes forked as the tables' were (saves ~10 s of imports per HDET run; changes no number but the
-# wall-clock).
-SEARCH = ["--start-method", "fork", "--full-grid",
-          "--methods", "untuned", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree",
-          "--hdet-votes", "softmax,pbt,pbt:heldout,softmax:heldout,pbt@global,softmax@global,pbt:heldout@global,"
-          "trust_region@global,"
-          "pbt>pbt@global,pbt+search,pbt@global+search,pbt+ref,pb2,pb2+search,pb2@global,"
-          "pbt:improvement,softmax:improvement,pbt:forecast,softmax:forecast"]
-# Benchmark 2 again with schedule-free AdamW as the optimizer whose LR every search (grid, TPE, PBT, HDET) tunes:
-# its own table in docs/benchmarks.md (search_schedule_free).
-SEARCH_SF = ["--start-method", "fork", "--optimizer", "schedulefree", "--name", "search_schedule_free",
-             "--methods", "grid", "optuna_tpe", "pbt", "prodigy", "schedulefree",
-             "--hdet-votes", "softmax,pbt,pbt@global,pbt+search,pb2+search"]
-# Arguments a script takes only at full size: they would override ``--quick``'s sizes.
-FULL_SIZE = {"search_baselines.py": ["--steps", "128", "--pbt-interval", "32", "--val-every", "16"]}
-SCRIPTS = [["hdet_published.py"], ["search_baselines.py", *SEARCH], ["search_baselines.py", *SEARCH_SF],
-           ["async_published.py"],
-           ["async_published.py", "--long-horizon"], ["async_defaults.py"], ["overhead.py"], ["crash.py", "--full-grid", "--default-votes", "pbt,trust_region"],
-           ["elastic.py"]]
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cache import (
+    REPO,
+    key_inputs,
+    key_of,
+    outputs_of,
+    read_record,
+    snapshot,
+    stale_reason,
+    write_record,
+)
 
 
-def main() -> int:
-    for script, *args in SCRIPTS:
-        if "--quick" not in sys.argv[1:]:
-            args = [*args, *FULL_SIZE.get(script, [])]
-        start = time.perf_counter()
-        rc = subprocess.call([sys.executable, str(HERE / script), *args, *sys.argv[1:]])
-        print(f"{' '.join([script, *args])}: exit {rc} after {time.perf_counter() - start:.0f} s", flush=True)
-        if rc:
+@dataclass(frozen=True)
+class Part:
+    """One command of the benchmarks: ``python benchmarks/<script> <args>``.
+
+    ``minutes``: its estimated wall-clock at full size on the 2-core machine (from the runs recorded in
+    docs/benchmarks.md), used until a run measures it. ``full_size``: arguments given only at full size (they
+    would override ``--quick``'s sizes). ``code``: other files it runs in subprocesses, hashed into its key
+    with the script. ``full``: only in ``make bench-full``."""
+
+    name: str
+    script: str
+    args: tuple[str, ...] = ()
+    minutes: float = 0.0
+    full_size: tuple[str, ...] = ()
+    code: tuple[str, ...] = ()
+    full: bool = False
+
+    def command(self, extra: Sequence[str] = ()) -> list[str]:
+        """The command as the stamps record it (``python benchmarks/...``, the repository root as cwd)."""
+        size = () if "--quick" in extra else self.full_size
+        return ["python", f"benchmarks/{self.script}", *self.args, *size, *extra]
+
+
+# Benchmark 2 (the LR search at equal compute): the baselines, and the HDET arms as vote rules. Edit these
+# lists to move arms between `make bench` and `make bench-full`.
+# "untuned" (plain DDP at the starting LR) is the price check of insurance (issue 28); the full-batch grid
+# (grid ×G, the ceiling) runs from every start.
+SEARCH_METHODS = ("untuned", "grid", "optuna_tpe", "pbt", "prodigy", "schedulefree")
+SEARCH_VOTES = ("pbt", "pbt@global", "pbt+search", "trust_region@global")
+# Every remedy of issue 13 side by side (bench-full), against the baselines that need no Ray.
+REMEDY_METHODS = ("grid", "optuna_tpe", "prodigy", "schedulefree")
+REMEDY_VOTES = ("pbt", "pb2", "pbt+search", "pb2+search", "pbt@global", "pb2@global", "softmax", "pbt:improvement",
+                "softmax:improvement", "pbt:forecast", "softmax:forecast", "pbt:heldout", "softmax:heldout", "pbt+ref")
+# The vote signals (bench-full).
+SIGNAL_VOTES = ("pbt", "pbt:improvement", "pbt:forecast", "pbt:heldout", "softmax", "softmax:improvement",
+                "softmax:forecast", "softmax:heldout")
+# Schedule-free AdamW as the optimizer every search tunes (bench-full).
+SF_METHODS = ("grid", "optuna_tpe", "pbt", "prodigy", "schedulefree")
+SF_VOTES = ("softmax", "pbt", "pbt@global", "pbt+search", "pb2+search")
+# HDET's processes forked, as the tables' were: saves ~10 s of imports per run, changes no number but the
+# wall-clock. The table's sizes (S = 128) apply at full size only.
+SEARCH_FULL_SIZE = ("--steps", "128", "--pbt-interval", "32", "--val-every", "16")
+
+
+# The crash benchmark (issue 28's price check): HDET ÷ the best of plain DDP at four LRs on all ranks, and the
+# votes run as a user would (no warm start) besides the published arms.
+CRASH_ARGS = ("--full-grid", "--default-votes", "pbt,trust_region")
+
+
+def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) -> tuple[str, ...]:
+    return ("--start-method", "fork", "--name", name, "--methods", *methods, "--hdet-votes", ",".join(votes), *args)
+
+
+# In the order of docs/benchmarks.md. The minutes are estimates from the arms' times recorded in the results
+# files (an idle 2-core machine, HDET forked): ~6-10 s per equal-compute arm at S = 128, ~2 min per Ray Tune PBT
+# arm (most of benchmark 2's time), 4x a grid arm for the full grid; the other scripts' from docs/benchmarks.md.
+# Issue 28 made two of them larger (estimates, not yet measured): benchmark 2 by its third workload (the tabular
+# MLP) and the full grid from every start, the crash benchmark by the tabular case, the four-LR grid per case and
+# two arms run with the callback's defaults.
+PARTS = (
+    Part("hdet_published", "hdet_published.py", minutes=6),
+    Part("search_baselines", "search_baselines.py", search("search_baselines", SEARCH_METHODS, SEARCH_VOTES,
+                                                           "--full-grid"),
+         minutes=100, full_size=SEARCH_FULL_SIZE),
+    Part("search_remedies", "search_baselines.py", search("search_remedies", REMEDY_METHODS, REMEDY_VOTES,
+                                                          "--seeds", "6"),
+         minutes=70, full_size=SEARCH_FULL_SIZE, full=True),
+    Part("search_schedule_free", "search_baselines.py",
+         search("search_schedule_free", SF_METHODS, SF_VOTES, "--optimizer", "schedulefree", "--seeds", "6"),
+         minutes=120, full_size=SEARCH_FULL_SIZE, full=True),
+    Part("search_signals", "search_baselines.py", search("search_signals", ("grid",), SIGNAL_VOTES),
+         minutes=20, full_size=SEARCH_FULL_SIZE, full=True),
+    Part("async_published", "async_published.py", minutes=30),
+    Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
+    Part("async_defaults", "async_defaults.py", minutes=13),
+    Part("overhead", "overhead.py", minutes=4, code=("benchmarks/sharded_fit.py",)),
+    Part("crash", "crash.py", CRASH_ARGS, minutes=40),
+    Part("elastic", "elastic.py", minutes=5, code=("tests/scripts/elastic_run.py",)),
+)
+
+
+def commands(full: bool = True, extra: Sequence[str] = ()) -> list[str]:
+    """The commands ``make bench`` (``full=False``) or ``make bench-full`` runs, as the stamps record them."""
+    return [shlex.join(p.command(extra)) for p in PARTS if full or not p.full]
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--full", action="store_true", help="also the research tables (make bench-full)")
+    p.add_argument("--parts", nargs="+", default=None, metavar="NAME", help="only these parts (see --list)")
+    p.add_argument("--force", action="store_true", help="run the chosen parts even when their cache is fresh")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the estimate, run nothing")
+    p.add_argument("--list", action="store_true", help="print every part and its command, run nothing")
+    p.add_argument("--cache-dir", type=Path, default=None, help="the records (default RESULTS_DIR/cache)")
+    # Also every script's: read here to know where the parts write, and passed on when given.
+    p.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results")
+    p.add_argument("--docs-dir", type=Path, default=None, help="default docs")
+    args, extra = p.parse_known_args(argv)
+    for flag, value in (("--results-dir", args.results_dir), ("--docs-dir", args.docs_dir)):
+        extra += [flag, str(value)] if value is not None else []
+    return args, extra
+
+
+def chosen(args: argparse.Namespace, parts: Sequence[Part]) -> list[Part]:
+    if args.parts is None:
+        return [p for p in parts if args.full or not p.full]
+    names = [p.name for p in parts]
+    unknown = [n for n in args.parts if n not in names]
+    if unknown:
+        raise SystemExit(f"--parts: {unknown} are not parts; the parts are {names}")
+    return [p for p in parts if p.name in args.parts]
+
+
+def record_path(args: argparse.Namespace, part: Part, extra: Sequence[str]) -> Path:
+    return args.cache_dir / f"{part.name}{'_quick' if '--quick' in extra else ''}.json"
+
+
+def plan(args: argparse.Namespace, parts: Sequence[Part], extra: Sequence[str], repo: Path) -> list[tuple]:
+    """Each part with its key inputs, record and why it must run (``None``: cached); the estimate printed."""
+    rows, minutes = [], 0.0
+    quick = "--quick" in extra
+    for part in parts:
+        inputs = key_inputs(part.command(extra), [Path("benchmarks") / part.script, *map(Path, part.code)], repo)
+        record = read_record(record_path(args, part, extra))
+        reason = "--force" if args.force else stale_reason(record, inputs, args.docs_dir, repo)
+        est = record["wall_s"] / 60 if record else (None if quick else part.minutes)
+        if reason is None:
+            print(f"  {part.name:<22} cached: ran {record['finished']}, {record['wall_s'] / 60:.1f} min", flush=True)
+        else:
+            minutes += est or 0.0
+            print(f"  {part.name:<22} to run ({reason}): ~{'?' if est is None else f'{est:.0f}'} min", flush=True)
+        rows.append((part, inputs, reason))
+    todo = sum(r is not None for _, _, r in rows)
+    print(f"{todo} of {len(rows)} parts to run, estimated {minutes:.0f} min on a 2-core machine"
+          + (" (quick mode: estimates only from earlier quick runs)" if quick else ""), flush=True)
+    return rows
+
+
+def run_part(part: Part, inputs: dict, args: argparse.Namespace, extra: Sequence[str], repo: Path) -> int:
+    """Run one part; on success write its record (key, inputs, what it wrote, its time)."""
+    dirs = [args.results_dir, args.docs_dir]
+    before = snapshot(dirs)
+    start = time.perf_counter()
+    cmd = [sys.executable, str(repo / "benchmarks" / part.script), *part.command(extra)[2:]]
+    rc = subprocess.call(cmd, cwd=repo)
+    wall_s = time.perf_counter() - start
+    print(f"{part.name}: exit {rc} after {wall_s / 60:.1f} min", flush=True)
+    if rc == 0:
+        written = [f for f, mtime in snapshot(dirs).items() if before.get(f) != mtime]
+        write_record(record_path(args, part, extra), {
+            "part": part.name, "key": key_of(inputs), "inputs": inputs, "command": shlex.join(part.command(extra)),
+            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": wall_s,
+            "outputs": outputs_of(written, args.docs_dir, repo),
+        })
+    return rc
+
+
+def main(argv: Sequence[str] | None = None, parts: Sequence[Part] = PARTS, repo: Path = REPO) -> int:
+    args, extra = parse_args(argv)
+    args.results_dir = args.results_dir or repo / "benchmarks" / "results"
+    args.docs_dir = args.docs_dir or repo / "docs"
+    args.cache_dir = args.cache_dir or args.results_dir / "cache"
+    selected = chosen(args, parts)
+    if args.list:
+        for part in parts:
+            print(f"{part.name:<22} {'bench-full' if part.full else 'bench':<10} ~{part.minutes:>4.0f} min  "
+                  f"{shlex.join(part.command())}")
+        return 0
+    print(f"{'make bench-full' if args.full else 'make bench'}: {len(selected)} parts", flush=True)
+    rows = plan(args, selected, extra, repo)
+    if args.dry_run:
+        return 0
+    start = time.perf_counter()
+    for part, inputs, reason in rows:
+        if reason is not None and (rc := run_part(part, inputs, args, extra, repo)):
+            print(f"stopped at {part.name} (exit {rc}); run again to resume: finished parts stay cached")
             return rc
+    print(f"done in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     return 0
 
 

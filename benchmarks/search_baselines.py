@@ -51,6 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
+    hdet_callbacks,
     DOCS_DIR,
     RESULTS_DIR,
     WORKLOADS,
@@ -60,6 +61,7 @@ from benchmarks.common import (
     best_so_far,
     fit_run,
     plot_panels,
+    stamp,
     update_doc_section,
     write_json,
 )
@@ -181,15 +183,15 @@ def parse_hdet_arm(entry: str) -> HDETArm:
 def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
     """The ``VOTE[:SIGNAL][@SYNC]`` entries (or two-step ``FIRST>SECOND``) the installed package accepts, and why
     each other one is skipped."""
-    from lightning_hdet import HDETCallback, HDETStrategy
+    from lightning_hdet import HDETStrategy
 
     ok, skipped = [], {}
     for vote in votes:
         try:
             for step in vote.split(">"):
                 arm = parse_hdet_arm(step)
-                HDETCallback(vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None,
-                             reference_group=1 if arm.reference else None)
+                hdet_callbacks(2, vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None,
+                               reference_group=1 if arm.reference else None)
                 HDETStrategy(num_groups=2, gradient_sync=arm.sync)
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
@@ -214,7 +216,7 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     search at half the steps (LRs then a grid of ratio ``refine_spread`` around the winner's, ``global`` sync);
     every rank reads its own shard throughout. ``+ref``: group ``groups // 2`` is a slow reference group (MF-PBT).
     """
-    from lightning_hdet import HDETCallback, HDETStrategy
+    from lightning_hdet import HDETStrategy
 
     center = math.exp(sum(map(math.log, lrs)) / len(lrs))
     arm = parse_hdet_arm(vote)
@@ -222,12 +224,12 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
         num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync=arm.sync,
         start_method=start_method, process_group_backend="gloo",
     )
-    callback = HDETCallback(every_n_steps=interval, vote=arm.vote, signal=arm.signal, blend=blend, seed=base.seed,
-                            search_steps=base.steps // 2 if arm.search else None, refine_spread=refine_spread,
-                            reference_group=groups // 2 if arm.reference else None)
+    callbacks = hdet_callbacks(interval, vote=arm.vote, signal=arm.signal, blend=blend, seed=base.seed,
+                               search_steps=base.steps // 2 if arm.search else None, refine_spread=refine_spread,
+                               reference_group=groups // 2 if arm.reference else None)
     shared = arm.sync == "global" or arm.search
     spec = replace(base, lr=center, devices=world, shard_data=world > groups and not shared, shard_train=shared)
-    run = fit_run(spec, work, strategy=strategy, callbacks=[callback], init_weights=init_weights,
+    run = fit_run(spec, work, strategy=strategy, callbacks=callbacks, init_weights=init_weights,
                   save_weights=save_weights)
     heads = [g * (world // groups) for g in range(groups)]
     head_runs = [replace(run, rank_val_curves=[run.rank_val_curves[h]]) for h in heads]
@@ -447,7 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
         "best validation loss so far",
         rows=len(args.workloads),
     )
-    md = tables(summary, args, STARTS, total_s) + f"\n\n![{name}](img/{plot.name})\n"
+    md = tables(summary, args, STARTS, total_s) + f"\n\n![{name}](img/{plot.name})\n\n"
+    md += stamp(sorted({a.seed for a in arms}))  # a merge's parts may have run any seeds
     update_doc_section(args.docs_dir / "benchmarks.md", name, md)
     print(md)
     return payload

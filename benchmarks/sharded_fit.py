@@ -55,12 +55,14 @@ def strategy_and_callbacks(arm: str, settings: dict) -> tuple[object, list[Callb
     if arm == "ddp":
         return DDPStrategy(process_group_backend="gloo"), []
     if arm == "hdet":
-        return HDETStrategy(num_groups=groups, process_group_backend="gloo"), [HDETCallback(every_n_steps=every)]
+        strategy = HDETStrategy(num_groups=groups, spread=1 / 9, gradient_sync="global", process_group_backend="gloo")
+        return strategy, [HDETCallback(every_n_steps=every, search=False)]
     if arm == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=settings["world_size"], tensor_parallel_size=1), []
     if arm == "hdet_fsdp":
-        strategy = HDETFSDPStrategy(num_groups=groups, auto_wrap_policy={nn.TransformerEncoderLayer})
-        return strategy, [HDETCallback(every_n_steps=every)]
+        strategy = HDETFSDPStrategy(num_groups=groups, spread=1 / 9, gradient_sync="global",
+                                    auto_wrap_policy={nn.TransformerEncoderLayer})
+        return strategy, [HDETCallback(every_n_steps=every, search=False)]
     raise ValueError(f"arm={arm!r} is not one of {ARMS}")
 
 

@@ -120,7 +120,7 @@ def fit(arm: str, setting: str, steps: int, warmup: int, count: int) -> dict:
     callbacks: list[Callback] = [counter, timer]
     if arm == "hdet":
         strategy: Any = HDETStrategy(num_groups=1, process_group_backend="nccl")
-        callbacks.append(HDETCallback(every_n_steps=10 * steps))  # no vote inside the measured steps
+        callbacks.append(HDETCallback(every_n_steps=10 * steps, search=False))  # no vote inside the measured steps
     else:
         strategy = DDPStrategy(process_group_backend="nccl")
     trainer = Trainer(accelerator="cuda", devices=1, strategy=strategy, precision=precision, max_steps=steps,

@@ -1,7 +1,7 @@
 """lightning-hdet: hyperparameter-divergent ensemble training and asynchronous Local-SGD for Lightning.
 
-Importing the package registers ``Trainer(strategy=...)`` names: ``"hdet"``, ``"hdet_spawn"``, ``"hdet_fsdp"``,
-``"async_local_sgd"``, ``"async_local_sgd_spawn"``, ``"diloco"`` and ``"diloco_spawn"``.
+Importing the package registers ``Trainer(strategy=...)`` names: ``"hdet"``, ``"hdet_spawn"``, ``"hdet_published"``,
+``"hdet_fsdp"``, ``"async_local_sgd"``, ``"async_local_sgd_spawn"``, ``"diloco"`` and ``"diloco_spawn"``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -17,6 +17,7 @@ from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_lo
 from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
 from lightning_hdet.hdet.strategy import HDETStrategy
 from lightning_hdet.testing import SlowRanks
+from lightning_hdet.hdet.options import PBT, Best, SafetyNet, Search, Softmax, TrustRegion
 from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote
 
 __version__ = "0.1.0.dev0"
@@ -24,6 +25,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AsyncLocalSGDStrategy",
     "Ballot",
+    "Best",
     "BestVote",
     "DelayedNesterov",
     "ElasticWorkerStrategy",
@@ -32,9 +34,14 @@ __all__ = [
     "HDETStrategy",
     "LocalStepsPolicy",
     "OuterService",
+    "PBT",
     "PlateauRule",
+    "SafetyNet",
+    "Search",
     "SlowRanks",
+    "Softmax",
     "SoftmaxVote",
+    "TrustRegion",
     "blend_coefficients",
     "dynamic_local_steps",
     "fan_out",

@@ -1,6 +1,8 @@
 import json
 import math
+import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -452,3 +454,125 @@ def test_elastic_quick_mode(tmp_path):
     assert rows["elastic, one of 4 killed at 50 %"]["exit_codes"][3] == -9
     assert rows["single job (today), one of 4 killed at 50 %"]["job_lost"]
     assert len(table) == 2 + 3
+
+
+# A stand-in benchmark for the cache's tests: it records that it ran, writes a results file and its docs block
+# as the real scripts do, and fails while a file ``fail_<name>`` is next to it (an interrupted run).
+FAKE_SCRIPT = r'''
+import sys
+from pathlib import Path
+root = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(root))
+from benchmarks.fake_helper import VALUE
+args = sys.argv[1:]
+def option(flag, default):
+    return Path(args[args.index(flag) + 1]) if flag in args else default
+name, results, docs = args[0], option("--results-dir", root / "benchmarks" / "results"), option("--docs-dir", root / "docs")
+with open(Path(__file__).with_name("runs.txt"), "a") as runs:
+    runs.write(name + "\n")
+if Path(__file__).with_name(f"fail_{name}").exists():
+    sys.exit(3)
+results.mkdir(parents=True, exist_ok=True)
+(results / f"{name}.json").write_text(f'{{"value": {VALUE}}}')
+page, begin, end = docs / "benchmarks.md", f"<!-- BEGIN {name} -->\n", f"<!-- END {name} -->\n"
+text = page.read_text() if page.exists() else ""
+block = f"{begin}| {name} | {VALUE} |\n{end}"
+page.write_text(text.split(begin)[0] + block + text.split(end)[1] if begin in text else text + block)
+'''
+
+
+def _fake_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    (repo / "lightning_hdet").mkdir()
+    (repo / "docs").mkdir()
+    (repo / "lightning_hdet" / "core.py").write_text("X = 1\n")
+    (repo / "benchmarks" / "__init__.py").write_text("")
+    (repo / "benchmarks" / "fake.py").write_text(FAKE_SCRIPT)
+    (repo / "benchmarks" / "other.py").write_text(FAKE_SCRIPT.replace("fake_helper", "other_helper"))
+    (repo / "benchmarks" / "fake_helper.py").write_text("VALUE = 1\n")
+    (repo / "benchmarks" / "other_helper.py").write_text("VALUE = 2\n")
+    return repo
+
+
+def test_run_all_skips_unchanged_parts_and_resumes_after_a_failure(tmp_path, capsys):
+    from benchmarks.run_all import Part, main
+
+    repo = _fake_repo(tmp_path)
+    parts = [Part("a", "fake.py", ("a",)), Part("b", "other.py", ("b",)), Part("c", "fake.py", ("c",), full=True)]
+    runs = repo / "benchmarks" / "runs.txt"
+
+    def run(*argv: str) -> list[str]:
+        runs.unlink(missing_ok=True)
+        assert main(list(argv), parts, repo) == 0
+        return runs.read_text().split() if runs.exists() else []
+
+    assert run() == ["a", "b"]  # `make bench`: the parts not marked full
+    assert run() == [] and "0 of 2 parts to run" in capsys.readouterr().out
+    assert run("--full") == ["c"]  # bench-full adds its parts; the others stay cached
+    (repo / "benchmarks" / "other_helper.py").write_text("VALUE = 3\n")  # code only b imports
+    assert run("--full") == ["b"]
+    (repo / "lightning_hdet" / "core.py").write_text("X = 2\n")  # the package: every part
+    assert run("--full") == ["a", "b", "c"]
+    assert run("--full", "--parts", "a", "--force") == ["a"]
+    # An output edited by hand is regenerated, not vouched for.
+    page = repo / "docs" / "benchmarks.md"
+    page.write_text(page.read_text().replace("| b | 3 |", "| b | 4 |"))
+    assert run() == ["b"] and "docs block 'b' is missing or changed" in capsys.readouterr().out
+    (repo / "benchmarks" / "results" / "a.json").unlink()
+    assert run() == ["a"]
+    # Interrupted: b fails, so it is not recorded; the next run reruns only b.
+    (repo / "lightning_hdet" / "core.py").write_text("X = 3\n")
+    (repo / "benchmarks" / "fail_b").write_text("")
+    runs.unlink()
+    assert main([], parts, repo) == 3 and runs.read_text().split() == ["a", "b"]
+    (repo / "benchmarks" / "fail_b").unlink()
+    assert run() == ["b"]
+    # Another command is another key: --quick's records are kept apart from the full-size ones.
+    assert run("--quick") == ["a", "b"] and run() == []
+    assert sorted(p.name for p in (repo / "benchmarks" / "results" / "cache").iterdir()) == [
+        "a.json", "a_quick.json", "b.json", "b_quick.json", "c.json"]
+
+
+def test_cache_key_follows_the_local_modules_a_script_imports(tmp_path):
+    from benchmarks.cache import key_inputs, local_imports
+
+    repo = _fake_repo(tmp_path)
+    (repo / "tests").mkdir()
+    (repo / "tests" / "helpers.py").write_text("")
+    (repo / "benchmarks" / "fake_helper.py").write_text("import os\nfrom tests.helpers import x\nVALUE = 1\n")
+    assert [p.relative_to(repo).as_posix() for p in local_imports(repo / "benchmarks" / "fake.py", repo)] == [
+        "benchmarks/fake.py", "benchmarks/fake_helper.py", "tests/helpers.py"]
+    inputs = key_inputs(["python", "benchmarks/fake.py"], [Path("benchmarks/fake.py")], repo)
+    assert list(inputs["code"]) == ["benchmarks/fake.py", "benchmarks/fake_helper.py", "tests/helpers.py"]
+    assert set(inputs) == {"command", "python", "torch", "lightning", "package", "code"}
+
+
+def test_stamp_line_names_commit_command_date_machine_seeds_and_wall_clock(monkeypatch):
+    import argparse
+
+    from benchmarks import common
+
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / "crash.py"), "--seeds", "3"])
+    line = common.stamp(range(3), wall_s=150.0)
+    m = common.STAMP.match(line)
+    assert m and not m["legacy"] and m["command"] == "python benchmarks/crash.py --seeds 3"
+    assert m["seeds"].strip() == "0–2" and m["wall"] == "2 min" and re.fullmatch(r"[0-9a-f]{10}(\+dirty)?", m["commit"])
+    assert f"{os.cpu_count()} cores" in m["machine"] and "torch " in m["machine"] and "lightning " in m["machine"]
+    assert common.seeds_text([4, 1]) == "1, 4" and common.seeds_text(None) == "none"
+    assert common.args_seeds(argparse.Namespace(first_seed=3, seed=0, seeds=2)) == [3, 4]
+    assert common.args_seeds(argparse.Namespace(seed=5)) == [5] and common.args_seeds(argparse.Namespace()) == []
+
+
+def test_a_part_run_by_make_bench_stamps_the_command_the_docs_check_accepts(monkeypatch):
+    import shlex
+
+    from benchmarks import common
+    from benchmarks.run_all import PARTS, commands
+
+    assert len({p.name for p in PARTS}) == len(PARTS) and all((REPO / "benchmarks" / p.script).is_file() for p in PARTS)
+    assert set(commands(full=False)) < set(commands(full=True))
+    for part in PARTS:  # run_all starts each script by its absolute path, as below
+        monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / part.script), *part.command()[2:]])
+        assert common.this_command() == shlex.join(part.command()) in commands(full=True)
+        assert (common.this_command() in commands(full=False)) == (not part.full)

@@ -13,7 +13,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_hdet import HDETCallback, HDETStrategy
+from lightning_hdet import PBT, Best, HDETCallback, HDETStrategy, SafetyNet, Search, Softmax
+from lightning_hdet.experimental import PB2, InitNoise, PartialMerge
 from lightning_hdet.hdet.checkpoints import group_file
 from tests.helpers import START, LinearModel, Recorder, Regression, SGDBoring, flat_params, load_ranks, trainer_kwargs
 
@@ -50,7 +51,8 @@ def _fit(tmp_path: Path, strategy: Any, callback: HDETCallback, model: Any = Non
 
 @pytest.mark.parametrize(("blend", "strength"), [("mean", 1.0), ("weighted", 0.5), ("best", 1.0)])
 def test_blend_matches_hand_computation(tmp_path, blend, strength):
-    cb = HDETCallback(every_n_steps=4, vote="softmax", blend=blend, blend_strength=strength, temperature=5.0)
+    cb = HDETCallback(every_n_steps=4, vote=PartialMerge(Softmax(blend=blend, temperature=5.0), strength=strength),
+                      search=False)
     ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="group", start_method=START), cb, max_steps=6,
                  devices=2)
     pre = [r["pre"][4] for r in ranks]
@@ -81,8 +83,9 @@ def test_blend_matches_hand_computation(tmp_path, blend, strength):
 
 
 def test_softmax_vote_moves_lrs_and_permutes(tmp_path):
-    cb = HDETCallback(every_n_steps=2, vote="softmax", temperature=0.05, divergence_factor=None)
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method=START), cb, max_steps=6)
+    cb = HDETCallback(every_n_steps=2, vote=Softmax(temperature=0.05), safety_net=SafetyNet(divergence_factor=None),
+                      search=False)
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="global", start_method=START), cb, max_steps=6)
     initial = sorted([0.5, 0.5 + 1 / 3, 1.5 - 1 / 3, 1.5])
     final = ranks[0]["lr_multipliers"][:, 0].tolist()
     base = sum(final) / 4
@@ -96,9 +99,11 @@ def test_controller_moves_base_lr_toward_the_better_multiplier(tmp_path):
 
     Every rank sees the same batches here, so loss differences come from the learning rates alone.
     """
-    cb = HDETCallback(every_n_steps=4, vote="softmax", temperature=0.5, meta_lr=5.0, momentum=0.5, permute=False)
+    cb = HDETCallback(every_n_steps=4, vote=Softmax(temperature=0.5, meta_lr=5.0, momentum=0.5, permute=False),
+                      search=False)
     model = LinearModel(lr=0.01, batch_size=64)
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.9, start_method=START), cb, model=model, max_steps=16,
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.9, gradient_sync="global", start_method=START), cb, model=model,
+                 max_steps=16,
                  use_distributed_sampler=False)
     votes = sorted({h["step"] for h in ranks[0]["history"]})
     base = [sum(h["lr"] for h in ranks[0]["history"] if h["step"] == s) / 4 for s in votes]
@@ -112,10 +117,10 @@ def test_the_default_vote_climbs_from_a_too_low_learning_rate(tmp_path):
     """The default vote (``pbt``) on the under-fitting regression, every group's LR too low: the leader keeps its
     LR, the worst group copies it and a mover always sits x1.2 above the leader, so the LR a vote picks climbs past
     the start's highest (``softmax`` would move about 0.5 % per vote here, see docs/hdet.md)."""
-    cb = HDETCallback(every_n_steps=4)
+    cb = HDETCallback(every_n_steps=4, search=False)
     assert cb.settings.vote == "pbt"
     model = LinearModel(lr=0.01, batch_size=64)
-    strategy = HDETStrategy(lr_multipliers=[0.25, 0.5, 0.75, 1.0], start_method=START)
+    strategy = HDETStrategy(lr_multipliers=[0.25, 0.5, 0.75, 1.0], gradient_sync="global", start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=model, max_steps=36, use_distributed_sampler=False)
     history = ranks[0]["history"]
     votes = sorted({h["step"] for h in history})
@@ -134,8 +139,9 @@ def test_the_default_vote_climbs_from_a_too_low_learning_rate(tmp_path):
 def test_init_noise_gives_each_group_its_own_start(tmp_path):
     """Published warm start: with the same LR and a shared gradient, the groups differ only by their noise."""
     nu = 0.01
-    cb = HDETCallback(every_n_steps=1000, init_noise=nu)
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.0, start_method=START), cb, max_steps=2, devices=2)
+    cb = HDETCallback(every_n_steps=1000)
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.0, gradient_sync="global", start_method=START), cb, max_steps=2,
+                 devices=2, extra=(InitNoise(nu),))
     a, b = ranks[0]["pre"][2], ranks[1]["pre"][2]
     expected = nu * float(a.norm()) * 2 ** 0.5  # E|eps_0 - eps_1|^2 = 2 nu^2 |theta_0|^2
     assert 0.6 * expected < float((a - b).norm()) < 1.4 * expected
@@ -148,7 +154,7 @@ def _loss_of(params: torch.Tensor) -> float:
 
 
 def test_nan_group_is_rescued_and_merged_model_is_finite(tmp_path):
-    cb = HDETCallback(every_n_steps=8, vote="softmax", permute=False)  # keep the exploding LR on group 1
+    cb = HDETCallback(every_n_steps=8, vote=Softmax(permute=False), search=False)  # the exploding LR stays on group 1
     strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 1e6], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=24)
     assert ranks[0]["rescues"] >= 2
@@ -174,8 +180,8 @@ def _assert_cut_per_rescue(rank: dict, initial: list[float]) -> None:
 def test_global_sync_divergence_rolls_every_group_back(tmp_path):
     """With gradients shared by all ranks, one exploding group poisons the others before it is caught:
     every group rolls back to the last good merge and the exploding group's LR is cut each time."""
-    cb = HDETCallback(every_n_steps=4, vote="softmax", permute=False)
-    strategy = HDETStrategy(lr_multipliers=[1.0, 1e7], start_method=START)
+    cb = HDETCallback(every_n_steps=4, vote=Softmax(permute=False), search=False)
+    strategy = HDETStrategy(lr_multipliers=[1.0, 1e7], gradient_sync="global", start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=12, devices=2)
     history = ranks[0]["history"]
     assert sorted({h["step"] for h in history}) == [4, 8, 12]
@@ -187,7 +193,7 @@ def test_global_sync_divergence_rolls_every_group_back(tmp_path):
 
 
 def test_all_groups_non_finite_halves_every_lr(tmp_path):
-    cb = HDETCallback(every_n_steps=4, vote="softmax", permute=False)
+    cb = HDETCallback(every_n_steps=4, vote=Softmax(permute=False), search=False)
     strategy = HDETStrategy(lr_multipliers=[1e7, 2e7], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, cb, model=LinearModel(lr=0.05), max_steps=8, devices=2)
     rollbacks = [h for h in ranks[0]["history"] if h["winner"] == -1]
@@ -209,7 +215,8 @@ def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
         seed_everything(1)  # the same initial weights in every run
         # One batch per epoch, the same on every rank: Lightning's own data order on resume is not under test.
         model = LinearModel(optimizer="adam", lr=0.01, n_train=16)
-        callback = HDETCallback(every_n_steps=3, vote=vote, search_steps=search_steps)
+        search = False if search_steps is None else Search(steps=search_steps)
+        callback = HDETCallback(every_n_steps=3, vote=PB2() if vote == "pb2" else vote, search=search)
         return _fit(out, strategy, callback, model=model, extra=(ckpt,),
                     enable_checkpointing=True, use_distributed_sampler=False, devices=2, **kw)
 
@@ -243,8 +250,8 @@ def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
 
 
 def test_monitor_votes_on_validation_metric_and_reports_missing(tmp_path):
-    cb = HDETCallback(every_n_steps=4, monitor="val_loss")
-    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, start_method=START), cb, model=LinearModel(), devices=2,
+    cb = HDETCallback(every_n_steps=4, monitor="val_loss", search=False)
+    ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="global", start_method=START), cb, model=LinearModel(), devices=2,
                  max_steps=8, limit_val_batches=1, val_check_interval=2)
     votes = [h for h in ranks[0]["history"] if h["step"] == 4]
     assert len(votes) == 2 and votes[0]["loss"] != votes[1]["loss"]
@@ -255,33 +262,55 @@ def test_monitor_votes_on_validation_metric_and_reports_missing(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("make", "match"),
     [
-        (dict(every_n_steps=0), "`every_n_steps` must be a positive integer"),
-        (dict(every_n_steps=2.5), "`every_n_steps` must be a positive integer"),
-        (dict(vote="median"), "`vote` must be one of"),
-        (dict(temperature=0.0), "`temperature` must be a positive finite number"),
-        (dict(temperature=float("nan")), "`temperature` must be a positive finite number"),
-        (dict(momentum=1.0), r"`momentum` must be a number in \[0, 1\)"),
-        (dict(meta_lr=-1), "`meta_lr` must be a finite number >= 0"),
-        (dict(warmup_steps=-1), "`warmup_steps` must be an integer >= 0"),
-        (dict(shrink=0.0), r"`shrink` must be a number in \(0, 1\]"),
-        (dict(min_spread=0.0), "`min_spread` must be a positive finite number"),
-        (dict(blend="median"), "`blend` must be one of"),
-        (dict(blend_strength=0.0), r"`blend_strength` must be a number in \(0, 1\]"),
-        (dict(blend_strength=1.5), r"`blend_strength` must be a number in \(0, 1\]"),
-        (dict(monitor=""), "`monitor` must be None or a logged metric name"),
-        (dict(init_noise=-0.1), "`init_noise` must be a finite number >= 0"),
-        (dict(divergence_factor=1.0), "`divergence_factor` must be None or a finite number > 1"),
-        (dict(rescue_lr_factor=1.0), r"`rescue_lr_factor` must be a number in \(0, 1\)"),
-        (dict(search_steps=0), "`search_steps` must be a positive integer or None"),
-        (dict(refine_spread=0.5), "`refine_spread` must be a finite number >= 1"),
-        (dict(permute="yes"), "`permute` must be True or False"),
+        (lambda: HDETCallback(every_n_steps=0), "`every_n_steps` must be a positive integer"),
+        (lambda: HDETCallback(every_n_steps=2.5), "`every_n_steps` must be a positive integer"),
+        (lambda: HDETCallback(vote="median"), "`vote` must be one of"),
+        (lambda: HDETCallback(vote="pb2"), r"moved to the research options: use `vote=lightning_hdet.experimental.PB2\(\)`"),
+        (lambda: HDETCallback(signal="forecast"), r"use `signal=lightning_hdet.experimental.Forecast\(\)`"),
+        (lambda: HDETCallback(search=2), r"`search` must be True, False or a Search\(...\) object"),
+        (lambda: HDETCallback(safety_net="on"), r"`safety_net` must be True, False or a SafetyNet\(...\) object"),
+        (lambda: Softmax(temperature=0.0), "`temperature` must be a positive finite number"),
+        (lambda: Softmax(temperature=float("nan")), "`temperature` must be a positive finite number"),
+        (lambda: Softmax(momentum=1.0), r"`momentum` must be a number in \[0, 1\)"),
+        (lambda: Softmax(meta_lr=-1), "`meta_lr` must be a finite number >= 0"),
+        (lambda: Softmax(momentum="0.9"), r"`momentum` must be a number in \[0, 1\), got '0.9'"),
+        (lambda: HDETCallback(warmup_steps=-1), "`warmup_steps` must be an integer >= 0"),
+        (lambda: Best(shrink=0.0), r"`shrink` must be a number in \(0, 1\]"),
+        (lambda: Best(min_spread=0.0), "`min_spread` must be a positive finite number"),
+        (lambda: Softmax(blend="median"), "`blend` must be one of"),
+        (lambda: PartialMerge(Softmax(), strength=0.0), r"`strength` must be a number in \(0, 1\]"),
+        (lambda: PartialMerge(Softmax(), strength=1.5), r"`strength` must be a number in \(0, 1\]"),
+        (lambda: PBT(quantile=0.75), r"`quantile` must be a number in \(0, 0.5\]"),
+        (lambda: HDETCallback(monitor=""), "`monitor` must be None or a logged metric name"),
+        (lambda: InitNoise(-0.1), "`std` must be a finite number > 0"),
+        (lambda: SafetyNet(divergence_factor=1.0), "`divergence_factor` must be None or a finite number > 1"),
+        (lambda: SafetyNet(rescue_lr_factor=1.0), r"`rescue_lr_factor` must be a number in \(0, 1\)"),
+        (lambda: SafetyNet(chance_tolerance=0.1), "`chance_tolerance` must be left at its default"),
+        (lambda: Search(steps=0), "`search_steps` must be a positive integer or None"),
+        (lambda: Search(refine_spread=0.5), "`refine_spread` must be a finite number >= 1"),
+        (lambda: Softmax(permute="yes"), "`permute` must be True or False"),
     ],
 )
-def test_bad_input(kwargs, match):
+def test_bad_input(make, match):
     with pytest.raises(ValueError, match=match):
-        HDETCallback(**kwargs)
+        make()
+
+
+@pytest.mark.parametrize(("old", "where"), [
+    (dict(blend="mean"), r"vote=Softmax\(blend=...\)` or `vote=Best\(blend=...\)"),
+    (dict(temperature=0.1), r"vote=Softmax\(temperature=...\)"),
+    (dict(search_steps=10), r"search=Search\(steps=...\)"),
+    (dict(init_noise=0.01), r"InitNoise\(std=...\)"),
+    (dict(quantile=0.25), r"vote=PBT\(quantile=...\)"),
+])
+def test_an_old_argument_says_where_it_moved(old, where):
+    """The 0.x arguments are refused (``blend`` under the default ``PBT`` was silently ignored) with their new place."""
+    with pytest.raises(TypeError, match=where):
+        HDETCallback(**old)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument `colour`\.$"):
+        HDETCallback(colour="blue")
 
 
 def test_callback_needs_hdet_strategy():
@@ -297,8 +326,38 @@ def test_default_callback_installed_and_user_callback_wins():
     model.trainer = trainer
     trainer.strategy.connect(model)
     assert sum(isinstance(cb, HDETCallback) for cb in trainer.callbacks) == 1
+    (default,) = [cb for cb in trainer.callbacks if isinstance(cb, HDETCallback)]
+    assert (default.settings.vote, default.search) == ("pbt", Search())  # the recommended: search, then train
     mine = HDETCallback(every_n_steps=7)
     trainer = Trainer(strategy="hdet", accelerator="cpu", devices=2, logger=False, callbacks=[mine])
     model.trainer = trainer
     trainer.strategy.connect(model)
     assert [cb for cb in trainer.callbacks if isinstance(cb, HDETCallback)] == [mine]
+
+
+def test_the_published_setup_is_one_name_away():
+    """``strategy="hdet_published"``: the paper's fan-out, one shared gradient, the softmax vote and no search end;
+    ``"hdet"``: a wide geometric grid (a factor 3 apart with four groups), each group its own DDP job."""
+    trainer = Trainer(strategy="hdet_published", accelerator="cpu", devices=4, logger=False)
+    model = SGDBoring()
+    model.trainer = trainer
+    trainer.strategy.connect(model)
+    (default,) = [cb for cb in trainer.callbacks if isinstance(cb, HDETCallback)]
+    assert (default.settings.vote, default.search, trainer.strategy.gradient_sync) == ("softmax", None, "global")
+    assert trainer.strategy.lr_multipliers[:, 0].tolist() == pytest.approx([8 / 9, 26 / 27, 28 / 27, 10 / 9])
+    recommended = Trainer(strategy="hdet", accelerator="cpu", devices=4, logger=False).strategy
+    assert recommended.gradient_sync == "group"
+    assert recommended.lr_multipliers[:, 0].tolist() == pytest.approx([3 ** (k - 1.5) for k in range(4)])
+
+
+@pytest.mark.parametrize(("max_steps", "estimated", "expected"), [(40, 99, 20), (-1, 24, 12), (-1, float("inf"), None)])
+def test_the_default_search_ends_at_half_of_the_run(max_steps, estimated, expected):
+    """``Search()`` is sized from the run: ``max_steps // 2``, or half of the optimizer steps Lightning estimates for
+    a run bounded by epochs; a run of unknown length searches to its end. ``Search(steps=N)`` is taken as given."""
+    from types import SimpleNamespace
+
+    from lightning_hdet.hdet.callback import search_steps
+
+    trainer = SimpleNamespace(max_steps=max_steps, estimated_stepping_batches=estimated)
+    assert search_steps(Search(), trainer) == expected
+    assert search_steps(Search(steps=5), trainer) == 5 and search_steps(None, trainer) is None

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_hdet import HDETCallback
+from lightning_hdet import PBT, HDETCallback, SafetyNet
+from lightning_hdet.experimental import Forecast, ReferencePBT
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import HDETController, Interval
 from lightning_hdet.hdet.selection import MergeStep
@@ -97,17 +98,17 @@ def test_safety_net_off_judges_nothing_and_keeps_every_finite_merge():
     assert decision.rescued == [False, False] and decision.keep
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"vote": "pbt", "quantile": 0.9}, r"`quantile` must be a number in \(0, 0.5\]"),
-    ({"signal": "slope"}, "`signal` must be one of"),
-    ({"signal": "forecast", "monitor": "val_loss"}, "`signal` must be 'mean' when `monitor` is set"),
-    ({"forecast_horizon": 0}, "`forecast_horizon` must be a positive integer or None"),
-    ({"curve_bins": 1}, "`curve_bins` must be an integer >= 2"),
-    ({"stall_patience": 0}, "`stall_patience` must be a positive integer or None"),
-    ({"rise_margin": 0}, "`rise_margin` must be a finite number > 0 or None"),
-    ({"chance_loss": float("nan")}, "`chance_loss` must be a finite number or None"),
-    ({"reference_group": -1}, "`reference_group` must be an integer >= 0 or None"),
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: PBT(quantile=0.9), r"`quantile` must be a number in \(0, 0.5\]"),
+    (lambda: HDETCallback(signal="slope"), "`signal` must be 'mean' or a Signal object"),
+    (lambda: HDETCallback(signal=Forecast(), monitor="val_loss"), "`signal` must be 'mean' when `monitor` is set"),
+    (lambda: Forecast(horizon=0), "`forecast_horizon` must be a positive integer or None"),
+    (lambda: Forecast(bins=1), "`curve_bins` must be an integer >= 2"),
+    (lambda: SafetyNet(stall_patience=0), "`stall_patience` must be a positive integer or None"),
+    (lambda: SafetyNet(rise_margin=0), "`rise_margin` must be a finite number > 0 or None"),
+    (lambda: SafetyNet(chance_loss=float("nan")), "`chance_loss` must be a finite number or None"),
+    (lambda: ReferencePBT(reference_group=-1), "`reference_group` must be an integer >= 0 or None"),
 ])
-def test_callback_rejects_bad_rule_arguments(kwargs, match):
+def test_callback_rejects_bad_rule_arguments(make, match):
     with pytest.raises(ValueError, match=match):
-        HDETCallback(**kwargs)
+        make()

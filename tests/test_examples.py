@@ -106,7 +106,7 @@ def test_cli_print_config_shows_strategy_and_callback_arguments(capsys: pytest.C
     assert strategy["class_path"] == "lightning_hdet.HDETStrategy"
     assert strategy["init_args"]["num_groups"] == 4
     assert strategy["init_args"]["lr_multipliers"] == [1.0, 0.5, 0.1, 5.0]
-    assert strategy["init_args"]["gradient_sync"] == "group"
+    assert strategy["init_args"]["gradient_sync"] is None  # the preset's: "group" (test_strategy checks the value)
     callbacks = config["trainer"]["callbacks"]
     (callback,) = [c for c in callbacks if c["class_path"] == "lightning_hdet.HDETCallback"]
     assert callback["init_args"]["vote"] == "softmax" and callback["init_args"]["every_n_steps"] == 20
@@ -123,7 +123,8 @@ def test_64gpu_recipe_builds_four_groups_at_the_users_learning_rates() -> None:
     lrs = [cli.model.hparams.lr * m for m in strategy.lr_multipliers[:, 0].tolist()]
     assert lrs == pytest.approx([0.001, 0.0005, 0.0001, 0.005])
     (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "HDETCallback"]
-    assert (callback.every_n_steps, callback.vote) == (1000, "best")
+    assert (callback.every_n_steps, callback.vote, callback.search.refine_spread) == (1000, "pbt", 1.5)
+    assert callback.settings.divergence_factor == 10.0 and callback.settings.quantile == 0.25
     # The command-line overrides shown in docs/recipes.md reach the strategy and the callback.
     overrides = ["--trainer.strategy.lr_multipliers=[1, 0.3, 0.1, 3]",
                  "--trainer.callbacks.every_n_steps=500"]

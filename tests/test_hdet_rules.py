@@ -11,7 +11,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hdet import HDETCallback, HDETStrategy
+from lightning_hdet import PBT, Best, HDETCallback, HDETStrategy, SafetyNet
+from lightning_hdet.experimental import PB2
 from tests.helpers import START, LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(600)
@@ -60,7 +61,8 @@ def test_pbt_climbs_from_a_too_low_lr_where_best_stops(tmp_path, vote):
     grid = {lr: _grid_loss(lr, steps) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 0.5)}
     best_grid = min(grid, key=grid.get)
     strategy = HDETStrategy(lr_multipliers=[0.5, 0.8, 1.25, 2.0], gradient_sync="group", start_method=START)
-    callback = HDETCallback(every_n_steps=2, vote=vote, blend="best", resample_probability=0.0, seed=0)
+    rule = {"pbt": PBT(resample_probability=0.0), "pb2": PB2(), "best": Best(blend="best")}[vote]
+    callback = HDETCallback(every_n_steps=2, vote=rule, search=False, seed=0)
     ranks = _fit(tmp_path, LinearModel(lr=start, batch_size=64), strategy, callback, devices=4, max_steps=steps)
     settled = _winner_lr(ranks[0])
     assert all(r["history"] == ranks[0]["history"] for r in ranks)
@@ -112,8 +114,8 @@ def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(tmp_path, net):
     """AdamW at LRs 1 and 2: both groups sit at ln(10) with finite losses. The ratio rule (10x the best) never
     fires; the collapse rules (on by default) see every group knocked above its first-step loss and stuck there, roll
     every group back to the last good merge (here the initial model) and halve the LRs until training works."""
-    kwargs = {} if net == "collapse" else {"stall_patience": None, "rise_margin": None}  # defaults / ratio only
-    callback = HDETCallback(every_n_steps=10, vote="best", permute=False, **kwargs)
+    safety_net = SafetyNet() if net == "collapse" else SafetyNet(stall_patience=None, rise_margin=None)  # ratio only
+    callback = HDETCallback(every_n_steps=10, vote="best", safety_net=safety_net, search=False)
     strategy = HDETStrategy(lr_multipliers=[1.0, 2.0], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, Clusters(lr=1.0), strategy, callback, devices=2, max_steps=150)
     final = _full_loss(ranks[0]["final_params"])

@@ -15,7 +15,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
-from lightning_hdet import HDETCallback, HDETStrategy
+from lightning_hdet import Best, HDETCallback, HDETStrategy
+from lightning_hdet.experimental import Heldout
 from lightning_hdet.hdet.averaging import ParameterAverage, average_weight
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import HDETController, Interval
@@ -156,7 +157,7 @@ def test_groups_score_their_averaged_iterate_on_the_same_heldout_batches(tmp_pat
     """2 groups of 2 ranks; 3 held-out batches split over a group's ranks (2 + 1). At each vote a group's number
     is the MSE of the mean of its restart point and the iterates since, on batches 0-2; the vote follows it."""
     seed_everything(3)
-    callback = HDETCallback(every_n_steps=4, vote="best", blend="best", signal="heldout", heldout_batches=3)
+    callback = HDETCallback(every_n_steps=4, vote=Best(blend="best"), signal=Heldout(batches=3), search=False)
     strategy = HDETStrategy(num_groups=2, spread=0.5, gradient_sync="group", start_method="spawn")
     trainer = Trainer(strategy=strategy, callbacks=[Params(tmp_path, "pre"), callback, Params(tmp_path, "post")],
                       **trainer_kwargs(devices=4, max_steps=8, limit_val_batches=2))

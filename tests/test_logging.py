@@ -50,8 +50,8 @@ def test_hdet_run_logs_every_key_to_one_wandb_run_and_csv(tmp_path, monkeypatch)
     wandb_logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="hdet-keys")
     csv_logger = CSVLogger(save_dir=tmp_path, name="csv", version=0)
     tb_logger = TensorBoardLogger(save_dir=tmp_path, name="tb", version=0)
-    trainer = Trainer(strategy=HDETStrategy(spread=0.5, start_method=START),
-                      callbacks=[HDETCallback(every_n_steps=2)],
+    trainer = Trainer(strategy=HDETStrategy(spread=0.5, gradient_sync="global", start_method=START),
+                      callbacks=[HDETCallback(every_n_steps=2, search=False)],
                       **trainer_kwargs(logger=[wandb_logger, csv_logger, tb_logger], log_every_n_steps=1, max_steps=6))
     trainer.fit(LinearModel())
     wandb.finish()

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_hdet import HDETCallback, HDETStrategy
+from lightning_hdet import HDETCallback, HDETStrategy, Softmax
 from lightning_hdet.hdet.merge import iterate_states
 from tests.helpers import START, flat_params, load_ranks, trainer_kwargs
 from tests.test_hdet_fsdp import _OneRankShards
@@ -89,7 +89,7 @@ def test_groups_share_y_z_and_so_x_after_every_merge(tmp_path) -> None:
     vote every rank holds the same ``y`` and ``z``, hence the same average ``x = (y - (1 - beta) z) / beta``."""
     seed_everything(3)
     strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 4.0], gradient_sync="group", start_method=START)
-    callbacks = [HDETCallback(every_n_steps=4, vote="softmax", blend="mean"), Iterates(tmp_path)]
+    callbacks = [HDETCallback(every_n_steps=4, vote=Softmax(blend="mean"), search=False), Iterates(tmp_path)]
     Trainer(strategy=strategy, callbacks=callbacks, **trainer_kwargs(max_steps=8)).fit(SFBoring())
     ranks = load_ranks(tmp_path, 4)
     assert [r["group"] for r in ranks] == [0, 0, 1, 1]

@@ -9,19 +9,20 @@ import torch
 import torch.multiprocessing as mp
 from lightning.pytorch import Trainer, seed_everything
 
-from lightning_hdet import BestVote, HDETCallback, HDETStrategy, SoftmaxVote, fan_out
+from lightning_hdet import Best, BestVote, HDETCallback, HDETStrategy, Softmax, SoftmaxVote
+from lightning_hdet.hdet.defaults import DEFAULT_LR_SPAN, span_grid
 from tests.helpers import Recorder, SGDBoring, load_ranks, trainer_kwargs
 
 
 def _receive(index: int, objects: list) -> None:
-    assert [type(o).__name__ for o in objects] == ["HDETCallback", "HDETStrategy", "SoftmaxVote", "BestVote"]
+    assert [type(o).__name__ for o in objects] == ["HDETCallback", "HDETStrategy", "SoftmaxVote", "BestVote", "Softmax"]
 
 
 def test_public_objects_cross_a_spawn():
     assert mp.get_sharing_strategy() == "file_descriptor"  # torch's default on Linux: no global switch hides bugs
     callback = HDETCallback(seed=3)
     callback.controller.generator  # a generator that has been used must cross too (PyTorch #146828)
-    mp.start_processes(_receive, args=([callback, HDETStrategy(), SoftmaxVote(), BestVote()],), nprocs=1,
+    mp.start_processes(_receive, args=([callback, HDETStrategy(), SoftmaxVote(), BestVote(), Softmax()],), nprocs=1,
                        start_method="spawn")
 
 
@@ -31,11 +32,11 @@ def test_hdet_spawn_with_an_explicit_callback(tmp_path, strategy):
     """Votes move the LRs (best vote: the winner keeps its multiplier, the other is re-centred on it) and every
     rank ends with the merged model."""
     seed_everything(0)
-    initial = fan_out(2, 1 / 9)
+    initial = span_grid(2, DEFAULT_LR_SPAN)  # the default multipliers
     if strategy == "instance":
         initial = [0.5, 2.0]
         strategy = HDETStrategy(lr_multipliers=initial, start_method="spawn")
-    callback = HDETCallback(every_n_steps=2, vote="best", shrink=0.5, min_spread=0.05, seed=1)
+    callback = HDETCallback(every_n_steps=2, vote=Best(shrink=0.5, min_spread=0.05), search=False, seed=1)
     trainer = Trainer(strategy=strategy, callbacks=[callback, Recorder(tmp_path)],
                       **trainer_kwargs(devices=2, max_steps=4))
     trainer.fit(SGDBoring())

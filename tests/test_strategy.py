@@ -8,7 +8,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_hdet
-from lightning_hdet import HDETCallback, HDETStrategy
+from lightning_hdet import HDETCallback, HDETStrategy, Search
 from tests.helpers import START, LinearModel, Recorder, SGDBoring, load_ranks, make_scheduler, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,6 +25,7 @@ def _fit(tmp_path, strategy, model=None, callbacks=(), **kw):
 def test_registered_names_and_instance():
     assert "hdet" in StrategyRegistry and "hdet_spawn" in StrategyRegistry
     assert StrategyRegistry["hdet"]["init_params"] == {"start_method": "popen"}
+    assert StrategyRegistry["hdet_published"]["init_params"] == {"preset": "published"}
     assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy  # nothing existing is clobbered
     trainer = Trainer(strategy="hdet", accelerator="cpu", devices=4, logger=False)
     assert isinstance(trainer.strategy, HDETStrategy) and trainer.strategy.num_groups == 4
@@ -70,7 +71,7 @@ def test_group_sync_params_equal_within_groups_and_differ_across(tmp_path):
 
 def test_global_sync_same_gradients_and_lr_ratio(tmp_path):
     mult = [0.5, 3.0]
-    strategy = HDETStrategy(lr_multipliers=mult, start_method=START)
+    strategy = HDETStrategy(lr_multipliers=mult, gradient_sync="global", start_method=START)
     ranks = _fit(tmp_path, strategy, callbacks=[HDETCallback(every_n_steps=1000)], devices=2)
     for r in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["grads"], ranks[0]["grads"]))
@@ -85,7 +86,7 @@ def test_global_sync_same_gradients_and_lr_ratio(tmp_path):
 
 def test_search_steps_end_the_search_on_the_winner_and_switch_to_global_gradients(tmp_path):
     strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 4.0], gradient_sync="group", start_method=START)
-    callback = HDETCallback(every_n_steps=3, search_steps=3, refine_spread=2.0)
+    callback = HDETCallback(every_n_steps=3, search=Search(steps=3, refine_spread=2.0))
     # least squares learns fast enough that the winner is below its first step's loss (less the noise) at step 3
     ranks = _fit(tmp_path, strategy, model=LinearModel(lr=0.1), callbacks=[callback], max_steps=8)
     # the search (steps 1-3): gradients reduced inside each group only
@@ -107,7 +108,7 @@ def test_search_steps_end_the_search_on_the_winner_and_switch_to_global_gradient
 
 def test_spread_zero_reproduces_ddp_bit_for_bit(tmp_path):
     ddp = _fit(tmp_path / "ddp", DDPStrategy(start_method=START, process_group_backend="gloo"), devices=2)
-    hdet = _fit(tmp_path / "hdet", HDETStrategy(spread=0.0, start_method=START),
+    hdet = _fit(tmp_path / "hdet", HDETStrategy(spread=0.0, gradient_sync="global", start_method=START),
                 callbacks=[HDETCallback(every_n_steps=1000)], devices=2)
     last = max(ddp[0]["params_by_step"])
     for a, b in zip(ddp, hdet):

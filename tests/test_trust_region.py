@@ -92,3 +92,34 @@ def test_the_controller_builds_it_from_the_vote_name():
     decision = controller.decide(Interval(100, [3.0, 2.0, 1.0], [True] * 3, table, [0.1], True))
     assert decision.winner == 2 and decision.coefficients == [0.0, 0.0, 1.0]
     assert _close(decision.multipliers[:, 0].tolist(), [1.0, 2.0, 4.0])
+
+
+def test_its_options_live_on_the_vote_object_and_the_name_gives_its_defaults():
+    """``TrustRegion(ratio=3)``: the first vote, won by a centre group of four at multipliers 1, shrinks
+    ``log r`` by half: the edges at ``1 / sqrt(3)`` and ``sqrt(3)``; ``"trust_region"`` is ``TrustRegion()``."""
+    from lightning_hdet import HDETCallback, TrustRegion
+
+    callback = HDETCallback(vote=TrustRegion(ratio=3.0, blend="best"), search=False)
+    assert callback.settings.blend == "best" and callback.controller.rule.ratio == 3.0
+    table = torch.ones(4, 1, dtype=torch.float64)
+    decision = callback.controller.decide(Interval(100, [2.0, 1.0, 1.5, 3.0], [True] * 4, table, [0.1], True))
+    assert _close(decision.multipliers[:, 0].tolist(), [3 ** -0.5, 1.0, 1.0, 3 ** 0.5])
+    assert HDETCallback(vote="trust_region").controller.rule == TrustRegionVote()
+    with pytest.raises(ValueError, match="`ratio` must be"):
+        TrustRegion(ratio=1.0)
+    with pytest.raises(ValueError, match="`region` must be None unless vote='trust_region'"):
+        HDETConfig(vote="best", region={"ratio": 3.0})
+
+
+def test_it_is_refused_unless_every_group_shares_one_gradient():
+    """Under ``gradient_sync="group"`` the centre groups would be separate runs of one LR (no cheap plain-DDP run):
+    refused at setup with the fix; ``"global"`` and the other votes pass."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_hdet.hdet.callback import _check_sync
+
+    with pytest.raises(MisconfigurationException, match="needs HDETStrategy\\(gradient_sync='global'\\), got "
+                       "gradient_sync='group'"):
+        _check_sync(HDETConfig(vote="trust_region"), "group")
+    _check_sync(HDETConfig(vote="trust_region"), "global")
+    _check_sync(HDETConfig(vote="pbt"), "group")

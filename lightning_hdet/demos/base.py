@@ -68,7 +68,7 @@ class DemoModule(LightningModule):
         return loss
 
     def heldout_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        """The batch's mean loss, without logging: what ``HDETCallback(signal="heldout")`` scores."""
+        """The batch's mean loss, without logging: what ``HDETCallback(signal=experimental.Heldout())`` scores."""
         return self._loss(batch)
 
     @override

@@ -19,7 +19,8 @@ The callback talks to the strategy only through :class:`~lightning_hdet.hdet.exe
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -30,10 +31,11 @@ from typing_extensions import override
 
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
+from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
-from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
+from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
-from lightning_hdet.hdet.plateau import PlateauRule
+from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, refuse_moved, resolve
 from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config
 
@@ -43,95 +45,47 @@ log = logging.getLogger(__name__)
 class HDETCallback(Callback):
     """Loss-based voting, learning-rate exploration, parameter blending and the safety net for HDET.
 
+    The defaults are the measured best (:mod:`~lightning_hdet.hdet.defaults`): a ``PBT`` search for the first half
+    of the run, then training around what it found. Each option lives on the rule it changes
+    (:mod:`~lightning_hdet.hdet.options`); research options are in :mod:`lightning_hdet.experimental`.
+
     Args:
         every_n_steps: the interval T between votes/merges, in optimizer steps.
-        vote: ``"pbt"`` (default: the bottom quantile copies a top group, its LR x0.8 / x1.2; ``"pb2"``: a bandit
-            picks that LR), ``"softmax"``, ``"best"`` or ``"trust_region"`` (:mod:`~lightning_hdet.hdet.trust_region`).
-        temperature: softmax temperature, in the loss's own units (published 0.1; pick about the spread of the
-            groups' losses you consider meaningful).
-        momentum: momentum of the controller's velocity (published 0.9).
-        meta_lr: how far the base LR moves per unit of velocity (published 0.5).
-        warmup_steps: votes before this step only merge; learning rates start moving after it.
-        permute: give the groups a fresh random permutation of the multipliers after each softmax vote.
-        shrink: ``best`` vote: factor by which the log-spread of multipliers narrows each vote, in (0, 1].
-        min_spread: ``best`` vote: floor of that log-spread (> 0, variation is never lost).
-        blend: merge target: ``"mean"`` (published), ``"weighted"`` (vote weights) or ``"best"`` (the winner).
-        blend_strength: s in (0, 1]: ``theta_g <- (1 - s) * theta_g + s * target``.
+        vote: the vote rule: :class:`~lightning_hdet.PBT` (``"pbt"``: the bottom quantile copies a top group, its LR
+            x0.8 / x1.2), :class:`~lightning_hdet.Softmax` (``"softmax"``: the published controller) or
+            :class:`~lightning_hdet.Best` (``"best"``: all re-centred on the winner) or
+            :class:`~lightning_hdet.TrustRegion` (``"trust_region"``, with ``gradient_sync="global"`` only: two edge
+            groups probe around one incumbent LR); a name gives its defaults.
+        search: :class:`~lightning_hdet.Search`: when the search ends and every group trains around its winner
+            (``True``: at half of the run); ``False``: the vote searches the whole run (the published set-up).
+        safety_net: :class:`~lightning_hdet.SafetyNet` (``True``: its defaults): skip a group's non-finite steps,
+            restore a diverged or collapsed group from the others, roll every group back when all did, and (its
+            ``plateau`` rule) roll an ensemble that stopped learning back onto lower LRs; ``False``: off.
         monitor: ``None`` votes on each group's mean training loss over the interval; a metric name (e.g.
             ``"val_loss"``) votes on each group's own latest value of that logged metric (log it without
             ``sync_dist`` so each rank keeps its own value).
-        init_noise: published warm start: each group starts at ``theta_0 + eps``, ``eps ~ N(0, nu^2 |theta_0|^2 / d)``.
-        safety_net: skip the optimizer steps of a group whose loss or gradients are non-finite, restore a diverged
-            or collapsed group from the others, roll every group back when all of them did.
-        divergence_factor: a loss above this multiple of the best group's (positive losses) diverged; None: off.
-        rescue_lr_factor: a rescued group's LR is multiplied by this (all groups' if all diverged), in (0, 1).
-        seed: seed of the callback's own generator for permutations and init noise (never the global RNG).
-        signal: what the vote compares: ``"mean"`` (interval loss), ``"improvement"`` (its slope), ``"forecast"``,
-            ``"heldout"`` (each group's averaged parameters scored on the same validation batches).
-        forecast_horizon: steps from an interval's start at which ``"forecast"`` reads the fitted curve (None: 4 T).
-        curve_bins: each rank keeps the interval's loss curve as this many bins on the device.
-        quantile: ``vote="pbt"``/``"pb2"``: share of groups that move (bottom) and are copied (top); Ray Tune: 0.25.
-        resample_probability: ``vote="pbt"``: chance of a fresh LR instead of x0.8 / x1.2; Ray Tune: 0.25.
-        reference_group: ``vote="pbt"``: a slow reference group, moved every fourth vote only (None: none).
-        stall_patience: votes in a row at or above its first step's loss before a group counts as collapsed.
-        stall_tolerance: relative margin below the first step's loss that still counts as no progress.
-        rise_margin: a loss above ``(1 + rise_margin)`` x the group's previous interval counts as diverged.
-        chance_loss: a constant predictor's loss (e.g. ``ln(classes)``); a group near it counts as collapsed.
-        chance_tolerance: relative distance to ``chance_loss`` that counts as "near". ``None`` switches rules off.
-        heldout_batches: ``signal="heldout"``: validation batches every group scores (split over a group's ranks).
-        heldout_decay: ``signal="heldout"``: None averages the interval's iterates uniformly; a float is an EMA decay.
-        heldout_loss: ``signal="heldout"``: ``(module, batch) -> mean loss``; None calls ``module.heldout_loss(batch)``.
-        search_steps: the first vote at or after this step whose winner is below its first loss ends the search:
-            every group takes its model (a fresh optimizer state), the LRs a grid of ratio ``refine_spread`` around
-            its LR, gradients averaged over all ranks from then on (``"global"``). ``None``: search the whole run.
-        refine_spread: the ratio between neighbouring groups' LRs once the search ended (>= 1).
-        plateau: a :class:`~lightning_hdet.hdet.plateau.PlateauRule`: a loss stuck at its first level fails; None: off.
+        signal: what the vote compares: ``"mean"`` (the interval's loss); research signals are in
+            :mod:`lightning_hdet.experimental`.
+        warmup_steps: votes before this step only merge; learning rates start moving after it.
+        seed: seed of the callback's own generator for the votes' random draws (never the global RNG).
+        **moved: refused: the 0.x arguments, each with the place it moved to (see the CHANGELOG).
     """
 
     def __init__(
         self,
         every_n_steps: int = 100,
-        vote: str = "pbt",
-        temperature: float = 0.1,
-        momentum: float = 0.9,
-        meta_lr: float = 0.5,
-        warmup_steps: int = 0,
-        permute: bool = True,
-        shrink: float = 0.5,
-        min_spread: float = 0.05,
-        blend: str = "mean",
-        blend_strength: float = 1.0,
+        vote: Union[str, Vote] = DEFAULT_VOTE,
+        search: Union[bool, Search] = DEFAULT_SEARCH,
+        safety_net: Union[bool, SafetyNet] = True,
         monitor: Optional[str] = None,
-        init_noise: float = 0.0,
-        safety_net: bool = True,
-        divergence_factor: Optional[float] = 10.0,
-        rescue_lr_factor: float = 0.5,
+        signal: Union[str, Signal] = "mean",
+        warmup_steps: int = 0,
         seed: int = 0,
-        signal: str = "mean",
-        forecast_horizon: Optional[int] = None,
-        curve_bins: int = 8,
-        quantile: float = 0.25,
-        resample_probability: float = 0.25,
-        reference_group: Optional[int] = None,
-        stall_patience: Optional[int] = 2,
-        stall_tolerance: float = 0.0,
-        rise_margin: Optional[float] = 1.0,
-        chance_loss: Optional[float] = None,
-        chance_tolerance: float = 0.05,
-        heldout_batches: int = 4,
-        heldout_decay: Optional[float] = None,
-        heldout_loss: Optional[HeldoutLoss] = None,
-        search_steps: Optional[int] = None,
-        refine_spread: float = 1.5,
-        plateau: Optional[PlateauRule] = PlateauRule(),
+        **moved: Any,
     ) -> None:
-        self.settings = HDETConfig(
-            every_n_steps, vote, temperature, momentum, meta_lr, warmup_steps, permute, shrink, min_spread, blend,
-            blend_strength, monitor, init_noise, safety_net, divergence_factor, rescue_lr_factor, seed, signal,
-            forecast_horizon, curve_bins, quantile, resample_probability, reference_group, stall_patience,
-            stall_tolerance, rise_margin, chance_loss, chance_tolerance, heldout_batches, heldout_decay, search_steps,
-            refine_spread, plateau,
-        )
+        refuse_moved(moved)  # 0.x arguments: the error says where each one went
+        self.settings, self.search, signal_rule = resolve(every_n_steps, vote, search, safety_net, monitor, signal,
+                                                          warmup_steps, seed)
         self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
@@ -142,7 +96,7 @@ class HDETCallback(Callback):
         self._monitored: Optional[float] = None
         self._checked_strategy: Any = None  # the strategy `_executor` last found to be an HDET executor
         self._resumed_interval: Optional[Tensor] = None
-        self._heldout = HeldoutScorer(heldout_batches, heldout_decay, heldout_loss) if signal == "heldout" else None
+        self._heldout: Optional[HeldoutScorer] = signal_rule.scorer()
 
     # Read-outs (the settings live in `settings`, the vote's state in `controller`).
     @property
@@ -181,6 +135,7 @@ class HDETCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         executor = self._executor(trainer)
         if stage == "fit":
+            _check_sync(self.settings, executor.gradient_sync)
             if self.settings.safety_net:
                 executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
             record_config(trainer, "hdet", {**executor.config, "callback": self.config})
@@ -201,14 +156,13 @@ class HDETCallback(Callback):
         executor.ensure_restore_point(keep_initial=self.controller.keeps_initial)
         if self.controller.searched_at is not None:
             executor.set_gradient_sync("global")  # resumed after the search ended
-        if trainer.ckpt_path is None and self.settings.init_noise > 0:
-            executor.add_init_noise(self.settings.init_noise, self.controller.noise_seed(executor.group_index))
+        self.controller.search_steps = search_steps(self.search, trainer)
         if self._heldout is not None:
-            self._heldout.start(trainer, pl_module)  # after the init noise: it averages the noised parameters
+            self._heldout.start(trainer, pl_module)  # after experimental.InitNoise (on_fit_start): it averages those
         rank_zero_info(
             f"HDET: {executor.num_groups} groups of {executor.layout.group_size} ranks, gradient_sync="
             f"{executor.gradient_sync!r}, vote={self.settings.vote!r} every {self.settings.every_n_steps} steps, "
-            f"blend={self.settings.blend!r}"
+            + _search_state(self.controller)
         )
 
     # ------------------------------------------------------------------ per step
@@ -340,6 +294,38 @@ class HDETCallback(Callback):
             return
         executor.load_ensemble(hdet)
         self._resumed_interval = hdet["interval"]
+
+
+def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
+    """The step at which ``search`` may end: its own ``steps``, else half of the run (``max_steps``, or the optimizer
+    steps Lightning estimates for a run bounded by epochs); ``None`` (no end) without a search or a known length."""
+    if search is None or search.steps is not None:
+        return None if search is None else search.steps
+    total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+    if not math.isfinite(total) or total < 2:
+        rank_zero_info("HDET: the run's length is unknown (no max_steps or max_epochs): the search runs the whole "
+                       "run; give HDETCallback(search=Search(steps=...)) to end it.")
+        return None
+    return int(total) // 2
+
+
+def _search_state(controller: HDETController) -> str:
+    if controller.searched_at is not None:
+        return f"the search ended at step {controller.searched_at}"
+    end = controller.search_steps
+    return "searching the whole run" if end is None else f"the search ends at a vote from step {end} on"
+
+
+def _check_sync(settings: HDETConfig, gradient_sync: str) -> None:
+    """Refuse a vote that has no point under the strategy's gradient sync: the trust region's centre groups train
+    at one LR, which is plain DDP at that LR only when they share one gradient (``"global"``); under ``"group"``
+    they would be separate runs of the same LR, each on a fraction of the batch."""
+    if settings.vote == "trust_region" and gradient_sync != "global":
+        raise MisconfigurationException(
+            f"HDETCallback(vote=TrustRegion(...)) needs HDETStrategy(gradient_sync='global'), got "
+            f"gradient_sync={gradient_sync!r}: under 'group' its centre groups are separate runs at one LR, not the "
+            "cheap plain-DDP run it is meant to be. Pass gradient_sync='global' or another vote (e.g. 'pbt')."
+        )
 
 
 def _execute(executor: HDETExecutor, decision: Decision) -> None:

@@ -1,4 +1,7 @@
-"""HDETCallback's settings as one validated, immutable value (pure: no Lightning, no process groups)."""
+"""HDETCallback's rules resolved into one flat, validated, immutable value (pure: no Lightning, no process groups).
+
+Users never build it: :func:`~lightning_hdet.hdet.options.resolve` does, from the rule objects, and the controller
+reads it. Every check lives here once, so an error names the argument whichever object carried it."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from lightning_hdet.hdet.collapse import CollapseRule
 from lightning_hdet.hdet.plateau import PlateauRule
 from lightning_hdet.hdet.selection import PBTVote
 from lightning_hdet.hdet.signals import SIGNALS
+from lightning_hdet.hdet.trust_region import TrustRegionVote
 
 VOTES = ("softmax", "best", "pbt", "pb2", "trust_region")
 SELECTION_VOTES = ("pbt", "pb2")  # truncation selection: the bottom groups copy a top group
@@ -28,7 +32,8 @@ SELECTION_VOTES = ("pbt", "pb2")  # truncation selection: the bottom groups copy
 
 @dataclass(frozen=True)
 class HDETConfig:
-    """Every argument of :class:`~lightning_hdet.hdet.callback.HDETCallback` (documented there), checked on creation.
+    """Every setting of :class:`~lightning_hdet.hdet.callback.HDETCallback`'s rules (documented on them), checked on
+    creation.
 
     Errors name the argument, the value and what is allowed, before any process or process group exists.
     """
@@ -45,7 +50,6 @@ class HDETConfig:
     blend: str = "mean"
     blend_strength: float = 1.0
     monitor: Optional[str] = None
-    init_noise: float = 0.0
     safety_net: bool = True
     divergence_factor: Optional[float] = 10.0
     rescue_lr_factor: float = 0.5
@@ -66,6 +70,7 @@ class HDETConfig:
     search_steps: Optional[int] = None
     refine_spread: float = 1.5
     plateau: Optional[PlateauRule] = PlateauRule()
+    region: Optional[dict[str, float]] = None  # vote="trust_region": TrustRegionVote's options (None: its defaults)
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -81,7 +86,6 @@ class HDETConfig:
         check_number("blend_strength", self.blend_strength, 0.0, 1.0, low_open=True)
         require("monitor", self.monitor, self.monitor is None or (isinstance(self.monitor, str) and self.monitor != ""),
                 "None or a logged metric name")
-        check_number("init_noise", self.init_noise, low=0.0)
         check_bool("safety_net", self.safety_net)
         factor = self.divergence_factor
         require("divergence_factor", factor, factor is None or (is_finite_number(factor) and factor > 1),
@@ -110,6 +114,13 @@ class HDETConfig:
         self.collapse_rule()  # validates the collapse arguments
         require("plateau", self.plateau, self.plateau is None or isinstance(self.plateau, PlateauRule),
                 "None or a PlateauRule", "e.g. PlateauRule(steps=200, cut=0.1); None switches the rule off.")
+        require("region", self.region, self.region is None or self.vote == "trust_region",
+                "None unless vote='trust_region'", "The region's options only change the trust-region vote.")
+        self.trust_region_rule()  # validates the region's options
+
+    def trust_region_rule(self) -> TrustRegionVote:
+        """The ``vote="trust_region"`` rule these settings describe."""
+        return TrustRegionVote(**(self.region or {}))
 
     def selection_rule(self) -> PBTVote:
         """The ``vote="pbt"`` rule these settings describe, or ``"pb2"``'s (PBT's selection, a bandit's explore)."""

@@ -97,9 +97,7 @@ class HDETController:
 
     def __init__(self, config: HDETConfig) -> None:
         self.config = config
-        self.rule: VoteRule = config.selection_rule() if config.vote in SELECTION_VOTES else make_rule(
-            config.vote, config.temperature, config.momentum, config.meta_lr, config.permute, config.shrink,
-            config.min_spread)
+        self.rule: VoteRule = _rule(config)
         self.collapse = config.collapse_rule()
         self.collapse_history = CollapseHistory()
         self.plateau = config.plateau or PlateauRule(steps=None)
@@ -112,6 +110,8 @@ class HDETController:
         self.last_winner = -1
         self.last_coefficients: list[float] = []
         self.searched_at: Optional[int] = None  # the step of the vote that ended the search (``search_steps``)
+        # From which step a vote may end the search (None: never); the callback sizes it from the run's length.
+        self.search_steps: Optional[int] = config.search_steps
 
     @property
     def generator(self) -> torch.Generator:
@@ -142,12 +142,8 @@ class HDETController:
 
     def search_ends(self, step: int) -> bool:
         """Whether a vote at ``step`` ends the search (``search_steps``; it ends once)."""
-        end = self.config.search_steps
+        end = self.search_steps
         return end is not None and step >= end and self.searched_at is None
-
-    def noise_seed(self, group: int) -> int:
-        """Seed of group ``group``'s initial noise (published warm start): distinct per group, equal within one."""
-        return self.config.seed * 100_003 + group + 1
 
     # ------------------------------------------------------------------ the vote
     def decide(self, interval: Interval) -> Decision:
@@ -329,6 +325,16 @@ class HDETController:
         self.searched_at = state_dict.get("searched_at")
         self.plateau_history.load_state_dict(state_dict.get("plateau", {}))  # absent in older checkpoints
         self.plateau_cuts = state_dict.get("plateau_cuts", 0)
+
+
+def _rule(config: HDETConfig) -> VoteRule:
+    """The vote rule ``config`` names, with its options."""
+    if config.vote in SELECTION_VOTES:
+        return config.selection_rule()
+    if config.vote == "trust_region":
+        return config.trust_region_rule()
+    return make_rule(config.vote, config.temperature, config.momentum, config.meta_lr, config.permute, config.shrink,
+                     config.min_spread)
 
 
 def _lrs(table: Tensor, interval: Interval) -> list[float]:

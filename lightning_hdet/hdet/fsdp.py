@@ -56,10 +56,13 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
 
     Args:
         num_groups: number of groups. ``None``: one group per rank (no sharding). Must divide the world size.
-        lr_multipliers: one learning-rate multiplier per group; ``None``: the fan-out set by ``spread``.
-        spread: half-width of the symmetric fan-out of multipliers, in ``[0, 1)``.
-        gradient_sync: ``"global"``: each gradient shard is averaged over all groups every step (HSDP; groups
-            differ only in step size). ``"group"``: each group is its own FSDP job; groups diverge between merges.
+        lr_multipliers: one learning-rate multiplier per group; ``None``: the preset's, or the fan-out set by
+            ``spread``.
+        spread: half-width of the symmetric fan-out of multipliers, in ``[0, 1)``; ``None``: the preset's.
+        gradient_sync: ``"group"``: each group is its own FSDP job; groups diverge between merges (recommended).
+            ``"global"``: each gradient shard is averaged over all groups every step (HSDP; groups differ only in
+            step size). ``None``: the preset's.
+        preset: ``"recommended"`` or ``"published"``, as for :class:`~lightning_hdet.HDETStrategy`.
         auto_wrap_policy: which submodules become FSDP units (their own all-gather/free), as for Lightning's
             ``FSDPStrategy``: a set of module classes (e.g. ``{TransformerBlock}``) or a predicate on a module.
             ``None``: the whole model is one unit. Ignored when ``configure_model`` already called ``fully_shard``
@@ -75,14 +78,15 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         self,
         num_groups: Optional[int] = None,
         lr_multipliers: Optional[Sequence[float]] = None,
-        spread: float = 1 / 9,
-        gradient_sync: GradientSync = "global",
+        spread: Optional[float] = None,
+        gradient_sync: Optional[GradientSync] = None,
+        preset: str = "recommended",
         auto_wrap_policy: ShardingPolicy = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = None,
         **fsdp_kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
         for name in fsdp_kwargs:
             require(name, fsdp_kwargs[name], name in _FSDP_KWARGS, f"one of fully_shard's arguments {_FSDP_KWARGS}",
                     "HDETFSDPStrategy builds the device mesh itself.")

@@ -28,8 +28,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hdet._checks import check_choice
+from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
+from lightning_hdet.hdet.defaults import PRESETS, span_grid
 from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device
 from lightning_hdet.hdet.layout import (
     GroupLayout,
@@ -60,13 +61,22 @@ class HDETGroups:
         self,
         num_groups: Optional[int],
         lr_multipliers: Optional[Sequence[float]],
-        spread: float,
-        gradient_sync: GradientSync,
+        spread: Optional[float],
+        gradient_sync: Optional[GradientSync],
+        preset: str = "recommended",
     ) -> None:
-        """Validate and keep the group settings (call first in the strategy's ``__init__``: no process exists yet)."""
+        """Validate and keep the group settings (call first in the strategy's ``__init__``: no process exists yet).
+
+        ``None`` for ``spread``/``gradient_sync`` takes the ``preset``'s (:mod:`~lightning_hdet.hdet.defaults`)."""
         if num_groups is not None:
             check_num_groups(num_groups)
-        check_spread(spread)
+        check_choice("preset", preset, tuple(PRESETS))
+        self.preset = PRESETS[preset]
+        if spread is not None:
+            check_spread(spread)
+            require("spread", spread, lr_multipliers is None, "None when `lr_multipliers` is given",
+                    "`spread` only shapes the default multipliers; give one or the other.")
+        gradient_sync = self.preset.gradient_sync if gradient_sync is None else gradient_sync
         check_choice("gradient_sync", gradient_sync, GRADIENT_SYNC)
         if lr_multipliers is not None:
             lr_multipliers = check_multipliers(lr_multipliers)
@@ -77,7 +87,7 @@ class HDETGroups:
                 )
         self._requested_groups = num_groups
         self._requested_multipliers = lr_multipliers
-        self.spread = spread
+        self.spread = spread if spread is not None or self.preset.span else self.preset.spread
         self.gradient_sync = gradient_sync
         self._layout: Optional[GroupLayout] = None
         self._multipliers: Optional[MultiplierTable] = None
@@ -93,6 +103,7 @@ class HDETGroups:
             "group_size": self.layout.group_size,
             "lr_multipliers": self.lr_multipliers[:, 0].tolist(),
             "spread": self.spread,
+            "preset": self.preset.name,
             "gradient_sync": self.gradient_sync,
         }
 
@@ -102,7 +113,7 @@ class HDETGroups:
         super().connect(model)  # type: ignore[misc]
         from lightning_hdet.hdet.callback import HDETCallback  # the callback imports the strategies
 
-        ensure_callback(model, HDETCallback)
+        ensure_callback(model, HDETCallback, lambda: HDETCallback(**self.preset.callback))
 
     # ------------------------------------------------------------------ layout
     @override
@@ -153,7 +164,9 @@ class HDETGroups:
     def _table(self) -> MultiplierTable:
         if self._multipliers is None:
             initial = self._requested_multipliers
-            if initial is None:
+            if initial is None and self.spread is None:
+                initial = span_grid(self.num_groups, self.preset.span)  # the preset's geometric grid
+            elif initial is None:
                 initial = fan_out(self.num_groups, self.spread)
             self._multipliers = MultiplierTable(initial)
         return self._multipliers

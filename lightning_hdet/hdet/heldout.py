@@ -1,4 +1,4 @@
-"""``signal="heldout"``: every group scores its averaged parameters on the same held-out batches (Lightning glue).
+"""``signal=experimental.Heldout()``: every group scores its averaged parameters on the same held-out batches (Lightning glue).
 
 How the loss is computed (one rule, documented in ``docs/hdet.md``):
 
@@ -54,15 +54,15 @@ class HeldoutScorer:
         """Average from the current parameters on (a resume restarts the average: it is not checkpointed)."""
         if self.loss is None and not callable(getattr(pl_module, "heldout_loss", None)):
             raise MisconfigurationException(
-                f"HDETCallback(signal='heldout') needs the held-out loss of a batch: give the callback "
-                f"`heldout_loss=lambda module, batch: ...` or define `{type(pl_module).__name__}.heldout_loss(self, "
+                f"HDETCallback(signal=Heldout()) needs the held-out loss of a batch: give it "
+                f"`Heldout(loss=lambda module, batch: ...)` or define `{type(pl_module).__name__}.heldout_loss(self, "
                 "batch)` returning the batch's mean loss as a one-element tensor (without logging)."
             )
         params = [p for p in pl_module.parameters() if p.is_floating_point()]
         if any(type(p.data).__name__ == "DTensor" for p in params):
             raise MisconfigurationException(
-                "HDETCallback(signal='heldout') averages whole parameters; sharded groups (strategy 'hdet_fsdp') "
-                "are not supported yet. Use signal='mean', 'improvement' or 'forecast' there."
+                "HDETCallback(signal=Heldout()) averages whole parameters; sharded groups (strategy 'hdet_fsdp') "
+                "are not supported yet. Use signal='mean' there."
             )
         self.average = ParameterAverage(params, self.decay)
         self._last_step = trainer.global_step
@@ -99,7 +99,7 @@ class HeldoutScorer:
         loss = self.loss(pl_module, batch) if self.loss is not None else pl_module.heldout_loss(batch)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise MisconfigurationException(
-                f"HDETCallback(signal='heldout'): `heldout_loss` must return the batch's mean loss as a one-element "
+                f"HDETCallback(signal=Heldout()): `Heldout(loss=...)` must return the batch's mean loss as a one-element "
                 f"tensor, got {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}."
             )
         return loss.detach().reshape(())
@@ -109,7 +109,7 @@ class HeldoutScorer:
         loader = _first_loader(trainer.val_dataloaders)
         if loader is None or not isinstance(loader, DataLoader) or loader.batch_size is None:
             raise MisconfigurationException(
-                "HDETCallback(signal='heldout') reads its held-out batches from the validation dataloader, but the "
+                "HDETCallback(signal=Heldout()) reads its held-out batches from the validation dataloader, but the "
                 f"trainer has {'none' if loader is None else 'one without a `batch_size`'} at step "
                 f"{trainer.global_step}. Pass `val_dataloaders` to `trainer.fit` (or define `val_dataloader()`), "
                 "a `DataLoader` with a `batch_size`, and keep `limit_val_batches` > 0."
@@ -136,7 +136,7 @@ class HeldoutScorer:
         scale = max(1.0, max(abs(p) for p in prints))
         if len(set(counts)) > 1 or max(prints) - min(prints) > 1e-9 * scale:
             raise MisconfigurationException(
-                f"HDETCallback(signal='heldout'): the groups scored different held-out batches (batches {counts}, "
+                f"HDETCallback(signal=Heldout()): the groups scored different held-out batches (batches {counts}, "
                 f"fingerprints {prints}). The validation dataset must give every rank the same items in the same "
                 "order: a map-style dataset, or an iterable one that does not shard itself by rank."
             )

@@ -56,12 +56,16 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         num_groups: number of groups (the ensemble's members). ``None``: one group per rank (the published setting).
             Ranks are split into contiguous groups of equal size.
         lr_multipliers: one learning-rate multiplier per group, applied to every learning rate the optimizer and
-            schedulers produce. ``None``: the symmetric fan-out set by ``spread``.
-        spread: half-width of the published fan-out ``1 + spread * (g - (G-1)/2) / max((G-1)/2, 0.5)``, in ``[0, 1)``.
-            ``0`` is plain DDP.
-        gradient_sync: ``"global"``: gradients averaged over all ranks every step (published; groups differ only in
-            step size). ``"group"``: each group is its own DDP job on its own process group, so groups diverge
-            between merges.
+            schedulers produce. ``None``: the preset's (recommended: a geometric grid spanning 27x around the
+            optimizer's LR, a factor 3 apart with four groups), or the fan-out set by ``spread``.
+        spread: half-width of the published fan-out ``1 + spread * (g - (G-1)/2) / max((G-1)/2, 0.5)``, in ``[0, 1)``
+            (``0`` is plain DDP); ``None``: the preset's multipliers. Not with ``lr_multipliers``.
+        gradient_sync: ``"group"``: each group is its own DDP job on its own process group, so groups diverge between
+            merges (recommended for a search). ``"global"``: gradients averaged over all ranks every step (published;
+            groups differ only in step size). ``None``: the preset's.
+        preset: the defaults of the arguments left ``None`` and of the HDETCallback installed when none is passed
+            (:mod:`~lightning_hdet.hdet.defaults`): ``"recommended"`` (search, then train: the measured best) or
+            ``"published"`` (the paper's: ``spread=1/9``, ``"global"``, ``vote="softmax"``, no end to the search).
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts.
 
     The executor interface (:class:`~lightning_hdet.hdet.executor.HDETExecutor`), through which the callback and
@@ -87,11 +91,12 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         self,
         num_groups: Optional[int] = None,
         lr_multipliers: Optional[Sequence[float]] = None,
-        spread: float = 1 / 9,
-        gradient_sync: GradientSync = "global",
+        spread: Optional[float] = None,
+        gradient_sync: Optional[GradientSync] = None,
+        preset: str = "recommended",
         **kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
         _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
@@ -101,11 +106,12 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        """Register ``"hdet"`` (subprocess launcher) and ``"hdet_spawn"`` without replacing existing entries."""
+        """Register ``"hdet"`` (subprocess launcher), ``"hdet_spawn"`` and ``"hdet_published"`` (the paper's set-up,
+        subprocess launcher) without replacing existing entries."""
         register_names(strategy_registry, cls, [
             (name, f"HDET strategy with `start_method` '{method}'", {"start_method": method})
             for name, method in (("hdet", "popen"), ("hdet_spawn", "spawn"))
-        ])
+        ] + [("hdet_published", "HDET as published (ALGORITHMS.md §1)", {"preset": "published"})])
 
     # ------------------------------------------------------------------ process groups
     @override

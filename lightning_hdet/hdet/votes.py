@@ -185,16 +185,12 @@ def make_rule(
     shrink: float,
     min_spread: float,
 ) -> VoteRule:
-    """Build the rule named by ``vote`` (``"softmax"``, ``"best"`` or ``"trust_region"``)."""
+    """Build the rule named by ``vote`` (``"softmax"`` or ``"best"``)."""
     if vote == "softmax":
         return SoftmaxVote(temperature=temperature, momentum=momentum, meta_lr=meta_lr, permute=permute)
     if vote == "best":
         return BestVote(shrink=shrink, min_spread=min_spread)
-    if vote == "trust_region":
-        from lightning_hdet.hdet.trust_region import TrustRegionVote  # it imports this module
-
-        return TrustRegionVote()
-    raise ValueError(f"`vote` must be one of ('softmax', 'best', 'trust_region'), got {vote!r}.")
+    raise ValueError(f"`vote` must be one of ('softmax', 'best'), got {vote!r}.")
 
 
 def divergent(losses: Sequence[float], healthy: Sequence[bool], factor: Optional[float]) -> list[bool]:

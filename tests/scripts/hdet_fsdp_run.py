@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_hdet import HDETCallback, HDETFSDPStrategy  # noqa: E402
+from lightning_hdet import HDETCallback, HDETFSDPStrategy, Softmax  # noqa: E402
 from tests.helpers import Regression  # noqa: E402
 
 STEPS_PER_EPOCH = 3
@@ -109,7 +109,8 @@ def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any
     first, _, later = sync.partition(">")
     strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=first,
                                 auto_wrap_policy={torch.nn.Linear})
-    hdet = HDETCallback(every_n_steps=2, vote="softmax", **({"meta_lr": 0.0, "permute": False} if nan else {}))
+    vote = Softmax(meta_lr=0.0, permute=False) if nan else Softmax()
+    hdet = HDETCallback(every_n_steps=2, vote=vote, search=False)
     callbacks = [Probe("before", record), hdet, Probe("after", record), *([SwitchToGlobal()] if later else [])]
     if ckpt is None:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1))

@@ -1,5 +1,5 @@
 """docs/hdet.md's search-then-train recipe, as a user runs it: one fit with the default ``strategy="hdet"`` launcher
-(rank 0 is this process), a wide ``"group"`` search that ``HDETCallback(search_steps=S // 2)`` ends, then
+(rank 0 is this process), a wide ``"group"`` search that the default ``HDETCallback()`` ends at ``max_steps // 2``, then
 ``"global"`` training around the LR it found. Rank 0 writes what the test asserts on to ``argv[1]``."""
 
 import json
@@ -28,8 +28,8 @@ class Syncs(Callback):
 S, T = 16, 4
 seed_everything(0)
 syncs = Syncs()
-callback = HDETCallback(every_n_steps=T, search_steps=S // 2)  # the recipe: search for half the steps
-trainer = Trainer(strategy=HDETStrategy(lr_multipliers=[3 ** (k - 0.5) for k in range(2)], gradient_sync="group"),
+callback = HDETCallback(every_n_steps=T)  # the default: search for half of max_steps, then train
+trainer = Trainer(strategy=HDETStrategy(lr_multipliers=[3 ** (k - 0.5) for k in range(2)]),  # "group" by default
                   callbacks=[callback, syncs], max_steps=S, accelerator="cpu", devices=2, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   num_sanity_val_steps=0, limit_val_batches=0)

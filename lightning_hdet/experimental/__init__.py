@@ -1,0 +1,153 @@
+"""Research options of HDET that our benchmarks measured as not helping (docs/benchmarks.md); kept for research.
+
+Nothing here is needed for the recommended set-up, and nothing here is in docs/hdet.md or ``make bench``'s
+default arms; each is described in docs/experimental.md with the measurement that put it here. They plug into
+:class:`~lightning_hdet.HDETCallback` where the option they replace lived:
+
+* ``vote=PB2()`` (level with ``PBT``), ``vote=ReferencePBT(reference_group=g)`` (level with ``PBT``),
+  ``vote=PartialMerge(Softmax(), strength=s)`` (the old ``blend_strength``: no visible difference);
+* ``signal=Improvement()`` (worse than ``"mean"`` in 6 of 6 cells), ``signal=Forecast()`` (level or worse),
+  ``signal=Heldout()`` (level, 2 % worse on shapes);
+* the callback :class:`InitNoise` (the published warm start, the old ``init_noise``: no visible difference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_hdet._checks import check_integer, check_number, require
+from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
+from lightning_hdet.hdet.options import PBT, Signal, Softmax, Vote
+
+__all__ = ["Forecast", "Heldout", "Improvement", "InitNoise", "PB2", "PartialMerge", "ReferencePBT"]
+
+
+@dataclass(frozen=True)
+class PB2(Vote):
+    """Population-based bandits (Parker-Holder et al. 2020): PBT's selection, a Gaussian-process bandit picks the
+    movers' LRs (:mod:`lightning_hdet.hdet.bandit`). Measured level with :class:`~lightning_hdet.PBT`.
+
+    Args:
+        quantile: share of groups that move (bottom) and are copied (top), in (0, 0.5].
+    """
+
+    name: ClassVar[str] = "pb2"
+    quantile: float = 0.25
+
+
+@dataclass(frozen=True)
+class ReferencePBT(PBT):
+    """PBT with a slow reference group (MF-PBT, arXiv 2506.03225) moved only every fourth vote. Measured level
+    with :class:`~lightning_hdet.PBT`.
+
+    Args:
+        reference_group: index of the reference group (below the number of groups).
+    """
+
+    reference_group: int = 0
+
+
+@dataclass(frozen=True)
+class PartialMerge(Vote):
+    """``vote`` with partial merges: ``theta_g <- (1 - strength) * theta_g + strength * target`` (the old
+    ``blend_strength``; a PBT copy takes ``strength`` of its source). No visible difference measured."""
+
+    vote: Vote = field(default_factory=Softmax)
+    strength: float = 1.0
+
+    def settings(self) -> dict[str, Any]:
+        return {**self.vote.settings(), "blend_strength": self.strength}
+
+    def __post_init__(self) -> None:
+        require("vote", self.vote, isinstance(self.vote, Vote) and not isinstance(self.vote, PartialMerge),
+                "a vote object such as Softmax(), Best() or PBT()")
+        check_number("strength", self.strength, 0.0, 1.0, low_open=True)
+        super().__post_init__()
+
+
+@dataclass(frozen=True)
+class Improvement(Signal):
+    """The vote compares the least-squares slope of each group's loss over the interval (FIRE-PBT). Worse than
+    ``"mean"`` in 6 of 6 cells.
+
+    Args:
+        bins: the interval's loss curve is kept as this many bins on the device.
+    """
+
+    name: ClassVar[str] = "improvement"
+    bins: int = 8
+
+    def settings(self) -> dict[str, Any]:
+        return {"signal": self.name, "curve_bins": self.bins}
+
+
+@dataclass(frozen=True)
+class Forecast(Signal):
+    """The vote compares each group's fitted curve ``a + b exp(-c t)`` read ``horizon`` steps after the interval's
+    start (AutoLRS). Level with ``"mean"`` or worse.
+
+    Args:
+        horizon: steps from an interval's start at which the fit is read (``None``: four intervals).
+        bins: the interval's loss curve is kept as this many bins on the device.
+    """
+
+    name: ClassVar[str] = "forecast"
+    horizon: Optional[int] = None
+    bins: int = 8
+
+    def settings(self) -> dict[str, Any]:
+        return {"signal": self.name, "forecast_horizon": self.horizon, "curve_bins": self.bins}
+
+
+@dataclass(frozen=True)
+class Heldout(Signal):
+    """Every group's averaged parameters scored on the same validation batches (:mod:`lightning_hdet.hdet.heldout`).
+    Level with ``"mean"``, 2 % worse on shapes.
+
+    Args:
+        batches: validation batches every group scores at a vote (split over a group's ranks).
+        decay: ``None`` averages the interval's iterates uniformly; a float in [0, 1) is an EMA decay.
+        loss: ``(module, batch) -> mean loss``; ``None`` calls ``module.heldout_loss(batch)``.
+    """
+
+    name: ClassVar[str] = "heldout"
+    batches: int = 4
+    decay: Optional[float] = None
+    loss: Optional[HeldoutLoss] = None
+
+    def settings(self) -> dict[str, Any]:
+        return {"signal": self.name, "heldout_batches": self.batches, "heldout_decay": self.decay}
+
+    def scorer(self) -> HeldoutScorer:
+        return HeldoutScorer(self.batches, self.decay, self.loss)
+
+
+class InitNoise(Callback):
+    """The published warm start: at the start of a fresh fit each group's parameters become ``theta_0 + eps``,
+    ``eps ~ N(0, std^2 |theta_0|^2 / d)``, distinct per group and equal within one (paper: ``std=0.01``). No
+    visible difference measured. Use with ``strategy="hdet"`` or ``"hdet_fsdp"``.
+
+    Args:
+        std: the noise's standard deviation relative to the parameters' RMS (> 0).
+        seed: seed of the noise (group ``g`` draws from ``seed * 100003 + g + 1``; the global RNG is never touched).
+    """
+
+    def __init__(self, std: float = 0.01, seed: int = 0) -> None:
+        check_number("std", std, low=0.0, low_open=True)
+        check_integer("seed", seed)
+        self.std = std
+        self.seed = seed
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Before HDETCallback's ``on_train_start`` keeps its restore point, so a roll-back keeps the noise."""
+        strategy: Any = trainer.strategy
+        require("strategy", type(strategy).__name__, hasattr(strategy, "add_init_noise"),
+                "an HDET strategy ('hdet', 'hdet_fsdp')")
+        if trainer.ckpt_path is None:  # a resumed run continues from its checkpoint's parameters
+            strategy.add_init_noise(self.std, self.seed * 100_003 + strategy.group_index + 1)
+
