@@ -11,9 +11,10 @@ Arms per workload and failure, all on ``W`` processes with the same seeds and da
 (good) LR, DDP at the high LR, and HDET at the high LR as its average, one arm per vote rule of ``--hdet-votes``,
 with the published set-up of benchmark 1 (one member per rank, fan-out spread 1/9, gradients averaged over all
 ranks, a vote every ``T`` steps, warm start ν = 0.01). Vote names the installed ``HDETCallback`` does not accept
-are reported as skipped; ``--default-votes`` arms run as a user would (the callback's defaults but the vote, no
-warm start, and no end to the search: ``benchmarks/common.py:hdet_callbacks()`` runs ``search=False`` unless an
-arm asks for one, as the published set-up does). Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1). Issue 28's
+are reported as skipped; ``--default-votes`` arms (``hdet_<vote>_defaults``) run as a user would (the
+callback's defaults but the vote, no warm start, and no end to the search: ``benchmarks/common.py:
+hdet_callbacks()`` runs ``search=False`` unless an arm asks for one, as the published set-up does). Issue 13's
+target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1). Issue 28's
 price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
 HDET ÷ the best of a full-batch grid from the high LR down to the low one (``grid_xG``, the ceiling; target
 ≤ 1.5 from 100-300x too high).
@@ -63,7 +64,7 @@ def run_case(args: argparse.Namespace, workload: str, failure: str, seed: int, w
     case = argparse.Namespace(**{**vars(args), "workload": workload, "seed": seed})
     arms = [("ddp_low", low, None), ("ddp_high", high, None)]
     arms += [(f"hdet_{v}", high, {"vote": v, "init_noise": 0.01}) for v in args.votes]
-    arms += [(f"hdet_{v}", high, {"vote": v}) for v in args.default_votes]
+    arms += [(f"hdet_{v}_defaults", high, {"vote": v}) for v in args.default_votes]  # apart from a published arm
     rows = [
         {"workload": workload, "failure": failure, "arm": key, "seed": seed, "optimizer": optimizer,
          **run_config(case, lr, optimizer, hdet, work / key)}
@@ -136,8 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train nothing: one table from these result files (parts run in parallel, same settings)")
     args = p.parse_args(argv)
     fill_published_defaults(p, args, quick_steps=8)
-    args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v])
-    args.default_votes, skipped = accepted_votes([v for v in args.default_votes.split(",") if v])
+    # Every arm here runs the published set-up, gradients averaged over all ranks.
+    args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v], sync="global")
+    args.default_votes, skipped = accepted_votes([v for v in args.default_votes.split(",") if v], sync="global")
     args.skipped.update(skipped)
     return args
 

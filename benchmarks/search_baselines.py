@@ -166,33 +166,34 @@ class HDETArm(NamedTuple):
 ARM_SUFFIXES = ("search", "ref")
 
 
-def parse_hdet_arm(entry: str) -> HDETArm:
+def parse_hdet_arm(entry: str, sync: str = "group") -> HDETArm:
     """``"pbt:heldout@global"`` -> ``("pbt", "heldout", "global", False, False)``: the vote, its signal (default
-    ``mean``), the strategy's ``gradient_sync`` (default ``group``); suffixes: ``+search`` is one fit of the
+    ``mean``), the strategy's ``gradient_sync`` (default ``sync``); suffixes: ``+search`` is one fit of the
     search-then-train recipe (``HDETCallback(search_steps=S/2)``), ``+ref`` gives ``vote="pbt"`` a slow reference
     group (``reference_group=G/2``)."""
     head, *suffixes = entry.split("+")
     unknown = [s for s in suffixes if s not in ARM_SUFFIXES]
     if unknown:
         raise ValueError(f"HDET arm {entry!r}: suffixes are {['+' + s for s in ARM_SUFFIXES]}, got '+{unknown[0]}'.")
-    rule, _, sync = head.partition("@")
+    rule, _, named = head.partition("@")
     vote, _, signal = rule.partition(":")
-    return HDETArm(vote, signal or "mean", sync or "group", "search" in suffixes, "ref" in suffixes)
+    return HDETArm(vote, signal or "mean", named or sync, "search" in suffixes, "ref" in suffixes)
 
 
-def accepted_votes(votes: list[str]) -> tuple[list[str], dict[str, str]]:
+def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], dict[str, str]]:
     """The ``VOTE[:SIGNAL][@SYNC]`` entries (or two-step ``FIRST>SECOND``) the installed package accepts, and why
-    each other one is skipped."""
+    each other one is skipped (``sync``: the gradient sync of an entry that names none; e.g. ``trust_region``
+    needs ``global``)."""
     from lightning_hdet import HDETStrategy
 
     ok, skipped = [], {}
     for vote in votes:
         try:
             for step in vote.split(">"):
-                arm = parse_hdet_arm(step)
-                hdet_callbacks(2, vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None,
-                               reference_group=1 if arm.reference else None)
-                HDETStrategy(num_groups=2, gradient_sync=arm.sync)
+                arm = parse_hdet_arm(step, sync)
+                callback = hdet_callbacks(2, vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None,
+                                          reference_group=1 if arm.reference else None)[0]
+                callback.settings.check_gradient_sync(HDETStrategy(num_groups=2, gradient_sync=arm.sync).gradient_sync)
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
         else:

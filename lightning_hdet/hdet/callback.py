@@ -29,7 +29,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
@@ -135,7 +134,7 @@ class HDETCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         executor = self._executor(trainer)
         if stage == "fit":
-            _check_sync(self.settings, executor.gradient_sync)
+            self.settings.check_gradient_sync(executor.gradient_sync)  # before the guard and the logger
             if self.settings.safety_net:
                 executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
             record_config(trainer, "hdet", {**executor.config, "callback": self.config})
@@ -314,18 +313,6 @@ def _search_state(controller: HDETController) -> str:
         return f"the search ended at step {controller.searched_at}"
     end = controller.search_steps
     return "searching the whole run" if end is None else f"the search ends at a vote from step {end} on"
-
-
-def _check_sync(settings: HDETConfig, gradient_sync: str) -> None:
-    """Refuse a vote that has no point under the strategy's gradient sync: the trust region's centre groups train
-    at one LR, which is plain DDP at that LR only when they share one gradient (``"global"``); under ``"group"``
-    they would be separate runs of the same LR, each on a fraction of the batch."""
-    if settings.vote == "trust_region" and gradient_sync != "global":
-        raise MisconfigurationException(
-            f"HDETCallback(vote=TrustRegion(...)) needs HDETStrategy(gradient_sync='global'), got "
-            f"gradient_sync={gradient_sync!r}: under 'group' its centre groups are separate runs at one LR, not the "
-            "cheap plain-DDP run it is meant to be. Pass gradient_sync='global' or another vote (e.g. 'pbt')."
-        )
 
 
 def _execute(executor: HDETExecutor, decision: Decision) -> None:

@@ -118,6 +118,15 @@ class HDETConfig:
                 "None unless vote='trust_region'", "The region's options only change the trust-region vote.")
         self.trust_region_rule()  # validates the region's options
 
+    def check_gradient_sync(self, gradient_sync: str) -> None:
+        """Refuse a vote with no point under the strategy's gradient sync: the trust region's centre groups train at
+        one LR, which is plain DDP at that LR only when they share one gradient (``"global"``); under ``"group"``
+        they would be separate runs of the same LR, each on a fraction of the batch."""
+        require("gradient_sync", gradient_sync, self.vote != "trust_region" or gradient_sync == "global",
+                "'global' with vote=TrustRegion(...)",
+                "Under 'group' its centre groups are separate runs at one LR, not the cheap plain-DDP run it is meant "
+                "to be: pass HDETStrategy(gradient_sync='global') or another vote (e.g. 'pbt').")
+
     def trust_region_rule(self) -> TrustRegionVote:
         """The ``vote="trust_region"`` rule these settings describe."""
         return TrustRegionVote(**(self.region or {}))
