@@ -33,20 +33,26 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning_hdet.demos import CharCorpusDataModule, CharLM, ShapesCNN, ShapesDataModule, load_corpus
 from lightning_hdet.demos.corpus import DEFAULT_MAX_CHARS, VOCAB_SIZE
 from lightning_hdet.demos.shapes import CLASSES
+from lightning_hdet.demos.tabular import TabularDataModule, TabularMLP, make_tabular, prior_loss
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_DIR = REPO / "docs"
-# The two workloads: a byte-level Transformer LM on text and a conv net on procedurally generated images.
-WORKLOADS = ("char_lm", "shapes")
-# Loss of a constant predictor (uniform over the outputs): where a collapsed run sits.
-CHANCE_LOSS = {"char_lm": math.log(VOCAB_SIZE), "shapes": math.log(len(CLASSES))}
+# The workloads: a byte-level Transformer LM on text, a conv net on procedurally generated images and an MLP on
+# generated tabular data.
+WORKLOADS = ("char_lm", "shapes", "tabular")
+TABULAR_TRAIN = 16384  # the tabular training set's rows (TabularDataModule's default)
+# Loss of a constant predictor: where a collapsed run sits (uniform over the outputs; tabular: the training
+# labels' own distribution, which the teacher does not balance).
+CHANCE_LOSS = {"char_lm": math.log(VOCAB_SIZE), "shapes": math.log(len(CLASSES)),
+               "tabular": prior_loss(make_tabular(TABULAR_TRAIN)[1], 8)}
 
 
 @dataclass
 class RunSpec:
-    """One training run of ``workload``: :class:`CharLM` on :class:`CharCorpusDataModule` (``"char_lm"``) or
-    :class:`ShapesCNN` on :class:`ShapesDataModule` (``"shapes"``; ``block_size`` and ``max_chars`` unused).
+    """One training run of ``workload``: :class:`CharLM` on :class:`CharCorpusDataModule` (``"char_lm"``),
+    :class:`ShapesCNN` on :class:`ShapesDataModule` (``"shapes"``) or :class:`TabularMLP` on
+    :class:`TabularDataModule` (``"tabular"``; ``block_size`` and ``max_chars`` unused but by the char LM).
 
     ``steps`` is the global step to stop at (cumulative when resuming); ``devices`` the number of
     processes; ``model`` extra model arguments (``optimizer``, ``d_model``, ...). ``shard_data=False``
@@ -301,6 +307,10 @@ def build_workload(spec: RunSpec) -> tuple[LightningModule, LightningDataModule]
         # The data seed is fixed: every run sees the same images; the shuffle follows ``spec.seed``.
         data = ShapesDataModule(batch_size=spec.batch_size, shuffle_seed=spec.seed, shard_train=spec.shard_train)
         return ShapesCNN(lr=spec.lr, **spec.model), data
+    if spec.workload == "tabular":  # the same rows in every run, like shapes
+        data = TabularDataModule(batch_size=spec.batch_size, num_train=TABULAR_TRAIN, shuffle_seed=spec.seed,
+                                 shard_train=spec.shard_train)
+        return TabularMLP(lr=spec.lr, **spec.model), data
     raise ValueError(f"workload={spec.workload!r} is not one of {WORKLOADS}")
 
 

@@ -1,16 +1,23 @@
-"""Benchmark 5, the safety net: does HDET survive an LR at which plain DDP fails, on both workloads and for two
+"""Benchmark 5, the safety net: does HDET survive an LR at which plain DDP fails, on three workloads and for two
 kinds of failure?
 
 - **NaN-type**: SGD with momentum 0.9 at an LR where the loss turns NaN/inf (char LM: 1.0, as in benchmark 1;
   shapes CNN: 10);
 - **collapse-type**: AdamW at an LR where the loss stays finite but no better than a constant predictor (shapes
-  CNN at 0.1: stuck at ln 6, chance level; char LM at 1.0: finite but far above ln 256).
+  CNN at 0.1: stuck at ln 6, chance level; char LM at 1.0: finite but far above ln 256; tabular MLP at 0.9, 300x
+  its good LR: at the labels' prior, every ReLU dead; no NaN case for it).
 
 Arms per workload and failure, all on ``W`` processes with the same seeds and data, ``S`` steps: DDP at the low
 (good) LR, DDP at the high LR, and HDET at the high LR as its average, one arm per vote rule of ``--hdet-votes``,
 with the published set-up of benchmark 1 (one member per rank, fan-out spread 1/9, gradients averaged over all
 ranks, a vote every ``T`` steps, warm start ν = 0.01). Vote names the installed ``HDETCallback`` does not accept
-are reported as skipped. Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1).
+are reported as skipped; ``--default-votes`` arms (``hdet_<vote>_defaults``) run as a user would (the
+callback's defaults but the vote, no warm start, and no end to the search: ``benchmarks/common.py:
+hdet_callbacks()`` runs ``search=False`` unless an arm asks for one, as the published set-up does). Issue 13's
+target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1). Issue 28's
+price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
+HDET ÷ the best of a full-batch grid from the high LR down to the low one (``grid_xG``, the ceiling; target
+≤ 1.5 from 100-300x too high).
 
 Run: ``python benchmarks/crash.py [--quick]``.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -39,7 +47,15 @@ FAILURES = {
     ("char_lm", "collapse"): ("adamw", 1e-2, 1.0),
     ("shapes", "nan"): ("sgd", 0.1, 10.0),
     ("shapes", "collapse"): ("adamw", 5e-3, 0.1),
+    # The MLP: AdamW at 300x its good LR kills every ReLU within 50 steps and sits at the labels' prior (issue 28).
+    ("tabular", "collapse"): ("adamw", 3e-3, 0.9),
 }
+GRID_POINTS = 4  # --full-grid: DDP runs at this many LRs, geometrically from the high LR down to the low one
+
+
+def grid_lrs(low: float, high: float, points: int = GRID_POINTS) -> list[float]:
+    """``points`` LRs spaced geometrically from ``high`` down to ``low`` (both included)."""
+    return [high * (low / high) ** (k / (points - 1)) for k in range(points)]
 
 
 def run_case(args: argparse.Namespace, workload: str, failure: str, seed: int, work: Path) -> list[dict]:
@@ -48,11 +64,18 @@ def run_case(args: argparse.Namespace, workload: str, failure: str, seed: int, w
     case = argparse.Namespace(**{**vars(args), "workload": workload, "seed": seed})
     arms = [("ddp_low", low, None), ("ddp_high", high, None)]
     arms += [(f"hdet_{v}", high, {"vote": v, "init_noise": 0.01}) for v in args.votes]
-    return [
+    arms += [(f"hdet_{v}_defaults", high, {"vote": v}) for v in args.default_votes]  # apart from a published arm
+    rows = [
         {"workload": workload, "failure": failure, "arm": key, "seed": seed, "optimizer": optimizer,
          **run_config(case, lr, optimizer, hdet, work / key)}
         for key, lr, hdet in arms
     ]
+    if args.full_grid:  # the ceiling: every LR of the grid on all ranks (GRID_POINTS x the compute), the best one
+        grid = [run_config(case, lr, optimizer, None, work / f"grid{k}") for k, lr in enumerate(grid_lrs(low, high))]
+        best = min(grid, key=lambda r: r["final_val_loss"] if math.isfinite(r["final_val_loss"]) else math.inf)
+        rows.append({"workload": workload, "failure": failure, "arm": "grid_xG", "seed": seed, "optimizer": optimizer,
+                     **best, "grid_lrs": [r["lr"] for r in grid]})
+    return rows
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -64,9 +87,17 @@ def _loss(value: float) -> str:
     return fmt(value) if abs(value) < 1e3 else fmt(value, ".3g")
 
 
+def _reference(rows: list[dict], workload: str, failure: str, arm: str) -> float | None:
+    """The median final loss of ``arm`` in this case (None if it did not run or is not positive)."""
+    mine = [r for r in rows if (r["workload"], r["failure"], r["arm"]) == (workload, failure, arm)]
+    value = _median(mine, "final_val_loss") if mine else None
+    return value if value is not None and math.isfinite(value) and value > 0 else None
+
+
 def table(rows: list[dict]) -> str:
     headers = ["workload", "failure", "arm", "optimizer, LR", "final val loss (median)", "range over seeds",
-               "crashed (seeds)", "non-finite steps", "rescues", "final avg LR", "÷ DDP low LR (< 1)"]
+               "crashed (seeds)", "non-finite steps", "rescues", "final avg LR", "÷ DDP low LR (< 1)",
+               "÷ untuned", "÷ grid ×G (≤ 1.5)"]
     body = []
     cases = list(dict.fromkeys((r["workload"], r["failure"], r["arm"]) for r in rows))
     for workload, failure, arm in cases:
@@ -75,12 +106,16 @@ def table(rows: list[dict]) -> str:
         loss, base = _median(mine, "final_val_loss"), _median(low, "final_val_loss")
         finals = [r["final_val_loss"] for r in mine]
         ratio = loss / base if arm != "ddp_low" and base > 0 else None
+        untuned, ceiling = (_reference(rows, workload, failure, a) for a in ("ddp_high", "grid_xG"))
+        hdet = arm.startswith("hdet_")
         body.append([
             workload, failure, arm, f"{mine[0]['optimizer']}, {mine[0]['lr']:.3g}", _loss(loss),
             f"{_loss(min(finals))}–{_loss(max(finals))}" if len(finals) > 1 else _loss(finals[0]),
             f"{sum(r['crashed'] for r in mine)}/{len(mine)}", str(sum(r["nonfinite_steps"] for r in mine)),
             str(sum(r["rescues"] for r in mine)), fmt(_median(mine, "final_avg_lr"), ".3g"),
             "—" if ratio is None else f"{_loss(ratio)} {'✓' if ratio < 1 else '✗'}",
+            _loss(loss / untuned) if hdet and untuned else "—",
+            f"{_loss(loss / ceiling)} {'✓' if loss <= 1.5 * ceiling else '✗'}" if hdet and ceiling else "—",
         ])
     return markdown_table(headers, body)
 
@@ -92,11 +127,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--failures", nargs="+", default=["nan", "collapse"], choices=("nan", "collapse"), metavar="KIND")
     p.add_argument("--seeds", type=int, default=1, help="seeds --seed, --seed + 1, ... (medians)")
     p.add_argument("--hdet-votes", default="best,softmax", help="comma-separated HDETCallback(vote=...) names")
+    p.add_argument("--default-votes", default="",
+                   help="comma-separated vote names run as a user would, without the published warm start "
+                   "(e.g. pbt, the default; trust_region)")
+    p.add_argument("--full-grid", action="store_true",
+                   help=f"also run plain DDP at {GRID_POINTS} LRs from the high LR down to the low one, on all ranks "
+                   f"({GRID_POINTS} x the compute), and report HDET ÷ its best (the ceiling)")
     p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
                    help="train nothing: one table from these result files (parts run in parallel, same settings)")
     args = p.parse_args(argv)
     fill_published_defaults(p, args, quick_steps=8)
-    args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v])
+    # Every arm here runs the published set-up, gradients averaged over all ranks.
+    args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v], sync="global")
+    args.default_votes, skipped = accepted_votes([v for v in args.default_votes.split(",") if v], sync="global")
+    args.skipped.update(skipped)
     return args
 
 
@@ -116,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         with tempfile.TemporaryDirectory(prefix=name) as tmp:
             for seed in range(args.seed, args.seed + args.seeds):
                 for workload in args.workloads:
-                    for failure in args.failures:
+                    for failure in [f for f in args.failures if (workload, f) in FAILURES]:
                         rows += run_case(args, workload, failure, seed, Path(tmp) / f"{seed}_{workload}_{failure}")
         total_s = time.perf_counter() - t0
     plot = plot_panels(

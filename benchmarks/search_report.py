@@ -2,8 +2,8 @@
 
 Targets (issue 13), per workload, start and HDET vote rule:
 
-- HDET's median best validation loss ≤ that of every baseline (ratio ≤ 1), grid, TPE, PBT, Prodigy and
-  schedule-free at equal compute;
+- HDET's median best validation loss ≤ that of every baseline (ratio ≤ 1), the untuned run (issue 28's price
+  check: plain DDP at the starting LR), grid, TPE, PBT, Prodigy and schedule-free at equal compute;
 - HDET's settled LR within 2× of the best grid LR (ratio in [0.5, 2]; median over seeds of the per-seed ratio);
 - one HDET run over G LRs ≤ 1.02 × the best loss of a grid of G runs each as large as the whole HDET job
   (``grid_xG``, only with ``--full-grid``), i.e. at 1/G of that grid's compute.
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from benchmarks.common import fmt, markdown_table, median
 
-BASELINE_LABELS = {"grid": "grid", "optuna_tpe": "TPE", "pbt": "PBT (Ray)", "pbt_minimal": "PBT (minimal)",
+BASELINE_LABELS = {"untuned": "untuned", "grid": "grid", "optuna_tpe": "TPE", "pbt": "PBT (Ray)", "pbt_minimal": "PBT (minimal)",
                    "prodigy": "Prodigy", "schedulefree": "SF"}
 
 

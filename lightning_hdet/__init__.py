@@ -16,12 +16,13 @@ from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic import ElasticWorkerStrategy, OuterService
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
 from lightning_hdet.hdet.layout import fan_out
+from lightning_hdet.hdet.plateau import PlateauRule
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
 from lightning_hdet.hdet.strategy import HDETStrategy
 from lightning_hdet.replay import HDETReplay, LRTrajectory
 from lightning_hdet.testing import SlowRanks
-from lightning_hdet.hdet.options import PBT, Best, SafetyNet, Search, Softmax
+from lightning_hdet.hdet.options import PBT, Best, SafetyNet, Search, Softmax, TrustRegion
 from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote
 
 __version__ = "0.1.0.dev0"
@@ -44,11 +45,13 @@ __all__ = [
     "LocalStepsPolicy",
     "OuterService",
     "PBT",
+    "PlateauRule",
     "SafetyNet",
     "Search",
     "SlowRanks",
     "Softmax",
     "SoftmaxVote",
+    "TrustRegion",
     "blend_coefficients",
     "dynamic_local_steps",
     "fan_out",

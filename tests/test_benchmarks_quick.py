@@ -83,10 +83,12 @@ def test_fit_run_on_two_processes_records_every_rank(tmp_path):
 
 def test_vote_names_the_callback_does_not_accept_are_skipped_with_the_reason():
     ok, skipped = accepted_votes(["best", "no_such_rule", "softmax", "pbt:heldout@global", "pbt@nowhere", "pbt+search",
-                                  "pbt+later"])
-    assert ok == ["best", "softmax", "pbt:heldout@global", "pbt+search"]
-    assert list(skipped) == ["no_such_rule", "pbt@nowhere", "pbt+later"] and "no_such_rule" in skipped["no_such_rule"]
+                                  "pbt+later", "trust_region", "trust_region@global"])
+    assert ok == ["best", "softmax", "pbt:heldout@global", "pbt+search", "trust_region@global"]
+    assert list(skipped) == ["no_such_rule", "pbt@nowhere", "pbt+later", "trust_region"]
+    assert "no_such_rule" in skipped["no_such_rule"] and "'global' with vote=TrustRegion" in skipped["trust_region"]
     assert "gradient_sync" in skipped["pbt@nowhere"] and "'nowhere'" in skipped["pbt@nowhere"]
+    assert accepted_votes(["trust_region"], sync="global") == (["trust_region"], {})  # the crash benchmark's set-up
     assert parse_hdet_arm("pbt") == ("pbt", "mean", "group", False, False)
     assert parse_hdet_arm("softmax:heldout@global") == ("softmax", "heldout", "global", False, False)
     assert parse_hdet_arm("pbt:improvement+search") == ("pbt", "improvement", "group", True, False)
@@ -120,16 +122,17 @@ def _check_equal_compute(data: dict) -> None:
 
 
 @pytest.mark.timeout(480)
-def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
-    methods = ["grid", "optuna_tpe", "pbt_minimal", "prodigy", "schedulefree"]
+def test_search_baselines_quick_mode_on_every_workload(tmp_path):
+    methods = ["untuned", "grid", "optuna_tpe", "pbt_minimal", "prodigy", "schedulefree"]
     data, table, proc = _search_quick(tmp_path, "--methods", *methods, "--hdet-votes",
                                       "best>pbt@global,softmax+search,no_such_rule", "--full-grid")
+    workloads = ("char_lm", "shapes", "tabular")
     cfg = data["config"]
     assert {"meta", "config", "targets_val_loss", "total_wall_s", "rows", "targets", "arms", "skipped"} <= data.keys()
     assert list(data["skipped"]) == ["no_such_rule"]  # reported, not fatal
     ran = [*methods, "hdet_best>pbt@global", "hdet_softmax+search", "grid_xG"]
     assert cfg["run_methods"] == ran
-    assert [(r["workload"], r["method"]) for r in data["rows"]] == [(w, m) for w in ("char_lm", "shapes") for m in ran]
+    assert [(r["workload"], r["method"]) for r in data["rows"]] == [(w, m) for w in workloads for m in ran]
     _check_equal_compute(data)
     for arm in data["arms"]:
         if arm["method"] == "grid":
@@ -152,19 +155,22 @@ def test_search_baselines_quick_mode_on_both_workloads(tmp_path):
             assert len(arm["extra"]["history"]) == cfg["groups"] * cfg["steps"] // cfg["pbt_interval"]
         if arm["method"] == "prodigy":  # its own step size: lr (1.0) times its estimate d
             assert arm["lrs_tried"] == [1.0] and arm["settled_lr"] != 1.0
+        if arm["method"] == "untuned":  # plain DDP at the starting LR: nothing tried but it
+            assert arm["lrs_tried"] == [cfg["good_lr"][arm["workload"]]] == [arm["settled_lr"]]
     # Targets: HDET's median best loss over each baseline's, its LR over the best grid LR.
     targets = {(t["workload"], t["vote"]): t for t in data["targets"]}
-    assert set(targets) == {(w, v) for w in ("char_lm", "shapes") for v in ("best>pbt@global", "softmax+search")}
+    assert set(targets) == {(w, v) for w in workloads for v in ("best>pbt@global", "softmax+search")}
     rows = {(r["workload"], r["method"]): r for r in data["rows"]}
     for (workload, vote), t in targets.items():
         hdet = rows[(workload, f"hdet_{vote}")]["best_val_loss"]
         assert t["vs"]["grid"] == pytest.approx(hdet / rows[(workload, "grid")]["best_val_loss"])
+        assert t["vs"]["untuned"] == pytest.approx(hdet / rows[(workload, "untuned")]["best_val_loss"])
         assert t["vs_best_baseline"] == pytest.approx(hdet / min(rows[(workload, m)]["best_val_loss"] for m in methods))
         assert t["vs_grid_xG"] == pytest.approx(hdet / rows[(workload, "grid_xG")]["best_val_loss"])
         assert t["lr_vs_grid"] > 0
     methods_table = [line for line in table if line.count("|") == 12]
-    assert len(methods_table) == 2 + 2 * len(ran)
-    assert any("÷ best baseline" in line for line in table) and "no_such_rule" in proc.stdout
+    assert len(methods_table) == 2 + len(workloads) * len(ran)
+    assert any("÷ best baseline" in line and "÷ untuned" in line for line in table) and "no_such_rule" in proc.stdout
     # Parts of a run made in parallel merge into the same summary, without training.
     part = tmp_path / "results" / "search_baselines_quick.json"
     merged = tmp_path / "merged"
@@ -378,8 +384,8 @@ def test_crash_quick_mode_nan_and_collapse(tmp_path):
         loss = r["final_val_loss"]
         assert r["crashed"] == (not math.isfinite(loss) or loss >= 0.99 * math.log(6))
         assert (r["history"] != []) == (r["arm"] == "hdet_best")
-    assert len(table) == 2 + len(rows) and all(line.count("|") == 12 for line in table)
-    assert "no_such_rule" in proc.stdout and "÷ DDP low LR" in table[0]
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 14 for line in table)
+    assert "no_such_rule" in proc.stdout and "÷ DDP low LR" in table[0] and "÷ untuned" in table[0]
     # Parts run in parallel merge into one table, without training.
     merged = tmp_path / "merged"
     cmd = [sys.executable, str(REPO / "benchmarks" / "crash.py"), "--quick", "--seed", "5", "--seeds", "4", "--merge",
@@ -387,6 +393,22 @@ def test_crash_quick_mode_nan_and_collapse(tmp_path):
     subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert json.loads((merged / "crash_quick.json").read_text())["rows"] == rows
     assert "1 seed(s) from 0," in (merged / "benchmarks.md").read_text()  # the parts' seeds, not the command's
+
+
+def test_crash_table_divides_hdet_by_the_untuned_run_and_the_full_batch_grid():
+    """Hand-made rows (one seed): HDET 1.2, the untuned run (DDP at the high LR) 1.8, the grid's best 1.0: HDET ÷
+    untuned 0.667, ÷ grid ×G 1.2 (≤ 1.5: met); the grid's LRs run from the high LR down to the low one."""
+    from benchmarks.crash import grid_lrs, table
+
+    def row(arm: str, loss: float, lr: float) -> dict:
+        return {"workload": "tabular", "failure": "collapse", "arm": arm, "seed": 0, "optimizer": "adamw", "lr": lr,
+                "final_val_loss": loss, "crashed": False, "nonfinite_steps": 0, "rescues": 0, "final_avg_lr": lr}
+
+    rows = [row("ddp_low", 1.1, 3e-3), row("ddp_high", 1.8, 0.9), row("hdet_pbt", 1.2, 0.9), row("grid_xG", 1.0, 0.03)]
+    lines = table(rows).splitlines()
+    assert lines[4].split(" | ")[-3:] == ["1.091 ✗", "0.667", "1.200 ✓ |"]
+    assert lines[3].split(" | ")[-2:] == ["—", "— |"]  # only HDET arms are divided
+    assert grid_lrs(1e-3, 1.0) == pytest.approx([1.0, 0.1, 0.01, 1e-3])
 
 
 def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():

@@ -56,12 +56,14 @@ class HDETCallback(Callback):
         every_n_steps: the interval T between votes/merges, in optimizer steps.
         vote: the vote rule: :class:`~lightning_hdet.PBT` (``"pbt"``: the bottom quantile copies a top group, its LR
             x0.8 / x1.2), :class:`~lightning_hdet.Softmax` (``"softmax"``: the published controller) or
-            :class:`~lightning_hdet.Best` (``"best"``: all re-centred on the winner); a name gives its defaults.
+            :class:`~lightning_hdet.Best` (``"best"``: all re-centred on the winner) or
+            :class:`~lightning_hdet.TrustRegion` (``"trust_region"``, with ``gradient_sync="global"`` only: two edge
+            groups probe around one incumbent LR); a name gives its defaults.
         search: :class:`~lightning_hdet.Search`: when the search ends and every group trains around its winner
             (``True``: at half of the run); ``False``: the vote searches the whole run (the published set-up).
         safety_net: :class:`~lightning_hdet.SafetyNet` (``True``: its defaults): skip a group's non-finite steps,
-            restore a diverged or collapsed group from the others, roll every group back when all did; ``False``:
-            off.
+            restore a diverged or collapsed group from the others, roll every group back when all did, and (its
+            ``plateau`` rule) roll an ensemble that stopped learning back onto lower LRs; ``False``: off.
         monitor: ``None`` votes on each group's mean training loss over the interval; a metric name (e.g.
             ``"val_loss"``) votes on each group's own latest value of that logged metric (log it without
             ``sync_dist`` so each rank keeps its own value).
@@ -137,6 +139,7 @@ class HDETCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         executor = self._executor(trainer)
         if stage == "fit":
+            self.settings.check_gradient_sync(executor.gradient_sync)  # before the guard and the logger
             if self.settings.safety_net:
                 executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
             record_config(trainer, "hdet", {**executor.config, "callback": self.config})
@@ -155,7 +158,7 @@ class HDETCallback(Callback):
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
         self.initial_lrs = executor.current_lrs()[:, 0].tolist()
-        executor.ensure_restore_point()
+        executor.ensure_restore_point(keep_initial=self.controller.keeps_initial)
         if self.controller.searched_at is not None:
             executor.set_gradient_sync("global")  # resumed after the search ended
         self.controller.search_steps = search_steps(self.search, trainer)
@@ -348,7 +351,7 @@ def _execute(executor: HDETExecutor, decision: Decision) -> None:
     """The strategy carries out one decision: roll back, or merge (one collective per step of the plan); then the
     new multipliers and, when the decision ended the search, gradients averaged over all ranks."""
     if decision.roll_back:
-        executor.restore()
+        executor.restore(decision.from_initial)
         rank_zero_info(
             f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
             f"({'; '.join(r for r in decision.reasons if r)}); every group rolled back to the last good merged model."

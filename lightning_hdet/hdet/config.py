@@ -21,10 +21,12 @@ from lightning_hdet._checks import (
 from lightning_hdet.hdet.bandit import PB2Vote
 from lightning_hdet.hdet.blends import BLENDS
 from lightning_hdet.hdet.collapse import CollapseRule
+from lightning_hdet.hdet.plateau import PlateauRule
 from lightning_hdet.hdet.selection import PBTVote
 from lightning_hdet.hdet.signals import SIGNALS
+from lightning_hdet.hdet.trust_region import TrustRegionVote
 
-VOTES = ("softmax", "best", "pbt", "pb2")
+VOTES = ("softmax", "best", "pbt", "pb2", "trust_region")
 SELECTION_VOTES = ("pbt", "pb2")  # truncation selection: the bottom groups copy a top group
 
 
@@ -67,6 +69,8 @@ class HDETConfig:
     heldout_decay: Optional[float] = None
     search_steps: Optional[int] = None
     refine_spread: float = 1.5
+    plateau: Optional[PlateauRule] = PlateauRule()
+    region: Optional[dict[str, float]] = None  # vote="trust_region": TrustRegionVote's options (None: its defaults)
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -108,6 +112,24 @@ class HDETConfig:
                      hint="The ratio between neighbouring groups' LRs after the search (1 gives every group its LR).")
         self.selection_rule()  # validates `quantile`, `resample_probability`, `reference_group`
         self.collapse_rule()  # validates the collapse arguments
+        require("plateau", self.plateau, self.plateau is None or isinstance(self.plateau, PlateauRule),
+                "None or a PlateauRule", "e.g. PlateauRule(steps=200, cut=0.1); None switches the rule off.")
+        require("region", self.region, self.region is None or self.vote == "trust_region",
+                "None unless vote='trust_region'", "The region's options only change the trust-region vote.")
+        self.trust_region_rule()  # validates the region's options
+
+    def check_gradient_sync(self, gradient_sync: str) -> None:
+        """Refuse a vote with no point under the strategy's gradient sync: the trust region's centre groups train at
+        one LR, which is plain DDP at that LR only when they share one gradient (``"global"``); under ``"group"``
+        they would be separate runs of the same LR, each on a fraction of the batch."""
+        require("gradient_sync", gradient_sync, self.vote != "trust_region" or gradient_sync == "global",
+                "'global' with vote=TrustRegion(...)",
+                "Under 'group' its centre groups are separate runs at one LR, not the cheap plain-DDP run it is meant "
+                "to be: pass HDETStrategy(gradient_sync='global') or another vote (e.g. 'pbt').")
+
+    def trust_region_rule(self) -> TrustRegionVote:
+        """The ``vote="trust_region"`` rule these settings describe."""
+        return TrustRegionVote(**(self.region or {}))
 
     def selection_rule(self) -> PBTVote:
         """The ``vote="pbt"`` rule these settings describe, or ``"pb2"``'s (PBT's selection, a bandit's explore)."""

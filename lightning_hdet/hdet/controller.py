@@ -22,6 +22,15 @@ from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
 from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, has_progressed, is_good, judge
 from lightning_hdet.hdet.config import SELECTION_VOTES, HDETConfig
 from lightning_hdet.hdet.multipliers import centred_grid
+from lightning_hdet.hdet.plateau import (
+    PlateauHistory,
+    PlateauRule,
+    PlateauVerdict,
+    forget,
+    from_initial,
+    judge_plateau,
+    ladder,
+)
 from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.signals import curve_error, scores
 from lightning_hdet.hdet.votes import Ballot, VoteRule, divergent, make_rule, winner_of
@@ -65,6 +74,7 @@ class Decision:
     keep: bool = True  # the merge target may become the restore point (the safety net judged this vote good)
     reasons: list[str] = field(default_factory=list)  # why each rescued group counts as diverged ("" if not)
     refined: bool = False  # the search ended: every group took the winner's model and restarts its optimizer
+    from_initial: list[bool] = field(default_factory=list)  # at a roll-back: groups that restart from the initial model
 
     @property
     def restart(self) -> list[bool]:
@@ -87,11 +97,12 @@ class HDETController:
 
     def __init__(self, config: HDETConfig) -> None:
         self.config = config
-        self.rule: VoteRule = config.selection_rule() if config.vote in SELECTION_VOTES else make_rule(
-            config.vote, config.temperature, config.momentum, config.meta_lr, config.permute, config.shrink,
-            config.min_spread)
+        self.rule: VoteRule = _rule(config)
         self.collapse = config.collapse_rule()
         self.collapse_history = CollapseHistory()
+        self.plateau = config.plateau or PlateauRule(steps=None)
+        self.plateau_history = PlateauHistory()
+        self.plateau_cuts = 0  # votes at which every group was stuck: a roll-back onto the downward ladder
         self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
         self.history: list[dict[str, Any]] = []
         self.rescues = 0
@@ -124,6 +135,11 @@ class HDETController:
         if generator is not None:
             self.generator.set_state(torch.frombuffer(bytearray(generator), dtype=torch.uint8))
 
+    @property
+    def keeps_initial(self) -> bool:
+        """Whether the strategy should hold the initial model: the plateau rule's ladder restarts half of it there."""
+        return self.config.safety_net and self.plateau.steps is not None
+
     def search_ends(self, step: int) -> bool:
         """Whether a vote at ``step`` ends the search (``search_steps``; it ends once)."""
         end = self.search_steps
@@ -133,7 +149,7 @@ class HDETController:
     def decide(self, interval: Interval) -> Decision:
         """One vote: safety net -> roll-back or (weights, winner, new multipliers, merge plan)."""
         losses, num_groups = list(interval.losses), len(interval.losses)
-        verdict = self._judge(interval)
+        verdict, plateau = self._judge_plateau(interval, self._judge(interval))
         healthy = [not r for r in verdict.diverged]
         # With a shared gradient a group whose *loss* blew up sent huge, still finite gradients into every group
         # before it was caught: nothing from this interval is kept. (Non-finite gradients alone were kept out of
@@ -143,11 +159,17 @@ class HDETController:
         roll_back = num_groups > 1 and (not any(healthy) or contaminated)
         self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses,
                                         interval.first_errors)
+        self.plateau_history = forget(self.plateau_history, roll_back)
         if interval.refine and not self._search_can_end(losses, healthy):
             interval = replace(interval, refine=False)  # an ordinary vote; the next one tries again
         decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
         keep = not self.config.safety_net or is_good(self.collapse, verdict, losses, self.collapse_history)
         decision = replace(decision, keep=keep, reasons=verdict.reasons)
+        if plateau.all_stuck:  # no group improves at any LR: a geometric search downward (plateau.py)
+            table = ladder(interval.multipliers, self.plateau.cut)
+            decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
+                               from_initial=from_initial(table) if decision.roll_back else [])
+            self.plateau_cuts += 1
         self._count(decision, interval.final)
         return decision
 
@@ -162,6 +184,17 @@ class HDETController:
         curve = interval.curves is not None and self.config.monitor is None  # the losses are the curve's means
         errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None
         return judge(self.collapse, self.collapse_history, interval.losses, interval.finite, progress, errors)
+
+    def _judge_plateau(self, interval: Interval, verdict: Verdict) -> tuple[Verdict, PlateauVerdict]:
+        """The other rules' verdict with the plateau rule's failures added, and the plateau rule's own verdict
+        (:mod:`~lightning_hdet.hdet.plateau`; judged like the progress rules: not before warm-up nor at the end)."""
+        rule = self.plateau if self.config.safety_net else PlateauRule(steps=None)
+        progress = interval.step >= self.config.warmup_steps and not interval.final
+        curve = interval.curves is not None and self.config.monitor is None
+        errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None
+        plateau = judge_plateau(rule, self.plateau_history, verdict, interval.losses, interval.step, errors, progress)
+        self.plateau_history = plateau.history
+        return plateau.applied(verdict), plateau
 
     def _search_can_end(self, losses: Sequence[float], healthy: Sequence[bool]) -> bool:
         """The search ends only on a winner below its starting level's noise band: one still on the untrained model's
@@ -276,6 +309,8 @@ class HDETController:
             "last_coefficients": list(self.last_coefficients),
             "collapse": self.collapse_history.state_dict(),
             "searched_at": self.searched_at,
+            "plateau": self.plateau_history.state_dict(),
+            "plateau_cuts": self.plateau_cuts,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -288,6 +323,18 @@ class HDETController:
         self.last_coefficients = list(state_dict["last_coefficients"])
         self.collapse_history.load_state_dict(state_dict.get("collapse", {}))  # absent in older checkpoints
         self.searched_at = state_dict.get("searched_at")
+        self.plateau_history.load_state_dict(state_dict.get("plateau", {}))  # absent in older checkpoints
+        self.plateau_cuts = state_dict.get("plateau_cuts", 0)
+
+
+def _rule(config: HDETConfig) -> VoteRule:
+    """The vote rule ``config`` names, with its options."""
+    if config.vote in SELECTION_VOTES:
+        return config.selection_rule()
+    if config.vote == "trust_region":
+        return config.trust_region_rule()
+    return make_rule(config.vote, config.temperature, config.momentum, config.meta_lr, config.permute, config.shrink,
+                     config.min_spread)
 
 
 def _lrs(table: Tensor, interval: Interval) -> list[float]:

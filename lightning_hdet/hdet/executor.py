@@ -88,11 +88,13 @@ class HDETExecutor(Protocol):
         unless ``keep`` is False (the safety net judged the vote not good); groups flagged in ``restart`` start a
         fresh optimizer state."""
 
-    def ensure_restore_point(self) -> None:
-        """Make the current model state the restore point unless one is held (from a merge or a checkpoint)."""
+    def ensure_restore_point(self, keep_initial: bool = False) -> None:
+        """Make the current model state the restore point unless one is held (from a merge or a checkpoint); with
+        ``keep_initial``, keep it apart as the initial model too."""
 
-    def restore(self) -> None:
-        """Roll every group back to the restore point, with a fresh optimizer state."""
+    def restore(self, initial: Sequence[bool] = ()) -> None:
+        """Roll every group back to the restore point (the groups flagged in ``initial``: to the initial model, if
+        held), with a fresh optimizer state."""
 
     def validate_merged(self, on: bool) -> None:
         """``on``: hold the checkpoint's merged model on every rank (for validation); off: each group's own state

@@ -72,6 +72,7 @@ class MergeOps:
     """Merge, keep the last good target, roll back (see the module docstring)."""
 
     _restore_point: Optional[Tensor]
+    _initial_point: Optional[Tensor] = None  # the model at the start of a fresh fit, if asked to keep it
 
     def _merge_parts(self) -> list[MergePart]:
         """What this rank's merges carry, in the order of the restore point (the strategy's hook)."""
@@ -134,18 +135,26 @@ class MergeOps:
             return held
         return host_buffer(size, self.root_device, dtype)
 
-    def ensure_restore_point(self) -> None:
-        """Make the current state the restore point unless one is held (from a merge or a checkpoint)."""
+    def ensure_restore_point(self, keep_initial: bool = False) -> None:
+        """Make the current state the restore point unless one is held (from a merge or a checkpoint); with
+        ``keep_initial``, also keep that state apart as the initial model (a second host copy, fresh runs only: a
+        resumed run's restore point is its last good merge, and no initial model is held)."""
         if self._restore_point is None:
             tensors = self._restorable_tensors()
             self._restore_point = read_into(tensors, self._restore_buffer(tensors), self.root_device)
+            if keep_initial:  # pinned like the restore point on CUDA
+                held = self._restore_point
+                self._initial_point = host_buffer(held.numel(), self.root_device, held.dtype).copy_(held)
 
-    def restore(self) -> None:
-        """Roll back to the restore point; every group restarts its optimizer state."""
+    def restore(self, initial: Sequence[bool] = ()) -> None:
+        """Roll back to the restore point, or, for the groups flagged in ``initial``, to the initial model where one
+        is held (:meth:`ensure_restore_point`); every group restarts its optimizer state."""
         assert self._restore_point is not None, "ensure_restore_point() runs at the start of fit"
-        write_from(self._restorable_tensors(), self._restore_point, self.root_device)
+        held = self._initial_point
+        fresh = held is not None and bool(initial) and bool(initial[self.group_index])
+        write_from(self._restorable_tensors(), held if fresh else self._restore_point, self.root_device)
         self._clear_optimizer_state()
-        log.debug("roll-back to the restore point")
+        log.debug("roll-back to the %s", "initial model" if fresh else "restore point")
 
     def load_ensemble(self, state: dict[str, Any]) -> None:
         """Multipliers and restore point from ``checkpoint["hdet"]`` (this rank's restore point; the groups' own

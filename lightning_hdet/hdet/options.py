@@ -2,10 +2,12 @@
 
 As Ray Tune takes a scheduler object, :class:`~lightning_hdet.hdet.callback.HDETCallback` takes
 
-* a **vote** (:class:`PBT`, :class:`Softmax`, :class:`Best`, or their names ``"pbt"``, ``"softmax"``, ``"best"``),
-  with the vote's own options on it; the votes that blend parameters (``Softmax``, ``Best``) carry ``blend``;
+* a **vote** (:class:`PBT`, :class:`Softmax`, :class:`Best`, :class:`TrustRegion`, or their names ``"pbt"``,
+  ``"softmax"``, ``"best"``, ``"trust_region"``), with the vote's own options on it; the votes that blend parameters
+  (``Softmax``, ``Best``, ``TrustRegion``) carry ``blend``;
 * a **search** (:class:`Search`, ``True`` for its defaults, ``False`` to vote the whole run without ending it);
-* a **safety net** (:class:`SafetyNet`, ``True`` for its defaults, ``False`` to switch it off);
+* a **safety net** (:class:`SafetyNet`, ``True`` for its defaults, ``False`` to switch it off), with the plateau
+  rule (:class:`~lightning_hdet.hdet.plateau.PlateauRule`) as its option ``plateau``;
 * a **signal** (``"mean"``; research signals live in :mod:`lightning_hdet.experimental`).
 
 Every object is a frozen dataclass checked on creation: an option that does not exist for a rule is a
@@ -22,6 +24,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from lightning_hdet._checks import require
 from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.plateau import PlateauRule
 
 
 class Vote:
@@ -92,6 +95,36 @@ class Best(Vote):
     blend: str = "mean"
 
 
+@dataclass(frozen=True)
+class TrustRegion(Vote):
+    """A trust region of LRs around one incumbent (:mod:`~lightning_hdet.hdet.trust_region`): two edge groups probe
+    ``incumbent / r`` and ``incumbent * r``, the others train at the incumbent; a winning edge moves the incumbent
+    (twice in a row: ``r`` grows), the centre winning shrinks ``r``. Cheap when the LR is right only if the centre
+    groups share one gradient, so it needs ``HDETStrategy(gradient_sync="global")`` (refused with ``"group"``).
+
+    Args:
+        ratio: the starting ``r`` (> 1, within ``[min_ratio, max_ratio]``).
+        grow: factor on ``log r`` when the same edge wins twice in a row (>= 1).
+        shrink: factor on ``log r`` when the centre wins, in (0, 1].
+        min_ratio: the smallest ``r`` (> 1: the edges never merge with the centre).
+        max_ratio: the largest ``r`` (>= ``min_ratio``).
+        blend: merge target: ``"mean"``, ``"weighted"`` (vote weights) or ``"best"`` (the winner).
+    """
+
+    name: ClassVar[str] = "trust_region"
+    ratio: float = 2.0
+    grow: float = 2.0
+    shrink: float = 0.5
+    min_ratio: float = 1.1
+    max_ratio: float = 10.0
+    blend: str = "mean"
+
+    def settings(self) -> dict[str, Any]:
+        # Its options are one field of HDETConfig: `shrink` there is Best's.
+        region = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "blend"}
+        return {"vote": self.name, "blend": self.blend, "region": region}
+
+
 class Signal:
     """Base of what a vote compares; ``"mean"`` (each group's mean training loss over the interval) is the one
     recommended, the others are in :mod:`lightning_hdet.experimental`."""
@@ -145,6 +178,10 @@ class SafetyNet:
         rise_margin: a loss above ``(1 + rise_margin)`` x the group's previous interval counts as diverged.
         chance_loss: a constant predictor's loss (e.g. ``ln(classes)``); a group near it counts as collapsed.
         chance_tolerance: relative distance to ``chance_loss`` that counts as "near" (only with ``chance_loss``).
+        plateau: "a plateau that is not learning is a failure" (:class:`~lightning_hdet.hdet.plateau.PlateauRule`,
+            on by default): an ensemble with no new best for ``steps`` steps rolls back onto a ladder of lower LRs,
+            half of it from the initial model, which the strategy then keeps as a second host copy on every rank
+            (docs/hdet.md, "Safety net"); ``None`` switches it off (and that copy).
     """
 
     divergence_factor: Optional[float] = 10.0
@@ -154,6 +191,7 @@ class SafetyNet:
     rise_margin: Optional[float] = 1.0
     chance_loss: Optional[float] = None
     chance_tolerance: float = 0.05
+    plateau: Optional[PlateauRule] = PlateauRule()
 
     def __post_init__(self) -> None:
         require("chance_tolerance", self.chance_tolerance,
@@ -170,7 +208,7 @@ class SafetyNet:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-VOTES: dict[str, type[Vote]] = {"pbt": PBT, "softmax": Softmax, "best": Best}
+VOTES: dict[str, type[Vote]] = {"pbt": PBT, "softmax": Softmax, "best": Best, "trust_region": TrustRegion}
 # Names that were votes or signals in 0.x and moved: the error says where.
 MOVED = {"pb2": "lightning_hdet.experimental.PB2()", "improvement": "lightning_hdet.experimental.Improvement()",
          "forecast": "lightning_hdet.experimental.Forecast()", "heldout": "lightning_hdet.experimental.Heldout()"}
@@ -213,7 +251,7 @@ def as_vote(vote: Union[str, Vote]) -> Vote:
     require("vote", vote, not (isinstance(vote, str) and vote in MOVED), f"one of {tuple(VOTES)} or a Vote object",
             f"It moved to the research options: use `vote={MOVED.get(vote)}`.")
     require("vote", vote, isinstance(vote, str) and vote in VOTES,
-            f"one of {tuple(VOTES)} or a Vote object (PBT(...), Softmax(...), Best(...))")
+            f"one of {tuple(VOTES)} or a Vote object (PBT(...), Softmax(...), Best(...), TrustRegion(...))")
     return VOTES[vote]()
 
 

@@ -1,0 +1,165 @@
+"""A plateau that is not learning is a failure (pure: no Lightning, no process groups).
+
+AdamW far above its good learning rate (100-300x) saturates within a few steps at the loss of a constant
+predictor (the label prior) and stays there: no NaN, no rise, every group equally bad. The rules of
+:mod:`~lightning_hdet.hdet.collapse` deliberately leave a plateau alone (``stalled`` needs the loss back at the
+untrained model's level, ``chance`` needs the user's ``chance_loss``; the prior's loss is often well below the
+untrained model's), so the run sits there to the end. This rule closes that hole with the loss alone, the way
+``ReduceLROnPlateau`` does, on the whole ensemble's evidence:
+
+* the ensemble **improves** at a vote when its best group's interval loss is below the best so far by more than
+  ``NOISE_Z`` standard errors of that interval and a relative ``min_gain``; otherwise it is **stuck** for the
+  interval's steps (one ensemble-wide level: a group's own best so far ratchets down on noise alone, measured);
+* when the ensemble is stuck for ``steps`` optimizer steps in a row, every group counts as failed: the ensemble
+  **rolls back** and restarts on a geometric ladder of learning rates ``cut`` to ``cut**2`` times the current
+  geometric mean, a search downward (ten to a hundred times lower for ``cut=0.1``); a ladder still stuck
+  ``steps`` later descends again. (A single group stuck beside better ones needs no rule of its own: the vote
+  moves it, e.g. PBT copies a top group into the bottom quantile.)
+
+**Where the ladder starts.** A collapse at a too-high LR is often not reversible in place (AdamW at 300x the good
+LR kills every ReLU of an MLP within 50 steps, measured: no lower LR revives them), and its first intervals look
+like progress (a blow-up, then the label prior's loss, below the untrained model's), so the last good merge may be
+the collapsed model. A converged run is flat too, and its model must not be lost. So the ladder's upper half
+(rounded down) rolls back to the last good merged model and its lower half to the **initial model** (held by the
+strategy from the start of a fresh fit; without one, e.g. after a resume, the last good merge): the votes that
+follow pick whichever learns, and copy it over the others.
+
+A run that learns never fires it: an ensemble whose best group keeps setting new bests is never stuck; only one
+in which no group improved for ``steps`` steps is touched (where a lower learning rate is what
+``ReduceLROnPlateau`` would pick too, and the ladder's upper half keeps the model).
+
+:class:`PlateauHistory` is the state (the best level, steps stuck); :func:`judge_plateau` returns a
+:class:`PlateauVerdict`; :func:`ladder` is the all-stuck ensemble's new multiplier table, :func:`from_initial` which of its groups
+restart from the initial model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_hdet._checks import check_int, check_number
+from lightning_hdet.hdet.collapse import NOISE_Z, Verdict
+
+
+@dataclass(frozen=True)
+class PlateauRule:
+    """``steps``: optimizer steps the ensemble may go without a new best before every group fails (``None``
+    switches the rule off); ``cut``: the ladder's top rung relative to the current LRs, in (0, 1) (its bottom rung is
+    ``cut ** 2``); ``min_gain``: the relative improvement on the best so far that counts as a new best."""
+
+    steps: Optional[int] = 200
+    cut: float = 0.1
+    min_gain: float = 0.01
+
+    def __post_init__(self) -> None:
+        check_int("PlateauRule.steps", self.steps, minimum=1, optional=True,
+                  hint="Optimizer steps a group may go without improving; None switches the rule off.")
+        check_number("PlateauRule.cut", self.cut, 0.0, 1.0, low_open=True, high_open=True,
+                     hint="An all-stuck ensemble moves to cut..cut**2 times its learning rates, e.g. 0.1.")
+        check_number("PlateauRule.min_gain", self.min_gain, 0.0, 1.0, high_open=True,
+                     hint="A relative improvement on the best loss so far, e.g. 0.01.")
+
+
+@dataclass
+class PlateauHistory:
+    """The ensemble's best interval loss so far, the optimizer steps since it, and the step of the last vote."""
+
+    best: float = math.nan
+    stuck_steps: int = 0
+    last_step: int = 0
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "stuck_steps": self.stuck_steps, "last_step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = float(state.get("best", math.nan))
+        self.stuck_steps = int(state.get("stuck_steps", 0))
+        self.last_step = int(state.get("last_step", 0))
+
+
+@dataclass(frozen=True)
+class PlateauVerdict:
+    """Whether the ensemble is stuck long enough (every group fails: the ladder), and the history after the vote."""
+
+    all_stuck: bool
+    history: PlateauHistory
+
+    def applied(self, verdict: Verdict) -> Verdict:
+        """``verdict`` with every group failed (reason ``"plateau"`` where no other rule caught it) if all stuck."""
+        if not self.all_stuck:
+            return verdict
+        reasons = [r or "plateau" for r in verdict.reasons]
+        return Verdict([True] * len(reasons), reasons, verdict.stalled)
+
+
+def improved(rule: PlateauRule, best: float, loss: float, error: float) -> bool:
+    """Whether ``loss`` is a new best: below ``best`` by ``NOISE_Z`` standard errors and ``min_gain`` of it (the
+    first finite loss always is)."""
+    if not math.isfinite(loss):
+        return False
+    return not math.isfinite(best) or loss < best - NOISE_Z * error - rule.min_gain * abs(best)
+
+
+def judge_plateau(
+    rule: PlateauRule,
+    history: PlateauHistory,
+    verdict: Verdict,
+    losses: Sequence[float],
+    step: int,
+    errors: Optional[Sequence[float]] = None,
+    progress: bool = True,
+) -> PlateauVerdict:
+    """The plateau rule at the vote at ``step`` (see the module's docstring).
+
+    ``verdict`` is the other rules' (a group they caught does not count as the ensemble's best); ``errors``: each
+    group's standard error of this interval's loss (None: no margin). ``progress=False`` (warm-up, the final merge)
+    judges nothing and does not count the interval; neither does a vote with no healthy group (other rules act).
+    """
+    healthy = [g for g, (x, bad) in enumerate(zip(losses, verdict.diverged)) if not bad and math.isfinite(x)]
+    if rule.steps is None or not progress or not healthy:
+        return PlateauVerdict(False, PlateauHistory(history.best, history.stuck_steps, step))
+    g = min(healthy, key=lambda h: (losses[h], h))
+    error = errors[g] if errors is not None and math.isfinite(errors[g]) else 0.0
+    if improved(rule, history.best, losses[g], error):
+        return PlateauVerdict(False, PlateauHistory(losses[g], 0, step))
+    stuck_steps = history.stuck_steps + max(step - history.last_step, 0)
+    return PlateauVerdict(stuck_steps >= rule.steps, PlateauHistory(history.best, stuck_steps, step))
+
+
+def forget(history: PlateauHistory, rolled_back: bool) -> PlateauHistory:
+    """The history after the vote's decision: after a roll-back (the ladder's, or any other) the ensemble starts
+    afresh: a new best level, from the restored models."""
+    return PlateauHistory(math.nan, 0, history.last_step) if rolled_back else history
+
+
+def ladder(multipliers: Tensor, cut: float) -> Tensor:
+    """The all-stuck ensemble's new ``G x P`` table: per column, rungs ``cut ** (1 + k / (G - 1))`` times the
+    column's geometric mean (``k = 0`` the highest), handed out in the order of the current multipliers (the group
+    that had the highest LR gets the highest rung). One group gets ``cut`` times its own."""
+    table = multipliers.clone().to(torch.float64)
+    num_groups = table.shape[0]
+    if num_groups == 1:
+        return table * cut
+    rungs = torch.tensor([cut ** (1 + k / (num_groups - 1)) for k in range(num_groups)], dtype=torch.float64)
+    for p in range(table.shape[1]):
+        column = multipliers[:, p].to(torch.float64)
+        centre = float(column.log().mean().exp())
+        order = sorted(range(num_groups), key=lambda g: (-float(column[g]), g))
+        for k, g in enumerate(order):
+            table[g, p] = centre * rungs[k]
+    return table
+
+
+def from_initial(multipliers: Tensor) -> list[bool]:
+    """The groups of a ladder that restart from the initial model: the lower half of its rungs (by the first
+    column), rounded down, so one group alone continues from its own model."""
+    column = multipliers[:, 0].tolist()
+    order = sorted(range(len(column)), key=lambda g: (column[g], -g))  # lowest rung first
+    lower = set(order[: len(column) // 2])
+    return [g in lower for g in range(len(column))]

@@ -1,0 +1,198 @@
+"""The plateau rule (a plateau that is not learning is a failure): hand-computed loss series, in one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_hdet.hdet.collapse import Verdict
+from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.controller import HDETController, Interval
+from lightning_hdet.hdet.plateau import (
+    PlateauHistory,
+    PlateauRule,
+    forget,
+    from_initial,
+    improved,
+    judge_plateau,
+    ladder,
+)
+
+FINE = Verdict([False, False], ["", ""], [0, 0])
+
+
+def _series(rule, losses_by_vote, every=50, errors=None, verdict=FINE):
+    """Judge vote after vote (at steps every, 2 every, ...) as the controller does: each vote's PlateauVerdict."""
+    history, out = PlateauHistory(), []
+    for k, losses in enumerate(losses_by_vote, start=1):
+        result = judge_plateau(rule, history, verdict, losses, step=k * every, errors=errors)
+        history = forget(result.history, result.all_stuck)
+        out.append(result)
+    return out
+
+
+def test_a_new_best_needs_the_noise_and_the_relative_gain():
+    """Best 2.0, standard error 0.05, min_gain 1 %: a new best is below 2.0 - 2 x 0.05 - 0.02 = 1.88."""
+    rule = PlateauRule()
+    assert improved(rule, math.nan, 5.0, 0.0)  # the first finite loss always is
+    assert improved(rule, 2.0, 1.879, 0.05) and not improved(rule, 2.0, 1.881, 0.05)
+    assert improved(rule, 2.0, 1.979, 0.0) and not improved(rule, 2.0, 1.981, 0.0)
+    assert not improved(rule, 2.0, math.nan, 0.0)
+
+
+def test_a_learning_run_never_fires_however_slowly_it_learns():
+    """The best group falls 1.5 % a vote (more than min_gain, 1 %): 40 votes of 50 steps (10 x the rule's
+    200) without a single stuck step; the other group, flat, does not matter."""
+    series = [[2.3 * 0.985**k, 2.3] for k in range(40)]
+    verdicts = _series(PlateauRule(steps=200), series)
+    assert not any(v.all_stuck for v in verdicts) and verdicts[-1].history.stuck_steps == 0
+
+
+def test_a_slow_stretch_shorter_than_the_rule_is_not_a_plateau():
+    """Flat for three votes (150 steps), then a new best: the count returns to 0 before reaching 200."""
+    series = [[2.0, 2.1], [1.99, 2.1], [2.0, 2.05], [1.995, 2.0], [1.9, 2.0], [1.95, 1.97]]
+    verdicts = _series(PlateauRule(steps=200), series)
+    assert [v.history.stuck_steps for v in verdicts] == [0, 50, 100, 150, 0, 50]
+    assert not any(v.all_stuck for v in verdicts)
+
+
+def test_an_ensemble_stuck_at_the_priors_loss_fails_once_stuck_long_enough():
+    """A blow-up in the first interval (33 nats), then 1.86 +- noise in both groups: 1.86 is the best (vote 2);
+    no group gets below 1.86 - 2 x 0.01 - 0.0186 = 1.8214 in the 200 steps after it: at vote 6 every group fails
+    (reason "plateau" where no other rule spoke), and after the roll-back the count starts afresh."""
+    series = [[33.0, 34.0], [1.86, 1.87], [1.85, 1.88], [1.83, 1.87], [1.84, 1.86], [1.85, 1.84], [1.86, 1.86]]
+    verdicts = _series(PlateauRule(steps=200), series, errors=[0.01, 0.01])
+    assert [v.all_stuck for v in verdicts] == [False] * 5 + [True, False]
+    assert verdicts[5].applied(Verdict([False, True], ["", "rose"], [0, 0])).reasons == ["plateau", "rose"]
+    assert verdicts[5].applied(FINE).diverged == [True, True] and verdicts[4].applied(FINE) == FINE
+    assert verdicts[6].history.best == 1.86 and verdicts[6].history.stuck_steps == 0  # a fresh first best
+
+
+def test_warm_up_caught_groups_and_the_switch():
+    history = PlateauHistory(2.0, 150, 50)
+    warm = judge_plateau(PlateauRule(steps=200), history, FINE, [2.3, 2.3], 100, progress=False)
+    assert not warm.all_stuck and warm.history == PlateauHistory(2.0, 150, 100)  # the interval is not counted
+    off = judge_plateau(PlateauRule(steps=None), history, FINE, [2.3, 2.3], 500)
+    assert not off.all_stuck and off.history.stuck_steps == 150
+    caught = Verdict([False, True], ["", "non-finite"], [0, 0])  # group 1's 1.0 is not the ensemble's best
+    result = judge_plateau(PlateauRule(steps=200), history, caught, [2.3, 1.0], 100)
+    assert result.all_stuck and result.history.stuck_steps == 200
+    none = judge_plateau(PlateauRule(steps=200), history, Verdict([True, True], ["x", "x"], [0, 0]), [1.0, 1.0], 100)
+    assert not none.all_stuck and none.history.stuck_steps == 150
+
+
+def test_ladder_descends_from_the_geometric_mean_in_the_groups_order():
+    """Multipliers (2, 0.5): geometric mean 1, rungs 0.1 and 0.01; the higher LR gets the higher rung."""
+    table = torch.tensor([[0.5, 1.0], [2.0, 4.0]], dtype=torch.float64)
+    new = ladder(table, 0.1)
+    assert torch.allclose(new, torch.tensor([[0.01, 0.02], [0.1, 0.2]], dtype=torch.float64))
+    four = ladder(torch.ones(4, 1, dtype=torch.float64), 0.1)[:, 0].tolist()  # 0.1 x 10**(-k/3)
+    assert [round(m, 6) for m in four] == [0.1, 0.046416, 0.021544, 0.01]
+    assert ladder(torch.tensor([[3.0]], dtype=torch.float64), 0.1).tolist() == [[pytest.approx(0.3)]]
+
+
+def test_the_ladders_lower_half_restarts_from_the_initial_model():
+    assert from_initial(torch.tensor([[0.1], [0.01], [0.046], [0.022]], dtype=torch.float64)) == [
+        False, True, False, True]
+    assert from_initial(torch.tensor([[0.1], [0.01], [0.03]], dtype=torch.float64)) == [False, True, False]
+    assert from_initial(torch.tensor([[0.1]], dtype=torch.float64)) == [False]
+
+
+def test_history_round_trip():
+    history = PlateauHistory(1.5, 100, 150)
+    again = PlateauHistory()
+    again.load_state_dict(history.state_dict())
+    assert again == history
+    fresh = forget(history, rolled_back=True)
+    assert math.isnan(fresh.best) and fresh.stuck_steps == 0 and forget(history, False) == history
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"steps": 0}, "`PlateauRule.steps` must be"),
+    ({"cut": 1.0}, "`PlateauRule.cut` must be"),
+    ({"cut": 0.0}, "`PlateauRule.cut` must be"),
+])
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlateauRule(**kwargs)
+    with pytest.raises(ValueError, match="`plateau` must be None or a PlateauRule"):
+        HDETConfig(plateau=200)
+
+
+def _interval(step, losses, multipliers, first=None, final=False):
+    table = torch.tensor(multipliers, dtype=torch.float64)[:, None]
+    first_errors = [0.05] * len(losses) if first is not None else None
+    return Interval(step, losses, [True] * len(losses), table, [0.3], True, final, None, first, first_errors)
+
+
+def test_the_controller_rolls_a_stuck_ensemble_back_onto_the_ladder_and_leaves_a_learning_one_alone():
+    """The default vote and safety net at T = 100: four groups at 300x the good LR sit at 1.86 from the first
+    vote; the third vote has counted 200 stuck steps: every group rolls back, LRs 0.1..0.01 x the old geometric
+    mean, the lower two rungs from the initial model."""
+    stuck_run = HDETController(HDETConfig(every_n_steps=100))
+    assert stuck_run.keeps_initial and not HDETController(HDETConfig(plateau=None)).keeps_initial
+    multipliers = [0.9, 0.96, 1.04, 1.1]
+    for step in (100, 200):
+        decision = stuck_run.decide(_interval(step, [1.86] * 4, multipliers, first=[2.08] * 4 if step == 100 else None))
+        assert not decision.roll_back and decision.reasons == [""] * 4
+        multipliers = decision.multipliers[:, 0].tolist()
+    third = stuck_run.decide(_interval(300, [1.86] * 4, multipliers))
+    assert third.roll_back and third.reasons == ["plateau"] * 4 and stuck_run.plateau_cuts == 1
+    centre = math.exp(sum(math.log(m) for m in multipliers) / 4)
+    new = third.multipliers[:, 0].tolist()
+    assert max(new) == pytest.approx(0.1 * centre) and min(new) == pytest.approx(0.01 * centre)
+    assert third.from_initial == [m < 0.03 * centre for m in new] and sum(third.from_initial) == 2
+    assert stuck_run.plateau_history.stuck_steps == 0 and math.isnan(stuck_run.plateau_history.best)
+    learning = HDETController(HDETConfig(every_n_steps=100))
+    multipliers = [0.9, 0.96, 1.04, 1.1]
+    for k, loss in enumerate([2.0, 1.9, 1.7, 1.6, 1.5, 1.45, 1.42], start=1):
+        decision = learning.decide(_interval(100 * k, [loss + 0.01 * g for g in range(4)], multipliers,
+                                             first=[2.08] * 4 if k == 1 else None))
+        assert not decision.roll_back and not any(decision.rescued) and decision.from_initial == []
+        multipliers = decision.multipliers[:, 0].tolist()
+    switched_off = HDETController(HDETConfig(every_n_steps=100, plateau=None))
+    for step in (100, 200, 300, 400):
+        assert not switched_off.decide(_interval(step, [1.86] * 4, [0.9, 0.96, 1.04, 1.1])).roll_back
+
+
+def test_a_roll_back_flagged_initial_returns_to_the_model_the_fit_started_from():
+    """One rank (no process group): the restore point becomes a merge's target (half the model); a roll-back
+    flagged ``initial`` writes the kept initial model instead, and without one kept falls back to the restore point."""
+    from tests.test_hdet_fsdp import _OneRankShards
+
+    module = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        module.weight.copy_(torch.tensor([[2.0, 4.0]]))
+        module.bias.fill_(6.0)
+    ops = _OneRankShards(module, None)
+    ops.ensure_restore_point(keep_initial=True)
+    ops.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
+    assert module.weight.tolist() == [[1.0, 2.0]] and ops._restore_point.tolist() == [1.0, 2.0, 3.0]
+    with torch.no_grad():
+        module.bias.fill_(100.0)
+    ops.restore(initial=[True])
+    assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0]
+    ops.restore(initial=[False])
+    assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0]
+    plain = _OneRankShards(module, None)
+    plain.ensure_restore_point()  # no initial model kept: the restore point it is
+    with torch.no_grad():
+        module.bias.fill_(100.0)
+    plain.restore(initial=[True])
+    assert module.bias.tolist() == [3.0]
+
+
+def test_the_rule_is_an_option_of_the_safety_net():
+    """``SafetyNet(plateau=...)`` reaches the controller; ``SafetyNet(plateau=None)`` and ``safety_net=False``
+    switch it off, and with it the strategy's copy of the initial model."""
+    from lightning_hdet import HDETCallback, SafetyNet
+
+    rule = PlateauRule(steps=50, cut=0.2)
+    assert HDETCallback(safety_net=SafetyNet(plateau=rule)).controller.plateau == rule
+    assert HDETCallback().controller.plateau == PlateauRule() and HDETCallback().controller.keeps_initial
+    assert not HDETCallback(safety_net=SafetyNet(plateau=None)).controller.keeps_initial
+    assert not HDETCallback(safety_net=False).controller.keeps_initial
+    with pytest.raises(ValueError, match="`plateau` must be None or a PlateauRule"):
+        SafetyNet(plateau=200)
