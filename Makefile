@@ -10,7 +10,7 @@ export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test install bench docs clean
+.PHONY: demo test install bench stress docs clean
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints/bench.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py
+
+# Not part of `make test`: each strategy's trainer entry sequences, 100 fresh runs each; counts aborts at exit.
+stress: $(STAMP)
+	$(PY) benchmarks/stress_exit.py --runs $(or $(RUNS),100)
 
 clean:
 	rm -rf $(VENV) lightning_logs wandb out site .pytest_cache
