@@ -274,9 +274,8 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         super().on_train_end()
 
     def _restore_limits(self) -> None:
-        """Give the trainer back the step limit and validation batches this fit's set-up replaced (on rank > 0 a
-        failed fit would otherwise leave ``limit_val_batches=0``, and the next entry's ranks would disagree on
-        whether to validate, waiting for each other at its first barrier)."""
+        """Give the trainer back the limits this fit's set-up replaced (after a failed fit, rank > 0 kept
+        ``limit_val_batches=0``: the next entry's ranks then disagreed on validating and waited at a barrier)."""
         if self._saved_limits is not None:
             trainer = self.lightning_module.trainer
             set_loop_max_steps(trainer, self._saved_limits[0])
@@ -291,9 +290,8 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
 
     @override
     def teardown(self) -> None:
-        """Release what this entry created, on every path: rank 0's server threads (stopped if the fit failed), then
-        the exchange groups, before Lightning's teardown (the default group they were built on stays up for the next
-        entry). The read-outs (``rounds``, ``worker_stats()``, ...) stay readable."""
+        """Release what this entry created, on every path: rank 0's server threads, then the exchange groups (the
+        default group stays up for the next entry). The read-outs (``rounds``, ``worker_stats()``, ...) stay."""
         if self._exchange is not None:
             self._exchange.close()
         groups, self._groups = self._groups, None
