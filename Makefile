@@ -10,7 +10,7 @@ export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test test-lowest install bench bench-full docs docs-serve clean
+.PHONY: demo test test-lowest install bench bench-full stress docs docs-serve clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints/bench.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py --full $(BENCH_ARGS)
+
+# Not part of `make test`: each strategy's trainer entry sequences, 100 fresh runs each; counts aborts at exit.
+stress: $(STAMP)
+	$(PY) benchmarks/stress_exit.py --runs $(or $(RUNS),100)
 
 clean:
 	rm -rf $(VENV) $(LOWEST) lightning_logs wandb out site .pytest_cache

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -77,4 +78,42 @@ class SlowRanks(Callback):
             time.sleep(remaining)
 
 
-__all__ = ["PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowRanks"]
+__all__ = ["GLOO_THREADS", "PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowRanks",
+           "live_gloo_threads", "live_process_groups"]
+
+
+def live_process_groups() -> int:
+    """How many process groups besides the default one are alive in this process (0 before ``init_process_group``).
+
+    After a trainer entry returns, a strategy of this package should have released every group it created; the
+    default group stays (Lightning reuses it for the next entry) until the interpreter exits.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    from torch.distributed import distributed_c10d  # why: the registry of live groups has no public accessor
+
+    return sum(1 for pg in distributed_c10d._world.pg_map if pg is not dist.GroupMember.WORLD)
+
+
+#: The names (as Linux shows them) of the native threads a gloo process group runs while it exists.
+GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
+
+
+def live_gloo_threads() -> int | None:
+    """How many native gloo threads this process runs (``None`` where ``/proc`` is missing, i.e. not Linux).
+
+    A destroyed group's threads end only once nothing references the group any more; after a trainer entry, only the
+    default group's should be left.
+    """
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sum(name in GLOO_THREADS for name in names)

@@ -55,7 +55,8 @@ class Exchange:
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
                  optimizer: Optimizer | None = None, check_self: bool = True) -> None:
-        self.module, self.device, self.outer, self.groups, self.workers = module, device, outer, groups, workers
+        self.module, self.device, self.outer, self.workers = module, device, outer, workers
+        self.groups: tuple[Any, ...] = groups
         layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
                            pull_compression=pull_compression)  # type: ignore[arg-type]
         self.server: Server | None = None
@@ -89,6 +90,21 @@ class Exchange:
         if self.server is not None:
             self.server.join()
             self.write_global_model()
+
+    def close(self) -> None:
+        """End this exchange on every path, before its groups are destroyed: after a failed fit, rank 0's server
+        threads are stopped (after a normal end they have ended already); then every reference to the groups is
+        dropped, so that their native threads end with them. What the exchange counted stays readable.
+
+        A receiver blocked waiting for a remote push cannot be woken from this process (aborting or shutting down a
+        gloo group does not end a pending receive): it returns, with an error, once the peers' connections close,
+        i.e. when the other ranks release their groups or exit."""
+        if self.server is not None and self.server.running:
+            self.server.stop(timeout=1.0)
+        self.worker.transport.close()
+        if self.server is not None and self.server.remote is not None:
+            self.server.remote.close()
+        self.groups = ()
 
     def write_global_model(self, snapshot: Mapping[str, Any] | None = None) -> None:
         """Rank 0: write the global parameters and floating-point buffers into the module: the outer state's, or

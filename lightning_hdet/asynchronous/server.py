@@ -31,6 +31,9 @@ from lightning_hdet.asynchronous.transport import InProcessTransport, ServerTran
 
 log = logging.getLogger(__name__)
 
+#: Put into the inbox by :meth:`Server.stop`: the server thread ends on taking it.
+_STOP: Push = object()  # type: ignore[assignment]
+
 
 class Server:
     """The outer optimizer's service for ``workers`` workers: worker 0 in this process, the others remote.
@@ -74,6 +77,23 @@ class Server:
         for t in self._threads:
             t.join(self.timeout)
         self.raise_error()
+
+    @property
+    def running(self) -> bool:
+        """Whether a thread is still serving (after a normal end, none is)."""
+        return any(t.is_alive() for t in self._threads)
+
+    def stop(self, timeout: float) -> None:
+        """End both threads early (the fit failed), waiting up to ``timeout`` seconds for each: the server thread
+        wakes from its inbox, a push waiting at the gate fails. A receiver blocked in its transport returns only once
+        the transport fails."""
+        if self.error is None:
+            self.error = RuntimeError("the server was stopped")
+        self.inbox.put(_STOP)
+        with self._gate:
+            self._gate.notify_all()
+        for t in self._threads:
+            t.join(timeout)
 
     def raise_error(self) -> None:
         if self.error is not None:
@@ -155,10 +175,16 @@ class Server:
                                       self.outer.buffers)
             self._replied()
 
+    def _next(self, timeout: float) -> Push:
+        push = self.inbox.get(timeout=timeout)
+        if push is _STOP:
+            raise RuntimeError("the server was stopped")
+        return push
+
     def _collect(self, active: int) -> list[Push]:
         """One batch: the first push, then those within the policy's window (a window closes early once every
         active worker is in the batch: each waits for its reply, so no further push can come)."""
-        batch = [self.inbox.get(timeout=self.timeout)]
+        batch = [self._next(self.timeout)]
         window = self.outer.step_policy.batch_window
         deadline = None if window is None else time.monotonic() + window
         while len(batch) < active:
@@ -166,7 +192,7 @@ class Server:
             if left <= 0:
                 break
             try:
-                batch.append(self.inbox.get(timeout=left))
+                batch.append(self._next(left))
             except queue.Empty:
                 if deadline is None:
                     raise

@@ -32,6 +32,7 @@ from lightning_hdet._compat import (
     strategy_timeout,
     sync_module_states,
 )
+from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.callback import AsyncLogging
 from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints
 from lightning_hdet.asynchronous.compression import check_compression
@@ -180,13 +181,6 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         ensure_callback(model, AsyncLogging)
 
     @override
-    def setup_distributed(self) -> None:
-        super().setup_distributed()
-        rank_zero_info(f"{type(self).__name__}: creating the exchange process groups ({self.mode} mode)")
-        timeout = strategy_timeout(self)
-        self._groups = (dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout))
-
-    @override
     def configure_ddp(self) -> None:
         """No DDP wrapper (no gradient all-reduce); start every worker from rank 0's parameters and buffers."""
         assert self.model is not None
@@ -204,6 +198,11 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
                            "from rank 0's inner optimizer state. Lightning >= 2.6 keeps every worker's own state.")
         if len(self.optimizers) != 1:
             raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
+        # Only fit exchanges: the groups live from here to this entry's teardown (validate, test, predict create none).
+        rank_zero_info(f"{type(self).__name__}: creating the exchange process groups ({self.mode} mode)")
+        timeout = strategy_timeout(self)
+        self._groups = (dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout))
+        destroy_default_group_at_exit()
         # Budget: inner steps summed over workers = world_size * max_steps. The loop itself must not stop a fast
         # worker at max_steps, so the strategy stops it (trainer.should_stop) instead.
         self._workers = self.world_size
@@ -289,15 +288,33 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
             self._log_outer_metrics()
             self.diverged = False
             sync_module_states(self.lightning_module)
-            max_steps, limit_val_batches = self._saved_limits  # type: ignore[misc]
-            set_loop_max_steps(trainer, max_steps)
-            trainer.limit_val_batches = limit_val_batches
+            self._restore_limits()
         super().on_train_end()
+
+    def _restore_limits(self) -> None:
+        """Give the trainer back the limits this fit's set-up replaced (after a failed fit, rank > 0 kept
+        ``limit_val_batches=0``: the next entry's ranks then disagreed on validating and waited at a barrier)."""
+        if self._saved_limits is not None:
+            trainer = self.lightning_module.trainer
+            set_loop_max_steps(trainer, self._saved_limits[0])
+            trainer.limit_val_batches = self._saved_limits[1]
+            self._saved_limits = None
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         self.diverged = False
+        self._restore_limits()
         super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        """Release what this entry created, on every path: rank 0's server threads, then the exchange groups (the
+        default group stays up for the next entry). The read-outs (``rounds``, ``worker_stats()``, ...) stay."""
+        if self._exchange is not None:
+            self._exchange.close()
+        groups, self._groups = self._groups, None
+        destroy_groups(groups or ())
+        super().teardown()
 
     # the global model for validation and checkpoints (rank 0, while training)
     @contextmanager

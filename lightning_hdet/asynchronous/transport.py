@@ -44,6 +44,9 @@ class WorkerTransport(ABC):
     def pull(self, into: Tensor) -> ServerHeader:
         """Wait for the reply; unless it says stop, the global parameters then buffers land in ``into``."""
 
+    def close(self) -> None:
+        """Let go of what carries the messages once the exchange has ended (nothing to release by default)."""
+
 
 class ServerTransport(ABC):
     """The server's end of the exchange with the remote workers."""
@@ -58,6 +61,9 @@ class ServerTransport(ABC):
     def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
         """Answer ``worker``; the parameters' fragments ``params`` and the ``buffers`` travel only when
         ``header.next_local_steps > 0``."""
+
+    def close(self) -> None:
+        """Let go of what carries the messages once the exchange has ended (nothing to release by default)."""
 
 
 #: Sends one tensor to the peer / receives one tensor from it (a process group's point-to-point call).
@@ -146,6 +152,11 @@ class GlooWorkerTransport(WorkerTransport):
     def pull(self, into: Tensor) -> ServerHeader:
         return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into, self._message)
 
+    def close(self) -> None:
+        """Drop the references to the groups: a gloo group's native threads end only when its last reference goes
+        (the strategy destroys the groups; an exchange kept for its read-outs must not keep them alive)."""
+        self.push_group = self.reply_group = None
+
 
 class GlooServerTransport(ServerTransport):
     """Rank 0's end for the remote workers: receives from any rank, replies point to point. Fragments land in one
@@ -163,6 +174,11 @@ class GlooServerTransport(ServerTransport):
 
     def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
         send_reply(lambda t: dist.send(t, dst=worker, group=self.reply_group), header, params, buffers)
+
+    def close(self) -> None:
+        """Drop the references to the groups: a gloo group's native threads end only when its last reference goes
+        (the strategy destroys the groups; an exchange kept for its read-outs must not keep them alive)."""
+        self.push_group = self.reply_group = None
 
 
 class InProcessTransport(WorkerTransport):

@@ -21,13 +21,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
+from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.ensemble import EnsembleOps
-from lightning_hdet.hdet.groups import (
-    GradientSync,
-    HDETGroups,
-    destroy_default_group_at_exit,
-    destroy_process_groups,
-)
+from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
 
 
@@ -166,5 +162,6 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._group_pgs = destroy_process_groups(self._group_pgs)
+        groups, self._group_pgs = self._group_pgs, []
+        destroy_groups(groups)
         super().teardown()

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,10 +35,11 @@ from lightning_hdet._compat import (
     materialize_distributed_module,
     register_names,
 )
+from lightning_hdet._process_groups import destroy_default_group_at_exit
 from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups, destroy_default_group_at_exit
+from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
@@ -101,6 +103,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = fsdp_kwargs
         self._restore_point: Optional[Tensor] = None  # owned by MergeOps (fsdp_ensemble.py, merge.py)
+        self._mesh_world: Any = None  # the default group the device mesh was built on
 
     @classmethod
     @override
@@ -119,11 +122,20 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # ModelParallelStrategy's own builds a (data_parallel, tensor_parallel) mesh; HDET's is (group, shard).
-        init_model_parallel(self, lambda s: init_device_mesh(
-            s.root_device.type, (s.num_groups, s.layout.group_size), mesh_dim_names=("group", "shard")))
+        init_model_parallel(self, type(self)._mesh)
         destroy_default_group_at_exit()
         rank_zero_info(f"HDET-FSDP: {counted(self.num_groups, 'group')} sharded over "
                        f"{counted(self.layout.group_size, 'rank')} each")
+
+    def _mesh(self) -> DeviceMesh:
+        """The (group, shard) mesh, built by the first trainer entry and reused by the later ones: a model sharded
+        in one entry stays sharded on that mesh's process groups, so they must outlive the entry (a new mesh per entry
+        would leave every earlier one's groups alive). A new default group (the old one destroyed) needs a new mesh."""
+        if self._device_mesh is None or self._mesh_world is not dist.group.WORLD:
+            self._device_mesh = init_device_mesh(self.root_device.type, (self.num_groups, self.layout.group_size),
+                                                 mesh_dim_names=("group", "shard"))
+            self._mesh_world = dist.group.WORLD
+        return self._device_mesh
 
     @property
     def shard_mesh(self) -> DeviceMesh:

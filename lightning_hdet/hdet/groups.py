@@ -13,7 +13,6 @@ gradient was not finite, or ``None``) and ``_guard_process_group`` (the ranks th
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
@@ -306,25 +305,3 @@ class HDETGroups:
             dist.all_reduce(table)
         return table.cpu()
 
-
-def destroy_process_groups(groups: Sequence[Any]) -> list[Any]:
-    """Destroy HDET's groups (before the default group they were built on); returns the empty list to keep."""
-    for pg in groups:
-        if pg is not None:  # None: another group's, never created on this rank (gloo on GPUs)
-            dist.destroy_process_group(pg)
-    return []
-
-
-def destroy_default_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits (registered once per process, however many fits).
-
-    Lightning does it for NCCL only; a gloo group still alive while the interpreter finalizes can abort the process
-    ("terminate called without an active exception").
-    """
-    atexit.unregister(_destroy_default_group)
-    atexit.register(_destroy_default_group)
-
-
-def _destroy_default_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

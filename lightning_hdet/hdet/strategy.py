@@ -39,14 +39,9 @@ from lightning_hdet._compat import (
     unwrap_ddp,
     weights_only_kwargs,
 )
-from lightning_hdet.hdet.console import counted
+from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.ensemble import EnsembleOps
-from lightning_hdet.hdet.groups import (
-    GradientSync,
-    HDETGroups,
-    destroy_default_group_at_exit,
-    destroy_process_groups,
-)
+from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
 from typing_extensions import override
 
@@ -183,7 +178,9 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     def teardown(self) -> None:
         self._guard = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
         # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
-        self._group_pgs = destroy_process_groups(self._group_pgs)
+        # (None in the list: another group's, never created on this rank: gloo on GPUs, above)
+        groups, self._group_pgs = self._group_pgs, []
+        destroy_groups(groups)
         super().teardown()
 
 

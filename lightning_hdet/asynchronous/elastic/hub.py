@@ -107,8 +107,13 @@ class SessionHub:
             teardown.start()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Wait (up to ``timeout`` seconds each) for the groups being torn down: a thread still inside a group's
-        ``abort`` when the interpreter exits makes the C++ runtime terminate the process (seen: the service exited
-        with SIGABRT, "terminate called without an active exception", after a normal end)."""
+        """Tear down the sessions still open (none after a normal end; after a failure their receiving threads would
+        stay blocked on their groups), then wait (up to ``timeout`` seconds each) for the groups being torn down: a
+        thread still inside a group's ``abort`` when the interpreter exits makes the C++ runtime terminate the process
+        (seen: the service exited with SIGABRT, "terminate called without an active exception", after a normal end)."""
+        with self._lock:
+            still_open = list(self._ends)
+        for session in still_open:
+            self.drop(session)
         for teardown in self._teardowns:
             teardown.join(timeout)
