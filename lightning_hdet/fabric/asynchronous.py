@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hdet._compat import register_names, strategy_timeout, sync_module_states
+from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
@@ -92,6 +93,13 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
         super().setup_environment()
         timeout = strategy_timeout(self)
         self._groups = (dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout))
+        destroy_default_group_at_exit()  # and every group built on it (Lightning does it for NCCL only)
+
+    @override
+    def teardown(self) -> None:
+        groups, self._groups = self._groups, None
+        destroy_groups(groups or ())
+        super().teardown()
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -125,12 +133,13 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
         self._exchange.worker.exchange(Kind.HELLO)
         try:
             yield self
-        except BaseException:
-            self._exchange = None  # no goodbye: the other ranks may be gone (the Trainer strategy does the same)
-            raise
-        self._exchange.leave(stop_everyone=False)
-        sync_module_states(module)  # rank 0 holds the global model: every rank takes it
-        self._exchange = None
+            self._exchange.leave(stop_everyone=False)  # no goodbye after an error: the other ranks may be gone
+            sync_module_states(module)  # rank 0 holds the global model: every rank takes it
+        finally:
+            # On every path: rank 0's server threads stopped, the groups' references dropped (their native
+            # threads end only with the last one; a gloo thread alive at interpreter exit can abort it).
+            exchange, self._exchange = self._exchange, None
+            exchange.close()
 
     @property
     def should_stop(self) -> bool:
