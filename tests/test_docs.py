@@ -29,7 +29,6 @@ from lightning_hdet import (
     Best,
     DelayedNesterov,
     ElasticWorkerStrategy,
-    AsyncLocalSGDFabricStrategy,
     HDETCallback,
     HDETFabricStrategy,
     HDETFSDPStrategy,

@@ -40,6 +40,7 @@ from lightning_hdet._compat import (
     weights_only_kwargs,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
+from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.ensemble import EnsembleOps
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
