@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -379,3 +380,26 @@ def test_resume_continues_the_votes_exactly(vote, search):
     for h, k in zip(resumed_runs[0][0].history, straight_runs[0][0].history, strict=True):
         assert (h["step"], h["group"], h["winner"]) == (k["step"], k["group"], k["winner"])
         assert h["lr"] == pytest.approx(k["lr"], rel=1e-12) and h["loss"] == pytest.approx(k["loss"], rel=1e-9)
+
+
+def test_the_fake_validates_the_mean_of_the_finite_groups_and_restores_to_the_initial_model() -> None:
+    """The fake's validation swap and the plateau rule's restore, by hand: groups at (1, 2), (3, 4), (NaN, NaN)."""
+    world = FakeWorld([[1.0, 2.0], [3.0, 4.0], [float("nan"), float("nan")]], [1.0, 1.0, 1.0])
+
+    def body(executor: Any) -> tuple[list[float], list[float]]:
+        executor.validate_merged(True)
+        executor.validate_merged(True)  # idempotent: no second swap
+        merged = executor.params.tolist()
+        executor.validate_merged(False)
+        return merged, executor.params.tolist()
+
+    results = world.run(body)
+    assert all(merged == [2.0, 3.0] for merged, _ in results)  # mean of the two finite groups
+    assert results[0][1] == [1.0, 2.0] and results[1][1] == [3.0, 4.0]  # each group's own state back
+    world = FakeWorld([[1.0, 2.0], [3.0, 4.0]], [1.0, 1.0])
+    world.run(lambda executor: executor.ensure_restore_point(keep_initial=True))
+    world.params.add_(10.0)
+    world.restore_point = torch.tensor([5.0, 5.0], dtype=torch.float64)
+    world.run(lambda executor: executor.restore(initial=[False, True]))
+    assert world.params.tolist() == [[5.0, 5.0], [1.0, 2.0]]  # group 1 back to the initial model (group 0's)
+    assert world.restarts == [1, 1]

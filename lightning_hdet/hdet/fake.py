@@ -58,6 +58,7 @@ class FakeWorld:
         self.schedule = torch.tensor(list(schedule_lrs), dtype=torch.float64)
         self.gradient_sync = gradient_sync
         self.restore_point: Optional[Tensor] = None
+        self.initial: Optional[Tensor] = None  # the initial model, when the plateau rule keeps it
         self.restarts = [0] * self.num_groups  # optimizer-state restarts per group
         self.skipped = [0] * self.num_groups  # guard-flagged steps per group since its last reset
         self.guard_enabled = False
@@ -165,6 +166,7 @@ class FakeExecutor:
     def __init__(self, world: FakeWorld, group: int) -> None:
         self.world = world
         self.group = group
+        self._own: Optional[Tensor] = None  # this group's parameters while the merged model is validated
 
     # ------------------------------------------------------------------ read-outs
     @property
@@ -258,17 +260,36 @@ class FakeExecutor:
             self.world.restarts[self.group] += 1
         self.world.barrier()  # every group's row is written before anybody reads it again
 
-    def ensure_restore_point(self) -> None:
-        self.world.exchange(self.group, ("ensure_restore_point",))
+    def ensure_restore_point(self, keep_initial: bool = False) -> None:
+        self.world.exchange(self.group, ("ensure_restore_point", bool(keep_initial)))
         if self.group == 0 and self.world.restore_point is None:
             self.world.restore_point = self.world.params[0].clone()
+        if self.group == 0 and keep_initial and self.world.initial is None:
+            self.world.initial = self.world.params[0].clone()
         self.world.barrier()
 
-    def restore(self) -> None:
-        self.world.exchange(self.group, ("restore",))
+    def restore(self, initial: Sequence[bool] = ()) -> None:
+        self.world.exchange(self.group, ("restore", tuple(map(bool, initial))))
         assert self.world.restore_point is not None, "ensure_restore_point() runs at the start of fit"
-        self.params.copy_(self.world.restore_point)
+        to_initial = bool(initial) and initial[self.group] and self.world.initial is not None
+        self.params.copy_(self.world.initial if to_initial else self.world.restore_point)
         self.world.restarts[self.group] += 1
+
+    def validate_merged(self, on: bool) -> None:
+        """As the strategy's: ``on`` holds the mean of the finite groups (the checkpoint's model), off gives each
+        group its own parameters back; idempotent."""
+        if on == (self._own is not None):
+            return
+        offered = self.world.exchange(self.group, ("validate_merged", bool(on)), self.params.clone())
+        if on:
+            finite = [p for p in offered if bool(torch.isfinite(p).all())] or offered
+            self._own = self.params.clone()
+            self.params.copy_(torch.stack(finite).mean(dim=0))
+        else:
+            assert self._own is not None
+            self.params.copy_(self._own)
+            self._own = None
+        self.world.barrier()
 
     # ------------------------------------------------------------------ checkpoints
     def save_ensemble(self) -> dict[str, Any]:
