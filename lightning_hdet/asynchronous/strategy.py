@@ -38,7 +38,8 @@ from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints
 from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
-from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
+from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.readouts import ExchangeReadouts
 from lightning_hdet.records import History
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 Mode = Literal["async", "sync"]
 
 
-class AsyncLocalSGDStrategy(WorkerCheckpoints):
+class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     """Asynchronous Local-SGD for devices of unequal speed, and synchronous DiLoCo (``mode="sync"``).
 
     The model is never wrapped in DDP and gradients are never all-reduced: each worker runs the user's
@@ -132,31 +133,6 @@ class AsyncLocalSGDStrategy(WorkerCheckpoints):
         self._exchange: Exchange | None = None
         self._budget: int | None = None
         self._saved_limits: tuple[Any, Any] | None = None
-
-    @property
-    def _outer(self) -> OuterState | None:
-        """Rank 0, during and after ``fit``: the outer state (``None`` elsewhere)."""
-        return self._exchange.outer if self._exchange is not None else None
-
-    @property
-    def rounds(self) -> list[tuple[int, int]]:
-        """This worker's own history: one entry per exchange, ``(local_steps_assigned, outer_updates_seen)``."""
-        return self._exchange.worker.rounds if self._exchange is not None else []
-
-    @property
-    def inner_steps(self) -> int:
-        """Inner optimizer steps this worker took in the current (or last) ``fit``."""
-        return self._exchange.worker.inner_steps if self._exchange is not None else 0
-
-    @property
-    def outer_updates(self) -> int:
-        """How many times the outer optimizer has stepped (rank 0; 0 elsewhere)."""
-        return self._outer.outer_updates if self._outer is not None else 0
-
-    def worker_stats(self) -> dict[int, dict[str, float]]:
-        """Per-worker progress as the outer optimizer saw it (rank 0 only; empty elsewhere): inner ``steps``,
-        completed ``rounds``, ``local_steps`` of the next round, ``steps_per_s``, ``staleness``."""
-        return self._outer.worker_stats() if self._outer is not None else {}
 
     # set-up
     @property

@@ -162,6 +162,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
 
     @override
     def teardown(self) -> None:
+        set_ddp_kwarg(self, "process_group", None)  # the last reference to a group ends its native threads
         groups, self._group_pgs = self._group_pgs, []
         destroy_groups(groups)
         super().teardown()

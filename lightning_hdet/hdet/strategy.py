@@ -178,6 +178,9 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._guard = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
+        # DDP's kwargs hold the group's process group under gradient_sync="group": a destroyed gloo group's native
+        # threads end only with its last reference (set again at the next entry's set-up).
+        set_ddp_kwarg(self, "process_group", None)
         # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
         # (None in the list: another group's, never created on this rank: gloo on GPUs, above)
         groups, self._group_pgs = self._group_pgs, []
