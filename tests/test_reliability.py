@@ -455,4 +455,8 @@ def test_killed_rank_under_the_subprocess_launcher_fails_the_job() -> None:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert "FINISHED" not in proc.stdout
-    assert re.search(r"(?i)timed out|connection|closed|reset|broken pipe|signal", proc.stderr)
+    # Either rank 0's next collective with the dead rank fails (a timeout or a closed connection) or, first,
+    # Lightning's launcher sees rank 1's SIGKILL and ends the job. Under the default gradient_sync="group" the
+    # one-rank groups first talk to each other at a vote, so which comes first is a race.
+    assert re.search(r"(?i)timed out|connection|closed|reset|broken pipe|signal|terminated with code -9",
+                     proc.stderr)
