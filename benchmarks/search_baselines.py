@@ -62,7 +62,7 @@ from benchmarks.common import (
     fit_run,
     plot_panels,
     stamp,
-    update_doc_section,
+    write_block,
     write_json,
 )
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     md = tables(summary, args, STARTS, total_s) + f"\n\n![{name}](img/{plot.name})\n\n"
     md += stamp(sorted({a.seed for a in arms}))  # a merge's parts may have run any seeds
-    update_doc_section(args.docs_dir / "benchmarks.md", name, md)
+    write_block(args.docs_dir, name, md)
     print(md)
     return payload
 
