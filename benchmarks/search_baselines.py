@@ -437,12 +437,13 @@ def main(argv: list[str] | None = None) -> dict:
               for k, v in vars(args).items()}
     payload = {"config": config, "total_wall_s": total_s, **summary, "arms": [vars(a) for a in arms]}
     write_json(name, payload, args.results_dir, args.max_chars)
+    first = min((a.seed for a in arms), default=0)  # the curves of one seed: the first a merge's parts ran
     plot = plot_panels(
         args.docs_dir / "img" / f"{name}.png",
         {
             f"{w}, start: {s}": {
                 a.method: ([c for c, _, _ in a.curve], [v for _, v, _ in a.curve])
-                for a in arms if a.workload == w and a.start == s and a.seed == 0 and a.curve
+                for a in arms if a.workload == w and a.start == s and a.seed == first and a.curve
             }
             for w in args.workloads for s in args.starts
         },
