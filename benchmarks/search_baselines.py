@@ -418,6 +418,19 @@ def merge(args: argparse.Namespace) -> tuple[list[Arm], float]:
     return arms, sum(part["total_wall_s"] for part in parts)
 
 
+def curve_panels(arms: list[Arm], workloads: list[str], starts: list[str]) -> dict[str, dict[str, tuple]]:
+    """The plot's panels, one per workload and start: each method's best-so-far curve on one seed, the first the
+    arms ran (a table of seeds 3-5 has no seed 0)."""
+    first = min((a.seed for a in arms), default=0)
+    return {
+        f"{w}, start: {s}": {
+            a.method: ([c for c, _, _ in a.curve], [v for _, v, _ in a.curve])
+            for a in arms if a.workload == w and a.start == s and a.seed == first and a.curve
+        }
+        for w in workloads for s in starts
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     name, t0 = begin(args.name, args.quick)
@@ -437,16 +450,9 @@ def main(argv: list[str] | None = None) -> dict:
               for k, v in vars(args).items()}
     payload = {"config": config, "total_wall_s": total_s, **summary, "arms": [vars(a) for a in arms]}
     write_json(name, payload, args.results_dir, args.max_chars)
-    first = min((a.seed for a in arms), default=0)  # the curves of one seed: the first a merge's parts ran
     plot = plot_panels(
         args.docs_dir / "img" / f"{name}.png",
-        {
-            f"{w}, start: {s}": {
-                a.method: ([c for c, _, _ in a.curve], [v for _, v, _ in a.curve])
-                for a in arms if a.workload == w and a.start == s and a.seed == first and a.curve
-            }
-            for w in args.workloads for s in args.starts
-        },
+        curve_panels(arms, args.workloads, args.starts),
         "compute (rank-steps)",
         "best validation loss so far",
         rows=len(args.workloads),

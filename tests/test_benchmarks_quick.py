@@ -433,6 +433,18 @@ def test_crash_table_divides_hdet_by_the_untuned_run_and_the_full_batch_grid():
     assert grid_lrs(1e-3, 1.0) == pytest.approx([1.0, 0.1, 0.01, 1e-3])
 
 
+def test_search_plot_draws_the_first_seed_the_arms_ran():
+    from benchmarks.search_baselines import Arm, curve_panels
+
+    def arm(method, seed, loss):
+        return Arm("shapes", method, "good", seed, 0.01, loss, [(64, loss, 1.0)], [0.01], 0, 1.0)
+
+    arms = [arm("grid", 4, 1.6), arm("grid", 3, 1.5), arm("hdet_pbt", 3, 1.4), arm("hdet_pbt", 5, 1.3)]
+    panels = curve_panels(arms, ["shapes"], ["good", "10x high"])
+    assert panels == {"shapes, start: good": {"grid": ([64], [1.5]), "hdet_pbt": ([64], [1.4])},
+                      "shapes, start: 10x high": {}}
+
+
 def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     import argparse
 
