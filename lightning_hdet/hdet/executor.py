@@ -4,8 +4,9 @@ The callback (through its :class:`~lightning_hdet.hdet.controller.HDETController
 implements :class:`HDETExecutor` *executes*. The callback talks to the strategy through these members only, so
 another strategy (e.g. an FSDP2 one) plugs in by implementing them. Each piece of state has one owner:
 
-* the strategy owns the process groups, the multiplier tables (the LR's and the other explored hyperparameters'), the skipped-step counter, the finite-gradient guard,
-  the restore point (last good merged model, on the host) and the groups' parameters and optimizer states;
+* the strategy owns the process groups, the multiplier tables (the LR's and the other explored hyperparameters'),
+  the skipped-step counter, the finite-gradient guard, the restore point (last good merged model, on the host)
+  and the groups' parameters and optimizer states;
 * the callback owns the loss accumulators, the vote's timing and logs; its controller owns the vote rule's state,
   the permutation generator and the vote counters.
 

@@ -254,7 +254,8 @@ class HDETGroups:
 
     @property
     def explored(self) -> Explored:
-        """The explored hyperparameters' tables (copies) and what the optimizers say (:mod:`~lightning_hdet.hdet.hyperparams`)."""
+        """The other explored hyperparameters' tables (copies) and what the optimizers say
+        (:mod:`~lightning_hdet.hdet.hyperparams`)."""
         if not self._explore:
             return Explored()
         tables = self._hyper.get(self.num_param_groups)

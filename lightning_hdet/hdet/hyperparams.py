@@ -175,7 +175,8 @@ class ExploredTables:
     def __init__(self, spec: Mapping[str, Span], num_groups: int) -> None:
         self.lr = not (spec.get("lr") == 1.0)
         names = [n for n in spec if n != "lr"]
-        self._tables = {n: MultiplierTable(initial_multipliers(spec[n], num_groups, k + 1)) for k, n in enumerate(names)}
+        self._tables = {n: MultiplierTable(initial_multipliers(spec[n], num_groups, k + 1))
+                        for k, n in enumerate(names)}
 
     @property
     def names(self) -> list[str]:
