@@ -168,6 +168,10 @@ def test_pbt_moves_the_weight_decay_logs_it_and_a_resume_continues_exactly() -> 
     resumed_world, resumed, _ = _fit(8, resume=world.checkpoints)
     assert torch.equal(resumed_world.explored.get(1)[WD], world.explored.get(1)[WD])
     assert resumed[0][0].history == history
+    older = [{**c, "hdet": {k: v for k, v in c["hdet"].items() if k != "explored"}} for c in world.checkpoints]
+    with pytest.warns(UserWarning, match=r"holds no tables of the explored hyperparameters \['weight_decay'\]"):
+        fresh_world, _, _ = _fit(4, resume=older)
+    assert fresh_world.explored.get(1)[WD][:, 0].tolist() == [0.5, 4.0]  # `explore`'s initial multipliers
 
 
 # ------------------------------------------------------------------ the records and the replay
@@ -253,3 +257,10 @@ def test_each_group_trains_with_its_own_weight_decay_the_votes_move_it_and_the_r
     plain.fit(_DecayedBoring(lr=0.1))
     replayed = torch.load(tmp_path / "plain" / "decays0.pt")
     assert replayed == pytest.approx(expected, rel=1e-12) and len(set(expected)) > 1, (replayed, expected)
+
+
+def test_a_list_with_another_group_count_is_refused_when_the_trainer_is_built() -> None:
+    from lightning.pytorch import Trainer
+
+    with pytest.raises(ValueError, match=r"`explore` must be one multiplier per group \(2\), got \[1.0, 2.0, 3.0\]"):
+        Trainer(accelerator="cpu", devices=2, strategy=HDETStrategy(explore={WD: [1.0, 2.0, 3.0]}), logger=False)

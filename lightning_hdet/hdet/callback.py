@@ -304,6 +304,10 @@ class HDETCallback(Callback):
         executor.load_ensemble(hdet)
         if hdet.get("explored") is not None:  # (refused, naming both, when the run explores other names)
             executor.set_explored(hdet["explored"])
+        elif executor.explored.tables:
+            rank_zero_warn(f"The checkpoint holds no tables of the explored hyperparameters "
+                           f"{list(executor.explored.tables)} (its run explored the LR alone): they start from "
+                           "`explore`'s initial multipliers.")
         self._resumed_interval = hdet["interval"]
 
 

@@ -126,6 +126,7 @@ class HDETGroups:
     def _configure_launcher(self) -> None:
         # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
         self._layout = self._make_layout(self.num_nodes * self.num_processes)
+        self._explored = ExploredTables(self._explore, self.num_groups)  # (a list of multipliers: one per group)
         super()._configure_launcher()  # type: ignore[misc]
 
     def _make_layout(self, world_size: int) -> GroupLayout:
