@@ -258,8 +258,8 @@ class HDETController:
                   signal, weights, winner, rescued)
         refined = interval.refine and winner >= 0 and num_groups > 1
         if refined:
-            row = table[winner].tolist()
-            table = self._end_search(interval.step, row, num_groups) if interval.explored.lr else table
+            grid = self._end_search(interval.step, table[winner].tolist(), num_groups)
+            table = grid if interval.explored.lr else table  # (explore={"lr": 1.0}: the LRs stay)
             explored = refined_tables(explored, winner, self.config.refine_spread)
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,

@@ -45,7 +45,8 @@ class FakeWorld:
         num_groups: the number of groups when ``params`` is one vector.
         explore: other explored hyperparameters: every group's multiplier of each name (first param group), as
             ``HDETStrategy(explore=...)`` with lists; ``{"lr": 1.0}`` freezes the LR.
-        explore_values: what the optimizer says for each explored name, one value per flattened param group.
+        explore_values: what the optimizer says for each explored name, one value per flattened param group
+            (default: 1, or 0.5 for a momentum).
     """
 
     def __init__(self, params: Any, lr_multipliers: Sequence[float], schedule_lrs: Sequence[float] = (0.1,),
@@ -217,7 +218,8 @@ class FakeExecutor:
     def explored(self) -> Explored:
         world = self.world
         tables = world.explored.get(len(world.schedule))
-        quantity = {n: [1.0 - v if n in ONE_MINUS else v for v in world.explore_values[n]] for n in tables}
+        said = {n: world.explore_values.get(n, [0.5 if n in ONE_MINUS else 1.0] * len(world.schedule)) for n in tables}
+        quantity = {n: [1.0 - v if n in ONE_MINUS else v for v in said[n]] for n in tables}
         return Explored(tables, quantity, world.explored.lr)
 
     def current_lrs(self) -> Tensor:
