@@ -11,7 +11,7 @@ strategy for each module's state (:meth:`get_module_state_dict`: the merged mode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
@@ -24,6 +24,7 @@ from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeo
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.ensemble import EnsembleOps
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.hyperparams import Span, check_optimizers
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
 
 
@@ -40,6 +41,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         preset: ``"published"`` (default here: the paper's ±11 % fan-out, ``"global"``; a Fabric loop cannot
             end the Trainer's recommended search, which switches ``"group"`` to ``"global"`` mid-run) or
             ``"recommended"`` (the Trainer default's 27x grid and ``"group"``, voted without a search).
+        explore: other hyperparameters the groups diverge in, as for the Trainer's HDETStrategy.
         **kwargs: everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts.
 
     Set the model and optimizer up with ``fabric.setup(model, optimizer)`` (one model; its optimizers get the
@@ -61,9 +63,10 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
         preset: str = "published",
+        explore: Optional[Mapping[str, Span]] = None,
         **kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         if kwargs.get("process_group") is not None:
             raise ValueError("`process_group` cannot be passed to HDETFabricStrategy: it creates the process groups "
                              "itself (one per HDET group).")
@@ -120,6 +123,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         check_numeric_lrs([optimizer])
+        check_optimizers([optimizer], list(self._explore))
         self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
 

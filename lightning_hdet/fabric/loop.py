@@ -20,6 +20,8 @@ from lightning_hdet.fabric.hdet import HDETFabricStrategy
 from lightning_hdet.hdet.callback import _execute
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.defaults import DEFAULT_VOTE
+from lightning_hdet.hdet.hyperparams import check_vote
+from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter
 from lightning_hdet.hdet.options import SafetyNet, Search, Vote, refuse_moved, resolve
 from lightning_hdet.records.wandb import log_vote_history
@@ -68,6 +70,7 @@ class HDETLoop:
         self.settings, search_rule, _ = resolve(every_n_steps, vote, search, safety_net, None, "mean",
                                                 warmup_steps, seed)
         _check_search(search_rule, strategy.gradient_sync)
+        check_vote(self.settings.vote, strategy.explored)
         self.fabric, self.strategy = fabric, strategy
         self.controller = HDETController(self.settings)
         self.controller.search_steps = None if search_rule is None else search_rule.steps
@@ -117,7 +120,7 @@ class HDETLoop:
             step=step, losses=reading.losses, finite=reading.finite, multipliers=strategy.lr_multipliers,
             schedule_lrs=strategy.schedule_lrs().tolist(), shared_gradients=strategy.gradient_sync == "global",
             final=final, curves=reading.curves, first_losses=reading.first_losses, first_errors=reading.first_errors,
-            refine=not final and self.controller.search_ends(step),
+            refine=not final and self.controller.search_ends(step), explored=strategy.explored,
         ))
         _execute(strategy, decision)
         self._last_vote_step = step
@@ -127,15 +130,19 @@ class HDETLoop:
 
     # ------------------------------------------------------------------ fabric.save / fabric.load
     def state_dict(self) -> dict[str, Any]:
-        """The vote's state, the step count and the multipliers (the interval in progress starts afresh on load)."""
+        """The vote's state, the step count and the multipliers, the LR's and the other explored hyperparameters'
+        (the interval in progress starts afresh on load)."""
         return {**self.controller.state_dict(), "last_vote_step": self._last_vote_step,
-                "global_step": self.global_step, "lr_multipliers": self.strategy.lr_multipliers}
+                "global_step": self.global_step, "lr_multipliers": self.strategy.lr_multipliers,
+                "explored": self.strategy.explored.tables}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.controller.load_state_dict(state)
         self._last_vote_step = state["last_vote_step"]
         self.global_step = state["global_step"]
         self.strategy.set_lr_multipliers(state["lr_multipliers"])
+        if "explored" in state:
+            self.strategy.set_explored(state["explored"])
         self._fresh = False
         self._meter.reset(self.global_step)
 
@@ -146,7 +153,7 @@ def vote_metrics(decision: Decision, rescues: int) -> dict[str, float]:
     for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
         metrics.update({f"hdet/group{g}/loss": loss, f"hdet/vote/weight{g}": weight, f"hdet/group{g}/lr": lr})
     metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
-    return metrics
+    return {**metrics, **explored_metrics(decision.values)}
 
 
 def _check_search(search: Optional[Search], gradient_sync: str) -> None:

@@ -35,6 +35,8 @@ from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.executor import HDETExecutor, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
+from lightning_hdet.hdet.hyperparams import Explored, check_vote, values
+from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, refuse_moved, resolve
 from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
@@ -140,6 +142,7 @@ class HDETCallback(Callback):
         executor = self._executor(trainer)
         if stage == "fit":
             self.settings.check_gradient_sync(executor.gradient_sync)  # before the guard and the logger
+            check_vote(self.settings.vote, executor.explored)
             if self.settings.safety_net:
                 executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
             record_config(trainer, "hdet", {**executor.config, "callback": self.config})
@@ -187,7 +190,7 @@ class HDETCallback(Callback):
         if trainer.is_global_zero and (vote or step % trainer.log_every_n_steps == 0):
             lrs = executor.current_lrs()
             if not vote:  # a vote logged its new learning rates itself
-                _log_lrs(trainer, lrs, step, self.report)
+                _log_lrs(trainer, lrs, step, self.report, executor.explored)
             pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
 
     @override
@@ -238,7 +241,7 @@ class HDETCallback(Callback):
             multipliers=executor.lr_multipliers, schedule_lrs=executor.schedule_lrs().tolist(),
             shared_gradients=executor.gradient_sync == "global", final=final, curves=reading.curves,
             first_losses=reading.first_losses, first_errors=reading.first_errors, heldout=heldout,
-            refine=not final and self.controller.search_ends(trainer.global_step),
+            refine=not final and self.controller.search_ends(trainer.global_step), explored=executor.explored,
         ))
         _execute(executor, decision)
         _log_vote(trainer, decision, self.controller.rescues, self.report, heldout, final)
@@ -284,10 +287,12 @@ class HDETCallback(Callback):
         """Add the full ensemble: each group's parameters and optimizer state, multipliers and interval losses."""
         executor = self._executor(trainer)
         row = self._meter.row(executor.interval_skipped(reset=False))
+        explored = executor.explored.tables
         checkpoint["hdet"] = {
             "num_groups": executor.num_groups,
             "interval": executor.gather_group_values(row),
             **executor.save_ensemble(),
+            **({"explored": explored} if explored else {}),  # the other explored hyperparameters' tables
         }
 
     @override
@@ -297,6 +302,12 @@ class HDETCallback(Callback):
         if not hdet or hdet.get("num_groups") != executor.num_groups:
             return
         executor.load_ensemble(hdet)
+        if hdet.get("explored") is not None:  # (refused, naming both, when the run explores other names)
+            executor.set_explored(hdet["explored"])
+        elif executor.explored.tables:
+            rank_zero_warn(f"The checkpoint holds no tables of the explored hyperparameters "
+                           f"{list(executor.explored.tables)} (its run explored the LR alone): they start from "
+                           "`explore`'s initial multipliers.")
         self._resumed_interval = hdet["interval"]
 
 
@@ -360,6 +371,8 @@ def _execute(executor: HDETExecutor, decision: Decision) -> None:
         for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
             executor.merge(step.coefficients, step.strengths, restart=decision.restart, keep=decision.keep)
     executor.set_lr_multipliers(decision.multipliers)
+    if decision.explored:
+        executor.set_explored(decision.explored)
     if decision.refined:
         executor.set_gradient_sync("global")
         rank_zero_info(f"HDET: step {decision.step}: search ended on group {decision.winner}; every group trains "
@@ -388,6 +401,7 @@ def _log_vote(
     for g, value in enumerate(heldout or []):
         metrics[f"hdet/group{g}/heldout"] = value
     metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
+    metrics.update(explored_metrics(decision.values))
     if trainer.is_global_zero:
         report.add(decision.step, metrics)
         for logger in trainer.loggers:
@@ -402,7 +416,7 @@ def _indices(flags: list[bool]) -> list[int]:
     return [g for g, flag in enumerate(flags) if flag]
 
 
-def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History) -> None:
+def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History, explored: Explored) -> None:
     """Every group's real learning rate (schedule x multiplier), by rank 0 straight to the loggers at Lightning's
     ``log_every_n_steps`` (as ``LearningRateMonitor`` does): multipliers change only at votes, which log them too.
     Going through ``LightningModule.log`` every step cost about 10 % of a small model's step time."""
@@ -411,6 +425,7 @@ def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History) -> None:
     for p in range(1, lrs.shape[1]):
         metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
     metrics["hdet/base_lr"] = float(lrs[:, 0].mean())
+    metrics.update(explored_metrics(values(explored.tables, explored)))
     report.add(step, metrics)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)

@@ -4,8 +4,9 @@ The callback (through its :class:`~lightning_hdet.hdet.controller.HDETController
 implements :class:`HDETExecutor` *executes*. The callback talks to the strategy through these members only, so
 another strategy (e.g. an FSDP2 one) plugs in by implementing them. Each piece of state has one owner:
 
-* the strategy owns the process groups, the multiplier table, the skipped-step counter, the finite-gradient guard,
-  the restore point (last good merged model, on the host) and the groups' parameters and optimizer states;
+* the strategy owns the process groups, the multiplier tables (the LR's and the other explored hyperparameters'),
+  the skipped-step counter, the finite-gradient guard, the restore point (last good merged model, on the host)
+  and the groups' parameters and optimizer states;
 * the callback owns the loss accumulators, the vote's timing and logs; its controller owns the vote rule's state,
   the permutation generator and the vote counters.
 
@@ -21,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lightning_hdet.hdet.hyperparams import Explored
 from lightning_hdet.hdet.layout import GroupLayout
 
 
@@ -60,6 +62,14 @@ class HDETExecutor(Protocol):
 
     def set_lr_multipliers(self, multipliers: Any) -> None:
         """Replace the multiplier table (the only writer; applied around every later optimizer step)."""
+
+    @property
+    def explored(self) -> Explored:
+        """The other explored hyperparameters' tables (copies), what the optimizers say, and whether the LR is
+        explored (:mod:`~lightning_hdet.hdet.hyperparams`; empty tables: the LR alone)."""
+
+    def set_explored(self, tables: Any) -> None:
+        """Replace the explored hyperparameters' tables (the only writer; applied around every later step)."""
 
     def schedule_lrs(self) -> Tensor:
         """What the optimizers and schedulers say, per flattened param group (no multiplier)."""

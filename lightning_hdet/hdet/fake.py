@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_hdet.hdet.hyperparams import ONE_MINUS, Explored, ExploredTables
 from lightning_hdet.hdet.layout import GroupLayout
 from lightning_hdet.hdet.multipliers import MultiplierTable
 
@@ -42,10 +43,16 @@ class FakeWorld:
         schedule_lrs: what the optimizers and schedulers say, one per flattened param group.
         gradient_sync: ``"group"`` or ``"global"``, as the strategy's.
         num_groups: the number of groups when ``params`` is one vector.
+        explore: other explored hyperparameters: every group's multiplier of each name (first param group), as
+            ``HDETStrategy(explore=...)`` with lists; ``{"lr": 1.0}`` freezes the LR.
+        explore_values: what the optimizer says for each explored name, one value per flattened param group
+            (default: 1, or 0.5 for a momentum).
     """
 
     def __init__(self, params: Any, lr_multipliers: Sequence[float], schedule_lrs: Sequence[float] = (0.1,),
-                 gradient_sync: str = "group", num_groups: Optional[int] = None) -> None:
+                 gradient_sync: str = "group", num_groups: Optional[int] = None,
+                 explore: Optional[Mapping[str, Any]] = None,
+                 explore_values: Optional[Mapping[str, Sequence[float]]] = None) -> None:
         params = torch.as_tensor(params, dtype=torch.float64)
         if params.dim() == 1:
             params = params[None, :].repeat(num_groups or len(lr_multipliers), 1)
@@ -55,6 +62,8 @@ class FakeWorld:
             raise ValueError(f"`lr_multipliers` has {len(lr_multipliers)} values for {self.num_groups} groups.")
         self.layout = GroupLayout(self.num_groups, self.num_groups)
         self.table = MultiplierTable(lr_multipliers)
+        self.explored = ExploredTables(dict(explore or {}), self.num_groups)
+        self.explore_values = {n: list(v) for n, v in (explore_values or {}).items()}
         self.schedule = torch.tensor(list(schedule_lrs), dtype=torch.float64)
         self.gradient_sync = gradient_sync
         self.restore_point: Optional[Tensor] = None
@@ -205,6 +214,14 @@ class FakeExecutor:
     def schedule_lrs(self) -> Tensor:
         return self.world.schedule.clone()
 
+    @property
+    def explored(self) -> Explored:
+        world = self.world
+        tables = world.explored.get(len(world.schedule))
+        said = {n: world.explore_values.get(n, [0.5 if n in ONE_MINUS else 1.0] * len(world.schedule)) for n in tables}
+        quantity = {n: [1.0 - v if n in ONE_MINUS else v for v in said[n]] for n in tables}
+        return Explored(tables, quantity, world.explored.lr)
+
     def current_lrs(self) -> Tensor:
         return self.lr_multipliers * self.schedule_lrs()
 
@@ -219,6 +236,14 @@ class FakeExecutor:
         if self.group == 0:
             self.world.table.set(table, self.num_groups, len(self.world.schedule))
         self.world.barrier()  # nobody reads the table half-written
+
+    def set_explored(self, tables: Any) -> None:
+        tables = {n: torch.as_tensor(t, dtype=torch.float64) for n, t in tables.items()}
+        flat = torch.cat([t.reshape(-1) for t in tables.values()]) if tables else torch.zeros(0)
+        self.world.exchange(self.group, ("set_explored", tuple(tables), flat))
+        if self.group == 0:
+            self.world.explored.set(tables, self.num_groups, len(self.world.schedule))
+        self.world.barrier()
 
     def enable_guard(self) -> None:
         self.world.guard_enabled = True

@@ -11,7 +11,7 @@ shared with ``"hdet"`` through :class:`~lightning_hdet.hdet.groups.HDETGroups`; 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -40,6 +40,7 @@ from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.hyperparams import Span
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
@@ -66,6 +67,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
             ``"global"``: each gradient shard is averaged over all groups every step (HSDP; groups differ only in
             step size). ``None``: the preset's.
         preset: ``"recommended"`` or ``"published"``, as for :class:`~lightning_hdet.HDETStrategy`.
+        explore: other hyperparameters the groups diverge in, as for :class:`~lightning_hdet.HDETStrategy`.
         auto_wrap_policy: which submodules become FSDP units (their own all-gather/free), as for Lightning's
             ``FSDPStrategy``: a set of module classes (e.g. ``{TransformerBlock}``) or a predicate on a module.
             ``None``: the whole model is one unit. Ignored when ``configure_model`` already called ``fully_shard``
@@ -84,12 +86,13 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
         preset: str = "recommended",
+        explore: Optional[Mapping[str, Span]] = None,
         auto_wrap_policy: ShardingPolicy = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = None,
         **fsdp_kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         for name in fsdp_kwargs:
             require(name, fsdp_kwargs[name], name in _FSDP_KWARGS, f"one of fully_shard's arguments {_FSDP_KWARGS}",
                     "HDETFSDPStrategy builds the device mesh itself.")

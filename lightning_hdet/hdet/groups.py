@@ -13,8 +13,8 @@ gradient was not finite, or ``None``) and ``_guard_process_group`` (the ranks th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -31,6 +31,8 @@ from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
 from lightning_hdet.hdet.defaults import PRESETS, span_grid
 from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device
+from lightning_hdet.hdet.hyperparams import Explored, ExploredTables, Span, check_explore, check_optimizers, scaled
+from lightning_hdet.hdet.hyperparams import bases as explored_bases
 from lightning_hdet.hdet.layout import (
     GroupLayout,
     check_multipliers,
@@ -63,10 +65,14 @@ class HDETGroups:
         spread: Optional[float],
         gradient_sync: Optional[GradientSync],
         preset: str = "recommended",
+        explore: Optional[Mapping[str, Span]] = None,
     ) -> None:
         """Validate and keep the group settings (call first in the strategy's ``__init__``: no process exists yet).
 
-        ``None`` for ``spread``/``gradient_sync`` takes the ``preset``'s (:mod:`~lightning_hdet.hdet.defaults`)."""
+        ``None`` for ``spread``/``gradient_sync`` takes the ``preset``'s (:mod:`~lightning_hdet.hdet.defaults`);
+        ``explore``: :mod:`~lightning_hdet.hdet.hyperparams`."""
+        self._explore = check_explore(explore, num_groups, lr_multipliers is not None or spread is not None)
+        self._explored: Optional[ExploredTables] = None
         if num_groups is not None:
             check_num_groups(num_groups)
         check_choice("preset", preset, tuple(PRESETS))
@@ -104,6 +110,7 @@ class HDETGroups:
             "spread": self.spread,
             "preset": self.preset.name,
             "gradient_sync": self.gradient_sync,
+            **({"explore": {n: t[:, 0].tolist() for n, t in self.explored.tables.items()}} if self._explore else {}),
         }
 
     @override
@@ -119,6 +126,7 @@ class HDETGroups:
     def _configure_launcher(self) -> None:
         # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
         self._layout = self._make_layout(self.num_nodes * self.num_processes)
+        self._explored = ExploredTables(self._explore, self.num_groups)  # (a list of multipliers: one per group)
         super()._configure_launcher()  # type: ignore[misc]
 
     def _make_layout(self, world_size: int) -> GroupLayout:
@@ -129,6 +137,7 @@ class HDETGroups:
             )
             self._requested_multipliers = None
             self.spread = 0.0
+            self._explore = {}  # (one group: nothing to explore, as for the LR)
             return GroupLayout(1, 1)
         layout = make_layout(world_size, self._requested_groups, self._requested_multipliers)
         if self.num_nodes > 1 and layout.crosses_nodes(self.num_processes):
@@ -173,7 +182,10 @@ class HDETGroups:
     def _table(self) -> MultiplierTable:
         if self._multipliers is None:
             initial = self._requested_multipliers
-            if initial is None and self.spread is None:
+            lr_span = self._explore.get("lr")
+            if initial is None and isinstance(lr_span, float):
+                initial = span_grid(self.num_groups, lr_span)  # explore={"lr": span}
+            elif initial is None and self.spread is None:
                 initial = span_grid(self.num_groups, self.preset.span)  # the preset's geometric grid
             elif initial is None:
                 initial = fan_out(self.num_groups, self.spread)
@@ -228,7 +240,32 @@ class HDETGroups:
         """Multiply each param group's ``lr`` by this group's multiplier for the duration of one step."""
         offset = self.param_group_offset(optimizer)
         row = self._table.row(self.group_index, self.num_param_groups)  # cached floats: nothing allocated per step
-        return scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
+        lr = scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
+        if not self._explore:
+            return lr
+        rows = self._hyper.rows(self.group_index, self.num_param_groups, offset, len(optimizer.param_groups))
+        return _together(lr, scaled(optimizer, rows))
+
+    # ------------------------------------------------------------------ other explored hyperparameters
+    @property
+    def _hyper(self) -> ExploredTables:
+        if self._explored is None:
+            self._explored = ExploredTables(self._explore, self.num_groups)
+        return self._explored
+
+    @property
+    def explored(self) -> Explored:
+        """The other explored hyperparameters' tables (copies) and what the optimizers say
+        (:mod:`~lightning_hdet.hdet.hyperparams`)."""
+        if not self._explore:
+            return Explored()
+        tables = self._hyper.get(self.num_param_groups)
+        return Explored(tables, explored_bases([unwrap_optimizer(o) for o in self.optimizers], list(tables)),
+                        self._hyper.lr)
+
+    def set_explored(self, tables: Mapping[str, Any]) -> None:
+        """Replace the explored hyperparameters' tables (the one writer; identical values on every rank)."""
+        self._hyper.set(tables, self.num_groups, self.num_param_groups)
 
     def schedule_lrs(self) -> Tensor:
         """The learning rate the optimizers and schedulers say, per flattened param group (no multiplier)."""
@@ -242,6 +279,7 @@ class HDETGroups:
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)  # type: ignore[misc]
         check_numeric_lrs([unwrap_optimizer(opt) for opt in self.optimizers])
+        check_optimizers([unwrap_optimizer(opt) for opt in self.optimizers], list(self._explore))
 
     # ------------------------------------------------------------------ the step, and the safety net's guard
     @override
@@ -305,3 +343,9 @@ class HDETGroups:
             dist.all_reduce(table)
         return table.cpu()
 
+
+
+@contextmanager
+def _together(first: AbstractContextManager[None], second: AbstractContextManager[None]) -> Iterator[None]:
+    with first, second:
+        yield

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.ensemble import EnsembleOps
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
+from lightning_hdet.hdet.hyperparams import Span
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,11 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         preset: the defaults of the arguments left ``None`` and of the HDETCallback installed when none is passed
             (:mod:`~lightning_hdet.hdet.defaults`): ``"recommended"`` (search, then train: the measured best) or
             ``"published"`` (the paper's: ``spread=1/9``, ``"global"``, ``vote="softmax"``, no end to the search).
+        explore: other param-group hyperparameters the groups diverge in, each with its span (the ratio of the
+            largest to the smallest multiplier) or one multiplier per group, e.g. ``{"weight_decay": 10.0}``;
+            ``"momentum"``, ``"beta1"``, ``"beta2"`` are multiplied through ``1 - beta``; ``"lr"`` sets the LR's
+            span (``1.0``: the LR is not explored). The votes move them as the LR
+            (:mod:`~lightning_hdet.hdet.hyperparams`, docs/configuration.md). ``None``: the LR alone.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts.
 
     The executor interface (:class:`~lightning_hdet.hdet.executor.HDETExecutor`), through which the callback and
@@ -76,7 +82,8 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
 
     * read-outs: ``layout``, ``num_groups``, ``group_index``, ``gradient_sync``, ``root_device``, ``config``,
       ``lr_multipliers`` (a copy), ``schedule_lrs()``, ``current_lrs()``;
-    * ``set_lr_multipliers(table)``: the one writer of the multiplier table;
+    * ``set_lr_multipliers(table)``: the one writer of the multiplier table; ``explored`` / ``set_explored(tables)``:
+      the same for the other explored hyperparameters (``explore``);
     * ``set_gradient_sync(mode)``: switch between ``"group"`` and ``"global"`` between steps (DDP wraps again);
     * ``enable_guard()``: turn the non-finite step guard on; the callback calls it from ``setup(stage="fit")``,
       before the model is wrapped (the guard is a DDP communication hook);
@@ -98,9 +105,10 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
         preset: str = "recommended",
+        explore: Optional[Mapping[str, Span]] = None,
         **kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
