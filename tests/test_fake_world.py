@@ -399,7 +399,8 @@ def test_the_fake_validates_the_mean_of_the_finite_groups_and_restores_to_the_in
     world = FakeWorld([[1.0, 2.0], [3.0, 4.0]], [1.0, 1.0])
     world.run(lambda executor: executor.ensure_restore_point(keep_initial=True))
     world.params.add_(10.0)
-    world.restore_point = torch.tensor([5.0, 5.0], dtype=torch.float64)
+    for merger in world.mergers:  # as a checkpoint's `last_good` is loaded
+        merger.load_restore_point(torch.tensor([5.0, 5.0], dtype=torch.float64))
     world.run(lambda executor: executor.restore(initial=[False, True]))
-    assert world.params.tolist() == [[5.0, 5.0], [1.0, 2.0]]  # group 1 back to the initial model (group 0's)
+    assert world.params.tolist() == [[5.0, 5.0], [3.0, 4.0]]  # group 1 back to its own initial model
     assert world.restarts == [1, 1]

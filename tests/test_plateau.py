@@ -169,7 +169,7 @@ def test_a_roll_back_flagged_initial_returns_to_the_model_the_fit_started_from()
     ops = _OneRankShards(module, None)
     ops.ensure_restore_point(keep_initial=True)
     ops.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
-    assert module.weight.tolist() == [[1.0, 2.0]] and ops._restore_point.tolist() == [1.0, 2.0, 3.0]
+    assert module.weight.tolist() == [[1.0, 2.0]] and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0]
     with torch.no_grad():
         module.bias.fill_(100.0)
     ops.restore(initial=[True])

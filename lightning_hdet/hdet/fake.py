@@ -4,15 +4,16 @@
 (:meth:`FakeWorld.executor`), so :class:`~lightning_hdet.hdet.callback.HDETCallback` (or a user's own rule) votes,
 merges, rescues, rolls back and ends its search exactly as under ``strategy="hdet"``, in milliseconds and against
 values a test can compute by hand. Each group is one rank: :meth:`FakeWorld.run` drives one callback per group in
-its own thread, as each rank of a real run drives its own, and every collective of the interface meets the other
-groups' threads at a barrier, the way an all-reduce does.
+its own thread, as each rank of a real run drives its own.
 
-What it keeps faithful: a merge's target ``sum_g c_g theta_g`` (a group with coefficient 0 contributes exact
-zeros), ``theta_g <- (1 - s_g) theta_g + s_g target``, the restore point (the last finite target of a kept vote,
-else the model at the start), a roll-back to it, the optimizer restarts (counted per group in ``restarts``), the
-multiplier table, the skipped-step counter (set by the test through :meth:`FakeWorld.skip`), and the executor's
-contract: every collective is called by every group with the same arguments in the same order (a mismatch raises
-``AssertionError`` naming both calls).
+Nothing of a merge is re-implemented here: every group owns the strategies' own
+:class:`~lightning_hdet.hdet.merge.Merger` (merges in buckets, the finite check, the restore point, roll-backs, the
+validation swap) and :class:`~lightning_hdet.hdet.comm.GroupComm` (the vote's one all-reduce), over its row of the
+world's tensor (:class:`FakeSite`) and an :class:`InMemoryCommunicator`, whose all-reduce meets the other groups'
+threads at a barrier and sums their tensors in group order. The fake adds the multiplier table, the skipped-step
+counter (set by the test through :meth:`FakeWorld.skip`), optimizer restarts counted per group in ``restarts``, and
+the executor's contract: every collective is called by every group with the same arguments in the same order (a
+mismatch raises ``AssertionError`` naming both calls).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_hdet.hdet.comm import GroupComm
+from lightning_hdet.hdet.ensemble import add_init_noise
 from lightning_hdet.hdet.layout import GroupLayout
+from lightning_hdet.hdet.merge import Merger, MergePart
 from lightning_hdet.hdet.multipliers import MultiplierTable
 
 #: Seconds a group's thread waits for the others at a collective before the run is declared stuck.
@@ -57,14 +61,24 @@ class FakeWorld:
         self.table = MultiplierTable(lr_multipliers)
         self.schedule = torch.tensor(list(schedule_lrs), dtype=torch.float64)
         self.gradient_sync = gradient_sync
-        self.restore_point: Optional[Tensor] = None
-        self.initial: Optional[Tensor] = None  # the initial model, when the plateau rule keeps it
         self.restarts = [0] * self.num_groups  # optimizer-state restarts per group
         self.skipped = [0] * self.num_groups  # guard-flagged steps per group since its last reset
         self.guard_enabled = False
         self.calls: list[tuple[Any, ...]] = []  # every collective once, in order (group 0's view)
         self._slots: list[Any] = [None] * self.num_groups
         self._barrier = threading.Barrier(self.num_groups, timeout=TIMEOUT)
+        self.mergers = [Merger(FakeSite(self, g), GroupComm(_Place(self.layout, g), InMemoryCommunicator(self, g)))
+                        for g in range(self.num_groups)]  # each group's own, as each rank's strategy owns one
+
+    @property
+    def restore_point(self) -> Optional[Tensor]:
+        """Group 0's restore point (every group's, after a kept merge: they all hold the same target)."""
+        return self.mergers[0].restore_point
+
+    @property
+    def initial(self) -> Optional[Tensor]:
+        """Group 0's initial model, when the plateau rule keeps it."""
+        return self.mergers[0].initial_point
 
     def executor(self, group: int) -> FakeExecutor:
         """Group ``group``'s view of the world (its one rank's strategy)."""
@@ -166,7 +180,7 @@ class FakeExecutor:
     def __init__(self, world: FakeWorld, group: int) -> None:
         self.world = world
         self.group = group
-        self._own: Optional[Tensor] = None  # this group's parameters while the merged model is validated
+        self.merger = world.mergers[group]
 
     # ------------------------------------------------------------------ read-outs
     @property
@@ -231,76 +245,84 @@ class FakeExecutor:
 
     def gather_group_values(self, values: Tensor) -> Tensor:
         """Every group's ``values`` as one row (one rank per group: the sum over a group's ranks is its own)."""
-        values = values.to(torch.float64).reshape(-1).cpu()
-        return torch.stack(self.world.exchange(self.group, ("gather_group_values", values.numel()), values))
+        return self.merger.groups.gather_group_values(values)
 
     def add_init_noise(self, relative_std: float, seed: int) -> None:
-        """As the strategy's: ``N(0, relative_std^2 |theta|^2 / d)`` from a generator seeded ``seed``."""
-        theta = self.params
-        std = relative_std * float(theta.norm()) / math.sqrt(theta.numel())
-        theta.add_(torch.randn(theta.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * std)
+        add_init_noise([self.params], relative_std, seed)
 
     def merge(self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool],
               keep: bool = True) -> None:
-        call = ("merge", tuple(map(float, coefficients)), tuple(map(float, strengths)), tuple(map(bool, restart)),
-                bool(keep))
-        c = float(coefficients[self.group])
-        contribution = self.params * c if c != 0.0 else torch.zeros_like(self.params)
-        finite = bool(torch.isfinite(self.params).all()) or c == 0.0
-        offered = self.world.exchange(self.group, call, (contribution, finite))
-        target = torch.stack([v for v, _ in offered]).sum(dim=0)
-        if keep and all(ok for _, ok in offered) and self.group == 0:
-            self.world.restore_point = target.clone()
-        s = float(strengths[self.group])
-        if s >= 1.0:
-            self.params.copy_(target)
-        elif s > 0.0:
-            self.params.lerp_(target, s)
-        if restart[self.group]:
-            self.world.restarts[self.group] += 1
-        self.world.barrier()  # every group's row is written before anybody reads it again
+        self.world.exchange(self.group, ("merge", tuple(map(float, coefficients)), tuple(map(float, strengths)),
+                                         tuple(map(bool, restart)), bool(keep)))
+        self.merger.merge(coefficients, strengths, restart, keep)
 
     def ensure_restore_point(self, keep_initial: bool = False) -> None:
         self.world.exchange(self.group, ("ensure_restore_point", bool(keep_initial)))
-        if self.group == 0 and self.world.restore_point is None:
-            self.world.restore_point = self.world.params[0].clone()
-        if self.group == 0 and keep_initial and self.world.initial is None:
-            self.world.initial = self.world.params[0].clone()
-        self.world.barrier()
+        self.merger.ensure_restore_point(keep_initial)
 
     def restore(self, initial: Sequence[bool] = ()) -> None:
         self.world.exchange(self.group, ("restore", tuple(map(bool, initial))))
-        assert self.world.restore_point is not None, "ensure_restore_point() runs at the start of fit"
-        to_initial = bool(initial) and initial[self.group] and self.world.initial is not None
-        self.params.copy_(self.world.initial if to_initial else self.world.restore_point)
-        self.world.restarts[self.group] += 1
+        self.merger.restore(initial)
 
     def validate_merged(self, on: bool) -> None:
-        """As the strategy's: ``on`` holds the mean of the finite groups (the checkpoint's model), off gives each
-        group its own parameters back; idempotent."""
-        if on == (self._own is not None):
-            return
-        offered = self.world.exchange(self.group, ("validate_merged", bool(on)), self.params.clone())
-        if on:
-            finite = [p for p in offered if bool(torch.isfinite(p).all())] or offered
-            self._own = self.params.clone()
-            self.params.copy_(torch.stack(finite).mean(dim=0))
-        else:
-            assert self._own is not None
-            self.params.copy_(self._own)
-            self._own = None
-        self.world.barrier()
+        self.merger.validate_merged(on)
 
     # ------------------------------------------------------------------ checkpoints
     def save_ensemble(self) -> dict[str, Any]:
-        point = self.world.restore_point
+        point = self.merger.restore_point
         return {"lr_multipliers": self.lr_multipliers, "group_files": None,
                 "last_good": None if point is None else point.clone()}
 
     def load_ensemble(self, state: dict[str, Any]) -> None:
         self.set_lr_multipliers(state["lr_multipliers"])
-        if state.get("last_good") is not None and self.group == 0:
-            self.world.restore_point = state["last_good"].clone()
+        if state.get("last_good") is not None:
+            self.merger.load_restore_point(state["last_good"])
+
+
+class InMemoryCommunicator:
+    """The :class:`~lightning_hdet.hdet.comm.Communicator` of one simulated rank (one per group) of a
+    :class:`FakeWorld`: an all-reduce offers this rank's tensor at a barrier and takes the sum of every rank's,
+    added in rank order."""
+
+    def __init__(self, world: FakeWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+
+    def all_reduce(self, tensor: Tensor, group: Any = None) -> None:
+        if group is not None:  # one rank per group: "every rank" is the only process group a fake merge names
+            raise ValueError(f"FakeWorld's ranks form one process group; got group={group!r} (use None).")
+        offered = self.world.exchange(self.rank, ("all_reduce", tuple(tensor.shape), tensor.dtype), tensor.clone())
+        tensor.copy_(torch.stack(offered).sum(dim=0))
+
+
+class FakeSite:
+    """What a merge carries in a :class:`FakeWorld`: group ``group``'s row of ``world.params`` (the group's one
+    rank holds it all); a restarted optimizer is counted in ``world.restarts``."""
+
+    def __init__(self, world: FakeWorld, group: int) -> None:
+        self.world = world
+        self.group = group
+
+    def merge_parts(self) -> list[MergePart]:
+        return [MergePart([self.world.params[self.group]], 1.0, None)]
+
+    def iterate_part(self) -> MergePart:
+        return MergePart([], 1.0, None)  # no schedule-free optimizer
+
+    def clear_optimizer_state(self) -> None:
+        self.world.restarts[self.group] += 1
+
+    def reshard(self) -> None:
+        """Nothing is sharded."""
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where one simulated rank stands (:class:`~lightning_hdet.hdet.comm.Place`)."""
+
+    layout: GroupLayout
+    group_index: int
+    root_device: torch.device = torch.device("cpu")
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

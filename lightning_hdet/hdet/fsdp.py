@@ -21,7 +21,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn import Module
@@ -38,8 +37,9 @@ from lightning_hdet._compat import (
 from lightning_hdet._process_groups import destroy_default_group_at_exit
 from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
+from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.merge import Merger
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
@@ -102,7 +102,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
                          **({"timeout": timeout} if timeout is not None else {}))
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = fsdp_kwargs
-        self._restore_point: Optional[Tensor] = None  # owned by MergeOps (fsdp_ensemble.py, merge.py)
+        self.merger = Merger(ShardSite(self), self.group_comm)  # merges, the restore point, roll-backs
         self._mesh_world: Any = None  # the default group the device mesh was built on
 
     @classmethod

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -29,6 +28,7 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
+from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.defaults import PRESETS, span_grid
 from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device
 from lightning_hdet.hdet.layout import (
@@ -93,6 +93,7 @@ class HDETGroups:
         self._guard = None
         self._guard_enabled = False
         self._steps: Optional[NonFiniteSteps] = None  # flags and counts non-finite steps on the device
+        self.group_comm = GroupComm(self, ProcessGroupCommunicator())  # every collective between the groups
 
     @property
     def config(self) -> dict[str, Any]:
@@ -294,14 +295,7 @@ class HDETGroups:
 
     # ------------------------------------------------------------------ the vote's collective
     def gather_group_values(self, values: Tensor) -> Tensor:
-        """Sum ``values`` (1-D, this rank's numbers) over the ranks of each group; return ``(num_groups, k)``.
-
-        One small all-reduce over all ranks; every rank gets every group's row.
-        """
-        values = values.to(self.root_device, torch.float64).reshape(-1)
-        table = torch.zeros(self.num_groups, values.numel(), dtype=torch.float64, device=self.root_device)
-        table[self.group_index] = values
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(table)
-        return table.cpu()
+        """Sum ``values`` (1-D, this rank's numbers) over the ranks of each group; return ``(num_groups, k)``:
+        :meth:`~lightning_hdet.hdet.comm.GroupComm.gather_group_values`."""
+        return self.group_comm.gather_group_values(values)
 

@@ -23,7 +23,6 @@ from typing import Any, Optional
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,8 +40,9 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.ensemble import EnsembleOps
+from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.merge import Merger
 from lightning_hdet.hdet.guard import FiniteGuard
 from typing_extensions import override
 
@@ -104,7 +104,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self._restore_point: Optional[Tensor] = None  # owned by MergeOps (ensemble.py, merge.py)
+        self.merger = Merger(ReplicaSite(self), self.group_comm)  # merges, the restore point, roll-backs
 
     # ------------------------------------------------------------------ registration
     @classmethod
