@@ -183,12 +183,12 @@ def test_sharded_merge_writes_the_target_and_moves_by_strength(one_rank) -> None
     """Shards and float buffers go through the shared bucketed merge; the target becomes the restore point."""
     module = _weighted_linear()
     ops = _OneRankShards(module, one_rank)
-    ops.merge([0.5], [0.25], [False])
+    ops.merger.merge([0.5], [0.25], [False])
     # target = coefficient x theta (summed over the one rank), in the order shards, then buffers; float64 (buffer)
     assert ops.merger.restore_point.dtype == torch.float64 and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0, 4.0]
     assert module.weight.tolist() == [[1.75, 3.5]] and module.bias.tolist() == [5.25]  # (1 - s) theta + s target
     assert module.stat.tolist() == [7.0]
-    ops.restore()
+    ops.merger.restore()
     assert module.weight.tolist() == [[1.0, 2.0]] and module.stat.tolist() == [4.0]
 
 
@@ -213,9 +213,9 @@ def test_sharded_groups_validate_the_merge_target_and_get_their_own_state_back(o
     exactly its own values."""
     module = _weighted_linear()
     ops = _TwoGroupShards(module, one_rank)
-    ops.validate_merged(True)
-    ops.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
+    ops.merger.validate_merged(True)
+    ops.merger.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
     assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0] and module.stat.tolist() == [4.0]
     assert ops.merger.restore_point is None  # keep=False: the restore point is not the validation's
-    ops.validate_merged(False)
+    ops.merger.validate_merged(False)
     assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0] and module.stat.tolist() == [8.0]

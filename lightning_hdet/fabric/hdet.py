@@ -24,7 +24,6 @@ from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeo
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
-from lightning_hdet.hdet.merge import Merger
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
 
 
@@ -71,7 +70,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         kwargs.pop("process_group", None)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self.merger = Merger(ReplicaSite(self), self.group_comm)  # merges, the restore point, roll-backs
+        self._init_parts(ReplicaSite(self))
         self._module: Optional[Module] = None
         self._optimizers: list[Optimizer] = []
 
@@ -153,8 +152,8 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         super().load_module_state_dict(module, state_dict, strict=strict)
         inner = module.module if isinstance(module, DistributedDataParallel) else module
         if inner is self._module:
-            self.merger.load_restore_point(None)
-            self.merger.ensure_restore_point()
+            self.hdet.merger.load_restore_point(None)
+            self.hdet.merger.ensure_restore_point()
 
     @override
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:

@@ -64,7 +64,11 @@ class GroupComm:
         return self.place.group_index
 
     @property
-    def device(self) -> torch.device:
+    def num_groups(self) -> int:
+        return self.place.layout.num_groups
+
+    @property
+    def root_device(self) -> torch.device:
         return self.place.root_device
 
     def all_reduce(self, tensor: Tensor, group: Any = None) -> None:
@@ -74,8 +78,8 @@ class GroupComm:
         """Sum ``values`` (1-D, this rank's numbers) over the ranks of each group; return ``(num_groups, k)`` on the
         host. One small all-reduce over all ranks: each rank writes its row into a zero table, so every rank gets
         every group's row."""
-        values = values.to(self.device, torch.float64).reshape(-1)
-        table = torch.zeros(self.layout.num_groups, values.numel(), dtype=torch.float64, device=self.device)
+        values = values.to(self.root_device, torch.float64).reshape(-1)
+        table = torch.zeros(self.layout.num_groups, values.numel(), dtype=torch.float64, device=self.root_device)
         table[self.group_index] = values
         self.comm.all_reduce(table)
         return table.cpu()

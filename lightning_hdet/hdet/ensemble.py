@@ -19,7 +19,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer, weights_only_kwargs
-from lightning_hdet._tensors import all_finite, flatten, model_state, reduced_buckets, to_cpu
+from lightning_hdet._tensors import flatten, model_state, reduced_buckets, to_cpu
 from lightning_hdet.hdet.checkpoints import (
     group_dir,
     group_file,
@@ -29,6 +29,7 @@ from lightning_hdet.hdet.checkpoints import (
     state_dict_with,
 )
 from lightning_hdet.hdet.merge import MergeOps, MergePart, StrategySite, iterate_states
+from lightning_hdet.hdet.validation import healthy_mean
 
 
 class ReplicaSite(StrategySite):
@@ -65,15 +66,11 @@ class EnsembleOps(MergeOps):
         add_init_noise(list(self.lightning_module.parameters()), relative_std, seed)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_ensemble(self) -> dict[str, Any]:
-        """Multipliers, the number of per-group files and the restore point, for ``checkpoint["hdet"]``. The groups'
-        own states are not in it: each group's first rank writes its own file beside the checkpoint
-        (``save_checkpoint``)."""
-        return {
-            "lr_multipliers": self.lr_multipliers,
-            "group_files": self.num_groups if self.num_groups > 1 else None,
-            "last_good": self.merger.restore_point,
-        }
+    def ensemble_files(self) -> dict[str, Any]:
+        """Where every group's own state is, for ``checkpoint["hdet"]``: the number of per-group files each group's
+        first rank writes beside the checkpoint (``save_checkpoint``; ``None``: one group, the checkpoint is its
+        state)."""
+        return {"group_files": self.num_groups if self.num_groups > 1 else None}
 
     def own_state(self) -> dict[str, Any]:
         """This group's own parameters, buffers and optimizer states, on the host (what its first rank writes)."""
@@ -118,10 +115,7 @@ class EnsembleOps(MergeOps):
         if self.num_groups == 1 or not dist.is_initialized():
             return module.state_dict()
         tensors = model_state(module)
-        healthy = self.gather_group_values(all_finite(tensors).double().reshape(1))[:, 0] == self.layout.group_size
-        if not bool(healthy.any()):
-            healthy = torch.ones_like(healthy)
-        coefficient = float(healthy.double()[self.group_index] / healthy.sum()) / self.layout.group_size
+        coefficient = healthy_mean(self.hdet.groups, tensors)[self.group_index] / self.layout.group_size
         merged = [torch.empty(t.shape, dtype=t.dtype) for t in tensors] if self.is_global_zero else None
         index = {id(t): i for i, t in enumerate(tensors)}
         for bucket, flat in reduced_buckets(tensors, coefficient, lambda x: dist.reduce(x, dst=0)):

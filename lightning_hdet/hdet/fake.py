@@ -1,23 +1,26 @@
 """An in-memory HDET world: G groups' parameters as rows of one tensor, one thread per group, no process group.
 
-:class:`FakeWorld` implements :class:`~lightning_hdet.hdet.executor.HDETExecutor` for every group of one process
-(:meth:`FakeWorld.executor`), so :class:`~lightning_hdet.hdet.callback.HDETCallback` (or a user's own rule) votes,
-merges, rescues, rolls back and ends its search exactly as under ``strategy="hdet"``, in milliseconds and against
-values a test can compute by hand. Each group is one rank: :meth:`FakeWorld.run` drives one callback per group in
-its own thread, as each rank of a real run drives its own.
+Each group of a :class:`FakeWorld` is one simulated rank with its own :class:`FakeExecutor` (its strategy), so
+:class:`~lightning_hdet.hdet.callback.HDETCallback` (or a user's own rule) votes, merges, rescues, rolls back and
+ends its search exactly as under ``strategy="hdet"``, in milliseconds and against values a test can compute by
+hand: :meth:`FakeWorld.run` drives one callback per group in its own thread, as each rank of a real run drives its
+own.
 
-Nothing of a merge is re-implemented here: every group owns the strategies' own
-:class:`~lightning_hdet.hdet.merge.Merger` (merges in buckets, the finite check, the restore point, roll-backs, the
-validation swap) and :class:`~lightning_hdet.hdet.comm.GroupComm` (the vote's one all-reduce), over its row of the
-world's tensor (:class:`FakeSite`) and an :class:`InMemoryCommunicator`, whose all-reduce meets the other groups'
-threads at a barrier and sums their tensors in group order. The fake adds the multiplier table, the skipped-step
-counter (set by the test through :meth:`FakeWorld.skip`), optimizer restarts counted per group in ``restarts``, and
-the executor's contract: every collective is called by every group with the same arguments in the same order (a
+Nothing of a merge or a vote is re-implemented here: each rank's ``hdet`` is built from the strategies' own classes
+(:class:`~lightning_hdet.hdet.executor.HDETParts`): the :class:`~lightning_hdet.hdet.merge.Merger` (merges in
+buckets, the finite check, the restore point, roll-backs, the validation swap) over the group's row of the world's
+tensor (:class:`FakeSite`), the :class:`~lightning_hdet.hdet.comm.GroupComm` (the vote's all-reduce), the
+:class:`~lightning_hdet.hdet.rates.LearningRates` over the group's own multiplier table and the
+:class:`~lightning_hdet.hdet.guard.StepGuard` (its counter set by the test through :meth:`FakeWorld.skip`). The
+collectives run on an :class:`InMemoryCommunicator`, whose all-reduce meets the other groups' threads at a barrier
+and sums their tensors in group order. The fake adds optimizer restarts counted per group in ``restarts`` and the
+executor's contract: every collective is called by every group with the same arguments in the same order (a
 mismatch raises ``AssertionError`` naming both calls).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from collections.abc import Sequence
@@ -28,10 +31,12 @@ import torch
 from torch import Tensor
 
 from lightning_hdet.hdet.comm import GroupComm
-from lightning_hdet.hdet.ensemble import add_init_noise
+from lightning_hdet.hdet.executor import HDETParts
+from lightning_hdet.hdet.guard import StepGuard
 from lightning_hdet.hdet.layout import GroupLayout
 from lightning_hdet.hdet.merge import Merger, MergePart
 from lightning_hdet.hdet.multipliers import MultiplierTable
+from lightning_hdet.hdet.rates import LearningRates
 
 #: Seconds a group's thread waits for the others at a collective before the run is declared stuck.
 TIMEOUT = 30.0
@@ -58,17 +63,24 @@ class FakeWorld:
         if len(lr_multipliers) != self.num_groups:
             raise ValueError(f"`lr_multipliers` has {len(lr_multipliers)} values for {self.num_groups} groups.")
         self.layout = GroupLayout(self.num_groups, self.num_groups)
-        self.table = MultiplierTable(lr_multipliers)
         self.schedule = torch.tensor(list(schedule_lrs), dtype=torch.float64)
         self.gradient_sync = gradient_sync
         self.restarts = [0] * self.num_groups  # optimizer-state restarts per group
-        self.skipped = [0] * self.num_groups  # guard-flagged steps per group since its last reset
-        self.guard_enabled = False
         self.calls: list[tuple[Any, ...]] = []  # every collective once, in order (group 0's view)
         self._slots: list[Any] = [None] * self.num_groups
         self._barrier = threading.Barrier(self.num_groups, timeout=TIMEOUT)
-        self.mergers = [Merger(FakeSite(self, g), GroupComm(_Place(self.layout, g), InMemoryCommunicator(self, g)))
-                        for g in range(self.num_groups)]  # each group's own, as each rank's strategy owns one
+        # Each group's own objects, as each rank's strategy owns its own.
+        self.parts = [_parts(self, _Rank(self, g, MultiplierTable(lr_multipliers))) for g in range(self.num_groups)]
+
+    @property
+    def table(self) -> MultiplierTable:
+        """Group 0's multiplier table (every group's holds the same values: they are set with the same ones)."""
+        return self.parts[0].host.multiplier_table
+
+    @property
+    def mergers(self) -> list[Merger]:
+        """Every group's :class:`~lightning_hdet.hdet.merge.Merger`."""
+        return [p.merger for p in self.parts]
 
     @property
     def restore_point(self) -> Optional[Tensor]:
@@ -80,13 +92,19 @@ class FakeWorld:
         """Group 0's initial model, when the plateau rule keeps it."""
         return self.mergers[0].initial_point
 
+    @property
+    def guard_enabled(self) -> bool:
+        """Whether the callbacks turned the step guard on."""
+        return all(p.guard.enabled for p in self.parts)
+
     def executor(self, group: int) -> FakeExecutor:
         """Group ``group``'s view of the world (its one rank's strategy)."""
         return FakeExecutor(self, group)
 
     def skip(self, group: int, steps: int = 1) -> None:
-        """Count ``steps`` optimizer steps of ``group`` as flagged by the guard (its loss or gradient not finite)."""
-        self.skipped[group] += steps
+        """Count ``steps`` optimizer steps of ``group`` as flagged by the guard (its loss or gradient not finite),
+        on the guard's own device counter."""
+        self.parts[group].guard.counter(torch.device("cpu")).count.add_(steps)
 
     def run(self, body: Callable[[FakeExecutor], Any]) -> list[Any]:
         """Run ``body(executor)`` for every group at once, one thread each; their results in group order. The first
@@ -137,7 +155,8 @@ class FakeWorld:
                 if run.global_step == save_at:
                     checkpoint = {"state": callback.state_dict(), "global_step": run.global_step}
                     callback.on_save_checkpoint(run, module, checkpoint)
-                    self.checkpoints[executor.group_index] = {**checkpoint, "params": executor.params.clone()}
+                    # a deep copy, as torch.save writes the values of the moment (the restore point is a buffer)
+                    self.checkpoints[executor.group_index] = copy.deepcopy({**checkpoint, "params": executor.params})
             callback.on_train_end(run, module)
             return callback, run
 
@@ -175,14 +194,60 @@ class FakeWorld:
 
 
 class FakeExecutor:
-    """One group's :class:`~lightning_hdet.hdet.executor.HDETExecutor` over a :class:`FakeWorld`."""
+    """One group's strategy in a :class:`FakeWorld`: its :class:`~lightning_hdet.hdet.executor.HDETParts` (``hdet``,
+    what the callback drives), and what a test's training step reads (``params``, ``current_lrs()``, ...)."""
 
     def __init__(self, world: FakeWorld, group: int) -> None:
         self.world = world
         self.group = group
-        self.merger = world.mergers[group]
+        self.hdet = world.parts[group]
 
-    # ------------------------------------------------------------------ read-outs
+    @property
+    def group_index(self) -> int:
+        return self.group
+
+    @property
+    def num_groups(self) -> int:
+        return self.world.num_groups
+
+    @property
+    def gradient_sync(self) -> str:
+        return self.world.gradient_sync
+
+    @property
+    def params(self) -> Tensor:
+        """This group's parameters (a view of its row of the world's tensor)."""
+        return self.world.params[self.group]
+
+    def current_lrs(self) -> Tensor:
+        """Every group's real learning rates, ``(num_groups, num_param_groups)``."""
+        return self.hdet.table.current_lrs()
+
+    def gather_group_values(self, values: Tensor) -> Tensor:
+        """Every group's ``values`` as one row: the vote's all-reduce (e.g. to average gradients in a test)."""
+        return self.hdet.groups.gather_group_values(values)
+
+
+def _parts(world: FakeWorld, rank: _Rank) -> HDETParts:
+    """One simulated rank's objects: the strategies' own classes over memory, each writer checking that every
+    group calls it with the same arguments."""
+    groups = GroupComm(rank, InMemoryCommunicator(world, rank.group_index))
+    merger = _CheckedMerger(FakeSite(world, rank.group_index), groups)
+    return HDETParts(rank, groups, _CheckedRates(rank), merger, StepGuard())
+
+
+class _Rank:
+    """One simulated rank of a :class:`FakeWorld`: where it stands (a :class:`~lightning_hdet.hdet.comm.Place`),
+    its multiplier table and schedule (a :class:`~lightning_hdet.hdet.rates.RateSource`) and what only a strategy
+    does (an :class:`~lightning_hdet.hdet.executor.HDETHost`: the gradient switch, its config, its files)."""
+
+    root_device = torch.device("cpu")
+
+    def __init__(self, world: FakeWorld, group: int, table: MultiplierTable) -> None:
+        self.world = world
+        self.group_index = group
+        self.multiplier_table = table
+
     @property
     def layout(self) -> GroupLayout:
         return self.world.layout
@@ -191,92 +256,59 @@ class FakeExecutor:
     def num_groups(self) -> int:
         return self.world.num_groups
 
-    @property
-    def group_index(self) -> int:
-        return self.group
+    def schedule_lrs(self) -> Tensor:
+        return self.world.schedule.clone()
 
     @property
     def gradient_sync(self) -> str:
         return self.world.gradient_sync
 
-    @property
-    def root_device(self) -> torch.device:
-        return torch.device("cpu")
+    def set_gradient_sync(self, gradient_sync: str) -> None:
+        self.world.exchange(self.group_index, ("set_gradient_sync", gradient_sync))
+        self.world.gradient_sync = gradient_sync
+        self.world.barrier()  # nobody reads it half-switched
 
     @property
     def config(self) -> dict[str, Any]:
         return {"num_groups": self.num_groups, "group_size": 1, "gradient_sync": self.gradient_sync, "fake": True}
 
-    @property
-    def lr_multipliers(self) -> Tensor:
-        return self.world.table.get(len(self.world.schedule))
+    def ensemble_files(self) -> dict[str, Any]:
+        return {"group_files": None}  # the test keeps every group's checkpoint itself (FakeWorld.fit)
 
-    @property
-    def params(self) -> Tensor:
-        """This group's parameters (a view of its row of the world's tensor)."""
-        return self.world.params[self.group]
 
-    def schedule_lrs(self) -> Tensor:
-        return self.world.schedule.clone()
+class _CheckedRates(LearningRates):
+    """:class:`~lightning_hdet.hdet.rates.LearningRates` whose writer is held to the executor's contract."""
 
-    def current_lrs(self) -> Tensor:
-        return self.lr_multipliers * self.schedule_lrs()
+    source: _Rank
 
-    # ------------------------------------------------------------------ writers (collectives)
-    def set_gradient_sync(self, gradient_sync: str) -> None:
-        self.world.exchange(self.group, ("set_gradient_sync", gradient_sync))
-        self.world.gradient_sync = gradient_sync
-
-    def set_lr_multipliers(self, multipliers: Any) -> None:
+    def set(self, multipliers: Any) -> None:
         table = torch.as_tensor(multipliers, dtype=torch.float64)
-        self.world.exchange(self.group, ("set_lr_multipliers", table))
-        if self.group == 0:
-            self.world.table.set(table, self.num_groups, len(self.world.schedule))
-        self.world.barrier()  # nobody reads the table half-written
+        self.source.world.exchange(self.source.group_index, ("set_lr_multipliers", table))
+        super().set(table)
 
-    def enable_guard(self) -> None:
-        self.world.guard_enabled = True
 
-    def interval_skipped(self, reset: bool = True) -> int:
-        count = self.world.skipped[self.group]
-        if reset:
-            self.world.skipped[self.group] = 0
-        return count
+class _CheckedMerger(Merger):
+    """:class:`~lightning_hdet.hdet.merge.Merger` whose calls are held to the executor's contract (the merge's own
+    all-reduces check only their shapes)."""
 
-    def gather_group_values(self, values: Tensor) -> Tensor:
-        """Every group's ``values`` as one row (one rank per group: the sum over a group's ranks is its own)."""
-        return self.merger.groups.gather_group_values(values)
+    site: FakeSite
 
-    def add_init_noise(self, relative_std: float, seed: int) -> None:
-        add_init_noise([self.params], relative_std, seed)
+    def _agree(self, *call: Any) -> None:
+        self.site.world.exchange(self.site.group, call)
 
     def merge(self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool],
               keep: bool = True) -> None:
-        self.world.exchange(self.group, ("merge", tuple(map(float, coefficients)), tuple(map(float, strengths)),
-                                         tuple(map(bool, restart)), bool(keep)))
-        self.merger.merge(coefficients, strengths, restart, keep)
+        self._agree("merge", tuple(map(float, coefficients)), tuple(map(float, strengths)),
+                    tuple(map(bool, restart)), bool(keep))
+        super().merge(coefficients, strengths, restart, keep)
 
     def ensure_restore_point(self, keep_initial: bool = False) -> None:
-        self.world.exchange(self.group, ("ensure_restore_point", bool(keep_initial)))
-        self.merger.ensure_restore_point(keep_initial)
+        self._agree("ensure_restore_point", bool(keep_initial))
+        super().ensure_restore_point(keep_initial)
 
     def restore(self, initial: Sequence[bool] = ()) -> None:
-        self.world.exchange(self.group, ("restore", tuple(map(bool, initial))))
-        self.merger.restore(initial)
-
-    def validate_merged(self, on: bool) -> None:
-        self.merger.validate_merged(on)
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_ensemble(self) -> dict[str, Any]:
-        point = self.merger.restore_point
-        return {"lr_multipliers": self.lr_multipliers, "group_files": None,
-                "last_good": None if point is None else point.clone()}
-
-    def load_ensemble(self, state: dict[str, Any]) -> None:
-        self.set_lr_multipliers(state["lr_multipliers"])
-        if state.get("last_good") is not None:
-            self.merger.load_restore_point(state["last_good"])
+        self._agree("restore", tuple(map(bool, initial)))
+        super().restore(initial)
 
 
 class InMemoryCommunicator:
@@ -314,15 +346,6 @@ class FakeSite:
 
     def reshard(self) -> None:
         """Nothing is sharded."""
-
-
-@dataclass(frozen=True)
-class _Place:
-    """Where one simulated rank stands (:class:`~lightning_hdet.hdet.comm.Place`)."""
-
-    layout: GroupLayout
-    group_index: int
-    root_device: torch.device = torch.device("cpu")
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

@@ -39,7 +39,6 @@ from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
-from lightning_hdet.hdet.merge import Merger
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
@@ -102,7 +101,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
                          **({"timeout": timeout} if timeout is not None else {}))
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = fsdp_kwargs
-        self.merger = Merger(ShardSite(self), self.group_comm)  # merges, the restore point, roll-backs
+        self._init_parts(ShardSite(self))
         self._mesh_world: Any = None  # the default group the device mesh was built on
 
     @classmethod
@@ -180,10 +179,11 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         """``"global"``: each group's reduced gradient shard is averaged over the groups (guarded when the guard is
         on); ``"group"``: no hook."""
         shared = self.gradient_sync == "global" and self.num_groups > 1
-        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, self._guard_enabled) \
+        guard = self.hdet.guard
+        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, guard.enabled) \
             if shared else None
         set_all_reduce_hook(self.model, mean)
-        self._guard = mean if self._guard_enabled else None
+        guard.hook = mean if guard.enabled else None
 
     def _apply_gradient_sync(self) -> None:
         """The all-reduce hook that averages gradient shards over the groups is installed or removed (no collective)."""
@@ -220,5 +220,5 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._guard = None
+        self.hdet.guard.hook = None
         super().teardown()

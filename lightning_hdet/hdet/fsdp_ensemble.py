@@ -58,10 +58,6 @@ class ShardedEnsembleOps(MergeOps):
             t.add_((torch.randn(t.shape, generator=gen, dtype=torch.float64) * std).to(t.device, t.dtype))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_ensemble(self) -> dict[str, Any]:
-        """Multipliers and this rank's restore point; every group's own state goes into the checkpoint folder."""
-        return {
-            "lr_multipliers": self.lr_multipliers,
-            "groups": None,
-            "last_good": self.merger.restore_point,
-        }
+    def ensemble_files(self) -> dict[str, Any]:
+        """Every group's own state goes into the checkpoint folder (``groups``: the inline states of 0.x files)."""
+        return {"groups": None}

@@ -127,7 +127,7 @@ class Merger:
         target becomes the restore point, written into its host copy bucket by bucket; the groups flagged in
         ``restart`` clear their optimizer state.
         """
-        index, device = self.groups.group_index, self.groups.device
+        index, device = self.groups.group_index, self.groups.root_device
         parts, iterates = self.site.merge_parts(), self.site.iterate_part()
         tensors = [t for part in parts for t in part.tensors]
         coefficient = float(coefficients[index])
@@ -163,14 +163,14 @@ class Merger:
         held = self._restore_point
         if held is not None and held.numel() == size and held.dtype == dtype:
             return held
-        return host_buffer(size, self.groups.device, dtype)
+        return host_buffer(size, self.groups.root_device, dtype)
 
     def ensure_restore_point(self, keep_initial: bool = False) -> None:
         """Make the current state the restore point unless one is held (from a merge or a checkpoint); with
         ``keep_initial``, also keep that state apart as the initial model (a second host copy, fresh runs only: a
         resumed run's restore point is its last good merge, and no initial model is held)."""
         if self._restore_point is None:
-            tensors, device = self._restorable_tensors(), self.groups.device
+            tensors, device = self._restorable_tensors(), self.groups.root_device
             self._restore_point = read_into(tensors, self._restore_buffer(tensors), device)
             if keep_initial:  # pinned like the restore point on CUDA
                 held = self._restore_point
@@ -182,7 +182,7 @@ class Merger:
         assert self._restore_point is not None, "ensure_restore_point() runs at the start of fit"
         held = self._initial_point
         fresh = held is not None and bool(initial) and bool(initial[self.groups.group_index])
-        write_from(self._restorable_tensors(), held if fresh else self._restore_point, self.groups.device)
+        write_from(self._restorable_tensors(), held if fresh else self._restore_point, self.groups.root_device)
         self.site.clear_optimizer_state()
         log.debug("roll-back to the %s", "initial model" if fresh else "restore point")
 
@@ -196,63 +196,37 @@ class Merger:
 
 
 class MergeOps:
-    """The strategy's merge half of the executor interface, delegated to its :class:`Merger` (``self.merger``), and
-    the Lightning hooks that test and predict with the merged model."""
+    """The Lightning hooks that test and predict with the merged model, through the strategy's merger."""
 
-    merger: Merger
-
-    def merge(
-        self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
-    ) -> None:
-        """See :meth:`Merger.merge`."""
-        self.merger.merge(coefficients, strengths, restart, keep)
-
-    def ensure_restore_point(self, keep_initial: bool = False) -> None:
-        """See :meth:`Merger.ensure_restore_point`."""
-        self.merger.ensure_restore_point(keep_initial)
-
-    def restore(self, initial: Sequence[bool] = ()) -> None:
-        """See :meth:`Merger.restore`."""
-        self.merger.restore(initial)
-
-    def validate_merged(self, on: bool) -> None:
-        """See :meth:`Merger.validate_merged`."""
-        self.merger.validate_merged(on)
-
-    def load_ensemble(self, state: dict[str, Any]) -> None:
-        """Multipliers and restore point from ``checkpoint["hdet"]`` (this rank's restore point; the groups' own
-        states are read when Lightning restores the model and optimizers)."""
-        self.set_lr_multipliers(state["lr_multipliers"])
-        if state.get("last_good") is not None:
-            self.merger.load_restore_point(state["last_good"])
+    hdet: Any  # the strategy's HDETParts (its ``merger`` swaps the merged model in and out)
 
     @override
     def on_test_start(self) -> None:
         """Test (and predict with) the model a checkpoint holds, as validation does: e.g. after
         ``trainer.test(ckpt_path="best")`` each group holds its own state from the checkpoint's group files."""
         super().on_test_start()  # type: ignore[misc]
-        self.validate_merged(True)
+        self.hdet.merger.validate_merged(True)
 
     @override
     def on_test_end(self) -> None:
-        self.validate_merged(False)
+        self.hdet.merger.validate_merged(False)
         super().on_test_end()  # type: ignore[misc]
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()  # type: ignore[misc]
-        self.validate_merged(True)
+        self.hdet.merger.validate_merged(True)
 
     @override
     def on_predict_end(self) -> None:
-        self.validate_merged(False)
+        self.hdet.merger.validate_merged(False)
         super().on_predict_end()  # type: ignore[misc]
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """An exception inside validation gives each group its own state back (no collective): what the model in
         memory holds after a failed ``fit``, and what a retry or a later ``trainer.save_checkpoint`` starts from."""
-        self.validate_merged(False)
+        self.hdet.merger.validate_merged(False)
         super().on_exception(exception)  # type: ignore[misc]
 
 

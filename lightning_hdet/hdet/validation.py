@@ -78,7 +78,7 @@ class MergedValidation:
 
     def swap_in(self, merger: Any) -> None:
         """Keep this rank's own state on the host, then hold the checkpoint's merged model on every rank."""
-        groups, device = merger.groups.layout.num_groups, merger.groups.device
+        groups, device = merger.groups.num_groups, merger.groups.root_device
         if self.active or groups == 1:
             return
         merger.site.reshard()
@@ -97,5 +97,5 @@ class MergedValidation:
         if not self.active:
             return
         merger.site.reshard()  # the validation's forwards may have left merged parameters gathered
-        write_from(self._tensors, self._buffer, merger.groups.device)
+        write_from(self._tensors, self._buffer, merger.groups.root_device)
         self._tensors = None
