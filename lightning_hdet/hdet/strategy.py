@@ -74,7 +74,8 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     collectives (``groups``), the multiplier table (``table``), the merger (``merger``: merges, restore point,
     roll-backs, the validation swap) and the non-finite step guard (``guard``), objects the strategy owns; besides
     them only ``set_gradient_sync(mode)`` (DDP wraps the model again) and ``config``. A user reads ``layout``,
-    ``num_groups``, ``group_index``, ``lr_multipliers`` (a copy), ``current_lrs()`` and ``skipped_steps`` here.
+    ``num_groups``, ``group_index``, ``lr_multipliers`` (a copy), ``current_lrs()`` and ``skipped_steps`` here, and
+    may replace the table with ``set_lr_multipliers(table)`` (on every rank, the same values).
     """
 
     strategy_name = "hdet"
