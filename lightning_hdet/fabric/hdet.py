@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.hdet.ensemble import EnsembleOps
+from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.hyperparams import Span, check_optimizers
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
@@ -73,7 +73,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         kwargs.pop("process_group", None)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self._restore_point = None  # owned by MergeOps (merge.py)
+        self._init_parts(ReplicaSite(self))
         self._module: Optional[Module] = None
         self._optimizers: list[Optimizer] = []
 
@@ -156,8 +156,8 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         super().load_module_state_dict(module, state_dict, strict=strict)
         inner = module.module if isinstance(module, DistributedDataParallel) else module
         if inner is self._module:
-            self._restore_point = None
-            self.ensure_restore_point()
+            self.hdet.merger.load_restore_point(None)
+            self.hdet.merger.ensure_restore_point()
 
     @override
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:

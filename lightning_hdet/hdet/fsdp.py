@@ -21,7 +21,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn import Module
@@ -38,7 +37,7 @@ from lightning_hdet._compat import (
 from lightning_hdet._process_groups import destroy_default_group_at_exit
 from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
+from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.hyperparams import Span
 from lightning_hdet.hdet.shards import (
@@ -105,7 +104,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
                          **({"timeout": timeout} if timeout is not None else {}))
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = fsdp_kwargs
-        self._restore_point: Optional[Tensor] = None  # owned by MergeOps (fsdp_ensemble.py, merge.py)
+        self._init_parts(ShardSite(self))
         self._mesh_world: Any = None  # the default group the device mesh was built on
 
     @classmethod
@@ -183,10 +182,11 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         """``"global"``: each group's reduced gradient shard is averaged over the groups (guarded when the guard is
         on); ``"group"``: no hook."""
         shared = self.gradient_sync == "global" and self.num_groups > 1
-        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, self._guard_enabled) \
+        guard = self.hdet.guard
+        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, guard.enabled) \
             if shared else None
         set_all_reduce_hook(self.model, mean)
-        self._guard = mean if self._guard_enabled else None
+        guard.hook = mean if guard.enabled else None
 
     def _apply_gradient_sync(self) -> None:
         """The all-reduce hook that averages gradient shards over the groups is installed or removed (no collective)."""
@@ -223,5 +223,5 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._guard = None
+        self.hdet.guard.hook = None
         super().teardown()

@@ -4,11 +4,13 @@
 Lightning base class. It validates ``num_groups`` / ``lr_multipliers`` / ``spread`` / ``gradient_sync`` before
 any process exists, splits the ranks into groups, owns the multiplier table and applies this rank's row around
 every optimizer step (so schedulers never see it), owns the non-finite step check (flags and counts on the device:
-no host sync per step), and gathers one row of numbers per group: the read-out half of :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
+no host sync per step), and builds the objects the callback drives (:class:`~lightning_hdet.hdet.executor.HDETParts`,
+``self.hdet``): the groups' collectives, the learning rates, the merger and the step guard.
 
 A host strategy provides Lightning's ``optimizers``, ``world_size``, ``global_rank``, ``root_device``,
-``num_nodes``, ``num_processes``, ``precision_plugin``, and ``_guard`` (the hook whose ``flag`` says a local
-gradient was not finite, or ``None``) and ``_guard_process_group`` (the ranks that skip a step together).
+``num_nodes``, ``num_processes``, ``precision_plugin``, and ``_guard_process_group`` (the ranks that skip a step
+together); it sets ``self.hdet.guard.hook`` to the state of the gradient hook it installs (whose ``flag`` says a
+local gradient was not finite), if any.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -29,8 +30,10 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
+from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.defaults import PRESETS, span_grid
-from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device
+from lightning_hdet.hdet.executor import HDETParts
+from lightning_hdet.hdet.guard import StepGuard, skips_on_device
 from lightning_hdet.hdet.hyperparams import Explored, ExploredTables, Span, check_explore, check_optimizers, scaled
 from lightning_hdet.hdet.hyperparams import bases as explored_bases
 from lightning_hdet.hdet.layout import (
@@ -41,6 +44,7 @@ from lightning_hdet.hdet.layout import (
     fan_out,
     make_layout,
 )
+from lightning_hdet.hdet.merge import Merger, MergeSite
 from lightning_hdet.hdet.multipliers import (
     MultiplierTable,
     check_numeric_lrs,
@@ -48,6 +52,7 @@ from lightning_hdet.hdet.multipliers import (
     scaled_lr,
     schedule_lrs,
 )
+from lightning_hdet.hdet.rates import LearningRates
 
 GradientSync = Literal["global", "group"]
 GRADIENT_SYNC = ("global", "group")
@@ -56,7 +61,7 @@ GRADIENT_SYNC = ("global", "group")
 class HDETGroups:
     """Groups of ranks, their learning-rate multipliers, the guard's counters and the vote's one collective."""
 
-    _guard: Optional[Any]
+    hdet: HDETParts
 
     def _init_groups(
         self,
@@ -96,9 +101,13 @@ class HDETGroups:
         self.gradient_sync = gradient_sync
         self._layout: Optional[GroupLayout] = None
         self._multipliers: Optional[MultiplierTable] = None
-        self._guard = None
-        self._guard_enabled = False
-        self._steps: Optional[NonFiniteSteps] = None  # flags and counts non-finite steps on the device
+
+    def _init_parts(self, site: MergeSite) -> None:
+        """Build ``self.hdet``, the objects the callback drives (call in ``__init__``, after :meth:`_init_groups`):
+        every collective between the groups goes through one :class:`~lightning_hdet.hdet.comm.GroupComm` over
+        ``torch.distributed``; ``site`` says what this strategy's merges carry."""
+        groups = GroupComm(self, ProcessGroupCommunicator())
+        self.hdet = HDETParts(self, groups, LearningRates(self), Merger(site, groups), StepGuard())
 
     @property
     def config(self) -> dict[str, Any]:
@@ -193,13 +202,18 @@ class HDETGroups:
         return self._multipliers
 
     @property
+    def multiplier_table(self) -> MultiplierTable:
+        """The multiplier table this strategy applies around every step (read and written through ``hdet.table``)."""
+        return self._table
+
+    @property
     def lr_multipliers(self) -> Tensor:
         """Every group's multiplier for every optimizer param group: shape ``(num_groups, num_param_groups)``.
 
         Param groups added during training (e.g. by fine-tuning callbacks) start with their group's first
         multiplier.
         """
-        return self._table.get(self.num_param_groups)
+        return self.hdet.table.multipliers
 
     @property
     def lr_multiplier(self) -> float:
@@ -211,7 +225,7 @@ class HDETGroups:
 
         This is the one place multipliers change at run time; call it with identical values on every rank.
         """
-        self._table.set(multipliers, self.num_groups, self.num_param_groups)
+        self.hdet.table.set(multipliers)
 
     def set_gradient_sync(self, gradient_sync: GradientSync) -> None:
         """Average gradients over all ranks (``"global"``) or inside each group (``"group"``) from the next step on.
@@ -273,7 +287,7 @@ class HDETGroups:
 
     def current_lrs(self) -> Tensor:
         """Real learning rate of every group and flattened param group: schedule LR x multiplier, ``(G, P)``."""
-        return self.lr_multipliers * self.schedule_lrs()
+        return self.hdet.table.current_lrs()
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -290,58 +304,34 @@ class HDETGroups:
         model: Optional[Union[LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        if not self._guard_enabled:
+        guard = self.hdet.guard
+        if not guard.enabled:
             with self.scaled_lr(optimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        if self._steps is None:
-            self._steps = NonFiniteSteps(self.root_device)
-        inner = unwrap_optimizer(optimizer)
+        steps, inner = guard.counter(self.root_device), unwrap_optimizer(optimizer)
         scaler = self._uses_grad_scaler()  # a GradScaler skips non-finite steps itself and owns ``found_inf``
         exact = skips_on_device(inner) and not scaler
-        closure = self._steps.wrap(closure, optimizer, self._guard, not scaler, self._guard_process_group,
-                                   self.layout.group_size, exact)
+        closure = steps.wrap(closure, optimizer, guard.hook, not scaler, self._guard_process_group,
+                             self.layout.group_size, exact)
         try:
-            with self.scaled_lr(optimizer), (self._steps.found_inf(inner) if exact else nullcontext()):
+            with self.scaled_lr(optimizer), (steps.found_inf(inner) if exact else nullcontext()):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         finally:
-            if self._guard is not None:
-                self._guard.reset()
-
-    def enable_guard(self) -> None:
-        """Flag the optimizer steps whose loss or gradients are non-finite, and skip them where the optimizer can
-        do so on the device (see :class:`~lightning_hdet.hdet.guard.NonFiniteSteps`); call before wrapping."""
-        self._guard_enabled = True
+            if guard.hook is not None:
+                guard.hook.reset()
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps the guard flagged on this rank since this strategy started (reads the device counter)."""
-        return self._steps.total() if self._steps is not None else 0
-
-    def interval_skipped(self, reset: bool = True) -> int:
-        """Flagged steps since the last reset (or the start of fit); ``reset=False`` only peeks. One host read of
-        the device counter: called at votes and checkpoints, never per step."""
-        return self._steps.interval(reset) if self._steps is not None else 0
+        return self.hdet.guard.skipped_steps
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
-        self.interval_skipped(reset=True)  # a vote interval starts with the fit
+        self.hdet.guard.interval_skipped(reset=True)  # a vote interval starts with the fit
 
     def _uses_grad_scaler(self) -> bool:
         return isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None
-
-    # ------------------------------------------------------------------ the vote's collective
-    def gather_group_values(self, values: Tensor) -> Tensor:
-        """Sum ``values`` (1-D, this rank's numbers) over the ranks of each group; return ``(num_groups, k)``.
-
-        One small all-reduce over all ranks; every rank gets every group's row.
-        """
-        values = values.to(self.root_device, torch.float64).reshape(-1)
-        table = torch.zeros(self.num_groups, values.numel(), dtype=torch.float64, device=self.root_device)
-        table[self.group_index] = values
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(table)
-        return table.cpu()
 
 
 
