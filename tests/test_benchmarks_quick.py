@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.strategies import DDPStrategy
 
 from benchmarks.common import RunSpec, best_so_far, fit_run, markdown_table, median, update_doc_section
 from benchmarks.search_baselines import STARTS, accepted_votes, lr_grid, parse_hdet_arm
@@ -72,7 +73,9 @@ def test_fit_run_resumes_from_checkpoint_at_a_new_lr(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_fit_run_on_two_processes_records_every_rank(tmp_path):
-    run = fit_run(RunSpec(lr=1e-3, devices=2, **TINY_RUN), tmp_path)
+    # Forked ranks (fit_run's default is ddp_spawn): what is tested is the per-rank record, not the launcher.
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
+    run = fit_run(RunSpec(lr=1e-3, devices=2, **TINY_RUN), tmp_path, strategy=strategy)
     assert len(run.rank_val_curves) == 2 and run.rank_lrs == [1e-3, 1e-3]
     for curve in run.rank_val_curves:
         assert [s for s, _, _ in curve] == [2, 4] and all(math.isfinite(v) for _, v, _ in curve)
