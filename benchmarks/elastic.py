@@ -84,7 +84,8 @@ def elastic(args: argparse.Namespace, work: Path, kill: bool) -> dict:
 def single_job(args: argparse.Namespace, work: Path) -> dict:
     start = time.perf_counter()
     job = launch("single", work / "single.json", "--budget", str(args.budget), "--local-steps", str(args.local_steps),
-                 "--step-s", str(args.step_s), "--kill-at-step", str(args.budget // 8), "--address", "unused:0")
+                 "--step-s", str(args.step_s), "--kill-at-step", str(args.budget // 8), "--address", "unused:0",
+                 "--start-method", args.single_start_method)
     code = job.wait(timeout=args.timeout)
     result = read_json(work / "single.json")
     return {"wall_s": time.perf_counter() - start, "final_loss": result.get("final_loss"), "steps_done": None,
@@ -109,6 +110,9 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=4)
     parser.add_argument("--step-s", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--single-start-method", default="popen", choices=("popen", "spawn", "fork"),
+                        help="how the single job starts its 4 ranks (default: Lightning's subprocess launcher, as a "
+                             "user runs it; the tests fork them, which spares 3 interpreter start-ups)")
     add_output_args(parser)
     args = parser.parse_args()
     args.budget = args.budget or (240 if args.quick else 800)

@@ -449,7 +449,8 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
 
 @pytest.mark.timeout(1500)
 def test_elastic_quick_mode(tmp_path):
-    data, table, _ = run_quick(tmp_path, "elastic", "--budget", "64", "--step-s", "0.02")
+    data, table, _ = run_quick(tmp_path, "elastic", "--budget", "64", "--step-s", "0.02", "--single-start-method",
+                               "fork")
     rows = data["rows"]
     assert list(rows) == ["elastic, no failure", "elastic, one of 4 killed at 50 %",
                           "single job (today), one of 4 killed at 50 %"]
