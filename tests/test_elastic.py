@@ -233,9 +233,9 @@ def test_a_fifth_worker_joins_mid_run_and_pushes(killed_and_joined: dict) -> Non
 def test_a_killed_service_restarts_from_its_checkpoint_and_workers_reconnect(tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     ckpt, status = tmp_path / "ckpt.pt", tmp_path / "ckpt.pt.status.json"
-    serve = ["--address", address, "--budget", "96", "--checkpoint", str(ckpt)]
+    serve = ["--address", address, "--budget", "160", "--checkpoint", str(ckpt)]
     server = launch("server", tmp_path / "server1.json", *serve)
-    pace = ["--address", address, "--step-s", "0.1"]  # the kill comes at >= 16 of the 96 steps
+    pace = ["--address", address, "--step-s", "0.2"]
     patient = [launch("worker", tmp_path / f"w{i}.json", *pace, "--reconnect-s", "180") for i in (1, 2)]
     impatient = launch("worker", tmp_path / "w3.json", *pace, "--reconnect-s", "0")
     _wait_for(lambda: read_json(status).get("outer_updates", 0) >= 4, "the run to be under way")
@@ -247,7 +247,7 @@ def test_a_killed_service_restarts_from_its_checkpoint_and_workers_reconnect(tmp
     restarted = launch("server", tmp_path / "server2.json", *serve)
     assert _finish([*patient, restarted]) == [0, 0, 0]
     result = json.loads((tmp_path / "server2.json").read_text())
-    assert result["outer_updates"] > at_kill["outer_updates"] and result["steps_done"] == 96
+    assert result["outer_updates"] > at_kill["outer_updates"] and result["steps_done"] == 160
     for i in (1, 2):
         sessions = json.loads((tmp_path / f"w{i}.json").read_text())["sessions"]
         assert len(sessions) == 2 and min(sessions[1:]) > max(int(s) for s in at_kill["workers"])
