@@ -1,6 +1,6 @@
 """Benchmark 6, workers that come and go (issue 16): wall-clock and final loss of asynchronous Local-SGD on four
 workers when one of them is SIGKILLed at 50 % of the budget, against no failure and against today's single-job
-mode, where the same kill ends the whole job.
+mode, where the same kill ends the whole job (``--workers`` changes the four; the tests' quick run uses two).
 
 Arms (the regression task of the tests, ``LinearModel``; each step padded by ``--step-s`` of emulated compute):
 
@@ -65,12 +65,12 @@ def elastic(args: argparse.Namespace, work: Path, kill: bool) -> dict:
     start = time.perf_counter()
     server = launch("server", work / "server.json", *common, "--checkpoint", str(work / "ckpt.pt"))
     workers = [launch("worker", work / f"w{i}.json", "--address", address, "--step-s", str(args.step_s))
-               for i in range(4)]
+               for i in range(args.workers)]
     killed_at = None
     while kill and killed_at is None and server.poll() is None:
         done = read_json(work / "ckpt.pt.status.json").get("steps_done", 0)
         if done >= args.budget // 2:
-            workers[3].send_signal(signal.SIGKILL)
+            workers[-1].send_signal(signal.SIGKILL)
             killed_at = done
         time.sleep(0.05)
     codes = [p.wait(timeout=args.timeout) for p in (*workers, server)]
@@ -84,7 +84,8 @@ def elastic(args: argparse.Namespace, work: Path, kill: bool) -> dict:
 def single_job(args: argparse.Namespace, work: Path) -> dict:
     start = time.perf_counter()
     job = launch("single", work / "single.json", "--budget", str(args.budget), "--local-steps", str(args.local_steps),
-                 "--step-s", str(args.step_s), "--kill-at-step", str(args.budget // 8), "--address", "unused:0")
+                 "--step-s", str(args.step_s), "--kill-at-step", str(args.budget // (2 * args.workers)),
+                 "--address", "unused:0", "--workers", str(args.workers), "--start-method", args.single_start_method)
     code = job.wait(timeout=args.timeout)
     result = read_json(work / "single.json")
     return {"wall_s": time.perf_counter() - start, "final_loss": result.get("final_loss"), "steps_done": None,
@@ -98,7 +99,7 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> str:
              fmt(r["final_loss"], ".2e") if r["final_loss"] is not None else "— (no model)", fmt(r["wall_s"], ".1f"),
              fmt(r["service_s"], ".1f")] for arm, r in rows.items()]
     initial = next((r["initial_loss"] for r in rows.values() if r.get("initial_loss")), None)
-    head = (f"Mode: {'quick' if args.quick else 'full'}; 4 workers, budget {args.budget} inner steps, H = "
+    head = (f"Mode: {'quick' if args.quick else 'full'}; {args.workers} workers, budget {args.budget} inner steps, H = "
             f"{args.local_steps}, {args.step_s} s of emulated compute per step; initial loss {fmt(initial, '.3f')}.")
     return head + "\n\n" + markdown_table(headers, body)
 
@@ -109,15 +110,20 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=4)
     parser.add_argument("--step-s", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--workers", type=int, default=4, choices=range(2, 17), metavar="W",
+                        help="workers in each arm, the single job's ranks (default 4)")
+    parser.add_argument("--single-start-method", default="popen", choices=("popen", "spawn", "fork"),
+                        help="how the single job starts its ranks (default: Lightning's subprocess launcher, as a "
+                             "user runs it; the tests fork them, which spares W - 1 interpreter start-ups)")
     add_output_args(parser)
     args = parser.parse_args()
     args.budget = args.budget or (240 if args.quick else 800)
     name, _ = begin(NAME, args.quick)
-    rows = {}
+    rows, of = {}, f"one of {args.workers} killed at 50 %"
     with tempfile.TemporaryDirectory() as tmp:
         for arm, run in (("elastic, no failure", lambda w: elastic(args, w, kill=False)),
-                         ("elastic, one of 4 killed at 50 %", lambda w: elastic(args, w, kill=True)),
-                         ("single job (today), one of 4 killed at 50 %", lambda w: single_job(args, w))):
+                         (f"elastic, {of}", lambda w: elastic(args, w, kill=True)),
+                         (f"single job (today), {of}", lambda w: single_job(args, w))):
             work = Path(tmp) / arm.split(",")[0].replace(" ", "_") / str(len(rows))
             work.mkdir(parents=True)
             rows[arm] = run(work)

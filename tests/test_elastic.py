@@ -262,7 +262,7 @@ def test_a_frozen_worker_expires_and_diloco_continues_with_the_live_set(tmp_path
     status = tmp_path / "ckpt.pt.status.json"
     server = launch("server", tmp_path / "server.json", "--address", address, "--budget", "96", "--mode", "sync",
                     "--lease-s", "4", "--checkpoint", str(tmp_path / "ckpt.pt"))
-    workers = [launch("worker", tmp_path / f"w{i}.json", "--address", address, "--step-s", "0.1") for i in (1, 2)]
+    workers = [launch("worker", tmp_path / f"w{i}.json", "--address", address, "--step-s", "0.05") for i in (1, 2)]
     try:
         _wait_for(lambda: read_json(status).get("outer_updates", 0) >= 2, "the run to be under way")
         workers[1].send_signal(signal.SIGSTOP)

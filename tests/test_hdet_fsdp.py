@@ -20,19 +20,35 @@ from lightning_hdet.hdet.layout import GroupLayout
 from lightning_hdet.hdet.merge import Merger
 from lightning_hdet.hdet.shards import GroupGradientMean
 from tests.helpers import Regression
-from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH
+from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH, scenario_dir
 
 pytestmark = pytest.mark.timeout(600)
 SCRIPT = Path(__file__).parent / "scripts" / "hdet_fsdp_run.py"
 
 
-def _run(out: Path, sync: str, shard_where: str, resume: bool, extra: str = "") -> list[dict]:
+# The scenarios the four end-to-end tests below assert on (sync:shard_where:resume[:extra], see the script).
+VALIDATE, CONFIGURE_MODEL = "group:strategy:resume:validate", "group>global:configure_model:no-resume"
+NAN, SCHEDULE_FREE = "group:strategy:no-resume:nan", "group:strategy:no-resume:schedulefree"
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of the script for all four scenarios, one after the other in the same 4 processes (each with
+    its own strategy and seed; starting 4 interpreters was most of each test's time)."""
+    out = tmp_path_factory.mktemp("hdet_fsdp")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, str(SCRIPT), str(out), sync, shard_where, "resume" if resume else "no-resume",
-            *([extra] if extra else [])]
+    for name in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
+        env.pop(name, None)  # a fresh rendezvous, as conftest gives each test
+    args = [sys.executable, str(SCRIPT), str(out), VALIDATE, CONFIGURE_MODEL, NAN, SCHEDULE_FREE]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=560, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    return out
+
+
+def _run(launched: Path, scenario: str) -> tuple[Path, list[dict]]:
+    """A scenario's folder and its 4 ranks' records."""
+    out = scenario_dir(launched, scenario)
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
 def _check_training(ranks: list[dict]) -> None:
@@ -49,10 +65,10 @@ def _check_training(ranks: list[dict]) -> None:
             torch.testing.assert_close(f["after"][step], (group0 + group1) / 2)
 
 
-def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path: Path) -> None:
+def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(launched: Path) -> None:
     """Validating at each epoch's end too: the validated model is the merged one a checkpoint holds, and each group's
     own state comes back after it (the exact resume and merges below would not hold otherwise)."""
-    ranks = _run(tmp_path, "group", "strategy", resume=True, extra="validate")
+    out, ranks = _run(launched, VALIDATE)
     _check_training(ranks)
     first, resumed = [r["first"] for r in ranks], [r["resumed"] for r in ranks]
     # exact resume from the step-3 checkpoint: each group restarts from its own parameters and optimizer state
@@ -61,7 +77,7 @@ def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path
         assert r["losses"] == {s: f["losses"][s] for s in r["losses"]}
         torch.testing.assert_close(r["final"], f["final"])
     # Lightning's own consolidation turns the folder into a file whose state_dict is the merged model
-    folder = tmp_path / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    folder = out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
     subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(folder)],
                    check=True, capture_output=True)
     checkpoint = torch.load(f"{folder}.consolidated", weights_only=True)
@@ -78,10 +94,10 @@ def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(tmp_path
     assert first[0]["val_loss"][STEPS_PER_EPOCH] == pytest.approx(own_loss, rel=1e-5)
 
 
-def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:
+def test_global_sync_with_sharding_in_configure_model(launched: Path) -> None:
     """Built with ``"group"`` and switched to ``"global"`` once sharded (``set_gradient_sync``, as ``search_steps``
     does): from the first step every group's gradient is the mean over the groups."""
-    ranks = _run(tmp_path, "group>global", "configure_model", resume=False)
+    _, ranks = _run(launched, CONFIGURE_MODEL)
     _check_training(ranks)
     first = [r["first"] for r in ranks]
     # one shared gradient: from the same start, group 1 (3x the LR) moved 3x as far in its first step
@@ -90,10 +106,10 @@ def test_global_sync_with_sharding_in_configure_model(tmp_path: Path) -> None:
                                atol=1e-6)
 
 
-def test_safety_net_rescues_a_sharded_group_whose_loss_goes_nan(tmp_path: Path) -> None:
+def test_safety_net_rescues_a_sharded_group_whose_loss_goes_nan(launched: Path) -> None:
     """Group 1 (both its shards) has a NaN loss at step 3: the step is flagged on its ranks only, the vote at
     step 4 rescues it (it takes group 0's parameters, its LR is halved) and every rank ends finite and equal."""
-    first = [r["first"] for r in _run(tmp_path, "group", "strategy", resume=False, extra="nan")]
+    first = [r["first"] for r in _run(launched, NAN)[1]]
     assert [f["skipped"] for f in first] == [0, 0, 1, 1]
     assert all(math.isnan(f["losses"][4]) == (f["group_index"] == 1) for f in first)  # step 3's loss, logged at 4
     for f in first:
@@ -103,10 +119,10 @@ def test_safety_net_rescues_a_sharded_group_whose_loss_goes_nan(tmp_path: Path) 
     assert all(torch.isfinite(f["final"]).all() and torch.equal(f["final"], first[0]["final"]) for f in first)
 
 
-def test_schedule_free_shards_blend_their_base_iterate_with_the_parameters(tmp_path: Path) -> None:
+def test_schedule_free_shards_blend_their_base_iterate_with_the_parameters(launched: Path) -> None:
     """Schedule-free AdamW on shards: each vote (mean blend) gives every group the mean of the groups' ``z`` (a
     DTensor in the optimizer state) as of their parameters, so the average it evaluates is blended too."""
-    ranks = _run(tmp_path, "group", "strategy", resume=False, extra="schedulefree")
+    _, ranks = _run(launched, SCHEDULE_FREE)
     _check_training(ranks)
     first = [r["first"] for r in ranks]
     for step in (2, 4):

@@ -1,5 +1,6 @@
 """signal="heldout": the averaging rule, the bookkeeping and the vote (hand-computed), and the whole path on four
-processes (gloo, Lightning's spawn launcher): every group's averaged iterate scored on the same held-out batches."""
+processes (gloo, forked by Lightning's multiprocessing launcher): every group's averaged iterate scored on the same
+held-out batches."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.controller import HDETController, Interval
 from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.signals import score
-from tests.helpers import LinearModel, Regression, flat_params, trainer_kwargs
+from tests.helpers import START, LinearModel, Regression, flat_params, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -158,7 +159,7 @@ def test_groups_score_their_averaged_iterate_on_the_same_heldout_batches(tmp_pat
     is the MSE of the mean of its restart point and the iterates since, on batches 0-2; the vote follows it."""
     seed_everything(3)
     callback = HDETCallback(every_n_steps=4, vote=Best(blend="best"), signal=Heldout(batches=3), search=False)
-    strategy = HDETStrategy(num_groups=2, spread=0.5, gradient_sync="group", start_method="spawn")
+    strategy = HDETStrategy(num_groups=2, spread=0.5, gradient_sync="group", start_method=START)
     trainer = Trainer(strategy=strategy, callbacks=[Params(tmp_path, "pre"), callback, Params(tmp_path, "post")],
                       **trainer_kwargs(devices=4, max_steps=8, limit_val_batches=2))
     trainer.fit(HeldoutLinear(lr=0.05))

@@ -185,7 +185,11 @@ class _Fault(Callback):
         hit = trainer.global_rank in self.ranks and trainer.global_step in self.steps
         self._armed = hit
         if hit and self.kind == "sleep":
-            time.sleep(120)  # far beyond the strategy's timeout: the peers must give up first
+            # Stuck far beyond the strategy's timeout: the peers must give up first. Once one has failed, the
+            # launcher ends the rest with SIGTERM; Lightning's own handler would only note it (and the stuck rank
+            # sleep on until torch's 30 s grace ends in SIGKILL), so the stuck rank takes the default action.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(120)
         if hit and self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
 

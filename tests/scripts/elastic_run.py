@@ -68,15 +68,16 @@ class KillRank(Callback):
 
 
 def single(args: argparse.Namespace) -> None:
-    """Today's single-job mode on 4 processes (one Lightning job, one process group)."""
+    """Today's single-job mode on ``--workers`` processes (one Lightning job, one process group)."""
     from lightning_hdet import AsyncLocalSGDStrategy
 
     seed_everything(0)
     model = LinearModel()
     initial = val_loss(model)["val_loss"]
-    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=args.local_steps), accelerator="cpu", devices=4,
-                      max_steps=args.budget // 4, logger=False, enable_checkpointing=False,
-                      callbacks=[Pace(args), KillRank(3, args.kill_at_step)], enable_progress_bar=False,
+    strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, start_method=args.start_method)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=args.workers,
+                      max_steps=args.budget // args.workers, logger=False, enable_checkpointing=False,
+                      callbacks=[Pace(args), KillRank(args.workers - 1, args.kill_at_step)], enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0)
     trainer.fit(model)
     if trainer.global_rank == 0:
@@ -137,5 +138,7 @@ if __name__ == "__main__":
     parser.add_argument("--kill-at-step", type=int, default=0)
     parser.add_argument("--reconnect-s", type=float, default=60.0)
     parser.add_argument("--stop-below", type=float, default=0.0)
+    parser.add_argument("--start-method", default="popen", choices=("popen", "spawn", "fork"))  # of `single`
+    parser.add_argument("--workers", type=int, default=4)  # of `single`: its ranks
     args = parser.parse_args()
     {"server": server, "worker": worker, "single": single}[args.role](args)

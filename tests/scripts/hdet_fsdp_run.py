@@ -1,10 +1,12 @@
 """Run by tests/test_hdet_fsdp.py under Lightning's subprocess launcher ("hdet_fsdp", as torchrun/SLURM users run
-it): 4 CPU processes, 2 groups x 2 shards. Trains, checkpoints at step 3 (the end of epoch 0), votes/merges every
-2 steps, then resumes a second Trainer from the checkpoint. Each rank writes what the test asserts on to
-``OUT/rank{r}.pt``.
+it): 4 CPU processes, 2 groups x 2 shards. Each scenario trains, checkpoints at step 3 (the end of epoch 0),
+votes/merges every 2 steps and, if it resumes, resumes a second Trainer from the checkpoint. Each rank writes what
+the test asserts on to ``OUT/SCENARIO/rank{r}.pt``.
 
-Usage: ``python hdet_fsdp_run.py OUT {global,group,group>global} {strategy,configure_model} {resume,no-resume}
-[nan|schedulefree|validate]``;
+Usage: ``python hdet_fsdp_run.py OUT SCENARIO [SCENARIO ...]``, a scenario being
+``{global,group,group>global}:{strategy,configure_model}:{resume,no-resume}[:nan|schedulefree|validate]``. The
+scenarios run one after the other in the same 4 processes (one launch: starting 4 interpreters with torch and
+Lightning is most of a scenario's time), each with its own strategy, callbacks and seed.
 ``group>global``: built with ``"group"``, switched to ``"global"`` by ``set_gradient_sync`` once the model is sharded,
 before the first step; ``nan``: group 1's loss is NaN at step 3, learning rates move only by the safety net's cut
 (``meta_lr=0``); ``schedulefree``: schedule-free AdamW instead of AdamW, its base iterate ``z`` recorded too;
@@ -147,12 +149,23 @@ def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any
     return trainer
 
 
-if __name__ == "__main__":
-    out, sync, shard_where, resume = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "resume"
+def scenario_dir(out: Path, scenario: str) -> Path:
+    """Where a scenario's checkpoints and per-rank records go (``group>global:...`` -> ``group-global_...``)."""
+    return out / scenario.replace(">", "-").replace(":", "_")
+
+
+def run(out: Path, scenario: str) -> None:
+    sync, shard_where, resume, *extra = scenario.split(":")
+    out = scenario_dir(out, scenario)
     first: dict[str, Any] = {}
-    trainer = fit(out, sync, shard_where, None, first, nan=sys.argv[5:] == ["nan"],
-                  schedule_free=sys.argv[5:] == ["schedulefree"], validate=sys.argv[5:] == ["validate"])
+    trainer = fit(out, sync, shard_where, None, first, nan=extra == ["nan"], schedule_free=extra == ["schedulefree"],
+                  validate=extra == ["validate"])
     resumed: dict[str, Any] = {}
-    if resume:
+    if resume == "resume":
         fit(out, sync, shard_where, out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", resumed)
     torch.save({"first": first, "resumed": resumed}, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[2:]:
+        run(Path(sys.argv[1]), name)
