@@ -63,8 +63,10 @@ class Part:
 # lists to move arms between `make bench` and `make bench-full`.
 # "untuned" (plain DDP at the starting LR) is the price check of insurance (issue 28); the full-batch grid
 # (grid ×G, the ceiling) runs from every start.
+# The HDET arms: the default of strategy="hdet" (`pbt+search`) and `trust_region@global`; `pbt` and `pbt@global`
+# are bench-full's (search_remedies). Ray Tune's PBT runs on the first seed only (`--pbt-seeds 1`, 9 arms).
 SEARCH_METHODS = ("untuned", "grid", "optuna_tpe", "pbt", "prodigy", "schedulefree")
-SEARCH_VOTES = ("pbt", "pbt@global", "pbt+search", "trust_region@global")
+SEARCH_VOTES = ("pbt+search", "trust_region@global")
 # Every remedy of issue 13 side by side (bench-full), against the baselines that need no Ray.
 REMEDY_METHODS = ("grid", "optuna_tpe", "prodigy", "schedulefree")
 REMEDY_VOTES = ("pbt", "pb2", "pbt+search", "pb2+search", "pbt@global", "pb2@global", "softmax", "pbt:improvement",
@@ -93,17 +95,19 @@ def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) 
     return ("--start-method", "fork", "--name", name, "--methods", *methods, "--hdet-votes", ",".join(votes), *args)
 
 
-# In the order of docs/benchmarks.md. The minutes are estimates from the arms' times recorded in the results
-# files (an idle 2-core machine, HDET forked): ~6-10 s per equal-compute arm at S = 128, ~2 min per Ray Tune PBT
-# arm (most of benchmark 2's time), 4x a grid arm for the full grid; the other scripts' from docs/benchmarks.md.
-# Issue 28 made two of them larger (estimates, not yet measured): benchmark 2 by its third workload (the tabular
-# MLP) and the full grid from every start, the crash benchmark by the tabular case, the four-LR grid per case and
-# two arms run with the callback's defaults.
+# In the order of docs/benchmarks.md. The minutes are estimates for an idle 2-core machine, HDET forked; the other
+# scripts' from docs/benchmarks.md. search_baselines, from arm wall-clocks measured at S = 128 on 2026-12-01 while
+# the machine was nearly idle (load 1-3; later runs under load 10-38 took 2.5-3x the wall for the same CPU time):
+# one seed and start costs ~16 s on the tabular MLP (untuned 0.6, full grid 2.2, default HDET 2.4, trust region
+# 2.5, grid 3.0, TPE 3.8, Prodigy and schedule-free 0.9 each), ~34 s on shapes (untuned 1.9, full grid 7.8, HDET
+# 4.4, trust region 6.3, the rest ~13) and ~180 s on the char LM (untuned 12.9, full grid 64.6, HDET 18.6, trust
+# region 15.4, the rest ~68): 9 seed-starts, ~34 min, plus 9 Ray PBT arms (~45 s each with reused actors: an
+# estimate, the arm could not be timed on an idle machine), ~40 min. crash: from its own run (see its stamp).
 PARTS = (
     Part("hdet_published", "hdet_published.py", minutes=6),
     Part("search_baselines", "search_baselines.py", search("search_baselines", SEARCH_METHODS, SEARCH_VOTES,
-                                                           "--full-grid"),
-         minutes=100, full_size=SEARCH_FULL_SIZE),
+                                                           "--full-grid", "--pbt-seeds", "1"),
+         minutes=40, full_size=SEARCH_FULL_SIZE),
     Part("search_remedies", "search_baselines.py", search("search_remedies", REMEDY_METHODS, REMEDY_VOTES,
                                                           "--seeds", "6"),
          minutes=70, full_size=SEARCH_FULL_SIZE, full=True),

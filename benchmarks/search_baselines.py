@@ -312,6 +312,8 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
                 refine_spread=args.two_step_spread)
     if args.full_grid is not None and (not args.full_grid or start in args.full_grid):
         jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole_batch(base, world), world, work / "grid_xG")
+    if args.pbt_seeds is not None and seed >= args.first_seed + args.pbt_seeds:
+        del jobs["pbt"]  # Ray Tune's PBT on the first seeds only (--pbt-seeds): its start-ups cost minutes per arm
     return [Arm(workload, method, start, seed, **job()) for method, job in jobs.items() if method in args.run_methods]
 
 
@@ -349,6 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 320, quick 16)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")
     p.add_argument("--first-seed", type=int, default=0, help="seeds are --first-seed, +1, ... (to split a run)")
+    p.add_argument("--pbt-seeds", type=int, default=None,
+                   help="run Ray Tune's PBT on the first this many seeds only (default every seed): on a 2-core "
+                   "machine its actor start-ups and checkpoints cost minutes per arm, far more than its training")
     p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
                    help="train nothing: summarise the arms of these result files (parts of one run made in "
                    "parallel, e.g. one per workload and seed, with the same settings) into the table and plot")
