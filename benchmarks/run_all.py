@@ -102,7 +102,9 @@ def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) 
 # 2.5, grid 3.0, TPE 3.8, Prodigy and schedule-free 0.9 each), ~34 s on shapes (untuned 1.9, full grid 7.8, HDET
 # 4.4, trust region 6.3, the rest ~13) and ~180 s on the char LM (untuned 12.9, full grid 64.6, HDET 18.6, trust
 # region 15.4, the rest ~68): 9 seed-starts, ~34 min, plus 9 Ray PBT arms (~45 s each with reused actors: an
-# estimate, the arm could not be timed on an idle machine), ~40 min. crash: from its own run (see its stamp).
+# estimate, the arm could not be timed on an idle machine), ~40 min. crash: its first seed took 460 CPU-s
+# (measured with getrusage under load 20-30; most of it the char LM's 300-step runs), all its runs on 4 processes
+# (~1.6 CPU-s per wall-second on 2 idle cores): 3 seeds ~15 min.
 PARTS = (
     Part("hdet_published", "hdet_published.py", minutes=6),
     Part("search_baselines", "search_baselines.py", search("search_baselines", SEARCH_METHODS, SEARCH_VOTES,
@@ -121,7 +123,7 @@ PARTS = (
     Part("async_defaults", "async_defaults.py", minutes=13),
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=6),
     Part("overhead", "overhead.py", minutes=4, code=("benchmarks/sharded_fit.py",)),
-    Part("crash", "crash.py", CRASH_ARGS, minutes=40),
+    Part("crash", "crash.py", CRASH_ARGS, minutes=15),
     Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
     Part("elastic", "elastic.py", minutes=5, code=("tests/scripts/elastic_run.py",)),
 )
