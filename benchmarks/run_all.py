@@ -101,15 +101,16 @@ def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) 
 # one seed and start costs ~16 s on the tabular MLP (untuned 0.6, full grid 2.2, default HDET 2.4, trust region
 # 2.5, grid 3.0, TPE 3.8, Prodigy and schedule-free 0.9 each), ~34 s on shapes (untuned 1.9, full grid 7.8, HDET
 # 4.4, trust region 6.3, the rest ~13) and ~180 s on the char LM (untuned 12.9, full grid 64.6, HDET 18.6, trust
-# region 15.4, the rest ~68): 9 seed-starts, ~34 min, plus 9 Ray PBT arms (~45 s each with reused actors: an
-# estimate, the arm could not be timed on an idle machine), ~40 min. crash: its first seed took 460 CPU-s
+# region 15.4, the rest ~68): 9 seed-starts, ~34 min, plus 9 Ray PBT arms: with reused actors 56 s on tabular
+# (Ray's start-up 6 s of it) and 49 s on shapes at load 2-8 (without, at load 7-15: 339 s and 254 s), the char
+# LM's ~70 s estimated: ~9 min, ~43 min in all. crash: its first seed took 460 CPU-s
 # (measured with getrusage under load 20-30; most of it the char LM's 300-step runs), all its runs on 4 processes
 # (~1.6 CPU-s per wall-second on 2 idle cores): 3 seeds ~15 min.
 PARTS = (
     Part("hdet_published", "hdet_published.py", minutes=6),
     Part("search_baselines", "search_baselines.py", search("search_baselines", SEARCH_METHODS, SEARCH_VOTES,
                                                            "--full-grid", "--pbt-seeds", "1"),
-         minutes=40, full_size=SEARCH_FULL_SIZE),
+         minutes=43, full_size=SEARCH_FULL_SIZE),
     Part("search_remedies", "search_baselines.py", search("search_remedies", REMEDY_METHODS, REMEDY_VOTES,
                                                           "--seeds", "6"),
          minutes=70, full_size=SEARCH_FULL_SIZE, full=True),
