@@ -11,9 +11,10 @@ Arms per workload and failure, all on ``W`` processes with the same seeds and da
 (good) LR, DDP at the high LR, and HDET at the high LR as its average, one arm per vote rule of ``--hdet-votes``,
 with the published set-up of benchmark 1 (one member per rank, fan-out spread 1/9, gradients averaged over all
 ranks, a vote every ``T`` steps, warm start ν = 0.01). Vote names the installed ``HDETCallback`` does not accept
-are reported as skipped; ``--default-votes`` arms (``hdet_<vote>_defaults``) run as a user would (the
-callback's defaults but the vote, no warm start, and no end to the search: ``benchmarks/common.py:
-hdet_callbacks()`` runs ``search=False`` unless an arm asks for one, as the published set-up does). Issue 13's
+are reported as skipped; ``--default-votes`` arms (``hdet_<arm>_defaults``, named as benchmark 2's arms:
+``VOTE[@SYNC][+search]``) run as a user would: the strategy's default multipliers (a 27x geometric grid) and
+gradient sync (``group`` unless the arm names one), the callback's defaults but the vote, no warm start; only
+``+search`` arms end the search at half the run, so ``pbt+search`` is the default of ``strategy="hdet"``. Issue 13's
 target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1). Issue 28's
 price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
 HDET ÷ the best of a full-batch grid from the high LR down to the low one (``grid_xG``, the ceiling; target
@@ -36,9 +37,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import WORKLOADS, begin, fmt, markdown_table, plot_panels, publish
+from benchmarks.common import WORKLOADS, begin, fmt, hdet_callbacks, markdown_table, plot_panels, publish
 from benchmarks.hdet_published import add_published_args, fill_published_defaults, run_config
-from benchmarks.search_baselines import accepted_votes
+from benchmarks.search_baselines import accepted_votes, parse_hdet_arm
+from lightning_hdet.hdet.defaults import DEFAULT_GRADIENT_SYNC
 
 NAME = "crash"
 # (workload, failure) -> (optimizer, low LR, high LR); the high LRs were found by single-process sweeps.
@@ -59,23 +61,41 @@ def grid_lrs(low: float, high: float, points: int = GRID_POINTS) -> list[float]:
 
 
 def run_case(args: argparse.Namespace, workload: str, failure: str, seed: int, work: Path) -> list[dict]:
-    """DDP low, DDP high and one HDET arm per vote for one workload, failure and seed."""
+    """DDP low, DDP high and one HDET arm per vote for one workload, failure and seed; with ``--full-grid`` the grid
+    (whose ends are the low and the high LR: DDP low and high are its first and last runs, not run twice)."""
     optimizer, low, high = FAILURES[(workload, failure)]
     case = argparse.Namespace(**{**vars(args), "workload": workload, "seed": seed})
-    arms = [("ddp_low", low, None), ("ddp_high", high, None)]
-    arms += [(f"hdet_{v}", high, {"vote": v, "init_noise": 0.01}) for v in args.votes]
-    arms += [(f"hdet_{v}_defaults", high, {"vote": v}) for v in args.default_votes]  # apart from a published arm
-    rows = [
-        {"workload": workload, "failure": failure, "arm": key, "seed": seed, "optimizer": optimizer,
-         **run_config(case, lr, optimizer, hdet, work / key)}
-        for key, lr, hdet in arms
-    ]
-    if args.full_grid:  # the ceiling: every LR of the grid on all ranks (GRID_POINTS x the compute), the best one
-        grid = [run_config(case, lr, optimizer, None, work / f"grid{k}") for k, lr in enumerate(grid_lrs(low, high))]
+
+    def row(arm: str, result: dict) -> dict:
+        return {"workload": workload, "failure": failure, "arm": arm, "seed": seed, "optimizer": optimizer, **result}
+
+    grid = [run_config(case, lr, optimizer, None, work / f"grid{k}") for k, lr in
+            enumerate(grid_lrs(low, high) if args.full_grid else [])]
+    ends = {"ddp_low": grid[-1], "ddp_high": grid[0]} if grid else {
+        key: run_config(case, lr, optimizer, None, work / key) for key, lr in (("ddp_low", low), ("ddp_high", high))}
+    rows = [row(key, result) for key, result in ends.items()]
+    rows += [row(f"hdet_{v}", run_config(case, high, optimizer, {"vote": v, "init_noise": 0.01}, work / v))
+             for v in args.votes]
+    rows += [row(f"hdet_{v}_defaults", run_default_arm(case, high, optimizer, v, work / f"default_{v}"))
+             for v in args.default_votes]
+    if grid:  # the ceiling: every LR of the grid on all ranks (GRID_POINTS x the compute), the best one
         best = min(grid, key=lambda r: r["final_val_loss"] if math.isfinite(r["final_val_loss"]) else math.inf)
-        rows.append({"workload": workload, "failure": failure, "arm": "grid_xG", "seed": seed, "optimizer": optimizer,
-                     **best, "grid_lrs": [r["lr"] for r in grid]})
+        rows.append(row("grid_xG", {**best, "grid_lrs": [r["lr"] for r in grid]}))
     return rows
+
+
+def run_default_arm(args: argparse.Namespace, lr: float, optimizer: str, entry: str, work: Path) -> dict:
+    """``entry`` (``VOTE[@SYNC][+search]``, as benchmark 2 names its arms) as a user runs it: the strategy's default
+    multipliers (a 27x geometric grid over the groups, one group per rank here), its gradient sync (default
+    ``group``), the callback's defaults but the vote, no warm start; ``+search`` ends the search at half the run
+    (``pbt+search`` is ``strategy="hdet"``'s default)."""
+    from lightning_hdet import HDETStrategy
+
+    arm = parse_hdet_arm(entry, DEFAULT_GRADIENT_SYNC)
+    strategy = HDETStrategy(gradient_sync=arm.sync, start_method=args.start_method, process_group_backend="gloo")
+    callbacks = hdet_callbacks(args.every, vote=arm.vote, signal=arm.signal, seed=args.seed,
+                               search_steps=args.steps // 2 if arm.search else None)
+    return run_config(args, lr, optimizer, {"entry": entry}, work, strategy=strategy, callbacks=callbacks)
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -128,25 +148,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=1, help="seeds --seed, --seed + 1, ... (medians)")
     p.add_argument("--hdet-votes", default="best,softmax", help="comma-separated HDETCallback(vote=...) names")
     p.add_argument("--default-votes", default="",
-                   help="comma-separated vote names run as a user would, without the published warm start "
-                   "(e.g. pbt, the default; trust_region)")
+                   help="comma-separated HDET arms run as a user would (VOTE[@SYNC][+search], as benchmark 2 names "
+                   "them): the strategy's default multipliers and gradient sync (group), the callback's defaults but "
+                   "the vote, no warm start; pbt+search is the default of strategy='hdet', e.g. "
+                   "pbt+search,trust_region@global")
     p.add_argument("--full-grid", action="store_true",
                    help=f"also run plain DDP at {GRID_POINTS} LRs from the high LR down to the low one, on all ranks "
                    f"({GRID_POINTS} x the compute), and report HDET ÷ its best (the ceiling)")
     p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
                    help="train nothing: one table from these result files (parts run in parallel, same settings)")
+    p.add_argument("--name", default=NAME, help="name of the results file and of the docs block")
     args = p.parse_args(argv)
     fill_published_defaults(p, args, quick_steps=8)
     # Every arm here runs the published set-up, gradients averaged over all ranks.
     args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v], sync="global")
-    args.default_votes, skipped = accepted_votes([v for v in args.default_votes.split(",") if v], sync="global")
+    args.default_votes, skipped = accepted_votes([v for v in args.default_votes.split(",") if v],
+                                                 sync=DEFAULT_GRADIENT_SYNC)
     args.skipped.update(skipped)
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    name, t0 = begin(NAME, args.quick)
+    name, t0 = begin(args.name, args.quick)
     rows: list[dict] = []
     if args.merge:
         parts = [json.loads(path.read_text()) for path in args.merge]

@@ -28,11 +28,14 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning.pytorch import Callback
 
 from benchmarks.common import (
     hdet_callbacks,
@@ -87,19 +90,21 @@ def run_arm(arm: ArmSpec, args: argparse.Namespace, work: Path) -> dict:
     return {"key": arm.key, "name": arm.name, **run_config(args, lr, args.optimizer, arm.hdet, work)}
 
 
-def run_config(args: argparse.Namespace, lr: float, optimizer: str, hdet: dict | None, work: Path) -> dict:
+def run_config(args: argparse.Namespace, lr: float, optimizer: str, hdet: dict | None, work: Path,
+               strategy: object = None, callbacks: Sequence[Callback] = ()) -> dict:
     """One run on ``args.world_size`` processes at ``lr``: plain DDP (``hdet=None``) or HDET with one member per
     rank (fan-out ``args.spread``, gradients averaged over all ranks) and these ``HDETCallback`` arguments
-    (``vote`` defaults to the published ``"softmax"``); what the tables report about it."""
+    (``vote`` defaults to the published ``"softmax"``); what the tables report about it. A ``strategy`` given (with
+    its ``callbacks``) is run instead, ``hdet`` then only describes it in the row."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_hdet import HDETStrategy
 
     spec = run_spec(args, lr, optimizer=optimizer)
-    callbacks = []
-    if hdet is None:
+    callbacks = list(callbacks)
+    if strategy is None and hdet is None:
         strategy = DDPStrategy(start_method=args.start_method, process_group_backend="gloo")
-    else:
+    elif strategy is None:
         strategy = HDETStrategy(spread=args.spread, gradient_sync="global", start_method=args.start_method,
                                 process_group_backend="gloo")
         callbacks = hdet_callbacks(args.every, seed=args.seed, **{"vote": "softmax", **hdet})

@@ -63,8 +63,10 @@ class Part:
 # lists to move arms between `make bench` and `make bench-full`.
 # "untuned" (plain DDP at the starting LR) is the price check of insurance (issue 28); the full-batch grid
 # (grid ×G, the ceiling) runs from every start.
+# The HDET arms: the default of strategy="hdet" (`pbt+search`) and `trust_region@global`; `pbt` and `pbt@global`
+# are bench-full's (search_remedies). Ray Tune's PBT runs on the first seed only (`--pbt-seeds 1`, 9 arms).
 SEARCH_METHODS = ("untuned", "grid", "optuna_tpe", "pbt", "prodigy", "schedulefree")
-SEARCH_VOTES = ("pbt", "pbt@global", "pbt+search", "trust_region@global")
+SEARCH_VOTES = ("pbt+search", "trust_region@global")
 # Every remedy of issue 13 side by side (bench-full), against the baselines that need no Ray.
 REMEDY_METHODS = ("grid", "optuna_tpe", "prodigy", "schedulefree")
 REMEDY_VOTES = ("pbt", "pb2", "pbt+search", "pb2+search", "pbt@global", "pb2@global", "softmax", "pbt:improvement",
@@ -80,9 +82,13 @@ SF_VOTES = ("softmax", "pbt", "pbt@global", "pbt+search", "pb2+search")
 SEARCH_FULL_SIZE = ("--steps", "128", "--pbt-interval", "32", "--val-every", "16")
 
 
-# The crash benchmark (issue 28's price check): HDET ÷ the best of plain DDP at four LRs on all ranks, and the
-# votes run as a user would (no warm start) besides the published arms.
-CRASH_ARGS = ("--full-grid", "--default-votes", "pbt,trust_region")
+# The crash benchmark (issue 28's price check), at 100-300x too high: HDET as a user runs it (the default
+# `pbt+search` and `trust_region@global`, no warm start) ÷ the best of plain DDP at four LRs on all ranks (whose
+# ends are the untuned run and DDP at the good LR), three workloads, three seeds, HDET's processes forked. The
+# NaN-type failures and the published arms (warm start, ±11 % fan-out) are bench-full's `crash_published`.
+CRASH_ARGS = ("--failures", "collapse", "--full-grid", "--hdet-votes", "", "--default-votes",
+              "pbt+search,trust_region@global", "--seeds", "3", "--start-method", "fork")
+CRASH_PUBLISHED_ARGS = ("--name", "crash_published", "--seeds", "3", "--start-method", "fork")
 
 
 def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) -> tuple[str, ...]:
@@ -97,17 +103,22 @@ ASYNC_ARGS = ("--start-method", "fork", "--methods", "ddp", "diloco", "async_def
 ASYNC_FULL_SIZE = ("--steps", "150", "--local-steps", "15")
 
 
-# In the order of docs/benchmarks.md. The minutes are estimates from the arms' times recorded in the results
-# files (an idle 2-core machine, HDET forked): ~6-10 s per equal-compute arm at S = 128, ~2 min per Ray Tune PBT
-# arm (most of benchmark 2's time), 4x a grid arm for the full grid; the other scripts' from docs/benchmarks.md.
-# Issue 28 made two of them larger (estimates, not yet measured): benchmark 2 by its third workload (the tabular
-# MLP) and the full grid from every start, the crash benchmark by the tabular case, the four-LR grid per case and
-# two arms run with the callback's defaults.
+# In the order of docs/benchmarks.md. The minutes are estimates for an idle 2-core machine, HDET forked; the other
+# scripts' from docs/benchmarks.md. search_baselines, from arm wall-clocks measured at S = 128 on 2026-12-01 while
+# the machine was nearly idle (load 1-3; later runs under load 10-38 took 2.5-3x the wall for the same CPU time):
+# one seed and start costs ~16 s on the tabular MLP (untuned 0.6, full grid 2.2, default HDET 2.4, trust region
+# 2.5, grid 3.0, TPE 3.8, Prodigy and schedule-free 0.9 each), ~34 s on shapes (untuned 1.9, full grid 7.8, HDET
+# 4.4, trust region 6.3, the rest ~13) and ~180 s on the char LM (untuned 12.9, full grid 64.6, HDET 18.6, trust
+# region 15.4, the rest ~68): 9 seed-starts, ~34 min, plus 9 Ray PBT arms: with reused actors 56 s on tabular
+# (Ray's start-up 6 s of it) and 49 s on shapes at load 2-8 (without, at load 7-15: 339 s and 254 s), the char
+# LM's ~70 s estimated: ~9 min, ~43 min in all. crash: its first seed took 460 CPU-s
+# (measured with getrusage under load 20-30; most of it the char LM's 300-step runs), all its runs on 4 processes
+# (~1.6 CPU-s per wall-second on 2 idle cores): 3 seeds ~15 min.
 PARTS = (
-    Part("hdet_published", "hdet_published.py", minutes=6),
+    Part("hdet_published", "hdet_published.py", minutes=6, full=True),  # the paper's set-up (benchmark 1): bench-full
     Part("search_baselines", "search_baselines.py", search("search_baselines", SEARCH_METHODS, SEARCH_VOTES,
-                                                           "--full-grid"),
-         minutes=100, full_size=SEARCH_FULL_SIZE),
+                                                           "--full-grid", "--pbt-seeds", "1"),
+         minutes=43, full_size=SEARCH_FULL_SIZE),
     Part("search_remedies", "search_baselines.py", search("search_remedies", REMEDY_METHODS, REMEDY_VOTES,
                                                           "--seeds", "6"),
          minutes=70, full_size=SEARCH_FULL_SIZE, full=True),
@@ -123,7 +134,8 @@ PARTS = (
     Part("async_defaults", "async_defaults.py", minutes=13, full=True),
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=6),
     Part("overhead", "overhead.py", minutes=4, code=("benchmarks/sharded_fit.py",)),
-    Part("crash", "crash.py", CRASH_ARGS, minutes=40),
+    Part("crash", "crash.py", CRASH_ARGS, minutes=15),
+    Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
     Part("elastic", "elastic.py", minutes=5, code=("tests/scripts/elastic_run.py",)),
 )
 

@@ -146,10 +146,17 @@ def run_optuna(start_lr: float, lo: float, hi: float, trials: int, base: RunSpec
                 wall_s=sum(r.wall_s for r in runs))
 
 
+def whole_batch(base: RunSpec, world: int) -> RunSpec:
+    """``base`` as one process on the whole job's batch (``world`` × the per-process batch), validated on the same
+    samples as the per-process runs: ``val_batches / world`` batches of ``world`` × the size (the validation
+    stream is not shuffled). Without it the whole-batch arms validated on ``world`` × more samples than the others,
+    a different number (e.g. 1.09 against 1.19 for one tabular model) compared as if it were the same."""
+    return replace(base, devices=1, batch_size=base.batch_size * world, val_batches=base.val_batches // world)
+
+
 def run_single(optimizer: str, lr: float, base: RunSpec, world: int, work: Path) -> dict:
     """One run of a self-tuning optimizer on the whole job's batch for ``S`` steps (``W × S`` rank-steps)."""
-    spec = replace(base, lr=lr, devices=1, batch_size=base.batch_size * world,
-                   model={**base.model, "optimizer": optimizer})
+    spec = replace(whole_batch(base, world), lr=lr, model={**base.model, "optimizer": optimizer})
     run = fit_run(spec, work)
     return dict(settled_lr=run.rank_lrs[0], best_val_loss=run.best_val_loss, curve=_side_by_side([run], world),
                 lrs_tried=[lr], diverged_runs=int(run.diverged), wall_s=run.wall_s)
@@ -304,8 +311,9 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
                 lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method, where,
                 refine_spread=args.two_step_spread)
     if args.full_grid is not None and (not args.full_grid or start in args.full_grid):
-        whole = replace(base, devices=1, batch_size=args.batch_size * world)
-        jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole, world, work / "grid_xG")
+        jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole_batch(base, world), world, work / "grid_xG")
+    if args.pbt_seeds is not None and seed >= args.first_seed + args.pbt_seeds:
+        del jobs["pbt"]  # Ray Tune's PBT on the first seeds only (--pbt-seeds): its start-ups cost minutes per arm
     return [Arm(workload, method, start, seed, **job()) for method, job in jobs.items() if method in args.run_methods]
 
 
@@ -343,6 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 320, quick 16)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")
     p.add_argument("--first-seed", type=int, default=0, help="seeds are --first-seed, +1, ... (to split a run)")
+    p.add_argument("--pbt-seeds", type=int, default=None,
+                   help="run Ray Tune's PBT on the first this many seeds only (default every seed): on a 2-core "
+                   "machine its actor start-ups and checkpoints cost minutes per arm, far more than its training")
     p.add_argument("--merge", nargs="+", type=Path, default=[], metavar="JSON",
                    help="train nothing: summarise the arms of these result files (parts of one run made in "
                    "parallel, e.g. one per workload and seed, with the same settings) into the table and plot")
@@ -352,7 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pbt-interval", type=int, default=None,
                    help="T: PBT steps between perturbations, and HDET steps between votes (default S/4)")
     p.add_argument("--val-every", type=int, default=None, help="steps between validations (default S/8)")
-    p.add_argument("--val-batches", type=int, default=None, help="validation batches (default 8, quick 2)")
+    p.add_argument("--val-batches", type=int, default=None, help="validation batches of the per-process size, a "
+                   "multiple of --world-size (default 8, quick 4)")
     p.add_argument("--batch-size", type=int, default=None, help="per-process batch size (default 16, quick 8)")
     p.add_argument("--max-chars", type=int, default=1_000_000, help="char LM: corpus bytes")
     p.add_argument("--d-model", type=int, default=None, help="char LM: model width (default 64, quick 32)")
@@ -380,7 +392,9 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.seeds = args.seeds or (1 if q else 3)
     args.pbt_interval = args.pbt_interval or max(args.steps // 4, 1)
     args.val_every = args.val_every or max(args.steps // 8, 1)
-    args.val_batches = args.val_batches or (2 if q else 8)
+    args.val_batches = args.val_batches or (4 if q else 8)
+    if args.val_batches % args.world_size:  # the whole-batch arms validate on the same samples in fewer batches
+        p.error(f"--val-batches={args.val_batches} must be a multiple of --world-size={args.world_size}")
     if any(">" in v for v in args.hdet_votes.split(",")) and args.steps % (2 * args.pbt_interval):
         p.error(f"a FIRST>SECOND arm runs --steps={args.steps} in two halves: they must be multiples of "
                 f"--pbt-interval={args.pbt_interval}")

@@ -448,6 +448,26 @@ def test_search_plot_draws_the_first_seed_the_arms_ran():
                       "shapes, start: 10x high": {}}
 
 
+def test_whole_batch_runs_validate_on_the_samples_the_per_process_runs_do():
+    """The untuned run, the full-batch grid, Prodigy and schedule-free train on one process with W x the batch:
+    they must validate on the same samples as a per-process run (8 batches of 16 = 2 of 64), not on W x more."""
+    import torch
+
+    from benchmarks.common import RunSpec, build_workload
+    from benchmarks.search_baselines import whole_batch
+
+    base = RunSpec(lr=1e-3, steps=8, batch_size=16, val_batches=8, workload="tabular")
+    whole = whole_batch(base, 4)
+    assert (whole.devices, whole.batch_size, whole.val_batches) == (1, 64, 2)
+
+    def seen(spec: RunSpec) -> torch.Tensor:
+        data = build_workload(spec)[1]
+        data.setup("validate")
+        return torch.cat([y for (_, y), _ in zip(data.val_dataloader(), range(spec.val_batches))])
+
+    assert torch.equal(seen(base), seen(whole)) and len(seen(whole)) == 8 * 16
+
+
 def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     import argparse
 
