@@ -173,6 +173,19 @@ class Worker:
             for group, lr in zip(optimizer.param_groups, saved):
                 group["lr"] = lr
 
+    def swap_pulled(self) -> None:
+        """Exchange the model's parameters and floating-point buffers with ``theta_pulled`` (and back, called
+        again), one fragment at a time through the fragment buffer: no model-sized copy. Rank 0 validates the
+        global model this way when it is the one it pulled (DiLoCo, between outer steps)."""
+        tensors, total = model_state(self.module), self.pulled.numel()
+        size = self.fragment.numel()
+        for start in range(0, total, size):
+            end = min(start + size, total)
+            pieces, held = flat_pieces(tensors, start, end), self.fragment[: end - start]
+            read_into(pieces, held, self.device)
+            write_from(pieces, self.pulled[start:end], self.device)
+            self.pulled[start:end].copy_(held)
+
     def _messages(self) -> Iterator[Tensor]:
         """The encoded fragments of ``theta_pulled - theta_local``, one at a time (each read from the model into
         the fragment buffer, which the next one overwrites)."""
