@@ -3,6 +3,7 @@ transport (as torchft tests LocalSGD with a mocked manager). Values are computed
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from unittest import mock
@@ -430,11 +431,12 @@ def test_swap_pulled_exchanges_the_module_and_the_pulled_model_one_fragment_at_a
     assert worker.pulled.tolist() == [5.0, 6.0, 7.0]
 
 
-@pytest.mark.parametrize("pulled_is_global", [True, False])
-def test_rank_zero_validates_the_global_model_without_a_copy_when_it_is_the_pulled_one(pulled_is_global: bool) -> None:
-    """Inside ``global_model()`` the module holds the global model, outside its own. When the worker's pulled
-    model is the global one (DiLoCo between outer steps) no model-sized host buffer is made (the module and the
-    pulled model are swapped); otherwise the module's own model waits in one."""
+@pytest.mark.parametrize("case", ["pulled is global", "stopped", "training"])
+def test_rank_zero_validates_the_global_model_without_a_copy_when_it_can(case: str) -> None:
+    """Inside ``global_model()`` the module holds the global model, outside its own. No model-sized host buffer
+    is made when the worker's pulled model is the global one (DiLoCo between outer steps: the two are swapped),
+    nor once the worker was told to stop (its pulled model's buffer holds the module's own; steps it would still
+    take are then not pushed); while it trains on a stale pull, the module's own model waits in a new one."""
     from lightning_hdet.asynchronous import exchange as exchange_module
     from lightning_hdet.asynchronous.exchange import Exchange
 
@@ -444,12 +446,21 @@ def test_rank_zero_validates_the_global_model_without_a_copy_when_it_is_the_pull
     ex = object.__new__(Exchange)  # no process groups: only what global_model() reads
     ex.module, ex.device, ex.outer = module, CPU, outer
     ex.worker = Worker(module, CPU, QueueEnd(1, queue.Queue(), Fragments([torch.Size([2])])))
-    ex.worker.pulled.copy_(torch.tensor([5.0, 6.0, 7.0] if pulled_is_global else [5.0, 6.0, 0.0]))
+    pulled = [5.0, 6.0, 7.0] if case == "pulled is global" else [5.0, 6.0, 0.0]
+    ex.worker.pulled.copy_(torch.tensor(pulled))
+    if case == "stopped":
+        ex.worker.round_steps = math.inf
     made = []
     real = exchange_module.host_buffer
     with mock.patch.object(exchange_module, "host_buffer", side_effect=lambda *a: made.append(a) or real(*a)):
         with ex.global_model():
             assert module.w.tolist() == [5.0, 6.0] and module.stat.tolist() == [7.0]
     assert module.w.tolist() == [1.0, 2.0] and module.stat.tolist() == [3.0]
-    assert ex.worker.pulled.tolist() == ([5.0, 6.0, 7.0] if pulled_is_global else [5.0, 6.0, 0.0])
-    assert len(made) == (0 if pulled_is_global else 1)
+    assert len(made) == (1 if case == "training" else 0)
+    assert ex.worker.pulled.tolist() == ([1.0, 2.0, 3.0] if case == "stopped" else pulled)
+    assert ex.worker.pulled_lent == (case == "stopped")
+    if case == "stopped":  # a step after the stop: the leaving push carries no pseudo-gradient
+        ex.worker.step()
+        ex.worker.exchange(Kind.BYE)
+        push, messages = ex.worker.transport.pushes.get(timeout=5)
+        assert push.kind == Kind.BYE and push.steps == 0 and messages == []

@@ -122,7 +122,8 @@ class Exchange:
     def global_model(self, snapshot: Mapping[str, Any] | None = None) -> Iterator[None]:
         """Rank 0: the module holds the current global model (or ``snapshot``'s) inside the block, its own
         outside. When the global model is the one rank 0's worker pulled (always in DiLoCo between outer steps),
-        the module and that pulled copy are swapped; otherwise the module's own model waits in a host copy."""
+        the module and that pulled copy are swapped; otherwise the module's own model waits in a host copy (in the
+        pulled model's buffer once the worker was told to stop: it no longer needs it)."""
         if snapshot is None and self._pulled_is_global():
             self.worker.swap_pulled()
             try:
@@ -131,7 +132,8 @@ class Exchange:
                 self.worker.swap_pulled()
             return
         tensors = model_state(self.module)
-        saved = read_into(tensors, host_buffer(numel(tensors), self.device), self.device)
+        spare = self.worker.spare_buffer()
+        saved = read_into(tensors, host_buffer(numel(tensors), self.device) if spare is None else spare, self.device)
         self.write_global_model(snapshot)
         try:
             yield
