@@ -233,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="many short rounds (defaults: "
                    f"{', '.join(f'{k}={v[0]}' for k, v in LONG_HORIZON.items())}); "
                    f"publishes as {LONG_HORIZON_NAME}")
+    p.add_argument("--name", default=None, help=f"name of the results file and of the docs block (default {NAME}; "
+                   f"{LONG_HORIZON_NAME} under --long-horizon)")
     p.add_argument("--world-size", type=int, default=None, help="W workers (default 4, quick 2)")
     p.add_argument("--steps", type=int, default=None, help="S: budget is W × S inner steps (default 200, quick 8)")
     p.add_argument("--local-steps", type=int, default=None, help="H (default 20, quick 2)")
@@ -260,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    name, t0 = begin(LONG_HORIZON_NAME if args.long_horizon else NAME, args.quick)
+    name, t0 = begin(args.name or (LONG_HORIZON_NAME if args.long_horizon else NAME), args.quick)
     runs = []
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
         for seed in range(args.seed, args.seed + args.seeds):

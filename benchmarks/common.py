@@ -1,5 +1,5 @@
 """Harness for the benchmarks: run a Lightning fit of a workload (the char LM or the shapes CNN) on N CPU processes, record curves,
-summarise over seeds, and write JSON results, markdown tables (into docs/benchmarks.md) and PNG plots.
+summarise over seeds, and write JSON results, markdown tables (into docs/benchmarks.md, or the research log under docs/research/) and PNG plots.
 
 A run on one process trains in this process; a run on several spawns them with Lightning's
 ``ddp_spawn`` machinery over ``gloo`` (or the strategy object passed in). Each rank writes its own
@@ -454,6 +454,31 @@ def stamp(seeds: Iterable[int] | None, wall_s: float | None = None) -> str:
             f"seeds {seeds_text(seeds)} · wall-clock {wall_text(wall)}*")
 
 
+# Pages of the research log whose generated blocks no page holds yet (a first run of a research table): the
+# others go to the results page, docs/benchmarks.md. A block found on any page is rewritten where it stands.
+RESEARCH_BLOCKS = {"search_signals": "research/2026-12-hdet-search.md"}
+
+
+def block_page(docs_dir: Path, name: str) -> Path:
+    """The page under ``docs_dir`` that holds ``name``'s generated block (its markers on lines of their own), else
+    its page in :data:`RESEARCH_BLOCKS`, else ``docs_dir / "benchmarks.md"``: a block moved to the research log
+    keeps being rewritten there."""
+    marker = re.compile(rf"^<!-- BEGIN {re.escape(name)} -->$", re.M)
+    for page in sorted(docs_dir.rglob("*.md")):
+        if marker.search(page.read_text()):
+            return page
+    return docs_dir / RESEARCH_BLOCKS.get(name, "benchmarks.md")
+
+
+def write_block(docs_dir: Path, name: str, markdown: str) -> Path:
+    """Put ``markdown`` between ``name``'s markers on its page (:func:`block_page`), its plots' links (``img/...``,
+    relative to docs/) made relative to that page; returns the page."""
+    page = block_page(docs_dir, name)
+    up = "../" * (len(page.relative_to(docs_dir).parts) - 1)
+    update_doc_section(page, name, markdown.replace("](img/", f"]({up}img/") if up else markdown)
+    return page
+
+
 def update_doc_section(doc: Path, name: str, markdown: str) -> None:
     """Replace the text between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in ``doc``
     (appending the markers at the end when absent)."""
@@ -509,12 +534,12 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 def publish(name: str, args: argparse.Namespace, payload: dict, markdown: str, max_chars: int = DEFAULT_MAX_CHARS,
             seeds: Iterable[int] | None = None) -> None:
     """Write ``name.json`` (with the script's arguments as ``config``), put ``markdown`` and its :func:`stamp`
-    into ``docs/benchmarks.md`` between ``name``'s markers, and print them. ``seeds`` defaults to those the
-    arguments name (:func:`args_seeds`)."""
+    between ``name``'s markers on its page (:func:`write_block`: the results page unless the block lives in the
+    research log), and print them. ``seeds`` defaults to those the arguments name (:func:`args_seeds`)."""
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     write_json(name, {"config": config, **payload}, args.results_dir, max_chars)
     markdown = f"{markdown.rstrip()}\n\n{stamp(args_seeds(args) if seeds is None else seeds)}"
-    update_doc_section(args.docs_dir / "benchmarks.md", name, markdown)
+    write_block(args.docs_dir, name, markdown)
     print(markdown, flush=True)
 
 

@@ -208,10 +208,10 @@ class MemoryProbe(Callback):
         self.merge_tensors: list[int] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = trainer.strategy
-        if not hasattr(strategy, "merge"):
+        merger = getattr(getattr(trainer.strategy, "hdet", None), "merger", None)
+        if merger is None:
             return
-        merge = strategy.merge
+        merge = merger.merge
 
         def measured(*args: Any, **kwargs: Any) -> Any:
             with PeakRSS() as peak, PeakAllocated() as tensors:
@@ -220,7 +220,7 @@ class MemoryProbe(Callback):
             self.merge_tensors.append(tensors.extra)
             return out
 
-        strategy.merge = measured
+        merger.merge = measured  # the instance's: every merge of the callback goes through it
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from lightning_hdet._tensors import to_cpu

@@ -89,6 +89,14 @@ def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) 
     return ("--start-method", "fork", "--name", name, "--methods", *methods, "--hdet-votes", ",".join(votes), *args)
 
 
+# Benchmark 3 in `make bench`: the package's default against DiLoCo and DDP, with equal speeds and at the published
+# ones, three seeds; 150 steps and H = 15 keep its ten rounds per worker. Every method at every speed level
+# (one seed) is the bench-full part `async_published_methods`; the defaults on three tasks `async_defaults`.
+ASYNC_ARGS = ("--start-method", "fork", "--methods", "ddp", "diloco", "async_default", "--levels", "none", "very",
+              "--seeds", "3")
+ASYNC_FULL_SIZE = ("--steps", "150", "--local-steps", "15")
+
+
 # In the order of docs/benchmarks.md. The minutes are estimates from the arms' times recorded in the results
 # files (an idle 2-core machine, HDET forked): ~6-10 s per equal-compute arm at S = 128, ~2 min per Ray Tune PBT
 # arm (most of benchmark 2's time), 4x a grid arm for the full grid; the other scripts' from docs/benchmarks.md.
@@ -108,9 +116,11 @@ PARTS = (
          minutes=120, full_size=SEARCH_FULL_SIZE, full=True),
     Part("search_signals", "search_baselines.py", search("search_signals", ("grid",), SIGNAL_VOTES),
          minutes=20, full_size=SEARCH_FULL_SIZE, full=True),
-    Part("async_published", "async_published.py", minutes=30),
+    Part("async_published", "async_published.py", ASYNC_ARGS, minutes=14, full_size=ASYNC_FULL_SIZE),
+    Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
+         full=True),
     Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
-    Part("async_defaults", "async_defaults.py", minutes=13),
+    Part("async_defaults", "async_defaults.py", minutes=13, full=True),
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=6),
     Part("overhead", "overhead.py", minutes=4, code=("benchmarks/sharded_fit.py",)),
     # rank 0's host memory (issue 29) on models past one 25 MiB fragment, as docs/async.md quotes it

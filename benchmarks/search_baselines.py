@@ -62,7 +62,7 @@ from benchmarks.common import (
     fit_run,
     plot_panels,
     stamp,
-    update_doc_section,
+    write_block,
     write_json,
 )
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
@@ -418,6 +418,19 @@ def merge(args: argparse.Namespace) -> tuple[list[Arm], float]:
     return arms, sum(part["total_wall_s"] for part in parts)
 
 
+def curve_panels(arms: list[Arm], workloads: list[str], starts: list[str]) -> dict[str, dict[str, tuple]]:
+    """The plot's panels, one per workload and start: each method's best-so-far curve on one seed, the first the
+    arms ran (a table of seeds 3-5 has no seed 0)."""
+    first = min((a.seed for a in arms), default=0)
+    return {
+        f"{w}, start: {s}": {
+            a.method: ([c for c, _, _ in a.curve], [v for _, v, _ in a.curve])
+            for a in arms if a.workload == w and a.start == s and a.seed == first and a.curve
+        }
+        for w in workloads for s in starts
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     name, t0 = begin(args.name, args.quick)
@@ -439,20 +452,14 @@ def main(argv: list[str] | None = None) -> dict:
     write_json(name, payload, args.results_dir, args.max_chars)
     plot = plot_panels(
         args.docs_dir / "img" / f"{name}.png",
-        {
-            f"{w}, start: {s}": {
-                a.method: ([c for c, _, _ in a.curve], [v for _, v, _ in a.curve])
-                for a in arms if a.workload == w and a.start == s and a.seed == 0 and a.curve
-            }
-            for w in args.workloads for s in args.starts
-        },
+        curve_panels(arms, args.workloads, args.starts),
         "compute (rank-steps)",
         "best validation loss so far",
         rows=len(args.workloads),
     )
     md = tables(summary, args, STARTS, total_s) + f"\n\n![{name}](img/{plot.name})\n\n"
     md += stamp(sorted({a.seed for a in arms}))  # a merge's parts may have run any seeds
-    update_doc_section(args.docs_dir / "benchmarks.md", name, md)
+    write_block(args.docs_dir, name, md)
     print(md)
     return payload
 

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import RunSpec, best_so_far, fit_run, markdown_table, median, update_doc_section
+from benchmarks.common import (
+    RunSpec,
+    best_so_far,
+    fit_run,
+    markdown_table,
+    median,
+    update_doc_section,
+    write_block,
+)
 from benchmarks.search_baselines import STARTS, accepted_votes, lr_grid, parse_hdet_arm
 from benchmarks.search_pbt import pbt_explore, ray_available
 from benchmarks.search_report import to_target
@@ -55,6 +63,20 @@ def test_update_doc_section_replaces_only_its_block(tmp_path):
     assert doc.read_text() == (
         "# T\n\n<!-- BEGIN a -->\nnew a\n<!-- END a -->\n\nprose\n\n<!-- BEGIN b -->\nnew b\n<!-- END b -->\n"
     )
+
+
+def test_a_block_moved_to_the_research_log_is_rewritten_there_with_its_plot_links_fixed(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "research").mkdir(parents=True)
+    (docs / "benchmarks.md").write_text("# Results\n\nsee `<!-- BEGIN old -->` in prose\n")
+    log = docs / "research" / "log.md"
+    log.write_text("# Log\n\n<!-- BEGIN old -->\nx\n<!-- END old -->\n")
+    assert write_block(docs, "old", "| a |\n\n![old](img/old.png)") == log
+    assert log.read_text() == "# Log\n\n<!-- BEGIN old -->\n| a |\n\n![old](../img/old.png)\n<!-- END old -->\n"
+    # A block no page holds goes to the results page (markers quoted in prose are not a block), links as written.
+    assert write_block(docs, "new", "![new](img/new.png)") == docs / "benchmarks.md"
+    assert (docs / "benchmarks.md").read_text().endswith("<!-- BEGIN new -->\n![new](img/new.png)\n<!-- END new -->\n")
+    assert "BEGIN old" not in (docs / "benchmarks.md").read_text().split("prose")[1]
 
 
 TINY_RUN = dict(steps=4, val_every=2, val_batches=2, batch_size=4, block_size=16, max_chars=60_000,
@@ -409,6 +431,18 @@ def test_crash_table_divides_hdet_by_the_untuned_run_and_the_full_batch_grid():
     assert lines[4].split(" | ")[-3:] == ["1.091 ✗", "0.667", "1.200 ✓ |"]
     assert lines[3].split(" | ")[-2:] == ["—", "— |"]  # only HDET arms are divided
     assert grid_lrs(1e-3, 1.0) == pytest.approx([1.0, 0.1, 0.01, 1e-3])
+
+
+def test_search_plot_draws_the_first_seed_the_arms_ran():
+    from benchmarks.search_baselines import Arm, curve_panels
+
+    def arm(method, seed, loss):
+        return Arm("shapes", method, "good", seed, 0.01, loss, [(64, loss, 1.0)], [0.01], 0, 1.0)
+
+    arms = [arm("grid", 4, 1.6), arm("grid", 3, 1.5), arm("hdet_pbt", 3, 1.4), arm("hdet_pbt", 5, 1.3)]
+    panels = curve_panels(arms, ["shapes"], ["good", "10x high"])
+    assert panels == {"shapes, start: good": {"grid": ([64], [1.5]), "hdet_pbt": ([64], [1.4])},
+                      "shapes, start: 10x high": {}}
 
 
 def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():

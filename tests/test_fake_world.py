@@ -169,7 +169,7 @@ def test_the_search_ends_on_the_winner_with_a_grid_around_its_lr_and_global_grad
 def test_the_fake_holds_every_rank_to_the_same_calls():
     world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
     with pytest.raises(AssertionError, match=r"group [01] called .*set_lr_multipliers.* while group [01] called"):
-        world.run(lambda executor: executor.set_lr_multipliers([1.0, 2.0 + executor.group_index]))
+        world.run(lambda executor: executor.hdet.table.set([1.0, 2.0 + executor.group_index]))
     table = world.run(lambda executor: executor.gather_group_values(torch.tensor([1.0 + executor.group_index])))
     assert table[0].tolist() == [[1.0], [2.0]] and torch.equal(table[0], table[1])
 
@@ -387,19 +387,36 @@ def test_the_fake_validates_the_mean_of_the_finite_groups_and_restores_to_the_in
     world = FakeWorld([[1.0, 2.0], [3.0, 4.0], [float("nan"), float("nan")]], [1.0, 1.0, 1.0])
 
     def body(executor: Any) -> tuple[list[float], list[float]]:
-        executor.validate_merged(True)
-        executor.validate_merged(True)  # idempotent: no second swap
+        executor.hdet.merger.validate_merged(True)
+        executor.hdet.merger.validate_merged(True)  # idempotent: no second swap
         merged = executor.params.tolist()
-        executor.validate_merged(False)
+        executor.hdet.merger.validate_merged(False)
         return merged, executor.params.tolist()
 
     results = world.run(body)
     assert all(merged == [2.0, 3.0] for merged, _ in results)  # mean of the two finite groups
     assert results[0][1] == [1.0, 2.0] and results[1][1] == [3.0, 4.0]  # each group's own state back
     world = FakeWorld([[1.0, 2.0], [3.0, 4.0]], [1.0, 1.0])
-    world.run(lambda executor: executor.ensure_restore_point(keep_initial=True))
+    world.run(lambda executor: executor.hdet.merger.ensure_restore_point(keep_initial=True))
     world.params.add_(10.0)
-    world.restore_point = torch.tensor([5.0, 5.0], dtype=torch.float64)
-    world.run(lambda executor: executor.restore(initial=[False, True]))
-    assert world.params.tolist() == [[5.0, 5.0], [1.0, 2.0]]  # group 1 back to the initial model (group 0's)
+    for merger in world.mergers:  # as a checkpoint's `last_good` is loaded
+        merger.load_restore_point(torch.tensor([5.0, 5.0], dtype=torch.float64))
+    world.run(lambda executor: executor.hdet.merger.restore(initial=[False, True]))
+    assert world.params.tolist() == [[5.0, 5.0], [3.0, 4.0]]  # group 1 back to its own initial model
     assert world.restarts == [1, 1]
+
+
+def test_the_strategies_merger_keeps_only_a_finite_target_and_zero_coefficients_hide_a_diverged_group() -> None:
+    """The strategies' own Merger over the in-memory communicator, by hand: groups at (1, 2), (3, 4), (NaN, 6)."""
+    world = FakeWorld([[1.0, 2.0], [3.0, 4.0], [float("nan"), 6.0]], [1.0, 1.0, 1.0])
+    world.run(lambda executor: executor.hdet.merger.ensure_restore_point())
+    assert [m.restore_point.tolist() for m in world.mergers[:2]] == [[1.0, 2.0], [3.0, 4.0]]  # each rank its own
+    # coefficient 0: group 2 contributes exact zeros, its NaN never reaches the target; strength 0 leaves group 0
+    world.run(lambda executor: executor.hdet.merger.merge([0.25, 0.75, 0.0], [0.0, 1.0, 1.0], [False, False, True]))
+    assert world.params.tolist() == [[1.0, 2.0], [2.5, 3.5], [2.5, 3.5]] and world.restarts == [0, 0, 1]
+    assert all(m.restore_point.tolist() == [2.5, 3.5] for m in world.mergers)  # a finite target: the new one
+    world.params[1, 0] = math.inf
+    world.run(lambda executor: executor.hdet.merger.merge([0.5, 0.5, 0.0], [1.0, 1.0, 1.0], [False] * 3))
+    assert all(m.restore_point.tolist() == [2.5, 3.5] for m in world.mergers)  # a non-finite target is not kept
+    world.run(lambda executor: executor.hdet.merger.restore())
+    assert world.params.tolist() == [[2.5, 3.5]] * 3 and world.restarts == [1, 1, 2]

@@ -14,8 +14,10 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_hdet import HDETFSDPStrategy
-from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
+from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
+from lightning_hdet.hdet.fsdp_ensemble import ShardSite, ShardedEnsembleOps
 from lightning_hdet.hdet.layout import GroupLayout
+from lightning_hdet.hdet.merge import Merger
 from lightning_hdet.hdet.shards import GroupGradientMean
 from tests.helpers import Regression
 from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH
@@ -148,15 +150,23 @@ def test_gradient_mean_hook_scales_and_zeroes_non_finite_shards(one_rank) -> Non
 
 
 class _OneRankShards(ShardedEnsembleOps):
-    """ShardedEnsembleOps on one rank: the strategy's read-outs it needs, nothing else."""
+    """ShardedEnsembleOps on one rank: the strategy's read-outs its merger needs, nothing else."""
 
     def __init__(self, module: torch.nn.Module, group) -> None:
         self.lightning_module, self.across_groups = module, group
         self.layout, self.group_index, self.root_device = GroupLayout(1, 1), 0, torch.device("cpu")
-        self.optimizers, self._restore_point = [], None
+        self.optimizers = []
+        self.merger = Merger(ShardSite(self), _TableComm(self, ProcessGroupCommunicator()))
 
     def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
         return values.double().reshape(1, -1)
+
+
+class _TableComm(GroupComm):
+    """The vote's table as the test's strategy says (the all-reduces of a merge over the one rank)."""
+
+    def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
+        return self.place.gather_group_values(values)
 
 
 def _weighted_linear() -> torch.nn.Linear:
@@ -173,12 +183,12 @@ def test_sharded_merge_writes_the_target_and_moves_by_strength(one_rank) -> None
     """Shards and float buffers go through the shared bucketed merge; the target becomes the restore point."""
     module = _weighted_linear()
     ops = _OneRankShards(module, one_rank)
-    ops.merge([0.5], [0.25], [False])
+    ops.merger.merge([0.5], [0.25], [False])
     # target = coefficient x theta (summed over the one rank), in the order shards, then buffers; float64 (buffer)
-    assert ops._restore_point.dtype == torch.float64 and ops._restore_point.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert ops.merger.restore_point.dtype == torch.float64 and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0, 4.0]
     assert module.weight.tolist() == [[1.75, 3.5]] and module.bias.tolist() == [5.25]  # (1 - s) theta + s target
     assert module.stat.tolist() == [7.0]
-    ops.restore()
+    ops.merger.restore()
     assert module.weight.tolist() == [[1.0, 2.0]] and module.stat.tolist() == [4.0]
 
 
@@ -203,9 +213,9 @@ def test_sharded_groups_validate_the_merge_target_and_get_their_own_state_back(o
     exactly its own values."""
     module = _weighted_linear()
     ops = _TwoGroupShards(module, one_rank)
-    ops.validate_merged(True)
-    ops.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
+    ops.merger.validate_merged(True)
+    ops.merger.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
     assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0] and module.stat.tolist() == [4.0]
-    assert ops._restore_point is None  # keep=False: the restore point is not the validation's
-    ops.validate_merged(False)
+    assert ops.merger.restore_point is None  # keep=False: the restore point is not the validation's
+    ops.merger.validate_merged(False)
     assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0] and module.stat.tolist() == [8.0]

@@ -13,7 +13,7 @@ MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
 # Pure math: no Lightning, no process groups (unit-tested against hand-computed values).
 PURE = ["hdet/layout.py", "hdet/votes.py", "hdet/blends.py", "hdet/controller.py", "hdet/signals.py",
         "hdet/selection.py", "hdet/bandit.py", "hdet/collapse.py", "hdet/averaging.py", "hdet/options.py",
-        "hdet/defaults.py", "hdet/config.py",
+        "hdet/defaults.py", "hdet/config.py", "hdet/hyperparams.py",
         "asynchronous/delayed_nesterov.py",
         "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",
         "asynchronous/compression.py", "asynchronous/checks.py", "asynchronous/elastic/sessions.py",

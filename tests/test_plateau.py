@@ -167,20 +167,20 @@ def test_a_roll_back_flagged_initial_returns_to_the_model_the_fit_started_from()
         module.weight.copy_(torch.tensor([[2.0, 4.0]]))
         module.bias.fill_(6.0)
     ops = _OneRankShards(module, None)
-    ops.ensure_restore_point(keep_initial=True)
-    ops.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
-    assert module.weight.tolist() == [[1.0, 2.0]] and ops._restore_point.tolist() == [1.0, 2.0, 3.0]
+    ops.merger.ensure_restore_point(keep_initial=True)
+    ops.merger.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
+    assert module.weight.tolist() == [[1.0, 2.0]] and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0]
     with torch.no_grad():
         module.bias.fill_(100.0)
-    ops.restore(initial=[True])
+    ops.merger.restore(initial=[True])
     assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0]
-    ops.restore(initial=[False])
+    ops.merger.restore(initial=[False])
     assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0]
     plain = _OneRankShards(module, None)
-    plain.ensure_restore_point()  # no initial model kept: the restore point it is
+    plain.merger.ensure_restore_point()  # no initial model kept: the restore point it is
     with torch.no_grad():
         module.bias.fill_(100.0)
-    plain.restore(initial=[True])
+    plain.merger.restore(initial=[True])
     assert module.bias.tolist() == [3.0]
 
 

@@ -49,12 +49,12 @@ def test_a_merge_blends_z_like_the_parameters_and_leaves_it_out_of_the_restore_p
     assert not torch.allclose(theta, z.double())
     ops = _OneRankShards(module, None)
     ops.optimizers = [opt]
-    ops.merge([0.5], [0.25], [False])
+    ops.merger.merge([0.5], [0.25], [False])
     # one rank: target = 0.5 x own; each tensor moves (1 - 0.25) t + 0.25 target = 0.875 t, z as the parameters
     torch.testing.assert_close(flat_params(module), 0.875 * theta)
     torch.testing.assert_close(torch.cat([opt.state[p]["z"].reshape(-1) for p in module.parameters()]), 0.875 * z)
-    assert ops._restore_point.tolist() == pytest.approx((0.5 * theta).tolist())  # the parameters only
-    ops.restore()  # the roll-back restarts the optimizer: its z starts again from the restored parameters
+    assert ops.merger.restore_point.tolist() == pytest.approx((0.5 * theta).tolist())  # the parameters only
+    ops.merger.restore()  # the roll-back restarts the optimizer: its z starts again from the restored parameters
     torch.testing.assert_close(flat_params(module), 0.5 * theta)
     assert not opt.state
 

@@ -11,7 +11,7 @@ strategy for each module's state (:meth:`get_module_state_dict`: the merged mode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
@@ -22,8 +22,9 @@ from typing_extensions import override
 
 from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.hdet.ensemble import EnsembleOps
+from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.hyperparams import Span, check_optimizers
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
 
 
@@ -40,6 +41,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         preset: ``"published"`` (default here: the paper's ±11 % fan-out, ``"global"``; a Fabric loop cannot
             end the Trainer's recommended search, which switches ``"group"`` to ``"global"`` mid-run) or
             ``"recommended"`` (the Trainer default's 27x grid and ``"group"``, voted without a search).
+        explore: other hyperparameters the groups diverge in, as for the Trainer's HDETStrategy.
         **kwargs: everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts.
 
     Set the model and optimizer up with ``fabric.setup(model, optimizer)`` (one model; its optimizers get the
@@ -61,16 +63,17 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
         preset: str = "published",
+        explore: Optional[Mapping[str, Span]] = None,
         **kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         if kwargs.get("process_group") is not None:
             raise ValueError("`process_group` cannot be passed to HDETFabricStrategy: it creates the process groups "
                              "itself (one per HDET group).")
         kwargs.pop("process_group", None)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self._restore_point = None  # owned by MergeOps (merge.py)
+        self._init_parts(ReplicaSite(self))
         self._module: Optional[Module] = None
         self._optimizers: list[Optimizer] = []
 
@@ -120,6 +123,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         check_numeric_lrs([optimizer])
+        check_optimizers([optimizer], list(self._explore))
         self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
 
@@ -152,8 +156,8 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         super().load_module_state_dict(module, state_dict, strict=strict)
         inner = module.module if isinstance(module, DistributedDataParallel) else module
         if inner is self._module:
-            self._restore_point = None
-            self.ensure_restore_point()
+            self.hdet.merger.load_restore_point(None)
+            self.hdet.merger.ensure_restore_point()
 
     @override
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:

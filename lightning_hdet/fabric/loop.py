@@ -3,9 +3,9 @@
 The loop calls :meth:`HDETLoop.step` after every ``optimizer.step()``; every ``every_n_steps`` steps the groups
 vote, exactly as under the Trainer: the same :class:`~lightning_hdet.hdet.meter.IntervalMeter` (this rank's loss
 curve on the device, one small all-reduce per vote), the same pure
-:class:`~lightning_hdet.hdet.controller.HDETController` deciding, the strategy executing the decision through the
-:class:`~lightning_hdet.hdet.executor.HDETExecutor` interface. :meth:`HDETLoop.finish` leaves every rank holding
-the merged model. It is a stateful object for ``fabric.save``/``fabric.load`` (the vote rule, history, counters
+:class:`~lightning_hdet.hdet.controller.HDETController` deciding, the strategy's objects executing the decision
+(``strategy.hdet``, :class:`~lightning_hdet.hdet.executor.HDETParts`). :meth:`HDETLoop.finish` leaves every rank
+holding the merged model. It is a stateful object for ``fabric.save``/``fabric.load`` (the vote rule, history, counters
 and multipliers).
 """
 
@@ -20,6 +20,8 @@ from lightning_hdet.fabric.hdet import HDETFabricStrategy
 from lightning_hdet.hdet.callback import _execute
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.defaults import DEFAULT_VOTE
+from lightning_hdet.hdet.hyperparams import check_vote
+from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter
 from lightning_hdet.hdet.options import SafetyNet, Search, Vote, refuse_moved, resolve
 from lightning_hdet.records.wandb import log_vote_history
@@ -68,15 +70,16 @@ class HDETLoop:
         self.settings, search_rule, _ = resolve(every_n_steps, vote, search, safety_net, None, "mean",
                                                 warmup_steps, seed)
         _check_search(search_rule, strategy.gradient_sync)
-        self.fabric, self.strategy = fabric, strategy
+        check_vote(self.settings.vote, strategy.hdet.explored)
+        self.fabric, self.strategy, self.hdet = fabric, strategy, strategy.hdet
         self.controller = HDETController(self.settings)
         self.controller.search_steps = None if search_rule is None else search_rule.steps
         self.global_step = 0  # optimizer steps taken (counted by `step`)
         self._last_vote_step = -1
         self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, strategy.root_device)
         self._fresh = True  # the run's first step is ahead (not resumed): its loss is the safety net's start level
-        self.initial_lrs: list[float] = strategy.current_lrs()[:, 0].tolist()
-        strategy.ensure_restore_point()
+        self.initial_lrs: list[float] = self.hdet.table.current_lrs()[:, 0].tolist()
+        self.hdet.merger.ensure_restore_point()
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -97,10 +100,10 @@ class HDETLoop:
     def finish(self) -> None:
         """End the run: vote on the last interval (weigh, merge fully, leave the LRs alone) so every rank holds
         the merged model, and write the vote history (``vote_history.csv`` beside each logger's files)."""
-        if self.strategy.num_groups > 1:
+        if self.hdet.num_groups > 1:
             if self.global_step == self._last_vote_step:
                 coefficients, strengths = self.controller.finishing_merge()  # nothing trained since the vote
-                self.strategy.merge(coefficients, strengths, restart=[False] * self.strategy.num_groups)
+                self.hdet.merger.merge(coefficients, strengths, restart=[False] * self.hdet.num_groups)
             else:
                 self._vote(final=True)
         if self.fabric.is_global_zero and self.history:
@@ -108,18 +111,18 @@ class HDETLoop:
 
     def _vote(self, final: bool) -> Decision:
         """One vote: the groups' loss curves (one all-reduce) -> the controller's decision -> the strategy's merge."""
-        strategy, step = self.strategy, self.global_step
-        table = strategy.gather_group_values(self._meter.row(strategy.interval_skipped(reset=True)))
+        hdet, step = self.hdet, self.global_step
+        table = hdet.groups.gather_group_values(self._meter.row(hdet.guard.interval_skipped(reset=True)))
         reading = self._meter.read(table, monitor=False)
         if not reading.counted:
             raise ValueError(f"HDETLoop counted no training loss up to step {step}: pass each step's loss to `step`.")
         decision = self.controller.decide(Interval(
-            step=step, losses=reading.losses, finite=reading.finite, multipliers=strategy.lr_multipliers,
-            schedule_lrs=strategy.schedule_lrs().tolist(), shared_gradients=strategy.gradient_sync == "global",
+            step=step, losses=reading.losses, finite=reading.finite, multipliers=hdet.table.multipliers,
+            schedule_lrs=hdet.table.schedule_lrs().tolist(), shared_gradients=hdet.gradient_sync == "global",
             final=final, curves=reading.curves, first_losses=reading.first_losses, first_errors=reading.first_errors,
-            refine=not final and self.controller.search_ends(step),
+            refine=not final and self.controller.search_ends(step), explored=hdet.explored,
         ))
-        _execute(strategy, decision)
+        _execute(hdet, decision)
         self._last_vote_step = step
         self._meter.reset(step)
         self.fabric.log_dict(vote_metrics(decision, self.controller.rescues), step=step)
@@ -127,15 +130,19 @@ class HDETLoop:
 
     # ------------------------------------------------------------------ fabric.save / fabric.load
     def state_dict(self) -> dict[str, Any]:
-        """The vote's state, the step count and the multipliers (the interval in progress starts afresh on load)."""
+        """The vote's state, the step count and the multipliers, the LR's and the other explored hyperparameters'
+        (the interval in progress starts afresh on load)."""
         return {**self.controller.state_dict(), "last_vote_step": self._last_vote_step,
-                "global_step": self.global_step, "lr_multipliers": self.strategy.lr_multipliers}
+                "global_step": self.global_step, "lr_multipliers": self.hdet.table.multipliers,
+                "explored": self.hdet.explored.tables}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.controller.load_state_dict(state)
         self._last_vote_step = state["last_vote_step"]
         self.global_step = state["global_step"]
-        self.strategy.set_lr_multipliers(state["lr_multipliers"])
+        self.hdet.table.set(state["lr_multipliers"])
+        if "explored" in state:
+            self.hdet.set_explored(state["explored"])
         self._fresh = False
         self._meter.reset(self.global_step)
 
@@ -146,7 +153,7 @@ def vote_metrics(decision: Decision, rescues: int) -> dict[str, float]:
     for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
         metrics.update({f"hdet/group{g}/loss": loss, f"hdet/vote/weight{g}": weight, f"hdet/group{g}/lr": lr})
     metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
-    return metrics
+    return {**metrics, **explored_metrics(decision.values)}
 
 
 def _check_search(search: Optional[Search], gradient_sync: str) -> None:

@@ -3,17 +3,17 @@
 The callback decides and the strategy executes. One vote, top to bottom (:meth:`HDETCallback.vote_and_merge`):
 
 1. ``_signal``: every group's loss curve over the interval (:mod:`~lightning_hdet.hdet.meter`) and whether it
-   stayed finite (one small all-reduce through the strategy's ``gather_group_values``; the skipped-step count
-   comes from the strategy's reset-on-read counter);
+   stayed finite (one small all-reduce: ``strategy.hdet.groups.gather_group_values``; the skipped-step count
+   comes from the reset-on-read counter of the strategy's guard, ``strategy.hdet.guard``);
 2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.controller.HDETController` turns those numbers into
    a :class:`~lightning_hdet.hdet.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.signals`,
    :mod:`~lightning_hdet.hdet.votes`, :mod:`~lightning_hdet.hdet.selection`, :mod:`~lightning_hdet.hdet.blends`
    and :mod:`~lightning_hdet.hdet.collapse`);
-3. the strategy executes it: ``restore()`` (roll-back) or one ``merge(...)`` per step of the decision's plan, then
-   ``set_lr_multipliers(...)``;
+3. the strategy's objects execute it: ``merger.restore()`` (roll-back) or one ``merger.merge(...)`` per step of
+   the decision's plan, then ``table.set(...)``;
 4. ``_log``: metrics and the vote history.
 
-The callback talks to the strategy only through :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
+The callback talks to the strategy only through ``strategy.hdet`` (:class:`~lightning_hdet.hdet.executor.HDETParts`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.console import counted, rounded_list
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
-from lightning_hdet.hdet.executor import HDETExecutor, is_executor
+from lightning_hdet.hdet.executor import HDETParts, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
+from lightning_hdet.hdet.hyperparams import Explored, check_vote, values
+from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, refuse_moved, resolve
 from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
@@ -98,7 +100,7 @@ class HDETCallback(Callback):
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
         self._monitored: Optional[float] = None
-        self._checked_strategy: Any = None  # the strategy `_executor` last found to be an HDET executor
+        self._checked_strategy: Any = None  # the strategy `_parts` last found to carry HDET's parts
         self._resumed_interval: Optional[Tensor] = None
         self._heldout: Optional[HeldoutScorer] = signal_rule.scorer()
 
@@ -125,42 +127,44 @@ class HDETCallback(Callback):
         return self.controller.num_votes
 
     # ------------------------------------------------------------------ set-up
-    def _executor(self, trainer: Trainer) -> HDETExecutor:
+    def _parts(self, trainer: Trainer) -> HDETParts:
+        """The strategy's HDET parts (``strategy.hdet``): all the callback touches of it, but for the Trainer's own."""
         strategy = trainer.strategy
-        if strategy is not self._checked_strategy:  # once, not per step: the check costs 0.75 ms (measured)
+        if strategy is not self._checked_strategy:  # once, not per step
             if not is_executor(strategy):
                 raise MisconfigurationException(
                     f"HDETCallback needs `Trainer(strategy='hdet')` (or an HDETStrategy), got {type(strategy).__name__}."
                 )
             self._checked_strategy = strategy
-        return strategy  # type: ignore[return-value]
+        return strategy.hdet
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        executor = self._executor(trainer)
+        hdet = self._parts(trainer)
         if stage == "fit":
-            self.settings.check_gradient_sync(executor.gradient_sync)  # before the guard and the logger
+            self.settings.check_gradient_sync(hdet.gradient_sync)  # before the guard and the logger
+            check_vote(self.settings.vote, hdet.explored)
             if self.settings.safety_net:
-                executor.enable_guard()  # here: before the strategy wraps the model (the guard is a DDP hook)
-            record_config(trainer, "hdet", {**executor.config, "callback": self.config})
-            _announce(executor, self.settings, _search_plan(self.search, trainer))  # here: before any progress bar exists, so not inside one
+                hdet.guard.enable()  # here: before the strategy wraps the model (the guard is a DDP hook)
+            record_config(trainer, "hdet", {**hdet.config, "callback": self.config})
+            _announce(hdet, self.settings, _search_plan(self.search, trainer))  # here: before any progress bar exists, so not inside one
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        executor = self._executor(trainer)
+        hdet = self._parts(trainer)
         if self._meter is None:
-            self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, executor.root_device)
+            self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, hdet.groups.root_device)
         every = self.settings.every_n_steps
         self._meter.reset((trainer.global_step // every) * every)  # votes fall on multiples of every_n_steps
         resumed = self._resumed_interval
         if resumed is not None and resumed.shape[1] == self._meter.width:  # older checkpoints: a fresh interval
-            self._meter.load_row(resumed[executor.group_index] / executor.layout.group_size)
+            self._meter.load_row(resumed[hdet.groups.group_index] / hdet.groups.layout.group_size)
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
-        self.initial_lrs = executor.current_lrs()[:, 0].tolist()
-        executor.ensure_restore_point(keep_initial=self.controller.keeps_initial)
+        self.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
+        hdet.merger.ensure_restore_point(keep_initial=self.controller.keeps_initial)
         if self.controller.searched_at is not None:
-            executor.set_gradient_sync("global")  # resumed after the search ended
+            hdet.set_gradient_sync("global")  # resumed after the search ended
         self.controller.search_steps = search_steps(self.search, trainer)
         if self._heldout is not None:
             self._heldout.start(trainer, pl_module)  # after experimental.InitNoise (on_fit_start): it averages those
@@ -172,7 +176,7 @@ class HDETCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        executor = self._executor(trainer)
+        hdet = self._parts(trainer)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, Tensor):
             self._meter.add(trainer.global_step, loss, first=self._first_pending)
@@ -185,20 +189,20 @@ class HDETCallback(Callback):
             self._last_vote_step = step
             self.vote_and_merge(trainer, pl_module)
         if trainer.is_global_zero and (vote or step % trainer.log_every_n_steps == 0):
-            lrs = executor.current_lrs()
+            lrs = hdet.table.current_lrs()
             if not vote:  # a vote logged its new learning rates itself
-                _log_lrs(trainer, lrs, step, self.report)
+                _log_lrs(trainer, lrs, step, self.report, hdet.explored)
             pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Validate the model a checkpoint holds, unless the vote reads each group's own (``monitor``)."""
         if self.settings.monitor is None:
-            self._executor(trainer).validate_merged(True)
+            self._parts(trainer).merger.validate_merged(True)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._executor(trainer).validate_merged(False)  # before ModelCheckpoint saves (Lightning orders it last)
+        self._parts(trainer).merger.validate_merged(False)  # before ModelCheckpoint saves (Lightning orders it last)
         if self.settings.monitor is None or trainer.sanity_checking:
             return
         value = trainer.callback_metrics.get(self.settings.monitor)
@@ -208,13 +212,13 @@ class HDETCallback(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Leave every rank holding the merged model."""
-        executor = self._executor(trainer)
-        if executor.num_groups == 1:
+        hdet = self._parts(trainer)
+        if hdet.num_groups == 1:
             return
         if trainer.global_step == self._last_vote_step:
             # Nothing trained since the last vote: finish that vote's merge at full strength.
             coefficients, strengths = self.controller.finishing_merge()
-            executor.merge(coefficients, strengths, restart=[False] * executor.num_groups)
+            hdet.merger.merge(coefficients, strengths, restart=[False] * hdet.num_groups)
         else:
             self.vote_and_merge(trainer, pl_module, final=True)
 
@@ -222,7 +226,7 @@ class HDETCallback(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Every rank keeps :attr:`result`; rank 0 logs the vote history table, the run's figures (W&B gets them as
         images) and the result's summary."""
-        self.result = _hand_back(trainer, self, self._executor(trainer))
+        self.result = _hand_back(trainer, self, self._parts(trainer))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -231,34 +235,34 @@ class HDETCallback(Callback):
     # ------------------------------------------------------------------ the vote
     def vote_and_merge(self, trainer: Trainer, pl_module: LightningModule, final: bool = False) -> None:
         """One vote: losses -> decision (weights, winner, multipliers, rescues) -> merged or rolled-back model."""
-        executor = self._executor(trainer)
-        reading, heldout = self._signal(trainer, pl_module, executor, final)
+        hdet = self._parts(trainer)
+        reading, heldout = self._signal(trainer, pl_module, hdet, final)
         decision = self.controller.decide(Interval(
             step=trainer.global_step, losses=reading.losses, finite=reading.finite,
-            multipliers=executor.lr_multipliers, schedule_lrs=executor.schedule_lrs().tolist(),
-            shared_gradients=executor.gradient_sync == "global", final=final, curves=reading.curves,
+            multipliers=hdet.table.multipliers, schedule_lrs=hdet.table.schedule_lrs().tolist(),
+            shared_gradients=hdet.gradient_sync == "global", final=final, curves=reading.curves,
             first_losses=reading.first_losses, first_errors=reading.first_errors, heldout=heldout,
-            refine=not final and self.controller.search_ends(trainer.global_step),
+            refine=not final and self.controller.search_ends(trainer.global_step), explored=hdet.explored,
         ))
-        _execute(executor, decision)
+        _execute(hdet, decision)
         _log_vote(trainer, decision, self.controller.rescues, self.report, heldout, final)
         self._meter.reset(trainer.global_step)
         if self._heldout is not None:
             self._heldout.restart()  # the next interval averages from the merged (or restored) parameters
 
     def _signal(
-        self, trainer: Trainer, pl_module: LightningModule, executor: HDETExecutor, final: bool
+        self, trainer: Trainer, pl_module: LightningModule, hdet: HDETParts, final: bool
     ) -> tuple[Reading, Optional[list[float]]]:
         """Every group's loss curve for this interval, whether it stayed finite (no skipped step) and, with
         ``signal="heldout"``, its averaged iterate's held-out loss: one small all-reduce for all of it."""
         monitor = self.settings.monitor is not None
         if monitor and self._monitored is None:
             raise _missing_metric(trainer, self.settings.monitor)
-        row = self._meter.row(executor.interval_skipped(reset=True), self._monitored)
+        row = self._meter.row(hdet.guard.interval_skipped(reset=True), self._monitored)
         scored = self._heldout is not None and not final  # the final merge picks by level: nothing to score
         if scored:
-            row = torch.cat([row, self._heldout.row(trainer, pl_module, executor)])
-        table = executor.gather_group_values(row)
+            row = torch.cat([row, self._heldout.row(trainer, pl_module, hdet.groups)])
+        table = hdet.groups.gather_group_values(row)
         reading = self._meter.read(table[:, : self._meter.width], monitor)
         if not reading.counted:
             raise MisconfigurationException(
@@ -282,22 +286,30 @@ class HDETCallback(Callback):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Add the full ensemble: each group's parameters and optimizer state, multipliers and interval losses."""
-        executor = self._executor(trainer)
-        row = self._meter.row(executor.interval_skipped(reset=False))
+        hdet = self._parts(trainer)
+        row = self._meter.row(hdet.guard.interval_skipped(reset=False))
+        explored = hdet.explored.tables
         checkpoint["hdet"] = {
-            "num_groups": executor.num_groups,
-            "interval": executor.gather_group_values(row),
-            **executor.save_ensemble(),
+            "num_groups": hdet.num_groups,
+            "interval": hdet.groups.gather_group_values(row),
+            **hdet.save_ensemble(),
+            **({"explored": explored} if explored else {}),  # the other explored hyperparameters' tables
         }
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        hdet = checkpoint.get("hdet")
-        executor = self._executor(trainer)
-        if not hdet or hdet.get("num_groups") != executor.num_groups:
+        state = checkpoint.get("hdet")
+        hdet = self._parts(trainer)
+        if not state or state.get("num_groups") != hdet.num_groups:
             return
-        executor.load_ensemble(hdet)
-        self._resumed_interval = hdet["interval"]
+        hdet.load_ensemble(state)
+        if state.get("explored") is not None:  # (refused, naming both, when the run explores other names)
+            hdet.set_explored(state["explored"])
+        elif hdet.explored.tables:
+            rank_zero_warn(f"The checkpoint holds no tables of the explored hyperparameters "
+                           f"{list(hdet.explored.tables)} (its run explored the LR alone): they start from "
+                           "`explore`'s initial multipliers.")
+        self._resumed_interval = state["interval"]
 
 
 def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
@@ -323,23 +335,23 @@ def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
     return f"the search ends at a vote from step {steps} on"
 
 
-def _announce(executor: HDETExecutor, settings: HDETConfig, plan: str) -> None:
+def _announce(hdet: HDETParts, settings: HDETConfig, plan: str) -> None:
     """The settings line (rank 0), and what validation shows when the vote reads each group's own metric."""
     blend = f", blend={settings.blend!r}" if settings.vote in ("softmax", "best") else ""  # PBT copies, never blends
-    rank_zero_info(f"HDET: {counted(executor.num_groups, 'group')} of {counted(executor.layout.group_size, 'rank')}, "
-                   f"gradient_sync={executor.gradient_sync!r}, vote={settings.vote!r} every {settings.every_n_steps} "
+    rank_zero_info(f"HDET: {counted(hdet.num_groups, 'group')} of {counted(hdet.groups.layout.group_size, 'rank')}, "
+                   f"gradient_sync={hdet.gradient_sync!r}, vote={settings.vote!r} every {settings.every_n_steps} "
                    f"steps{blend}, {plan}")
-    if settings.monitor is not None and executor.num_groups > 1:
+    if settings.monitor is not None and hdet.num_groups > 1:
         rank_zero_warn(unmerged_validation_warning(settings.monitor))
 
 
-def _hand_back(trainer: Trainer, callback: HDETCallback, executor: HDETExecutor) -> HDETResult:
+def _hand_back(trainer: Trainer, callback: HDETCallback, hdet: HDETParts) -> HDETResult:
     """The run's result (every rank); rank 0 also logs the vote history, the figures and the summary."""
     history = callback.history
-    result = make_result(history, executor.current_lrs().tolist(), callback.initial_lrs, callback.num_votes,
+    result = make_result(history, hdet.table.current_lrs().tolist(), callback.initial_lrs, callback.num_votes,
                          callback.rescues, callback.controller.searched_at,
                          vote_history_locations(trainer) if history else [])
-    if trainer.is_global_zero and executor.num_groups > 1:
+    if trainer.is_global_zero and hdet.num_groups > 1:
         if history:
             log_vote_history(trainer, history, step=trainer.global_step)
             log_report_figures(trainer, callback.report)
@@ -347,21 +359,23 @@ def _hand_back(trainer: Trainer, callback: HDETCallback, executor: HDETExecutor)
     return result
 
 
-def _execute(executor: HDETExecutor, decision: Decision) -> None:
+def _execute(hdet: HDETParts, decision: Decision) -> None:
     """The strategy carries out one decision: roll back, or merge (one collective per step of the plan); then the
     new multipliers and, when the decision ended the search, gradients averaged over all ranks."""
     if decision.roll_back:
-        executor.restore(decision.from_initial)
+        hdet.merger.restore(decision.from_initial)
         rank_zero_info(
             f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
             f"({'; '.join(r for r in decision.reasons if r)}); every group rolled back to the last good merged model."
         )
-    elif executor.num_groups > 1:
+    elif hdet.num_groups > 1:
         for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
-            executor.merge(step.coefficients, step.strengths, restart=decision.restart, keep=decision.keep)
-    executor.set_lr_multipliers(decision.multipliers)
+            hdet.merger.merge(step.coefficients, step.strengths, restart=decision.restart, keep=decision.keep)
+    hdet.table.set(decision.multipliers)
+    if decision.explored:
+        hdet.set_explored(decision.explored)
     if decision.refined:
-        executor.set_gradient_sync("global")
+        hdet.set_gradient_sync("global")
         rank_zero_info(f"HDET: step {decision.step}: search ended on group {decision.winner}; every group trains "
                        f"from its model at LRs {rounded_list(decision.lrs)} with gradient_sync='global'.")
 
@@ -388,6 +402,7 @@ def _log_vote(
     for g, value in enumerate(heldout or []):
         metrics[f"hdet/group{g}/heldout"] = value
     metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
+    metrics.update(explored_metrics(decision.values))
     if trainer.is_global_zero:
         report.add(decision.step, metrics)
         for logger in trainer.loggers:
@@ -402,7 +417,7 @@ def _indices(flags: list[bool]) -> list[int]:
     return [g for g, flag in enumerate(flags) if flag]
 
 
-def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History) -> None:
+def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History, explored: Explored) -> None:
     """Every group's real learning rate (schedule x multiplier), by rank 0 straight to the loggers at Lightning's
     ``log_every_n_steps`` (as ``LearningRateMonitor`` does): multipliers change only at votes, which log them too.
     Going through ``LightningModule.log`` every step cost about 10 % of a small model's step time."""
@@ -411,6 +426,7 @@ def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History) -> None:
     for p in range(1, lrs.shape[1]):
         metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
     metrics["hdet/base_lr"] = float(lrs[:, 0].mean())
+    metrics.update(explored_metrics(values(explored.tables, explored)))
     report.add(step, metrics)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)

@@ -21,6 +21,8 @@ from torch import Tensor
 from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
 from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, has_progressed, is_good, judge
 from lightning_hdet.hdet.config import SELECTION_VOTES, HDETConfig
+from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
+from lightning_hdet.hdet.hyperparams import refined as refined_tables
 from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.plateau import (
     PlateauHistory,
@@ -54,6 +56,7 @@ class Interval:
     first_errors: Optional[Sequence[float]] = None  # the standard error of ``first_losses``
     heldout: Optional[Sequence[float]] = None  # ``signal="heldout"``: every group's averaged iterate's held-out loss
     refine: bool = False  # the search ends here (``search_steps``): winner's model, LRs a narrow grid around its LR
+    explored: Explored = field(default_factory=Explored)  # the other explored hyperparameters (hyperparams.py)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class Decision:
     reasons: list[str] = field(default_factory=list)  # why each rescued group counts as diverged ("" if not)
     refined: bool = False  # the search ended: every group took the winner's model and restarts its optimizer
     from_initial: list[bool] = field(default_factory=list)  # at a roll-back: groups that restart from the initial model
+    explored: dict[str, Tensor] = field(default_factory=dict)  # the other explored hyperparameters' new tables
+    values: dict[str, list[float]] = field(default_factory=dict)  # their new real values, first param group (logs)
 
     @property
     def restart(self) -> list[bool]:
@@ -165,6 +170,8 @@ class HDETController:
         decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
         keep = not self.config.safety_net or is_good(self.collapse, verdict, losses, self.collapse_history)
         decision = replace(decision, keep=keep, reasons=verdict.reasons)
+        if decision.explored:
+            decision = replace(decision, values=values(decision.explored, interval.explored))
         if plateau.all_stuck:  # no group improves at any LR: a geometric search downward (plateau.py)
             table = ladder(interval.multipliers, self.plateau.cut)
             decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
@@ -228,10 +235,12 @@ class HDETController:
         for p, schedule_lr in enumerate(interval.schedule_lrs):
             ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move)
             result = self.rule.explore(ballot, self.generator)
-            table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
+            if interval.explored.lr:  # (explore={"lr": 1.0}: the ballot still weighs and picks the winner)
+                table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
             if p == 0:
                 weights, winner = result.weights, result.winner
                 sources = result.sources if isinstance(result, Selection) else sources
+        explored = vote_explored(self.rule, self.generator, interval.explored, signal, healthy, move)
         coefficients: list[float] = []
         strengths: list[float] = []
         strength = 1.0 if ending else self.config.blend_strength
@@ -249,10 +258,12 @@ class HDETController:
                   signal, weights, winner, rescued)
         refined = interval.refine and winner >= 0 and num_groups > 1
         if refined:
-            table = self._end_search(interval.step, table[winner].tolist(), num_groups)
+            grid = self._end_search(interval.step, table[winner].tolist(), num_groups)
+            table = grid if interval.explored.lr else table  # (explore={"lr": 1.0}: the LRs stay)
+            explored = refined_tables(explored, winner, self.config.refine_spread)
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
-                        coefficients, strengths, copies, refined=refined)
+                        coefficients, strengths, copies, refined=refined, explored=explored)
 
     def _end_search(self, step: int, row: list[float], num_groups: int) -> Tensor:
         """The search's winner's multipliers become the centre of a grid of ratio ``refine_spread``; the vote rule
@@ -270,7 +281,8 @@ class HDETController:
         weights = [1.0 if g == winner else 0.0 for g in range(num_groups)]
         log.debug("roll-back at step %d: losses %s, rescued %s", interval.step, losses, rescued)
         table = self._cut(interval.multipliers.clone(), rescued)
-        return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, True)
+        return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, True,
+                        explored=dict(interval.explored.tables))
 
     def _cut(self, table: Tensor, rescued: Sequence[bool]) -> Tensor:
         """Multiply the rescued groups' rows of the multiplier table by ``rescue_lr_factor`` (in place)."""
@@ -289,7 +301,8 @@ class HDETController:
             self.history.append(
                 {"step": decision.step, "group": g, "lr": lrs[g], "loss": decision.losses[g],
                  "weight": decision.weights[g], "winner": decision.winner, "rescued": bool(decision.rescued[g]),
-                 "reason": decision.reasons[g] if decision.reasons else ""}
+                 "reason": decision.reasons[g] if decision.reasons else "",
+                 **({"explored": {n: v[g] for n, v in decision.values.items()}} if decision.values else {})}
             )
 
     def finishing_merge(self) -> tuple[list[float], list[float]]:

@@ -2,8 +2,8 @@
 
 :class:`EnsembleOps` is mixed into :class:`~lightning_hdet.hdet.strategy.HDETStrategy` (a DDP strategy: every rank
 holds a full replica, so a group's state is any of its ranks' tensors). Merges, the restore point and roll-backs
-come from :class:`~lightning_hdet.hdet.merge.MergeOps`, over the model's parameters and float buffers (and the
-base iterate of schedule-free optimizers). It reads the strategy's ``lightning_module``, ``layout``,
+come from the strategy's :class:`~lightning_hdet.hdet.merge.Merger`, over what :class:`ReplicaSite` names: the
+model's parameters and float buffers (and the base iterate of schedule-free optimizers). It reads the strategy's ``lightning_module``, ``layout``,
 ``group_index``, ``group_ranks``, ``world_size``, ``root_device``, ``optimizers``, ``checkpoint_io`` and
 ``lr_multipliers``.
 """
@@ -15,10 +15,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer, weights_only_kwargs
-from lightning_hdet._tensors import all_finite, flatten, model_state, reduced_buckets, to_cpu
+from lightning_hdet._tensors import flatten, model_state, reduced_buckets, to_cpu
 from lightning_hdet.hdet.checkpoints import (
     group_dir,
     group_file,
@@ -27,41 +28,49 @@ from lightning_hdet.hdet.checkpoints import (
     resharded,
     state_dict_with,
 )
-from lightning_hdet.hdet.merge import MergeOps, MergePart, iterate_states
+from lightning_hdet.hdet.merge import MergeOps, MergePart, StrategySite, iterate_states
+from lightning_hdet.hdet.validation import healthy_mean
+
+
+class ReplicaSite(StrategySite):
+    """What a merge carries on a rank holding its group's full model (``"hdet"``)."""
+
+    def merge_parts(self) -> list[MergePart]:
+        """Every rank holds its group's full model: each contributes ``1 / group_size`` of it, summed over all ranks."""
+        strategy = self.strategy
+        return [MergePart(model_state(strategy.lightning_module), 1.0 / strategy.layout.group_size, None)]
+
+    def iterate_part(self) -> MergePart:
+        """Reduced as the parameters are."""
+        strategy = self.strategy
+        params = list(strategy.lightning_module.parameters())
+        return MergePart(iterate_states(strategy.optimizers, params), 1.0 / strategy.layout.group_size, None)
+
+
+@torch.no_grad()
+def add_init_noise(params: list[Tensor], relative_std: float, seed: int) -> None:
+    """Published warm start: ``theta += eps``, ``eps ~ N(0, relative_std^2 |theta|^2 / d)`` from a generator
+    seeded ``seed`` (drawn in float64, parameter by parameter)."""
+    flat = flatten(params).double()
+    std = relative_std * float(flat.norm()) / math.sqrt(flat.numel())
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.add_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * std).to(p.device, p.dtype))
 
 
 class EnsembleOps(MergeOps):
     """Warm start and checkpoints of an ensemble of full replicas (see the module docstring)."""
 
-    def _merge_parts(self) -> list[MergePart]:
-        """Every rank holds its group's full model: each contributes ``1 / group_size`` of it, summed over all ranks."""
-        return [MergePart(model_state(self.lightning_module), 1.0 / self.layout.group_size, None)]
-
-    def _iterate_part(self) -> MergePart:
-        """Reduced as the parameters are."""
-        params = list(self.lightning_module.parameters())
-        return MergePart(iterate_states(self.optimizers, params), 1.0 / self.layout.group_size, None)
-
     def add_init_noise(self, relative_std: float, seed: int) -> None:
-        """Published warm start: ``theta += eps``, ``eps ~ N(0, relative_std^2 |theta|^2 / d)`` from ``seed``."""
-        params = list(self.lightning_module.parameters())
-        flat = flatten(params).double()
-        std = relative_std * float(flat.norm()) / math.sqrt(flat.numel())
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in params:
-                p.add_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * std).to(p.device, p.dtype))
+        """Published warm start (:func:`add_init_noise`) on this rank's parameters."""
+        add_init_noise(list(self.lightning_module.parameters()), relative_std, seed)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_ensemble(self) -> dict[str, Any]:
-        """Multipliers, the number of per-group files and the restore point, for ``checkpoint["hdet"]``. The groups'
-        own states are not in it: each group's first rank writes its own file beside the checkpoint
-        (``save_checkpoint``)."""
-        return {
-            "lr_multipliers": self.lr_multipliers,
-            "group_files": self.num_groups if self.num_groups > 1 else None,
-            "last_good": self._restore_point.cpu() if self._restore_point is not None else None,
-        }
+    def ensemble_files(self) -> dict[str, Any]:
+        """Where every group's own state is, for ``checkpoint["hdet"]``: the number of per-group files each group's
+        first rank writes beside the checkpoint (``save_checkpoint``; ``None``: one group, the checkpoint is its
+        state)."""
+        return {"group_files": self.num_groups if self.num_groups > 1 else None}
 
     def own_state(self) -> dict[str, Any]:
         """This group's own parameters, buffers and optimizer states, on the host (what its first rank writes)."""
@@ -106,10 +115,7 @@ class EnsembleOps(MergeOps):
         if self.num_groups == 1 or not dist.is_initialized():
             return module.state_dict()
         tensors = model_state(module)
-        healthy = self.gather_group_values(all_finite(tensors).double().reshape(1))[:, 0] == self.layout.group_size
-        if not bool(healthy.any()):
-            healthy = torch.ones_like(healthy)
-        coefficient = float(healthy.double()[self.group_index] / healthy.sum()) / self.layout.group_size
+        coefficient = healthy_mean(self.hdet.groups, tensors)[self.group_index] / self.layout.group_size
         merged = [torch.empty(t.shape, dtype=t.dtype) for t in tensors] if self.is_global_zero else None
         index = {id(t): i for i, t in enumerate(tensors)}
         for bucket, flat in reduced_buckets(tensors, coefficient, lambda x: dist.reduce(x, dst=0)):

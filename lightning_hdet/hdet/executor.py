@@ -1,119 +1,118 @@
-"""What :class:`~lightning_hdet.hdet.callback.HDETCallback` needs from a strategy: the HDET executor interface.
+"""What :class:`~lightning_hdet.hdet.callback.HDETCallback` needs from a strategy: its ``hdet``, an :class:`HDETParts`.
 
-The callback (through its :class:`~lightning_hdet.hdet.controller.HDETController`) *decides*; a strategy that
-implements :class:`HDETExecutor` *executes*. The callback talks to the strategy through these members only, so
-another strategy (e.g. an FSDP2 one) plugs in by implementing them. Each piece of state has one owner:
+The callback (through its :class:`~lightning_hdet.hdet.controller.HDETController`) *decides*; the strategy
+*executes*, through four objects it owns and hands over as one :class:`HDETParts` (``strategy.hdet``):
 
-* the strategy owns the process groups, the multiplier table, the skipped-step counter, the finite-gradient guard,
-  the restore point (last good merged model, on the host) and the groups' parameters and optimizer states;
-* the callback owns the loss accumulators, the vote's timing and logs; its controller owns the vote rule's state,
-  the permutation generator and the vote counters.
+* ``groups`` (:class:`~lightning_hdet.hdet.comm.GroupComm`): the layout, this rank's group, the vote's one
+  all-reduce (``gather_group_values``), over an injected communicator;
+* ``table`` (:class:`~lightning_hdet.hdet.rates.LearningRates`): every group's multipliers (the one writer at run
+  time: ``set``), the schedule and the real learning rates;
+* ``merger`` (:class:`~lightning_hdet.hdet.merge.Merger`): merges, the restore point, roll-backs, the validation
+  swap, over what the strategy's ranks hold (a :class:`~lightning_hdet.hdet.merge.MergeSite`) and ``groups``;
+* ``guard`` (:class:`~lightning_hdet.hdet.guard.StepGuard`): the non-finite step check and its counter.
 
-Every method is called on every rank with identical arguments, in the same order (they may run collectives).
+Besides them the callback calls the strategy's gradient switch (``set_gradient_sync``), reads its ``config`` and
+the explored hyperparameters' tables (``explored``/``set_explored``),
+and checkpoints the ensemble (:meth:`HDETParts.save_ensemble` / :meth:`HDETParts.load_ensemble`). Another strategy
+plugs in by building these objects; :class:`~lightning_hdet.testing.FakeWorld` builds the same ones in memory.
+
+Each piece of state has one owner: the strategy owns the process groups, the multiplier tables (the LR's in
+``table``, the other explored hyperparameters' behind ``explored``/``set_explored``), the skipped-step
+counter and the gradient hook (``guard``), the restore point (``merger``) and the groups' parameters and optimizer
+states; the callback owns the loss accumulators, the vote's timing and logs; its controller owns the vote rule's
+state, the permutation generator and the vote counters. Every collective is called on every rank with identical
+arguments, in the same order.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
-import torch
-from torch import Tensor
+from lightning_hdet.hdet.comm import GroupComm
+from lightning_hdet.hdet.guard import StepGuard
+from lightning_hdet.hdet.hyperparams import Explored
+from lightning_hdet.hdet.merge import Merger
+from lightning_hdet.hdet.rates import LearningRates
 
-from lightning_hdet.hdet.layout import GroupLayout
 
-
-@runtime_checkable
-class HDETExecutor(Protocol):
-    """The strategy side of HDET (implemented by :class:`~lightning_hdet.hdet.strategy.HDETStrategy`)."""
-
-    @property
-    def layout(self) -> GroupLayout:
-        """Which ranks form which group."""
-
-    @property
-    def num_groups(self) -> int: ...
-
-    @property
-    def group_index(self) -> int:
-        """The group of this rank."""
+class HDETHost(Protocol):
+    """What only the strategy itself can do: switch how gradients are averaged, describe itself, name its files,
+    hold the other explored hyperparameters' tables (``explore``)."""
 
     @property
     def gradient_sync(self) -> str:
         """``"global"`` (gradients averaged over all ranks) or ``"group"`` (inside each group)."""
 
-    @property
-    def root_device(self) -> torch.device: ...
+    def set_gradient_sync(self, gradient_sync: Any) -> None:
+        """Average gradients over all ranks or inside each group from the next step on (a collective)."""
 
     @property
     def config(self) -> dict[str, Any]:
         """The strategy's settings, recorded in the run config under ``hdet/...``."""
 
+    def ensemble_files(self) -> dict[str, Any]:
+        """The keys of ``checkpoint["hdet"]`` that say where every group's own state is."""
+
     @property
-    def lr_multipliers(self) -> Tensor:
-        """A copy of the multiplier table, ``(num_groups, num_param_groups)``, float64 on the host."""
+    def explored(self) -> Explored:
+        """The other explored hyperparameters' tables (copies), what the optimizers say, and whether the LR is
+        explored (:mod:`~lightning_hdet.hdet.hyperparams`; empty tables: the LR alone)."""
+
+    def set_explored(self, tables: Any) -> None:
+        """Replace the explored hyperparameters' tables (the only writer; applied around every later step)."""
+
+
+class HDETParts:
+    """The HDET side of one rank's strategy, as the callback drives it (see the module docstring)."""
+
+    def __init__(self, host: HDETHost, groups: GroupComm, table: LearningRates, merger: Merger,
+                 guard: StepGuard) -> None:
+        self.host = host
+        self.groups = groups
+        self.table = table
+        self.merger = merger
+        self.guard = guard
+
+    @property
+    def num_groups(self) -> int:
+        return self.groups.layout.num_groups
+
+    @property
+    def gradient_sync(self) -> str:
+        return self.host.gradient_sync
 
     def set_gradient_sync(self, gradient_sync: str) -> None:
-        """Average gradients over all ranks (``"global"``) or inside each group (``"group"``) from the next step on
-        (the only writer after construction; a wrapped model is wrapped again, a collective)."""
+        """See :meth:`HDETHost.set_gradient_sync`."""
+        self.host.set_gradient_sync(gradient_sync)
 
-    def set_lr_multipliers(self, multipliers: Any) -> None:
-        """Replace the multiplier table (the only writer; applied around every later optimizer step)."""
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.host.config
 
-    def schedule_lrs(self) -> Tensor:
-        """What the optimizers and schedulers say, per flattened param group (no multiplier)."""
+    @property
+    def explored(self) -> Explored:
+        """See :attr:`HDETHost.explored`."""
+        return self.host.explored
 
-    def current_lrs(self) -> Tensor:
-        """Real learning rates ``(num_groups, num_param_groups)``: schedule LR x multiplier."""
-
-    def enable_guard(self) -> None:
-        """Flag (and, where the optimizer can, skip on the device) the optimizer steps of a group whose loss or
-        gradients are non-finite. Call before the model is wrapped: from the callback's ``setup(stage="fit")``."""
-
-    def interval_skipped(self, reset: bool = True) -> int:
-        """Optimizer steps the guard flagged on this rank since the last reset (``reset=False`` only peeks); reads a
-        device counter, so call it at votes, not per step."""
-
-    def gather_group_values(self, values: Tensor) -> Tensor:
-        """Sum 1-D ``values`` over the ranks of each group: ``(num_groups, k)`` on the host, on every rank."""
-
-    def add_init_noise(self, relative_std: float, seed: int) -> None:
-        """Add ``N(0, relative_std^2 |theta|^2 / d)`` to the parameters, drawn from a generator seeded ``seed``."""
-
-    def merge(
-        self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
-    ) -> None:
-        """``theta_g <- (1 - s_g) theta_g + s_g sum_h c_h theta_h``; a finite target becomes the restore point
-        unless ``keep`` is False (the safety net judged the vote not good); groups flagged in ``restart`` start a
-        fresh optimizer state."""
-
-    def ensure_restore_point(self, keep_initial: bool = False) -> None:
-        """Make the current model state the restore point unless one is held (from a merge or a checkpoint); with
-        ``keep_initial``, keep it apart as the initial model too."""
-
-    def restore(self, initial: Sequence[bool] = ()) -> None:
-        """Roll every group back to the restore point (the groups flagged in ``initial``: to the initial model, if
-        held), with a fresh optimizer state."""
-
-    def validate_merged(self, on: bool) -> None:
-        """``on``: hold the checkpoint's merged model on every rank (for validation); off: each group's own state
-        back. Idempotent."""
+    def set_explored(self, tables: Any) -> None:
+        """See :meth:`HDETHost.set_explored`."""
+        self.host.set_explored(tables)
 
     def save_ensemble(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the ensemble: multipliers, the restore point and where every group's own state
-        is (each group writes its own)."""
+        """What a checkpoint keeps of the ensemble: multipliers, this rank's restore point and where every group's
+        own state is (each group writes its own)."""
+        return {"lr_multipliers": self.table.multipliers, **self.host.ensemble_files(),
+                "last_good": self.merger.restore_point}
 
     def load_ensemble(self, state: dict[str, Any]) -> None:
         """Inverse of :meth:`save_ensemble` (the groups' own states are read when Lightning restores the model)."""
+        self.table.set(state["lr_multipliers"])
+        if state.get("last_good") is not None:
+            self.merger.load_restore_point(state["last_good"])
 
 
 def is_executor(strategy: Any) -> bool:
-    """Whether ``strategy`` has every member of :class:`HDETExecutor` (looked up without running properties)."""
-    return all(inspect.getattr_static(strategy, name, None) is not None for name in _MEMBERS)
-
-
-_MEMBERS: tuple[str, ...] = tuple(
-    name for name in dir(HDETExecutor) if not name.startswith("_") and name not in dir(Protocol)
-)
-
+    """Whether ``strategy`` is one HDETCallback can drive: it carries an :class:`HDETParts` as ``hdet``
+    (:class:`~lightning_hdet.hdet.strategy.HDETStrategy`, :class:`~lightning_hdet.hdet.fsdp.HDETFSDPStrategy`, the
+    Fabric strategy, a :class:`~lightning_hdet.testing.FakeWorld`'s rank)."""
+    return isinstance(getattr(strategy, "hdet", None), HDETParts)

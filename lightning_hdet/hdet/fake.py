@@ -1,33 +1,43 @@
 """An in-memory HDET world: G groups' parameters as rows of one tensor, one thread per group, no process group.
 
-:class:`FakeWorld` implements :class:`~lightning_hdet.hdet.executor.HDETExecutor` for every group of one process
-(:meth:`FakeWorld.executor`), so :class:`~lightning_hdet.hdet.callback.HDETCallback` (or a user's own rule) votes,
-merges, rescues, rolls back and ends its search exactly as under ``strategy="hdet"``, in milliseconds and against
-values a test can compute by hand. Each group is one rank: :meth:`FakeWorld.run` drives one callback per group in
-its own thread, as each rank of a real run drives its own, and every collective of the interface meets the other
-groups' threads at a barrier, the way an all-reduce does.
+Each group of a :class:`FakeWorld` is one simulated rank with its own :class:`FakeExecutor` (its strategy), so
+:class:`~lightning_hdet.hdet.callback.HDETCallback` (or a user's own rule) votes, merges, rescues, rolls back and
+ends its search exactly as under ``strategy="hdet"``, in milliseconds and against values a test can compute by
+hand: :meth:`FakeWorld.run` drives one callback per group in its own thread, as each rank of a real run drives its
+own.
 
-What it keeps faithful: a merge's target ``sum_g c_g theta_g`` (a group with coefficient 0 contributes exact
-zeros), ``theta_g <- (1 - s_g) theta_g + s_g target``, the restore point (the last finite target of a kept vote,
-else the model at the start), a roll-back to it, the optimizer restarts (counted per group in ``restarts``), the
-multiplier table, the skipped-step counter (set by the test through :meth:`FakeWorld.skip`), and the executor's
-contract: every collective is called by every group with the same arguments in the same order (a mismatch raises
-``AssertionError`` naming both calls).
+Nothing of a merge or a vote is re-implemented here: each rank's ``hdet`` is built from the strategies' own classes
+(:class:`~lightning_hdet.hdet.executor.HDETParts`): the :class:`~lightning_hdet.hdet.merge.Merger` (merges in
+buckets, the finite check, the restore point, roll-backs, the validation swap) over the group's row of the world's
+tensor (:class:`FakeSite`), the :class:`~lightning_hdet.hdet.comm.GroupComm` (the vote's all-reduce), the
+:class:`~lightning_hdet.hdet.rates.LearningRates` over the group's own multiplier table and the
+:class:`~lightning_hdet.hdet.guard.StepGuard` (its counter set by the test through :meth:`FakeWorld.skip`). The
+collectives run on an :class:`InMemoryCommunicator`, whose all-reduce meets the other groups' threads at a barrier
+and sums their tensors in group order. The fake adds optimizer restarts counted per group in ``restarts`` and the
+executor's contract: every collective is called by every group with the same arguments in the same order (a
+mismatch raises ``AssertionError`` naming both calls).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_hdet.hdet.comm import GroupComm
+from lightning_hdet.hdet.executor import HDETParts
+from lightning_hdet.hdet.guard import StepGuard
+from lightning_hdet.hdet.hyperparams import ONE_MINUS, Explored, ExploredTables
 from lightning_hdet.hdet.layout import GroupLayout
+from lightning_hdet.hdet.merge import Merger, MergePart
 from lightning_hdet.hdet.multipliers import MultiplierTable
+from lightning_hdet.hdet.rates import LearningRates
 
 #: Seconds a group's thread waits for the others at a collective before the run is declared stuck.
 TIMEOUT = 30.0
@@ -42,10 +52,16 @@ class FakeWorld:
         schedule_lrs: what the optimizers and schedulers say, one per flattened param group.
         gradient_sync: ``"group"`` or ``"global"``, as the strategy's.
         num_groups: the number of groups when ``params`` is one vector.
+        explore: other explored hyperparameters: every group's multiplier of each name (first param group), as
+            ``HDETStrategy(explore=...)`` with lists; ``{"lr": 1.0}`` freezes the LR.
+        explore_values: what the optimizer says for each explored name, one value per flattened param group
+            (default: 1, or 0.5 for a momentum).
     """
 
     def __init__(self, params: Any, lr_multipliers: Sequence[float], schedule_lrs: Sequence[float] = (0.1,),
-                 gradient_sync: str = "group", num_groups: Optional[int] = None) -> None:
+                 gradient_sync: str = "group", num_groups: Optional[int] = None,
+                 explore: Optional[Mapping[str, Any]] = None,
+                 explore_values: Optional[Mapping[str, Sequence[float]]] = None) -> None:
         params = torch.as_tensor(params, dtype=torch.float64)
         if params.dim() == 1:
             params = params[None, :].repeat(num_groups or len(lr_multipliers), 1)
@@ -54,25 +70,50 @@ class FakeWorld:
         if len(lr_multipliers) != self.num_groups:
             raise ValueError(f"`lr_multipliers` has {len(lr_multipliers)} values for {self.num_groups} groups.")
         self.layout = GroupLayout(self.num_groups, self.num_groups)
-        self.table = MultiplierTable(lr_multipliers)
+        self.explored = ExploredTables(dict(explore or {}), self.num_groups)  # shared: group 0 writes it
+        self.explore_values = {n: list(v) for n, v in (explore_values or {}).items()}
         self.schedule = torch.tensor(list(schedule_lrs), dtype=torch.float64)
         self.gradient_sync = gradient_sync
-        self.restore_point: Optional[Tensor] = None
-        self.initial: Optional[Tensor] = None  # the initial model, when the plateau rule keeps it
         self.restarts = [0] * self.num_groups  # optimizer-state restarts per group
-        self.skipped = [0] * self.num_groups  # guard-flagged steps per group since its last reset
-        self.guard_enabled = False
         self.calls: list[tuple[Any, ...]] = []  # every collective once, in order (group 0's view)
         self._slots: list[Any] = [None] * self.num_groups
         self._barrier = threading.Barrier(self.num_groups, timeout=TIMEOUT)
+        # Each group's own objects, as each rank's strategy owns its own.
+        self.parts = [_parts(self, _Rank(self, g, MultiplierTable(lr_multipliers))) for g in range(self.num_groups)]
+
+    @property
+    def table(self) -> MultiplierTable:
+        """Group 0's multiplier table (every group's holds the same values: they are set with the same ones)."""
+        return self.parts[0].host.multiplier_table
+
+    @property
+    def mergers(self) -> list[Merger]:
+        """Every group's :class:`~lightning_hdet.hdet.merge.Merger`."""
+        return [p.merger for p in self.parts]
+
+    @property
+    def restore_point(self) -> Optional[Tensor]:
+        """Group 0's restore point (every group's, after a kept merge: they all hold the same target)."""
+        return self.mergers[0].restore_point
+
+    @property
+    def initial(self) -> Optional[Tensor]:
+        """Group 0's initial model, when the plateau rule keeps it."""
+        return self.mergers[0].initial_point
+
+    @property
+    def guard_enabled(self) -> bool:
+        """Whether the callbacks turned the step guard on."""
+        return all(p.guard.enabled for p in self.parts)
 
     def executor(self, group: int) -> FakeExecutor:
         """Group ``group``'s view of the world (its one rank's strategy)."""
         return FakeExecutor(self, group)
 
     def skip(self, group: int, steps: int = 1) -> None:
-        """Count ``steps`` optimizer steps of ``group`` as flagged by the guard (its loss or gradient not finite)."""
-        self.skipped[group] += steps
+        """Count ``steps`` optimizer steps of ``group`` as flagged by the guard (its loss or gradient not finite),
+        on the guard's own device counter."""
+        self.parts[group].guard.counter(torch.device("cpu")).count.add_(steps)
 
     def run(self, body: Callable[[FakeExecutor], Any]) -> list[Any]:
         """Run ``body(executor)`` for every group at once, one thread each; their results in group order. The first
@@ -123,7 +164,8 @@ class FakeWorld:
                 if run.global_step == save_at:
                     checkpoint = {"state": callback.state_dict(), "global_step": run.global_step}
                     callback.on_save_checkpoint(run, module, checkpoint)
-                    self.checkpoints[executor.group_index] = {**checkpoint, "params": executor.params.clone()}
+                    # a deep copy, as torch.save writes the values of the moment (the restore point is a buffer)
+                    self.checkpoints[executor.group_index] = copy.deepcopy({**checkpoint, "params": executor.params})
             callback.on_train_end(run, module)
             return callback, run
 
@@ -161,14 +203,65 @@ class FakeWorld:
 
 
 class FakeExecutor:
-    """One group's :class:`~lightning_hdet.hdet.executor.HDETExecutor` over a :class:`FakeWorld`."""
+    """One group's strategy in a :class:`FakeWorld`: its :class:`~lightning_hdet.hdet.executor.HDETParts` (``hdet``,
+    what the callback drives), and what a test's training step reads (``params``, ``current_lrs()``, ...)."""
 
     def __init__(self, world: FakeWorld, group: int) -> None:
         self.world = world
         self.group = group
-        self._own: Optional[Tensor] = None  # this group's parameters while the merged model is validated
+        self.hdet = world.parts[group]
 
-    # ------------------------------------------------------------------ read-outs
+    @property
+    def group_index(self) -> int:
+        return self.group
+
+    @property
+    def num_groups(self) -> int:
+        return self.world.num_groups
+
+    @property
+    def gradient_sync(self) -> str:
+        return self.world.gradient_sync
+
+    @property
+    def params(self) -> Tensor:
+        """This group's parameters (a view of its row of the world's tensor)."""
+        return self.world.params[self.group]
+
+    def current_lrs(self) -> Tensor:
+        """Every group's real learning rates, ``(num_groups, num_param_groups)``."""
+        return self.hdet.table.current_lrs()
+
+    @property
+    def explored(self) -> Explored:
+        """The other explored hyperparameters' tables, as the strategy's ``explored``."""
+        return self.hdet.explored
+
+    def gather_group_values(self, values: Tensor) -> Tensor:
+        """Every group's ``values`` as one row: the vote's all-reduce (e.g. to average gradients in a test)."""
+        return self.hdet.groups.gather_group_values(values)
+
+
+def _parts(world: FakeWorld, rank: _Rank) -> HDETParts:
+    """One simulated rank's objects: the strategies' own classes over memory, each writer checking that every
+    group calls it with the same arguments."""
+    groups = GroupComm(rank, InMemoryCommunicator(world, rank.group_index))
+    merger = _CheckedMerger(FakeSite(world, rank.group_index), groups)
+    return HDETParts(rank, groups, _CheckedRates(rank), merger, StepGuard())
+
+
+class _Rank:
+    """One simulated rank of a :class:`FakeWorld`: where it stands (a :class:`~lightning_hdet.hdet.comm.Place`),
+    its multiplier table and schedule (a :class:`~lightning_hdet.hdet.rates.RateSource`) and what only a strategy
+    does (an :class:`~lightning_hdet.hdet.executor.HDETHost`: the gradient switch, its config, its files)."""
+
+    root_device = torch.device("cpu")
+
+    def __init__(self, world: FakeWorld, group: int, table: MultiplierTable) -> None:
+        self.world = world
+        self.group_index = group
+        self.multiplier_table = table
+
     @property
     def layout(self) -> GroupLayout:
         return self.world.layout
@@ -177,130 +270,112 @@ class FakeExecutor:
     def num_groups(self) -> int:
         return self.world.num_groups
 
-    @property
-    def group_index(self) -> int:
-        return self.group
+    def schedule_lrs(self) -> Tensor:
+        return self.world.schedule.clone()
 
     @property
     def gradient_sync(self) -> str:
         return self.world.gradient_sync
 
-    @property
-    def root_device(self) -> torch.device:
-        return torch.device("cpu")
+    def set_gradient_sync(self, gradient_sync: str) -> None:
+        self.world.exchange(self.group_index, ("set_gradient_sync", gradient_sync))
+        self.world.gradient_sync = gradient_sync
+        self.world.barrier()  # nobody reads it half-switched
 
     @property
     def config(self) -> dict[str, Any]:
         return {"num_groups": self.num_groups, "group_size": 1, "gradient_sync": self.gradient_sync, "fake": True}
 
-    @property
-    def lr_multipliers(self) -> Tensor:
-        return self.world.table.get(len(self.world.schedule))
+    def ensemble_files(self) -> dict[str, Any]:
+        return {"group_files": None}  # the test keeps every group's checkpoint itself (FakeWorld.fit)
 
     @property
-    def params(self) -> Tensor:
-        """This group's parameters (a view of its row of the world's tensor)."""
-        return self.world.params[self.group]
+    def explored(self) -> Explored:
+        world = self.world
+        tables = world.explored.get(len(world.schedule))
+        said = {n: world.explore_values.get(n, [0.5 if n in ONE_MINUS else 1.0] * len(world.schedule)) for n in tables}
+        quantity = {n: [1.0 - v if n in ONE_MINUS else v for v in said[n]] for n in tables}
+        return Explored(tables, quantity, world.explored.lr)
 
-    def schedule_lrs(self) -> Tensor:
-        return self.world.schedule.clone()
+    def set_explored(self, tables: Any) -> None:
+        tables = {n: torch.as_tensor(t, dtype=torch.float64) for n, t in tables.items()}
+        flat = torch.cat([t.reshape(-1) for t in tables.values()]) if tables else torch.zeros(0)
+        self.world.exchange(self.group_index, ("set_explored", tuple(tables), flat))
+        if self.group_index == 0:
+            self.world.explored.set(tables, self.num_groups, len(self.world.schedule))
+        self.world.barrier()  # nobody reads the tables half-written
 
-    def current_lrs(self) -> Tensor:
-        return self.lr_multipliers * self.schedule_lrs()
 
-    # ------------------------------------------------------------------ writers (collectives)
-    def set_gradient_sync(self, gradient_sync: str) -> None:
-        self.world.exchange(self.group, ("set_gradient_sync", gradient_sync))
-        self.world.gradient_sync = gradient_sync
+class _CheckedRates(LearningRates):
+    """:class:`~lightning_hdet.hdet.rates.LearningRates` whose writer is held to the executor's contract."""
 
-    def set_lr_multipliers(self, multipliers: Any) -> None:
+    source: _Rank
+
+    def set(self, multipliers: Any) -> None:
         table = torch.as_tensor(multipliers, dtype=torch.float64)
-        self.world.exchange(self.group, ("set_lr_multipliers", table))
-        if self.group == 0:
-            self.world.table.set(table, self.num_groups, len(self.world.schedule))
-        self.world.barrier()  # nobody reads the table half-written
+        self.source.world.exchange(self.source.group_index, ("set_lr_multipliers", table))
+        super().set(table)
 
-    def enable_guard(self) -> None:
-        self.world.guard_enabled = True
 
-    def interval_skipped(self, reset: bool = True) -> int:
-        count = self.world.skipped[self.group]
-        if reset:
-            self.world.skipped[self.group] = 0
-        return count
+class _CheckedMerger(Merger):
+    """:class:`~lightning_hdet.hdet.merge.Merger` whose calls are held to the executor's contract (the merge's own
+    all-reduces check only their shapes)."""
 
-    def gather_group_values(self, values: Tensor) -> Tensor:
-        """Every group's ``values`` as one row (one rank per group: the sum over a group's ranks is its own)."""
-        values = values.to(torch.float64).reshape(-1).cpu()
-        return torch.stack(self.world.exchange(self.group, ("gather_group_values", values.numel()), values))
+    site: FakeSite
 
-    def add_init_noise(self, relative_std: float, seed: int) -> None:
-        """As the strategy's: ``N(0, relative_std^2 |theta|^2 / d)`` from a generator seeded ``seed``."""
-        theta = self.params
-        std = relative_std * float(theta.norm()) / math.sqrt(theta.numel())
-        theta.add_(torch.randn(theta.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * std)
+    def _agree(self, *call: Any) -> None:
+        self.site.world.exchange(self.site.group, call)
 
     def merge(self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool],
               keep: bool = True) -> None:
-        call = ("merge", tuple(map(float, coefficients)), tuple(map(float, strengths)), tuple(map(bool, restart)),
-                bool(keep))
-        c = float(coefficients[self.group])
-        contribution = self.params * c if c != 0.0 else torch.zeros_like(self.params)
-        finite = bool(torch.isfinite(self.params).all()) or c == 0.0
-        offered = self.world.exchange(self.group, call, (contribution, finite))
-        target = torch.stack([v for v, _ in offered]).sum(dim=0)
-        if keep and all(ok for _, ok in offered) and self.group == 0:
-            self.world.restore_point = target.clone()
-        s = float(strengths[self.group])
-        if s >= 1.0:
-            self.params.copy_(target)
-        elif s > 0.0:
-            self.params.lerp_(target, s)
-        if restart[self.group]:
-            self.world.restarts[self.group] += 1
-        self.world.barrier()  # every group's row is written before anybody reads it again
+        self._agree("merge", tuple(map(float, coefficients)), tuple(map(float, strengths)),
+                    tuple(map(bool, restart)), bool(keep))
+        super().merge(coefficients, strengths, restart, keep)
 
     def ensure_restore_point(self, keep_initial: bool = False) -> None:
-        self.world.exchange(self.group, ("ensure_restore_point", bool(keep_initial)))
-        if self.group == 0 and self.world.restore_point is None:
-            self.world.restore_point = self.world.params[0].clone()
-        if self.group == 0 and keep_initial and self.world.initial is None:
-            self.world.initial = self.world.params[0].clone()
-        self.world.barrier()
+        self._agree("ensure_restore_point", bool(keep_initial))
+        super().ensure_restore_point(keep_initial)
 
     def restore(self, initial: Sequence[bool] = ()) -> None:
-        self.world.exchange(self.group, ("restore", tuple(map(bool, initial))))
-        assert self.world.restore_point is not None, "ensure_restore_point() runs at the start of fit"
-        to_initial = bool(initial) and initial[self.group] and self.world.initial is not None
-        self.params.copy_(self.world.initial if to_initial else self.world.restore_point)
+        self._agree("restore", tuple(map(bool, initial)))
+        super().restore(initial)
+
+
+class InMemoryCommunicator:
+    """The :class:`~lightning_hdet.hdet.comm.Communicator` of one simulated rank (one per group) of a
+    :class:`FakeWorld`: an all-reduce offers this rank's tensor at a barrier and takes the sum of every rank's,
+    added in rank order."""
+
+    def __init__(self, world: FakeWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+
+    def all_reduce(self, tensor: Tensor, group: Any = None) -> None:
+        if group is not None:  # one rank per group: "every rank" is the only process group a fake merge names
+            raise ValueError(f"FakeWorld's ranks form one process group; got group={group!r} (use None).")
+        offered = self.world.exchange(self.rank, ("all_reduce", tuple(tensor.shape), tensor.dtype), tensor.clone())
+        tensor.copy_(torch.stack(offered).sum(dim=0))
+
+
+class FakeSite:
+    """What a merge carries in a :class:`FakeWorld`: group ``group``'s row of ``world.params`` (the group's one
+    rank holds it all); a restarted optimizer is counted in ``world.restarts``."""
+
+    def __init__(self, world: FakeWorld, group: int) -> None:
+        self.world = world
+        self.group = group
+
+    def merge_parts(self) -> list[MergePart]:
+        return [MergePart([self.world.params[self.group]], 1.0, None)]
+
+    def iterate_part(self) -> MergePart:
+        return MergePart([], 1.0, None)  # no schedule-free optimizer
+
+    def clear_optimizer_state(self) -> None:
         self.world.restarts[self.group] += 1
 
-    def validate_merged(self, on: bool) -> None:
-        """As the strategy's: ``on`` holds the mean of the finite groups (the checkpoint's model), off gives each
-        group its own parameters back; idempotent."""
-        if on == (self._own is not None):
-            return
-        offered = self.world.exchange(self.group, ("validate_merged", bool(on)), self.params.clone())
-        if on:
-            finite = [p for p in offered if bool(torch.isfinite(p).all())] or offered
-            self._own = self.params.clone()
-            self.params.copy_(torch.stack(finite).mean(dim=0))
-        else:
-            assert self._own is not None
-            self.params.copy_(self._own)
-            self._own = None
-        self.world.barrier()
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_ensemble(self) -> dict[str, Any]:
-        point = self.world.restore_point
-        return {"lr_multipliers": self.lr_multipliers, "group_files": None,
-                "last_good": None if point is None else point.clone()}
-
-    def load_ensemble(self, state: dict[str, Any]) -> None:
-        self.set_lr_multipliers(state["lr_multipliers"])
-        if state.get("last_good") is not None and self.group == 0:
-            self.world.restore_point = state["last_good"].clone()
+    def reshard(self) -> None:
+        """Nothing is sharded."""
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

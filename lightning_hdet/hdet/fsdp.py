@@ -11,7 +11,7 @@ shared with ``"hdet"`` through :class:`~lightning_hdet.hdet.groups.HDETGroups`; 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -21,7 +21,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn import Module
@@ -38,8 +37,9 @@ from lightning_hdet._compat import (
 from lightning_hdet._process_groups import destroy_default_group_at_exit
 from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps
+from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.hyperparams import Span
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
@@ -66,6 +66,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
             ``"global"``: each gradient shard is averaged over all groups every step (HSDP; groups differ only in
             step size). ``None``: the preset's.
         preset: ``"recommended"`` or ``"published"``, as for :class:`~lightning_hdet.HDETStrategy`.
+        explore: other hyperparameters the groups diverge in, as for :class:`~lightning_hdet.HDETStrategy`.
         auto_wrap_policy: which submodules become FSDP units (their own all-gather/free), as for Lightning's
             ``FSDPStrategy``: a set of module classes (e.g. ``{TransformerBlock}``) or a predicate on a module.
             ``None``: the whole model is one unit. Ignored when ``configure_model`` already called ``fully_shard``
@@ -84,12 +85,13 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
         preset: str = "recommended",
+        explore: Optional[Mapping[str, Span]] = None,
         auto_wrap_policy: ShardingPolicy = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = None,
         **fsdp_kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         for name in fsdp_kwargs:
             require(name, fsdp_kwargs[name], name in _FSDP_KWARGS, f"one of fully_shard's arguments {_FSDP_KWARGS}",
                     "HDETFSDPStrategy builds the device mesh itself.")
@@ -102,7 +104,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
                          **({"timeout": timeout} if timeout is not None else {}))
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = fsdp_kwargs
-        self._restore_point: Optional[Tensor] = None  # owned by MergeOps (fsdp_ensemble.py, merge.py)
+        self._init_parts(ShardSite(self))
         self._mesh_world: Any = None  # the default group the device mesh was built on
 
     @classmethod
@@ -180,10 +182,11 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         """``"global"``: each group's reduced gradient shard is averaged over the groups (guarded when the guard is
         on); ``"group"``: no hook."""
         shared = self.gradient_sync == "global" and self.num_groups > 1
-        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, self._guard_enabled) \
+        guard = self.hdet.guard
+        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, guard.enabled) \
             if shared else None
         set_all_reduce_hook(self.model, mean)
-        self._guard = mean if self._guard_enabled else None
+        guard.hook = mean if guard.enabled else None
 
     def _apply_gradient_sync(self) -> None:
         """The all-reduce hook that averages gradient shards over the groups is installed or removed (no collective)."""
@@ -220,5 +223,5 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._guard = None
+        self.hdet.guard.hook = None
         super().teardown()

@@ -1,7 +1,8 @@
 """The model-state half of the HDET executor interface for sharded groups (``"hdet_fsdp"``).
 
 :class:`ShardedEnsembleOps` is mixed into :class:`~lightning_hdet.hdet.fsdp.HDETFSDPStrategy`. Merges, the restore
-point and roll-backs come from :class:`~lightning_hdet.hdet.merge.MergeOps`, over this rank's part of the model:
+point and roll-backs come from the strategy's :class:`~lightning_hdet.hdet.merge.Merger`, over what
+:class:`ShardSite` names, this rank's part of the model:
 the local parameter shards, reduced across the mesh's group dimension (``across_groups``: never a full
 parameter), then the unsharded float buffers, reduced over all ranks, then the local shards of schedule-free
 optimizers' base iterate (not restored: a roll-back restarts the optimizer); the restore point is this rank's part of
@@ -18,23 +19,29 @@ import torch
 import torch.distributed as dist
 
 from lightning_hdet._tensors import float_buffers, numel
-from lightning_hdet.hdet.merge import MergeOps, MergePart, iterate_states
+from lightning_hdet.hdet.merge import MergeOps, MergePart, StrategySite, iterate_states
 from lightning_hdet.hdet.shards import local_shards
+
+
+class ShardSite(StrategySite):
+    """What a merge carries on a rank holding its group's shard of the model (``"hdet_fsdp"``)."""
+
+    def merge_parts(self) -> list[MergePart]:
+        """The same shard of every group meets across the groups; buffers (replicated) over all ranks."""
+        strategy = self.strategy
+        module = strategy.lightning_module
+        return [MergePart(local_shards(module), 1.0, strategy.across_groups),
+                MergePart(float_buffers(module), 1.0 / strategy.layout.group_size, None)]
+
+    def iterate_part(self) -> MergePart:
+        """The same shard of every group's iterate meets across the groups, as the parameters' shards do."""
+        strategy = self.strategy
+        return MergePart(iterate_states(strategy.optimizers, list(strategy.lightning_module.parameters())), 1.0,
+                         strategy.across_groups)
 
 
 class ShardedEnsembleOps(MergeOps):
     """Warm start and the ensemble part of a checkpoint, on local shards (see the module docstring)."""
-
-    def _merge_parts(self) -> list[MergePart]:
-        """The same shard of every group meets across the groups; buffers (replicated) over all ranks."""
-        module = self.lightning_module
-        return [MergePart(local_shards(module), 1.0, self.across_groups),
-                MergePart(float_buffers(module), 1.0 / self.layout.group_size, None)]
-
-    def _iterate_part(self) -> MergePart:
-        """The same shard of every group's iterate meets across the groups, as the parameters' shards do."""
-        return MergePart(iterate_states(self.optimizers, list(self.lightning_module.parameters())), 1.0,
-                         self.across_groups)
 
     @torch.no_grad()
     def add_init_noise(self, relative_std: float, seed: int) -> None:
@@ -51,10 +58,6 @@ class ShardedEnsembleOps(MergeOps):
             t.add_((torch.randn(t.shape, generator=gen, dtype=torch.float64) * std).to(t.device, t.dtype))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_ensemble(self) -> dict[str, Any]:
-        """Multipliers and this rank's restore point; every group's own state goes into the checkpoint folder."""
-        return {
-            "lr_multipliers": self.lr_multipliers,
-            "groups": None,
-            "last_good": self._restore_point,
-        }
+    def ensemble_files(self) -> dict[str, Any]:
+        """Every group's own state goes into the checkpoint folder (``groups``: the inline states of 0.x files)."""
+        return {"groups": None}

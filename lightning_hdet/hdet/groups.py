@@ -4,20 +4,21 @@
 Lightning base class. It validates ``num_groups`` / ``lr_multipliers`` / ``spread`` / ``gradient_sync`` before
 any process exists, splits the ranks into groups, owns the multiplier table and applies this rank's row around
 every optimizer step (so schedulers never see it), owns the non-finite step check (flags and counts on the device:
-no host sync per step), and gathers one row of numbers per group: the read-out half of :class:`~lightning_hdet.hdet.executor.HDETExecutor`.
+no host sync per step), and builds the objects the callback drives (:class:`~lightning_hdet.hdet.executor.HDETParts`,
+``self.hdet``): the groups' collectives, the learning rates, the merger and the step guard.
 
 A host strategy provides Lightning's ``optimizers``, ``world_size``, ``global_rank``, ``root_device``,
-``num_nodes``, ``num_processes``, ``precision_plugin``, and ``_guard`` (the hook whose ``flag`` says a local
-gradient was not finite, or ``None``) and ``_guard_process_group`` (the ranks that skip a step together).
+``num_nodes``, ``num_processes``, ``precision_plugin``, and ``_guard_process_group`` (the ranks that skip a step
+together); it sets ``self.hdet.guard.hook`` to the state of the gradient hook it installs (whose ``flag`` says a
+local gradient was not finite), if any.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -29,8 +30,12 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
+from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.defaults import PRESETS, span_grid
-from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device
+from lightning_hdet.hdet.executor import HDETParts
+from lightning_hdet.hdet.guard import StepGuard, skips_on_device
+from lightning_hdet.hdet.hyperparams import Explored, ExploredTables, Span, check_explore, check_optimizers, scaled
+from lightning_hdet.hdet.hyperparams import bases as explored_bases
 from lightning_hdet.hdet.layout import (
     GroupLayout,
     check_multipliers,
@@ -39,6 +44,7 @@ from lightning_hdet.hdet.layout import (
     fan_out,
     make_layout,
 )
+from lightning_hdet.hdet.merge import Merger, MergeSite
 from lightning_hdet.hdet.multipliers import (
     MultiplierTable,
     check_numeric_lrs,
@@ -46,6 +52,7 @@ from lightning_hdet.hdet.multipliers import (
     scaled_lr,
     schedule_lrs,
 )
+from lightning_hdet.hdet.rates import LearningRates
 
 GradientSync = Literal["global", "group"]
 GRADIENT_SYNC = ("global", "group")
@@ -54,7 +61,7 @@ GRADIENT_SYNC = ("global", "group")
 class HDETGroups:
     """Groups of ranks, their learning-rate multipliers, the guard's counters and the vote's one collective."""
 
-    _guard: Optional[Any]
+    hdet: HDETParts
 
     def _init_groups(
         self,
@@ -63,10 +70,14 @@ class HDETGroups:
         spread: Optional[float],
         gradient_sync: Optional[GradientSync],
         preset: str = "recommended",
+        explore: Optional[Mapping[str, Span]] = None,
     ) -> None:
         """Validate and keep the group settings (call first in the strategy's ``__init__``: no process exists yet).
 
-        ``None`` for ``spread``/``gradient_sync`` takes the ``preset``'s (:mod:`~lightning_hdet.hdet.defaults`)."""
+        ``None`` for ``spread``/``gradient_sync`` takes the ``preset``'s (:mod:`~lightning_hdet.hdet.defaults`);
+        ``explore``: :mod:`~lightning_hdet.hdet.hyperparams`."""
+        self._explore = check_explore(explore, num_groups, lr_multipliers is not None or spread is not None)
+        self._explored: Optional[ExploredTables] = None
         if num_groups is not None:
             check_num_groups(num_groups)
         check_choice("preset", preset, tuple(PRESETS))
@@ -90,9 +101,13 @@ class HDETGroups:
         self.gradient_sync = gradient_sync
         self._layout: Optional[GroupLayout] = None
         self._multipliers: Optional[MultiplierTable] = None
-        self._guard = None
-        self._guard_enabled = False
-        self._steps: Optional[NonFiniteSteps] = None  # flags and counts non-finite steps on the device
+
+    def _init_parts(self, site: MergeSite) -> None:
+        """Build ``self.hdet``, the objects the callback drives (call in ``__init__``, after :meth:`_init_groups`):
+        every collective between the groups goes through one :class:`~lightning_hdet.hdet.comm.GroupComm` over
+        ``torch.distributed``; ``site`` says what this strategy's merges carry."""
+        groups = GroupComm(self, ProcessGroupCommunicator())
+        self.hdet = HDETParts(self, groups, LearningRates(self), Merger(site, groups), StepGuard())
 
     @property
     def config(self) -> dict[str, Any]:
@@ -104,6 +119,7 @@ class HDETGroups:
             "spread": self.spread,
             "preset": self.preset.name,
             "gradient_sync": self.gradient_sync,
+            **({"explore": {n: t[:, 0].tolist() for n, t in self.explored.tables.items()}} if self._explore else {}),
         }
 
     @override
@@ -119,6 +135,7 @@ class HDETGroups:
     def _configure_launcher(self) -> None:
         # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
         self._layout = self._make_layout(self.num_nodes * self.num_processes)
+        self._explored = ExploredTables(self._explore, self.num_groups)  # (a list of multipliers: one per group)
         super()._configure_launcher()  # type: ignore[misc]
 
     def _make_layout(self, world_size: int) -> GroupLayout:
@@ -129,6 +146,7 @@ class HDETGroups:
             )
             self._requested_multipliers = None
             self.spread = 0.0
+            self._explore = {}  # (one group: nothing to explore, as for the LR)
             return GroupLayout(1, 1)
         layout = make_layout(world_size, self._requested_groups, self._requested_multipliers)
         if self.num_nodes > 1 and layout.crosses_nodes(self.num_processes):
@@ -173,12 +191,20 @@ class HDETGroups:
     def _table(self) -> MultiplierTable:
         if self._multipliers is None:
             initial = self._requested_multipliers
-            if initial is None and self.spread is None:
+            lr_span = self._explore.get("lr")
+            if initial is None and isinstance(lr_span, float):
+                initial = span_grid(self.num_groups, lr_span)  # explore={"lr": span}
+            elif initial is None and self.spread is None:
                 initial = span_grid(self.num_groups, self.preset.span)  # the preset's geometric grid
             elif initial is None:
                 initial = fan_out(self.num_groups, self.spread)
             self._multipliers = MultiplierTable(initial)
         return self._multipliers
+
+    @property
+    def multiplier_table(self) -> MultiplierTable:
+        """The multiplier table this strategy applies around every step (read and written through ``hdet.table``)."""
+        return self._table
 
     @property
     def lr_multipliers(self) -> Tensor:
@@ -187,7 +213,7 @@ class HDETGroups:
         Param groups added during training (e.g. by fine-tuning callbacks) start with their group's first
         multiplier.
         """
-        return self._table.get(self.num_param_groups)
+        return self.hdet.table.multipliers
 
     @property
     def lr_multiplier(self) -> float:
@@ -199,7 +225,7 @@ class HDETGroups:
 
         This is the one place multipliers change at run time; call it with identical values on every rank.
         """
-        self._table.set(multipliers, self.num_groups, self.num_param_groups)
+        self.hdet.table.set(multipliers)
 
     def set_gradient_sync(self, gradient_sync: GradientSync) -> None:
         """Average gradients over all ranks (``"global"``) or inside each group (``"group"``) from the next step on.
@@ -228,7 +254,32 @@ class HDETGroups:
         """Multiply each param group's ``lr`` by this group's multiplier for the duration of one step."""
         offset = self.param_group_offset(optimizer)
         row = self._table.row(self.group_index, self.num_param_groups)  # cached floats: nothing allocated per step
-        return scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
+        lr = scaled_lr(optimizer, row[offset : offset + len(optimizer.param_groups)])
+        if not self._explore:
+            return lr
+        rows = self._hyper.rows(self.group_index, self.num_param_groups, offset, len(optimizer.param_groups))
+        return _together(lr, scaled(optimizer, rows))
+
+    # ------------------------------------------------------------------ other explored hyperparameters
+    @property
+    def _hyper(self) -> ExploredTables:
+        if self._explored is None:
+            self._explored = ExploredTables(self._explore, self.num_groups)
+        return self._explored
+
+    @property
+    def explored(self) -> Explored:
+        """The other explored hyperparameters' tables (copies) and what the optimizers say
+        (:mod:`~lightning_hdet.hdet.hyperparams`)."""
+        if not self._explore:
+            return Explored()
+        tables = self._hyper.get(self.num_param_groups)
+        return Explored(tables, explored_bases([unwrap_optimizer(o) for o in self.optimizers], list(tables)),
+                        self._hyper.lr)
+
+    def set_explored(self, tables: Mapping[str, Any]) -> None:
+        """Replace the explored hyperparameters' tables (the one writer; identical values on every rank)."""
+        self._hyper.set(tables, self.num_groups, self.num_param_groups)
 
     def schedule_lrs(self) -> Tensor:
         """The learning rate the optimizers and schedulers say, per flattened param group (no multiplier)."""
@@ -236,12 +287,13 @@ class HDETGroups:
 
     def current_lrs(self) -> Tensor:
         """Real learning rate of every group and flattened param group: schedule LR x multiplier, ``(G, P)``."""
-        return self.lr_multipliers * self.schedule_lrs()
+        return self.hdet.table.current_lrs()
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)  # type: ignore[misc]
         check_numeric_lrs([unwrap_optimizer(opt) for opt in self.optimizers])
+        check_optimizers([unwrap_optimizer(opt) for opt in self.optimizers], list(self._explore))
 
     # ------------------------------------------------------------------ the step, and the safety net's guard
     @override
@@ -252,56 +304,38 @@ class HDETGroups:
         model: Optional[Union[LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        if not self._guard_enabled:
+        guard = self.hdet.guard
+        if not guard.enabled:
             with self.scaled_lr(optimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        if self._steps is None:
-            self._steps = NonFiniteSteps(self.root_device)
-        inner = unwrap_optimizer(optimizer)
+        steps, inner = guard.counter(self.root_device), unwrap_optimizer(optimizer)
         scaler = self._uses_grad_scaler()  # a GradScaler skips non-finite steps itself and owns ``found_inf``
         exact = skips_on_device(inner) and not scaler
-        closure = self._steps.wrap(closure, optimizer, self._guard, not scaler, self._guard_process_group,
-                                   self.layout.group_size, exact)
+        closure = steps.wrap(closure, optimizer, guard.hook, not scaler, self._guard_process_group,
+                             self.layout.group_size, exact)
         try:
-            with self.scaled_lr(optimizer), (self._steps.found_inf(inner) if exact else nullcontext()):
+            with self.scaled_lr(optimizer), (steps.found_inf(inner) if exact else nullcontext()):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         finally:
-            if self._guard is not None:
-                self._guard.reset()
-
-    def enable_guard(self) -> None:
-        """Flag the optimizer steps whose loss or gradients are non-finite, and skip them where the optimizer can
-        do so on the device (see :class:`~lightning_hdet.hdet.guard.NonFiniteSteps`); call before wrapping."""
-        self._guard_enabled = True
+            if guard.hook is not None:
+                guard.hook.reset()
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps the guard flagged on this rank since this strategy started (reads the device counter)."""
-        return self._steps.total() if self._steps is not None else 0
-
-    def interval_skipped(self, reset: bool = True) -> int:
-        """Flagged steps since the last reset (or the start of fit); ``reset=False`` only peeks. One host read of
-        the device counter: called at votes and checkpoints, never per step."""
-        return self._steps.interval(reset) if self._steps is not None else 0
+        return self.hdet.guard.skipped_steps
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
-        self.interval_skipped(reset=True)  # a vote interval starts with the fit
+        self.hdet.guard.interval_skipped(reset=True)  # a vote interval starts with the fit
 
     def _uses_grad_scaler(self) -> bool:
         return isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None
 
-    # ------------------------------------------------------------------ the vote's collective
-    def gather_group_values(self, values: Tensor) -> Tensor:
-        """Sum ``values`` (1-D, this rank's numbers) over the ranks of each group; return ``(num_groups, k)``.
 
-        One small all-reduce over all ranks; every rank gets every group's row.
-        """
-        values = values.to(self.root_device, torch.float64).reshape(-1)
-        table = torch.zeros(self.num_groups, values.numel(), dtype=torch.float64, device=self.root_device)
-        table[self.group_index] = values
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(table)
-        return table.cpu()
 
+@contextmanager
+def _together(first: AbstractContextManager[None], second: AbstractContextManager[None]) -> Iterator[None]:
+    with first, second:
+        yield

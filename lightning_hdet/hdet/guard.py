@@ -141,3 +141,39 @@ def zero_grads(optimizer: Optimizer, bad: Tensor) -> None:
         for p in pg["params"]:
             if p.grad is not None:  # a DTensor's local shard: written in place; x * False, then NaN -> 0 (see hook)
                 local(p.grad).mul_(keep).nan_to_num_(0.0, 0.0, 0.0)
+
+
+class StepGuard:
+    """The safety net's guard of one rank's optimizer steps, owned by the strategy (``strategy.hdet.guard``).
+
+    Off until :meth:`enable` (the callback's ``setup(stage="fit")``, before the model is wrapped: the gradient hook
+    is installed while wrapping). On, the strategy checks every step through :meth:`counter` (a
+    :class:`NonFiniteSteps`, on the device) and keeps in ``hook`` the state of the gradient hook it installed (a
+    :class:`FiniteGuard` or the sharded strategy's mean, whose ``flag`` says a local gradient was not finite), or
+    ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.hook: Optional[Any] = None
+        self._steps: Optional[NonFiniteSteps] = None
+
+    def enable(self) -> None:
+        """Flag (and, where the optimizer can, skip on the device) the steps whose loss or gradients are not finite."""
+        self.enabled = True
+
+    def counter(self, device: torch.device) -> NonFiniteSteps:
+        """The step check and its device counter (made on the first guarded step)."""
+        if self._steps is None:
+            self._steps = NonFiniteSteps(device)
+        return self._steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps flagged on this rank since the strategy started (reads the device counter)."""
+        return self._steps.total() if self._steps is not None else 0
+
+    def interval_skipped(self, reset: bool = True) -> int:
+        """Flagged steps since the last reset (or the start of fit); ``reset=False`` only peeks. One host read of
+        the device counter: called at votes and checkpoints, never per step."""
+        return self._steps.interval(reset) if self._steps is not None else 0

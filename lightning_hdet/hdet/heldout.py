@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_hdet.hdet.averaging import ParameterAverage
-from lightning_hdet.hdet.executor import HDETExecutor
+from lightning_hdet.hdet.comm import GroupComm
 
 HeldoutLoss = Callable[[LightningModule, Any], Tensor]
 WIDTH = 3  # columns of a row: loss sum, batches, fingerprint
@@ -77,11 +77,11 @@ class HeldoutScorer:
         """After a vote's merge or roll-back: the next interval averages from the new parameters."""
         self.average.restart()
 
-    def row(self, trainer: Trainer, pl_module: LightningModule, executor: HDETExecutor) -> Tensor:
+    def row(self, trainer: Trainer, pl_module: LightningModule, groups: GroupComm) -> Tensor:
         """``[loss sum, batches, fingerprint]`` of this rank's share, on the device (its group sums the rows)."""
         if self.batches is None:
-            self._cache(trainer, executor)
-        device = executor.root_device
+            self._cache(trainer, groups)
+        device = groups.root_device
         total = torch.zeros((), dtype=torch.float64, device=device)
         modes = {m: m.training for m in pl_module.modules()}
         pl_module.eval()
@@ -104,7 +104,7 @@ class HeldoutScorer:
             )
         return loss.detach().reshape(())
 
-    def _cache(self, trainer: Trainer, executor: HDETExecutor) -> None:
+    def _cache(self, trainer: Trainer, groups: GroupComm) -> None:
         """Read this rank's share of the held-out batches once and keep it on the device."""
         loader = _first_loader(trainer.val_dataloaders)
         if loader is None or not isinstance(loader, DataLoader) or loader.batch_size is None:
@@ -114,7 +114,7 @@ class HeldoutScorer:
                 f"{trainer.global_step}. Pass `val_dataloaders` to `trainer.fit` (or define `val_dataloader()`), "
                 "a `DataLoader` with a `batch_size`, and keep `limit_val_batches` > 0."
             )
-        ranks = executor.layout.ranks(executor.group_index)
+        ranks = groups.layout.ranks(groups.group_index)
         position, size = ranks.index(trainer.global_rank), len(ranks)
         plain = DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False, collate_fn=loader.collate_fn)
         batches = []
@@ -123,7 +123,7 @@ class HeldoutScorer:
                 break
             if index % size == position:
                 batches.append(trainer.strategy.batch_to_device(batch))
-        fingerprint = torch.zeros((), dtype=torch.float64, device=executor.root_device)
+        fingerprint = torch.zeros((), dtype=torch.float64, device=groups.root_device)
         for batch in batches:
             apply_to_collection(batch, Tensor, lambda t: fingerprint.add_(t.detach().to(torch.float64).sum()))
         self.batches, self.fingerprint = batches, fingerprint

@@ -1,22 +1,22 @@
-"""Merges and the restore point, shared by both HDET strategies: only which tensors a rank holds differs.
+"""Merges and the restore point: one :class:`Merger` per rank, owned by the strategy, built on injected collectives.
 
-:class:`MergeOps` is the base of :class:`~lightning_hdet.hdet.ensemble.EnsembleOps` (``"hdet"``: full replicas)
-and :class:`~lightning_hdet.hdet.fsdp_ensemble.ShardedEnsembleOps` (``"hdet_fsdp"``: local shards). A subclass
-says what a merge carries through one hook, :meth:`MergeOps._merge_parts`; merging in 25 MiB buckets, the finite
-check before the restore point is overwritten, the roll-back and the optimizer restart are written once, here.
-It reads the strategy's ``layout``, ``group_index``, ``world_size``, ``root_device``, ``optimizers``,
-``gather_group_values`` and ``set_lr_multipliers``, and owns one piece of state: the restore point (the last good
-merge target of this rank's tensors, a flat host copy, pinned on CUDA).
+A :class:`Merger` is given *what* a merge carries (a :class:`MergeSite`: the full replica of ``"hdet"``, the local
+shards of ``"hdet_fsdp"``, one row of a tensor in :class:`~lightning_hdet.testing.FakeWorld`) and *how* the ranks
+sum (a :class:`~lightning_hdet.hdet.comm.GroupComm`: process groups in a run, threads in memory in a test). Merging
+in 25 MiB buckets, the finite check before the restore point is overwritten, the roll-back, the optimizer restart
+and the validation swap are written once, here, and run unchanged by the strategies and by the in-memory fake.
+It owns one piece of state: the restore point (the last good merge target of this rank's tensors, a flat host copy,
+pinned on CUDA), and the initial model where the plateau rule keeps it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
@@ -34,7 +34,8 @@ from lightning_hdet._tensors import (
     sync_device,
     write_from,
 )
-from lightning_hdet.hdet.validation import MergedValidation
+from lightning_hdet.hdet.comm import GroupComm
+from lightning_hdet.hdet.validation import MergedValidation, reshard
 
 log = logging.getLogger(__name__)
 
@@ -68,24 +69,51 @@ def iterate_states(optimizers: Sequence[Any], params: Sequence[Tensor]) -> list[
     return iterates
 
 
-class MergeOps:
-    """Merge, keep the last good target, roll back (see the module docstring)."""
+class MergeSite(Protocol):
+    """What one rank's merges carry, and what a merge does to the rest of its training state."""
 
-    _restore_point: Optional[Tensor]
-    _initial_point: Optional[Tensor] = None  # the model at the start of a fresh fit, if asked to keep it
+    def merge_parts(self) -> list[MergePart]:
+        """The tensors a merge averages, in the order of the restore point."""
 
-    def _merge_parts(self) -> list[MergePart]:
-        """What this rank's merges carry, in the order of the restore point (the strategy's hook)."""
-        raise NotImplementedError
+    def iterate_part(self) -> MergePart:
+        """Schedule-free optimizers' base iterates (:func:`iterate_states`), reduced as the parameters are: merged
+        after the restore point's parts, not kept in it (a roll-back restarts the optimizers)."""
 
-    def _iterate_part(self) -> MergePart:
-        """Schedule-free optimizers' base iterates (:func:`iterate_states`), reduced as the parameters are (the
-        strategy's hook): merged after the restore point's parts, not kept in it (a roll-back restarts the
-        optimizers), so only merges build it."""
-        raise NotImplementedError
+    def clear_optimizer_state(self) -> None:
+        """Restart the optimizers (moments gathered on another model would mislead them)."""
+
+    def reshard(self) -> None:
+        """Make the tensors of :meth:`merge_parts` what the next forward reads (FSDP2: free gathered parameters)."""
+
+
+class Merger:
+    """Merge, keep the last good target, roll back, swap the merged model in for validation (see the module
+    docstring). Call every method on every rank with the same arguments: they run collectives through ``groups``."""
+
+    def __init__(self, site: MergeSite, groups: GroupComm) -> None:
+        self.site = site
+        self.groups = groups
+        self._restore_point: Optional[Tensor] = None
+        self._initial_point: Optional[Tensor] = None  # the model at the start of a fresh fit, if asked to keep it
+        self._validation = MergedValidation()
+
+    @property
+    def restore_point(self) -> Optional[Tensor]:
+        """The flat host copy a roll-back returns to (``None`` before the first :meth:`ensure_restore_point`)."""
+        return self._restore_point
+
+    @property
+    def initial_point(self) -> Optional[Tensor]:
+        """The initial model, when :meth:`ensure_restore_point` was asked to keep it."""
+        return self._initial_point
+
+    def load_restore_point(self, flat: Optional[Tensor]) -> None:
+        """Take ``flat`` (a checkpoint's ``last_good``) as the restore point; ``None`` forgets it, so the next
+        :meth:`ensure_restore_point` takes the current state."""
+        self._restore_point = None if flat is None else host_copy(flat)
 
     def _restorable_tensors(self) -> list[Tensor]:
-        return [t for part in self._merge_parts() for t in part.tensors]
+        return [t for part in self.site.merge_parts() for t in part.tensors]
 
     def merge(
         self, coefficients: Sequence[float], strengths: Sequence[float], restart: Sequence[bool], keep: bool = True
@@ -99,24 +127,26 @@ class MergeOps:
         target becomes the restore point, written into its host copy bucket by bucket; the groups flagged in
         ``restart`` clear their optimizer state.
         """
-        parts, iterates = self._merge_parts(), self._iterate_part()
+        index, device = self.groups.group_index, self.groups.root_device
+        parts, iterates = self.site.merge_parts(), self.site.iterate_part()
         tensors = [t for part in parts for t in part.tensors]
-        coefficient = float(coefficients[self.group_index])
+        coefficient = float(coefficients[index])
         keep = keep and self._contributions_finite(tensors + iterates.tensors, coefficient, coefficients)
         if keep:
             self._restore_point = self._restore_buffer(tensors)
-        strength, offset = float(strengths[self.group_index]), 0
+        strength, offset = float(strengths[index]), 0
         for part in [*parts, iterates]:
-            for bucket, flat in reduced_buckets(part.tensors, coefficient * part.scale, _AllReduce(part.group)):
+            reduce = functools.partial(self.groups.all_reduce, group=part.group)
+            for bucket, flat in reduced_buckets(part.tensors, coefficient * part.scale, reduce):
                 bucket.scatter(flat, strength)
                 if keep and part is not iterates:
                     start = offset + bucket.offset
                     self._restore_point[start : start + bucket.numel].copy_(flat, non_blocking=True)
                 del flat  # one bucket alive at a time
             offset += numel(part.tensors)
-        sync_device(self.root_device)  # the host copy is read later: the non-blocking copies must have landed
-        if restart[self.group_index]:
-            self._clear_optimizer_state()
+        sync_device(device)  # the host copy is read later: the non-blocking copies must have landed
+        if restart[index]:
+            self.site.clear_optimizer_state()
         log.debug("merge: coefficients %s, strengths %s", list(coefficients), list(strengths))
 
     def _contributions_finite(self, tensors: list[Tensor], coefficient: float, coefficients: Sequence[float]) -> bool:
@@ -124,8 +154,8 @@ class MergeOps:
         known before any bucket is written (one small all-reduce and one host read per merge). A group is finite
         when all its ranks are (each holds a replica or a shard)."""
         finite = all_finite(tensors) if coefficient != 0.0 else torch.ones((), dtype=torch.bool)
-        row = self.gather_group_values(finite.double().reshape(1))[:, 0]
-        return all(float(n) == self.layout.group_size for n, c in zip(row, coefficients) if c != 0.0)
+        row = self.groups.gather_group_values(finite.double().reshape(1))[:, 0]
+        return all(float(n) == self.groups.layout.group_size for n, c in zip(row, coefficients) if c != 0.0)
 
     def _restore_buffer(self, tensors: list[Tensor]) -> Tensor:
         """The host buffer of the restore point (reused; pinned on CUDA)."""
@@ -133,86 +163,82 @@ class MergeOps:
         held = self._restore_point
         if held is not None and held.numel() == size and held.dtype == dtype:
             return held
-        return host_buffer(size, self.root_device, dtype)
+        return host_buffer(size, self.groups.root_device, dtype)
 
     def ensure_restore_point(self, keep_initial: bool = False) -> None:
         """Make the current state the restore point unless one is held (from a merge or a checkpoint); with
         ``keep_initial``, also keep that state apart as the initial model (a second host copy, fresh runs only: a
         resumed run's restore point is its last good merge, and no initial model is held)."""
         if self._restore_point is None:
-            tensors = self._restorable_tensors()
-            self._restore_point = read_into(tensors, self._restore_buffer(tensors), self.root_device)
+            tensors, device = self._restorable_tensors(), self.groups.root_device
+            self._restore_point = read_into(tensors, self._restore_buffer(tensors), device)
             if keep_initial:  # pinned like the restore point on CUDA
                 held = self._restore_point
-                self._initial_point = host_buffer(held.numel(), self.root_device, held.dtype).copy_(held)
+                self._initial_point = host_buffer(held.numel(), device, held.dtype).copy_(held)
 
     def restore(self, initial: Sequence[bool] = ()) -> None:
         """Roll back to the restore point, or, for the groups flagged in ``initial``, to the initial model where one
         is held (:meth:`ensure_restore_point`); every group restarts its optimizer state."""
         assert self._restore_point is not None, "ensure_restore_point() runs at the start of fit"
         held = self._initial_point
-        fresh = held is not None and bool(initial) and bool(initial[self.group_index])
-        write_from(self._restorable_tensors(), held if fresh else self._restore_point, self.root_device)
-        self._clear_optimizer_state()
+        fresh = held is not None and bool(initial) and bool(initial[self.groups.group_index])
+        write_from(self._restorable_tensors(), held if fresh else self._restore_point, self.groups.root_device)
+        self.site.clear_optimizer_state()
         log.debug("roll-back to the %s", "initial model" if fresh else "restore point")
-
-    def load_ensemble(self, state: dict[str, Any]) -> None:
-        """Multipliers and restore point from ``checkpoint["hdet"]`` (this rank's restore point; the groups' own
-        states are read when Lightning restores the model and optimizers)."""
-        self.set_lr_multipliers(state["lr_multipliers"])
-        if state.get("last_good") is not None:
-            self._restore_point = host_copy(state["last_good"])
 
     def validate_merged(self, on: bool) -> None:
         """``on``: every rank holds the checkpoint's merged model (its own state kept on the host), for validation;
         off: each group's own state back (:mod:`~lightning_hdet.hdet.validation`). Idempotent; ``on`` is a collective."""
-        view = self.__dict__.setdefault("_merged_validation", MergedValidation())
         if on:
-            view.swap_in(self)
+            self._validation.swap_in(self)
         else:
-            view.swap_out(self)
+            self._validation.swap_out(self)
+
+
+class MergeOps:
+    """The Lightning hooks that test and predict with the merged model, through the strategy's merger."""
+
+    hdet: Any  # the strategy's HDETParts (its ``merger`` swaps the merged model in and out)
 
     @override
     def on_test_start(self) -> None:
         """Test (and predict with) the model a checkpoint holds, as validation does: e.g. after
         ``trainer.test(ckpt_path="best")`` each group holds its own state from the checkpoint's group files."""
         super().on_test_start()  # type: ignore[misc]
-        self.validate_merged(True)
+        self.hdet.merger.validate_merged(True)
 
     @override
     def on_test_end(self) -> None:
-        self.validate_merged(False)
+        self.hdet.merger.validate_merged(False)
         super().on_test_end()  # type: ignore[misc]
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()  # type: ignore[misc]
-        self.validate_merged(True)
+        self.hdet.merger.validate_merged(True)
 
     @override
     def on_predict_end(self) -> None:
-        self.validate_merged(False)
+        self.hdet.merger.validate_merged(False)
         super().on_predict_end()  # type: ignore[misc]
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """An exception inside validation gives each group its own state back (no collective): what the model in
         memory holds after a failed ``fit``, and what a retry or a later ``trainer.save_checkpoint`` starts from."""
-        self.validate_merged(False)
+        self.hdet.merger.validate_merged(False)
         super().on_exception(exception)  # type: ignore[misc]
 
-    def _clear_optimizer_state(self) -> None:
-        """A rescued group restarts its optimizer state (moments from the diverged region would mislead it)."""
-        for optimizer in self.optimizers:
+
+class StrategySite:
+    """The part of a :class:`MergeSite` every strategy shares: its optimizers restart, its module reshards."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def clear_optimizer_state(self) -> None:
+        for optimizer in self.strategy.optimizers:
             optimizer.state.clear()
 
-
-class _AllReduce:
-    """Sum a bucket over ``group`` in place (nothing to do without a process group of several ranks)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def __call__(self, flat: Tensor) -> None:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(flat, group=self.group)
+    def reshard(self) -> None:
+        reshard(self.strategy.lightning_module)

@@ -5,9 +5,9 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
 * one process group per HDET group (created identically on every rank, destroyed in ``teardown``),
 * a per-group learning-rate multiplier applied around every optimizer step, so the scheduler never sees it
   (shared with ``"hdet_fsdp"`` through :class:`~lightning_hdet.hdet.groups.HDETGroups`),
-* the executor side of :class:`~lightning_hdet.hdet.executor.HDETExecutor`, which the
-  :class:`~lightning_hdet.hdet.callback.HDETCallback` drives: gathering one row of numbers per group, merging
-  (blending) the groups' parameters in 25 MiB buckets, rolling back to a restore point,
+* the objects :class:`~lightning_hdet.hdet.callback.HDETCallback` drives (``strategy.hdet``,
+  :class:`~lightning_hdet.hdet.executor.HDETParts`): the groups' collectives (one row of numbers per group), the
+  multiplier table, a merger (blending the groups' parameters in 25 MiB buckets, rolling back to a restore point),
 * an optional guard that flags, on the device, the optimizer steps of a group whose loss or gradients are
   non-finite (skipped on the device by fused optimizers),
 * checkpoints whose ``state_dict`` is the merged model, plus one file per group with its own state.
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,9 +40,10 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.ensemble import EnsembleOps
+from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
+from lightning_hdet.hdet.hyperparams import Span
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -69,24 +69,20 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         preset: the defaults of the arguments left ``None`` and of the HDETCallback installed when none is passed
             (:mod:`~lightning_hdet.hdet.defaults`): ``"recommended"`` (search, then train: the measured best) or
             ``"published"`` (the paper's: ``spread=1/9``, ``"global"``, ``vote="softmax"``, no end to the search).
+        explore: other param-group hyperparameters the groups diverge in, each with its span (the ratio of the
+            largest to the smallest multiplier) or one multiplier per group, e.g. ``{"weight_decay": 10.0}``;
+            ``"momentum"``, ``"beta1"``, ``"beta2"`` are multiplied through ``1 - beta``; ``"lr"`` sets the LR's
+            span (``1.0``: the LR is not explored). The votes move them as the LR
+            (:mod:`~lightning_hdet.hdet.hyperparams`, docs/configuration.md). ``None``: the LR alone.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts.
 
-    The executor interface (:class:`~lightning_hdet.hdet.executor.HDETExecutor`), through which the callback and
-    nothing else drives HDET; the strategy owns the state behind it (call on every rank, same arguments):
-
-    * read-outs: ``layout``, ``num_groups``, ``group_index``, ``gradient_sync``, ``root_device``, ``config``,
-      ``lr_multipliers`` (a copy), ``schedule_lrs()``, ``current_lrs()``;
-    * ``set_lr_multipliers(table)``: the one writer of the multiplier table;
-    * ``set_gradient_sync(mode)``: switch between ``"group"`` and ``"global"`` between steps (DDP wraps again);
-    * ``enable_guard()``: turn the non-finite step guard on; the callback calls it from ``setup(stage="fit")``,
-      before the model is wrapped (the guard is a DDP communication hook);
-    * ``interval_skipped(reset=True)``: flagged steps since the last reset (the total: ``skipped_steps``);
-    * ``gather_group_values(values)``: one small all-reduce, every group's row on every rank;
-    * ``add_init_noise(relative_std, seed)``: the published warm start;
-    * ``merge(coefficients, strengths, restart)``, ``ensure_restore_point()``, ``restore()``: blend, keep the last
-      finite target on the host, roll back to it;
-    * ``save_ensemble()`` / ``load_ensemble(state)``: the ensemble part of a checkpoint;
-    * ``validate_merged(on)``: hold the checkpoint's merged model for validation, or each group's own state again.
+    What the callback drives (``strategy.hdet``, an :class:`~lightning_hdet.hdet.executor.HDETParts`): the groups'
+    collectives (``groups``), the multiplier table (``table``), the merger (``merger``: merges, restore point,
+    roll-backs, the validation swap) and the non-finite step guard (``guard``), objects the strategy owns; besides
+    them only ``set_gradient_sync(mode)`` (DDP wraps the model again), ``config`` and the explored hyperparameters'
+    tables (``explored`` / ``set_explored(tables)``, under ``explore``). A user reads ``layout``, ``num_groups``,
+    ``group_index``, ``lr_multipliers`` (a copy), ``current_lrs()`` and ``skipped_steps`` here, and may replace the
+    table with ``set_lr_multipliers(table)`` (on every rank, the same values).
     """
 
     strategy_name = "hdet"
@@ -98,13 +94,14 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
         preset: str = "recommended",
+        explore: Optional[Mapping[str, Span]] = None,
         **kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset)
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self._restore_point: Optional[Tensor] = None  # owned by MergeOps (ensemble.py, merge.py)
+        self._init_parts(ReplicaSite(self))
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -161,10 +158,11 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        if self._guard_enabled and not has_user_comm_hook(self) and not self._uses_grad_scaler():
+        guard = self.hdet.guard
+        if guard.enabled and not has_user_comm_hook(self) and not self._uses_grad_scaler():
             pg = ddp_kwarg(self, "process_group")
-            self._guard = FiniteGuard(pg, dist.get_world_size(pg), self.root_device)
-            self.model.register_comm_hook(self._guard, FiniteGuard.hook)  # type: ignore[union-attr]
+            guard.hook = FiniteGuard(pg, dist.get_world_size(pg), self.root_device)
+            self.model.register_comm_hook(guard.hook, FiniteGuard.hook)  # type: ignore[union-attr]
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -177,7 +175,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._guard = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
+        self.hdet.guard.hook = None  # (the step counter stays: ``skipped_steps`` is read after the fit)
         # DDP's kwargs hold the group's process group under gradient_sync="group": a destroyed gloo group's native
         # threads end only with its last reference (set again at the next entry's set-up).
         set_ddp_kwarg(self, "process_group", None)

@@ -6,11 +6,11 @@ A metric logged in ``validation_step`` would otherwise describe each rank's own 
 monitor=...)``, ``EarlyStopping`` and the progress bar would keep or stop on a model that is not in the file.
 
 :class:`MergedValidation` swaps the merged model in before the first validation batch and each group's own state
-back after the last one, on both strategies: what a merge carries (:meth:`~lightning_hdet.hdet.merge.MergeOps.
-_merge_parts`: parameters or their local shards, the float buffers, and the schedule-free base iterate, so an
+back after the last one, on both strategies: what a merge carries (:meth:`~lightning_hdet.hdet.merge.MergeSite.
+merge_parts`: parameters or their local shards, the float buffers, and the schedule-free base iterate, so an
 ``optimizer.eval()`` of a schedule-free optimizer evaluates the merged average too) is copied to one host buffer
 (pinned on CUDA, reused) and merged with the checkpoint's coefficients through the strategy's own bucketed
-:meth:`~lightning_hdet.hdet.merge.MergeOps.merge` (``keep=False``: the restore point and the optimizer states are
+:meth:`~lightning_hdet.hdet.merge.Merger.merge` (``keep=False``: the restore point and the optimizer states are
 left alone). Cost per validation: one device-to-host and one host-to-device copy of this rank's part of the
 model, and the merge's all-reduces.
 
@@ -48,11 +48,12 @@ def reshard(module: Module) -> None:
             sub.reshard()
 
 
-def healthy_mean(ops: Any, tensors: list[Tensor]) -> list[float]:
+def healthy_mean(groups: Any, tensors: list[Tensor]) -> list[float]:
     """The checkpoint's merge coefficients: ``1 / k`` for each of the ``k`` groups whose ``tensors`` are finite on
-    every rank, 0 for the others (every group equally when none is finite). One small all-reduce."""
-    finite = ops.gather_group_values(all_finite(tensors).double().reshape(1))[:, 0]
-    healthy = [float(n) == ops.layout.group_size for n in finite.tolist()]
+    every rank, 0 for the others (every group equally when none is finite). One small all-reduce through ``groups``
+    (a :class:`~lightning_hdet.hdet.comm.GroupComm`)."""
+    finite = groups.gather_group_values(all_finite(tensors).double().reshape(1))[:, 0]
+    healthy = [float(n) == groups.layout.group_size for n in finite.tolist()]
     if not any(healthy):
         healthy = [True] * len(healthy)
     return [1.0 / sum(healthy) if h else 0.0 for h in healthy]
@@ -61,9 +62,9 @@ def healthy_mean(ops: Any, tensors: list[Tensor]) -> list[float]:
 class MergedValidation:
     """Swap the merged model in (:meth:`swap_in`) and this rank's own state back (:meth:`swap_out`).
 
-    Owned by the strategy (one per rank); ``ops`` is the strategy (a :class:`~lightning_hdet.hdet.merge.MergeOps`
-    with the executor's ``layout``, ``num_groups``, ``root_device`` and ``gather_group_values``). Call both on
-    every rank (collectives); each is idempotent, so an exception between them can always swap back.
+    Owned by a :class:`~lightning_hdet.hdet.merge.Merger` (one per rank), which it is given: its ``site`` says what
+    to swap, its ``groups`` how the ranks sum. Call both on every rank (collectives); each is idempotent, so an
+    exception between them can always swap back.
     """
 
     def __init__(self) -> None:
@@ -75,26 +76,26 @@ class MergedValidation:
         """Whether the merged model is swapped in."""
         return self._tensors is not None
 
-    def swap_in(self, ops: Any) -> None:
+    def swap_in(self, merger: Any) -> None:
         """Keep this rank's own state on the host, then hold the checkpoint's merged model on every rank."""
-        if self.active or ops.num_groups == 1:
+        groups, device = merger.groups.num_groups, merger.groups.root_device
+        if self.active or groups == 1:
             return
-        reshard(ops.lightning_module)
-        parts = [*ops._merge_parts(), ops._iterate_part()]
+        merger.site.reshard()
+        parts = [*merger.site.merge_parts(), merger.site.iterate_part()]
         tensors = [t for part in parts for t in part.tensors]
         size, dtype = numel(tensors), flat_dtype(tensors)
         if self._buffer is None or self._buffer.numel() != size or self._buffer.dtype != dtype:
-            self._buffer = host_buffer(size, ops.root_device, dtype)
-        read_into(tensors, self._buffer, ops.root_device)
+            self._buffer = host_buffer(size, device, dtype)
+        read_into(tensors, self._buffer, device)
         self._tensors = tensors
         model = [t for part in parts[:-1] for t in part.tensors]  # the checkpoint judges health by the model
-        groups = ops.num_groups
-        ops.merge(healthy_mean(ops, model), [1.0] * groups, [False] * groups, keep=False)
+        merger.merge(healthy_mean(merger.groups, model), [1.0] * groups, [False] * groups, keep=False)
 
-    def swap_out(self, ops: Any) -> None:
+    def swap_out(self, merger: Any) -> None:
         """Give this rank its own state back (exactly the values :meth:`swap_in` kept)."""
         if not self.active:
             return
-        reshard(ops.lightning_module)  # the validation's forwards may have left merged parameters gathered
-        write_from(self._tensors, self._buffer, ops.root_device)
+        merger.site.reshard()  # the validation's forwards may have left merged parameters gathered
+        write_from(self._tensors, self._buffer, merger.groups.root_device)
         self._tensors = None

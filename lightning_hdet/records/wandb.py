@@ -100,16 +100,37 @@ def _vote_row(row: VoteRow) -> list[Any]:
     return [int(step), int(group), float(lr), float(loss), float(weight), int(winner), bool(rescued)]
 
 
+def explored_columns(rows: Iterable[VoteRow]) -> list[str]:
+    """The other explored hyperparameters a vote history holds (``HDETStrategy(explore=...)``): one more column
+    each, after :data:`VOTE_COLUMNS`, with every group's new value (as ``lr``)."""
+    names: dict[str, None] = {}
+    for row in rows:
+        if isinstance(row, Mapping):
+            names.update(dict.fromkeys(row.get("explored") or {}))
+    return list(names)
+
+
+def _full_row(row: VoteRow, extra: Sequence[str]) -> list[Any]:
+    explored = (row.get("explored") or {}) if isinstance(row, Mapping) else {}
+    return _vote_row(row) + [float(explored.get(n, float("nan"))) for n in extra]
+
+
 def vote_rows(rows: Iterable[VoteRow]) -> list[dict[str, Any]]:
-    """The vote history as plain dicts with :data:`VOTE_COLUMNS` (the non-W&B form)."""
-    return [dict(zip(VOTE_COLUMNS, _vote_row(r))) for r in rows]
+    """The vote history as plain dicts with :data:`VOTE_COLUMNS` and the explored hyperparameters' columns (the
+    non-W&B form)."""
+    rows = list(rows)
+    columns = list(VOTE_COLUMNS) + explored_columns(rows)
+    return [dict(zip(columns, _full_row(r, columns[len(VOTE_COLUMNS):]))) for r in rows]
 
 
 def vote_table(rows: Iterable[VoteRow]) -> wandb.Table:
-    """The vote history as a ``wandb.Table`` with :data:`VOTE_COLUMNS`; one row per (vote, group)."""
+    """The vote history as a ``wandb.Table`` with :data:`VOTE_COLUMNS` (and the explored hyperparameters'); one row
+    per (vote, group)."""
     import wandb
 
-    return wandb.Table(columns=list(VOTE_COLUMNS), data=[_vote_row(r) for r in rows])
+    rows = list(rows)
+    extra = explored_columns(rows)
+    return wandb.Table(columns=list(VOTE_COLUMNS) + extra, data=[_full_row(r, extra) for r in rows])
 
 
 def log_vote_history(trainer: Trainer | Logger | Iterable[Logger], rows: Sequence[VoteRow],
@@ -125,7 +146,7 @@ def log_vote_history(trainer: Trainer | Logger | Iterable[Logger], rows: Sequenc
         elif path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "w", newline="") as file:
-                writer = csv.DictWriter(file, fieldnames=VOTE_COLUMNS)
+                writer = csv.DictWriter(file, fieldnames=list(plain[0]) if plain else VOTE_COLUMNS)
                 writer.writeheader()
                 writer.writerows(plain)
     return plain

@@ -15,6 +15,11 @@ applied them: an interval's multiplier is its recorded LR over the schedule's LR
 which the replaying run's own (identical) schedule says there. With one param group and the same schedule the
 replayed LR equals the winner's, step by step. A param group beyond the first gets the first one's multiplier; a
 rolled-back interval is replayed at its winner's LR (a plain run cannot undo steps).
+
+A run that explored other hyperparameters (``HDETStrategy(explore=...)``) is replayed the same way for each of them:
+the winner's value (a vote-history column per name) over what the replaying optimizer says at the piece's first
+step (through ``1 - beta`` for a momentum, :mod:`~lightning_hdet.hdet.hyperparams`), interval 0 at the winner's
+initial multiplier (``hdet/explore/<name>`` in the run config).
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torch.optim import Optimizer
 
+from lightning_hdet.hdet.hyperparams import ONE_MINUS, base, scaled
 from lightning_hdet.hdet.multipliers import scaled_lr
-from lightning_hdet.replay.sources import Source, load_run
+from lightning_hdet.replay.sources import Initial, Source, load_run
+from lightning_hdet.records.wandb import VOTE_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,8 @@ class Piece:
     group: int  # the group whose LR is replayed
     multiplier: Optional[float]  # known multiplier (interval 0), or None: ``lr`` over the schedule at ``start``
     lr: Optional[float]  # the real LR the vote at ``start`` gave the group (None for interval 0)
+    # the other explored hyperparameters: their known multipliers (interval 0), else the values the vote gave
+    explored: dict[str, float] = field(default_factory=dict)
 
 
 class LRTrajectory:
@@ -51,13 +61,16 @@ class LRTrajectory:
         self._starts = [p.start for p in self.pieces]
 
     @classmethod
-    def from_votes(cls, rows: Iterable[Mapping[str, Any]], initial_multipliers: Sequence[float]) -> LRTrajectory:
-        """Build it from vote-history rows (``step``, ``group``, ``lr``, ``winner``) and every group's multiplier
-        when training started."""
+    def from_votes(cls, rows: Iterable[Mapping[str, Any]], initial_multipliers: Sequence[float],
+                   initial_explored: Optional[Mapping[str, Sequence[float]]] = None) -> LRTrajectory:
+        """Build it from vote-history rows (``step``, ``group``, ``lr``, ``winner``, and a value per other explored
+        hyperparameter) and every group's multiplier when training started (the LR's; ``initial_explored``: the
+        others', by name)."""
         votes: dict[int, dict[str, Any]] = {}
         for row in rows:
-            vote = votes.setdefault(int(row["step"]), {"winner": int(row["winner"]), "lrs": {}})
+            vote = votes.setdefault(int(row["step"]), {"winner": int(row["winner"]), "lrs": {}, "explored": {}})
             vote["lrs"][int(row["group"])] = float(row["lr"])
+            vote["explored"][int(row["group"])] = _explored_of(row)
         if not votes:
             raise ValueError("The vote history has no rows: the run voted no time, so there is nothing to replay.")
         steps = sorted(votes)
@@ -67,16 +80,16 @@ class LRTrajectory:
             raise ValueError(f"`initial_multipliers` has {len(initial)} values, but the vote history has {groups} "
                              "groups; give the strategy's multipliers when training started (one per group).")
         first = votes[steps[0]]["winner"]
-        pieces = [Piece(0, first, initial[first], None)]
+        pieces = [Piece(0, first, initial[first], None, _initial_explored(votes[steps[0]], initial_explored, first))]
         for step, following in zip(steps, steps[1:] + [None]):
             winner = votes[step if following is None else following]["winner"]
             if winner < 0:
                 winner = votes[step]["winner"]  # nobody healthy at the next vote: stay with this vote's winner
-            pieces.append(Piece(step, winner, None, votes[step]["lrs"][winner]))
+            pieces.append(Piece(step, winner, None, votes[step]["lrs"][winner], votes[step]["explored"][winner]))
         return cls(pieces)
 
     @classmethod
-    def from_run(cls, source: Source, initial_multipliers: Optional[Sequence[float]] = None) -> LRTrajectory:
+    def from_run(cls, source: Source, initial_multipliers: Optional[Initial] = None) -> LRTrajectory:
         """Build it from a finished run: its log dir, ``vote_history.csv``, checkpoint or vote rows (see
         :func:`~lightning_hdet.replay.sources.load_run`)."""
         return cls.from_votes(*load_run(source, initial_multipliers))
@@ -94,11 +107,14 @@ class ReplayHooks:
         trajectory: what to replay.
         step: the optimizer steps already taken (a resumed run's ``global_step``).
         multipliers: multipliers already computed, by piece index (a resumed run's :meth:`state_dict`).
+        explored: the same for the other explored hyperparameters, by piece index and name.
     """
 
-    def __init__(self, trajectory: LRTrajectory, step: int = 0, multipliers: Optional[Mapping[int, float]] = None):
+    def __init__(self, trajectory: LRTrajectory, step: int = 0, multipliers: Optional[Mapping[int, float]] = None,
+                 explored: Optional[Mapping[int, Mapping[str, float]]] = None):
         self.trajectory, self.step = trajectory, step
         self.multipliers: dict[int, float] = {int(k): float(v) for k, v in (multipliers or {}).items()}
+        self.explored: dict[int, dict[str, float]] = {int(k): dict(v) for k, v in (explored or {}).items()}
         self._handles: list[Any] = []
         self._scaled: Optional[AbstractContextManager[None]] = None
 
@@ -126,10 +142,24 @@ class ReplayHooks:
                 self.multipliers[index] = piece.lr / schedule
         return self.multipliers[index]
 
+    def explored_multipliers(self, optimizer: Optimizer) -> dict[str, float]:
+        """The other explored hyperparameters' multipliers of the current step (fixed at its piece's first step)."""
+        index = self.trajectory.piece_index(self.step)
+        piece = self.trajectory.pieces[index]
+        if index not in self.explored:
+            known = piece.multiplier is not None  # interval 0: the initial multipliers themselves
+            self.explored[index] = dict(piece.explored) if known else {
+                name: _multiplier(name, value, optimizer, self.step) for name, value in piece.explored.items()}
+        return self.explored[index]
+
     def _before(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        m = self.multiplier(optimizer)
-        self._scaled = scaled_lr(optimizer, [m] * len(optimizer.param_groups))
-        self._scaled.__enter__()
+        m, explored = self.multiplier(optimizer), self.explored_multipliers(optimizer)
+        width = len(optimizer.param_groups)
+        stack = ExitStack()
+        stack.enter_context(scaled_lr(optimizer, [m] * width))
+        if explored:
+            stack.enter_context(scaled(optimizer, {n: [v] * width for n, v in explored.items()}))
+        self._scaled = stack
 
     def _after(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._scaled is not None:
@@ -138,4 +168,32 @@ class ReplayHooks:
         self.step += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "multipliers": dict(self.multipliers)}
+        return {"step": self.step, "multipliers": dict(self.multipliers), "explored": dict(self.explored)}
+
+
+def _explored_of(row: Mapping[str, Any]) -> dict[str, float]:
+    """A vote row's other explored hyperparameters: the callback's ``explored`` entry, or a CSV row's extra columns."""
+    if isinstance(row.get("explored"), Mapping):
+        return {n: float(v) for n, v in row["explored"].items()}
+    return {k: float(v) for k, v in row.items() if k not in VOTE_COLUMNS and k != "reason" and v not in (None, "")}
+
+
+def _initial_explored(vote: Mapping[str, Any], initial: Optional[Mapping[str, Sequence[float]]], winner: int
+                      ) -> dict[str, float]:
+    """Interval 0's winner's initial multiplier of every name the vote history holds."""
+    names = sorted(set().union(*(v.keys() for v in vote["explored"].values())))
+    missing = [n for n in names if n not in (initial or {})]
+    if missing:
+        raise ValueError(f"The vote history explored {missing} besides the LR, but `initial_multipliers` holds no "
+                         f"initial multipliers for them; pass {{'lr': [...], {missing[0]!r}: [...]}} (the run config's "
+                         f"'hdet/explore/{missing[0]}'), one per group.")
+    return {n: float(initial[n][winner]) for n in names}  # type: ignore[index]
+
+
+def _multiplier(name: str, value: float, optimizer: Optimizer, step: int) -> float:
+    """The multiplier that turns what ``optimizer`` says into ``value`` (the winner's)."""
+    quantity = base(optimizer.param_groups[0], name)
+    if quantity <= 0:
+        raise ValueError(f"HDET replay: the optimizer's {name} at step {step} gives {quantity} to multiply; the "
+                         f"replayed {name} is a multiple of it, so the optimizer must match the HDET run's.")
+    return ((1.0 - value) if name in ONE_MINUS else value) / quantity
