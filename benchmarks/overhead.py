@@ -35,7 +35,8 @@ the async server's host memory.
   training, its peak extra memory during a merge and during a checkpoint (``trainer.save_checkpoint``), and its
   own state. Each fit runs ``benchmarks/sharded_fit.py`` under Lightning's subprocess launcher.
 
-Run: ``python benchmarks/overhead.py [--quick] [--parts throughput exchange lean sharded]``.
+Run: ``python benchmarks/overhead.py [--quick] [--parts throughput exchange memory lean sharded]`` (``memory``: the
+host-memory runs of ``exchange`` alone, without its bytes arms, into their own table).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ from benchmarks.common import (
 )
 
 NAME = "overhead"
-PARTS = ("throughput", "exchange", "lean", "sharded")
+PARTS = ("throughput", "exchange", "memory", "lean", "sharded")
 DEFAULT_PARTS = ("throughput", "exchange", "lean")  # ``sharded`` runs 4 processes per arm: asked for by name
+# ``memory`` alone: the host-memory runs of ``exchange`` without its bytes arms (``exchange`` includes them)
 # The sharded part's arms and the baseline each is compared with.
 SHARDED_BASELINES = {"ddp": "ddp", "hdet": "ddp", "fsdp2": "fsdp2", "hdet_fsdp": "fsdp2"}
 _COUNTS = {"collective": 0, "sent": 0, "received": 0}
@@ -350,9 +352,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=1_000_000)
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS),
                    help="throughput (with the bytes of ddp/hdet), exchange (diloco/async bytes and host memory), "
-                        "lean (HDET merge and checkpoint memory), sharded (hdet_fsdp vs FSDP2 and hdet vs DDP on "
-                        "--sharded-world-size processes; not in the default); results of a subset other than the "
-                        "default go to overhead_<parts>")
+                        "memory (exchange's host-memory runs alone), lean (HDET merge and checkpoint memory), "
+                        "sharded (hdet_fsdp vs FSDP2 and hdet vs DDP on --sharded-world-size processes; not in the "
+                        "default); results of a subset other than the default go to overhead_<parts>")
     p.add_argument("--lean-d-model", type=int, default=None,
                    help="width of the lean memory runs (default 768, quick 64)")
     p.add_argument("--lean-world-sizes", type=int, nargs="+", default=None,
@@ -401,12 +403,14 @@ def main(argv: list[str] | None = None) -> dict:
                   fmt(r["cpu_relative_to_ddp"], ".3f"),
                   " / ".join(fmt(1000 * x, ".1f") for x in payload["raw_cpu_s_per_step"][r["arm"]])]
                  for r in payload["throughput"]]))
-        if "exchange" in parts:
-            exchange, table = measure_exchange(args, Path(tmp), probes)
+        if "exchange" in parts or "memory" in parts:
+            measure = measure_exchange if "exchange" in parts else measure_memory
+            exchange, table = measure(args, Path(tmp), probes)
             payload.update(exchange)
             sections.append(table)
-        if probes:
-            payload["bytes"] = bytes_rows(args, probes)
+        rows = bytes_rows(args, probes)
+        if rows:
+            payload["bytes"] = rows
             sections.insert(1 if "throughput" in parts else 0, bytes_table(payload["bytes"]))
         if "lean" in parts:
             payload["lean"], table = measure_lean(args, Path(tmp))
@@ -421,6 +425,8 @@ def main(argv: list[str] | None = None) -> dict:
         "exchange": f"bytes: width {args.memory_d_models[0]}, memory: widths "
                     f"{' and '.join(str(w) for w in args.memory_d_models)}; W = {args.world_size}, budget "
                     f"{args.exchange_steps} steps, H = {args.local_steps}",
+        "memory": f"memory: widths {' and '.join(str(w) for w in args.memory_d_models)}; W = {args.world_size}, "
+                  f"budget {args.exchange_steps} steps, H = {args.local_steps}, batch {args.batch_size}",
         "lean": f"lean: width {args.lean_d_model}, 4 layers",
         "sharded": f"sharded: W = {args.sharded_world_size}, G = {args.sharded_groups}, width {args.sharded_d_model}, "
                    f"4 layers, {args.sharded_steps} steps per arm, T = {args.sharded_every}, {args.repeats} "
@@ -468,17 +474,23 @@ MEMORY_KINDS = ("ddp", "diloco", "async")
 
 
 def measure_exchange(args: argparse.Namespace, tmp: Path, probes: dict[str, list[dict]]) -> tuple[dict, str]:
-    """DDP, DiLoCo and async at both memory widths (rank 0's peak host memory and its slope per unit of model),
-    and the DiLoCo/async bytes rows (the first width's runs, plus inner states, bf16 and int8)."""
-    for width in args.memory_d_models:
-        for kind in MEMORY_KINDS:
-            probes[f"{kind} (memory {width})"] = run_probe(kind, args, tmp / f"mem_{kind}_{width}", args.exchange_steps, width)
+    """:func:`measure_memory`, and the DiLoCo/async bytes rows (the first width's runs, plus inner states, bf16
+    and int8)."""
+    memory_part = measure_memory(args, tmp, probes)
     width = args.memory_d_models[0]
     for suffix, kind, inner, compression, pull in BYTES_ARMS:
         label = f"{kind} H={args.local_steps}{suffix}"
         probes[label] = (probes[f"{kind} (memory {width})"] if not suffix else run_probe(
             kind, args, tmp / label.replace(" ", "_").replace(",", ""), args.exchange_steps, width, 0, inner,
             compression, pull))
+    return memory_part
+
+
+def measure_memory(args: argparse.Namespace, tmp: Path, probes: dict[str, list[dict]]) -> tuple[dict, str]:
+    """DDP, DiLoCo and async at both memory widths: rank 0's peak host memory and its slope per unit of model."""
+    for width in args.memory_d_models:
+        for kind in MEMORY_KINDS:
+            probes[f"{kind} (memory {width})"] = run_probe(kind, args, tmp / f"mem_{kind}_{width}", args.exchange_steps, width)
     memory = []
     for width in args.memory_d_models:
         rss = {k: probes[f"{k} (memory {width})"][0]["peak_rss_bytes"] for k in MEMORY_KINDS}

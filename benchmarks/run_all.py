@@ -134,6 +134,9 @@ PARTS = (
     Part("async_defaults", "async_defaults.py", minutes=13, full=True),
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=6),
     Part("overhead", "overhead.py", minutes=4, code=("benchmarks/sharded_fit.py",)),
+    # rank 0's host memory (issue 29) on models past one 25 MiB fragment, as docs/async.md quotes it
+    Part("overhead_memory", "overhead.py", ("--parts", "memory", "--memory-d-models", "768", "1280", "--exchange-steps",
+                                            "20", "--local-steps", "10", "--batch-size", "4"), minutes=12, full=True),
     Part("crash", "crash.py", CRASH_ARGS, minutes=15),
     Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
     Part("elastic", "elastic.py", minutes=5, code=("tests/scripts/elastic_run.py",)),

@@ -3,6 +3,7 @@ transport (as torchft tests LocalSGD with a mocked manager). Values are computed
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from unittest import mock
@@ -409,3 +410,57 @@ def test_bf16_pulls_leave_workers_rounded_and_the_global_model_exact() -> None:
     for worker in workers:  # the hello's pull (leaving pulls nothing)
         assert worker.pulled[:2].tolist() == [1.0, 1.0078125]
     assert server.outer.params.tolist() == [2 + 2**-10, 1 + 3 * 2**-9 - 1.0078125]
+
+
+# ------------------------------------------------------------------------------- rank 0 validating the global model
+def test_swap_pulled_exchanges_the_module_and_the_pulled_model_one_fragment_at_a_time() -> None:
+    """Fragments of one value: the swap goes through a one-value buffer, across the parameter and the buffer; the
+    integer buffer is never touched; swapping again restores both."""
+    module = Tiny()
+    module.set([1.0, 2.0], 3.0)
+    module.count.fill_(9)
+    worker = Worker(module, CPU, QueueEnd(1, queue.Queue(), Fragments([torch.Size([2])])),
+                    layout=Fragments([torch.Size([2])], max_bytes=4))
+    assert worker.fragment.numel() == 1
+    worker.pulled.copy_(torch.tensor([5.0, 6.0, 7.0]))
+    worker.swap_pulled()
+    assert module.w.tolist() == [5.0, 6.0] and module.stat.tolist() == [7.0] and module.count.item() == 9
+    assert worker.pulled.tolist() == [1.0, 2.0, 3.0]
+    worker.swap_pulled()
+    assert module.w.tolist() == [1.0, 2.0] and module.stat.tolist() == [3.0]
+    assert worker.pulled.tolist() == [5.0, 6.0, 7.0]
+
+
+@pytest.mark.parametrize("case", ["pulled is global", "stopped", "training"])
+def test_rank_zero_validates_the_global_model_without_a_copy_when_it_can(case: str) -> None:
+    """Inside ``global_model()`` the module holds the global model, outside its own. No model-sized host buffer
+    is made when the worker's pulled model is the global one (DiLoCo between outer steps: the two are swapped),
+    nor once the worker was told to stop (its pulled model's buffer holds the module's own; steps it would still
+    take are then not pushed); while it trains on a stale pull, the module's own model waits in a new one."""
+    from lightning_hdet.asynchronous import exchange as exchange_module
+    from lightning_hdet.asynchronous.exchange import Exchange
+
+    module = Tiny()
+    module.set([1.0, 2.0], 3.0)
+    outer = OuterSettings(mode="sync").build(torch.tensor([5.0, 6.0]), torch.tensor([7.0]), workers=1, budget=None)
+    ex = object.__new__(Exchange)  # no process groups: only what global_model() reads
+    ex.module, ex.device, ex.outer = module, CPU, outer
+    ex.worker = Worker(module, CPU, QueueEnd(1, queue.Queue(), Fragments([torch.Size([2])])))
+    pulled = [5.0, 6.0, 7.0] if case == "pulled is global" else [5.0, 6.0, 0.0]
+    ex.worker.pulled.copy_(torch.tensor(pulled))
+    if case == "stopped":
+        ex.worker.round_steps = math.inf
+    made = []
+    real = exchange_module.host_buffer
+    with mock.patch.object(exchange_module, "host_buffer", side_effect=lambda *a: made.append(a) or real(*a)):
+        with ex.global_model():
+            assert module.w.tolist() == [5.0, 6.0] and module.stat.tolist() == [7.0]
+    assert module.w.tolist() == [1.0, 2.0] and module.stat.tolist() == [3.0]
+    assert len(made) == (1 if case == "training" else 0)
+    assert ex.worker.pulled.tolist() == ([1.0, 2.0, 3.0] if case == "stopped" else pulled)
+    assert ex.worker.pulled_lent == (case == "stopped")
+    if case == "stopped":  # a step after the stop: the leaving push carries no pseudo-gradient
+        ex.worker.step()
+        ex.worker.exchange(Kind.BYE)
+        push, messages = ex.worker.transport.pushes.get(timeout=5)
+        assert push.kind == Kind.BYE and push.steps == 0 and messages == []

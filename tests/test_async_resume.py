@@ -176,6 +176,7 @@ def test_a_checkpoint_takes_one_snapshot_of_the_outer_state(tmp_path: Path) -> N
     from lightning_hdet._tensors import numel
     from lightning_hdet.asynchronous.exchange import Exchange
     from lightning_hdet.asynchronous.messages import Kind, Push
+    from lightning_hdet.asynchronous.worker import Worker
 
     model = LinearModel(lr=0.05, n_train=16)
     strategy = AsyncLocalSGDStrategy(local_steps=2, outer_lr=1.0, outer_momentum=0.0, start_method=START)
@@ -183,6 +184,7 @@ def test_a_checkpoint_takes_one_snapshot_of_the_outer_state(tmp_path: Path) -> N
     exchange = Exchange.__new__(Exchange)  # rank 0's part without process groups: its outer state and module
     exchange.module, exchange.device = model, torch.device("cpu")
     exchange.outer = Exchange.start_outer(strategy.outer_settings, model, exchange.device, 2, None, None)
+    exchange.worker = Worker(model, exchange.device, transport=None)  # type: ignore[arg-type]  # training: no stop
     strategy._exchange, strategy.diverged = exchange, True  # rank 0 while training: pushes keep arriving
     own = [p.detach().clone() for p in model.parameters()]
     state_dict = strategy.lightning_module_state_dict()

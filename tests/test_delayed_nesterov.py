@@ -108,6 +108,33 @@ def test_state_dict_round_trip():
         torch.testing.assert_close(p1, p2)
 
 
+@pytest.mark.parametrize("restart", [0, 2])
+def test_c_0_keeps_no_delta_and_resumes_a_state_saved_with_one(restart):
+    """With c = 0 a push goes into the momentum as it arrives: mid-cycle the state holds the momentum and no
+    ``delta`` (one model less on rank 0). A state saved mid-cycle by the earlier code (momentum of the last update,
+    the cycle's pushes in ``delta``) resumes to the same steps as a run that never stopped."""
+    torch.manual_seed(2)
+    lr, beta, n = 0.7, 0.9, 3
+    grads = [torch.randn(5) for _ in range(9)]
+    p_run, p_old = torch.zeros(5), torch.zeros(5)
+    run = DelayedNesterov([p_run], lr=lr, momentum=beta, buffer_size=n, momentum_restart=restart)
+    for g in grads[:4]:  # one momentum update, then one push of the next cycle
+        _push(run, p_run, g)
+    assert "delta" not in run.state[p_run] and run.state[p_run]["pushes"] == 1
+    # the earlier code's state after the same 4 pushes: m = (g1 + g2 + g3) / 3 (the first update), delta = g4
+    m = sum(grads[:3]) / n
+    p_old.copy_(-lr * (beta * m + sum(grads[:3]) / n) - lr * grads[3] / n)
+    saved = copy.deepcopy(run.state_dict())
+    saved["state"][0].update(momentum_buffer=m, delta=grads[3].clone())
+    old = DelayedNesterov([p_old], lr=lr, momentum=beta, buffer_size=n, momentum_restart=restart)
+    old.load_state_dict(saved)
+    assert "delta" not in old.state[p_old]
+    for g in grads[4:]:  # the rest of the cycle and a second one
+        _push(run, p_run, g)
+        _push(old, p_old, g)
+        torch.testing.assert_close(p_old, p_run)
+
+
 def _round_robin_on_a_quadratic(buffer_size: int, momentum: float, rounds: int = 40, workers: int = 4) -> list[float]:
     """Asynchronous Local-SGD in miniature: on f(x) = |x|^2 / 2, a worker's round of local steps moves its copy
     half-way to the optimum (pseudo-gradient 0.5 * x_pulled); workers push in turn, each from the parameters it

@@ -188,14 +188,15 @@ def killed_and_joined(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Service + 4 workers; worker 4 SIGKILLs itself mid-round after 3 exchanges and worker 3 is preempted (SIGTERM,
     which Lightning turns into an exception) after 4; a fifth worker starts once the
     run is under way. The others wait at their step 20 until the fifth has joined (80 of 240 steps), so both
-    happen mid-run whatever the machine's load (no timing is asserted)."""
+    happen mid-run whatever the machine's load (no timing is asserted). Worker 2's loss is NaN from its step 22 on
+    (just after that wait: mid-run, with most of the budget left)."""
     d = tmp_path_factory.mktemp("elastic")
     address = f"127.0.0.1:{free_port()}"
     joined = d / "joined"
     common = ["--address", address, "--step-s", "0.05", "--hold-at", "20", "--hold-until", str(joined)]
     server = launch("server", d / "server.json", "--address", address, "--budget", "240", "--checkpoint",
                     str(d / "ckpt.pt"))
-    dies = {3: ["--die-after", "4", "--die-by", "term"], 4: ["--die-after", "3"]}
+    dies = {2: ["--nan-from", "22"], 3: ["--die-after", "4", "--die-by", "term"], 4: ["--die-after", "3"]}
     workers = [launch("worker", d / f"w{i}.json", *common, *dies.get(i, [])) for i in range(1, 5)]
     status = d / "ckpt.pt.status.json"
     _wait_for(lambda: read_json(status).get("outer_updates", 0) >= 4, "the run to be under way")
@@ -215,6 +216,22 @@ def test_killed_and_preempted_workers_end_only_their_sessions_and_the_others_fin
     assert server["steps_done"] == server["budget"] == 240  # their unfinished rounds were discarded, redone
     lost = [s for s, why in server["ended"].items() if why.startswith("lost")]
     assert len(lost) == 2 and server["live"] == []
+    assert server["finite"] and server["final_loss"] < server["initial_loss"]
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_gone_nan_is_rejected_and_ends_its_session_while_the_others_finish(killed_and_joined: dict) -> None:
+    """Issue 29 in the elastic mode: worker 2 discards its non-finite rounds itself (each counted as a rejection by
+    the service, in its log and its status) and after 3 in a row is told to stop: only its session ends, the
+    others' pushes were all applied, and the global model is finite and better than at the start."""
+    d, server = killed_and_joined["dir"], killed_and_joined["server"]
+    (bad,) = json.loads((d / "w2.json").read_text())["sessions"]
+    assert killed_and_joined["codes"][1] == 0 and server["ended"][str(bad)] == "excluded: 3 pushes in a row rejected"
+    assert server["workers"][str(bad)]["rejected"] == 3
+    assert [s for s, why in server["ended"].items() if why.startswith("excluded")] == [str(bad)]
+    assert all(stats["rejected"] == 0 for s, stats in server["workers"].items() if s != str(bad))
+    assert (d / "server.log").read_text().count(f"A push of worker {bad} was rejected") == 3
+    assert "stops: its last 3 push(es) in a row were rejected" in (d / "w2.log").read_text()
     assert server["finite"] and server["final_loss"] < server["initial_loss"]
 
 

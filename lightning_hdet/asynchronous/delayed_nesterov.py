@@ -28,7 +28,8 @@ class DelayedNesterov(Optimizer):
     ``param.grad`` holds the pseudo-gradient of one push (``theta_pulled - theta_local``). On every
     :meth:`step`, per parameter: ``delta += g``; on the ``N``-th push since the last momentum update
     ``m = momentum * m + delta / N`` and ``theta -= lr * ((1 - c*N + c) * momentum * m + g / N)``, then
-    ``delta = 0``; otherwise ``theta -= lr * (c * momentum * m + g / N)``.
+    ``delta = 0``; otherwise ``theta -= lr * (c * momentum * m + g / N)``. With ``c = 0`` (the default) no ``delta``
+    is kept: each push is added to the momentum as it arrives (rank 0 holds one model less).
 
     Args:
         params: the parameters (the global model, usually host-memory tensors).
@@ -80,37 +81,68 @@ class DelayedNesterov(Optimizer):
                    **{k: v for k, v in saved.items() if k in own}}
                   for own, saved in zip(self.param_groups, state_dict["param_groups"])]
         super().load_state_dict({**state_dict, "param_groups": groups})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._fold_delta(self.state.get(p, {}), group)
+
+    @staticmethod
+    def _fold_delta(state: dict[str, Any], group: dict[str, Any]) -> None:
+        """A state saved before pushes went straight into the momentum (``c = 0``) kept them in ``delta``: fold
+        it in as :meth:`_step_one` would have (``m = momentum * m + delta / N``)."""
+        n, c = group["buffer_size"], group["momentum_activation"]
+        if "delta" not in state or (c > 0 and n > 1):
+            return
+        delta, pushes = state.pop("delta"), state.get("pushes", 0)
+        if pushes == 0:
+            return
+        schedule = MomentumSchedule(group["momentum"], group.get("momentum_warmup", 0), group.get("momentum_restart", 0))
+        updates = state.get("updates", 0)
+        m = state.get("momentum_buffer")
+        if m is None or schedule.restarts(updates + 1):
+            m = state["momentum_buffer"] = torch.zeros_like(delta)
+        m.mul_(schedule.beta(updates + 1)).add_(delta, alpha=1.0 / n)
 
     def _step_one(self, p: torch.Tensor, g: torch.Tensor, lr: float, n: int, c: float,
                   schedule: MomentumSchedule) -> None:
-        """One push on one parameter. Buffers are made only where the step reads them: no ``delta`` with
-        ``N = 1`` (the push is the whole momentum update) and no momentum buffer with momentum 0, so that
-        DiLoCo's Nesterov step holds one model of momentum and nothing else (``torch.optim.SGD`` also makes a
-        model-sized temporary). ``get`` with defaults: states saved before schedules, or by ``SGD``, lack keys."""
+        """One push on one parameter. Buffers are made only where the step reads them: no momentum buffer with
+        momentum 0, and no ``delta`` unless ``c > 0``: with ``c = 0`` the momentum is read only at the ``N``-th push,
+        so each push is added to it as it comes (``m = momentum * m`` at a cycle's first push, ``m += g / N`` at
+        each; the same update as ``m = momentum * m + delta / N``, to rounding) and Delayed Nesterov holds one model
+        of momentum and nothing else, as DiLoCo's Nesterov step does (``torch.optim.SGD`` also makes a model-sized
+        temporary). ``get`` with defaults: states saved before schedules, or by ``SGD``, lack keys."""
         state = self.state[p]
         pushes, updates = state.get("pushes", 0) + 1, state.get("updates", 0)
         beta = schedule.beta(updates + 1)  # of the next momentum update
-        m = state.get("momentum_buffer")
-        if pushes == n:
-            updates, pushes = updates + 1, 0
-            if schedule.momentum > 0:
-                if m is None:
-                    m = state["momentum_buffer"] = torch.zeros_like(p)
-                if schedule.restarts(updates):
-                    m.zero_()
-                m.mul_(beta)
+        last = pushes == n
+        if schedule.momentum > 0:
+            m = state.get("momentum_buffer")
+            if m is None:
+                m = state["momentum_buffer"] = torch.zeros_like(p)
+            if c == 0 or n == 1:  # the push goes into the momentum as it comes (with N = 1 the same step)
+                if pushes == 1:  # a cycle's first push
+                    if schedule.restarts(updates + 1):
+                        m.zero_()
+                    m.mul_(beta)
                 if n == 1:
                     m.add_(g)
                 else:
-                    m.add_(state["delta"].add_(g), alpha=1.0 / n)
-                    state["delta"].zero_()
+                    m.add_(g, alpha=1.0 / n)
+            else:  # c > 0: intermediate pushes read the last momentum, so the cycle's pushes wait in ``delta``
+                delta = state.get("delta")
+                if delta is None:
+                    delta = state["delta"] = torch.zeros_like(p)
+                delta.add_(g)
+                if last:
+                    if schedule.restarts(updates + 1):
+                        m.zero_()
+                    m.mul_(beta).add_(delta, alpha=1.0 / n)
+                    delta.zero_()
+                else:
+                    p.add_(m, alpha=-lr * c * beta)
+            if last:
                 p.add_(m, alpha=-lr * (1.0 - c * n + c) * beta)
-        elif schedule.momentum > 0:  # momentum 0: nothing to accumulate for
-            if "delta" not in state:
-                state["delta"] = torch.zeros_like(p)
-            state["delta"].add_(g)
-            if c > 0 and m is not None:
-                p.add_(m, alpha=-lr * c * beta)
+        if last:
+            updates, pushes = updates + 1, 0
         p.add_(g, alpha=-lr / n)
         state["pushes"], state["updates"] = pushes, updates
 

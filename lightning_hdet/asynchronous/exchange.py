@@ -121,11 +121,30 @@ class Exchange:
     @contextmanager
     def global_model(self, snapshot: Mapping[str, Any] | None = None) -> Iterator[None]:
         """Rank 0: the module holds the current global model (or ``snapshot``'s) inside the block, its own
-        outside."""
+        outside. When the global model is the one rank 0's worker pulled (always in DiLoCo between outer steps),
+        the module and that pulled copy are swapped; otherwise the module's own model waits in a host copy (in the
+        pulled model's buffer once the worker was told to stop: it no longer needs it)."""
+        if snapshot is None and self._pulled_is_global():
+            self.worker.swap_pulled()
+            try:
+                yield
+            finally:
+                self.worker.swap_pulled()
+            return
         tensors = model_state(self.module)
-        saved = read_into(tensors, host_buffer(numel(tensors), self.device), self.device)
+        spare = self.worker.spare_buffer()
+        saved = read_into(tensors, host_buffer(numel(tensors), self.device) if spare is None else spare, self.device)
         self.write_global_model(snapshot)
         try:
             yield
         finally:
             write_from(tensors, saved, self.device)
+
+    def _pulled_is_global(self) -> bool:
+        """Rank 0's worker's ``theta_pulled`` is, bit for bit, the current global model (parameters and buffers)."""
+        assert self.outer is not None
+        pulled, n = self.worker.pulled, self.outer.params.numel()
+        if self.worker.fragment.numel() == 0:  # no parameters: nothing to swap through
+            return False
+        with self.outer.model_lock:  # one version; a push applied after this is not in the validated model
+            return torch.equal(pulled[:n], self.outer.params) and torch.equal(pulled[n:], self.outer.buffers)

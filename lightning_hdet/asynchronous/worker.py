@@ -80,6 +80,8 @@ class Worker:
         self.steps_in_round = 0
         #: Length of the current round; ``inf`` once the server said stop.
         self.round_steps: float = 0
+        #: ``theta_pulled`` was lent out after the stop (:meth:`spare_buffer`): it no longer holds the pulled model.
+        self.pulled_lent = False
         self.wait_s = 0.0
         self.round_start = time.perf_counter()
 
@@ -99,6 +101,9 @@ class Worker:
         when sending it) and, unless leaving, pull the next round's length and the global model into the module."""
         compute_s = time.perf_counter() - self.round_start
         steps = self.steps_in_round
+        if self.pulled_lent and steps:  # no pulled model to push a pseudo-gradient against
+            log.warning("%s: %d step(s) after it was told to stop are not pushed.", self.name, steps)
+            steps = 0
         start = time.perf_counter()  # reading, encoding and serializing count as exchange time
         buffers = None
         if steps > 0 and self.buffers.numel():
@@ -172,6 +177,27 @@ class Worker:
         finally:
             for group, lr in zip(optimizer.param_groups, saved):
                 group["lr"] = lr
+
+    def spare_buffer(self) -> Tensor | None:
+        """``theta_pulled``, once this worker no longer needs it (told to stop, nothing left to push), for rank 0 to
+        hold its own model in while it validates the global one (no host copy); ``None`` while it is needed."""
+        if not self.stopped or self.steps_in_round:
+            return None
+        self.pulled_lent = True
+        return self.pulled
+
+    def swap_pulled(self) -> None:
+        """Exchange the model's parameters and floating-point buffers with ``theta_pulled`` (and back, called
+        again), one fragment at a time through the fragment buffer: no model-sized copy. Rank 0 validates the
+        global model this way when it is the one it pulled (DiLoCo, between outer steps)."""
+        tensors, total = model_state(self.module), self.pulled.numel()
+        size = self.fragment.numel()
+        for start in range(0, total, size):
+            end = min(start + size, total)
+            pieces, held = flat_pieces(tensors, start, end), self.fragment[: end - start]
+            read_into(pieces, held, self.device)
+            write_from(pieces, self.pulled[start:end], self.device)
+            self.pulled[start:end].copy_(held)
 
     def _messages(self) -> Iterator[Tensor]:
         """The encoded fragments of ``theta_pulled - theta_local``, one at a time (each read from the model into

@@ -3,12 +3,14 @@
 ``server``: an OuterService for ``LinearModel`` whose evaluation is the validation loss; writes ``--out`` (JSON).
 ``worker``: one Lightning job (``devices=1``) with ElasticWorkerStrategy; ``--die-after N`` SIGKILLs (``--die-by
 term``: SIGTERMs, as a preempted spot machine is told) itself in the
-middle of its round after N exchanges; ``--step-s`` paces each step (so that the others are mid-run when it dies).
+middle of its round after N exchanges; ``--step-s`` paces each step (so that the others are mid-run when it dies);
+``--nan-from N``: its loss is NaN from its step N on (a worker gone bad).
 """
 
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -54,6 +56,16 @@ class Pace(Callback):
         rounds = trainer.strategy.rounds
         if self.die_after and len(rounds) > self.die_after and trainer.global_step % 4 == 2:
             os.kill(os.getpid(), self.die_by)  # mid-round: its unfinished round must be discarded
+
+
+class NaNFrom(LinearModel):
+    """``LinearModel`` whose loss is NaN from step ``nan_from`` on (0: never)."""
+
+    nan_from = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.nan if 0 < self.nan_from <= self.trainer.global_step else loss
 
 
 class KillRank(Callback):
@@ -108,7 +120,9 @@ def server(args: argparse.Namespace) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    model = LinearModel()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    model = NaNFrom()
+    model.nan_from = args.nan_from
     strategy = ElasticWorkerStrategy(args.address, reconnect_s=args.reconnect_s, heartbeat_s=0.5)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=-1, logger=False,
                       callbacks=[Pace(args)], enable_checkpointing=False,
@@ -136,6 +150,7 @@ if __name__ == "__main__":
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--die-by", choices=("kill", "term"), default="kill")
     parser.add_argument("--kill-at-step", type=int, default=0)
+    parser.add_argument("--nan-from", type=int, default=0)
     parser.add_argument("--reconnect-s", type=float, default=60.0)
     parser.add_argument("--stop-below", type=float, default=0.0)
     parser.add_argument("--start-method", default="popen", choices=("popen", "spawn", "fork"))  # of `single`
