@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -228,7 +229,9 @@ class _DecayRecorder(Recorder):
 def test_each_group_trains_with_its_own_weight_decay_the_votes_move_it_and_the_replay_repeats_it(tmp_path) -> None:
     steps = 10  # votes at 4 and 8 (a checkpoint right after it), the final vote at 10
     kwargs = dict(max_steps=steps, limit_val_batches=0)
-    torch.manual_seed(0)
+    # Every rank's data and so the winners follow the global seed: set it (an earlier test's seed_everything
+    # leaves PL_GLOBAL_SEED behind, which Lightning's launcher re-applies in each rank).
+    seed_everything(0)
     hdet = quiet_trainer(
         devices=2, strategy=HDETStrategy(lr_multipliers=[0.5, 2.0], explore={WD: [2.0, 0.5]}, start_method=START),
         callbacks=[HDETCallback(every_n_steps=4, search=False), _DecayRecorder(tmp_path / "hdet"),
@@ -251,7 +254,7 @@ def test_each_group_trains_with_its_own_weight_decay_the_votes_move_it_and_the_r
 
     winners = {row["step"]: row["winner"] for row in history}
     expected = [decays[winners[next(v for v in sorted(winners) if v > i)]][i] for i in range(steps)]
-    torch.manual_seed(0)
+    seed_everything(0)
     replay = HDETReplay(tmp_path / "search")  # the log dir: vote_history.csv, hparams.yaml's initial multipliers
     plain = quiet_trainer(devices=1, callbacks=[replay, _DecayRecorder(tmp_path / "plain")], **kwargs)
     plain.fit(_DecayedBoring(lr=0.1))
