@@ -22,14 +22,18 @@ $(STAMP): pyproject.toml constraints/base.txt constraints/test.txt
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
+# Two pytest workers (pytest-xdist), each running whole files (`loadfile`: a module's fixtures run once): the
+# multi-process tests spend much of their time in start-ups and paced steps, which the other worker fills.
+TEST_JOBS ?= 2
+TEST_ARGS := -n $(TEST_JOBS) --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(TEST_ARGS) tests
 
 # The suite on the lowest supported Lightning (constraints/lowest.txt), a pure-Python install beside the pinned one.
 LOWEST := .lowest
 test-lowest: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(LOWEST) -c constraints/lowest.txt lightning
-	PYTHONPATH=$(LOWEST):. $(PY) -m pytest tests
+	PYTHONPATH=$(LOWEST):. $(PY) -m pytest $(TEST_ARGS) tests
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
