@@ -10,8 +10,10 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 @pytest.fixture(autouse=True)
 def _fresh_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test's process group gets a new free port (Lightning keeps MASTER_PORT in the environment once set)."""
-    for name in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
+    """Each test's process group gets a new free port (Lightning keeps MASTER_PORT in the environment once set),
+    and no global seed an earlier test set: Lightning's launchers re-apply PL_GLOBAL_SEED in every rank."""
+    for name in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED",
+                 "PL_SEED_WORKERS"):
         monkeypatch.delenv(name, raising=False)
 
 

@@ -229,8 +229,7 @@ class _DecayRecorder(Recorder):
 def test_each_group_trains_with_its_own_weight_decay_the_votes_move_it_and_the_replay_repeats_it(tmp_path) -> None:
     steps = 10  # votes at 4 and 8 (a checkpoint right after it), the final vote at 10
     kwargs = dict(max_steps=steps, limit_val_batches=0)
-    # Every rank's data and so the winners follow the global seed: set it (an earlier test's seed_everything
-    # leaves PL_GLOBAL_SEED behind, which Lightning's launcher re-applies in each rank).
+    # Every rank's data and so the winners follow the global seed, which Lightning's launcher applies in each rank.
     seed_everything(0)
     hdet = quiet_trainer(
         devices=2, strategy=HDETStrategy(lr_multipliers=[0.5, 2.0], explore={WD: [2.0, 0.5]}, start_method=START),
