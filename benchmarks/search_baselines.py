@@ -58,6 +58,7 @@ from benchmarks.common import (
     RunResult,
     RunSpec,
     begin,
+    block_page,
     best_so_far,
     fit_run,
     plot_panels,
@@ -66,7 +67,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
-from benchmarks.search_report import summarise, tables
+from benchmarks.search_report import page_table, summarise, tables
 from lightning_hdet.hdet.multipliers import centred_grid
 
 NAME = "search_baselines"
@@ -471,10 +472,15 @@ def main(argv: list[str] | None = None) -> dict:
         "best validation loss so far",
         rows=len(args.workloads),
     )
-    md = tables(summary, args, STARTS, total_s) + f"\n\n![{name}](img/{plot.name})\n\n"
-    md += stamp(sorted({a.seed for a in arms}))  # a merge's parts may have run any seeds
-    write_block(args.docs_dir, name, md)
-    print(md)
+    stamped = stamp(sorted({a.seed for a in arms}))  # a merge's parts may have run any seeds
+    figure = f"\n\n![{name}](img/{plot.name})\n\n"
+    detail = tables(summary, args, STARTS, total_s)
+    if block_page(args.docs_dir, name).name == "benchmarks.md":  # the results page: one table; the rest to the log
+        write_block(args.docs_dir, name, page_table(summary, args, total_s) + figure + stamped)
+        write_block(args.docs_dir, f"{name}_detail", detail + "\n\n" + stamped)
+    else:
+        write_block(args.docs_dir, name, detail + figure + stamped)
+    print(detail)
     return payload
 
 

@@ -145,12 +145,40 @@ def _targets_table(summary: dict) -> str:
     return markdown_table(headers, body)
 
 
+def _insurance_table(summary: dict) -> str:
+    """The results page's table: per workload, start and HDET arm, its loss against the untuned run, the best
+    other method at equal compute and the G x-compute grid, with issue 28's targets flagged where they apply (good
+    start: ÷ untuned ≤ 1.02; 10x off: ÷ grid ×G ≤ 1.05)."""
+    rows = {(r["workload"], r["start"], r["method"]): r for r in summary["rows"]}
+    headers = ["workload", "start", "HDET arm", "HDET", "untuned", "best other (equal compute)", "grid ×G",
+               "÷ untuned", "÷ best other", "÷ grid ×G", "seeds"]
+    body = []
+    for t in summary["targets"]:
+        key = (t["workload"], t["start"])
+        others = {m: r["best_val_loss"] for (w, s, m), r in rows.items()
+                  if (w, s) == key and m in BASELINE_LABELS and m != "untuned"}
+        best = min(others, key=others.get) if others else None
+        untuned, full = rows.get((*key, "untuned")), rows.get((*key, "grid_xG"))
+        good = t["start"] == "good"
+        body.append([
+            t["workload"], t["start"], t["vote"], fmt(t["best_val_loss"]),
+            fmt(untuned and untuned["best_val_loss"]), "—" if best is None else f"{fmt(others[best])} ({BASELINE_LABELS[best]})",
+            fmt(full and full["best_val_loss"]),
+            _flag(t["vs"].get("untuned"), (t["vs"].get("untuned") or math.inf) <= 1.02) if good
+            else fmt(t["vs"].get("untuned")),
+            fmt(_ratio(t["best_val_loss"], others.get(best))),
+            fmt(t["vs_grid_xG"]) if good else _flag(t["vs_grid_xG"], (t["vs_grid_xG"] or math.inf) <= 1.05),
+            str(rows[(*key, f"hdet_{t['vote']}")]["seeds"]),
+        ])
+    return markdown_table(headers, body)
+
+
 # How the table names the optimizer whose LR grid, TPE, PBT and HDET search (``--optimizer``).
 OPTIMIZER_NAMES = {"adamw": "AdamW", "schedulefree": "schedule-free AdamW"}
 
 
-def tables(summary: dict, args: argparse.Namespace, starts: dict, total_s: float) -> str:
-    """The generated block of docs/benchmarks.md: settings, skipped arms, the methods and the targets tables."""
+def settings(summary: dict, args: argparse.Namespace, total_s: float) -> str:
+    """One paragraph: the run's sizes, the target loss, what was skipped, the wall-clock."""
     targets = ", ".join(f"{w} {v:.3f}" for w, v in summary["targets_val_loss"].items())
     skipped = "; ".join(f"`{k}`: {v}" for k, v in summary["skipped"].items()) or "none"
     return (
@@ -159,9 +187,25 @@ def tables(summary: dict, args: argparse.Namespace, starts: dict, total_s: float
         f"{args.val_every} steps on {args.val_batches} batches, batch {args.batch_size} per process, "
         f"{args.seeds} seed(s), medians over seeds; LRs searched for {OPTIMIZER_NAMES[args.optimizer]}. Target "
         f"loss ((1 + {args.margin}) × best reached at equal compute): {targets}. Skipped: {skipped}. Total "
-        f"wall-clock {total_s:.0f} s.\n\n"
+        f"wall-clock {total_s:.0f} s."
+    )
+
+
+def tables(summary: dict, args: argparse.Namespace, starts: dict, total_s: float) -> str:
+    """Every table of the run: settings, the methods table and the targets table (the research log's block)."""
+    return (
+        settings(summary, args, total_s) + "\n\n"
         + _methods_table(summary, starts, args.good_lr)
         + "\n\nIssue 13's targets, HDET's median best validation loss divided by each baseline's (≤ 1 means HDET is "
         "at least as good), per seed the range of HDET ÷ that seed's best baseline; ✓ / ✗ against the target.\n\n"
         + _targets_table(summary)
+    )
+
+
+def page_table(summary: dict, args: argparse.Namespace, total_s: float) -> str:
+    """The results page's block: settings and the insurance table (median best validation loss per arm)."""
+    return (
+        settings(summary, args, total_s) + "\n\nMedian best validation loss of each arm; ✓ / ✗ against issue 28's "
+        "target where it applies (good start: ÷ untuned ≤ 1.02; 10× off: ÷ grid ×G ≤ 1.05).\n\n"
+        + _insurance_table(summary)
     )

@@ -132,9 +132,14 @@ def _search_quick(tmp_path: Path, *extra: str) -> tuple[dict, list[str], subproc
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((results / "search_baselines_quick.json").read_text())
     text = (docs / "benchmarks.md").read_text()
-    block = text.split("<!-- BEGIN search_baselines_quick -->")[1].split("<!-- END search_baselines_quick -->")[0]
     assert (docs / "img" / "search_baselines_quick.png").read_bytes()[:4] == b"\x89PNG"
-    return data, [line for line in block.splitlines() if line.startswith("|")], proc
+    return data, _block_rows(text, "search_baselines_quick") + _block_rows(text, "search_baselines_quick_detail"), proc
+
+
+def _block_rows(text: str, name: str) -> list[str]:
+    """The table lines of ``name``'s generated block."""
+    block = text.split(f"<!-- BEGIN {name} -->\n")[1].split(f"<!-- END {name} -->")[0]
+    return [line for line in block.splitlines() if line.startswith("|")]
 
 
 def _check_equal_compute(data: dict) -> None:
@@ -193,7 +198,14 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
         assert t["vs_best_baseline"] == pytest.approx(hdet / min(rows[(workload, m)]["best_val_loss"] for m in methods))
         assert t["vs_grid_xG"] == pytest.approx(hdet / rows[(workload, "grid_xG")]["best_val_loss"])
         assert t["lr_vs_grid"] > 0
-    methods_table = [line for line in table if line.count("|") == 12]
+    # The results page's block: one row per workload and vote, HDET against the untuned run, the best other
+    # method and the full-batch grid; the methods and targets tables go to the detail block (the research log).
+    page = _block_rows((tmp_path / "docs" / "benchmarks.md").read_text(), "search_baselines_quick")
+    assert page[0].startswith("| workload | start | HDET arm | HDET | untuned |") and len(page) == 2 + 3 * 2
+    untuned_cell = f"{targets[('shapes', 'softmax+search')]['vs']['untuned']:.3f}"
+    assert any(line.startswith("| shapes | good | softmax+search |") and untuned_cell in line for line in page)
+    detail = _block_rows((tmp_path / "docs" / "benchmarks.md").read_text(), "search_baselines_quick_detail")
+    methods_table = [line for line in detail if line.count("|") == 12]
     assert len(methods_table) == 2 + len(workloads) * len(ran)
     assert any("÷ best baseline" in line and "÷ untuned" in line for line in table) and "no_such_rule" in proc.stdout
     # Parts of a run made in parallel merge into the same summary, without training.

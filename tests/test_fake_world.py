@@ -336,12 +336,15 @@ def _clusters_loss(theta):
         return float(torch.nn.functional.cross_entropy(net(x), y))
 
 
-@pytest.mark.parametrize("net", ["collapse", "factor only"])
+@pytest.mark.parametrize("net", ["collapse", "factor only", "factor and plateau"])
 def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(net):
     """AdamW at LRs 1 and 2: both groups sit at ln(10) with finite losses. The ratio rule (10x the best) never
     fires; the collapse rules (on by default) see every group knocked above its first-step loss and stuck there, roll
-    every group back to the last good merge (here the initial model) and halve the LRs until training works."""
-    safety_net = SafetyNet() if net == "collapse" else SafetyNet(stall_patience=None, rise_margin=None)  # ratio only
+    every group back to the last good merge (here the initial model) and halve the LRs until training works.
+    Without them the plateau rule alone (no new best for 30 steps, a fifth of the 150-step run) rolls back onto a
+    ladder 10-100x lower, from which it trains too."""
+    safety_net = {"collapse": SafetyNet(), "factor only": SafetyNet(stall_patience=None, rise_margin=None, plateau=None),
+                  "factor and plateau": SafetyNet(stall_patience=None, rise_margin=None)}[net]
     start = torch.nn.utils.parameters_to_vector(_mlp().parameters()).detach()
     world = FakeWorld(params=start, lr_multipliers=[1.0, 2.0], schedule_lrs=[1.0])
     (cb, _), _ = world.fit(_callback(every_n_steps=10, vote="best", safety_net=safety_net),
@@ -349,6 +352,11 @@ def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(net):
     final = _clusters_loss(world.params[0])
     if net == "factor only":
         assert cb.rescues == 0 and final > 0.95 * math.log(CLASSES)  # collapsed, and nobody noticed
+        return
+    if net == "factor and plateau":
+        cuts = sorted({h["step"] for h in cb.history if h["reason"] == "plateau"})
+        assert len(cuts) == 1 and cuts[0] <= 80 and max(world.table.get(1)[:, 0].tolist()) < 0.2
+        assert final < 0.7 * math.log(CLASSES)
         return
     history = cb.history
     roll_backs = [s for s in sorted({h["step"] for h in history}) if all(h["rescued"] for h in history if h["step"] == s)]

@@ -17,7 +17,9 @@ from lightning_hdet.hdet.plateau import (
     from_initial,
     improved,
     judge_plateau,
+    judged_at,
     ladder,
+    patience,
 )
 
 FINE = Verdict([False, False], ["", ""], [0, 0])
@@ -68,6 +70,38 @@ def test_an_ensemble_stuck_at_the_priors_loss_fails_once_stuck_long_enough():
     assert verdicts[5].applied(Verdict([False, True], ["", "rose"], [0, 0])).reasons == ["plateau", "rose"]
     assert verdicts[5].applied(FINE).diverged == [True, True] and verdicts[4].applied(FINE) == FINE
     assert verdicts[6].history.best == 1.86 and verdicts[6].history.stuck_steps == 0  # a fresh first best
+
+
+def test_a_short_run_waits_a_fifth_of_its_length_but_at_least_two_votes_and_twice_as_long_after_a_cut():
+    """steps=200 is the most; 300 steps voting every 30 wait 300 // 5 = 60 (two votes), 128 voting every 32 wait
+    64 (two votes, more than 128 // 5 = 25), 5000 steps wait 200 (not 1000); unknown length or the rule off: as
+    set; after one ladder 120, after two 240."""
+    rule = PlateauRule(steps=200)
+    assert patience(rule, 300, 30) == 60 and patience(rule, 128, 32) == 64 and patience(rule, 5000, 100) == 200
+    assert patience(rule, 400, 25) == 80 and patience(rule, None, 30) == 200
+    assert patience(PlateauRule(steps=None), 300, 30) is None and patience(PlateauRule(steps=40), 300, 30) == 40
+    assert patience(rule, 300, 30, cuts=1) == 120 and patience(rule, 300, 30, cuts=2) == 240
+
+
+def test_no_ladder_starts_with_fewer_steps_left_than_it_waited():
+    """A 300-step run waiting 60: a vote at step 240 may start a ladder (60 steps left), one at 270 may not."""
+    assert judged_at(60, 300, 240) == 60 and judged_at(60, 300, 270) is None
+    assert judged_at(60, None, 10_000) == 60 and judged_at(None, 300, 30) is None
+
+
+def test_the_controller_sizes_the_rule_from_the_run_length():
+    """At T = 30 in a 300-step run the stuck ensemble of the controller test below fails at its third vote (60
+    stuck steps after the first best), not at the eighth (200 steps); the ladder then waits 120 steps, which a
+    vote at 210 no longer has left (90): no second cut. With the length unknown it waits 200."""
+    short, unknown = HDETController(HDETConfig(every_n_steps=30)), HDETController(HDETConfig(every_n_steps=30))
+    short.run_steps = 300
+    multipliers = [0.9, 0.96, 1.04, 1.1]
+    rolled = []
+    for step in range(30, 301, 30):
+        first = [2.08] * 4 if step == 30 else None
+        rolled.append(short.decide(_interval(step, [1.86] * 4, multipliers, first=first)).roll_back)
+        assert not unknown.decide(_interval(step, [1.86] * 4, multipliers, first=first)).roll_back or step == 240
+    assert rolled == [False, False, True] + [False] * 7 and short.plateau_cuts == 1 and unknown.plateau_cuts == 1
 
 
 def test_warm_up_caught_groups_and_the_switch():

@@ -10,9 +10,9 @@ def test_the_default_hdet_learns_from_300x_too_high_where_plain_training_sits_at
     """AdamW at 0.9 on the tabular MLP (good LR about 3e-3; a plain run at 0.3 and above ends at the label
     prior's loss, 1.86, with every ReLU dead): four groups under the defaults (a 27x grid 0.17..4.7, PBT, the
     search ending at step 200 around its winner, the safety net) sit there (after a blow-up in the first interval,
-    which looks like progress) until the plateau rule, 200 steps without a new best, rolls them back, half to the
-    initial model, onto a ladder ten to a hundred times lower; from there they learn. Without the rule
-    (``SafetyNet(plateau=None)``) the run ends at the prior's loss."""
+    which looks like progress) until the plateau rule, 80 steps without a new best (a fifth of
+    the 400-step run), rolls them back, half to the initial model, onto a ladder ten to a hundred times lower;
+    from there they learn. Without the rule (``SafetyNet(plateau=None)``) the run ends at the prior's loss."""
     from lightning import seed_everything
     from lightning.pytorch import Trainer
 
@@ -31,7 +31,8 @@ def test_the_default_hdet_learns_from_300x_too_high_where_plain_training_sits_at
     cuts = sorted({h["step"] for h in rank["history"] if h["reason"] == "plateau"})
     # The net restores the groups that blew up in the first interval from the others ("x best"), which leaves
     # every group at the prior: only the plateau rule rolls them all back.
-    assert len(cuts) == 1 and cuts[0] <= 275 and {h["reason"] for h in rank["history"]} <= {"", "x best", "plateau"}
+    assert len(cuts) == 1 and cuts[0] <= 175
+    assert {h["reason"] for h in rank["history"]} <= {"", "x best", "plateau"}
     before, after = rank["losses"][cuts[0] - 50 : cuts[0]], rank["losses"][-20:]
     assert sum(before) / len(before) > 0.97 * prior  # stuck at the prior's loss: the rule had work to do
     assert sum(after) / len(after) < 0.8 * prior

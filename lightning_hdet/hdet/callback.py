@@ -166,6 +166,7 @@ class HDETCallback(Callback):
         if self.controller.searched_at is not None:
             hdet.set_gradient_sync("global")  # resumed after the search ended
         self.controller.search_steps = search_steps(self.search, trainer)
+        self.controller.run_steps = run_length(trainer)
         if self._heldout is not None:
             self._heldout.start(trainer, pl_module)  # after experimental.InitNoise (on_fit_start): it averages those
         if self.controller.searched_at is not None:
@@ -312,17 +313,24 @@ class HDETCallback(Callback):
         self._resumed_interval = state["interval"]
 
 
+def run_length(trainer: Trainer) -> Optional[int]:
+    """The run's optimizer steps: ``max_steps``, or what Lightning estimates for a run bounded by epochs; ``None``
+    when unbounded."""
+    total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+    return int(total) if math.isfinite(total) and total >= 2 else None
+
+
 def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
-    """The step at which ``search`` may end: its own ``steps``, else half of the run (``max_steps``, or the optimizer
-    steps Lightning estimates for a run bounded by epochs); ``None`` (no end) without a search or a known length."""
+    """The step at which ``search`` may end: its own ``steps``, else half of the run (:func:`run_length`); ``None``
+    (no end) without a search or a known length."""
     if search is None or search.steps is not None:
         return None if search is None else search.steps
-    total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-    if not math.isfinite(total) or total < 2:
+    total = run_length(trainer)
+    if total is None:
         rank_zero_info("HDET: the run's length is unknown (no max_steps or max_epochs): the search runs the whole "
                        "run; give HDETCallback(search=Search(steps=...)) to end it.")
         return None
-    return int(total) // 2
+    return total // 2
 
 
 def _search_plan(search: Optional[Search], trainer: Trainer) -> str:

@@ -31,6 +31,8 @@ from lightning_hdet.hdet.plateau import (
     forget,
     from_initial,
     judge_plateau,
+    judged_at,
+    patience,
     ladder,
 )
 from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
@@ -107,6 +109,7 @@ class HDETController:
         self.collapse_history = CollapseHistory()
         self.plateau = config.plateau or PlateauRule(steps=None)
         self.plateau_history = PlateauHistory()
+        self.run_steps: Optional[int] = None  # the run's length where known (the callback sizes it): plateau patience
         self.plateau_cuts = 0  # votes at which every group was stuck: a roll-back onto the downward ladder
         self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
         self.history: list[dict[str, Any]] = []
@@ -196,6 +199,8 @@ class HDETController:
         """The other rules' verdict with the plateau rule's failures added, and the plateau rule's own verdict
         (:mod:`~lightning_hdet.hdet.plateau`; judged like the progress rules: not before warm-up nor at the end)."""
         rule = self.plateau if self.config.safety_net else PlateauRule(steps=None)
+        steps = patience(rule, self.run_steps, self.config.every_n_steps, self.plateau_cuts)
+        rule = replace(rule, steps=judged_at(steps, self.run_steps, interval.step))
         progress = interval.step >= self.config.warmup_steps and not interval.final
         curve = interval.curves is not None and self.config.monitor is None
         errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None

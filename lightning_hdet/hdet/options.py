@@ -179,7 +179,8 @@ class SafetyNet:
         chance_loss: a constant predictor's loss (e.g. ``ln(classes)``); a group near it counts as collapsed.
         chance_tolerance: relative distance to ``chance_loss`` that counts as "near" (only with ``chance_loss``).
         plateau: "a plateau that is not learning is a failure" (:class:`~lightning_hdet.hdet.plateau.PlateauRule`,
-            on by default): an ensemble with no new best for ``steps`` steps rolls back onto a ladder of lower LRs,
+            on by default): an ensemble with no new best for ``steps`` steps (at most; a fifth of a shorter run, at
+            least two votes) rolls back onto a ladder of lower LRs,
             half of it from the initial model, which the strategy then keeps as a second host copy on every rank
             (docs/hdet.md, "Safety net"); ``None`` switches it off (and that copy).
     """

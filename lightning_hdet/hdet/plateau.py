@@ -10,10 +10,12 @@ untrained model's), so the run sits there to the end. This rule closes that hole
 * the ensemble **improves** at a vote when its best group's interval loss is below the best so far by more than
   ``NOISE_Z`` standard errors of that interval and a relative ``min_gain``; otherwise it is **stuck** for the
   interval's steps (one ensemble-wide level: a group's own best so far ratchets down on noise alone, measured);
-* when the ensemble is stuck for ``steps`` optimizer steps in a row, every group counts as failed: the ensemble
+* when the ensemble is stuck for ``steps`` optimizer steps in a row (in a run of known length, a fifth of it where
+  that is shorter, but at least two votes; doubled after each ladder; never with fewer steps left in the run:
+  :func:`patience`, :func:`judged_at`), every group counts as failed: the ensemble
   **rolls back** and restarts on a geometric ladder of learning rates ``cut`` to ``cut**2`` times the current
-  geometric mean, a search downward (ten to a hundred times lower for ``cut=0.1``); a ladder still stuck
-  ``steps`` later descends again. (A single group stuck beside better ones needs no rule of its own: the vote
+  geometric mean, a search downward (ten to a hundred times lower for ``cut=0.1``); a ladder still stuck twice
+  as long descends again. (A single group stuck beside better ones needs no rule of its own: the vote
   moves it, e.g. PBT copies a top group into the bottom quantile.)
 
 **Where the ladder starts.** A collapse at a too-high LR is often not reversible in place (AdamW at 300x the good
@@ -49,8 +51,8 @@ from lightning_hdet.hdet.collapse import NOISE_Z, Verdict
 
 @dataclass(frozen=True)
 class PlateauRule:
-    """``steps``: optimizer steps the ensemble may go without a new best before every group fails (``None``
-    switches the rule off); ``cut``: the ladder's top rung relative to the current LRs, in (0, 1) (its bottom rung is
+    """``steps``: the most optimizer steps the ensemble may go without a new best before every group fails (a run
+    of known length waits a fifth of it where that is shorter, at least two votes; ``None`` switches the rule off); ``cut``: the ladder's top rung relative to the current LRs, in (0, 1) (its bottom rung is
     ``cut ** 2``); ``min_gain``: the relative improvement on the best so far that counts as a new best."""
 
     steps: Optional[int] = 200
@@ -96,6 +98,27 @@ class PlateauVerdict:
             return verdict
         reasons = [r or "plateau" for r in verdict.reasons]
         return Verdict([True] * len(reasons), reasons, verdict.stalled)
+
+
+def patience(rule: PlateauRule, run_steps: Optional[int], every: int, cuts: int = 0) -> Optional[int]:
+    """The steps the ensemble may go stuck before the next ladder: ``rule.steps``, or in a run of ``run_steps``
+    optimizer steps a fifth of it where that is shorter, never under two votes (``every`` steps apart); doubled
+    after each of the run's ``cuts`` so far. Why a fifth: a rule that waits 200 steps fires late or never in a
+    300-step run, leaving the ladder no steps to learn (the crash table); two votes because one interval without a
+    1 % gain is common in a run that learns; doubled because a ladder restarted from the initial model needs time
+    to leave the untrained level (at a fixed patience a 20x-high CNN cut its LRs three times, to 1e-7)."""
+    if rule.steps is None:
+        return None
+    steps = rule.steps if run_steps is None else min(rule.steps, max(2 * every, run_steps // 5))
+    return steps * 2**cuts
+
+
+def judged_at(steps: Optional[int], run_steps: Optional[int], step: int) -> Optional[int]:
+    """``steps`` where a ladder started at ``step`` would still have as many steps left to learn, else ``None`` (the
+    rule does not count this vote): a roll-back in the run's last stretch would throw its end away."""
+    if steps is None or run_steps is None or run_steps - step >= steps:
+        return steps
+    return None
 
 
 def improved(rule: PlateauRule, best: float, loss: float, error: float) -> bool:
