@@ -113,15 +113,15 @@ ASYNC_FULL_SIZE = ("--steps", "150", "--local-steps", "15")
 # 4.4, trust region 6.3, the rest ~13) and ~180 s on the char LM (untuned 12.9, full grid 64.6, HDET 18.6, trust
 # region 15.4, the rest ~68): 9 seed-starts, ~34 min, plus 9 Ray PBT arms: with reused actors 56 s on tabular
 # (Ray's start-up 6 s of it) and 49 s on shapes at load 2-8 (without, at load 7-15: 339 s and 254 s), the char
-# LM's ~70 s estimated: ~9 min, ~43 min in all; without the trust-region arm and the good start's full grid
-# (2026-12-02) ~36 min. crash: its first seed took 460 CPU-s
+# LM's ~70 s estimated: ~9 min, ~43 min in all; without the trust-region arm (2026-12-02)
+# ~39 min. crash: its first seed took 460 CPU-s
 # (measured with getrusage under load 20-30; most of it the char LM's 300-step runs), all its runs on 4 processes
 # (~1.6 CPU-s per wall-second on 2 idle cores): 3 seeds ~15 min.
 PARTS = (
     Part("hdet_published", "hdet_published.py", minutes=6, full=True),  # the paper's set-up (benchmark 1): bench-full
     Part("search_baselines", "search_baselines.py", search("search_baselines", SEARCH_METHODS, SEARCH_VOTES,
-                                                           "--full-grid", "10x high", "10x low", "--pbt-seeds", "1"),
-         minutes=36, full_size=SEARCH_FULL_SIZE),
+                                                           "--full-grid", "--pbt-seeds", "1"),
+         minutes=39, full_size=SEARCH_FULL_SIZE),
     Part("search_remedies", "search_baselines.py", search("search_remedies", REMEDY_METHODS, REMEDY_VOTES,
                                                           "--seeds", "6"),
          minutes=70, full_size=SEARCH_FULL_SIZE, full=True),
