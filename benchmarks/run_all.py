@@ -105,8 +105,8 @@ ASYNC_ARGS = ("--start-method", "fork", "--methods", "ddp", "diloco", "async_def
 ASYNC_FULL_SIZE = ("--steps", "150", "--local-steps", "15")
 
 
-# In the order of docs/benchmarks.md. The minutes are estimates for an idle 2-core machine, HDET forked; the other
-# scripts' from docs/benchmarks.md. search_baselines, from arm wall-clocks measured at S = 128 on 2026-12-01 while
+# In the order of docs/benchmarks.md. The minutes of make bench's parts are those of its first start-to-finish run
+# on the idle 2-core machine (2026-12-02, 79.8 min in all); bench-full's are estimates, HDET forked. search_baselines, from arm wall-clocks measured at S = 128 on 2026-12-01 while
 # the machine was nearly idle (load 1-3; later runs under load 10-38 took 2.5-3x the wall for the same CPU time):
 # one seed and start costs ~16 s on the tabular MLP (untuned 0.6, full grid 2.2, default HDET 2.4, trust region
 # 2.5, grid 3.0, TPE 3.8, Prodigy and schedule-free 0.9 each), ~34 s on shapes (untuned 1.9, full grid 7.8, HDET
@@ -121,7 +121,7 @@ PARTS = (
     Part("hdet_published", "hdet_published.py", minutes=6, full=True),  # the paper's set-up (benchmark 1): bench-full
     Part("search_baselines", "search_baselines.py", search("search_baselines", SEARCH_METHODS, SEARCH_VOTES,
                                                            "--full-grid", "--pbt-seeds", "1"),
-         minutes=39, full_size=SEARCH_FULL_SIZE),
+         minutes=34, full_size=SEARCH_FULL_SIZE),
     Part("search_remedies", "search_baselines.py", search("search_remedies", REMEDY_METHODS, REMEDY_VOTES,
                                                           "--seeds", "6"),
          minutes=70, full_size=SEARCH_FULL_SIZE, full=True),
@@ -130,19 +130,19 @@ PARTS = (
          minutes=120, full_size=SEARCH_FULL_SIZE, full=True),
     Part("search_signals", "search_baselines.py", search("search_signals", ("grid",), SIGNAL_VOTES),
          minutes=20, full_size=SEARCH_FULL_SIZE, full=True),
-    Part("async_published", "async_published.py", ASYNC_ARGS, minutes=14, full_size=ASYNC_FULL_SIZE),
+    Part("async_published", "async_published.py", ASYNC_ARGS, minutes=13, full_size=ASYNC_FULL_SIZE),
     Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
          full=True),
     Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
     Part("async_defaults", "async_defaults.py", minutes=13, full=True),
-    Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=6),
-    Part("overhead", "overhead.py", minutes=4, code=("benchmarks/sharded_fit.py",)),
+    Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=9),
+    Part("overhead", "overhead.py", minutes=12, code=("benchmarks/sharded_fit.py",)),
     # rank 0's host memory (issue 29) on models past one 25 MiB fragment, as docs/async.md quotes it
     Part("overhead_memory", "overhead.py", ("--parts", "memory", "--memory-d-models", "768", "1280", "--exchange-steps",
                                             "20", "--local-steps", "10", "--batch-size", "4"), minutes=12, full=True),
-    Part("crash", "crash.py", CRASH_ARGS, minutes=13),
+    Part("crash", "crash.py", CRASH_ARGS, minutes=11),
     Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
-    Part("elastic", "elastic.py", minutes=5, code=("tests/scripts/elastic_run.py",)),
+    Part("elastic", "elastic.py", minutes=2, code=("tests/scripts/elastic_run.py",)),
 )
 
 
