@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
+from benchmarks.plots import plot_bars
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "elastic_run.py"
@@ -128,7 +129,10 @@ def main() -> None:
             work.mkdir(parents=True)
             rows[arm] = run(work)
             print(arm, rows[arm], flush=True)
-    publish(name, args, {"rows": rows}, table(rows, args))
+    plot = plot_bars(args.docs_dir / "img" / f"{name}.png",
+                     {"inner steps done": {arm: r.get("steps_done") for arm, r in rows.items()}},
+                     f"{args.workers} async workers, budget {args.budget} inner steps")
+    publish(name, args, {"rows": rows}, table(rows, args) + f"\n\n![{name}](img/{plot.name})\n")
 
 
 if __name__ == "__main__":

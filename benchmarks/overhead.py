@@ -69,6 +69,7 @@ from benchmarks.common import (
     markdown_table,
     publish,
 )
+from benchmarks.plots import plot_bars
 
 NAME = "overhead"
 PARTS = ("throughput", "exchange", "memory", "lean", "sharded")
@@ -439,6 +440,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"{payload['total_wall_s']:.0f} s.\n\n"
         + "\n\n".join(sections) + "\n"
     )
+    if "throughput" in parts:
+        plot = plot_bars(args.docs_dir / "img" / f"{name}.png",
+                         {"CPU ms per step (rank 0)": {r["arm"]: r["cpu_ms_per_step"] for r in payload["throughput"]},
+                          "steps/s relative to ddp": {r["arm"]: r["relative_to_ddp"] for r in payload["throughput"]}},
+                         f"HDET against DDP, W = {args.world_size} (median of {args.repeats} repeats)")
+        md += f"\n![{name}](img/{plot.name})\n"
     publish(name, args, payload, md, args.max_chars)
     return payload
 

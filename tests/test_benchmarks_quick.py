@@ -352,6 +352,8 @@ def test_overhead_quick_mode(tmp_path):
     cfg = data["config"]
     assert [r["arm"] for r in data["throughput"]] == ["ddp", "hdet T=4"]
     assert data["throughput"][0]["relative_to_ddp"] == 1.0
+    assert (tmp_path / "docs" / "img" / "overhead_quick.png").read_bytes()[:4] == b"\x89PNG"  # drawn and linked
+    assert "](img/overhead_quick.png)" in (tmp_path / "docs" / "benchmarks.md").read_text()
     assert all(r["steps_per_s"] > 0 for r in data["throughput"])
     comm = {r["arm"]: r for r in data["bytes"]}
     h = cfg["local_steps"]
@@ -527,6 +529,8 @@ def test_elastic_quick_mode(tmp_path):
     assert rows["elastic, one of 2 killed at 50 %"]["exit_codes"][1] == -9  # the last worker; the service's is last
     assert rows["single job (today), one of 2 killed at 50 %"]["job_lost"]
     assert len(table) == 2 + 3
+    assert (tmp_path / "docs" / "img" / "elastic_quick.png").read_bytes()[:4] == b"\x89PNG"  # drawn and linked
+    assert "](img/elastic_quick.png)" in (tmp_path / "docs" / "benchmarks.md").read_text()
 
 
 # A stand-in benchmark for the cache's tests: it records that it ran, writes a results file and its docs block
