@@ -14,7 +14,7 @@ ranks, a vote every ``T`` steps, warm start ν = 0.01). Vote names the installed
 are reported as skipped; ``--default-votes`` arms (``hdet_<arm>_defaults``, named as benchmark 2's arms:
 ``VOTE[@SYNC][+search]``) run as a user would: the strategy's default multipliers (a 27x geometric grid) and
 gradient sync (``group`` unless the arm names one), the callback's defaults but the vote, no warm start; only
-``+search`` arms end the search at half the run, so ``pbt+search`` is the default of ``strategy="hdet"``. Issue 13's
+``+search`` arms end the search, where ``Search()`` does (a quarter of the run), so ``pbt+search`` is the default of ``strategy="hdet"``. Issue 13's
 target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1). Issue 28's
 price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
 HDET ÷ the best of a full-batch grid from the high LR down to the low one (``grid_xG``, the ceiling; target
@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import WORKLOADS, begin, fmt, hdet_callbacks, markdown_table, plot_panels, publish
 from benchmarks.hdet_published import add_published_args, fill_published_defaults, run_config
 from benchmarks.search_baselines import accepted_votes, parse_hdet_arm
-from lightning_hdet.hdet.defaults import DEFAULT_GRADIENT_SYNC
+from lightning_hdet.hdet.defaults import DEFAULT_GRADIENT_SYNC, SEARCH_FRACTION
 
 NAME = "crash"
 # (workload, failure) -> (optimizer, low LR, high LR); the high LRs were found by single-process sweeps.
@@ -87,14 +87,14 @@ def run_case(args: argparse.Namespace, workload: str, failure: str, seed: int, w
 def run_default_arm(args: argparse.Namespace, lr: float, optimizer: str, entry: str, work: Path) -> dict:
     """``entry`` (``VOTE[@SYNC][+search]``, as benchmark 2 names its arms) as a user runs it: the strategy's default
     multipliers (a 27x geometric grid over the groups, one group per rank here), its gradient sync (default
-    ``group``), the callback's defaults but the vote, no warm start; ``+search`` ends the search at half the run
-    (``pbt+search`` is ``strategy="hdet"``'s default)."""
+    ``group``), the callback's defaults but the vote, no warm start; ``+search`` ends the search where ``Search()``
+    does, at a quarter of the run (``pbt+search`` is ``strategy="hdet"``'s default)."""
     from lightning_hdet import HDETStrategy
 
     arm = parse_hdet_arm(entry, DEFAULT_GRADIENT_SYNC)
     strategy = HDETStrategy(gradient_sync=arm.sync, start_method=args.start_method, process_group_backend="gloo")
     callbacks = hdet_callbacks(args.every, vote=arm.vote, signal=arm.signal, seed=args.seed,
-                               search_steps=args.steps // 2 if arm.search else None)
+                               search_steps=int(args.steps * SEARCH_FRACTION) if arm.search else None)
     return run_config(args, lr, optimizer, {"entry": entry}, work, strategy=strategy, callbacks=callbacks)
 
 

@@ -68,6 +68,7 @@ from benchmarks.common import (
 )
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
 from benchmarks.search_report import page_table, summarise, tables
+from lightning_hdet.hdet.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.multipliers import centred_grid
 
 NAME = "search_baselines"
@@ -167,7 +168,7 @@ class HDETArm(NamedTuple):
     vote: str
     signal: str
     sync: str
-    search: bool  # ``+search``: the callback ends the search at half the steps (``search_steps``) and trains globally
+    search: bool  # ``+search``: the callback ends the search (``--search-fraction``) and trains globally
     reference: bool  # ``+ref``: group G/2 is MF-PBT's slow reference group (``reference_group``)
 
 
@@ -177,7 +178,7 @@ ARM_SUFFIXES = ("search", "ref")
 def parse_hdet_arm(entry: str, sync: str = "group") -> HDETArm:
     """``"pbt:heldout@global"`` -> ``("pbt", "heldout", "global", False, False)``: the vote, its signal (default
     ``mean``), the strategy's ``gradient_sync`` (default ``sync``); suffixes: ``+search`` is one fit of the
-    search-then-train recipe (``HDETCallback(search_steps=S/2)``), ``+ref`` gives ``vote="pbt"`` a slow reference
+    search-then-train recipe (``HDETCallback(search=Search())``), ``+ref`` gives ``vote="pbt"`` a slow reference
     group (``reference_group=G/2``)."""
     head, *suffixes = entry.split("+")
     unknown = [s for s in suffixes if s not in ARM_SUFFIXES]
@@ -211,7 +212,8 @@ def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], di
 
 def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, interval: int, vote: str, blend: str,
                  start_method: str, work: Path, init_weights: Path | None = None,
-                 save_weights: Path | None = None, refine_spread: float = 1.5) -> dict:
+                 save_weights: Path | None = None, refine_spread: float = 1.5,
+                 search_fraction: float = SEARCH_FRACTION) -> dict:
     """HDET: one run of ``base.steps`` steps on ``world`` processes in ``groups`` groups starting at ``lrs``.
 
     ``@group`` (default): each group is its own DDP job on ``world / groups`` processes; with one
@@ -222,7 +224,8 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     batches. Every ``interval`` steps the groups vote on their interval training loss (or ``vote``'s signal) and
     blend. The best-so-far curve takes, at each validation, the best group (each group's first rank), as the grid
     takes the best of its runs. ``+search``: one fit of the search-then-train recipe, the callback ending the
-    search at half the steps (LRs then a grid of ratio ``refine_spread`` around the winner's, ``global`` sync);
+    search at ``search_fraction`` of the steps (default ``Search()``'s, a quarter; LRs then a grid of ratio
+    ``refine_spread`` around the winner's, ``global`` sync);
     every rank reads its own shard throughout. ``+ref``: group ``groups // 2`` is a slow reference group (MF-PBT).
     """
     from lightning_hdet import HDETStrategy
@@ -234,7 +237,8 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
         start_method=start_method, process_group_backend="gloo",
     )
     callbacks = hdet_callbacks(interval, vote=arm.vote, signal=arm.signal, blend=blend, seed=base.seed,
-                               search_steps=base.steps // 2 if arm.search else None, refine_spread=refine_spread,
+                               search_steps=int(base.steps * search_fraction) if arm.search else None,
+                               refine_spread=refine_spread,
                                reference_group=groups // 2 if arm.reference else None)
     shared = arm.sync == "global" or arm.search
     spec = replace(base, lr=center, devices=world, shard_data=world > groups and not shared, shard_train=shared)
@@ -310,7 +314,7 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
         else:
             jobs[f"hdet_{vote}"] = lambda vote=vote, where=where: run_hdet_arm(
                 lrs, base, world, args.groups, args.pbt_interval, vote, args.hdet_blend, args.start_method, where,
-                refine_spread=args.two_step_spread)
+                refine_spread=args.two_step_spread, search_fraction=args.search_fraction)
     if args.full_grid is not None and (not args.full_grid or start in args.full_grid):
         jobs["grid_xG"] = lambda: run_grid("grid_xG", lrs, whole_batch(base, world), world, work / "grid_xG")
     if args.pbt_seeds is not None and seed >= args.first_seed + args.pbt_seeds:
@@ -334,10 +338,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "gradient_sync (VOTE[:SIGNAL][@SYNC], e.g. pbt:heldout, pbt@global; default signal mean, sync "
                    "group), one HDET arm each (default best,softmax); FIRST>SECOND (e.g. pbt>pbt@global) runs FIRST "
                    "for half the steps, then SECOND from its model around the LR it found (--two-step-spread); "
-                   "VOTE+search (e.g. pbt+search) does that in one fit (HDETCallback(search_steps=S/2)); +ref gives "
+                   "VOTE+search (e.g. pbt+search) does that in one fit (HDETCallback(search=Search()), --search-fraction); +ref gives "
                    "pbt a slow reference group (MF-PBT, reference_group=G/2)")
     p.add_argument("--two-step-spread", type=float, default=1.5,
                    help="FIRST>SECOND and +search arms: factor between neighbouring LRs of the second half's grid")
+    p.add_argument("--search-fraction", type=float, default=SEARCH_FRACTION,
+                   help=f"+search arms: the fraction of the steps from which the search may end (default "
+                   f"{SEARCH_FRACTION}, Search()'s)")
     p.add_argument("--hdet-blend", default="best", choices=("best", "mean", "weighted"), help="HDETCallback blend")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                    help="how HDET starts its processes: spawn (as users do) or fork (skips the ~10 s of imports "
@@ -399,6 +406,8 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if any(">" in v for v in args.hdet_votes.split(",")) and args.steps % (2 * args.pbt_interval):
         p.error(f"a FIRST>SECOND arm runs --steps={args.steps} in two halves: they must be multiples of "
                 f"--pbt-interval={args.pbt_interval}")
+    if not 0 < args.search_fraction < 1:
+        p.error(f"--search-fraction={args.search_fraction} must lie in (0, 1)")
     for flag, value in (("--pbt-interval", args.pbt_interval), ("--val-every", args.val_every)):
         if args.steps % value:
             p.error(f"{flag}={value} must divide --steps={args.steps} so every method spends the whole budget")

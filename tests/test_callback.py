@@ -273,10 +273,12 @@ def test_the_published_setup_is_one_name_away():
     assert recommended.lr_multipliers[:, 0].tolist() == pytest.approx([3 ** (k - 1.5) for k in range(4)])
 
 
-@pytest.mark.parametrize(("max_steps", "estimated", "expected"), [(40, 99, 20), (-1, 24, 12), (-1, float("inf"), None)])
-def test_the_default_search_ends_at_half_of_the_run(max_steps, estimated, expected):
-    """``Search()`` is sized from the run: ``max_steps // 2``, or half of the optimizer steps Lightning estimates for
-    a run bounded by epochs; a run of unknown length searches to its end. ``Search(steps=N)`` is taken as given."""
+@pytest.mark.parametrize(("max_steps", "estimated", "expected"),
+                         [(40, 99, 10), (42, 99, 10), (-1, 24, 6), (-1, float("inf"), None)])
+def test_the_default_search_ends_at_a_quarter_of_the_run(max_steps, estimated, expected):
+    """``Search()`` is sized from the run: ``max_steps // 4``, or a quarter of the optimizer steps Lightning
+    estimates for a run bounded by epochs; a run of unknown length searches to its end. ``Search(steps=N)`` is taken
+    as given."""
     from types import SimpleNamespace
 
     from lightning_hdet.hdet.callback import search_steps

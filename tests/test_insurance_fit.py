@@ -22,7 +22,7 @@ def _last_winner(history: list[dict]) -> dict:
                          ids=["10x-too-low-travels-up", "10x-too-high-travels-down", "right-stays-put"])
 def test_the_default_hdet_travels_toward_a_better_lr_and_stays_put_from_the_right_one(tmp_path, start, band):
     """``HDETStrategy()`` on three processes: three groups at 0.19, 1 and 5.2 x the start (the default 27x span),
-    PBT, the search ending at step 32 around its winner (ratio 1.5), a vote every 8 steps. From 10x too low the
+    PBT, the search ending at step 16 around its winner (ratio 1.5), a vote every 8 steps. From 10x too low the
     top group wins and the run ends in the better band (plain Adam at 0.01 is still at 4.0 after 64 steps); from
     10x too high the bottom one; from the right LR the centre keeps winning and the last winner's LR stays within
     2x of it. Every rank agrees on the history, and the last winner's interval loss is that of a good LR."""

@@ -83,16 +83,17 @@ def test_a_short_run_waits_a_fifth_of_its_length_but_at_least_two_votes_and_twic
     assert patience(rule, 300, 30, cuts=1) == 120 and patience(rule, 300, 30, cuts=2) == 240
 
 
-def test_no_ladder_starts_with_fewer_steps_left_than_it_waited():
-    """A 300-step run waiting 60: a vote at step 240 may start a ladder (60 steps left), one at 270 may not."""
-    assert judged_at(60, 300, 240) == 60 and judged_at(60, 300, 270) is None
+def test_no_ladder_starts_with_fewer_steps_left_than_the_wait_it_would_get():
+    """A 300-step run waiting 60 gives a ladder 120 steps: a vote at step 180 may start one (120 steps left), one at
+    210 may not (90 left)."""
+    assert judged_at(60, 300, 180) == 60 and judged_at(60, 300, 210) is None and judged_at(60, 300, 270) is None
     assert judged_at(60, None, 10_000) == 60 and judged_at(None, 300, 30) is None
 
 
 def test_the_controller_sizes_the_rule_from_the_run_length():
     """At T = 30 in a 300-step run the stuck ensemble of the controller test below fails at its third vote (60
-    stuck steps after the first best), not at the eighth (200 steps); the ladder then waits 120 steps, which a
-    vote at 210 no longer has left (90): no second cut. With the length unknown it waits 200."""
+    stuck steps after the first best), not at the eighth (200 steps); the ladder then waits 120 steps, and a second
+    one would need 240 steps left (a vote at 210 has 90): no second cut. With the length unknown it waits 200."""
     short, unknown = HDETController(HDETConfig(every_n_steps=30)), HDETController(HDETConfig(every_n_steps=30))
     short.run_steps = 300
     multipliers = [0.9, 0.96, 1.04, 1.1]

@@ -162,7 +162,7 @@ def _check_search(search: Optional[Search], gradient_sync: str) -> None:
         return
     if search.steps is None:
         raise ValueError("HDETLoop(search=Search(steps=None)): a Fabric loop's length is unknown to HDETLoop, so "
-                         "the search cannot end at half of it; give Search(steps=N) or search=False.")
+                         "the search cannot end at a quarter of it; give Search(steps=N) or search=False.")
     if gradient_sync != "global":
         raise ValueError(f"HDETLoop(search=Search(steps={search.steps})) ends the search with every group "
                          "averaging gradients over all ranks, which a Fabric loop cannot switch to mid-run; use "

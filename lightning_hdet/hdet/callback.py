@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.console import counted, rounded_list
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
-from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
+from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, SEARCH_FRACTION
 from lightning_hdet.hdet.executor import HDETParts, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.hyperparams import Explored, check_vote, values
@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 class HDETCallback(Callback):
     """Loss-based voting, learning-rate exploration, parameter blending and the safety net for HDET.
 
-    The defaults are the measured best (:mod:`~lightning_hdet.hdet.defaults`): a ``PBT`` search for the first half
-    of the run, then training around what it found. Each option lives on the rule it changes
+    The defaults are the measured best (:mod:`~lightning_hdet.hdet.defaults`): a ``PBT`` search for the first
+    quarter of the run, then training around what it found. Each option lives on the rule it changes
     (:mod:`~lightning_hdet.hdet.options`); research options are in :mod:`lightning_hdet.experimental`.
 
     Args:
@@ -62,7 +62,7 @@ class HDETCallback(Callback):
             :class:`~lightning_hdet.TrustRegion` (``"trust_region"``, with ``gradient_sync="global"`` only: two edge
             groups probe around one incumbent LR); a name gives its defaults.
         search: :class:`~lightning_hdet.Search`: when the search ends and every group trains around its winner
-            (``True``: at half of the run); ``False``: the vote searches the whole run (the published set-up).
+            (``True``: at a quarter of the run); ``False``: the vote searches the whole run (the published set-up).
         safety_net: :class:`~lightning_hdet.SafetyNet` (``True``: its defaults): skip a group's non-finite steps,
             restore a diverged or collapsed group from the others, roll every group back when all did, and (its
             ``plateau`` rule) roll an ensemble that stopped learning back onto lower LRs; ``False``: off.
@@ -321,8 +321,8 @@ def run_length(trainer: Trainer) -> Optional[int]:
 
 
 def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
-    """The step at which ``search`` may end: its own ``steps``, else half of the run (:func:`run_length`); ``None``
-    (no end) without a search or a known length."""
+    """The step at which ``search`` may end: its own ``steps``, else ``SEARCH_FRACTION`` (a quarter) of the run
+    (:func:`run_length`); ``None`` (no end) without a search or a known length."""
     if search is None or search.steps is not None:
         return None if search is None else search.steps
     total = run_length(trainer)
@@ -330,7 +330,7 @@ def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
         rank_zero_info("HDET: the run's length is unknown (no max_steps or max_epochs): the search runs the whole "
                        "run; give HDETCallback(search=Search(steps=...)) to end it.")
         return None
-    return total // 2
+    return int(total * SEARCH_FRACTION)
 
 
 def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
@@ -338,8 +338,8 @@ def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
     if search is None:
         return "no search (the vote runs the whole run)"
     if search.steps is None and trainer.max_steps <= 0:
-        return "the search ends halfway through the run's estimated steps"
-    steps = search.steps if search.steps is not None else trainer.max_steps // 2
+        return f"the search ends {SEARCH_FRACTION:.0%} into the run's estimated steps"
+    steps = search.steps if search.steps is not None else int(trainer.max_steps * SEARCH_FRACTION)
     return f"the search ends at a vote from step {steps} on"
 
 

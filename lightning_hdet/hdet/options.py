@@ -151,8 +151,8 @@ class Search:
     winner's, and gradients are averaged over all ranks from then on (``gradient_sync="global"``).
 
     Args:
-        steps: the step at which the search may end; ``None``: half of the run, ``trainer.max_steps // 2`` (or
-            half of the estimated optimizer steps of a run bounded by epochs), searched the whole run when the
+        steps: the step at which the search may end; ``None``: a quarter of the run, ``trainer.max_steps // 4``
+            (or of the estimated optimizer steps of a run bounded by epochs), searched the whole run when the
             run's length is unknown.
         refine_spread: the ratio between neighbouring groups' LRs once the search ended (>= 1).
     """
@@ -224,7 +224,7 @@ MOVED_ARGUMENTS = {
     **{name: "vote=PBT({}=...)".format(name) for name in ("quantile", "resample_probability")},
     **{name: _NET.format(name) for name in ("divergence_factor", "rescue_lr_factor", "stall_patience",
                                              "stall_tolerance", "rise_margin", "chance_loss", "chance_tolerance")},
-    "search_steps": "search=Search(steps=...)",  # the default, Search(), ends it at half of the run
+    "search_steps": "search=Search(steps=...)",  # the default, Search(), ends it at a quarter of the run
     "refine_spread": "search=Search(refine_spread=...)",
     "reference_group": "vote=lightning_hdet.experimental.ReferencePBT(reference_group=...)",
     "blend_strength": "vote=lightning_hdet.experimental.PartialMerge(vote, strength=...)",

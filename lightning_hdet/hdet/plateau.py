@@ -11,8 +11,8 @@ untrained model's), so the run sits there to the end. This rule closes that hole
   ``NOISE_Z`` standard errors of that interval and a relative ``min_gain``; otherwise it is **stuck** for the
   interval's steps (one ensemble-wide level: a group's own best so far ratchets down on noise alone, measured);
 * when the ensemble is stuck for ``steps`` optimizer steps in a row (in a run of known length, a fifth of it where
-  that is shorter, but at least two votes; doubled after each ladder; never with fewer steps left in the run:
-  :func:`patience`, :func:`judged_at`), every group counts as failed: the ensemble
+  that is shorter, but at least two votes; doubled after each ladder; never with fewer than twice as many steps
+  left in the run: :func:`patience`, :func:`judged_at`), every group counts as failed: the ensemble
   **rolls back** and restarts on a geometric ladder of learning rates ``cut`` to ``cut**2`` times the current
   geometric mean, a search downward (ten to a hundred times lower for ``cut=0.1``); a ladder still stuck twice
   as long descends again. (A single group stuck beside better ones needs no rule of its own: the vote
@@ -31,8 +31,8 @@ in which no group improved for ``steps`` steps is touched (where a lower learnin
 ``ReduceLROnPlateau`` would pick too, and the ladder's upper half keeps the model).
 
 :class:`PlateauHistory` is the state (the best level, steps stuck); :func:`judge_plateau` returns a
-:class:`PlateauVerdict`; :func:`ladder` is the all-stuck ensemble's new multiplier table, :func:`from_initial` which of its groups
-restart from the initial model.
+:class:`PlateauVerdict`; :func:`ladder` is the all-stuck ensemble's new multiplier table, :func:`from_initial`
+which of its groups restart from the initial model.
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ from lightning_hdet.hdet.collapse import NOISE_Z, Verdict
 @dataclass(frozen=True)
 class PlateauRule:
     """``steps``: the most optimizer steps the ensemble may go without a new best before every group fails (a run
-    of known length waits a fifth of it where that is shorter, at least two votes; ``None`` switches the rule off); ``cut``: the ladder's top rung relative to the current LRs, in (0, 1) (its bottom rung is
-    ``cut ** 2``); ``min_gain``: the relative improvement on the best so far that counts as a new best."""
+    of known length waits a fifth of it where that is shorter, at least two votes; twice as long after each ladder;
+    ``None`` switches the rule off); ``cut``: the ladder's top rung relative to the current LRs, in (0, 1) (its
+    bottom rung is ``cut ** 2``); ``min_gain``: the relative improvement on the best so far that counts as a new
+    best."""
 
     steps: Optional[int] = 200
     cut: float = 0.1
@@ -114,9 +116,12 @@ def patience(rule: PlateauRule, run_steps: Optional[int], every: int, cuts: int 
 
 
 def judged_at(steps: Optional[int], run_steps: Optional[int], step: int) -> Optional[int]:
-    """``steps`` where a ladder started at ``step`` would still have as many steps left to learn, else ``None`` (the
-    rule does not count this vote): a roll-back in the run's last stretch would throw its end away."""
-    if steps is None or run_steps is None or run_steps - step >= steps:
+    """``steps`` where a ladder started at ``step`` would still have ``2 * steps`` left, the wait the rule gives that
+    ladder (:func:`patience` doubles after a cut), else ``None`` (the rule does not count this vote). A ladder that
+    cannot be judged before the run ends only throws the run's end away; and a run that flattens near its end is
+    more often at its noise floor than stuck (the insurance test: from the right LR a run converged by step 32 of 64
+    would otherwise have its LR cut 10x at step 48 and end at 5x the loss)."""
+    if steps is None or run_steps is None or run_steps - step >= 2 * steps:
         return steps
     return None
 
