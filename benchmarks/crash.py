@@ -14,9 +14,9 @@ ranks, a vote every ``T`` steps, warm start ν = 0.01). Vote names the installed
 are reported as skipped; ``--default-votes`` arms (``hdet_<arm>_defaults``, named as benchmark 2's arms:
 ``VOTE[@SYNC][+search]``) run as a user would: the strategy's default multipliers (a 27x geometric grid) and
 gradient sync (``group`` unless the arm names one), the callback's defaults but the vote, no warm start; only
-``+search`` arms end the search, where ``Search()`` does (a quarter of the run), so ``pbt+search`` is the default of ``strategy="hdet"``. Issue 13's
-target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1). Issue 28's
-price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
+``+search`` arms end the search, where ``Search()`` does (a quarter of the run), so ``pbt+search`` is the default
+of ``strategy="hdet"``. Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1).
+Issue 28's price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
 HDET ÷ the best of a full-batch grid from the high LR down to the low one (``grid_xG``, the ceiling; target
 ≤ 1.5 from 100-300x too high).
 

@@ -338,7 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "gradient_sync (VOTE[:SIGNAL][@SYNC], e.g. pbt:heldout, pbt@global; default signal mean, sync "
                    "group), one HDET arm each (default best,softmax); FIRST>SECOND (e.g. pbt>pbt@global) runs FIRST "
                    "for half the steps, then SECOND from its model around the LR it found (--two-step-spread); "
-                   "VOTE+search (e.g. pbt+search) does that in one fit (HDETCallback(search=Search()), --search-fraction); +ref gives "
+                   "VOTE+search (e.g. pbt+search) does that in one fit (HDETCallback(search=Search()), "
+                   "--search-fraction); +ref gives "
                    "pbt a slow reference group (MF-PBT, reference_group=G/2)")
     p.add_argument("--two-step-spread", type=float, default=1.5,
                    help="FIRST>SECOND and +search arms: factor between neighbouring LRs of the second half's grid")
