@@ -320,6 +320,11 @@ def run_length(trainer: Trainer) -> Optional[int]:
     return int(total) if math.isfinite(total) and total >= 2 else None
 
 
+def _default_search_step(total: int) -> int:
+    """Where ``Search()`` may end in a run of ``total`` optimizer steps."""
+    return int(total * SEARCH_FRACTION)
+
+
 def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
     """The step at which ``search`` may end: its own ``steps``, else ``SEARCH_FRACTION`` (a quarter) of the run
     (:func:`run_length`); ``None`` (no end) without a search or a known length."""
@@ -330,7 +335,7 @@ def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
         rank_zero_info("HDET: the run's length is unknown (no max_steps or max_epochs): the search runs the whole "
                        "run; give HDETCallback(search=Search(steps=...)) to end it.")
         return None
-    return int(total * SEARCH_FRACTION)
+    return _default_search_step(total)
 
 
 def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
@@ -339,7 +344,7 @@ def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
         return "no search (the vote runs the whole run)"
     if search.steps is None and trainer.max_steps <= 0:
         return f"the search ends {SEARCH_FRACTION:.0%} into the run's estimated steps"
-    steps = search.steps if search.steps is not None else int(trainer.max_steps * SEARCH_FRACTION)
+    steps = search.steps if search.steps is not None else _default_search_step(trainer.max_steps)
     return f"the search ends at a vote from step {steps} on"
 
 
