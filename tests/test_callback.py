@@ -281,8 +281,12 @@ def test_the_default_search_ends_at_a_quarter_of_the_run(max_steps, estimated, e
     as given."""
     from types import SimpleNamespace
 
-    from lightning_hdet.hdet.callback import search_steps
+    from lightning_hdet.hdet.callback import _search_plan, search_steps
 
     trainer = SimpleNamespace(max_steps=max_steps, estimated_stepping_batches=estimated)
     assert search_steps(Search(), trainer) == expected
     assert search_steps(Search(steps=5), trainer) == 5 and search_steps(None, trainer) is None
+    # the settings line names the step search_steps returns (or, bounded by epochs, the fraction)
+    plan = f"from step {expected} on" if max_steps > 0 else "25% into the run's estimated steps"
+    assert plan in _search_plan(Search(), trainer)
+    assert "from step 5 on" in _search_plan(Search(steps=5), trainer)
