@@ -207,14 +207,14 @@ class OuterService:
                 log.warning("session %d refused: its worker's token does not match", session)
         return admitted
 
-    def _end(self, session: int, reason: str) -> None:
-        """End a session: its group is torn down, its in-flight steps and buffers released, parked workers
-        reconsidered (they may get its share)."""
+    def _end(self, session: int, reason: str, flush: bool = False) -> None:
+        """End a session: its group is torn down (with ``flush``, once its queued replies are sent), its in-flight
+        steps and buffers released, parked workers reconsidered (they may get its share)."""
         assert self.hub is not None
         if not self.table.end(session, reason):
             return
         log.info("session %d ended (%s); %d live", session, reason, len(self.table.live))
-        self.hub.drop(session)
+        self.hub.drop(session, flush=flush)
         self._parked.pop(session, None)
         self.outer.release(session)
         self._follow_live_set()
@@ -254,7 +254,8 @@ class OuterService:
             if push.kind == Kind.BYE:
                 self._end(push.worker, "left")
             elif self.outer.excluded(push.worker):  # told to stop: its session ends, its share goes to the others
-                self._end(push.worker, f"excluded: {self.outer.rejection_streak(push.worker)} pushes in a row rejected")
+                self._end(push.worker, f"excluded: {self.outer.rejection_streak(push.worker)} pushes in a row rejected",
+                          flush=True)
         self._follow_live_set()
         self._retry_parked()
         self._after_update()
