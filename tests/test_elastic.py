@@ -310,6 +310,10 @@ def test_a_worker_frozen_while_joining_or_pulling_expires_and_the_other_finishes
     result = json.loads((tmp_path / "server.json").read_text())
     assert sorted(result["ended"].values()) == ["expired", "left"]
     assert result["steps_done"] == 48 and result["finite"] and result["final_loss"] < result["initial_loss"]
+    # the service's end-of-run summary says what each session did and why it ended
+    lines = result["summary"].splitlines()
+    assert lines[0].startswith("DiLoCo result: 48 inner steps of a budget of 48 over ")
+    assert any(line.endswith("; expired") for line in lines) and any(line.endswith("; left") for line in lines)
 
 
 @pytest.mark.timeout(600)

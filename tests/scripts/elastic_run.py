@@ -117,7 +117,7 @@ def server(args: argparse.Namespace) -> None:
     final = val_loss(model)["val_loss"]
     Path(args.out).write_text(json.dumps({
         "initial_loss": initial, "final_loss": final, "finite": bool(torch.isfinite(model.layer.weight).all()),
-        "wall_s": time.perf_counter() - start, **service.status()}))
+        "wall_s": time.perf_counter() - start, "summary": service.result.summary(), **service.status()}))
 
 
 def freeze_before(owner: object, name: str) -> None:

@@ -33,6 +33,8 @@ from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_tok
 from lightning_hdet.asynchronous.exchange import read_model
 from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.readouts import outer_result
+from lightning_hdet.asynchronous.result import AsyncResult
 
 log = logging.getLogger(__name__)
 FORMAT = "lightning_hdet.elastic/1"
@@ -141,8 +143,7 @@ class OuterService:
                 self._evaluate()
             self.save()
             self.hub.close()
-        log.info("outer service done: %d outer updates, %d inner steps", self.outer.outer_updates,
-                 self.outer.steps_done)
+        log.info("outer service done\n%s", self.result.summary())
 
     def request_stop(self) -> None:
         """Every worker's next reply says stop (e.g. from ``evaluate``, for early stopping)."""
@@ -305,6 +306,11 @@ class OuterService:
         metrics = {k: float(v) for k, v in self.evaluate(self.module).items()}
         self.evaluations.append((self.outer.outer_updates, metrics))
         log.info("evaluation at %d outer updates: %s", self.outer.outer_updates, metrics)
+
+    @property
+    def result(self) -> AsyncResult:
+        """What every session did so far, and why each ended (logged when :meth:`run` returns)."""
+        return outer_result(self.outer, self.table.ended)
 
     def status(self) -> dict[str, Any]:
         """Progress, as written beside the checkpoint (``<checkpoint>.status.json``)."""
