@@ -95,7 +95,8 @@ def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
     (dict(outer="fast"), r"`outer` must be one of \('published', 'robust'\)"),
     (dict(momentum_warmup=-1), "`momentum_warmup` must be an integer >= 0, got -1"),
     (dict(momentum_restart=1.5), "`momentum_restart` must be an integer >= 0, got 1.5"),
-    (dict(compression="fp8"), r"`compression` must be one of \('none', 'bf16', 'int8'\)"),
+    (dict(compression="fp8"), r"`compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\)"),
+    (dict(compression="topk2", error_feedback=False), r"`error_feedback` must be True with compression='topk2'"),
     (dict(error_feedback="yes"), "`error_feedback` must be True or False"),
     (dict(pull_compression="int8"), r"`pull_compression` must be one of \('none', 'bf16'\).*8-bit weights"),
 ])

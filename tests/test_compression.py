@@ -107,3 +107,52 @@ def test_wrong_sizes_and_arguments_are_named():
         check_compression("bf16", 1)
     with pytest.raises(ValueError, match="`chunk` must be a positive integer"):
         Codec("int8", SHAPES, chunk=0)
+
+
+def test_topk2_keeps_the_largest_values_of_each_chunk_in_two_bits_hand_computed():
+    """One chunk of 128 values keeps 128 // 64 = 2: the two largest magnitudes, 3.0 at 5 and -1.0 at 70. Scale
+    3.0 / 1.5 = 2; levels round(3 / 2 + 1.5) = 3 and round(-1 / 2 + 1.5) = 1 stand for (3 - 1.5) * 2 = 3.0 and
+    (1 - 1.5) * 2 = -1.0. The message: 4 scale bytes + 2 x 2 position bytes + one byte of two 2-bit levels."""
+    flat = torch.full((128,), 0.01)
+    flat[5], flat[70] = 3.0, -1.0
+    codec = Codec("topk2", [torch.Size([128])])
+    message = codec.encode(flat)
+    assert codec.nbytes == message.numel() == 9
+    assert message[:4].view(torch.float32).item() == 2.0
+    assert sorted(message[4:8].view(torch.int16).tolist()) == [5, 70]
+    expected = torch.zeros(128)
+    expected[5], expected[70] = 3.0, -1.0
+    assert torch.equal(codec.decode(message), expected)
+
+
+def test_topk4_levels_and_a_last_short_chunk_hand_computed():
+    """4 bits: 15 levels of scale absmax / 7.5. A 4096-value chunk (keeps 64) then a 70-value one (keeps 1): in the
+    last, 7.5 is exact (level 15) and the only kept value; in the first, 2.0 of scale 1 takes level round(9.5) = 10
+    (ties to even), decoded 2.5."""
+    flat = torch.zeros(4096 + 70)
+    flat[:64] = torch.linspace(2.0, 7.5, 64)  # the 64 kept values of chunk 0, largest 7.5: scale 1
+    flat[4096 + 9] = 7.5
+    codec = Codec("topk4", [torch.Size([4096 + 70])])
+    assert codec.nbytes == 2 * 4 + 65 * 2 + 33  # two scales, 65 positions, 65 levels two to a byte (one padded)
+    decoded = codec.decode(codec.encode(flat))
+    assert decoded[0] == 2.5 and decoded[63] == 7.5 and decoded[4096 + 9] == 7.5
+    assert torch.count_nonzero(decoded) == 65 and torch.all((decoded[:64] - flat[:64]).abs() <= 0.5)
+
+
+def test_sparse_pushes_with_error_feedback_send_everything_in_the_end():
+    """The same pseudo-gradient pushed again and again through topk2 with error feedback: the decoded pushes always
+    sum to the true ones minus the residual (nothing is lost, only delayed), and the residual stays bounded."""
+    g = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    feedback = ErrorFeedback(Codec("topk2", [torch.Size([300])]))
+    total = torch.zeros(300)
+    for n in range(1, 401):
+        total += feedback.codec.decode(feedback.encode(g.clone()))
+        torch.testing.assert_close(total + feedback.residual, n * g, rtol=1e-5, atol=1e-3)
+    assert feedback.residual.abs().max() < 300 * g.abs().max()  # bounded: far below 400 pushes' worth
+    torch.testing.assert_close(total / 400, g, rtol=0, atol=0.75 * g.abs().max().item())
+
+
+def test_a_sparse_codec_needs_error_feedback():
+    with pytest.raises(ValueError, match="`error_feedback` must be True with compression='topk2'"):
+        check_compression("topk2", False)
+    check_compression("topk4", True)
