@@ -21,7 +21,7 @@ from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_lo
 from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
 from lightning_hdet.hdet.strategy import HDETStrategy
 from lightning_hdet.replay import HDETReplay, LRTrajectory
-from lightning_hdet.testing import SlowRanks
+from lightning_hdet.testing import SlowLink, SlowRanks
 from lightning_hdet.hdet.options import PBT, Best, SafetyNet, Search, Softmax, TrustRegion
 from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote
 
@@ -48,6 +48,7 @@ __all__ = [
     "PlateauRule",
     "SafetyNet",
     "Search",
+    "SlowLink",
     "SlowRanks",
     "Softmax",
     "SoftmaxVote",

@@ -11,7 +11,8 @@ rule) can be tested in one process, without a process group, against values comp
 
 :class:`SlowRanks` pads every training step of each rank to a target duration, so ``devices=4`` CPU
 processes behave like four devices whose step times have the given ratios. Padding to a target (rather than
-adding a fixed sleep) keeps the ratios stable even when the real compute time is noisy.
+adding a fixed sleep) keeps the ratios stable even when the real compute time is noisy. :class:`SlowLink` makes
+each async worker's exchange take as long as its bytes would on a link of a given bandwidth and latency.
 
 Example -- the four-worker step times of the asynchronous Local-SGD paper (0.58 / 0.75 / 1.51 / 3.33 s),
 scaled down 100x::
@@ -22,7 +23,7 @@ scaled down 100x::
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_hdet.asynchronous.slow_link import LimitedTransport, check_link
 from lightning_hdet.hdet.fake import FakeExecutor, FakeModule, FakeTrainer, FakeWorld
 
 #: Seconds per step of the four heterogeneous workers in the asynchronous Local-SGD paper's toy example.
@@ -78,8 +80,37 @@ class SlowRanks(Callback):
             time.sleep(remaining)
 
 
-__all__ = ["GLOO_THREADS", "PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowRanks",
-           "live_gloo_threads", "live_process_groups"]
+class SlowLink(Callback):
+    """Emulate a slow link between each async worker and the outer optimizer (``AsyncLocalSGDStrategy``, either
+    mode): every push and pull holds its worker as long as its bytes take at ``bits_per_s`` plus ``latency_s``.
+
+    Args:
+        bits_per_s: the link's bandwidth (e.g. ``1e9`` for 1 Gbit/s).
+        latency_s: seconds added to every message, each way.
+        ranks: the workers behind the slow link (default: every rank but 0, whose worker shares rank 0's process
+            with the outer optimizer, as a worker co-located with the server would).
+    """
+
+    def __init__(self, bits_per_s: float, latency_s: float = 0.0, ranks: Sequence[int] | None = None) -> None:
+        check_link(bits_per_s, latency_s)
+        self.bits_per_s, self.latency_s, self.ranks = bits_per_s, latency_s, ranks
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        # why private: the exchange is the strategy's own; it exists from the strategy's on_train_start, which Lightning
+        # calls after the callbacks' (the first exchange, the hello, is not slowed)
+        exchange = getattr(trainer.strategy, "_exchange", None)
+        slowed = trainer.global_rank != 0 if self.ranks is None else trainer.global_rank in self.ranks
+        if exchange is None or not slowed or isinstance(exchange.worker.transport, LimitedTransport):
+            return
+        layout = exchange.worker.layout
+        pull_bytes = layout.pull_nbytes + 4 * (exchange.worker.pulled.numel() - layout.numel)
+        exchange.worker.transport = LimitedTransport(exchange.worker.transport, self.bits_per_s, self.latency_s,
+                                                     pull_bytes)
+
+
+__all__ = ["GLOO_THREADS", "PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowLink",
+           "SlowRanks", "live_gloo_threads", "live_process_groups"]
 
 
 def live_process_groups() -> int:

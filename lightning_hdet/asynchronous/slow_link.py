@@ -1,0 +1,72 @@
+"""An emulated slow link: a worker transport that takes as long as its bytes would on a link of a given bandwidth
+and latency (:class:`~lightning_hdet.testing.SlowLink` installs it). Pure: no Lightning, no process groups.
+
+A blocking exchange over a slow link holds its worker for ``latency + bytes * 8 / bits_per_s`` each way; this
+wrapper makes the worker wait that long after the real (fast, loopback) transport returned, so wall-clock on one
+machine reads as it would between sites. Counted: the header, the encoded fragments, the buffers and the inner
+state of a push; the header and, unless it says stop, the pulled model (its codec's bytes) of a reply.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from torch import Tensor
+
+from lightning_hdet._checks import check_number
+from lightning_hdet.asynchronous.messages import ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.transport import WorkerTransport
+
+_FLOAT64, _FLOAT32 = 8, 4
+
+
+def check_link(bits_per_s: float, latency_s: float) -> None:
+    """A link's ``bits_per_s`` (> 0) and ``latency_s`` (>= 0)."""
+    check_number("bits_per_s", bits_per_s, low=0, low_open=True, hint="It is the link's bandwidth in bits per second.")
+    check_number("latency_s", latency_s, low=0, hint="It is in seconds, one way.")
+
+
+class LimitedTransport(WorkerTransport):
+    """``inner``, as slow as a link of ``bits_per_s`` and ``latency_s`` (one way) would make it.
+
+    Args:
+        inner: the worker's real transport.
+        bits_per_s: the link's bandwidth, in bits per second.
+        latency_s: seconds added to every message, each way.
+        pull_bytes: bytes of a pulled model (the parameters in their pull codec, plus the float32 buffers).
+        sleep: waits the given seconds (injected so tests need no clock).
+    """
+
+    def __init__(self, inner: WorkerTransport, bits_per_s: float, latency_s: float, pull_bytes: int,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        check_link(bits_per_s, latency_s)
+        self.inner, self.bits_per_s, self.latency_s, self.pull_bytes = inner, bits_per_s, latency_s, pull_bytes
+        self.sleep = sleep
+        #: Seconds this link added, summed over the exchanges (what the worker waited beyond the real transport).
+        self.delay_s = 0.0
+
+    def _travel(self, nbytes: int) -> None:
+        seconds = self.latency_s + 8 * nbytes / self.bits_per_s
+        self.delay_s += seconds
+        self.sleep(seconds)
+
+    def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
+             inner_state: Tensor | None) -> None:
+        sent = [_FLOAT64 * WorkerHeader.SIZE]
+
+        def counted() -> Iterator[Tensor]:
+            for message in messages:
+                sent.append(message.numel() * message.element_size())
+                yield message
+        self.inner.push(header, counted(), buffers, inner_state)
+        sent += [part.numel() * part.element_size() for part in (buffers, inner_state) if part is not None]
+        self._travel(sum(sent))
+
+    def pull(self, into: Tensor) -> ServerHeader:
+        reply = self.inner.pull(into)
+        self._travel(_FLOAT64 * ServerHeader.SIZE + (self.pull_bytes if reply.next_local_steps > 0 else 0))
+        return reply
+
+    def close(self) -> None:
+        self.inner.close()

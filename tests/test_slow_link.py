@@ -1,0 +1,82 @@
+"""The emulated slow link: a worker's exchange held as long as its bytes take on the link (one process, a fake
+transport and a recorded sleep, hand-computed), then installed by ``SlowLink`` in a 2-worker fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_hdet import AsyncLocalSGDStrategy, SlowLink
+from lightning_hdet.asynchronous.messages import Kind, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.slow_link import LimitedTransport
+from lightning_hdet.asynchronous.transport import WorkerTransport
+
+
+class Loopback(WorkerTransport):
+    """Takes a push whole (its fragments consumed, as a real transport does) and answers with ``reply``."""
+
+    def __init__(self, reply: ServerHeader) -> None:
+        self.reply, self.fragments = reply, 0
+
+    def push(self, header, messages, buffers, inner_state) -> None:
+        self.fragments += sum(1 for _ in messages)
+
+    def pull(self, into):
+        return self.reply
+
+
+def test_a_push_and_a_pull_take_their_bytes_over_the_bandwidth_plus_the_latency() -> None:
+    """8,000 bits/s (1,000 bytes/s), 0.5 s latency. A push: a 40-byte header (5 float64), 2 fragments of 100 bytes,
+    4 float32 buffer values (16 bytes), no inner state: 256 bytes, 0.256 + 0.5 s. A pull of a 700-byte model: a
+    24-byte header (3 float64) + 700 bytes, 0.724 + 0.5 s; a stop reply carries no model: 0.024 + 0.5 s."""
+    waited: list[float] = []
+    inner = Loopback(ServerHeader(8, 3))
+    link = LimitedTransport(inner, bits_per_s=8000, latency_s=0.5, pull_bytes=700, sleep=waited.append)
+    fragments = [torch.zeros(100, dtype=torch.uint8), torch.zeros(25, dtype=torch.float32)]
+    link.push(WorkerHeader(Kind.PUSH, 8, 1.0, 0.0, 0), iter(fragments), torch.zeros(4), None)
+    assert inner.fragments == 2 and link.pull(torch.zeros(1)) == ServerHeader(8, 3)
+    inner.reply = ServerHeader(0, 4)
+    link.pull(torch.zeros(1))
+    assert waited == pytest.approx([0.756, 1.224, 0.524]) and link.delay_s == pytest.approx(2.504)
+
+
+def test_the_link_is_checked_when_it_is_made() -> None:
+    with pytest.raises(ValueError, match="`bits_per_s` must be a finite number > 0, got 0"):
+        SlowLink(bits_per_s=0)
+    with pytest.raises(ValueError, match="`latency_s` must be a finite number >= 0, got -1"):
+        SlowLink(bits_per_s=1e6, latency_s=-1)
+
+
+class Delays(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module):
+        worker = trainer.strategy._exchange.worker
+        delay = getattr(worker.transport, "delay_s", None)
+        torch.save({"delay": delay, "rounds": worker.rounds}, self.out / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(180)
+def test_slow_link_holds_every_worker_but_rank_0_for_its_bytes(tmp_path: Path) -> None:
+    """BoringModel (66 float32 parameters, no buffers), H = 4, 80,000 bits/s, 10 ms latency. Rank 1's pushes weigh
+    40 + 264 bytes, its pulls 24 + 264 (a stop: 24), and after the stop its goodbye 40 (a header, nothing left to
+    push); its first exchange (the hello) is not slowed. Rank 0's worker shares the outer optimizer's process: not
+    slowed."""
+    seed_everything(0)
+    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=4, start_method="fork"), accelerator="cpu", devices=2,
+                      max_steps=16, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[SlowLink(bits_per_s=80_000, latency_s=0.01), Delays(tmp_path)])
+    trainer.fit(BoringModel())
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert rank0["delay"] is None
+    exchanges = rank1["rounds"][1:]  # after the hello: a push then a pull each
+    stops = sum(1 for steps, _ in exchanges if steps == 0)
+    seconds = len(exchanges) * (0.01 + 8 * 304 / 80_000) + stops * (0.01 + 8 * 24 / 80_000) \
+        + (len(exchanges) - stops) * (0.01 + 8 * 288 / 80_000) + (0.01 + 8 * 40 / 80_000)
+    assert len(exchanges) >= 2 and rank1["delay"] == pytest.approx(seconds)
