@@ -1,20 +1,27 @@
-"""The cache of ``make bench``: a part's result is kept under a key of its command and the code it runs.
+"""The cache of ``make bench``: a part's result is kept under a key of its command and what its code does.
 
 The key hashes the part's exact command, the versions of Python, torch and Lightning, every file of the
 ``lightning_hdet`` package, and the benchmark script with every local module it imports (``benchmarks.*``,
 ``tests.*``, followed transitively) plus the files it runs in subprocesses (``Part.code`` in ``run_all.py``).
+A Python file is hashed by its behaviour, not its text: its syntax tree without docstrings (comments, blank
+lines and line breaks never reach the tree), so a docstring or comment fix keeps every record while a changed
+literal, operator or name invalidates them; any other file is hashed as bytes (:func:`behaviour`). A docstring
+read at run time (``argparse``'s ``--help``) changes no number.
+
 A part is skipped when its record has the same key *and* what it wrote is still there unchanged (its results
 files, plots and docs blocks, by SHA-256): a table edited by hand, or overwritten by another command, is
 regenerated rather than vouched for.
 
 Records are small JSON files (``<part>.json``, ``<part>_quick.json`` for ``--quick``) beside the results they
 describe; the full-size ones are committed with those results, so a fresh clone knows which tables its code
-produced. This module only hashes and compares: it runs nothing.
+produced. Their ``inputs.hashing`` says how files were hashed: a record made with another hashing is stale.
+This module only hashes and compares: it runs nothing.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import platform
@@ -29,10 +36,42 @@ PACKAGE = "lightning_hdet"
 LOCAL_PACKAGES = ("benchmarks", "tests")
 # Outputs a part may write: results files and plots; docs pages are shared, so their blocks are hashed instead.
 OUTPUT_PATTERNS = ("*.json", "img/*.png")
+# How :func:`behaviour` reads a file, recorded in every key: changing it makes every record stale, saying why.
+HASHING = "python files as syntax trees without docstrings, other files as bytes"
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _without_docstrings(tree: ast.Module) -> ast.Module:
+    """``tree`` with the docstring of its module, classes and functions removed (in place)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                node.body = node.body[1:]
+    return tree
+
+
+def behaviour(path: Path) -> bytes:
+    """What of the file at ``path`` can change a result: a Python file's syntax tree without docstrings and
+    line numbers (comments and layout are gone once parsed); any other file's bytes."""
+    source = path.read_bytes()
+    if path.suffix != ".py":
+        return source
+    try:
+        return _syntax(source)
+    except SyntaxError as e:
+        e.filename = str(path)
+        raise
+
+
+# By content, so never stale: every part's key parses the same package files (~0.8 CPU-s a time otherwise).
+@functools.lru_cache(maxsize=None)
+def _syntax(source: bytes) -> bytes:
+    return ast.dump(_without_docstrings(ast.parse(source)), include_attributes=False).encode()
 
 
 def local_imports(path: Path, repo: Path = REPO) -> list[Path]:
@@ -57,11 +96,11 @@ def local_imports(path: Path, repo: Path = REPO) -> list[Path]:
 
 
 def package_digest(repo: Path = REPO) -> str:
-    """One hash of every file of the package (names and contents; caches and bytecode left out)."""
+    """One hash of every file of the package (names and :func:`behaviour`; caches and bytecode left out)."""
     h = hashlib.sha256()
     for f in sorted((repo / PACKAGE).rglob("*")):
         if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
-            h.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+            h.update(f.relative_to(repo).as_posix().encode() + b"\0" + behaviour(f) + b"\0")
     return h.hexdigest()
 
 
@@ -73,15 +112,16 @@ def _version(dist: str) -> str:
 
 
 def key_inputs(command: list[str], code: Iterable[Path], repo: Path = REPO) -> dict:
-    """What a part's result depends on: its command, the library versions and the code it runs (hashed)."""
+    """What a part's result depends on: its command, the library versions and what the code it runs does."""
     files = sorted({f for path in code for f in local_imports(repo / path, repo)})
     return {
+        "hashing": HASHING,
         "command": command,
         "python": platform.python_version(),
         "torch": _version("torch"),
         "lightning": _version("lightning"),
         "package": package_digest(repo),
-        "code": {_shown(f, repo): sha256(f.read_bytes()) for f in files},
+        "code": {_shown(f, repo): sha256(behaviour(f)) for f in files},
     }
 
 

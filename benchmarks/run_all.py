@@ -1,10 +1,11 @@
 """Run the benchmarks' parts in turn, each only when its cached result is stale (what ``make bench`` does).
 
 ``make bench`` runs the :data:`PARTS` marked ``bench``; ``make bench-full`` (``--full``) adds the research
-tables. A part's result is cached under a key of its command and the code it runs (``benchmarks/cache.py``):
-a part whose key and outputs are unchanged is skipped, so an interrupted run resumes where it stopped and a
-second run with nothing changed only checks. Before running, the plan is printed with an estimate of the time
-left on a 2-core machine (each part's last measured time where known, else its estimate below).
+tables. A part's result is cached under a key of its command and what the code it runs does (its syntax trees
+without docstrings or comments, ``benchmarks/cache.py``): a part whose key and outputs are unchanged is skipped,
+so an interrupted run resumes where it stopped and a second run with nothing changed only checks. Before running,
+the plan is printed with an estimate of the time left on a 2-core machine (each part's last measured time where
+known, else its estimate below).
 
 Usage: ``python benchmarks/run_all.py [--full] [--parts NAME ...] [--force] [--dry-run] [--list]`` followed by
 any options for every script (``--quick``, ``--results-dir DIR``, ``--docs-dir DIR``).

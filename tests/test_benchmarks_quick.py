@@ -622,7 +622,97 @@ def test_cache_key_follows_the_local_modules_a_script_imports(tmp_path):
         "benchmarks/fake.py", "benchmarks/fake_helper.py", "tests/helpers.py"]
     inputs = key_inputs(["python", "benchmarks/fake.py"], [Path("benchmarks/fake.py")], repo)
     assert list(inputs["code"]) == ["benchmarks/fake.py", "benchmarks/fake_helper.py", "tests/helpers.py"]
-    assert set(inputs) == {"command", "python", "torch", "lightning", "package", "code"}
+    assert set(inputs) == {"hashing", "command", "python", "torch", "lightning", "package", "code"}
+
+
+# A module as the package or a benchmark holds it: docstrings at every level, comments, literals, operators.
+MODULE = '''"""A module."""
+import math  # a comment
+
+VALUE = 1
+
+
+class Scaled:
+    """A class."""
+
+    def __init__(self, x):
+        """A method."""
+        self.x = x * 2  # why two
+
+
+def scale(x):
+    """A function."""
+    return math.sqrt(x) + 1.5
+'''
+DOCS_AND_LAYOUT = {  # edits that change no behaviour: the key stays
+    "module-docstring": ('"""A module."""', '"""A module, rewritten\n\nover two paragraphs."""'),
+    "method-docstring": ('"""A method."""', "'''A method, reworded.'''"),
+    "docstring-removed": ('    """A function."""\n', ""),
+    "comment": ("# why two", "# doubled: the reason, rewritten"),
+    "comment-and-layout": ("    return math.sqrt(x) + 1.5",
+                           "    # a new line\n    return (math.sqrt(x)\n            + 1.5)"),
+}
+CODE = {  # edits that can change a number: the key changes
+    "literal": ("+ 1.5", "+ 1.25"),
+    "operator": ("+ 1.5", "- 1.5"),
+    "literal-type": ("x * 2", "x * 2.0"),  # equal values, another type
+    "name": ("math.sqrt(x)", "math.exp(x)"),
+    "statement": ('"""A function."""\n', '"""A function."""\n    x = abs(x)\n'),
+}
+
+
+def _inputs(repo: Path) -> dict:
+    from benchmarks.cache import key_inputs
+
+    return key_inputs(["python", "benchmarks/fake.py"], [Path("benchmarks/fake.py")], repo)
+
+
+@pytest.mark.parametrize("where", ["lightning_hdet/core.py", "benchmarks/fake_helper.py"])
+@pytest.mark.parametrize("edit", [*DOCS_AND_LAYOUT, *CODE])
+def test_cache_key_changes_with_the_code_not_its_docstrings_comments_or_layout(tmp_path, where, edit):
+    from benchmarks.cache import key_of
+
+    repo = _fake_repo(tmp_path)
+    path = repo / where
+    path.write_text(MODULE)
+    before = _inputs(repo)
+    old, new = {**DOCS_AND_LAYOUT, **CODE}[edit]
+    assert old in MODULE
+    path.write_text(MODULE.replace(old, new))
+    after = _inputs(repo)
+    if edit in DOCS_AND_LAYOUT:
+        assert key_of(after) == key_of(before)
+    else:
+        assert key_of(after) != key_of(before)
+        changed = [k for k in before if before[k] != after[k]]
+        assert changed == ["package" if where.startswith("lightning_hdet") else "code"]
+
+
+def test_cache_key_hashes_other_files_as_bytes(tmp_path):
+    from benchmarks.cache import key_of
+
+    repo = _fake_repo(tmp_path)
+    data = repo / "lightning_hdet" / "corpus.txt"
+    data.write_text("a b\n")
+    keys = [key_of(_inputs(repo))]
+    data.write_text("a b \n")  # whitespace only: a data file's bytes count
+    keys.append(key_of(_inputs(repo)))
+    data.write_text("# a b\n")  # not parsed: "#" is data, not a comment
+    keys.append(key_of(_inputs(repo)))
+    assert len(set(keys)) == 3
+
+
+def test_a_record_hashed_another_way_is_stale_and_says_so(tmp_path):
+    from benchmarks.cache import key_of, stale_reason
+
+    repo = _fake_repo(tmp_path)
+    inputs = _inputs(repo)
+    outputs = {"files": {}, "blocks": {}}
+    old = {k: v for k, v in inputs.items() if k != "hashing"}  # a record from before behaviour keys
+    assert stale_reason({"key": key_of(old), "inputs": old, "outputs": outputs}, inputs, repo / "docs",
+                        repo) == "changed since it ran: hashing"
+    assert stale_reason({"key": key_of(inputs), "inputs": inputs, "outputs": outputs}, inputs, repo / "docs",
+                        repo) is None
 
 
 def test_stamp_line_names_commit_command_date_machine_seeds_and_wall_clock(monkeypatch):
