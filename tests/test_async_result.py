@@ -14,8 +14,8 @@ def test_the_result_adds_up_the_workers_and_says_what_each_did() -> None:
     result = make_async_result("sync", 40, 38, 4, STATS, {2: "excluded: 3 pushes in a row rejected", 5: "expired"})
     assert result.rejected == 2 and result.push_bytes == 3 * 4096 + 3 * 1024 * 1024
     assert result.summary().splitlines() == [
-        "DiLoCo result: 38 inner steps of a budget of 40 over 2 worker(s), 4 outer updates, 2 push(es) rejected,"
-        " 3.0 MiB pushed",
+        "DiLoCo result: 38 inner steps of a budget of 40 over 2 worker(s)",
+        "  4 outer updates, 2 push(es) rejected, 3.0 MiB pushed",
         "  worker 0: 30 steps in 3 rounds, 12.0 KiB pushed, 1.50 s computing, 0.25 s waiting",
         "  worker 2: 8 steps in 1 rounds, 2 rejected (16 steps discarded), 3.0 MiB pushed, 6.00 s computing,"
         " 0.00 s waiting; excluded: 3 pushes in a row rejected",
@@ -31,4 +31,4 @@ def test_the_result_exports_plain_values() -> None:
                                    "push_bytes": 3 * 1024 * 1024, "total_compute_s": 6.0, "total_wait_s": 0.0,
                                    "steps_per_s": 4.0}
     assert make_async_result("async", None, 0, 0, {}).summary() == (
-        "Async Local-SGD result: 0 inner steps over 0 worker(s), 0 outer updates, 0 push(es) rejected, 0 B pushed")
+        "Async Local-SGD result: 0 inner steps over 0 worker(s)\n  0 outer updates, 0 push(es) rejected, 0 B pushed")

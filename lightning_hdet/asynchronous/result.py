@@ -67,12 +67,13 @@ class AsyncResult:
         return sum(w.push_bytes for w in self.workers.values())
 
     def summary(self) -> str:
-        """The run in a few lines: the budget, then one line per worker (those that ended without a push too)."""
+        """The run in a few lines: the budget, the totals, then one line per worker (those that ended without a push
+        too)."""
         name = "DiLoCo" if self.mode == "sync" else "Async Local-SGD"
         budget = f" of a budget of {self.budget}" if self.budget is not None else ""
-        lines = [f"{name} result: {self.steps_done} inner steps{budget} over {len(self.workers)} worker(s),"
-                 f" {self.outer_updates} outer updates, {self.rejected} push(es) rejected,"
-                 f" {_size(self.push_bytes)} pushed"]
+        lines = [f"{name} result: {self.steps_done} inner steps{budget} over {len(self.workers)} worker(s)",
+                 f"  {self.outer_updates} outer updates, {self.rejected} push(es) rejected, {_size(self.push_bytes)}"
+                 " pushed"]
         for w in sorted(set(self.workers) | set(self.ended)):
             ended = f"; {self.ended[w]}" if w in self.ended else ""
             r = self.workers.get(w)
