@@ -402,7 +402,7 @@ def test_a_token_keeps_out_workers_without_it_and_admits_those_with_it() -> None
 def test_a_session_rejected_max_rejections_times_in_a_row_is_told_to_stop_and_ends() -> None:
     """The service's own loop, one process, with a hub that records replies: session 1 pushes NaN three times;
     each is rejected (the global model stays the start), the third reply says stop with 3 rejections, and the
-    session ends as excluded."""
+    session ends as excluded (its group torn down after that reply is sent)."""
     from lightning_hdet import OuterService
     from lightning_hdet.asynchronous.messages import Push
     from tests.helpers import LinearModel
@@ -410,12 +410,13 @@ def test_a_session_rejected_max_rejections_times_in_a_row_is_told_to_stop_and_en
     class Hub:
         def __init__(self) -> None:
             self.replies: list = []
+            self.dropped: list = []
 
         def reply(self, session, header, params, buffers) -> None:
             self.replies.append(header)
 
-        def drop(self, session) -> None:
-            pass
+        def drop(self, session, flush=False) -> None:
+            self.dropped.append((session, flush))
 
     service = OuterService(LinearModel(), "127.0.0.1:0", budget=100, local_steps=2)
     service.hub = Hub()
@@ -426,5 +427,6 @@ def test_a_session_rejected_max_rejections_times_in_a_row_is_told_to_stop_and_en
         service._apply([Push(1, Kind.PUSH, 2, 1.0, 0.0, torch.full((9,), float("nan")))])
     assert [(h.next_local_steps, h.rejected) for h in service.hub.replies] == [(2, 0), (2, 1), (2, 2), (0, 3)]
     assert service.table.ended == {1: "excluded: 3 pushes in a row rejected"} and not service.table.live
+    assert service.hub.dropped == [(1, True)]  # its group goes only once the stop reply was sent
     assert torch.equal(service.outer.params, start) and service.outer.steps_done == 0
     assert service.status()["workers"]["1"]["rejected"] == 3
