@@ -79,20 +79,21 @@ def test_int8_pushes_and_bf16_pulls_improve_the_model_with_fewer_bytes(tmp_path)
 
 
 def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
-    default = AsyncLocalSGDStrategy()
-    assert (default.config["outer_momentum"], default.config["momentum_warmup"], default.config["momentum_restart"]) \
-        == (0.9, 16, 8)
+    for mode in ("async", "sync"):  # one default in both modes: "stable", lr (1 + 0.9) / (2 * (1 + 1.8))
+        config = AsyncLocalSGDStrategy(mode=mode).config
+        assert (config["outer"], config["momentum_warmup"], config["momentum_restart"]) == (None, 16, 8)
+        assert (config["outer_lr"], config["outer_momentum"]) == pytest.approx((1.9 / 5.6, 0.9))
+    assert AsyncLocalSGDStrategy(outer_momentum=0.5).config["outer_lr"] == pytest.approx(0.375)  # lr follows beta
     published = AsyncLocalSGDStrategy(outer="published", outer_momentum=0.5)
     assert (published.config["outer_lr"], published.config["outer_momentum"], published.config["momentum_warmup"]) \
         == (0.7, 0.5, 0)
-    assert AsyncLocalSGDStrategy(mode="sync").config["momentum_restart"] == 0  # DiLoCo keeps the published setting
     optimizer = AsyncLocalSGDStrategy(momentum_restart=3).outer_settings.build(
         torch.zeros(2), torch.zeros(0), workers=4, budget=None).optimizer
     assert optimizer.defaults["momentum_restart"] == 3 and optimizer.defaults["momentum_warmup"] == 16
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(outer="fast"), r"`outer` must be one of \('published', 'robust'\)"),
+    (dict(outer="fast"), r"`outer` must be one of \('stable', 'published', 'robust'\)"),
     (dict(momentum_warmup=-1), "`momentum_warmup` must be an integer >= 0, got -1"),
     (dict(momentum_restart=1.5), "`momentum_restart` must be an integer >= 0, got 1.5"),
     (dict(compression="fp8"), r"`compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\)"),

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
-from lightning_hdet.asynchronous.momentum import OUTER_PRESETS, MomentumSchedule, OuterPreset, resolve_outer
+from lightning_hdet.asynchronous.momentum import (
+    OUTER_PRESETS,
+    MomentumSchedule,
+    OuterPreset,
+    resolve_outer,
+    stable_outer_lr,
+)
 
 
 def _push(opt: DelayedNesterov, p: torch.Tensor, g: torch.Tensor) -> None:
@@ -58,12 +64,13 @@ def test_state_saved_before_schedules_resumes():
     torch.testing.assert_close(p, torch.full((2,), -3.25))
 
 
-def _round_robin(momentum: float, warmup: int, restart: int, gain: float, rounds: int, workers: int = 4) -> list[float]:
+def _round_robin(momentum: float, warmup: int, restart: int, gain: float, rounds: int, workers: int = 4,
+                 lr: float = 0.7) -> list[float]:
     """Asynchronous Local-SGD in miniature on f(x) = x^2 / 2: a round moves a worker's copy ``gain`` of the way to
     the optimum (pseudo-gradient ``gain * x_pulled``); workers push in turn, each ``workers - 1`` updates stale.
     Returns |x| after each round of pushes."""
-    x = torch.ones(1)
-    opt = DelayedNesterov([x], lr=0.7, momentum=momentum, buffer_size=workers, momentum_warmup=warmup,
+    x = torch.ones(1, dtype=torch.float64)
+    opt = DelayedNesterov([x], lr=lr, momentum=momentum, buffer_size=workers, momentum_warmup=warmup,
                           momentum_restart=restart)
     pulled = [x.clone() for _ in range(workers)]
     norms = []
@@ -78,7 +85,7 @@ def _round_robin(momentum: float, warmup: int, restart: int, gain: float, rounds
 def test_warm_up_and_restarts_stop_the_oscillation_of_stale_pushes():
     """The issue's failure in miniature: when one round goes all the way (gain 1), the published momentum 0.9 is
     still oscillating at |x| ~ 0.9 after 15 rounds (peak 1.4); the default preset's warm-up and restarts bring it
-    to 7e-4 (peak 0.26) at the same momentum."""
+    to 7e-4 (peak 0.26) at the same momentum (the preset ``"robust"``, which keeps the published lr)."""
     published = _round_robin(0.9, warmup=0, restart=0, gain=1.0, rounds=15)
     preset = OUTER_PRESETS["robust"]
     robust = _round_robin(preset.momentum, preset.warmup, preset.restart, gain=1.0, rounds=15)
@@ -90,11 +97,58 @@ def test_warm_up_and_restarts_stop_the_oscillation_of_stale_pushes():
 
 
 def test_resolve_outer_presets_and_overrides():
-    assert resolve_outer(None, "async") == OUTER_PRESETS["robust"]
-    assert resolve_outer(None, "sync") == OUTER_PRESETS["published"] == OuterPreset(0.7, 0.9, 0, 0)
-    assert resolve_outer("published", "async", momentum=0.5, restart=2) == OuterPreset(0.7, 0.5, 0, 2)
+    stable = OuterPreset(1.9 / 5.6, 0.9, 16, 8)  # (1 + 0.9) / (2 * (1 + 1.8))
+    assert resolve_outer(None) == resolve_outer("stable") == stable
+    assert resolve_outer(None, momentum=0.5) == OuterPreset(0.375, 0.5, 16, 8)  # 1.5 / (2 * 2): lr follows beta
+    assert resolve_outer(None, lr=0.2, momentum=0.5) == OuterPreset(0.2, 0.5, 16, 8)  # an explicit lr stays
+    assert resolve_outer("robust") == OuterPreset(0.7, 0.9, 16, 8)
+    assert resolve_outer("published") == OUTER_PRESETS["published"] == OuterPreset(0.7, 0.9, 0, 0)
+    assert resolve_outer("published", momentum=0.5, restart=2) == OuterPreset(0.7, 0.5, 0, 2)
     with pytest.raises(ValueError, match="`outer` must be one of"):
-        resolve_outer("fast", "async")
+        resolve_outer("fast")
+    with pytest.raises(ValueError, match="`outer_momentum`"):
+        resolve_outer(None, momentum=1.0)
+
+
+def test_stable_outer_lr_hand_computed():
+    # (1 + beta) / (2 * (1 + 2 beta)): half Nesterov's bound for pseudo-gradient Jacobian eigenvalues up to 2
+    assert [stable_outer_lr(b) for b in (0.0, 0.5, 0.9)] == pytest.approx([0.5, 0.375, 1.9 / 5.6])
+
+
+def _nesterov_on_mirror_rounds(lr: float, rounds: int = 300) -> float:
+    """DiLoCo on f(x) = x^2 / 2 when every round carries the worker to the mirror image of its start (-x, the most
+    a stable inner optimizer can do): pseudo-gradient 2 x, Nesterov SGD (Delayed Nesterov with N = 1), momentum 0.9
+    without schedule. Returns the largest |x| over the last 10 rounds."""
+    x = torch.ones(1, dtype=torch.float64)
+    opt = DelayedNesterov([x], lr=lr, momentum=0.9, buffer_size=1)
+    norms = []
+    for _ in range(rounds):
+        _push(opt, x, 2 * x)
+        norms.append(float(x.abs()))
+    return max(norms[-10:])
+
+
+def test_the_bound_behind_the_stable_lr_is_where_nesterov_diverges():
+    """Nesterov's step on eigenvalue 2 is stable iff lr < (1 + beta) / (1 + 2 beta) = 2 x stable_outer_lr(beta):
+    2 % beyond it diverges (as the published 0.7 does, 3 % beyond), 2 % within converges, the default converges
+    fast."""
+    bound = 2 * stable_outer_lr(0.9)
+    assert _nesterov_on_mirror_rounds(1.02 * bound) > 1.0
+    assert _nesterov_on_mirror_rounds(0.7) > 1e3
+    assert _nesterov_on_mirror_rounds(0.98 * bound) < 1e-3
+    assert _nesterov_on_mirror_rounds(stable_outer_lr(0.9)) < 1e-20
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(workers):
+    """Asynchronous pushes of mirror rounds (gain 2), each ``workers - 1`` pushes stale: "robust" (lr 0.7) grows
+    beyond 100 within 50 rounds per worker (211 and 5e4 measured), the default preset is below 1e-3 by then
+    (1e-6 and 5e-5) and below 1e-4 after 200 (3e-16 and 1e-5)."""
+    robust, stable = OUTER_PRESETS["robust"], resolve_outer(None)
+    diverged = _round_robin(robust.momentum, robust.warmup, robust.restart, 2.0, 50, workers, robust.lr)
+    assert diverged[-1] > 100
+    converged = _round_robin(stable.momentum, stable.warmup, stable.restart, 2.0, 200, workers, stable.lr)
+    assert converged[49] < 1e-3 and converged[-1] < 1e-4 and max(converged) < 1.0
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

@@ -12,6 +12,10 @@ can build up on stale pushes without giving it up where pushes agree:
 * **periodic restart** (arXiv 2605.28585): the momentum buffer is zeroed before every ``restart``-th momentum
   update, so an oscillation dies out within ``restart`` updates.
 
+Neither bounds the outer lr, which alone decides whether one round can be amplified (issue 42: at the published 0.7
+two workers diverged, async and DiLoCo alike): the default preset, ``"stable"``, takes the lr of
+:func:`stable_outer_lr`.
+
 Pure: no Lightning, no process groups.
 """
 
@@ -55,36 +59,62 @@ class MomentumSchedule:
 
 @dataclass(frozen=True)
 class OuterPreset:
-    """One named choice of the outer optimizer's numbers (see :data:`OUTER_PRESETS`)."""
+    """One named choice of the outer optimizer's numbers (see :data:`OUTER_PRESETS`); ``lr=None``: derived from
+    the momentum by :func:`stable_outer_lr`."""
 
-    lr: float
+    lr: Optional[float]
     momentum: float
     warmup: int
     restart: int
 
 
+def stable_outer_lr(momentum: float) -> float:
+    """The default outer lr for outer (Nesterov) momentum ``beta``: half the largest stable one,
+    ``(1 + beta) / (2 * (1 + 2 * beta))`` (0.339 at 0.9, 0.5 without momentum).
+
+    Why: a round of a stable inner optimizer moves a worker at most to the mirror image of its start (each step
+    contracts the error, possibly flipping its sign), so the pseudo-gradient's Jacobian has eigenvalues in
+    ``[0, 2]``. Nesterov's outer step on eigenvalue ``lam`` is stable iff ``lr * lam < 2 (1 + beta) / (1 + 2 beta)``,
+    i.e. for every round iff ``lr < (1 + beta) / (1 + 2 beta)``: 0.679 at 0.9, just below the published 0.7, which
+    is why two workers (the least averaging) diverged there (issue 42: BoringModel + SGD, async and DiLoCo). Half
+    of it: an asynchronous push is about one momentum update stale (Delayed Nesterov with ``N`` = workers), and
+    one step of delay halves gradient descent's stable range (``lr * lam < 1`` instead of 2); in DiLoCo the margin
+    covers rounds that overshoot further (batch-1 SGD steps with ``lr * |x|^2`` up to 3 on BoringModel). It does
+    not depend on the number of workers or ``H``: the worst round is that of one worker, at any ``H``.
+    """
+    return (1.0 + momentum) / (2.0 * (1.0 + 2.0 * momentum))
+
+
+#: ``"stable"``: the default in both modes: momentum 0.9 with the warm-up and restarts of ``"robust"`` and the
+#: outer lr of :func:`stable_outer_lr` (0.339), stable for any number of workers (docs/async.md, issue 42).
 #: ``"published"``: DiLoCo's and the asynchronous Local-SGD paper's outer Nesterov (lr 0.7, momentum 0.9).
-#: ``"robust"``: the default of ``mode="async"``, chosen from the sweep in docs/async.md: the published lr and
-#: momentum with a momentum warm-up and periodic restarts, which keep short runs from oscillating.
+#: ``"robust"``: the async default before issue 42, chosen from the sweep in docs/async.md: the published lr and
+#: momentum with a momentum warm-up and periodic restarts, which keep short runs from oscillating; it diverges
+#: with two workers on BoringModel + SGD.
 OUTER_PRESETS: dict[str, OuterPreset] = {
+    "stable": OuterPreset(lr=None, momentum=0.9, warmup=16, restart=8),
     "published": OuterPreset(lr=0.7, momentum=0.9, warmup=0, restart=0),
     "robust": OuterPreset(lr=0.7, momentum=0.9, warmup=16, restart=8),
 }
+#: The preset used when ``outer`` is not given, in both modes.
+DEFAULT_OUTER = "stable"
 
 
 def resolve_outer(
     outer: Optional[str],
-    mode: str,
     lr: Optional[float] = None,
     momentum: Optional[float] = None,
     warmup: Optional[int] = None,
     restart: Optional[int] = None,
 ) -> OuterPreset:
-    """The preset ``outer`` (default: ``"robust"`` for ``mode="async"``, ``"published"`` for DiLoCo) with every
-    explicitly given number in its place."""
-    if outer is None:
-        outer = "robust" if mode == "async" else "published"
+    """The preset ``outer`` (default :data:`DEFAULT_OUTER`, async and DiLoCo alike) with every explicitly given
+    number in its place; a preset without an lr (``"stable"``) derives it from the momentum in effect, so that an
+    explicit ``outer_momentum`` gets the lr that keeps it stable."""
+    outer = DEFAULT_OUTER if outer is None else outer
     check_choice("outer", outer, tuple(OUTER_PRESETS), hint="Or leave it unset and give the numbers explicitly.")
     given: dict[str, Any] = {"lr": lr, "momentum": momentum, "warmup": warmup, "restart": restart}
     settings = {**asdict(OUTER_PRESETS[outer]), **{k: v for k, v in given.items() if v is not None}}
+    if settings["lr"] is None:
+        check_number("outer_momentum", settings["momentum"], 0.0, 1.0, high_open=True)
+        settings["lr"] = stable_outer_lr(settings["momentum"])
     return OuterPreset(**settings)

@@ -162,7 +162,7 @@ class OuterSettings:
     dynamic_local_steps: bool = True
     grace_period: float = 0.0
     speed_smoothing: float = 0.5
-    #: The named outer settings (``None``: ``"robust"`` in async mode, ``"published"`` in sync mode); the explicit
+    #: The named outer settings (``None``: ``"stable"``, in both modes); the explicit
     #: ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart`` replace its numbers.
     outer: str | None = None
     momentum_warmup: int | None = None
@@ -191,7 +191,7 @@ class OuterSettings:
     @property
     def preset(self) -> OuterPreset:
         """The outer numbers in effect: the named preset with the explicitly given ones in their place."""
-        return resolve_outer(self.outer, self.mode, self.outer_lr, self.outer_momentum, self.momentum_warmup,
+        return resolve_outer(self.outer, self.outer_lr, self.outer_momentum, self.momentum_warmup,
                              self.momentum_restart)
 
     def numbers(self) -> dict[str, float]:

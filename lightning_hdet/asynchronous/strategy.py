@@ -58,9 +58,11 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     Args:
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
-        outer: ``"robust"`` (async default: momentum warm-up and restarts) or ``"published"`` (sync default), see
-            ``docs/async.md``; ``outer_lr``/``outer_momentum`` (0.7/0.9) and ``momentum_warmup``/``momentum_restart``
-            (momentum updates to ramp up over / between restarts; 0: none), when given, replace its numbers.
+        outer: ``"stable"`` (default, both modes: momentum 0.9 with warm-up and restarts, outer lr 0.339 derived
+            from the momentum so that no round is amplified), ``"published"`` (the papers' 0.7 / 0.9) or
+            ``"robust"`` (0.7 / 0.9 with warm-up and restarts), see ``docs/async.md``; ``outer_lr``/
+            ``outer_momentum`` and ``momentum_warmup``/``momentum_restart`` (momentum updates to ramp up over /
+            between restarts; 0: none), when given, replace its numbers.
         delayed_nesterov: async only; Delayed Nesterov (True) or plain Nesterov SGD (False).
         buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
         momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
