@@ -743,3 +743,28 @@ def test_a_part_run_by_make_bench_stamps_the_command_the_docs_check_accepts(monk
         monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / part.script), *part.command()[2:]])
         assert common.this_command() == shlex.join(part.command()) in commands(full=True)
         assert (common.this_command() in commands(full=False)) == (not part.full)
+
+
+def test_comm_bytes_table_divides_each_arm_by_diloco_f32_at_its_link_and_by_ddp_bytes():
+    """Hand-made records: DiLoCo int8 at loss 2.2 against DiLoCo f32's 2.0 at the same link is 1.1; its 1 MiB
+    against DDP's 8 MiB is 0.125; DDP's loss is divided by DiLoCo f32 on loopback."""
+    import argparse
+
+    from benchmarks.comm_bytes import table
+
+    runs = {
+        "ddp @ 0": {"arm": "ddp", "link": 0.0, "seeds": {0: {"loss": 1.5, "bytes": 8 * 2**20, "wall_s": 5.0}}},
+        "diloco f32 @ 0": {"arm": "diloco f32", "link": 0.0,
+                           "seeds": {0: {"loss": 2.0, "bytes": 4 * 2**20, "wall_s": 6.0}}},
+        "diloco f32 @ 1e+06": {"arm": "diloco f32", "link": 1e6,
+                               "seeds": {0: {"loss": 2.0, "bytes": 4 * 2**20, "wall_s": 9.0}}},
+        "diloco int8 @ 1e+06": {"arm": "diloco int8", "link": 1e6,
+                                "seeds": {0: {"loss": 2.2, "bytes": 2**20, "wall_s": 7.0}}},
+    }
+    args = argparse.Namespace(links=[0.0, 1e6], workload="tabular", workers=4, steps=20, local_steps=5, lr=3e-3,
+                              batch_size=16)
+    rows = {line.split(" | ")[0].lstrip("| ") + " " + line.split(" | ")[1]: line.split(" | ")
+            for line in table(runs, args).splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows["ddp loopback"][3:6] == ["0.75", "8.0", "1"]
+    assert rows["diloco int8 1e+06 bit/s"][3:6] == ["1.1", "1.0", "0.125"]
+    assert rows["diloco f32 1e+06 bit/s"][3:6] == ["1", "4.0", "0.5"]
