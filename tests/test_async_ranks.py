@@ -1,0 +1,154 @@
+"""Workers of several ranks (``ranks_per_worker``): the rank layout and its checks in one process, and 4
+processes as 2 workers x 2 ranks through Lightning's Trainer (gloo, fork), async and DiLoCo."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_hdet  # noqa: F401  (registers the strategies)
+from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet.asynchronous.messages import Kind, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport, WorkerRanks
+from lightning_hdet.asynchronous.transport import WorkerTransport
+from tests.helpers import START, flat_params
+from tests.test_async_local_sgd import Regression
+
+
+def test_rank_layout_consecutive_ranks_per_worker():
+    layout = [WorkerRanks(8, 4, r) for r in range(8)]  # 2 nodes x 4 GPUs: one worker per node
+    assert [w.worker for w in layout] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [w.leader for w in layout] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert [r for r, w in enumerate(layout) if w.is_leader] == [0, 4]
+    assert layout[5].workers == 2 and layout[5].ranks_of(1) == [4, 5, 6, 7]
+    assert WorkerRanks(6, 1, 5).worker == 5 and WorkerRanks(6, 1, 5).is_leader  # one rank per worker: as before
+    assert layout[6].describe() == "worker 1 (ranks 4-7, on rank 6)"
+
+
+@pytest.mark.parametrize(("k", "devices", "match"), [
+    (3, 4, "does not divide the world size 4"),
+    (4, 4, "makes 1 worker of 4 ranks"),
+    (0, 4, "must be an integer >= 1"),
+    (2.0, 4, "must be an integer >= 1"),
+])
+def test_bad_ranks_per_worker_refused_before_process_groups(k, devices, match):
+    with pytest.raises(ValueError, match=f"ranks_per_worker={k}.*{match}"):
+        Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=k), accelerator="cpu", devices=devices, logger=False)
+
+
+def test_workers_counted_not_ranks():
+    strategy = AsyncLocalSGDStrategy(ranks_per_worker=2, buffer_size=2)
+    Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
+    assert strategy.config["workers"] == 2 and strategy.config["ranks_per_worker"] == 2
+    with pytest.raises(ValueError, match="buffer_size=3"):  # N is checked against the workers, not the ranks
+        Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=2, buffer_size=3), accelerator="cpu", devices=4,
+                logger=False)
+    with pytest.raises(ValueError, match="ddp_comm_hook"):  # nothing to hook with one rank per worker
+        AsyncLocalSGDStrategy(ddp_comm_hook=lambda *a: None)
+
+
+class _Server(WorkerTransport):
+    """The leader's own transport to the server, in memory."""
+
+    def __init__(self, reply: ServerHeader, model: torch.Tensor) -> None:
+        self.reply, self.model, self.pushed = reply, model, []
+
+    def push(self, header, messages, buffers, inner_state):
+        self.pushed.append((header, [m.clone() for m in messages]))
+
+    def pull(self, into):
+        if self.reply.next_local_steps > 0:
+            into.copy_(self.model)
+        return self.reply
+
+
+class _Group:
+    """Two ranks' collectives, run one rank after the other: the leader's broadcasts are queued for the follower,
+    and the max-reduce keeps the largest value seen (the follower reports first here)."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+        self.largest = -1.0
+
+    def leader_broadcast(self, t):
+        self.sent.append(t.clone())
+
+    def follower_broadcast(self, t):
+        t.copy_(self.sent.pop(0))
+
+    def max_reduce(self, t):
+        self.largest = max(self.largest, float(t[0]))
+        t.fill_(self.largest)
+
+
+@pytest.mark.parametrize("steps", [5, 0])
+def test_leader_pushes_once_with_the_slowest_time_and_hands_the_reply_on(steps):
+    group, model = _Group(), torch.arange(4.0)
+    server = _Server(ServerHeader(steps, 7, 1), model)
+    leader = LeaderTransport(server, group.leader_broadcast, group.max_reduce)
+    follower = FollowerTransport(group.follower_broadcast, group.max_reduce)
+    never_read = iter(lambda: pytest.fail("a follower's pseudo-gradient is read"), None)
+    follower.push(WorkerHeader(Kind.PUSH, 3, 2.5, 0.0, 0), never_read, None, None)
+    leader.push(WorkerHeader(Kind.PUSH, 3, 1.0, 0.0, 0), iter([torch.ones(2)]), None, None)
+    assert len(server.pushed) == 1 and server.pushed[0][0].compute_s == 2.5  # the worker's slowest rank
+    mine, theirs = torch.zeros(4), torch.full((4,), -1.0)
+    assert leader.pull(mine) == follower.pull(theirs) == ServerHeader(steps, 7, 1)
+    expected = model if steps else torch.full((4,), -1.0)  # a stop reply carries no model
+    assert torch.equal(theirs, expected) and not group.sent
+
+
+class _Steps(Callback):
+    """Each rank records its parameters after every inner step, by its worker's inner-step count."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.params = out, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.params[trainer.strategy.inner_steps] = flat_params(pl_module)
+
+    def on_fit_end(self, trainer, pl_module):
+        s = trainer.strategy
+        torch.save({"params": self.params, "rounds": s.rounds, "inner_steps": s.inner_steps,
+                    "outer": s._outer.state_dict() if s._outer is not None else None,
+                    "val_losses": pl_module.val_losses}, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4):
+    seed_everything(0)
+    strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, ranks_per_worker=ranks_per_worker,
+                                     dynamic_local_steps=False, start_method=START)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      max_steps=max_steps, val_check_interval=4, check_val_every_n_epoch=None,
+                      num_sanity_val_steps=0, callbacks=[_Steps(tmp_path)])
+    trainer.fit(Regression())
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_two_workers_of_two_ranks(tmp_path, mode):
+    ranks = _fit(tmp_path, mode, ranks_per_worker=2, max_steps=16)
+    outer = ranks[0]["outer"]
+    assert sorted(outer["workers"]) == [0, 1]  # the server sees 2 workers, not 4 ranks
+    # each worker's ranks took the same steps and rounds; the budget counts worker steps (2 workers x 16)
+    for leader, follower in ((0, 1), (2, 3)):
+        assert ranks[leader]["inner_steps"] == ranks[follower]["inner_steps"] > 0
+        assert ranks[leader]["rounds"] == ranks[follower]["rounds"]
+        assert ranks[leader]["params"].keys() == ranks[follower]["params"].keys()
+        for step, params in ranks[leader]["params"].items():  # DDP inside: identical after every inner step
+            torch.testing.assert_close(ranks[follower]["params"][step], params, rtol=0, atol=0)
+    assert ranks[0]["inner_steps"] + ranks[2]["inner_steps"] == outer["steps_done"] == 2 * 16
+    for worker, leader in ((0, 0), (1, 2)):  # one push per round per worker (its leader's)
+        stats = outer["workers"][worker]
+        assert stats["rounds"] == len(ranks[leader]["rounds"]) - 1 and stats["steps"] == ranks[leader]["inner_steps"]
+    pushes = sum(len(ranks[r]["rounds"]) - 1 for r in (0, 2))
+    assert outer["outer_updates"] == (pushes if mode == "async" else pushes // 2)  # DiLoCo: one per pair
+    # the two workers train apart (different data) between exchanges
+    first = min(ranks[0]["params"])
+    assert not torch.equal(ranks[0]["params"][first], ranks[2]["params"][first])
+    losses = ranks[0]["val_losses"]
+    assert losses[-1] < 0.5 * losses[0], losses  # it learns
