@@ -58,9 +58,9 @@ class WorkerRanks:
     rank: int
 
     def __post_init__(self) -> None:
-        check_ranks_per_worker(self.ranks_per_worker, self.world_size)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
+        check_ranks_per_worker(self.ranks_per_worker)
+        if self.world_size % self.ranks_per_worker:  # the strategy refused it before any process group
+            raise ValueError(f"{self.ranks_per_worker} ranks per worker do not divide {self.world_size} ranks")
 
     @property
     def workers(self) -> int:
