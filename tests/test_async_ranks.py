@@ -1,6 +1,7 @@
 """Workers of several ranks (``ranks_per_worker``): the rank layout and its checks in one process, and 4
 processes as 2 workers x 2 ranks through Lightning's Trainer (gloo, fork), async and DiLoCo."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from lightning_hdet import AsyncLocalSGDStrategy
 from lightning_hdet.asynchronous.messages import Kind, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport, WorkerRanks
 from lightning_hdet.asynchronous.transport import WorkerTransport
-from tests.helpers import START, flat_params
+from tests.helpers import START, LinearModel, flat_params, load_ranks, trainer_kwargs
 from tests.test_async_local_sgd import Regression
 
 
@@ -152,3 +153,56 @@ def test_two_workers_of_two_ranks(tmp_path, mode):
     assert not torch.equal(ranks[0]["params"][first], ranks[2]["params"][first])
     losses = ranks[0]["val_losses"]
     assert losses[-1] < 0.5 * losses[0], losses  # it learns
+
+
+class _InnerStates(Callback):
+    """Each rank records its inner optimizer state at the start of training and writes a checkpoint at the end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = copy.deepcopy(trainer.optimizers[0].state_dict())
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.out / "end.ckpt")
+        torch.save({"start": self.start, "end": trainer.optimizers[0].state_dict()},
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _fit_adam(out: Path, ranks_per_worker: int, max_steps: int, ckpt_path: str | None = None):
+    seed_everything(0)
+    out.mkdir(parents=True)
+    strategy = AsyncLocalSGDStrategy(local_steps=2, mode="sync", ranks_per_worker=ranks_per_worker,
+                                     start_method=START)
+    trainer = Trainer(strategy=strategy, callbacks=[_InnerStates(out)], **trainer_kwargs(
+        devices=4, max_steps=max_steps, enable_checkpointing=True, default_root_dir=out))
+    trainer.fit(LinearModel(optimizer="adam", n_train=64, batch_size=8), ckpt_path=ckpt_path)
+    return load_ranks(out, 4)
+
+
+def _same_state(a, b) -> None:
+    torch.testing.assert_close(a["state"], b["state"], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_per_worker_and_resume_with_another_layout(tmp_path):
+    ranks = _fit_adam(tmp_path / "a", 2, max_steps=6)
+    path = tmp_path / "a" / "end.ckpt"
+    files = sorted(p.name for p in (tmp_path / "a").glob("end.ckpt.worker*.pt"))
+    assert files == ["end.ckpt.worker0.pt", "end.ckpt.worker1.pt"]  # one file per worker, by its leader
+    for worker, worker_ranks in ((0, (0, 1)), (1, (2, 3))):
+        own = torch.load(f"{path}.worker{worker}.pt", weights_only=True)["optimizer"]
+        for r in worker_ranks:
+            _same_state(own, ranks[r]["end"])
+    assert not torch.equal(ranks[0]["end"]["state"][0]["exp_avg"], ranks[2]["end"]["state"][0]["exp_avg"])
+    # resumed as 2 x 2: every rank of a worker from its worker's file
+    resumed = _fit_adam(tmp_path / "b", 2, max_steps=8, ckpt_path=str(path))
+    for r in range(4):
+        _same_state(resumed[r]["start"], ranks[r]["end"])
+    # resumed as 4 workers of one rank: workers 0 and 1 (ranks 0, 1) have files; workers 2 and 3 start from rank 0's
+    resumed = _fit_adam(tmp_path / "c", 1, max_steps=8, ckpt_path=str(path))
+    _same_state(resumed[1]["start"], ranks[2]["end"])
+    for r in (0, 2, 3):
+        _same_state(resumed[r]["start"], ranks[0]["end"])
+    assert all(bool(torch.isfinite(r["end"]["state"][0]["exp_avg"]).all()) for r in resumed)
