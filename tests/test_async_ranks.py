@@ -101,6 +101,29 @@ def test_leader_pushes_once_with_the_slowest_time_and_hands_the_reply_on(steps):
     assert torch.equal(theirs, expected) and not group.sent
 
 
+def _held_bytes(exchange, module, inner_optimizer) -> int:
+    """Bytes of the tensors rank 0's exchange holds (outer state, server, worker, transports), each storage once;
+    the model and the inner optimizer (the user's, as under DDP) excluded."""
+    seen, storages, total, stack = set(), set(), 0, [exchange]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is module or obj is inner_optimizer:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith(("lightning_hdet", "torch.optim")) and hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return total
+
+
 class _Steps(Callback):
     """Each rank records its parameters after every inner step, by its worker's inner-step count."""
 
@@ -114,35 +137,39 @@ class _Steps(Callback):
         s = trainer.strategy
         torch.save({"params": self.params, "rounds": s.rounds, "inner_steps": s.inner_steps,
                     "outer": s._outer.state_dict() if s._outer is not None else None,
-                    "val_losses": pl_module.val_losses}, self.out / f"rank{trainer.global_rank}.pt")
+                    "val_losses": pl_module.val_losses, "final": flat_params(pl_module),
+                    "held": _held_bytes(s._exchange, pl_module, trainer.optimizers[0])},
+                   self.out / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4):
+def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
+    # plain averaging outer step (Local SGD): what is under test is the workers' ranks, not the outer optimizer
     strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, ranks_per_worker=ranks_per_worker,
-                                     dynamic_local_steps=False, start_method=START)
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
+                                     outer_lr=1.0, outer_momentum=0.0, dynamic_local_steps=False, start_method=START)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=4, check_val_every_n_epoch=None,
                       num_sanity_val_steps=0, callbacks=[_Steps(tmp_path)])
     trainer.fit(Regression())
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_two_workers_of_two_ranks(tmp_path, mode):
-    ranks = _fit(tmp_path, mode, ranks_per_worker=2, max_steps=16)
+    ranks = _fit(tmp_path, mode, ranks_per_worker=2, max_steps=40)
     outer = ranks[0]["outer"]
     assert sorted(outer["workers"]) == [0, 1]  # the server sees 2 workers, not 4 ranks
-    # each worker's ranks took the same steps and rounds; the budget counts worker steps (2 workers x 16)
+    # each worker's ranks took the same steps and rounds; the budget counts worker steps (2 workers x 40)
     for leader, follower in ((0, 1), (2, 3)):
         assert ranks[leader]["inner_steps"] == ranks[follower]["inner_steps"] > 0
         assert ranks[leader]["rounds"] == ranks[follower]["rounds"]
         assert ranks[leader]["params"].keys() == ranks[follower]["params"].keys()
         for step, params in ranks[leader]["params"].items():  # DDP inside: identical after every inner step
             torch.testing.assert_close(ranks[follower]["params"][step], params, rtol=0, atol=0)
-    assert ranks[0]["inner_steps"] + ranks[2]["inner_steps"] == outer["steps_done"] == 2 * 16
+    assert ranks[0]["inner_steps"] + ranks[2]["inner_steps"] == outer["steps_done"] == 2 * 40
     for worker, leader in ((0, 0), (1, 2)):  # one push per round per worker (its leader's)
         stats = outer["workers"][worker]
         assert stats["rounds"] == len(ranks[leader]["rounds"]) - 1 and stats["steps"] == ranks[leader]["inner_steps"]
@@ -151,8 +178,28 @@ def test_two_workers_of_two_ranks(tmp_path, mode):
     # the two workers train apart (different data) between exchanges
     first = min(ranks[0]["params"])
     assert not torch.equal(ranks[0]["params"][first], ranks[2]["params"][first])
-    losses = ranks[0]["val_losses"]
-    assert losses[-1] < 0.5 * losses[0], losses  # it learns
+    # it learns: the global model every rank ends with, against the initial model, on the whole task
+    data = Regression().data
+    seed_everything(0)
+    start, end = flat_params(Regression()), ranks[0]["final"]
+    for r in ranks[1:]:
+        torch.testing.assert_close(r["final"], end, rtol=0, atol=0)
+    assert _mse(end, data) < 0.2 * _mse(start, data)
+
+
+def _mse(params: torch.Tensor, data: TensorDataset) -> float:
+    x, y = data.tensors
+    return float(nn.functional.mse_loss(x.double() @ params[:8, None] + params[8], y.double()))
+
+
+@pytest.mark.timeout(300)
+def test_rank_zero_holds_what_it_holds_with_one_rank_per_worker(tmp_path):
+    """Rank 0's exchange (outer state, server, its worker) holds the same tensors for 2 workers of 2 ranks as for 2
+    workers of one rank: nothing on rank 0 grows with the ranks (docs/async.md, "Rank 0's memory")."""
+    two_by_two = _fit(tmp_path / "a", "sync", ranks_per_worker=2, max_steps=8)
+    two_by_one = _fit(tmp_path / "b", "sync", ranks_per_worker=1, max_steps=8, devices=2)
+    model_bytes = 4 * 9
+    assert two_by_two[0]["held"] == two_by_one[0]["held"] >= 3 * model_bytes  # global params, momentum, pulled
 
 
 class _InnerStates(Callback):
