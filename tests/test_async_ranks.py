@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy

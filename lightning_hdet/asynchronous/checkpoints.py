@@ -95,7 +95,8 @@ class WorkerCheckpoints(RankGroups):
         else:
             if worker:
                 log.warning("%s: the checkpoint has no inner optimizer state of this worker (no file %s);"
-                            " it starts from rank 0's", self.worker_ranks.describe(), worker_file("<checkpoint>", worker))
+                            " it starts from rank 0's", self.worker_ranks.describe(),
+                            worker_file("<checkpoint>", worker))
             super().load_optimizer_state_dict(checkpoint)
 
     def restore_worker(self, worker: Worker) -> None:

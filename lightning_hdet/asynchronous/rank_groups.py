@@ -50,7 +50,8 @@ class RankGroups(LocalCollectivesStrategy):
         timeout = strategy_timeout(self)
         for worker in range(ranks.workers):
             members = ranks.ranks_of(worker)
-            groups = (dist.new_group(members, timeout=timeout), dist.new_group(members, timeout=timeout, backend="gloo"))
+            groups = (dist.new_group(members, timeout=timeout),
+                      dist.new_group(members, timeout=timeout, backend="gloo"))
             if worker == ranks.worker:
                 self._worker_groups = groups
         assert self._worker_groups is not None
