@@ -33,6 +33,7 @@ class Dump(Callback):
     def on_fit_end(self, trainer, pl_module):
         s = trainer.strategy
         outer = s._outer.state_dict() if getattr(s, "_outer", None) is not None else None
+        result = getattr(s, "result", None)
         torch.save(
             {
                 "rounds": getattr(s, "rounds", None),
@@ -42,6 +43,8 @@ class Dump(Callback):
                 "val_losses": getattr(pl_module, "val_losses", []),
                 "val_samples": getattr(pl_module, "val_samples", []),
                 "progress": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+                "result": result.to_dict() if result is not None else None,
+                "summary": result.summary() if result is not None else None,
             },
             self.out / f"rank{trainer.global_rank}.pt",
         )
@@ -144,8 +147,19 @@ def test_async_heterogeneous_dynamic_local_steps(tmp_path):
         assert f"async/worker3/{key}" in final
     _assert_same_params(ranks)
     torch.testing.assert_close(ranks[0]["params"], outer["params"])
-    # the progress bar shows the outer-update count and the slowest worker (rank 3)
+    # the progress bar shows the outer-update count, the slowest worker (rank 3) and the shared budget's progress
     assert ranks[0]["progress"]["async/slowest"] == 3.0 and ranks[0]["progress"]["async/outer_updates"] >= 1
+    assert 0 < ranks[0]["progress"]["async/budget_done"] <= 1
+    # the end-of-run result (rank 0 only): what each worker did, matching each worker's own count
+    result = ranks[0]["result"]
+    assert all(r["result"] is None for r in ranks[1:])
+    assert (result["mode"], result["budget"], result["steps_done"]) == ("async", 160, 160)
+    assert result["outer_updates"] == outer["outer_updates"] and result["ended"] == {}
+    for w in range(4):
+        assert result["workers"][str(w)]["steps"] == ranks[w]["inner_steps"]
+        assert result["workers"][str(w)]["rounds"] == len(ranks[w]["rounds"]) - 1  # every exchange but the hello
+        assert result["workers"][str(w)]["rejected"] == 0 and result["workers"][str(w)]["push_bytes"] > 0
+    assert ranks[0]["summary"].startswith("Async Local-SGD result: 160 inner steps of a budget of 160 over 4 worker(s)")
 
 
 @pytest.mark.timeout(150)

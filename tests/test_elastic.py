@@ -291,6 +291,31 @@ def test_a_frozen_worker_expires_and_diloco_continues_with_the_live_set(tmp_path
     assert result["steps_done"] == 96 and result["finite"] and result["final_loss"] < result["initial_loss"]
 
 
+@pytest.mark.parametrize("freeze_at", ["join", "pull"])
+def test_a_worker_frozen_while_joining_or_pulling_expires_and_the_other_finishes(tmp_path: Path, freeze_at: str) -> None:
+    """A worker that SIGSTOPs itself as it is about to meet the service (registered, its heartbeat started) or to
+    pull its first reply: the service's loop never waits on it (it meets and answers each worker on that session's
+    own threads), so its lease expires and DiLoCo finishes the budget with the other worker. Before, the service's
+    side of the meeting waited on the store connection the heartbeat reads share, and a reply waited for the frozen
+    worker to receive it: no lease could expire until ``timeout_s`` (30 minutes by default) had passed."""
+    address = f"127.0.0.1:{free_port()}"
+    server = launch("server", tmp_path / "server.json", "--address", address, "--budget", "48", "--mode", "sync",
+                    "--lease-s", "3")
+    frozen = launch("worker", tmp_path / "frozen.json", "--address", address, "--freeze-at", freeze_at)
+    try:
+        worker = launch("worker", tmp_path / "w.json", "--address", address, "--step-s", "0.02")
+        assert _finish([worker, server]) == [0, 0]
+    finally:
+        frozen.kill()
+    result = json.loads((tmp_path / "server.json").read_text())
+    assert sorted(result["ended"].values()) == ["expired", "left"]
+    assert result["steps_done"] == 48 and result["finite"] and result["final_loss"] < result["initial_loss"]
+    # the service's end-of-run summary says what each session did and why it ended
+    lines = result["summary"].splitlines()
+    assert lines[0].startswith("DiLoCo result: 48 inner steps of a budget of 48 over ")
+    assert any(line.endswith("; expired") for line in lines) and any(line.endswith("; left") for line in lines)
+
+
 @pytest.mark.timeout(600)
 def test_the_service_validates_the_global_model_and_stops_every_worker_early(tmp_path: Path) -> None:
     """Validation and early stopping in one place: the service evaluates the global model every 2 outer updates and
@@ -314,6 +339,24 @@ def test_the_service_validates_the_global_model_and_stops_every_worker_early(tmp
     for i in (1, 2):  # both workers trained, then left on the stop reply
         assert json.loads((tmp_path / f"w{i}.json").read_text())["inner_steps"] > 0
     assert sorted(result["ended"].values()) == ["left", "left"]
+
+
+def test_the_service_gives_up_waiting_for_a_worker_whose_session_ended_before_it_met_the_service() -> None:
+    """One process: a session registered whose worker never meets the service (frozen between registering and
+    meeting). Its receiving thread waits in short checks, not inside gloo's rendezvous, so once the session is dropped
+    (its lease ran out) the thread ends with nothing put in the inbox: no thread is left behind on a frozen worker."""
+    import threading
+
+    from lightning_hdet.asynchronous.elastic.hub import SessionHub
+    from lightning_hdet.asynchronous.messages import Fragments
+
+    hub = SessionHub("127.0.0.1:0", {}, next_id=1, timeout=600.0, n_buffers=0, layout=Fragments([(2,)], "none"))
+    hub.attach(1)
+    receiving = next(t for t in threading.enumerate() if t.name == "elastic-session-1")
+    hub.drop(1)
+    hub.close()
+    receiving.join(timeout=30)  # a hang detector: it ends within a few MEET_POLL_S, not after the 600 s timeout
+    assert not receiving.is_alive() and hub.inbox.empty()
 
 
 def test_a_token_keeps_out_workers_without_it_and_admits_those_with_it() -> None:

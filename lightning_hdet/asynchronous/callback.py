@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_hdet.records import log_report_figures
@@ -24,7 +25,8 @@ def _async_strategy(trainer: pl.Trainer) -> AsyncLocalSGDStrategy | None:
 
 class AsyncLogging(Callback):
     """What the async strategy shows: the outer-update count and the slowest worker in the progress bar, its
-    settings in the run config (``async/...``), and at the end of fit the per-worker figures in W&B."""
+    settings in the run config (``async/...``), and at the end of fit the run's summary (what every worker did)
+    and the per-worker figures in W&B."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -43,11 +45,17 @@ class AsyncLogging(Callback):
         pl_module.log("async/outer_updates", float(strategy.outer_updates), prog_bar=True, logger=False,
                       rank_zero_only=True)
         pl_module.log("async/slowest", float(slowest), prog_bar=True, logger=False, rank_zero_only=True)
+        result = strategy.result
+        if result is not None and result.budget:  # the shared budget, which ends the run (not this worker's steps)
+            pl_module.log("async/budget_done", result.steps_done / result.budget, prog_bar=True, logger=False,
+                          rank_zero_only=True)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = _async_strategy(trainer)
         if trainer.is_global_zero and strategy is not None:
+            if strategy.result is not None:
+                rank_zero_info(strategy.result.summary())
             log_report_figures(trainer, strategy.report)
 
     @override

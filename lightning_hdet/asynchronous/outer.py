@@ -58,6 +58,15 @@ class WorkerStats:
     rejected: int = 0
     rejected_steps: int = 0
     rejected_streak: int = 0
+    #: Seconds computing and waiting on the exchange, summed over its rounds (``compute_s``/``wait_s``: the latest).
+    total_compute_s: float = 0.0
+    total_wait_s: float = 0.0
+
+    def time(self, compute_s: float, wait_s: float) -> None:
+        """Record a push's round: its seconds computing and waiting (the latest, and summed)."""
+        self.compute_s, self.wait_s = compute_s, wait_s
+        self.total_compute_s += compute_s
+        self.total_wait_s += wait_s
 
 
 class StepPolicy(Protocol):
@@ -317,7 +326,7 @@ class OuterState:
         with self.lock:
             stats = self.workers.setdefault(push.worker, WorkerStats())
             stats.in_flight = 0
-            stats.compute_s, stats.wait_s = push.compute_s, push.wait_s
+            stats.time(push.compute_s, push.wait_s)
             stats.push_bytes += push.payload_bytes
             stats.rejected += 1
             stats.rejected_steps += push.steps
@@ -376,7 +385,7 @@ class OuterState:
     def _record(self, push: Push) -> None:
         stats = self.workers.setdefault(push.worker, WorkerStats())
         stats.in_flight = 0
-        stats.compute_s, stats.wait_s = push.compute_s, push.wait_s
+        stats.time(push.compute_s, push.wait_s)
         stats.push_bytes += push.payload_bytes
         if push.inner_state is not None:
             self.inner_states[push.worker] = push.inner_state

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Optional
+
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.outer import OuterState
+from lightning_hdet.asynchronous.result import AsyncResult, make_async_result
+
+
+def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None) -> AsyncResult:
+    """What the run behind ``outer`` did so far (one consistent read)."""
+    with outer.lock:
+        workers = {w: dict(vars(s)) for w, s in outer.workers.items()}
+        return make_async_result(outer.step_policy.mode, outer.budget, outer.steps_done, outer.outer_updates, workers,
+                                 ended)
 
 
 class ExchangeReadouts:
@@ -35,3 +47,9 @@ class ExchangeReadouts:
         """Per-worker progress as the outer optimizer saw it (rank 0 only; empty elsewhere): inner ``steps``,
         completed ``rounds``, ``local_steps`` of the next round, ``steps_per_s``, ``staleness``."""
         return self._outer.worker_stats() if self._outer is not None else {}
+
+    @property
+    def result(self) -> AsyncResult | None:
+        """Rank 0, during and after ``fit``: what every worker did (its :meth:`~.result.AsyncResult.summary` is
+        printed at the end of ``fit``); ``None`` on the other ranks and before the first ``fit``."""
+        return outer_result(self._outer) if self._outer is not None else None

@@ -4,7 +4,8 @@
 ``worker``: one Lightning job (``devices=1``) with ElasticWorkerStrategy; ``--die-after N`` SIGKILLs (``--die-by
 term``: SIGTERMs, as a preempted spot machine is told) itself in the
 middle of its round after N exchanges; ``--step-s`` paces each step (so that the others are mid-run when it dies);
-``--nan-from N``: its loss is NaN from its step N on (a worker gone bad).
+``--nan-from N``: its loss is NaN from its step N on (a worker gone bad); ``--freeze-at join|pull`` SIGSTOPs
+itself (heartbeats too) as it is about to meet the service after registering, or to pull its first reply.
 """
 
 import argparse
@@ -116,11 +117,27 @@ def server(args: argparse.Namespace) -> None:
     final = val_loss(model)["val_loss"]
     Path(args.out).write_text(json.dumps({
         "initial_loss": initial, "final_loss": final, "finite": bool(torch.isfinite(model.layer.weight).all()),
-        "wall_s": time.perf_counter() - start, **service.status()}))
+        "wall_s": time.perf_counter() - start, "summary": service.result.summary(), **service.status()}))
+
+
+def freeze_before(owner: object, name: str) -> None:
+    """SIGSTOP this process (every thread, its heartbeats too) when ``owner.name`` is next called."""
+    original = getattr(owner, name)
+
+    def frozen(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return original(*args, **kwargs)
+    setattr(owner, name, frozen)
 
 
 def worker(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    if args.freeze_at == "join":
+        from lightning_hdet.asynchronous.elastic import membership
+        freeze_before(membership, "session_group")
+    elif args.freeze_at == "pull":
+        from lightning_hdet.asynchronous.elastic.transport import SessionWorkerTransport
+        freeze_before(SessionWorkerTransport, "pull")
     model = NaNFrom()
     model.nan_from = args.nan_from
     strategy = ElasticWorkerStrategy(args.address, reconnect_s=args.reconnect_s, heartbeat_s=0.5)
@@ -151,6 +168,7 @@ if __name__ == "__main__":
     parser.add_argument("--die-by", choices=("kill", "term"), default="kill")
     parser.add_argument("--kill-at-step", type=int, default=0)
     parser.add_argument("--nan-from", type=int, default=0)
+    parser.add_argument("--freeze-at", choices=("join", "pull"), default=None)
     parser.add_argument("--reconnect-s", type=float, default=60.0)
     parser.add_argument("--stop-below", type=float, default=0.0)
     parser.add_argument("--start-method", default="popen", choices=("popen", "spawn", "fork"))  # of `single`

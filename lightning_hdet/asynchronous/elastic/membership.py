@@ -71,6 +71,13 @@ def verdict_key(session: int) -> str:
     return f"elastic/verdict/{session}"
 
 
+def meet_key(session: int) -> str:
+    """Set by a worker just before it meets the service in the session's group: until then the service's side waits
+    in short checks it can give up (a worker frozen between registering and meeting must not hold a thread inside
+    gloo's rendezvous, which only ends after ``timeout_s``)."""
+    return f"elastic/meet/{session}"
+
+
 def token_proof(token: str, session: int) -> str:
     """What a worker with ``token`` writes for ``session``: an HMAC of the session id (useless for another one)."""
     return hmac.new(token.encode(), f"lightning_hdet.elastic/{session}".encode(), hashlib.sha256).hexdigest()
@@ -106,6 +113,12 @@ class StoreHost:
                                    timeout=timedelta(seconds=timeout), master_listen_fd=self._socket.fileno())
         self.store.set(_CONFIG, json.dumps(config))
         self.store.add(_COUNTER, next_id - 1)  # the next registration gets next_id
+
+    def client(self, timeout: float) -> dist.TCPStore:
+        """A connection of its own to this store. Why: a store object serializes its calls, so one session's group
+        rendezvous (a blocking wait for a worker that may be frozen) on the shared connection would stall the
+        service's heartbeat reads, and with them every lease."""
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout))
 
     def proof(self, session: int) -> str | None:
         """What ``session``'s worker wrote to prove it knows the token (``None``: nothing yet; never blocks)."""
@@ -159,6 +172,7 @@ class Registration:
                                            name=f"elastic-heartbeat-{self.session}")
         self._heartbeat.start()
         try:
+            self.store.set(meet_key(self.session), "1")
             self.group = session_group(self.store, self.session, 1, local_address_towards(host, port), timeout)
         except RuntimeError as err:  # the server went away between registering and meeting
             self._stop.set()

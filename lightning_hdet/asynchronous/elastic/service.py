@@ -33,6 +33,8 @@ from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_tok
 from lightning_hdet.asynchronous.exchange import read_model
 from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.readouts import outer_result
+from lightning_hdet.asynchronous.result import AsyncResult
 
 log = logging.getLogger(__name__)
 FORMAT = "lightning_hdet.elastic/1"
@@ -141,8 +143,7 @@ class OuterService:
                 self._evaluate()
             self.save()
             self.hub.close()
-        log.info("outer service done: %d outer updates, %d inner steps", self.outer.outer_updates,
-                 self.outer.steps_done)
+        log.info("outer service done\n%s", self.result.summary())
 
     def request_stop(self) -> None:
         """Every worker's next reply says stop (e.g. from ``evaluate``, for early stopping)."""
@@ -207,14 +208,14 @@ class OuterService:
                 log.warning("session %d refused: its worker's token does not match", session)
         return admitted
 
-    def _end(self, session: int, reason: str) -> None:
-        """End a session: its group is torn down, its in-flight steps and buffers released, parked workers
-        reconsidered (they may get its share)."""
+    def _end(self, session: int, reason: str, flush: bool = False) -> None:
+        """End a session: its group is torn down (with ``flush``, once its queued replies are sent), its in-flight
+        steps and buffers released, parked workers reconsidered (they may get its share)."""
         assert self.hub is not None
         if not self.table.end(session, reason):
             return
         log.info("session %d ended (%s); %d live", session, reason, len(self.table.live))
-        self.hub.drop(session)
+        self.hub.drop(session, flush=flush)
         self._parked.pop(session, None)
         self.outer.release(session)
         self._follow_live_set()
@@ -254,7 +255,8 @@ class OuterService:
             if push.kind == Kind.BYE:
                 self._end(push.worker, "left")
             elif self.outer.excluded(push.worker):  # told to stop: its session ends, its share goes to the others
-                self._end(push.worker, f"excluded: {self.outer.rejection_streak(push.worker)} pushes in a row rejected")
+                self._end(push.worker, f"excluded: {self.outer.rejection_streak(push.worker)} pushes in a row rejected",
+                          flush=True)
         self._follow_live_set()
         self._retry_parked()
         self._after_update()
@@ -304,6 +306,11 @@ class OuterService:
         metrics = {k: float(v) for k, v in self.evaluate(self.module).items()}
         self.evaluations.append((self.outer.outer_updates, metrics))
         log.info("evaluation at %d outer updates: %s", self.outer.outer_updates, metrics)
+
+    @property
+    def result(self) -> AsyncResult:
+        """What every session did so far, and why each ended (logged when :meth:`run` returns)."""
+        return outer_result(self.outer, self.table.ended)
 
     def status(self) -> dict[str, Any]:
         """Progress, as written beside the checkpoint (``<checkpoint>.status.json``)."""

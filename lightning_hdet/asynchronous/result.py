@@ -1,0 +1,109 @@
+"""What an async or DiLoCo run hands back: :class:`AsyncResult`, built from the outer state at the end of ``fit``
+(or of an elastic service's run), with its few-line summary and a plain-dict export. Pure: no Lightning, no
+process group.
+
+HDET prints what it found (``HDETResult``); a Local-SGD run's counterpart is what each worker did: its inner steps
+and rounds, the pushes the checks rejected, the bytes it sent and the time it spent waiting on the exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One worker (a rank of the job, or a session of an elastic service) as the outer side saw it."""
+
+    #: Inner steps of its applied pushes (rejected ones not counted).
+    steps: int
+    #: Pushes applied.
+    rounds: int
+    #: Pushes the checks rejected (or that the worker discarded as non-finite), and their inner steps.
+    rejected: int
+    rejected_steps: int
+    #: Payload bytes it pushed (after compression).
+    push_bytes: int
+    #: Seconds computing and waiting on the exchange, summed over its rounds, and its measured inner steps per second.
+    total_compute_s: float
+    total_wait_s: float
+    steps_per_s: float
+
+    @classmethod
+    def from_stats(cls, stats: Mapping[str, Any]) -> WorkerRecord:
+        return cls(**{f.name: stats.get(f.name, 0) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class AsyncResult:
+    """What one async (``mode="async"``) or DiLoCo (``mode="sync"``) run did.
+
+    Attributes:
+        mode: ``"async"`` or ``"sync"``.
+        budget: inner steps summed over the workers that the run was given (``None``: none, e.g. a stop request).
+        steps_done: inner steps applied, summed over the workers.
+        outer_updates: how many times the outer optimizer stepped.
+        workers: each worker's record, by worker id (rank, or elastic session id).
+        ended: why each worker's participation ended, where known (elastic sessions: ``"left"``, ``"expired"``...).
+    """
+
+    mode: str
+    budget: Optional[int]
+    steps_done: int
+    outer_updates: int
+    workers: dict[int, WorkerRecord]
+    ended: dict[int, str]
+
+    @property
+    def rejected(self) -> int:
+        """Pushes rejected in all."""
+        return sum(w.rejected for w in self.workers.values())
+
+    @property
+    def push_bytes(self) -> int:
+        """Payload bytes pushed in all."""
+        return sum(w.push_bytes for w in self.workers.values())
+
+    def summary(self) -> str:
+        """The run in a few lines: the budget, then one line per worker (those that ended without a push too)."""
+        name = "DiLoCo" if self.mode == "sync" else "Async Local-SGD"
+        budget = f" of a budget of {self.budget}" if self.budget is not None else ""
+        lines = [f"{name} result: {self.steps_done} inner steps{budget} over {len(self.workers)} worker(s),"
+                 f" {self.outer_updates} outer updates, {self.rejected} push(es) rejected,"
+                 f" {_size(self.push_bytes)} pushed"]
+        for w in sorted(set(self.workers) | set(self.ended)):
+            ended = f"; {self.ended[w]}" if w in self.ended else ""
+            r = self.workers.get(w)
+            if r is None:  # e.g. an elastic session that ended before its first push
+                lines.append(f"  worker {w}: nothing pushed{ended}")
+                continue
+            rejected = f", {r.rejected} rejected ({r.rejected_steps} steps discarded)" if r.rejected else ""
+            lines.append(f"  worker {w}: {r.steps} steps in {r.rounds} rounds{rejected}, {_size(r.push_bytes)} pushed,"
+                         f" {r.total_compute_s:.2f} s computing, {r.total_wait_s:.2f} s waiting{ended}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON-ready; worker ids become strings), for scripts and notebooks."""
+        out = asdict(self)
+        out["workers"] = {str(w): asdict(r) for w, r in sorted(self.workers.items())}
+        out["ended"] = {str(w): reason for w, reason in sorted(self.ended.items())}
+        return out
+
+
+def make_async_result(mode: str, budget: Optional[int], steps_done: int, outer_updates: int,
+                      workers: Mapping[int, Mapping[str, Any]], ended: Optional[Mapping[int, str]] = None) -> AsyncResult:
+    """The result from the outer state's per-worker statistics (``vars`` of each ``WorkerStats``)."""
+    return AsyncResult(mode, budget, int(steps_done), int(outer_updates),
+                       {int(w): WorkerRecord.from_stats(s) for w, s in workers.items()}, dict(ended or {}))
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest unit that keeps the number at least 1 (B, KiB, MiB, GiB)."""
+    value, unit = float(n), "B"
+    for next_unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
