@@ -2,11 +2,13 @@
 processes as 2 workers x 2 ranks through Lightning's Trainer (gloo, fork), async and DiLoCo."""
 
 import copy
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import EarlyStopping
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -253,3 +255,25 @@ def test_checkpoints_per_worker_and_resume_with_another_layout(tmp_path):
     for r in (0, 2, 3):
         _same_state(resumed[r]["start"], ranks[0]["end"])
     assert all(bool(torch.isfinite(r["end"]["state"][0]["exp_avg"]).all()) for r in resumed)
+
+
+@pytest.mark.timeout(300)
+def test_an_early_stop_on_rank_zero_stops_its_worker_at_the_end_of_its_round(tmp_path):
+    """EarlyStopping decides on rank 0 in the middle of a round (validation every 4 steps, rounds of 3): rank 0 must
+    not leave its worker's other rank waiting for its gradients; the worker stops, both ranks, when the round ends."""
+    seed_everything(0)
+    strategy = AsyncLocalSGDStrategy(local_steps=3, ranks_per_worker=2, dynamic_local_steps=False,
+                                     timeout=timedelta(seconds=120), start_method=START)
+    stop = EarlyStopping(monitor="val_loss", mode="max", patience=0)  # the loss falls: stops at the 2nd validation
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      max_steps=100, val_check_interval=4, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                      callbacks=[stop, _Steps(tmp_path)])
+    trainer.fit(Regression())
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    # decided at step 8 (the 2nd validation; Lightning validates once more as the loop stops), in the round of
+    # steps 7-9: rank 0 goes on to step 9 with its worker's other rank
+    assert len(ranks[0]["val_losses"]) == 3
+    assert ranks[0]["inner_steps"] == ranks[1]["inner_steps"] == 9
+    assert ranks[2]["inner_steps"] == ranks[3]["inner_steps"] < 100  # the other worker stopped at its next exchange
+    assert ranks[0]["outer"]["steps_done"] < 2 * 100
