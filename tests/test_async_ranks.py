@@ -277,3 +277,9 @@ def test_an_early_stop_on_rank_zero_stops_its_worker_at_the_end_of_its_round(tmp
     assert ranks[0]["inner_steps"] == ranks[1]["inner_steps"] == 9
     assert ranks[2]["inner_steps"] == ranks[3]["inner_steps"] < 100  # the other worker stopped at its next exchange
     assert ranks[0]["outer"]["steps_done"] < 2 * 100
+
+
+def test_a_worker_across_two_nodes_warns():
+    with pytest.warns(UserWarning, match="ranks_per_worker=3 with devices=2 per node: some workers span two nodes"):
+        Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=3), accelerator="cpu", devices=2, num_nodes=3,
+                logger=False)

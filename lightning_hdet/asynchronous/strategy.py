@@ -160,6 +160,11 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
             )
         check_ranks_per_worker(self.ranks_per_worker, world_size)
+        k, per_node = self.ranks_per_worker, self.num_processes
+        if self.num_nodes > 1 and per_node % k and k % per_node:  # a worker's per-step all-reduce crosses nodes
+            rank_zero_warn(f"ranks_per_worker={k} with devices={per_node} per node: some workers span two nodes, and"
+                           " their gradient all-reduce crosses the network every step. Use a divisor or a multiple of"
+                           f" {per_node} (ranks_per_worker={per_node}: one worker per node).")
         self.outer_settings.check_workers(self._expected_workers)
         super()._configure_launcher()
 
