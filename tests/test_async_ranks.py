@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.messages import Kind, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport, WorkerRanks
 from lightning_hdet.asynchronous.transport import WorkerTransport
@@ -283,3 +283,25 @@ def test_a_worker_across_two_nodes_warns():
     with pytest.warns(UserWarning, match="ranks_per_worker=3 with devices=2 per node: some workers span two nodes"):
         Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=3), accelerator="cpu", devices=2, num_nodes=3,
                 logger=False)
+
+
+@pytest.mark.timeout(300)
+def test_dynamic_local_steps_follow_each_workers_slowest_rank(tmp_path):
+    """Rank 3 (not a leader) is 4x slower: its worker (ranks 2, 3) gets about 1/4 of the other worker's rounds."""
+    seed_everything(0)
+    strategy = AsyncLocalSGDStrategy(local_steps=8, ranks_per_worker=2, start_method=START)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      max_steps=40, limit_val_batches=0, num_sanity_val_steps=0,
+                      callbacks=[SlowRanks({3: 4.0}, base_seconds=0.05), _Steps(tmp_path)])
+    trainer.fit(Regression())
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert ranks[0]["inner_steps"] + ranks[2]["inner_steps"] == 2 * 40
+    assert ranks[0]["inner_steps"] > 1.5 * ranks[2]["inner_steps"]
+    # the server measured worker 1 at its slow rank's pace, and gave it shorter rounds (the last ones are cut by
+    # the budget: the middle ones compare)
+    stats = ranks[0]["outer"]["workers"]
+    assert stats[1]["steps_per_s"] < 0.6 * stats[0]["steps_per_s"], stats
+    middle = {w: sorted(n for n, _ in ranks[2 * w]["rounds"][1:-2])[len(ranks[2 * w]["rounds"][1:-2]) // 2]
+              for w in (0, 1)}
+    assert middle[1] < 0.6 * middle[0], middle
