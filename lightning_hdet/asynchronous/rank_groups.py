@@ -11,14 +11,15 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_hdet._compat import strategy_timeout
+from lightning_hdet._compat import ensure_callback, set_ddp_kwarg, strategy_timeout
 from lightning_hdet._process_groups import destroy_groups
 from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
 from lightning_hdet.asynchronous.exchange import Exchange
-from lightning_hdet.asynchronous.ranks import WorkerRanks
+from lightning_hdet.asynchronous.ranks import WorkerRanks, check_ranks_per_worker
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,23 @@ class RankGroups(LocalCollectivesStrategy):
     _exchange: Exchange | None = None
     #: This rank's worker's groups: DDP's (the default backend: NCCL on GPUs) and the exchange's (``gloo``).
     _worker_groups: tuple[Any, Any] | None = None
+
+    def check_worker_layout(self) -> None:
+        """Before any process group: ``ranks_per_worker`` splits the world into workers; a worker whose ranks span
+        two nodes warns (its all-reduce crosses the network every step)."""
+        k, per_node = self.ranks_per_worker, self.num_processes
+        check_ranks_per_worker(k, self.num_nodes * per_node)
+        if self.num_nodes > 1 and per_node % k and k % per_node:
+            rank_zero_warn(f"ranks_per_worker={k} with devices={per_node} per node: some workers span two nodes, and"
+                           " their gradient all-reduce crosses the network every step. Use a divisor or a multiple of"
+                           f" {per_node} (ranks_per_worker={per_node}: one worker per node).")
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        """With several ranks per worker, attach :class:`StopAtRoundEnd` too."""
+        super().connect(model)
+        if self.ranks_per_worker > 1:
+            ensure_callback(model, StopAtRoundEnd)
 
     @property
     def worker_ranks(self) -> WorkerRanks:
@@ -55,7 +73,7 @@ class RankGroups(LocalCollectivesStrategy):
             if worker == ranks.worker:
                 self._worker_groups = groups
         assert self._worker_groups is not None
-        self._ddp_kwargs = {**self._ddp_kwargs, "process_group": self._worker_groups[0]}
+        set_ddp_kwarg(self, "process_group", self._worker_groups[0])
         DDPStrategy.configure_ddp(self)
 
     def release_worker_groups(self) -> None:

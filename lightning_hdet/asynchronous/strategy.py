@@ -39,7 +39,6 @@ from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.asynchronous.rank_groups import StopAtRoundEnd
 from lightning_hdet.asynchronous.ranks import check_ranks_per_worker
 from lightning_hdet.asynchronous.readouts import ExchangeReadouts
 from lightning_hdet.records import History
@@ -86,11 +85,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             is discarded whole and its worker restarts from the global model (``docs/failure_modes.md``).
         max_norm_ratio: a push whose norm exceeds this multiple of the recent median is rejected (10).
         max_rejections: a worker rejected this many times in a row stops; the others go on (3).
-        ranks_per_worker: ``k``, the ranks of one worker (1: each rank is a worker). ``k`` consecutive ranks (a
-            node's, under torchrun or SLURM) train one worker as DDP over its ranks (the model is wrapped in DDP
-            over them; the DDP arguments among ``kwargs`` apply there), push one pseudo-gradient per round (its
-            leader, the lowest rank, does) and receive the global model together. The world size must be a multiple
-            of ``k`` with at least 2 workers. See ``docs/async.md``, "Workers of several ranks".
+        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
+            arguments among ``kwargs`` apply there), and push once per round; 1: each rank is a worker. A divisor of
+            the world size leaving at least 2 workers; see ``docs/async.md``, "Workers of several ranks".
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -159,28 +156,19 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 f"{type(self).__name__} needs at least 2 processes (got devices={self.num_processes},"
                 f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
             )
-        check_ranks_per_worker(self.ranks_per_worker, world_size)
-        k, per_node = self.ranks_per_worker, self.num_processes
-        if self.num_nodes > 1 and per_node % k and k % per_node:  # a worker's per-step all-reduce crosses nodes
-            rank_zero_warn(f"ranks_per_worker={k} with devices={per_node} per node: some workers span two nodes, and"
-                           " their gradient all-reduce crosses the network every step. Use a divisor or a multiple of"
-                           f" {per_node} (ranks_per_worker={per_node}: one worker per node).")
+        self.check_worker_layout()
         self.outer_settings.check_workers(self._expected_workers)
         super()._configure_launcher()
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures); with
-        several ranks per worker, :class:`StopAtRoundEnd` too."""
+        """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures)."""
         super().connect(model)
         ensure_callback(model, AsyncLogging)
-        if self.ranks_per_worker > 1:
-            ensure_callback(model, StopAtRoundEnd)
 
     @override
     def configure_ddp(self) -> None:
-        """Start every worker from rank 0's parameters and buffers; DDP only inside workers of several ranks (no
-        gradient all-reduce across workers)."""
+        """Start every worker from rank 0's parameters and buffers; DDP only inside a worker of several ranks."""
         assert self.model is not None
         sync_module_states(self.model)
         self.wrap_worker_ddp()
