@@ -81,6 +81,8 @@ class RankGroups(LocalCollectivesStrategy):
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         groups, self._worker_groups = self._worker_groups, None
+        if groups is not None:  # no reference may keep a destroyed group's threads alive
+            set_ddp_kwarg(self, "process_group", None)
         destroy_groups(groups or ())
 
     @property
