@@ -4,7 +4,7 @@
 # since NCCL needs one GPU per rank; the two halves run side by side), check that they agree, and keep both
 # sets of JSON and the step times; then HDET's per-step path on the GPU over NCCL (benchmarks/sync_check.py:
 # synchronising CUDA calls per step and steps/s against DDP, float32 and bf16-mixed); with 2 GPUs, also HDET
-# vs DDP steps/s over NCCL (one process per GPU).
+# vs DDP steps/s over NCCL (one process per GPU); and a 2 x k run of workers of several ranks (async and DiLoCo).
 #   usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu_check_out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +50,17 @@ else
   echo "nccl overhead skipped: HDET vs DDP over NCCL needs 2 GPUs (one per rank); the cuda run above shares one over gloo"
 fi
 
+# Workers of several ranks (issue 42): 2 workers x k ranks (DDP inside each worker) against 2k one-rank workers and
+# DDP, async and DiLoCo. With >= 4 GPUs over NCCL, one GPU per rank (k = GPUs / 2, one "node" each); otherwise 2 x 2
+# with every rank on cuda:0 over gloo (the DDP inside a worker then runs over gloo on CUDA tensors).
+ranks_rc=0
+n_gpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+if [ "$n_gpu" -ge 4 ]; then ranks_env="BENCH_BACKEND=nccl"; k=$((n_gpu / 2)); else ranks_env="BENCH_BACKEND=gloo"; k=2; fi
+env BENCH_ACCELERATOR=cuda $ranks_env timeout 300 "$PY" benchmarks/worker_ranks.py --quick --seeds 0 \
+  --ranks-per-worker "$k" --out "$OUT_DIR/worker_ranks.json" > "$OUT_DIR/worker_ranks.log" 2>&1 || ranks_rc=$?
+grep -E '^[|]|^seed' "$OUT_DIR/worker_ranks.log" || tail -30 "$OUT_DIR/worker_ranks.log"
+[ "$ranks_rc" -eq 0 ] && echo "worker_ranks 2 x $k ok ($ranks_env)" || echo "worker_ranks 2 x $k failed (rc $ranks_rc)"
+
 "$PY" - "$OUT_DIR" <<'EOF'
 """Compare the CPU and CUDA quick runs: same final losses (up to kernel differences), and the step times."""
 import json, math, sys
@@ -78,4 +89,4 @@ if nccl.exists():
               f"repeats {runs})")
 sys.exit(0 if ok else 1)
 EOF
-exit $(( cpu_rc || cuda_rc || sync_rc ))
+exit $(( cpu_rc || cuda_rc || sync_rc || ranks_rc ))

@@ -17,7 +17,7 @@ PURE = ["hdet/layout.py", "hdet/votes.py", "hdet/blends.py", "hdet/controller.py
         "asynchronous/delayed_nesterov.py",
         "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",
         "asynchronous/compression.py", "asynchronous/checks.py", "asynchronous/elastic/sessions.py",
-        "asynchronous/result.py", "asynchronous/slow_link.py",
+        "asynchronous/result.py", "asynchronous/slow_link.py", "asynchronous/ranks.py",
         "records/history.py", "records/tensorboard.py", "hdet/result.py", "hdet/console.py", "_checks.py"]
 # Private names of Lightning / W&B objects that only lightning_hdet/_compat.py may touch.
 PRIVATE_ATTRIBUTES = {"_trainer", "_optimizer", "_timeout", "_ddp_kwargs", "_ddp_comm_hook", "_ddp_comm_wrapper",

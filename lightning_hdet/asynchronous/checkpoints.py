@@ -3,9 +3,10 @@ writes its own inner optimizer state (and its error-feedback residual) to a file
 never travel to rank 0.
 
 ``trainer.save_checkpoint(path)`` runs on every rank (Lightning's contract; ``ModelCheckpoint`` calls it on every
-rank): rank 0 writes ``path``; each rank ``r`` writes ``path.worker{r}.pt`` (:func:`worker_file`) with the state it
-holds at that moment. ``fit(ckpt_path=path)`` then gives each worker its own file back; a worker without one
-(e.g. a checkpoint its own callback did not write, or a run resumed on more workers) starts from rank 0's state.
+rank): rank 0 writes ``path``; each worker ``w`` (its leader, for a worker of several ranks: its ranks hold the same
+state) writes ``path.worker{w}.pt`` (:func:`worker_file`) with the state it holds at that moment. ``fit(ckpt_path=
+path)`` then gives each worker (every rank of it) its own file back; a worker without one (e.g. a checkpoint its own
+callback did not write, or a run resumed on more workers) starts from rank 0's state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing_extensions import override
 
 from lightning_hdet._checkpoint import read_checkpoint
 from lightning_hdet._compat import weights_only_kwargs
-from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
+from lightning_hdet.asynchronous.rank_groups import RankGroups
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.worker import Worker
 
@@ -29,12 +30,13 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "async_local_sgd"
 
 
-def worker_file(filepath: Any, rank: int) -> str:
-    """The file beside the checkpoint ``filepath`` that holds worker ``rank``'s own state."""
-    return f"{filepath}.worker{rank}.pt"
+def worker_file(filepath: Any, worker: int) -> str:
+    """The file beside the checkpoint ``filepath`` that holds ``worker``'s own state (with one rank per worker, the
+    worker is the rank)."""
+    return f"{filepath}.worker{worker}.pt"
 
 
-class WorkerCheckpoints(LocalCollectivesStrategy):
+class WorkerCheckpoints(RankGroups):
     """Checkpoint hooks of :class:`~.strategy.AsyncLocalSGDStrategy`: the outer state in rank 0's file, each
     worker's inner optimizer state and error-feedback residual in its own file (see the module docstring)."""
 
@@ -55,17 +57,18 @@ class WorkerCheckpoints(LocalCollectivesStrategy):
             # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
             checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
         super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
-        if self.optimizers and "optimizer_states" in checkpoint:  # not for weights-only checkpoints
+        ranks = self.worker_ranks
+        if self.optimizers and "optimizer_states" in checkpoint and ranks.is_leader:  # not for weights-only ones
             own: dict[str, Any] = {"optimizer": self.optimizers[0].state_dict()}
             if self._exchange is not None:
                 own["error_feedback"] = self._exchange.worker.feedback.state_dict()
-            self.checkpoint_io.save_checkpoint(own, worker_file(filepath, self.global_rank))
+            self.checkpoint_io.save_checkpoint(own, worker_file(filepath, ranks.worker))
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)  # rank 0 removes
-        own = worker_file(filepath, self.global_rank)
-        if get_filesystem(own).exists(own):
+        own = worker_file(filepath, self.worker_ranks.worker)
+        if self.worker_ranks.is_leader and get_filesystem(own).exists(own):
             self.checkpoint_io.remove_checkpoint(own)
 
     @override
@@ -73,7 +76,7 @@ class WorkerCheckpoints(LocalCollectivesStrategy):
         checkpoint = read_checkpoint(lambda: super(WorkerCheckpoints, self).load_checkpoint(
             checkpoint_path, **weights_only_kwargs(weights_only)), checkpoint_path)
         self._resume_state = checkpoint.get(CHECKPOINT_KEY)
-        own = worker_file(checkpoint_path, self.global_rank)
+        own = worker_file(checkpoint_path, self.worker_ranks.worker)
         self._resume_worker = None
         if get_filesystem(own).exists(own):
             self._resume_worker = self.checkpoint_io.load_checkpoint(own, **weights_only_kwargs(weights_only))
@@ -84,14 +87,16 @@ class WorkerCheckpoints(LocalCollectivesStrategy):
         """Each worker resumes its own inner optimizer state: the one it sent to rank 0 (with
         ``checkpoint_inner_states``), else its own file, else rank 0's."""
         sent = (checkpoint.get(CHECKPOINT_KEY) or {}).get("inner_optimizer_states") or {}
-        if self.global_rank in sent:
-            self.optimizers[0].load_state_dict(sent[self.global_rank])
+        worker = self.worker_ranks.worker
+        if worker in sent:
+            self.optimizers[0].load_state_dict(sent[worker])
         elif self._resume_worker is not None:
             self.optimizers[0].load_state_dict(self._resume_worker["optimizer"])
         else:
-            if self.global_rank:
-                log.warning("rank %d: the checkpoint has no inner optimizer state of this worker (no file %s);"
-                            " it starts from rank 0's", self.global_rank, worker_file("<checkpoint>", self.global_rank))
+            if worker:
+                log.warning("%s: the checkpoint has no inner optimizer state of this worker (no file %s);"
+                            " it starts from rank 0's", self.worker_ranks.describe(),
+                            worker_file("<checkpoint>", worker))
             super().load_optimizer_state_dict(checkpoint)
 
     def restore_worker(self, worker: Worker) -> None:

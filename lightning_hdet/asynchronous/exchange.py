@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -22,6 +23,7 @@ from lightning_hdet._tensors import (
 )
 from lightning_hdet.asynchronous.messages import Fragments, Kind
 from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
+from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport, WorkerRanks
 from lightning_hdet.asynchronous.server import Server
 from lightning_hdet.asynchronous.transport import GlooServerTransport, GlooWorkerTransport, WorkerTransport
 from lightning_hdet.asynchronous.worker import Worker
@@ -39,8 +41,8 @@ class Exchange:
 
     Args:
         module: the model on ``device``.
-        groups: the two ``gloo`` groups (pushes, replies).
-        workers: how many processes exchange.
+        groups: the two ``gloo`` groups (pushes, replies), over every rank.
+        workers: how many workers exchange.
         timeout: seconds any exchange may wait.
         inner_optimizer: sent with every push when given (``checkpoint_inner_states=True``).
         outer: rank 0 only: the outer state to serve (see :meth:`OuterSettings.build`).
@@ -49,26 +51,50 @@ class Exchange:
         pull_compression: the pulled global parameters' codec (``"none"`` or ``"bf16"``).
         optimizer: the inner optimizer (its state is cleared after a rejected push).
         check_self: the worker checks its round is finite before pushing it (see :class:`~.worker.Worker`).
+        ranks: this rank's place among workers of several ranks (``None``: every rank is a worker).
+        worker_group: with ``ranks``, the ``gloo`` group of this rank's worker: its leader hands each reply and the
+            global model on to the others over it (see :mod:`.ranks`).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
-                 optimizer: Optimizer | None = None, check_self: bool = True) -> None:
+                 optimizer: Optimizer | None = None, check_self: bool = True, ranks: WorkerRanks | None = None,
+                 worker_group: Any = None) -> None:
         self.module, self.device, self.outer, self.workers = module, device, outer, workers
         self.groups: tuple[Any, ...] = groups
         layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
                            pull_compression=pull_compression)  # type: ignore[arg-type]
         self.server: Server | None = None
-        transport: WorkerTransport
+        transport: WorkerTransport | None = None  # a follower's comes from its leader (below)
+        k = ranks.ranks_per_worker if ranks is not None else 1
         if outer is not None:
-            remote = GlooServerTransport(*groups, layout, outer.buffers.numel())
+            remote = GlooServerTransport(*groups, layout, outer.buffers.numel(), ranks_per_worker=k)
             self.server = Server(outer, workers, remote, timeout, layout)
             self.server.start()
             transport = self.server.local
-        else:
+        elif ranks is None or ranks.is_leader:
             transport = GlooWorkerTransport(*groups, layout)
+        if ranks is not None and k > 1:
+            transport, inner_optimizer = self._within_worker(ranks, worker_group, transport, inner_optimizer)
+        assert transport is not None
         self.worker = Worker(module, device, transport, inner_optimizer, layout, error_feedback, optimizer, check_self)
+
+    @staticmethod
+    def _within_worker(ranks: WorkerRanks, group: Any, transport: WorkerTransport | None,
+                       inner_optimizer: Optimizer | None) -> tuple[WorkerTransport, Optimizer | None]:
+        """A worker of several ranks: the leader's transport hands replies on over ``group``; the others' receive
+        them (and send no inner state: the leader's is theirs)."""
+        def broadcast(tensor: torch.Tensor) -> None:
+            dist.broadcast(tensor, src=ranks.leader, group=group)
+
+        def max_reduce(tensor: torch.Tensor) -> None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+        if ranks.is_leader:
+            assert transport is not None
+            return LeaderTransport(transport, broadcast, max_reduce), inner_optimizer
+        return FollowerTransport(broadcast, max_reduce), None
 
     @staticmethod
     def start_outer(settings: OuterSettings, module: Module, device: torch.device, workers: int,

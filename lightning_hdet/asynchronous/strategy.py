@@ -39,6 +39,7 @@ from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.ranks import check_ranks_per_worker
 from lightning_hdet.asynchronous.readouts import ExchangeReadouts
 from lightning_hdet.records import History
 
@@ -50,10 +51,11 @@ Mode = Literal["async", "sync"]
 class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     """Asynchronous Local-SGD for devices of unequal speed, and synchronous DiLoCo (``mode="sync"``).
 
-    The model is never wrapped in DDP and gradients are never all-reduced: each worker runs the user's
-    optimizer and schedulers locally for a round of local steps, then exchanges its pseudo-gradient with the
-    outer optimizer on rank 0. ``Trainer(max_steps=S)`` is a sample budget: inner steps summed over all
-    workers equal ``world_size * S`` (fast workers do more of them).
+    Gradients are never all-reduced across workers: each worker runs the user's optimizer and schedulers locally
+    for a round of local steps, then exchanges its pseudo-gradient with the outer optimizer on rank 0. A worker is
+    one rank, or ``ranks_per_worker`` consecutive ranks training as DDP inside (e.g. one worker per node).
+    ``Trainer(max_steps=S)`` is a sample budget: inner steps summed over all workers equal ``workers * S``, i.e.
+    ``world_size * S`` batches (fast workers do more of them).
 
     Args:
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
@@ -85,6 +87,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             is discarded whole and its worker restarts from the global model (``docs/failure_modes.md``).
         max_norm_ratio: a push whose norm exceeds this multiple of the recent median is rejected (10).
         max_rejections: a worker rejected this many times in a row stops; the others go on (3).
+        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
+            arguments among ``kwargs`` apply there), and push once per round; 1: each rank is a worker. A divisor of
+            the world size leaving at least 2 workers; see ``docs/async.md``, "Workers of several ranks".
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -99,13 +104,16 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
                  check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
-                 **kwargs: Any) -> None:
+                 ranks_per_worker: int = 1, **kwargs: Any) -> None:
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
         check_compression(compression, error_feedback, pull_compression)
-        if "ddp_comm_hook" in kwargs or "model_averaging_period" in kwargs:
-            raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: the model is not wrapped in DDP.")
+        check_ranks_per_worker(ranks_per_worker)
+        if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
+            raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: with `ranks_per_worker=1` the"
+                             " model is not wrapped in DDP (a `ddp_comm_hook` applies inside workers of several ranks).")
         super().__init__(**kwargs)
+        self.ranks_per_worker = ranks_per_worker
         for name, value in vars(settings).items():  # the arguments stay readable (and settable) by name
             setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states
@@ -121,9 +129,10 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         """The settings, as recorded in the logger's run config under ``async/...``."""
         keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
                 "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
-                "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections")
+                "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections",
+                "ranks_per_worker")
         numbers = self.outer_settings.numbers()  # in effect
-        return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_world_size}
+        return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_workers}
 
     @property
     def outer_settings(self) -> OuterSettings:
@@ -138,18 +147,19 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     # set-up
     @property
-    def _expected_world_size(self) -> int:
-        return self.num_nodes * self.num_processes
+    def _expected_workers(self) -> int:
+        return self.num_nodes * self.num_processes // self.ranks_per_worker
 
     @override
     def _configure_launcher(self) -> None:
-        workers = self._expected_world_size
-        if workers < 2:
+        world_size = self.num_nodes * self.num_processes
+        if world_size < 2:
             raise ValueError(
                 f"{type(self).__name__} needs at least 2 processes (got devices={self.num_processes},"
                 f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
             )
-        self.outer_settings.check_workers(workers)
+        self.check_worker_layout()
+        self.outer_settings.check_workers(self._expected_workers)
         super()._configure_launcher()
 
     @override
@@ -160,9 +170,10 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     @override
     def configure_ddp(self) -> None:
-        """No DDP wrapper (no gradient all-reduce); start every worker from rank 0's parameters and buffers."""
+        """Start every worker from rank 0's parameters and buffers; DDP only inside a worker of several ranks."""
         assert self.model is not None
         sync_module_states(self.model)
+        self.wrap_worker_ddp()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -181,9 +192,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         timeout = strategy_timeout(self)
         self._groups = (dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout))
         destroy_default_group_at_exit()
-        # Budget: inner steps summed over workers = world_size * max_steps. The loop itself must not stop a fast
+        # Budget: inner steps summed over workers = workers * max_steps. The loop itself must not stop a fast
         # worker at max_steps, so the strategy stops it (trainer.should_stop) instead.
-        self._workers = self.world_size
+        self._workers = self.world_size // self.ranks_per_worker
         max_steps = trainer.fit_loop.max_steps
         self._budget = self._workers * max_steps if max_steps >= 0 else None
         self._saved_limits = (max_steps, trainer.limit_val_batches)
@@ -203,7 +214,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     def on_train_start(self) -> None:
         super().on_train_start()
         module, device = self.lightning_module, self.root_device
-        outer = None
+        outer, ranks = None, self.worker_ranks
         if self.is_global_zero:
             outer = Exchange.start_outer(self.outer_settings, module, device, self._workers, self._budget,
                                          self._resume_state)
@@ -215,8 +226,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
                                   inner, outer, self.compression, self.error_feedback, self.pull_compression,
-                                  self.optimizers[0], self.check_pushes)
-        self._exchange.worker.name = f"rank {self.global_rank}"
+                                  self.optimizers[0], self.check_pushes, ranks, self.exchange_group)
+        self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
         self.diverged = True
         self._run_exchange(Kind.HELLO)
@@ -292,6 +303,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             self._exchange.close()
         groups, self._groups = self._groups, None
         destroy_groups(groups or ())
+        self.release_worker_groups()
         super().teardown()
 
     # the global model for validation and checkpoints (rank 0, while training)

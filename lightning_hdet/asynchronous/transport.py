@@ -160,20 +160,25 @@ class GlooWorkerTransport(WorkerTransport):
 
 class GlooServerTransport(ServerTransport):
     """Rank 0's end for the remote workers: receives from any rank, replies point to point. Fragments land in one
-    fragment-sized receive buffer, reused for every fragment of every push."""
+    fragment-sized receive buffer, reused for every fragment of every push. With workers of ``ranks_per_worker``
+    ranks, worker ``w`` is its leader, rank ``w * ranks_per_worker`` (see :mod:`.ranks`)."""
 
-    def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, n_buffers: int) -> None:
+    def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, n_buffers: int,
+                 ranks_per_worker: int = 1) -> None:
         self.push_group, self.reply_group, self.layout, self.n_buffers = push_group, reply_group, layout, n_buffers
+        self.ranks_per_worker = ranks_per_worker
         self._received = receive_buffer(layout)
 
     def receive(self) -> tuple[Push, Iterator[Tensor]]:
         raw = torch.empty(WorkerHeader.SIZE, dtype=torch.float64)
         src = dist.recv(raw, src=None, group=self.push_group)
-        return receive_push(src, WorkerHeader.decode(raw), lambda t: dist.recv(t, src=src, group=self.push_group),
-                            self.layout, self.n_buffers, self._received)
+        return receive_push(src // self.ranks_per_worker, WorkerHeader.decode(raw),
+                            lambda t: dist.recv(t, src=src, group=self.push_group), self.layout, self.n_buffers,
+                            self._received)
 
     def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
-        send_reply(lambda t: dist.send(t, dst=worker, group=self.reply_group), header, params, buffers)
+        leader = worker * self.ranks_per_worker
+        send_reply(lambda t: dist.send(t, dst=leader, group=self.reply_group), header, params, buffers)
 
     def close(self) -> None:
         """Drop the references to the groups: a gloo group's native threads end only when its last reference goes

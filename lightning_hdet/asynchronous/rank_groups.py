@@ -1,0 +1,138 @@
+"""The strategy's side of workers of several ranks (``ranks_per_worker > 1``; the rank layout and the exchange's
+side are in :mod:`.ranks`): each worker's two process groups, DDP over the worker's ranks, and the rule that
+the ranks of a worker stop together, at the end of a round."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_hdet._compat import ensure_callback, set_ddp_kwarg, strategy_timeout
+from lightning_hdet._process_groups import destroy_groups
+from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
+from lightning_hdet.asynchronous.exchange import Exchange
+from lightning_hdet.asynchronous.ranks import WorkerRanks, check_ranks_per_worker
+
+log = logging.getLogger(__name__)
+
+
+class RankGroups(LocalCollectivesStrategy):
+    """Workers of ``ranks_per_worker`` ranks: the model is wrapped in DDP over its worker's ranks only (gradients
+    all-reduced inside the worker every inner step, so that its ranks' parameters and inner optimizer states stay
+    identical); the exchange hands replies on over a second, ``gloo``, group of the same ranks."""
+
+    #: Ranks per worker (set by the subclass).
+    ranks_per_worker = 1
+    #: This fit's exchange (set by the subclass).
+    _exchange: Exchange | None = None
+    #: This rank's worker's groups: DDP's (the default backend: NCCL on GPUs) and the exchange's (``gloo``).
+    _worker_groups: tuple[Any, Any] | None = None
+
+    def check_worker_layout(self) -> None:
+        """Before any process group: ``ranks_per_worker`` splits the world into workers; a worker whose ranks span
+        two nodes warns (its all-reduce crosses the network every step)."""
+        k, per_node = self.ranks_per_worker, self.num_processes
+        check_ranks_per_worker(k, self.num_nodes * per_node)
+        if self.num_nodes > 1 and per_node % k and k % per_node:
+            rank_zero_warn(f"ranks_per_worker={k} with devices={per_node} per node: some workers span two nodes, and"
+                           " their gradient all-reduce crosses the network every step. Use a divisor or a multiple of"
+                           f" {per_node} (ranks_per_worker={per_node}: one worker per node).")
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        """With several ranks per worker, attach :class:`StopAtRoundEnd` too."""
+        super().connect(model)
+        if self.ranks_per_worker > 1:
+            ensure_callback(model, StopAtRoundEnd)
+
+    @property
+    def worker_ranks(self) -> WorkerRanks:
+        """This rank's place among the workers."""
+        return WorkerRanks(self.num_nodes * self.num_processes, self.ranks_per_worker, self.global_rank)
+
+    def wrap_worker_ddp(self) -> None:
+        """With several ranks per worker: create every worker's groups (each rank creates all of them, in the same
+        order) and wrap the model in DDP over this rank's worker (during ``fit`` only; the strategy's
+        ``configure_ddp``)."""
+        ranks = self.worker_ranks
+        if ranks.ranks_per_worker == 1:
+            return
+        timeout = strategy_timeout(self)
+        for worker in range(ranks.workers):
+            members = ranks.ranks_of(worker)
+            groups = (dist.new_group(members, timeout=timeout),
+                      dist.new_group(members, timeout=timeout, backend="gloo"))
+            if worker == ranks.worker:
+                self._worker_groups = groups
+        assert self._worker_groups is not None
+        set_ddp_kwarg(self, "process_group", self._worker_groups[0])
+        DDPStrategy.configure_ddp(self)
+
+    def release_worker_groups(self) -> None:
+        """Unwrap the model and destroy this rank's worker groups (teardown, on every path)."""
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
+        groups, self._worker_groups = self._worker_groups, None
+        if groups is not None:  # no reference may keep a destroyed group's threads alive
+            set_ddp_kwarg(self, "process_group", None)
+        destroy_groups(groups or ())
+
+    @property
+    def exchange_group(self) -> Any:
+        """The ``gloo`` group over which this rank's worker hands replies on (``None`` with one rank per worker)."""
+        return self._worker_groups[1] if self._worker_groups is not None else None
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Rank 0 validates alone: never through the worker's DDP wrapper, whose forward may sync buffers with the
+        worker's other ranks (they are training meanwhile)."""
+        if not isinstance(self.model, DistributedDataParallel):
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
+
+    def stop_at_round_end(self, trainer: pl.Trainer) -> None:
+        """Rank 0 decided to stop (EarlyStopping, a Timer...; only rank 0 decides while workers train apart). Its
+        worker's other ranks cannot know before the round ends, and would wait for its gradients: the stop goes to
+        the server instead, and rank 0's worker stops, all its ranks together, when its round ends."""
+        exchange = self._exchange
+        if (self.ranks_per_worker == 1 or not self.diverged or not trainer.should_stop or exchange is None
+                or exchange.outer is None or exchange.worker.stopped):
+            return
+        if not exchange.outer.stop_requested:
+            log.info("rank 0 stops: its worker's ranks stop together at the end of its round (%d step(s) left);"
+                     " the other workers at their next exchange.", exchange.worker.round_steps
+                     - exchange.worker.steps_in_round)
+        exchange.outer.request_stop()
+        trainer.should_stop = False
+
+
+class StopAtRoundEnd(Callback):
+    """Installed by the strategy (last): turns rank 0's stop decisions into :meth:`RankGroups.stop_at_round_end`
+    before the training loop acts on them."""
+
+    @staticmethod
+    def _hold(trainer: pl.Trainer) -> None:
+        if isinstance(trainer.strategy, RankGroups):
+            trainer.strategy.stop_at_round_end(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._hold(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hold(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hold(trainer)

@@ -1,0 +1,159 @@
+"""Workers of several ranks: which ranks form which worker, and the transports that make them one worker.
+
+A worker of ``k`` ranks trains like DDP inside (its ranks' gradients are all-reduced every inner step, so their
+parameters and inner optimizer states stay identical) and exchanges like a one-rank worker: its *leader* (its
+lowest rank) pushes the pseudo-gradient once and pulls the reply; :class:`LeaderTransport` then broadcasts the
+reply's header and the global model to the worker's other ranks, whose :class:`FollowerTransport` sends nothing
+and receives that broadcast. Every rank thus runs the same :class:`~.worker.Worker` bookkeeping (round lengths,
+rejections, stop) from the same replies. The round's compute time pushed is the slowest rank's (a max over the
+worker's ranks), so that dynamic local steps follow the worker's slowest rank.
+
+No Lightning and no process groups here: the collectives over the worker's own group are injected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from lightning_hdet.asynchronous.messages import ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.transport import WorkerTransport
+
+#: An in-place collective over one worker's ranks (its ``gloo`` group): a broadcast from the worker's leader, or
+#: an all-reduce taking the maximum.
+Collective = Callable[[Tensor], None]
+
+
+def check_ranks_per_worker(ranks_per_worker: int, world_size: int | None = None) -> None:
+    """Refuse a ``ranks_per_worker`` that cannot split ``world_size`` ranks into two workers or more (checked when
+    the strategy is built, and with the world size when the Trainer is, before any process group exists)."""
+    if isinstance(ranks_per_worker, bool) or not isinstance(ranks_per_worker, int) or ranks_per_worker < 1:
+        raise ValueError(f"`ranks_per_worker={ranks_per_worker!r}` must be an integer >= 1 (the ranks that train"
+                         " one worker together, DDP inside; 1: every rank is a worker).")
+    if world_size is None:
+        return
+    if world_size % ranks_per_worker:
+        raise ValueError(
+            f"`ranks_per_worker={ranks_per_worker}` does not divide the world size {world_size} (devices x"
+            f" num_nodes): every worker needs the same number of ranks. Use a divisor of {world_size}, e.g. the"
+            " devices per node for one worker per node.")
+    if world_size // ranks_per_worker < 2:
+        raise ValueError(
+            f"`ranks_per_worker={ranks_per_worker}` makes {world_size // ranks_per_worker} worker of"
+            f" {world_size} ranks; Local-SGD needs at least 2 workers. Use ranks_per_worker <= {world_size // 2},"
+            " or DDPStrategy for one group of ranks.")
+
+
+@dataclass(frozen=True)
+class WorkerRanks:
+    """``world_size`` ranks in workers of ``ranks_per_worker`` consecutive ranks (under torchrun or SLURM, a
+    node's ranks are consecutive: ``ranks_per_worker`` = GPUs per node makes one worker per node), seen from
+    ``rank``."""
+
+    world_size: int
+    ranks_per_worker: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_ranks_per_worker(self.ranks_per_worker)
+        if self.world_size % self.ranks_per_worker:  # the strategy refused it before any process group
+            raise ValueError(f"{self.ranks_per_worker} ranks per worker do not divide {self.world_size} ranks")
+
+    @property
+    def workers(self) -> int:
+        """How many workers exchange with the server."""
+        return self.world_size // self.ranks_per_worker
+
+    @property
+    def worker(self) -> int:
+        """This rank's worker (its id at the server)."""
+        return self.rank // self.ranks_per_worker
+
+    @property
+    def leader(self) -> int:
+        """The rank that pushes and pulls for this rank's worker."""
+        return self.leader_of(self.worker)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    def leader_of(self, worker: int) -> int:
+        return worker * self.ranks_per_worker
+
+    def ranks_of(self, worker: int) -> list[int]:
+        """The global ranks of ``worker``, its leader first."""
+        start = self.leader_of(worker)
+        return list(range(start, start + self.ranks_per_worker))
+
+    def describe(self) -> str:
+        """How this rank's worker is named in warnings."""
+        if self.ranks_per_worker == 1:
+            return f"rank {self.rank}"
+        ranks = self.ranks_of(self.worker)
+        return f"worker {self.worker} (ranks {ranks[0]}-{ranks[-1]}, on rank {self.rank})"
+
+
+def _closed(tensor: Tensor) -> None:
+    raise RuntimeError("this worker's exchange has ended")
+
+
+def slowest(header: WorkerHeader, max_reduce: Collective) -> WorkerHeader:
+    """``header`` with the longest compute time among the worker's ranks (each calls this with its own)."""
+    seconds = torch.tensor([header.compute_s], dtype=torch.float64)
+    max_reduce(seconds)
+    return replace(header, compute_s=float(seconds[0]))
+
+
+class LeaderTransport(WorkerTransport):
+    """The leader's end: pushes through ``inner`` (to the server) and hands every reply on to its worker's ranks.
+
+    Args:
+        inner: the leader's own transport to the server.
+        broadcast: a broadcast from the leader over the worker's ranks.
+        max_reduce: an all-reduce (maximum) over the worker's ranks.
+    """
+
+    def __init__(self, inner: WorkerTransport, broadcast: Collective, max_reduce: Collective) -> None:
+        self.inner, self.broadcast, self.max_reduce = inner, broadcast, max_reduce
+
+    def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
+             inner_state: Tensor | None) -> None:
+        self.inner.push(slowest(header, self.max_reduce), messages, buffers, inner_state)
+
+    def pull(self, into: Tensor) -> ServerHeader:
+        header = self.inner.pull(into)
+        self.broadcast(header.encode())
+        if header.next_local_steps > 0:
+            self.broadcast(into)
+        return header
+
+    def close(self) -> None:
+        self.inner.close()
+        self.broadcast = self.max_reduce = _closed  # they hold the worker's group (see Exchange.close)
+
+
+class FollowerTransport(WorkerTransport):
+    """A non-leader rank's end: its push only reports its compute time (its pseudo-gradient is the leader's, and
+    is never read); its pull receives the leader's reply and global model."""
+
+    def __init__(self, broadcast: Collective, max_reduce: Collective) -> None:
+        self.broadcast, self.max_reduce = broadcast, max_reduce
+
+    def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
+             inner_state: Tensor | None) -> None:
+        slowest(header, self.max_reduce)
+
+    def pull(self, into: Tensor) -> ServerHeader:
+        raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
+        self.broadcast(raw)
+        header = ServerHeader.decode(raw)
+        if header.next_local_steps > 0:
+            self.broadcast(into)
+        return header
+
+    def close(self) -> None:
+        self.broadcast = self.max_reduce = _closed  # they hold the worker's group (see Exchange.close)
