@@ -40,6 +40,7 @@ from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.hyperparams import Span
+from lightning_hdet.hdet.metric_sync import GroupMetricSync
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
@@ -54,7 +55,7 @@ from lightning_hdet.hdet.shards import (
 _FSDP_KWARGS = tuple(sorted(set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}))
 
 
-class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
+class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
     """HDET with every group an FSDP2 shard group: each rank holds ``1 / group_size`` of the model and optimizer.
 
     Args:

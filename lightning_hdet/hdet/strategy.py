@@ -44,6 +44,7 @@ from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
 from lightning_hdet.hdet.hyperparams import Span
+from lightning_hdet.hdet.metric_sync import GroupMetricSync
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 _DDP_KWARGS = tuple(sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "process_group"}))
 
 
-class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
+class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
     """Data parallelism with groups of replicas that train with different learning rates.
 
     Args:
