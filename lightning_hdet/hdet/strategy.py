@@ -40,6 +40,7 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.console import counted
+from lightning_hdet.hdet.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
@@ -94,7 +95,7 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         lr_multipliers: Optional[Sequence[float]] = None,
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
-        preset: str = "recommended",
+        preset: str = DEFAULT_PRESET,
         explore: Optional[Mapping[str, Span]] = None,
         **kwargs: Any,
     ) -> None:
