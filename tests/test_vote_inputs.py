@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_hdet import HDETCallback, HDETStrategy
-from lightning_hdet.hdet.module_checks import check_module, returns_a_value
+from lightning_hdet.hdet.module_checks import check_module, returns_a_value, stepping_warning
 from lightning_hdet.testing import FakeWorld
 from tests.helpers import START, LinearModel, Recorder, Regression, SGDBoring, load_ranks, trainer_kwargs
 
@@ -135,6 +135,15 @@ def test_a_manual_module_that_returns_no_loss_is_refused_before_it_trains() -> N
     with pytest.raises(MisconfigurationException, match="returns nothing"):
         trainer.fit(_ManualSilent())
     assert trainer.global_step == 0  # refused at setup, before the first step
+
+
+def test_several_optimizers_warn_when_votes_would_fall_less_often_than_asked() -> None:
+    """Two optimizers stepping each batch move ``global_step`` by 2: votes every 3 steps would fall every 6."""
+    warning = stepping_warning(_Manual(), num_optimizers=2, every_n_steps=3)
+    assert warning is not None and "every 6 steps (3 batches)" in warning and "e.g. 6: a vote every 3 batches" in warning
+    assert stepping_warning(_Manual(), num_optimizers=2, every_n_steps=4) is None  # falls on every second batch
+    assert stepping_warning(SGDBoring(), num_optimizers=2, every_n_steps=3) is None  # automatic: one step a batch
+    assert stepping_warning(_Manual(), num_optimizers=1, every_n_steps=3) is None
 
 
 # ------------------------------------------------------------------------------------------ several processes

@@ -38,7 +38,7 @@ from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.hyperparams import Explored, check_vote, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
-from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss
+from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.monitor import FINGERPRINT_WIDTH, MonitoredMetric
 from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, refuse_moved, resolve
 from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
@@ -177,6 +177,9 @@ class HDETCallback(Callback):
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
         self.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
+        stepping = stepping_warning(pl_module, len(trainer.optimizers), every)  # (the optimizers exist only now)
+        if stepping is not None:
+            rank_zero_warn(stepping)
         hdet.merger.ensure_restore_point(keep_initial=self.controller.keeps_initial)
         if self.controller.searched_at is not None:
             hdet.set_gradient_sync("global")  # resumed after the search ended
@@ -234,7 +237,10 @@ class HDETCallback(Callback):
         if self._monitor.pending and self._monitor.value is not None:
             self._monitor.pending = False  # the vote that waited for this validation (before ModelCheckpoint saves)
             self._last_vote_step = trainer.global_step
-            self.vote_and_merge(trainer, pl_module)
+            # Lightning runs the validation hooks under inference mode; a vote's merge and restore point must stay
+            # normal tensors, updated in place by later votes in training.
+            with torch.inference_mode(False), torch.enable_grad():
+                self.vote_and_merge(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

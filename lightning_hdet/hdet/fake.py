@@ -413,6 +413,7 @@ class FakeTrainer:
     global_step: int = 0
     log_every_n_steps: int = 50
     accumulate_grad_batches: int = 1
+    optimizers: list[Any] = field(default_factory=list)
     ckpt_path: Optional[str] = None
     sanity_checking: bool = False
     estimated_stepping_batches: float = math.inf

@@ -7,6 +7,9 @@ real loss when Lightning hands over a scaled one.
   run). :func:`check_module` refuses at ``setup`` a manual ``training_step`` whose source has no ``return`` with a
   value; one that has (``return loss if ... else None``) but hands back nothing is refused at its first step
   (:func:`missing_loss`).
+* **Several optimizers** (manual optimization: Lightning's automatic optimization takes one) are supported, each
+  param group its own multiplier column; but Lightning's ``global_step`` counts every optimizer's step, and votes
+  fall on multiples of ``every_n_steps``: :func:`stepping_warning` says when they would fall less often than asked.
 * **The real loss under accumulation.** With ``accumulate_grad_batches=k`` Lightning's automatic optimization
   divides each batch's loss by ``k`` before the backward pass and hands that to ``on_train_batch_end``;
   :func:`step_loss` multiplies it back, so a vote compares the per-step loss whatever ``k`` (manual optimization
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import textwrap
 from typing import Any, Callable, Optional
 
@@ -76,6 +80,21 @@ def _returns_value(node: ast.AST) -> bool:
     if not isinstance(node, ast.Return) or node.value is None:
         return False
     return not (isinstance(node.value, ast.Constant) and node.value.value is None)
+
+
+def stepping_warning(module: Any, num_optimizers: int, every_n_steps: int) -> Optional[str]:
+    """The warning when ``num_optimizers`` optimizers stepping every batch would move ``global_step`` past most
+    multiples of ``every_n_steps`` (manual optimization only); ``None`` when votes fall as asked."""
+    if getattr(module, "automatic_optimization", True) or num_optimizers < 2 or every_n_steps % num_optimizers == 0:
+        return None
+    every = math.lcm(every_n_steps, num_optimizers)
+    return (
+        f"HDETCallback(every_n_steps={every_n_steps}) counts optimizer steps (Lightning's `global_step`), and "
+        f"{type(module).__name__} steps {num_optimizers} optimizers (manual optimization). If each steps every batch, "
+        f"`global_step` moves by {num_optimizers} a batch and a vote falls only on multiples of both: every {every} "
+        f"steps ({every // num_optimizers} batches). Give every_n_steps a multiple of {num_optimizers} (e.g. "
+        f"{every_n_steps * num_optimizers}: a vote every {every_n_steps} batches)."
+    )
 
 
 def step_loss(outputs: Any, module: Any, accumulate_grad_batches: int) -> Optional[Tensor]:
