@@ -214,3 +214,49 @@ def test_the_voted_loss_under_accumulation_is_the_per_step_loss(tmp_path: Path) 
         assert len(first) == 8
         voted = next(h["loss"] for h in history if h["step"] == 4 and h["group"] == rank)
         assert voted == pytest.approx(sum(first) / len(first), rel=1e-6)
+
+
+class _TwoOptimizers(SGDBoring):
+    """Manual optimization with two optimizers (weight, bias), both stepping every batch; records each step's LRs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.seen: list[tuple[float, float]] = []
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD([self.layer.weight], lr=0.1), torch.optim.SGD([self.layer.bias], lr=0.01)]
+
+    def on_train_start(self) -> None:
+        self.lrs: list[float] = []  # the LR each optimizer step really used
+        for opt in self.optimizers():
+            opt.optimizer.register_step_pre_hook(lambda o, a, k: self.lrs.append(o.param_groups[0]["lr"]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = self.step(batch)
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+            opt.zero_grad()
+        self.seen.append(tuple(self.lrs[-2:]))
+        return loss
+
+    def on_fit_end(self) -> None:
+        torch.save(self.seen, Path(self.trainer.default_root_dir) / f"seen{self.global_rank}.pt")
+
+
+def test_several_optimizers_under_manual_optimization_take_the_groups_multipliers(tmp_path: Path) -> None:
+    """Both optimizers step at the group's multiplier times their own LR; ``global_step`` moves by 2 a batch, so
+    votes every 4 steps fall every 2 batches."""
+    strategy = HDETStrategy(lr_multipliers=[0.5, 2.0], gradient_sync="group", start_method=START)
+    callback = HDETCallback(every_n_steps=4, search=False, vote="best")
+    trainer = Trainer(strategy=strategy, callbacks=[callback, Recorder(tmp_path)], default_root_dir=tmp_path,
+                      **trainer_kwargs(devices=2, max_steps=8))
+    trainer.fit(_TwoOptimizers())
+    ranks = load_ranks(tmp_path, 2)
+    assert sorted({h["step"] for h in ranks[0]["history"]}) == [4, 8]
+    for rank in range(2):
+        seen = torch.load(tmp_path / f"seen{rank}.pt")
+        assert len(seen) == 4  # 4 batches, 2 optimizer steps each
+        assert seen[0] == pytest.approx((0.1 * (0.5, 2.0)[rank], 0.01 * (0.5, 2.0)[rank]))
+    assert ranks[0]["lr_multipliers"].shape == (2, 2)  # one column per param group of either optimizer
