@@ -140,7 +140,8 @@ def test_a_manual_module_that_returns_no_loss_is_refused_before_it_trains() -> N
 def test_several_optimizers_warn_when_votes_would_fall_less_often_than_asked() -> None:
     """Two optimizers stepping each batch move ``global_step`` by 2: votes every 3 steps would fall every 6."""
     warning = stepping_warning(_Manual(), num_optimizers=2, every_n_steps=3)
-    assert warning is not None and "every 6 steps (3 batches)" in warning and "e.g. 6: a vote every 3 batches" in warning
+    assert warning is not None and "every 6 steps (3 batches)" in warning
+    assert "e.g. 6: a vote every 3 batches" in warning
     assert stepping_warning(_Manual(), num_optimizers=2, every_n_steps=4) is None  # falls on every second batch
     assert stepping_warning(SGDBoring(), num_optimizers=2, every_n_steps=3) is None  # automatic: one step a batch
     assert stepping_warning(_Manual(), num_optimizers=1, every_n_steps=3) is None
