@@ -231,7 +231,12 @@ class HDETCallback(Callback):
         hdet = self._parts(trainer)
         hdet.merger.validate_merged(False)  # before ModelCheckpoint saves (Lightning orders it last)
         hdet.sync_metrics_in_groups(False)
-        if self._monitor is None or trainer.sanity_checking:
+        if self._monitor is None:
+            return
+        # FSDP2 keeps parameters gathered after a forward without backward: the next forward (and the vote's merge,
+        # which writes the shards) must read the shards (as the merged validation's swap-out does).
+        hdet.merger.site.reshard()
+        if trainer.sanity_checking:
             return
         self._monitor.read(trainer.callback_metrics)
         if self._monitor.pending and self._monitor.value is not None:
