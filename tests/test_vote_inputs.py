@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_hdet import HDETCallback, HDETStrategy
+from lightning_hdet.hdet.checkpoints import group_file
 from lightning_hdet.hdet.module_checks import check_module, returns_a_value, stepping_warning
 from lightning_hdet.testing import FakeWorld
 from tests.helpers import START, LinearModel, Recorder, Regression, SGDBoring, load_ranks, trainer_kwargs
@@ -183,10 +185,16 @@ def test_a_sync_dist_metric_is_each_groups_own_and_a_vote_at_a_validation_step_r
     seed_everything(0)
     strategy = HDETStrategy(num_groups=2, lr_multipliers=[0.2, 5.0], gradient_sync="group", start_method=START)
     callback = HDETCallback(every_n_steps=4, monitor="val_loss", search=False)
-    trainer = Trainer(strategy=strategy, callbacks=[callback, Recorder(tmp_path)],
+    # named by the metric, which now differs between groups: every group's own file goes beside rank 0's checkpoint
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", filename="{step}-{val_loss:.6f}",
+                                 save_top_k=-1)
+    trainer = Trainer(strategy=strategy, callbacks=[callback, Recorder(tmp_path), checkpoint],
                       **trainer_kwargs(devices=4, max_steps=8, val_check_interval=4, limit_val_batches=None,
-                                       num_sanity_val_steps=0))
+                                       num_sanity_val_steps=0, enable_checkpointing=True))
     trainer.fit(_GroupValidated(str(tmp_path), lr=0.05))
+    saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert len(saved) == 2 and all(Path(group_file(path, g)).exists() for path in saved for g in range(2)), \
+        sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "ckpt").rglob("*"))
     ranks = load_ranks(tmp_path, 4)
     own = [dict(torch.load(tmp_path / f"model{r}.pt")["own"]) for r in range(4)]
     history = ranks[0]["history"]
