@@ -35,7 +35,8 @@ def batches(loader):
 
 
 def train_hdet(fabric, model, optimizer, loader, args) -> None:
-    hdet = HDETLoop(fabric, every_n_steps=args.every)  # HDETCallback's rules: vote=PBT(), ...
+    # The Trainer's defaults: vote=PBT(), a search over the strategy's grid ending a quarter into max_steps, ...
+    hdet = HDETLoop(fabric, every_n_steps=args.every, max_steps=args.steps)
     for step, (x, y) in zip(range(args.steps), batches(loader)):
         loss = nn.functional.mse_loss(model(x), y)
         fabric.backward(loss)

@@ -18,7 +18,6 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_hdet  # noqa: F401  (registers the names)
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
-from lightning_hdet.hdet.options import Search
 from tests.helpers import START, Regression, flat_params
 
 BASE_LR = 0.01
@@ -93,6 +92,39 @@ def test_hdet_fabric_loop_votes_rescues_saves_and_loads(tmp_path: Path) -> None:
     fabric.launch(_hdet_run, tmp_path / "hdet.ckpt")
 
 
+def _search_run(fabric: Fabric) -> None:
+    """The default loop: the search ends at a quarter of ``max_steps`` (the vote at step 2 of 8), and from the next
+    step on every rank's gradient is the mean over all ranks (before, each group's own: its rank's own data)."""
+    torch.manual_seed(0)
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    hdet = HDETLoop(fabric, every_n_steps=2, max_steps=8)
+    same: list[bool] = []  # per step: every rank's averaged gradient is the same
+    for x, y in _batches(fabric.global_rank, 8):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        grads = fabric.all_gather(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        same.append(bool(torch.equal(grads[0], grads[1])))
+        optimizer.step()
+        optimizer.zero_grad()
+        hdet.step(loss)
+    hdet.finish()
+    assert hdet.controller.searched_at == 2 and fabric.strategy.gradient_sync == "global"
+    assert same == [False] * 2 + [True] * 6, same
+
+
+def test_the_fabric_default_searches_then_averages_gradients_over_every_rank() -> None:
+    """``Fabric(strategy="hdet")`` takes the Trainer's defaults (grid, gradient sync, vote, search) and, without
+    wrapping the model again, ends the search as the Trainer does."""
+    from lightning.pytorch import Trainer
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="hdet_fork")
+    trainer = Trainer(strategy="hdet", accelerator="cpu", devices=2, logger=False)
+    assert torch.equal(fabric.strategy.lr_multipliers, trainer.strategy.lr_multipliers)
+    assert (fabric.strategy.gradient_sync, fabric.strategy.preset) == ("group", trainer.strategy.preset)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=HDETFabricStrategy(start_method=START))
+    fabric.launch(_search_run)
+
+
 def _diloco_run(fabric: Fabric, path: Path) -> None:
     torch.manual_seed(0)
     model, optimizer = fabric.setup(*_model_and_optimizer())
@@ -155,9 +187,7 @@ def test_fabric_strategies_refuse_bad_arguments() -> None:
         HDETLoop(fabric, monitor="val_loss")
     with pytest.raises(TypeError, match="Softmax"):  # a 0.x argument: the error names its new place
         HDETLoop(fabric, blend="mean")
-    with pytest.raises(ValueError, match="cannot switch"):
-        HDETLoop(fabric, search=Search(steps=10))
-    with pytest.raises(ValueError, match="unknown"):
-        HDETLoop(fabric, search=True)
+    with pytest.raises(ValueError, match="`max_steps` must be"):
+        HDETLoop(fabric, max_steps=0)
     with pytest.raises(ValueError, match="every_n_steps"):
         HDETLoop(fabric, every_n_steps=0)

@@ -29,6 +29,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "hdet_fsdp_run.py"
 # The scenarios the four end-to-end tests below assert on (sync:shard_where:resume[:extra], see the script).
 VALIDATE, CONFIGURE_MODEL = "group:strategy:resume:validate", "group>global:configure_model:no-resume"
 NAN, SCHEDULE_FREE = "group:strategy:no-resume:nan", "group:strategy:no-resume:schedulefree"
+MONITOR = "group:strategy:no-resume:monitor"
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     for name in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
         env.pop(name, None)  # a fresh rendezvous, as conftest gives each test
-    args = [sys.executable, str(SCRIPT), str(out), VALIDATE, CONFIGURE_MODEL, NAN, SCHEDULE_FREE]
+    args = [sys.executable, str(SCRIPT), str(out), VALIDATE, CONFIGURE_MODEL, NAN, SCHEDULE_FREE, MONITOR]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=560, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -130,6 +131,21 @@ def test_schedule_free_shards_blend_their_base_iterate_with_the_parameters(launc
         assert not torch.allclose(group0, group1)
         for f in first:
             torch.testing.assert_close(f["after_z"][step], (group0 + group1) / 2)
+
+
+def test_a_sync_dist_metric_under_monitor_is_each_sharded_groups_own(launched: Path) -> None:
+    """``monitor="val_loss"`` logged with ``sync_dist=True``: every rank sees its group's mean of its two shards'
+    ranks' own losses, not the job's, and each vote (due at 2 and 4, at the epoch-end validations 3 and 6) reads it."""
+    _, ranks = _run(launched, MONITOR)
+    first = [r["first"] for r in ranks]
+    history = first[0]["history"]
+    assert sorted({h["step"] for h in history}) == [3, 6]
+    for step in (3, 6):
+        own = [f["own_val"][step] for f in first]
+        groups = [(own[0] + own[1]) / 2, (own[2] + own[3]) / 2]
+        assert [f["val_loss"][step] for f in first] == pytest.approx([groups[0]] * 2 + [groups[1]] * 2, rel=1e-6)
+        assert [h["loss"] for h in history if h["step"] == step] == pytest.approx(groups, rel=1e-6)
+        assert groups[0] != pytest.approx(groups[1], rel=1e-3)
 
 
 @pytest.mark.parametrize(("kwargs", "devices", "match"), [

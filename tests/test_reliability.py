@@ -147,9 +147,13 @@ def test_manual_optimization_needs_a_returned_loss() -> None:
     trainer = _single_process(callbacks=[HDETCallback(every_n_steps=2)], max_steps=4)
     trainer.fit(_ManualModel(return_loss=True))  # supported: the multiplier wraps `opt.step()`
     assert trainer.global_step == 4 and trainer.callbacks[0].num_votes == 2
-    trainer = _single_process(callbacks=[HDETCallback(every_n_steps=2)], max_steps=4)
-    with pytest.raises(MisconfigurationException, match="no training_step up to step 2 returned one"):
+    # a `return` whose value is None at run time: refused at the first step, not at the first vote (a training_step
+    # without any `return` is refused at setup: tests/test_vote_inputs.py)
+    trainer = _single_process(callbacks=[HDETCallback(every_n_steps=100)], max_steps=4)
+    with pytest.raises(MisconfigurationException, match=r"`training_step` \(manual optimization\) returned none at "
+                                                        r"step 1\. Return the loss"):
         trainer.fit(_ManualModel(return_loss=False))
+    assert trainer.global_step == 1
 
 
 # ---------------------------------------------------------------------------------------------- damaged checkpoints

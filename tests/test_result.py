@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+
 import pytest
 
 from lightning_hdet.hdet.console import counted, rounded_list
@@ -29,6 +33,43 @@ def test_result_without_a_healthy_winner_reports_the_groups_mean() -> None:
     result = make_result(_rows(10, -1, [float("nan")] * 2), [[0.1], [0.3]], [0.1, 0.3], 1, 2, 10, [])
     assert result.lrs == pytest.approx([0.2])
     assert "search ended at step 10" in result.summary() and "not written" in result.summary()
+
+
+def test_a_run_without_a_vote_says_what_it_was() -> None:
+    """No vote (the run shorter than the interval): the summary says so and what trained, never "LRs found"."""
+    table = [[0.02], [0.08]]
+    result = make_result(_rows(60, 1, [0.5, 0.4]), table, [0.02, 0.08], votes=0, rescues=0, searched_at=None,
+                         vote_history=[], steps=60, every_n_steps=100, gradient_sync="group")
+    summary = result.summary()
+    assert "no vote in 60 step(s) (a vote every 100 steps)" in summary
+    assert "one plain DDP run per group, each at its starting LR ([0.02, 0.08])" in summary
+    assert "final merge at step 60" in summary and "LRs found" not in summary
+    shared = make_result([], table, [0.02, 0.08], 0, 0, None, [], steps=60, every_n_steps=100,
+                         gradient_sync="global").summary()
+    assert "plain DDP on one shared gradient" in shared and "final merge" not in shared
+    voted = make_result(_rows(100, 1, [0.5, 0.4]), table, [0.02, 0.08], 1, 0, None, [], steps=100).summary()
+    assert "no vote" not in voted and "LRs found" in voted
+
+
+def test_the_result_exports_a_plain_dict_and_one_row_per_vote_and_group() -> None:
+    history = _rows(100, 1, [0.5, 0.4]) + _rows(200, 0, [0.3, 0.35])
+    result = make_result(history, [[0.01], [0.02]], [0.01, 0.02], 2, 0, 100, ["/run/vote_history.csv"], steps=250,
+                         every_n_steps=100, gradient_sync="global", ties=1)
+    plain = result.to_dict()
+    assert json.loads(json.dumps(plain)) == plain  # plain values only
+    assert plain["winners"] == [{"step": 100, "group": 1}, {"step": 200, "group": 0}]
+    assert (plain["lrs"], plain["steps"], plain["ties"], plain["searched_at"]) == ([0.01], 250, 1, 100)
+    rows = result.to_rows()
+    assert [(r["step"], r["group"], r["loss"], r["winner"]) for r in rows] == [
+        (100, 0, 0.5, 1), (100, 1, 0.4, 1), (200, 0, 0.3, 0), (200, 1, 0.35, 0)]
+    rows[0]["loss"] = 9.0  # a copy: the result is not changed through it
+    assert result.to_rows()[0]["loss"] == 0.5
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(result.to_rows())
+    assert out.getvalue().splitlines()[0] == "step,group,lr,loss,weight,winner,rescued"
+    assert "1 vote(s) saw one monitored value for every group" in result.summary()
 
 
 def test_console_lines_round_and_count() -> None:

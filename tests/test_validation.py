@@ -78,3 +78,6 @@ def test_model_checkpoint_keeps_the_best_model_by_its_own_validation_loss(tmp_pa
     assert result.votes == 0 and result.rescues == 0 and [s for s, _ in result.winners] == [8]
     assert result.initial_lrs == pytest.approx([0.006, 0.02, 0.06, 0.2])
     assert result.lrs == result.group_lrs[result.winners[0][1]] and result.vote_history == []  # no logger
+    assert "no vote in 8 step(s) (a vote every 100 steps): no LR moved, so the run was one plain DDP run per " \
+           "group" in result.summary()
+    assert [(r["step"], r["group"]) for r in result.to_rows()] == [(8, g) for g in range(4)]  # the final merge

@@ -7,6 +7,12 @@ Fabric's shape of a strategy: the user's loop calls ``optimizer.step()`` (Fabric
 :meth:`HDETFabricStrategy.optimizer_step`, where this rank's multipliers are applied), Fabric has no callbacks, so
 the loop drives the votes through :class:`~lightning_hdet.fabric.loop.HDETLoop`, and ``fabric.save`` asks the
 strategy for each module's state (:meth:`get_module_state_dict`: the merged model).
+
+Its defaults are the Trainer's (:data:`~lightning_hdet.hdet.defaults.DEFAULT_PRESET`): the same grid, and under
+``gradient_sync="group"`` a search whose end switches every group to gradients averaged over all ranks. The Trainer
+wraps its model in DDP again for that; a Fabric loop holds the DDP wrapper ``fabric.setup`` returned, so here DDP
+averages a group's gradients through a communication hook (:class:`GradientMean`) whose process group the switch
+replaces between two steps.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -22,6 +29,7 @@ from typing_extensions import override
 
 from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
+from lightning_hdet.hdet.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.hyperparams import Span, check_optimizers
@@ -34,13 +42,15 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
     Args:
         num_groups: number of groups (``None``: one per rank), as for the Trainer's
             :class:`~lightning_hdet.hdet.strategy.HDETStrategy`.
-        lr_multipliers: one learning-rate multiplier per group (``None``: the fan-out set by ``spread``).
+        lr_multipliers: one learning-rate multiplier per group (``None``: the preset's grid, or the fan-out set by
+            ``spread``), as for the Trainer's strategy.
         spread: half-width of the published fan-out, in ``[0, 1)`` (``None``: the preset's).
-        gradient_sync: ``"global"`` (gradients averaged over all ranks) or ``"group"`` (inside each group);
-            ``None``: the preset's.
-        preset: ``"published"`` (default here: the paper's ±11 % fan-out, ``"global"``; a Fabric loop cannot
-            end the Trainer's recommended search, which switches ``"group"`` to ``"global"`` mid-run) or
-            ``"recommended"`` (the Trainer default's 27x grid and ``"group"``, voted without a search).
+        gradient_sync: ``"global"`` (gradients averaged over all ranks) or ``"group"`` (inside each group, until
+            the search ends); ``None``: the preset's.
+        preset: ``"recommended"`` (default, as the Trainer's ``"hdet"``: a geometric grid around the optimizer's
+            LR, ``"group"``, and for :class:`~lightning_hdet.fabric.loop.HDETLoop` a PBT search ending a quarter
+            into ``max_steps``) or ``"published"`` (the paper's ±11 % fan-out, ``"global"``, the softmax vote and
+            no end to the search).
         explore: other hyperparameters the groups diverge in, as for the Trainer's HDETStrategy.
         **kwargs: everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts.
 
@@ -62,7 +72,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         lr_multipliers: Optional[Sequence[float]] = None,
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
-        preset: str = "published",
+        preset: str = DEFAULT_PRESET,
         explore: Optional[Mapping[str, Span]] = None,
         **kwargs: Any,
     ) -> None:
@@ -76,6 +86,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         self._init_parts(ReplicaSite(self))
         self._module: Optional[Module] = None
         self._optimizers: list[Optimizer] = []
+        self._gradient_mean: Optional[GradientMean] = None  # the switchable hook, under gradient_sync="group"
 
     @classmethod
     @override
@@ -118,7 +129,11 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
             # Groups are separate DDP jobs: start them all from rank 0's weights, then reduce inside the group.
             sync_module_states(module)
             set_ddp_kwarg(self, "process_group", self._group_pgs[self.group_index])
-        return super().setup_module(module)
+        wrapped = super().setup_module(module)
+        if group and self.num_groups > 1:  # the search's end switches it to every rank (`_apply_gradient_sync`)
+            self._gradient_mean = GradientMean(self._group_pgs[self.group_index], self.layout.group_size)
+            wrapped.register_comm_hook(self._gradient_mean, GradientMean.hook)
+        return wrapped
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -128,11 +143,17 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         return super().setup_optimizer(optimizer)
 
     def _apply_gradient_sync(self) -> None:
-        # The user's loop holds the DDP-wrapped model Fabric returned: it cannot be wrapped again behind its back.
-        raise ValueError(
-            "HDETFabricStrategy cannot switch `gradient_sync` during training (the loop holds Fabric's DDP wrapper); "
-            f"it stays {self.gradient_sync!r}. Use gradient_sync='global' with `HDETLoop(search=Search(steps=N))`."
-        )
+        """``"group"`` -> ``"global"``: the DDP hook averages over every rank from the next backward on (no
+        collective; the user's loop keeps the DDP wrapper Fabric returned)."""
+        mean = self._gradient_mean
+        if self.num_groups == 1:
+            return  # the one group is every rank already
+        if mean is None or self.gradient_sync != "global":
+            raise ValueError(
+                "HDETFabricStrategy switches `gradient_sync` only from 'group' (set up with `fabric.setup` and more "
+                f"than one group) to 'global'; it cannot become {self.gradient_sync!r} here."
+            )
+        mean.process_group, mean.size = None, self.world_size
 
     # ------------------------------------------------------------------ the step
     @override
@@ -167,6 +188,22 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
     @override
     def teardown(self) -> None:
         set_ddp_kwarg(self, "process_group", None)  # the last reference to a group ends its native threads
+        self._gradient_mean = None
         groups, self._group_pgs = self._group_pgs, []
         destroy_groups(groups)
         super().teardown()
+
+
+class GradientMean:
+    """DDP communication hook state: a bucket of gradients averaged over ``process_group`` (``None``: every rank),
+    replaced between steps by :meth:`HDETFabricStrategy._apply_gradient_sync`."""
+
+    def __init__(self, process_group: Any, size: int) -> None:
+        self.process_group = process_group
+        self.size = size
+
+    @staticmethod
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # (DDP rejects string annotations at registration)
+        buffer = bucket.buffer().div_(state.size)
+        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])

@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from lightning.fabric import Fabric
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_hdet._checks import check_int
 from lightning_hdet.fabric.hdet import HDETFabricStrategy
-from lightning_hdet.hdet.callback import _execute
+from lightning_hdet.hdet.callback import _default_search_step, _execute
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
-from lightning_hdet.hdet.defaults import DEFAULT_VOTE
+from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.hyperparams import check_vote
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter
@@ -33,20 +35,22 @@ class HDETLoop:
     Args:
         fabric: the launched :class:`~lightning.fabric.Fabric`, after ``fabric.setup(model, optimizer)``.
         every_n_steps: steps between votes, as for :class:`~lightning_hdet.hdet.callback.HDETCallback`.
-        vote: the vote rule (``PBT(...)``, ``Softmax(...)``, ``Best(...)`` or a name), as for HDETCallback. The
-            votes compare each group's training loss (what :meth:`step` receives); the Trainer's ``monitor``
-            and research ``signal`` need its validation loop and do not exist here.
-        search: ``False`` (default: vote the whole run) or ``Search(steps=N)``: a Fabric loop cannot switch
-            gradient averaging mid-run, so a search needs ``HDETFabricStrategy(gradient_sync="global")``, and
-            its length is not known to HDETLoop, so ``steps`` must be given.
+        vote: the vote rule (``PBT(...)``, ``Softmax(...)``, ``Best(...)`` or a name), as for HDETCallback;
+            ``None``: the strategy's preset's (as the Trainer installs: ``PBT()``, the published preset's
+            ``Softmax()``). The votes compare each group's training loss (what :meth:`step` receives); the
+            Trainer's ``monitor`` and research ``signal`` need its validation loop and do not exist here.
+        search: as for HDETCallback (``None``: the preset's, ``Search()`` for the recommended): ``Search()`` ends
+            a quarter into ``max_steps`` (without ``max_steps`` it searches the whole run, as a Trainer run of
+            unknown length), ``Search(steps=N)`` at step ``N``; ``False``: vote the whole run.
         safety_net: ``True``, ``False`` or ``SafetyNet(...)``, as for HDETCallback.
         warmup_steps: votes before this step only merge, as for HDETCallback.
         seed: seed of the votes' random draws, as for HDETCallback.
+        max_steps: the optimizer steps the loop will take (``None``: not known), for ``Search()``'s end.
         **moved: refused: the 0.x arguments, each with the place it moved to.
 
     Example::
 
-        hdet = HDETLoop(fabric, every_n_steps=50)
+        hdet = HDETLoop(fabric, every_n_steps=50, max_steps=len(loader))  # the search ends a quarter in
         for batch in loader:
             loss = model(batch)
             fabric.backward(loss)
@@ -56,9 +60,9 @@ class HDETLoop:
         hdet.finish()  # every rank holds the merged model
     """
 
-    def __init__(self, fabric: Fabric, every_n_steps: int = 100, vote: Union[str, Vote] = DEFAULT_VOTE,
-                 search: Union[bool, Search] = False, safety_net: Union[bool, SafetyNet] = True,
-                 warmup_steps: int = 0, seed: int = 0, **moved: Any) -> None:
+    def __init__(self, fabric: Fabric, every_n_steps: int = 100, vote: Union[str, Vote, None] = None,
+                 search: Union[bool, Search, None] = None, safety_net: Union[bool, SafetyNet] = True,
+                 warmup_steps: int = 0, seed: int = 0, max_steps: Optional[int] = None, **moved: Any) -> None:
         refuse_moved(moved)  # 0.x arguments: the error says where each one went
         strategy = fabric.strategy
         if not isinstance(strategy, HDETFabricStrategy):
@@ -67,13 +71,16 @@ class HDETLoop:
         if not strategy.optimizers:
             raise ValueError("HDETLoop starts from the set-up model and optimizer: call "
                              "`fabric.setup(model, optimizer)` before creating it.")
+        preset = {"vote": DEFAULT_VOTE, "search": DEFAULT_SEARCH, **strategy.preset.callback}  # the Trainer's too
+        vote = preset["vote"] if vote is None else vote
+        search = preset["search"] if search is None else search
+        check_int("max_steps", max_steps, minimum=1, optional=True)
         self.settings, search_rule, _ = resolve(every_n_steps, vote, search, safety_net, None, "mean",
                                                 warmup_steps, seed)
-        _check_search(search_rule, strategy.gradient_sync)
         check_vote(self.settings.vote, strategy.hdet.explored)
         self.fabric, self.strategy, self.hdet = fabric, strategy, strategy.hdet
         self.controller = HDETController(self.settings)
-        self.controller.search_steps = None if search_rule is None else search_rule.steps
+        self.controller.search_steps = _search_end(search_rule, max_steps)
         self.global_step = 0  # optimizer steps taken (counted by `step`)
         self._last_vote_step = -1
         self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, strategy.root_device)
@@ -156,14 +163,13 @@ def vote_metrics(decision: Decision, rescues: int) -> dict[str, float]:
     return {**metrics, **explored_metrics(decision.values)}
 
 
-def _check_search(search: Optional[Search], gradient_sync: str) -> None:
-    """Refuse a search a Fabric loop cannot carry out (see ``HDETLoop``'s ``search``)."""
-    if search is None:
-        return
-    if search.steps is None:
-        raise ValueError("HDETLoop(search=Search(steps=None)): a Fabric loop's length is unknown to HDETLoop, so "
-                         "the search cannot end at a quarter of it; give Search(steps=N) or search=False.")
-    if gradient_sync != "global":
-        raise ValueError(f"HDETLoop(search=Search(steps={search.steps})) ends the search with every group "
-                         "averaging gradients over all ranks, which a Fabric loop cannot switch to mid-run; use "
-                         "HDETFabricStrategy(gradient_sync='global') or search=False.")
+def _search_end(search: Optional[Search], max_steps: Optional[int]) -> Optional[int]:
+    """The step the search may end at: ``Search(steps=N)``'s, else a quarter of ``max_steps`` (the Trainer's
+    ``search_steps``); ``None`` (no end) without a search or a known length."""
+    if search is None or search.steps is not None:
+        return None if search is None else search.steps
+    if max_steps is None:
+        rank_zero_info("HDET: HDETLoop does not know the run's length (no max_steps): the search runs the whole run; "
+                       "give HDETLoop(max_steps=...) or search=Search(steps=...) to end it.")
+        return None
+    return _default_search_step(max_steps)

@@ -38,11 +38,19 @@ from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.hyperparams import Explored, check_vote, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
+from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss, stepping_warning
+from lightning_hdet.hdet.monitor import FINGERPRINT_WIDTH, MonitoredMetric
 from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, refuse_moved, resolve
 from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
 from lightning_hdet.hdet.validation import unmerged_validation_warning
 from lightning_hdet.records import History, log_report_figures
-from lightning_hdet.records.wandb import finish_worker_run, log_vote_history, record_config, vote_history_locations
+from lightning_hdet.records.wandb import (
+    finish_worker_run,
+    log_vote_history,
+    record_config,
+    vote_history_locations,
+    vote_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +74,10 @@ class HDETCallback(Callback):
         safety_net: :class:`~lightning_hdet.SafetyNet` (``True``: its defaults): skip a group's non-finite steps,
             restore a diverged or collapsed group from the others, roll every group back when all did, and (its
             ``plateau`` rule) roll an ensemble that stopped learning back onto lower LRs; ``False``: off.
-        monitor: ``None`` votes on each group's mean training loss over the interval; a metric name (e.g.
-            ``"val_loss"``) votes on each group's own latest value of that logged metric (log it without
-            ``sync_dist`` so each rank keeps its own value).
+        monitor: ``None`` votes on each group's mean training loss over the interval (the per-step loss, also under
+            ``accumulate_grad_batches``); a metric name (e.g. ``"val_loss"``) votes on each group's own value of
+            that logged metric, from the first validation ending at or after the vote's step (a ``sync_dist=True``
+            metric is reduced inside each group during that validation: :mod:`~lightning_hdet.hdet.monitor`).
         signal: what the vote compares: ``"mean"`` (the interval's loss); research signals are in
             :mod:`lightning_hdet.experimental`.
         warmup_steps: votes before this step only merge; learning rates start moving after it.
@@ -99,7 +108,7 @@ class HDETCallback(Callback):
         self._last_vote_step = -1
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
-        self._monitored: Optional[float] = None
+        self._monitor = None if monitor is None else MonitoredMetric(monitor)  # value, waiting vote, ties
         self._checked_strategy: Any = None  # the strategy `_parts` last found to carry HDET's parts
         self._resumed_interval: Optional[Tensor] = None
         self._heldout: Optional[HeldoutScorer] = signal_rule.scorer()
@@ -126,6 +135,11 @@ class HDETCallback(Callback):
     def num_votes(self) -> int:
         return self.controller.num_votes
 
+    @property
+    def ties(self) -> int:
+        """Votes on ``monitor`` whose groups all reported one value although their parameters differed."""
+        return 0 if self._monitor is None else self._monitor.ties
+
     # ------------------------------------------------------------------ set-up
     def _parts(self, trainer: Trainer) -> HDETParts:
         """The strategy's HDET parts (``strategy.hdet``): all the callback touches of it, but for the Trainer's own."""
@@ -142,6 +156,7 @@ class HDETCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         hdet = self._parts(trainer)
         if stage == "fit":
+            check_module(pl_module, self.settings.monitor)  # before any step: a module the votes cannot read
             self.settings.check_gradient_sync(hdet.gradient_sync)  # before the guard and the logger
             check_vote(self.settings.vote, hdet.explored)
             if self.settings.safety_net:
@@ -162,6 +177,9 @@ class HDETCallback(Callback):
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
         self.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
+        stepping = stepping_warning(pl_module, len(trainer.optimizers), every)  # (the optimizers exist only now)
+        if stepping is not None:
+            rank_zero_warn(stepping)
         hdet.merger.ensure_restore_point(keep_initial=self.controller.keeps_initial)
         if self.controller.searched_at is not None:
             hdet.set_gradient_sync("global")  # resumed after the search ended
@@ -178,14 +196,18 @@ class HDETCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         hdet = self._parts(trainer)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, Tensor):
+        loss = step_loss(outputs, pl_module, trainer.accumulate_grad_batches)
+        if loss is not None:
             self._meter.add(trainer.global_step, loss, first=self._first_pending)
+        elif self._first_pending and self._monitor is None and not pl_module.automatic_optimization:
+            raise missing_loss(pl_module, trainer.global_step)  # at the first step, not at the first vote
         self._first_pending = self._first_pending and trainer.global_step == 0
         if self._heldout is not None:
             self._heldout.step(trainer.global_step)
         step = trainer.global_step
         vote = step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step
+        if vote and self._monitor is not None:  # it waits for the validation of this step or a later one
+            self._monitor.pending, vote = True, False
         if vote:
             self._last_vote_step = step
             self.vote_and_merge(trainer, pl_module)
@@ -197,18 +219,33 @@ class HDETCallback(Callback):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Validate the model a checkpoint holds, unless the vote reads each group's own (``monitor``)."""
-        if self.settings.monitor is None:
+        """Validate the model a checkpoint holds, unless the vote reads each group's own (``monitor``): then a
+        ``sync_dist=True`` metric is reduced inside each group."""
+        if self._monitor is None:
             self._parts(trainer).merger.validate_merged(True)
+        else:
+            self._parts(trainer).sync_metrics_in_groups(True)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._parts(trainer).merger.validate_merged(False)  # before ModelCheckpoint saves (Lightning orders it last)
-        if self.settings.monitor is None or trainer.sanity_checking:
+        hdet = self._parts(trainer)
+        hdet.merger.validate_merged(False)  # before ModelCheckpoint saves (Lightning orders it last)
+        hdet.sync_metrics_in_groups(False)
+        if self._monitor is None:
             return
-        value = trainer.callback_metrics.get(self.settings.monitor)
-        if value is not None:
-            self._monitored = float(value)
+        # FSDP2 keeps parameters gathered after a forward without backward: the next forward (and the vote's merge,
+        # which writes the shards) must read the shards (as the merged validation's swap-out does).
+        hdet.merger.site.reshard()
+        if trainer.sanity_checking:
+            return
+        self._monitor.read(trainer.callback_metrics)
+        if self._monitor.pending and self._monitor.value is not None:
+            self._monitor.pending = False  # the vote that waited for this validation (before ModelCheckpoint saves)
+            self._last_vote_step = trainer.global_step
+            # Lightning runs the validation hooks under inference mode; a vote's merge and restore point must stay
+            # normal tensors, updated in place by later votes in training.
+            with torch.inference_mode(False), torch.enable_grad():
+                self.vote_and_merge(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -256,15 +293,22 @@ class HDETCallback(Callback):
     ) -> tuple[Reading, Optional[list[float]]]:
         """Every group's loss curve for this interval, whether it stayed finite (no skipped step) and, with
         ``signal="heldout"``, its averaged iterate's held-out loss: one small all-reduce for all of it."""
-        monitor = self.settings.monitor is not None
-        if monitor and self._monitored is None:
-            raise _missing_metric(trainer, self.settings.monitor)
-        row = self._meter.row(hdet.guard.interval_skipped(reset=True), self._monitored)
+        monitor = self._monitor
+        if monitor is not None and monitor.value is None:
+            raise _missing_metric(trainer, monitor.name)
+        row = self._meter.row(hdet.guard.interval_skipped(reset=True), None if monitor is None else monitor.value)
         scored = self._heldout is not None and not final  # the final merge picks by level: nothing to score
         if scored:
             row = torch.cat([row, self._heldout.row(trainer, pl_module, hdet.groups)])
+        if monitor is not None:  # (never with a held-out signal: the config refuses both)
+            row = torch.cat([row, monitor.fingerprint(_model_tensors(hdet), hdet.groups.root_device)])
         table = hdet.groups.gather_group_values(row)
-        reading = self._meter.read(table[:, : self._meter.width], monitor)
+        width = self._meter.width
+        reading = self._meter.read(table[:, :width], monitor is not None)
+        tie = None if monitor is None else monitor.check(trainer.global_step, reading.losses,
+                                                         table[:, width : width + FINGERPRINT_WIDTH])
+        if tie is not None:
+            rank_zero_warn(tie)
         if not reading.counted:
             raise MisconfigurationException(
                 f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step "
@@ -276,13 +320,15 @@ class HDETCallback(Callback):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**self.controller.state_dict(), "last_vote_step": self._last_vote_step, "monitored": self._monitored}
+        monitored = {} if self._monitor is None else self._monitor.state_dict()
+        return {**self.controller.state_dict(), "last_vote_step": self._last_vote_step, **monitored}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.controller.load_state_dict(state_dict)
         self._last_vote_step = state_dict["last_vote_step"]
-        self._monitored = state_dict["monitored"]
+        if self._monitor is not None:
+            self._monitor.load_state_dict(state_dict)
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -361,9 +407,10 @@ def _announce(hdet: HDETParts, settings: HDETConfig, plan: str) -> None:
 def _hand_back(trainer: Trainer, callback: HDETCallback, hdet: HDETParts) -> HDETResult:
     """The run's result (every rank); rank 0 also logs the vote history, the figures and the summary."""
     history = callback.history
-    result = make_result(history, hdet.table.current_lrs().tolist(), callback.initial_lrs, callback.num_votes,
-                         callback.rescues, callback.controller.searched_at,
-                         vote_history_locations(trainer) if history else [])
+    result = make_result(vote_rows(history), hdet.table.current_lrs().tolist(), callback.initial_lrs,
+                         callback.num_votes, callback.rescues, callback.controller.searched_at,
+                         vote_history_locations(trainer) if history else [], steps=trainer.global_step,
+                         every_n_steps=callback.every_n_steps, gradient_sync=hdet.gradient_sync, ties=callback.ties)
     if trainer.is_global_zero and hdet.num_groups > 1:
         if history:
             log_vote_history(trainer, history, step=trainer.global_step)
@@ -393,12 +440,17 @@ def _execute(hdet: HDETParts, decision: Decision) -> None:
                        f"from its model at LRs {rounded_list(decision.lrs)} with gradient_sync='global'.")
 
 
+def _model_tensors(hdet: HDETParts) -> list[Tensor]:
+    """What a merge carries of this rank's model (parameters or their local shards, float buffers)."""
+    return [t for part in hdet.merger.site.merge_parts() for t in part.tensors]
+
+
 def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException:
     names = sorted(k for k in trainer.callback_metrics if not k.startswith("hdet/"))
     return MisconfigurationException(
         f"HDETCallback(monitor={monitor!r}) found no such metric at the vote at step {trainer.global_step}. Logged "
-        f"metrics: {names}. Log it in `validation_step` (without `sync_dist`) and validate at least once per vote "
-        "interval, or use `monitor=None`."
+        f"metrics: {names}. Log it in `validation_step` and validate at least once before the run ends (a vote waits "
+        "for the next validation), or use `monitor=None`."
     )
 
 

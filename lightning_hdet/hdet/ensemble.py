@@ -83,6 +83,9 @@ class EnsembleOps(MergeOps):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Each group's first rank writes its group's own state beside the checkpoint; then rank 0 writes the
         checkpoint itself (the merged model), which therefore never names a file that is not there yet."""
+        # Rank 0's path: a name built from a metric each group measured itself (``HDETCallback(monitor=...)``, e.g.
+        # ModelCheckpoint's ``{val_loss}``) differs between groups, and every group's file belongs beside one file.
+        filepath = self.broadcast(filepath)
         if (checkpoint.get("hdet") or {}).get("group_files"):
             if self.global_rank == self.group_ranks[0]:
                 self.checkpoint_io.save_checkpoint(self.own_state(), group_file(filepath, self.group_index))

@@ -98,6 +98,13 @@ class HDETParts:
         """See :meth:`HDETHost.set_explored`."""
         self.host.set_explored(tables)
 
+    def sync_metrics_in_groups(self, on: bool) -> None:
+        """While ``on``, a metric logged with ``sync_dist=True`` is reduced over this rank's group only (the Trainer's
+        strategies: :class:`~lightning_hdet.hdet.metric_sync.GroupMetricSync`; a host without a Lightning ``reduce``
+        has nothing to switch)."""
+        if hasattr(self.host, "group_metrics"):
+            self.host.group_metrics = on
+
     def save_ensemble(self) -> dict[str, Any]:
         """What a checkpoint keeps of the ensemble: multipliers, this rank's restore point and where every group's
         own state is (each group writes its own)."""

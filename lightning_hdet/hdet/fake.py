@@ -140,12 +140,16 @@ class FakeWorld:
 
     def fit(self, make_callback: Callable[[], Any], train_step: Callable[[FakeExecutor, int], Any], max_steps: int,
             save_at: Optional[int] = None, resume: Optional[Sequence[dict[str, Any]]] = None,
+            validate: Optional[Callable[[FakeExecutor, int], Optional[dict[str, float]]]] = None,
             **trainer: Any) -> list[tuple[Any, FakeTrainer]]:
         """Train every group ``max_steps`` steps under its own ``make_callback()``, as ``Trainer.fit`` calls a
         callback: ``setup``, ``on_train_start``, then per step ``train_step(executor, step)`` (it moves the group's
         ``executor.params`` and returns the step's loss) and ``on_train_batch_end``, and ``on_train_end``. Returns
         every group's ``(callback, trainer)``; ``trainer`` sets :class:`FakeTrainer` fields.
 
+        ``validate``: after each step's ``on_train_batch_end``, ``validate(executor, step)`` may return the metrics a
+        validation logged (``None``: no validation then); they become ``callback_metrics`` between the callback's
+        ``on_validation_start`` and ``on_validation_end``, as Lightning's loop runs a validation after that hook.
         ``save_at``: after that step every group writes its checkpoint into ``checkpoints`` (the callback's state,
         what its ``on_save_checkpoint`` adds, the group's parameters), as ``ModelCheckpoint`` after the callback;
         ``resume``: such checkpoints, loaded as ``Trainer.fit(ckpt_path=...)`` does before training goes on."""
@@ -161,6 +165,11 @@ class FakeWorld:
                 loss = torch.as_tensor(train_step(executor, step), dtype=torch.float64)
                 run.global_step = step + 1
                 callback.on_train_batch_end(run, module, {"loss": loss}, None, step)
+                metrics = None if validate is None else validate(executor, run.global_step)
+                if metrics is not None:
+                    callback.on_validation_start(run, module)
+                    run.callback_metrics = {k: torch.tensor(v) for k, v in metrics.items()}
+                    callback.on_validation_end(run, module)
                 if run.global_step == save_at:
                     checkpoint = {"state": callback.state_dict(), "global_step": run.global_step}
                     callback.on_save_checkpoint(run, module, checkpoint)
@@ -389,6 +398,7 @@ class FakeModule:
     """What the callback asks of a LightningModule: ``log`` (kept in ``logged``)."""
 
     logged: dict[str, float] = field(default_factory=dict)
+    automatic_optimization: bool = True
 
     def log(self, name: str, value: Any, **kwargs: Any) -> None:
         self.logged[name] = float(value)
@@ -402,6 +412,8 @@ class FakeTrainer:
     max_steps: int = -1
     global_step: int = 0
     log_every_n_steps: int = 50
+    accumulate_grad_batches: int = 1
+    optimizers: list[Any] = field(default_factory=list)
     ckpt_path: Optional[str] = None
     sanity_checking: bool = False
     estimated_stepping_batches: float = math.inf

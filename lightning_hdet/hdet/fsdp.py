@@ -37,9 +37,11 @@ from lightning_hdet._compat import (
 from lightning_hdet._process_groups import destroy_default_group_at_exit
 from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
+from lightning_hdet.hdet.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.hyperparams import Span
+from lightning_hdet.hdet.metric_sync import GroupMetricSync
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,
@@ -54,7 +56,7 @@ from lightning_hdet.hdet.shards import (
 _FSDP_KWARGS = tuple(sorted(set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}))
 
 
-class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
+class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
     """HDET with every group an FSDP2 shard group: each rank holds ``1 / group_size`` of the model and optimizer.
 
     Args:
@@ -84,7 +86,7 @@ class HDETFSDPStrategy(HDETGroups, ShardedEnsembleOps, ModelParallelStrategy):
         lr_multipliers: Optional[Sequence[float]] = None,
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
-        preset: str = "recommended",
+        preset: str = DEFAULT_PRESET,
         explore: Optional[Mapping[str, Span]] = None,
         auto_wrap_policy: ShardingPolicy = None,
         process_group_backend: Optional[str] = None,

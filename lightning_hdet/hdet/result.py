@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from lightning_hdet.hdet.console import rounded, rounded_list
@@ -29,6 +29,12 @@ class HDETResult:
         rescues: groups the safety net restored (a roll-back counts every diverged group).
         searched_at: the step of the vote that ended the search (``search_steps``), ``None`` if none did.
         vote_history: where the per-group vote table went (``vote_history.csv`` paths, the W&B table's key).
+        history: that table's rows (one per vote and group, the columns of ``vote_history.csv``): :meth:`to_rows`.
+        steps: the optimizer steps the run took (``None``: not known).
+        every_n_steps: the interval between votes (``None``: not known).
+        gradient_sync: how gradients were averaged at the end (``"group"`` or ``"global"``; ``None``: not known).
+        ties: votes on a monitored metric that every group reported alike while their parameters differed
+            (:mod:`~lightning_hdet.hdet.monitor`).
     """
 
     lrs: list[float]
@@ -39,20 +45,54 @@ class HDETResult:
     rescues: int
     searched_at: Optional[int]
     vote_history: list[str]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    steps: Optional[int] = None
+    every_n_steps: Optional[int] = None
+    gradient_sync: Optional[str] = None
+    ties: int = 0
 
     def summary(self) -> str:
-        """The run in a few lines, numbers rounded."""
+        """The run in a few lines, numbers rounded; without a vote, what the run then was."""
         winner = self.winners[-1][1] if self.winners else -1
         tally = ", ".join(f"group {g} x{n}" for g, n in sorted(Counter(g for _, g in self.winners).items()))
+        found = "LRs found" if self.votes else "LRs at the end, never moved"
         lines = [
             f"HDET result: {self.votes} vote(s), {self.rescues} rescue(s)"
             + (f", search ended at step {self.searched_at}" if self.searched_at is not None else ""),
-            f"  LRs found (per param group{', group ' + str(winner) if winner >= 0 else ''}): "
+            *([] if self.votes else [self._no_vote()]),
+            f"  {found} (per param group{', group ' + str(winner) if winner >= 0 else ''}): "
             f"{rounded_list(self.lrs)}; every group started at {rounded_list(self.initial_lrs)}",
             f"  winners: {tally or 'none'}",
+            *([f"  {self.ties} vote(s) saw one monitored value for every group although their parameters differed: "
+               "the metric was not each group's own (see the warnings)"] if self.ties else []),
             f"  vote history: {', '.join(self.vote_history) or 'not written (no logger with a log_dir)'}",
         ]
         return "\n".join(lines)
+
+    def _no_vote(self) -> str:
+        """What a run without a vote was: every group at its starting LR, merged (if at all) at the end."""
+        steps = "the run" if self.steps is None else f"{self.steps} step(s)"
+        every = "" if self.every_n_steps is None else f" (a vote every {self.every_n_steps} steps)"
+        shared = {"global": "plain DDP on one shared gradient, each group stepping at its starting LR",
+                  "group": "one plain DDP run per group, each at its starting LR"}.get(self.gradient_sync or "",
+                                                                                       "each group at its starting LR")
+        merged = f"; the final merge at step {self.winners[-1][0]} combined them" if self.winners else ""
+        return (f"  no vote in {steps}{every}: no LR moved, so the run was {shared} "
+                f"({rounded_list(self.initial_lrs)}){merged}. Nothing was searched: vote more often "
+                "(HDETCallback(every_n_steps=...)) or train longer.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain Python values (lists, dicts, numbers, strings), e.g. for ``json.dump``; ``winners``
+        as ``{"step", "group"}`` dicts."""
+        plain = asdict(self)
+        plain["winners"] = [{"step": step, "group": group} for step, group in self.winners]
+        return plain
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """The vote table: one dict per vote and group (``step, group, lr, loss, weight, winner, rescued`` and the
+        explored hyperparameters' columns, as ``vote_history.csv``), ready for ``csv.DictWriter`` or
+        ``pandas.DataFrame``."""
+        return [dict(row) for row in self.history]
 
 
 def make_result(
@@ -63,8 +103,10 @@ def make_result(
     rescues: int,
     searched_at: Optional[int],
     vote_history: Sequence[str],
+    **run: Any,
 ) -> HDETResult:
-    """The result from the controller's history rows (one per vote and group) and the end-of-fit LR table."""
+    """The result from the history rows (one per vote and group, with ``step`` and ``winner``) and the end-of-fit
+    LR table; ``run``: the other fields (``steps``, ``every_n_steps``, ``gradient_sync``, ``ties``)."""
     winners: list[tuple[int, int]] = []
     for row in history:
         if not winners or winners[-1][0] != row["step"]:
@@ -76,7 +118,7 @@ def make_result(
     else:  # no vote or no healthy winner: the groups' mean
         lrs = [sum(column) / len(column) for column in zip(*table)] if table else []
     return HDETResult(lrs, table, [float(x) for x in initial_lrs], winners, votes, rescues, searched_at,
-                      list(vote_history))
+                      list(vote_history), [dict(row) for row in history], **run)
 
 
 def vote_line(step: int, winner: int, losses: Sequence[float], lrs: Sequence[float], final: bool = False) -> str:

@@ -40,10 +40,12 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.console import counted
+from lightning_hdet.hdet.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
 from lightning_hdet.hdet.hyperparams import Span
+from lightning_hdet.hdet.metric_sync import GroupMetricSync
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 _DDP_KWARGS = tuple(sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "process_group"}))
 
 
-class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
+class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
     """Data parallelism with groups of replicas that train with different learning rates.
 
     Args:
@@ -93,7 +95,7 @@ class HDETStrategy(HDETGroups, EnsembleOps, DDPStrategy):
         lr_multipliers: Optional[Sequence[float]] = None,
         spread: Optional[float] = None,
         gradient_sync: Optional[GradientSync] = None,
-        preset: str = "recommended",
+        preset: str = DEFAULT_PRESET,
         explore: Optional[Mapping[str, Span]] = None,
         **kwargs: Any,
     ) -> None:

@@ -4,13 +4,15 @@ votes/merges every 2 steps and, if it resumes, resumes a second Trainer from the
 the test asserts on to ``OUT/SCENARIO/rank{r}.pt``.
 
 Usage: ``python hdet_fsdp_run.py OUT SCENARIO [SCENARIO ...]``, a scenario being
-``{global,group,group>global}:{strategy,configure_model}:{resume,no-resume}[:nan|schedulefree|validate]``. The
+``{global,group,group>global}:{strategy,configure_model}:{resume,no-resume}[:nan|schedulefree|validate|monitor]``.
+The
 scenarios run one after the other in the same 4 processes (one launch: starting 4 interpreters with torch and
 Lightning is most of a scenario's time), each with its own strategy, callbacks and seed.
 ``group>global``: built with ``"group"``, switched to ``"global"`` by ``set_gradient_sync`` once the model is sharded,
 before the first step; ``nan``: group 1's loss is NaN at step 3, learning rates move only by the safety net's cut
 (``meta_lr=0``); ``schedulefree``: schedule-free AdamW instead of AdamW, its base iterate ``z`` recorded too;
-``validate``: validation at every epoch's end (``val_loss`` over all ranks), the validated parameters recorded.
+``validate``: validation at every epoch's end (``val_loss`` over all ranks), the validated parameters recorded;
+``monitor``: the same validation, voted on (``HDETCallback(monitor="val_loss")``), each rank's own loss recorded.
 """
 
 import sys
@@ -40,6 +42,7 @@ class MLP(LightningModule):
         self.shard_in_configure_model = shard_in_configure_model
         self.nan_at, self.schedule_free, self.validate = nan_at, schedule_free, validate
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        self.own: dict[int, float] = {}  # this rank's own (unsynced) validation loss, by step
 
     def configure_model(self) -> None:
         if self.shard_in_configure_model:  # as a ModelParallelStrategy user would
@@ -72,7 +75,9 @@ class MLP(LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x)[:, :1], y), sync_dist=True)
+        loss = torch.nn.functional.mse_loss(self.net(x)[:, :1], y)
+        self.own[self.trainer.global_step] = float(loss)
+        self.log("val_loss", loss, sync_dist=True)
 
     def val_dataloader(self) -> DataLoader:
         # 4 items per rank, one batch each: the mean over ranks is the whole set's loss
@@ -125,27 +130,28 @@ class SwitchToGlobal(Callback):
 
 
 def fit(out: Path, sync: str, shard_where: str, ckpt: Any, record: dict[str, Any], nan: bool = False,
-        schedule_free: bool = False, validate: bool = False) -> Trainer:
+        schedule_free: bool = False, validate: bool = False, monitor: bool = False) -> Trainer:
     seed_everything(3)
     first, _, later = sync.partition(">")
     strategy = HDETFSDPStrategy(num_groups=2, lr_multipliers=[1.0, 3.0], gradient_sync=first,
                                 auto_wrap_policy={torch.nn.Linear})
     vote = Softmax(meta_lr=0.0, permute=False) if nan else Softmax()
-    hdet = HDETCallback(every_n_steps=2, vote=vote, search=False)
+    hdet = HDETCallback(every_n_steps=2, vote=vote, search=False, monitor="val_loss" if monitor else None)
     callbacks = [Probe("before", record), hdet, Probe("after", record), *([SwitchToGlobal()] if later else [])]
     if ckpt is None:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=2 * STEPS_PER_EPOCH,
                       callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=ckpt is None, default_root_dir=out, limit_val_batches=1.0 if validate else 0)
+                      enable_checkpointing=ckpt is None, default_root_dir=out, limit_val_batches=1.0 if validate or monitor else 0)
     model = MLP(shard_where == "configure_model", nan_at=3 if nan else -1, schedule_free=schedule_free,
-                validate=validate)
+                validate=validate or monitor)
     trainer.fit(model, ckpt_path=ckpt)
     record["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
     record["numel"] = sum(p.numel() for p in model.parameters())
     record["group_index"] = strategy.group_index
     record["final"] = full(model)
     record["skipped"] = strategy.skipped_steps
+    record["own_val"], record["history"] = model.own, hdet.history
     return trainer
 
 
@@ -159,7 +165,7 @@ def run(out: Path, scenario: str) -> None:
     out = scenario_dir(out, scenario)
     first: dict[str, Any] = {}
     trainer = fit(out, sync, shard_where, None, first, nan=extra == ["nan"], schedule_free=extra == ["schedulefree"],
-                  validate=extra == ["validate"])
+                  validate=extra == ["validate"], monitor=extra == ["monitor"])
     resumed: dict[str, Any] = {}
     if resume == "resume":
         fit(out, sync, shard_where, out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", resumed)
