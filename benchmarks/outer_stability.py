@@ -84,7 +84,8 @@ def simulate(workers: int, mode: str, outer: str, task: str, rounds: int, seed: 
     linear = torch.nn.Linear(32, 2)
     flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()]).clone()
     fake = Workers(workers, task, seed)
-    state = OuterSettings(mode=mode, local_steps=fake.local_steps, dynamic_local_steps=False, outer=outer).build(
+    fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
+    state = OuterSettings(mode=mode, local_steps=fake.local_steps, outer=outer, **fixed).build(
         flat, torch.zeros(0), workers, None)
     curve = [held_out_loss(state.params)]
     if mode == "sync":

@@ -98,7 +98,7 @@ def _fit(out: Path, mode: str, ckpt_path: str | None = None) -> list[dict[str, A
     seed_everything(0)
     out.mkdir(parents=True)
     strategy = AsyncLocalSGDStrategy(local_steps=2, mode=mode, outer_lr=1.0, outer_momentum=0.0,
-                                     dynamic_local_steps=mode == "async", start_method="fork")
+                                     start_method="fork")
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=3, save_top_k=-1)
     trainer = Trainer(strategy=strategy, callbacks=[ckpt, BNRecorder(out)],
                       **trainer_kwargs(devices=2, max_steps=8, enable_checkpointing=True,

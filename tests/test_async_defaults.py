@@ -104,3 +104,25 @@ def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
 def test_bad_outer_and_compression_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AsyncLocalSGDStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(mode="sync", grace_period=0.0), r"`grace_period=0.0` has no effect with mode='sync' \(DiLoCo\)"),
+    (dict(mode="sync", dynamic_local_steps=True), r"`dynamic_local_steps=True` has no effect with mode='sync'"),
+    (dict(mode="sync", delayed_nesterov=False), r"`delayed_nesterov=False` has no effect with mode='sync'"),
+    (dict(error_feedback=True), r"`error_feedback` must be left unset with compression='none', got True"),
+])
+def test_an_option_without_effect_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AsyncLocalSGDStrategy(**kwargs)
+
+
+def test_the_run_config_records_the_async_only_options_as_in_force_or_not():
+    """Async fills their defaults; DiLoCo records them as not in force (None); error feedback follows the codec."""
+    config = AsyncLocalSGDStrategy().config
+    assert (config["delayed_nesterov"], config["dynamic_local_steps"], config["grace_period"]) == (True, True, 0.0)
+    assert config["error_feedback"] is False
+    config = AsyncLocalSGDStrategy(mode="sync", compression="int8").config
+    assert (config["delayed_nesterov"], config["dynamic_local_steps"], config["grace_period"]) == (None, None, None)
+    assert config["error_feedback"] is True
+    assert AsyncLocalSGDStrategy(compression="bf16", error_feedback=False).config["error_feedback"] is False

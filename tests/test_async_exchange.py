@@ -359,9 +359,8 @@ def test_streamed_rounds_match_the_whole_vector_rounds(mode: str) -> None:
     is the hand-computed one, and the reply travelled fragment by fragment. Outer step plain SGD, lr 1 (sync:
     theta <- theta - mean g)."""
     layout = Fragments([torch.Size([2])], max_bytes=4)  # one value per fragment
-    kwargs = {"delayed_nesterov": False} if mode == "async" else {}
-    settings = OuterSettings(mode=mode, local_steps=2, outer_lr=1.0, outer_momentum=0.0, dynamic_local_steps=False,
-                             **kwargs)
+    kwargs = {"delayed_nesterov": False, "dynamic_local_steps": False} if mode == "async" else {}
+    settings = OuterSettings(mode=mode, local_steps=2, outer_lr=1.0, outer_momentum=0.0, **kwargs)
     server, network, modules = _start(settings, budget=4, layout=layout)
     workers = [Worker(modules[0], CPU, server.local, layout=layout),
                Worker(modules[1], CPU, network.ends[1], layout=layout)]

@@ -148,8 +148,9 @@ def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4):
     tmp_path.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     # plain averaging outer step (Local SGD): what is under test is the workers' ranks, not the outer optimizer
+    fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
     strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, ranks_per_worker=ranks_per_worker,
-                                     outer_lr=1.0, outer_momentum=0.0, dynamic_local_steps=False, start_method=START)
+                                     outer_lr=1.0, outer_momentum=0.0, start_method=START, **fixed)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=4, check_val_every_n_epoch=None,

@@ -45,18 +45,24 @@ DEFAULT_CHUNK = 256
 _SCALE_BYTES = 4  # one float32 per row
 
 
-def check_compression(compression: object, error_feedback: object, pull_compression: object = "none") -> None:
+def check_compression(compression: object, error_feedback: object, pull_compression: object = "none") -> bool:
     """The strategy's ``compression`` / ``error_feedback`` / ``pull_compression`` arguments (raises the package's
-    ``ValueError``)."""
+    ``ValueError``); returns whether error feedback is in force. ``error_feedback=None``: on with every codec that
+    loses values; given with ``compression="none"``, which loses nothing, it is refused (it would do nothing)."""
     check_choice("compression", compression, CODECS,
                  hint="'bf16' halves a push, 'int8' quarters it (plus one float32 scale per row), 'topk2' / 'topk4'"
                       " send 1.6 % of the values in 2 / 4 bits (about 110x / 100x fewer bytes).")
+    check_choice("pull_compression", pull_compression, PULL_CODECS,
+                 hint="'bf16' halves a pull; 8-bit weights would lose too much of the model itself.")
+    if error_feedback is None:
+        return compression != "none"
     check_bool("error_feedback", error_feedback)
+    require("error_feedback", error_feedback, compression != "none", "left unset with compression='none'",
+            "Float32 pushes lose nothing, so there is nothing to feed back; set `compression` or drop the argument.")
     require("error_feedback", error_feedback, error_feedback or not str(compression).startswith("topk"),
             f"True with compression={compression!r}",
             "A sparse codec drops 98 % of each push; without error feedback those values are lost for good.")
-    check_choice("pull_compression", pull_compression, PULL_CODECS,
-                 hint="'bf16' halves a pull; 8-bit weights would lose too much of the model itself.")
+    return bool(error_feedback)
 
 
 def row_layout(shapes: Sequence[torch.Size], chunk: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:

@@ -146,6 +146,15 @@ class SyncStep:
         return min(steps, (outer.budget - outer.steps_done) // n_waiting)
 
 
+#: The options only async mode uses, and their defaults there.
+_ASYNC_ONLY: dict[str, Any] = {"delayed_nesterov": True, "dynamic_local_steps": True, "grace_period": 0.0}
+_WHY_NOT_SYNC = {
+    "delayed_nesterov": "its outer step is one Nesterov step on the mean of every worker's push.",
+    "dynamic_local_steps": "every round is `local_steps` long, since each outer step waits for every worker.",
+    "grace_period": "each outer step already waits for every worker's push.",
+}
+
+
 @dataclass(frozen=True)
 class OuterSettings:
     """The outer side's hyperparameters (the strategy's arguments of the same names), checked on creation."""
@@ -156,11 +165,14 @@ class OuterSettings:
     #: ``None``: the preset's (see :data:`~.momentum.OUTER_PRESETS`).
     outer_lr: float | None = None
     outer_momentum: float | None = None
-    delayed_nesterov: bool = True
+    #: Async only (``None``: True in async mode; refused with DiLoCo, which has no use for it).
+    delayed_nesterov: bool | None = None
     buffer_size: int | None = None
     momentum_activation: float = 0.0
-    dynamic_local_steps: bool = True
-    grace_period: float = 0.0
+    #: Async only (``None``: True in async mode; refused with DiLoCo, whose rounds are all ``local_steps`` long).
+    dynamic_local_steps: bool | None = None
+    #: Async only (``None``: 0.0 in async mode; refused with DiLoCo, which always waits for every worker).
+    grace_period: float | None = None
     speed_smoothing: float = 0.5
     #: The named outer settings (``None``: ``"stable"``, in both modes); the explicit
     #: ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart`` replace its numbers.
@@ -174,19 +186,32 @@ class OuterSettings:
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
+        self._resolve_async_only()
         check_push_settings(self.check_pushes, self.max_norm_ratio, self.max_rejections)
         validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
         preset = self.preset  # checks the name
         validate_outer_hyperparameters(preset.lr, preset.momentum,
                                        1 if self.buffer_size is None else self.buffer_size, self.momentum_activation)
         MomentumSchedule(preset.momentum, preset.warmup, preset.restart)  # checks the warm-up and restart
-        check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
+        if self.grace_period is not None:
+            check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
         for name, value in (("buffer_size", self.buffer_size), ("momentum_activation", self.momentum_activation or None)):
             if value is not None and (self.mode != "async" or not self.delayed_nesterov):
                 raise ValueError(
                     f"`{name}`={value!r} applies only to Delayed Nesterov (mode='async', delayed_nesterov=True), "
                     f"got mode={self.mode!r}, delayed_nesterov={self.delayed_nesterov!r}."
                 )
+
+    def _resolve_async_only(self) -> None:
+        """The async-only options: their async defaults where not given; with DiLoCo, refused when given (each
+        would be recorded as in force while doing nothing) and left ``None`` (not in force)."""
+        for name, default in _ASYNC_ONLY.items():
+            value = getattr(self, name)
+            if self.mode == "sync" and value is not None:
+                raise ValueError(f"`{name}={value!r}` has no effect with mode='sync' (DiLoCo): {_WHY_NOT_SYNC[name]}"
+                                 f" Remove it, or use mode='async'.")
+            if self.mode == "async" and value is None:
+                object.__setattr__(self, name, default)  # frozen: filled once, here
 
     @property
     def preset(self) -> OuterPreset:

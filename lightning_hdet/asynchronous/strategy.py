@@ -65,21 +65,26 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             ``"robust"`` (0.7 / 0.9 with warm-up and restarts), see ``docs/async.md``; ``outer_lr``/
             ``outer_momentum`` and ``momentum_warmup``/``momentum_restart`` (momentum updates to ramp up over /
             between restarts; 0: none), when given, replace its numbers.
-        delayed_nesterov: async only; Delayed Nesterov (True) or plain Nesterov SGD (False).
+        delayed_nesterov: async only (refused with ``mode="sync"``); Delayed Nesterov (default True) or plain
+            Nesterov SGD (False).
         buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
         momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
-        dynamic_local_steps: async only; give slower workers proportionally fewer local steps.
+        dynamic_local_steps: async only (refused with ``mode="sync"``); give slower workers proportionally fewer
+            local steps (default True).
         min_local_steps: lower bound of a worker's round length (1).
-        grace_period: async only; pushes arriving within this many seconds of a batch's first one are applied
-            one after another as one batch, and those workers restart from the same parameters; the window
-            closes early once every worker still training has pushed (0: each push alone).
+        grace_period: async only (refused with ``mode="sync"``); pushes arriving within this many seconds of a
+            batch's first one are applied one after another as one batch, and those workers restart from the same
+            parameters; the window closes early once every worker still training has pushed (default 0: each push
+            alone).
         speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
         checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0, so that
             checkpoints written during training hold each worker's state as of its latest exchange (AdamW: twice
             the model per push, and twice the model per worker on rank 0). False (default): inner states never
             leave their worker; each worker writes its own file beside every checkpoint (see ``docs/async.md``).
-        compression: the pushed pseudo-gradients' codec: ``"none"``, ``"bf16"`` or ``"int8"`` (row-wise scales).
-        error_feedback: with compression, each worker adds what its codec lost to its next push.
+        compression: the pushed pseudo-gradients' codec: ``"none"``, ``"bf16"``, ``"int8"`` (row-wise scales),
+            ``"topk2"`` or ``"topk4"`` (1 value in 64, 2 or 4 bits).
+        error_feedback: each worker adds what its codec lost to its next push (default: on with every codec;
+            refused with ``compression="none"``, which loses nothing; required by the sparse codecs).
         pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (workers train from the
             global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost).
         check_pushes: every push is checked before rank 0 applies it (finite, its layout, a norm within
@@ -98,16 +103,17 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     strategy_name = "async_local_sgd"
 
     def __init__(self, local_steps: int = 50, mode: Mode = "async", outer_lr: float | None = None,
-                 outer_momentum: float | None = None, delayed_nesterov: bool = True, buffer_size: int | None = None,
-                 momentum_activation: float = 0.0, dynamic_local_steps: bool = True, min_local_steps: int = 1,
-                 grace_period: float = 0.0, speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
+                 outer_momentum: float | None = None, delayed_nesterov: bool | None = None,
+                 buffer_size: int | None = None, momentum_activation: float = 0.0,
+                 dynamic_local_steps: bool | None = None, min_local_steps: int = 1, grace_period: float | None = None,
+                 speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
                  outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
-                 compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
+                 compression: str = "none", error_feedback: bool | None = None, pull_compression: str = "none",
                  check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
                  ranks_per_worker: int = 1, **kwargs: Any) -> None:
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
-        check_compression(compression, error_feedback, pull_compression)
+        error_feedback = check_compression(compression, error_feedback, pull_compression)
         check_ranks_per_worker(ranks_per_worker)
         if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
             raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: with `ranks_per_worker=1` the"

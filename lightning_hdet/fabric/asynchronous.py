@@ -60,8 +60,9 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
         names = {f.name for f in fields(OuterSettings)}
         self.outer_settings = OuterSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         self._codecs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CODEC_OPTIONS}
-        check_compression(self._codecs.get("compression", "none"), self._codecs.get("error_feedback", True),
-                          self._codecs.get("pull_compression", "none"))
+        self._codecs["error_feedback"] = check_compression(self._codecs.get("compression", "none"),
+                                                           self._codecs.get("error_feedback"),
+                                                           self._codecs.get("pull_compression", "none"))
         super().__init__(**kwargs)
         self._groups: Optional[tuple[Any, Any]] = None
         self._module: Optional[Module] = None

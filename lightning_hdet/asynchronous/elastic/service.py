@@ -90,7 +90,7 @@ class OuterService:
         for name, value in (("heartbeat_s", heartbeat_s), ("timeout_s", timeout_s)):
             check_number(name, value, low=0, low_open=True, hint="It is in seconds.")
         check_number("max_idle_s", max_idle_s, low=0, optional=True)
-        check_compression(compression, True, pull_compression)
+        check_compression(compression, None, pull_compression)
         self.settings = OuterSettings(**outer)
         require("momentum_activation", self.settings.momentum_activation, self.settings.momentum_activation == 0,
                 "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
