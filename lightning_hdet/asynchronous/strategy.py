@@ -60,36 +60,28 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     Args:
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
-        outer: ``"stable"`` (default, both modes: momentum 0.9 with warm-up and restarts, outer lr 0.339 derived
-            from the momentum so that no round is amplified), ``"published"`` (the papers' 0.7 / 0.9) or
-            ``"robust"`` (0.7 / 0.9 with warm-up and restarts), see ``docs/async.md``; ``outer_lr``/
-            ``outer_momentum`` and ``momentum_warmup``/``momentum_restart`` (momentum updates to ramp up over /
-            between restarts; 0: none), when given, replace its numbers.
-        delayed_nesterov: async only (refused with ``mode="sync"``); Delayed Nesterov (default True) or plain
-            Nesterov SGD (False).
+        outer: ``"stable"`` (default: momentum 0.9 with warm-up and restarts, the outer lr that keeps every round
+            unamplified, 0.339), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see ``docs/async.md``); ``outer_lr``,
+            ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when given, replace its numbers.
+        delayed_nesterov, dynamic_local_steps, grace_period: async only (each refused with ``mode="sync"``).
+            Delayed Nesterov (default True) or plain Nesterov SGD (False); give slower workers proportionally fewer
+            local steps (default True); pushes arriving within ``grace_period`` seconds of a batch's first one are
+            applied as one batch and those workers restart from the same parameters; the window closes early once
+            every worker still training has pushed (default 0: each push alone).
         buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
         momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
-        dynamic_local_steps: async only (refused with ``mode="sync"``); give slower workers proportionally fewer
-            local steps (default True).
         min_local_steps: lower bound of a worker's round length (1).
-        grace_period: async only (refused with ``mode="sync"``); pushes arriving within this many seconds of a
-            batch's first one are applied one after another as one batch, and those workers restart from the same
-            parameters; the window closes early once every worker still training has pushed (default 0: each push
-            alone).
         speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
-        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0, so that
-            checkpoints written during training hold each worker's state as of its latest exchange (AdamW: twice
-            the model per push, and twice the model per worker on rank 0). False (default): inner states never
-            leave their worker; each worker writes its own file beside every checkpoint (see ``docs/async.md``).
-        compression: the pushed pseudo-gradients' codec: ``"none"``, ``"bf16"``, ``"int8"`` (row-wise scales),
-            ``"topk2"`` or ``"topk4"`` (1 value in 64, 2 or 4 bits).
+        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0 (AdamW:
+            twice the model per push and per worker on rank 0). False (default): each worker writes its own file
+            beside every checkpoint (see ``docs/async.md``).
+        compression: the pushes' codec: ``"none"``, ``"bf16"``, ``"int8"``, ``"topk2"`` or ``"topk4"``.
         error_feedback: each worker adds what its codec lost to its next push (default: on with every codec;
-            refused with ``compression="none"``, which loses nothing; required by the sparse codecs).
+            refused with ``"none"``, which loses nothing).
         pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (workers train from the
             global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost).
-        check_pushes: every push is checked before rank 0 applies it (finite, its layout, a norm within
-            ``max_norm_ratio`` times the recent median) and each worker checks its own round is finite; a bad push
-            is discarded whole and its worker restarts from the global model (``docs/failure_modes.md``).
+        check_pushes: every push is checked (finite, its layout, a norm within ``max_norm_ratio`` times the recent
+            median); a bad one is discarded whole and its worker restarts from the global model.
         max_norm_ratio: a push whose norm exceeds this multiple of the recent median is rejected (10).
         max_rejections: a worker rejected this many times in a row stops; the others go on (3).
         ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
