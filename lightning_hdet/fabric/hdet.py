@@ -32,7 +32,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
     """Data parallelism with groups of replicas that train with different learning rates, for Fabric loops.
 
     Args:
-        num_groups: number of groups (``None``: one per rank), as for the Trainer's
+        num_groups: number of groups (``None``: from the world size and the preset), as for the Trainer's
             :class:`~lightning_hdet.hdet.strategy.HDETStrategy`.
         lr_multipliers: one learning-rate multiplier per group (``None``: the fan-out set by ``spread``).
         spread: half-width of the published fan-out, in ``[0, 1)`` (``None``: the preset's).
