@@ -93,6 +93,10 @@ CRASH_ARGS = ("--failures", "collapse", "--full-grid", "--hdet-votes", "", "--de
 CRASH_PUBLISHED_ARGS = ("--name", "crash_published", "--seeds", "3", "--start-method", "fork")
 
 
+# Benchmark 7's group-count table: HDET's processes forked (changes no number but the wall-clock).
+HDET_WORLD_ARGS = ("--start-method", "fork", "--workloads", "tabular", "shapes")
+
+
 def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) -> tuple[str, ...]:
     return ("--start-method", "fork", "--name", name, "--methods", *methods, "--hdet-votes", ",".join(votes), *args)
 
@@ -143,6 +147,9 @@ PARTS = (
     Part("crash", "crash.py", CRASH_ARGS, minutes=11),
     Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
     Part("elastic", "elastic.py", minutes=2, code=("tests/scripts/elastic_run.py",)),
+    # Benchmark 7 (issue 39): the default's groups at W = 4, 8, 16 (bench) and the votes the search needs (bench-full).
+    Part("hdet_world", "hdet_world.py", HDET_WORLD_ARGS, minutes=15),
+    Part("hdet_votes", "hdet_votes.py", ("--start-method", "fork", "--seeds", "4"), minutes=12, full=True),
 )
 
 
