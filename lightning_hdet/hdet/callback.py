@@ -358,8 +358,8 @@ def vote_plan(requested: Optional[int], run_steps: Optional[int]) -> tuple[int, 
     fix = ("Give a smaller `every_n_steps`" if requested is not None and every > MIN_INTERVAL
            else "Train for more steps")
     return every, (f"HDET: a run of {run_steps} optimizer steps holds {run_steps // every} vote(s) before the final "
-                   f"merge at {given}: fewer than two, so the votes barely move the groups' learning rates. {fix} for at "
-                   f"least two votes (2 x {every} = {2 * every} steps), or train one group (plain DDP).")
+                   f"merge at {given}: fewer than two, so the votes barely move the groups' learning rates. "
+                   f"{fix} for at least two votes (2 x {every} = {2 * every} steps), or train one group (plain DDP).")
 
 
 def _default_search_step(total: int) -> int:

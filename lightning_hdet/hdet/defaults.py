@@ -71,7 +71,8 @@ def user_group(num_groups: int) -> int:
 
 # The default number of groups: at most this many (the split this project started from: 64 GPUs into four groups).
 # More groups each see a smaller share of the batch during the search (1/64 of it with one group per rank on 64 GPUs)
-# and sit closer together on the same span; benchmark 7 (docs/benchmarks.md) measures 4 against one group per rank.
+# and sit closer together on the same span. Benchmark 7 (docs/benchmarks.md; tabular and shapes, one seed): at 16
+# processes one group per rank was 8-10 points worse than four groups from the good LR, level or worse from 10x low.
 MAX_DEFAULT_GROUPS = 4
 
 
@@ -90,12 +91,13 @@ def default_num_groups(world_size: int) -> int:
 # Four, measured (benchmark 7, benchmarks/hdet_votes.py: tabular MLP, W = G = 4, runs of 80 and 300 steps, from the
 # good LR and 10x too low, 4 seeds): the loss ÷ plain DDP's at the good LR was 0.99-1.04 with 4 votes in the search
 # (mean 1.020, the best of 1, 2, 4, 8; 1 and 2 gave 1.00-1.06, means 1.031 and 1.029), and 8 the worst cell (1.10
-# from 10x low at 300 steps: a vote every 10 steps copies on noisy intervals). Gaps under ~3 % are the seeds' spread.
+# from 10x low at 300 steps: a vote every 10 steps copies on noisy intervals). The seeds spread by 3-5 %.
 VOTES_IN_SEARCH = 4
 # The fewest steps a vote may average over: below it one interval's mean loss is mostly batch noise (a vote every 3
 # steps of the 80-step run gave 1.02-1.03 where every 5 gave 0.99-1.01).
 MIN_INTERVAL = 5
-# The most: the 0.x default, so a run longer than MAX_INTERVAL * VOTES_IN_SEARCH / SEARCH_FRACTION steps votes as it did.
+# The most: the 0.x default, so a run longer than MAX_INTERVAL * VOTES_IN_SEARCH / SEARCH_FRACTION (1,600) steps
+# votes as it did.
 MAX_INTERVAL = 100
 # A run of unknown length (no max_steps, unbounded epochs or an iterable dataset of no length) votes this often.
 UNKNOWN_LENGTH_INTERVAL = 100
