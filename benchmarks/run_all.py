@@ -94,6 +94,10 @@ CRASH_ARGS = ("--failures", "collapse", "--full-grid", "--hdet-votes", "", "--de
 CRASH_PUBLISHED_ARGS = ("--name", "crash_published", "--seeds", "3", "--start-method", "fork")
 
 
+# Benchmark 7's group-count table: HDET's processes forked (changes no number but the wall-clock).
+HDET_WORLD_ARGS = ("--start-method", "fork", "--workloads", "tabular", "shapes")
+
+
 def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) -> tuple[str, ...]:
     return ("--start-method", "fork", "--name", name, "--methods", *methods, "--hdet-votes", ",".join(votes), *args)
 
@@ -147,6 +151,10 @@ PARTS = (
     # bytes to a loss (issue 43): DDP, DiLoCo and async with each push codec, on loopback and behind a 100 Mbit/s
     # SlowLink; estimated from its quick run (11 fits of 4 processes; the char LM's 300 steps ~1.5 min each)
     Part("comm_bytes", "comm_bytes.py", ("--start-method", "fork"), minutes=20, full=True),
+    # Benchmark 7 (issue 39): the default's groups at W = 4, 8, 16 (bench) and the votes the search needs (bench-full).
+    # (minutes: 35 and 14 measured on 2026-12-02 under load 10-15 from other jobs; about half that on idle cores)
+    Part("hdet_world", "hdet_world.py", HDET_WORLD_ARGS, minutes=35),
+    Part("hdet_votes", "hdet_votes.py", ("--start-method", "fork", "--seeds", "4"), minutes=14, full=True),
 )
 
 

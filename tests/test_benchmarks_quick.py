@@ -745,6 +745,27 @@ def test_a_part_run_by_make_bench_stamps_the_command_the_docs_check_accepts(monk
         assert (common.this_command() in commands(full=False)) == (not part.full)
 
 
+@pytest.mark.timeout(360)
+def test_hdet_world_quick_mode(tmp_path):
+    """Benchmark 7's group table: at W = 2 and 4 the default is one group per rank (the per-rank arm is not run
+    twice), every HDET run votes, and the table has one row per workload and W."""
+    data, table, _ = run_quick(tmp_path, "hdet_world", "--start-method", "fork")
+    rows = data["rows"]
+    assert {(r["world"], r["arm"]) for r in rows} == {(w, a) for w in (2, 4) for a in ("ddp", "default")}
+    for r in rows:
+        assert math.isfinite(r["loss"])
+        assert (r["groups"], r["votes"] > 0) == ((r["world"], True) if r["arm"] == "default" else (1, False))
+    assert len(table) == 2 + 2 and "2 × 1, 2 votes" in table[2]
+
+
+@pytest.mark.timeout(360)
+def test_hdet_votes_quick_mode(tmp_path):
+    """The votes-in-the-search table: each interval puts 1, 2, 4 or 8 votes in the run's first quarter."""
+    data, table, _ = run_quick(tmp_path, "hdet_votes", "--start-method", "fork")
+    assert sorted({(r["votes_in_search"], r["every"]) for r in data["rows"]}) == [(1, 4), (2, 2), (4, 1), (8, 1)]
+    assert len(table) == 2 + 2 and all(math.isfinite(r["loss"]) for r in data["rows"])
+
+
 def test_comm_bytes_table_divides_each_arm_by_diloco_f32_at_its_link_and_by_ddp_bytes():
     """Hand-made records: DiLoCo int8 at loss 2.2 against DiLoCo f32's 2.0 at the same link is 1.1; its 1 MiB
     against DDP's 8 MiB is 0.125; DDP's loss is divided by DiLoCo f32 on loopback."""

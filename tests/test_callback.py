@@ -260,7 +260,8 @@ def test_default_callback_installed_and_user_callback_wins():
 
 def test_the_published_setup_is_one_name_away():
     """``strategy="hdet_published"``: the paper's fan-out, one shared gradient, the softmax vote and no search end;
-    ``"hdet"``: a wide geometric grid (a factor 3 apart with four groups), each group its own DDP job."""
+    ``"hdet"``: a wide geometric grid holding the optimizer's LR (27 ** (-1/4, 0, 1/4, 1/2) with four groups), each
+    group its own DDP job."""
     trainer = Trainer(strategy="hdet_published", accelerator="cpu", devices=4, logger=False)
     model = SGDBoring()
     model.trainer = trainer
@@ -270,7 +271,7 @@ def test_the_published_setup_is_one_name_away():
     assert trainer.strategy.lr_multipliers[:, 0].tolist() == pytest.approx([8 / 9, 26 / 27, 28 / 27, 10 / 9])
     recommended = Trainer(strategy="hdet", accelerator="cpu", devices=4, logger=False).strategy
     assert recommended.gradient_sync == "group"
-    assert recommended.lr_multipliers[:, 0].tolist() == pytest.approx([3 ** (k - 1.5) for k in range(4)])
+    assert recommended.lr_multipliers[:, 0].tolist() == pytest.approx([27 ** (k / 4 - 0.25) for k in range(4)])
 
 
 @pytest.mark.parametrize(("max_steps", "estimated", "expected"),

@@ -41,10 +41,11 @@ def test_bad_explore_is_refused_before_any_process(explore: dict, kwargs: dict, 
 
 
 def test_the_grids_start_out_of_step_with_the_lrs() -> None:
-    """A span gives the LR's geometric grid; the k-th hyperparameter after the LR starts k groups further on."""
-    grid = [27 ** (g / 3 - 0.5) for g in range(4)]  # span_grid(4, 27)
+    """A span gives the LR's geometric grid; the group at the LR's 1 keeps 1 (the user's set-up trains), the k-th
+    hyperparameter after the LR rotates the other values k groups further on."""
+    grid = [27 ** (g / 4 - 0.25) for g in range(4)]  # span_grid(4, 27): the LR's 1 in group 1
     tables = ExploredTables(check_explore({WD: 27.0, "beta2": [1.0, 2.0, 3.0, 4.0]}, 4, False), 4).get(1)
-    assert tables[WD][:, 0].tolist() == pytest.approx([grid[1], grid[2], grid[3], grid[0]])
+    assert tables[WD][:, 0].tolist() == pytest.approx([grid[2], grid[1], grid[3], grid[0]])
     assert tables["beta2"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]  # a list: as given
     assert ExploredTables({"lr": 1.0, WD: 4.0}, 2).lr is False
 

@@ -63,7 +63,7 @@ def test_hdet_strategy_accepts_ddp_options() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(every_n_steps=True), "`every_n_steps` must be a positive integer, got True"),
+        (dict(every_n_steps=True), "`every_n_steps` must be a positive integer or None, got True"),
         (dict(monitor=3), "`monitor` must be None or a logged metric name, got 3"),
         (dict(safety_net=1), r"`safety_net` must be True, False or a SafetyNet\(...\) object, got 1"),
         (dict(seed="0"), "`seed` must be an integer, got '0'"),

@@ -40,7 +40,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
     """Data parallelism with groups of replicas that train with different learning rates, for Fabric loops.
 
     Args:
-        num_groups: number of groups (``None``: one per rank), as for the Trainer's
+        num_groups: number of groups (``None``: from the world size and the preset), as for the Trainer's
             :class:`~lightning_hdet.hdet.strategy.HDETStrategy`.
         lr_multipliers: one learning-rate multiplier per group (``None``: the preset's grid, or the fan-out set by
             ``spread``), as for the Trainer's strategy.

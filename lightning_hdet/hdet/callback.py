@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import torch
@@ -32,7 +33,7 @@ from typing_extensions import override
 from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.console import counted, rounded_list
 from lightning_hdet.hdet.controller import Decision, HDETController, Interval
-from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, SEARCH_FRACTION
+from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
 from lightning_hdet.hdet.executor import HDETParts, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.hyperparams import Explored, check_vote, values
@@ -63,7 +64,10 @@ class HDETCallback(Callback):
     (:mod:`~lightning_hdet.hdet.options`); research options are in :mod:`lightning_hdet.experimental`.
 
     Args:
-        every_n_steps: the interval T between votes/merges, in optimizer steps.
+        every_n_steps: the interval T between votes/merges, in optimizer steps. ``None`` sizes it to the run: a
+            quarter of the run over :data:`~lightning_hdet.hdet.defaults.VOTES_IN_SEARCH` (so that many votes fall
+            in the search and three times as many after it), 5 to 100 steps; 100 where the run's length is unknown.
+            A run too short for two votes warns with the numbers.
         vote: the vote rule: :class:`~lightning_hdet.PBT` (``"pbt"``: the bottom quantile copies a top group, its LR
             x0.8 / x1.2), :class:`~lightning_hdet.Softmax` (``"softmax"``: the published controller) or
             :class:`~lightning_hdet.Best` (``"best"``: all re-centred on the winner) or
@@ -87,7 +91,7 @@ class HDETCallback(Callback):
 
     def __init__(
         self,
-        every_n_steps: int = 100,
+        every_n_steps: Optional[int] = None,
         vote: Union[str, Vote] = DEFAULT_VOTE,
         search: Union[bool, Search] = DEFAULT_SEARCH,
         safety_net: Union[bool, SafetyNet] = True,
@@ -100,6 +104,7 @@ class HDETCallback(Callback):
         refuse_moved(moved)  # 0.x arguments: the error says where each one went
         self.settings, self.search, signal_rule = resolve(every_n_steps, vote, search, safety_net, monitor, signal,
                                                           warmup_steps, seed)
+        self._requested_every = every_n_steps  # None: sized to the run at set-up or train start (`_size_votes`)
         self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
@@ -115,7 +120,8 @@ class HDETCallback(Callback):
 
     # Read-outs (the settings live in `settings`, the vote's state in `controller`).
     @property
-    def every_n_steps(self) -> int:
+    def every_n_steps(self) -> Optional[int]:
+        """The interval between votes (``None`` until a fit sized a default one to its run)."""
         return self.settings.every_n_steps
 
     @property
@@ -161,12 +167,17 @@ class HDETCallback(Callback):
             check_vote(self.settings.vote, hdet.explored)
             if self.settings.safety_net:
                 hdet.guard.enable()  # here: before the strategy wraps the model (the guard is a DDP hook)
+            # A run bounded by max_steps is sized now; one bounded by epochs at train start (Lightning's estimate
+            # loads the training data, which the module's own `setup` may still have to build).
+            self._size_votes(trainer.max_steps if trainer.max_steps > 0 else None, warn=trainer.max_steps > 0)
             record_config(trainer, "hdet", {**hdet.config, "callback": self.config})
             _announce(hdet, self.settings, _search_plan(self.search, trainer))  # here: before any progress bar exists, so not inside one
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         hdet = self._parts(trainer)
+        if trainer.max_steps <= 0:  # bounded by epochs (or not at all): Lightning's estimate of the run's steps
+            self._size_votes(run_length(trainer), warn=True, announce=True)
         if self._meter is None:
             self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, hdet.groups.root_device)
         every = self.settings.every_n_steps
@@ -189,6 +200,22 @@ class HDETCallback(Callback):
             self._heldout.start(trainer, pl_module)  # after experimental.InitNoise (on_fit_start): it averages those
         if self.controller.searched_at is not None:
             rank_zero_info(f"HDET: resumed after the search ended at step {self.controller.searched_at}")
+
+    def _size_votes(self, run_steps: Optional[int], warn: bool, announce: bool = False) -> None:
+        """Set the vote interval for a run of ``run_steps`` optimizer steps (``None``: not known yet, or unknown):
+        the one given, else :func:`~lightning_hdet.hdet.defaults.vote_interval`; warn when fewer than two votes
+        fit."""
+        every, warning = vote_plan(self._requested_every, run_steps)
+        if self._requested_every is None and run_steps is None and not announce:
+            every = None  # sized at train start
+        self.settings = replace(self.settings, every_n_steps=every)
+        self.controller.config = self.settings  # (its plateau patience and curve signals read the interval)
+        self.config = self.settings.as_dict()
+        if warn and warning:
+            rank_zero_warn(warning)
+        if announce and self._requested_every is None:
+            length = f"a run of {run_steps} steps" if run_steps is not None else "a run of unknown length"
+            rank_zero_info(f"HDET: a vote every {every} steps ({length})")
 
     # ------------------------------------------------------------------ per step
     @override
@@ -366,6 +393,21 @@ def run_length(trainer: Trainer) -> Optional[int]:
     return int(total) if math.isfinite(total) and total >= 2 else None
 
 
+def vote_plan(requested: Optional[int], run_steps: Optional[int]) -> tuple[int, Optional[str]]:
+    """The vote interval of a run of ``run_steps`` optimizer steps (``None``: unknown): ``requested``, else
+    :func:`~lightning_hdet.hdet.defaults.vote_interval`; and, when fewer than two votes fit, the warning that says
+    so with the numbers."""
+    every = requested if requested is not None else vote_interval(run_steps)
+    if run_steps is None or run_steps >= 2 * every:
+        return every, None
+    given = f"every_n_steps={every}" if requested is not None else f"the shortest default interval ({every} steps)"
+    fix = ("Give a smaller `every_n_steps`" if requested is not None and every > MIN_INTERVAL
+           else "Train for more steps")
+    return every, (f"HDET: a run of {run_steps} optimizer steps holds {run_steps // every} vote(s) before the final "
+                   f"merge at {given}: fewer than two, so the votes barely move the groups' learning rates. "
+                   f"{fix} for at least two votes (2 x {every} = {2 * every} steps), or train one group (plain DDP).")
+
+
 def _default_search_step(total: int) -> int:
     """Where ``Search()`` may end in a run of ``total`` optimizer steps."""
     return int(total * SEARCH_FRACTION)
@@ -397,9 +439,10 @@ def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
 def _announce(hdet: HDETParts, settings: HDETConfig, plan: str) -> None:
     """The settings line (rank 0), and what validation shows when the vote reads each group's own metric."""
     blend = f", blend={settings.blend!r}" if settings.vote in ("softmax", "best") else ""  # PBT copies, never blends
+    every = (f"every {settings.every_n_steps} steps" if settings.every_n_steps is not None
+             else "at an interval sized to the run's estimated steps")
     rank_zero_info(f"HDET: {counted(hdet.num_groups, 'group')} of {counted(hdet.groups.layout.group_size, 'rank')}, "
-                   f"gradient_sync={hdet.gradient_sync!r}, vote={settings.vote!r} every {settings.every_n_steps} "
-                   f"steps{blend}, {plan}")
+                   f"gradient_sync={hdet.gradient_sync!r}, vote={settings.vote!r} {every}{blend}, {plan}")
     if settings.monitor is not None and hdet.num_groups > 1:
         rank_zero_warn(unmerged_validation_warning(settings.monitor))
 

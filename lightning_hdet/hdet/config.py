@@ -38,7 +38,7 @@ class HDETConfig:
     Errors name the argument, the value and what is allowed, before any process or process group exists.
     """
 
-    every_n_steps: int = 100
+    every_n_steps: Optional[int] = None  # None: sized to the run by the callback (defaults.vote_interval)
     vote: str = "pbt"
     temperature: float = 0.1
     momentum: float = 0.9
@@ -73,7 +73,8 @@ class HDETConfig:
     region: Optional[dict[str, float]] = None  # vote="trust_region": TrustRegionVote's options (None: its defaults)
 
     def __post_init__(self) -> None:
-        check_int("every_n_steps", self.every_n_steps, minimum=1)
+        check_int("every_n_steps", self.every_n_steps, minimum=1, optional=True,
+                  hint="Optimizer steps between votes; None sizes the interval to the run's length.")
         check_choice("vote", self.vote, VOTES)
         check_positive("temperature", self.temperature)
         check_number("momentum", self.momentum, 0.0, 1.0, high_open=True)

@@ -21,8 +21,8 @@ DEFAULT_SEARCH = True  # Search(): ends at SEARCH_FRACTION of the run
 # (three workloads, three starts, six seeds; median 0.99x); the search is the premium a run pays when its LR was right.
 SEARCH_FRACTION = 0.25
 
-# HDETStrategy's defaults: a geometric grid of multipliers whose largest is this many times the smallest (with four
-# groups a factor 3 between neighbours, the grid benchmark 2 measured), centred on the optimizer's LR.
+# HDETStrategy's defaults: a geometric grid of multipliers within this span (from span ** -0.5 to span ** 0.5 of the
+# optimizer's LR; benchmark 2 measured four groups a factor 3 apart), one of them the optimizer's LR (span_grid).
 DEFAULT_LR_SPAN = 27.0
 DEFAULT_GRADIENT_SYNC = "group"
 PUBLISHED_SPREAD = 1 / 9
@@ -31,17 +31,20 @@ PUBLISHED_SPREAD = 1 / 9
 @dataclass(frozen=True)
 class Preset:
     """A strategy name's defaults: the multipliers (a geometric ``span`` or the published linear ``spread``), the
-    gradient sync, and the HDETCallback it installs when none is passed (its keyword arguments)."""
+    gradient sync, the HDETCallback it installs when none is passed (its keyword arguments), and whether an unset
+    ``num_groups`` means one group per rank (the paper's members) rather than :func:`default_num_groups`."""
 
     name: str
     gradient_sync: str
     span: Optional[float] = None
     spread: Optional[float] = None
     callback: dict[str, Any] = field(default_factory=dict)
+    group_per_rank: bool = False
 
 
 RECOMMENDED = Preset("recommended", DEFAULT_GRADIENT_SYNC, span=DEFAULT_LR_SPAN)
-PUBLISHED = Preset("published", "global", spread=PUBLISHED_SPREAD, callback={"vote": "softmax", "search": False})
+PUBLISHED = Preset("published", "global", spread=PUBLISHED_SPREAD, callback={"vote": "softmax", "search": False},
+                   group_per_rank=True)
 PRESETS = {p.name: p for p in (RECOMMENDED, PUBLISHED)}
 # The preset of every HDET entry point when none is named: the Trainer's "hdet" and "hdet_fsdp" and Fabric's "hdet"
 # (whose HDETLoop takes the preset's vote and search too), so the three never differ silently.
@@ -49,7 +52,62 @@ DEFAULT_PRESET = RECOMMENDED.name
 
 
 def span_grid(num_groups: int, span: float) -> list[float]:
-    """``num_groups`` multipliers in geometric progression from ``span ** -0.5`` to ``span ** 0.5`` (mean of logs 0)."""
+    """``num_groups`` multipliers in geometric progression, one of them exactly 1 (the user's own LR always trains),
+    none outside ``[span ** -0.5, span ** 0.5]``.
+
+    An odd number is symmetric around 1 (``span ** -0.5 .. 1 .. span ** 0.5``). An even number is the next odd grid
+    without its lowest point: with two groups ``[1, span ** 0.5]`` (the user's LR and a probe above it), with four
+    ``span ** (-1/4, 0, 1/4, 1/2)``. The spare group probes *up* because the safety net already searches down (a
+    diverged group's LR is cut, an all-stuck ensemble rolls back onto a ladder 10 to 100 times lower) while nothing
+    but the vote moves a too-low LR up, and a too-low LR fails silently: it only learns slowly."""
     if num_groups == 1:
         return [1.0]
-    return [span ** (g / (num_groups - 1) - 0.5) for g in range(num_groups)]
+    intervals = num_groups if num_groups % 2 == 0 else num_groups - 1  # of the symmetric grid spanning `span`
+    home = user_group(num_groups)
+    return [span ** ((g - home) / intervals) for g in range(num_groups)]
+
+
+def user_group(num_groups: int) -> int:
+    """The group :func:`span_grid` gives multiplier 1 (the user's own learning rate)."""
+    return (num_groups - 1) // 2
+
+
+# The default number of groups: at most this many (the split this project started from: 64 GPUs into four groups).
+# More groups each see a smaller share of the batch during the search (1/64 of it with one group per rank on 64 GPUs)
+# and sit closer together on the same span. Benchmark 7 (docs/benchmarks.md; tabular and shapes, one seed): at 16
+# processes one group per rank was 8-10 points worse than four groups from the good LR, level or worse from 10x low.
+MAX_DEFAULT_GROUPS = 4
+
+
+def default_num_groups(world_size: int) -> int:
+    """The groups a job of ``world_size`` ranks gets when ``num_groups`` is not given: the largest divisor of the
+    world size up to :data:`MAX_DEFAULT_GROUPS` (2 -> 2, 4 -> 4, 6 -> 3, 8 -> 4 groups of 2, 64 -> 4 of 16); where no
+    divisor from 2 to 4 exists (a prime world size above 3), the smallest divisor above it: one group per rank."""
+    if world_size <= MAX_DEFAULT_GROUPS:
+        return world_size
+    fits = [g for g in range(MAX_DEFAULT_GROUPS, 1, -1) if world_size % g == 0]
+    return fits[0] if fits else min(g for g in range(MAX_DEFAULT_GROUPS + 1, world_size + 1) if world_size % g == 0)
+
+
+# HDETCallback's default vote interval, sized to the run: VOTES_IN_SEARCH votes before the search ends (at
+# SEARCH_FRACTION of the run), so three times as many after it, at MIN_INTERVAL to MAX_INTERVAL steps apart.
+# Four, measured (benchmark 7, benchmarks/hdet_votes.py: tabular MLP, W = G = 4, runs of 80 and 300 steps, from the
+# good LR and 10x too low, 4 seeds): the loss ÷ plain DDP's at the good LR was 0.99-1.04 with 4 votes in the search
+# (mean 1.020, the best of 1, 2, 4, 8; 1 and 2 gave 1.00-1.06, means 1.031 and 1.029), and 8 the worst cell (1.10
+# from 10x low at 300 steps: a vote every 10 steps copies on noisy intervals). The seeds spread by 3-5 %.
+VOTES_IN_SEARCH = 4
+# The fewest steps a vote may average over: below it one interval's mean loss is mostly batch noise (a vote every 3
+# steps of the 80-step run gave 1.02-1.03 where every 5 gave 0.99-1.01).
+MIN_INTERVAL = 5
+# The most: the 0.x default, so a run longer than MAX_INTERVAL * VOTES_IN_SEARCH / SEARCH_FRACTION (1,600) steps
+# votes as it did.
+MAX_INTERVAL = 100
+# A run of unknown length (no max_steps, unbounded epochs or an iterable dataset of no length) votes this often.
+UNKNOWN_LENGTH_INTERVAL = 100
+
+
+def vote_interval(run_steps: Optional[int]) -> int:
+    """The default ``every_n_steps`` of a run of ``run_steps`` optimizer steps (``None``: unknown)."""
+    if run_steps is None:
+        return UNKNOWN_LENGTH_INTERVAL
+    return min(MAX_INTERVAL, max(MIN_INTERVAL, round(run_steps * SEARCH_FRACTION / VOTES_IN_SEARCH)))

@@ -60,7 +60,9 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
     """HDET with every group an FSDP2 shard group: each rank holds ``1 / group_size`` of the model and optimizer.
 
     Args:
-        num_groups: number of groups. ``None``: one group per rank (no sharding). Must divide the world size.
+        num_groups: number of groups. ``None``: chosen from the world size as for ``HDETStrategy`` (one group per
+            rank, unsharded, up to 4 ranks; then four groups, each sharded over a quarter of the ranks). Must divide
+            the world size.
         lr_multipliers: one learning-rate multiplier per group; ``None``: the preset's, or the fan-out set by
             ``spread``.
         spread: half-width of the symmetric fan-out of multipliers, in ``[0, 1)``; ``None``: the preset's.

@@ -148,7 +148,10 @@ class HDETGroups:
             self.spread = 0.0
             self._explore = {}  # (one group: nothing to explore, as for the LR)
             return GroupLayout(1, 1)
-        layout = make_layout(world_size, self._requested_groups, self._requested_multipliers)
+        groups = self._requested_groups
+        if groups is None and self.preset.group_per_rank and self._requested_multipliers is None:
+            groups = world_size  # the paper's members: one per rank, all sharing one gradient
+        layout = make_layout(world_size, groups, self._requested_multipliers)
         if self.num_nodes > 1 and layout.crosses_nodes(self.num_processes):
             rank_zero_warn(
                 f"HDET groups of {layout.group_size} ranks straddle nodes of {self.num_processes} processes; "

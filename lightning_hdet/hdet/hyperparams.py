@@ -10,10 +10,12 @@ What a multiplier multiplies (:data:`ONE_MINUS`): most keys (``weight_decay``, `
 coefficient ``beta`` (``momentum``, ``beta1`` and ``beta2`` of Adam's ``betas``) through ``1 - beta``, its horizon
 (a multiplier 2 halves the averaging window), since ``beta x 1.2`` leaves ``[0, 1)`` for ``beta > 0.83``.
 
-The initial grid of a hyperparameter with span ``s`` is the LR's: geometric from ``s ** -0.5`` to ``s ** 0.5``; the
-``k``-th hyperparameter after the LR gives group ``g`` the grid's value ``(g + k) mod G``, so no two hyperparameters
-rise together over the groups (with four groups and two hyperparameters: grid indices ``1, 2, 3, 0`` against the LR's
-``0, 1, 2, 3``). A list gives each group its multiplier itself.
+The initial grid of a hyperparameter with span ``s`` is the LR's (:func:`~lightning_hdet.hdet.defaults.span_grid`:
+geometric within ``s ** -0.5 .. s ** 0.5``, one value exactly 1). The group at the LR's 1 (``user_group``) keeps 1 for
+every hyperparameter, so the user's own configuration always trains; the ``k``-th hyperparameter after the LR rotates
+the other values over the other groups by ``k``, so no two hyperparameters rise together over them (with four groups
+and two hyperparameters: grid indices ``2, 1, 3, 0`` against the LR's ``0, 1, 2, 3``). A list gives each group its
+multiplier itself.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hdet._checks import is_finite_number, require
-from lightning_hdet.hdet.defaults import span_grid
+from lightning_hdet.hdet.defaults import span_grid, user_group
 from lightning_hdet.hdet.multipliers import MultiplierTable, centred_grid
 from lightning_hdet.hdet.votes import Ballot
 
@@ -95,7 +97,11 @@ def initial_multipliers(span: Span, num_groups: int, position: int) -> list[floa
         require("explore", list(span), len(span) == num_groups, f"one multiplier per group ({num_groups})")
         return list(span)
     grid = span_grid(num_groups, span)
-    return [grid[(g + position) % num_groups] for g in range(num_groups)]
+    others = [g for g in range(num_groups) if g != user_group(num_groups)]  # the user's group keeps 1
+    out = list(grid)
+    for i, g in enumerate(others):
+        out[g] = grid[others[(i + position) % len(others)]]
+    return out
 
 
 # ------------------------------------------------------------------ the optimizer's values

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_hdet._checks import check_number, check_positive_list, is_int, require
+from lightning_hdet.hdet.defaults import default_num_groups
 
 
 def fan_out(num_groups: int, spread: float) -> list[float]:
@@ -28,7 +29,7 @@ def fan_out(num_groups: int, spread: float) -> list[float]:
 
 def check_num_groups(num_groups: int) -> None:
     require("num_groups", num_groups, is_int(num_groups) and num_groups >= 1,
-            "a positive integer (or None for one group per rank)")
+            "a positive integer (or None: chosen from the world size, see defaults.default_num_groups)")
 
 
 def check_spread(spread: float) -> None:
@@ -82,10 +83,11 @@ def divisors(n: int) -> list[int]:
 
 
 def make_layout(world_size: int, num_groups: Optional[int], multipliers: Optional[Sequence[float]]) -> GroupLayout:
-    """The layout a strategy asked for: ``num_groups``, else one group per multiplier, else one group per rank."""
+    """The layout a strategy asked for: ``num_groups``, else one group per multiplier, else the world size's default
+    (:func:`~lightning_hdet.hdet.defaults.default_num_groups`: four groups from eight ranks on)."""
     groups = num_groups
     if groups is None:
-        groups = len(multipliers) if multipliers is not None else world_size
+        groups = len(multipliers) if multipliers is not None else default_num_groups(world_size)
     layout = GroupLayout(world_size, groups)
     if multipliers is not None and len(multipliers) != groups:
         raise ValueError(

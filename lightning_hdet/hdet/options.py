@@ -275,7 +275,7 @@ def _as_rule(name: str, value: Any, rule: type) -> Optional[Any]:
 
 
 def resolve(
-    every_n_steps: int,
+    every_n_steps: Optional[int],
     vote: Union[str, Vote],
     search: Union[bool, Search],
     safety_net: Union[bool, SafetyNet],

@@ -58,11 +58,13 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
     """Data parallelism with groups of replicas that train with different learning rates.
 
     Args:
-        num_groups: number of groups (the ensemble's members). ``None``: one group per rank (the published setting).
+        num_groups: number of groups (the ensemble's members). ``None``: chosen from the world size (one group per
+            rank up to 4 ranks, then four groups: 8 ranks give 4 groups of 2, 64 give 4 of 16;
+            :func:`~lightning_hdet.hdet.defaults.default_num_groups`); ``preset="published"``: one group per rank.
             Ranks are split into contiguous groups of equal size.
         lr_multipliers: one learning-rate multiplier per group, applied to every learning rate the optimizer and
             schedulers produce. ``None``: the preset's (recommended: a geometric grid spanning 27x around the
-            optimizer's LR, a factor 3 apart with four groups), or the fan-out set by ``spread``.
+            optimizer's LR, one group at 1x: ``0.44, 1, 2.3, 5.2`` with four groups), or the fan-out set by ``spread``.
         spread: half-width of the published fan-out ``1 + spread * (g - (G-1)/2) / max((G-1)/2, 0.5)``, in ``[0, 1)``
             (``0`` is plain DDP); ``None``: the preset's multipliers. Not with ``lr_multipliers``.
         gradient_sync: ``"group"``: each group is its own DDP job on its own process group, so groups diverge between
