@@ -60,24 +60,20 @@ class HDETCallback(Callback):
     """Loss-based voting, learning-rate exploration, parameter blending and the safety net for HDET.
 
     The defaults are the measured best (:mod:`~lightning_hdet.hdet.defaults`): a ``PBT`` search for the first
-    quarter of the run, then training around what it found. Each option lives on the rule it changes
-    (:mod:`~lightning_hdet.hdet.options`); research options are in :mod:`lightning_hdet.experimental`.
+    quarter of the run, then training around what it found. Research options are in :mod:`lightning_hdet.experimental`.
 
     Args:
         every_n_steps: the interval T between votes/merges, in optimizer steps. ``None`` sizes it to the run: a
             quarter of the run over :data:`~lightning_hdet.hdet.defaults.VOTES_IN_SEARCH` (so that many votes fall
             in the search and three times as many after it), 5 to 100 steps; 100 where the run's length is unknown.
             A run too short for two votes warns with the numbers.
-        vote: the vote rule: :class:`~lightning_hdet.PBT` (``"pbt"``: the bottom quantile copies a top group, its LR
-            x0.8 / x1.2), :class:`~lightning_hdet.Softmax` (``"softmax"``: the published controller) or
-            :class:`~lightning_hdet.Best` (``"best"``: all re-centred on the winner) or
-            :class:`~lightning_hdet.TrustRegion` (``"trust_region"``, with ``gradient_sync="global"`` only: two edge
-            groups probe around one incumbent LR); a name gives its defaults.
+        vote: the vote rule (a name gives its defaults): :class:`~lightning_hdet.PBT` (``"pbt"``),
+            :class:`~lightning_hdet.Softmax` (``"softmax"``: the published controller), :class:`~lightning_hdet.Best`
+            (``"best"``) or :class:`~lightning_hdet.TrustRegion` (``"trust_region"``, ``gradient_sync="global"`` only).
         search: :class:`~lightning_hdet.Search`: when the search ends and every group trains around its winner
             (``True``: at a quarter of the run); ``False``: the vote searches the whole run (the published set-up).
-        safety_net: :class:`~lightning_hdet.SafetyNet` (``True``: its defaults): skip a group's non-finite steps,
-            restore a diverged or collapsed group from the others, roll every group back when all did, and (its
-            ``plateau`` rule) roll an ensemble that stopped learning back onto lower LRs; ``False``: off.
+        safety_net: :class:`~lightning_hdet.SafetyNet` (``True``: its defaults): skip non-finite steps, restore
+            diverged or collapsed groups, and move an ensemble that stopped learning onto lower LRs; ``False``: off.
         monitor: ``None`` votes on each group's mean training loss over the interval (the per-step loss, also under
             ``accumulate_grad_batches``); a metric name (e.g. ``"val_loss"``) votes on each group's own value of
             that logged metric, from the first validation ending at or after the vote's step (a ``sync_dist=True``
@@ -265,9 +261,7 @@ class HDETCallback(Callback):
         hdet.merger.site.reshard()
         if trainer.sanity_checking:
             return
-        self._monitor.read(trainer.callback_metrics)
-        if self._monitor.pending and self._monitor.value is not None:
-            self._monitor.pending = False  # the vote that waited for this validation (before ModelCheckpoint saves)
+        if self._monitor.read(trainer.callback_metrics):  # the vote that waited for this validation
             self._last_vote_step = trainer.global_step
             # Lightning runs the validation hooks under inference mode; a vote's merge and restore point must stay
             # normal tensors, updated in place by later votes in training.
@@ -337,11 +331,7 @@ class HDETCallback(Callback):
         if tie is not None:
             rank_zero_warn(tie)
         if not reading.counted:
-            raise MisconfigurationException(
-                f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step "
-                f"{trainer.global_step} returned one. Return the loss tensor (or a dict with 'loss') from "
-                "`training_step` -- also under manual optimization -- or vote on a logged metric with `monitor=...`."
-            )
+            raise _no_training_loss(trainer.global_step)
         return reading, HeldoutScorer.read(table[:, self._meter.width :]) if scored else None
 
     # ------------------------------------------------------------------ checkpoints
@@ -361,29 +351,18 @@ class HDETCallback(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Add the full ensemble: each group's parameters and optimizer state, multipliers and interval losses."""
         hdet = self._parts(trainer)
-        row = self._meter.row(hdet.guard.interval_skipped(reset=False))
-        explored = hdet.explored.tables
-        checkpoint["hdet"] = {
-            "num_groups": hdet.num_groups,
-            "interval": hdet.groups.gather_group_values(row),
-            **hdet.save_ensemble(),
-            **({"explored": explored} if explored else {}),  # the other explored hyperparameters' tables
-        }
+        checkpoint["hdet"] = hdet.save_ensemble(self._meter.row(hdet.guard.interval_skipped(reset=False)))
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("hdet")
-        hdet = self._parts(trainer)
-        if not state or state.get("num_groups") != hdet.num_groups:
-            return
-        hdet.load_ensemble(state)
-        if state.get("explored") is not None:  # (refused, naming both, when the run explores other names)
-            hdet.set_explored(state["explored"])
-        elif hdet.explored.tables:
-            rank_zero_warn(f"The checkpoint holds no tables of the explored hyperparameters "
-                           f"{list(hdet.explored.tables)} (its run explored the LR alone): they start from "
-                           "`explore`'s initial multipliers.")
-        self._resumed_interval = state["interval"]
+        self._resumed_interval = self._parts(trainer).load_ensemble(checkpoint.get("hdet"))
+
+
+def _no_training_loss(step: int) -> MisconfigurationException:
+    return MisconfigurationException(
+        f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step {step} returned"
+        " one. Return the loss tensor (or a dict with 'loss') from `training_step` -- also under manual"
+        " optimization -- or vote on a logged metric with `monitor=...`.")
 
 
 def run_length(trainer: Trainer) -> Optional[int]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lightning_hdet.hdet.comm import GroupComm
 from lightning_hdet.hdet.guard import StepGuard
 from lightning_hdet.hdet.hyperparams import Explored
@@ -105,17 +107,30 @@ class HDETParts:
         if hasattr(self.host, "group_metrics"):
             self.host.group_metrics = on
 
-    def save_ensemble(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the ensemble: multipliers, this rank's restore point and where every group's
-        own state is (each group writes its own)."""
-        return {"lr_multipliers": self.table.multipliers, **self.host.ensemble_files(),
-                "last_good": self.merger.restore_point}
+    def save_ensemble(self, interval_row: Any) -> dict[str, Any]:
+        """What a checkpoint keeps of the ensemble (``checkpoint["hdet"]``): multipliers, this rank's restore point,
+        where every group's own state is (each group writes its own), every group's ``interval_row`` (the vote's
+        interval so far) and the other explored hyperparameters' tables."""
+        explored = self.explored.tables
+        return {"num_groups": self.num_groups, "interval": self.groups.gather_group_values(interval_row),
+                "lr_multipliers": self.table.multipliers, **self.host.ensemble_files(),
+                "last_good": self.merger.restore_point, **({"explored": explored} if explored else {})}
 
-    def load_ensemble(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`save_ensemble` (the groups' own states are read when Lightning restores the model)."""
+    def load_ensemble(self, state: dict[str, Any]) -> Any:
+        """Inverse of :meth:`save_ensemble` (the groups' own states are read when Lightning restores the model);
+        returns the saved interval table, or ``None`` for a checkpoint of another number of groups (ignored)."""
+        if not state or state.get("num_groups") != self.num_groups:
+            return None
         self.table.set(state["lr_multipliers"])
         if state.get("last_good") is not None:
             self.merger.load_restore_point(state["last_good"])
+        if state.get("explored") is not None:  # (refused, naming both, when the run explores other names)
+            self.set_explored(state["explored"])
+        elif self.explored.tables:
+            rank_zero_warn(f"The checkpoint holds no tables of the explored hyperparameters "
+                           f"{list(self.explored.tables)} (its run explored the LR alone): they start from "
+                           "`explore`'s initial multipliers.")
+        return state["interval"]
 
 
 def is_executor(strategy: Any) -> bool:

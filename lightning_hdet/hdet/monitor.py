@@ -39,11 +39,15 @@ class MonitoredMetric:
         self.pending = False  # a vote fell due and waits for the next validation to end
         self.ties = 0  # votes whose groups reported one value although their parameters differ
 
-    def read(self, metrics: dict[str, Any]) -> None:
-        """Take the value a validation just logged (``trainer.callback_metrics``), if it logged one."""
+    def read(self, metrics: dict[str, Any]) -> bool:
+        """Take the value a validation just logged (``trainer.callback_metrics``), if it logged one; True when a
+        waiting vote is due now (it is no longer waiting)."""
         value = metrics.get(self.name)
         if value is not None:
             self.value = float(value)
+        due = self.pending and self.value is not None
+        self.pending = self.pending and not due
+        return due
 
     @staticmethod
     def fingerprint(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
