@@ -20,9 +20,8 @@ RANGES = [(0, 2), (2, 3)]  # a 3-value model in two fragments
 
 def _outer(mode: str = "async", budget: int | None = 100, **kwargs):
     """Plain SGD outer step, lr 1 (theta <- theta - g; sync: theta <- theta - mean g), two workers."""
-    extra = {"delayed_nesterov": False} if mode == "async" else {}
-    settings = OuterSettings(mode=mode, local_steps=4, outer_lr=1.0, outer_momentum=0.0, dynamic_local_steps=False,
-                             **extra, **kwargs)
+    extra = {"delayed_nesterov": False, "dynamic_local_steps": False} if mode == "async" else {}
+    settings = OuterSettings(mode=mode, local_steps=4, outer_lr=1.0, outer_momentum=0.0, **extra, **kwargs)
     return settings.build(torch.zeros(3), torch.zeros(1), workers=2, budget=budget, ranges=RANGES)
 
 
