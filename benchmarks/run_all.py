@@ -143,7 +143,7 @@ PARTS = (
     Part("crash", "crash.py", CRASH_ARGS, minutes=11),
     Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
     Part("elastic", "elastic.py", minutes=2, code=("tests/scripts/elastic_run.py",)),
-    # the outer step over 200 rounds per worker (issue 42): one process, ~4 CPU-min (3.7 estimated from --quick)
+    # the outer step over 200 rounds per worker (issue 42): one process, 4.0 min (2.5 CPU-min) at load ~4, 2026-12-02
     Part("outer_stability", "outer_stability.py", minutes=4, full=True),
 )
 
