@@ -155,6 +155,8 @@ PARTS = (
     # (minutes: 35 and 14 measured on 2026-12-02 under load 10-15 from other jobs; about half that on idle cores)
     Part("hdet_world", "hdet_world.py", HDET_WORLD_ARGS, minutes=35),
     Part("hdet_votes", "hdet_votes.py", ("--start-method", "fork", "--seeds", "4"), minutes=14, full=True),
+    # the outer step over 200 rounds per worker (issue 42): one process, 4.0 min (2.5 CPU-min) at load ~4, 2026-12-02
+    Part("outer_stability", "outer_stability.py", minutes=4, full=True),
 )
 
 

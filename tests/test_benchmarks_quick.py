@@ -789,3 +789,24 @@ def test_comm_bytes_table_divides_each_arm_by_diloco_f32_at_its_link_and_by_ddp_
     assert rows["ddp loopback"][3:6] == ["0.75", "8.0", "1"]
     assert rows["diloco int8 1e+06 bit/s"][3:6] == ["1.1", "1.0", "0.125"]
     assert rows["diloco f32 1e+06 bit/s"][3:6] == ["1", "4.0", "0.5"]
+
+
+def test_outer_stability_verdict_hand_computed():
+    from benchmarks.outer_stability import verdict
+
+    assert verdict([1.0, 0.5, 0.1], 1) == {"mid": 0.5, "end": pytest.approx(0.1), "rise": pytest.approx(0.2),
+                                           "stable": True}
+    assert not verdict([1.0, 0.1, 0.5], 1)["stable"]  # ends below the start but rose 5x over the second half
+    assert verdict([1.0, 1e-6, 5e-6], 1)["stable"]  # a rise at the floor (< 1e-4 x the start) is noise
+    assert not verdict([1.0, 0.5, float("nan")], 1)["stable"] and verdict([1.0, 0.5, math.inf], 1)["end"] == math.inf
+
+
+def test_outer_stability_quick_mode(tmp_path):
+    """20 rounds per worker: the real outer state runs every cell; the published outer step with two SGD workers
+    has already diverged there, the default has not."""
+    data, table, _ = run_quick(tmp_path, "outer_stability", "--rounds", "20")
+    runs = {(r["task"], r["mode"], r["outer"], r["workers"]): r for r in data["runs"]}
+    assert len(runs) == 2 * 2 * 3 * 3 and all(len(r["curve"]) == 21 for r in runs.values())
+    assert all(runs[("sgd", m, "stable", w)]["stable"] for m in ("async", "sync") for w in (2, 4, 8))
+    assert not runs[("sgd", "sync", "published", 2)]["stable"]
+    assert table[0] == "| inner | mode | outer | W = 2 | W = 4 | W = 8 |" and len(table) == 2 + 12

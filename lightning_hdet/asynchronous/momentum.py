@@ -114,7 +114,8 @@ def resolve_outer(
     check_choice("outer", outer, tuple(OUTER_PRESETS), hint="Or leave it unset and give the numbers explicitly.")
     given: dict[str, Any] = {"lr": lr, "momentum": momentum, "warmup": warmup, "restart": restart}
     settings = {**asdict(OUTER_PRESETS[outer]), **{k: v for k, v in given.items() if v is not None}}
-    if settings["lr"] is None:
+    if settings["lr"] is None:  # checked as validate_outer_hyperparameters does: first finite, then in range
+        check_number("outer_momentum", settings["momentum"])
         check_number("outer_momentum", settings["momentum"], 0.0, 1.0, high_open=True)
         settings["lr"] = stable_outer_lr(settings["momentum"])
     return OuterPreset(**settings)
