@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Optional
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Optional
 
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.outer import OuterState
@@ -22,11 +23,23 @@ class ExchangeReadouts:
     """The async strategy's read-outs of its exchange (kept after ``fit``; empty before the first)."""
 
     _exchange: Exchange | None
+    #: True while this rank trains apart from the others (set by the strategy).
+    diverged: bool
 
     @property
     def _outer(self) -> OuterState | None:
         """Rank 0, during and after ``fit``: the outer state (``None`` elsewhere)."""
         return self._exchange.outer if self._exchange is not None else None
+
+    @contextmanager
+    def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
+        """On rank 0 during training: temporarily swap in the current global parameters and buffers (or those of
+        ``snapshot``, an outer state's ``state_dict``), for validation and checkpoints."""
+        if not (self.diverged and self._outer is not None and self._exchange is not None):
+            yield
+            return
+        with self._exchange.global_model(snapshot):
+            yield
 
     @property
     def rounds(self) -> list[tuple[int, int]]:

@@ -8,8 +8,7 @@ decides (early stopping, best checkpoints) and writes checkpoints. See ``docs/as
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -63,11 +62,11 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         outer: ``"stable"`` (default: momentum 0.9 with warm-up and restarts, the outer lr that keeps every round
             unamplified, 0.339), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see ``docs/async.md``); ``outer_lr``,
             ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when given, replace its numbers.
-        delayed_nesterov, dynamic_local_steps, grace_period: async only (each refused with ``mode="sync"``).
-            Delayed Nesterov (default True) or plain Nesterov SGD (False); give slower workers proportionally fewer
-            local steps (default True); pushes arriving within ``grace_period`` seconds of a batch's first one are
-            applied as one batch and those workers restart from the same parameters; the window closes early once
-            every worker still training has pushed (default 0: each push alone).
+        delayed_nesterov: async only (refused with ``mode="sync"``, like the next two): Delayed Nesterov (default
+            True) or plain Nesterov SGD (False).
+        dynamic_local_steps: give slower workers proportionally fewer local steps (default True).
+        grace_period: pushes arriving within this many seconds of a batch's first one are applied as one batch and
+            those workers restart from the same parameters; it closes early once every training worker pushed (0).
         buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
         momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
         min_local_steps: lower bound of a worker's round length (1).
@@ -304,17 +303,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.release_worker_groups()
         super().teardown()
 
-    # the global model for validation and checkpoints (rank 0, while training)
-    @contextmanager
-    def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
-        """On rank 0 during training: temporarily swap in the current global parameters and buffers (or those of
-        ``snapshot``, an outer state's ``state_dict``)."""
-        if not (self.diverged and self._outer is not None and self._exchange is not None):
-            yield
-            return
-        with self._exchange.global_model(snapshot):
-            yield
-
+    # the global model for validation and checkpoints (rank 0, while training: `_global_model`)
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
