@@ -25,7 +25,7 @@ from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.hyperparams import check_vote
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter
-from lightning_hdet.hdet.options import SafetyNet, Search, Vote, refuse_moved, resolve
+from lightning_hdet.hdet.options import SafetyNet, Search, Vote, resolve
 from lightning_hdet.records.wandb import log_vote_history
 
 
@@ -46,7 +46,6 @@ class HDETLoop:
         warmup_steps: votes before this step only merge, as for HDETCallback.
         seed: seed of the votes' random draws, as for HDETCallback.
         max_steps: the optimizer steps the loop will take (``None``: not known), for ``Search()``'s end.
-        **moved: refused: the 0.x arguments, each with the place it moved to.
 
     Example::
 
@@ -62,8 +61,7 @@ class HDETLoop:
 
     def __init__(self, fabric: Fabric, every_n_steps: int = 100, vote: Union[str, Vote, None] = None,
                  search: Union[bool, Search, None] = None, safety_net: Union[bool, SafetyNet] = True,
-                 warmup_steps: int = 0, seed: int = 0, max_steps: Optional[int] = None, **moved: Any) -> None:
-        refuse_moved(moved)  # 0.x arguments: the error says where each one went
+                 warmup_steps: int = 0, seed: int = 0, max_steps: Optional[int] = None) -> None:
         strategy = fabric.strategy
         if not isinstance(strategy, HDETFabricStrategy):
             raise TypeError(f"HDETLoop needs `Fabric(strategy='hdet')` (an HDETFabricStrategy), got "

@@ -41,7 +41,7 @@ from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.monitor import FINGERPRINT_WIDTH, MonitoredMetric
-from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, refuse_moved, resolve
+from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, resolve
 from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
 from lightning_hdet.hdet.validation import unmerged_validation_warning
 from lightning_hdet.records import History, log_report_figures
@@ -82,7 +82,6 @@ class HDETCallback(Callback):
             :mod:`lightning_hdet.experimental`.
         warmup_steps: votes before this step only merge; learning rates start moving after it.
         seed: seed of the callback's own generator for the votes' random draws (never the global RNG).
-        **moved: refused: the 0.x arguments, each with the place it moved to (see the CHANGELOG).
     """
 
     def __init__(
@@ -95,9 +94,7 @@ class HDETCallback(Callback):
         signal: Union[str, Signal] = "mean",
         warmup_steps: int = 0,
         seed: int = 0,
-        **moved: Any,
     ) -> None:
-        refuse_moved(moved)  # 0.x arguments: the error says where each one went
         self.settings, self.search, signal_rule = resolve(every_n_steps, vote, search, safety_net, monitor, signal,
                                                           warmup_steps, seed)
         self._requested_every = every_n_steps  # None: sized to the run at set-up or train start (`_size_votes`)
