@@ -190,8 +190,7 @@ def test_monitor_votes_on_each_groups_own_validation_metric(tmp_path):
         (lambda: HDETCallback(every_n_steps=0), "`every_n_steps` must be a positive integer"),
         (lambda: HDETCallback(every_n_steps=2.5), "`every_n_steps` must be a positive integer"),
         (lambda: HDETCallback(vote="median"), "`vote` must be one of"),
-        (lambda: HDETCallback(vote="pb2"), r"moved to the research options: use `vote=lightning_hdet.experimental.PB2\(\)`"),
-        (lambda: HDETCallback(signal="forecast"), r"use `signal=lightning_hdet.experimental.Forecast\(\)`"),
+        (lambda: HDETCallback(signal="forecast"), "`signal` must be 'mean' or a Signal object"),
         (lambda: HDETCallback(search=2), r"`search` must be True, False or a Search\(...\) object"),
         (lambda: HDETCallback(safety_net="on"), r"`safety_net` must be True, False or a SafetyNet\(...\) object"),
         (lambda: Softmax(temperature=0.0), "`temperature` must be a positive finite number"),
@@ -219,21 +218,6 @@ def test_monitor_votes_on_each_groups_own_validation_metric(tmp_path):
 def test_bad_input(make, match):
     with pytest.raises(ValueError, match=match):
         make()
-
-
-@pytest.mark.parametrize(("old", "where"), [
-    (dict(blend="mean"), r"vote=Softmax\(blend=...\)` or `vote=Best\(blend=...\)"),
-    (dict(temperature=0.1), r"vote=Softmax\(temperature=...\)"),
-    (dict(search_steps=10), r"search=Search\(steps=...\)"),
-    (dict(init_noise=0.01), r"InitNoise\(std=...\)"),
-    (dict(quantile=0.25), r"vote=PBT\(quantile=...\)"),
-])
-def test_an_old_argument_says_where_it_moved(old, where):
-    """The 0.x arguments are refused (``blend`` under the default ``PBT`` was silently ignored) with their new place."""
-    with pytest.raises(TypeError, match=where):
-        HDETCallback(**old)
-    with pytest.raises(TypeError, match=r"unexpected keyword argument `colour`\.$"):
-        HDETCallback(colour="blue")
 
 
 def test_callback_needs_hdet_strategy():

@@ -185,8 +185,6 @@ def test_fabric_strategies_refuse_bad_arguments() -> None:
     strategy.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="monitor"):  # no validation loop: not an argument of HDETLoop
         HDETLoop(fabric, monitor="val_loss")
-    with pytest.raises(TypeError, match="Softmax"):  # a 0.x argument: the error names its new place
-        HDETLoop(fabric, blend="mean")
     with pytest.raises(ValueError, match="`max_steps` must be"):
         HDETLoop(fabric, max_steps=0)
     with pytest.raises(ValueError, match="every_n_steps"):

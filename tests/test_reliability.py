@@ -253,7 +253,7 @@ def test_nan_gradients(tmp_path: Path, nan_ranks: tuple[int, ...], optimizer: st
     a plain one steps on the NaN-free average. In every group: every step is flagged, the vote rolls back and
     halves all LRs.
     """
-    cb = HDETCallback(every_n_steps=4, search=False)  # (0.x's `permute=False` did nothing under PBT)
+    cb = HDETCallback(every_n_steps=4, search=False)
     ranks = _hdet_fit(tmp_path, gradient_sync="global", callback=cb, max_steps=8, optimizer=optimizer,
                       extra=(_Fault("nan", nan_ranks, (1, 2)),))
     vote = [h for h in ranks[0]["history"] if h["step"] == 4]

@@ -2,9 +2,9 @@
 
 The loop calls :meth:`HDETLoop.step` after every ``optimizer.step()``; every ``every_n_steps`` steps the groups
 vote, exactly as under the Trainer: the same :class:`~lightning_hdet.hdet.meter.IntervalMeter` (this rank's loss
-curve on the device, one small all-reduce per vote), the same pure
-:class:`~lightning_hdet.hdet.controller.HDETController` deciding, the strategy's objects executing the decision
-(``strategy.hdet``, :class:`~lightning_hdet.hdet.executor.HDETParts`). :meth:`HDETLoop.finish` leaves every rank
+curve on the device, one small all-reduce per vote), the same vote (:mod:`~lightning_hdet.hdet.voting`: the pure
+:class:`~lightning_hdet.hdet.controller.HDETController` deciding, the strategy's objects executing the decision,
+``strategy.hdet``, :class:`~lightning_hdet.hdet.executor.HDETParts`) and the same metrics. :meth:`HDETLoop.finish` leaves every rank
 holding the merged model. It is a stateful object for ``fabric.save``/``fabric.load`` (the vote rule, history, counters
 and multipliers).
 """
@@ -14,18 +14,16 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from lightning.fabric import Fabric
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_hdet._checks import check_int
 from lightning_hdet.fabric.hdet import HDETFabricStrategy
-from lightning_hdet.hdet.callback import _default_search_step, _execute
-from lightning_hdet.hdet.controller import Decision, HDETController, Interval
+from lightning_hdet.hdet.controller import Decision, HDETController
 from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.hyperparams import check_vote
-from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter
-from lightning_hdet.hdet.options import SafetyNet, Search, Vote, refuse_moved, resolve
+from lightning_hdet.hdet.options import SafetyNet, Search, Vote, resolve
+from lightning_hdet.hdet.voting import decide_and_execute, finish, search_end, vote_metrics
 from lightning_hdet.records.wandb import log_vote_history
 
 
@@ -46,7 +44,6 @@ class HDETLoop:
         warmup_steps: votes before this step only merge, as for HDETCallback.
         seed: seed of the votes' random draws, as for HDETCallback.
         max_steps: the optimizer steps the loop will take (``None``: not known), for ``Search()``'s end.
-        **moved: refused: the 0.x arguments, each with the place it moved to.
 
     Example::
 
@@ -62,8 +59,7 @@ class HDETLoop:
 
     def __init__(self, fabric: Fabric, every_n_steps: int = 100, vote: Union[str, Vote, None] = None,
                  search: Union[bool, Search, None] = None, safety_net: Union[bool, SafetyNet] = True,
-                 warmup_steps: int = 0, seed: int = 0, max_steps: Optional[int] = None, **moved: Any) -> None:
-        refuse_moved(moved)  # 0.x arguments: the error says where each one went
+                 warmup_steps: int = 0, seed: int = 0, max_steps: Optional[int] = None) -> None:
         strategy = fabric.strategy
         if not isinstance(strategy, HDETFabricStrategy):
             raise TypeError(f"HDETLoop needs `Fabric(strategy='hdet')` (an HDETFabricStrategy), got "
@@ -107,12 +103,7 @@ class HDETLoop:
     def finish(self) -> None:
         """End the run: vote on the last interval (weigh, merge fully, leave the LRs alone) so every rank holds
         the merged model, and write the vote history (``vote_history.csv`` beside each logger's files)."""
-        if self.hdet.num_groups > 1:
-            if self.global_step == self._last_vote_step:
-                coefficients, strengths = self.controller.finishing_merge()  # nothing trained since the vote
-                self.hdet.merger.merge(coefficients, strengths, restart=[False] * self.hdet.num_groups)
-            else:
-                self._vote(final=True)
+        finish(self.hdet, self.controller, self.global_step == self._last_vote_step, lambda: self._vote(final=True))
         if self.fabric.is_global_zero and self.history:
             log_vote_history(self.fabric.loggers, self.history, step=self.global_step)
 
@@ -123,13 +114,7 @@ class HDETLoop:
         reading = self._meter.read(table, monitor=False)
         if not reading.counted:
             raise ValueError(f"HDETLoop counted no training loss up to step {step}: pass each step's loss to `step`.")
-        decision = self.controller.decide(Interval(
-            step=step, losses=reading.losses, finite=reading.finite, multipliers=hdet.table.multipliers,
-            schedule_lrs=hdet.table.schedule_lrs().tolist(), shared_gradients=hdet.gradient_sync == "global",
-            final=final, curves=reading.curves, first_losses=reading.first_losses, first_errors=reading.first_errors,
-            refine=not final and self.controller.search_ends(step), explored=hdet.explored,
-        ))
-        _execute(hdet, decision)
+        decision = decide_and_execute(hdet, self.controller, step, reading, final)
         self._last_vote_step = step
         self._meter.reset(step)
         self.fabric.log_dict(vote_metrics(decision, self.controller.rescues), step=step)
@@ -154,22 +139,8 @@ class HDETLoop:
         self._meter.reset(self.global_step)
 
 
-def vote_metrics(decision: Decision, rescues: int) -> dict[str, float]:
-    """What a vote logs (the Trainer's names): winner, rescues, every group's loss, weight and new LR, base LR."""
-    metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
-    for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
-        metrics.update({f"hdet/group{g}/loss": loss, f"hdet/vote/weight{g}": weight, f"hdet/group{g}/lr": lr})
-    metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
-    return {**metrics, **explored_metrics(decision.values)}
-
-
 def _search_end(search: Optional[Search], max_steps: Optional[int]) -> Optional[int]:
-    """The step the search may end at: ``Search(steps=N)``'s, else a quarter of ``max_steps`` (the Trainer's
-    ``search_steps``); ``None`` (no end) without a search or a known length."""
-    if search is None or search.steps is not None:
-        return None if search is None else search.steps
-    if max_steps is None:
-        rank_zero_info("HDET: HDETLoop does not know the run's length (no max_steps): the search runs the whole run; "
-                       "give HDETLoop(max_steps=...) or search=Search(steps=...) to end it.")
-        return None
-    return _default_search_step(max_steps)
+    """The step the search may end at (:func:`~lightning_hdet.hdet.voting.search_end`): ``Search(steps=N)``'s, else a
+    quarter of ``max_steps``."""
+    return search_end(search, max_steps, "HDET: HDETLoop does not know the run's length (no max_steps): the search "
+                      "runs the whole run; give HDETLoop(max_steps=...) or search=Search(steps=...) to end it.")

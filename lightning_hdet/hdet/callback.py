@@ -11,7 +11,10 @@ The callback decides and the strategy executes. One vote, top to bottom (:meth:`
    and :mod:`~lightning_hdet.hdet.collapse`);
 3. the strategy's objects execute it: ``merger.restore()`` (roll-back) or one ``merger.merge(...)`` per step of
    the decision's plan, then ``table.set(...)``;
-4. ``_log``: metrics and the vote history.
+4. ``_log_vote``: metrics and the vote history.
+
+Steps 2 and 3, the vote's metrics and the end of the run are :mod:`~lightning_hdet.hdet.voting`'s, shared with
+Fabric's :class:`~lightning_hdet.fabric.loop.HDETLoop`.
 
 The callback talks to the strategy only through ``strategy.hdet`` (:class:`~lightning_hdet.hdet.executor.HDETParts`).
 """
@@ -31,8 +34,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.console import counted, rounded_list
-from lightning_hdet.hdet.controller import Decision, HDETController, Interval
+from lightning_hdet.hdet.console import counted
+from lightning_hdet.hdet.controller import Decision, HDETController
 from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
 from lightning_hdet.hdet.executor import HDETParts, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
@@ -41,9 +44,17 @@ from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.monitor import FINGERPRINT_WIDTH, MonitoredMetric
-from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, refuse_moved, resolve
-from lightning_hdet.hdet.result import HDETResult, make_result, vote_line
+from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, resolve
+from lightning_hdet.hdet.result import HDETResult, make_result
 from lightning_hdet.hdet.validation import unmerged_validation_warning
+from lightning_hdet.hdet.voting import (
+    announce,
+    decide_and_execute,
+    default_search_step,
+    finish,
+    search_end,
+    vote_metrics,
+)
 from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import (
     finish_worker_run,
@@ -82,7 +93,6 @@ class HDETCallback(Callback):
             :mod:`lightning_hdet.experimental`.
         warmup_steps: votes before this step only merge; learning rates start moving after it.
         seed: seed of the callback's own generator for the votes' random draws (never the global RNG).
-        **moved: refused: the 0.x arguments, each with the place it moved to (see the CHANGELOG).
     """
 
     def __init__(
@@ -95,9 +105,7 @@ class HDETCallback(Callback):
         signal: Union[str, Signal] = "mean",
         warmup_steps: int = 0,
         seed: int = 0,
-        **moved: Any,
     ) -> None:
-        refuse_moved(moved)  # 0.x arguments: the error says where each one went
         self.settings, self.search, signal_rule = resolve(every_n_steps, vote, search, safety_net, monitor, signal,
                                                           warmup_steps, seed)
         self._requested_every = every_n_steps  # None: sized to the run at set-up or train start (`_size_votes`)
@@ -271,15 +279,8 @@ class HDETCallback(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Leave every rank holding the merged model."""
-        hdet = self._parts(trainer)
-        if hdet.num_groups == 1:
-            return
-        if trainer.global_step == self._last_vote_step:
-            # Nothing trained since the last vote: finish that vote's merge at full strength.
-            coefficients, strengths = self.controller.finishing_merge()
-            hdet.merger.merge(coefficients, strengths, restart=[False] * hdet.num_groups)
-        else:
-            self.vote_and_merge(trainer, pl_module, final=True)
+        finish(self._parts(trainer), self.controller, trainer.global_step == self._last_vote_step,
+               lambda: self.vote_and_merge(trainer, pl_module, final=True))
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -296,14 +297,7 @@ class HDETCallback(Callback):
         """One vote: losses -> decision (weights, winner, multipliers, rescues) -> merged or rolled-back model."""
         hdet = self._parts(trainer)
         reading, heldout = self._signal(trainer, pl_module, hdet, final)
-        decision = self.controller.decide(Interval(
-            step=trainer.global_step, losses=reading.losses, finite=reading.finite,
-            multipliers=hdet.table.multipliers, schedule_lrs=hdet.table.schedule_lrs().tolist(),
-            shared_gradients=hdet.gradient_sync == "global", final=final, curves=reading.curves,
-            first_losses=reading.first_losses, first_errors=reading.first_errors, heldout=heldout,
-            refine=not final and self.controller.search_ends(trainer.global_step), explored=hdet.explored,
-        ))
-        _execute(hdet, decision)
+        decision = decide_and_execute(hdet, self.controller, trainer.global_step, reading, final, heldout)
         _log_vote(trainer, decision, self.controller.rescues, self.report, heldout, final)
         self._meter.reset(trainer.global_step)
         if self._heldout is not None:
@@ -387,22 +381,11 @@ def vote_plan(requested: Optional[int], run_steps: Optional[int]) -> tuple[int, 
                    f"{fix} for at least two votes (2 x {every} = {2 * every} steps), or train one group (plain DDP).")
 
 
-def _default_search_step(total: int) -> int:
-    """Where ``Search()`` may end in a run of ``total`` optimizer steps."""
-    return int(total * SEARCH_FRACTION)
-
-
 def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
-    """The step at which ``search`` may end: its own ``steps``, else ``SEARCH_FRACTION`` (a quarter) of the run
-    (:func:`run_length`); ``None`` (no end) without a search or a known length."""
-    if search is None or search.steps is not None:
-        return None if search is None else search.steps
-    total = run_length(trainer)
-    if total is None:
-        rank_zero_info("HDET: the run's length is unknown (no max_steps or max_epochs): the search runs the whole "
-                       "run; give HDETCallback(search=Search(steps=...)) to end it.")
-        return None
-    return _default_search_step(total)
+    """The step at which ``search`` may end (:func:`~lightning_hdet.hdet.voting.search_end`) in this run
+    (:func:`run_length`)."""
+    return search_end(search, run_length(trainer), "HDET: the run's length is unknown (no max_steps or max_epochs): "
+                      "the search runs the whole run; give HDETCallback(search=Search(steps=...)) to end it.")
 
 
 def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
@@ -411,7 +394,7 @@ def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
         return "no search (the vote runs the whole run)"
     if search.steps is None and trainer.max_steps <= 0:
         return f"the search ends {SEARCH_FRACTION:.0%} into the run's estimated steps"
-    steps = search.steps if search.steps is not None else _default_search_step(trainer.max_steps)
+    steps = search.steps if search.steps is not None else default_search_step(trainer.max_steps)
     return f"the search ends at a vote from step {steps} on"
 
 
@@ -441,27 +424,6 @@ def _hand_back(trainer: Trainer, callback: HDETCallback, hdet: HDETParts) -> HDE
     return result
 
 
-def _execute(hdet: HDETParts, decision: Decision) -> None:
-    """The strategy carries out one decision: roll back, or merge (one collective per step of the plan); then the
-    new multipliers and, when the decision ended the search, gradients averaged over all ranks."""
-    if decision.roll_back:
-        hdet.merger.restore(decision.from_initial)
-        rank_zero_info(
-            f"HDET: step {decision.step}: group(s) {_indices(decision.rescued)} diverged "
-            f"({'; '.join(r for r in decision.reasons if r)}); every group rolled back to the last good merged model."
-        )
-    elif hdet.num_groups > 1:
-        for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
-            hdet.merger.merge(step.coefficients, step.strengths, restart=decision.restart, keep=decision.keep)
-    hdet.table.set(decision.multipliers)
-    if decision.explored:
-        hdet.set_explored(decision.explored)
-    if decision.refined:
-        hdet.set_gradient_sync("global")
-        rank_zero_info(f"HDET: step {decision.step}: search ended on group {decision.winner}; every group trains "
-                       f"from its model at LRs {rounded_list(decision.lrs)} with gradient_sync='global'.")
-
-
 def _model_tensors(hdet: HDETParts) -> list[Tensor]:
     """What a merge carries of this rank's model (parameters or their local shards, float buffers)."""
     return [t for part in hdet.merger.site.merge_parts() for t in part.tensors]
@@ -481,27 +443,12 @@ def _log_vote(
 ) -> None:
     """Metrics at the vote's own step (rank 0, every logger) and one console line; the controller already kept the
     history row."""
-    metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
-    for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
-        metrics[f"hdet/group{g}/loss"] = loss
-        metrics[f"hdet/vote/weight{g}"] = weight
-        metrics[f"hdet/group{g}/lr"] = lr  # the new learning rates, at the vote's own step
-    for g, value in enumerate(heldout or []):
-        metrics[f"hdet/group{g}/heldout"] = value
-    metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
-    metrics.update(explored_metrics(decision.values))
+    metrics = vote_metrics(decision, rescues, heldout)
     if trainer.is_global_zero:
         report.add(decision.step, metrics)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=decision.step)
-    rank_zero_info(vote_line(decision.step, decision.winner, decision.losses, decision.lrs, final))
-    if any(decision.rescued):
-        rank_zero_info(f"HDET: step {decision.step}: rescued group(s) {_indices(decision.rescued)} (losses "
-                       f"{rounded_list(decision.losses)}); total rescues {rescues}")
-
-
-def _indices(flags: list[bool]) -> list[int]:
-    return [g for g, flag in enumerate(flags) if flag]
+    announce(decision, rescues, final)
 
 
 def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History, explored: Explored) -> None:

@@ -101,11 +101,6 @@ class FakeWorld:
         """Group 0's initial model, when the plateau rule keeps it."""
         return self.mergers[0].initial_point
 
-    @property
-    def guard_enabled(self) -> bool:
-        """Whether the callbacks turned the step guard on."""
-        return all(p.guard.enabled for p in self.parts)
-
     def executor(self, group: int) -> FakeExecutor:
         """Group ``group``'s view of the world (its one rank's strategy)."""
         return FakeExecutor(self, group)

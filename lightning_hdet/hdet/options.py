@@ -210,47 +210,12 @@ class SafetyNet:
 
 
 VOTES: dict[str, type[Vote]] = {"pbt": PBT, "softmax": Softmax, "best": Best, "trust_region": TrustRegion}
-# Names that were votes or signals in 0.x and moved: the error says where.
-MOVED = {"pb2": "lightning_hdet.experimental.PB2()", "improvement": "lightning_hdet.experimental.Improvement()",
-         "forecast": "lightning_hdet.experimental.Forecast()", "heldout": "lightning_hdet.experimental.Heldout()"}
-
-
-# Every HDETCallback argument of 0.x that moved, and where it went (the CHANGELOG's migration table, as errors).
-_SOFTMAX, _BEST, _NET = "vote=Softmax({}=...)", "vote=Best({}=...)", "safety_net=SafetyNet({}=...)"
-MOVED_ARGUMENTS = {
-    **{name: _SOFTMAX.format(name) for name in ("temperature", "momentum", "meta_lr", "permute")},
-    **{name: _BEST.format(name) for name in ("shrink", "min_spread")},
-    "blend": "vote=Softmax(blend=...)` or `vote=Best(blend=...)",  # PBT copies the best groups, it never blends
-    **{name: "vote=PBT({}=...)".format(name) for name in ("quantile", "resample_probability")},
-    **{name: _NET.format(name) for name in ("divergence_factor", "rescue_lr_factor", "stall_patience",
-                                             "stall_tolerance", "rise_margin", "chance_loss", "chance_tolerance")},
-    "search_steps": "search=Search(steps=...)",  # the default, Search(), ends it at a quarter of the run
-    "refine_spread": "search=Search(refine_spread=...)",
-    "reference_group": "vote=lightning_hdet.experimental.ReferencePBT(reference_group=...)",
-    "blend_strength": "vote=lightning_hdet.experimental.PartialMerge(vote, strength=...)",
-    "init_noise": "Trainer(callbacks=[lightning_hdet.experimental.InitNoise(std=...), ...])",
-    "forecast_horizon": "signal=lightning_hdet.experimental.Forecast(horizon=...)",
-    "curve_bins": "signal=lightning_hdet.experimental.Forecast(bins=...)` or `Improvement(bins=...)",
-    **{f"heldout_{name}": f"signal=lightning_hdet.experimental.Heldout({name}=...)"
-       for name in ("batches", "decay", "loss")},
-}
-
-
-def refuse_moved(arguments: dict[str, Any]) -> None:
-    """Raise a ``TypeError`` naming where each 0.x argument in ``arguments`` went (or that it never existed)."""
-    for name in arguments:
-        where = MOVED_ARGUMENTS.get(name)
-        raise TypeError(f"HDETCallback got an unexpected keyword argument `{name}`" + (
-            f"; use `{where}` instead (0.x arguments moved onto the rule they change; see the CHANGELOG)."
-            if where else "."))
 
 
 def as_vote(vote: Union[str, Vote]) -> Vote:
     """``vote`` as a rule object: a name of :data:`VOTES` gives that rule with its defaults."""
     if isinstance(vote, Vote):
         return vote
-    require("vote", vote, not (isinstance(vote, str) and vote in MOVED), f"one of {tuple(VOTES)} or a Vote object",
-            f"It moved to the research options: use `vote={MOVED.get(vote)}`.")
     require("vote", vote, isinstance(vote, str) and vote in VOTES,
             f"one of {tuple(VOTES)} or a Vote object (PBT(...), Softmax(...), Best(...), TrustRegion(...))")
     return VOTES[vote]()
@@ -260,8 +225,6 @@ def as_signal(signal: Union[str, Signal]) -> Signal:
     """``signal`` as an object: ``"mean"`` or an experimental :class:`Signal`."""
     if isinstance(signal, Signal):
         return signal
-    require("signal", signal, not (isinstance(signal, str) and signal in MOVED), "'mean' or a Signal object",
-            f"It moved to the research options: use `signal={MOVED.get(signal)}`.")
     require("signal", signal, signal == "mean", "'mean' or a Signal object (see lightning_hdet.experimental)")
     return Signal()
 

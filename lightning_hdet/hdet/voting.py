@@ -1,0 +1,112 @@
+"""One vote, shared by the Trainer's :class:`~lightning_hdet.hdet.callback.HDETCallback` and Fabric's
+:class:`~lightning_hdet.fabric.loop.HDETLoop` (no Trainer here: each brings its own readings and loggers).
+
+A vote: the groups' :class:`~lightning_hdet.hdet.meter.Reading` -> :func:`decide_and_execute` (the pure
+:class:`~lightning_hdet.hdet.controller.HDETController` decides, the strategy's parts, ``strategy.hdet``, carry the
+decision out) -> :func:`vote_metrics` for the loggers. :func:`finish` is the end of a run; :func:`search_end` where
+``Search()`` may end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_hdet.hdet.console import rounded_list
+from lightning_hdet.hdet.controller import Decision, HDETController, Interval
+from lightning_hdet.hdet.defaults import SEARCH_FRACTION
+from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
+from lightning_hdet.hdet.meter import Reading
+from lightning_hdet.hdet.options import Search
+from lightning_hdet.hdet.result import vote_line
+
+if TYPE_CHECKING:
+    from lightning_hdet.hdet.executor import HDETParts
+
+
+def decide_and_execute(hdet: HDETParts, controller: HDETController, step: int, reading: Reading, final: bool,
+                       heldout: Optional[list[float]] = None) -> Decision:
+    """The controller's decision on this interval's ``reading`` (the search may end here unless ``final``),
+    carried out by the strategy (:func:`execute`)."""
+    decision = controller.decide(Interval(
+        step=step, losses=reading.losses, finite=reading.finite, multipliers=hdet.table.multipliers,
+        schedule_lrs=hdet.table.schedule_lrs().tolist(), shared_gradients=hdet.gradient_sync == "global",
+        final=final, curves=reading.curves, first_losses=reading.first_losses, first_errors=reading.first_errors,
+        heldout=heldout, refine=not final and controller.search_ends(step), explored=hdet.explored,
+    ))
+    execute(hdet, decision)
+    return decision
+
+
+def execute(hdet: HDETParts, decision: Decision) -> None:
+    """The strategy carries out one decision: roll back, or merge (one collective per step of the plan); then the
+    new multipliers and, when the decision ended the search, gradients averaged over all ranks."""
+    if decision.roll_back:
+        hdet.merger.restore(decision.from_initial)
+        rank_zero_info(
+            f"HDET: step {decision.step}: group(s) {rescued_groups(decision)} diverged "
+            f"({'; '.join(r for r in decision.reasons if r)}); every group rolled back to the last good merged model."
+        )
+    elif hdet.num_groups > 1:
+        for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
+            hdet.merger.merge(step.coefficients, step.strengths, restart=decision.restart, keep=decision.keep)
+    hdet.table.set(decision.multipliers)
+    if decision.explored:
+        hdet.set_explored(decision.explored)
+    if decision.refined:
+        hdet.set_gradient_sync("global")
+        rank_zero_info(f"HDET: step {decision.step}: search ended on group {decision.winner}; every group trains "
+                       f"from its model at LRs {rounded_list(decision.lrs)} with gradient_sync='global'.")
+
+
+def finish(hdet: HDETParts, controller: HDETController, voted_last: bool, vote_final: Callable[[], object]) -> None:
+    """End the run so every rank holds the merged model: with nothing trained since the last vote
+    (``voted_last``), that vote's merge at full strength; else ``vote_final()``, a vote on the last interval."""
+    if hdet.num_groups == 1:
+        return
+    if voted_last:
+        coefficients, strengths = controller.finishing_merge()
+        hdet.merger.merge(coefficients, strengths, restart=[False] * hdet.num_groups)
+    else:
+        vote_final()
+
+
+def vote_metrics(decision: Decision, rescues: int, heldout: Optional[list[float]] = None) -> dict[str, float]:
+    """What a vote logs at its own step: winner, rescues, every group's loss, weight and new LR (and held-out
+    loss), the base LR and the other explored hyperparameters."""
+    metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
+    for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
+        metrics.update({f"hdet/group{g}/loss": loss, f"hdet/vote/weight{g}": weight, f"hdet/group{g}/lr": lr})
+    for g, value in enumerate(heldout or []):
+        metrics[f"hdet/group{g}/heldout"] = value
+    metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
+    return {**metrics, **explored_metrics(decision.values)}
+
+
+def announce(decision: Decision, rescues: int, final: bool) -> None:
+    """The vote's console line (rank 0), and one for the groups it rescued."""
+    rank_zero_info(vote_line(decision.step, decision.winner, decision.losses, decision.lrs, final))
+    if any(decision.rescued):
+        rank_zero_info(f"HDET: step {decision.step}: rescued group(s) {rescued_groups(decision)} (losses "
+                       f"{rounded_list(decision.losses)}); total rescues {rescues}")
+
+
+def rescued_groups(decision: Decision) -> list[int]:
+    return [g for g, flag in enumerate(decision.rescued) if flag]
+
+
+def default_search_step(total: int) -> int:
+    """Where ``Search()`` may end in a run of ``total`` optimizer steps."""
+    return int(total * SEARCH_FRACTION)
+
+
+def search_end(search: Optional[Search], total: Optional[int], unknown: str) -> Optional[int]:
+    """The step at which ``search`` may end: its own ``steps``, else ``SEARCH_FRACTION`` (a quarter) of a run of
+    ``total`` steps; ``None`` (no end) without a search, or without a known length (then ``unknown`` is said)."""
+    if search is None or search.steps is not None:
+        return None if search is None else search.steps
+    if total is None:
+        rank_zero_info(unknown)
+        return None
+    return default_search_step(total)
