@@ -15,6 +15,33 @@ def test_dynamic_local_steps_lower_bound_and_unknown_speed():
     assert dynamic_local_steps(None, {}, 50, 1) == 50
 
 
+def test_exchange_time_counts_in_the_cycle_every_worker_matches():
+    # cycles at H = 8: worker 0 8/100 + 0 = 0.08 s, worker 1 8/400 + 0.05 = 0.07 s, so T = 0.07:
+    # worker 0 floor(100 * 0.07) = 7 (compute alone would give it floor(100/400 * 8) = 2), worker 1 floor(400 * 0.02) = 8
+    speeds, exchanges = {0: 100.0, 1: 400.0}, {0: 0.0, 1: 0.05}
+    assert dynamic_local_steps(100.0, speeds, 8, 1, 0.0, exchanges) == 7
+    assert dynamic_local_steps(400.0, speeds, 8, 1, 0.05, exchanges) == 8
+    assert dynamic_local_steps(100.0, speeds, 8, 1) == 2
+    # an exchange longer than the quickest cycle (0.08 s): the lower bound
+    assert dynamic_local_steps(100.0, {0: 100.0, 1: 100.0}, 8, 3, 0.1, {0: 0.1}) == 3
+
+
+def test_policy_smooths_exchange_times_forgets_and_loads_old_checkpoints():
+    policy = LocalStepsPolicy(local_steps=8, smoothing=0.5)
+    policy.update(0, 8, 0.08, 0.0)
+    policy.update(1, 8, 0.02, 0.02)
+    policy.update(1, 8, 0.02, 0.08)  # smoothed: 0.5 * 0.02 + 0.5 * 0.08 = 0.05
+    assert policy.exchanges == pytest.approx({0: 0.0, 1: 0.05})
+    assert policy.next_local_steps(0) == 7
+    other = LocalStepsPolicy(local_steps=8)
+    other.load_state_dict(policy.state_dict())
+    assert other.next_local_steps(0) == 7
+    other.load_state_dict({"speeds": policy.state_dict()["speeds"]})  # saved before exchange times were kept
+    assert other.exchanges == {} and other.next_local_steps(0) == 2
+    policy.forget(1)
+    assert policy.speeds == {0: 100.0} and policy.exchanges == {0: 0.0} and policy.next_local_steps(0) == 8
+
+
 def test_smoothed_speed():
     assert smoothed_speed(None, 10.0, 0.5) == 10.0
     assert smoothed_speed(10.0, 20.0, 0.5) == 15.0

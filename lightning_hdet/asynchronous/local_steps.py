@@ -1,8 +1,16 @@
 """Dynamic local steps (DyLU): give each worker a round length proportional to its speed.
 
-Worker ``w`` with smoothed speed ``v_w`` (inner steps per second) runs ``floor(v_w / max_u v_u * H)`` inner
-steps in its next round, at least ``min_local_steps``, so that fast and slow workers finish their rounds at
-about the same time. Pure bookkeeping: no Lightning, no process groups.
+Worker ``w`` with smoothed speed ``v_w`` (inner steps per second) and smoothed exchange time ``e_w`` (seconds
+from its push until the next round's model arrived) has a round *cycle* of ``steps / v_w + e_w``. Every worker gets
+the cycle of the quickest one at ``H`` steps, ``T = min_u (H / v_u + e_u)``: ``floor(v_w * (T - e_w))`` inner steps,
+at least ``min_local_steps`` (with no exchange time, ``floor(v_w / max_u v_u * H)`` as published), so that fast and
+slow workers finish their rounds at about the same time.
+
+Why the exchange time counts: the published rule equalizes compute only. A worker whose exchanges take longer (its
+link, or a server busy in its host process) then pushes less often than the others, its pushes grow staler, and a
+stale push amplified by the outer momentum keeps the global model from settling (issue 42: two workers on one host,
+the rank-0 worker 12 ms of compute + 1 ms of exchange per round, the other 14 + 8 ms, pushed 121 vs 74 times and the
+loss hovered where it should fall). Pure bookkeeping: no Lightning, no process groups.
 """
 
 from __future__ import annotations
@@ -21,12 +29,15 @@ def smoothed_speed(previous: float | None, measured: float, smoothing: float) ->
     return smoothing * previous + (1.0 - smoothing) * measured
 
 
-def dynamic_local_steps(speed: float | None, speeds: Mapping[int, float], local_steps: int, min_local_steps: int) -> int:
-    """``max(min_local_steps, floor(speed / max(speeds) * local_steps))``; ``local_steps`` if speed is unknown."""
-    fastest = max(speeds.values(), default=0.0)
-    if speed is None or fastest <= 0:
+def dynamic_local_steps(speed: float | None, speeds: Mapping[int, float], local_steps: int, min_local_steps: int,
+                        exchange: float = 0.0, exchanges: Mapping[int, float] | None = None) -> int:
+    """``max(min_local_steps, floor(speed * (T - exchange)))`` with ``T = min_u (local_steps / speeds[u] +
+    exchanges[u])`` (``exchanges``: seconds per exchange, 0 where missing); ``local_steps`` if speed is unknown."""
+    exchanges = exchanges or {}
+    cycles = [local_steps / v + exchanges.get(u, 0.0) for u, v in speeds.items() if v > 0]
+    if speed is None or speed <= 0 or not cycles:
         return local_steps
-    return max(min_local_steps, math.floor(speed / fastest * local_steps + 1e-9))
+    return max(min_local_steps, min(local_steps, math.floor(speed * (min(cycles) - exchange) + 1e-9)))
 
 
 class LocalStepsPolicy:
@@ -46,24 +57,36 @@ class LocalStepsPolicy:
         self.dynamic = dynamic
         self.smoothing = smoothing
         self.speeds: dict[int, float] = {}
+        #: Smoothed seconds per exchange (push to pulled model), by worker.
+        self.exchanges: dict[int, float] = {}
 
-    def update(self, worker: int, steps: int, seconds: float) -> None:
-        """Record that ``worker`` ran ``steps`` inner steps in ``seconds`` of compute."""
+    def update(self, worker: int, steps: int, seconds: float, exchange_s: float = 0.0) -> None:
+        """Record that ``worker`` ran ``steps`` inner steps in ``seconds`` of compute, and that its last exchange
+        took ``exchange_s`` seconds."""
         if steps <= 0 or seconds <= 0:
             return
         self.speeds[worker] = smoothed_speed(self.speeds.get(worker), steps / seconds, self.smoothing)
+        self.exchanges[worker] = smoothed_speed(self.exchanges.get(worker), max(exchange_s, 0.0), self.smoothing)
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left: its speed no longer sets the others' round lengths."""
+        self.speeds.pop(worker, None)
+        self.exchanges.pop(worker, None)
 
     def next_local_steps(self, worker: int) -> int:
         """The number of inner steps ``worker`` should run in its next round."""
         if not self.dynamic:
             return self.local_steps
-        return dynamic_local_steps(self.speeds.get(worker), self.speeds, self.local_steps, self.min_local_steps)
+        return dynamic_local_steps(self.speeds.get(worker), self.speeds, self.local_steps, self.min_local_steps,
+                                   self.exchanges.get(worker, 0.0), self.exchanges)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"speeds": dict(self.speeds)}
+        return {"speeds": dict(self.speeds), "exchanges": dict(self.exchanges)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.speeds = {int(k): float(v) for k, v in state["speeds"].items()}
+        # checkpoints before the exchange times were kept lack them: compute alone until the next rounds report
+        self.exchanges = {int(k): float(v) for k, v in state.get("exchanges", {}).items()}
 
 
 def validate_local_steps(local_steps: int, min_local_steps: int, smoothing: float = 0.5) -> None:

@@ -422,7 +422,7 @@ class OuterState:
             stats.rounds += 1
             stats.steps += push.steps
             self.steps_done += push.steps
-            self.local_steps.update(push.worker, push.steps, push.compute_s)
+            self.local_steps.update(push.worker, push.steps, push.compute_s, push.wait_s)
             stats.steps_per_s = self.local_steps.speeds.get(push.worker, 0.0)
 
     def step_fragment(self, index: int, gradient: Tensor) -> None:
@@ -463,7 +463,7 @@ class OuterState:
         with self.model_lock, self.lock:
             if worker in self.workers:
                 self.workers[worker].in_flight = 0
-            self.local_steps.speeds.pop(worker, None)
+            self.local_steps.forget(worker)
             if self.worker_buffers.pop(worker, None) is not None and self.worker_buffers:
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
 
