@@ -220,6 +220,19 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
     assert "<!-- BEGIN extra_seeds_quick -->" in (merged / "benchmarks.md").read_text()
 
 
+def test_the_defaults_arm_runs_hdet_as_a_user_launches_it(tmp_path):
+    """``--hdet-votes defaults``: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given, whatever ``--groups``
+    and ``--pbt-interval`` say: on 2 processes the world size's 2 groups, the first at the start LR itself, a vote
+    every 5 steps (16 steps / 4 / 2 = 2, raised to the floor of 5)."""
+    data, _, _ = _search_quick(tmp_path, "--workloads", "tabular", "--methods", "untuned", "--hdet-votes", "defaults",
+                               "--pbt-interval", "8")
+    (arm,) = [a for a in data["arms"] if a["method"] == "hdet_defaults"]
+    start = data["config"]["good_lr"]["tabular"]
+    first = [row for row in arm["extra"]["history"] if row["step"] == 5]
+    assert sorted({row["step"] for row in arm["extra"]["history"]}) == [5, 10, 15, 16]  # 16: the final merge
+    assert len(first) == 2 and any(math.isclose(lr, start) for lr in arm["lrs_tried"])  # the user's LR trained
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not ray_available(), reason="Ray Tune is in the `bench` extra, not the `test` one")
 def test_search_baselines_quick_mode_runs_ray_tune_pbt(tmp_path):
