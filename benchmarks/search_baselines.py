@@ -202,7 +202,7 @@ def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], di
                 arm = parse_hdet_arm(step, sync)
                 callback = hdet_callbacks(2, vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None,
                                           reference_group=1 if arm.reference else None)[0]
-                callback.settings.check_gradient_sync(HDETStrategy(num_groups=2, gradient_sync=arm.sync).gradient_sync)
+                callback.settings.vote.check_strategy(HDETStrategy(num_groups=2, gradient_sync=arm.sync).gradient_sync, [])
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
         else:

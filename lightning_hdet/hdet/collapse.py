@@ -28,8 +28,8 @@ noise is small (large batches, e.g. a collapse at the constant predictor's level
 The progress rules (``stalled``, ``rose``) can be switched off for a vote (``progress=False``), e.g. during a
 learning-rate warm-up, when no progress is expected yet.
 
-:class:`CollapseHistory` is the small per-group state these rules need; :func:`judge` reads it and returns a
-:class:`Verdict`; :func:`advance` returns the history after the vote. A merge may become the roll-back point only
+:class:`CollapseHistory` is the small per-group state these rules need; :func:`judge` reads it and the options of
+:class:`~lightning_hdet.hdet.safety_net.SafetyNet` (``SafetyNet.judge``) and returns a :class:`Verdict`; :func:`advance` returns the history after the vote. A merge may become the roll-back point only
 if :func:`is_good`: every group that counts has improved on its starting level.
 """
 
@@ -38,36 +38,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from lightning_hdet._checks import check_int, check_number
+if TYPE_CHECKING:
+    from lightning_hdet.hdet.safety_net import SafetyNet
 
 NAN = math.nan
 NOISE_Z = 2.0  # standard errors a difference must exceed before the progress rules believe it (about 95 %)
-
-
-@dataclass(frozen=True)
-class CollapseRule:
-    """Which losses count as diverged (see the module's docstring); ``None`` switches a rule off."""
-
-    factor: Optional[float] = 10.0
-    patience: Optional[int] = 2
-    stall_tolerance: float = 0.0
-    rise: Optional[float] = 1.0
-    chance_loss: Optional[float] = None
-    chance_tolerance: float = 0.05
-
-    def __post_init__(self) -> None:
-        check_number("divergence_factor", self.factor, low=1.0, low_open=True, optional=True)
-        check_int("stall_patience", self.patience, minimum=1, optional=True,
-                  hint="The number of votes in a row at or above a group's starting level; None switches it off.")
-        check_number("stall_tolerance", self.stall_tolerance, 0.0, 1.0, high_open=True,
-                     hint="A relative margin below the starting level that still counts as no progress.")
-        check_number("rise_margin", self.rise, low=0.0, low_open=True, optional=True,
-                     hint="A relative margin: 1.0 flags a group whose loss doubled since its previous interval.")
-        check_number("chance_loss", self.chance_loss, optional=True,
-                     hint="The loss of a constant predictor, e.g. math.log(num_classes).")
-        check_number("chance_tolerance", self.chance_tolerance, 0.0, 1.0, high_open=True)
 
 
 @dataclass
@@ -132,7 +109,7 @@ def _worse_than_best(losses: Sequence[float], bad: Sequence[bool], factor: Optio
 
 
 def judge(
-    rule: CollapseRule,
+    rule: SafetyNet,
     history: CollapseHistory,
     losses: Sequence[float],
     healthy: Sequence[bool],
@@ -146,7 +123,7 @@ def judge(
     history = history.sized(len(losses))
     floor = 1 - rule.stall_tolerance
     bad = [not ok or not math.isfinite(loss) for loss, ok in zip(losses, healthy)]
-    worse = _worse_than_best(losses, bad, rule.factor)
+    worse = _worse_than_best(losses, bad, rule.divergence_factor)
     errors = [e if math.isfinite(e) else 0.0 for e in errors] if errors is not None else [0.0] * len(losses)
     reasons, stalled = [], []
     for g, loss in enumerate(losses):
@@ -154,13 +131,14 @@ def judge(
         previous, low = history.previous[g], loss - NOISE_Z * errors[g]  # this interval's lower bound
         at_start = (progress and not bad[g] and math.isfinite(start) and loss >= floor * start
                     and _left_start(history, g, loss))
-        rose = progress and rule.rise is not None and math.isfinite(previous) and low > (1 + rule.rise) * previous
+        rose = (progress and rule.rise_margin is not None and math.isfinite(previous)
+                and low > (1 + rule.rise_margin) * previous)
         stalled.append(history.stalled[g] + 1 if at_start else 0)
         if bad[g]:
             reasons.append("non-finite")
         elif worse[g]:
             reasons.append("x best")
-        elif rule.patience is not None and stalled[g] >= rule.patience:
+        elif rule.stall_patience is not None and stalled[g] >= rule.stall_patience:
             reasons.append("stalled")
         elif rose:
             reasons.append("rose")
@@ -209,7 +187,7 @@ def has_progressed(history: CollapseHistory, group: int, loss: float) -> bool:
     return not math.isfinite(start) or loss < start
 
 
-def is_good(rule: CollapseRule, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:
+def is_good(rule: SafetyNet, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:
     """Whether this vote's merged model may become the roll-back point.
 
     Only when every group that counts (did not diverge; diverged groups add nothing to the merge) is below its

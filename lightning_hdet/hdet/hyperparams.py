@@ -242,11 +242,3 @@ def values(tables: Mapping[str, Tensor], explored: Explored) -> dict[str, list[f
         value = 1.0 - quantity if name in ONE_MINUS else quantity
         out[name] = [applied(name, value, m) for m in table[:, 0].tolist()]
     return out
-
-
-def check_vote(vote: str, explored: Explored) -> None:
-    """Refuse a vote that cannot tell the explored hyperparameters apart: the trust region puts every
-    hyperparameter's probes on the same two edge groups."""
-    names = list(explored.tables)
-    require("vote", vote, vote != "trust_region" or not names, f"not 'trust_region' with explore={names}",
-            "Its two edge groups would probe every hyperparameter at once; use vote='pbt' (or another vote).")
