@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hdet"
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
 # Pure math: no Lightning, no process groups (unit-tested against hand-computed values).
 PURE = ["hdet/layout.py", "hdet/votes.py", "hdet/blends.py", "hdet/controller.py", "hdet/signals.py",
-        "hdet/selection.py", "hdet/bandit.py", "hdet/collapse.py", "hdet/averaging.py", "hdet/options.py",
+        "hdet/selection.py", "experimental/pb2.py", "hdet/collapse.py", "hdet/trust_region.py",
+        "hdet/safety_net.py", "hdet/plateau.py", "hdet/averaging.py", "hdet/options.py",
         "hdet/defaults.py", "hdet/config.py", "hdet/hyperparams.py",
         "asynchronous/delayed_nesterov.py",
         "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",

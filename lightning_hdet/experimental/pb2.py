@@ -2,7 +2,7 @@
 
 What adding a vote rule takes: this file (the rule's options, their checks and its behaviour, on one frozen
 dataclass built on :class:`~lightning_hdet.hdet.selection.PBT`, itself a :class:`~lightning_hdet.hdet.votes.Vote`)
-and its test (tests/test_bandit.py). The controller, the callback and the run config know no rule by name.
+and its test (tests/test_pb2.py). The controller, the callback and the run config know no rule by name.
 
 PB2 (Parker-Holder et al. 2020, arXiv 2002.02518) keeps PBT's truncation (the bottom quantile copies a top group)
 and replaces its random explore step: a Gaussian process over (interval, log learning rate) -> the improvement a
