@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_hdet._checks import check_int, check_number, require
 from lightning_hdet.hdet.selection import PBT, Selection
-from lightning_hdet.hdet.votes import Ballot, _refill
+from lightning_hdet.hdet.votes import Ballot, refill
 
 # The (length scale, noise variance) pairs the marginal likelihood chooses from; inputs lie in [0, 1] and the
 # rewards are standardised, so these cover "one bump over the range" to "nearly independent points", and "exact"
@@ -200,7 +200,7 @@ class PB2(PBT):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        _refill(self.observations, {int(k): [list(map(float, r)) for r in v]
+        refill(self.observations, {int(k): [list(map(float, r)) for r in v]
                                     for k, v in state.get("observations", {}).items()})
-        _refill(self.starts, {int(k): [float(x) for x in v] for k, v in state.get("starts", {}).items()})
-        _refill(self.intervals, {int(k): int(v) for k, v in state.get("intervals", {}).items()})
+        refill(self.starts, {int(k): [float(x) for x in v] for k, v in state.get("starts", {}).items()})
+        refill(self.intervals, {int(k): int(v) for k, v in state.get("intervals", {}).items()})

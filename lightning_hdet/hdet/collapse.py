@@ -5,14 +5,14 @@ and stays there. Every group then looks equally bad, so comparing groups with ea
 best") never fires. These rules also judge each group against its *own* history:
 
 * ``non-finite``: the loss is NaN or infinite (or the group already skipped a step this interval);
-* ``x best``: the loss exceeds ``factor`` times the best group's (positive losses; the rule before this module);
-* ``stalled``: ``patience`` votes in a row at or above ``(1 - stall_tolerance)`` times the group's starting level
+* ``x best``: the loss exceeds ``divergence_factor`` times the best group's (positive losses; the rule before this module);
+* ``stalled``: ``stall_patience`` votes in a row at or above ``(1 - stall_tolerance)`` times the group's starting level
   (the loss of the untrained model at the first training step) plus ``NOISE_Z`` standard errors of that level,
   *after its loss has left that level's noise band once* (fell below it, or was knocked above it): it has made no
   progress since. A plateau at the untrained loss, where nothing has happened yet, is not counted: by its loss
   alone it cannot be told from a collapse back to exactly that level, and rolling back and cutting every LR on a
   plateau only lengthens it (``chance_loss`` catches a group that sits at the constant predictor's level);
-* ``rose``: the loss, less ``NOISE_Z`` standard errors of the interval's mean, exceeds ``(1 + rise)`` times the
+* ``rose``: the loss, less ``NOISE_Z`` standard errors of the interval's mean, exceeds ``(1 + rise_margin)`` times the
   group's own previous interval;
 * ``chance``: the loss is at or above ``(1 - chance_tolerance) * chance_loss``, the loss of a constant predictor
   (e.g. ``ln(num_classes)``; for a language model the unigram entropy is the tighter choice).

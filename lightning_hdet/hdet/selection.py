@@ -26,7 +26,7 @@ from typing import ClassVar, Optional
 import torch
 
 from lightning_hdet._checks import check_number, require
-from lightning_hdet.hdet.votes import Ballot, Vote, VoteResult, _refill, winner_of
+from lightning_hdet.hdet.votes import Ballot, Vote, VoteResult, refill, winner_of
 
 
 @dataclass
@@ -183,4 +183,4 @@ class PBT(Vote):
         return {"votes": dict(self.votes)}
 
     def load_state_dict(self, state: dict) -> None:
-        _refill(self.votes, {int(k): int(v) for k, v in state.get("votes", {}).items()})
+        refill(self.votes, {int(k): int(v) for k, v in state.get("votes", {}).items()})

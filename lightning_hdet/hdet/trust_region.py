@@ -26,7 +26,7 @@ import torch
 
 from lightning_hdet._checks import check_choice, check_number, require
 from lightning_hdet.hdet.blends import BLENDS
-from lightning_hdet.hdet.votes import Ballot, Vote, VoteResult, _refill, winner_of
+from lightning_hdet.hdet.votes import Ballot, Vote, VoteResult, refill, winner_of
 
 
 @dataclass
@@ -127,5 +127,5 @@ class TrustRegion(Vote):
         return {"regions": {k: [r.incumbent, r.ratio, r.last_edge] for k, r in self.regions.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        _refill(self.regions, {int(k): RegionState(float(v[0]), float(v[1]), int(v[2]))
+        refill(self.regions, {int(k): RegionState(float(v[0]), float(v[1]), int(v[2]))
                                for k, v in state.get("regions", {}).items()})

@@ -133,7 +133,7 @@ def recorded(rule: Any) -> dict[str, Any]:
     return out
 
 
-def _refill(target: dict, values: dict) -> None:
+def refill(target: dict, values: dict) -> None:
     """Replace a state dict's contents in place (the rules are frozen; their state dicts are not)."""
     target.clear()
     target.update(values)
@@ -204,8 +204,8 @@ class Softmax(Vote):
         return {"velocity": dict(self.velocity), "shape": {k: list(v) for k, v in self.shape.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        _refill(self.velocity, {int(k): float(v) for k, v in state.get("velocity", {}).items()})
-        _refill(self.shape, {int(k): list(v) for k, v in state.get("shape", {}).items()})
+        refill(self.velocity, {int(k): float(v) for k, v in state.get("velocity", {}).items()})
+        refill(self.shape, {int(k): list(v) for k, v in state.get("shape", {}).items()})
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class Best(Vote):
         return {"spread": dict(self.spread)}
 
     def load_state_dict(self, state: dict) -> None:
-        _refill(self.spread, {int(k): float(v) for k, v in state.get("spread", {}).items()})
+        refill(self.spread, {int(k): float(v) for k, v in state.get("spread", {}).items()})
 
 
 # The 0.x names of the two rules (public since the first release candidate).
