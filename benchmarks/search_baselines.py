@@ -68,7 +68,7 @@ from benchmarks.common import (
 )
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
 from benchmarks.search_report import page_table, summarise, tables
-from lightning_hdet.hdet.defaults import SEARCH_FRACTION
+from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.multipliers import centred_grid
 
 NAME = "search_baselines"

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, is_good, judge
-from lightning_hdet.hdet.safety_net import SafetyNet
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, is_good, judge
+from lightning_hdet.hdet.rules.safety_net import SafetyNet
 
 OK = [True, True, True]
 

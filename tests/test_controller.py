@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lightning_hdet.experimental import Improvement, PartialMerge
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
 from lightning_hdet.hdet.multipliers import centred_grid
-from lightning_hdet.hdet.options import PBT, Best, SafetyNet, Search, Signal, Softmax
+from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Signal, Softmax
 
 
 def _interval(losses, finite=None, multipliers=(0.5, 1.5), step=4, shared=False, final=False, lr=0.1):

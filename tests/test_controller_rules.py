@@ -9,10 +9,10 @@ import torch
 
 from lightning_hdet import PBT, Best, HDETCallback, SafetyNet, Softmax
 from lightning_hdet.experimental import Forecast, ReferencePBT
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
-from lightning_hdet.hdet.selection import MergeStep
-from lightning_hdet.hdet.signals import LossCurve
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.selection import MergeStep
+from lightning_hdet.hdet.rules.signals import LossCurve
 
 
 def _interval(losses, multipliers, step=4, final=False, curves=None, first=None, finite=None):

@@ -11,10 +11,10 @@ import torch
 from lightning_hdet import HDETCallback
 from lightning_hdet.experimental import Improvement
 from lightning_hdet.experimental.pb2 import PB2, Posterior, standardise, time_kernel, ucb_picks
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
-from lightning_hdet.hdet.selection import PBT
-from lightning_hdet.hdet.votes import Ballot
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.selection import PBT
+from lightning_hdet.hdet.rules.votes import Ballot
 
 
 def _rows(*rows: tuple[float, float]) -> torch.Tensor:

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.hdet.collapse import Verdict
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.options import SafetyNet
-from lightning_hdet.hdet.controller import HDETController, Interval
-from lightning_hdet.hdet.plateau import (
+from lightning_hdet.hdet.rules.collapse import Verdict
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.options import SafetyNet
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
     forget,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_hdet.experimental import ReferencePBT
-from lightning_hdet.hdet.selection import PBT, MergeStep, copy_plan, plan_matrix, quantile_size
-from lightning_hdet.hdet.votes import Ballot
+from lightning_hdet.hdet.rules.selection import PBT, MergeStep, copy_plan, plan_matrix, quantile_size
+from lightning_hdet.hdet.rules.votes import Ballot
 
 
 def _ballot(losses, multipliers, healthy=None, move=True, key=0):

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_hdet import PBT, Best, HDETCallback, HDETStrategy, Softmax
-from lightning_hdet.hdet.defaults import DEFAULT_LR_SPAN, span_grid
+from lightning_hdet.hdet.rules.defaults import DEFAULT_LR_SPAN, span_grid
 from tests.helpers import Recorder, SGDBoring, load_ranks, trainer_kwargs
 
 

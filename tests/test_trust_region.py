@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
-from lightning_hdet.hdet.selection import PBT
-from lightning_hdet.hdet.trust_region import TrustRegion, slot
-from lightning_hdet.hdet.votes import Ballot
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.selection import PBT
+from lightning_hdet.hdet.rules.trust_region import TrustRegion, slot
+from lightning_hdet.hdet.rules.votes import Ballot
 
 G = torch.Generator()
 

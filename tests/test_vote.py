@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_hdet.hdet.layout import fan_out
-from lightning_hdet.hdet.options import VOTES, as_vote
-from lightning_hdet.hdet.votes import Ballot, Best, Softmax, divergent, softmax_weights, winner_of
+from lightning_hdet.hdet.rules.options import VOTES, as_vote
+from lightning_hdet.hdet.rules.votes import Ballot, Best, Softmax, divergent, softmax_weights, winner_of
 
 G = torch.Generator
 

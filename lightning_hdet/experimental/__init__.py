@@ -24,13 +24,13 @@ from typing_extensions import override
 from lightning_hdet._checks import check_int, check_integer, check_number, require
 from lightning_hdet.experimental.pb2 import PB2
 from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
-from lightning_hdet.hdet.options import PBT, Signal, Softmax, Vote
-from lightning_hdet.hdet.selection import Selection
-from lightning_hdet.hdet.signals import CURVE_BINS, scores
-from lightning_hdet.hdet.votes import Ballot, VoteResult
+from lightning_hdet.hdet.rules.options import PBT, Signal, Softmax, Vote
+from lightning_hdet.hdet.rules.selection import Selection
+from lightning_hdet.hdet.rules.signals import CURVE_BINS, scores
+from lightning_hdet.hdet.rules.votes import Ballot, VoteResult
 
 if TYPE_CHECKING:
-    from lightning_hdet.hdet.controller import Interval
+    from lightning_hdet.hdet.rules.controller import Interval
 
 __all__ = ["Forecast", "Heldout", "Improvement", "InitNoise", "PB2", "PartialMerge", "ReferencePBT"]
 

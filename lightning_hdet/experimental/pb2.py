@@ -1,7 +1,7 @@
 """``experimental.PB2``: population-based bandits as a vote rule, in one file (pure: no Lightning, no process groups).
 
 What adding a vote rule takes: this file (the rule's options, their checks and its behaviour, on one frozen
-dataclass built on :class:`~lightning_hdet.hdet.selection.PBT`, itself a :class:`~lightning_hdet.hdet.votes.Vote`)
+dataclass built on :class:`~lightning_hdet.hdet.rules.selection.PBT`, itself a :class:`~lightning_hdet.hdet.rules.votes.Vote`)
 and its test (tests/test_pb2.py). The controller, the callback and the run config know no rule by name.
 
 PB2 (Parker-Holder et al. 2020, arXiv 2002.02518) keeps PBT's truncation (the bottom quantile copies a top group)
@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from lightning_hdet._checks import check_int, check_number, require
-from lightning_hdet.hdet.selection import PBT, Selection
-from lightning_hdet.hdet.votes import Ballot, refill
+from lightning_hdet.hdet.rules.selection import PBT, Selection
+from lightning_hdet.hdet.rules.votes import Ballot, refill
 
 # The (length scale, noise variance) pairs the marginal likelihood chooses from; inputs lie in [0, 1] and the
 # rewards are standardised, so these cover "one bump over the range" to "nearly independent points", and "exact"

@@ -3,7 +3,7 @@
 The loop calls :meth:`HDETLoop.step` after every ``optimizer.step()``; every ``every_n_steps`` steps the groups
 vote, exactly as under the Trainer: the same :class:`~lightning_hdet.hdet.meter.IntervalMeter` (this rank's loss
 curve on the device, one small all-reduce per vote), the same vote (:mod:`~lightning_hdet.hdet.voting`: the pure
-:class:`~lightning_hdet.hdet.controller.HDETController` deciding, the strategy's objects executing the decision,
+:class:`~lightning_hdet.hdet.rules.controller.HDETController` deciding, the strategy's objects executing the decision,
 ``strategy.hdet``, :class:`~lightning_hdet.hdet.executor.HDETParts`) and the same metrics. :meth:`HDETLoop.finish` leaves every rank
 holding the merged model. It is a stateful object for ``fabric.save``/``fabric.load`` (the vote rule, history, counters
 and multipliers).
@@ -18,11 +18,11 @@ from torch import Tensor
 
 from lightning_hdet._checks import check_int
 from lightning_hdet.fabric.hdet import HDETFabricStrategy
-from lightning_hdet.hdet.controller import Decision, HDETController
-from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
+from lightning_hdet.hdet.rules.controller import Decision, HDETController
+from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.meter import IntervalMeter
-from lightning_hdet.hdet.config import resolve
-from lightning_hdet.hdet.options import SafetyNet, Search, Vote
+from lightning_hdet.hdet.rules.config import resolve
+from lightning_hdet.hdet.rules.options import SafetyNet, Search, Vote
 from lightning_hdet.hdet.voting import decide_and_execute, finish, search_end, vote_metrics
 from lightning_hdet.records.wandb import log_vote_history
 

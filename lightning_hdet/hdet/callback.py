@@ -5,10 +5,10 @@ The callback decides and the strategy executes. One vote, top to bottom (:meth:`
 1. ``_signal``: every group's loss curve over the interval (:mod:`~lightning_hdet.hdet.meter`) and whether it
    stayed finite (one small all-reduce: ``strategy.hdet.groups.gather_group_values``; the skipped-step count
    comes from the reset-on-read counter of the strategy's guard, ``strategy.hdet.guard``);
-2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.controller.HDETController` turns those numbers into
-   a :class:`~lightning_hdet.hdet.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.signals`,
-   the rule objects of :mod:`~lightning_hdet.hdet.options`: the vote's ``explore``, the safety net's ``judge``, the
-   signal's ``scores``; :mod:`~lightning_hdet.hdet.blends`);
+2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.rules.controller.HDETController` turns those numbers into
+   a :class:`~lightning_hdet.hdet.rules.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.rules.signals`,
+   the rule objects of :mod:`~lightning_hdet.hdet.rules.options`: the vote's ``explore``, the safety net's ``judge``, the
+   signal's ``scores``; :mod:`~lightning_hdet.hdet.rules.blends`);
 3. the strategy's objects execute it: ``merger.restore()`` (roll-back) or one ``merger.merge(...)`` per step of
    the decision's plan, then ``table.set(...)``;
 4. ``_log_vote``: metrics and the vote history.
@@ -33,10 +33,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hdet.hdet.config import HDETConfig, resolve
+from lightning_hdet.hdet.rules.config import HDETConfig, resolve
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.controller import Decision, HDETController
-from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
+from lightning_hdet.hdet.rules.controller import Decision, HDETController
+from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
 from lightning_hdet.hdet.executor import HDETParts, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.hyperparams import Explored, values
@@ -44,7 +44,7 @@ from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.monitor import FINGERPRINT_WIDTH, MonitoredMetric
-from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote
+from lightning_hdet.hdet.rules.options import SafetyNet, Search, Signal, Vote
 from lightning_hdet.hdet.result import HDETResult, make_result
 from lightning_hdet.hdet.validation import unmerged_validation_warning
 from lightning_hdet.hdet.voting import (
@@ -70,12 +70,12 @@ log = logging.getLogger(__name__)
 class HDETCallback(Callback):
     """Loss-based voting, learning-rate exploration, parameter blending and the safety net for HDET.
 
-    The defaults are the measured best (:mod:`~lightning_hdet.hdet.defaults`): a ``PBT`` search for the first
+    The defaults are the measured best (:mod:`~lightning_hdet.hdet.rules.defaults`): a ``PBT`` search for the first
     quarter of the run, then training around what it found. Research options are in :mod:`lightning_hdet.experimental`.
 
     Args:
         every_n_steps: the interval T between votes/merges, in optimizer steps. ``None`` sizes it to the run: a
-            quarter of the run over :data:`~lightning_hdet.hdet.defaults.VOTES_IN_SEARCH` (so that many votes fall
+            quarter of the run over :data:`~lightning_hdet.hdet.rules.defaults.VOTES_IN_SEARCH` (so that many votes fall
             in the search and three times as many after it), 5 to 100 steps; 100 where the run's length is unknown.
             A run too short for two votes warns with the numbers.
         vote: the vote rule (a name gives its defaults): :class:`~lightning_hdet.PBT` (``"pbt"``),
@@ -211,7 +211,7 @@ class HDETCallback(Callback):
 
     def _size_votes(self, run_steps: Optional[int], warn: bool, announce: bool = False) -> None:
         """Set the vote interval for a run of ``run_steps`` optimizer steps (``None``: not known yet, or unknown):
-        the one given, else :func:`~lightning_hdet.hdet.defaults.vote_interval`; warn when fewer than two votes
+        the one given, else :func:`~lightning_hdet.hdet.rules.defaults.vote_interval`; warn when fewer than two votes
         fit."""
         every, warning = vote_plan(self._requested_every, run_steps)
         if self._requested_every is None and run_steps is None and not announce:
@@ -372,7 +372,7 @@ def run_length(trainer: Trainer) -> Optional[int]:
 
 def vote_plan(requested: Optional[int], run_steps: Optional[int]) -> tuple[int, Optional[str]]:
     """The vote interval of a run of ``run_steps`` optimizer steps (``None``: unknown): ``requested``, else
-    :func:`~lightning_hdet.hdet.defaults.vote_interval`; and, when fewer than two votes fit, the warning that says
+    :func:`~lightning_hdet.hdet.rules.defaults.vote_interval`; and, when fewer than two votes fit, the warning that says
     so with the numbers."""
     every = requested if requested is not None else vote_interval(run_steps)
     if run_steps is None or run_steps >= 2 * every:

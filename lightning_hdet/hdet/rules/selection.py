@@ -26,7 +26,7 @@ from typing import ClassVar, Optional
 import torch
 
 from lightning_hdet._checks import check_number, require
-from lightning_hdet.hdet.votes import Ballot, Vote, VoteResult, refill, winner_of
+from lightning_hdet.hdet.rules.votes import Ballot, Vote, VoteResult, refill, winner_of
 
 
 @dataclass

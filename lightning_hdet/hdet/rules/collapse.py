@@ -22,14 +22,14 @@ an easy batch makes a low starting level that a healthy group's later intervals 
 of small batches can double by chance. So both rules ask for the difference to exceed the noise: the starting
 level is the mean of the first step's loss over *every* rank (all groups start from the same model, so every
 rank's first batch measures the same thing) with its standard error over the ranks, and an interval's standard
-error comes from the spread of its curve's bins (:func:`~lightning_hdet.hdet.signals.curve_error`). Where the
+error comes from the spread of its curve's bins (:func:`~lightning_hdet.hdet.rules.signals.curve_error`). Where the
 noise is small (large batches, e.g. a collapse at the constant predictor's level) the rules are as before.
 
 The progress rules (``stalled``, ``rose``) can be switched off for a vote (``progress=False``), e.g. during a
 learning-rate warm-up, when no progress is expected yet.
 
 :class:`CollapseHistory` is the small per-group state these rules need; :func:`judge` reads it and the options of
-:class:`~lightning_hdet.hdet.safety_net.SafetyNet` (``SafetyNet.judge``) and returns a :class:`Verdict`; :func:`advance` returns the history after the vote. A merge may become the roll-back point only
+:class:`~lightning_hdet.hdet.rules.safety_net.SafetyNet` (``SafetyNet.judge``) and returns a :class:`Verdict`; :func:`advance` returns the history after the vote. A merge may become the roll-back point only
 if :func:`is_good`: every group that counts has improved on its starting level.
 """
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from lightning_hdet.hdet.safety_net import SafetyNet
+    from lightning_hdet.hdet.rules.safety_net import SafetyNet
 
 NAN = math.nan
 NOISE_Z = 2.0  # standard errors a difference must exceed before the progress rules believe it (about 95 %)

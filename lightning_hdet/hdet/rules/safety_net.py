@@ -2,9 +2,9 @@
 groups).
 
 :class:`SafetyNet` is what the user passes (``HDETCallback(safety_net=SafetyNet(...))``) and what the controller runs:
-:meth:`SafetyNet.judge` is the divergence and collapse rules of :mod:`~lightning_hdet.hdet.collapse`,
+:meth:`SafetyNet.judge` is the divergence and collapse rules of :mod:`~lightning_hdet.hdet.rules.collapse`,
 :meth:`SafetyNet.keeps` whether a merge may become the roll-back point, and ``plateau`` the plateau rule
-(:class:`~lightning_hdet.hdet.plateau.PlateauRule`, :mod:`~lightning_hdet.hdet.plateau`).
+(:class:`~lightning_hdet.hdet.rules.plateau.PlateauRule`, :mod:`~lightning_hdet.hdet.rules.plateau`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_hdet._checks import check_int, check_number, is_finite_number, require
-from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, is_good, judge
-from lightning_hdet.hdet.plateau import PlateauRule
-from lightning_hdet.hdet.votes import recorded
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, is_good, judge
+from lightning_hdet.hdet.rules.plateau import PlateauRule
+from lightning_hdet.hdet.rules.votes import recorded
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class SafetyNet:
         rise_margin: a loss above ``(1 + rise_margin)`` x the group's previous interval counts as diverged.
         chance_loss: a constant predictor's loss (e.g. ``ln(classes)``); a group near it counts as collapsed.
         chance_tolerance: relative distance to ``chance_loss`` that counts as "near" (only with ``chance_loss``).
-        plateau: "a plateau that is not learning is a failure" (:class:`~lightning_hdet.hdet.plateau.PlateauRule`,
+        plateau: "a plateau that is not learning is a failure" (:class:`~lightning_hdet.hdet.rules.plateau.PlateauRule`,
             on by default): an ensemble with no new best for ``steps`` steps (at most; a fifth of a shorter run, at
             least two votes) rolls back onto a ladder of lower LRs,
             half of it from the initial model, which the strategy then keeps as a second host copy on every rank
@@ -76,12 +76,12 @@ class SafetyNet:
 
     def judge(self, history: CollapseHistory, losses: Sequence[float], healthy: Sequence[bool],
               progress: bool = True, errors: Optional[Sequence[float]] = None) -> Verdict:
-        """Which groups count as diverged at this vote, and why (:func:`~lightning_hdet.hdet.collapse.judge`)."""
+        """Which groups count as diverged at this vote, and why (:func:`~lightning_hdet.hdet.rules.collapse.judge`)."""
         return judge(self, history, losses, healthy, progress, errors)
 
     def keeps(self, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:
         """Whether this vote's merged model may become the roll-back point
-        (:func:`~lightning_hdet.hdet.collapse.is_good`)."""
+        (:func:`~lightning_hdet.hdet.rules.collapse.is_good`)."""
         return is_good(self, verdict, losses, history)
 
     def options(self) -> dict[str, Any]:

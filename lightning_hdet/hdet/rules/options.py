@@ -7,15 +7,15 @@ As Ray Tune takes a scheduler object, :class:`~lightning_hdet.hdet.callback.HDET
   (``Softmax``, ``Best``, ``TrustRegion``) carry ``blend``;
 * a **search** (:class:`Search`, ``True`` for its defaults, ``False`` to vote the whole run without ending it);
 * a **safety net** (:class:`SafetyNet`, ``True`` for its defaults, ``False`` to switch it off), with the plateau
-  rule (:class:`~lightning_hdet.hdet.plateau.PlateauRule`) as its option ``plateau``;
+  rule (:class:`~lightning_hdet.hdet.rules.plateau.PlateauRule`) as its option ``plateau``;
 * a **signal** (``"mean"``; research signals live in :mod:`lightning_hdet.experimental`).
 
 Every object is a frozen dataclass checked on creation: an option that does not exist for a rule is a
 ``TypeError`` from the constructor, and a value outside its range raises the package's standard ``ValueError``
-before any process exists. Each is also the code that runs: the votes' ``explore`` (:mod:`~lightning_hdet.hdet.votes`,
-:mod:`~lightning_hdet.hdet.selection`, :mod:`~lightning_hdet.hdet.trust_region`), the safety net's ``judge``
-(:mod:`~lightning_hdet.hdet.safety_net`), the signal's ``scores``; the controller takes them as they are
-(:class:`~lightning_hdet.hdet.config.HDETConfig`). Options measured as not helping are in
+before any process exists. Each is also the code that runs: the votes' ``explore`` (:mod:`~lightning_hdet.hdet.rules.votes`,
+:mod:`~lightning_hdet.hdet.rules.selection`, :mod:`~lightning_hdet.hdet.rules.trust_region`), the safety net's ``judge``
+(:mod:`~lightning_hdet.hdet.rules.safety_net`), the signal's ``scores``; the controller takes them as they are
+(:class:`~lightning_hdet.hdet.rules.config.HDETConfig`). Options measured as not helping are in
 :mod:`lightning_hdet.experimental` (built on :class:`Vote` and :class:`Signal`).
 """
 
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 from lightning_hdet._checks import check_int, check_number, require
-from lightning_hdet.hdet.safety_net import SafetyNet
-from lightning_hdet.hdet.selection import PBT
-from lightning_hdet.hdet.signals import CURVE_BINS
-from lightning_hdet.hdet.trust_region import TrustRegion
-from lightning_hdet.hdet.votes import Best, Softmax, Vote, recorded
+from lightning_hdet.hdet.rules.safety_net import SafetyNet
+from lightning_hdet.hdet.rules.selection import PBT
+from lightning_hdet.hdet.rules.signals import CURVE_BINS
+from lightning_hdet.hdet.rules.trust_region import TrustRegion
+from lightning_hdet.hdet.rules.votes import Best, Softmax, Vote, recorded
 
 if TYPE_CHECKING:
-    from lightning_hdet.hdet.controller import Interval
+    from lightning_hdet.hdet.rules.controller import Interval
 
 __all__ = ["Best", "PBT", "SafetyNet", "Search", "Signal", "Softmax", "TrustRegion", "Vote", "as_vote",
            "as_signal", "as_rule"]

@@ -18,13 +18,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, has_progressed
-from lightning_hdet.hdet.config import HDETConfig
+from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, has_progressed
+from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
 from lightning_hdet.hdet.hyperparams import refined as refined_tables
 from lightning_hdet.hdet.multipliers import centred_grid
-from lightning_hdet.hdet.plateau import (
+from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
     PlateauVerdict,
@@ -35,10 +35,10 @@ from lightning_hdet.hdet.plateau import (
     patience,
     ladder,
 )
-from lightning_hdet.hdet.options import Search
-from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
-from lightning_hdet.hdet.signals import curve_error
-from lightning_hdet.hdet.votes import Ballot, Vote, divergent, winner_of
+from lightning_hdet.hdet.rules.options import Search
+from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
+from lightning_hdet.hdet.rules.signals import curve_error
+from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, winner_of
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class HDETController:
 
     def _judge_plateau(self, interval: Interval, verdict: Verdict) -> tuple[Verdict, PlateauVerdict]:
         """The other rules' verdict with the plateau rule's failures added, and the plateau rule's own verdict
-        (:mod:`~lightning_hdet.hdet.plateau`; judged like the progress rules: not before warm-up nor at the end)."""
+        (:mod:`~lightning_hdet.hdet.rules.plateau`; judged like the progress rules: not before warm-up nor at the end)."""
         rule = self.plateau
         steps = patience(rule, self.run_steps, self.config.every_n_steps, self.plateau_cuts)
         rule = replace(rule, steps=judged_at(steps, self.run_steps, interval.step))

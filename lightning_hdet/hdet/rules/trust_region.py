@@ -25,8 +25,8 @@ from typing import ClassVar
 import torch
 
 from lightning_hdet._checks import check_choice, check_number, require
-from lightning_hdet.hdet.blends import BLENDS
-from lightning_hdet.hdet.votes import Ballot, Vote, VoteResult, refill, winner_of
+from lightning_hdet.hdet.rules.blends import BLENDS
+from lightning_hdet.hdet.rules.votes import Ballot, Vote, VoteResult, refill, winner_of
 
 
 @dataclass

@@ -6,8 +6,8 @@ interval loss and current multiplier, and which groups are healthy). It returns 
 new multipliers. The object the user passes is the one the controller runs: the controller takes a fresh copy
 (:meth:`Vote.fresh`, the same options and no state) so one object can configure many runs, and that copy keeps its
 state (velocity, spread) per param group, checkpointed through ``state_dict``. This module holds the base and the
-two blending votes :class:`Softmax` and :class:`Best`; PBT is in :mod:`~lightning_hdet.hdet.selection`, the trust
-region in :mod:`~lightning_hdet.hdet.trust_region`.
+two blending votes :class:`Softmax` and :class:`Best`; PBT is in :mod:`~lightning_hdet.hdet.rules.selection`, the trust
+region in :mod:`~lightning_hdet.hdet.rules.trust_region`.
 
 Multipliers are relative to the schedule's learning rate ``lr_t`` (what the optimizer and schedulers say), so
 group ``g`` trains with ``lr_t * multipliers[g]``. The *base* LR is ``lr_t * mean(multipliers)``.
@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from lightning_hdet._checks import check_bool, check_choice, check_number, check_positive
-from lightning_hdet.hdet.blends import BLENDS
+from lightning_hdet.hdet.rules.blends import BLENDS
 
 # The controller never moves the base LR by more than this factor in one vote (keeps it positive and finite).
 MAX_BASE_LR_CHANGE = 2.0
@@ -87,7 +87,7 @@ class Vote:
     * ``name``: the rule's name (``vote="pbt"``, the console line, the run config);
     * ``copies``: the bottom groups copy a top group (truncation selection) instead of every group blending; such a
       vote also ends the run on its best group;
-    * ``blend`` / ``strength``: what a blending vote merges toward (:mod:`~lightning_hdet.hdet.blends`) and how far
+    * ``blend`` / ``strength``: what a blending vote merges toward (:mod:`~lightning_hdet.hdet.rules.blends`) and how far
       each group moves toward it;
     * :meth:`check_signal`, :meth:`check_strategy`: refuse a signal (on creation of the callback) or a strategy (at
       its set-up) the rule has no point with.
@@ -106,7 +106,7 @@ class Vote:
         return replace(self)  # type: ignore[type-var]
 
     def check_signal(self, signal: Any) -> None:
-        """Refuse a signal (:class:`~lightning_hdet.hdet.options.Signal`) this rule cannot vote on; any by default."""
+        """Refuse a signal (:class:`~lightning_hdet.hdet.rules.options.Signal`) this rule cannot vote on; any by default."""
 
     def check_strategy(self, gradient_sync: str, explored: Sequence[str]) -> None:
         """Refuse a strategy's ``gradient_sync`` or explored hyperparameters' names this rule has no point with; any

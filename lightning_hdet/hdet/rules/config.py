@@ -1,7 +1,7 @@
 """HDETCallback's rules as given and the settings that belong to no rule, in one checked value (pure: no Lightning,
 no process groups).
 
-The rules are the user's objects (:mod:`~lightning_hdet.hdet.options`), kept as they are: each checked its own
+The rules are the user's objects (:mod:`~lightning_hdet.hdet.rules.options`), kept as they are: each checked its own
 options on creation and carries its own behaviour, so nothing here copies an option of a rule. What is left is when
 the votes happen and what they read (``every_n_steps``, ``monitor``, ``warmup_steps``, ``seed``) and the checks of
 one rule against another (a curve signal needs the training loss, not ``monitor``; a vote may refuse a signal)."""
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lightning_hdet._checks import check_int, check_integer, require
-from lightning_hdet.hdet.options import PBT, SafetyNet, Search, Signal, Vote, as_rule, as_signal, as_vote
+from lightning_hdet.hdet.rules.options import PBT, SafetyNet, Search, Signal, Vote, as_rule, as_signal, as_vote
 
 
 @dataclass(frozen=True)
