@@ -68,8 +68,8 @@ from benchmarks.common import (
 )
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
 from benchmarks.search_report import page_table, summarise, tables
-from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.multipliers import centred_grid
+from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
 
 NAME = "search_baselines"
 STARTS = {"good": 1.0, "10x high": 10.0, "10x low": 0.1}

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lightning_hdet.experimental import Improvement, PartialMerge
+from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
-from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Signal, Softmax
 
 

@@ -9,8 +9,8 @@ import torch
 
 from lightning_hdet.hdet.rules.collapse import Verdict
 from lightning_hdet.hdet.rules.config import HDETConfig
-from lightning_hdet.hdet.rules.options import SafetyNet
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.options import SafetyNet
 from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,

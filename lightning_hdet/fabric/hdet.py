@@ -29,11 +29,11 @@ from typing_extensions import override
 
 from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.hyperparams import Span, check_optimizers
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
+from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 
 
 class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):

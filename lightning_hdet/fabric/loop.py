@@ -18,10 +18,10 @@ from torch import Tensor
 
 from lightning_hdet._checks import check_int
 from lightning_hdet.fabric.hdet import HDETFabricStrategy
-from lightning_hdet.hdet.rules.controller import Decision, HDETController
-from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.meter import IntervalMeter
 from lightning_hdet.hdet.rules.config import resolve
+from lightning_hdet.hdet.rules.controller import Decision, HDETController
+from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.rules.options import SafetyNet, Search, Vote
 from lightning_hdet.hdet.voting import decide_and_execute, finish, search_end, vote_metrics
 from lightning_hdet.records.wandb import log_vote_history

@@ -33,10 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hdet.hdet.rules.config import HDETConfig, resolve
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.rules.controller import Decision, HDETController
-from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
 from lightning_hdet.hdet.executor import HDETParts, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
 from lightning_hdet.hdet.hyperparams import Explored, values
@@ -44,8 +41,11 @@ from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.monitor import FINGERPRINT_WIDTH, MonitoredMetric
-from lightning_hdet.hdet.rules.options import SafetyNet, Search, Signal, Vote
 from lightning_hdet.hdet.result import HDETResult, make_result
+from lightning_hdet.hdet.rules.config import HDETConfig, resolve
+from lightning_hdet.hdet.rules.controller import Decision, HDETController
+from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
+from lightning_hdet.hdet.rules.options import SafetyNet, Search, Signal, Vote
 from lightning_hdet.hdet.validation import unmerged_validation_warning
 from lightning_hdet.hdet.voting import (
     announce,

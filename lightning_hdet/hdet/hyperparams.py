@@ -31,8 +31,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hdet._checks import is_finite_number, require
-from lightning_hdet.hdet.rules.defaults import span_grid, user_group
 from lightning_hdet.hdet.multipliers import MultiplierTable, centred_grid
+from lightning_hdet.hdet.rules.defaults import span_grid, user_group
 from lightning_hdet.hdet.rules.votes import Ballot
 
 #: Names whose multiplier acts on ``1 - value`` (a momentum coefficient), and where the value lives.

@@ -40,12 +40,12 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
 from lightning_hdet.hdet.hyperparams import Span
 from lightning_hdet.hdet.metric_sync import GroupMetricSync
+from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 from typing_extensions import override
 
 log = logging.getLogger(__name__)

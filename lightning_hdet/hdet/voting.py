@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_hdet.hdet.console import rounded_list
-from lightning_hdet.hdet.rules.controller import Decision, HDETController, Interval
-from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import Reading
-from lightning_hdet.hdet.rules.options import Search
 from lightning_hdet.hdet.result import vote_line
+from lightning_hdet.hdet.rules.controller import Decision, HDETController, Interval
+from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
+from lightning_hdet.hdet.rules.options import Search
 
 if TYPE_CHECKING:
     from lightning_hdet.hdet.executor import HDETParts

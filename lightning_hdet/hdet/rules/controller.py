@@ -18,12 +18,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, has_progressed
-from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
 from lightning_hdet.hdet.hyperparams import refined as refined_tables
 from lightning_hdet.hdet.multipliers import centred_grid
+from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, has_progressed
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.options import Search
 from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
@@ -35,7 +36,6 @@ from lightning_hdet.hdet.rules.plateau import (
     patience,
     ladder,
 )
-from lightning_hdet.hdet.rules.options import Search
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.rules.signals import curve_error
 from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, winner_of
