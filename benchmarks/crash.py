@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.common import WORKLOADS, begin, fmt, hdet_callbacks, markdown_table, plot_panels, publish
 from benchmarks.hdet_published import add_published_args, fill_published_defaults, run_config
 from benchmarks.search_baselines import accepted_votes, parse_hdet_arm
-from lightning_hdet.hdet.defaults import DEFAULT_GRADIENT_SYNC, SEARCH_FRACTION
+from lightning_hdet.hdet.rules.defaults import DEFAULT_GRADIENT_SYNC, SEARCH_FRACTION
 
 NAME = "crash"
 # (workload, failure) -> (optimizer, low LR, high LR); the high LRs were found by single-process sweeps.

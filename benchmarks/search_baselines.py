@@ -71,8 +71,8 @@ from benchmarks.common import (
 )
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
 from benchmarks.search_report import page_table, summarise, tables
-from lightning_hdet.hdet.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.multipliers import centred_grid
+from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
 
 NAME = "search_baselines"
 DEFAULTS = "defaults"  # the HDET arm with nothing given: the package's groups, multipliers and vote interval
@@ -209,7 +209,7 @@ def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], di
                 arm = parse_hdet_arm(step, sync)
                 callback = hdet_callbacks(2, vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None,
                                           reference_group=1 if arm.reference else None)[0]
-                callback.settings.check_gradient_sync(HDETStrategy(num_groups=2, gradient_sync=arm.sync).gradient_sync)
+                callback.settings.vote.check_strategy(HDETStrategy(num_groups=2, gradient_sync=arm.sync).gradient_sync, [])
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
         else:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
+from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
 
 
 def test_mean_weighted_best():

@@ -234,7 +234,7 @@ def test_default_callback_installed_and_user_callback_wins():
     trainer.strategy.connect(model)
     assert sum(isinstance(cb, HDETCallback) for cb in trainer.callbacks) == 1
     (default,) = [cb for cb in trainer.callbacks if isinstance(cb, HDETCallback)]
-    assert (default.settings.vote, default.search) == ("pbt", Search())  # the recommended: search, then train
+    assert (default.vote, default.search) == ("pbt", Search())  # the recommended: search, then train
     mine = HDETCallback(every_n_steps=7)
     trainer = Trainer(strategy="hdet", accelerator="cpu", devices=2, logger=False, callbacks=[mine])
     model.trainer = trainer
@@ -251,7 +251,7 @@ def test_the_published_setup_is_one_name_away():
     model.trainer = trainer
     trainer.strategy.connect(model)
     (default,) = [cb for cb in trainer.callbacks if isinstance(cb, HDETCallback)]
-    assert (default.settings.vote, default.search, trainer.strategy.gradient_sync) == ("softmax", None, "global")
+    assert (default.vote, default.search, trainer.strategy.gradient_sync) == ("softmax", None, "global")
     assert trainer.strategy.lr_multipliers[:, 0].tolist() == pytest.approx([8 / 9, 26 / 27, 28 / 27, 10 / 9])
     recommended = Trainer(strategy="hdet", accelerator="cpu", devices=4, logger=False).strategy
     assert recommended.gradient_sync == "group"

@@ -6,20 +6,21 @@ import math
 
 import pytest
 
-from lightning_hdet.hdet.collapse import CollapseHistory, CollapseRule, Verdict, advance, is_good, judge
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, is_good, judge
+from lightning_hdet.hdet.rules.safety_net import SafetyNet
 
 OK = [True, True, True]
 
 
 def test_non_finite_and_worse_than_best():
-    verdict = judge(CollapseRule(), CollapseHistory(), [1.0, 20.0, math.nan], OK)
+    verdict = judge(SafetyNet(), CollapseHistory(), [1.0, 20.0, math.nan], OK)
     assert verdict.reasons == ["", "x best", "non-finite"] and verdict.diverged == [False, True, True]
-    verdict = judge(CollapseRule(factor=None), CollapseHistory(), [1.0, 20.0, 3.0], [True, True, False])
+    verdict = judge(SafetyNet(divergence_factor=None), CollapseHistory(), [1.0, 20.0, 3.0], [True, True, False])
     assert verdict.reasons == ["", "", "non-finite"]  # a group that skipped a step is caught whatever its loss
 
 
 def test_a_group_stuck_at_its_starting_level_is_caught_after_patience_votes():
-    rule = CollapseRule(patience=2)
+    rule = SafetyNet(stall_patience=2)
     history = CollapseHistory()
     verdict = judge(rule, history, [3.0, 3.0], [True, True])  # first vote: nothing to compare with yet
     assert verdict.reasons == ["", ""]
@@ -30,19 +31,19 @@ def test_a_group_stuck_at_its_starting_level_is_caught_after_patience_votes():
     history = advance(history, Verdict([False, False], ["", ""], verdict.stalled), [2.0, 6.1], rolled_back=False)
     verdict = judge(rule, history, [1.5, 5.5], [True, True])
     assert verdict.reasons == ["", "stalled"] and verdict.stalled == [0, 2]
-    loose = CollapseRule(patience=1, stall_tolerance=0.05)  # 5.3 >= 0.95 * 5.5 = 5.225
+    loose = SafetyNet(stall_patience=1, stall_tolerance=0.05)  # 5.3 >= 0.95 * 5.5 = 5.225
     assert judge(loose, history, [1.5, 5.3], [True, True]).reasons == ["", "stalled"]
     assert judge(rule, history, [1.5, 5.5], [True, True], progress=False).reasons == ["", ""]
 
 
 def test_rise_over_own_previous_interval():
     history = CollapseHistory([10.0, 10.0], [1.0, 1.0], [0, 0])
-    assert judge(CollapseRule(rise=1.0), history, [2.0, 2.01], [True, True]).reasons == ["", "rose"]
-    assert judge(CollapseRule(rise=None), history, [2.0, 2.01], [True, True]).reasons == ["", ""]
+    assert judge(SafetyNet(rise_margin=1.0), history, [2.0, 2.01], [True, True]).reasons == ["", "rose"]
+    assert judge(SafetyNet(rise_margin=None), history, [2.0, 2.01], [True, True]).reasons == ["", ""]
 
 
 def test_constant_predictor_level():
-    rule = CollapseRule(chance_loss=math.log(256), chance_tolerance=0.05)  # 0.95 * 5.545 = 5.268
+    rule = SafetyNet(chance_loss=math.log(256), chance_tolerance=0.05)  # 0.95 * 5.545 = 5.268
     verdict = judge(rule, CollapseHistory(), [5.30, 5.20, 7.0], OK)
     assert verdict.reasons == ["chance", "", "chance"]
     assert not verdict.all_diverged and judge(rule, CollapseHistory(), [5.3, 5.4, 5.5], OK).all_diverged
@@ -60,7 +61,7 @@ def test_advance_forgets_after_a_rescue_or_a_roll_back():
 
 
 def test_good_merge_needs_every_kept_group_below_its_start():
-    rule = CollapseRule()
+    rule = SafetyNet()
     history = CollapseHistory([3.0, 3.0], [math.nan, math.nan], [0, 0])
     fine = Verdict([False, False], ["", ""], [0, 0])
     assert is_good(rule, fine, [2.0, 2.5], history)
@@ -80,16 +81,16 @@ def test_history_state_round_trip_and_resize():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"factor": 1.0}, "`divergence_factor` must be a finite number > 1"),
-    ({"patience": 0}, "`stall_patience` must be a positive integer or None"),
-    ({"rise": -0.5}, "`rise_margin` must be a finite number > 0 or None"),
+    ({"divergence_factor": 1.0}, "`divergence_factor` must be None or a finite number > 1"),
+    ({"stall_patience": 0}, "`stall_patience` must be a positive integer or None"),
+    ({"rise_margin": -0.5}, "`rise_margin` must be a finite number > 0 or None"),
     ({"chance_loss": math.inf}, "`chance_loss` must be a finite number or None"),
     ({"chance_tolerance": 1.0}, r"`chance_tolerance` must be a number in \[0, 1\)"),
     ({"stall_tolerance": -0.1}, r"`stall_tolerance` must be a number in \[0, 1\)"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        CollapseRule(**kwargs)
+        SafetyNet(**kwargs)
 
 
 # ------------------------------------------------------------------ noise (the rules safe to be on by default)
@@ -97,14 +98,14 @@ def test_rise_must_exceed_the_interval_noise():
     """Previous interval 1.0. This one averages 3.0 with standard error 0.6: 3.0 - 2 x 0.6 = 1.8 is not above
     2 x 1.0, so one noisy step does not count as a rise; with standard error 0.4, 3.0 - 0.8 = 2.2 > 2.0 does."""
     history = CollapseHistory([10.0], [1.0], [0], [0.0], [True])
-    assert judge(CollapseRule(rise=1.0), history, [3.0], [True], errors=[0.6]).reasons == [""]
-    assert judge(CollapseRule(rise=1.0), history, [3.0], [True], errors=[0.4]).reasons == ["rose"]
+    assert judge(SafetyNet(rise_margin=1.0), history, [3.0], [True], errors=[0.6]).reasons == [""]
+    assert judge(SafetyNet(rise_margin=1.0), history, [3.0], [True], errors=[0.4]).reasons == ["rose"]
 
 
 def test_stall_needs_the_loss_above_the_starting_levels_noise_band():
     """Start 1.0 with standard error 0.1: the band is 1.0 +- 0.2. A loss of 1.1 is inside it (no stall, and the
     group has not left its start); 1.3 is above it (left, and at the start level: one stalled vote)."""
-    rule = CollapseRule(patience=1)
+    rule = SafetyNet(stall_patience=1)
     fresh = CollapseHistory([1.0], [math.nan], [0], [0.1], [False])
     assert judge(rule, fresh, [1.1], [True]).stalled == [0]
     assert judge(rule, fresh, [1.3], [True]).reasons == ["stalled"]
@@ -113,7 +114,7 @@ def test_stall_needs_the_loss_above_the_starting_levels_noise_band():
 def test_a_plateau_at_the_starting_level_is_not_a_collapse_until_the_loss_left_it():
     """A group that never left its start's band (a plateau before learning starts) is not stalled, however long;
     once it has been outside the band (here below: it learned), coming back above the band counts."""
-    rule = CollapseRule(patience=2, rise=None)  # the stall rule alone (0.5 -> 1.25 would also be a rise)
+    rule = SafetyNet(stall_patience=2, rise_margin=None)  # the stall rule alone (0.5 -> 1.25 would also be a rise)
     history = CollapseHistory([1.0], [math.nan], [0], [0.1], [False])
     for loss in (1.15, 1.19, 1.15):  # inside 1.0 + 2 x 0.1, never left: the upper bound 1.2 is not reached
         verdict = judge(rule, history, [loss], [True])

@@ -9,9 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
+from lightning_hdet.experimental import Improvement, PartialMerge
 from lightning_hdet.hdet.multipliers import centred_grid
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Signal, Softmax
 
 
 def _interval(losses, finite=None, multipliers=(0.5, 1.5), step=4, shared=False, final=False, lr=0.1):
@@ -21,7 +23,7 @@ def _interval(losses, finite=None, multipliers=(0.5, 1.5), step=4, shared=False,
 
 
 def test_softmax_vote_weights_multipliers_and_merge_by_hand():
-    controller = HDETController(HDETConfig(vote="softmax", temperature=1.0, momentum=0.5, meta_lr=1.0, permute=False))
+    controller = HDETController(HDETConfig(vote=Softmax(temperature=1.0, momentum=0.5, meta_lr=1.0, permute=False)))
     decision = controller.decide(_interval([2.0, 1.0]))
     # weights = softmax((mean - L) / T) = softmax([-0.5, 0.5])
     w1 = math.exp(0.5) / (math.exp(0.5) + math.exp(-0.5))
@@ -38,7 +40,7 @@ def test_softmax_vote_weights_multipliers_and_merge_by_hand():
 
 
 def test_warmup_and_final_leave_multipliers_alone():
-    controller = HDETController(HDETConfig(vote="softmax", warmup_steps=10, blend="best", blend_strength=0.5))
+    controller = HDETController(HDETConfig(vote=PartialMerge(Softmax(blend="best"), strength=0.5), warmup_steps=10))
     decision = controller.decide(_interval([2.0, 1.0], step=4))
     assert decision.multipliers[:, 0].tolist() == [0.5, 1.5]
     assert decision.coefficients == [0.0, 1.0] and decision.strengths == [0.5, 0.5]
@@ -48,7 +50,8 @@ def test_warmup_and_final_leave_multipliers_alone():
 
 
 def test_rescue_cuts_the_diverged_group_and_keeps_it_out_of_the_merge():
-    controller = HDETController(HDETConfig(vote="softmax", permute=False, meta_lr=0.0, rescue_lr_factor=0.25))
+    controller = HDETController(HDETConfig(vote=Softmax(permute=False, meta_lr=0.0),
+                                           safety_net=SafetyNet(rescue_lr_factor=0.25)))
     decision = controller.decide(_interval([1.0, 1.0, 50.0], multipliers=(1.0, 2.0, 4.0)))  # 50 > 10 x 1
     assert decision.rescued == [False, False, True] and not decision.roll_back
     assert decision.multipliers[:, 0].tolist() == pytest.approx([1.0, 2.0, 1.0])
@@ -57,7 +60,7 @@ def test_rescue_cuts_the_diverged_group_and_keeps_it_out_of_the_merge():
 
 
 def test_roll_back_when_a_loss_blew_up_under_shared_gradients_or_all_diverged():
-    controller = HDETController(HDETConfig(vote="softmax", permute=False))
+    controller = HDETController(HDETConfig(vote=Softmax(permute=False)))
     decision = controller.decide(_interval([1.0, 50.0], shared=True))
     assert decision.roll_back and decision.rescued == [False, True] and decision.winner == 0
     assert decision.weights == [1.0, 0.0] and decision.multipliers[:, 0].tolist() == [0.5, 0.75]
@@ -70,7 +73,7 @@ def test_roll_back_when_a_loss_blew_up_under_shared_gradients_or_all_diverged():
 
 
 def test_finishing_merge_repeats_the_last_coefficients_at_full_strength():
-    controller = HDETController(HDETConfig(vote="softmax", blend="weighted", blend_strength=0.5))
+    controller = HDETController(HDETConfig(vote=PartialMerge(Softmax(blend="weighted"), strength=0.5)))
     decision = controller.decide(_interval([2.0, 1.0]))
     coefficients, strengths = controller.finishing_merge()
     assert coefficients == decision.coefficients and strengths == [1.0, 1.0]
@@ -99,8 +102,9 @@ def test_centred_grid_by_hand():
 
 @pytest.mark.parametrize("vote", ["pbt", "softmax", "best"])
 def test_the_search_ends_on_the_winner_with_a_narrow_grid_around_its_lr(vote):
-    controller = HDETController(HDETConfig(vote=vote, blend="mean", blend_strength=0.5, refine_spread=2.0,
-                                           signal="improvement" if vote == "pbt" else "mean"))
+    rule = {"pbt": PBT(), "softmax": Softmax(blend="mean"), "best": Best(blend="mean")}[vote]
+    controller = HDETController(HDETConfig(vote=PartialMerge(rule, strength=0.5), search=Search(refine_spread=2.0),
+                                           signal=Improvement() if vote == "pbt" else Signal()))
     controller.decide(_interval([3.0, 2.0, 1.0], multipliers=(0.5, 1.0, 4.0), step=4))  # the rule's state moves
     searched = _interval([3.0, 1.0, 2.0], multipliers=(0.5, 1.0, 4.0), step=8)
     decision = controller.decide(replace(searched, refine=True))
@@ -112,20 +116,20 @@ def test_the_search_ends_on_the_winner_with_a_narrow_grid_around_its_lr(vote):
     assert decision.lrs == pytest.approx([0.05, 0.1, 0.2])
     assert controller.num_votes == 2
     # the rule starts afresh from the new grid: a fresh controller at the same table votes the same way
-    fresh = HDETController(HDETConfig(vote=vote, permute=False))
+    fresh = HDETController(HDETConfig(vote=Softmax(permute=False) if vote == "softmax" else type(rule)()))
     after = _interval([2.0, 1.0, 3.0], multipliers=(0.5, 1.0, 2.0), step=12)
     if vote == "best":
         assert controller.rule.state_dict() == {"spread": {}}
         expected = fresh.decide(after).multipliers
         assert sorted(controller.decide(after).multipliers[:, 0].tolist()) == pytest.approx(
             sorted(expected[:, 0].tolist()))
-    restored = HDETController(HDETConfig(vote=vote))
+    restored = HDETController(HDETConfig(vote=type(rule)()))
     restored.load_state_dict(controller.state_dict())
     assert restored.searched_at == 8
 
 
 def test_no_search_end_at_a_roll_back():
-    controller = HDETController(HDETConfig(vote="pbt"))
+    controller = HDETController(HDETConfig(vote=PBT()))
     decision = controller.decide(replace(_interval([1.0, 1.0], finite=[False, False]), refine=True))
     assert decision.roll_back and not decision.refined and controller.searched_at is None
     assert decision.restart == [True, True]  # both rescued
@@ -134,7 +138,7 @@ def test_no_search_end_at_a_roll_back():
 def test_the_search_waits_for_a_winner_below_its_starting_level():
     """Every group still at the untrained model's loss (1.79 +- 2 x 0.01): the search goes on with an ordinary vote;
     at the next vote the winner is below 1.77, and the search ends there."""
-    controller = HDETController(HDETConfig(search_steps=4))
+    controller = HDETController(HDETConfig(search=Search(steps=4)))
     first = replace(_interval([1.785, 1.79], step=4), first_losses=[1.79, 1.79], first_errors=[0.01, 0.01],
                     refine=True)
     plateau = controller.decide(first)
@@ -143,13 +147,13 @@ def test_the_search_waits_for_a_winner_below_its_starting_level():
     left = controller.decide(replace(_interval([1.60, 1.78], step=8), refine=True))
     assert left.refined and left.winner == 0 and controller.searched_at == 8
     # without a known starting level (e.g. `monitor`) the search ends where it is asked to
-    unknown = HDETController(HDETConfig(search_steps=4))
+    unknown = HDETController(HDETConfig(search=Search(steps=4)))
     assert unknown.decide(replace(_interval([1.785, 1.79], step=4), refine=True)).refined
 
 
 def test_the_search_ends_once_at_the_first_vote_at_or_after_search_steps():
     assert not HDETController(HDETConfig()).search_ends(10**6)  # search_steps=None: a search for the whole run
-    controller = HDETController(HDETConfig(search_steps=6))
+    controller = HDETController(HDETConfig(search=Search(steps=6)))
     assert [controller.search_ends(step) for step in (4, 6, 8)] == [False, True, True]
     controller.decide(replace(_interval([2.0, 1.0], step=8), refine=True))
     assert controller.searched_at == 8 and not controller.search_ends(12)

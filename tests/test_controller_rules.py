@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from lightning_hdet import PBT, HDETCallback, SafetyNet
+from lightning_hdet import PBT, Best, HDETCallback, SafetyNet, Softmax
 from lightning_hdet.experimental import Forecast, ReferencePBT
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
-from lightning_hdet.hdet.selection import MergeStep
-from lightning_hdet.hdet.signals import LossCurve
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.selection import MergeStep
+from lightning_hdet.hdet.rules.signals import LossCurve
 
 
 def _interval(losses, multipliers, step=4, final=False, curves=None, first=None, finite=None):
@@ -22,7 +22,7 @@ def _interval(losses, multipliers, step=4, final=False, curves=None, first=None,
 
 
 def test_pbt_decision_copies_the_best_into_the_worst_only():
-    controller = HDETController(HDETConfig(vote="pbt", resample_probability=0.0))
+    controller = HDETController(HDETConfig(vote=PBT(resample_probability=0.0)))
     decision = controller.decide(_interval([3.0, 1.0, 2.0, 4.0], (0.5, 1.0, 2.0, 4.0)))
     assert decision.plan == [MergeStep([0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0])] and decision.coefficients == []
     assert decision.multipliers[:3, 0].tolist() == [0.5, 1.0, 2.0]
@@ -46,17 +46,16 @@ def test_forecast_signal_votes_for_the_steeper_curve_and_the_final_merge_by_leve
     curves = _curves(16, [(1.00, 1.0, 0.4), (0.60, 1.5, 0.1)])  # group 0: lower mean; group 1: still falling
     means = [float(r[:8].sum() / r[8:].sum()) for r in curves]
     assert means[0] < means[1]
-    mean_vote = HDETController(HDETConfig(every_n_steps=16, vote="best", blend="best"))
+    mean_vote = HDETController(HDETConfig(every_n_steps=16, vote=Best(blend="best")))
     assert mean_vote.decide(_interval(means, (1.0, 2.0), curves=curves)).winner == 0
-    forecast = HDETController(HDETConfig(every_n_steps=16, vote="best", blend="best", signal="forecast",
-                                         forecast_horizon=64))
+    forecast = HDETController(HDETConfig(every_n_steps=16, vote=Best(blend="best"), signal=Forecast(horizon=64)))
     decision = forecast.decide(_interval(means, (1.0, 2.0), curves=curves))
     assert decision.winner == 1 and decision.coefficients == [0.0, 1.0] and decision.losses == means
     assert forecast.decide(_interval(means, (1.0, 2.0), curves=curves, final=True)).winner == 0
 
 
 def test_collapsed_groups_roll_back_with_cut_lrs_and_no_good_merge():
-    controller = HDETController(HDETConfig(vote="softmax", stall_patience=1, permute=False, meta_lr=0.0))
+    controller = HDETController(HDETConfig(vote=Softmax(permute=False, meta_lr=0.0), safety_net=SafetyNet(stall_patience=1)))
     first = controller.decide(_interval([2.4, 2.5], (1.0, 2.0), first=[2.3, 2.3]))
     assert not first.roll_back and not first.keep  # nobody below its first step's loss: not a roll-back point
     second = controller.decide(_interval([2.35, 2.4], (1.0, 2.0), step=8))
@@ -69,7 +68,8 @@ def test_collapsed_groups_roll_back_with_cut_lrs_and_no_good_merge():
 
 
 def test_constant_predictor_and_rise_rules_rescue_one_group():
-    controller = HDETController(HDETConfig(vote="softmax", chance_loss=math.log(10), rise_margin=1.0, permute=False, meta_lr=0.0))
+    controller = HDETController(HDETConfig(vote=Softmax(permute=False, meta_lr=0.0),
+                                           safety_net=SafetyNet(chance_loss=math.log(10), rise_margin=1.0)))
     decision = controller.decide(_interval([2.25, 1.0], (1.0, 2.0)))  # 2.25 >= 0.95 ln 10 = 2.187
     assert decision.rescued == [True, False] and decision.reasons == ["chance", ""]
     assert decision.coefficients == [0.0, 1.0] and decision.multipliers[:, 0].tolist() == [0.5, 2.0]
@@ -80,8 +80,8 @@ def test_constant_predictor_and_rise_rules_rescue_one_group():
 def test_collapse_rules_are_on_by_default_but_do_not_judge_progress_at_the_final_merge():
     """Start 1.0 (no noise given); the interval at 0.5 halves it. 2.0 four times that: a rise, except in the final
     merge's interval (often a fragment of a few steps), where only non-finite and x-best groups are kept out."""
-    config = HDETConfig(vote="softmax", permute=False, meta_lr=0.0)
-    assert (config.stall_patience, config.rise_margin) == (2, 1.0)
+    config = HDETConfig(vote=Softmax(permute=False, meta_lr=0.0))
+    assert (config.safety_net.stall_patience, config.safety_net.rise_margin) == (2, 1.0)
     for final, reasons in ((False, ["rose", "rose"]), (True, ["", ""])):
         controller = HDETController(config)
         controller.decide(_interval([0.5, 0.5], (1.0, 2.0), first=[1.0, 1.0]))
@@ -93,7 +93,7 @@ def test_collapse_rules_are_on_by_default_but_do_not_judge_progress_at_the_final
 
 
 def test_safety_net_off_judges_nothing_and_keeps_every_finite_merge():
-    controller = HDETController(HDETConfig(safety_net=False, chance_loss=1.0))
+    controller = HDETController(HDETConfig(safety_net=None))
     decision = controller.decide(_interval([5.0, 5.0], (1.0, 2.0), first=[1.0, 1.0]))
     assert decision.rescued == [False, False] and decision.keep
 
@@ -107,7 +107,7 @@ def test_safety_net_off_judges_nothing_and_keeps_every_finite_merge():
     (lambda: SafetyNet(stall_patience=0), "`stall_patience` must be a positive integer or None"),
     (lambda: SafetyNet(rise_margin=0), "`rise_margin` must be a finite number > 0 or None"),
     (lambda: SafetyNet(chance_loss=float("nan")), "`chance_loss` must be a finite number or None"),
-    (lambda: ReferencePBT(reference_group=-1), "`reference_group` must be an integer >= 0 or None"),
+    (lambda: ReferencePBT(reference_group=-1), "`reference_group` must be an integer >= 0"),
 ])
 def test_callback_rejects_bad_rule_arguments(make, match):
     with pytest.raises(ValueError, match=match):

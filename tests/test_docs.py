@@ -42,7 +42,6 @@ from lightning_hdet import (
     Softmax,
 )
 from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +70,7 @@ SIGNATURES = {
     "Fabric": (Fabric,),
     "HDETReplay": (HDETReplay,),
     "HDETFabricStrategy": (HDETFabricStrategy, FabricDDPStrategy),
-    "HDETLoop": (HDETLoop, HDETConfig),  # **settings are HDETCallback's, validated by HDETConfig
+    "HDETLoop": (HDETLoop,),
     "AsyncLocalSGDFabricStrategy": (OuterSettings, FabricDDPStrategy, AsyncLocalSGDStrategy),
 }
 # The rules' objects a doc may pass as an argument value: built too, so their values are checked.

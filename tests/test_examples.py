@@ -124,7 +124,7 @@ def test_64gpu_recipe_builds_four_groups_at_the_users_learning_rates() -> None:
     assert lrs == pytest.approx([0.001, 0.0005, 0.0001, 0.005])
     (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "HDETCallback"]
     assert (callback.every_n_steps, callback.vote, callback.search.refine_spread) == (1000, "pbt", 1.5)
-    assert callback.settings.divergence_factor == 10.0 and callback.settings.quantile == 0.25
+    assert callback.settings.safety_net.divergence_factor == 10.0 and callback.settings.vote.quantile == 0.25
     # The command-line overrides shown in docs/recipes.md reach the strategy and the callback.
     overrides = ["--trainer.strategy.lr_multipliers=[1, 0.3, 0.1, 3]",
                  "--trainer.callbacks.every_n_steps=500"]

@@ -245,7 +245,7 @@ def test_the_default_vote_climbs_from_a_too_low_learning_rate():
     world = FakeWorld(params=torch.zeros(9), lr_multipliers=[0.25, 0.5, 0.75, 1.0], schedule_lrs=[0.01],
                       gradient_sync="global")
     (cb, _), *_ = world.fit(_callback(every_n_steps=4), _least_squares(global_gradients=True), max_steps=36)
-    assert cb.settings.vote == "pbt"
+    assert cb.vote == "pbt"
     votes = sorted({h["step"] for h in cb.history})
     winner_lr = []
     for s in votes:

@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader
 from lightning_hdet import Best, HDETCallback, HDETStrategy
 from lightning_hdet.experimental import Heldout
 from lightning_hdet.hdet.averaging import ParameterAverage, average_weight
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
 from lightning_hdet.hdet.heldout import HeldoutScorer
-from lightning_hdet.hdet.signals import score
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.signals import score
 from tests.helpers import START, LinearModel, Regression, flat_params, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,9 +85,9 @@ def test_missing_loss_and_missing_dataloader_name_the_argument():
 
 def test_config_checks_heldout_arguments():
     with pytest.raises(ValueError, match="heldout_batches"):
-        HDETConfig(signal="heldout", heldout_batches=0)
+        Heldout(batches=0)
     with pytest.raises(ValueError, match="heldout_decay"):
-        HDETConfig(signal="heldout", heldout_decay=1.5)
+        Heldout(decay=1.5)
     with pytest.raises(ValueError, match="held-out batches"):
         score([1.0, 1.0, 1.0, 1.0], "heldout", 4)
 
@@ -100,7 +100,7 @@ def _interval(heldout: Any, final: bool = False) -> Interval:
 
 
 def test_vote_ranks_groups_by_heldout_loss_not_training_loss():
-    config = HDETConfig(every_n_steps=4, vote="best", signal="heldout", blend="best")
+    config = HDETConfig(every_n_steps=4, vote=Best(blend="best"), signal=Heldout())
     # Training loss favours group 0 (1.0 < 2.0); the averaged iterates' held-out loss favours group 1.
     decision = HDETController(config).decide(_interval([3.0, 2.5]))
     assert decision.winner == 1 and decision.coefficients == [0.0, 1.0]

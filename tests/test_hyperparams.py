@@ -11,11 +11,11 @@ from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_hdet import HDETCallback, HDETReplay, HDETStrategy, LRTrajectory
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
+from lightning_hdet import Best, HDETCallback, HDETReplay, HDETStrategy, LRTrajectory, Search, Softmax
 from lightning_hdet.hdet.fake import FakeWorld
 from lightning_hdet.hdet.hyperparams import Explored, ExploredTables, check_explore, check_optimizers, scaled
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
 from lightning_hdet.records.wandb import vote_rows
 from lightning_hdet.replay import ReplayHooks
 from tests.helpers import START, Recorder, SGDBoring, load_ranks, make_scheduler, quiet_trainer
@@ -91,7 +91,7 @@ def _interval(lr_explored: bool) -> Interval:
 @pytest.mark.parametrize("lr_explored", [True, False])
 def test_softmax_moves_the_weight_decay_as_it_moves_the_lr(lr_explored: bool) -> None:
     """The published controller, by hand, on the weight-decay column: values 0.01 x [0.5, 2], losses [1, 2]."""
-    controller = HDETController(HDETConfig(vote="softmax", permute=False, safety_net=False))
+    controller = HDETController(HDETConfig(vote=Softmax(permute=False), safety_net=None))
     decision = controller.decide(_interval(lr_explored))
     w0 = 1 / (1 + math.exp(-10.0))  # softmax((1.5 - L) / 0.1)
     delta = w0 * 0.005 + (1 - w0) * 0.02 - 0.0125
@@ -106,12 +106,12 @@ def test_softmax_moves_the_weight_decay_as_it_moves_the_lr(lr_explored: bool) ->
 
 
 def test_the_search_ends_on_the_winners_weight_decay_and_a_rescue_leaves_it_alone() -> None:
-    controller = HDETController(HDETConfig(vote="best", safety_net=False, search_steps=5, refine_spread=2.0))
+    controller = HDETController(HDETConfig(vote=Best(), safety_net=None, search=Search(steps=5, refine_spread=2.0)))
     decision = controller.decide(Interval(**{**_interval(True).__dict__, "refine": True}))
     assert decision.refined and decision.winner == 0
     # A grid of ratio 2 around the winner's 0.5, in the initial order (group g gets the grid's (g + 1) mod 2).
     assert decision.explored[WD][:, 0].tolist() == pytest.approx([0.5 * 2 ** 0.5, 0.5 * 2 ** -0.5])
-    rollback = HDETController(HDETConfig(vote="best")).decide(
+    rollback = HDETController(HDETConfig(vote=Best())).decide(
         Interval(**{**_interval(True).__dict__, "losses": [float("nan"), float("nan")], "finite": [False, False]}))
     assert rollback.roll_back and rollback.explored[WD][:, 0].tolist() == [0.5, 2.0]
     assert rollback.multipliers[:, 0].tolist() == [0.25, 1.0]  # the safety net cuts the LRs only

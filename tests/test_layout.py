@@ -10,15 +10,17 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hdet"
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
-# Pure math: no Lightning, no process groups (unit-tested against hand-computed values).
-PURE = ["hdet/layout.py", "hdet/votes.py", "hdet/blends.py", "hdet/controller.py", "hdet/signals.py",
-        "hdet/selection.py", "hdet/bandit.py", "hdet/collapse.py", "hdet/averaging.py", "hdet/options.py",
-        "hdet/defaults.py", "hdet/config.py", "hdet/hyperparams.py",
-        "asynchronous/delayed_nesterov.py",
-        "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",
-        "asynchronous/compression.py", "asynchronous/checks.py", "asynchronous/elastic/sessions.py",
-        "asynchronous/result.py", "asynchronous/slow_link.py", "asynchronous/ranks.py",
-        "records/history.py", "records/tensorboard.py", "hdet/result.py", "hdet/console.py", "_checks.py"]
+# Pure math: no Lightning, no process groups (unit-tested against hand-computed values): every module of these
+# folders, and the modules listed.
+PURE_FOLDERS = ["hdet/rules"]
+PURE_MODULES = ["hdet/layout.py", "experimental/pb2.py", "hdet/averaging.py", "hdet/hyperparams.py", "hdet/multipliers.py",
+                "asynchronous/delayed_nesterov.py",
+                "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",
+                "asynchronous/compression.py", "asynchronous/checks.py", "asynchronous/elastic/sessions.py",
+                "asynchronous/result.py", "asynchronous/slow_link.py", "asynchronous/ranks.py",
+                "records/history.py", "records/tensorboard.py", "hdet/result.py", "hdet/console.py", "_checks.py"]
+PURE = PURE_MODULES + sorted(p.relative_to(PACKAGE).as_posix() for folder in PURE_FOLDERS
+                             for p in (PACKAGE / folder).rglob("*.py"))
 # Private names of Lightning / W&B objects that only lightning_hdet/_compat.py may touch.
 PRIVATE_ATTRIBUTES = {"_trainer", "_optimizer", "_timeout", "_ddp_kwargs", "_ddp_comm_hook", "_ddp_comm_wrapper",
                       "_experiment", "_init_pid", "_is_attached", "epoch_loop"}

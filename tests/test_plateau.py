@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.hdet.collapse import Verdict
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
-from lightning_hdet.hdet.plateau import (
+from lightning_hdet.hdet.rules.collapse import Verdict
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.options import SafetyNet
+from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
     forget,
@@ -153,7 +154,7 @@ def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PlateauRule(**kwargs)
     with pytest.raises(ValueError, match="`plateau` must be None or a PlateauRule"):
-        HDETConfig(plateau=200)
+        SafetyNet(plateau=200)
 
 
 def _interval(step, losses, multipliers, first=None, final=False):
@@ -167,7 +168,7 @@ def test_the_controller_rolls_a_stuck_ensemble_back_onto_the_ladder_and_leaves_a
     vote; the third vote has counted 200 stuck steps: every group rolls back, LRs 0.1..0.01 x the old geometric
     mean, the lower two rungs from the initial model."""
     stuck_run = HDETController(HDETConfig(every_n_steps=100))
-    assert stuck_run.keeps_initial and not HDETController(HDETConfig(plateau=None)).keeps_initial
+    assert stuck_run.keeps_initial and not HDETController(HDETConfig(safety_net=SafetyNet(plateau=None))).keeps_initial
     multipliers = [0.9, 0.96, 1.04, 1.1]
     for step in (100, 200):
         decision = stuck_run.decide(_interval(step, [1.86] * 4, multipliers, first=[2.08] * 4 if step == 100 else None))
@@ -187,7 +188,7 @@ def test_the_controller_rolls_a_stuck_ensemble_back_onto_the_ladder_and_leaves_a
                                              first=[2.08] * 4 if k == 1 else None))
         assert not decision.roll_back and not any(decision.rescued) and decision.from_initial == []
         multipliers = decision.multipliers[:, 0].tolist()
-    switched_off = HDETController(HDETConfig(every_n_steps=100, plateau=None))
+    switched_off = HDETController(HDETConfig(every_n_steps=100, safety_net=SafetyNet(plateau=None)))
     for step in (100, 200, 300, 400):
         assert not switched_off.decide(_interval(step, [1.86] * 4, [0.9, 0.96, 1.04, 1.1])).roll_back
 

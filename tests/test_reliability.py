@@ -360,7 +360,7 @@ def test_resume_with_a_different_number_of_groups_starts_every_group_from_the_me
 
 
 def test_softmax_controller_resumed_with_another_group_count_takes_the_new_fan_out() -> None:
-    from lightning_hdet.hdet.votes import Ballot, SoftmaxVote
+    from lightning_hdet.hdet.rules.votes import Ballot, SoftmaxVote
 
     rule = SoftmaxVote(permute=False)
     rule.load_state_dict({"velocity": {0: 0.0}, "shape": {0: [0.5, 1.5]}})  # written by a 2-group run

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.hdet.selection import MergeStep, PBTVote, copy_plan, plan_matrix, quantile_size
-from lightning_hdet.hdet.votes import Ballot
+from lightning_hdet.experimental import ReferencePBT
+from lightning_hdet.hdet.rules.selection import PBT, MergeStep, copy_plan, plan_matrix, quantile_size
+from lightning_hdet.hdet.rules.votes import Ballot
 
 
 def _ballot(losses, multipliers, healthy=None, move=True, key=0):
@@ -26,7 +27,7 @@ def test_quantile_size_follows_ray_tune():
 
 
 def test_only_the_worst_moves_copying_the_best():
-    rule = PBTVote(resample_probability=0.0, factors=(0.8, 0.8))
+    rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
     result = rule.explore(_ballot([3.0, 1.0, 2.0, 4.0], [0.5, 1.0, 2.0, 4.0]), _gen())
     assert result.winner == 1 and result.weights == [0.0, 1.0, 0.0, 0.0]
     assert result.sources == [0, 1, 2, 1]  # group 3 (worst) copies group 1 (best); the others keep theirs
@@ -34,21 +35,21 @@ def test_only_the_worst_moves_copying_the_best():
 
 
 def test_spread_is_kept_upward_first():
-    rule = PBTVote(resample_probability=0.0, factors=(0.8, 0.8))
+    rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
     result = rule.explore(_ballot([1.0, 2.0], [1.0, 1.0]), _gen())
     # the mover drew 0.8, but nothing sat 1.2x above the leader: it is placed there
     assert result.multipliers == pytest.approx([1.0, 1.2])
-    rule = PBTVote(resample_probability=0.0, factors=(1.1, 1.1))
+    rule = PBT(resample_probability=0.0, factors=(1.1, 1.1))
     result = rule.explore(_ballot([1.0, 2.0, 3.0], [1.0, 1.3, 1.0]), _gen())
     assert result.multipliers == pytest.approx([1.0, 1.3, 1 / 1.2])  # group 1 is above: the mover goes below
 
 
 def test_perturbation_draws_both_directions_and_resamples_log_uniformly():
-    rule = PBTVote(resample_probability=0.0)
+    rule = PBT(resample_probability=0.0)
     seen = {round(rule.explore(_ballot([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 0.5, 3.0]), _gen(s)).multipliers[3], 6)
             for s in range(20)}
     assert seen == {0.8, 1.2}
-    rule = PBTVote(resample_probability=1.0)
+    rule = PBT(resample_probability=1.0)
     gen = _gen(5)
     u = torch.rand(2, generator=_gen(5), dtype=torch.float64).tolist()[1]
     result = rule.explore(_ballot([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 0.5, 3.0]), gen)
@@ -56,17 +57,17 @@ def test_perturbation_draws_both_directions_and_resamples_log_uniformly():
 
 
 def test_unhealthy_groups_all_move_and_pairs_follow_the_ranking():
-    rule = PBTVote(resample_probability=0.0, factors=(1.2, 1.2))
+    rule = PBT(resample_probability=0.0, factors=(1.2, 1.2))
     result = rule.explore(_ballot([2.0, math.nan, 1.0, 5.0], [1.0, 1.0, 1.0, 1.0], [True, False, True, True]), _gen())
     assert result.sources == [0, 2, 2, 3]  # the NaN group ranks last: it fills the bottom quantile
     result = rule.explore(_ballot([2.0, math.nan, 1.0, math.inf], [1.0] * 4, [True, False, True, True]), _gen())
     assert result.sources == [0, 2, 2, 2]  # every unhealthy group moves, even past the quantile
-    rule = PBTVote(resample_probability=0.0)
+    rule = PBT(resample_probability=0.0)
     assert rule.pairs(_ballot([float(g) for g in range(8)], [1.0] * 8), vote=0) == {7: 0, 6: 1}
 
 
 def test_slow_reference_group_moves_only_every_few_votes():
-    rule = PBTVote(resample_probability=0.0, reference_group=3, reference_every=2)
+    rule = ReferencePBT(resample_probability=0.0, reference_group=3, reference_every=2)
     ballot = _ballot([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0])
     assert rule.explore(ballot, _gen()).sources == [0, 1, 2, 0]  # vote 0: the reference takes part
     assert rule.explore(ballot, _gen()).sources == [0, 1, 0, 3]  # vote 1: exempt, the next worst moves
@@ -74,23 +75,23 @@ def test_slow_reference_group_moves_only_every_few_votes():
 
 
 def test_no_move_before_warmup_and_state_round_trip():
-    rule = PBTVote()
+    rule = PBT()
     result = rule.explore(_ballot([1.0, 2.0], [1.0, 2.0], move=False), _gen())
     assert result.multipliers == [1.0, 2.0] and result.sources == [0, 1] and rule.votes == {}
-    other = PBTVote()
+    other = PBT()
     other.load_state_dict({"votes": {"0": 3}})
     assert other.votes == {0: 3}
 
 
 def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="`quantile` must be a number in"):
-        PBTVote(quantile=0.75)
+        PBT(quantile=0.75)
     with pytest.raises(ValueError, match="`factors` must be two positive finite numbers"):
-        PBTVote(factors=(1.2,))
+        PBT(factors=(1.2,))
     with pytest.raises(ValueError, match="`min_spread`"):
-        PBTVote(min_spread=0.0)
-    with pytest.raises(ValueError, match="`reference_group` must be None or a group index below the number"):
-        PBTVote(reference_group=4).explore(_ballot([1.0, 2.0], [1.0, 1.0]), _gen())
+        PBT(min_spread=0.0)
+    with pytest.raises(ValueError, match="`reference_group` must be a group index below the number"):
+        ReferencePBT(reference_group=4).explore(_ballot([1.0, 2.0], [1.0, 1.0]), _gen())
 
 
 def test_copy_plan_one_step_per_source_and_its_matrix():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.hdet.signals import (
+from lightning_hdet.hdet.rules.signals import (
     LossCurve, bin_centers, curve_points, fit_exponential, forecast, mean_loss, score, scores, slope,
 )
 
@@ -80,7 +80,7 @@ def test_forecast_credits_a_steeper_curve_the_mean_ranks_behind():
 
 
 def test_curve_error_is_the_spread_of_the_bin_means_over_root_n():
-    from lightning_hdet.hdet.signals import curve_error
+    from lightning_hdet.hdet.rules.signals import curve_error
 
     # Bin means 1, 2, 3 (sums 2, 4, 6 over 2 steps each): sample std 1, standard error 1 / sqrt(3).
     assert curve_error([2.0, 4.0, 6.0, 2.0, 2.0, 2.0]) == pytest.approx(1 / math.sqrt(3))

@@ -9,20 +9,20 @@ import torch
 import torch.multiprocessing as mp
 from lightning.pytorch import Trainer, seed_everything
 
-from lightning_hdet import Best, BestVote, HDETCallback, HDETStrategy, Softmax, SoftmaxVote
-from lightning_hdet.hdet.defaults import DEFAULT_LR_SPAN, span_grid
+from lightning_hdet import PBT, Best, HDETCallback, HDETStrategy, Softmax
+from lightning_hdet.hdet.rules.defaults import DEFAULT_LR_SPAN, span_grid
 from tests.helpers import Recorder, SGDBoring, load_ranks, trainer_kwargs
 
 
 def _receive(index: int, objects: list) -> None:
-    assert [type(o).__name__ for o in objects] == ["HDETCallback", "HDETStrategy", "SoftmaxVote", "BestVote", "Softmax"]
+    assert [type(o).__name__ for o in objects] == ["HDETCallback", "HDETStrategy", "Softmax", "Best", "PBT"]
 
 
 def test_public_objects_cross_a_spawn():
     assert mp.get_sharing_strategy() == "file_descriptor"  # torch's default on Linux: no global switch hides bugs
     callback = HDETCallback(seed=3)
     callback.controller.generator  # a generator that has been used must cross too (PyTorch #146828)
-    mp.start_processes(_receive, args=([callback, HDETStrategy(), SoftmaxVote(), BestVote(), Softmax()],), nprocs=1,
+    mp.start_processes(_receive, args=([callback, HDETStrategy(), Softmax(), Best(), PBT()],), nprocs=1,
                        start_method="spawn")
 
 

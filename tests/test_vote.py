@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightning_hdet.hdet.layout import fan_out
-from lightning_hdet.hdet.votes import Ballot, BestVote, SoftmaxVote, divergent, make_rule, softmax_weights, winner_of
+from lightning_hdet.hdet.rules.options import VOTES, as_vote
+from lightning_hdet.hdet.rules.votes import Ballot, Best, Softmax, divergent, softmax_weights, winner_of
 
 G = torch.Generator
 
@@ -32,7 +33,7 @@ def test_softmax_weights_hand_computed():
 
 
 def test_softmax_controller_delta_sign_momentum_and_base():
-    rule = SoftmaxVote(temperature=0.1, momentum=0.9, meta_lr=0.5, permute=False)
+    rule = Softmax(temperature=0.1, momentum=0.9, meta_lr=0.5, permute=False)
     mult = [0.5, 1.0, 1.5]
     # the highest-LR group has the lowest loss: delta > 0, base LR grows
     res = rule.explore(Ballot(0, [1.0, 0.9, 0.8], mult, [True] * 3, 0.01, True), G().manual_seed(0))
@@ -49,14 +50,14 @@ def test_softmax_controller_delta_sign_momentum_and_base():
     res2 = rule.explore(Ballot(0, [1.0, 1.0, 1.0], res.multipliers, [True] * 3, 0.01, True), G().manual_seed(0))
     assert rule.velocity[0] == pytest.approx(0.9 * v)
     # the lowest-LR group winning moves the base down
-    rule2 = SoftmaxVote(permute=False)
+    rule2 = Softmax(permute=False)
     res3 = rule2.explore(Ballot(0, [0.8, 0.9, 1.0], mult, [True] * 3, 0.01, True), G().manual_seed(0))
     assert sum(res3.multipliers) / 3 < 1.0
     assert res2.weights == pytest.approx([1 / 3] * 3)
 
 
 def test_softmax_permutation_preserves_the_set():
-    rule = SoftmaxVote(meta_lr=0.0)
+    rule = Softmax(meta_lr=0.0)
     mult = [0.8, 0.9, 1.1, 1.2]
     gen = G().manual_seed(3)
     seen = set()
@@ -70,7 +71,7 @@ def test_softmax_permutation_preserves_the_set():
 
 
 def test_softmax_is_guarded_against_non_positive_lr():
-    rule = SoftmaxVote(meta_lr=1e6, permute=False)  # absurd meta LR: the additive update would go negative
+    rule = Softmax(meta_lr=1e6, permute=False)  # absurd meta LR: the additive update would go negative
     res = rule.explore(Ballot(0, [0.1, 0.2, 5.0], [0.5, 1.0, 100.0], [True] * 3, 0.01, True), G().manual_seed(0))
     base = 0.01 * (0.5 + 1.0 + 100.0) / 3
     new_base = 0.01 * sum(res.multipliers) / 3
@@ -79,14 +80,14 @@ def test_softmax_is_guarded_against_non_positive_lr():
 
 
 def test_no_move_before_warmup_or_with_zero_schedule():
-    rule = SoftmaxVote()
+    rule = Softmax()
     mult = [0.5, 1.5]
     assert rule.explore(Ballot(0, [1.0, 0.5], mult, [True, True], 0.01, False), G()).multipliers == mult
     assert rule.explore(Ballot(0, [1.0, 0.5], mult, [True, True], 0.0, True), G()).multipliers == mult
 
 
 def test_best_vote_recentres_and_keeps_spread():
-    rule = BestVote(shrink=0.5, min_spread=0.05)
+    rule = Best(shrink=0.5, min_spread=0.05)
     mult = [1.0, 0.5, 0.1, 5.0]
     gen = G().manual_seed(0)
     spreads = []
@@ -114,18 +115,27 @@ def test_winner_and_divergence_rules():
 
 
 def test_rule_state_round_trip():
-    rule = SoftmaxVote()
+    rule = Softmax()
     rule.explore(Ballot(0, [1.0, 0.5], [0.5, 1.5], [True, True], 0.1, True), G().manual_seed(0))
-    other = SoftmaxVote()
+    other = Softmax()
     other.load_state_dict(rule.state_dict())
     assert other.velocity == rule.velocity and other.shape == rule.shape
-    best = BestVote()
+    best = Best()
     best.explore(Ballot(0, [1.0, 0.5], [0.5, 1.5], [True, True], 0.1, True), G().manual_seed(0))
-    copy = BestVote()
+    copy = Best()
     copy.load_state_dict(best.state_dict())
     assert copy.spread == best.spread
 
 
-def test_make_rule_rejects_unknown():
+def test_a_name_gives_the_rule_with_its_defaults_and_an_unknown_name_is_refused():
+    assert as_vote("softmax") == Softmax() and as_vote("best") == Best() and set(VOTES) >= {"softmax", "best"}
     with pytest.raises(ValueError, match="`vote` must be one of"):
-        make_rule("median", 0.1, 0.9, 0.5, True, 0.5, 0.05)
+        as_vote("median")
+
+
+def test_a_fresh_copy_keeps_the_options_and_drops_the_state():
+    """The controller runs ``vote.fresh()``: one object may configure many runs (or every rank of a FakeWorld)."""
+    rule = Softmax(temperature=0.5)
+    rule.explore(Ballot(0, [1.0, 0.5], [0.5, 1.5], [True, True], 0.1, True), G().manual_seed(0))
+    fresh = rule.fresh()
+    assert fresh == rule and fresh.temperature == 0.5 and rule.velocity and not fresh.velocity

@@ -13,42 +13,55 @@ default arms; each is described in docs/experimental.md with the measurement tha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_hdet._checks import check_integer, check_number, require
+from lightning_hdet._checks import check_int, check_integer, check_number, require
+from lightning_hdet.experimental.pb2 import PB2
 from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
-from lightning_hdet.hdet.options import PBT, Signal, Softmax, Vote
+from lightning_hdet.hdet.rules.options import PBT, Signal, Softmax, Vote
+from lightning_hdet.hdet.rules.selection import Selection
+from lightning_hdet.hdet.rules.signals import CURVE_BINS, scores
+from lightning_hdet.hdet.rules.votes import Ballot, VoteResult
+
+if TYPE_CHECKING:
+    from lightning_hdet.hdet.rules.controller import Interval
 
 __all__ = ["Forecast", "Heldout", "Improvement", "InitNoise", "PB2", "PartialMerge", "ReferencePBT"]
 
 
 @dataclass(frozen=True)
-class PB2(Vote):
-    """Population-based bandits (Parker-Holder et al. 2020): PBT's selection, a Gaussian-process bandit picks the
-    movers' LRs (:mod:`lightning_hdet.hdet.bandit`). Measured level with :class:`~lightning_hdet.PBT`.
-
-    Args:
-        quantile: share of groups that move (bottom) and are copied (top), in (0, 0.5].
-    """
-
-    name: ClassVar[str] = "pb2"
-    quantile: float = 0.25
-
-
-@dataclass(frozen=True)
 class ReferencePBT(PBT):
-    """PBT with a slow reference group (MF-PBT, arXiv 2506.03225) moved only every fourth vote. Measured level
-    with :class:`~lightning_hdet.PBT`.
+    """PBT with a slow reference group (MF-PBT, arXiv 2506.03225), exempt from selection but every
+    ``reference_every``-th vote: a longer-horizon member the greedy ones are measured against. Measured level with
+    :class:`~lightning_hdet.PBT`.
 
     Args:
         reference_group: index of the reference group (below the number of groups).
+        reference_every: how often the reference group takes part in selection (>= 1).
     """
 
     reference_group: int = 0
+    reference_every: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("reference_group", self.reference_group, minimum=0)
+        check_int("reference_every", self.reference_every, minimum=1)
+
+    def explore(self, ballot: Ballot, generator: torch.Generator) -> Selection:
+        n = len(ballot.losses)
+        require("reference_group", self.reference_group, self.reference_group < n,
+                f"a group index below the number of groups ({n})")
+        return super().explore(ballot, generator)
+
+    def exempt(self, vote: int) -> Optional[int]:
+        return self.reference_group if vote % self.reference_every else None
 
 
 @dataclass(frozen=True)
@@ -59,14 +72,44 @@ class PartialMerge(Vote):
     vote: Vote = field(default_factory=Softmax)
     strength: float = 1.0
 
-    def settings(self) -> dict[str, Any]:
-        return {**self.vote.settings(), "blend_strength": self.strength}
-
     def __post_init__(self) -> None:
         require("vote", self.vote, isinstance(self.vote, Vote) and not isinstance(self.vote, PartialMerge),
                 "a vote object such as Softmax(), Best() or PBT()")
         check_number("strength", self.strength, 0.0, 1.0, low_open=True)
-        super().__post_init__()
+
+    # The wrapped vote decides; only the merge's strength is this rule's.
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.vote.name
+
+    @property
+    def copies(self) -> bool:  # type: ignore[override]
+        return self.vote.copies
+
+    @property
+    def blend(self) -> str:  # type: ignore[override]
+        return self.vote.blend
+
+    def explore(self, ballot: Ballot, generator: torch.Generator) -> VoteResult:
+        return self.vote.explore(ballot, generator)
+
+    def fresh(self) -> "PartialMerge":
+        return PartialMerge(self.vote.fresh(), self.strength)
+
+    def check_signal(self, signal: Any) -> None:
+        self.vote.check_signal(signal)
+
+    def check_strategy(self, gradient_sync: str, explored: Sequence[str]) -> None:
+        self.vote.check_strategy(gradient_sync, explored)
+
+    def options(self) -> dict[str, Any]:
+        return {**self.vote.options(), "strength": self.strength}
+
+    def state_dict(self) -> dict:
+        return self.vote.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.vote.load_state_dict(state)
 
 
 @dataclass(frozen=True)
@@ -79,10 +122,16 @@ class Improvement(Signal):
     """
 
     name: ClassVar[str] = "improvement"
-    bins: int = 8
+    level: ClassVar[bool] = False
+    bins: int = CURVE_BINS
 
-    def settings(self) -> dict[str, Any]:
-        return {"signal": self.name, "curve_bins": self.bins}
+    def __post_init__(self) -> None:
+        check_int("curve_bins", self.bins, minimum=2)
+
+    def scores(self, interval: Interval, every: int) -> Optional[list[float]]:
+        if interval.refine or interval.curves is None:  # the search's end picks by level
+            return None
+        return scores(interval.curves, self.name, every)
 
 
 @dataclass(frozen=True)
@@ -97,10 +146,17 @@ class Forecast(Signal):
 
     name: ClassVar[str] = "forecast"
     horizon: Optional[int] = None
-    bins: int = 8
+    bins: int = CURVE_BINS
 
-    def settings(self) -> dict[str, Any]:
-        return {"signal": self.name, "forecast_horizon": self.horizon, "curve_bins": self.bins}
+    def __post_init__(self) -> None:
+        check_int("forecast_horizon", self.horizon, minimum=1, optional=True,
+                  hint="Steps from the start of an interval; None: four intervals.")
+        check_int("curve_bins", self.bins, minimum=2)
+
+    def scores(self, interval: Interval, every: int) -> Optional[list[float]]:
+        if interval.refine or interval.curves is None:  # the search's end picks by level
+            return None
+        return scores(interval.curves, self.name, every, self.horizon)
 
 
 @dataclass(frozen=True)
@@ -119,8 +175,17 @@ class Heldout(Signal):
     decay: Optional[float] = None
     loss: Optional[HeldoutLoss] = None
 
-    def settings(self) -> dict[str, Any]:
-        return {"signal": self.name, "heldout_batches": self.batches, "heldout_decay": self.decay}
+    def __post_init__(self) -> None:
+        check_int("heldout_batches", self.batches, minimum=1,
+                  hint="Validation batches every group scores at a vote with signal='heldout'.")
+        check_number("heldout_decay", self.decay, 0.0, 1.0, high_open=True, optional=True,
+                     hint="None: the interval's uniform average; a float: an EMA with that decay.")
+
+    def scores(self, interval: Interval, every: int) -> Optional[list[float]]:
+        return None if interval.heldout is None else list(interval.heldout)
+
+    def options(self) -> dict[str, Any]:
+        return {"name": self.name, "batches": self.batches, "decay": self.decay}  # (not the loss function)
 
     def scorer(self) -> HeldoutScorer:
         return HeldoutScorer(self.batches, self.decay, self.loss)

@@ -8,7 +8,7 @@ Fabric's shape of a strategy: the user's loop calls ``optimizer.step()`` (Fabric
 the loop drives the votes through :class:`~lightning_hdet.fabric.loop.HDETLoop`, and ``fabric.save`` asks the
 strategy for each module's state (:meth:`get_module_state_dict`: the merged model).
 
-Its defaults are the Trainer's (:data:`~lightning_hdet.hdet.defaults.DEFAULT_PRESET`): the same grid, and under
+Its defaults are the Trainer's (:data:`~lightning_hdet.hdet.rules.defaults.DEFAULT_PRESET`): the same grid, and under
 ``gradient_sync="group"`` a search whose end switches every group to gradients averaged over all ranks. The Trainer
 wraps its model in DDP again for that; a Fabric loop holds the DDP wrapper ``fabric.setup`` returned, so here DDP
 averages a group's gradients through a communication hook (:class:`GradientMean`) whose process group the switch
@@ -29,11 +29,11 @@ from typing_extensions import override
 
 from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.hdet.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.hyperparams import Span, check_optimizers
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
+from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 
 
 class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):

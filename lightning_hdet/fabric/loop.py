@@ -3,7 +3,7 @@
 The loop calls :meth:`HDETLoop.step` after every ``optimizer.step()``; every ``every_n_steps`` steps the groups
 vote, exactly as under the Trainer: the same :class:`~lightning_hdet.hdet.meter.IntervalMeter` (this rank's loss
 curve on the device, one small all-reduce per vote), the same vote (:mod:`~lightning_hdet.hdet.voting`: the pure
-:class:`~lightning_hdet.hdet.controller.HDETController` deciding, the strategy's objects executing the decision,
+:class:`~lightning_hdet.hdet.rules.controller.HDETController` deciding, the strategy's objects executing the decision,
 ``strategy.hdet``, :class:`~lightning_hdet.hdet.executor.HDETParts`) and the same metrics. :meth:`HDETLoop.finish` leaves every rank
 holding the merged model. It is a stateful object for ``fabric.save``/``fabric.load`` (the vote rule, history, counters
 and multipliers).
@@ -18,11 +18,11 @@ from torch import Tensor
 
 from lightning_hdet._checks import check_int
 from lightning_hdet.fabric.hdet import HDETFabricStrategy
-from lightning_hdet.hdet.controller import Decision, HDETController
-from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
-from lightning_hdet.hdet.hyperparams import check_vote
 from lightning_hdet.hdet.meter import IntervalMeter
-from lightning_hdet.hdet.options import SafetyNet, Search, Vote, resolve
+from lightning_hdet.hdet.rules.config import resolve
+from lightning_hdet.hdet.rules.controller import Decision, HDETController
+from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
+from lightning_hdet.hdet.rules.options import SafetyNet, Search, Vote
 from lightning_hdet.hdet.voting import decide_and_execute, finish, search_end, vote_metrics
 from lightning_hdet.records.wandb import log_vote_history
 
@@ -71,15 +71,14 @@ class HDETLoop:
         vote = preset["vote"] if vote is None else vote
         search = preset["search"] if search is None else search
         check_int("max_steps", max_steps, minimum=1, optional=True)
-        self.settings, search_rule, _ = resolve(every_n_steps, vote, search, safety_net, None, "mean",
-                                                warmup_steps, seed)
-        check_vote(self.settings.vote, strategy.hdet.explored)
+        self.settings = resolve(every_n_steps, vote, search, safety_net, None, "mean", warmup_steps, seed)
+        self.settings.vote.check_strategy(strategy.hdet.gradient_sync, list(strategy.hdet.explored.tables))
         self.fabric, self.strategy, self.hdet = fabric, strategy, strategy.hdet
         self.controller = HDETController(self.settings)
-        self.controller.search_steps = _search_end(search_rule, max_steps)
+        self.controller.search_steps = _search_end(self.settings.search, max_steps)
         self.global_step = 0  # optimizer steps taken (counted by `step`)
         self._last_vote_step = -1
-        self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, strategy.root_device)
+        self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.signal.bins, strategy.root_device)
         self._fresh = True  # the run's first step is ahead (not resumed): its loss is the safety net's start level
         self.initial_lrs: list[float] = self.hdet.table.current_lrs()[:, 0].tolist()
         self.hdet.merger.ensure_restore_point()

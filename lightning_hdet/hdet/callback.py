@@ -5,10 +5,10 @@ The callback decides and the strategy executes. One vote, top to bottom (:meth:`
 1. ``_signal``: every group's loss curve over the interval (:mod:`~lightning_hdet.hdet.meter`) and whether it
    stayed finite (one small all-reduce: ``strategy.hdet.groups.gather_group_values``; the skipped-step count
    comes from the reset-on-read counter of the strategy's guard, ``strategy.hdet.guard``);
-2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.controller.HDETController` turns those numbers into
-   a :class:`~lightning_hdet.hdet.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.signals`,
-   :mod:`~lightning_hdet.hdet.votes`, :mod:`~lightning_hdet.hdet.selection`, :mod:`~lightning_hdet.hdet.blends`
-   and :mod:`~lightning_hdet.hdet.collapse`);
+2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.rules.controller.HDETController` turns those numbers into
+   a :class:`~lightning_hdet.hdet.rules.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.rules.signals`,
+   the rule objects of :mod:`~lightning_hdet.hdet.rules.options`: the vote's ``explore``, the safety net's ``judge``, the
+   signal's ``scores``; :mod:`~lightning_hdet.hdet.rules.blends`);
 3. the strategy's objects execute it: ``merger.restore()`` (roll-back) or one ``merger.merge(...)`` per step of
    the decision's plan, then ``table.set(...)``;
 4. ``_log_vote``: metrics and the vote history.
@@ -33,19 +33,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hdet.hdet.config import HDETConfig
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.controller import Decision, HDETController
-from lightning_hdet.hdet.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
 from lightning_hdet.hdet.executor import HDETParts, is_executor
 from lightning_hdet.hdet.heldout import HeldoutScorer
-from lightning_hdet.hdet.hyperparams import Explored, check_vote, values
+from lightning_hdet.hdet.hyperparams import Explored, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.monitor import FINGERPRINT_WIDTH, MonitoredMetric
-from lightning_hdet.hdet.options import SafetyNet, Search, Signal, Vote, resolve
 from lightning_hdet.hdet.result import HDETResult, make_result
+from lightning_hdet.hdet.rules.config import HDETConfig, resolve
+from lightning_hdet.hdet.rules.controller import Decision, HDETController
+from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
+from lightning_hdet.hdet.rules.options import SafetyNet, Search, Signal, Vote
 from lightning_hdet.hdet.validation import unmerged_validation_warning
 from lightning_hdet.hdet.voting import (
     announce,
@@ -70,12 +70,12 @@ log = logging.getLogger(__name__)
 class HDETCallback(Callback):
     """Loss-based voting, learning-rate exploration, parameter blending and the safety net for HDET.
 
-    The defaults are the measured best (:mod:`~lightning_hdet.hdet.defaults`): a ``PBT`` search for the first
+    The defaults are the measured best (:mod:`~lightning_hdet.hdet.rules.defaults`): a ``PBT`` search for the first
     quarter of the run, then training around what it found. Research options are in :mod:`lightning_hdet.experimental`.
 
     Args:
         every_n_steps: the interval T between votes/merges, in optimizer steps. ``None`` sizes it to the run: a
-            quarter of the run over :data:`~lightning_hdet.hdet.defaults.VOTES_IN_SEARCH` (so that many votes fall
+            quarter of the run over :data:`~lightning_hdet.hdet.rules.defaults.VOTES_IN_SEARCH` (so that many votes fall
             in the search and three times as many after it), 5 to 100 steps; 100 where the run's length is unknown.
             A run too short for two votes warns with the numbers.
         vote: the vote rule (a name gives its defaults): :class:`~lightning_hdet.PBT` (``"pbt"``),
@@ -106,8 +106,7 @@ class HDETCallback(Callback):
         warmup_steps: int = 0,
         seed: int = 0,
     ) -> None:
-        self.settings, self.search, signal_rule = resolve(every_n_steps, vote, search, safety_net, monitor, signal,
-                                                          warmup_steps, seed)
+        self.settings = resolve(every_n_steps, vote, search, safety_net, monitor, signal, warmup_steps, seed)
         self._requested_every = every_n_steps  # None: sized to the run at set-up or train start (`_size_votes`)
         self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
         self.controller = HDETController(self.settings)
@@ -120,9 +119,9 @@ class HDETCallback(Callback):
         self._monitor = None if monitor is None else MonitoredMetric(monitor)  # value, waiting vote, ties
         self._checked_strategy: Any = None  # the strategy `_parts` last found to carry HDET's parts
         self._resumed_interval: Optional[Tensor] = None
-        self._heldout: Optional[HeldoutScorer] = signal_rule.scorer()
+        self._heldout: Optional[HeldoutScorer] = self.settings.signal.scorer()
 
-    # Read-outs (the settings live in `settings`, the vote's state in `controller`).
+    # Read-outs (the rules and settings live in `settings`, the vote's state in `controller`).
     @property
     def every_n_steps(self) -> Optional[int]:
         """The interval between votes (``None`` until a fit sized a default one to its run)."""
@@ -130,7 +129,13 @@ class HDETCallback(Callback):
 
     @property
     def vote(self) -> str:
-        return self.settings.vote
+        """The vote rule's name (the rule itself: ``settings.vote``)."""
+        return self.settings.vote.name
+
+    @property
+    def search(self) -> Optional[Search]:
+        """The search (``None``: the vote runs the whole run)."""
+        return self.settings.search
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -167,9 +172,8 @@ class HDETCallback(Callback):
         hdet = self._parts(trainer)
         if stage == "fit":
             check_module(pl_module, self.settings.monitor)  # before any step: a module the votes cannot read
-            self.settings.check_gradient_sync(hdet.gradient_sync)  # before the guard and the logger
-            check_vote(self.settings.vote, hdet.explored)
-            if self.settings.safety_net:
+            self.settings.vote.check_strategy(hdet.gradient_sync, list(hdet.explored.tables))  # before the guard
+            if self.settings.safety_net is not None:
                 hdet.guard.enable()  # here: before the strategy wraps the model (the guard is a DDP hook)
             # A run bounded by max_steps is sized now; one bounded by epochs at train start (Lightning's estimate
             # loads the training data, which the module's own `setup` may still have to build).
@@ -183,7 +187,7 @@ class HDETCallback(Callback):
         if trainer.max_steps <= 0:  # bounded by epochs (or not at all): Lightning's estimate of the run's steps
             self._size_votes(run_length(trainer), warn=True, announce=True)
         if self._meter is None:
-            self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.curve_bins, hdet.groups.root_device)
+            self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.signal.bins, hdet.groups.root_device)
         every = self.settings.every_n_steps
         self._meter.reset((trainer.global_step // every) * every)  # votes fall on multiples of every_n_steps
         resumed = self._resumed_interval
@@ -207,7 +211,7 @@ class HDETCallback(Callback):
 
     def _size_votes(self, run_steps: Optional[int], warn: bool, announce: bool = False) -> None:
         """Set the vote interval for a run of ``run_steps`` optimizer steps (``None``: not known yet, or unknown):
-        the one given, else :func:`~lightning_hdet.hdet.defaults.vote_interval`; warn when fewer than two votes
+        the one given, else :func:`~lightning_hdet.hdet.rules.defaults.vote_interval`; warn when fewer than two votes
         fit."""
         every, warning = vote_plan(self._requested_every, run_steps)
         if self._requested_every is None and run_steps is None and not announce:
@@ -368,7 +372,7 @@ def run_length(trainer: Trainer) -> Optional[int]:
 
 def vote_plan(requested: Optional[int], run_steps: Optional[int]) -> tuple[int, Optional[str]]:
     """The vote interval of a run of ``run_steps`` optimizer steps (``None``: unknown): ``requested``, else
-    :func:`~lightning_hdet.hdet.defaults.vote_interval`; and, when fewer than two votes fit, the warning that says
+    :func:`~lightning_hdet.hdet.rules.defaults.vote_interval`; and, when fewer than two votes fit, the warning that says
     so with the numbers."""
     every = requested if requested is not None else vote_interval(run_steps)
     if run_steps is None or run_steps >= 2 * every:
@@ -400,11 +404,12 @@ def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
 
 def _announce(hdet: HDETParts, settings: HDETConfig, plan: str) -> None:
     """The settings line (rank 0), and what validation shows when the vote reads each group's own metric."""
-    blend = f", blend={settings.blend!r}" if settings.vote in ("softmax", "best") else ""  # PBT copies, never blends
+    vote = settings.vote
+    blend = "" if vote.copies else f", blend={vote.blend!r}"  # PBT copies, never blends
     every = (f"every {settings.every_n_steps} steps" if settings.every_n_steps is not None
              else "at an interval sized to the run's estimated steps")
     rank_zero_info(f"HDET: {counted(hdet.num_groups, 'group')} of {counted(hdet.groups.layout.group_size, 'rank')}, "
-                   f"gradient_sync={hdet.gradient_sync!r}, vote={settings.vote!r} {every}{blend}, {plan}")
+                   f"gradient_sync={hdet.gradient_sync!r}, vote={vote.name!r} {every}{blend}, {plan}")
     if settings.monitor is not None and hdet.num_groups > 1:
         rank_zero_warn(unmerged_validation_warning(settings.monitor))
 

@@ -1,6 +1,6 @@
 """What :class:`~lightning_hdet.hdet.callback.HDETCallback` needs from a strategy: its ``hdet``, an :class:`HDETParts`.
 
-The callback (through its :class:`~lightning_hdet.hdet.controller.HDETController`) *decides*; the strategy
+The callback (through its :class:`~lightning_hdet.hdet.rules.controller.HDETController`) *decides*; the strategy
 *executes*, through four objects it owns and hands over as one :class:`HDETParts` (``strategy.hdet``):
 
 * ``groups`` (:class:`~lightning_hdet.hdet.comm.GroupComm`): the layout, this rank's group, the vote's one

@@ -37,11 +37,11 @@ from lightning_hdet._compat import (
 from lightning_hdet._process_groups import destroy_default_group_at_exit
 from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.hyperparams import Span
 from lightning_hdet.hdet.metric_sync import GroupMetricSync
+from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.shards import (
     GroupGradientMean,
     ShardingPolicy,

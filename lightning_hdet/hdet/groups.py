@@ -31,7 +31,6 @@ from typing_extensions import override
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
 from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
-from lightning_hdet.hdet.defaults import PRESETS, span_grid
 from lightning_hdet.hdet.executor import HDETParts
 from lightning_hdet.hdet.guard import StepGuard, skips_on_device
 from lightning_hdet.hdet.hyperparams import Explored, ExploredTables, Span, check_explore, check_optimizers, scaled
@@ -53,6 +52,7 @@ from lightning_hdet.hdet.multipliers import (
     schedule_lrs,
 )
 from lightning_hdet.hdet.rates import LearningRates
+from lightning_hdet.hdet.rules.defaults import PRESETS, span_grid
 
 GradientSync = Literal["global", "group"]
 GRADIENT_SYNC = ("global", "group")
@@ -74,7 +74,7 @@ class HDETGroups:
     ) -> None:
         """Validate and keep the group settings (call first in the strategy's ``__init__``: no process exists yet).
 
-        ``None`` for ``spread``/``gradient_sync`` takes the ``preset``'s (:mod:`~lightning_hdet.hdet.defaults`);
+        ``None`` for ``spread``/``gradient_sync`` takes the ``preset``'s (:mod:`~lightning_hdet.hdet.rules.defaults`);
         ``explore``: :mod:`~lightning_hdet.hdet.hyperparams`."""
         self._explore = check_explore(explore, num_groups, lr_multipliers is not None or spread is not None)
         self._explored: Optional[ExploredTables] = None

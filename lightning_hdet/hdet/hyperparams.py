@@ -10,7 +10,7 @@ What a multiplier multiplies (:data:`ONE_MINUS`): most keys (``weight_decay``, `
 coefficient ``beta`` (``momentum``, ``beta1`` and ``beta2`` of Adam's ``betas``) through ``1 - beta``, its horizon
 (a multiplier 2 halves the averaging window), since ``beta x 1.2`` leaves ``[0, 1)`` for ``beta > 0.83``.
 
-The initial grid of a hyperparameter with span ``s`` is the LR's (:func:`~lightning_hdet.hdet.defaults.span_grid`:
+The initial grid of a hyperparameter with span ``s`` is the LR's (:func:`~lightning_hdet.hdet.rules.defaults.span_grid`:
 geometric within ``s ** -0.5 .. s ** 0.5``, one value exactly 1). The group at the LR's 1 (``user_group``) keeps 1 for
 every hyperparameter, so the user's own configuration always trains; the ``k``-th hyperparameter after the LR rotates
 the other values over the other groups by ``k``, so no two hyperparameters rise together over them (with four groups
@@ -31,9 +31,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hdet._checks import is_finite_number, require
-from lightning_hdet.hdet.defaults import span_grid, user_group
 from lightning_hdet.hdet.multipliers import MultiplierTable, centred_grid
-from lightning_hdet.hdet.votes import Ballot
+from lightning_hdet.hdet.rules.defaults import span_grid, user_group
+from lightning_hdet.hdet.rules.votes import Ballot
 
 #: Names whose multiplier acts on ``1 - value`` (a momentum coefficient), and where the value lives.
 ONE_MINUS = {"momentum": ("momentum", None), "beta1": ("betas", 0), "beta2": ("betas", 1)}
@@ -242,11 +242,3 @@ def values(tables: Mapping[str, Tensor], explored: Explored) -> dict[str, list[f
         value = 1.0 - quantity if name in ONE_MINUS else quantity
         out[name] = [applied(name, value, m) for m in table[:, 0].tolist()]
     return out
-
-
-def check_vote(vote: str, explored: Explored) -> None:
-    """Refuse a vote that cannot tell the explored hyperparameters apart: the trust region puts every
-    hyperparameter's probes on the same two edge groups."""
-    names = list(explored.tables)
-    require("vote", vote, vote != "trust_region" or not names, f"not 'trust_region' with explore={names}",
-            "Its two edge groups would probe every hyperparameter at once; use vote='pbt' (or another vote).")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_hdet._checks import check_number, check_positive_list, is_int, require
-from lightning_hdet.hdet.defaults import default_num_groups
+from lightning_hdet.hdet.rules.defaults import default_num_groups
 
 
 def fan_out(num_groups: int, spread: float) -> list[float]:
@@ -84,7 +84,7 @@ def divisors(n: int) -> list[int]:
 
 def make_layout(world_size: int, num_groups: Optional[int], multipliers: Optional[Sequence[float]]) -> GroupLayout:
     """The layout a strategy asked for: ``num_groups``, else one group per multiplier, else the world size's default
-    (:func:`~lightning_hdet.hdet.defaults.default_num_groups`: four groups from eight ranks on)."""
+    (:func:`~lightning_hdet.hdet.rules.defaults.default_num_groups`: four groups from eight ranks on)."""
     groups = num_groups
     if groups is None:
         groups = len(multipliers) if multipliers is not None else default_num_groups(world_size)

@@ -1,6 +1,6 @@
 """What one rank measures during a vote interval, kept on the training device (torch only: no Lightning).
 
-:class:`IntervalMeter` holds this rank's loss curve (:class:`~lightning_hdet.hdet.signals.LossCurve`), the loss of
+:class:`IntervalMeter` holds this rank's loss curve (:class:`~lightning_hdet.hdet.rules.signals.LossCurve`), the loss of
 the run's very first step (the safety net's starting level, pooled over every rank with its standard error) and
 the monitored metric, and packs them with the
 skipped-step count into one row, so a vote needs a single small all-reduce (the strategy's ``gather_group_values``).
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet.hdet.signals import LossCurve, mean_loss
+from lightning_hdet.hdet.rules.signals import LossCurve, mean_loss
 
 _TAIL = 6  # first-step loss sum, sum of squares, count; monitored value, count; skipped steps
 

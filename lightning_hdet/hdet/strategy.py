@@ -40,12 +40,12 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.defaults import DEFAULT_PRESET
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.guard import FiniteGuard
 from lightning_hdet.hdet.hyperparams import Span
 from lightning_hdet.hdet.metric_sync import GroupMetricSync
+from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
     Args:
         num_groups: number of groups (the ensemble's members). ``None``: chosen from the world size (one group per
             rank up to 4 ranks, then four groups: 8 ranks give 4 groups of 2, 64 give 4 of 16;
-            :func:`~lightning_hdet.hdet.defaults.default_num_groups`); ``preset="published"``: one group per rank.
+            :func:`~lightning_hdet.hdet.rules.defaults.default_num_groups`); ``preset="published"``: one group per rank.
             Ranks are split into contiguous groups of equal size.
         lr_multipliers: one learning-rate multiplier per group, applied to every learning rate the optimizer and
             schedulers produce. ``None``: the preset's (recommended: a geometric grid spanning 27x around the
@@ -71,7 +71,7 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
             merges (recommended for a search). ``"global"``: gradients averaged over all ranks every step (published;
             groups differ only in step size). ``None``: the preset's.
         preset: the defaults of the arguments left ``None`` and of the HDETCallback installed when none is passed
-            (:mod:`~lightning_hdet.hdet.defaults`): ``"recommended"`` (search, then train: the measured best) or
+            (:mod:`~lightning_hdet.hdet.rules.defaults`): ``"recommended"`` (search, then train: the measured best) or
             ``"published"`` (the paper's: ``spread=1/9``, ``"global"``, ``vote="softmax"``, no end to the search).
         explore: other param-group hyperparameters the groups diverge in, each with its span (the ratio of the
             largest to the smallest multiplier) or one multiplier per group, e.g. ``{"weight_decay": 10.0}``;

@@ -2,7 +2,7 @@
 :class:`~lightning_hdet.fabric.loop.HDETLoop` (no Trainer here: each brings its own readings and loggers).
 
 A vote: the groups' :class:`~lightning_hdet.hdet.meter.Reading` -> :func:`decide_and_execute` (the pure
-:class:`~lightning_hdet.hdet.controller.HDETController` decides, the strategy's parts, ``strategy.hdet``, carry the
+:class:`~lightning_hdet.hdet.rules.controller.HDETController` decides, the strategy's parts, ``strategy.hdet``, carry the
 decision out) -> :func:`vote_metrics` for the loggers. :func:`finish` is the end of a run; :func:`search_end` where
 ``Search()`` may end.
 """
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_hdet.hdet.console import rounded_list
-from lightning_hdet.hdet.controller import Decision, HDETController, Interval
-from lightning_hdet.hdet.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.meter import Reading
-from lightning_hdet.hdet.options import Search
 from lightning_hdet.hdet.result import vote_line
+from lightning_hdet.hdet.rules.controller import Decision, HDETController, Interval
+from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
+from lightning_hdet.hdet.rules.options import Search
 
 if TYPE_CHECKING:
     from lightning_hdet.hdet.executor import HDETParts

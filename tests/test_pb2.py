@@ -1,5 +1,5 @@
-"""PB2's bandit (lightning_hdet/hdet/bandit.py): the kernel, the posterior and the vote rule against hand-computed
-values."""
+"""experimental.PB2 (lightning_hdet/experimental/pb2.py, the rule in one file): the kernel, the posterior and the
+vote rule against hand-computed values."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.hdet.bandit import PB2Vote, Posterior, standardise, time_kernel, ucb_picks
-from lightning_hdet.hdet.config import HDETConfig
-from lightning_hdet.hdet.controller import HDETController, Interval
-from lightning_hdet.hdet.selection import PBTVote
-from lightning_hdet.hdet.votes import Ballot
+from lightning_hdet import HDETCallback
+from lightning_hdet.experimental import Improvement
+from lightning_hdet.experimental.pb2 import PB2, Posterior, standardise, time_kernel, ucb_picks
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.selection import PBT
+from lightning_hdet.hdet.rules.votes import Ballot
 
 
 def _rows(*rows: tuple[float, float]) -> torch.Tensor:
@@ -66,7 +68,7 @@ def _ballot(losses, multipliers, healthy=None) -> Ballot:
 
 
 def test_pb2_records_improvements_from_where_each_group_started():
-    rule, gen = PB2Vote(), torch.Generator().manual_seed(0)
+    rule, gen = PB2(), torch.Generator().manual_seed(0)
     first = rule.explore(_ballot([1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.0, 4.0]), gen)
     # PBT's selection: the worst group copies the best; every group started from the same model
     assert first.sources == [0, 1, 2, 0] and first.winner == 0 and first.weights == [1.0, 0.0, 0.0, 0.0]
@@ -88,7 +90,7 @@ def test_pb2_moves_up_to_the_lr_that_improves_most_against_a_lower_level():
     where it started. PBT's mover takes the leader's LR x0.8 or x1.2; PB2's goes to the top of the range."""
     multipliers = [0.5, 1.0, 2.0, 4.0]
     votes = ([2.0, 2.0, 2.0, 2.0], [1.0, 1.3, 1.4, 1.2], [0.7, 1.0, 0.95, 0.75])
-    pb2, pbt = PB2Vote(kappa=0.0), PBTVote(resample_probability=0.0)
+    pb2, pbt = PB2(kappa=0.0), PBT(resample_probability=0.0)
     gens = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     for losses in votes:
         third, by_level = (rule.explore(_ballot(losses, multipliers), g) for rule, g in zip((pb2, pbt), gens))
@@ -102,15 +104,15 @@ def test_pb2_moves_up_to_the_lr_that_improves_most_against_a_lower_level():
 
 def test_pb2_perturbs_as_pbt_where_its_range_is_empty():
     # factors (1, 1) and one multiplier for all: no range to search; PBT's perturbation (x1.0) instead
-    rule = PB2Vote(factors=(1.0, 1.0), resample_probability=0.0)
+    rule = PB2(factors=(1.0, 1.0), resample_probability=0.0)
     result = rule.explore(_ballot([1.0, 2.0], [1.0, 1.0]), torch.Generator().manual_seed(0))
     assert result.multipliers == [1.0, 1.0] and result.sources == [0, 0]
 
 
 def test_pb2_state_round_trips():
-    rule, gen = PB2Vote(), torch.Generator().manual_seed(0)
+    rule, gen = PB2(), torch.Generator().manual_seed(0)
     rule.explore(_ballot([1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.0, 4.0]), gen)
-    restored = PB2Vote()
+    restored = PB2()
     restored.load_state_dict(rule.state_dict())
     ballot = _ballot([0.5, 1.9, 2.9, 0.6], [0.5, 1.0, 2.0, 0.4])
     state = gen.get_state()
@@ -122,16 +124,16 @@ def test_pb2_state_round_trips():
 
 
 def test_the_controller_builds_pb2_and_ends_on_the_best_group():
-    controller = HDETController(HDETConfig(vote="pb2"))
-    assert isinstance(controller.rule, PB2Vote)
+    controller = HDETController(HDETConfig(vote=PB2()))
+    assert isinstance(controller.rule, PB2)
     table = torch.tensor([[0.5], [1.5]], dtype=torch.float64)
     final = controller.decide(Interval(8, [2.0, 1.0], [True, True], table, [0.1], False, final=True))
     assert final.coefficients == [0.0, 1.0] and final.strengths == [1.0, 1.0]  # like pbt: the winner's model
     assert final.multipliers.tolist() == table.tolist()  # and the LRs left alone
-    with pytest.raises(ValueError, match=r"`vote` must be one of .*'pb2'"):
-        HDETConfig(vote="pb3")
-    with pytest.raises(ValueError, match=r"`signal` must be a level .* with vote='pb2'.*improvement itself"):
-        HDETConfig(vote="pb2", signal="improvement")
+    with pytest.raises(ValueError, match=r"`vote` must be one of .*'pbt'"):
+        HDETCallback(vote="pb3")
+    with pytest.raises(ValueError, match=r"`signal` must be a level .* with vote=PB2\(\).*improvement itself"):
+        HDETCallback(vote=PB2(), signal=Improvement())
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -140,4 +142,4 @@ def test_the_controller_builds_pb2_and_ends_on_the_best_group():
 ])
 def test_pb2_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        PB2Vote(**kwargs)
+        PB2(**kwargs)

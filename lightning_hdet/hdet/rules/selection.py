@@ -9,8 +9,8 @@ whole population toward the lowest learning rate the way re-centring every group
 The spread never collapses: after the moves, if no group sits at least ``exp(min_spread)`` above (below) the
 leader, a mover is placed there, upward first (the short-horizon bias pushes down).
 
-An optional slow reference group (MF-PBT, arXiv 2506.03225) is exempt from selection except every
-``reference_every`` votes: a longer-horizon member the greedy ones are measured against.
+A subclass may exempt a group from a vote's selection (:meth:`PBT.exempt`): ``experimental.ReferencePBT``'s slow
+reference group (MF-PBT, arXiv 2506.03225), a longer-horizon member the greedy ones are measured against.
 
 The parameter moves are a :class:`MergePlan`: steps the strategy's ``merge(coefficients, strengths)`` executes
 as they are, one all-reduce each (one per distinct copy source: one for up to seven groups).
@@ -21,12 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
-from lightning_hdet._checks import check_int, check_number, require
-from lightning_hdet.hdet.votes import Ballot, VoteResult, VoteRule, winner_of
+from lightning_hdet._checks import check_number, require
+from lightning_hdet.hdet.rules.votes import Ballot, Vote, VoteResult, refill, winner_of
 
 
 @dataclass
@@ -83,27 +83,27 @@ def quantile_size(num_groups: int, quantile: float) -> int:
     return min(max(math.ceil(num_groups * quantile), 1), num_groups // 2)
 
 
-@dataclass
-class PBTVote(VoteRule):
-    """Truncation selection: the bottom quantile copies the top quantile and perturbs its multiplier.
+@dataclass(frozen=True)
+class PBT(Vote):
+    """Population-based training's truncation selection (the default vote, it searches): at each vote the bottom
+    ``quantile`` of groups copies a top group's parameters and takes its LR x0.8 / x1.2, or with probability
+    ``resample_probability`` a fresh log-uniform one (Ray Tune's defaults). Copies, never blends.
 
     Args:
-        quantile: share of groups in the bottom (movers) and top (sources) quantiles (Ray Tune: 0.25).
-        resample_probability: chance a mover draws its multiplier log-uniformly over the current range instead of
-            perturbing its source's (Ray Tune: 0.25).
+        quantile: share of groups that move (bottom) and are copied (top), in (0, 0.5].
+        resample_probability: chance of a fresh LR (log-uniform over the current range) instead of x0.8 / x1.2, in
+            [0, 1].
         factors: the two perturbation factors, picked at random (Ray Tune: 0.8 and 1.2).
         min_spread: log-distance from the leader's multiplier kept on each side by some group (> 0).
-        reference_group: index of a slow reference group, moved only every ``reference_every`` votes; ``None``: none.
-        reference_every: how often the reference group takes part in selection.
     """
 
+    name: ClassVar[str] = "pbt"
+    copies: ClassVar[bool] = True
     quantile: float = 0.25
     resample_probability: float = 0.25
     factors: tuple[float, float] = (0.8, 1.2)
     min_spread: float = math.log(1.2)
-    reference_group: Optional[int] = None
-    reference_every: int = 4
-    votes: dict[int, int] = field(default_factory=dict)
+    votes: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_number("quantile", self.quantile, 0.0, 0.5, low_open=True)
@@ -112,8 +112,6 @@ class PBTVote(VoteRule):
             isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in self.factors),
             "two positive finite numbers")
         check_number("min_spread", self.min_spread, low=0.0, low_open=True)
-        check_int("reference_group", self.reference_group, minimum=0, optional=True)
-        check_int("reference_every", self.reference_every, minimum=1)
 
     def rank(self, ballot: Ballot) -> list[int]:
         """Groups from best to worst: healthy ones by loss (lowest index on ties), then the unhealthy ones."""
@@ -123,12 +121,16 @@ class PBTVote(VoteRule):
             return (0, ballot.losses[g], g) if ok else (1, 0.0, g)
         return sorted(range(n), key=key)
 
+    def exempt(self, vote: int) -> Optional[int]:
+        """The group left out of selection at this rule's ``vote``-th vote (``None``: none)."""
+        return None
+
     def pairs(self, ballot: Ballot, vote: int) -> dict[int, int]:
         """``{mover: source}``: the k-th worst copies the k-th best; every unhealthy group moves too."""
         order = self.rank(ballot)
         healthy = [g for g in order if ballot.healthy[g] and math.isfinite(ballot.losses[g])]
         k = quantile_size(len(order), self.quantile)
-        exempt = self.reference_group if self.reference_group is not None and vote % self.reference_every else None
+        exempt = self.exempt(vote)
         candidates = [g for g in reversed(order) if g != exempt]
         movers = [g for g in candidates if g not in healthy]
         movers += [g for g in candidates if g in healthy and g not in movers][: max(k - len(movers), 0)]
@@ -141,8 +143,6 @@ class PBTVote(VoteRule):
         weights = [1.0 if g == winner else 0.0 for g in range(n)]
         multipliers = list(ballot.multipliers)
         vote = self.votes.get(ballot.key, 0)
-        require("reference_group", self.reference_group, self.reference_group is None or self.reference_group < n,
-                f"None or a group index below the number of groups ({n})")
         if not ballot.move or winner < 0 or n < 2:
             return Selection(weights, winner, multipliers, list(range(n)))
         self.votes[ballot.key] = vote + 1
@@ -183,4 +183,4 @@ class PBTVote(VoteRule):
         return {"votes": dict(self.votes)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.votes = {int(k): int(v) for k, v in state.get("votes", {}).items()}
+        refill(self.votes, {int(k): int(v) for k, v in state.get("votes", {}).items()})

@@ -5,14 +5,14 @@ and stays there. Every group then looks equally bad, so comparing groups with ea
 best") never fires. These rules also judge each group against its *own* history:
 
 * ``non-finite``: the loss is NaN or infinite (or the group already skipped a step this interval);
-* ``x best``: the loss exceeds ``factor`` times the best group's (positive losses; the rule before this module);
-* ``stalled``: ``patience`` votes in a row at or above ``(1 - stall_tolerance)`` times the group's starting level
+* ``x best``: the loss exceeds ``divergence_factor`` times the best group's (positive losses; the rule before this module);
+* ``stalled``: ``stall_patience`` votes in a row at or above ``(1 - stall_tolerance)`` times the group's starting level
   (the loss of the untrained model at the first training step) plus ``NOISE_Z`` standard errors of that level,
   *after its loss has left that level's noise band once* (fell below it, or was knocked above it): it has made no
   progress since. A plateau at the untrained loss, where nothing has happened yet, is not counted: by its loss
   alone it cannot be told from a collapse back to exactly that level, and rolling back and cutting every LR on a
   plateau only lengthens it (``chance_loss`` catches a group that sits at the constant predictor's level);
-* ``rose``: the loss, less ``NOISE_Z`` standard errors of the interval's mean, exceeds ``(1 + rise)`` times the
+* ``rose``: the loss, less ``NOISE_Z`` standard errors of the interval's mean, exceeds ``(1 + rise_margin)`` times the
   group's own previous interval;
 * ``chance``: the loss is at or above ``(1 - chance_tolerance) * chance_loss``, the loss of a constant predictor
   (e.g. ``ln(num_classes)``; for a language model the unigram entropy is the tighter choice).
@@ -22,14 +22,14 @@ an easy batch makes a low starting level that a healthy group's later intervals 
 of small batches can double by chance. So both rules ask for the difference to exceed the noise: the starting
 level is the mean of the first step's loss over *every* rank (all groups start from the same model, so every
 rank's first batch measures the same thing) with its standard error over the ranks, and an interval's standard
-error comes from the spread of its curve's bins (:func:`~lightning_hdet.hdet.signals.curve_error`). Where the
+error comes from the spread of its curve's bins (:func:`~lightning_hdet.hdet.rules.signals.curve_error`). Where the
 noise is small (large batches, e.g. a collapse at the constant predictor's level) the rules are as before.
 
 The progress rules (``stalled``, ``rose``) can be switched off for a vote (``progress=False``), e.g. during a
 learning-rate warm-up, when no progress is expected yet.
 
-:class:`CollapseHistory` is the small per-group state these rules need; :func:`judge` reads it and returns a
-:class:`Verdict`; :func:`advance` returns the history after the vote. A merge may become the roll-back point only
+:class:`CollapseHistory` is the small per-group state these rules need; :func:`judge` reads it and the options of
+:class:`~lightning_hdet.hdet.rules.safety_net.SafetyNet` (``SafetyNet.judge``) and returns a :class:`Verdict`; :func:`advance` returns the history after the vote. A merge may become the roll-back point only
 if :func:`is_good`: every group that counts has improved on its starting level.
 """
 
@@ -38,36 +38,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from lightning_hdet._checks import check_int, check_number
+if TYPE_CHECKING:
+    from lightning_hdet.hdet.rules.safety_net import SafetyNet
 
 NAN = math.nan
 NOISE_Z = 2.0  # standard errors a difference must exceed before the progress rules believe it (about 95 %)
-
-
-@dataclass(frozen=True)
-class CollapseRule:
-    """Which losses count as diverged (see the module's docstring); ``None`` switches a rule off."""
-
-    factor: Optional[float] = 10.0
-    patience: Optional[int] = 2
-    stall_tolerance: float = 0.0
-    rise: Optional[float] = 1.0
-    chance_loss: Optional[float] = None
-    chance_tolerance: float = 0.05
-
-    def __post_init__(self) -> None:
-        check_number("divergence_factor", self.factor, low=1.0, low_open=True, optional=True)
-        check_int("stall_patience", self.patience, minimum=1, optional=True,
-                  hint="The number of votes in a row at or above a group's starting level; None switches it off.")
-        check_number("stall_tolerance", self.stall_tolerance, 0.0, 1.0, high_open=True,
-                     hint="A relative margin below the starting level that still counts as no progress.")
-        check_number("rise_margin", self.rise, low=0.0, low_open=True, optional=True,
-                     hint="A relative margin: 1.0 flags a group whose loss doubled since its previous interval.")
-        check_number("chance_loss", self.chance_loss, optional=True,
-                     hint="The loss of a constant predictor, e.g. math.log(num_classes).")
-        check_number("chance_tolerance", self.chance_tolerance, 0.0, 1.0, high_open=True)
 
 
 @dataclass
@@ -132,7 +109,7 @@ def _worse_than_best(losses: Sequence[float], bad: Sequence[bool], factor: Optio
 
 
 def judge(
-    rule: CollapseRule,
+    rule: SafetyNet,
     history: CollapseHistory,
     losses: Sequence[float],
     healthy: Sequence[bool],
@@ -146,7 +123,7 @@ def judge(
     history = history.sized(len(losses))
     floor = 1 - rule.stall_tolerance
     bad = [not ok or not math.isfinite(loss) for loss, ok in zip(losses, healthy)]
-    worse = _worse_than_best(losses, bad, rule.factor)
+    worse = _worse_than_best(losses, bad, rule.divergence_factor)
     errors = [e if math.isfinite(e) else 0.0 for e in errors] if errors is not None else [0.0] * len(losses)
     reasons, stalled = [], []
     for g, loss in enumerate(losses):
@@ -154,13 +131,14 @@ def judge(
         previous, low = history.previous[g], loss - NOISE_Z * errors[g]  # this interval's lower bound
         at_start = (progress and not bad[g] and math.isfinite(start) and loss >= floor * start
                     and _left_start(history, g, loss))
-        rose = progress and rule.rise is not None and math.isfinite(previous) and low > (1 + rule.rise) * previous
+        rose = (progress and rule.rise_margin is not None and math.isfinite(previous)
+                and low > (1 + rule.rise_margin) * previous)
         stalled.append(history.stalled[g] + 1 if at_start else 0)
         if bad[g]:
             reasons.append("non-finite")
         elif worse[g]:
             reasons.append("x best")
-        elif rule.patience is not None and stalled[g] >= rule.patience:
+        elif rule.stall_patience is not None and stalled[g] >= rule.stall_patience:
             reasons.append("stalled")
         elif rose:
             reasons.append("rose")
@@ -209,7 +187,7 @@ def has_progressed(history: CollapseHistory, group: int, loss: float) -> bool:
     return not math.isfinite(start) or loss < start
 
 
-def is_good(rule: CollapseRule, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:
+def is_good(rule: SafetyNet, verdict: Verdict, losses: Sequence[float], history: CollapseHistory) -> bool:
     """Whether this vote's merged model may become the roll-back point.
 
     Only when every group that counts (did not diverge; diverged groups add nothing to the merge) is below its

@@ -3,7 +3,7 @@
 One definition, so the evidence can move it (docs/benchmarks.md, benchmark 2: "search, then train in one run" was
 below the best equal-compute baseline on the char LM from every start): ``Trainer(strategy="hdet")`` searches over
 a wide spread of learning rates with each group its own DDP job (``gradient_sync="group"``) for the first quarter
-of the run (``vote="pbt"``, :class:`~lightning_hdet.hdet.options.Search`), then trains every group around the LR it
+of the run (``vote="pbt"``, :class:`~lightning_hdet.hdet.rules.options.Search`), then trains every group around the LR it
 found with gradients averaged over all ranks. ``strategy="hdet_published"`` is the paper's set-up (ALGORITHMS.md
 §1): the ±11 % fan-out, one shared gradient, the softmax controller, no end to the search.
 """

@@ -2,7 +2,7 @@
 
 AdamW far above its good learning rate (100-300x) saturates within a few steps at the loss of a constant
 predictor (the label prior) and stays there: no NaN, no rise, every group equally bad. The rules of
-:mod:`~lightning_hdet.hdet.collapse` deliberately leave a plateau alone (``stalled`` needs the loss back at the
+:mod:`~lightning_hdet.hdet.rules.collapse` deliberately leave a plateau alone (``stalled`` needs the loss back at the
 untrained model's level, ``chance`` needs the user's ``chance_loss``; the prior's loss is often well below the
 untrained model's), so the run sits there to the end. This rule closes that hole with the loss alone, the way
 ``ReduceLROnPlateau`` does, on the whole ensemble's evidence:
@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from lightning_hdet._checks import check_int, check_number
-from lightning_hdet.hdet.collapse import NOISE_Z, Verdict
+from lightning_hdet.hdet.rules.collapse import NOISE_Z, Verdict
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,15 @@ later). Groups keep their slot: group ``0`` is the low edge, group ``G - 1`` the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from lightning_hdet._checks import check_number, require
-from lightning_hdet.hdet.votes import Ballot, VoteResult, VoteRule, winner_of
+from lightning_hdet._checks import check_choice, check_number, require
+from lightning_hdet.hdet.rules.blends import BLENDS
+from lightning_hdet.hdet.rules.votes import Ballot, Vote, VoteResult, refill, winner_of
 
 
 @dataclass
@@ -42,24 +45,31 @@ def slot(group: int, num_groups: int) -> int:
     return 1 if group == num_groups - 1 else 0
 
 
-@dataclass
-class TrustRegionVote(VoteRule):
-    """Groups at ``{1/r, 1, ..., 1, r} x`` an incumbent; the incumbent follows a winning edge (see the module).
+@dataclass(frozen=True)
+class TrustRegion(Vote):
+    """A trust region of LRs around one incumbent (see the module): two edge groups probe ``incumbent / r`` and
+    ``incumbent * r``, the others train at the incumbent; a winning edge moves the incumbent (twice in a row: ``r``
+    grows), the centre winning shrinks ``r``; every group then blends toward ``blend``. Cheap when the LR is right
+    only if the centre groups share one gradient, so it needs ``HDETStrategy(gradient_sync="global")`` (refused
+    with ``"group"``), and it explores the LR alone (refused with ``explore=...``).
 
     Args:
-        ratio: the starting ``r`` (> 1).
+        ratio: the starting ``r`` (> 1, within ``[min_ratio, max_ratio]``).
         grow: factor on ``log r`` when the same edge wins twice in a row (>= 1).
         shrink: factor on ``log r`` when the centre wins, in (0, 1].
         min_ratio: the smallest ``r`` (> 1: the edges never merge with the centre).
         max_ratio: the largest ``r`` (>= ``min_ratio``).
+        blend: merge target: ``"mean"``, ``"weighted"`` (vote weights) or ``"best"`` (the winner).
     """
 
+    name: ClassVar[str] = "trust_region"
     ratio: float = 2.0
     grow: float = 2.0
     shrink: float = 0.5
     min_ratio: float = 1.1
     max_ratio: float = 10.0
-    regions: dict[int, RegionState] = field(default_factory=dict)
+    blend: str = "mean"
+    regions: dict[int, RegionState] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_number("ratio", self.ratio, low=1.0, low_open=True)
@@ -69,6 +79,18 @@ class TrustRegionVote(VoteRule):
         check_number("max_ratio", self.max_ratio, low=self.min_ratio)
         require("ratio", self.ratio, self.min_ratio <= self.ratio <= self.max_ratio,
                 f"within [min_ratio, max_ratio] = [{self.min_ratio}, {self.max_ratio}]")
+        check_choice("blend", self.blend, BLENDS)
+
+    def check_strategy(self, gradient_sync: str, explored: Sequence[str]) -> None:
+        """Refuse a run with no point: the centre groups train at one LR, which is plain DDP at that LR only when
+        they share one gradient (``"global"``; under ``"group"`` they would be separate runs of the same LR, each on
+        a fraction of the batch); and its two edge groups would probe every explored hyperparameter at once."""
+        require("gradient_sync", gradient_sync, gradient_sync == "global", "'global' with vote=TrustRegion(...)",
+                "Under 'group' its centre groups are separate runs at one LR, not the cheap plain-DDP run it is meant "
+                "to be: pass HDETStrategy(gradient_sync='global') or another vote (e.g. 'pbt').")
+        names = list(explored)
+        require("vote", self.name, not names, f"not 'trust_region' with explore={names}",
+                "Its two edge groups would probe every hyperparameter at once; use vote='pbt' (or another vote).")
 
     def layout(self, region: RegionState, num_groups: int) -> list[float]:
         """Every group's multiplier: ``incumbent * r ** slot``."""
@@ -105,5 +127,5 @@ class TrustRegionVote(VoteRule):
         return {"regions": {k: [r.incumbent, r.ratio, r.last_edge] for k, r in self.regions.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.regions = {int(k): RegionState(float(v[0]), float(v[1]), int(v[2]))
-                        for k, v in state.get("regions", {}).items()}
+        refill(self.regions, {int(k): RegionState(float(v[0]), float(v[1]), int(v[2]))
+                               for k, v in state.get("regions", {}).items()})

@@ -1,9 +1,13 @@
 """Vote rules: how the groups' losses move their learning rates (pure: no Lightning, no process groups).
 
-A rule is an object with one method, :meth:`VoteRule.explore`, called once per vote and per optimizer param group
-with a :class:`Ballot` (every group's interval loss and current multiplier, and which groups are healthy). It
-returns the vote weights, the winner and the new multipliers. Rules keep their own state (velocity, spread)
-per param group.
+A vote rule is one object (:class:`Vote`): its options are dataclass fields checked on creation, and its behaviour is
+:meth:`Vote.explore`, called once per vote and per optimizer param group with a :class:`Ballot` (every group's
+interval loss and current multiplier, and which groups are healthy). It returns the vote weights, the winner and the
+new multipliers. The object the user passes is the one the controller runs: the controller takes a fresh copy
+(:meth:`Vote.fresh`, the same options and no state) so one object can configure many runs, and that copy keeps its
+state (velocity, spread) per param group, checkpointed through ``state_dict``. This module holds the base and the
+two blending votes :class:`Softmax` and :class:`Best`; PBT is in :mod:`~lightning_hdet.hdet.rules.selection`, the trust
+region in :mod:`~lightning_hdet.hdet.rules.trust_region`.
 
 Multipliers are relative to the schedule's learning rate ``lr_t`` (what the optimizer and schedulers say), so
 group ``g`` trains with ``lr_t * multipliers[g]``. The *base* LR is ``lr_t * mean(multipliers)``.
@@ -13,10 +17,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, ClassVar, Optional
 
 import torch
+
+from lightning_hdet._checks import check_bool, check_choice, check_number, check_positive
+from lightning_hdet.hdet.rules.blends import BLENDS
 
 # The controller never moves the base LR by more than this factor in one vote (keeps it positive and finite).
 MAX_BASE_LR_CHANGE = 2.0
@@ -70,11 +77,44 @@ class Ballot:
     move: bool  # False before ``warmup_steps`` and at the final merge: weigh, but leave the LRs alone
 
 
-class VoteRule:
-    """Base class: ``explore`` turns one vote's losses into weights, a winner and new multipliers."""
+class Vote:
+    """Base of the vote rules: ``explore`` turns one vote's losses into weights, a winner and new multipliers.
+
+    A subclass is a frozen dataclass: its options are fields checked in ``__post_init__`` (errors name the argument),
+    its state (per ballot key) fields with ``init=False`` that :meth:`state_dict` and :meth:`load_state_dict` carry.
+    What the controller asks of a rule besides ``explore``:
+
+    * ``name``: the rule's name (``vote="pbt"``, the console line, the run config);
+    * ``copies``: the bottom groups copy a top group (truncation selection) instead of every group blending; such a
+      vote also ends the run on its best group;
+    * ``blend`` / ``strength``: what a blending vote merges toward (:mod:`~lightning_hdet.hdet.rules.blends`) and how far
+      each group moves toward it;
+    * :meth:`check_signal`, :meth:`check_strategy`: refuse a signal (on creation of the callback) or a strategy (at
+      its set-up) the rule has no point with.
+    """
+
+    name: ClassVar[str] = ""
+    copies: ClassVar[bool] = False
+    blend = "mean"  # (a field of the blending votes; a copying vote merges so only before warm-up)
+    strength = 1.0  # (experimental.PartialMerge: a partial merge)
 
     def explore(self, ballot: Ballot, generator: torch.Generator) -> VoteResult:
         raise NotImplementedError
+
+    def fresh(self) -> "Vote":
+        """This rule with the same options and no state (what one controller runs)."""
+        return replace(self)  # type: ignore[type-var]
+
+    def check_signal(self, signal: Any) -> None:
+        """Refuse a signal (:class:`~lightning_hdet.hdet.rules.options.Signal`) this rule cannot vote on; any by default."""
+
+    def check_strategy(self, gradient_sync: str, explored: Sequence[str]) -> None:
+        """Refuse a strategy's ``gradient_sync`` or explored hyperparameters' names this rule has no point with; any
+        by default."""
+
+    def options(self) -> dict[str, Any]:
+        """The options as given (recorded in the run config with the rule's name)."""
+        return {"name": self.name, **recorded(self)}
 
     def state_dict(self) -> dict:
         return {}
@@ -83,22 +123,56 @@ class VoteRule:
         pass
 
 
-@dataclass
-class SoftmaxVote(VoteRule):
-    """The published auto-LR controller (ALGORITHMS.md §1.1), one independent controller per param group ``key``.
+def recorded(rule: Any) -> dict[str, Any]:
+    """A rule object's options (its ``__init__`` fields), nested rule objects as dicts, for the run config."""
+    out: dict[str, Any] = {}
+    for f in fields(rule):
+        if f.init:
+            value = getattr(rule, f.name)
+            out[f.name] = recorded(value) if is_dataclass(value) and not isinstance(value, type) else value
+    return out
+
+
+def refill(target: dict, values: dict) -> None:
+    """Replace a state dict's contents in place (the rules are frozen; their state dicts are not)."""
+    target.clear()
+    target.update(values)
+
+
+@dataclass(frozen=True)
+class Softmax(Vote):
+    """The published auto-LR controller (ALGORITHMS.md §1.1): softmax weights of the losses move the base LR with
+    momentum; every group then blends toward ``blend``. One independent controller per param group.
 
     ``delta = sum_g w_g * lr_g - mean_g lr_g``; ``v <- momentum * v + (1 - momentum) * delta``;
     ``base <- base + meta_lr * v``, bounded to ``[base / 2, base * 2]`` so it stays positive and finite; then every
     group gets ``base * shape[perm(g)]`` where ``shape`` are the relative multipliers (mean 1) and ``perm`` a fresh
     random permutation (if ``permute``). Means are over healthy groups only.
+
+    Args:
+        temperature: softmax temperature, in the loss's own units (published 0.1; pick about the spread of the
+            groups' losses you consider meaningful).
+        momentum: momentum of the controller's velocity (published 0.9).
+        meta_lr: how far the base LR moves per unit of velocity (published 0.5).
+        permute: give the groups a fresh random permutation of the multipliers after each vote.
+        blend: merge target: ``"mean"`` (published), ``"weighted"`` (vote weights) or ``"best"`` (the winner).
     """
 
+    name: ClassVar[str] = "softmax"
     temperature: float = 0.1
     momentum: float = 0.9
     meta_lr: float = 0.5
     permute: bool = True
-    velocity: dict[int, float] = field(default_factory=dict)
-    shape: dict[int, list[float]] = field(default_factory=dict)
+    blend: str = "mean"
+    velocity: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    shape: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_positive("temperature", self.temperature)
+        check_number("momentum", self.momentum, 0.0, 1.0, high_open=True)
+        check_number("meta_lr", self.meta_lr, low=0.0)
+        check_bool("permute", self.permute)
+        check_choice("blend", self.blend, BLENDS)
 
     def explore(self, ballot: Ballot, generator: torch.Generator) -> VoteResult:
         key, losses, multipliers, healthy = ballot.key, ballot.losses, ballot.multipliers, ballot.healthy
@@ -130,22 +204,35 @@ class SoftmaxVote(VoteRule):
         return {"velocity": dict(self.velocity), "shape": {k: list(v) for k, v in self.shape.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.velocity = {int(k): float(v) for k, v in state.get("velocity", {}).items()}
-        self.shape = {int(k): list(v) for k, v in state.get("shape", {}).items()}
+        refill(self.velocity, {int(k): float(v) for k, v in state.get("velocity", {}).items()})
+        refill(self.shape, {int(k): list(v) for k, v in state.get("shape", {}).items()})
 
 
-@dataclass
-class BestVote(VoteRule):
-    """The lowest-loss group wins; every other group is re-centred on the winner's multiplier.
+@dataclass(frozen=True)
+class Best(Vote):
+    """The lowest-loss group wins; every other group is re-centred on the winner's multiplier; every group then
+    blends toward ``blend``.
 
     The others get ``m_winner * exp(spread * u_g)`` where ``u`` are evenly spaced positions around the winner's
     (which keeps its own multiplier). The log-spread starts at half the log-range of the initial multipliers and
     shrinks by ``shrink`` each vote down to ``min_spread`` (never zero: variation is kept).
+
+    Args:
+        shrink: factor by which the log-spread of multipliers narrows each vote, in (0, 1].
+        min_spread: floor of that log-spread (> 0: variation is never lost).
+        blend: merge target: ``"mean"``, ``"weighted"`` (vote weights) or ``"best"`` (the winner).
     """
 
+    name: ClassVar[str] = "best"
     shrink: float = 0.5
     min_spread: float = 0.05
-    spread: dict[int, float] = field(default_factory=dict)
+    blend: str = "mean"
+    spread: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_number("shrink", self.shrink, 0.0, 1.0, low_open=True)
+        check_positive("min_spread", self.min_spread)
+        check_choice("blend", self.blend, BLENDS)
 
     def explore(self, ballot: Ballot, generator: torch.Generator) -> VoteResult:
         key, losses, multipliers, healthy = ballot.key, ballot.losses, ballot.multipliers, ballot.healthy
@@ -173,24 +260,12 @@ class BestVote(VoteRule):
         return {"spread": dict(self.spread)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.spread = {int(k): float(v) for k, v in state.get("spread", {}).items()}
+        refill(self.spread, {int(k): float(v) for k, v in state.get("spread", {}).items()})
 
 
-def make_rule(
-    vote: str,
-    temperature: float,
-    momentum: float,
-    meta_lr: float,
-    permute: bool,
-    shrink: float,
-    min_spread: float,
-) -> VoteRule:
-    """Build the rule named by ``vote`` (``"softmax"`` or ``"best"``)."""
-    if vote == "softmax":
-        return SoftmaxVote(temperature=temperature, momentum=momentum, meta_lr=meta_lr, permute=permute)
-    if vote == "best":
-        return BestVote(shrink=shrink, min_spread=min_spread)
-    raise ValueError(f"`vote` must be one of ('softmax', 'best'), got {vote!r}.")
+# The 0.x names of the two rules (public since the first release candidate).
+SoftmaxVote = Softmax
+BestVote = Best
 
 
 def divergent(losses: Sequence[float], healthy: Sequence[bool], factor: Optional[float]) -> list[bool]:

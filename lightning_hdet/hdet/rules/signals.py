@@ -25,6 +25,7 @@ from torch import Tensor
 from lightning_hdet._checks import check_choice, check_int, check_number, require
 
 SIGNALS = ("mean", "improvement", "forecast", "heldout")  # "heldout": see hdet/heldout.py
+CURVE_BINS = 8  # bins of an interval's loss curve kept on the device (a curve signal's ``bins`` by default)
 # Decay rates tried by the forecast, as multiples of 1 / interval: slower ones make the fit's asymptote an
 # ill-conditioned extrapolation far below the data; faster ones are indistinguishable from a step.
 _RATES = [0.5 * 1.25**k for k in range(18)]
@@ -42,7 +43,7 @@ class LossCurve:
     are host integers (the positions are known without looking at the loss).
     """
 
-    def __init__(self, interval: int, bins: int = 8, device: Optional[torch.device] = None) -> None:
+    def __init__(self, interval: int, bins: int = CURVE_BINS, device: Optional[torch.device] = None) -> None:
         check_int("interval", interval, minimum=1)
         check_int("bins", bins, minimum=2)
         self.interval = interval

@@ -1,4 +1,8 @@
-"""Population-based bandits (PB2) as a vote rule (pure: no Lightning, no process groups).
+"""``experimental.PB2``: population-based bandits as a vote rule, in one file (pure: no Lightning, no process groups).
+
+What adding a vote rule takes: this file (the rule's options, their checks and its behaviour, on one frozen
+dataclass built on :class:`~lightning_hdet.hdet.rules.selection.PBT`, itself a :class:`~lightning_hdet.hdet.rules.votes.Vote`)
+and its test (tests/test_pb2.py). The controller, the callback and the run config know no rule by name.
 
 PB2 (Parker-Holder et al. 2020, arXiv 2002.02518) keeps PBT's truncation (the bottom quantile copies a top group)
 and replaces its random explore step: a Gaussian process over (interval, log learning rate) -> the improvement a
@@ -22,13 +26,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_hdet._checks import check_int, check_number
-from lightning_hdet.hdet.selection import PBTVote, Selection
-from lightning_hdet.hdet.votes import Ballot
+from lightning_hdet._checks import check_int, check_number, require
+from lightning_hdet.hdet.rules.selection import PBT, Selection
+from lightning_hdet.hdet.rules.votes import Ballot, refill
 
 # The (length scale, noise variance) pairs the marginal likelihood chooses from; inputs lie in [0, 1] and the
 # rewards are standardised, so these cover "one bump over the range" to "nearly independent points", and "exact"
@@ -115,11 +120,13 @@ def ucb_picks(observations: Sequence[Sequence[float]], now: int, low: float, hig
     return picks
 
 
-@dataclass
-class PB2Vote(PBTVote):
-    """PBT's selection with PB2's explore step: movers take the multiplier of highest upper confidence bound.
+@dataclass(frozen=True)
+class PB2(PBT):
+    """Population-based bandits (Parker-Holder et al. 2020): PBT's selection, and a Gaussian-process bandit picks the
+    movers' LRs by an upper confidence bound (see the module). Measured level with :class:`~lightning_hdet.PBT`.
 
-    Args (beyond :class:`~lightning_hdet.hdet.selection.PBTVote`'s; ``resample_probability`` is not used):
+    Args (beyond :class:`~lightning_hdet.PBT`'s; ``resample_probability`` applies only where no interval was
+    observed yet):
         kappa: the bound's weight on the posterior's standard deviation (exploration).
         epsilon: how fast older intervals are forgotten, in [0, 1): their covariance decays as
             ``(1 - epsilon) ** (age / 2)``.
@@ -130,18 +137,25 @@ class PB2Vote(PBTVote):
     observation (never, after the first vote's) it perturbs as PBT does. PBT's floor on the spread does not apply.
     """
 
+    name: ClassVar[str] = "pb2"
     kappa: float = 1.0
     epsilon: float = 0.1
     window: int = 64
-    observations: dict[int, list[list[float]]] = field(default_factory=dict)  # per key: [interval, log m, reward]
-    starts: dict[int, list[float]] = field(default_factory=dict)  # per key: each group's loss where it started
-    intervals: dict[int, int] = field(default_factory=dict)  # per key: intervals observed
+    # per key: [interval, log m, reward] rows; each group's loss where it started; intervals observed
+    observations: dict[int, list[list[float]]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    starts: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    intervals: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_number("kappa", self.kappa, low=0.0)
         check_number("epsilon", self.epsilon, 0.0, 1.0, high_open=True)
         check_int("window", self.window, minimum=2)
+
+    def check_signal(self, signal: Any) -> None:
+        """PB2 measures each group's improvement itself, from one level to the next: it needs a level signal."""
+        require("signal", signal.name, signal.level, "a level ('mean', Forecast() or Heldout()) with vote=PB2()",
+                "PB2 measures each group's improvement itself, from one level to the next.")
 
     def explore(self, ballot: Ballot, generator: torch.Generator) -> Selection:
         self._observe(ballot)
@@ -186,7 +200,7 @@ class PB2Vote(PBTVote):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.observations = {int(k): [list(map(float, r)) for r in v]
-                             for k, v in state.get("observations", {}).items()}
-        self.starts = {int(k): [float(x) for x in v] for k, v in state.get("starts", {}).items()}
-        self.intervals = {int(k): int(v) for k, v in state.get("intervals", {}).items()}
+        refill(self.observations, {int(k): [list(map(float, r)) for r in v]
+                                    for k, v in state.get("observations", {}).items()})
+        refill(self.starts, {int(k): [float(x) for x in v] for k, v in state.get("starts", {}).items()})
+        refill(self.intervals, {int(k): int(v) for k, v in state.get("intervals", {}).items()})

@@ -18,13 +18,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet.hdet.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.collapse import CollapseHistory, Verdict, advance, has_progressed, is_good, judge
-from lightning_hdet.hdet.config import SELECTION_VOTES, HDETConfig
 from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
 from lightning_hdet.hdet.hyperparams import refined as refined_tables
 from lightning_hdet.hdet.multipliers import centred_grid
-from lightning_hdet.hdet.plateau import (
+from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, has_progressed
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.options import Search
+from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
     PlateauVerdict,
@@ -35,9 +36,9 @@ from lightning_hdet.hdet.plateau import (
     patience,
     ladder,
 )
-from lightning_hdet.hdet.selection import MergeStep, Selection, copy_plan
-from lightning_hdet.hdet.signals import curve_error, scores
-from lightning_hdet.hdet.votes import Ballot, VoteRule, divergent, make_rule, winner_of
+from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
+from lightning_hdet.hdet.rules.signals import curve_error
+from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, winner_of
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +101,17 @@ class Decision:
 
 
 class HDETController:
-    """Turns intervals into decisions; owns the vote rule, the permutation generator and the vote counters."""
+    """Turns intervals into decisions; owns the vote rule's state, the permutation generator and the vote counters.
+
+    It runs the rule objects of ``config`` as they are: ``config.vote``'s ``explore`` (on a fresh copy of it, which
+    holds the state), ``config.safety_net``'s ``judge`` and plateau rule, ``config.signal``'s ``scores``."""
 
     def __init__(self, config: HDETConfig) -> None:
         self.config = config
-        self.rule: VoteRule = _rule(config)
-        self.collapse = config.collapse_rule()
+        self.rule: Vote = config.vote.fresh()
         self.collapse_history = CollapseHistory()
-        self.plateau = config.plateau or PlateauRule(steps=None)
+        net = config.safety_net
+        self.plateau = net.plateau if net is not None and net.plateau is not None else PlateauRule(steps=None)
         self.plateau_history = PlateauHistory()
         self.run_steps: Optional[int] = None  # the run's length where known (the callback sizes it): plateau patience
         self.plateau_cuts = 0  # votes at which every group was stuck: a roll-back onto the downward ladder
@@ -119,7 +123,7 @@ class HDETController:
         self.last_coefficients: list[float] = []
         self.searched_at: Optional[int] = None  # the step of the vote that ended the search (``search_steps``)
         # From which step a vote may end the search (None: never); the callback sizes it from the run's length.
-        self.search_steps: Optional[int] = config.search_steps
+        self.search_steps: Optional[int] = config.search.steps if config.search is not None else None
 
     @property
     def generator(self) -> torch.Generator:
@@ -146,7 +150,7 @@ class HDETController:
     @property
     def keeps_initial(self) -> bool:
         """Whether the strategy should hold the initial model: the plateau rule's ladder restarts half of it there."""
-        return self.config.safety_net and self.plateau.steps is not None
+        return self.config.safety_net is not None and self.plateau.steps is not None
 
     def search_ends(self, step: int) -> bool:
         """Whether a vote at ``step`` ends the search (``search_steps``; it ends once)."""
@@ -162,7 +166,8 @@ class HDETController:
         # With a shared gradient a group whose *loss* blew up sent huge, still finite gradients into every group
         # before it was caught: nothing from this interval is kept. (Non-finite gradients alone were kept out of
         # the average by the strategy's guard, so those rescues leave the healthy groups alone.)
-        blew_up = divergent(losses, [True] * num_groups, self.config.divergence_factor)
+        net = self.config.safety_net
+        blew_up = divergent(losses, [True] * num_groups, net.divergence_factor if net is not None else None)
         contaminated = interval.shared_gradients and any(r and b for r, b in zip(verdict.diverged, blew_up))
         roll_back = num_groups > 1 and (not any(healthy) or contaminated)
         self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses,
@@ -171,7 +176,7 @@ class HDETController:
         if interval.refine and not self._search_can_end(losses, healthy):
             interval = replace(interval, refine=False)  # an ordinary vote; the next one tries again
         decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
-        keep = not self.config.safety_net or is_good(self.collapse, verdict, losses, self.collapse_history)
+        keep = net is None or net.keeps(verdict, losses, self.collapse_history)
         decision = replace(decision, keep=keep, reasons=verdict.reasons)
         if decision.explored:
             decision = replace(decision, values=values(decision.explored, interval.explored))
@@ -187,18 +192,18 @@ class HDETController:
         """The safety net's verdict (nobody diverged when it is off); progress is not judged before warm-up, nor at
         the final merge (its interval is often a fragment of a few steps, and a roll-back there would throw away
         the end of the run on that little evidence; non-finite and ``x best`` groups are still kept out)."""
-        num_groups = len(interval.losses)
-        if not self.config.safety_net:
+        num_groups, net = len(interval.losses), self.config.safety_net
+        if net is None:
             return Verdict([False] * num_groups, [""] * num_groups, [0] * num_groups)
         progress = interval.step >= self.config.warmup_steps and not interval.final
         curve = interval.curves is not None and self.config.monitor is None  # the losses are the curve's means
         errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None
-        return judge(self.collapse, self.collapse_history, interval.losses, interval.finite, progress, errors)
+        return net.judge(self.collapse_history, interval.losses, interval.finite, progress, errors)
 
     def _judge_plateau(self, interval: Interval, verdict: Verdict) -> tuple[Verdict, PlateauVerdict]:
         """The other rules' verdict with the plateau rule's failures added, and the plateau rule's own verdict
-        (:mod:`~lightning_hdet.hdet.plateau`; judged like the progress rules: not before warm-up nor at the end)."""
-        rule = self.plateau if self.config.safety_net else PlateauRule(steps=None)
+        (:mod:`~lightning_hdet.hdet.rules.plateau`; judged like the progress rules: not before warm-up nor at the end)."""
+        rule = self.plateau
         steps = patience(rule, self.run_steps, self.config.every_n_steps, self.plateau_cuts)
         rule = replace(rule, steps=judged_at(steps, self.run_steps, interval.step))
         progress = interval.step >= self.config.warmup_steps and not interval.final
@@ -217,16 +222,12 @@ class HDETController:
         return winner >= 0 and has_progressed(self.collapse_history, winner, losses[winner])
 
     def _scores(self, interval: Interval, healthy: Sequence[bool]) -> list[float]:
-        """What the vote compares: the ``signal`` of each group's curve or its held-out loss, or the interval losses
+        """What the vote compares: the signal's scores (a curve's, the held-out losses), or the interval losses
         themselves (at the final merge, which picks by level, and whenever a healthy group has no finite score)."""
         losses = list(interval.losses)
-        if self.config.signal == "heldout" and not interval.final and interval.heldout is not None:
-            signal = list(interval.heldout)
-        elif interval.final or interval.refine or interval.curves is None or self.config.signal in ("mean", "heldout"):
+        signal = None if interval.final else self.config.signal.scores(interval, self.config.every_n_steps)
+        if signal is None:
             return losses
-        else:
-            signal = scores(interval.curves, self.config.signal, self.config.every_n_steps,
-                            self.config.forecast_horizon)
         return signal if all(math.isfinite(x) for x, ok in zip(signal, healthy) if ok) else losses
 
     def _vote(self, interval: Interval, rescued: list[bool]) -> Decision:
@@ -248,12 +249,12 @@ class HDETController:
         explored = vote_explored(self.rule, self.generator, interval.explored, signal, healthy, move)
         coefficients: list[float] = []
         strengths: list[float] = []
-        strength = 1.0 if ending else self.config.blend_strength
+        strength = 1.0 if ending else self.rule.strength
         copies = copy_plan(sources, strength, rescued) if num_groups > 1 else []
         if num_groups > 1 and not copies:
             # PBT ends on its best group, and so does a search; before warm-up PBT merges like the other votes.
-            ending_on_best = interval.refine or (interval.final and self.config.vote in SELECTION_VOTES)
-            blend = "best" if ending_on_best else self.config.blend
+            ending_on_best = interval.refine or (interval.final and self.rule.copies)
+            blend = "best" if ending_on_best else self.rule.blend
             coefficients = blend_coefficients(blend, weights, winner, healthy)
             strengths = blend_strengths(strength, rescued)
         if num_groups > 1:
@@ -265,7 +266,7 @@ class HDETController:
         if refined:
             grid = self._end_search(interval.step, table[winner].tolist(), num_groups)
             table = grid if interval.explored.lr else table  # (explore={"lr": 1.0}: the LRs stay)
-            explored = refined_tables(explored, winner, self.config.refine_spread)
+            explored = refined_tables(explored, winner, self._refine_spread)
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
                         coefficients, strengths, copies, refined=refined, explored=explored)
@@ -276,7 +277,12 @@ class HDETController:
         self.searched_at = step
         self.rule.load_state_dict({})
         log.debug("search ended at step %d around multipliers %s", step, row)
-        return centred_grid(row, num_groups, self.config.refine_spread)
+        return centred_grid(row, num_groups, self._refine_spread)
+
+    @property
+    def _refine_spread(self) -> float:
+        """The ratio of the grid the search ends on (``Search``'s; its default for an interval told to refine)."""
+        return (self.config.search or Search()).refine_spread
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
@@ -293,7 +299,7 @@ class HDETController:
         """Multiply the rescued groups' rows of the multiplier table by ``rescue_lr_factor`` (in place)."""
         for g, bad in enumerate(rescued):
             if bad:
-                table[g] *= self.config.rescue_lr_factor
+                table[g] *= self.config.safety_net.rescue_lr_factor
         return table
 
     def _count(self, decision: Decision, final: bool) -> None:
@@ -343,16 +349,6 @@ class HDETController:
         self.searched_at = state_dict.get("searched_at")
         self.plateau_history.load_state_dict(state_dict.get("plateau", {}))  # absent in older checkpoints
         self.plateau_cuts = state_dict.get("plateau_cuts", 0)
-
-
-def _rule(config: HDETConfig) -> VoteRule:
-    """The vote rule ``config`` names, with its options."""
-    if config.vote in SELECTION_VOTES:
-        return config.selection_rule()
-    if config.vote == "trust_region":
-        return config.trust_region_rule()
-    return make_rule(config.vote, config.temperature, config.momentum, config.meta_lr, config.permute, config.shrink,
-                     config.min_spread)
 
 
 def _lrs(table: Tensor, interval: Interval) -> list[float]:
