@@ -11,7 +11,8 @@ runs the ``W - 1`` healthy workers alone on the same budget, so both spend the s
 so that the table shows how far two identical runs land apart (async timing). Reported per task, path and seed:
 the global model's final loss ÷ its initial loss in both runs, faulty ÷ fault-free and rerun ÷ fault-free.
 
-Run: ``python benchmarks/bad_worker_paths.py [--quick] [--workers W] [--budget B] [--seeds S] [--tasks ...] [--paths ...]``.
+Run: ``python benchmarks/bad_worker_paths.py [--quick] [--workers W] [--budget B] [--seeds S] [--tasks ...]
+[--paths ...]``.
 """
 
 from __future__ import annotations
