@@ -194,9 +194,9 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
         for path in args.paths:
             sel = [r for r in runs if (r["task"], r["path"]) == (task, path)]
             cells = [", ".join(fmt(r[key] / r["initial"], ".2g") for r in sel) for key in ("clean", "faulty")]
-            rows.append([task, path, *cells, ", ".join(fmt(r["ratio"], ".3g") for r in sel),
-                         f"**{fmt(statistics.median(r['ratio'] for r in sel), '.3g')}**",
-                         ", ".join(fmt(r["noise"], ".3g") for r in sel), ", ".join(str(r["rejected"]) for r in sel)])
+            rows.append([task, path, *cells, ", ".join(fmt(r["ratio"]) for r in sel),
+                         f"**{fmt(statistics.median(r['ratio'] for r in sel))}**",
+                         ", ".join(fmt(r["noise"]) for r in sel), ", ".join(str(r["rejected"]) for r in sel)])
     head = (f"Mode: {'quick' if args.quick else 'full'}; H = {args.local_steps}, budget {args.budget} inner steps; "
             f"faulty: {args.workers} workers, the last one's loss NaN from its step {BAD_FROM}; fault-free: the "
             f"{args.workers - 1} healthy ones alone, and the same run again (*rerun ÷*: two identical runs); the "
