@@ -41,35 +41,48 @@ from tests.test_async_defaults import SGDBoring, _loss
 NAME = "bad_worker_paths"
 PATHS = ("async", "diloco", "elastic")
 BAD_FROM = 2  # the bad worker's loss is NaN from its 2nd step on: within its first round, so none of it is applied
+#: A "huge" bad worker's parameters move by this much at every step from :data:`HUGE_FROM` on: finite pushes
+#: thousands of times the others', which only the outer side's norm check can catch; it needs 4 accepted pushes
+#: first, so the fault starts in the worker's 4th round (H = 8).
+HUGE_STEP, HUGE_FROM = 100.0, 26
+FAULTS = ("nan", "huge")
+FAULT_TEXT = {"nan": f"its loss NaN from its step {BAD_FROM}",
+              "huge": f"its parameters moved by {HUGE_STEP:g} at every step from its step {HUGE_FROM}"}
 
 
-def _nan_on(module, bad_rank: int | None, loss: torch.Tensor) -> torch.Tensor:
-    """``loss``, NaN on rank ``bad_rank`` from step :data:`BAD_FROM` on."""
-    return loss * math.nan if module.global_rank == bad_rank and module.trainer.global_step >= BAD_FROM else loss
+class Faulty:
+    """A mixin: on rank ``bad_rank`` (``None``: healthy), ``"nan"`` makes the loss NaN from step :data:`BAD_FROM`
+    on and ``"huge"`` moves every parameter by :data:`HUGE_STEP` at each step from :data:`HUGE_FROM` on."""
 
-
-class BadBoring(SGDBoring):
-    """``SGDBoring`` whose loss is NaN from step :data:`BAD_FROM` on the rank ``bad_rank`` (``None``: healthy)."""
-
-    def __init__(self, bad_rank: int | None = None) -> None:
+    def __init__(self, bad_rank: int | None = None, fault: str = "nan") -> None:
         super().__init__()
-        self.bad_rank = bad_rank
+        self.bad_rank, self.fault = bad_rank, fault
+
+    def faulty(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.global_rank != self.bad_rank:
+            return loss
+        step = self.trainer.global_step
+        if self.fault == "huge" and step >= HUGE_FROM:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.add_(HUGE_STEP)
+        return loss * math.nan if self.fault == "nan" and step >= BAD_FROM else loss
+
+
+class BadBoring(Faulty, SGDBoring):
+    """``SGDBoring`` with a :class:`Faulty` rank."""
 
     def training_step(self, batch, batch_idx):
         out = super().training_step(batch, batch_idx)
-        return {**out, "loss": _nan_on(self, self.bad_rank, out["loss"])}
+        return {**out, "loss": self.faulty(out["loss"])}
 
 
-class BadLinear(LinearModel):
-    """The tests' least squares (8 features, noise std 0.01, 256 samples, SGD lr 0.05, batch 16), NaN like
-    :class:`BadBoring`."""
-
-    def __init__(self, bad_rank: int | None = None) -> None:
-        super().__init__()
-        self.bad_rank = bad_rank
+class BadLinear(Faulty, LinearModel):
+    """The tests' least squares (8 features, noise std 0.01, 256 samples, SGD lr 0.05, batch 16) with a
+    :class:`Faulty` rank."""
 
     def training_step(self, batch, batch_idx):
-        return _nan_on(self, self.bad_rank, super().training_step(batch, batch_idx))
+        return self.faulty(super().training_step(batch, batch_idx))
 
 
 def regression_loss(model: torch.nn.Module) -> float:
@@ -104,17 +117,17 @@ class Curve(Callback):
                 "workers": {str(w): vars(s) for w, s in outer.workers.items()}}))
 
 
-def fit_trainer(mode: str, workers: int, budget: int, seed: int, bad: bool, work: Path, every: int = 0,
+def fit_trainer(mode: str, workers: int, budget: int, seed: int, fault: str | None, work: Path, every: int = 0,
                 task: str = "boring", **strategy) -> dict:
     """One Trainer run of ``workers`` ranks sharing ``budget`` inner steps (``mode``: ``"async"`` or ``"sync"``);
-    with ``bad``, the last rank goes bad. Returns the initial and final loss, the curve (every ``every`` steps
+    with a ``fault`` (:class:`Faulty`), the last rank goes bad. Returns the initial and final loss, the curve (every ``every`` steps
     applied), the steps applied and each worker's statistics."""
     if budget % workers:
         raise ValueError(f"`budget` must be a multiple of the {workers} workers, got {budget}")
     work.mkdir(parents=True, exist_ok=True)
     make, loss = TASKS[task]
     seed_everything(seed)
-    model = make(workers - 1 if bad else None)
+    model = make(workers - 1 if fault else None, fault or "nan")
     initial = loss(model)
     out = work / "record.json"
     Trainer(strategy=AsyncLocalSGDStrategy(mode=mode, start_method="fork", **strategy), accelerator="cpu",
@@ -137,25 +150,26 @@ def _serve(address: str, budget: int, seed: int, every: int, out: Path, task: st
     out.write_text(json.dumps({"initial": initial, "final": loss(model), "curve": curve, **status}))
 
 
-def _work(address: str, seed: int, bad: bool, out: Path, task: str) -> None:
+def _work(address: str, seed: int, fault: str | None, out: Path, task: str) -> None:
     strategy = ElasticWorkerStrategy(address, seed=seed, heartbeat_s=0.5)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=-1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(TASKS[task][0](0 if bad else None))
+    trainer.fit(TASKS[task][0](0 if fault else None, fault or "nan"))
     out.write_text(json.dumps({"sessions": strategy.sessions, "inner_steps": strategy.inner_steps}))
 
 
-def fit_elastic(workers: int, budget: int, seed: int, bad: bool, work: Path, every: int = 0, task: str = "boring",
+def fit_elastic(workers: int, budget: int, seed: int, fault: str | None, work: Path, every: int = 0, task: str = "boring",
                 timeout: float = 300, **settings) -> dict:
-    """One elastic run: a service and ``workers`` one-device worker jobs, forked, on loopback; with ``bad``, the
-    last worker goes bad. ``every``: the service evaluates the global model every so many outer updates (0:
+    """One elastic run: a service and ``workers`` one-device worker jobs, forked, on loopback; with a ``fault``,
+    the last worker goes bad. ``every``: the service evaluates the global model every so many outer updates (0:
     at the end only). Returns the service's record (``initial``, ``final``, ``curve``, its status) and
     ``exit_codes`` (the workers', then the service's)."""
     work.mkdir(parents=True, exist_ok=True)
     fork = multiprocessing.get_context("fork")
     address, record = f"127.0.0.1:{free_port()}", work / "service.json"
     procs = [fork.Process(target=_serve, args=(address, budget, seed, every, record, task, settings))]
-    procs += [fork.Process(target=_work, args=(address, seed, bad and i == workers - 1, work / f"w{i}.json", task))
+    procs += [fork.Process(target=_work, args=(address, seed, fault if i == workers - 1 else None, work / f"w{i}.json",
+                                               task))
               for i in range(workers)]
     for p in procs:
         p.start()
@@ -170,11 +184,12 @@ def fit_elastic(workers: int, budget: int, seed: int, bad: bool, work: Path, eve
     return {**(json.loads(record.read_text()) if record.exists() else {}), "exit_codes": codes}
 
 
-def run_set(path: str, task: str, workers: int, budget: int, seed: int, work: Path, **settings) -> dict:
+def run_set(path: str, task: str, workers: int, budget: int, seed: int, work: Path, fault: str = "nan",
+            **settings) -> dict:
     """The faulty run (``workers``, the last one bad), its fault-free counterpart (the healthy ones alone) and a
     rerun of that counterpart (how far two identical runs land apart: timing, in async)."""
     runs = []
-    for bad, w in ((True, workers), (False, workers - 1), (False, workers - 1)):
+    for bad, w in ((fault, workers), (None, workers - 1), (None, workers - 1)):
         where = work / f"{task}_{path}_{seed}_{len(runs)}"
         if path == "elastic":
             runs.append(fit_elastic(w, budget, seed, bad, where, task=task, **settings))
@@ -198,7 +213,7 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
                          f"**{fmt(statistics.median(r['ratio'] for r in sel))}**",
                          ", ".join(fmt(r["noise"]) for r in sel), ", ".join(str(r["rejected"]) for r in sel)])
     head = (f"Mode: {'quick' if args.quick else 'full'}; H = {args.local_steps}, budget {args.budget} inner steps; "
-            f"faulty: {args.workers} workers, the last one's loss NaN from its step {BAD_FROM}; fault-free: the "
+            f"faulty: {args.workers} workers, the last one bad ({FAULT_TEXT[args.fault]}); fault-free: the "
             f"{args.workers - 1} healthy ones alone, and the same run again (*rerun ÷*: two identical runs); the "
             f"defaults otherwise (outer `{args.outer}`). `boring`: BoringModel + SGD lr 0.05, loss on 256 held-out "
             "inputs (its floor is 0); `regression`: the tests' least squares, SGD lr 0.05, batch 16, loss on its "
@@ -215,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--outer", default="stable", help="the outer preset (default: the package's)")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--fault", default="nan", choices=FAULTS, help="how the bad worker goes bad (see Faulty; "
+                   "'huge' from its 4th round: its first rounds are applied, so the healthy samples differ a little)")
     p.add_argument("--seeds", type=int, default=None, help="seeds (default 3; --quick 1)")
     p.add_argument("--first-seed", type=int, default=0)
     add_output_args(p)
@@ -227,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         for task in args.tasks:
             for path in args.paths:
                 for seed in range(args.first_seed, args.first_seed + args.seeds):
-                    runs.append(run_set(path, task, args.workers, args.budget, seed, Path(tmp),
+                    runs.append(run_set(path, task, args.workers, args.budget, seed, Path(tmp), args.fault,
                                         local_steps=args.local_steps, outer=args.outer))
                     print(runs[-1], flush=True)
     publish(name, args, {"runs": runs}, table(runs, args))
