@@ -16,7 +16,8 @@ from lightning_hdet import AsyncLocalSGDStrategy
 from tests.test_async_defaults import SGDBoring, _loss
 
 #: Why the elastic runs' stability checks are expected to fail in some runs (an open bug, not noise: the Trainer's
-#: async runs of the same task fell steadily in every run measured).
+#: async runs of the same task fell steadily in every run measured, unless every rank read the whole dataset, as an
+#: elastic worker does; see docs/elastic.md).
 ELASTIC_UNSTABLE = ("issue 42, open: two elastic workers on BoringModel + SGD at the default outer step stall near "
                     "1e-2 x the start and end above it in about half the runs, and 2 of 8 runs with both workers on "
                     "the same data diverged (3.3 and 17.7 x the start)")
