@@ -17,7 +17,10 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
 - **Prodigy** (``lr=1``, its own step-size estimate) and **schedule-free AdamW** (at the start LR): what a
   user would pick instead of tuning, one run each of ``S`` steps on the whole job's batch (``W`` × the
   per-process batch in one process: the same samples as DDP on ``W`` processes, without its start-up);
-- **HDET**, one arm per entry of ``--hdet-votes`` (``VOTE`` or ``VOTE:SIGNAL``, e.g. ``pbt:heldout``): one run
+- **HDET at its defaults** (``--hdet-votes defaults``): what a user gets from ``strategy="hdet"`` with nothing
+  else given, one run on ``W`` processes at the starting LR: the groups, their multipliers (the start among them)
+  and the vote interval are the package's, derived from the job (``--groups`` and ``--pbt-interval`` do not apply);
+- **HDET**, one arm per other entry of ``--hdet-votes`` (``VOTE`` or ``VOTE:SIGNAL``, e.g. ``pbt:heldout``): one run
   on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at the grid's LRs, voting and
   blending every ``T`` steps (``blend="best"`` by default). Entries the installed ``HDETCallback`` does not
   accept are reported as skipped, so new rules are measured as soon as they land;
@@ -72,6 +75,7 @@ from lightning_hdet.hdet.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.multipliers import centred_grid
 
 NAME = "search_baselines"
+DEFAULTS = "defaults"  # the HDET arm with nothing given: the package's groups, multipliers and vote interval
 STARTS = {"good": 1.0, "10x high": 10.0, "10x low": 0.1}
 BASELINES = ("untuned", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree")
 # The good AdamW LR of each workload: the best of a coarse sweep (char LM: best grid LR of a first run at
@@ -197,6 +201,9 @@ def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], di
 
     ok, skipped = [], {}
     for vote in votes:
+        if vote == DEFAULTS:
+            ok.append(vote)
+            continue
         try:
             for step in vote.split(">"):
                 arm = parse_hdet_arm(step, sync)
@@ -231,6 +238,8 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     from lightning_hdet import HDETStrategy
 
     center = math.exp(sum(map(math.log, lrs)) / len(lrs))
+    if vote == DEFAULTS:
+        return run_hdet_defaults(center, base, world, start_method, work)
     arm = parse_hdet_arm(vote)
     strategy = HDETStrategy(
         num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync=arm.sync,
@@ -244,6 +253,25 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     spec = replace(base, lr=center, devices=world, shard_data=world > groups and not shared, shard_train=shared)
     run = fit_run(spec, work, strategy=strategy, callbacks=callbacks, init_weights=init_weights,
                   save_weights=save_weights)
+    return hdet_outcome(run, world, groups, lrs)
+
+
+def run_hdet_defaults(lr: float, base: RunSpec, world: int, start_method: str, work: Path) -> dict:
+    """``strategy="hdet"`` as a user launches it: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given
+    (only the seed of its random choices), the optimizer at the starting LR ``lr``, every rank reading its own shard
+    (the default search ends with one gradient over the job)."""
+    from lightning_hdet import HDETCallback, HDETStrategy
+
+    strategy = HDETStrategy(start_method=start_method, process_group_backend="gloo")
+    spec = replace(base, lr=lr, devices=world, shard_data=False, shard_train=True)
+    run = fit_run(spec, work, strategy=strategy, callbacks=[HDETCallback(seed=base.seed)])
+    groups = len(run.rank_extra[0]["group_lrs"])
+    return hdet_outcome(run, world, groups, [lr])
+
+
+def hdet_outcome(run: RunResult, world: int, groups: int, lrs: list[float]) -> dict:
+    """One HDET run's row: the best group's LR, the best-so-far curve over the groups' first ranks (as the grid
+    takes the best of its runs), every LR tried (``lrs``: those it started from), the vote history."""
     heads = [g * (world // groups) for g in range(groups)]
     head_runs = [replace(run, rank_val_curves=[run.rank_val_curves[h]]) for h in heads]
     final = {g: r.final_val_loss for g, r in enumerate(head_runs)}

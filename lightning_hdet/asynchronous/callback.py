@@ -45,10 +45,9 @@ class AsyncLogging(Callback):
         pl_module.log("async/outer_updates", float(strategy.outer_updates), prog_bar=True, logger=False,
                       rank_zero_only=True)
         pl_module.log("async/slowest", float(slowest), prog_bar=True, logger=False, rank_zero_only=True)
-        result = strategy.result
-        if result is not None and result.budget:  # the shared budget, which ends the run (not this worker's steps)
-            pl_module.log("async/budget_done", result.steps_done / result.budget, prog_bar=True, logger=False,
-                          rank_zero_only=True)
+        done = strategy.budget_done  # a counter read, not the whole result (this runs on every batch)
+        if done is not None:
+            pl_module.log("async/budget_done", done, prog_bar=True, logger=False, rank_zero_only=True)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -56,6 +56,13 @@ class ExchangeReadouts:
         """How many times the outer optimizer has stepped (rank 0; 0 elsewhere)."""
         return self._outer.outer_updates if self._outer is not None else 0
 
+    @property
+    def budget_done(self) -> float | None:
+        """The share of the shared inner-step budget the workers have done (rank 0 with a budget; ``None``
+        elsewhere): what ends the run, rather than this worker's own steps."""
+        outer = self._outer
+        return outer.steps_done / outer.budget if outer is not None and outer.budget else None
+
     def worker_stats(self) -> dict[int, dict[str, float]]:
         """Per-worker progress as the outer optimizer saw it (rank 0 only; empty elsewhere): inner ``steps``,
         completed ``rounds``, ``local_steps`` of the next round, ``steps_per_s``, ``staleness``."""
