@@ -100,6 +100,10 @@ def test_async_keeps_every_workers_pending_steps_out_of_the_budget_left() -> Non
 
 
 # ----------------------------------------------------------------------- one process: the worker, step by step
+#: The model on each device there is (pinned host buffers and the device copies with CUDA).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 class Pair(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -137,14 +141,15 @@ def _train(worker: OverlapWorker, module: Pair, steps: int) -> list[bool]:
     return due
 
 
-def test_a_remote_worker_pushes_early_trains_on_and_carries_its_overlapped_steps_onto_the_reply() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_remote_worker_pushes_early_trains_on_and_carries_its_overlapped_steps_onto_the_reply(device: str) -> None:
     """H = 4, τ = 2, each step +1. Hello: global [0, 0]. 2 steps ([2, 2]), push Δ = [−2, −2] (2 steps, 2 pending);
     the reply [5, 5] lands while 2 more steps run ([4, 4]); merge: [5, 5] + ([4, 4] − [2, 2]) = [7, 7], the
     reference [5, 5]. 2 steps ([9, 9]), push Δ = [5, 5] − [9, 9] (2 carried + 2 steps, 2 pending); the reply says
     stop while 2 more steps run ([11, 11]); the goodbye pushes those 2 against θ_at_send [9, 9]. Pushed: 2 + 4 + 2,
     the two rounds' 8 steps."""
-    module, transport = Pair(), Scripted([(4, [0.0, 0.0]), (4, [5.0, 5.0]), (0, [])])
-    worker = OverlapWorker(module, torch.device("cpu"), transport, overlap_steps=2)
+    module, transport = Pair().to(device), Scripted([(4, [0.0, 0.0]), (4, [5.0, 5.0]), (0, [])])
+    worker = OverlapWorker(module, torch.device(device), transport, overlap_steps=2)
     worker.exchange(Kind.HELLO)
     assert _train(worker, module, 4) == [False, True, False, True]
     assert module.w.tolist() == [7.0, 7.0] and worker.pulled.tolist() == [5.0, 5.0] and worker.steps_in_round == 2
@@ -155,18 +160,21 @@ def test_a_remote_worker_pushes_early_trains_on_and_carries_its_overlapped_steps
     assert [r[0] for r in worker.rounds] == [4, 4, 0]
 
 
-def test_rank_0_merges_in_place_from_the_outer_state_in_diloco() -> None:
+@pytest.mark.parametrize("pull", ["none", "bf16"])  # bf16: decoded piece by piece (these values are exact in it)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rank_0_merges_in_place_from_the_outer_state_in_diloco(device: str, pull: str) -> None:
     """One worker, DiLoCo, outer lr 0.5 without momentum, H = 4, τ = 2, each step +1. 2 steps ([2, 2]), push Δ =
     [−2, −2]: the global model becomes [0, 0] + 0.5 · [2, 2] = [1, 1]. 2 steps ([4, 4]); merge: [1, 1] + ([4, 4] −
     [2, 2]) = [3, 3], the reference [1, 1] (in the pulled buffer, which held θ_at_send [2, 2] meanwhile). 2 steps
     ([5, 5]), push Δ = [1, 1] − [5, 5] (4 steps): global [3, 3]. 2 steps ([7, 7]); merge: [3, 3] + ([7, 7] − [5, 5])
     = [5, 5]. The goodbye pushes the 2 carried steps, [3, 3] − [5, 5]: global [4, 4]; 2 + 4 + 2 steps applied."""
-    module = Pair()
+    module = Pair().to(device)
     outer = OuterSettings(mode="sync", local_steps=4, check_pushes=False, outer_lr=0.5, outer_momentum=0.0).build(
         torch.zeros(2), torch.zeros(0), workers=1, budget=None)
-    server = Server(outer, 1, None, timeout=10.0)
+    layout = Fragments([torch.Size([2])], pull_compression=pull)
+    server = Server(outer, 1, None, timeout=10.0, layout=layout)
     server.start()
-    worker = OverlapWorker(module, torch.device("cpu"), server.local, overlap_steps=2)
+    worker = OverlapWorker(module, torch.device(device), server.local, layout=layout, overlap_steps=2)
     assert worker.in_place and worker.sent.numel() == 0  # no model-sized copy on rank 0
     worker.exchange(Kind.HELLO)
     _train(worker, module, 2)
@@ -196,15 +204,15 @@ class Record(Callback):
 
 
 def _fit(tmp_path: Path, mode: str, overlap: int) -> dict:
-    """BoringModel + SGD, 2 workers, H = 8, 10 ms steps, a link of 1 Mbit/s and 10 ms each way (a push and a pull
-    of its 66 parameters: about 25 ms), 240 steps of budget; with τ = 4 (40 ms of steps) the link is hidden."""
+    """BoringModel + SGD, 2 workers, H = 8, 20 ms steps, a link of 1 Mbit/s and 50 ms each way (a push and a pull
+    of its 66 parameters: about 105 ms), 240 steps of budget; with τ = 6 (120 ms of steps) the link is hidden."""
     seed_everything(0)
     out = tmp_path / f"{mode}{overlap}.json"
     Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, mode=mode, overlap_steps=overlap, start_method="fork"),
             accelerator="cpu", devices=2, max_steps=120, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=tmp_path,
-            callbacks=[SlowRanks({}, base_seconds=0.01), SlowLink(bits_per_s=1e6, latency_s=0.01),
+            callbacks=[SlowRanks({}, base_seconds=0.02), SlowLink(bits_per_s=1e6, latency_s=0.05),
                        Record(out)]).fit(SGDBoring())
     return json.loads(out.read_text())
 
@@ -214,12 +222,16 @@ def _fit(tmp_path: Path, mode: str, overlap: int) -> dict:
 def test_overlap_learns_keeps_the_budget_and_waits_less_on_a_slow_link(tmp_path: Path, mode: str) -> None:
     seed_everything(0)
     initial = _loss(SGDBoring())
-    blocking, overlapped = _fit(tmp_path, mode, 0), _fit(tmp_path, mode, 4)
+    blocking, overlapped = _fit(tmp_path, mode, 0), _fit(tmp_path, mode, 6)
     for run in (blocking, overlapped):
         assert run["steps_done"] == run["budget"] == 240
     assert overlapped["loss"] < 0.1 * initial
-    # the worker behind the link waited less; in DiLoCo rank 0 too (it waited for the other's push)
-    assert overlapped["wait"]["1"] < blocking["wait"]["1"]
-    if mode == "sync":
+    # Blocking, the worker behind the link waits for it every round (≥ 100 ms), and in DiLoCo rank 0 then waits as
+    # long for that worker's next push; overlapped, the link is hidden and what is left is the two workers' pace
+    # difference (noise on a loaded machine, which lands on either worker: hence the sum in DiLoCo).
+    waits = f"waits blocking {blocking['wait']}, overlapped {overlapped['wait']}"
+    if mode == "async":
+        assert overlapped["wait"]["1"] < blocking["wait"]["1"], waits
+    else:
         assert overlapped["steps"]["0"] == overlapped["steps"]["1"] == 120
-        assert overlapped["wait"]["0"] < blocking["wait"]["0"]
+    assert sum(overlapped["wait"].values()) < sum(blocking["wait"].values()), waits
