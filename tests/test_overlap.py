@@ -7,6 +7,9 @@ exact, and the workers wait less than with the blocking exchange."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from lightning_hdet.asynchronous.outer import OuterSettings
 from lightning_hdet.asynchronous.overlap import check_overlap_steps, correction, overlap_this_round
 from lightning_hdet.asynchronous.overlapped import OverlapWorker
 from lightning_hdet.asynchronous.server import Server
+from lightning_hdet.asynchronous.slow_link import LimitedTransport
 from lightning_hdet.asynchronous.transport import WorkerTransport
 from tests.test_async_defaults import SGDBoring, _loss
 
@@ -191,10 +195,24 @@ def test_rank_0_merges_in_place_from_the_outer_state_in_diloco(device: str, pull
 
 # ---------------------------------------------------------------------------------- 2 workers over a slow link
 class Record(Callback):
+    """Rank 0 writes the run's result; rank 1 (behind the link) which threads the link held: each of its waits is
+    recorded with the name of the thread it held (the exchange's background thread, or the training thread)."""
+
     def __init__(self, out: Path) -> None:
-        self.out = out
+        self.out, self.held = out, Counter()
+
+    def _held(self, seconds: float) -> None:
+        self.held[threading.current_thread().name] += 1
+        time.sleep(seconds)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        transport = trainer.strategy._exchange.worker.transport
+        if isinstance(transport, LimitedTransport):  # installed by SlowLink (listed before this callback)
+            transport.sleep = self._held
 
     def on_fit_end(self, trainer, pl_module):
+        if trainer.global_rank == 1:
+            (self.out.parent / f"{self.out.stem}_held.json").write_text(json.dumps(self.held))
         if trainer.global_rank == 0:
             result = trainer.strategy.result
             self.out.write_text(json.dumps({"loss": _loss(pl_module), "steps_done": result.steps_done,
@@ -214,7 +232,7 @@ def _fit(tmp_path: Path, mode: str, overlap: int) -> dict:
             default_root_dir=tmp_path,
             callbacks=[SlowRanks({}, base_seconds=0.02), SlowLink(bits_per_s=1e6, latency_s=0.05),
                        Record(out)]).fit(SGDBoring())
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "held": json.loads((tmp_path / f"{mode}{overlap}_held.json").read_text())}
 
 
 @pytest.mark.timeout(120)
@@ -225,6 +243,10 @@ def test_overlap_learns_keeps_the_budget_and_waits_less_on_a_slow_link(tmp_path:
     blocking, overlapped = _fit(tmp_path, mode, 0), _fit(tmp_path, mode, 6)
     for run in (blocking, overlapped):
         assert run["steps_done"] == run["budget"] == 240
+    # Blocking, the link holds the training thread at every push and pull; overlapped, only the goodbye's push (it
+    # leaves: nothing to train meanwhile), every other wait is the exchange thread's.
+    assert set(blocking["held"]) == {"MainThread"} and blocking["held"]["MainThread"] >= 4
+    assert overlapped["held"]["MainThread"] == 1 and overlapped["held"]["async-local-sgd-exchange"] >= 4
     assert overlapped["loss"] < 0.1 * initial
     # Blocking, the worker behind the link waits for it every round (≥ 100 ms), and in DiLoCo rank 0 then waits as
     # long for that worker's next push; overlapped, the link is hidden and what is left is the two workers' pace
