@@ -2,14 +2,14 @@
 correction by hand; a remote worker (background thread) and rank 0's worker (merging in place from the outer
 state) in one process, step by step, with hand-computed models and pushes; the budget with pending steps; then
 2-worker fits (gloo, fork) in async mode and DiLoCo over an emulated slow link: the run learns, the budget is
-exact, and the workers wait less than with the blocking exchange."""
+exact, and the link holds the training thread only at the goodbye (blocking: at every exchange, all of it in the
+worker's reported waits)."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -199,10 +199,10 @@ class Record(Callback):
     recorded with the name of the thread it held (the exchange's background thread, or the training thread)."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.held = out, Counter()
+        self.out, self.held = out, {}
 
     def _held(self, seconds: float) -> None:
-        self.held[threading.current_thread().name] += 1
+        self.held.setdefault(threading.current_thread().name, []).append(seconds)
         time.sleep(seconds)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -237,23 +237,22 @@ def _fit(tmp_path: Path, mode: str, overlap: int) -> dict:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_overlap_learns_keeps_the_budget_and_waits_less_on_a_slow_link(tmp_path: Path, mode: str) -> None:
+def test_overlap_learns_keeps_the_budget_and_the_link_no_longer_holds_the_worker(tmp_path: Path, mode: str) -> None:
     seed_everything(0)
     initial = _loss(SGDBoring())
     blocking, overlapped = _fit(tmp_path, mode, 0), _fit(tmp_path, mode, 6)
     for run in (blocking, overlapped):
         assert run["steps_done"] == run["budget"] == 240
-    # Blocking, the link holds the training thread at every push and pull; overlapped, only the goodbye's push (it
-    # leaves: nothing to train meanwhile), every other wait is the exchange thread's.
-    assert set(blocking["held"]) == {"MainThread"} and blocking["held"]["MainThread"] >= 4
-    assert overlapped["held"]["MainThread"] == 1 and overlapped["held"]["async-local-sgd-exchange"] >= 4
+    # Blocking, the link holds the training thread at every push and pull, and the worker's reported waits contain
+    # all of it but the goodbye's push (a 48-byte header: 0.05 + 384e-6 s; no wait is reported after it).
+    # Overlapped, the link holds the exchange thread instead, and the training thread only for the goodbye's push,
+    # which carries the last τ steps (a header and 66 float32 values, 312 bytes: 0.05 + 2496e-6 s). Seconds of the
+    # link itself, from the bytes: these do not depend on the machine's load, unlike the waits' own seconds (which
+    # fell, overlapped, in every run at a normal load, and not always with 20-40 processes on 2 cores).
+    assert set(blocking["held"]) == {"MainThread"} and len(blocking["held"]["MainThread"]) >= 4
+    assert blocking["wait"]["1"] >= sum(blocking["held"]["MainThread"]) - (0.05 + 384e-6) - 1e-9
+    assert overlapped["held"]["MainThread"] == pytest.approx([0.05 + 2496e-6])
+    assert len(overlapped["held"]["async-local-sgd-exchange"]) >= 4
     assert overlapped["loss"] < 0.1 * initial
-    # Blocking, the worker behind the link waits for it every round (≥ 100 ms), and in DiLoCo rank 0 then waits as
-    # long for that worker's next push; overlapped, the link is hidden and what is left is the two workers' pace
-    # difference (noise on a loaded machine, which lands on either worker: hence the sum in DiLoCo).
-    waits = f"waits blocking {blocking['wait']}, overlapped {overlapped['wait']}"
-    if mode == "async":
-        assert overlapped["wait"]["1"] < blocking["wait"]["1"], waits
-    else:
+    if mode == "sync":
         assert overlapped["steps"]["0"] == overlapped["steps"]["1"] == 120
-    assert sum(overlapped["wait"].values()) < sum(blocking["wait"].values()), waits
