@@ -1,5 +1,5 @@
-"""Bytes to a loss: what each exchange sends, and what a slow link makes of it (issue 43's benchmark, blocking
-exchanges only: overlap is not built yet).
+"""Bytes to a loss: what each exchange sends, and what a slow link makes of it (issue 43's benchmark; the
+``overlap`` arms train ``--overlap-steps`` inner steps while each exchange travels, the others block).
 
 Arms on W processes, the same seed, data and per-rank batch: DDP (its ring all-reduce sends ``2 (W - 1) / W``
 float32 models per rank and step, counted, not emulated), DiLoCo and async with each push codec. For the Local-SGD
@@ -35,9 +35,11 @@ from benchmarks.common import (
 )
 
 NAME = "comm_bytes"
-#: arm -> (mode, push codec); ``None``: DDP.
-ARMS = {"ddp": None, "diloco f32": ("sync", "none"), "diloco int8": ("sync", "int8"),
-        "diloco topk2": ("sync", "topk2"), "async f32": ("async", "none"), "async topk2": ("async", "topk2")}
+#: arm -> (mode, push codec, overlapped); ``None``: DDP.
+ARMS = {"ddp": None, "diloco f32": ("sync", "none", False), "diloco int8": ("sync", "int8", False),
+        "diloco topk2": ("sync", "topk2", False), "async f32": ("async", "none", False),
+        "async topk2": ("async", "topk2", False), "diloco f32 overlap": ("sync", "none", True),
+        "async f32 overlap": ("async", "none", True)}
 
 
 def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Path) -> dict:
@@ -54,6 +56,7 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
         callbacks = []
     else:
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=setting[0], compression=setting[1],
+                                         overlap_steps=args.overlap_steps if setting[2] else 0,
                                          start_method=args.start_method)
         callbacks = [SlowLink(bits_per_s=link)] if link > 0 else []
     result = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
@@ -80,11 +83,14 @@ def main() -> None:
     parser.add_argument("--links", type=float, nargs="+", default=[0.0, 1e8],
                         help="link speeds in bits per second (0: loopback)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--overlap-steps", type=int, default=None,
+                        help="τ of the overlap arms (default: a fifth of a round)")
     add_start_method_arg(parser)
     args = parser.parse_args()
     args.steps = args.steps or (20 if args.quick else 300)
     if args.quick:
         args.local_steps = min(args.local_steps, 5)
+    args.overlap_steps = args.overlap_steps or max(1, args.local_steps // 5)
     name, _ = begin(NAME, args.quick)
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +124,8 @@ def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
                      " / ".join(f"{r['wall_s']:.0f}" for r in seeds)])
     header = ["arm", "link", "final loss", "÷ DiLoCo f32", "MiB sent", "÷ DDP's bytes", "wall s"]
     return (markdown_table(header, rows) + f"\n\n{args.workload}, W = {args.workers}, {args.steps} steps per rank, "
-            f"H = {args.local_steps}, lr {args.lr}, batch {args.batch_size} per rank")
+            f"H = {args.local_steps}, lr {args.lr}, batch {args.batch_size} per rank, overlap τ = "
+            f"{getattr(args, 'overlap_steps', None)}")  # why getattr: hand-made arguments (tests) may omit it
 
 
 if __name__ == "__main__":

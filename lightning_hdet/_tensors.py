@@ -237,6 +237,16 @@ def write_from(tensors: Sequence[Tensor], flat: Tensor, device: torch.device) ->
     sync_device(device)  # ``flat`` may be overwritten by the next receive: finish reading it first
 
 
+@torch.no_grad()
+def add_from(tensors: Sequence[Tensor], flat: Tensor, device: torch.device) -> None:
+    """Add the flat host buffer ``flat`` to ``tensors`` (on ``device``), in order."""
+    offset = 0
+    for t in tensors:
+        t.add_(flat[offset : offset + t.numel()].view_as(t).to(t.device, non_blocking=True))
+        offset += t.numel()
+    sync_device(device)  # ``flat`` may be overwritten next: finish reading it first
+
+
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()

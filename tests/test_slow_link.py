@@ -30,8 +30,8 @@ class Loopback(WorkerTransport):
 
 
 def test_a_push_and_a_pull_take_their_bytes_over_the_bandwidth_plus_the_latency() -> None:
-    """8,000 bits/s (1,000 bytes/s), 0.5 s latency. A push: a 40-byte header (5 float64), 2 fragments of 100 bytes,
-    4 float32 buffer values (16 bytes), no inner state: 256 bytes, 0.256 + 0.5 s. A pull of a 700-byte model: a
+    """8,000 bits/s (1,000 bytes/s), 0.5 s latency. A push: a 48-byte header (6 float64), 2 fragments of 100 bytes,
+    4 float32 buffer values (16 bytes), no inner state: 264 bytes, 0.264 + 0.5 s. A pull of a 700-byte model: a
     24-byte header (3 float64) + 700 bytes, 0.724 + 0.5 s; a stop reply carries no model: 0.024 + 0.5 s."""
     waited: list[float] = []
     inner = Loopback(ServerHeader(8, 3))
@@ -41,7 +41,7 @@ def test_a_push_and_a_pull_take_their_bytes_over_the_bandwidth_plus_the_latency(
     assert inner.fragments == 2 and link.pull(torch.zeros(1)) == ServerHeader(8, 3)
     inner.reply = ServerHeader(0, 4)
     link.pull(torch.zeros(1))
-    assert waited == pytest.approx([0.756, 1.224, 0.524]) and link.delay_s == pytest.approx(2.504)
+    assert waited == pytest.approx([0.764, 1.224, 0.524]) and link.delay_s == pytest.approx(2.512)
 
 
 def test_the_link_is_checked_when_it_is_made() -> None:
@@ -64,7 +64,7 @@ class Delays(Callback):
 @pytest.mark.timeout(180)
 def test_slow_link_holds_every_worker_but_rank_0_for_its_bytes(tmp_path: Path) -> None:
     """BoringModel (66 float32 parameters, no buffers), H = 4, 80,000 bits/s, 10 ms latency. Rank 1's pushes weigh
-    40 + 264 bytes, its pulls 24 + 264 (a stop: 24), and after the stop its goodbye 40 (a header, nothing left to
+    48 + 264 bytes, its pulls 24 + 264 (a stop: 24), and after the stop its goodbye 48 (a header, nothing left to
     push); its first exchange (the hello) is not slowed. Rank 0's worker shares the outer optimizer's process: not
     slowed."""
     seed_everything(0)
@@ -77,6 +77,6 @@ def test_slow_link_holds_every_worker_but_rank_0_for_its_bytes(tmp_path: Path) -
     assert rank0["delay"] is None
     exchanges = rank1["rounds"][1:]  # after the hello: a push then a pull each
     stops = sum(1 for steps, _ in exchanges if steps == 0)
-    seconds = len(exchanges) * (0.01 + 8 * 304 / 80_000) + stops * (0.01 + 8 * 24 / 80_000) \
-        + (len(exchanges) - stops) * (0.01 + 8 * 288 / 80_000) + (0.01 + 8 * 40 / 80_000)
+    seconds = len(exchanges) * (0.01 + 8 * 312 / 80_000) + stops * (0.01 + 8 * 24 / 80_000) \
+        + (len(exchanges) - stops) * (0.01 + 8 * 288 / 80_000) + (0.01 + 8 * 48 / 80_000)
     assert len(exchanges) >= 2 and rank1["delay"] == pytest.approx(seconds)

@@ -23,6 +23,7 @@ from lightning_hdet._tensors import (
 )
 from lightning_hdet.asynchronous.messages import Fragments, Kind
 from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
+from lightning_hdet.asynchronous.overlapped import OverlapWorker
 from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport, WorkerRanks
 from lightning_hdet.asynchronous.server import Server
 from lightning_hdet.asynchronous.transport import GlooServerTransport, GlooWorkerTransport, WorkerTransport
@@ -54,13 +55,15 @@ class Exchange:
         ranks: this rank's place among workers of several ranks (``None``: every rank is a worker).
         worker_group: with ``ranks``, the ``gloo`` group of this rank's worker: its leader hands each reply and the
             global model on to the others over it (see :mod:`.ranks`).
+        overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking).
+            Rank 0's worker overlaps only in DiLoCo: in async mode its in-process exchange returns at once.
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
                  optimizer: Optimizer | None = None, check_self: bool = True, ranks: WorkerRanks | None = None,
-                 worker_group: Any = None) -> None:
+                 worker_group: Any = None, overlap_steps: int = 0) -> None:
         self.module, self.device, self.outer, self.workers = module, device, outer, workers
         self.groups: tuple[Any, ...] = groups
         layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
@@ -78,7 +81,10 @@ class Exchange:
         if ranks is not None and k > 1:
             transport, inner_optimizer = self._within_worker(ranks, worker_group, transport, inner_optimizer)
         assert transport is not None
-        self.worker = Worker(module, device, transport, inner_optimizer, layout, error_feedback, optimizer, check_self)
+        args = (module, device, transport, inner_optimizer, layout, error_feedback, optimizer, check_self)
+        if outer is not None and outer.step_policy.mode == "async":
+            overlap_steps = 0
+        self.worker = OverlapWorker(*args, overlap_steps=overlap_steps) if overlap_steps else Worker(*args)
 
     @staticmethod
     def _within_worker(ranks: WorkerRanks, group: Any, transport: WorkerTransport | None,

@@ -7,7 +7,7 @@ fragment as it arrives and never holds a whole model per worker.
 
 Worker -> server, in this order:
 
-1. a :class:`WorkerHeader` (``float64[5]``);
+1. a :class:`WorkerHeader` (``float64[6]``);
 2. when ``steps > 0`` and the model has floating-point buffers: their current *values* (``float32``);
 3. when ``inner_state_bytes > 0``: the worker's serialized inner optimizer state (``uint8[inner_state_bytes]``;
    only with ``checkpoint_inner_states=True``, off by default);
@@ -62,7 +62,7 @@ def _decode(tensor: Tensor, size: int, name: str) -> list[float]:
 
 @dataclass(frozen=True)
 class WorkerHeader:
-    """The header of a worker's message (``float64[5]``, fields in this order)."""
+    """The header of a worker's message (``float64[6]``, fields in this order)."""
 
     #: What the message means.
     kind: Kind
@@ -74,17 +74,20 @@ class WorkerHeader:
     wait_s: float
     #: Size of the serialized inner optimizer state that follows (0: none is sent).
     inner_state_bytes: int = 0
+    #: Inner steps of its current round the worker takes after this push, before it merges the reply (its overlap,
+    #: see :mod:`.overlap`); they are in its next push. The server keeps them out of the budget left meanwhile.
+    pending: int = 0
 
-    SIZE: ClassVar[int] = 5
+    SIZE: ClassVar[int] = 6
 
     def encode(self) -> Tensor:
         return torch.tensor([float(self.kind), float(self.steps), self.compute_s, self.wait_s,
-                             float(self.inner_state_bytes)], dtype=torch.float64)
+                             float(self.inner_state_bytes), float(self.pending)], dtype=torch.float64)
 
     @classmethod
     def decode(cls, tensor: Tensor) -> WorkerHeader:
-        kind, steps, compute_s, wait_s, state_bytes = _decode(tensor, cls.SIZE, "worker header")
-        return cls(Kind(int(kind)), int(steps), compute_s, wait_s, int(state_bytes))
+        kind, steps, compute_s, wait_s, state_bytes, pending = _decode(tensor, cls.SIZE, "worker header")
+        return cls(Kind(int(kind)), int(steps), compute_s, wait_s, int(state_bytes), int(pending))
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ class Push:
     payload_bytes: int = 0
     #: Why the outer side rejected the push (``None``: applied, or not looked at yet).
     rejected: str | None = None
+    #: Steps of the worker's round still to come before it merges the reply (:attr:`WorkerHeader.pending`).
+    pending: int = 0
 
     @classmethod
     def of(cls, worker: int, header: WorkerHeader, buffers: Tensor | None = None,
@@ -139,7 +144,7 @@ class Push:
         """The push a header announces (``gradient_bytes``: what its fragments weigh on the wire)."""
         payload = (gradient_bytes + (0 if buffers is None else 4 * buffers.numel())) if header.steps > 0 else 0
         return cls(worker, header.kind, header.steps, header.compute_s, header.wait_s, None, inner_state, buffers,
-                   payload)
+                   payload, pending=header.pending)
 
 
 @dataclass(frozen=True)
@@ -257,6 +262,12 @@ class Fragments:
         no bytes to travel, still gets the same values as the others)."""
         for codec, message, part in zip(self.pull_codecs, self.encode_pull(params, buffer), self.split(into)):
             part.copy_(message) if codec.name == "none" else codec.decode(message, part)
+
+    def pull_values(self, params: Tensor, buffer: Tensor, out: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """Each fragment of the global ``params`` as a pull leaves a worker with it, with its first value's index:
+        a view of ``params`` (``"none"``), or decoded into ``out`` (reused: consume each before the next)."""
+        for (start, _), codec, message in zip(self.ranges, self.pull_codecs, self.encode_pull(params, buffer)):
+            yield start, message if codec.name == "none" else codec.decode(message, out[: codec.numel])
 
     def decode(self, messages: Iterable[Tensor], out: Tensor) -> Iterator[Tensor]:
         """Each arriving fragment message decoded into ``out`` (a buffer of at least :attr:`largest` values,

@@ -50,7 +50,10 @@ class WorkerStats:
     rounds: int = 0
     steps: int = 0
     pulled_version: int = 0
+    #: Steps allocated in its latest reply and not pushed yet.
     in_flight: int = 0
+    #: Steps of an allocation it takes after a push, before merging the reply (overlap): in its next push.
+    pending: int = 0
     #: Bytes of pseudo-gradient and buffer payload the worker pushed so far (after compression).
     push_bytes: int = 0
     #: Pushes rejected (by the checks, or discarded by the worker itself), their inner steps, and how many of the
@@ -118,7 +121,7 @@ class AsyncStep:
         if outer.budget is None:
             return steps
         in_flight = sum(s.in_flight for w, s in outer.workers.items() if w != worker)
-        return min(steps, outer.budget - outer.steps_done - in_flight)
+        return min(steps, outer.budget - outer.steps_done - in_flight - outer.pending_steps)
 
 
 class SyncStep:
@@ -143,7 +146,7 @@ class SyncStep:
         steps = outer.local_steps.local_steps
         if outer.budget is None:
             return steps
-        return min(steps, (outer.budget - outer.steps_done) // n_waiting)
+        return min(steps, (outer.budget - outer.steps_done - outer.pending_steps) // n_waiting)
 
 
 #: The options only async mode uses, and their defaults there.
@@ -350,7 +353,7 @@ class OuterState:
         push.rejected = reason
         with self.lock:
             stats = self.workers.setdefault(push.worker, WorkerStats())
-            stats.in_flight = 0
+            stats.in_flight = stats.pending = 0  # the worker drops its overlapped steps too: it restarts from the reply
             stats.time(push.compute_s, push.wait_s)
             stats.push_bytes += push.payload_bytes
             stats.rejected += 1
@@ -409,7 +412,7 @@ class OuterState:
 
     def _record(self, push: Push) -> None:
         stats = self.workers.setdefault(push.worker, WorkerStats())
-        stats.in_flight = 0
+        stats.in_flight, stats.pending = 0, push.pending
         stats.time(push.compute_s, push.wait_s)
         stats.push_bytes += push.payload_bytes
         if push.inner_state is not None:
@@ -447,6 +450,12 @@ class OuterState:
         self._sum.zero_()
         self.outer_updates += 1
 
+    @property
+    def pending_steps(self) -> int:
+        """Steps the workers take after their latest push before merging its reply (overlap; under :attr:`lock`):
+        allocated already, pushed next time, so not in the budget left."""
+        return sum(s.pending for s in self.workers.values())
+
     def _allocate(self, worker: int, n_waiting: int) -> int:
         stats = self.workers[worker]
         stop = self.stop_requested or stats.rejected_streak >= self.max_rejections
@@ -462,7 +471,7 @@ class OuterState:
         the buffers are part of the global model a reply or snapshot reads)."""
         with self.model_lock, self.lock:
             if worker in self.workers:
-                self.workers[worker].in_flight = 0
+                self.workers[worker].in_flight = self.workers[worker].pending = 0
             self.local_steps.forget(worker)
             if self.worker_buffers.pop(worker, None) is not None and self.worker_buffers:
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
@@ -534,4 +543,5 @@ class OuterState:
             self.local_steps.load_state_dict(state["policy"])
             self.steps_done = int(state["steps_done"])
             self.outer_updates = int(state["outer_updates"])
-            self.workers = {int(w): WorkerStats(**{**s, "in_flight": 0}) for w, s in state["workers"].items()}
+            self.workers = {int(w): WorkerStats(**{**s, "in_flight": 0, "pending": 0})
+                            for w, s in state["workers"].items()}

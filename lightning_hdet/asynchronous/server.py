@@ -118,13 +118,19 @@ class Server:
         self.outer.receive(push, self.layout.decode(messages, out))
         self.inbox.put(push)
 
-    def read_model(self, worker: int, into: Tensor) -> int:
+    def read_model(self, worker: int, into: Tensor, combine: Callable[[int, Tensor], None] | None = None) -> int:
         """Copy the global parameters (as a pull leaves them: see ``pull_compression``) and buffers into ``into``
-        (rank 0's own pull); the version copied."""
+        (rank 0's own pull), or hand them to ``combine(start, values)`` piece by piece (no model-sized copy); the
+        version copied."""
         n = self.layout.numel
         with self.outer.model_lock:
-            self.layout.pull_into(self.outer.params.detach(), into[:n], self._reply)
-            into[n:].copy_(self.outer.buffers)
+            if combine is None:
+                self.layout.pull_into(self.outer.params.detach(), into[:n], self._reply)
+                into[n:].copy_(self.outer.buffers)
+            else:  # the decode buffer of rank 0's own pushes: this runs in the same (training) thread
+                for start, values in self.layout.pull_values(self.outer.params.detach(), self._reply, self._decoded):
+                    combine(start, values)
+                combine(n, self.outer.buffers)
             version = self.outer.mark_pulled(worker)
         self._replied()
         return version

@@ -38,6 +38,7 @@ from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.overlap import check_overlap_steps
 from lightning_hdet.asynchronous.ranks import check_ranks_per_worker
 from lightning_hdet.asynchronous.readouts import ExchangeReadouts
 from lightning_hdet.records import History
@@ -86,6 +87,10 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
             arguments among ``kwargs`` apply there), and push once per round; 1: each rank is a worker. A divisor of
             the world size leaving at least 2 workers; see ``docs/async.md``, "Workers of several ranks".
+        overlap_steps: ``τ``, inner steps a worker keeps taking while its round's push and pull travel; it then
+            merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
+            blocks its worker; else ``1..local_steps - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
+            overlaps in DiLoCo only. See ``docs/async.md``, "Overlapping the exchange with compute".
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -101,16 +106,17 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
                  compression: str = "none", error_feedback: bool | None = None, pull_compression: str = "none",
                  check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
-                 ranks_per_worker: int = 1, **kwargs: Any) -> None:
+                 ranks_per_worker: int = 1, overlap_steps: int = 0, **kwargs: Any) -> None:
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
         error_feedback = check_compression(compression, error_feedback, pull_compression)
         check_ranks_per_worker(ranks_per_worker)
+        check_overlap_steps(overlap_steps, local_steps, ranks_per_worker)
         if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
             raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: with `ranks_per_worker=1` the"
                              " model is not wrapped in DDP (a `ddp_comm_hook` applies inside workers of several ranks).")
         super().__init__(**kwargs)
-        self.ranks_per_worker = ranks_per_worker
+        self.ranks_per_worker, self.overlap_steps = ranks_per_worker, overlap_steps
         for name, value in vars(settings).items():  # the arguments stay readable (and settable) by name
             setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states
@@ -127,7 +133,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
                 "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
                 "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections",
-                "ranks_per_worker")
+                "ranks_per_worker", "overlap_steps")
         numbers = self.outer_settings.numbers()  # in effect
         return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_workers}
 
@@ -223,7 +229,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
                                   inner, outer, self.compression, self.error_feedback, self.pull_compression,
-                                  self.optimizers[0], self.check_pushes, ranks, self.exchange_group)
+                                  self.optimizers[0], self.check_pushes, ranks, self.exchange_group, self.overlap_steps)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
         self.diverged = True

@@ -18,6 +18,7 @@ separate jobs) plugs into :class:`~lightning_hdet.asynchronous.server.Server` an
 
 from __future__ import annotations
 
+import functools
 import queue
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -65,6 +66,9 @@ class ServerTransport(ABC):
     def close(self) -> None:
         """Let go of what carries the messages once the exchange has ended (nothing to release by default)."""
 
+
+#: Takes a piece of a reply's global model: the reply, the piece's first index in the flat model, its values.
+Combine = Callable[[ServerHeader, int, Tensor], None]
 
 #: Sends one tensor to the peer / receives one tensor from it (a process group's point-to-point call).
 Send = Callable[[Tensor], None]
@@ -193,14 +197,16 @@ class InProcessTransport(WorkerTransport):
 
     Args:
         accept: the server's entry for a push and its fragments (it consumes them before returning).
-        read_model: the server's copy of the global model into a worker's buffer; returns the version copied.
+        read_model: the server's copy of the global model into a worker's buffer (or handed piece by piece to a
+            function of ``(start, values)``); returns the version copied.
         timeout: seconds to wait for a reply.
         check: raises if the server failed (called around every wait, so the training thread sees it).
         worker: the worker id this transport speaks for (rank 0).
         gradient_bytes: bytes of one encoded pseudo-gradient (counted in ``push_bytes``).
     """
 
-    def __init__(self, accept: Callable[[Push, Iterable[Tensor]], None], read_model: Callable[[int, Tensor], int],
+    def __init__(self, accept: Callable[[Push, Iterable[Tensor]], None],
+                 read_model: Callable[[int, Tensor, Callable[[int, Tensor], None] | None], int],
                  timeout: float, check: Callable[[], None], worker: int = 0, gradient_bytes: int = 0) -> None:
         self.accept, self.read_model, self.timeout, self.check = accept, read_model, timeout, check
         self.worker, self.gradient_bytes = worker, gradient_bytes
@@ -213,11 +219,15 @@ class InProcessTransport(WorkerTransport):
         buffers = buffers.clone() if buffers is not None else None
         self.accept(Push.of(self.worker, header, buffers, inner_state, self.gradient_bytes), messages)
 
-    def pull(self, into: Tensor) -> ServerHeader:
+    def pull(self, into: Tensor, combine: Combine | None = None) -> ServerHeader:
+        """Wait for the reply, then copy the global model into ``into``; or, with ``combine``, hand it over piece by
+        piece instead (``combine(reply, start, values)``: the values from index ``start`` of the flat parameters then
+        buffers; an overlapping worker merges them in place, see :mod:`.overlapped`)."""
         header = self._replies.get(timeout=self.timeout)
         self.check()
         if header.next_local_steps > 0:
-            header = ServerHeader(header.next_local_steps, self.read_model(self.worker, into), header.rejected)
+            pieces = None if combine is None else functools.partial(combine, header)
+            header = ServerHeader(header.next_local_steps, self.read_model(self.worker, into, pieces), header.rejected)
         return header
 
     def reply(self, header: ServerHeader) -> None:

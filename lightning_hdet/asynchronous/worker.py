@@ -30,7 +30,7 @@ from lightning_hdet._tensors import (
     write_from,
 )
 from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback
-from lightning_hdet.asynchronous.messages import Fragments, Kind, WorkerHeader
+from lightning_hdet.asynchronous.messages import Fragments, Kind, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.transport import WorkerTransport
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,25 @@ class Worker:
         """Push this round (buffers and the pseudo-gradient's fragments, if any steps were taken; the inner state
         when sending it) and, unless leaving, pull the next round's length and the global model into the module."""
         compute_s = time.perf_counter() - self.round_start
+        start = time.perf_counter()  # reading, encoding and serializing count as exchange time
+        header, buffers, inner = self._outgoing(kind, compute_s)
+        self.transport.push(header, self._messages() if header.steps > 0 else iter(()), buffers, inner)
+        if kind == Kind.BYE:
+            return
+        reply = self.transport.pull(self.pulled)
+        self.wait_s = time.perf_counter() - start
+        if self._adopt(reply):
+            write_from(model_state(self.module), self.pulled, self.device)
+        self.round_start = time.perf_counter()
+
+    def _outgoing(self, kind: Kind, compute_s: float, pending: int = 0) -> tuple[WorkerHeader, Tensor | None,
+                                                                                  Tensor | None]:
+        """The header of this round's push (its steps: 0 when nothing may be pushed), its buffer values and inner
+        state; ``pending``: steps of the round still to come after the push (overlap)."""
         steps = self.steps_in_round
         if self.pulled_lent and steps:  # no pulled model to push a pseudo-gradient against
             log.warning("%s: %d step(s) after it was told to stop are not pushed.", self.name, steps)
             steps = 0
-        start = time.perf_counter()  # reading, encoding and serializing count as exchange time
         buffers = None
         if steps > 0 and self.buffers.numel():
             buffers = read_into(float_buffers(self.module), self.buffers, self.device)
@@ -115,23 +129,22 @@ class Worker:
             steps, buffers = 0, None
         # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
         inner = state_to_bytes(self.inner_optimizer.state_dict()) if self.inner_optimizer is not None else None
-        header = WorkerHeader(kind, steps, compute_s, self.wait_s, inner.numel() if inner is not None else 0)
         log.debug("push %s after %d step(s)", kind.name, steps)
-        self.transport.push(header, self._messages() if steps > 0 else iter(()), buffers, inner)
-        if kind == Kind.BYE:
-            return
-        reply = self.transport.pull(self.pulled)
+        header = WorkerHeader(kind, steps, compute_s, self.wait_s, inner.numel() if inner is not None else 0,
+                              pending if steps > 0 else 0)
+        return header, buffers, inner
+
+    def _adopt(self, reply: ServerHeader) -> bool:
+        """Take the reply's next round (a new round starts); True when it brought a model to continue from."""
         log.debug("pulled version %d, next round %d step(s)", reply.outer_updates, reply.next_local_steps)
-        self.wait_s = time.perf_counter() - start
         self.steps_in_round = 0
         self.rounds.append((reply.next_local_steps, reply.outer_updates))
         self._recover(reply.rejected, reply.next_local_steps == 0)
         if reply.next_local_steps == 0:
             self.round_steps = math.inf  # the loop would otherwise run one more batch before it stops
-        else:
-            self.round_steps = reply.next_local_steps
-            write_from(model_state(self.module), self.pulled, self.device)
-        self.round_start = time.perf_counter()
+            return False
+        self.round_steps = reply.next_local_steps
+        return True
 
     def _finite(self, buffers: Tensor | None) -> bool:
         """The local parameters (one norm per tensor, one device sync per round) and buffer values are finite."""
@@ -207,5 +220,9 @@ class Worker:
             values = read_into(flat_pieces(params, fragment.start, fragment.end), self.fragment[: fragment.numel],
                                self.device)
             torch.sub(self.pulled[fragment.start : fragment.end], values, out=values)
-            out = None if codec.name == "none" else self.message[: codec.nbytes]
-            yield self.feedback.encode_part(codec, values, fragment.start, out)
+            yield self._encode(codec, values, fragment.start)
+
+    def _encode(self, codec: Codec, gradient: Tensor, start: int) -> Tensor:
+        """One fragment's pseudo-gradient (from value ``start``; changed in place) encoded, with error feedback."""
+        out = None if codec.name == "none" else self.message[: codec.nbytes]
+        return self.feedback.encode_part(codec, gradient, start, out)

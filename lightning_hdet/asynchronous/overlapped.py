@@ -1,0 +1,192 @@
+"""A worker whose exchange overlaps its compute (``overlap_steps=τ``; the correction is in :mod:`.overlap`). No
+Lightning and no process groups here.
+
+A round of ``H`` steps (as allocated by the server) runs ``H − τ`` steps, *sends* (the push, then the pull, travel
+meanwhile), runs ``τ`` more steps, then *merges* the reply: ``θ ← θ_global_new + (θ_now − θ_at_send)``. The push
+says how many of its round's steps are still to come (``pending``), so the server keeps them out of the budget
+left until they arrive in the next push: the budget stays exact.
+
+Where things are while the exchange travels:
+
+* a remote worker keeps ``θ_at_send`` in :attr:`OverlapWorker.sent` (one model-sized host copy, pinned on CUDA),
+  and a background thread pushes ``θ_pulled − θ_at_send`` and pulls the reply into ``θ_pulled``;
+* rank 0's worker (DiLoCo; in async mode its in-process exchange returns at once and it does not overlap) pushes
+  at once, in its own thread, and keeps ``θ_at_send`` in ``θ_pulled``, which the push no longer needs; at the merge
+  it reads the global model piece by piece from the outer state: no extra model copy on rank 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_hdet._tensors import add_from, flat_pieces, host_buffer, model_state, read_into, write_from
+from lightning_hdet.asynchronous.messages import Kind, ServerHeader
+from lightning_hdet.asynchronous.overlap import correction, overlap_this_round
+from lightning_hdet.asynchronous.transport import InProcessTransport
+from lightning_hdet.asynchronous.worker import Worker
+
+
+class _Flight:
+    """A remote worker's exchange travelling in a background thread: ``run`` (the push, then the pull)."""
+
+    def __init__(self, run: Callable[[], ServerHeader]) -> None:
+        self.reply: ServerHeader | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(run,), name="async-local-sgd-exchange", daemon=True)
+        self.thread.start()
+
+    def _run(self, run: Callable[[], ServerHeader]) -> None:
+        try:
+            self.reply = run()
+        except BaseException as err:  # raised in the training thread, at the merge
+            self.error = err
+
+    def wait(self) -> ServerHeader:
+        self.thread.join()  # bounded: the transport's own waits time out
+        if self.error is not None:
+            raise RuntimeError("This worker's exchange failed while it trained on.") from self.error
+        assert self.reply is not None
+        return self.reply
+
+
+class OverlapWorker(Worker):
+    """A :class:`~.worker.Worker` that sends ``overlap_steps`` before its round ends and merges the reply after them.
+
+    Args:
+        *args, **kwargs: as :class:`~.worker.Worker`.
+        overlap_steps: ``τ``, inner steps taken while a round's push and pull travel (at most the round, see
+            :func:`~.overlap.overlap_this_round`).
+    """
+
+    def __init__(self, *args: Any, overlap_steps: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.overlap_steps = overlap_steps
+        #: Rank 0's own transport: its pull merges in place (kept aside, should a ``SlowLink`` wrap the transport).
+        self.local = self.transport if isinstance(self.transport, InProcessTransport) else None
+        self.in_place = self.local is not None
+        #: ``θ_at_send`` of a remote worker (rank 0's is kept in ``pulled``).
+        self.sent = host_buffer(0 if self.in_place else self.pulled.numel(), self.device)
+        #: This round's overlap, and its steps since the last merge.
+        self.overlap = 0
+        self.since_merge = 0
+        self._sending = False  # an exchange is travelling (sent, not merged)
+        self._flight: _Flight | None = None
+        self._carry = False  # the push in flight carried steps: its overlapped steps are carried onto the reply
+        self._compute_s = 0.0  # compute seconds of the steps in the next push, before the current stretch
+
+    def step(self) -> bool:
+        """Count one inner step; True when it is time to send, or (while an exchange travels) to merge."""
+        self.steps_in_round += 1
+        self.inner_steps += 1
+        self.since_merge += 1
+        if self._sending:
+            return self.steps_in_round >= self.overlap
+        return self.since_merge >= self.round_steps - self.overlap
+
+    def exchange(self, kind: Kind) -> None:
+        """``HELLO``: as a blocking worker. ``PUSH``: send, or merge (and send at once when the round has no steps
+        before its push). ``BYE``: merge any exchange in flight, then push what was not pushed yet and leave."""
+        if kind == Kind.HELLO:
+            super().exchange(kind)
+            self._next_round()
+            return
+        if self._sending:
+            self._merge()
+        if kind == Kind.BYE:
+            self.round_start -= self._compute_s  # the goodbye's compute seconds include its overlapped steps
+            super().exchange(kind)
+            return
+        if self.stopped or self.since_merge < self.round_steps - self.overlap:
+            return  # merged; the round goes on
+        self._send()
+        if self.overlap == 0:  # this round has no room to overlap (e.g. a first round of one step)
+            self._merge()
+
+    def _next_round(self) -> None:
+        self.since_merge = 0
+        if not self.stopped:
+            self.overlap = overlap_this_round(self.overlap_steps, int(self.round_steps), self.steps_in_round)
+
+    def _send(self) -> None:
+        start = time.perf_counter()
+        header, buffers, inner = self._outgoing(Kind.PUSH, self._compute_s + start - self.round_start, self.overlap)
+        self._carry, steps = header.steps > 0, header.steps
+        if self.in_place:
+            kept = self._keep_sent() if steps else iter(())
+            self.transport.push(header, kept, buffers, inner)
+            for _ in kept:  # a reader may stop at the last fragment (a zip): its θ_at_send is written on resuming
+                pass
+            if steps and buffers is not None:
+                self.pulled[self.layout.numel :].copy_(buffers)
+        else:
+            if steps:
+                read_into(model_state(self.module), self.sent, self.device)
+
+            def run() -> ServerHeader:
+                self.transport.push(header, self._from_sent() if steps else iter(()), buffers, inner)
+                return self.transport.pull(self.pulled)
+            self._flight = _Flight(run)
+        self._sending, self.steps_in_round, self._compute_s = True, 0, 0.0
+        self.wait_s = time.perf_counter() - start  # the blocking part of this exchange; the merge adds its own
+        self.round_start = time.perf_counter()
+
+    def _merge(self) -> None:
+        start = time.perf_counter()
+        self._compute_s += start - self.round_start
+        carried = self.steps_in_round
+        if self.in_place:
+            assert self.local is not None
+            reply = self.local.pull(self.pulled, self._combine)
+        else:
+            assert self._flight is not None
+            reply, self._flight = self._flight.wait(), None
+        carry = self._carry and reply.rejected == 0  # a rejected or discarded round is not carried on
+        if self._adopt(reply) and not self.in_place:
+            if carry:
+                add_from(model_state(self.module), correction(self.pulled, self.sent), self.device)
+            else:
+                write_from(model_state(self.module), self.pulled, self.device)
+        elif self.stopped and not self.in_place:
+            self.pulled, self.sent = self.sent, self.pulled  # the goodbye pushes the overlapped steps against θ_at_send
+        if carry:
+            self.steps_in_round = carried
+        self._sending = False
+        self._next_round()
+        self.wait_s += time.perf_counter() - start
+        self.round_start = time.perf_counter()
+
+    def _combine(self, reply: ServerHeader, start: int, values: Tensor) -> None:
+        """Rank 0: merge one piece of the global model (``values``, from index ``start``) into the module, with
+        ``θ_at_send`` read from ``pulled``, which then holds the global model (the next reference)."""
+        end = start + values.numel()
+        pieces, kept = flat_pieces(model_state(self.module), start, end), self.pulled[start:end]
+        if self._carry and reply.rejected == 0:
+            add_from(pieces, correction(values, kept), self.device)
+        else:
+            write_from(pieces, values, self.device)
+        kept.copy_(values)
+
+    def _from_sent(self) -> Iterator[Tensor]:
+        """The encoded fragments of ``θ_pulled − θ_at_send`` (a remote worker's push, from its background thread)."""
+        for fragment, codec in zip(self.layout.fragments, self.layout.codecs):
+            gradient = self.fragment[: fragment.numel]
+            torch.sub(self.pulled[fragment.start : fragment.end], self.sent[fragment.start : fragment.end],
+                      out=gradient)
+            yield self._encode(codec, gradient, fragment.start)
+
+    def _keep_sent(self) -> Iterator[Tensor]:
+        """Rank 0's push, from the model as :meth:`_messages` reads it; each fragment of ``pulled`` then holds
+        ``θ_at_send`` (written once the fragment's message was sent: the message may be a view of it)."""
+        params = list(self.module.parameters())
+        for fragment, codec in zip(self.layout.fragments, self.layout.codecs):
+            local = read_into(flat_pieces(params, fragment.start, fragment.end), self.fragment[: fragment.numel],
+                              self.device)
+            gradient = self.pulled[fragment.start : fragment.end]
+            yield self._encode(codec, gradient.sub_(local), fragment.start)
+            gradient.copy_(local)
