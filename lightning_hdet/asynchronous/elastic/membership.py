@@ -184,6 +184,11 @@ class Registration:
                 self._beat_store.add(beat_key(self.session), 1)
             except RuntimeError:  # the server is gone: the next exchange finds out and reconnects
                 self.alive = False
+                # and an exchange already waiting on the group returns now: a gloo wait on a killed peer can outlast
+                # the session (a CI run: a worker with reconnect_s=0 still waiting 300 s after its server was killed)
+                group = getattr(self, "group", None)
+                if group is not None:
+                    abort(group)
                 return
             self._stop.wait(every)
 
