@@ -317,15 +317,15 @@ def test_async_published_quick_mode(tmp_path):
 
 
 def test_async_defaults_quick_mode(tmp_path):
-    """The regression task only (two forked fits): both outer settings start from the same model, and the cells
-    are the final ÷ initial loss."""
+    """The regression task only (three forked fits): the default outer setting and the two before it start from
+    the same model, and the cells are the final ÷ initial loss."""
     data, table, _ = run_quick(tmp_path, "async_defaults", "--tasks", "regression", "--start-method", "fork")
-    robust, published = data["runs"]
-    assert (robust["outer"], published["outer"]) == ("robust", "published")
-    assert robust["initial"] == published["initial"] > 0
+    stable, robust, published = data["runs"]
+    assert (stable["outer"], robust["outer"], published["outer"]) == ("stable", "robust", "published")
+    assert stable["initial"] == robust["initial"] == published["initial"] > 0
     for run in data["runs"]:
         assert run["ratio"] == pytest.approx(run["final"] / run["initial"]) and math.isfinite(run["ratio"])
-    assert table[0] == "| task | outer | very |" and f"{robust['ratio']:.3f}" in table[2]
+    assert table[0] == "| task | outer | very |" and f"{stable['ratio']:.3f}" in table[2]
 
 
 def test_async_long_horizon_table_gives_rounds_seed_spread_and_loss_over_diloco():
