@@ -1,16 +1,17 @@
-"""The collectives between HDET groups, injected: process groups in a run, memory in a test.
+"""The collectives between HDET ranks, injected: process groups in a run, memory in a test.
 
-Everything HDET exchanges between ranks is a sum: a merge sums ``coefficient * theta`` bucket by bucket, a vote
-sums one row of numbers per group. :class:`Communicator` is that one operation (``all_reduce``, a sum in place over
-a process group); :class:`ProcessGroupCommunicator` runs it on ``torch.distributed`` and
-:class:`~lightning_hdet.hdet.fake.InMemoryCommunicator` on the threads of an in-memory world, so the merge and vote
-code above it (:class:`~lightning_hdet.hdet.merge.Merger`, :meth:`GroupComm.gather_group_values`) is the same code
-in a run and in a one-process test, as torchft's ``LocalSGD`` takes its ``Manager``.
+Everything HDET exchanges between ranks goes through one :class:`Communicator`: the sums of merges and votes, the
+guard's gradient mean and flags, the merged model of a checkpoint, the sharded strategy's start from group 0.
+:class:`ProcessGroupCommunicator` runs it on ``torch.distributed`` (what every strategy uses unless given another)
+and :class:`~lightning_hdet.hdet.fake.InMemoryCommunicator` on the threads of an in-memory world, so the code above
+it (:class:`~lightning_hdet.hdet.merge.Merger`, :meth:`GroupComm.gather_group_values`, the guard, the checkpoint
+reductions) is the same code in a run and in a one-process test, as torchft's ``LocalSGD`` takes its ``Manager``.
+Every method works in place on device tensors and returns no host value (no device-to-host sync).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,20 +19,57 @@ from torch import Tensor
 
 from lightning_hdet.hdet.layout import GroupLayout
 
+#: How an all-reduce combines the ranks' tensors.
+ReduceOp = Literal["sum", "max", "min"]
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
 
 class Communicator(Protocol):
-    """Sums between ranks (called on every rank of ``group``, in the same order)."""
+    """Collectives between ranks, called on every rank of ``group`` in the same order with the same shapes.
 
-    def all_reduce(self, tensor: Tensor, group: Any = None) -> None:
-        """Replace ``tensor`` by its sum over the ranks of ``group`` (``None``: every rank), in place."""
+    ``group`` is a process group of the communicator's kind; ``None`` means every rank.
+    """
+
+    def world_size(self, group: Any = None) -> int:
+        """The number of ranks in ``group`` (1 when there is no process group at all)."""
+
+    def all_reduce(self, tensor: Tensor, group: Any = None, op: ReduceOp = "sum") -> None:
+        """Replace ``tensor`` by its sum (or elementwise max, min) over the ranks of ``group``, in place."""
+
+    def all_reduce_future(self, tensor: Tensor, group: Any = None) -> torch.futures.Future[Tensor]:
+        """Start summing ``tensor`` over ``group`` in place; the future gives ``tensor`` once summed (what a DDP
+        communication hook returns, so the reduction overlaps the backward pass)."""
+
+    def reduce(self, tensor: Tensor, dst: int = 0, group: Any = None) -> None:
+        """Sum ``tensor`` over ``group`` onto global rank ``dst`` (in place there; other ranks' ``tensor`` is left
+        undefined)."""
+
+    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> None:
+        """Give every rank of ``group`` the ``tensor`` of the group's rank ``src`` (its index inside ``group``)."""
 
 
 class ProcessGroupCommunicator:
-    """:class:`Communicator` over ``torch.distributed`` (nothing to do without a process group of several ranks)."""
+    """:class:`Communicator` over ``torch.distributed`` (the default of every HDET strategy). A sum, max or min over
+    a single rank is skipped: it is the tensor itself."""
 
-    def all_reduce(self, tensor: Tensor, group: Any = None) -> None:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(tensor, group=group)
+    def world_size(self, group: Any = None) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(group)
+
+    def all_reduce(self, tensor: Tensor, group: Any = None, op: ReduceOp = "sum") -> None:
+        if self.world_size(group) > 1:
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
+
+    def all_reduce_future(self, tensor: Tensor, group: Any = None) -> torch.futures.Future[Tensor]:
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def reduce(self, tensor: Tensor, dst: int = 0, group: Any = None) -> None:
+        dist.reduce(tensor, dst=dst, group=group)
+
+    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> None:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
 
 
 class Place(Protocol):

@@ -16,7 +16,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_hdet._tensors import float_buffers, numel
 from lightning_hdet.hdet.merge import MergeOps, MergePart, StrategySite, iterate_states
@@ -50,7 +49,7 @@ class ShardedEnsembleOps(MergeOps):
         stats = torch.stack([sum((t.double().pow(2).sum() for t in shards), torch.zeros((), dtype=torch.float64,
                                                                                          device=self.root_device)),
                              torch.tensor(float(numel(shards)), dtype=torch.float64, device=self.root_device)])
-        dist.all_reduce(stats, group=self.shard_mesh.get_group())
+        self.communicator.all_reduce(stats, self.shard_mesh.get_group())
         std = relative_std * math.sqrt(float(stats[0]) / max(float(stats[1]), 1.0))
         # Each shard rank draws for its own slice of the group's parameters.
         gen = torch.Generator().manual_seed(seed * 1_000_003 + self.shard_mesh.get_local_rank())

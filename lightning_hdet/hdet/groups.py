@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
-from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
+from lightning_hdet.hdet.comm import Communicator, GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.executor import HDETParts
 from lightning_hdet.hdet.guard import StepGuard, skips_on_device
 from lightning_hdet.hdet.hyperparams import Explored, ExploredTables, Span, check_explore, check_optimizers, scaled
@@ -102,12 +102,19 @@ class HDETGroups:
         self._layout: Optional[GroupLayout] = None
         self._multipliers: Optional[MultiplierTable] = None
 
-    def _init_parts(self, site: MergeSite) -> None:
+    def _init_parts(self, site: MergeSite, communicator: Optional[Communicator] = None) -> None:
         """Build ``self.hdet``, the objects the callback drives (call in ``__init__``, after :meth:`_init_groups`):
-        every collective between the groups goes through one :class:`~lightning_hdet.hdet.comm.GroupComm` over
-        ``torch.distributed``; ``site`` says what this strategy's merges carry."""
-        groups = GroupComm(self, ProcessGroupCommunicator())
-        self.hdet = HDETParts(self, groups, LearningRates(self), Merger(site, groups), StepGuard())
+        every collective between the ranks goes through ``communicator`` (``None``: ``torch.distributed``, a
+        :class:`~lightning_hdet.hdet.comm.ProcessGroupCommunicator`), read back as :attr:`communicator`; ``site``
+        says what this strategy's merges carry."""
+        comm = ProcessGroupCommunicator() if communicator is None else communicator
+        groups = GroupComm(self, comm)
+        self.hdet = HDETParts(self, groups, LearningRates(self), Merger(site, groups), StepGuard(comm))
+
+    @property
+    def communicator(self) -> Communicator:
+        """What every collective of this strategy's HDET code goes through (the ``communicator`` argument)."""
+        return self.hdet.groups.comm
 
     @property
     def config(self) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 
@@ -22,7 +21,7 @@ class GroupMetricSync:
     """``reduce`` over this rank's HDET group while :attr:`group_metrics` is on (see the module docstring).
 
     A host provides ``_guard_process_group`` (the process group of this rank's group), ``root_device``,
-    ``world_size`` and a Lightning ``reduce``.
+    ``world_size``, ``communicator`` (:class:`~lightning_hdet.hdet.comm.Communicator`) and a Lightning ``reduce``.
     """
 
     group_metrics: bool = False  # on only while a validation the vote reads runs
@@ -37,7 +36,6 @@ class GroupMetricSync:
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Over every rank, whatever :attr:`group_metrics` says: a stop or save decision is the whole job's."""
         count = torch.tensor(int(decision), device=self.root_device)  # type: ignore[attr-defined]
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(count, op=ReduceOp.SUM)
+        self.communicator.all_reduce(count)  # type: ignore[attr-defined]
         return bool(count == self.world_size) if all else bool(count)  # type: ignore[attr-defined]
 

@@ -20,7 +20,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
@@ -39,6 +38,7 @@ from lightning_hdet._compat import (
     weights_only_kwargs,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
+from lightning_hdet.hdet.comm import Communicator
 from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
 from lightning_hdet.hdet.groups import GradientSync, HDETGroups
@@ -78,6 +78,8 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
             ``"momentum"``, ``"beta1"``, ``"beta2"`` are multiplied through ``1 - beta``; ``"lr"`` sets the LR's
             span (``1.0``: the LR is not explored). The votes move them as the LR
             (:mod:`~lightning_hdet.hdet.hyperparams`, docs/configuration.md). ``None``: the LR alone.
+        communicator: what every HDET collective goes through (:class:`~lightning_hdet.hdet.comm.Communicator`);
+            ``None``: ``torch.distributed`` over the strategy's process groups.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts.
 
     What the callback drives (``strategy.hdet``, an :class:`~lightning_hdet.hdet.executor.HDETParts`): the groups'
@@ -99,13 +101,14 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         gradient_sync: Optional[GradientSync] = None,
         preset: str = DEFAULT_PRESET,
         explore: Optional[Mapping[str, Span]] = None,
+        communicator: Optional[Communicator] = None,
         **kwargs: Any,
     ) -> None:
         self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self._init_parts(ReplicaSite(self))
+        self._init_parts(ReplicaSite(self), communicator)
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -165,7 +168,8 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         guard = self.hdet.guard
         if guard.enabled and not has_user_comm_hook(self) and not self._uses_grad_scaler():
             pg = ddp_kwarg(self, "process_group")
-            guard.hook = FiniteGuard(pg, dist.get_world_size(pg), self.root_device)
+            comm = self.communicator
+            guard.hook = FiniteGuard(pg, comm.world_size(pg), self.root_device, comm)
             self.model.register_comm_hook(guard.hook, FiniteGuard.hook)  # type: ignore[union-attr]
 
     @override
