@@ -18,7 +18,6 @@ from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.fsdp_ensemble import ShardSite, ShardedEnsembleOps
 from lightning_hdet.hdet.layout import GroupLayout
 from lightning_hdet.hdet.merge import Merger
-from lightning_hdet.hdet.shards import GroupGradientMean
 from tests.helpers import Regression
 from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH, scenario_dir
 
@@ -169,16 +168,7 @@ def one_rank(tmp_path: Path):
     torch.distributed.destroy_process_group()
 
 
-def test_gradient_mean_hook_scales_and_zeroes_non_finite_shards(one_rank) -> None:
-    hook = GroupGradientMean(one_rank, num_groups=4, device=torch.device("cpu"), guard=True)
-    shard = torch.tensor([4.0, 8.0])
-    hook(shard)
-    assert shard.tolist() == [1.0, 2.0] and not bool(hook.flag)  # this group's quarter of the mean over 4 groups
-    shard = torch.tensor([4.0, float("nan")])
-    hook(shard)
-    assert shard.tolist() == [0.0, 0.0] and bool(hook.flag)  # a non-finite shard never leaves the rank
-    hook.reset()
-    assert not bool(hook.flag)
+# The gradient mean hook (GroupGradientMean) over several groups: tests/test_fake_collectives.py.
 
 
 class _OneRankShards(ShardedEnsembleOps):

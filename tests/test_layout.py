@@ -84,6 +84,26 @@ def test_pure_modules_need_neither_lightning_nor_process_groups(name: str) -> No
     assert not impure, f"{name} is a pure module but imports {impure}"
 
 
+# HDET's collectives go through its injected Communicator (hdet/comm.py): tested in one process over FakeWorld.
+COMMUNICATOR = "hdet/comm.py"
+COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "scatter", "gather", "send", "recv", "isend", "irecv", "barrier",
+               "all_gather_object", "broadcast_object_list"}
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if _rel(p).startswith("hdet/") or _rel(p) == "fabric/hdet.py"],
+                         ids=_rel)
+def test_hdet_calls_collectives_only_through_its_communicator(path: Path) -> None:
+    if _rel(path) == COMMUNICATOR:
+        return
+    tree = _tree(path)
+    direct = sorted({f"{ast.unparse(node.value)}.{node.attr}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES
+                     and ast.unparse(node.value) in ("dist", "torch.distributed")})
+    direct += [n for n in _imports(tree) if n.startswith("torch.distributed.") and n.split(".")[-1] in COLLECTIVES]
+    assert not direct, f"{_rel(path)} calls {direct} directly: go through the injected Communicator ({COMMUNICATOR})"
+
+
 def test_packages_import_each_other_without_cycles() -> None:
     """hdet/ and asynchronous/ never import each other; records/ and the private helpers import neither."""
     edges: dict[str, set[str]] = {}
