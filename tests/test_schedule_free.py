@@ -9,7 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_hdet import HDETCallback, HDETStrategy, Softmax
-from lightning_hdet.hdet.merge import iterate_states
+from lightning_hdet.hdet.execution.merge import iterate_states
 from tests.helpers import START, flat_params, load_ranks, trainer_kwargs
 from tests.test_hdet_fsdp import _OneRankShards
 
