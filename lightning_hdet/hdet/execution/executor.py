@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from lightning_utilities.core.rank_zero import rank_zero_warn  # Lightning's own (same function), not Lightning
+from lightning_utilities.core.rank_zero import rank_zero_warn  # what Lightning re-exports; execution/ imports no Lightning
 
 from lightning_hdet.hdet.execution.comm import GroupComm
 from lightning_hdet.hdet.execution.guard import StepGuard
