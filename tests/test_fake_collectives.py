@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from lightning_hdet import HDETFSDPStrategy, HDETStrategy
-from lightning_hdet.hdet.comm import ProcessGroupCommunicator
-from lightning_hdet.hdet.ensemble import merged_on_rank_zero
-from lightning_hdet.hdet.fsdp_checkpoint import healthy_merge
-from lightning_hdet.hdet.guard import FiniteGuard, NonFiniteSteps
-from lightning_hdet.hdet.shards import GroupGradientMean, broadcast_from_first_group
+from lightning_hdet.hdet.execution.comm import ProcessGroupCommunicator
+from lightning_hdet.hdet.execution.guard import FiniteGuard, NonFiniteSteps
+from lightning_hdet.hdet.fsdp.checkpoint import healthy_merge
+from lightning_hdet.hdet.fsdp.shards import GroupGradientMean, broadcast_from_first_group
+from lightning_hdet.hdet.lightning.ensemble import merged_on_rank_zero
 from lightning_hdet.testing import FakeWorld
 
 pytestmark = pytest.mark.timeout(60)

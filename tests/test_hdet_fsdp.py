@@ -14,10 +14,10 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_hdet import HDETFSDPStrategy
-from lightning_hdet.hdet.comm import GroupComm
-from lightning_hdet.hdet.fsdp_ensemble import ShardSite, ShardedEnsembleOps
+from lightning_hdet.hdet.execution.comm import GroupComm
+from lightning_hdet.hdet.execution.merge import Merger
+from lightning_hdet.hdet.fsdp.ensemble import ShardSite, ShardedEnsembleOps
 from lightning_hdet.hdet.layout import GroupLayout
-from lightning_hdet.hdet.merge import Merger
 from lightning_hdet.testing import FakeWorld
 from tests.helpers import Regression
 from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH, scenario_dir
@@ -218,8 +218,8 @@ def test_sharded_merge_writes_the_target_and_moves_by_strength() -> None:
 
 
 def test_sharded_groups_validate_the_healthy_mean_and_get_their_own_state_back() -> None:
-    """Validation's swap (hdet/validation.py) on shards and buffers: swapped in, every group holds the mean of the
-    groups whose shards are finite (group 1's NaN weight leaves it out); swapped out, exactly its own values."""
+    """Validation's swap (hdet/execution/validation.py) on shards and buffers: swapped in, every group holds the mean of
+    the groups whose shards are finite (group 1's NaN weight leaves it out); swapped out, exactly its own values."""
 
     def validate(ops, module):
         ops.merger.validate_merged(True)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_hdet._tensors import finite
-from lightning_hdet.hdet.comm import ProcessGroupCommunicator
-from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device, zero_grads
+from lightning_hdet.hdet.execution.comm import ProcessGroupCommunicator
+from lightning_hdet.hdet.execution.guard import NonFiniteSteps, skips_on_device, zero_grads
 
 
 def _step(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, steps: NonFiniteSteps, grad: float) -> None:

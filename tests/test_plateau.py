@@ -194,30 +194,35 @@ def test_the_controller_rolls_a_stuck_ensemble_back_onto_the_ladder_and_leaves_a
 
 
 def test_a_roll_back_flagged_initial_returns_to_the_model_the_fit_started_from():
-    """One rank (no process group): the restore point becomes a merge's target (half the model); a roll-back
+    """One rank (one group of a FakeWorld): the restore point becomes a merge's target (half the model); a roll-back
     flagged ``initial`` writes the kept initial model instead, and without one kept falls back to the restore point."""
-    from tests.test_hdet_fsdp import _OneRankShards
+    from lightning_hdet.testing import FakeWorld
+    from tests.test_hdet_fsdp import _ShardRank
 
     module = torch.nn.Linear(2, 1)
     with torch.no_grad():
         module.weight.copy_(torch.tensor([[2.0, 4.0]]))
         module.bias.fill_(6.0)
-    ops = _OneRankShards(module, None)
-    ops.merger.ensure_restore_point(keep_initial=True)
-    ops.merger.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
-    assert module.weight.tolist() == [[1.0, 2.0]] and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0]
-    with torch.no_grad():
-        module.bias.fill_(100.0)
-    ops.merger.restore(initial=[True])
-    assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0]
-    ops.merger.restore(initial=[False])
-    assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0]
-    plain = _OneRankShards(module, None)
-    plain.merger.ensure_restore_point()  # no initial model kept: the restore point it is
-    with torch.no_grad():
-        module.bias.fill_(100.0)
-    plain.merger.restore(initial=[True])
-    assert module.bias.tolist() == [3.0]
+
+    def roll_backs(executor) -> None:
+        ops = _ShardRank(module, executor.hdet.groups.comm, 0, 1)
+        ops.merger.ensure_restore_point(keep_initial=True)
+        ops.merger.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
+        assert module.weight.tolist() == [[1.0, 2.0]] and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0]
+        with torch.no_grad():
+            module.bias.fill_(100.0)
+        ops.merger.restore(initial=[True])
+        assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0]
+        ops.merger.restore(initial=[False])
+        assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0]
+        plain = _ShardRank(module, executor.hdet.groups.comm, 0, 1)
+        plain.merger.ensure_restore_point()  # no initial model kept: the restore point it is
+        with torch.no_grad():
+            module.bias.fill_(100.0)
+        plain.merger.restore(initial=[True])
+        assert module.bias.tolist() == [3.0]
+
+    FakeWorld([0.0], [1.0]).run(roll_backs)
 
 
 def test_the_rule_is_an_option_of_the_safety_net():

@@ -1,9 +1,9 @@
 """``Fabric(strategy="hdet")``: HDET's groups, multipliers and merges on Lightning Fabric's DDP strategy.
 
-The same core as the Trainer's ``"hdet"`` (:class:`~lightning_hdet.hdet.strategy.HDETStrategy`): the groups, the
-multiplier table and the vote's collective come from :class:`~lightning_hdet.hdet.groups.HDETGroups`, merges, the
-restore point and the merged state dict from :class:`~lightning_hdet.hdet.ensemble.EnsembleOps`. What differs is
-Fabric's shape of a strategy: the user's loop calls ``optimizer.step()`` (Fabric routes it to
+The same core as the Trainer's ``"hdet"`` (:class:`~lightning_hdet.hdet.lightning.strategy.HDETStrategy`): the groups,
+the multiplier table and the vote's collective come from :class:`~lightning_hdet.hdet.lightning.groups.HDETGroups`,
+merges, the restore point and the merged state dict from :class:`~lightning_hdet.hdet.lightning.ensemble.EnsembleOps`.
+What differs is Fabric's shape of a strategy: the user's loop calls ``optimizer.step()`` (Fabric routes it to
 :meth:`HDETFabricStrategy.optimizer_step`, where this rank's multipliers are applied), Fabric has no callbacks, so
 the loop drives the votes through :class:`~lightning_hdet.fabric.loop.HDETLoop`, and ``fabric.save`` asks the
 strategy for each module's state (:meth:`get_module_state_dict`: the merged model).
@@ -28,10 +28,10 @@ from typing_extensions import override
 
 from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.hdet.comm import Communicator
-from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.execution.comm import Communicator
 from lightning_hdet.hdet.hyperparams import Span, check_optimizers
+from lightning_hdet.hdet.lightning.ensemble import EnsembleOps, ReplicaSite
+from lightning_hdet.hdet.lightning.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
 from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 
@@ -41,7 +41,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
 
     Args:
         num_groups: number of groups (``None``: from the world size and the preset), as for the Trainer's
-            :class:`~lightning_hdet.hdet.strategy.HDETStrategy`.
+            :class:`~lightning_hdet.hdet.lightning.strategy.HDETStrategy`.
         lr_multipliers: one learning-rate multiplier per group (``None``: the preset's grid, or the fan-out set by
             ``spread``), as for the Trainer's strategy.
         spread: half-width of the published fan-out, in ``[0, 1)`` (``None``: the preset's).

@@ -36,8 +36,8 @@ from torch.optim import Optimizer
 
 from lightning_hdet._compat import DCP_METADATA_FILENAME, unwrap_optimizer
 from lightning_hdet._tensors import all_finite, numel
-from lightning_hdet.hdet.comm import Communicator
-from lightning_hdet.hdet.shards import local_shards, shard_state
+from lightning_hdet.hdet.execution.comm import Communicator
+from lightning_hdet.hdet.fsdp.shards import local_shards, shard_state
 
 
 @torch.no_grad()

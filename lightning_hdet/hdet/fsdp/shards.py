@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 from lightning_hdet._tensors import float_buffers, local
-from lightning_hdet.hdet.comm import Communicator
+from lightning_hdet.hdet.execution.comm import Communicator
 
 #: Which submodules become FSDP units: a set of module classes, or a predicate on each submodule.
 ShardingPolicy = Union[set[type[Module]], Callable[[Module], bool], None]

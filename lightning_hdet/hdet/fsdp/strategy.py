@@ -4,8 +4,8 @@ The ranks form a ``(group, shard)`` device mesh. Each HDET group shards every pa
 state over its ``group_size`` ranks with FSDP2's ``fully_shard``; the ranks holding the same shard in different
 groups exchange only that shard: the gradient mean of ``gradient_sync="global"`` (HSDP), merges, and the merged
 model of a checkpoint. Everything HDET-specific (groups, learning-rate multipliers, the vote's collective) is
-shared with ``"hdet"`` through :class:`~lightning_hdet.hdet.groups.HDETGroups`; the same
-:class:`~lightning_hdet.hdet.callback.HDETCallback` drives votes, blends and the safety net.
+shared with ``"hdet"`` through :class:`~lightning_hdet.hdet.lightning.groups.HDETGroups`; the same
+:class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` drives votes, blends and the safety net.
 """
 
 from __future__ import annotations
@@ -35,15 +35,11 @@ from lightning_hdet._compat import (
     register_names,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit
-from lightning_hdet.hdet import fsdp_checkpoint
-from lightning_hdet.hdet.comm import Communicator
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups
-from lightning_hdet.hdet.hyperparams import Span
-from lightning_hdet.hdet.metric_sync import GroupMetricSync
-from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
-from lightning_hdet.hdet.shards import (
+from lightning_hdet.hdet.execution.comm import Communicator
+from lightning_hdet.hdet.fsdp import checkpoint as fsdp_checkpoint
+from lightning_hdet.hdet.fsdp.ensemble import ShardedEnsembleOps, ShardSite
+from lightning_hdet.hdet.fsdp.shards import (
     GroupGradientMean,
     ShardingPolicy,
     broadcast_from_first_group,
@@ -52,6 +48,10 @@ from lightning_hdet.hdet.shards import (
     set_all_reduce_hook,
     shard,
 )
+from lightning_hdet.hdet.hyperparams import Span
+from lightning_hdet.hdet.lightning.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.lightning.metric_sync import GroupMetricSync
+from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 
 # fully_shard's keyword arguments a user may pass through; HDET owns the mesh.
 _FSDP_KWARGS = tuple(sorted(set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}))
@@ -77,8 +77,9 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
             ``None``: the whole model is one unit. Ignored when ``configure_model`` already called ``fully_shard``
             (shard on ``self.device_mesh["shard"]``).
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
-        communicator: what every HDET collective goes through (:class:`~lightning_hdet.hdet.comm.Communicator`);
-            ``None``: ``torch.distributed`` over the strategy's device mesh.
+        communicator: what every HDET collective goes through
+            (:class:`~lightning_hdet.hdet.execution.comm.Communicator`); ``None``: ``torch.distributed`` over the
+            strategy's device mesh.
         **fsdp_kwargs: passed to every ``fully_shard`` call the strategy makes (``mp_policy``,
             ``reshard_after_forward``, ``offload_policy``, ...).
     """

@@ -4,9 +4,10 @@ Lightning reduces ``self.log(name, value, sync_dist=True)`` through the strategy
 over every rank. Under ``HDETCallback(monitor=name)`` that would hand every group the whole job's mean, so every
 vote would see a tie (and group 0 would win it). :class:`GroupMetricSync`, mixed into the Trainer's HDET strategies
 before their Lightning base, reduces such a metric over this rank's group instead while ``group_metrics`` is on:
-the callback turns it on for each validation under ``monitor`` (:meth:`~lightning_hdet.hdet.executor.HDETParts.
-sync_metrics_in_groups`). A metric logged with an explicit ``sync_dist_group`` is left alone, and Lightning's own
-decisions (``reduce_boolean_decision``: ``ModelCheckpoint``, ``EarlyStopping``, stopping) stay over every rank.
+the callback turns it on for each validation under ``monitor``
+(:meth:`~lightning_hdet.hdet.execution.executor.HDETParts. sync_metrics_in_groups`). A metric logged with an explicit
+``sync_dist_group`` is left alone, and Lightning's own decisions (``reduce_boolean_decision``: ``ModelCheckpoint``,
+``EarlyStopping``, stopping) stay over every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ class GroupMetricSync:
     """``reduce`` over this rank's HDET group while :attr:`group_metrics` is on (see the module docstring).
 
     A host provides ``_guard_process_group`` (the process group of this rank's group), ``root_device``,
-    ``world_size``, ``communicator`` (:class:`~lightning_hdet.hdet.comm.Communicator`) and a Lightning ``reduce``.
+    ``world_size``, ``communicator`` (:class:`~lightning_hdet.hdet.execution.comm.Communicator`) and a Lightning
+    ``reduce``.
     """
 
     group_metrics: bool = False  # on only while a validation the vote reads runs

@@ -1,23 +1,23 @@
 """An in-memory HDET world: G groups' parameters as rows of one tensor, one thread per group, no process group.
 
 Each group of a :class:`FakeWorld` is one simulated rank with its own :class:`FakeExecutor` (its strategy), so
-:class:`~lightning_hdet.hdet.callback.HDETCallback` (or a user's own rule) votes, merges, rescues, rolls back and
-ends its search exactly as under ``strategy="hdet"``, in milliseconds and against values a test can compute by
+:class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` (or a user's own rule) votes, merges, rescues, rolls back
+and ends its search exactly as under ``strategy="hdet"``, in milliseconds and against values a test can compute by
 hand: :meth:`FakeWorld.run` drives one callback per group in its own thread, as each rank of a real run drives its
 own.
 
 Nothing of a merge or a vote is re-implemented here: each rank's ``hdet`` is built from the strategies' own classes
-(:class:`~lightning_hdet.hdet.executor.HDETParts`): the :class:`~lightning_hdet.hdet.merge.Merger` (merges in
-buckets, the finite check, the restore point, roll-backs, the validation swap) over the group's row of the world's
-tensor (:class:`FakeSite`), the :class:`~lightning_hdet.hdet.comm.GroupComm` (the vote's all-reduce), the
-:class:`~lightning_hdet.hdet.rates.LearningRates` over the group's own multiplier table and the
-:class:`~lightning_hdet.hdet.guard.StepGuard` (its counter set by the test through :meth:`FakeWorld.skip`). The
-collectives run on an :class:`InMemoryCommunicator` (every method of
-:class:`~lightning_hdet.hdet.comm.Communicator`), which meets the other ranks' threads at a barrier and combines
-their tensors in rank order; its process groups are tuples of ranks, so a test can also treat the groups as the
-ranks of one strategy (e.g. 2 groups x 2 shards) and run the guard or a checkpoint's reduction over them. The fake adds optimizer restarts counted per group in ``restarts`` and the
-executor's contract: every collective is called by every group with the same arguments in the same order (a
-mismatch raises ``AssertionError`` naming both calls).
+(:class:`~lightning_hdet.hdet.execution.executor.HDETParts`): the :class:`~lightning_hdet.hdet.execution.merge.Merger`
+(merges in buckets, the finite check, the restore point, roll-backs, the validation swap) over the group's row of the
+world's tensor (:class:`FakeSite`), the :class:`~lightning_hdet.hdet.execution.comm.GroupComm` (the vote's all-reduce),
+the :class:`~lightning_hdet.hdet.execution.rates.LearningRates` over the group's own multiplier table and the
+:class:`~lightning_hdet.hdet.execution.guard.StepGuard` (its counter set by the test through :meth:`FakeWorld.skip`).
+The collectives run on an :class:`InMemoryCommunicator` (every method of
+:class:`~lightning_hdet.hdet.execution.comm.Communicator`), which meets the other ranks' threads at a barrier and
+combines their tensors in rank order; its process groups are tuples of ranks, so a test can also treat the groups as the
+ranks of one strategy (e.g. 2 groups x 2 shards) and run the guard or a checkpoint's reduction over them. The fake adds
+optimizer restarts counted per group in ``restarts`` and the executor's contract: every collective is called by every
+group with the same arguments in the same order (a mismatch raises ``AssertionError`` naming both calls).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet.hdet.comm import GroupComm
-from lightning_hdet.hdet.executor import HDETParts
-from lightning_hdet.hdet.guard import StepGuard
+from lightning_hdet.hdet.execution.comm import GroupComm
+from lightning_hdet.hdet.execution.executor import HDETParts
+from lightning_hdet.hdet.execution.guard import StepGuard
+from lightning_hdet.hdet.execution.merge import Merger, MergePart
+from lightning_hdet.hdet.execution.rates import LearningRates
 from lightning_hdet.hdet.hyperparams import ONE_MINUS, Explored, ExploredTables
 from lightning_hdet.hdet.layout import GroupLayout
-from lightning_hdet.hdet.merge import Merger, MergePart
 from lightning_hdet.hdet.multipliers import MultiplierTable
-from lightning_hdet.hdet.rates import LearningRates
 
 #: Seconds a group's thread waits for the others at a collective before the run is declared stuck.
 TIMEOUT = 30.0
@@ -96,7 +96,7 @@ class FakeWorld:
 
     @property
     def mergers(self) -> list[Merger]:
-        """Every group's :class:`~lightning_hdet.hdet.merge.Merger`."""
+        """Every group's :class:`~lightning_hdet.hdet.execution.merge.Merger`."""
         return [p.merger for p in self.parts]
 
     @property
@@ -223,8 +223,8 @@ class FakeWorld:
 
 
 class FakeExecutor:
-    """One group's strategy in a :class:`FakeWorld`: its :class:`~lightning_hdet.hdet.executor.HDETParts` (``hdet``,
-    what the callback drives), and what a test's training step reads (``params``, ``current_lrs()``, ...)."""
+    """One group's strategy in a :class:`FakeWorld`: its :class:`~lightning_hdet.hdet.execution.executor.HDETParts`
+    (``hdet``, what the callback drives), and what a test's training step reads (``params``, ``current_lrs()``, ...)."""
 
     def __init__(self, world: FakeWorld, group: int) -> None:
         self.world = world
@@ -272,9 +272,10 @@ def _parts(world: FakeWorld, rank: _Rank) -> HDETParts:
 
 
 class _Rank:
-    """One simulated rank of a :class:`FakeWorld`: where it stands (a :class:`~lightning_hdet.hdet.comm.Place`),
-    its multiplier table and schedule (a :class:`~lightning_hdet.hdet.rates.RateSource`) and what only a strategy
-    does (an :class:`~lightning_hdet.hdet.executor.HDETHost`: the gradient switch, its config, its files)."""
+    """One simulated rank of a :class:`FakeWorld`: where it stands (a
+    :class:`~lightning_hdet.hdet.execution.comm.Place`), its multiplier table and schedule (a
+    :class:`~lightning_hdet.hdet.execution.rates.RateSource`) and what only a strategy does (an
+    :class:`~lightning_hdet.hdet.execution.executor.HDETHost`: the gradient switch, its config, its files)."""
 
     root_device = torch.device("cpu")
 
@@ -328,7 +329,7 @@ class _Rank:
 
 
 class _CheckedRates(LearningRates):
-    """:class:`~lightning_hdet.hdet.rates.LearningRates` whose writer is held to the executor's contract."""
+    """:class:`~lightning_hdet.hdet.execution.rates.LearningRates` whose writer is held to the executor's contract."""
 
     source: _Rank
 
@@ -339,7 +340,8 @@ class _CheckedRates(LearningRates):
 
 
 class _CheckedMerger(Merger):
-    """:class:`~lightning_hdet.hdet.merge.Merger` whose calls are held to the executor's contract (the merge's own
+    """:class:`~lightning_hdet.hdet.execution.merge.Merger` whose calls are held to the executor's contract (the merge's
+    own
     all-reduces check only their shapes)."""
 
     site: FakeSite
@@ -363,7 +365,7 @@ class _CheckedMerger(Merger):
 
 
 class InMemoryCommunicator:
-    """The :class:`~lightning_hdet.hdet.comm.Communicator` of one simulated rank (one per group) of a
+    """The :class:`~lightning_hdet.hdet.execution.comm.Communicator` of one simulated rank (one per group) of a
     :class:`FakeWorld`: a collective offers this rank's tensor at a barrier of its process group's threads and
     combines every member's, in rank order. A process group is a tuple of ranks (``None``: every rank)."""
 

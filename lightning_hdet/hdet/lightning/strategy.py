@@ -4,10 +4,10 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
 
 * one process group per HDET group (created identically on every rank, destroyed in ``teardown``),
 * a per-group learning-rate multiplier applied around every optimizer step, so the scheduler never sees it
-  (shared with ``"hdet_fsdp"`` through :class:`~lightning_hdet.hdet.groups.HDETGroups`),
-* the objects :class:`~lightning_hdet.hdet.callback.HDETCallback` drives (``strategy.hdet``,
-  :class:`~lightning_hdet.hdet.executor.HDETParts`): the groups' collectives (one row of numbers per group), the
-  multiplier table, a merger (blending the groups' parameters in 25 MiB buckets, rolling back to a restore point),
+  (shared with ``"hdet_fsdp"`` through :class:`~lightning_hdet.hdet.lightning.groups.HDETGroups`),
+* the objects :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` drives (``strategy.hdet``,
+  :class:`~lightning_hdet.hdet.execution.executor.HDETParts`): the groups' collectives (one row of numbers per group),
+  the multiplier table, a merger (blending the groups' parameters in 25 MiB buckets, rolling back to a restore point),
 * an optional guard that flags, on the device, the optimizer steps of a group whose loss or gradients are
   non-finite (skipped on the device by fused optimizers),
 * checkpoints whose ``state_dict`` is the merged model, plus one file per group with its own state.
@@ -38,13 +38,13 @@ from lightning_hdet._compat import (
     weights_only_kwargs,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.hdet.comm import Communicator
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups
-from lightning_hdet.hdet.guard import FiniteGuard
+from lightning_hdet.hdet.execution.comm import Communicator
+from lightning_hdet.hdet.execution.guard import FiniteGuard
 from lightning_hdet.hdet.hyperparams import Span
-from lightning_hdet.hdet.metric_sync import GroupMetricSync
+from lightning_hdet.hdet.lightning.ensemble import EnsembleOps, ReplicaSite
+from lightning_hdet.hdet.lightning.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.lightning.metric_sync import GroupMetricSync
 from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 from typing_extensions import override
 
@@ -78,12 +78,13 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
             ``"momentum"``, ``"beta1"``, ``"beta2"`` are multiplied through ``1 - beta``; ``"lr"`` sets the LR's
             span (``1.0``: the LR is not explored). The votes move them as the LR
             (:mod:`~lightning_hdet.hdet.hyperparams`, docs/configuration.md). ``None``: the LR alone.
-        communicator: what every HDET collective goes through (:class:`~lightning_hdet.hdet.comm.Communicator`);
-            ``None``: ``torch.distributed`` over the strategy's process groups.
+        communicator: what every HDET collective goes through
+            (:class:`~lightning_hdet.hdet.execution.comm.Communicator`); ``None``: ``torch.distributed`` over the
+            strategy's process groups.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts.
 
-    What the callback drives (``strategy.hdet``, an :class:`~lightning_hdet.hdet.executor.HDETParts`): the groups'
-    collectives (``groups``), the multiplier table (``table``), the merger (``merger``: merges, restore point,
+    What the callback drives (``strategy.hdet``, an :class:`~lightning_hdet.hdet.execution.executor.HDETParts`): the
+    groups' collectives (``groups``), the multiplier table (``table``), the merger (``merger``: merges, restore point,
     roll-backs, the validation swap) and the non-finite step guard (``guard``), objects the strategy owns; besides
     them only ``set_gradient_sync(mode)`` (DDP wraps the model again), ``config`` and the explored hyperparameters'
     tables (``explored`` / ``set_explored(tables)``, under ``explore``). A user reads ``layout``, ``num_groups``,

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hdet._tensors import all_finite, finite, local
-from lightning_hdet.hdet.comm import Communicator
+from lightning_hdet.hdet.execution.comm import Communicator
 
 
 class FiniteGuard:

@@ -3,10 +3,10 @@
 Everything HDET exchanges between ranks goes through one :class:`Communicator`: the sums of merges and votes, the
 guard's gradient mean and flags, the merged model of a checkpoint, the sharded strategy's start from group 0.
 :class:`ProcessGroupCommunicator` runs it on ``torch.distributed`` (what every strategy uses unless given another)
-and :class:`~lightning_hdet.hdet.fake.InMemoryCommunicator` on the threads of an in-memory world, so the code above
-it (:class:`~lightning_hdet.hdet.merge.Merger`, :meth:`GroupComm.gather_group_values`, the guard, the checkpoint
-reductions) is the same code in a run and in a one-process test, as torchft's ``LocalSGD`` takes its ``Manager``.
-Every method works in place on device tensors and returns no host value (no device-to-host sync).
+and :class:`~lightning_hdet.hdet.execution.fake.InMemoryCommunicator` on the threads of an in-memory world, so the code
+above it (:class:`~lightning_hdet.hdet.execution.merge.Merger`, :meth:`GroupComm.gather_group_values`, the guard, the
+checkpoint reductions) is the same code in a run and in a one-process test, as torchft's ``LocalSGD`` takes its
+``Manager``. Every method works in place on device tensors and returns no host value (no device-to-host sync).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The model-state half of the HDET executor interface for sharded groups (``"hdet_fsdp"``).
 
-:class:`ShardedEnsembleOps` is mixed into :class:`~lightning_hdet.hdet.fsdp.HDETFSDPStrategy`. Merges, the restore
-point and roll-backs come from the strategy's :class:`~lightning_hdet.hdet.merge.Merger`, over what
+:class:`ShardedEnsembleOps` is mixed into :class:`~lightning_hdet.hdet.fsdp.strategy.HDETFSDPStrategy`. Merges, the
+restore point and roll-backs come from the strategy's :class:`~lightning_hdet.hdet.execution.merge.Merger`, over what
 :class:`ShardSite` names, this rank's part of the model:
 the local parameter shards, reduced across the mesh's group dimension (``across_groups``: never a full
 parameter), then the unsharded float buffers, reduced over all ranks, then the local shards of schedule-free
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from lightning_hdet._tensors import float_buffers, numel
-from lightning_hdet.hdet.merge import MergeOps, MergePart, StrategySite, iterate_states
-from lightning_hdet.hdet.shards import local_shards
+from lightning_hdet.hdet.execution.merge import MergeOps, MergePart, StrategySite, iterate_states
+from lightning_hdet.hdet.fsdp.shards import local_shards
 
 
 class ShardSite(StrategySite):
