@@ -1,11 +1,15 @@
 import os
 
-import pytest
-import torch
-
+# Before torch is imported: OpenMP reads OMP_NUM_THREADS once, when torch loads it. Set later, the parent kept one
+# thread per core while Lightning's fork launcher (which sets a child's threads only when the variable is unset) left
+# the children on more than one; a child forked after the parent had used OpenMP's threads then hung in its first
+# parallel op (GNU OpenMP is not fork-safe), e.g. a BatchNorm forward after an earlier test's big tensors.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

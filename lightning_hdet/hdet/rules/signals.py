@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_hdet._checks import check_choice, check_int, check_number, require
 
-SIGNALS = ("mean", "improvement", "forecast", "heldout")  # "heldout": see hdet/heldout.py
+SIGNALS = ("mean", "improvement", "forecast", "heldout")  # "heldout": see hdet/lightning/heldout.py
 CURVE_BINS = 8  # bins of an interval's loss curve kept on the device (a curve signal's ``bins`` by default)
 # Decay rates tried by the forecast, as multiples of 1 / interval: slower ones make the fit's asymptote an
 # ill-conditioned extrapolation far below the data; faster ones are indistinguishable from a step.
@@ -173,7 +173,8 @@ def score(row: Sequence[float], signal: str, interval: int, horizon: Optional[fl
     """
     check_choice("signal", signal, SIGNALS)
     require("signal", signal, signal != "heldout", "a signal of the training curve here",
-            "signal='heldout' scores averaged parameters on held-out batches (hdet/heldout.py), not the curve.")
+            "signal='heldout' scores averaged parameters on held-out batches (hdet/lightning/heldout.py), "
+            "not the curve.")
     if signal == "mean":
         return mean_loss(row)
     points = curve_points(row, interval)
