@@ -61,7 +61,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
         outer: ``"stable"`` (default: momentum 0.9 with warm-up and restarts, the outer lr that keeps every round
-            unamplified, 0.339), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see ``docs/async.md``); ``outer_lr``,
+            and every push's momentum echo unamplified, 0.163), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see
+            ``docs/async.md``); ``outer_lr``,
             ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when given, replace its numbers.
         delayed_nesterov: async only (refused with ``mode="sync"``, like the next two): Delayed Nesterov (default
             True) or plain Nesterov SGD (False).
