@@ -62,8 +62,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
         outer: ``"stable"`` (default: momentum 0.9 with warm-up and restarts, the outer lr that keeps every round
             and every push's momentum echo unamplified, 0.163), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see
-            ``docs/async.md``); ``outer_lr``,
-            ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when given, replace its numbers.
+            ``docs/async.md``); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when
+            given, replace its numbers (the derived lr follows ``outer_momentum`` and ``momentum_restart``).
         delayed_nesterov: async only (refused with ``mode="sync"``, like the next two): Delayed Nesterov (default
             True) or plain Nesterov SGD (False).
         dynamic_local_steps: give slower workers proportionally fewer local steps (default True).
