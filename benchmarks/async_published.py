@@ -89,12 +89,18 @@ METHODS: dict[str, dict | None] = {
     # derived from the momentum: None here, so that --outer-lr does not replace it); before issue 42, "robust".
     "async_default": {"mode": "async", "outer": "stable", "outer_lr": None},
     "async_robust": {"mode": "async", "outer": "robust"},
+    # Workers of two ranks (DDP inside each, one push per worker; asked for by name, with --world-size 4: issue 42's
+    # 2 workers x 2 ranks against 4 one-rank workers and DDP over the same 4 processes, at equal samples)
+    "diloco_2ranks": {"mode": "sync", "ranks_per_worker": 2},
+    "async_dn_dylu_2ranks": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True,
+                             "ranks_per_worker": 2},
     # DiLoCo with compressed exchanges (asked for by name: the loss change against "diloco", same seed and data)
     "diloco_bf16": {"mode": "sync", "compression": "bf16"},
     "diloco_bf16_pull": {"mode": "sync", "compression": "bf16", "pull_compression": "bf16"},
 }
 #: Methods run unless ``--methods`` names others.
-DEFAULT_METHODS = [m for m in METHODS if not m.startswith("diloco_bf16") and m != "async_robust"]
+DEFAULT_METHODS = [m for m in METHODS if not m.startswith("diloco_bf16") and m != "async_robust"
+                   and not m.endswith("_2ranks")]
 # Published final perplexity on C4 (20M model, k = 4) per heterogeneity level; async DN alone is not tabulated.
 PUBLISHED = {
     "diloco": {"none": 41.35, "slight": 41.35, "moderate": 41.35, "very": 41.35},
