@@ -11,7 +11,11 @@ sample budget ``Trainer(max_steps=S)`` (inner steps summed over workers = ``W ×
 - **async DN + DyLU**: Delayed Nesterov with dynamic local steps;
 - **DiLoCo / async DN + DyLU with outer momentum 0.5** (``_m0.5``): the published outer momentum 0.9 oscillates
   under stale pushes when one round moves the model far, as in this short run (see docs/async.md);
-- **async default**: DN + DyLU with the package's default ``outer="robust"`` (momentum warm-up and restarts).
+- **async default**: DN + DyLU with the package's default ``outer="stable"`` (momentum warm-up and restarts, the
+  outer lr of ``stable_outer_lr``);
+- **DiLoCo / async DN + DyLU with workers of two ranks** (``_2ranks``, by name, ``--world-size 4``: issue 42's
+  2 workers × 2 ranks, DDP inside each worker, against 4 one-rank workers and DDP over the same 4 processes; the
+  same samples, since every rank takes ``S`` steps; a worker is as fast as its slowest rank).
 
 The inner AdamW warms up linearly for S/10 steps, then decays with a cosine, as in the papers.
 
