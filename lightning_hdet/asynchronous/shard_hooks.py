@@ -1,0 +1,75 @@
+"""The strategy's side of FSDP2 inside workers (``inside_worker="fsdp"``; the exchange's side is in
+:mod:`.worker_shards`): what Lightning may run on a sharded worker, and the checkpoint's model state."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_hdet._compat import attached_trainer
+from lightning_hdet.hdet.shards import is_sharded
+from lightning_hdet.asynchronous.worker_shards import full_state_dict, local_state, state_from_flat
+
+#: DDPStrategy's own arguments; any other keyword (and its DDP-hook ones) is for DDP inside a worker.
+_STRATEGY_ARGS = set(inspect.signature(DDPStrategy.__init__).parameters) - {
+    "self", "kwargs", "ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period"}
+
+
+def ddp_arguments(kwargs: Mapping[str, Any]) -> list[str]:
+    """The keyword arguments that only DDP inside a worker reads."""
+    return [k for k in kwargs if k not in _STRATEGY_ARGS]
+
+
+def check_sharded_entry(model: pl.LightningModule) -> None:
+    """Refuse, before any process group, what a worker sharded with FSDP2 cannot run: validation during ``fit``
+    (rank 0 validates the global model alone while its worker's other ranks, which hold the other shards, train),
+    and any entry on a module a previous ``fit`` left sharded over groups that no longer exist."""
+    trainer = attached_trainer(model)
+    if trainer is None:
+        return
+    if is_sharded(model):
+        raise ValueError(
+            f"`inside_worker='fsdp'`: this {type(model).__name__} is still sharded by a previous fit, over process"
+            " groups that ended with it. Load the checkpoint's state_dict (the full global model) into a new module"
+            " for validate/test/predict or another fit.")
+    if trainer.state.fn == TrainerFn.FITTING and trainer.limit_val_batches != 0 and is_overridden(
+            "validation_step", model):
+        raise ValueError(
+            f"`inside_worker='fsdp'` does not validate during fit (got limit_val_batches={trainer.limit_val_batches!r}"
+            " and a validation_step): rank 0 validates alone while its worker's other ranks hold the other shards."
+            " Pass Trainer(limit_val_batches=0) and validate the checkpoint's global model after fit, or use"
+            " inside_worker='ddp'.")
+
+
+def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any] | None,
+                         diverged: bool) -> dict[str, Any]:
+    """The state dict a checkpoint holds: on rank 0 while workers train, the global model of ``snapshot`` (no
+    gather); on the other ranks then, their shards (nobody reads them: rank 0 writes); outside training, the full
+    model, gathered by every rank of each worker."""
+    if snapshot is not None:
+        return state_from_flat(module, snapshot["params"], snapshot["buffers"])
+    return local_state(module.state_dict()) if diverged else full_state_dict(module)
+
+
+class ShardedWorkersLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, whose rank 0 hands the main process the full global model (the outer
+    state's) instead of the module's own state dict: its shards, which the worker groups a gather needs no longer
+    exist to join."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        module, outer = trainer.lightning_module, getattr(trainer.strategy, "_outer", None)
+        if outer is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        full = state_from_flat(module, outer.params, outer.buffers)
+        module.state_dict = lambda *args, **kwargs: full  # why: the launcher reads module.state_dict() itself
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict

@@ -1,0 +1,167 @@
+"""FSDP2 inside workers of several ranks (``inside_worker="fsdp"``): the refused combinations in one process, and 4
+processes as 2 workers x 2 ranks through Lightning's Trainer (gloo, fork), DiLoCo and async, against the same runs
+with DDP inside."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_hdet  # noqa: F401  (registers the strategies)
+from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet.asynchronous.worker_shards import local_state
+from tests.helpers import START, load_ranks
+from tests.test_async_ranks import _held_bytes
+from tests.test_async_local_sgd import Regression
+
+
+class MLP(LightningModule):
+    """Regression through 8 -> 5 -> 1 with AdamW: 5 rows split 3 + 2 over a worker's 2 ranks, 1 row 1 + 0 (an empty
+    shard), so that uneven FSDP2 shards are exchanged too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 1))
+        self.data = Regression().data
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=8)
+
+
+def _mse(params: dict[str, torch.Tensor]) -> float:
+    model = MLP()
+    model.load_state_dict(params)
+    x, y = model.data.tensors
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model.net(x), y))
+
+
+class _Record(Callback):
+    """Each rank writes, at the end of fit, its part of the final model (its shards, or the whole module), its
+    inner optimizer state at the start and end of training, and saves a checkpoint at the end of training."""
+
+    def __init__(self, out: Path, save: bool) -> None:
+        self.out, self.save = out, save
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = copy.deepcopy(local_state(trainer.optimizers[0].state_dict()))
+
+    def on_train_end(self, trainer, pl_module):
+        if self.save:
+            trainer.save_checkpoint(self.out / "end.ckpt")
+        self.end = copy.deepcopy(local_state(trainer.optimizers[0].state_dict()))
+
+    def on_fit_end(self, trainer, pl_module):
+        s = trainer.strategy
+        torch.save({"model": local_state(pl_module.state_dict()), "start": self.start, "end": self.end,
+                    "inner_steps": s.inner_steps, "rounds": s.rounds,
+                    "held": _held_bytes(s._exchange, pl_module, trainer.optimizers[0]),
+                    "outer": s._outer.state_dict() if s._outer is not None else None},
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = False, ckpt_path=None):
+    out.mkdir(parents=True, exist_ok=True)
+    seed_everything(0)
+    fixed = {"dynamic_local_steps": False} if mode == "async" else {}
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, ranks_per_worker=2, inside_worker=inside,
+                                     start_method=START, **fixed)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=out, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      max_steps=max_steps, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[_Record(out, save)])
+    trainer.fit(MLP(), ckpt_path=ckpt_path)
+    return load_ranks(out, 4)
+
+
+def _full(ranks: list[dict], worker: int = 0) -> dict[str, torch.Tensor]:
+    """The final model of ``worker``'s ranks, its shards put back together (dim 0)."""
+    first, second = ranks[2 * worker]["model"], ranks[2 * worker + 1]["model"]
+    return {k: torch.cat([first[k], second[k]]) if first[k].dim() else first[k] for k in first}
+
+
+def _same(a: dict, b: dict, **tol) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **tol)
+
+
+@pytest.mark.timeout(600)
+def test_diloco_with_fsdp_inside_equals_ddp_inside_and_resumes(tmp_path):
+    """DiLoCo is deterministic: FSDP2 inside each worker ends on the same global model as DDP inside (up to the
+    order of float sums in the gradients' reduction); it learns; its checkpoint resumes each rank's shard of the
+    inner optimizer state."""
+    fsdp = _fit(tmp_path / "fsdp", "sync", "fsdp", save=True)
+    ddp = _fit(tmp_path / "ddp", "sync", "ddp")
+    assert sorted(fsdp[0]["outer"]["workers"]) == [0, 1] and fsdp[0]["outer"]["steps_done"] == 2 * 40
+    assert fsdp[0]["rounds"] == ddp[0]["rounds"]
+    assert fsdp[0]["held"] == ddp[0]["held"]  # rank 0's exchange holds nothing more than with DDP inside
+    final = _full(fsdp)
+    _same(final, _full(fsdp, worker=1), rtol=0, atol=0)  # every rank ends with the global model
+    _same(final, ddp[0]["model"], rtol=1e-5, atol=1e-6)
+    seed_everything(0)
+    assert _mse(final) < 0.2 * _mse(MLP().state_dict())
+    # each rank holds its shard: 3 + 2 rows of the first layer's weight; the shards' AdamW states differ
+    assert [fsdp[r]["end"]["state"][0]["exp_avg"].shape[0] for r in range(4)] == [3, 2, 3, 2]
+    path = tmp_path / "fsdp" / "end.ckpt"
+    assert sorted(p.name for p in path.parent.glob("end.ckpt.worker*")) == [
+        f"end.ckpt.worker{w}.shard{s}.pt" for w in (0, 1) for s in (0, 1)]
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["state_dict"]["net.0.weight"].shape == (5, 8)  # the full global model: plain Lightning loads it
+    resumed = _fit(tmp_path / "resumed", "sync", "fsdp", max_steps=48, ckpt_path=str(path))
+    for r in range(4):
+        _same(resumed[r]["start"]["state"], fsdp[r]["end"]["state"], rtol=0, atol=0)
+    assert resumed[0]["outer"]["steps_done"] == 2 * 48
+    assert _mse(_full(resumed)) < _mse(final) * 1.5  # it goes on from where it was, not from the start
+
+
+@pytest.mark.timeout(600)
+def test_async_with_fsdp_inside_learns_as_ddp_inside(tmp_path):
+    """Async: arrival order varies from run to run, so the final model is compared by its loss, against DDP inside."""
+    fsdp = _fit(tmp_path / "fsdp", "async", "fsdp")
+    ddp = _fit(tmp_path / "ddp", "async", "ddp")
+    assert fsdp[0]["outer"]["steps_done"] == 2 * 40 and sorted(fsdp[0]["outer"]["workers"]) == [0, 1]
+    for leader, follower in ((0, 1), (2, 3)):
+        assert fsdp[leader]["rounds"] == fsdp[follower]["rounds"]
+    final = _full(fsdp)
+    _same(final, _full(fsdp, worker=1), rtol=0, atol=0)
+    seed_everything(0)
+    start = _mse(MLP().state_dict())
+    assert _mse(final) < 0.2 * start
+    assert abs(_mse(final) - _mse(ddp[0]["model"])) < 0.05 * start
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"inside_worker": "zero3"}, r"`inside_worker='zero3'` must be one of \('ddp', 'fsdp'\)"),
+    ({"inside_worker": "fsdp"}, r"`inside_worker='fsdp'` has no effect with `ranks_per_worker=1`"),
+    ({"inside_worker": "fsdp", "ranks_per_worker": 2, "checkpoint_inner_states": True},
+     r"`checkpoint_inner_states=True` is not supported with `inside_worker='fsdp'`"),
+    ({"inside_worker": "fsdp", "ranks_per_worker": 2, "find_unused_parameters": True},
+     r"\['find_unused_parameters'\] are DDP arguments and have no effect with `inside_worker='fsdp'`"),
+])
+def test_fsdp_inside_refused_where_it_has_no_effect(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AsyncLocalSGDStrategy(**kwargs)
+
+
+def test_fsdp_inside_refuses_validation_during_fit_before_process_groups():
+    strategy = AsyncLocalSGDStrategy(ranks_per_worker=2, inside_worker="fsdp")
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
+    model = Regression()  # has a validation_step; limit_val_batches is 1.0
+    model.trainer = trainer
+    trainer.state.fn = TrainerFn.FITTING
+    with pytest.raises(ValueError, match=r"`inside_worker='fsdp'` does not validate during fit \(got"
+                                         r" limit_val_batches=1.0"):
+        strategy.connect(model)
+    assert strategy.config["inside_worker"] == "fsdp"
