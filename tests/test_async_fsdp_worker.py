@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -28,10 +27,22 @@ class MLP(LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 1))
         self.data = Regression().data
+        self.val_losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def on_validation_end(self):
+        if not self.trainer.sanity_checking:
+            self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
+
+    def val_dataloader(self):
+        return DataLoader(self.data, batch_size=8)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
@@ -66,7 +77,7 @@ class _Record(Callback):
     def on_fit_end(self, trainer, pl_module):
         s = trainer.strategy
         torch.save({"model": local_state(pl_module.state_dict()), "start": self.start, "end": self.end,
-                    "inner_steps": s.inner_steps, "rounds": s.rounds,
+                    "inner_steps": s.inner_steps, "rounds": s.rounds, "val_losses": pl_module.val_losses,
                     "held": _held_bytes(s._exchange, pl_module, trainer.optimizers[0]),
                     "outer": s._outer.state_dict() if s._outer is not None else None},
                    self.out / f"rank{trainer.global_rank}.pt")
@@ -80,7 +91,8 @@ def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = Fa
                                      start_method=START, **fixed)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=out, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      max_steps=max_steps, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[_Record(out, save)])
+                      max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                      callbacks=[_Record(out, save)])
     trainer.fit(MLP(), ckpt_path=ckpt_path)
     return load_ranks(out, 4)
 
@@ -112,6 +124,12 @@ def test_diloco_with_fsdp_inside_equals_ddp_inside_and_resumes(tmp_path):
     _same(final, ddp[0]["model"], rtol=1e-5, atol=1e-6)
     seed_everything(0)
     assert _mse(final) < 0.2 * _mse(MLP().state_dict())
+    # worker 0's ranks validated the global model together (every 10 steps, mid-round), and trained on from their own
+    # shards (else the run would not equal DDP's); the last validation saw the final global model
+    assert len(fsdp[0]["val_losses"]) == 4 and fsdp[0]["val_losses"] == fsdp[1]["val_losses"]
+    assert fsdp[0]["val_losses"] == pytest.approx(ddp[0]["val_losses"], rel=1e-5)
+    assert fsdp[0]["val_losses"][-1] == pytest.approx(_mse(final), rel=1e-5)
+    assert fsdp[2]["val_losses"] == []  # the other worker trains on
     # each rank holds its shard: 3 + 2 rows of the first layer's weight; the shards' AdamW states differ
     assert [fsdp[r]["end"]["state"][0]["exp_avg"].shape[0] for r in range(4)] == [3, 2, 3, 2]
     path = tmp_path / "fsdp" / "end.ckpt"
@@ -153,15 +171,3 @@ def test_async_with_fsdp_inside_learns_as_ddp_inside(tmp_path):
 def test_fsdp_inside_refused_where_it_has_no_effect(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AsyncLocalSGDStrategy(**kwargs)
-
-
-def test_fsdp_inside_refuses_validation_during_fit_before_process_groups():
-    strategy = AsyncLocalSGDStrategy(ranks_per_worker=2, inside_worker="fsdp")
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
-    model = Regression()  # has a validation_step; limit_val_batches is 1.0
-    model.trainer = trainer
-    trainer.state.fn = TrainerFn.FITTING
-    with pytest.raises(ValueError, match=r"`inside_worker='fsdp'` does not validate during fit \(got"
-                                         r" limit_val_batches=1.0"):
-        strategy.connect(model)
-    assert strategy.config["inside_worker"] == "fsdp"

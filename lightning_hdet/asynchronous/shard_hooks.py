@@ -10,8 +10,6 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_hdet._compat import attached_trainer
 from lightning_hdet.hdet.shards import is_sharded
@@ -28,24 +26,14 @@ def ddp_arguments(kwargs: Mapping[str, Any]) -> list[str]:
 
 
 def check_sharded_entry(model: pl.LightningModule) -> None:
-    """Refuse, before any process group, what a worker sharded with FSDP2 cannot run: validation during ``fit``
-    (rank 0 validates the global model alone while its worker's other ranks, which hold the other shards, train),
-    and any entry on a module a previous ``fit`` left sharded over groups that no longer exist."""
+    """Refuse, before any process group, an entry on a module a previous ``fit`` left sharded over process groups
+    that ended with it."""
     trainer = attached_trainer(model)
-    if trainer is None:
-        return
-    if is_sharded(model):
+    if trainer is not None and is_sharded(model):
         raise ValueError(
             f"`inside_worker='fsdp'`: this {type(model).__name__} is still sharded by a previous fit, over process"
             " groups that ended with it. Load the checkpoint's state_dict (the full global model) into a new module"
             " for validate/test/predict or another fit.")
-    if trainer.state.fn == TrainerFn.FITTING and trainer.limit_val_batches != 0 and is_overridden(
-            "validation_step", model):
-        raise ValueError(
-            f"`inside_worker='fsdp'` does not validate during fit (got limit_val_batches={trainer.limit_val_batches!r}"
-            " and a validation_step): rank 0 validates alone while its worker's other ranks hold the other shards."
-            " Pass Trainer(limit_val_batches=0) and validate the checkpoint's global model after fit, or use"
-            " inside_worker='ddp'.")
 
 
 def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any] | None,

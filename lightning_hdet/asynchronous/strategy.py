@@ -48,7 +48,12 @@ from lightning_hdet.asynchronous.shard_hooks import (
     ddp_arguments,
     sharded_module_state,
 )
-from lightning_hdet.asynchronous.worker_shards import check_inside_worker, read_full, read_sharded_model
+from lightning_hdet.asynchronous.worker_shards import (
+    check_inside_worker,
+    global_model_shards,
+    read_full,
+    read_sharded_model,
+)
 from lightning_hdet.records import History
 
 log = logging.getLogger(__name__)
@@ -245,7 +250,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                                          self._resume_state, read)
             self._resume_state = None
             self._logged_version = -1
-        else:
+        elif self.shard_group is None or ranks.worker != 0:  # with FSDP inside, worker 0's ranks validate together
             module.trainer.limit_val_batches = 0  # only rank 0 validates, with the global model
         assert self._groups is not None
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
@@ -340,7 +345,12 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._validation_view = ExitStack()  # closed in on_validation_end
-        self._validation_view.enter_context(self._global_model())
+        if self.shard_group is not None and self.diverged:
+            assert self._exchange is not None
+            self._validation_view.enter_context(global_model_shards(
+                self.lightning_module, self.root_device, self._outer, self.exchange_group, 0))
+        else:
+            self._validation_view.enter_context(self._global_model())
 
     @override
     def on_validation_end(self) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,10 +26,14 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, read_into, sync_device
+from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, read_into, sync_device, write_from
 from lightning_hdet.asynchronous.messages import Fragments
 from lightning_hdet.asynchronous.transport import WorkerTransport
 from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.hdet.validation import reshard
+
+if TYPE_CHECKING:
+    from lightning_hdet.asynchronous.outer import OuterState
 
 #: What may run inside a worker of several ranks.
 INSIDE_WORKER = ("ddp", "fsdp")
@@ -55,11 +60,12 @@ def check_inside_worker(inside_worker: str, ranks_per_worker: int, checkpoint_in
 
 
 def shard_worker(module: Module, group: Any, device_type: str) -> None:
-    """Shard ``module`` with FSDP2 over ``group`` (one worker's ranks), as one unit; ``training_step`` gathers the
-    parameters as ``forward`` does (Lightning calls it directly)."""
+    """Shard ``module`` with FSDP2 over ``group`` (one worker's ranks), as one unit; ``training_step`` and
+    ``validation_step`` gather the parameters as ``forward`` does (Lightning calls them directly)."""
     mesh = DeviceMesh.from_group(group, device_type)
     fully_shard(module, mesh=mesh)
-    register_fsdp_forward_method(module, "training_step")
+    for method in ("training_step", "validation_step"):
+        register_fsdp_forward_method(module, method)
     for name, p in module.named_parameters():
         if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
             raise ValueError(f"parameter `{name}` is not sharded on dim 0 by fully_shard: the exchange reads and writes"
@@ -234,3 +240,28 @@ def state_from_flat(module: Module, params: Tensor, buffers: Tensor) -> dict[str
             values[name] = flat[offset : offset + t.numel()].view(t.shape).clone()
             offset += t.numel()
     return {k: values.get(k, v) for k, v in module.state_dict().items()}
+
+
+@contextmanager
+def global_model_shards(module: Module, device: torch.device, outer: OuterState | None, group: Any,
+                        src: int) -> Iterator[None]:
+    """Worker 0's ranks validate the global model together: inside the block each holds its rows of it, streamed
+    from rank 0 (``outer`` given; global rank ``src``) over the worker's ``gloo`` group one parameter at a time
+    (rank 0 holds the outer state's lock meanwhile); their own shards wait in a host copy (1/k of the model)."""
+    params, buffers = list(module.parameters()), float_buffers(module)
+    mine = [local(p.detach()) for p in params] + buffers
+    saved = read_into(mine, host_buffer(numel(mine), device), device)
+    with outer.model_lock if outer is not None else nullcontext():
+        for tensors, flat in ((params, outer.params if outer is not None else None),
+                              (buffers, outer.buffers if outer is not None else None)):
+            offset = 0
+            for t in tensors:
+                full = flat[offset : offset + t.numel()] if flat is not None else torch.empty(t.numel())
+                dist.broadcast(full, src=src, group=group)
+                write_shards([t], full, device)
+                offset += t.numel()
+    try:
+        yield
+    finally:
+        reshard(module)  # a forward without backward may leave the global model gathered
+        write_from(mine, saved, device)
