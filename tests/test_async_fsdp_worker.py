@@ -83,12 +83,12 @@ class _Record(Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = False, ckpt_path=None):
+def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = False, ckpt_path=None, **kwargs):
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}
     strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, ranks_per_worker=2, inside_worker=inside,
-                                     start_method=START, **fixed)
+                                     start_method=START, **fixed, **kwargs)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=out, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0,
@@ -146,8 +146,9 @@ def test_diloco_with_fsdp_inside_equals_ddp_inside_and_resumes(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_async_with_fsdp_inside_learns_as_ddp_inside(tmp_path):
-    """Async: arrival order varies from run to run, so the final model is compared by its loss, against DDP inside."""
-    fsdp = _fit(tmp_path / "fsdp", "async", "fsdp")
+    """Async: arrival order varies from run to run, so the final model is compared by its loss, against DDP inside.
+    Each linear layer is its own FSDP2 unit here (the whole model is one in the DiLoCo test)."""
+    fsdp = _fit(tmp_path / "fsdp", "async", "fsdp", auto_wrap_policy={nn.Linear})
     ddp = _fit(tmp_path / "ddp", "async", "ddp")
     assert fsdp[0]["outer"]["steps_done"] == 2 * 40 and sorted(fsdp[0]["outer"]["workers"]) == [0, 1]
     for leader, follower in ((0, 1), (2, 3)):
@@ -165,6 +166,8 @@ def test_async_with_fsdp_inside_learns_as_ddp_inside(tmp_path):
     ({"inside_worker": "fsdp"}, r"`inside_worker='fsdp'` has no effect with `ranks_per_worker=1`"),
     ({"inside_worker": "fsdp", "ranks_per_worker": 2, "checkpoint_inner_states": True},
      r"`checkpoint_inner_states=True` is not supported with `inside_worker='fsdp'`"),
+    ({"auto_wrap_policy": {nn.Linear}}, r"`auto_wrap_policy=.*` has no effect with `inside_worker='ddp'`"),
+    ({"inside_worker": "fsdp", "ranks_per_worker": 2, "auto_wrap_policy": 3}, r"`auto_wrap_policy=3` must be None"),
     ({"inside_worker": "fsdp", "ranks_per_worker": 2, "find_unused_parameters": True},
      r"\['find_unused_parameters'\] are DDP arguments and have no effect with `inside_worker='fsdp'`"),
 ])

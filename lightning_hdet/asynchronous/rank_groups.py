@@ -34,6 +34,8 @@ class RankGroups(LocalCollectivesStrategy):
     ranks_per_worker = 1
     #: What runs inside a worker of several ranks: ``"ddp"`` or ``"fsdp"`` (FSDP2, :mod:`.worker_shards`).
     inside_worker = "ddp"
+    #: With ``inside_worker="fsdp"``: the submodules that become FSDP2 units (``None``: the whole model is one).
+    auto_wrap_policy: Any = None
     #: This fit's exchange (set by the subclass).
     _exchange: Exchange | None = None
     #: This rank's worker's groups: DDP's (the default backend: NCCL on GPUs) and the exchange's (``gloo``).
@@ -77,7 +79,7 @@ class RankGroups(LocalCollectivesStrategy):
                 self._worker_groups = groups
         assert self._worker_groups is not None
         if self.inside_worker == "fsdp":
-            shard_worker(self.model, self._worker_groups[0], self.root_device.type)
+            shard_worker(self.model, self._worker_groups[0], self.root_device.type, self.auto_wrap_policy)
             return
         set_ddp_kwarg(self, "process_group", self._worker_groups[0])
         DDPStrategy.configure_ddp(self)

@@ -48,6 +48,7 @@ from lightning_hdet.asynchronous.shard_hooks import (
     ddp_arguments,
     sharded_module_state,
 )
+from lightning_hdet.hdet.shards import ShardingPolicy
 from lightning_hdet.asynchronous.worker_shards import (
     check_inside_worker,
     global_model_shards,
@@ -102,7 +103,10 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             the world size leaving at least 2 workers; see ``docs/async.md``, "Workers of several ranks".
         inside_worker: how a worker's ranks train together: ``"ddp"`` (each holds the model) or ``"fsdp"`` (FSDP2
             over the worker's ranks: each holds ``1 / k`` of the model, gradients and inner optimizer state; needs
-            ``ranks_per_worker >= 2``, no validation during ``fit``). See ``docs/async.md``, "FSDP2 inside a worker".
+            ``ranks_per_worker >= 2``). See ``docs/async.md``, "FSDP2 inside a worker".
+        auto_wrap_policy: with ``inside_worker="fsdp"``, the submodules that become FSDP2 units (their parameters
+            gathered one unit at a time), as for Lightning's ``FSDPStrategy``: a set of module classes (e.g.
+            ``{TransformerBlock}``) or a predicate; ``None``: the whole model is one unit.
         overlap_steps: ``τ``, inner steps a worker keeps taking while its round's push and pull travel; it then
             merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
             blocks its worker; else ``1..local_steps - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
@@ -122,18 +126,21 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
                  compression: str = "none", error_feedback: bool | None = None, pull_compression: str = "none",
                  check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
-                 ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp", **kwargs: Any) -> None:
+                 ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
+                 auto_wrap_policy: ShardingPolicy = None, **kwargs: Any) -> None:
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
         error_feedback = check_compression(compression, error_feedback, pull_compression)
         check_ranks_per_worker(ranks_per_worker)
         check_overlap_steps(overlap_steps, local_steps, ranks_per_worker)
-        check_inside_worker(inside_worker, ranks_per_worker, checkpoint_inner_states, ddp_arguments(kwargs))
+        check_inside_worker(inside_worker, ranks_per_worker, checkpoint_inner_states, ddp_arguments(kwargs),
+                            auto_wrap_policy)
         if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
             raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: with `ranks_per_worker=1` the"
                              " model is not wrapped in DDP (a `ddp_comm_hook` applies inside workers of several ranks).")
         super().__init__(**kwargs)
         self.ranks_per_worker, self.overlap_steps, self.inside_worker = ranks_per_worker, overlap_steps, inside_worker
+        self.auto_wrap_policy = auto_wrap_policy
         for name, value in vars(settings).items():  # the arguments stay readable (and settable) by name
             setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states

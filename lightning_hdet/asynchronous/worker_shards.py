@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -30,6 +30,7 @@ from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, re
 from lightning_hdet.asynchronous.messages import Fragments
 from lightning_hdet.asynchronous.transport import WorkerTransport
 from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.hdet.shards import ShardingPolicy, shard
 from lightning_hdet.hdet.validation import reshard
 
 if TYPE_CHECKING:
@@ -40,13 +41,22 @@ INSIDE_WORKER = ("ddp", "fsdp")
 
 
 def check_inside_worker(inside_worker: str, ranks_per_worker: int, checkpoint_inner_states: bool,
-                        ddp_kwargs: Sequence[str]) -> None:
+                        ddp_kwargs: Sequence[str], auto_wrap_policy: ShardingPolicy = None) -> None:
     """Refuse an ``inside_worker`` that is unknown or would have no effect (before any process group)."""
     if inside_worker not in INSIDE_WORKER:
         raise ValueError(f"`inside_worker={inside_worker!r}` must be one of {INSIDE_WORKER}: how the ranks of a worker"
                          " train together (DDP: each holds the model; FSDP2: each holds 1/k of it).")
     if inside_worker == "ddp":
+        if auto_wrap_policy is not None:
+            raise ValueError(f"`auto_wrap_policy={auto_wrap_policy!r}` has no effect with `inside_worker='ddp'`: it"
+                             " picks FSDP2's units. Use inside_worker='fsdp' (with ranks_per_worker >= 2), or drop it.")
         return
+    policy_ok = auto_wrap_policy is None or callable(auto_wrap_policy) or (
+        isinstance(auto_wrap_policy, (set, frozenset, list, tuple))
+        and all(isinstance(c, type) and issubclass(c, Module) for c in auto_wrap_policy))
+    if not policy_ok:
+        raise ValueError(f"`auto_wrap_policy={auto_wrap_policy!r}` must be None, a set of torch.nn.Module classes or"
+                         " a callable(module) -> bool (the submodules that become FSDP2 units).")
     if ranks_per_worker == 1:
         raise ValueError("`inside_worker='fsdp'` has no effect with `ranks_per_worker=1`: a one-rank worker has nothing"
                          " to shard over. Use ranks_per_worker >= 2 (e.g. the GPUs per node), or drop inside_worker.")
@@ -59,11 +69,11 @@ def check_inside_worker(inside_worker: str, ranks_per_worker: int, checkpoint_in
                          " DDP inside the worker). Drop them, or use inside_worker='ddp'.")
 
 
-def shard_worker(module: Module, group: Any, device_type: str) -> None:
-    """Shard ``module`` with FSDP2 over ``group`` (one worker's ranks), as one unit; ``training_step`` and
-    ``validation_step`` gather the parameters as ``forward`` does (Lightning calls them directly)."""
-    mesh = DeviceMesh.from_group(group, device_type)
-    fully_shard(module, mesh=mesh)
+def shard_worker(module: Module, group: Any, device_type: str, policy: ShardingPolicy = None) -> None:
+    """Shard ``module`` with FSDP2 over ``group`` (one worker's ranks): the submodules ``policy`` picks as their own
+    units, then the root; ``training_step`` and ``validation_step`` gather the parameters as ``forward`` does
+    (Lightning calls them directly)."""
+    shard(module, DeviceMesh.from_group(group, device_type), policy)
     for method in ("training_step", "validation_step"):
         register_fsdp_forward_method(module, method)
     for name, p in module.named_parameters():
