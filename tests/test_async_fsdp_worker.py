@@ -93,8 +93,11 @@ def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = Fa
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0,
                       callbacks=[_Record(out, save)])
-    trainer.fit(MLP(), ckpt_path=ckpt_path)
-    return load_ranks(out, 4)
+    model = MLP()
+    trainer.fit(model, ckpt_path=ckpt_path)
+    ranks = load_ranks(out, 4)
+    ranks[0]["handed_back"] = model.state_dict()  # what the fork launcher gave the main process
+    return ranks
 
 
 def _full(ranks: list[dict], worker: int = 0) -> dict[str, torch.Tensor]:
@@ -122,6 +125,7 @@ def test_diloco_with_fsdp_inside_equals_ddp_inside_and_resumes(tmp_path):
     final = _full(fsdp)
     _same(final, _full(fsdp, worker=1), rtol=0, atol=0)  # every rank ends with the global model
     _same(final, ddp[0]["model"], rtol=1e-5, atol=1e-6)
+    _same(fsdp[0]["handed_back"], final, rtol=0, atol=0)  # the main process gets the full global model
     seed_everything(0)
     assert _mse(final) < 0.2 * _mse(MLP().state_dict())
     # worker 0's ranks validated the global model together (every 10 steps, mid-round), and trained on from their own

@@ -1,5 +1,6 @@
 """The strategy's side of FSDP2 inside workers (``inside_worker="fsdp"``; the exchange's side is in
-:mod:`.worker_shards`): what Lightning may run on a sharded worker, and the checkpoint's model state."""
+:mod:`.worker_shards`): what Lightning may run on a sharded worker, the checkpoint's model state, and the
+fork/spawn launcher's hand-over of the final model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 
 from lightning_hdet._compat import attached_trainer
 from lightning_hdet.hdet.shards import is_sharded
-from lightning_hdet.asynchronous.worker_shards import full_state_dict, local_state, state_from_flat
+from lightning_hdet.asynchronous.outer import OuterState
+from lightning_hdet.asynchronous.worker_shards import local_state, state_from_flat
 
 #: DDPStrategy's own arguments; any other keyword (and its DDP-hook ones) is for DDP inside a worker.
 _STRATEGY_ARGS = set(inspect.signature(DDPStrategy.__init__).parameters) - {
@@ -36,14 +38,20 @@ def check_sharded_entry(model: pl.LightningModule) -> None:
             " for validate/test/predict or another fit.")
 
 
-def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any] | None,
-                         diverged: bool) -> dict[str, Any]:
-    """The state dict a checkpoint holds: on rank 0 while workers train, the global model of ``snapshot`` (no
-    gather); on the other ranks then, their shards (nobody reads them: rank 0 writes); outside training, the full
-    model, gathered by every rank of each worker."""
+def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any] | None, outer: OuterState | None,
+                         writes: bool) -> dict[str, Any]:
+    """The state dict a checkpoint holds, never gathered (the worker groups end with ``fit``): on rank 0 the global
+    model of ``snapshot`` (while workers train) or of ``outer`` (after ``fit``); elsewhere this rank's shards
+    (nobody reads them: rank 0 writes). ``writes``: this rank writes the checkpoint."""
     if snapshot is not None:
         return state_from_flat(module, snapshot["params"], snapshot["buffers"])
-    return local_state(module.state_dict()) if diverged else full_state_dict(module)
+    if outer is not None:
+        with outer.model_lock:
+            return state_from_flat(module, outer.params, outer.buffers)
+    if writes:
+        raise RuntimeError("`inside_worker='fsdp'`: rank 0 has no global model to write before its first fit starts"
+                           " training (its module holds one shard).")
+    return local_state(module.state_dict())
 
 
 class ShardedWorkersLauncher(_MultiProcessingLauncher):
@@ -55,7 +63,7 @@ class ShardedWorkersLauncher(_MultiProcessingLauncher):
         module, outer = trainer.lightning_module, getattr(trainer.strategy, "_outer", None)
         if outer is None:
             return super()._collect_rank_zero_results(trainer, results)
-        full = state_from_flat(module, outer.params, outer.buffers)
+        full = sharded_module_state(module, None, outer, True)
         module.state_dict = lambda *args, **kwargs: full  # why: the launcher reads module.state_dict() itself
         try:
             return super()._collect_rank_zero_results(trainer, results)

@@ -374,7 +374,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         snapshot = self._outer.state_dict() if self.diverged and self._outer is not None else None
         self._outer_snapshot = snapshot
         if self.shard_group is not None:
-            return sharded_module_state(self.lightning_module, snapshot, self.diverged)
+            return sharded_module_state(self.lightning_module, snapshot, self._outer, self.is_global_zero)
         with self._global_model(snapshot):
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 

@@ -121,8 +121,8 @@ def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device
 
 def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Tensor]]:
     """For each fragment of ``layout`` in turn, its pieces of the full parameters: each parameter is gathered once
-    (every parameter, in order, also the empty ones, so that every rank of the worker calls the same gathers) and
-    kept only while a fragment still reads it."""
+    (every parameter, in order, also the empty ones, so that every rank of the worker calls the same gathers; by
+    the last fragment all are) and kept only while a fragment still reads it."""
     gathered: dict[int, Tensor] = {}
     next_param, offset, offsets = 0, 0, []
     for p in params:
@@ -136,8 +136,9 @@ def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Te
             gathered[next_param] = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).reshape(-1)
             next_param += 1
 
-    for fragment in layout.fragments:
-        gather_upto(fragment.end)
+    for index, fragment in enumerate(layout.fragments):
+        # the last fragment also gathers trailing empty parameters: a consumer stops asking after the last one
+        gather_upto(fragment.end if index < len(layout.fragments) - 1 else math.inf)
         pieces = []
         for i in sorted(gathered):
             lo, hi = max(fragment.start, offsets[i]), min(fragment.end, offsets[i] + params[i].numel())
@@ -146,7 +147,6 @@ def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Te
             if offsets[i] + params[i].numel() <= fragment.end:
                 del gathered[i]  # no later fragment reads it
         yield pieces
-    gather_upto(math.inf)  # trailing empty parameters: the other ranks gather them too
 
 
 class ShardedWorker(Worker):
@@ -232,11 +232,6 @@ def sharded_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict
 
     state = {i: {k: restore(i, v) for k, v in entry.items()} for i, entry in saved["state"].items()}
     return {**saved, "state": state}
-
-
-def full_state_dict(module: Module) -> dict[str, Any]:
-    """The module's state dict with full tensors (every rank of each worker gathers, in the same order)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in module.state_dict().items()}
 
 
 def state_from_flat(module: Module, params: Tensor, buffers: Tensor) -> dict[str, Any]:
