@@ -7,7 +7,9 @@ the gathered values fragment by fragment into its fragment buffer, as a one-rank
 model-sized copy is added on any rank: the leader holds what a DDP leader holds (``theta_pulled`` and one
 fragment), the others the pulled model they already receive. The pulled global model is written back shard-wise:
 each rank copies its own rows of each parameter (FSDP2 shards dim 0 as ``torch.chunk`` does) from the pulled host
-buffer. No Lightning here; the process groups are given.
+buffer. Worker 0's ranks validate the global model together, rank 0 streaming it one parameter at a time
+(:func:`global_model_shards`); checkpoints hold each rank's shard of the inner optimizer state as plain tensors
+(:func:`local_state`, :func:`sharded_optimizer_state`). No Lightning here; the process groups are given.
 """
 
 from __future__ import annotations
