@@ -13,7 +13,9 @@ from torch.utils.data import DataLoader
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy
-from lightning_hdet.asynchronous.worker_shards import local_state
+from lightning_hdet._tensors import flat_pieces
+from lightning_hdet.asynchronous.messages import Fragments
+from lightning_hdet.asynchronous.worker_shards import full_pieces, local_state, rows
 from tests.helpers import START, load_ranks
 from tests.test_async_ranks import _held_bytes
 from tests.test_async_local_sgd import Regression
@@ -178,3 +180,39 @@ def test_async_with_fsdp_inside_learns_as_ddp_inside(tmp_path):
 def test_fsdp_inside_refused_where_it_has_no_effect(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AsyncLocalSGDStrategy(**kwargs)
+
+
+def test_full_pieces_read_each_fragment_of_parameters_split_across_fragments():
+    """Fragments of 12 values over parameters of 20, 0, 7 and 0 values (split across fragments, empty in the middle
+    and at the end): each fragment's pieces are its values, as a one-rank worker reads them."""
+    params = [torch.arange(20.0).view(4, 5), torch.empty(0, 3), torch.arange(100.0, 107.0), torch.empty(0)]
+    layout = Fragments([p.shape for p in params], max_bytes=4 * 12)
+    pieces = list(full_pieces(params, layout))
+    assert len(pieces) == len(layout.fragments) > 2
+    for fragment, got in zip(layout.fragments, pieces):
+        assert torch.equal(torch.cat(got), torch.cat(flat_pieces(params, fragment.start, fragment.end)))
+
+
+def test_rows_follow_fsdp2_chunks():
+    """FSDP2's Shard(0): ceil(n / k) rows per rank, the last ranks' shorter or empty."""
+
+    class _Mesh:
+        def __init__(self, rank: int, size: int) -> None:
+            self.rank, self.n = rank, size
+
+        def size(self) -> int:
+            return self.n
+
+        def get_local_rank(self) -> int:
+            return self.rank
+
+    class _Param:
+        def __init__(self, n: int, rank: int, size: int) -> None:
+            self.shape, self.device_mesh = (n, 3), _Mesh(rank, size)
+
+        def dim(self) -> int:
+            return 2
+
+    assert [rows(_Param(5, r, 2)) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [rows(_Param(1, r, 2)) for r in range(2)] == [(0, 1), (1, 1)]
+    assert [rows(_Param(5, r, 4)) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
