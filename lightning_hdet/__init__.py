@@ -11,15 +11,15 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hdet.asynchronous.strategy import AsyncLocalSGDStrategy
 from lightning_hdet.hdet.rules.blends import blend_coefficients
-from lightning_hdet.hdet.callback import HDETCallback
+from lightning_hdet.hdet.lightning.callback import HDETCallback
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic import ElasticWorkerStrategy, OuterService
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
 from lightning_hdet.hdet.layout import fan_out
 from lightning_hdet.hdet.rules.plateau import PlateauRule
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
-from lightning_hdet.hdet.fsdp import HDETFSDPStrategy
-from lightning_hdet.hdet.strategy import HDETStrategy
+from lightning_hdet.hdet.fsdp.strategy import HDETFSDPStrategy
+from lightning_hdet.hdet.lightning.strategy import HDETStrategy
 from lightning_hdet.replay import HDETReplay, LRTrajectory
 from lightning_hdet.testing import SlowLink, SlowRanks
 from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Softmax, TrustRegion

@@ -1,7 +1,7 @@
 """Testing and benchmarking aids: HDET in one process, and devices of unequal speed on one machine.
 
-:class:`FakeWorld` (see :mod:`lightning_hdet.hdet.fake`) holds every HDET group's parameters as plain tensors and
-implements the strategy side of HDET for each group, so an :class:`~lightning_hdet.HDETCallback` (or your own vote
+:class:`FakeWorld` (see :mod:`lightning_hdet.hdet.execution.fake`) holds every HDET group's parameters as plain tensors
+and implements the strategy side of HDET for each group, so an :class:`~lightning_hdet.HDETCallback` (or your own vote
 rule) can be tested in one process, without a process group, against values computed by hand::
 
     world = FakeWorld(params=[[1.0], [3.0]], lr_multipliers=[1.0, 2.0])
@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_hdet.asynchronous.slow_link import LimitedTransport, check_link
-from lightning_hdet.hdet.fake import FakeExecutor, FakeModule, FakeTrainer, FakeWorld
+from lightning_hdet.hdet.execution.fake import FakeExecutor, FakeModule, FakeTrainer, FakeWorld
 
 #: Seconds per step of the four heterogeneous workers in the asynchronous Local-SGD paper's toy example.
 PUBLISHED_STEP_SECONDS: tuple[float, ...] = (0.58, 0.75, 1.51, 3.33)

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import PBT, Best, HDETCallback, HDETStrategy, SafetyNet, Search, Softmax
 from lightning_hdet.experimental import InitNoise, PartialMerge
-from lightning_hdet.hdet.checkpoints import group_file
+from lightning_hdet.hdet.lightning.checkpoints import group_file
 from tests.helpers import START, LinearModel, Recorder, Regression, SGDBoring, flat_params, load_ranks, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(300)
@@ -266,7 +266,7 @@ def test_the_default_search_ends_at_a_quarter_of_the_run(max_steps, estimated, e
     as given."""
     from types import SimpleNamespace
 
-    from lightning_hdet.hdet.callback import _search_plan, search_steps
+    from lightning_hdet.hdet.lightning.callback import _search_plan, search_steps
 
     trainer = SimpleNamespace(max_steps=max_steps, estimated_stepping_batches=estimated)
     assert search_steps(Search(), trainer) == expected

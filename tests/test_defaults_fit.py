@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_hdet import HDETCallback, HDETStrategy
-from lightning_hdet.hdet.callback import vote_plan
 from lightning_hdet.hdet.hyperparams import initial_multipliers
 from lightning_hdet.hdet.layout import GroupLayout, make_layout
+from lightning_hdet.hdet.lightning.callback import vote_plan
 from lightning_hdet.hdet.rules.defaults import default_num_groups, span_grid, user_group, vote_interval
 from tests.helpers import START, LinearModel, Recorder, SGDBoring, load_ranks, trainer_kwargs
 

@@ -14,11 +14,11 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_hdet import HDETFSDPStrategy
-from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
-from lightning_hdet.hdet.fsdp_ensemble import ShardSite, ShardedEnsembleOps
+from lightning_hdet.hdet.execution.comm import GroupComm
+from lightning_hdet.hdet.execution.merge import Merger
+from lightning_hdet.hdet.fsdp.ensemble import ShardSite, ShardedEnsembleOps
 from lightning_hdet.hdet.layout import GroupLayout
-from lightning_hdet.hdet.merge import Merger
-from lightning_hdet.hdet.shards import GroupGradientMean
+from lightning_hdet.testing import FakeWorld
 from tests.helpers import Regression
 from tests.scripts.hdet_fsdp_run import MLP, STEPS_PER_EPOCH, scenario_dir
 
@@ -161,93 +161,76 @@ def test_bad_arguments_fail_before_any_process_group(kwargs: dict, devices: int,
     assert not torch.distributed.is_initialized()
 
 
-@pytest.fixture
-def one_rank(tmp_path: Path):
-    """A one-process gloo group for the collectives' arithmetic (destroyed after the test)."""
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield torch.distributed.group.WORLD
-    torch.distributed.destroy_process_group()
+# The gradient mean hook (GroupGradientMean) over several groups: tests/test_fake_collectives.py.
 
 
-def test_gradient_mean_hook_scales_and_zeroes_non_finite_shards(one_rank) -> None:
-    hook = GroupGradientMean(one_rank, num_groups=4, device=torch.device("cpu"), guard=True)
-    shard = torch.tensor([4.0, 8.0])
-    hook(shard)
-    assert shard.tolist() == [1.0, 2.0] and not bool(hook.flag)  # this group's quarter of the mean over 4 groups
-    shard = torch.tensor([4.0, float("nan")])
-    hook(shard)
-    assert shard.tolist() == [0.0, 0.0] and bool(hook.flag)  # a non-finite shard never leaves the rank
-    hook.reset()
-    assert not bool(hook.flag)
+class _ShardRank(ShardedEnsembleOps):
+    """ShardedEnsembleOps of one rank of a FakeWorld (rank g is group g's one shard): what its merger reads."""
 
-
-class _OneRankShards(ShardedEnsembleOps):
-    """ShardedEnsembleOps on one rank: the strategy's read-outs its merger needs, nothing else."""
-
-    def __init__(self, module: torch.nn.Module, group) -> None:
-        self.lightning_module, self.across_groups = module, group
-        self.layout, self.group_index, self.root_device = GroupLayout(1, 1), 0, torch.device("cpu")
+    def __init__(self, module: torch.nn.Module, comm, rank: int, num_groups: int) -> None:
+        self.lightning_module, self.across_groups = module, None  # every rank holds shard 0 of its group
+        self.layout, self.group_index, self.root_device = GroupLayout(num_groups, num_groups), rank, torch.device("cpu")
         self.optimizers = []
-        self.merger = Merger(ShardSite(self), _TableComm(self, ProcessGroupCommunicator()))
-
-    def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
-        return values.double().reshape(1, -1)
+        self.merger = Merger(ShardSite(self), GroupComm(self, comm))
 
 
-class _TableComm(GroupComm):
-    """The vote's table as the test's strategy says (the all-reduces of a merge over the one rank)."""
-
-    def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
-        return self.place.gather_group_values(values)
-
-
-def _weighted_linear() -> torch.nn.Linear:
-    """Weights [2, 4], bias 6 and a float64 buffer 8: shards, then buffers, as a merge carries them."""
+def _weighted_linear(scale: float) -> torch.nn.Linear:
+    """Weights scale x [2, 4], bias scale x 6 and a float64 buffer scale x 8: shards, then buffers, as a merge
+    carries them."""
     module = torch.nn.Linear(2, 1)
-    module.register_buffer("stat", torch.tensor([8.0], dtype=torch.float64))
+    module.register_buffer("stat", torch.tensor([8.0 * scale], dtype=torch.float64))
     with torch.no_grad():
-        module.weight.copy_(torch.tensor([[2.0, 4.0]]))
-        module.bias.fill_(6.0)
+        module.weight.copy_(torch.tensor([[2.0, 4.0]]) * scale)
+        module.bias.fill_(6.0 * scale)
     return module
 
 
-def test_sharded_merge_writes_the_target_and_moves_by_strength(one_rank) -> None:
+def _values(module: torch.nn.Linear) -> list[float]:
+    return [*module.weight.flatten().tolist(), module.bias.item(), module.stat.item()]
+
+
+def _on_two_groups(body, scales=(1.0, 2.0)):
+    """``body(ops, module)`` on each of two groups' one rank (a FakeWorld), group g's model ``_weighted_linear(
+    scales[g])``; the results in group order."""
+    world = FakeWorld([0.0], [1.0, 1.0])
+
+    def run(executor):
+        module = _weighted_linear(scales[executor.group_index])
+        return body(_ShardRank(module, executor.hdet.groups.comm, executor.group_index, 2), module)
+
+    return world.run(run)
+
+
+def test_sharded_merge_writes_the_target_and_moves_by_strength() -> None:
     """Shards and float buffers go through the shared bucketed merge; the target becomes the restore point."""
-    module = _weighted_linear()
-    ops = _OneRankShards(module, one_rank)
-    ops.merger.merge([0.5], [0.25], [False])
-    # target = coefficient x theta (summed over the one rank), in the order shards, then buffers; float64 (buffer)
-    assert ops.merger.restore_point.dtype == torch.float64 and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0, 4.0]
-    assert module.weight.tolist() == [[1.75, 3.5]] and module.bias.tolist() == [5.25]  # (1 - s) theta + s target
-    assert module.stat.tolist() == [7.0]
-    ops.merger.restore()
-    assert module.weight.tolist() == [[1.0, 2.0]] and module.stat.tolist() == [4.0]
+
+    def merge(ops, module):
+        ops.merger.merge([0.5, 0.5], [0.25, 0.25], [False, False])
+        moved, point = _values(module), ops.merger.restore_point
+        ops.merger.restore()
+        return moved, point.dtype, point.tolist(), _values(module)
+
+    # target = 0.5 theta_0 + 0.5 theta_1 = 1.5 x [2, 4, 6, 8]; each group moves (1 - 0.25) theta_g + 0.25 target
+    target = [3.0, 6.0, 9.0, 12.0]
+    moved = [[0.75 * v + 0.25 * t for v, t in zip([2.0, 4.0, 6.0, 8.0], target)],
+             [0.75 * v + 0.25 * t for v, t in zip([4.0, 8.0, 12.0, 16.0], target)]]
+    assert _on_two_groups(merge) == [(moved[g], torch.float64, target, target) for g in range(2)]
 
 
-class _TwoGroupShards(_OneRankShards):
-    """Told there is a second, healthy group of one rank (which contributes nothing: this rank is alone)."""
+def test_sharded_groups_validate_the_healthy_mean_and_get_their_own_state_back() -> None:
+    """Validation's swap (hdet/execution/validation.py) on shards and buffers: swapped in, every group holds the mean of
+    the groups whose shards are finite (group 1's NaN weight leaves it out); swapped out, exactly its own values."""
 
-    def __init__(self, module: torch.nn.Module, group) -> None:
-        super().__init__(module, group)
-        self.layout = GroupLayout(2, 2)
+    def validate(ops, module):
+        ops.merger.validate_merged(True)
+        ops.merger.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
+        merged, point = _values(module), ops.merger.restore_point
+        ops.merger.validate_merged(False)
+        return merged, point, _values(module)
 
-    @property
-    def num_groups(self) -> int:
-        return self.layout.num_groups
-
-    def gather_group_values(self, values: torch.Tensor) -> torch.Tensor:
-        return values.double().reshape(1, -1).repeat(2, 1)  # both groups report this rank's values
-
-
-def test_sharded_groups_validate_the_merge_target_and_get_their_own_state_back(one_rank) -> None:
-    """Validation's swap (hdet/validation.py) on shards and buffers: swapped in, each holds the checkpoint's
-    coefficient (1/2 of two healthy groups) times its shard, summed over the groups (this rank alone); swapped out,
-    exactly its own values."""
-    module = _weighted_linear()
-    ops = _TwoGroupShards(module, one_rank)
-    ops.merger.validate_merged(True)
-    ops.merger.validate_merged(True)  # idempotent: the own state kept is not overwritten by the merged one
-    assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0] and module.stat.tolist() == [4.0]
-    assert ops.merger.restore_point is None  # keep=False: the restore point is not the validation's
-    ops.merger.validate_merged(False)
-    assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0] and module.stat.tolist() == [8.0]
+    both = _on_two_groups(validate)
+    assert both == [([3.0, 6.0, 9.0, 12.0], None, [2.0, 4.0, 6.0, 8.0]),
+                    ([3.0, 6.0, 9.0, 12.0], None, [4.0, 8.0, 12.0, 16.0])]  # keep=False: no restore point
+    healthy = _on_two_groups(validate, scales=(1.0, math.nan))
+    assert [merged for merged, _, _ in healthy] == [[2.0, 4.0, 6.0, 8.0]] * 2
+    assert healthy[0][2] == [2.0, 4.0, 6.0, 8.0] and all(math.isnan(v) for v in healthy[1][2])

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_hdet import Best, HDETCallback, HDETStrategy
 from lightning_hdet.experimental import Heldout
 from lightning_hdet.hdet.averaging import ParameterAverage, average_weight
-from lightning_hdet.hdet.heldout import HeldoutScorer
+from lightning_hdet.hdet.lightning.heldout import HeldoutScorer
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
 from lightning_hdet.hdet.rules.signals import score

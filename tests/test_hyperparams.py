@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hdet import Best, HDETCallback, HDETReplay, HDETStrategy, LRTrajectory, Search, Softmax
-from lightning_hdet.hdet.fake import FakeWorld
+from lightning_hdet.hdet.execution.fake import FakeWorld
 from lightning_hdet.hdet.hyperparams import Explored, ExploredTables, check_explore, check_optimizers, scaled
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval

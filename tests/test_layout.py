@@ -1,5 +1,6 @@
 """The package's architecture rules, checked on its source (issue #12): sizes, private Lightning access in one
-module, pure modules free of Lightning and process groups, and no import cycles between the packages."""
+module, pure modules free of Lightning and process groups, HDET's layers by folder, and no import cycles between
+the packages."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hdet"
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
-# Pure math: no Lightning, no process groups (unit-tested against hand-computed values): every module of these
-# folders, and the modules listed.
-PURE_FOLDERS = ["hdet/rules"]
-PURE_MODULES = ["hdet/layout.py", "experimental/pb2.py", "hdet/averaging.py", "hdet/hyperparams.py", "hdet/multipliers.py",
-                "asynchronous/delayed_nesterov.py",
+# Pure math: no Lightning, no process groups (unit-tested against hand-computed values): every module of hdet/rules/
+# and directly in hdet/ (what HDET's layers share), and the modules listed.
+PURE_FOLDERS = {"hdet/rules": "**/*.py", "hdet": "*.py"}
+PURE_MODULES = ["experimental/pb2.py", "asynchronous/delayed_nesterov.py",
                 "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",
                 "asynchronous/compression.py", "asynchronous/checks.py", "asynchronous/elastic/sessions.py",
                 "asynchronous/result.py", "asynchronous/slow_link.py", "asynchronous/ranks.py",
-                "records/history.py", "records/tensorboard.py", "hdet/result.py", "hdet/console.py", "_checks.py"]
-PURE = PURE_MODULES + sorted(p.relative_to(PACKAGE).as_posix() for folder in PURE_FOLDERS
-                             for p in (PACKAGE / folder).rglob("*.py"))
+                "records/history.py", "records/tensorboard.py", "_checks.py"]
+PURE = PURE_MODULES + sorted(p.relative_to(PACKAGE).as_posix() for folder, pattern in PURE_FOLDERS.items()
+                             for p in (PACKAGE / folder).glob(pattern))
+# HDET's layers, lowest first: a module of hdet/ imports from its own layer or a lower one. The pure modules beside
+# the folders share the lowest with rules/; execution/ imports no Lightning (FakeWorld runs it without).
+HDET_LAYERS = {"": 0, "rules": 0, "execution": 1, "lightning": 2, "fsdp": 3}
 # Private names of Lightning / W&B objects that only lightning_hdet/_compat.py may touch.
 PRIVATE_ATTRIBUTES = {"_trainer", "_optimizer", "_timeout", "_ddp_kwargs", "_ddp_comm_hook", "_ddp_comm_wrapper",
                       "_experiment", "_init_pid", "_is_attached", "epoch_loop"}
@@ -76,12 +79,49 @@ def test_private_lightning_and_wandb_names_only_in_compat(path: Path) -> None:
 @pytest.mark.parametrize("name", PURE)
 def test_pure_modules_need_neither_lightning_nor_process_groups(name: str) -> None:
     path = PACKAGE / name
-    if not path.exists():
-        pytest.skip(f"{name} does not exist in this layout")
+    assert path.exists(), f"{name} is listed as pure but does not exist: update PURE_MODULES"
     impure = [n for n in _imports(_tree(path))
               if n.split(".")[0] in ("lightning", "pytorch_lightning", "wandb")
               or n.startswith("torch.distributed")]
     assert not impure, f"{name} is a pure module but imports {impure}"
+
+
+def _layer(parts: list[str]) -> str:
+    """The layer of ``hdet/<parts>`` (a path or a dotted name, split): its folder, "" beside the folders."""
+    return parts[0] if parts[0] in HDET_LAYERS else ""
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if _rel(p).startswith("hdet/")], ids=_rel)
+def test_hdet_layers_import_only_their_own_or_lower_ones(path: Path) -> None:
+    own = _layer(_rel(path).split("/")[1:])
+    names = _imports(_tree(path))
+    upward = sorted({n for n in names if n.startswith("lightning_hdet.hdet.")
+                     and HDET_LAYERS[_layer(n.split(".")[2:])] > HDET_LAYERS[own]})
+    assert not upward, f"{_rel(path)} (layer {own or 'hdet/'}) imports a higher layer: {upward}"
+    if own == "execution":
+        lightning = [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")]
+        assert not lightning, f"{_rel(path)} is in hdet/execution/ but imports Lightning: {lightning}"
+
+
+# HDET's collectives go through its injected Communicator (hdet/execution/comm.py): tested in one process over
+# FakeWorld.
+COMMUNICATOR = "hdet/execution/comm.py"
+COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "scatter", "gather", "send", "recv", "isend", "irecv", "barrier",
+               "all_gather_object", "broadcast_object_list"}
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if _rel(p).startswith("hdet/") or _rel(p) == "fabric/hdet.py"],
+                         ids=_rel)
+def test_hdet_calls_collectives_only_through_its_communicator(path: Path) -> None:
+    if _rel(path) == COMMUNICATOR:
+        return
+    tree = _tree(path)
+    direct = sorted({f"{ast.unparse(node.value)}.{node.attr}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES
+                     and ast.unparse(node.value) in ("dist", "torch.distributed")})
+    direct += [n for n in _imports(tree) if n.startswith("torch.distributed.") and n.split(".")[-1] in COLLECTIVES]
+    assert not direct, f"{_rel(path)} calls {direct} directly: go through the injected Communicator ({COMMUNICATOR})"
 
 
 def test_packages_import_each_other_without_cycles() -> None:

@@ -1,5 +1,5 @@
 """The per-step non-finite check: decided on the device, no host sync (single process; the multi-process
-behaviour is in tests/test_reliability.py::test_nan_gradients)."""
+behaviour is in tests/test_fake_collectives.py and tests/test_reliability.py::test_nan_gradients)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_hdet._tensors import finite
-from lightning_hdet.hdet.guard import NonFiniteSteps, skips_on_device, zero_grads
+from lightning_hdet.hdet.execution.comm import ProcessGroupCommunicator
+from lightning_hdet.hdet.execution.guard import NonFiniteSteps, skips_on_device, zero_grads
 
 
 def _step(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, steps: NonFiniteSteps, grad: float) -> None:
@@ -36,7 +37,7 @@ def _state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> dict[
 ], ids=["adamw", "sgd"])
 def test_fused_optimizer_skips_on_the_device_and_leaves_its_state_untouched(make) -> None:
     param = torch.nn.Parameter(torch.ones(3))
-    optimizer, steps = make(param), NonFiniteSteps(torch.device("cpu"))
+    optimizer, steps = make(param), NonFiniteSteps(torch.device("cpu"), ProcessGroupCommunicator())
     assert skips_on_device(optimizer)
     _step(optimizer, param, steps, 1.0)
     before = _state(optimizer, param)
@@ -52,7 +53,7 @@ def test_fused_optimizer_skips_on_the_device_and_leaves_its_state_untouched(make
 def test_other_optimizers_step_on_a_zeroed_gradient_and_the_flag_waits_for_the_vote() -> None:
     """Deferred: the optimizer steps (its state moves), but nothing non-finite reaches the parameters."""
     param = torch.nn.Parameter(torch.ones(3))
-    optimizer, steps = torch.optim.SGD([param], lr=0.1, momentum=0.9), NonFiniteSteps(torch.device("cpu"))
+    optimizer, steps = torch.optim.SGD([param], lr=0.1, momentum=0.9), NonFiniteSteps(torch.device("cpu"), ProcessGroupCommunicator())
     assert not skips_on_device(optimizer)
     _step(optimizer, param, steps, 1.0)  # momentum buffer 1 -> param 0.9
     _step(optimizer, param, steps, math.inf)  # zeroed: momentum 0.9 * 1 + 0 -> param 0.9 - 0.09

@@ -97,6 +97,7 @@ def test_the_controller_sizes_the_rule_from_the_run_length():
     one would need 240 steps left (a vote at 210 has 90): no second cut. With the length unknown it waits 200."""
     short, unknown = HDETController(HDETConfig(every_n_steps=30)), HDETController(HDETConfig(every_n_steps=30))
     short.run_steps = 300
+    short.plateau_armed = unknown.plateau_armed = True  # the run failed before (a blow-up, as every crash run had)
     multipliers = [0.9, 0.96, 1.04, 1.1]
     rolled = []
     for step in range(30, 301, 30):
@@ -168,6 +169,7 @@ def test_the_controller_rolls_a_stuck_ensemble_back_onto_the_ladder_and_leaves_a
     vote; the third vote has counted 200 stuck steps: every group rolls back, LRs 0.1..0.01 x the old geometric
     mean, the lower two rungs from the initial model."""
     stuck_run = HDETController(HDETConfig(every_n_steps=100))
+    stuck_run.plateau_armed = True  # the run failed before (a blow-up, as every crash run had)
     assert stuck_run.keeps_initial and not HDETController(HDETConfig(safety_net=SafetyNet(plateau=None))).keeps_initial
     multipliers = [0.9, 0.96, 1.04, 1.1]
     for step in (100, 200):
@@ -193,31 +195,67 @@ def test_the_controller_rolls_a_stuck_ensemble_back_onto_the_ladder_and_leaves_a
         assert not switched_off.decide(_interval(step, [1.86] * 4, [0.9, 0.96, 1.04, 1.1])).roll_back
 
 
+def test_a_plateau_is_a_failure_only_in_a_run_that_has_failed():
+    """Four groups flat at 1.86 from a start of 2.08 +- 0.05 (T = 100, the rule's 200 steps): never stuck, however
+    long, while nothing failed (a slow start or too low an LR); one group once at 2.30 (above 2.08 + 2 x 0.05: a
+    collapse knocked above the start) or a group caught by another rule arms the rule, which then fires after its
+    200 steps (after a roll-back, from its next vote); the flag is checkpointed (an older checkpoint resumes armed, as the rule was)."""
+    def run(blip_at=None, blip=2.30):
+        controller, cuts = HDETController(HDETConfig(every_n_steps=100)), []
+        for k in range(1, 7):
+            losses = [1.86, 1.86, 1.86, blip if k == blip_at else 1.86]
+            decision = controller.decide(_interval(100 * k, losses, [0.9, 0.96, 1.04, 1.1],
+                                                   first=[2.08] * 4 if k == 1 else None))
+            cuts += [100 * k] if decision.reasons == ["plateau"] * 4 else []
+        return controller, cuts
+
+    flat, cuts = run()
+    assert cuts == [] and not flat.plateau_armed and flat.plateau_history.stuck_steps == 500
+    assert run(blip_at=3, blip=2.17)[1] == []  # 2.17 is inside the start's noise band: no evidence
+    knocked, cuts = run(blip_at=3)
+    assert knocked.plateau_armed and cuts == [300] and knocked.state_dict()["plateau_armed"]
+    # 40 > 10 x the best, under one shared gradient: every group rolls back at vote 2, the count starts at vote 3
+    caught, cuts = run(blip_at=2, blip=40.0)
+    assert caught.rescues == 5 and cuts == [500]
+    resumed = HDETController(HDETConfig(every_n_steps=100))
+    state = flat.state_dict()
+    resumed.load_state_dict(state)
+    assert not resumed.plateau_armed
+    del state["plateau_armed"]
+    resumed.load_state_dict(state)
+    assert resumed.plateau_armed
+
+
 def test_a_roll_back_flagged_initial_returns_to_the_model_the_fit_started_from():
-    """One rank (no process group): the restore point becomes a merge's target (half the model); a roll-back
+    """One rank (one group of a FakeWorld): the restore point becomes a merge's target (half the model); a roll-back
     flagged ``initial`` writes the kept initial model instead, and without one kept falls back to the restore point."""
-    from tests.test_hdet_fsdp import _OneRankShards
+    from lightning_hdet.testing import FakeWorld
+    from tests.test_hdet_fsdp import _ShardRank
 
     module = torch.nn.Linear(2, 1)
     with torch.no_grad():
         module.weight.copy_(torch.tensor([[2.0, 4.0]]))
         module.bias.fill_(6.0)
-    ops = _OneRankShards(module, None)
-    ops.merger.ensure_restore_point(keep_initial=True)
-    ops.merger.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
-    assert module.weight.tolist() == [[1.0, 2.0]] and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0]
-    with torch.no_grad():
-        module.bias.fill_(100.0)
-    ops.merger.restore(initial=[True])
-    assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0]
-    ops.merger.restore(initial=[False])
-    assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0]
-    plain = _OneRankShards(module, None)
-    plain.merger.ensure_restore_point()  # no initial model kept: the restore point it is
-    with torch.no_grad():
-        module.bias.fill_(100.0)
-    plain.merger.restore(initial=[True])
-    assert module.bias.tolist() == [3.0]
+
+    def roll_backs(executor) -> None:
+        ops = _ShardRank(module, executor.hdet.groups.comm, 0, 1)
+        ops.merger.ensure_restore_point(keep_initial=True)
+        ops.merger.merge([0.5], [1.0], [False])  # the target, half the model, becomes the restore point and the model
+        assert module.weight.tolist() == [[1.0, 2.0]] and ops.merger.restore_point.tolist() == [1.0, 2.0, 3.0]
+        with torch.no_grad():
+            module.bias.fill_(100.0)
+        ops.merger.restore(initial=[True])
+        assert module.weight.tolist() == [[2.0, 4.0]] and module.bias.tolist() == [6.0]
+        ops.merger.restore(initial=[False])
+        assert module.weight.tolist() == [[1.0, 2.0]] and module.bias.tolist() == [3.0]
+        plain = _ShardRank(module, executor.hdet.groups.comm, 0, 1)
+        plain.merger.ensure_restore_point()  # no initial model kept: the restore point it is
+        with torch.no_grad():
+            module.bias.fill_(100.0)
+        plain.merger.restore(initial=[True])
+        assert module.bias.tolist() == [3.0]
+
+    FakeWorld([0.0], [1.0]).run(roll_backs)
 
 
 def test_the_rule_is_an_option_of_the_safety_net():

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
 from lightning_hdet.experimental import InitNoise
-from lightning_hdet.hdet.checkpoints import group_dir, group_file
+from lightning_hdet.hdet.lightning.checkpoints import group_dir, group_file
 from tests.helpers import START, LinearModel, Recorder, SGDBoring, flat_params, load_ranks, trainer_kwargs
 
 

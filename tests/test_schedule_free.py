@@ -9,9 +9,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_hdet import HDETCallback, HDETStrategy, Softmax
-from lightning_hdet.hdet.merge import iterate_states
+from lightning_hdet.hdet.execution.merge import iterate_states
 from tests.helpers import START, flat_params, load_ranks, trainer_kwargs
-from tests.test_hdet_fsdp import _OneRankShards
+from lightning_hdet.testing import FakeWorld
+from tests.test_hdet_fsdp import _ShardRank
 
 schedulefree = pytest.importorskip("schedulefree")
 pytestmark = pytest.mark.timeout(240)
@@ -41,20 +42,28 @@ def test_iterate_states_are_the_optimizers_z_and_a_scratch_copy_before_the_first
 
 
 def test_a_merge_blends_z_like_the_parameters_and_leaves_it_out_of_the_restore_point() -> None:
-    # No process group: a one-rank merge reduces nothing. (A gloo group here would leave its threads in this
-    # process when the test fails, and the forked ranks of the next test could then deadlock instead of failing.)
+    # One group of one rank (a FakeWorld): the merge's sums are over this rank alone. (A gloo group here would
+    # leave its threads in this process when the test fails, and the forked ranks of the next test could then
+    # deadlock instead of failing.)
     module = torch.nn.Linear(2, 1)
     opt = _stepped(module)
     theta, z = flat_params(module), torch.cat([opt.state[p]["z"].reshape(-1) for p in module.parameters()])
     assert not torch.allclose(theta, z.double())
-    ops = _OneRankShards(module, None)
-    ops.optimizers = [opt]
-    ops.merger.merge([0.5], [0.25], [False])
+
+    def merge_and_restore(executor) -> tuple[torch.Tensor, ...]:
+        ops = _ShardRank(module, executor.hdet.groups.comm, 0, 1)
+        ops.optimizers = [opt]
+        ops.merger.merge([0.5], [0.25], [False])
+        merged = (flat_params(module), torch.cat([opt.state[p]["z"].reshape(-1) for p in module.parameters()]),
+                  ops.merger.restore_point.clone())
+        ops.merger.restore()  # the roll-back restarts the optimizer: its z starts again from the restored parameters
+        return merged
+
+    (params, merged_z, restore_point), = FakeWorld([0.0], [1.0]).run(merge_and_restore)
     # one rank: target = 0.5 x own; each tensor moves (1 - 0.25) t + 0.25 target = 0.875 t, z as the parameters
-    torch.testing.assert_close(flat_params(module), 0.875 * theta)
-    torch.testing.assert_close(torch.cat([opt.state[p]["z"].reshape(-1) for p in module.parameters()]), 0.875 * z)
-    assert ops.merger.restore_point.tolist() == pytest.approx((0.5 * theta).tolist())  # the parameters only
-    ops.merger.restore()  # the roll-back restarts the optimizer: its z starts again from the restored parameters
+    torch.testing.assert_close(params, 0.875 * theta)
+    torch.testing.assert_close(merged_z, 0.875 * z)
+    assert restore_point.tolist() == pytest.approx((0.5 * theta).tolist())  # the parameters only
     torch.testing.assert_close(flat_params(module), 0.5 * theta)
     assert not opt.state
 

@@ -88,7 +88,7 @@ def test_curve_error_is_the_spread_of_the_bin_means_over_root_n():
 
 
 def test_meter_pools_the_first_step_over_every_rank_with_its_standard_error():
-    from lightning_hdet.hdet.meter import _pooled_first
+    from lightning_hdet.hdet.execution.meter import _pooled_first
 
     # Group 0: ranks with first losses 1 and 3 (sum 4, squares 10); group 1: one rank at 2. Mean 2 over n = 3,
     # sample variance ((1-2)^2 + (3-2)^2 + 0) / 2 = 1, standard error sqrt(1 / 3).

@@ -1,5 +1,5 @@
-"""Validation under HDET describes the model a checkpoint holds (lightning_hdet/hdet/validation.py); the sharded
-swap's arithmetic is tested in tests/test_hdet_fsdp.py."""
+"""Validation under HDET describes the model a checkpoint holds (lightning_hdet/hdet/execution/validation.py); the
+sharded swap's arithmetic is tested in tests/test_hdet_fsdp.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_hdet import HDETCallback, HDETStrategy
-from lightning_hdet.hdet.checkpoints import group_file
+from lightning_hdet.hdet.lightning.checkpoints import group_file
 from tests.helpers import START, LinearModel, Regression, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(300)

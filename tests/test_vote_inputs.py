@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_hdet import HDETCallback, HDETStrategy
-from lightning_hdet.hdet.checkpoints import group_file
-from lightning_hdet.hdet.module_checks import check_module, returns_a_value, stepping_warning
+from lightning_hdet.hdet.lightning.checkpoints import group_file
+from lightning_hdet.hdet.lightning.module_checks import check_module, returns_a_value, stepping_warning
 from lightning_hdet.testing import FakeWorld
 from tests.helpers import START, LinearModel, Recorder, Regression, SGDBoring, load_ranks, trainer_kwargs
 

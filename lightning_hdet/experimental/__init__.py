@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_int, check_integer, check_number, require
 from lightning_hdet.experimental.pb2 import PB2
-from lightning_hdet.hdet.heldout import HeldoutLoss, HeldoutScorer
+from lightning_hdet.hdet.lightning.heldout import HeldoutLoss, HeldoutScorer
 from lightning_hdet.hdet.rules.options import PBT, Signal, Softmax, Vote
 from lightning_hdet.hdet.rules.selection import Selection
 from lightning_hdet.hdet.rules.signals import CURVE_BINS, scores
@@ -161,8 +161,8 @@ class Forecast(Signal):
 
 @dataclass(frozen=True)
 class Heldout(Signal):
-    """Every group's averaged parameters scored on the same validation batches (:mod:`lightning_hdet.hdet.heldout`).
-    Level with ``"mean"``, 2 % worse on shapes.
+    """Every group's averaged parameters scored on the same validation batches
+    (:mod:`lightning_hdet.hdet.lightning.heldout`). Level with ``"mean"``, 2 % worse on shapes.
 
     Args:
         batches: validation batches every group scores at a vote (split over a group's ranks).

@@ -1,9 +1,9 @@
 """``Fabric(strategy="hdet")``: HDET's groups, multipliers and merges on Lightning Fabric's DDP strategy.
 
-The same core as the Trainer's ``"hdet"`` (:class:`~lightning_hdet.hdet.strategy.HDETStrategy`): the groups, the
-multiplier table and the vote's collective come from :class:`~lightning_hdet.hdet.groups.HDETGroups`, merges, the
-restore point and the merged state dict from :class:`~lightning_hdet.hdet.ensemble.EnsembleOps`. What differs is
-Fabric's shape of a strategy: the user's loop calls ``optimizer.step()`` (Fabric routes it to
+The same core as the Trainer's ``"hdet"`` (:class:`~lightning_hdet.hdet.lightning.strategy.HDETStrategy`): the groups,
+the multiplier table and the vote's collective come from :class:`~lightning_hdet.hdet.lightning.groups.HDETGroups`,
+merges, the restore point and the merged state dict from :class:`~lightning_hdet.hdet.lightning.ensemble.EnsembleOps`.
+What differs is Fabric's shape of a strategy: the user's loop calls ``optimizer.step()`` (Fabric routes it to
 :meth:`HDETFabricStrategy.optimizer_step`, where this rank's multipliers are applied), Fabric has no callbacks, so
 the loop drives the votes through :class:`~lightning_hdet.fabric.loop.HDETLoop`, and ``fabric.save`` asks the
 strategy for each module's state (:meth:`get_module_state_dict`: the merged model).
@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -29,9 +28,10 @@ from typing_extensions import override
 
 from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.execution.comm import Communicator
 from lightning_hdet.hdet.hyperparams import Span, check_optimizers
+from lightning_hdet.hdet.lightning.ensemble import EnsembleOps, ReplicaSite
+from lightning_hdet.hdet.lightning.groups import GradientSync, HDETGroups
 from lightning_hdet.hdet.multipliers import check_numeric_lrs
 from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 
@@ -41,7 +41,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
 
     Args:
         num_groups: number of groups (``None``: from the world size and the preset), as for the Trainer's
-            :class:`~lightning_hdet.hdet.strategy.HDETStrategy`.
+            :class:`~lightning_hdet.hdet.lightning.strategy.HDETStrategy`.
         lr_multipliers: one learning-rate multiplier per group (``None``: the preset's grid, or the fan-out set by
             ``spread``), as for the Trainer's strategy.
         spread: half-width of the published fan-out, in ``[0, 1)`` (``None``: the preset's).
@@ -52,6 +52,8 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
             into ``max_steps``) or ``"published"`` (the paper's ±11 % fan-out, ``"global"``, the softmax vote and
             no end to the search).
         explore: other hyperparameters the groups diverge in, as for the Trainer's HDETStrategy.
+        communicator: what every HDET collective goes through (``None``: ``torch.distributed``), as for the
+            Trainer's HDETStrategy.
         **kwargs: everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts.
 
     Set the model and optimizer up with ``fabric.setup(model, optimizer)`` (one model; its optimizers get the
@@ -74,6 +76,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         gradient_sync: Optional[GradientSync] = None,
         preset: str = DEFAULT_PRESET,
         explore: Optional[Mapping[str, Span]] = None,
+        communicator: Optional[Communicator] = None,
         **kwargs: Any,
     ) -> None:
         self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
@@ -83,7 +86,7 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         kwargs.pop("process_group", None)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self._init_parts(ReplicaSite(self))
+        self._init_parts(ReplicaSite(self), communicator)
         self._module: Optional[Module] = None
         self._optimizers: list[Optimizer] = []
         self._gradient_mean: Optional[GradientMean] = None  # the switchable hook, under gradient_sync="group"
@@ -131,7 +134,8 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
             set_ddp_kwarg(self, "process_group", self._group_pgs[self.group_index])
         wrapped = super().setup_module(module)
         if group and self.num_groups > 1:  # the search's end switches it to every rank (`_apply_gradient_sync`)
-            self._gradient_mean = GradientMean(self._group_pgs[self.group_index], self.layout.group_size)
+            self._gradient_mean = GradientMean(self._group_pgs[self.group_index], self.layout.group_size,
+                                               self.communicator)
             wrapped.register_comm_hook(self._gradient_mean, GradientMean.hook)
         return wrapped
 
@@ -196,14 +200,14 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
 
 class GradientMean:
     """DDP communication hook state: a bucket of gradients averaged over ``process_group`` (``None``: every rank),
-    replaced between steps by :meth:`HDETFabricStrategy._apply_gradient_sync`."""
+    replaced between steps by :meth:`HDETFabricStrategy._apply_gradient_sync`; the sum goes through ``comm``."""
 
-    def __init__(self, process_group: Any, size: int) -> None:
+    def __init__(self, process_group: Any, size: int, comm: Communicator) -> None:
         self.process_group = process_group
         self.size = size
+        self.comm = comm
 
     @staticmethod
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # (DDP rejects string annotations at registration)
         buffer = bucket.buffer().div_(state.size)
-        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return state.comm.all_reduce_future(buffer, state.process_group)

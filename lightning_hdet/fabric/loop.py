@@ -1,12 +1,12 @@
 """HDETLoop: the votes of a Fabric training loop, which has no callbacks (the Trainer's HDETCallback's role).
 
 The loop calls :meth:`HDETLoop.step` after every ``optimizer.step()``; every ``every_n_steps`` steps the groups
-vote, exactly as under the Trainer: the same :class:`~lightning_hdet.hdet.meter.IntervalMeter` (this rank's loss
-curve on the device, one small all-reduce per vote), the same vote (:mod:`~lightning_hdet.hdet.voting`: the pure
-:class:`~lightning_hdet.hdet.rules.controller.HDETController` deciding, the strategy's objects executing the decision,
-``strategy.hdet``, :class:`~lightning_hdet.hdet.executor.HDETParts`) and the same metrics. :meth:`HDETLoop.finish` leaves every rank
-holding the merged model. It is a stateful object for ``fabric.save``/``fabric.load`` (the vote rule, history, counters
-and multipliers).
+vote, exactly as under the Trainer: the same :class:`~lightning_hdet.hdet.execution.meter.IntervalMeter` (this rank's
+loss curve on the device, one small all-reduce per vote), the same vote (:mod:`~lightning_hdet.hdet.lightning.voting`:
+the pure :class:`~lightning_hdet.hdet.rules.controller.HDETController` deciding, the strategy's objects executing the
+decision, ``strategy.hdet``, :class:`~lightning_hdet.hdet.execution.executor.HDETParts`) and the same metrics.
+:meth:`HDETLoop.finish` leaves every rank holding the merged model. It is a stateful object for
+``fabric.save``/``fabric.load`` (the vote rule, history, counters and multipliers).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from torch import Tensor
 
 from lightning_hdet._checks import check_int
 from lightning_hdet.fabric.hdet import HDETFabricStrategy
-from lightning_hdet.hdet.meter import IntervalMeter
+from lightning_hdet.hdet.execution.meter import IntervalMeter
+from lightning_hdet.hdet.lightning.voting import decide_and_execute, finish, search_end, vote_metrics
 from lightning_hdet.hdet.rules.config import resolve
 from lightning_hdet.hdet.rules.controller import Decision, HDETController
 from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
 from lightning_hdet.hdet.rules.options import SafetyNet, Search, Vote
-from lightning_hdet.hdet.voting import decide_and_execute, finish, search_end, vote_metrics
 from lightning_hdet.records.wandb import log_vote_history
 
 
@@ -32,7 +32,7 @@ class HDETLoop:
 
     Args:
         fabric: the launched :class:`~lightning.fabric.Fabric`, after ``fabric.setup(model, optimizer)``.
-        every_n_steps: steps between votes, as for :class:`~lightning_hdet.hdet.callback.HDETCallback`.
+        every_n_steps: steps between votes, as for :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback`.
         vote: the vote rule (``PBT(...)``, ``Softmax(...)``, ``Best(...)`` or a name), as for HDETCallback;
             ``None``: the strategy's preset's (as the Trainer installs: ``PBT()``, the published preset's
             ``Softmax()``). The votes compare each group's training loss (what :meth:`step` receives); the
@@ -139,7 +139,7 @@ class HDETLoop:
 
 
 def _search_end(search: Optional[Search], max_steps: Optional[int]) -> Optional[int]:
-    """The step the search may end at (:func:`~lightning_hdet.hdet.voting.search_end`): ``Search(steps=N)``'s, else a
-    quarter of ``max_steps``."""
+    """The step the search may end at (:func:`~lightning_hdet.hdet.lightning.voting.search_end`): ``Search(steps=N)``'s,
+    else a quarter of ``max_steps``."""
     return search_end(search, max_steps, "HDET: HDETLoop does not know the run's length (no max_steps): the search "
                       "runs the whole run; give HDETLoop(max_steps=...) or search=Search(steps=...) to end it.")

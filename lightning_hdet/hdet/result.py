@@ -34,7 +34,7 @@ class HDETResult:
         every_n_steps: the interval between votes (``None``: not known).
         gradient_sync: how gradients were averaged at the end (``"group"`` or ``"global"``; ``None``: not known).
         ties: votes on a monitored metric that every group reported alike while their parameters differed
-            (:mod:`~lightning_hdet.hdet.monitor`).
+            (:mod:`~lightning_hdet.hdet.lightning.monitor`).
     """
 
     lrs: list[float]

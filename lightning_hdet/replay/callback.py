@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_hdet.hdet.executor import is_executor
+from lightning_hdet.hdet.execution.executor import is_executor
 from lightning_hdet.replay.sources import Initial, Source
 from lightning_hdet.replay.trajectory import LRTrajectory, ReplayHooks
 

@@ -178,6 +178,17 @@ def advance(
     return CollapseHistory(start, previous, stalled, error, left)
 
 
+def rose_above_start(history: CollapseHistory, losses: Sequence[float]) -> bool:
+    """Whether some group's loss is above its starting level plus ``NOISE_Z`` standard errors (a blow-up, or a
+    collapse knocked above the untrained level; an infinite or NaN loss counts; groups whose level is unknown do
+    not)."""
+    for g, loss in enumerate(losses):
+        if g < len(history.start) and g < len(history.start_error) and math.isfinite(history.start[g]):
+            if not loss <= history.start[g] + NOISE_Z * history.start_error[g]:
+                return True
+    return False
+
+
 def has_progressed(history: CollapseHistory, group: int, loss: float) -> bool:
     """Whether ``loss`` is below group ``group``'s starting level less ``NOISE_Z`` standard errors (True where that
     level is unknown)."""

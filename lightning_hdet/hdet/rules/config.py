@@ -17,7 +17,7 @@ from lightning_hdet.hdet.rules.options import PBT, SafetyNet, Search, Signal, Vo
 
 @dataclass(frozen=True)
 class HDETConfig:
-    """:class:`~lightning_hdet.hdet.callback.HDETCallback`'s rules and settings (documented there), checked on
+    """:class:`~lightning_hdet.hdet.lightning.callback.HDETCallback`'s rules and settings (documented there), checked on
     creation: errors name the argument, the value and what is allowed, before any process or process group exists.
 
     ``search`` and ``safety_net`` are ``None`` when switched off."""

@@ -22,7 +22,7 @@ from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
 from lightning_hdet.hdet.hyperparams import refined as refined_tables
 from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, has_progressed
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, has_progressed, rose_above_start
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.options import Search
 from lightning_hdet.hdet.rules.plateau import (
@@ -115,6 +115,7 @@ class HDETController:
         self.plateau_history = PlateauHistory()
         self.run_steps: Optional[int] = None  # the run's length where known (the callback sizes it): plateau patience
         self.plateau_cuts = 0  # votes at which every group was stuck: a roll-back onto the downward ladder
+        self.plateau_armed = False  # whether the run has failed yet: only then may a plateau count as stuck
         self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
         self.history: list[dict[str, Any]] = []
         self.rescues = 0
@@ -209,7 +210,12 @@ class HDETController:
         progress = interval.step >= self.config.warmup_steps and not interval.final
         curve = interval.curves is not None and self.config.monitor is None
         errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None
-        plateau = judge_plateau(rule, self.plateau_history, verdict, interval.losses, interval.step, errors, progress)
+        # The plateau rule acts only once the run has shown a failure (plateau.py): a group caught, now or before,
+        # or a loss above its starting level (a collapse knocked above it that no other rule caught).
+        self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or rose_above_start(
+            self.collapse_history.sized(len(interval.losses)), interval.losses)
+        plateau = judge_plateau(rule, self.plateau_history, verdict, interval.losses, interval.step, errors, progress,
+                                self.plateau_armed)
         self.plateau_history = plateau.history
         return plateau.applied(verdict), plateau
 
@@ -335,6 +341,7 @@ class HDETController:
             "searched_at": self.searched_at,
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
+            "plateau_armed": self.plateau_armed,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -349,6 +356,7 @@ class HDETController:
         self.searched_at = state_dict.get("searched_at")
         self.plateau_history.load_state_dict(state_dict.get("plateau", {}))  # absent in older checkpoints
         self.plateau_cuts = state_dict.get("plateau_cuts", 0)
+        self.plateau_armed = state_dict.get("plateau_armed", True)  # (older checkpoints: as the rule was then)
 
 
 def _lrs(table: Tensor, interval: Interval) -> list[float]:

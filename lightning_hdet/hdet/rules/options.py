@@ -1,6 +1,6 @@
 """HDETCallback's rules as objects: each option lives on the rule it changes (pure: no Lightning, no process groups).
 
-As Ray Tune takes a scheduler object, :class:`~lightning_hdet.hdet.callback.HDETCallback` takes
+As Ray Tune takes a scheduler object, :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` takes
 
 * a **vote** (:class:`PBT`, :class:`Softmax`, :class:`Best`, :class:`TrustRegion`, or their names ``"pbt"``,
   ``"softmax"``, ``"best"``, ``"trust_region"``), with the vote's own options on it; the votes that blend parameters

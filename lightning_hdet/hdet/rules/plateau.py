@@ -30,6 +30,14 @@ A run that learns never fires it: an ensemble whose best group keeps setting new
 in which no group improved for ``steps`` steps is touched (where a lower learning rate is what
 ``ReduceLROnPlateau`` would pick too, and the ladder's upper half keeps the model).
 
+**Only after a failure.** A run in which the safety net has not yet caught any group (no blow-up, no collapse, no
+earlier ladder: ``armed=False``) is never stuck, however flat: a CNN at a good LR can sit at the untrained level for
+a third of a short run before it learns, an ensemble at too low an LR sits there longer, and a run that learned
+fast can go flat for two votes on noise; a 10-100x lower LR is wrong for all three. Each of them fired the rule in
+benchmark 2 (128 steps, its 2-votes-in-the-search default) and ended at 1.1-1.3x the untuned run, while every
+collapse the rule exists for (the crash table, 100-300x too high) had a group caught before it went flat
+(research log 2026-12-03).
+
 :class:`PlateauHistory` is the state (the best level, steps stuck); :func:`judge_plateau` returns a
 :class:`PlateauVerdict`; :func:`ladder` is the all-stuck ensemble's new multiplier table, :func:`from_initial`
 which of its groups restart from the initial model.
@@ -142,12 +150,14 @@ def judge_plateau(
     step: int,
     errors: Optional[Sequence[float]] = None,
     progress: bool = True,
+    armed: bool = True,
 ) -> PlateauVerdict:
     """The plateau rule at the vote at ``step`` (see the module's docstring).
 
     ``verdict`` is the other rules' (a group they caught does not count as the ensemble's best); ``errors``: each
     group's standard error of this interval's loss (None: no margin). ``progress=False`` (warm-up, the final merge)
     judges nothing and does not count the interval; neither does a vote with no healthy group (other rules act).
+    ``armed=False`` (nothing has failed in the run yet): the interval is counted, but the ensemble is not stuck.
     """
     healthy = [g for g, (x, bad) in enumerate(zip(losses, verdict.diverged)) if not bad and math.isfinite(x)]
     if rule.steps is None or not progress or not healthy:
@@ -157,7 +167,7 @@ def judge_plateau(
     if improved(rule, history.best, losses[g], error):
         return PlateauVerdict(False, PlateauHistory(losses[g], 0, step))
     stuck_steps = history.stuck_steps + max(step - history.last_step, 0)
-    return PlateauVerdict(stuck_steps >= rule.steps, PlateauHistory(history.best, stuck_steps, step))
+    return PlateauVerdict(armed and stuck_steps >= rule.steps, PlateauHistory(history.best, stuck_steps, step))
 
 
 def forget(history: PlateauHistory, rolled_back: bool) -> PlateauHistory:

@@ -1,15 +1,18 @@
-"""What :class:`~lightning_hdet.hdet.callback.HDETCallback` needs from a strategy: its ``hdet``, an :class:`HDETParts`.
+"""What :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` needs from a strategy: its ``hdet``, an
+:class:`HDETParts`.
 
 The callback (through its :class:`~lightning_hdet.hdet.rules.controller.HDETController`) *decides*; the strategy
 *executes*, through four objects it owns and hands over as one :class:`HDETParts` (``strategy.hdet``):
 
-* ``groups`` (:class:`~lightning_hdet.hdet.comm.GroupComm`): the layout, this rank's group, the vote's one
+* ``groups`` (:class:`~lightning_hdet.hdet.execution.comm.GroupComm`): the layout, this rank's group, the vote's one
   all-reduce (``gather_group_values``), over an injected communicator;
-* ``table`` (:class:`~lightning_hdet.hdet.rates.LearningRates`): every group's multipliers (the one writer at run
+* ``table`` (:class:`~lightning_hdet.hdet.execution.rates.LearningRates`): every group's multipliers (the one writer at
+  run
   time: ``set``), the schedule and the real learning rates;
-* ``merger`` (:class:`~lightning_hdet.hdet.merge.Merger`): merges, the restore point, roll-backs, the validation
-  swap, over what the strategy's ranks hold (a :class:`~lightning_hdet.hdet.merge.MergeSite`) and ``groups``;
-* ``guard`` (:class:`~lightning_hdet.hdet.guard.StepGuard`): the non-finite step check and its counter.
+* ``merger`` (:class:`~lightning_hdet.hdet.execution.merge.Merger`): merges, the restore point, roll-backs, the
+  validation swap, over what the strategy's ranks hold (a :class:`~lightning_hdet.hdet.execution.merge.MergeSite`) and
+  ``groups``;
+* ``guard`` (:class:`~lightning_hdet.hdet.execution.guard.StepGuard`): the non-finite step check and its counter.
 
 Besides them the callback calls the strategy's gradient switch (``set_gradient_sync``), reads its ``config`` and
 the explored hyperparameters' tables (``explored``/``set_explored``),
@@ -28,13 +31,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn  # what Lightning re-exports; execution/ imports no Lightning
 
-from lightning_hdet.hdet.comm import GroupComm
-from lightning_hdet.hdet.guard import StepGuard
+from lightning_hdet.hdet.execution.comm import GroupComm
+from lightning_hdet.hdet.execution.guard import StepGuard
+from lightning_hdet.hdet.execution.merge import Merger
+from lightning_hdet.hdet.execution.rates import LearningRates
 from lightning_hdet.hdet.hyperparams import Explored
-from lightning_hdet.hdet.merge import Merger
-from lightning_hdet.hdet.rates import LearningRates
 
 
 class HDETHost(Protocol):
@@ -102,7 +105,7 @@ class HDETParts:
 
     def sync_metrics_in_groups(self, on: bool) -> None:
         """While ``on``, a metric logged with ``sync_dist=True`` is reduced over this rank's group only (the Trainer's
-        strategies: :class:`~lightning_hdet.hdet.metric_sync.GroupMetricSync`; a host without a Lightning ``reduce``
+        strategies: :class:`~lightning_hdet.hdet.lightning.metric_sync.GroupMetricSync`; a host without a Lightning ``reduce``
         has nothing to switch)."""
         if hasattr(self.host, "group_metrics"):
             self.host.group_metrics = on
@@ -135,6 +138,6 @@ class HDETParts:
 
 def is_executor(strategy: Any) -> bool:
     """Whether ``strategy`` is one HDETCallback can drive: it carries an :class:`HDETParts` as ``hdet``
-    (:class:`~lightning_hdet.hdet.strategy.HDETStrategy`, :class:`~lightning_hdet.hdet.fsdp.HDETFSDPStrategy`, the
+    (:class:`~lightning_hdet.hdet.lightning.strategy.HDETStrategy`, :class:`~lightning_hdet.hdet.fsdp.strategy.HDETFSDPStrategy`, the
     Fabric strategy, a :class:`~lightning_hdet.testing.FakeWorld`'s rank)."""
     return isinstance(getattr(strategy, "hdet", None), HDETParts)

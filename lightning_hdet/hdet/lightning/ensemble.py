@@ -1,11 +1,11 @@
 """The model-state half of the HDET executor interface for full replicas: warm start, checkpoint the ensemble.
 
-:class:`EnsembleOps` is mixed into :class:`~lightning_hdet.hdet.strategy.HDETStrategy` (a DDP strategy: every rank
-holds a full replica, so a group's state is any of its ranks' tensors). Merges, the restore point and roll-backs
-come from the strategy's :class:`~lightning_hdet.hdet.merge.Merger`, over what :class:`ReplicaSite` names: the
-model's parameters and float buffers (and the base iterate of schedule-free optimizers). It reads the strategy's ``lightning_module``, ``layout``,
-``group_index``, ``group_ranks``, ``world_size``, ``root_device``, ``optimizers``, ``checkpoint_io`` and
-``lr_multipliers``.
+:class:`EnsembleOps` is mixed into :class:`~lightning_hdet.hdet.lightning.strategy.HDETStrategy` (a DDP strategy: every
+rank holds a full replica, so a group's state is any of its ranks' tensors). Merges, the restore point and roll-backs
+come from the strategy's :class:`~lightning_hdet.hdet.execution.merge.Merger`, over what :class:`ReplicaSite` names: the
+model's parameters and float buffers (and the base iterate of schedule-free optimizers). It reads the strategy's
+``lightning_module``, ``layout``, ``group_index``, ``group_ranks``, ``world_size``, ``root_device``, ``optimizers``,
+``checkpoint_io`` and ``lr_multipliers``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer, weights_only_kwargs
 from lightning_hdet._tensors import flatten, model_state, reduced_buckets, to_cpu
-from lightning_hdet.hdet.checkpoints import (
+from lightning_hdet.hdet.execution.comm import GroupComm
+from lightning_hdet.hdet.execution.merge import MergeOps, MergePart, StrategySite, iterate_states
+from lightning_hdet.hdet.execution.validation import healthy_mean
+from lightning_hdet.hdet.lightning.checkpoints import (
     group_dir,
     group_file,
     own_group_state,
@@ -28,8 +30,6 @@ from lightning_hdet.hdet.checkpoints import (
     resharded,
     state_dict_with,
 )
-from lightning_hdet.hdet.merge import MergeOps, MergePart, StrategySite, iterate_states
-from lightning_hdet.hdet.validation import healthy_mean
 
 
 class ReplicaSite(StrategySite):
@@ -56,6 +56,20 @@ def add_init_noise(params: list[Tensor], relative_std: float, seed: int) -> None
     gen = torch.Generator().manual_seed(seed)
     for p in params:
         p.add_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * std).to(p.device, p.dtype))
+
+
+def merged_on_rank_zero(groups: GroupComm, tensors: list[Tensor], is_global_zero: bool) -> Optional[list[Tensor]]:
+    """The mean of ``tensors`` over the groups whose tensors are finite
+    (:func:`~lightning_hdet.hdet.execution.validation.healthy_mean`), on rank 0's host, reduced to rank 0 one bucket at
+    a time through ``groups``' communicator (a collective on every rank); ``None`` on the other ranks."""
+    coefficient = healthy_mean(groups, tensors)[groups.group_index] / groups.layout.group_size
+    merged = [torch.empty(t.shape, dtype=t.dtype) for t in tensors] if is_global_zero else None
+    index = {id(t): i for i, t in enumerate(tensors)}
+    for bucket, flat in reduced_buckets(tensors, coefficient, lambda x: groups.comm.reduce(x, dst=0)):
+        for t, start, stop, part in bucket.parts(flat) if merged is not None else ():
+            merged[index[id(t)]].view(-1)[start:stop].copy_(part)
+        del flat  # one bucket alive at a time
+    return merged
 
 
 class EnsembleOps(MergeOps):
@@ -115,16 +129,10 @@ class EnsembleOps(MergeOps):
         one bucket at a time (a collective on every rank). Other ranks return their own state dict, which
         Lightning does not write."""
         module = self.lightning_module
-        if self.num_groups == 1 or not dist.is_initialized():
+        if self.num_groups == 1 or self.communicator.world_size() == 1:
             return module.state_dict()
         tensors = model_state(module)
-        coefficient = healthy_mean(self.hdet.groups, tensors)[self.group_index] / self.layout.group_size
-        merged = [torch.empty(t.shape, dtype=t.dtype) for t in tensors] if self.is_global_zero else None
-        index = {id(t): i for i, t in enumerate(tensors)}
-        for bucket, flat in reduced_buckets(tensors, coefficient, lambda x: dist.reduce(x, dst=0)):
-            for t, start, stop, part in bucket.parts(flat) if merged is not None else ():
-                merged[index[id(t)]].view(-1)[start:stop].copy_(part)
-            del flat  # one bucket alive at a time
+        merged = merged_on_rank_zero(self.hdet.groups, tensors, self.is_global_zero)
         return module.state_dict() if merged is None else state_dict_with(module, tensors, merged)
 
     @property

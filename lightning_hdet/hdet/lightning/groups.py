@@ -4,8 +4,9 @@
 Lightning base class. It validates ``num_groups`` / ``lr_multipliers`` / ``spread`` / ``gradient_sync`` before
 any process exists, splits the ranks into groups, owns the multiplier table and applies this rank's row around
 every optimizer step (so schedulers never see it), owns the non-finite step check (flags and counts on the device:
-no host sync per step), and builds the objects the callback drives (:class:`~lightning_hdet.hdet.executor.HDETParts`,
-``self.hdet``): the groups' collectives, the learning rates, the merger and the step guard.
+no host sync per step), and builds the objects the callback drives
+(:class:`~lightning_hdet.hdet.execution.executor.HDETParts`, ``self.hdet``): the groups' collectives, the learning
+rates, the merger and the step guard.
 
 A host strategy provides Lightning's ``optimizers``, ``world_size``, ``global_rank``, ``root_device``,
 ``num_nodes``, ``num_processes``, ``precision_plugin``, and ``_guard_process_group`` (the ranks that skip a step
@@ -30,9 +31,11 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
-from lightning_hdet.hdet.comm import GroupComm, ProcessGroupCommunicator
-from lightning_hdet.hdet.executor import HDETParts
-from lightning_hdet.hdet.guard import StepGuard, skips_on_device
+from lightning_hdet.hdet.execution.comm import Communicator, GroupComm, ProcessGroupCommunicator
+from lightning_hdet.hdet.execution.executor import HDETParts
+from lightning_hdet.hdet.execution.guard import StepGuard, skips_on_device
+from lightning_hdet.hdet.execution.merge import Merger, MergeSite
+from lightning_hdet.hdet.execution.rates import LearningRates
 from lightning_hdet.hdet.hyperparams import Explored, ExploredTables, Span, check_explore, check_optimizers, scaled
 from lightning_hdet.hdet.hyperparams import bases as explored_bases
 from lightning_hdet.hdet.layout import (
@@ -43,7 +46,6 @@ from lightning_hdet.hdet.layout import (
     fan_out,
     make_layout,
 )
-from lightning_hdet.hdet.merge import Merger, MergeSite
 from lightning_hdet.hdet.multipliers import (
     MultiplierTable,
     check_numeric_lrs,
@@ -51,7 +53,6 @@ from lightning_hdet.hdet.multipliers import (
     scaled_lr,
     schedule_lrs,
 )
-from lightning_hdet.hdet.rates import LearningRates
 from lightning_hdet.hdet.rules.defaults import PRESETS, span_grid
 
 GradientSync = Literal["global", "group"]
@@ -102,12 +103,20 @@ class HDETGroups:
         self._layout: Optional[GroupLayout] = None
         self._multipliers: Optional[MultiplierTable] = None
 
-    def _init_parts(self, site: MergeSite) -> None:
+    def _init_parts(self, site: MergeSite, communicator: Optional[Communicator] = None) -> None:
         """Build ``self.hdet``, the objects the callback drives (call in ``__init__``, after :meth:`_init_groups`):
-        every collective between the groups goes through one :class:`~lightning_hdet.hdet.comm.GroupComm` over
-        ``torch.distributed``; ``site`` says what this strategy's merges carry."""
-        groups = GroupComm(self, ProcessGroupCommunicator())
-        self.hdet = HDETParts(self, groups, LearningRates(self), Merger(site, groups), StepGuard())
+        every collective between the ranks goes through ``communicator`` (``None``: ``torch.distributed``, a
+        :class:`~lightning_hdet.hdet.execution.comm.ProcessGroupCommunicator`), read back as :attr:`communicator`;
+        ``site``
+        says what this strategy's merges carry."""
+        comm = ProcessGroupCommunicator() if communicator is None else communicator
+        groups = GroupComm(self, comm)
+        self.hdet = HDETParts(self, groups, LearningRates(self), Merger(site, groups), StepGuard(comm))
+
+    @property
+    def communicator(self) -> Communicator:
+        """What every collective of this strategy's HDET code goes through (the ``communicator`` argument)."""
+        return self.hdet.groups.comm
 
     @property
     def config(self) -> dict[str, Any]:
@@ -124,9 +133,9 @@ class HDETGroups:
 
     @override
     def connect(self, model: LightningModule) -> None:
-        """Attach the model; install a default :class:`~lightning_hdet.hdet.callback.HDETCallback` unless passed."""
+        """Attach the model; install a default :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` unless passed."""
         super().connect(model)  # type: ignore[misc]
-        from lightning_hdet.hdet.callback import HDETCallback  # the callback imports the strategies
+        from lightning_hdet.hdet.lightning.callback import HDETCallback  # the callback imports the strategies
 
         ensure_callback(model, HDETCallback, lambda: HDETCallback(**self.preset.callback))
 

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
@@ -31,45 +30,65 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_hdet._compat import DCP_METADATA_FILENAME, unwrap_optimizer
 from lightning_hdet._tensors import all_finite, numel
-from lightning_hdet.hdet.shards import local_shards, shard_state
+from lightning_hdet.hdet.execution.comm import Communicator
+from lightning_hdet.hdet.fsdp.shards import local_shards, shard_state
 
 
 @torch.no_grad()
 def merged_state(
-    model: Module, num_groups: int, across_groups: Any, shard_group: Any, group_size: int
+    model: Module, num_groups: int, across_groups: Any, shard_group: Any, group_size: int, comm: Communicator
 ) -> dict[str, Any]:
-    """The model's state dict with every floating-point entry replaced by the mean over the healthy groups.
-
-    Parameters stay sharded DTensors (their local shards are averaged over the mesh's group dimension); buffers
-    are averaged over all ranks. One extra copy of this rank's shard of the model, on its device.
-    """
+    """The model's state dict with every floating-point entry replaced by the mean over the healthy groups
+    (:func:`healthy_merge`, through ``comm``)."""
     state = get_model_state_dict(model)
     if num_groups == 1:
         return state
-    finite = all_finite(local_shards(model)).to(torch.float64)
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=shard_group)  # a group is healthy if all its shards are ...
+    return healthy_merge(state, local_shards(model), num_groups, (across_groups, shard_group, group_size), comm)
+
+
+@torch.no_grad()
+def healthy_merge(state: dict[str, Any], shards: list[Tensor], num_groups: int, groups: tuple[Any, Any, int],
+                  comm: Communicator) -> dict[str, Any]:
+    """``state`` with every floating-point entry replaced by the mean over the groups whose ``shards`` (this
+    rank's local parameter shards) are finite on every rank of the group (every group when none is).
+
+    ``groups``: ``(across_groups, shard_group, group_size)``, the ranks holding the same shard in every group, the
+    ranks of this rank's group and their number. Parameters stay sharded DTensors (their local shards are averaged
+    over ``across_groups``); other entries (buffers) are averaged over all ranks. One extra copy of this rank's
+    shard of the model, on its device; one host read of the health count (at a checkpoint, not per step).
+    """
+    across_groups, shard_group, group_size = groups
+    finite = all_finite(shards).to(torch.float64)
+    comm.all_reduce(finite, shard_group, op="min")  # a group is healthy if all its shards are ...
     ok = finite.clone()
-    dist.all_reduce(ok, group=across_groups)  # ... and the target averages the healthy groups (all if none)
+    comm.all_reduce(ok, across_groups)  # ... and the target averages the healthy groups (all if none)
     coefficient = float(finite / ok) if float(ok) > 0 else 1.0 / num_groups
     merged: dict[str, Any] = {}
     for name, t in state.items():
         if isinstance(t, DTensor):
-            part = t.to_local() * coefficient
-            dist.all_reduce(part, group=across_groups)
+            part = _scaled(t.to_local(), coefficient)
+            comm.all_reduce(part, across_groups)
             merged[name] = DTensor.from_local(part, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                                               stride=t.stride())
         elif torch.is_floating_point(t):
-            part = t * (coefficient / group_size)
-            dist.all_reduce(part)
+            part = _scaled(t, coefficient / group_size)
+            comm.all_reduce(part)
             merged[name] = part
         else:
             merged[name] = t
     return merged
+
+
+def _scaled(t: Tensor, coefficient: float) -> Tensor:
+    """``coefficient * t``; exact zeros for a coefficient of 0, so an excluded group's NaN never reaches the sum
+    (``0 * nan`` is ``nan``)."""
+    return torch.zeros_like(t) if coefficient == 0.0 else t * coefficient
 
 
 def own_optimizer_state(model: Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -77,20 +96,21 @@ def own_optimizer_state(model: Module, optimizer: Optimizer) -> dict[str, Any]:
     return get_optimizer_state_dict(model, unwrap_optimizer(optimizer))
 
 
-def save(checkpoint: dict[str, Any], path: Path, model: Module, group_index: int, is_global_zero: bool) -> None:
-    """Write ``checkpoint`` (Lightning's dict, with the merged ``state_dict``) as a distributed checkpoint folder."""
+def save(checkpoint: dict[str, Any], path: Path, model: Module, group_index: int, global_rank: int) -> None:
+    """Write ``checkpoint`` (Lightning's dict, with the merged ``state_dict``) as a distributed checkpoint folder
+    (``global_rank``: this rank's, naming its backup; rank 0 writes the rest of Lightning's dict)."""
     own = {"model": get_model_state_dict(model)}
     own.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     state: dict[str, Any] = {"model": checkpoint.pop("state_dict"), f"hdet_group{group_index}": own}
     hdet = checkpoint.get("hdet")
     if hdet is not None and hdet.get("last_good") is not None:
         # Each rank's backup is its own shard of the last good merge: saved by each rank, never rank 0's for all.
-        state[f"hdet_backup.rank{dist.get_rank()}"] = hdet.pop("last_good")
+        state[f"hdet_backup.rank{global_rank}"] = hdet.pop("last_good")
     if path.is_file():
         path.unlink()
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(state, checkpoint_id=path)
-    if is_global_zero:
+    if global_rank == 0:
         torch.save(checkpoint, path / DCP_METADATA_FILENAME)
 
 
@@ -100,6 +120,7 @@ def load(
     optimizers: Sequence[Optimizer],
     group_index: int,
     num_groups: int,
+    global_rank: int,
     weights_only: Optional[bool] = None,
 ) -> dict[str, Any]:
     """Load this group's own state (or, with another number of groups, the merged model); return the rest."""
@@ -114,7 +135,7 @@ def load(
         key = f"hdet_group{group_index}"
         optim = {f"optimizer_{i}": own_optimizer_state(model, o) for i, o in enumerate(optimizers)}
         state: dict[str, Any] = {key: {"model": model_state, **optim}}
-        state.update(_backup_request(path, hdet, model))
+        state.update(_backup_request(path, model, global_rank))
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state[key]["model"])
         for i, o in enumerate(optimizers):
@@ -131,9 +152,9 @@ def load(
     return meta
 
 
-def _backup_request(path: Path, hdet: dict[str, Any], model: Module) -> dict[str, Any]:
+def _backup_request(path: Path, model: Module, global_rank: int) -> dict[str, Any]:
     """This rank's saved backup, if the checkpoint has one for it of the right size (same layout)."""
-    key = f"hdet_backup.rank{dist.get_rank()}"
+    key = f"hdet_backup.rank{global_rank}"
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.get(key)
     size = numel(shard_state(model))
     if saved is None or tuple(saved.size) != (size,):

@@ -1,9 +1,9 @@
-"""One vote, shared by the Trainer's :class:`~lightning_hdet.hdet.callback.HDETCallback` and Fabric's
+"""One vote, shared by the Trainer's :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` and Fabric's
 :class:`~lightning_hdet.fabric.loop.HDETLoop` (no Trainer here: each brings its own readings and loggers).
 
-A vote: the groups' :class:`~lightning_hdet.hdet.meter.Reading` -> :func:`decide_and_execute` (the pure
-:class:`~lightning_hdet.hdet.rules.controller.HDETController` decides, the strategy's parts, ``strategy.hdet``, carry the
-decision out) -> :func:`vote_metrics` for the loggers. :func:`finish` is the end of a run; :func:`search_end` where
+A vote: the groups' :class:`~lightning_hdet.hdet.execution.meter.Reading` -> :func:`decide_and_execute` (the pure
+:class:`~lightning_hdet.hdet.rules.controller.HDETController` decides, the strategy's parts, ``strategy.hdet``, carry
+the decision out) -> :func:`vote_metrics` for the loggers. :func:`finish` is the end of a run; :func:`search_end` where
 ``Search()`` may end.
 """
 
@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Callable, Optional
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_hdet.hdet.console import rounded_list
+from lightning_hdet.hdet.execution.meter import Reading
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
-from lightning_hdet.hdet.meter import Reading
 from lightning_hdet.hdet.result import vote_line
 from lightning_hdet.hdet.rules.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.rules.options import Search
 
 if TYPE_CHECKING:
-    from lightning_hdet.hdet.executor import HDETParts
+    from lightning_hdet.hdet.execution.executor import HDETParts
 
 
 def decide_and_execute(hdet: HDETParts, controller: HDETController, step: int, reading: Reading, final: bool,

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -19,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 from lightning_hdet._tensors import float_buffers, local
+from lightning_hdet.hdet.execution.comm import Communicator
 
 #: Which submodules become FSDP units: a set of module classes, or a predicate on each submodule.
 ShardingPolicy = Union[set[type[Module]], Callable[[Module], bool], None]
@@ -72,11 +72,12 @@ class GroupGradientMean:
 
     With ``guard``, a shard that is not finite is replaced with zeros before it leaves the rank and ``flag``
     records it (a device tensor: no host sync in the backward pass), so a diverging group cannot poison the
-    others' gradients; its own step is skipped by the strategy.
+    others' gradients; its own step is skipped by the strategy. The mean goes through ``comm``.
     """
 
-    def __init__(self, group: Any, num_groups: int, device: torch.device, guard: bool) -> None:
+    def __init__(self, group: Any, num_groups: int, device: torch.device, guard: bool, comm: Communicator) -> None:
         self.group = group
+        self.comm = comm
         self.scale = 1.0 / num_groups
         self.guard = guard
         self.flag = torch.zeros((), dtype=torch.bool, device=device)
@@ -87,7 +88,7 @@ class GroupGradientMean:
             bad = ~torch.isfinite(output).all()
             torch.logical_or(self.flag, bad, out=self.flag)
             output.masked_fill_(bad, 0.0)
-        dist.all_reduce(output, group=self.group)
+        self.comm.all_reduce(output, self.group)
 
     def reset(self) -> None:
         self.flag.zero_()
@@ -101,10 +102,10 @@ def set_all_reduce_hook(module: Module, hook: Optional[GroupGradientMean]) -> No
 
 
 @torch.no_grad()
-def broadcast_from_first_group(module: Module, group: Any) -> None:
-    """Give every group group 0's local parameter shards and rank 0's buffers (FSDP2 broadcasts nothing)."""
-    src = dist.get_global_rank(group, 0)
+def broadcast_from_first_group(module: Module, group: Any, comm: Communicator) -> None:
+    """Give every group group 0's local parameter shards (``group``: the ranks holding the same shard in every
+    group) and rank 0's buffers (FSDP2 broadcasts nothing), through ``comm``."""
     for t in local_shards(module):
-        dist.broadcast(t, src=src, group=group)
+        comm.broadcast(t, src=0, group=group)
     for b in module.buffers():
-        dist.broadcast(b, src=0)
+        comm.broadcast(b, src=0)

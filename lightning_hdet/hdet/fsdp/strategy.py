@@ -4,8 +4,8 @@ The ranks form a ``(group, shard)`` device mesh. Each HDET group shards every pa
 state over its ``group_size`` ranks with FSDP2's ``fully_shard``; the ranks holding the same shard in different
 groups exchange only that shard: the gradient mean of ``gradient_sync="global"`` (HSDP), merges, and the merged
 model of a checkpoint. Everything HDET-specific (groups, learning-rate multipliers, the vote's collective) is
-shared with ``"hdet"`` through :class:`~lightning_hdet.hdet.groups.HDETGroups`; the same
-:class:`~lightning_hdet.hdet.callback.HDETCallback` drives votes, blends and the safety net.
+shared with ``"hdet"`` through :class:`~lightning_hdet.hdet.lightning.groups.HDETGroups`; the same
+:class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` drives votes, blends and the safety net.
 """
 
 from __future__ import annotations
@@ -35,14 +35,11 @@ from lightning_hdet._compat import (
     register_names,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit
-from lightning_hdet.hdet import fsdp_checkpoint
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.fsdp_ensemble import ShardedEnsembleOps, ShardSite
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups
-from lightning_hdet.hdet.hyperparams import Span
-from lightning_hdet.hdet.metric_sync import GroupMetricSync
-from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
-from lightning_hdet.hdet.shards import (
+from lightning_hdet.hdet.execution.comm import Communicator
+from lightning_hdet.hdet.fsdp import checkpoint as fsdp_checkpoint
+from lightning_hdet.hdet.fsdp.ensemble import ShardedEnsembleOps, ShardSite
+from lightning_hdet.hdet.fsdp.shards import (
     GroupGradientMean,
     ShardingPolicy,
     broadcast_from_first_group,
@@ -51,6 +48,10 @@ from lightning_hdet.hdet.shards import (
     set_all_reduce_hook,
     shard,
 )
+from lightning_hdet.hdet.hyperparams import Span
+from lightning_hdet.hdet.lightning.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.lightning.metric_sync import GroupMetricSync
+from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 
 # fully_shard's keyword arguments a user may pass through; HDET owns the mesh.
 _FSDP_KWARGS = tuple(sorted(set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}))
@@ -76,6 +77,9 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
             ``None``: the whole model is one unit. Ignored when ``configure_model`` already called ``fully_shard``
             (shard on ``self.device_mesh["shard"]``).
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
+        communicator: what every HDET collective goes through
+            (:class:`~lightning_hdet.hdet.execution.comm.Communicator`); ``None``: ``torch.distributed`` over the
+            strategy's device mesh.
         **fsdp_kwargs: passed to every ``fully_shard`` call the strategy makes (``mp_policy``,
             ``reshard_after_forward``, ``offload_policy``, ...).
     """
@@ -93,6 +97,7 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
         auto_wrap_policy: ShardingPolicy = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = None,
+        communicator: Optional[Communicator] = None,
         **fsdp_kwargs: Any,
     ) -> None:
         self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
@@ -108,7 +113,7 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
                          **({"timeout": timeout} if timeout is not None else {}))
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = fsdp_kwargs
-        self._init_parts(ShardSite(self))
+        self._init_parts(ShardSite(self), communicator)
         self._mesh_world: Any = None  # the default group the device mesh was built on
 
     @classmethod
@@ -175,7 +180,7 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # Groups start from group 0's shards: with meta-device or unseeded init every rank's own would differ.
-        broadcast_from_first_group(self.model, self.across_groups)
+        broadcast_from_first_group(self.model, self.across_groups, self.communicator)
         self._install_gradient_mean()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -187,8 +192,8 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
         on); ``"group"``: no hook."""
         shared = self.gradient_sync == "global" and self.num_groups > 1
         guard = self.hdet.guard
-        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, guard.enabled) \
-            if shared else None
+        mean = GroupGradientMean(self.across_groups, self.num_groups, self.root_device, guard.enabled,
+                                 self.communicator) if shared else None
         set_all_reduce_hook(self.model, mean)
         guard.hook = mean if guard.enabled else None
 
@@ -202,7 +207,7 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The merged model (mean of the groups), as sharded DTensors and buffers: a collective on every rank."""
         return fsdp_checkpoint.merged_state(self.model, self.num_groups, self.across_groups,
-                                            self.shard_mesh.get_group(), self.layout.group_size)
+                                            self.shard_mesh.get_group(), self.layout.group_size, self.communicator)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -215,7 +220,7 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
         require("storage_options", storage_options, storage_options is None, "None",
                 "HDETFSDPStrategy writes a torch.distributed.checkpoint folder, not through a CheckpointIO.")
         path = Path(self.broadcast(filepath))
-        fsdp_checkpoint.save(checkpoint, path, self.model, self.group_index, self.is_global_zero)
+        fsdp_checkpoint.save(checkpoint, path, self.model, self.group_index, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -223,7 +228,7 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
         and a fresh optimizer state."""
         path = Path(self.broadcast(checkpoint_path))
         return fsdp_checkpoint.load(path, self.model, self.optimizers, self.group_index, self.num_groups,
-                                    weights_only=weights_only)
+                                    self.global_rank, weights_only=weights_only)
 
     @override
     def teardown(self) -> None:

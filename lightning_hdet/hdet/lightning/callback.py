@@ -2,21 +2,22 @@
 
 The callback decides and the strategy executes. One vote, top to bottom (:meth:`HDETCallback.vote_and_merge`):
 
-1. ``_signal``: every group's loss curve over the interval (:mod:`~lightning_hdet.hdet.meter`) and whether it
+1. ``_signal``: every group's loss curve over the interval (:mod:`~lightning_hdet.hdet.execution.meter`) and whether it
    stayed finite (one small all-reduce: ``strategy.hdet.groups.gather_group_values``; the skipped-step count
    comes from the reset-on-read counter of the strategy's guard, ``strategy.hdet.guard``);
-2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.rules.controller.HDETController` turns those numbers into
-   a :class:`~lightning_hdet.hdet.rules.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.rules.signals`,
-   the rule objects of :mod:`~lightning_hdet.hdet.rules.options`: the vote's ``explore``, the safety net's ``judge``, the
-   signal's ``scores``; :mod:`~lightning_hdet.hdet.rules.blends`);
+2. ``controller.decide``: the pure :class:`~lightning_hdet.hdet.rules.controller.HDETController` turns those numbers
+   into a :class:`~lightning_hdet.hdet.rules.controller.Decision` (rules in :mod:`~lightning_hdet.hdet.rules.signals`,
+   the rule objects of :mod:`~lightning_hdet.hdet.rules.options`: the vote's ``explore``, the safety net's ``judge``,
+   the signal's ``scores``; :mod:`~lightning_hdet.hdet.rules.blends`);
 3. the strategy's objects execute it: ``merger.restore()`` (roll-back) or one ``merger.merge(...)`` per step of
    the decision's plan, then ``table.set(...)``;
 4. ``_log_vote``: metrics and the vote history.
 
-Steps 2 and 3, the vote's metrics and the end of the run are :mod:`~lightning_hdet.hdet.voting`'s, shared with
+Steps 2 and 3, the vote's metrics and the end of the run are :mod:`~lightning_hdet.hdet.lightning.voting`'s, shared with
 Fabric's :class:`~lightning_hdet.fabric.loop.HDETLoop`.
 
-The callback talks to the strategy only through ``strategy.hdet`` (:class:`~lightning_hdet.hdet.executor.HDETParts`).
+The callback talks to the strategy only through ``strategy.hdet``
+(:class:`~lightning_hdet.hdet.execution.executor.HDETParts`).
 """
 
 from __future__ import annotations
@@ -34,20 +35,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.executor import HDETParts, is_executor
-from lightning_hdet.hdet.heldout import HeldoutScorer
+from lightning_hdet.hdet.execution.executor import HDETParts, is_executor
+from lightning_hdet.hdet.execution.meter import IntervalMeter, Reading
+from lightning_hdet.hdet.execution.validation import unmerged_validation_warning
 from lightning_hdet.hdet.hyperparams import Explored, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
-from lightning_hdet.hdet.meter import IntervalMeter, Reading
-from lightning_hdet.hdet.module_checks import check_module, missing_loss, step_loss, stepping_warning
-from lightning_hdet.hdet.monitor import FINGERPRINT_WIDTH, MonitoredMetric
-from lightning_hdet.hdet.result import HDETResult, make_result
-from lightning_hdet.hdet.rules.config import HDETConfig, resolve
-from lightning_hdet.hdet.rules.controller import Decision, HDETController
-from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
-from lightning_hdet.hdet.rules.options import SafetyNet, Search, Signal, Vote
-from lightning_hdet.hdet.validation import unmerged_validation_warning
-from lightning_hdet.hdet.voting import (
+from lightning_hdet.hdet.lightning.heldout import HeldoutScorer
+from lightning_hdet.hdet.lightning.module_checks import check_module, missing_loss, step_loss, stepping_warning
+from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric
+from lightning_hdet.hdet.lightning.voting import (
     announce,
     decide_and_execute,
     default_search_step,
@@ -55,6 +51,11 @@ from lightning_hdet.hdet.voting import (
     search_end,
     vote_metrics,
 )
+from lightning_hdet.hdet.result import HDETResult, make_result
+from lightning_hdet.hdet.rules.config import HDETConfig, resolve
+from lightning_hdet.hdet.rules.controller import Decision, HDETController
+from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
+from lightning_hdet.hdet.rules.options import SafetyNet, Search, Signal, Vote
 from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import (
     finish_worker_run,
@@ -88,7 +89,7 @@ class HDETCallback(Callback):
         monitor: ``None`` votes on each group's mean training loss over the interval (the per-step loss, also under
             ``accumulate_grad_batches``); a metric name (e.g. ``"val_loss"``) votes on each group's own value of
             that logged metric, from the first validation ending at or after the vote's step (a ``sync_dist=True``
-            metric is reduced inside each group during that validation: :mod:`~lightning_hdet.hdet.monitor`).
+            metric is reduced inside each group during that validation: :mod:`~lightning_hdet.hdet.lightning.monitor`).
         signal: what the vote compares: ``"mean"`` (the interval's loss); research signals are in
             :mod:`lightning_hdet.experimental`.
         warmup_steps: votes before this step only merge; learning rates start moving after it.
@@ -386,7 +387,7 @@ def vote_plan(requested: Optional[int], run_steps: Optional[int]) -> tuple[int, 
 
 
 def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
-    """The step at which ``search`` may end (:func:`~lightning_hdet.hdet.voting.search_end`) in this run
+    """The step at which ``search`` may end (:func:`~lightning_hdet.hdet.lightning.voting.search_end`) in this run
     (:func:`run_length`)."""
     return search_end(search, run_length(trainer), "HDET: the run's length is unknown (no max_steps or max_epochs): "
                       "the search runs the whole run; give HDETCallback(search=Search(steps=...)) to end it.")

@@ -1,21 +1,23 @@
 """An in-memory HDET world: G groups' parameters as rows of one tensor, one thread per group, no process group.
 
 Each group of a :class:`FakeWorld` is one simulated rank with its own :class:`FakeExecutor` (its strategy), so
-:class:`~lightning_hdet.hdet.callback.HDETCallback` (or a user's own rule) votes, merges, rescues, rolls back and
-ends its search exactly as under ``strategy="hdet"``, in milliseconds and against values a test can compute by
+:class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` (or a user's own rule) votes, merges, rescues, rolls back
+and ends its search exactly as under ``strategy="hdet"``, in milliseconds and against values a test can compute by
 hand: :meth:`FakeWorld.run` drives one callback per group in its own thread, as each rank of a real run drives its
 own.
 
 Nothing of a merge or a vote is re-implemented here: each rank's ``hdet`` is built from the strategies' own classes
-(:class:`~lightning_hdet.hdet.executor.HDETParts`): the :class:`~lightning_hdet.hdet.merge.Merger` (merges in
-buckets, the finite check, the restore point, roll-backs, the validation swap) over the group's row of the world's
-tensor (:class:`FakeSite`), the :class:`~lightning_hdet.hdet.comm.GroupComm` (the vote's all-reduce), the
-:class:`~lightning_hdet.hdet.rates.LearningRates` over the group's own multiplier table and the
-:class:`~lightning_hdet.hdet.guard.StepGuard` (its counter set by the test through :meth:`FakeWorld.skip`). The
-collectives run on an :class:`InMemoryCommunicator`, whose all-reduce meets the other groups' threads at a barrier
-and sums their tensors in group order. The fake adds optimizer restarts counted per group in ``restarts`` and the
-executor's contract: every collective is called by every group with the same arguments in the same order (a
-mismatch raises ``AssertionError`` naming both calls).
+(:class:`~lightning_hdet.hdet.execution.executor.HDETParts`): the :class:`~lightning_hdet.hdet.execution.merge.Merger`
+(merges in buckets, the finite check, the restore point, roll-backs, the validation swap) over the group's row of the
+world's tensor (:class:`FakeSite`), the :class:`~lightning_hdet.hdet.execution.comm.GroupComm` (the vote's all-reduce),
+the :class:`~lightning_hdet.hdet.execution.rates.LearningRates` over the group's own multiplier table and the
+:class:`~lightning_hdet.hdet.execution.guard.StepGuard` (its counter set by the test through :meth:`FakeWorld.skip`).
+The collectives run on an :class:`InMemoryCommunicator` (every method of
+:class:`~lightning_hdet.hdet.execution.comm.Communicator`), which meets the other ranks' threads at a barrier and
+combines their tensors in rank order; its process groups are tuples of ranks, so a test can also treat the groups as the
+ranks of one strategy (e.g. 2 groups x 2 shards) and run the guard or a checkpoint's reduction over them. The fake adds
+optimizer restarts counted per group in ``restarts`` and the executor's contract: every collective is called by every
+group with the same arguments in the same order (a mismatch raises ``AssertionError`` naming both calls).
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet.hdet.comm import GroupComm
-from lightning_hdet.hdet.executor import HDETParts
-from lightning_hdet.hdet.guard import StepGuard
+from lightning_hdet.hdet.execution.comm import GroupComm
+from lightning_hdet.hdet.execution.executor import HDETParts
+from lightning_hdet.hdet.execution.guard import StepGuard
+from lightning_hdet.hdet.execution.merge import Merger, MergePart
+from lightning_hdet.hdet.execution.rates import LearningRates
 from lightning_hdet.hdet.hyperparams import ONE_MINUS, Explored, ExploredTables
 from lightning_hdet.hdet.layout import GroupLayout
-from lightning_hdet.hdet.merge import Merger, MergePart
 from lightning_hdet.hdet.multipliers import MultiplierTable
-from lightning_hdet.hdet.rates import LearningRates
 
 #: Seconds a group's thread waits for the others at a collective before the run is declared stuck.
 TIMEOUT = 30.0
@@ -76,10 +78,16 @@ class FakeWorld:
         self.gradient_sync = gradient_sync
         self.restarts = [0] * self.num_groups  # optimizer-state restarts per group
         self.calls: list[tuple[Any, ...]] = []  # every collective once, in order (group 0's view)
-        self._slots: list[Any] = [None] * self.num_groups
-        self._barrier = threading.Barrier(self.num_groups, timeout=TIMEOUT)
+        self._slots: list[Any] = [None] * self.num_groups  # what each rank offers at its current collective
+        self._lock = threading.Lock()
+        self._barriers: dict[tuple[int, ...], threading.Barrier] = {}  # one per process group (tuple of ranks)
         # Each group's own objects, as each rank's strategy owns its own.
         self.parts = [_parts(self, _Rank(self, g, MultiplierTable(lr_multipliers))) for g in range(self.num_groups)]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every simulated rank (one per group): the process group ``None`` names."""
+        return tuple(range(self.num_groups))
 
     @property
     def table(self) -> MultiplierTable:
@@ -88,7 +96,7 @@ class FakeWorld:
 
     @property
     def mergers(self) -> list[Merger]:
-        """Every group's :class:`~lightning_hdet.hdet.merge.Merger`."""
+        """Every group's :class:`~lightning_hdet.hdet.execution.merge.Merger`."""
         return [p.merger for p in self.parts]
 
     @property
@@ -121,14 +129,17 @@ class FakeWorld:
                 results[g] = body(self.executor(g))
             except BaseException as error:  # noqa: BLE001 - handed to the caller below
                 errors.append(error)
-                self._barrier.abort()
+                with self._lock:
+                    for barrier in self._barriers.values():
+                        barrier.abort()
 
         threads = [threading.Thread(target=target, args=(g,), name=f"hdet-group{g}") for g in range(self.num_groups)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        self._barrier.reset()
+        with self._lock:
+            self._barriers.clear()
         if errors:
             raise min(errors, key=lambda e: isinstance(e, threading.BrokenBarrierError))
         return results
@@ -185,19 +196,24 @@ class FakeWorld:
         callback.load_state_dict(checkpoint["state"])
         executor.params.copy_(checkpoint["params"])
 
-    def barrier(self) -> None:
-        """Wait for every group's thread (a single group needs no thread)."""
-        if self.num_groups > 1:
-            self._barrier.wait()
+    def barrier(self, ranks: Optional[tuple[int, ...]] = None) -> None:
+        """Wait for the threads of ``ranks`` (``None``: every group's; a single rank needs no thread)."""
+        ranks = self.ranks if ranks is None else ranks
+        if len(ranks) > 1:
+            with self._lock:
+                barrier = self._barriers.setdefault(ranks, threading.Barrier(len(ranks), timeout=TIMEOUT))
+            barrier.wait()
 
-    def exchange(self, group: int, call: tuple[Any, ...], value: Any = None) -> list[Any]:
-        """A collective: every group offers ``value`` under ``call`` (the arguments that must match); each gets
-        every group's value. A single group needs no thread."""
+    def exchange(self, group: int, call: tuple[Any, ...], value: Any = None,
+                 ranks: Optional[tuple[int, ...]] = None) -> list[Any]:
+        """A collective of rank ``group`` over ``ranks`` (``None``: every group): each offers ``value`` under
+        ``call`` (the arguments that must match) and gets every one's value, in the order of ``ranks``."""
+        ranks = self.ranks if ranks is None else ranks
         self._slots[group] = (call, value)
-        self.barrier()
-        offered = list(self._slots)
-        self.barrier()  # everybody has read the slots before they are reused
-        for g, (other, _) in enumerate(offered):
+        self.barrier(ranks)
+        offered = [self._slots[r] for r in ranks]
+        self.barrier(ranks)  # everybody has read the slots before they are reused
+        for g, (other, _) in zip(ranks, offered):
             if not _same(other, call):
                 raise AssertionError(f"group {group} called {call} while group {g} called {other}: every rank must "
                                      "call the executor's collectives with the same arguments in the same order.")
@@ -207,8 +223,8 @@ class FakeWorld:
 
 
 class FakeExecutor:
-    """One group's strategy in a :class:`FakeWorld`: its :class:`~lightning_hdet.hdet.executor.HDETParts` (``hdet``,
-    what the callback drives), and what a test's training step reads (``params``, ``current_lrs()``, ...)."""
+    """One group's strategy in a :class:`FakeWorld`: its :class:`~lightning_hdet.hdet.execution.executor.HDETParts`
+    (``hdet``, what the callback drives), and what a test's training step reads (``params``, ``current_lrs()``, ...)."""
 
     def __init__(self, world: FakeWorld, group: int) -> None:
         self.world = world
@@ -249,15 +265,17 @@ class FakeExecutor:
 def _parts(world: FakeWorld, rank: _Rank) -> HDETParts:
     """One simulated rank's objects: the strategies' own classes over memory, each writer checking that every
     group calls it with the same arguments."""
-    groups = GroupComm(rank, InMemoryCommunicator(world, rank.group_index))
+    comm = InMemoryCommunicator(world, rank.group_index)
+    groups = GroupComm(rank, comm)
     merger = _CheckedMerger(FakeSite(world, rank.group_index), groups)
-    return HDETParts(rank, groups, _CheckedRates(rank), merger, StepGuard())
+    return HDETParts(rank, groups, _CheckedRates(rank), merger, StepGuard(comm))
 
 
 class _Rank:
-    """One simulated rank of a :class:`FakeWorld`: where it stands (a :class:`~lightning_hdet.hdet.comm.Place`),
-    its multiplier table and schedule (a :class:`~lightning_hdet.hdet.rates.RateSource`) and what only a strategy
-    does (an :class:`~lightning_hdet.hdet.executor.HDETHost`: the gradient switch, its config, its files)."""
+    """One simulated rank of a :class:`FakeWorld`: where it stands (a
+    :class:`~lightning_hdet.hdet.execution.comm.Place`), its multiplier table and schedule (a
+    :class:`~lightning_hdet.hdet.execution.rates.RateSource`) and what only a strategy does (an
+    :class:`~lightning_hdet.hdet.execution.executor.HDETHost`: the gradient switch, its config, its files)."""
 
     root_device = torch.device("cpu")
 
@@ -311,7 +329,7 @@ class _Rank:
 
 
 class _CheckedRates(LearningRates):
-    """:class:`~lightning_hdet.hdet.rates.LearningRates` whose writer is held to the executor's contract."""
+    """:class:`~lightning_hdet.hdet.execution.rates.LearningRates` whose writer is held to the executor's contract."""
 
     source: _Rank
 
@@ -322,7 +340,8 @@ class _CheckedRates(LearningRates):
 
 
 class _CheckedMerger(Merger):
-    """:class:`~lightning_hdet.hdet.merge.Merger` whose calls are held to the executor's contract (the merge's own
+    """:class:`~lightning_hdet.hdet.execution.merge.Merger` whose calls are held to the executor's contract (the merge's
+    own
     all-reduces check only their shapes)."""
 
     site: FakeSite
@@ -346,19 +365,50 @@ class _CheckedMerger(Merger):
 
 
 class InMemoryCommunicator:
-    """The :class:`~lightning_hdet.hdet.comm.Communicator` of one simulated rank (one per group) of a
-    :class:`FakeWorld`: an all-reduce offers this rank's tensor at a barrier and takes the sum of every rank's,
-    added in rank order."""
+    """The :class:`~lightning_hdet.hdet.execution.comm.Communicator` of one simulated rank (one per group) of a
+    :class:`FakeWorld`: a collective offers this rank's tensor at a barrier of its process group's threads and
+    combines every member's, in rank order. A process group is a tuple of ranks (``None``: every rank)."""
+
+    _COMBINE = {"sum": lambda t: t.sum(dim=0), "max": lambda t: t.amax(dim=0), "min": lambda t: t.amin(dim=0)}
 
     def __init__(self, world: FakeWorld, rank: int) -> None:
         self.world = world
         self.rank = rank
 
-    def all_reduce(self, tensor: Tensor, group: Any = None) -> None:
-        if group is not None:  # one rank per group: "every rank" is the only process group a fake merge names
-            raise ValueError(f"FakeWorld's ranks form one process group; got group={group!r} (use None).")
-        offered = self.world.exchange(self.rank, ("all_reduce", tuple(tensor.shape), tensor.dtype), tensor.clone())
-        tensor.copy_(torch.stack(offered).sum(dim=0))
+    def world_size(self, group: Any = None) -> int:
+        return len(self._ranks(group))
+
+    def all_reduce(self, tensor: Tensor, group: Any = None, op: str = "sum") -> None:
+        offered = self._offer(tensor, group, "all_reduce", op)
+        tensor.copy_(self._COMBINE[op](torch.stack(offered)))
+
+    def all_reduce_future(self, tensor: Tensor, group: Any = None) -> torch.futures.Future[Tensor]:
+        """Summed at once; the future is already done."""
+        self.all_reduce(tensor, group)
+        future: torch.futures.Future[Tensor] = torch.futures.Future()
+        future.set_result(tensor)
+        return future
+
+    def reduce(self, tensor: Tensor, dst: int = 0, group: Any = None) -> None:
+        """The other ranks' ``tensor`` is left as it was."""
+        offered = self._offer(tensor, group, "reduce", dst)
+        if self.rank == dst:
+            tensor.copy_(torch.stack(offered).sum(dim=0))
+
+    def broadcast(self, tensor: Tensor, src: int = 0, group: Any = None) -> None:
+        tensor.copy_(self._offer(tensor, group, "broadcast", src)[src])
+
+    def _ranks(self, group: Any) -> tuple[int, ...]:
+        ranks = self.world.ranks if group is None else tuple(group)
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} called a collective over group={group!r}, which it is not in "
+                             f"(FakeWorld's process groups are tuples of its ranks {self.world.ranks}).")
+        return ranks
+
+    def _offer(self, tensor: Tensor, group: Any, *call: Any) -> list[Tensor]:
+        ranks = self._ranks(group)
+        return self.world.exchange(self.rank, (*call, ranks, tuple(tensor.shape), tensor.dtype), tensor.clone(),
+                                   ranks)
 
 
 class FakeSite:

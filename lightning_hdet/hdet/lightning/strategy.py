@@ -4,10 +4,10 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
 
 * one process group per HDET group (created identically on every rank, destroyed in ``teardown``),
 * a per-group learning-rate multiplier applied around every optimizer step, so the scheduler never sees it
-  (shared with ``"hdet_fsdp"`` through :class:`~lightning_hdet.hdet.groups.HDETGroups`),
-* the objects :class:`~lightning_hdet.hdet.callback.HDETCallback` drives (``strategy.hdet``,
-  :class:`~lightning_hdet.hdet.executor.HDETParts`): the groups' collectives (one row of numbers per group), the
-  multiplier table, a merger (blending the groups' parameters in 25 MiB buckets, rolling back to a restore point),
+  (shared with ``"hdet_fsdp"`` through :class:`~lightning_hdet.hdet.lightning.groups.HDETGroups`),
+* the objects :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback` drives (``strategy.hdet``,
+  :class:`~lightning_hdet.hdet.execution.executor.HDETParts`): the groups' collectives (one row of numbers per group),
+  the multiplier table, a merger (blending the groups' parameters in 25 MiB buckets, rolling back to a restore point),
 * an optional guard that flags, on the device, the optimizer steps of a group whose loss or gradients are
   non-finite (skipped on the device by fused optimizers),
 * checkpoints whose ``state_dict`` is the merged model, plus one file per group with its own state.
@@ -20,7 +20,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
@@ -40,11 +39,12 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.console import counted
-from lightning_hdet.hdet.ensemble import EnsembleOps, ReplicaSite
-from lightning_hdet.hdet.groups import GradientSync, HDETGroups
-from lightning_hdet.hdet.guard import FiniteGuard
+from lightning_hdet.hdet.execution.comm import Communicator
+from lightning_hdet.hdet.execution.guard import FiniteGuard
 from lightning_hdet.hdet.hyperparams import Span
-from lightning_hdet.hdet.metric_sync import GroupMetricSync
+from lightning_hdet.hdet.lightning.ensemble import EnsembleOps, ReplicaSite
+from lightning_hdet.hdet.lightning.groups import GradientSync, HDETGroups
+from lightning_hdet.hdet.lightning.metric_sync import GroupMetricSync
 from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 from typing_extensions import override
 
@@ -78,10 +78,13 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
             ``"momentum"``, ``"beta1"``, ``"beta2"`` are multiplied through ``1 - beta``; ``"lr"`` sets the LR's
             span (``1.0``: the LR is not explored). The votes move them as the LR
             (:mod:`~lightning_hdet.hdet.hyperparams`, docs/configuration.md). ``None``: the LR alone.
+        communicator: what every HDET collective goes through
+            (:class:`~lightning_hdet.hdet.execution.comm.Communicator`); ``None``: ``torch.distributed`` over the
+            strategy's process groups.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts.
 
-    What the callback drives (``strategy.hdet``, an :class:`~lightning_hdet.hdet.executor.HDETParts`): the groups'
-    collectives (``groups``), the multiplier table (``table``), the merger (``merger``: merges, restore point,
+    What the callback drives (``strategy.hdet``, an :class:`~lightning_hdet.hdet.execution.executor.HDETParts`): the
+    groups' collectives (``groups``), the multiplier table (``table``), the merger (``merger``: merges, restore point,
     roll-backs, the validation swap) and the non-finite step guard (``guard``), objects the strategy owns; besides
     them only ``set_gradient_sync(mode)`` (DDP wraps the model again), ``config`` and the explored hyperparameters'
     tables (``explored`` / ``set_explored(tables)``, under ``explore``). A user reads ``layout``, ``num_groups``,
@@ -99,13 +102,14 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         gradient_sync: Optional[GradientSync] = None,
         preset: str = DEFAULT_PRESET,
         explore: Optional[Mapping[str, Span]] = None,
+        communicator: Optional[Communicator] = None,
         **kwargs: Any,
     ) -> None:
         self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
-        self._init_parts(ReplicaSite(self))
+        self._init_parts(ReplicaSite(self), communicator)
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -165,7 +169,8 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         guard = self.hdet.guard
         if guard.enabled and not has_user_comm_hook(self) and not self._uses_grad_scaler():
             pg = ddp_kwarg(self, "process_group")
-            guard.hook = FiniteGuard(pg, dist.get_world_size(pg), self.root_device)
+            comm = self.communicator
+            guard.hook = FiniteGuard(pg, comm.world_size(pg), self.root_device, comm)
             self.model.register_comm_hook(guard.hook, FiniteGuard.hook)  # type: ignore[union-attr]
 
     @override

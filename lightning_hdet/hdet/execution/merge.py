@@ -2,9 +2,9 @@
 
 A :class:`Merger` is given *what* a merge carries (a :class:`MergeSite`: the full replica of ``"hdet"``, the local
 shards of ``"hdet_fsdp"``, one row of a tensor in :class:`~lightning_hdet.testing.FakeWorld`) and *how* the ranks
-sum (a :class:`~lightning_hdet.hdet.comm.GroupComm`: process groups in a run, threads in memory in a test). Merging
-in 25 MiB buckets, the finite check before the restore point is overwritten, the roll-back, the optimizer restart
-and the validation swap are written once, here, and run unchanged by the strategies and by the in-memory fake.
+sum (a :class:`~lightning_hdet.hdet.execution.comm.GroupComm`: process groups in a run, threads in memory in a test).
+Merging in 25 MiB buckets, the finite check before the restore point is overwritten, the roll-back, the optimizer
+restart and the validation swap are written once, here, and run unchanged by the strategies and by the in-memory fake.
 It owns one piece of state: the restore point (the last good merge target of this rank's tensors, a flat host copy,
 pinned on CUDA), and the initial model where the plateau rule keeps it.
 """
@@ -34,8 +34,8 @@ from lightning_hdet._tensors import (
     sync_device,
     write_from,
 )
-from lightning_hdet.hdet.comm import GroupComm
-from lightning_hdet.hdet.validation import MergedValidation, reshard
+from lightning_hdet.hdet.execution.comm import GroupComm
+from lightning_hdet.hdet.execution.validation import MergedValidation, reshard
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,8 @@ class Merger:
 
     def validate_merged(self, on: bool) -> None:
         """``on``: every rank holds the checkpoint's merged model (its own state kept on the host), for validation;
-        off: each group's own state back (:mod:`~lightning_hdet.hdet.validation`). Idempotent; ``on`` is a collective."""
+        off: each group's own state back (:mod:`~lightning_hdet.hdet.execution.validation`). Idempotent; ``on`` is a
+        collective."""
         if on:
             self._validation.swap_in(self)
         else:

@@ -21,15 +21,18 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hdet._tensors import all_finite, finite, local
+from lightning_hdet.hdet.execution.comm import Communicator
 
 
 class FiniteGuard:
-    """State of the finite-gradient DDP communication hook (one per DDP model)."""
+    """State of the finite-gradient DDP communication hook (one per DDP model): the bucket's mean over
+    ``process_group`` (``size`` ranks) goes through ``comm``."""
 
     # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at registration.
-    def __init__(self, process_group: Any, size: int, device: torch.device) -> None:
+    def __init__(self, process_group: Any, size: int, device: torch.device, comm: Communicator) -> None:
         self.process_group = process_group
         self.size = size
+        self.comm = comm
         self.flag = torch.zeros((), dtype=torch.bool, device=device)
 
     def reset(self) -> None:
@@ -44,8 +47,7 @@ class FiniteGuard:
         # Zero a non-finite bucket without a host branch: x * False is 0, or NaN where x was not finite, then 0.
         # (A 0-d masked_fill_ reads like this but costs 15x a multiply on a CPU, measured.)
         buffer.mul_(ok).nan_to_num_(0.0, 0.0, 0.0)
-        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return state.comm.all_reduce_future(buffer, state.process_group)
 
 
 def grads_are_finite(optimizer: Optimizer) -> Tensor:
@@ -74,10 +76,11 @@ class NonFiniteSteps:
       the vote rescues the flagged group anyway (merged back, optimizer state restarted).
 
     ``count`` sums flagged steps on the device; :meth:`total` and :meth:`interval` bring it to the host (a host
-    sync: at votes and checkpoints, never per step).
+    sync: at votes and checkpoints, never per step). The group's ranks agree on the flag through ``comm``.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, comm: Communicator) -> None:
+        self.comm = comm
         self.flag = torch.zeros((), dtype=torch.float32, device=device)
         self.count = torch.zeros((), dtype=torch.float32, device=device)
         self._total = 0  # host side: flagged steps up to the last read
@@ -126,7 +129,7 @@ class NonFiniteSteps:
             if isinstance(result, Tensor):
                 torch.logical_or(self.flag, finite(result.detach()).logical_not_(), out=self.flag)
             if exact and group_size > 1:  # a tiny all-reduce, queued on the device like the step itself
-                dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=group)
+                self.comm.all_reduce(self.flag, group, op="max")
             self.count.add_(self.flag)
             return result
 
@@ -150,10 +153,11 @@ class StepGuard:
     is installed while wrapping). On, the strategy checks every step through :meth:`counter` (a
     :class:`NonFiniteSteps`, on the device) and keeps in ``hook`` the state of the gradient hook it installed (a
     :class:`FiniteGuard` or the sharded strategy's mean, whose ``flag`` says a local gradient was not finite), or
-    ``None``.
+    ``None``. Its step check agrees within a group through ``comm``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
         self.enabled = False
         self.hook: Optional[Any] = None
         self._steps: Optional[NonFiniteSteps] = None
@@ -165,7 +169,7 @@ class StepGuard:
     def counter(self, device: torch.device) -> NonFiniteSteps:
         """The step check and its device counter (made on the first guarded step)."""
         if self._steps is None:
-            self._steps = NonFiniteSteps(device)
+            self._steps = NonFiniteSteps(device, self.comm)
         return self._steps
 
     @property

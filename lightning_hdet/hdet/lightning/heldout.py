@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_hdet.hdet.averaging import ParameterAverage
-from lightning_hdet.hdet.comm import GroupComm
+from lightning_hdet.hdet.execution.comm import GroupComm
 
 HeldoutLoss = Callable[[LightningModule, Any], Tensor]
 WIDTH = 3  # columns of a row: loss sum, batches, fingerprint

@@ -1,6 +1,6 @@
 """Every group's learning rates as the votes read and write them: the multiplier table times the schedule.
 
-:class:`LearningRates` is the table's face toward :class:`~lightning_hdet.hdet.callback.HDETCallback`
+:class:`LearningRates` is the table's face toward :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback`
 (``strategy.hdet.table``); the table itself (:class:`~lightning_hdet.hdet.multipliers.MultiplierTable`) stays
 where the strategy applies its rows around every optimizer step. The same class serves the in-memory fake, over its
 own table and a fixed schedule.

@@ -6,13 +6,13 @@ A metric logged in ``validation_step`` would otherwise describe each rank's own 
 monitor=...)``, ``EarlyStopping`` and the progress bar would keep or stop on a model that is not in the file.
 
 :class:`MergedValidation` swaps the merged model in before the first validation batch and each group's own state
-back after the last one, on both strategies: what a merge carries (:meth:`~lightning_hdet.hdet.merge.MergeSite.
-merge_parts`: parameters or their local shards, the float buffers, and the schedule-free base iterate, so an
-``optimizer.eval()`` of a schedule-free optimizer evaluates the merged average too) is copied to one host buffer
-(pinned on CUDA, reused) and merged with the checkpoint's coefficients through the strategy's own bucketed
-:meth:`~lightning_hdet.hdet.merge.Merger.merge` (``keep=False``: the restore point and the optimizer states are
-left alone). Cost per validation: one device-to-host and one host-to-device copy of this rank's part of the
-model, and the merge's all-reduces.
+back after the last one, on both strategies: what a merge carries
+(:meth:`~lightning_hdet.hdet.execution.merge.MergeSite. merge_parts`: parameters or their local shards, the float
+buffers, and the schedule-free base iterate, so an ``optimizer.eval()`` of a schedule-free optimizer evaluates the
+merged average too) is copied to one host buffer (pinned on CUDA, reused) and merged with the checkpoint's coefficients
+through the strategy's own bucketed :meth:`~lightning_hdet.hdet.execution.merge.Merger.merge` (``keep=False``: the
+restore point and the optimizer states are left alone). Cost per validation: one device-to-host and one host-to-device
+copy of this rank's part of the model, and the merge's all-reduces.
 
 Not under ``HDETCallback(monitor=...)``: that vote compares each group's own value of a validation metric, so
 validation runs each group's own model, and a warning at the start of fit says what the metric then describes.
@@ -51,7 +51,7 @@ def reshard(module: Module) -> None:
 def healthy_mean(groups: Any, tensors: list[Tensor]) -> list[float]:
     """The checkpoint's merge coefficients: ``1 / k`` for each of the ``k`` groups whose ``tensors`` are finite on
     every rank, 0 for the others (every group equally when none is finite). One small all-reduce through ``groups``
-    (a :class:`~lightning_hdet.hdet.comm.GroupComm`)."""
+    (a :class:`~lightning_hdet.hdet.execution.comm.GroupComm`)."""
     finite = groups.gather_group_values(all_finite(tensors).double().reshape(1))[:, 0]
     healthy = [float(n) == groups.layout.group_size for n in finite.tolist()]
     if not any(healthy):
@@ -62,8 +62,8 @@ def healthy_mean(groups: Any, tensors: list[Tensor]) -> list[float]:
 class MergedValidation:
     """Swap the merged model in (:meth:`swap_in`) and this rank's own state back (:meth:`swap_out`).
 
-    Owned by a :class:`~lightning_hdet.hdet.merge.Merger` (one per rank), which it is given: its ``site`` says what
-    to swap, its ``groups`` how the ranks sum. Call both on every rank (collectives); each is idempotent, so an
+    Owned by a :class:`~lightning_hdet.hdet.execution.merge.Merger` (one per rank), which it is given: its ``site`` says
+    what to swap, its ``groups`` how the ranks sum. Call both on every rank (collectives); each is idempotent, so an
     exception between them can always swap back.
     """
 

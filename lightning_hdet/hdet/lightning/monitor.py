@@ -5,7 +5,7 @@
   interval it closes; validating and voting every ``N`` steps puts both at the same step. A run that ends first
   votes in ``on_train_end`` on the last value (``_missing_metric`` if there never was one).
 * **Each group's own.** With ``sync_dist=True`` Lightning would average the value over every rank; the strategy
-  reduces it over the group instead during that validation (:mod:`~lightning_hdet.hdet.metric_sync`). A value
+  reduces it over the group instead during that validation (:mod:`~lightning_hdet.hdet.lightning.metric_sync`). A value
   synced some other way (a torchmetrics ``Metric``'s own process group, an explicit ``sync_dist_group``, the user's
   own all-reduce) is still the job's: :class:`MonitoredMetric` sees every group report the same value while their
   parameters differ (a fingerprint of each group's parameters rides along the vote's one all-reduce), warns with

@@ -1,7 +1,7 @@
 """The model-state half of the HDET executor interface for sharded groups (``"hdet_fsdp"``).
 
-:class:`ShardedEnsembleOps` is mixed into :class:`~lightning_hdet.hdet.fsdp.HDETFSDPStrategy`. Merges, the restore
-point and roll-backs come from the strategy's :class:`~lightning_hdet.hdet.merge.Merger`, over what
+:class:`ShardedEnsembleOps` is mixed into :class:`~lightning_hdet.hdet.fsdp.strategy.HDETFSDPStrategy`. Merges, the
+restore point and roll-backs come from the strategy's :class:`~lightning_hdet.hdet.execution.merge.Merger`, over what
 :class:`ShardSite` names, this rank's part of the model:
 the local parameter shards, reduced across the mesh's group dimension (``across_groups``: never a full
 parameter), then the unsharded float buffers, reduced over all ranks, then the local shards of schedule-free
@@ -16,11 +16,10 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_hdet._tensors import float_buffers, numel
-from lightning_hdet.hdet.merge import MergeOps, MergePart, StrategySite, iterate_states
-from lightning_hdet.hdet.shards import local_shards
+from lightning_hdet.hdet.execution.merge import MergeOps, MergePart, StrategySite, iterate_states
+from lightning_hdet.hdet.fsdp.shards import local_shards
 
 
 class ShardSite(StrategySite):
@@ -50,7 +49,7 @@ class ShardedEnsembleOps(MergeOps):
         stats = torch.stack([sum((t.double().pow(2).sum() for t in shards), torch.zeros((), dtype=torch.float64,
                                                                                          device=self.root_device)),
                              torch.tensor(float(numel(shards)), dtype=torch.float64, device=self.root_device)])
-        dist.all_reduce(stats, group=self.shard_mesh.get_group())
+        self.communicator.all_reduce(stats, self.shard_mesh.get_group())
         std = relative_std * math.sqrt(float(stats[0]) / max(float(stats[1]), 1.0))
         # Each shard rank draws for its own slice of the group's parameters.
         gen = torch.Generator().manual_seed(seed * 1_000_003 + self.shard_mesh.get_local_rank())
