@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
 from lightning_hdet._compat import attached_trainer
-from lightning_hdet.hdet.shards import is_sharded
+from lightning_hdet.hdet.fsdp.shards import is_sharded
 from lightning_hdet.asynchronous.outer import OuterState
 from lightning_hdet.asynchronous.worker_shards import local_state, state_from_flat
 

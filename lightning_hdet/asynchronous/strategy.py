@@ -48,7 +48,7 @@ from lightning_hdet.asynchronous.shard_hooks import (
     ddp_arguments,
     sharded_module_state,
 )
-from lightning_hdet.hdet.shards import ShardingPolicy
+from lightning_hdet.hdet.fsdp.shards import ShardingPolicy
 from lightning_hdet.asynchronous.worker_shards import (
     check_inside_worker,
     global_model_shards,

@@ -32,8 +32,8 @@ from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, re
 from lightning_hdet.asynchronous.messages import Fragments
 from lightning_hdet.asynchronous.transport import WorkerTransport
 from lightning_hdet.asynchronous.worker import Worker
-from lightning_hdet.hdet.shards import ShardingPolicy, shard
-from lightning_hdet.hdet.validation import reshard
+from lightning_hdet.hdet.fsdp.shards import ShardingPolicy, shard
+from lightning_hdet.hdet.execution.validation import reshard
 
 if TYPE_CHECKING:
     from lightning_hdet.asynchronous.outer import OuterState
