@@ -8,7 +8,6 @@ decides (early stopping, best checkpoints) and writes checkpoints. See ``docs/as
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -46,12 +45,10 @@ from lightning_hdet.asynchronous.shard_hooks import (
     ShardedWorkersLauncher,
     check_sharded_entry,
     ddp_arguments,
-    sharded_module_state,
 )
 from lightning_hdet.hdet.fsdp.shards import ShardingPolicy
 from lightning_hdet.asynchronous.worker_shards import (
     check_inside_worker,
-    global_model_shards,
     read_full,
     read_sharded_model,
 )
@@ -346,37 +343,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         destroy_groups(groups or ())
         self.release_worker_groups()
         super().teardown()
-
-    # the global model for validation and checkpoints (rank 0, while training: `_global_model`)
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._validation_view = ExitStack()  # closed in on_validation_end
-        if self.shard_group is not None and self.diverged:
-            assert self._exchange is not None
-            self._validation_view.enter_context(global_model_shards(
-                self.lightning_module, self.root_device, self._outer, self.exchange_group, 0))
-        else:
-            self._validation_view.enter_context(self._global_model())
-
-    @override
-    def on_validation_end(self) -> None:
-        view = getattr(self, "_validation_view", None)
-        if view is not None:
-            view.close()
-        super().on_validation_end()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
-        state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
-        :meth:`save_checkpoint`), so the two always hold the same global model."""
-        snapshot = self._outer.state_dict() if self.diverged and self._outer is not None else None
-        self._outer_snapshot = snapshot
-        if self.shard_group is not None:
-            return sharded_module_state(self.lightning_module, snapshot, self._outer, self.is_global_zero)
-        with self._global_model(snapshot):
-            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
     @classmethod
     @override
