@@ -117,7 +117,7 @@ class RankGroups(LocalCollectivesStrategy):
         worker's other ranks cannot know before the round ends, and would wait for its gradients: the stop goes to
         the server instead, and rank 0's worker stops, all its ranks together, when its round ends."""
         exchange = self._exchange
-        if (self.ranks_per_worker == 1 or not self.diverged or not trainer.should_stop or exchange is None
+        if (self.ranks_per_worker == 1 or not self.training_apart or not trainer.should_stop or exchange is None
                 or exchange.outer is None or exchange.worker.stopped):
             return
         if not exchange.outer.stop_requested:

@@ -32,7 +32,7 @@ class ExchangeReadouts:
     # shard_group, exchange_group (RankGroups').
     _exchange: Exchange | None
     #: True while this rank trains apart from the others (set by the strategy).
-    diverged: bool
+    training_apart: bool
 
     @property
     def _outer(self) -> OuterState | None:
@@ -43,7 +43,7 @@ class ExchangeReadouts:
     def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
         """On rank 0 during training: temporarily swap in the current global parameters and buffers (or those of
         ``snapshot``, an outer state's ``state_dict``), for validation and checkpoints."""
-        if not (self.diverged and self._outer is not None and self._exchange is not None):
+        if not (self.training_apart and self._outer is not None and self._exchange is not None):
             yield
             return
         with self._exchange.global_model(snapshot):
@@ -86,7 +86,7 @@ class ExchangeReadouts:
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._validation_view = ExitStack()  # closed in on_validation_end
-        if self.shard_group is not None and self.diverged:
+        if self.shard_group is not None and self.training_apart:
             self._validation_view.enter_context(global_model_shards(
                 self.lightning_module, self.root_device, self._outer, self.exchange_group, 0))
         else:
@@ -104,7 +104,7 @@ class ExchangeReadouts:
         """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
         state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
         ``save_checkpoint``), so the two always hold the same global model."""
-        snapshot = self._outer.state_dict() if self.diverged and self._outer is not None else None
+        snapshot = self._outer.state_dict() if self.training_apart and self._outer is not None else None
         self._outer_snapshot = snapshot
         if self.shard_group is not None:
             return sharded_module_state(self.lightning_module, snapshot, self._outer, self.is_global_zero)

@@ -165,7 +165,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         return OuterSettings(**{f.name: getattr(self, f.name) for f in fields(OuterSettings)})
 
     def _reset_run_state(self) -> None:
-        self.diverged = False
+        self.training_apart = False
         self._exchange: Exchange | None = None
         self._budget: int | None = None
         self._saved_limits: tuple[Any, Any] | None = None
@@ -265,7 +265,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                                   self.shard_group)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
-        self.diverged = True
+        self.training_apart = True
         self._run_exchange(Kind.HELLO)
 
     @override
@@ -274,7 +274,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         with self._exchange.worker.inner_lr(optimizer):  # cut after rejected pushes in a row
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.diverged:
+        if self.training_apart:
             assert self._exchange is not None
             if self._exchange.worker.step():
                 self._run_exchange(Kind.PUSH)
@@ -306,12 +306,12 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     def on_train_end(self) -> None:
         """Leave the exchange (pushing any unfinished round), then give every rank the global model."""
         trainer = self.lightning_module.trainer
-        if self.diverged:
+        if self.training_apart:
             assert self._exchange is not None
             log.debug("rank %d: leaving the exchange", self.global_rank)
             self._exchange.leave(stop_everyone=trainer.should_stop)  # e.g. EarlyStopping on rank 0
             self._log_outer_metrics()
-            self.diverged = False
+            self.training_apart = False
             if self.shard_group is not None:
                 self._exchange.share_global_model(self._groups[1])
             else:
@@ -330,7 +330,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self.diverged = False
+        self.training_apart = False
         self._restore_limits()
         super().on_exception(exception)
 
