@@ -11,7 +11,11 @@ sample budget ``Trainer(max_steps=S)`` (inner steps summed over workers = ``W ×
 - **async DN + DyLU**: Delayed Nesterov with dynamic local steps;
 - **DiLoCo / async DN + DyLU with outer momentum 0.5** (``_m0.5``): the published outer momentum 0.9 oscillates
   under stale pushes when one round moves the model far, as in this short run (see docs/async.md);
-- **async default**: DN + DyLU with the package's default ``outer="robust"`` (momentum warm-up and restarts).
+- **async default**: DN + DyLU with the package's default ``outer="stable"`` (momentum warm-up and restarts, the
+  outer lr of ``stable_outer_lr``);
+- **DiLoCo / async DN + DyLU with workers of two ranks** (``_2ranks``, by name, ``--world-size 4``: issue 42's
+  2 workers × 2 ranks, DDP inside each worker, against 4 one-rank workers and DDP over the same 4 processes; the
+  same samples, since every rank takes ``S`` steps; a worker is as fast as its slowest rank).
 
 The inner AdamW warms up linearly for S/10 steps, then decays with a cosine, as in the papers.
 
@@ -89,12 +93,18 @@ METHODS: dict[str, dict | None] = {
     # derived from the momentum: None here, so that --outer-lr does not replace it); before issue 42, "robust".
     "async_default": {"mode": "async", "outer": "stable", "outer_lr": None},
     "async_robust": {"mode": "async", "outer": "robust"},
+    # Workers of two ranks (DDP inside each, one push per worker; asked for by name, with --world-size 4: issue 42's
+    # 2 workers x 2 ranks against 4 one-rank workers and DDP over the same 4 processes, at equal samples)
+    "diloco_2ranks": {"mode": "sync", "ranks_per_worker": 2},
+    "async_dn_dylu_2ranks": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True,
+                             "ranks_per_worker": 2},
     # DiLoCo with compressed exchanges (asked for by name: the loss change against "diloco", same seed and data)
     "diloco_bf16": {"mode": "sync", "compression": "bf16"},
     "diloco_bf16_pull": {"mode": "sync", "compression": "bf16", "pull_compression": "bf16"},
 }
 #: Methods run unless ``--methods`` names others.
-DEFAULT_METHODS = [m for m in METHODS if not m.startswith("diloco_bf16") and m != "async_robust"]
+DEFAULT_METHODS = [m for m in METHODS if not m.startswith("diloco_bf16") and m != "async_robust"
+                   and not m.endswith("_2ranks")]
 # Published final perplexity on C4 (20M model, k = 4) per heterogeneity level; async DN alone is not tabulated.
 PUBLISHED = {
     "diloco": {"none": 41.35, "slight": 41.35, "moderate": 41.35, "very": 41.35},

@@ -4,7 +4,8 @@
 # since NCCL needs one GPU per rank; the two halves run side by side), check that they agree, and keep both
 # sets of JSON and the step times; then HDET's per-step path on the GPU over NCCL (benchmarks/sync_check.py:
 # synchronising CUDA calls per step and steps/s against DDP, float32 and bf16-mixed); with 2 GPUs, also HDET
-# vs DDP steps/s over NCCL (one process per GPU); and a 2 x k run of workers of several ranks (async and DiLoCo).
+# vs DDP steps/s over NCCL (one process per GPU); and a 2 x k run of workers of several ranks (async and DiLoCo),
+# DDP and FSDP2 inside.
 #   usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu_check_out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +61,14 @@ env BENCH_ACCELERATOR=cuda $ranks_env timeout 300 "$PY" benchmarks/worker_ranks.
   --ranks-per-worker "$k" --out "$OUT_DIR/worker_ranks.json" > "$OUT_DIR/worker_ranks.log" 2>&1 || ranks_rc=$?
 grep -E '^[|]|^seed' "$OUT_DIR/worker_ranks.log" || tail -30 "$OUT_DIR/worker_ranks.log"
 [ "$ranks_rc" -eq 0 ] && echo "worker_ranks 2 x $k ok ($ranks_env)" || echo "worker_ranks 2 x $k failed (rc $ranks_rc)"
+# The same 2 x k with FSDP2 inside each worker (inside_worker="fsdp"); on one GPU its collectives run over gloo on
+# CUDA tensors, which this records whether FSDP2's reduce-scatter supports.
+fsdp_rc=0
+env BENCH_ACCELERATOR=cuda $ranks_env timeout 300 "$PY" benchmarks/worker_ranks.py --quick --seeds 0 --ranks-per-worker \
+  "$k" --inside-worker fsdp --arms "async ranks" "diloco ranks" --out "$OUT_DIR/worker_ranks_fsdp.json" \
+  > "$OUT_DIR/worker_ranks_fsdp.log" 2>&1 || fsdp_rc=$?
+grep -E '^[|]|^seed' "$OUT_DIR/worker_ranks_fsdp.log" || tail -30 "$OUT_DIR/worker_ranks_fsdp.log"
+[ "$fsdp_rc" -eq 0 ] && echo "worker_ranks 2 x $k fsdp ok ($ranks_env)" || echo "worker_ranks 2 x $k fsdp failed (rc $fsdp_rc)"
 
 "$PY" - "$OUT_DIR" <<'EOF'
 """Compare the CPU and CUDA quick runs: same final losses (up to kernel differences), and the step times."""
@@ -89,4 +98,4 @@ if nccl.exists():
               f"repeats {runs})")
 sys.exit(0 if ok else 1)
 EOF
-exit $(( cpu_rc || cuda_rc || sync_rc || ranks_rc ))
+exit $(( cpu_rc || cuda_rc || sync_rc || ranks_rc || fsdp_rc ))

@@ -5,7 +5,9 @@ A pure simulation that drives the package's real outer side (``OuterSettings.bui
 Delayed Nesterov, the momentum schedule, the push checks) with fake workers, so that 200+ rounds per worker cost
 seconds instead of hours of multi-process fits. Each worker holds a shard of Lightning's ``BoringModel`` task (a
 32 -> 2 linear regression onto ones, 64 training inputs, batch size 1, the shards taken in order as a
-``DistributedSampler`` without shuffling does) and runs ``H`` inner steps of its own optimizer per round:
+``DistributedSampler`` without shuffling does: ``--data shards``) or, as an elastic worker does, 64 inputs of its
+own, the whole of its dataset in order (``--data whole``: a worker's directions come back only every 8 rounds), and
+runs ``H`` inner steps of its own optimizer per round:
 
 - ``sgd``: SGD lr 0.05, ``H`` = 8, the issue's case;
 - ``adamw``: AdamW lr 0.01, weight decay 0.1, ``H`` = 8 (a floor above 0: weight decay moves the optimum).
@@ -15,13 +17,14 @@ model (``workers - 1`` pushes stale); DiLoCo: every worker starts each round fro
 takes their mean. Reported: the global model's loss on 256 held-out inputs ÷ its initial loss after 50 rounds per
 worker and at the end, and end ÷ 50 rounds (> 1: the loss rose over the long horizon), the worst over seeds.
 
-Run: ``python benchmarks/outer_stability.py [--quick] [--rounds R] [--seeds S]``.
+Run: ``python benchmarks/outer_stability.py [--quick] [--rounds R] [--seeds S] [--data shards whole]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import logging
 import math
 import sys
@@ -42,18 +45,25 @@ TASKS = {"sgd": ("sgd", 0.05, 8), "adamw": ("adamw", 0.01, 8)}
 OUTERS = ("stable", "robust", "published")
 MODES = ("async", "sync")
 WORKERS = (2, 4, 8)
+#: How each worker's data is drawn: a shard of one dataset (the Trainer's ``DistributedSampler``), or a dataset of
+#: its own read whole (an elastic worker: each session its own data, here 64 inputs per worker).
+DATA = ("shards", "whole")
 #: A loss below this fraction of the initial one counts as converged: "rose" is not read into noise at the floor.
 FLOOR = 1e-4
 
 
 class Workers:
-    """``W`` fake workers on shards of the BoringModel regression (inputs with a constant 1 for the bias)."""
+    """``W`` fake workers on the BoringModel regression (inputs with a constant 1 for the bias): shards of one
+    dataset, or each a dataset of its own (see :data:`DATA`)."""
 
-    def __init__(self, workers: int, task: str, seed: int) -> None:
+    def __init__(self, workers: int, task: str, seed: int, data: str = "shards") -> None:
         inner, lr, self.local_steps = TASKS[task]
-        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
-        data = torch.cat([x, torch.ones(64, 1)], 1)
-        self.shards = [data[w::workers] for w in range(workers)]
+        if data == "shards":
+            x = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
+            self.shards = [_with_bias(x)[w::workers] for w in range(workers)]
+        else:  # worker 0 holds the shards' dataset, the others their own (as sessions seeded seed + s)
+            self.shards = [_with_bias(torch.randn(64, 32, generator=torch.Generator().manual_seed(seed + 7919 * w)))
+                           for w in range(workers)]
         self.params = [torch.zeros(2, 33) for _ in range(workers)]
         self.opts = [torch.optim.SGD([p], lr=lr) if inner == "sgd" else torch.optim.AdamW([p], lr=lr, weight_decay=0.1)
                      for p in self.params]
@@ -71,6 +81,10 @@ class Workers:
         return start - torch.cat([p[:, :32].flatten(), p[:, 32]])
 
 
+def _with_bias(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, torch.ones(len(x), 1)], 1)
+
+
 def held_out_loss(flat: torch.Tensor) -> float:
     """Mean squared error onto ones on 256 fixed held-out inputs (as benchmarks/async_defaults.py)."""
     x = torch.randn(256, 32, generator=torch.Generator().manual_seed(99))
@@ -78,12 +92,13 @@ def held_out_loss(flat: torch.Tensor) -> float:
         return float(((x @ flat[:64].view(2, 32).T + flat[64:] - 1) ** 2).mean())
 
 
-def simulate(workers: int, mode: str, outer: str, task: str, rounds: int, seed: int) -> list[float]:
+def simulate(workers: int, mode: str, outer: str, task: str, rounds: int, seed: int, data: str = "shards"
+             ) -> list[float]:
     """The global model's held-out loss at the start and after each round per worker."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(32, 2)
     flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()]).clone()
-    fake = Workers(workers, task, seed)
+    fake = Workers(workers, task, seed, data)
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
     state = OuterSettings(mode=mode, local_steps=fake.local_steps, outer=outer, **fixed).build(
         flat, torch.zeros(0), workers, None)
@@ -127,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=None, help="rounds per worker (default 200; --quick: 60)")
     p.add_argument("--seeds", type=int, default=None, help="seeds (default 3; --quick: 1)")
     p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--data", nargs="+", default=list(DATA), choices=DATA, help="each worker's data (see DATA)")
     add_output_args(p)
     args = p.parse_args(argv)
     args.rounds = args.rounds or (60 if args.quick else 200)
@@ -135,33 +151,31 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("lightning_hdet").setLevel(logging.ERROR)  # the push checks' rejections of diverging runs
     middle = min(50, args.rounds // 2)
     runs = []
-    for task in TASKS:
-        for mode in MODES:
-            for outer in OUTERS:
-                for workers in WORKERS:
-                    for seed in range(args.first_seed, args.first_seed + args.seeds):
-                        curve = simulate(workers, mode, outer, task, args.rounds, seed)
-                        runs.append({"task": task, "mode": mode, "outer": outer, "workers": workers, "seed": seed,
-                                     **verdict(curve, middle), "curve": curve[:: max(1, args.rounds // 50)]})
-                    print(task, mode, outer, workers, [round(r["end"], 6) for r in runs[-args.seeds:]], flush=True)
-    publish(name, args, {"runs": runs}, _table(runs, middle, args.rounds))
+    for data, task, mode, outer in itertools.product(args.data, TASKS, MODES, OUTERS):
+        for workers in WORKERS:
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                curve = simulate(workers, mode, outer, task, args.rounds, seed, data)
+                runs.append({"data": data, "task": task, "mode": mode, "outer": outer, "workers": workers,
+                             "seed": seed, **verdict(curve, middle), "curve": curve[:: max(1, args.rounds // 50)]})
+            print(data, task, mode, outer, workers, [round(r["end"], 6) for r in runs[-args.seeds:]], flush=True)
+    publish(name, args, {"runs": runs}, _table(runs, middle, args.rounds, args.data))
 
 
-def _table(runs: list[dict], middle: int, rounds: int) -> str:
+def _table(runs: list[dict], middle: int, rounds: int, datas: list[str]) -> str:
     rows = []
-    for task in TASKS:
-        for mode in MODES:
-            for outer in OUTERS:
-                cells = []
-                for workers in WORKERS:
-                    sel = [r for r in runs if (r["task"], r["mode"], r["outer"], r["workers"]) ==
-                           (task, mode, outer, workers)]
-                    worst = max(sel, key=lambda r: r["end"])
-                    mark = "" if all(r["stable"] for r in sel) else " ✗"
-                    cells.append(f"{fmt(worst['mid'], '.2g')} / {fmt(worst['end'], '.2g')}{mark}")
-                rows.append([task, "DiLoCo" if mode == "sync" else "async", f"`{outer}`", *cells])
-    head = ["inner", "mode", "outer", *(f"W = {w}" for w in WORKERS)]
-    return (f"Loss ÷ initial loss after {middle} / {rounds} rounds per worker, the worst seed; ✗: some seed ended above"
+    for data, task, mode, outer in itertools.product(datas, TASKS, MODES, OUTERS):
+        cells = []
+        for workers in WORKERS:
+            sel = [r for r in runs if (r["data"], r["task"], r["mode"], r["outer"], r["workers"]) ==
+                   (data, task, mode, outer, workers)]
+            worst = max(sel, key=lambda r: r["end"])
+            mark = "" if all(r["stable"] for r in sel) else " ✗"
+            cells.append(f"{fmt(worst['mid'], '.2g')} / {fmt(worst['end'], '.2g')}{mark}")
+        rows.append([data, task, "DiLoCo" if mode == "sync" else "async", f"`{outer}`", *cells])
+    head = ["data", "inner", "mode", "outer", *(f"W = {w}" for w in WORKERS)]
+    return (f"Loss ÷ initial loss after {middle} / {rounds} rounds per worker, the worst seed; `shards`: each worker "
+            "a shard of one 64-input dataset (the Trainer's sampler), `whole`: each worker 64 inputs of its own, "
+            "read whole (an elastic worker); ✗: some seed ended above"
             f" its start, not finite, or rose by more than 10 % between the two (above {FLOOR:g} × the start).\n\n"
             + markdown_table(head, rows))
 

@@ -5,8 +5,8 @@ on the same seed, data and per-rank batch (so the same samples: ``max_steps`` is
 Reported: the final global model's validation loss per seed, and the ratio of 2 x k to 2k x 1 (issue 42's
 target: within 1 %). Runs share 2 CPU cores with other jobs: wall-clock is not compared.
 
-Run: ``python benchmarks/worker_ranks.py [--quick] [--workload tabular] [--seeds 0 1 2] [--ranks-per-worker k]``
-(prints a markdown table). ``BENCH_ACCELERATOR=cuda`` trains on the GPU (every rank on ``cuda:0`` over gloo), with
+Run: ``python benchmarks/worker_ranks.py [--quick] [--workload tabular] [--seeds 0 1 2] [--ranks-per-worker k]
+[--inside-worker fsdp]`` (prints a markdown table; ``fsdp``: the 2 x k arms shard each worker's model with FSDP2). ``BENCH_ACCELERATOR=cuda`` trains on the GPU (every rank on ``cuda:0`` over gloo), with
 ``BENCH_BACKEND=nccl`` one GPU per rank over NCCL (2k GPUs), as in ``benchmarks/gpu_check.sh``.
 """
 
@@ -38,6 +38,11 @@ def label(arm: str, k: int) -> str:
     return f"{arm.split()[0]} {'2x' + str(k) if setting[1] else str(2 * k) + 'x1'}"
 
 
+def label_inside(arm: str, k: int, inside: str) -> str:
+    """:func:`label`, with what runs inside a worker of several ranks when it is not DDP (``async 2x2 fsdp``)."""
+    return label(arm, k) + (f" {inside}" if inside != "ddp" and (ARMS[arm] or (None, False))[1] else "")
+
+
 def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> float:
     """One fit of ``arm`` on 2k processes; the final (global) model's validation loss."""
     from lightning_hdet import AsyncLocalSGDStrategy
@@ -50,8 +55,9 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> float:
         strategy = DDPStrategy(**common)
     else:
         mode, several = setting
+        inside = {"inside_worker": args.inside_worker} if several else {}
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, ranks_per_worker=k if several else 1,
-                                         **common)
+                                         **inside, **common)
     spec = RunSpec(lr=args.lr, steps=args.steps, seed=seed, devices=2 * k, batch_size=args.batch_size,
                    val_every=args.steps, val_batches=8, workload=args.workload)
     return fit_run(spec, work, strategy=strategy).final_model_val_loss
@@ -68,6 +74,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--ranks-per-worker", type=int, default=2, help="k: 2 workers of k ranks, 2k processes")
+    parser.add_argument("--inside-worker", default="ddp", choices=("ddp", "fsdp"),
+                        help="what runs inside each worker of the 2 x k arms")
     parser.add_argument("--out", type=Path, default=None, help="also write the losses as JSON here")
     add_start_method_arg(parser)
     args = parser.parse_args()
@@ -78,12 +86,13 @@ def main() -> None:
         for seed in args.seeds:
             for arm in args.arms:  # interleaved: a load change on the machine hits every arm alike
                 losses[arm].append(run_arm(arm, seed, args, Path(tmp) / f"{arm.replace(' ', '_')}_{seed}"))
-                print(f"seed {seed} {label(arm, args.ranks_per_worker)}: {losses[arm][-1]:.4f}", flush=True)
+                print(f"seed {seed} {label_inside(arm, args.ranks_per_worker, args.inside_worker)}:"
+                      f" {losses[arm][-1]:.4f}", flush=True)
     rows = []
     for arm in args.arms:
         base = arm.replace(" ranks", "")
         ratio = [a / b for a, b in zip(losses[arm], losses[base])] if arm != base and base in losses else []
-        rows.append([label(arm, args.ranks_per_worker), *[fmt(x) for x in losses[arm]],
+        rows.append([label_inside(arm, args.ranks_per_worker, args.inside_worker), *[fmt(x) for x in losses[arm]],
                      " / ".join(f"{r:.3f}" for r in ratio) or "—"])
     header = ["arm", *[f"seed {s}" for s in args.seeds], "÷ one rank per worker"]
     print(markdown_table(header, rows))

@@ -186,7 +186,7 @@ def test_a_checkpoint_takes_one_snapshot_of_the_outer_state(tmp_path: Path) -> N
     exchange.module, exchange.device = model, torch.device("cpu")
     exchange.outer = Exchange.start_outer(strategy.outer_settings, model, exchange.device, 2, None, None)
     exchange.worker = Worker(model, exchange.device, transport=None)  # type: ignore[arg-type]  # training: no stop
-    strategy._exchange, strategy.diverged = exchange, True  # rank 0 while training: pushes keep arriving
+    strategy._exchange, strategy.training_apart = exchange, True  # rank 0 while training: pushes keep arriving
     own = [p.detach().clone() for p in model.parameters()]
     state_dict = strategy.lightning_module_state_dict()
     n = numel(list(model.parameters()))

@@ -316,6 +316,24 @@ def test_async_published_quick_mode(tmp_path):
     assert (tmp_path / "docs" / "img" / "async_published_quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.timeout(600)
+def test_async_published_two_workers_of_two_ranks_quick_mode(tmp_path):
+    """Issue 42's 2 x 2 arm on 4 processes: DiLoCo and async with workers of two ranks beside four one-rank workers
+    and DDP over the same 4, at equal samples (every rank takes S steps; a two-rank worker counts each of its steps
+    once, so its workers' inner steps sum to 2 x S)."""
+    methods = ["ddp", "diloco", "diloco_2ranks", "async_dn_dylu", "async_dn_dylu_2ranks"]
+    data, table, _ = run_quick(tmp_path, "async_published", "--world-size", "4", "--levels", "none", "--methods",
+                               *methods, "--start-method", "fork")
+    cfg = data["config"]
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == methods and len(table) == 2 + len(methods)
+    for method in ("diloco", "async_dn_dylu"):
+        assert len(rows[method]["inner_steps"]) == 4 and len(rows[f"{method}_2ranks"]["inner_steps"]) == 2
+        assert sum(rows[method]["inner_steps"].values()) == 4 * cfg["steps"]
+        assert sum(rows[f"{method}_2ranks"]["inner_steps"].values()) == 2 * cfg["steps"]
+    assert all(math.isfinite(r["final_val_loss"]) and r["final_val_loss"] < math.log(256) for r in rows.values())
+
+
 def test_async_defaults_quick_mode(tmp_path):
     """The regression task only (three forked fits): the default outer setting and the two before it start from
     the same model, and the cells are the final ÷ initial loss."""
@@ -815,14 +833,22 @@ def test_outer_stability_verdict_hand_computed():
 
 
 def test_outer_stability_quick_mode(tmp_path):
-    """20 rounds per worker: the real outer state runs every cell; the published outer step with two SGD workers
-    has already diverged there, the default has not."""
+    """20 rounds per worker, both data orders: the real outer state runs every cell; the published outer step with
+    two SGD workers has already diverged there, the default has not; each worker's whole dataset is its own."""
     data, table, _ = run_quick(tmp_path, "outer_stability", "--rounds", "20")
-    runs = {(r["task"], r["mode"], r["outer"], r["workers"]): r for r in data["runs"]}
-    assert len(runs) == 2 * 2 * 3 * 3 and all(len(r["curve"]) == 21 for r in runs.values())
-    assert all(runs[("sgd", m, "stable", w)]["stable"] for m in ("async", "sync") for w in (2, 4, 8))
-    assert not runs[("sgd", "sync", "published", 2)]["stable"]
-    assert table[0] == "| inner | mode | outer | W = 2 | W = 4 | W = 8 |" and len(table) == 2 + 12
+    runs = {(r["data"], r["task"], r["mode"], r["outer"], r["workers"]): r for r in data["runs"]}
+    assert len(runs) == 2 * 2 * 2 * 3 * 3 and all(len(r["curve"]) == 21 for r in runs.values())
+    assert all(runs[(d, "sgd", m, "stable", w)]["stable"] for d in ("shards", "whole") for m in ("async", "sync")
+               for w in (2, 4, 8))
+    assert not runs[("shards", "sgd", "sync", "published", 2)]["stable"]
+    assert table[0] == "| data | inner | mode | outer | W = 2 | W = 4 | W = 8 |" and len(table) == 2 + 24
+    import torch
+
+    from benchmarks.outer_stability import Workers
+
+    shards, whole = Workers(2, "sgd", 0, "shards").shards, Workers(2, "sgd", 0, "whole").shards
+    assert [len(s) for s in shards] == [32, 32] and [len(s) for s in whole] == [64, 64]
+    assert torch.equal(whole[0][1::2], shards[1]) and not torch.equal(whole[1], whole[0])
 
 
 @pytest.mark.timeout(300)

@@ -8,9 +8,14 @@ from lightning_hdet.asynchronous.momentum import (
     OUTER_PRESETS,
     MomentumSchedule,
     OuterPreset,
+    momentum_tail,
     resolve_outer,
     stable_outer_lr,
 )
+from lightning_hdet.asynchronous.outer import OuterSettings
+
+#: ``1 + 0.9 + ... + 0.9^8``: one push's whole motion, in ``outer_lr`` x the push, at momentum 0.9 restarted every 8
+TAIL = (1 - 0.9**9) / (1 - 0.9)
 
 
 def _push(opt: DelayedNesterov, p: torch.Tensor, g: torch.Tensor) -> None:
@@ -97,9 +102,11 @@ def test_warm_up_and_restarts_stop_the_oscillation_of_stale_pushes():
 
 
 def test_resolve_outer_presets_and_overrides():
-    stable = OuterPreset(1.9 / 5.6, 0.9, 16, 8)  # (1 + 0.9) / (2 * (1 + 1.8))
+    stable = OuterPreset(pytest.approx(1 / TAIL), 0.9, 16, 8)  # 0.163: one push's whole echo at most the push
     assert resolve_outer(None) == resolve_outer("stable") == stable
     assert resolve_outer(None, momentum=0.5) == OuterPreset(0.375, 0.5, 16, 8)  # 1.5 / (2 * 2): lr follows beta
+    assert resolve_outer(None, restart=0) == OuterPreset(pytest.approx(0.1), 0.9, 16, 0)  # 1 / 10: and restarts
+    assert resolve_outer(None, restart=4) == OuterPreset(pytest.approx(1 / 4.0951), 0.9, 16, 4)
     assert resolve_outer(None, lr=0.2, momentum=0.5) == OuterPreset(0.2, 0.5, 16, 8)  # an explicit lr stays
     assert resolve_outer("robust") == OuterPreset(0.7, 0.9, 16, 8)
     assert resolve_outer("published") == OUTER_PRESETS["published"] == OuterPreset(0.7, 0.9, 0, 0)
@@ -108,11 +115,20 @@ def test_resolve_outer_presets_and_overrides():
         resolve_outer("fast")
     with pytest.raises(ValueError, match="`outer_momentum`"):
         resolve_outer(None, momentum=1.0)
+    with pytest.raises(ValueError, match="`momentum_restart`"):
+        resolve_outer(None, restart=-1)
 
 
 def test_stable_outer_lr_hand_computed():
-    # (1 + beta) / (2 * (1 + 2 beta)): half Nesterov's bound for pseudo-gradient Jacobian eigenvalues up to 2
-    assert [stable_outer_lr(b) for b in (0.0, 0.5, 0.9)] == pytest.approx([0.5, 0.375, 1.9 / 5.6])
+    # (1 + beta) / (2 (1 + 2 beta)): half Nesterov's bound for pseudo-gradient Jacobian eigenvalues up to 2 ...
+    assert [stable_outer_lr(b, 8) for b in (0.0, 0.5)] == pytest.approx([0.5, 0.375])
+    # ... unless one push's whole echo, 1 / tail, is smaller: at 0.7 (0.354 against 1 / 3.199 = 0.313), at 0.9 (0.339
+    # against 0.163)
+    assert stable_outer_lr(0.7, 8) == pytest.approx(0.3 / (1 - 0.7**9))
+    assert [momentum_tail(0.5, 2), momentum_tail(0.9, 8), momentum_tail(0.9, 0), momentum_tail(0.0, 8)] \
+        == pytest.approx([1.75, TAIL, 10.0, 1.0])
+    assert [stable_outer_lr(0.9, 8), stable_outer_lr(0.9, 0), stable_outer_lr(0.7, 0)] \
+        == pytest.approx([1 / TAIL, 0.1, 0.3])  # 0.7 without restarts: min(0.354, 1 / (1 / 0.3))
 
 
 def _nesterov_on_mirror_rounds(lr: float, rounds: int = 300) -> float:
@@ -132,23 +148,24 @@ def test_the_bound_behind_the_stable_lr_is_where_nesterov_diverges():
     """Nesterov's step on eigenvalue 2 is stable iff lr < (1 + beta) / (1 + 2 beta) = 2 x stable_outer_lr(beta):
     2 % beyond it diverges (as the published 0.7 does, 3 % beyond), 2 % within converges, the default converges
     fast."""
-    bound = 2 * stable_outer_lr(0.9)
+    bound = 1.9 / 2.8  # (1 + beta) / (1 + 2 beta), twice the round's bound in stable_outer_lr
     assert _nesterov_on_mirror_rounds(1.02 * bound) > 1.0
     assert _nesterov_on_mirror_rounds(0.7) > 1e3
     assert _nesterov_on_mirror_rounds(0.98 * bound) < 1e-3
-    assert _nesterov_on_mirror_rounds(stable_outer_lr(0.9)) < 1e-20
+    assert _nesterov_on_mirror_rounds(bound / 2) < 1e-20 and _nesterov_on_mirror_rounds(stable_outer_lr(0.9, 0)) < 1e-10
 
 
 @pytest.mark.parametrize("workers", [2, 4])
 def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(workers):
     """Asynchronous pushes of mirror rounds (gain 2), each ``workers - 1`` pushes stale: "robust" (lr 0.7) grows
-    beyond 100 within 50 rounds per worker (211 and 5e4 measured), the default preset is below 1e-3 by then
-    (1e-6 and 5e-5) and below 1e-4 after 200 (3e-16 and 1e-5)."""
+    beyond 100 within 50 rounds per worker (211 and 5e4 measured), the default preset (outer lr 0.163 and 0.327)
+    is below 1e-2 by then (1e-6 and 2.8e-3; at 0.339 for every W, before issue 42's elastic fix: 1.4e-6 and 5e-5)
+    and below 1e-4 after 200 (9e-17 and 2.5e-6; before: 3e-16 and 1e-5)."""
     robust, stable = OUTER_PRESETS["robust"], resolve_outer(None)
     diverged = _round_robin(robust.momentum, robust.warmup, robust.restart, 2.0, 50, workers, robust.lr)
     assert diverged[-1] > 100
     converged = _round_robin(stable.momentum, stable.warmup, stable.restart, 2.0, 200, workers, stable.lr)
-    assert converged[49] < 1e-3 and converged[-1] < 1e-4 and max(converged) < 1.0
+    assert converged[49] < 1e-2 and converged[-1] < 1e-4 and max(converged) < 1.0
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -158,3 +175,46 @@ def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(worke
 def test_bad_schedule(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MomentumSchedule(**kwargs)
+
+
+def test_momentum_tail_is_one_push_s_whole_motion_hand_computed():
+    """Momentum 0.5 restarted every 2 updates, lr 1, one push per update: a push of 1 right after a restart moves
+    the parameter by 1 + 0.5 (its Nesterov step), then 0.25 (the momentum's echo), then nothing (restarted):
+    1.75 = momentum_tail(0.5, 2)."""
+    p = torch.zeros(1)
+    opt = DelayedNesterov([p], lr=1.0, momentum=0.5, buffer_size=1, momentum_restart=2)
+    moved = []
+    for g in (0.0, 1.0, 0.0, 0.0, 0.0):  # update 2 restarts, and takes the push
+        before = float(p)
+        _push(opt, p, torch.tensor([g]))
+        moved.append(before - float(p))
+    assert moved == pytest.approx([0.0, 1.5, 0.25, 0.0, 0.0])
+    assert sum(moved) == pytest.approx(momentum_tail(0.5, 2))
+
+
+@pytest.mark.parametrize(("mode", "workers"), [("async", 2), ("async", 4), ("sync", 2), ("sync", 4)])
+def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end(mode, workers):
+    """Issue 42's elastic bug, by hand: one momentum update's worth of mirror rounds (every worker's pseudo-gradient
+    2 x: the most a stable inner optimizer does, to -x) along a direction no later round touches until the momentum
+    restarted, with the momentum at full strength (right after a restart). The default outer step moves x by
+    lr * TAIL * 2 x in all (Delayed Nesterov or DiLoCo's mean: the W pushes count once): at 0.163 = 1 / TAIL, to -x
+    exactly, where the workers' rounds ended, and no further. At 0.339 (the default before, for any W) to
+    1 - 0.339 * TAIL * 2 = -3.2: 3.2 times past the optimum, growth at every such visit."""
+    x = torch.ones(1)
+    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, momentum_warmup=0,
+                             **({"dynamic_local_steps": False} if mode == "async" else {}))
+    state = settings.build(x, torch.zeros(0), workers, None)
+    for update in range(1, 20):  # the 8th momentum update restarts the momentum before taking the pushes
+        _rounds(state, [(w, 2 * torch.ones(1) if update == 8 else torch.zeros(1)) for w in range(workers)], mode)
+    assert settings.preset.lr == pytest.approx(1 / TAIL)
+    assert float(x) == pytest.approx(1 - settings.preset.lr * TAIL * 2, abs=1e-6)
+    assert float(x) == pytest.approx(-1.0, abs=1e-6)
+
+
+def _rounds(state, pushes, mode):
+    """One round per worker: DiLoCo's mean in one batch, async's pushes one by one (one momentum update each way)."""
+    from lightning_hdet.asynchronous.messages import Kind, Push
+
+    batch = [Push(w, Kind.PUSH, 8, 1.0, 0.0, pseudo_gradient=g) for w, g in pushes]
+    for group in ([batch] if mode == "sync" else [[p] for p in batch]):
+        state.process(group)

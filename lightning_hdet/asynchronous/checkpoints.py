@@ -23,6 +23,7 @@ from lightning_hdet._compat import weights_only_kwargs
 from lightning_hdet.asynchronous.rank_groups import RankGroups
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.asynchronous.worker_shards import local_state, sharded_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,10 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "async_local_sgd"
 
 
-def worker_file(filepath: Any, worker: int) -> str:
+def worker_file(filepath: Any, worker: int, shard: int | None = None) -> str:
     """The file beside the checkpoint ``filepath`` that holds ``worker``'s own state (with one rank per worker, the
-    worker is the rank)."""
-    return f"{filepath}.worker{worker}.pt"
+    worker is the rank); with FSDP2 inside workers, one per rank: the worker's ``shard``-th rank's."""
+    return f"{filepath}.worker{worker}.pt" if shard is None else f"{filepath}.worker{worker}.shard{shard}.pt"
 
 
 class WorkerCheckpoints(RankGroups):
@@ -57,18 +58,32 @@ class WorkerCheckpoints(RankGroups):
             # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
             checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
         super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
-        ranks = self.worker_ranks
-        if self.optimizers and "optimizer_states" in checkpoint and ranks.is_leader:  # not for weights-only ones
-            own: dict[str, Any] = {"optimizer": self.optimizers[0].state_dict()}
+        own_file = self._own_file(filepath)
+        if self.optimizers and "optimizer_states" in checkpoint and own_file:  # not for weights-only ones
+            own: dict[str, Any] = {"optimizer": self.optimizer_state(self.optimizers[0])}
             if self._exchange is not None:
                 own["error_feedback"] = self._exchange.worker.feedback.state_dict()
-            self.checkpoint_io.save_checkpoint(own, worker_file(filepath, ranks.worker))
+            self.checkpoint_io.save_checkpoint(own, own_file)
+
+    def _own_file(self, filepath: Any) -> str | None:
+        """This rank's file beside ``filepath``: its worker's (written by the leader), or with FSDP2 inside the
+        worker its own shard's; ``None``: it writes none."""
+        ranks = self.worker_ranks
+        if self.inside_worker == "fsdp":
+            return worker_file(filepath, ranks.worker, self.global_rank - ranks.leader)
+        return worker_file(filepath, ranks.worker) if ranks.is_leader else None
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The inner optimizer's state; with FSDP2 inside workers, this rank's shard of it (plain tensors)."""
+        state = super().optimizer_state(optimizer)
+        return local_state(state) if self.inside_worker == "fsdp" else state
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)  # rank 0 removes
-        own = worker_file(filepath, self.worker_ranks.worker)
-        if self.worker_ranks.is_leader and get_filesystem(own).exists(own):
+        own = self._own_file(filepath)
+        if own and get_filesystem(own).exists(own):
             self.checkpoint_io.remove_checkpoint(own)
 
     @override
@@ -76,7 +91,7 @@ class WorkerCheckpoints(RankGroups):
         checkpoint = read_checkpoint(lambda: super(WorkerCheckpoints, self).load_checkpoint(
             checkpoint_path, **weights_only_kwargs(weights_only)), checkpoint_path)
         self._resume_state = checkpoint.get(CHECKPOINT_KEY)
-        own = worker_file(checkpoint_path, self.worker_ranks.worker)
+        own = self._own_file(checkpoint_path) or worker_file(checkpoint_path, self.worker_ranks.worker)
         self._resume_worker = None
         if get_filesystem(own).exists(own):
             self._resume_worker = self.checkpoint_io.load_checkpoint(own, **weights_only_kwargs(weights_only))
@@ -88,7 +103,9 @@ class WorkerCheckpoints(RankGroups):
         ``checkpoint_inner_states``), else its own file, else rank 0's."""
         sent = (checkpoint.get(CHECKPOINT_KEY) or {}).get("inner_optimizer_states") or {}
         worker = self.worker_ranks.worker
-        if worker in sent:
+        if self.inside_worker == "fsdp":
+            self._load_shard_state()
+        elif worker in sent:
             self.optimizers[0].load_state_dict(sent[worker])
         elif self._resume_worker is not None:
             self.optimizers[0].load_state_dict(self._resume_worker["optimizer"])
@@ -98,6 +115,17 @@ class WorkerCheckpoints(RankGroups):
                             " it starts from rank 0's", self.worker_ranks.describe(),
                             worker_file("<checkpoint>", worker))
             super().load_optimizer_state_dict(checkpoint)
+
+    def _load_shard_state(self) -> None:
+        """FSDP2 inside workers: this rank's shard of its worker's inner optimizer state, from its own file; without
+        one (another layout), a fresh state: another rank's shard would be the wrong rows."""
+        if self._resume_worker is not None:
+            optimizer = self.optimizers[0]
+            optimizer.load_state_dict(sharded_optimizer_state(optimizer, self._resume_worker["optimizer"]))
+        else:
+            log.warning("%s: the checkpoint has no inner optimizer state of this worker's shard (no file %s); it"
+                        " starts with a fresh one", self.worker_ranks.describe(),
+                        self._own_file("<checkpoint>"))
 
     def restore_worker(self, worker: Worker) -> None:
         """Give a new :class:`Worker` its error-feedback residual from the checkpoint it resumes (if any)."""

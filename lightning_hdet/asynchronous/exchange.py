@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,6 +28,7 @@ from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport
 from lightning_hdet.asynchronous.server import Server
 from lightning_hdet.asynchronous.transport import GlooServerTransport, GlooWorkerTransport, WorkerTransport
 from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.asynchronous.worker_shards import ShardedWorker
 
 
 def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,13 +58,14 @@ class Exchange:
             global model on to the others over it (see :mod:`.ranks`).
         overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking).
             Rank 0's worker overlaps only in DiLoCo: in async mode its in-process exchange returns at once.
+        shard_group: the model is sharded with FSDP2 over this group of the worker's ranks (:mod:`.worker_shards`).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
                  optimizer: Optimizer | None = None, check_self: bool = True, ranks: WorkerRanks | None = None,
-                 worker_group: Any = None, overlap_steps: int = 0) -> None:
+                 worker_group: Any = None, overlap_steps: int = 0, shard_group: Any = None) -> None:
         self.module, self.device, self.outer, self.workers = module, device, outer, workers
         self.groups: tuple[Any, ...] = groups
         layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
@@ -79,16 +81,21 @@ class Exchange:
         elif ranks is None or ranks.is_leader:
             transport = GlooWorkerTransport(*groups, layout)
         if ranks is not None and k > 1:
-            transport, inner_optimizer = self._within_worker(ranks, worker_group, transport, inner_optimizer)
+            transport, inner_optimizer = self._within_worker(ranks, worker_group, transport, inner_optimizer,
+                                                             shard_group is not None)
         assert transport is not None
         args = (module, device, transport, inner_optimizer, layout, error_feedback, optimizer, check_self)
         if outer is not None and outer.step_policy.mode == "async":
             overlap_steps = 0
-        self.worker = OverlapWorker(*args, overlap_steps=overlap_steps) if overlap_steps else Worker(*args)
+        self.worker: Worker
+        if shard_group is not None:
+            self.worker = ShardedWorker(*args, group=shard_group, leader=ranks is None or ranks.is_leader)
+        else:
+            self.worker = OverlapWorker(*args, overlap_steps=overlap_steps) if overlap_steps else Worker(*args)
 
     @staticmethod
     def _within_worker(ranks: WorkerRanks, group: Any, transport: WorkerTransport | None,
-                       inner_optimizer: Optimizer | None) -> tuple[WorkerTransport, Optimizer | None]:
+                       inner_optimizer: Optimizer | None, sharded: bool) -> tuple[WorkerTransport, Optimizer | None]:
         """A worker of several ranks: the leader's transport hands replies on over ``group``; the others' receive
         them (and send no inner state: the leader's is theirs)."""
         def broadcast(tensor: torch.Tensor) -> None:
@@ -100,15 +107,17 @@ class Exchange:
         if ranks.is_leader:
             assert transport is not None
             return LeaderTransport(transport, broadcast, max_reduce), inner_optimizer
-        return FollowerTransport(broadcast, max_reduce), None
+        return FollowerTransport(broadcast, max_reduce, gathers=sharded), None
 
     @staticmethod
     def start_outer(settings: OuterSettings, module: Module, device: torch.device, workers: int,
-                    budget: int | None, resume: dict[str, Any] | None) -> OuterState:
-        """Rank 0: the outer state, from this model or from the checkpoint's outer state ``resume`` (on fewer
-        workers, the others' buffers no longer count)."""
+                    budget: int | None, resume: dict[str, Any] | None,
+                    read: Callable[[Module, torch.device], tuple[torch.Tensor, torch.Tensor]] = read_model,
+                    ) -> OuterState:
+        """Rank 0: the outer state, from this model (``read``: its flat parameters and buffers) or from the
+        checkpoint's outer state ``resume`` (on fewer workers, the others' buffers no longer count)."""
         ranges = Fragments([p.shape for p in module.parameters()]).ranges  # the same for every codec
-        outer = settings.build(*read_model(module, device), workers, budget, ranges)
+        outer = settings.build(*read(module, device), workers, budget, ranges)
         if resume is not None:
             outer.load_state_dict(resume, workers=workers)
         return outer
@@ -121,7 +130,19 @@ class Exchange:
         self.worker.exchange(Kind.BYE)
         if self.server is not None:
             self.server.join()
-            self.write_global_model()
+            if not isinstance(self.worker, ShardedWorker):  # sharded: every rank writes it (share_global_model)
+                self.write_global_model()
+
+    def share_global_model(self, group: Any) -> None:
+        """FSDP2 inside workers, after every rank left: rank 0 broadcasts the global model over ``group`` (``gloo``,
+        through each rank's pulled-model buffer) and every rank writes its shards of it."""
+        flat, n = self.worker.pulled, self.worker.n_params
+        if self.outer is not None:
+            with self.outer.model_lock:
+                flat[:n].copy_(self.outer.params)
+                flat[n:].copy_(self.outer.buffers)
+        dist.broadcast(flat, src=0, group=group)
+        self.worker.write_pulled()
 
     def close(self) -> None:
         """End this exchange on every path, before its groups are destroyed: after a failed fit, rank 0's server

@@ -14,7 +14,8 @@ can build up on stale pushes without giving it up where pushes agree:
 
 Neither bounds the outer lr, which alone decides whether one round can be amplified (issue 42: at the published 0.7
 two workers diverged, async and DiLoCo alike): the default preset, ``"stable"``, takes the lr of
-:func:`stable_outer_lr`.
+:func:`stable_outer_lr`, which also bounds how far one push moves the model through the momentum in all
+(:func:`momentum_tail`; issue 42's elastic runs, where each worker reads the whole of its own dataset).
 
 Pure: no Lightning, no process groups.
 """
@@ -60,7 +61,7 @@ class MomentumSchedule:
 @dataclass(frozen=True)
 class OuterPreset:
     """One named choice of the outer optimizer's numbers (see :data:`OUTER_PRESETS`); ``lr=None``: derived from
-    the momentum by :func:`stable_outer_lr`."""
+    the momentum and its restarts by :func:`stable_outer_lr`."""
 
     lr: Optional[float]
     momentum: float
@@ -68,25 +69,45 @@ class OuterPreset:
     restart: int
 
 
-def stable_outer_lr(momentum: float) -> float:
-    """The default outer lr for outer (Nesterov) momentum ``beta``: half the largest stable one,
-    ``(1 + beta) / (2 * (1 + 2 * beta))`` (0.339 at 0.9, 0.5 without momentum).
+def momentum_tail(momentum: float, restart: int) -> float:
+    """How far one push moves the model in all, in units of ``outer_lr`` times the push (with Delayed Nesterov: one
+    momentum update's ``N`` pushes, each ``1 / N`` of it), at the most: its own Nesterov step ``1 + beta`` and the
+    momentum's echo of it until the momentum restarts, ``1 + beta + ... + beta^restart`` (a push right after a
+    restart is echoed at ``restart - 1`` later momentum updates), or ``1 / (1 - beta)`` without restarts."""
+    if restart == 0:
+        return 1.0 / (1.0 - momentum)
+    return sum(momentum**k for k in range(restart + 1))
 
-    Why: a round of a stable inner optimizer moves a worker at most to the mirror image of its start (each step
-    contracts the error, possibly flipping its sign), so the pseudo-gradient's Jacobian has eigenvalues in
-    ``[0, 2]``. Nesterov's outer step on eigenvalue ``lam`` is stable iff ``lr * lam < 2 (1 + beta) / (1 + 2 beta)``,
-    i.e. for every round iff ``lr < (1 + beta) / (1 + 2 beta)``: 0.679 at 0.9, just below the published 0.7, which
-    is why two workers (the least averaging) diverged there (issue 42: BoringModel + SGD, async and DiLoCo). Half
-    of it: an asynchronous push is about one momentum update stale (Delayed Nesterov with ``N`` = workers), and
-    one step of delay halves gradient descent's stable range (``lr * lam < 1`` instead of 2); in DiLoCo the margin
-    covers rounds that overshoot further (batch-1 SGD steps with ``lr * |x|^2`` up to 3 on BoringModel). It does
-    not depend on the number of workers or ``H``: the worst round is that of one worker, at any ``H``.
+
+def stable_outer_lr(momentum: float, restart: int) -> float:
+    """The default outer lr for outer (Nesterov) momentum ``beta`` restarted every ``restart`` momentum updates: the
+    smaller of two bounds, ``min((1 + beta) / (2 * (1 + 2 * beta)), 1 / momentum_tail(beta, restart))`` (0.163 at
+    0.9 restarted every 8; 0.375 at 0.5; 0.5 without momentum).
+
+    * **The round** (``(1 + beta) / (2 * (1 + 2 * beta))``, 0.339 at 0.9): a round of a stable inner optimizer moves
+      a worker at most to the mirror image of its start (each step contracts the error, possibly flipping its
+      sign), so the pseudo-gradient's Jacobian has eigenvalues in ``[0, 2]``. Nesterov's outer step on eigenvalue
+      ``lam`` is stable iff ``lr * lam < 2 (1 + beta) / (1 + 2 beta)``: 0.679 at 0.9, just below the published 0.7,
+      which is why two workers diverged there (issue 42). Half of it: an asynchronous push is about one momentum
+      update stale, and one step of delay halves gradient descent's stable range.
+    * **The push's whole echo** (``1 / momentum_tail(beta, restart)``, 0.163 at 0.9 restarted every 8): the round's
+      bound holds where the next rounds revisit a push's directions and correct what the momentum carried too far.
+      Where they do not for several rounds (each worker reads a dataset of many rounds, as an elastic worker reads
+      the whole of its own), nothing corrects it meanwhile, and a push (or one momentum update's worth of pushes,
+      which point at the same error) moves the model by ``lr * momentum_tail`` times itself in all. At most 1: the
+      momentum never carries the model further along a push than the round itself went. At 0.339 (the round's
+      bound alone, the default before) that was 2.1: issue 42's elastic runs stalled near 1e-2 x the start and
+      rose; in the one-process simulation of ``benchmarks/outer_stability.py`` (``--data whole``) it rose for
+      2, 4 and 8 workers, and 0.25 (1.5) still rose for 2 and 4.
+
+    Neither depends on the number of workers or ``H``.
     """
-    return (1.0 + momentum) / (2.0 * (1.0 + 2.0 * momentum))
+    return min((1.0 + momentum) / (2.0 * (1.0 + 2.0 * momentum)), 1.0 / momentum_tail(momentum, restart))
 
 
 #: ``"stable"``: the default in both modes: momentum 0.9 with the warm-up and restarts of ``"robust"`` and the
-#: outer lr of :func:`stable_outer_lr` (0.339), stable for any number of workers (docs/async.md, issue 42).
+#: outer lr of :func:`stable_outer_lr` (0.163), stable for any number of workers and any data order (docs/async.md,
+#: issue 42).
 #: ``"published"``: DiLoCo's and the asynchronous Local-SGD paper's outer Nesterov (lr 0.7, momentum 0.9).
 #: ``"robust"``: the async default before issue 42, chosen from the sweep in docs/async.md: the published lr and
 #: momentum with a momentum warm-up and periodic restarts, which keep short runs from oscillating; it diverges
@@ -108,8 +129,9 @@ def resolve_outer(
     restart: Optional[int] = None,
 ) -> OuterPreset:
     """The preset ``outer`` (default :data:`DEFAULT_OUTER`, async and DiLoCo alike) with every explicitly given
-    number in its place; a preset without an lr (``"stable"``) derives it from the momentum in effect, so that an
-    explicit ``outer_momentum`` gets the lr that keeps it stable."""
+    number in its place; a preset without an lr (``"stable"``) derives it from the momentum and restarts in effect
+    (:func:`stable_outer_lr`), so that an explicit ``outer_momentum`` or ``momentum_restart`` gets the lr that keeps
+    it stable."""
     outer = DEFAULT_OUTER if outer is None else outer
     check_choice("outer", outer, tuple(OUTER_PRESETS), hint="Or leave it unset and give the numbers explicitly.")
     given: dict[str, Any] = {"lr": lr, "momentum": momentum, "warmup": warmup, "restart": restart}
@@ -117,5 +139,6 @@ def resolve_outer(
     if settings["lr"] is None:  # checked as validate_outer_hyperparameters does: first finite, then in range
         check_number("outer_momentum", settings["momentum"])
         check_number("outer_momentum", settings["momentum"], 0.0, 1.0, high_open=True)
-        settings["lr"] = stable_outer_lr(settings["momentum"])
+        check_int("momentum_restart", settings["restart"], minimum=0)
+        settings["lr"] = stable_outer_lr(settings["momentum"], settings["restart"])
     return OuterPreset(**settings)

@@ -20,6 +20,7 @@ from lightning_hdet._process_groups import destroy_groups
 from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.ranks import WorkerRanks, check_ranks_per_worker
+from lightning_hdet.asynchronous.worker_shards import shard_worker
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,10 @@ class RankGroups(LocalCollectivesStrategy):
 
     #: Ranks per worker (set by the subclass).
     ranks_per_worker = 1
+    #: What runs inside a worker of several ranks: ``"ddp"`` or ``"fsdp"`` (FSDP2, :mod:`.worker_shards`).
+    inside_worker = "ddp"
+    #: With ``inside_worker="fsdp"``: the submodules that become FSDP2 units (``None``: the whole model is one).
+    auto_wrap_policy: Any = None
     #: This fit's exchange (set by the subclass).
     _exchange: Exchange | None = None
     #: This rank's worker's groups: DDP's (the default backend: NCCL on GPUs) and the exchange's (``gloo``).
@@ -60,8 +65,8 @@ class RankGroups(LocalCollectivesStrategy):
 
     def wrap_worker_ddp(self) -> None:
         """With several ranks per worker: create every worker's groups (each rank creates all of them, in the same
-        order) and wrap the model in DDP over this rank's worker (during ``fit`` only; the strategy's
-        ``configure_ddp``)."""
+        order) and wrap the model in DDP over this rank's worker, or shard it with FSDP2 over it (during ``fit``
+        only; the strategy's ``configure_ddp``)."""
         ranks = self.worker_ranks
         if ranks.ranks_per_worker == 1:
             return
@@ -73,6 +78,9 @@ class RankGroups(LocalCollectivesStrategy):
             if worker == ranks.worker:
                 self._worker_groups = groups
         assert self._worker_groups is not None
+        if self.inside_worker == "fsdp":
+            shard_worker(self.model, self._worker_groups[0], self.root_device.type, self.auto_wrap_policy)
+            return
         set_ddp_kwarg(self, "process_group", self._worker_groups[0])
         DDPStrategy.configure_ddp(self)
 
@@ -84,6 +92,11 @@ class RankGroups(LocalCollectivesStrategy):
         if groups is not None:  # no reference may keep a destroyed group's threads alive
             set_ddp_kwarg(self, "process_group", None)
         destroy_groups(groups or ())
+
+    @property
+    def shard_group(self) -> Any:
+        """The group this rank's worker shards its model over (``None`` unless ``inside_worker="fsdp"``)."""
+        return self._worker_groups[0] if self.inside_worker == "fsdp" and self._worker_groups is not None else None
 
     @property
     def exchange_group(self) -> Any:
@@ -104,7 +117,7 @@ class RankGroups(LocalCollectivesStrategy):
         worker's other ranks cannot know before the round ends, and would wait for its gradients: the stop goes to
         the server instead, and rank 0's worker stops, all its ranks together, when its round ends."""
         exchange = self._exchange
-        if (self.ranks_per_worker == 1 or not self.diverged or not trainer.should_stop or exchange is None
+        if (self.ranks_per_worker == 1 or not self.training_apart or not trainer.should_stop or exchange is None
                 or exchange.outer is None or exchange.worker.stopped):
             return
         if not exchange.outer.stop_requested:

@@ -138,14 +138,22 @@ class LeaderTransport(WorkerTransport):
 
 class FollowerTransport(WorkerTransport):
     """A non-leader rank's end: its push only reports its compute time (its pseudo-gradient is the leader's, and
-    is never read); its pull receives the leader's reply and global model."""
+    is never read); its pull receives the leader's reply and global model.
 
-    def __init__(self, broadcast: Collective, max_reduce: Collective) -> None:
-        self.broadcast, self.max_reduce = broadcast, max_reduce
+    Args:
+        gathers: the model is sharded over the worker (FSDP2): the push runs ``messages`` to its end without
+            reading it, since producing them takes this rank's part in the leader's gathers.
+    """
+
+    def __init__(self, broadcast: Collective, max_reduce: Collective, gathers: bool = False) -> None:
+        self.broadcast, self.max_reduce, self.gathers = broadcast, max_reduce, gathers
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
         slowest(header, self.max_reduce)
+        if self.gathers:
+            for _ in messages:
+                pass
 
     def pull(self, into: Tensor) -> ServerHeader:
         raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)

@@ -1,14 +1,19 @@
-"""What a finished (or running) exchange tells about itself, read from the strategy that drove it."""
+"""What a finished (or running) exchange tells about itself, read from the strategy that drove it, and the global
+model rank 0 shows validation and checkpoints while the workers train apart."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Optional
+
+from typing_extensions import override
 
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.outer import OuterState
 from lightning_hdet.asynchronous.result import AsyncResult, make_async_result
+from lightning_hdet.asynchronous.shard_hooks import sharded_module_state
+from lightning_hdet.asynchronous.worker_shards import global_model_shards
 
 
 def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None) -> AsyncResult:
@@ -20,11 +25,14 @@ def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None) -
 
 
 class ExchangeReadouts:
-    """The async strategy's read-outs of its exchange (kept after ``fit``; empty before the first)."""
+    """The async strategy's read-outs of its exchange (kept after ``fit``; empty before the first), and its hooks
+    that show validation and checkpoints the global model (rank 0, while training) instead of this worker's."""
 
+    # Read from the strategy it is mixed into: lightning_module, root_device, is_global_zero (Lightning's), and
+    # shard_group, exchange_group (RankGroups').
     _exchange: Exchange | None
     #: True while this rank trains apart from the others (set by the strategy).
-    diverged: bool
+    training_apart: bool
 
     @property
     def _outer(self) -> OuterState | None:
@@ -35,7 +43,7 @@ class ExchangeReadouts:
     def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
         """On rank 0 during training: temporarily swap in the current global parameters and buffers (or those of
         ``snapshot``, an outer state's ``state_dict``), for validation and checkpoints."""
-        if not (self.diverged and self._outer is not None and self._exchange is not None):
+        if not (self.training_apart and self._outer is not None and self._exchange is not None):
             yield
             return
         with self._exchange.global_model(snapshot):
@@ -73,3 +81,32 @@ class ExchangeReadouts:
         """Rank 0, during and after ``fit``: what every worker did (its :meth:`~.result.AsyncResult.summary` is
         printed at the end of ``fit``); ``None`` on the other ranks and before the first ``fit``."""
         return outer_result(self._outer) if self._outer is not None else None
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._validation_view = ExitStack()  # closed in on_validation_end
+        if self.shard_group is not None and self.training_apart:
+            self._validation_view.enter_context(global_model_shards(
+                self.lightning_module, self.root_device, self._outer, self.exchange_group, 0))
+        else:
+            self._validation_view.enter_context(self._global_model())
+
+    @override
+    def on_validation_end(self) -> None:
+        view = getattr(self, "_validation_view", None)
+        if view is not None:
+            view.close()
+        super().on_validation_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
+        state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
+        ``save_checkpoint``), so the two always hold the same global model."""
+        snapshot = self._outer.state_dict() if self.training_apart and self._outer is not None else None
+        self._outer_snapshot = snapshot
+        if self.shard_group is not None:
+            return sharded_module_state(self.lightning_module, snapshot, self._outer, self.is_global_zero)
+        with self._global_model(snapshot):
+            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}

@@ -8,7 +8,6 @@ decides (early stopping, best checkpoints) and writes checkpoints. See ``docs/as
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -16,6 +15,7 @@ import lightning
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 import torch.distributed as dist
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
@@ -35,12 +35,23 @@ from lightning_hdet._process_groups import destroy_default_group_at_exit, destro
 from lightning_hdet.asynchronous.callback import AsyncLogging
 from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints
 from lightning_hdet.asynchronous.compression import check_compression
-from lightning_hdet.asynchronous.exchange import Exchange
+from lightning_hdet.asynchronous.exchange import Exchange, read_model
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings
 from lightning_hdet.asynchronous.overlap import check_overlap_steps
 from lightning_hdet.asynchronous.ranks import check_ranks_per_worker
 from lightning_hdet.asynchronous.readouts import ExchangeReadouts
+from lightning_hdet.asynchronous.shard_hooks import (
+    ShardedWorkersLauncher,
+    check_sharded_entry,
+    ddp_arguments,
+)
+from lightning_hdet.hdet.fsdp.shards import ShardingPolicy
+from lightning_hdet.asynchronous.worker_shards import (
+    check_inside_worker,
+    read_full,
+    read_sharded_model,
+)
 from lightning_hdet.records import History
 
 log = logging.getLogger(__name__)
@@ -53,7 +64,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     Gradients are never all-reduced across workers: each worker runs the user's optimizer and schedulers locally
     for a round of local steps, then exchanges its pseudo-gradient with the outer optimizer on rank 0. A worker is
-    one rank, or ``ranks_per_worker`` consecutive ranks training as DDP inside (e.g. one worker per node).
+    one rank, or ``ranks_per_worker`` consecutive ranks training as DDP (or FSDP2) inside (e.g. one worker per node).
     ``Trainer(max_steps=S)`` is a sample budget: inner steps summed over all workers equal ``workers * S``, i.e.
     ``world_size * S`` batches (fast workers do more of them).
 
@@ -61,8 +72,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
         outer: ``"stable"`` (default: momentum 0.9 with warm-up and restarts, the outer lr that keeps every round
-            unamplified, 0.339), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see ``docs/async.md``); ``outer_lr``,
-            ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when given, replace its numbers.
+            and every push's momentum echo unamplified, 0.163), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see
+            ``docs/async.md``); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when
+            given, replace its numbers (the derived lr follows ``outer_momentum`` and ``momentum_restart``).
         delayed_nesterov: async only (refused with ``mode="sync"``, like the next two): Delayed Nesterov (default
             True) or plain Nesterov SGD (False).
         dynamic_local_steps: give slower workers proportionally fewer local steps (default True).
@@ -87,6 +99,12 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
             arguments among ``kwargs`` apply there), and push once per round; 1: each rank is a worker. A divisor of
             the world size leaving at least 2 workers; see ``docs/async.md``, "Workers of several ranks".
+        inside_worker: how a worker's ranks train together: ``"ddp"`` (each holds the model) or ``"fsdp"`` (FSDP2
+            over the worker's ranks: each holds ``1 / k`` of the model, gradients and inner optimizer state; needs
+            ``ranks_per_worker >= 2``). See ``docs/async.md``, "FSDP2 inside a worker".
+        auto_wrap_policy: with ``inside_worker="fsdp"``, the submodules that become FSDP2 units (their parameters
+            gathered one unit at a time), as for Lightning's ``FSDPStrategy``: a set of module classes (e.g.
+            ``{TransformerBlock}``) or a predicate; ``None``: the whole model is one unit.
         overlap_steps: ``τ``, inner steps a worker keeps taking while its round's push and pull travel; it then
             merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
             blocks its worker; else ``1..local_steps - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
@@ -106,17 +124,21 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
                  compression: str = "none", error_feedback: bool | None = None, pull_compression: str = "none",
                  check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
-                 ranks_per_worker: int = 1, overlap_steps: int = 0, **kwargs: Any) -> None:
+                 ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
+                 auto_wrap_policy: ShardingPolicy = None, **kwargs: Any) -> None:
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
         error_feedback = check_compression(compression, error_feedback, pull_compression)
         check_ranks_per_worker(ranks_per_worker)
         check_overlap_steps(overlap_steps, local_steps, ranks_per_worker)
+        check_inside_worker(inside_worker, ranks_per_worker, checkpoint_inner_states, ddp_arguments(kwargs),
+                            auto_wrap_policy)
         if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
             raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: with `ranks_per_worker=1` the"
                              " model is not wrapped in DDP (a `ddp_comm_hook` applies inside workers of several ranks).")
         super().__init__(**kwargs)
-        self.ranks_per_worker, self.overlap_steps = ranks_per_worker, overlap_steps
+        self.ranks_per_worker, self.overlap_steps, self.inside_worker = ranks_per_worker, overlap_steps, inside_worker
+        self.auto_wrap_policy = auto_wrap_policy
         for name, value in vars(settings).items():  # the arguments stay readable (and settable) by name
             setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states
@@ -133,7 +155,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
                 "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
                 "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections",
-                "ranks_per_worker", "overlap_steps")
+                "ranks_per_worker", "overlap_steps", "inside_worker")
         numbers = self.outer_settings.numbers()  # in effect
         return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_workers}
 
@@ -143,7 +165,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         return OuterSettings(**{f.name: getattr(self, f.name) for f in fields(OuterSettings)})
 
     def _reset_run_state(self) -> None:
-        self.diverged = False
+        self.training_apart = False
         self._exchange: Exchange | None = None
         self._budget: int | None = None
         self._saved_limits: tuple[Any, Any] | None = None
@@ -164,10 +186,14 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.check_worker_layout()
         self.outer_settings.check_workers(self._expected_workers)
         super()._configure_launcher()
+        if self.inside_worker == "fsdp" and type(self._launcher) is _MultiProcessingLauncher:
+            self._launcher = ShardedWorkersLauncher(self, start_method=self._start_method)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
         """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures)."""
+        if self.inside_worker == "fsdp":
+            check_sharded_entry(model)
         super().connect(model)
         ensure_callback(model, AsyncLogging)
 
@@ -218,21 +244,28 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         super().on_train_start()
         module, device = self.lightning_module, self.root_device
         outer, ranks = None, self.worker_ranks
+        read = read_model
+        if self.shard_group is not None and ranks.worker == 0:  # rank 0 gathers the full model with its worker
+            if self.is_global_zero:
+                read = read_sharded_model
+            else:
+                read_full(list(module.parameters()), None, device)
         if self.is_global_zero:
             outer = Exchange.start_outer(self.outer_settings, module, device, self._workers, self._budget,
-                                         self._resume_state)
+                                         self._resume_state, read)
             self._resume_state = None
             self._logged_version = -1
-        else:
+        elif self.shard_group is None or ranks.worker != 0:  # with FSDP inside, worker 0's ranks validate together
             module.trainer.limit_val_batches = 0  # only rank 0 validates, with the global model
         assert self._groups is not None
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
                                   inner, outer, self.compression, self.error_feedback, self.pull_compression,
-                                  self.optimizers[0], self.check_pushes, ranks, self.exchange_group, self.overlap_steps)
+                                  self.optimizers[0], self.check_pushes, ranks, self.exchange_group, self.overlap_steps,
+                                  self.shard_group)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
-        self.diverged = True
+        self.training_apart = True
         self._run_exchange(Kind.HELLO)
 
     @override
@@ -241,7 +274,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         with self._exchange.worker.inner_lr(optimizer):  # cut after rejected pushes in a row
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.diverged:
+        if self.training_apart:
             assert self._exchange is not None
             if self._exchange.worker.step():
                 self._run_exchange(Kind.PUSH)
@@ -273,13 +306,16 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     def on_train_end(self) -> None:
         """Leave the exchange (pushing any unfinished round), then give every rank the global model."""
         trainer = self.lightning_module.trainer
-        if self.diverged:
+        if self.training_apart:
             assert self._exchange is not None
             log.debug("rank %d: leaving the exchange", self.global_rank)
             self._exchange.leave(stop_everyone=trainer.should_stop)  # e.g. EarlyStopping on rank 0
             self._log_outer_metrics()
-            self.diverged = False
-            sync_module_states(self.lightning_module)
+            self.training_apart = False
+            if self.shard_group is not None:
+                self._exchange.share_global_model(self._groups[1])
+            else:
+                sync_module_states(self.lightning_module)
             self._restore_limits()
         super().on_train_end()
 
@@ -294,7 +330,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self.diverged = False
+        self.training_apart = False
         self._restore_limits()
         super().on_exception(exception)
 
@@ -308,30 +344,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         destroy_groups(groups or ())
         self.release_worker_groups()
         super().teardown()
-
-    # the global model for validation and checkpoints (rank 0, while training: `_global_model`)
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._validation_view = ExitStack()  # closed in on_validation_end
-        self._validation_view.enter_context(self._global_model())
-
-    @override
-    def on_validation_end(self) -> None:
-        view = getattr(self, "_validation_view", None)
-        if view is not None:
-            view.close()
-        super().on_validation_end()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
-        state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
-        :meth:`save_checkpoint`), so the two always hold the same global model."""
-        snapshot = self._outer.state_dict() if self.diverged and self._outer is not None else None
-        self._outer_snapshot = snapshot
-        with self._global_model(snapshot):
-            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
     @classmethod
     @override

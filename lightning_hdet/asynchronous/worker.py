@@ -108,8 +108,12 @@ class Worker:
         reply = self.transport.pull(self.pulled)
         self.wait_s = time.perf_counter() - start
         if self._adopt(reply):
-            write_from(model_state(self.module), self.pulled, self.device)
+            self.write_pulled()
         self.round_start = time.perf_counter()
+
+    def write_pulled(self) -> None:
+        """Write the pulled global model (``theta_pulled``, then the buffers) into the module."""
+        write_from(model_state(self.module), self.pulled, self.device)
 
     def _outgoing(self, kind: Kind, compute_s: float, pending: int = 0) -> tuple[WorkerHeader, Tensor | None,
                                                                                   Tensor | None]:

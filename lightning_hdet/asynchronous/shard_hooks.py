@@ -1,0 +1,71 @@
+"""The strategy's side of FSDP2 inside workers (``inside_worker="fsdp"``; the exchange's side is in
+:mod:`.worker_shards`): what Lightning may run on a sharded worker, the checkpoint's model state, and the
+fork/spawn launcher's hand-over of the final model."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+from lightning_hdet._compat import attached_trainer
+from lightning_hdet.hdet.fsdp.shards import is_sharded
+from lightning_hdet.asynchronous.outer import OuterState
+from lightning_hdet.asynchronous.worker_shards import local_state, state_from_flat
+
+#: DDPStrategy's own arguments; any other keyword (and its DDP-hook ones) is for DDP inside a worker.
+_STRATEGY_ARGS = set(inspect.signature(DDPStrategy.__init__).parameters) - {
+    "self", "kwargs", "ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period"}
+
+
+def ddp_arguments(kwargs: Mapping[str, Any]) -> list[str]:
+    """The keyword arguments that only DDP inside a worker reads."""
+    return [k for k in kwargs if k not in _STRATEGY_ARGS]
+
+
+def check_sharded_entry(model: pl.LightningModule) -> None:
+    """Refuse, before any process group, an entry on a module a previous ``fit`` left sharded over process groups
+    that ended with it."""
+    trainer = attached_trainer(model)
+    if trainer is not None and is_sharded(model):
+        raise ValueError(
+            f"`inside_worker='fsdp'`: this {type(model).__name__} is still sharded by a previous fit, over process"
+            " groups that ended with it. Load the checkpoint's state_dict (the full global model) into a new module"
+            " for validate/test/predict or another fit.")
+
+
+def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any] | None, outer: OuterState | None,
+                         writes: bool) -> dict[str, Any]:
+    """The state dict a checkpoint holds, never gathered (the worker groups end with ``fit``): on rank 0 the global
+    model of ``snapshot`` (while workers train) or of ``outer`` (after ``fit``); elsewhere this rank's shards
+    (nobody reads them: rank 0 writes). ``writes``: this rank writes the checkpoint."""
+    if snapshot is not None:
+        return state_from_flat(module, snapshot["params"], snapshot["buffers"])
+    if outer is not None:
+        with outer.model_lock:
+            return state_from_flat(module, outer.params, outer.buffers)
+    if writes:
+        raise RuntimeError("`inside_worker='fsdp'`: rank 0 has no global model to write before its first fit starts"
+                           " training (its module holds one shard).")
+    return local_state(module.state_dict())
+
+
+class ShardedWorkersLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, whose rank 0 hands the main process the full global model (the outer
+    state's) instead of the module's own state dict: its shards, which the worker groups a gather needs no longer
+    exist to join."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        module, outer = trainer.lightning_module, getattr(trainer.strategy, "_outer", None)
+        if outer is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        full = sharded_module_state(module, None, outer, True)
+        module.state_dict = lambda *args, **kwargs: full  # why: the launcher reads module.state_dict() itself
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict

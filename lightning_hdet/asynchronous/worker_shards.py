@@ -1,0 +1,274 @@
+"""FSDP2 inside a worker of several ranks (``inside_worker="fsdp"``): the worker's ranks shard the model, its
+gradients and the inner optimizer's state over the worker's own group; the exchange still sees one full model.
+
+At a round's end the push streams the full parameters: for each parameter in turn, every rank of the worker
+takes part in FSDP2's all-gather (``full_tensor()``, on the device, one parameter at a time) and the leader reads
+the gathered values fragment by fragment into its fragment buffer, as a one-rank worker reads its model. No
+model-sized copy is added on any rank: the leader holds what a DDP leader holds (``theta_pulled`` and one
+fragment), the others the pulled model they already receive. The pulled global model is written back shard-wise:
+each rank copies its own rows of each parameter (FSDP2 shards dim 0 as ``torch.chunk`` does) from the pulled host
+buffer. Worker 0's ranks validate the global model together, rank 0 streaming it one parameter at a time
+(:func:`global_model_shards`); checkpoints hold each rank's shard of the inner optimizer state as plain tensors
+(:func:`local_state`, :func:`sharded_optimizer_state`). No Lightning here; the process groups are given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, read_into, sync_device, write_from
+from lightning_hdet.asynchronous.messages import Fragments
+from lightning_hdet.asynchronous.transport import WorkerTransport
+from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.hdet.fsdp.shards import ShardingPolicy, shard
+from lightning_hdet.hdet.execution.validation import reshard
+
+if TYPE_CHECKING:
+    from lightning_hdet.asynchronous.outer import OuterState
+
+#: What may run inside a worker of several ranks.
+INSIDE_WORKER = ("ddp", "fsdp")
+
+
+def check_inside_worker(inside_worker: str, ranks_per_worker: int, checkpoint_inner_states: bool,
+                        ddp_kwargs: Sequence[str], auto_wrap_policy: ShardingPolicy = None) -> None:
+    """Refuse an ``inside_worker`` that is unknown or would have no effect (before any process group)."""
+    if inside_worker not in INSIDE_WORKER:
+        raise ValueError(f"`inside_worker={inside_worker!r}` must be one of {INSIDE_WORKER}: how the ranks of a worker"
+                         " train together (DDP: each holds the model; FSDP2: each holds 1/k of it).")
+    if inside_worker == "ddp":
+        if auto_wrap_policy is not None:
+            raise ValueError(f"`auto_wrap_policy={auto_wrap_policy!r}` has no effect with `inside_worker='ddp'`: it"
+                             " picks FSDP2's units. Use inside_worker='fsdp' (with ranks_per_worker >= 2), or drop it.")
+        return
+    policy_ok = auto_wrap_policy is None or callable(auto_wrap_policy) or (
+        isinstance(auto_wrap_policy, (set, frozenset, list, tuple))
+        and all(isinstance(c, type) and issubclass(c, Module) for c in auto_wrap_policy))
+    if not policy_ok:
+        raise ValueError(f"`auto_wrap_policy={auto_wrap_policy!r}` must be None, a set of torch.nn.Module classes or"
+                         " a callable(module) -> bool (the submodules that become FSDP2 units).")
+    if ranks_per_worker == 1:
+        raise ValueError("`inside_worker='fsdp'` has no effect with `ranks_per_worker=1`: a one-rank worker has nothing"
+                         " to shard over. Use ranks_per_worker >= 2 (e.g. the GPUs per node), or drop inside_worker.")
+    if checkpoint_inner_states:
+        raise ValueError("`checkpoint_inner_states=True` is not supported with `inside_worker='fsdp'`: each rank holds"
+                         " a shard of the inner optimizer state, and writes it to its own file beside each checkpoint"
+                         " (the default). Drop checkpoint_inner_states.")
+    if ddp_kwargs:
+        raise ValueError(f"{sorted(ddp_kwargs)} are DDP arguments and have no effect with `inside_worker='fsdp'` (no"
+                         " DDP inside the worker). Drop them, or use inside_worker='ddp'.")
+
+
+def shard_worker(module: Module, group: Any, device_type: str, policy: ShardingPolicy = None) -> None:
+    """Shard ``module`` with FSDP2 over ``group`` (one worker's ranks): the submodules ``policy`` picks as their own
+    units, then the root; ``training_step`` and ``validation_step`` gather the parameters as ``forward`` does
+    (Lightning calls them directly)."""
+    shard(module, DeviceMesh.from_group(group, device_type), policy)
+    for method in ("training_step", "validation_step"):
+        register_fsdp_forward_method(module, method)
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"parameter `{name}` is not sharded on dim 0 by fully_shard: the exchange reads and writes"
+                             " FSDP2's default layout only")
+
+
+def rows(p: DTensor) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of ``p``'s dim 0 this rank holds (FSDP2's ``Shard(0)``: chunks of ceil(n / k))."""
+    mesh = p.device_mesh
+    n = p.shape[0] if p.dim() else 1
+    size = math.ceil(n / mesh.size())
+    lo = min(mesh.get_local_rank() * size, n)
+    return lo, min(lo + size, n)
+
+
+@torch.no_grad()
+def write_shards(params: Sequence[Tensor], flat: Tensor, device: torch.device) -> None:
+    """Each rank copies its rows of every parameter from the flat host buffer ``flat`` (the full parameters, in
+    order) into its local shards: no gather, nothing model-sized on the device."""
+    offset = 0
+    for p in params:
+        full = flat[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        if isinstance(p, DTensor):
+            lo, hi = rows(p)
+            local(p).copy_(full[lo:hi], non_blocking=True)
+        else:
+            p.copy_(full, non_blocking=True)
+    sync_device(device)  # ``flat`` may be overwritten next
+
+
+def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device) -> Tensor | None:
+    """Every rank of the worker gathers each full parameter in turn; the leader (``out`` given) copies them into
+    the flat host buffer ``out``."""
+    offset = 0
+    for p in params:
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if out is not None:
+            read_into([full], out[offset : offset + p.numel()], device)
+        offset += p.numel()
+    return out
+
+
+def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Tensor]]:
+    """For each fragment of ``layout`` in turn, its pieces of the full parameters: each parameter is gathered once
+    (every parameter, in order, also the empty ones, so that every rank of the worker calls the same gathers; by
+    the last fragment all are) and kept only while a fragment still reads it."""
+    gathered: dict[int, Tensor] = {}
+    next_param, offset, offsets = 0, 0, []
+    for p in params:
+        offsets.append(offset)
+        offset += p.numel()
+
+    def gather_upto(end: int) -> None:
+        nonlocal next_param
+        while next_param < len(params) and offsets[next_param] < end:
+            p = params[next_param]
+            gathered[next_param] = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).reshape(-1)
+            next_param += 1
+
+    for index, fragment in enumerate(layout.fragments):
+        # the last fragment also gathers trailing empty parameters: a consumer stops asking after the last one
+        gather_upto(fragment.end if index < len(layout.fragments) - 1 else math.inf)
+        pieces = []
+        for i in sorted(gathered):
+            lo, hi = max(fragment.start, offsets[i]), min(fragment.end, offsets[i] + params[i].numel())
+            if lo < hi:
+                pieces.append(gathered[i][lo - offsets[i] : hi - offsets[i]])
+            if offsets[i] + params[i].numel() <= fragment.end:
+                del gathered[i]  # no later fragment reads it
+        yield pieces
+
+
+class ShardedWorker(Worker):
+    """A :class:`~.worker.Worker` whose model is sharded with FSDP2 over its worker's ranks (see the module
+    docstring). Every rank of the worker runs it; only the leader's transport sends what it reads.
+
+    Args:
+        group: the worker's FSDP2 group (the default backend): the finite check's all-reduce.
+        leader: this rank pushes for its worker.
+    """
+
+    def __init__(self, module: Module, device: torch.device, transport: WorkerTransport, *args: Any,
+                 group: Any = None, leader: bool = True, **kwargs: Any) -> None:
+        super().__init__(module, device, transport, *args, **kwargs)
+        self.group, self.leader = group, leader
+
+    def _messages(self) -> Iterator[Tensor]:
+        """The encoded fragments of ``theta_pulled - theta_local``, the full ``theta_local`` gathered parameter by
+        parameter (a follower's transport runs this only for its part in the gathers: it yields nothing)."""
+        params = list(self.module.parameters())
+        if not self.leader:
+            for _ in full_pieces(params, self.layout):
+                pass
+            return
+        for fragment, codec, pieces in zip(self.layout.fragments, self.layout.codecs, full_pieces(params, self.layout)):
+            values = read_into(pieces, self.fragment[: fragment.numel], self.device)
+            torch.sub(self.pulled[fragment.start : fragment.end], values, out=values)
+            yield self._encode(codec, values, fragment.start)
+
+    def _finite(self, buffers: Tensor | None) -> bool:
+        """Every rank's shards and buffer values are finite: one flag reduced over the worker (one sync per round),
+        so that its ranks agree on pushing (a follower's push takes part in the leader's gathers)."""
+        shards = [local(p.detach()) for p in self.module.parameters()]
+        flag = torch.ones((), dtype=torch.int32, device=self.device)
+        for t in shards:
+            flag.mul_(torch.isfinite(t).all())
+        if buffers is not None:
+            flag.mul_(bool(torch.isfinite(buffers).all()))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag)
+
+    def write_pulled(self) -> None:
+        """The pulled global model, each rank its own rows of it (buffers whole)."""
+        write_shards(list(self.module.parameters()), self.pulled, self.device)
+        write_shards(float_buffers(self.module), self.pulled[self.n_params :], self.device)
+
+    def swap_pulled(self) -> None:
+        raise NotImplementedError("rank 0 does not validate during fit with inside_worker='fsdp'")
+
+
+def read_sharded_model(module: Module, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Rank 0: flat host copies of the full parameters (gathered with its worker's other ranks, which call
+    :func:`read_full` without ``out``) and of the floating-point buffers."""
+    params, buffers = list(module.parameters()), float_buffers(module)
+    full = read_full(params, host_buffer(numel(params), device), device)
+    assert full is not None
+    return full, read_into(buffers, host_buffer(numel(buffers), device), device)
+
+
+def local_state(obj: Any) -> Any:
+    """``obj`` (a state dict, nested) with every DTensor replaced by this rank's local shard (what a rank writes)."""
+    if isinstance(obj, DTensor):
+        return local(obj.detach()).clone()
+    if isinstance(obj, dict):
+        return {k: local_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_state(v) for v in obj)
+    return obj
+
+
+def sharded_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`local_state` of an optimizer's state dict made loadable again: each state tensor of a sharded
+    parameter's size becomes a DTensor on that parameter's mesh."""
+    params = {i: p for group, mine in zip(saved["param_groups"], optimizer.param_groups)
+              for i, p in zip(group["params"], mine["params"])}
+
+    def restore(i: Any, value: Any) -> Any:
+        p = params.get(i)
+        if isinstance(p, DTensor) and isinstance(value, Tensor) and value.dim() and value.shape == local(p).shape:
+            return DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride(), run_check=False)
+        return value
+
+    state = {i: {k: restore(i, v) for k, v in entry.items()} for i, entry in saved["state"].items()}
+    return {**saved, "state": state}
+
+
+def state_from_flat(module: Module, params: Tensor, buffers: Tensor) -> dict[str, Any]:
+    """The module's state dict with its parameters and floating-point buffers taken from the flat host vectors
+    ``params`` and ``buffers`` (a global model), nothing gathered; the other entries are the module's own."""
+    values: dict[str, Tensor] = {}
+    for named, flat in ((module.named_parameters(), params),
+                        (((n, b) for n, b in module.named_buffers() if torch.is_floating_point(b)), buffers)):
+        offset = 0
+        for name, t in named:
+            values[name] = flat[offset : offset + t.numel()].view(t.shape).clone()
+            offset += t.numel()
+    return {k: values.get(k, v) for k, v in module.state_dict().items()}
+
+
+@contextmanager
+def global_model_shards(module: Module, device: torch.device, outer: OuterState | None, group: Any,
+                        src: int) -> Iterator[None]:
+    """Worker 0's ranks validate the global model together: inside the block each holds its rows of it, streamed
+    from rank 0 (``outer`` given; global rank ``src``) over the worker's ``gloo`` group one parameter at a time
+    (rank 0 holds the outer state's lock meanwhile); their own shards wait in a host copy (1/k of the model)."""
+    params, buffers = list(module.parameters()), float_buffers(module)
+    mine = [local(p.detach()) for p in params] + buffers
+    saved = read_into(mine, host_buffer(numel(mine), device), device)
+    with outer.model_lock if outer is not None else nullcontext():
+        for tensors, flat in ((params, outer.params if outer is not None else None),
+                              (buffers, outer.buffers if outer is not None else None)):
+            offset = 0
+            for t in tensors:
+                full = flat[offset : offset + t.numel()] if flat is not None else torch.empty(t.numel())
+                dist.broadcast(full, src=src, group=group)
+                write_shards([t], full, device)
+                offset += t.numel()
+    try:
+        yield
+    finally:
+        reshard(module)  # a forward without backward may leave the global model gathered
+        write_from(mine, saved, device)
