@@ -33,11 +33,16 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 # Why: the registry's type is private; strategies receive it in their public `register_strategies` classmethod.
 from lightning.pytorch.strategies.strategy import _StrategyRegistry as StrategyRegistry
+
+# Why: with FSDP2 inside async workers, the fork/spawn launcher's rank 0 must hand the main process the full global
+# model (its module holds one shard); the launcher's `_collect_rank_zero_results` is the only place to do it.
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher
 from torch.nn import Module
 from torch.optim import Optimizer
 
 __all__ = [
     "DCP_METADATA_FILENAME",
+    "MultiProcessingLauncher",
     "StrategyRegistry",
     "CHECKPOINT_NAMED_BY_RANK_ZERO",
     "attached_trainer",
@@ -201,6 +206,8 @@ def _check_private_names() -> None:
                 if not hasattr(ModelParallelStrategy, name) and name not in in_init]
     from torch.nn.parallel import DistributedDataParallel
 
+    if not hasattr(MultiProcessingLauncher, "_collect_rank_zero_results"):
+        missing.append("_MultiProcessingLauncher._collect_rank_zero_results")
     if not hasattr(DistributedDataParallel, "_remove_autograd_hooks"):
         missing.append("torch.nn.parallel.DistributedDataParallel._remove_autograd_hooks")
     if missing:

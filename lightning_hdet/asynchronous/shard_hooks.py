@@ -10,10 +10,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from typing_extensions import override
 
-from lightning_hdet._compat import attached_trainer
-from lightning_hdet.hdet.fsdp.shards import is_sharded
+from lightning_hdet._compat import MultiProcessingLauncher, attached_trainer
+from lightning_hdet._sharding import is_sharded
 from lightning_hdet.asynchronous.outer import OuterState
 from lightning_hdet.asynchronous.worker_shards import local_state, state_from_flat
 
@@ -54,11 +54,12 @@ def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any]
     return local_state(module.state_dict())
 
 
-class ShardedWorkersLauncher(_MultiProcessingLauncher):
+class ShardedWorkersLauncher(MultiProcessingLauncher):
     """Lightning's fork/spawn launcher, whose rank 0 hands the main process the full global model (the outer
     state's) instead of the module's own state dict: its shards, which the worker groups a gather needs no longer
     exist to join."""
 
+    @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         module, outer = trainer.lightning_module, getattr(trainer.strategy, "_outer", None)
         if outer is None:

@@ -15,7 +15,6 @@ import lightning
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 import torch.distributed as dist
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
@@ -23,6 +22,7 @@ from typing_extensions import override
 
 from lightning_hdet._compat import (
     CHECKPOINT_NAMED_BY_RANK_ZERO,
+    MultiProcessingLauncher,
     StrategyRegistry,
     attached_trainer,
     ensure_callback,
@@ -32,6 +32,7 @@ from lightning_hdet._compat import (
     sync_module_states,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
+from lightning_hdet._sharding import ShardingPolicy
 from lightning_hdet.asynchronous.callback import AsyncLogging
 from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints
 from lightning_hdet.asynchronous.compression import check_compression
@@ -46,7 +47,6 @@ from lightning_hdet.asynchronous.shard_hooks import (
     check_sharded_entry,
     ddp_arguments,
 )
-from lightning_hdet.hdet.fsdp.shards import ShardingPolicy
 from lightning_hdet.asynchronous.worker_shards import (
     check_inside_worker,
     read_full,
@@ -186,7 +186,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.check_worker_layout()
         self.outer_settings.check_workers(self._expected_workers)
         super()._configure_launcher()
-        if self.inside_worker == "fsdp" and type(self._launcher) is _MultiProcessingLauncher:
+        if self.inside_worker == "fsdp" and type(self._launcher) is MultiProcessingLauncher:
             self._launcher = ShardedWorkersLauncher(self, start_method=self._start_method)
 
     @override

@@ -28,12 +28,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_hdet._sharding import ShardingPolicy, reshard, shard
 from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, read_into, sync_device, write_from
 from lightning_hdet.asynchronous.messages import Fragments
 from lightning_hdet.asynchronous.transport import WorkerTransport
 from lightning_hdet.asynchronous.worker import Worker
-from lightning_hdet.hdet.fsdp.shards import ShardingPolicy, shard
-from lightning_hdet.hdet.execution.validation import reshard
 
 if TYPE_CHECKING:
     from lightning_hdet.asynchronous.outer import OuterState

@@ -21,6 +21,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet._compat import unwrap_optimizer
+from lightning_hdet._sharding import reshard
 from lightning_hdet._tensors import (
     all_finite,
     flat_dtype,
@@ -35,7 +36,7 @@ from lightning_hdet._tensors import (
     write_from,
 )
 from lightning_hdet.hdet.execution.comm import GroupComm
-from lightning_hdet.hdet.execution.validation import MergedValidation, reshard
+from lightning_hdet.hdet.execution.validation import MergedValidation
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 
+from lightning_hdet._sharding import reshard
 from lightning_hdet._tensors import all_finite, flat_dtype, host_buffer, numel, read_into, write_from
 
 
@@ -39,13 +39,6 @@ def unmerged_validation_warning(monitor: str) -> str:
     )
 
 
-def reshard(module: Module) -> None:
-    """Free FSDP2's unsharded parameters, so the shards are what the next forward gathers. Why: a module FSDP2
-    treats as a root (e.g. a submodule called directly from ``validation_step``) keeps its gathered parameters
-    after a forward without backward; writing the shards under it would leave the next forward on stale values."""
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
 
 
 def healthy_mean(groups: Any, tensors: list[Tensor]) -> list[float]:

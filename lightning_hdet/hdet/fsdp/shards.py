@@ -1,4 +1,5 @@
-"""FSDP2 pieces of ``"hdet_fsdp"`` that need no Lightning: sharding a module, the groups' shared gradient, local shards.
+"""FSDP2 pieces of ``"hdet_fsdp"`` that need no Lightning: the groups' shared gradient, local shards (sharding a
+module is :mod:`lightning_hdet._sharding`, shared with async workers).
 
 Every HDET group is one FSDP2 shard group: ``fully_shard(..., mesh=mesh["shard"])`` on a ``(group, shard)`` device
 mesh, so rank ``(g, k)`` holds shard ``k`` of every parameter of group ``g``. The ranks that hold the same shard
@@ -8,37 +9,17 @@ in different groups form the ``"group"`` dimension of the mesh; merges and the s
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 from lightning_hdet._tensors import float_buffers, local
 from lightning_hdet.hdet.execution.comm import Communicator
-
-#: Which submodules become FSDP units: a set of module classes, or a predicate on each submodule.
-ShardingPolicy = Union[set[type[Module]], Callable[[Module], bool], None]
-
-
-def is_sharded(module: Module) -> bool:
-    """Whether ``fully_shard`` was applied to ``module`` or one of its submodules (e.g. in ``configure_model``)."""
-    return any(isinstance(m, FSDPModule) for m in module.modules())
-
-
-def shard(module: Module, mesh: DeviceMesh, policy: ShardingPolicy, **fsdp_kwargs: Any) -> None:
-    """``fully_shard`` every submodule the policy picks (innermost first), then the root."""
-    if isinstance(policy, (set, frozenset, list, tuple)):
-        classes = tuple(policy)
-        policy = lambda m: isinstance(m, classes)  # noqa: E731
-    if policy is not None:
-        picked = [m for m in module.modules() if m is not module and policy(m)]
-        for sub in reversed(picked):  # children before parents, as fully_shard requires
-            fully_shard(sub, mesh=mesh, **fsdp_kwargs)
-    fully_shard(module, mesh=mesh, **fsdp_kwargs)
 
 
 def check_mesh(module: Module, mesh: DeviceMesh) -> None:

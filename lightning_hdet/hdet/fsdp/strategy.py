@@ -35,18 +35,16 @@ from lightning_hdet._compat import (
     register_names,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit
+from lightning_hdet._sharding import ShardingPolicy, is_sharded, shard
 from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.execution.comm import Communicator
 from lightning_hdet.hdet.fsdp import checkpoint as fsdp_checkpoint
 from lightning_hdet.hdet.fsdp.ensemble import ShardedEnsembleOps, ShardSite
 from lightning_hdet.hdet.fsdp.shards import (
     GroupGradientMean,
-    ShardingPolicy,
     broadcast_from_first_group,
     check_mesh,
-    is_sharded,
     set_all_reduce_hook,
-    shard,
 )
 from lightning_hdet.hdet.hyperparams import Span
 from lightning_hdet.hdet.lightning.groups import GradientSync, HDETGroups
