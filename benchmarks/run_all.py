@@ -69,7 +69,7 @@ SEARCH_METHODS = ("untuned", "grid", "optuna_tpe", "pbt", "prodigy", "schedulefr
 # What a user of strategy="hdet" gets (nothing given). The same rules on the benchmark's own grid and T
 # (pbt+search) and the alternatives (trust_region@global, pbt@global: they lost or drew in every cell of the
 # insurance round, research log 2026-12-01) are in bench-full's search_remedies.
-SEARCH_VOTES = ("pbt+search",)  # -> ("defaults",) once benchmark 2 is re-recorded (the stamp check needs the run)
+SEARCH_VOTES = ("defaults",)  # HDET as `strategy="hdet"` runs it with nothing set
 # Every remedy of issue 13 side by side (bench-full), against the baselines that need no Ray.
 REMEDY_METHODS = ("grid", "optuna_tpe", "prodigy", "schedulefree")
 REMEDY_VOTES = ("pbt", "pb2", "pbt+search", "pb2+search", "pbt@global", "pb2@global", "softmax", "pbt:improvement",
