@@ -27,7 +27,6 @@ from lightning_hdet._compat import (
     attached_trainer,
     ensure_callback,
     register_names,
-    set_loop_max_steps,
     strategy_timeout,
     sync_module_states,
 )
@@ -37,6 +36,7 @@ from lightning_hdet.asynchronous.callback import AsyncLogging
 from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints
 from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange, read_model
+from lightning_hdet.asynchronous.limits import LoopLimits
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings
 from lightning_hdet.asynchronous.overlap import check_overlap_steps
@@ -168,7 +168,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.training_apart = False
         self._exchange: Exchange | None = None
         self._budget: int | None = None
-        self._saved_limits: tuple[Any, Any] | None = None
+        self._limits = LoopLimits()
 
     # set-up
     @property
@@ -226,8 +226,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self._workers = self.world_size // self.ranks_per_worker
         max_steps = trainer.fit_loop.max_steps
         self._budget = self._workers * max_steps if max_steps >= 0 else None
-        self._saved_limits = (max_steps, trainer.limit_val_batches)
-        set_loop_max_steps(trainer, -1)
+        self._limits.lift(trainer)
 
     @property
     @override
@@ -316,22 +315,13 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 self._exchange.share_global_model(self._groups[1])
             else:
                 sync_module_states(self.lightning_module)
-            self._restore_limits()
+            self._limits.restore(trainer)
         super().on_train_end()
-
-    def _restore_limits(self) -> None:
-        """Give the trainer back the limits this fit's set-up replaced (after a failed fit, rank > 0 kept
-        ``limit_val_batches=0``: the next entry's ranks then disagreed on validating and waited at a barrier)."""
-        if self._saved_limits is not None:
-            trainer = self.lightning_module.trainer
-            set_loop_max_steps(trainer, self._saved_limits[0])
-            trainer.limit_val_batches = self._saved_limits[1]
-            self._saved_limits = None
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         self.training_apart = False
-        self._restore_limits()
+        self._limits.restore(self.lightning_module.trainer)
         super().on_exception(exception)
 
     @override

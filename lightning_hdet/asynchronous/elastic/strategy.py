@@ -19,12 +19,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hdet._checks import check_bool, check_int, check_number
-from lightning_hdet._compat import set_loop_max_steps
 from lightning_hdet._tensors import float_buffers, numel
 from lightning_hdet.asynchronous.elastic.client import SessionClient
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, parse_address
 from lightning_hdet.asynchronous.elastic.sessions import check_token
 from lightning_hdet.asynchronous.elastic.sessions import session_seed
+from lightning_hdet.asynchronous.limits import LoopLimits
 from lightning_hdet.asynchronous.messages import Fragments, Kind
 from lightning_hdet.asynchronous.worker import Worker
 
@@ -69,7 +69,7 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
         self.heartbeat_s, self.timeout_s, self.error_feedback, self.token = heartbeat_s, timeout_s, error_feedback, token
         self._client: SessionClient | None = None
         self._worker: Worker | None = None
-        self._saved_limits: tuple[int, Any] | None = None
+        self._limits = LoopLimits()
 
     @property
     def sessions(self) -> list[int]:
@@ -94,8 +94,7 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
         # The service's budget stops this worker (trainer.should_stop); only the service validates.
-        self._saved_limits = (trainer.fit_loop.max_steps, trainer.limit_val_batches)
-        set_loop_max_steps(trainer, -1)
+        self._limits.lift(trainer)
         trainer.limit_val_batches = 0
         self._client = SessionClient(self.server, self.reconnect_s, self.heartbeat_s, self.timeout_s, self.token)
         self._open()  # before the data loaders exist, so that the session's seed orders the data
@@ -169,11 +168,7 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
     def _close(self) -> None:
         if self._client is not None:
             self._client.close()
-        if self._saved_limits is not None:
-            trainer = self.lightning_module.trainer
-            set_loop_max_steps(trainer, self._saved_limits[0])
-            trainer.limit_val_batches = self._saved_limits[1]
-            self._saved_limits = None
+        self._limits.restore(self.lightning_module.trainer)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -1,0 +1,31 @@
+"""The trainer limits a worker's ``fit`` lifts while it trains apart, given back on every exit path."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+
+from lightning_hdet._compat import set_loop_max_steps
+
+
+class LoopLimits:
+    """``max_steps`` and ``limit_val_batches`` as the user set them, saved when a worker's ``fit`` starts and
+    restored when it ends or fails. Why: the shared budget, not the loop, stops a worker (the loop runs without
+    ``max_steps``), and a rank that does not validate runs with ``limit_val_batches=0``; left in place after a failed
+    fit, the next entry's ranks disagreed on validating and waited at a barrier."""
+
+    def __init__(self) -> None:
+        self._saved: Optional[tuple[int, Any]] = None
+
+    def lift(self, trainer: pl.Trainer) -> None:
+        """Save the limits, then let the loop run until the strategy stops it."""
+        self._saved = (trainer.fit_loop.max_steps, trainer.limit_val_batches)
+        set_loop_max_steps(trainer, -1)
+
+    def restore(self, trainer: pl.Trainer) -> None:
+        """Give back what :meth:`lift` saved (once; nothing if nothing was lifted)."""
+        if self._saved is not None:
+            set_loop_max_steps(trainer, self._saved[0])
+            trainer.limit_val_batches = self._saved[1]
+            self._saved = None
