@@ -235,3 +235,25 @@ def test_the_inner_lr_is_cut_only_inside_the_step_and_restored_for_the_scheduler
     worker.rejected = 0
     with worker.inner_lr(optimizer):
         assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.3]
+
+
+def test_loop_limits_lift_and_give_back_once_and_need_no_trainer_when_nothing_was_lifted():
+    """A worker's fit lifts max_steps and gives back max_steps and limit_val_batches on every exit path; before
+    set-up (nothing lifted) an exit path must not touch the module's trainer (it has none)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_hdet.asynchronous.limits import LoopLimits
+
+    limits, module = LoopLimits(), BoringModel()
+    limits.restore(module)  # unattached: `module.trainer` would raise
+    trainer = Trainer(max_steps=7, limit_val_batches=3, logger=False, enable_checkpointing=False)
+    module.trainer = trainer
+    limits.lift(trainer)
+    trainer.limit_val_batches = 0  # a rank that does not validate
+    assert trainer.fit_loop.max_steps == -1
+    limits.restore(module)
+    assert (trainer.fit_loop.max_steps, trainer.limit_val_batches) == (7, 3)
+    trainer.limit_val_batches = 5
+    limits.restore(module)  # once: a second exit path leaves the trainer alone
+    assert trainer.limit_val_batches == 5

@@ -23,9 +23,11 @@ class LoopLimits:
         self._saved = (trainer.fit_loop.max_steps, trainer.limit_val_batches)
         set_loop_max_steps(trainer, -1)
 
-    def restore(self, trainer: pl.Trainer) -> None:
-        """Give back what :meth:`lift` saved (once; nothing if nothing was lifted)."""
+    def restore(self, module: pl.LightningModule) -> None:
+        """Give ``module``'s trainer back what :meth:`lift` saved (once; nothing if nothing was lifted, when the
+        module may not be attached to a trainer any more, e.g. in ``on_exception`` before set-up)."""
         if self._saved is not None:
+            trainer = module.trainer
             set_loop_max_steps(trainer, self._saved[0])
             trainer.limit_val_batches = self._saved[1]
             self._saved = None

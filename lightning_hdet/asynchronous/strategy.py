@@ -315,13 +315,13 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 self._exchange.share_global_model(self._groups[1])
             else:
                 sync_module_states(self.lightning_module)
-            self._limits.restore(trainer)
+            self._limits.restore(self.lightning_module)
         super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         self.training_apart = False
-        self._limits.restore(self.lightning_module.trainer)
+        self._limits.restore(self.lightning_module)
         super().on_exception(exception)
 
     @override

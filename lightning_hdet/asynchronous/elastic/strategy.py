@@ -168,7 +168,7 @@ class ElasticWorkerStrategy(SingleDeviceStrategy):
     def _close(self) -> None:
         if self._client is not None:
             self._client.close()
-        self._limits.restore(self.lightning_module.trainer)
+        self._limits.restore(self.lightning_module)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
