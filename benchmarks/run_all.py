@@ -140,7 +140,8 @@ PARTS = (
          full=True),
     Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
     Part("async_defaults", "async_defaults.py", minutes=13, full=True),
-    Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=9),
+    # bench-full since benchmark 2 at HDET's defaults took 53 min (2026-12-03): make bench would need 94 min
+    Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=9, full=True),
     Part("overhead", "overhead.py", minutes=12, code=("benchmarks/sharded_fit.py",)),
     # rank 0's host memory (issue 29) on models past one 25 MiB fragment, as docs/async.md quotes it
     Part("overhead_memory", "overhead.py", ("--parts", "memory", "--memory-d-models", "768", "1280", "--exchange-steps",
