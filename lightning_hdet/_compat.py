@@ -46,6 +46,7 @@ __all__ = [
     "StrategyRegistry",
     "CHECKPOINT_NAMED_BY_RANK_ZERO",
     "attached_trainer",
+    "shards_data",
     "ddp_kwarg",
     "ensure_callback",
     "gloo_options",
@@ -93,6 +94,12 @@ def sync_module_states(module: Module) -> None:
 def attached_trainer(model: LightningModule) -> Optional[Trainer]:
     """The Trainer a module is attached to, or ``None`` (``model.trainer`` raises when there is none)."""
     return model._trainer  # why: the public property raises instead of returning None before `fit`
+
+
+def shards_data(trainer: Trainer) -> bool:
+    """Whether the Trainer gives each rank its part of the data (``Trainer(use_distributed_sampler=...)``, which
+    Lightning keeps on a private connector only)."""
+    return bool(trainer._accelerator_connector.use_distributed_sampler)
 
 
 def ensure_callback(model: LightningModule, callback_type: type[Callback], make: Any = None) -> None:
