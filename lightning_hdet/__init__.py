@@ -23,7 +23,7 @@ from lightning_hdet.hdet.lightning.strategy import HDETStrategy
 from lightning_hdet.replay import HDETReplay, LRTrajectory
 from lightning_hdet.testing import SlowLink, SlowRanks
 from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Softmax, TrustRegion
-from lightning_hdet.hdet.rules.votes import Ballot, BestVote, SoftmaxVote
+from lightning_hdet.hdet.rules.votes import Ballot
 
 __version__ = "0.1.0.dev0"
 
@@ -32,7 +32,6 @@ __all__ = [
     "AsyncLocalSGDStrategy",
     "Ballot",
     "Best",
-    "BestVote",
     "DelayedNesterov",
     "ElasticWorkerStrategy",
     "HDETCallback",
@@ -51,7 +50,6 @@ __all__ = [
     "SlowLink",
     "SlowRanks",
     "Softmax",
-    "SoftmaxVote",
     "TrustRegion",
     "blend_coefficients",
     "dynamic_local_steps",

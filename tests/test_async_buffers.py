@@ -189,12 +189,6 @@ def test_outer_state_averages_the_workers_latest_buffers() -> None:
     restored.process([_push(1, 0.0, [6.0, 8.0])])
     torch.testing.assert_close(restored.buffers, torch.tensor([4.0, 5.0]))  # worker 0's saved [2, 2] counts
 
-    # a checkpoint from before buffers were exchanged keeps the model's own buffers
-    old = {k: v for k, v in state.items() if k not in ("buffers", "worker_buffers")}
-    legacy = _outer(torch.tensor([7.0, 7.0]))
-    legacy.load_state_dict(old)
-    torch.testing.assert_close(legacy.buffers, torch.tensor([7.0, 7.0]))
-    assert legacy.worker_buffers == {} and legacy.outer_updates == 3
     with pytest.raises(ValueError, match="3 floating-point buffer values but the model has 2"):
         _outer(torch.zeros(2)).load_state_dict({**state, "buffers": torch.zeros(3)})
 

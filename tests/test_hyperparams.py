@@ -170,9 +170,10 @@ def test_pbt_moves_the_weight_decay_logs_it_and_a_resume_continues_exactly() -> 
     resumed_world, resumed, _ = _fit(8, resume=world.checkpoints)
     assert torch.equal(resumed_world.explored.get(1)[WD], world.explored.get(1)[WD])
     assert resumed[0][0].history == history
-    older = [{**c, "hdet": {k: v for k, v in c["hdet"].items() if k != "explored"}} for c in world.checkpoints]
+    # a checkpoint of a run that explored the LR alone, resumed exploring the weight decay too
+    lr_only = [{**c, "hdet": {k: v for k, v in c["hdet"].items() if k != "explored"}} for c in world.checkpoints]
     with pytest.warns(UserWarning, match=r"holds no tables of the explored hyperparameters \['weight_decay'\]"):
-        fresh_world, _, _ = _fit(4, resume=older)
+        fresh_world, _, _ = _fit(4, resume=lr_only)
     assert fresh_world.explored.get(1)[WD][:, 0].tolist() == [0.5, 4.0]  # `explore`'s initial multipliers
 
 

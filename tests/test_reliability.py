@@ -360,9 +360,9 @@ def test_resume_with_a_different_number_of_groups_starts_every_group_from_the_me
 
 
 def test_softmax_controller_resumed_with_another_group_count_takes_the_new_fan_out() -> None:
-    from lightning_hdet.hdet.rules.votes import Ballot, SoftmaxVote
+    from lightning_hdet.hdet.rules.votes import Ballot, Softmax
 
-    rule = SoftmaxVote(permute=False)
+    rule = Softmax(permute=False)
     rule.load_state_dict({"velocity": {0: 0.0}, "shape": {0: [0.5, 1.5]}})  # written by a 2-group run
     result = rule.explore(Ballot(0, [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 1.0, 1.5], [True] * 4, 0.1, True), torch.Generator())
     assert len(result.multipliers) == 4

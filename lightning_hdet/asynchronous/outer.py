@@ -528,22 +528,20 @@ class OuterState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], workers: int | None = None) -> None:
-        """Restore a :meth:`state_dict`; one saved before buffers were exchanged (no ``buffers``) keeps the
-        current global buffers (the model's own). With ``workers`` (a run resumed on fewer workers), the
-        buffers of workers ``>= workers`` no longer count in the mean."""
+        """Restore a :meth:`state_dict`. With ``workers`` (a run resumed on fewer workers), the buffers of workers
+        ``>= workers`` no longer count in the mean."""
         with self.model_lock, self.lock:
             for key, name, own in (("params", "parameters", self.params),
                                    ("buffers", "floating-point buffer values", self.buffers)):
-                if key in state and state[key].numel() != own.numel():
+                if state[key].numel() != own.numel():
                     raise ValueError(
                         f"The checkpoint's outer state holds {state[key].numel()} {name} but the model has"
                         f" {own.numel()}."
                     )
             self.params.data.copy_(state["params"])
-            if "buffers" in state:
-                self.buffers.copy_(state["buffers"])
-                self.worker_buffers = {int(w): b.float().clone() for w, b in state["worker_buffers"].items()
-                                       if workers is None or int(w) < workers}
+            self.buffers.copy_(state["buffers"])
+            self.worker_buffers = {int(w): b.float().clone() for w, b in state["worker_buffers"].items()
+                                   if workers is None or int(w) < workers}
             self.optimizer.load_state_dict(state["optimizer"])
             self.local_steps.load_state_dict(state["policy"])
             self.steps_done = int(state["steps_done"])

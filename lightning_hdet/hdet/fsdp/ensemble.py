@@ -58,5 +58,5 @@ class ShardedEnsembleOps(MergeOps):
 
     # ------------------------------------------------------------------ checkpoints
     def ensemble_files(self) -> dict[str, Any]:
-        """Every group's own state goes into the checkpoint folder (``groups``: the inline states of 0.x files)."""
-        return {"groups": None}
+        """None: every group's own state is in the checkpoint folder itself (its DCP shards)."""
+        return {}

@@ -192,7 +192,7 @@ class HDETCallback(Callback):
         every = self.settings.every_n_steps
         self._meter.reset((trainer.global_step // every) * every)  # votes fall on multiples of every_n_steps
         resumed = self._resumed_interval
-        if resumed is not None and resumed.shape[1] == self._meter.width:  # older checkpoints: a fresh interval
+        if resumed is not None and resumed.shape[1] == self._meter.width:  # another signal's bins: a fresh interval
             self._meter.load_row(resumed[hdet.groups.group_index] / hdet.groups.layout.group_size)
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0

@@ -46,15 +46,10 @@ def read_group_file(
         ) from err
 
 
-def _group_count(hdet: dict[str, Any]) -> int:
-    inline = hdet.get("groups")  # checkpoints written before the per-group files held every group inline
-    return len(inline) if inline else int(hdet.get("group_files") or 0)
-
-
 def own_group_state(checkpoint: dict[str, Any], num_groups: int, group_index: int) -> Optional[dict[str, Any]]:
     """This group's own ``{"state_dict", "optimizer_states"}``, or ``None`` (no ensemble, or another group count)."""
     hdet = checkpoint.get("hdet") or {}
-    count = _group_count(hdet)
+    count = int(hdet.get("group_files") or 0)
     if not count:
         return None
     if count != num_groups:
@@ -63,7 +58,7 @@ def own_group_state(checkpoint: dict[str, Any], num_groups: int, group_index: in
             "starts from the checkpoint's merged model and a fresh optimizer state."
         )
         return None
-    return hdet["groups"][group_index] if hdet.get("groups") else hdet["own"]
+    return hdet["own"]
 
 
 def resharded(checkpoint: dict[str, Any], own: Optional[dict[str, Any]]) -> bool:

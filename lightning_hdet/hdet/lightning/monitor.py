@@ -82,8 +82,9 @@ class MonitoredMetric:
         return {"monitored": self.value, "vote_pending": self.pending, "monitor_ties": self.ties}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a checkpoint of a run that voted on the training loss has none of these: nothing monitored yet
         self.value = state.get("monitored")
-        self.pending = bool(state.get("vote_pending", False))  # (older checkpoints: none was pending)
+        self.pending = bool(state.get("vote_pending", False))
         self.ties = int(state.get("monitor_ties", 0))
 
 

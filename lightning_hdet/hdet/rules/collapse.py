@@ -159,8 +159,8 @@ def advance(
 ) -> CollapseHistory:
     """The history after a vote.
 
-    A group's starting level is set once, from ``first`` (each group's loss at its first training step; unknown,
-    e.g. after resuming from an older checkpoint: the ``stalled`` rule stays off), with its standard error
+    A group's starting level is set once, from ``first`` (each group's loss at its first training step; ``None``
+    where no interval held that step: the ``stalled`` rule stays off), with its standard error
     ``first_error`` (None: no margin). A diverged group (it restarts from the healthy groups' model) and every
     group after a roll-back forget their previous interval and their stall count.
     """

@@ -222,8 +222,7 @@ class HDETController:
     def _search_can_end(self, losses: Sequence[float], healthy: Sequence[bool]) -> bool:
         """The search ends only on a winner below its starting level's noise band: one still on the untrained model's
         plateau says nothing about the LR, and a narrow grid around it under one shared gradient stays there (shapes
-        from a 10x high start, benchmark 2). Where the starting level is unknown (``monitor``, older checkpoints) it
-        ends as asked."""
+        from a 10x high start, benchmark 2). Where the starting level is unknown (``monitor``) it ends as asked."""
         winner = winner_of(losses, healthy)
         return winner >= 0 and has_progressed(self.collapse_history, winner, losses[winner])
 
@@ -352,11 +351,11 @@ class HDETController:
         self.num_votes = state_dict["num_votes"]
         self.last_winner = state_dict["last_winner"]
         self.last_coefficients = list(state_dict["last_coefficients"])
-        self.collapse_history.load_state_dict(state_dict.get("collapse", {}))  # absent in older checkpoints
-        self.searched_at = state_dict.get("searched_at")
-        self.plateau_history.load_state_dict(state_dict.get("plateau", {}))  # absent in older checkpoints
-        self.plateau_cuts = state_dict.get("plateau_cuts", 0)
-        self.plateau_armed = state_dict.get("plateau_armed", True)  # (older checkpoints: as the rule was then)
+        self.collapse_history.load_state_dict(state_dict["collapse"])
+        self.searched_at = state_dict["searched_at"]
+        self.plateau_history.load_state_dict(state_dict["plateau"])
+        self.plateau_cuts = state_dict["plateau_cuts"]
+        self.plateau_armed = state_dict["plateau_armed"]
 
 
 def _lrs(table: Tensor, interval: Interval) -> list[float]:

@@ -102,8 +102,8 @@ VOTES_IN_SEARCH = 2
 # The fewest steps a vote may average over: below it one interval's mean loss is mostly batch noise (a vote every 3
 # steps of the 80-step run gave 1.02-1.03 where every 5 gave 0.99-1.01).
 MIN_INTERVAL = 5
-# The most: the 0.x default, so a run longer than MAX_INTERVAL * VOTES_IN_SEARCH / SEARCH_FRACTION (800) steps
-# votes as it did.
+# The most: the fixed interval before votes were sized to the run (issue 39), so a run longer than
+# MAX_INTERVAL * VOTES_IN_SEARCH / SEARCH_FRACTION (800) steps votes as it did.
 MAX_INTERVAL = 100
 # A run of unknown length (no max_steps, unbounded epochs or an iterable dataset of no length) votes this often.
 UNKNOWN_LENGTH_INTERVAL = 100

@@ -263,10 +263,6 @@ class Best(Vote):
         refill(self.spread, {int(k): float(v) for k, v in state.get("spread", {}).items()})
 
 
-# The 0.x names of the two rules (public since the first release candidate).
-SoftmaxVote = Softmax
-BestVote = Best
-
 
 def divergent(losses: Sequence[float], healthy: Sequence[bool], factor: Optional[float]) -> list[bool]:
     """Which groups count as diverged: non-finite loss, already unhealthy, or loss > factor x best (positive)."""
