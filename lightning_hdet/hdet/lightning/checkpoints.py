@@ -63,7 +63,7 @@ def own_group_state(checkpoint: dict[str, Any], num_groups: int, group_index: in
 
 def resharded(checkpoint: dict[str, Any], own: Optional[dict[str, Any]]) -> bool:
     """A checkpoint of an ensemble with another number of groups: every group starts a fresh optimizer state."""
-    return own is None and _group_count(checkpoint.get("hdet") or {}) > 0
+    return own is None and bool((checkpoint.get("hdet") or {}).get("group_files"))
 
 
 def state_dict_with(module: Module, tensors: list[Tensor], values: list[Tensor]) -> dict[str, Any]:
