@@ -22,8 +22,8 @@ from benchmarks.common import (
 from benchmarks.search_baselines import STARTS, accepted_votes, lr_grid, parse_hdet_arm
 from benchmarks.search_pbt import pbt_explore, ray_available
 from benchmarks.search_report import to_target
+from tests.bench_quick import REPO, run_quick
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_lr_grid_is_geometric_around_the_centre():
@@ -250,23 +250,6 @@ def test_search_baselines_quick_mode_runs_ray_tune_pbt(tmp_path):
     assert lo > 0 and math.isfinite(hi) and arm["settled_lr"] in arm["lrs_tried"]
 
 
-def run_quick(tmp_path: Path, script: str, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
-    """Run ``benchmarks/<script>.py --quick`` with outputs under ``tmp_path``; return its JSON, the table lines
-    of its docs block and the process."""
-    results, docs = tmp_path / "results", tmp_path / "docs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--quick", *extra,
-           "--results-dir", str(results), "--docs-dir", str(docs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    name = f"{script}_quick"
-    data = json.loads((results / f"{name}.json").read_text())
-    assert {"meta", "config"} <= data.keys() and data["config"]["quick"] is True
-    block = (docs / "benchmarks.md").read_text().split(f"<!-- BEGIN {name} -->")[1].split(f"<!-- END {name} -->")[0]
-    table = [line for line in block.splitlines() if line.startswith("|")]
-    assert table and table[0] in proc.stdout
-    return data, table, proc
-
-
 @pytest.mark.timeout(360)
 def test_hdet_published_quick_mode(tmp_path):
     from benchmarks.hdet_published import PUBLISHED
@@ -288,154 +271,6 @@ def test_hdet_published_quick_mode(tmp_path):
     assert len(table) == 2 + len(rows) and all(line.count("|") == 11 for line in table)
     assert "published loss" in table[0] and PUBLISHED["HDET full"][1] in table[-1]
     assert (tmp_path / "docs" / "img" / "hdet_published_quick.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.timeout(360)
-def test_async_published_quick_mode(tmp_path):
-    from benchmarks.async_published import LEVELS, PUBLISHED
-
-    methods = ["diloco", "async_dn_dylu"]
-    data, table, _ = run_quick(tmp_path, "async_published", "--levels", "very", "--methods", *methods,
-                               "--start-method", "fork")
-    cfg = data["config"]
-    rows = data["rows"]
-    assert [(r["level"], r["method"]) for r in rows] == [("very", m) for m in methods]
-    diloco, dylu = rows
-    assert diloco["target"] == diloco["val_curve"][-1][1] == dylu["target"]
-    assert diloco["s_to_target"] is not None  # DiLoCo reaches its own final loss
-    for r in rows:
-        assert math.isfinite(r["final_val_loss"]) and r["final_val_loss"] < math.log(256)
-        # The budget is W x S inner steps in all, however the workers' speeds split it.
-        assert sum(r["inner_steps"].values()) == cfg["world_size"] * cfg["steps"]
-    # Synchronous DiLoCo gives every worker the same rounds of H steps.
-    assert len(set(diloco["inner_steps"].values())) == 1
-    assert all(steps == cfg["local_steps"] * diloco["rounds"][w] for w, steps in diloco["inner_steps"].items())
-    assert LEVELS["very"][-1] == pytest.approx(3.33 / 0.58)
-    assert len(table) == 2 + len(methods) and all(line.count("|") == 5 for line in table)
-    assert f"{PUBLISHED['diloco']['very']:.2f}" in table[2]
-    assert (tmp_path / "docs" / "img" / "async_published_quick.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.timeout(600)
-def test_async_published_two_workers_of_two_ranks_quick_mode(tmp_path):
-    """Issue 42's 2 x 2 arm on 4 processes: DiLoCo and async with workers of two ranks beside four one-rank workers
-    and DDP over the same 4, at equal samples (every rank takes S steps; a two-rank worker counts each of its steps
-    once, so its workers' inner steps sum to 2 x S)."""
-    methods = ["ddp", "diloco", "diloco_2ranks", "async_dn_dylu", "async_dn_dylu_2ranks"]
-    data, table, _ = run_quick(tmp_path, "async_published", "--world-size", "4", "--levels", "none", "--methods",
-                               *methods, "--start-method", "fork")
-    cfg = data["config"]
-    rows = {r["method"]: r for r in data["rows"]}
-    assert list(rows) == methods and len(table) == 2 + len(methods)
-    for method in ("diloco", "async_dn_dylu"):
-        assert len(rows[method]["inner_steps"]) == 4 and len(rows[f"{method}_2ranks"]["inner_steps"]) == 2
-        assert sum(rows[method]["inner_steps"].values()) == 4 * cfg["steps"]
-        assert sum(rows[f"{method}_2ranks"]["inner_steps"].values()) == 2 * cfg["steps"]
-    assert all(math.isfinite(r["final_val_loss"]) and r["final_val_loss"] < math.log(256) for r in rows.values())
-
-
-def test_async_defaults_quick_mode(tmp_path):
-    """The regression task only (three forked fits): the default outer setting and the two before it start from
-    the same model, and the cells are the final ÷ initial loss."""
-    data, table, _ = run_quick(tmp_path, "async_defaults", "--tasks", "regression", "--start-method", "fork")
-    stable, robust, published = data["runs"]
-    assert (stable["outer"], robust["outer"], published["outer"]) == ("stable", "robust", "published")
-    assert stable["initial"] == robust["initial"] == published["initial"] > 0
-    for run in data["runs"]:
-        assert run["ratio"] == pytest.approx(run["final"] / run["initial"]) and math.isfinite(run["ratio"])
-    assert table[0] == "| task | outer | very |" and f"{stable['ratio']:.3f}" in table[2]
-
-
-def test_async_long_horizon_table_gives_rounds_seed_spread_and_loss_over_diloco():
-    from benchmarks.async_published import horizon_table, parse_args, summarise
-
-    args = parse_args(["--long-horizon", "--seeds", "2"])
-    assert (args.levels, args.local_steps, args.seeds, args.world_size) == (["very"], 4, 2, 4)
-    assert parse_args(["--long-horizon", "--quick"]).methods == ["diloco", "async_dn_dylu"]
-
-    def run(method, seed, loss, rounds):
-        curve = [(10, loss + 0.5, 1.0), (20, loss, 2.0 + seed)]
-        return {"method": method, "level": "very", "seed": seed, "final_val_loss": loss, "val_curve": curve,
-                "fit_s": 3.0 + seed, "inner_steps": {}, "rounds": rounds}
-
-    rows = summarise([run("diloco", 0, 2.0, {"0": 100, "1": 100}), run("async_dn_dylu", 0, 1.9, {"0": 150, "1": 101}),
-                      run("diloco", 1, 2.5, {"0": 100, "1": 100}), run("async_dn_dylu", 1, 2.4, {"0": 160, "1": 99})])
-    diloco, dylu = rows
-    assert diloco["vs_diloco"] == 1.0 and diloco["rounds_range"] == (100, 100)
-    # per seed: 1.9 / 2.0 and 2.4 / 2.5; DiLoCo's final loss reached at 2 s (seed 0) and 3 s (seed 1)
-    assert dylu["rounds_range"] == (99, 160) and dylu["final_val_loss_range"] == (1.9, 2.4)
-    assert dylu["vs_diloco"] == pytest.approx(0.955) and dylu["vs_diloco_range"] == pytest.approx((0.95, 0.96))
-    assert dylu["s_to_target"] == pytest.approx(2.5)
-    lines = horizon_table(rows).splitlines()
-    assert lines[3] == "| very | async_dn_dylu | 99–160 | 2.150 (1.900–2.400) | 0.9550 (0.9500–0.9600) | 2.5 (3.5) | 41.13 |"
-
-
-# Every default part at its smallest: one repeat, tiny widths, forked ranks (13 short fits; what is asserted is
-# bytes and the tables' shape, not speed or a memory level). The exchange runs keep the quick budget and widths:
-# below them Lightning's fixed start-up traffic is no longer small against the bytes per step.
-SMALLEST_OVERHEAD = ("--intervals", "4", "--repeats", "1", "--steps", "6", "--d-model", "16", "--batch-size", "4",
-                     "--local-steps", "2", "--lean-d-model", "32", "--start-method", "fork")
-
-
-@pytest.mark.timeout(600)
-def test_overhead_quick_mode(tmp_path):
-    data, table, _ = run_quick(tmp_path, "overhead", *SMALLEST_OVERHEAD)
-    cfg = data["config"]
-    assert [r["arm"] for r in data["throughput"]] == ["ddp", "hdet T=4"]
-    assert data["throughput"][0]["relative_to_ddp"] == 1.0
-    assert (tmp_path / "docs" / "img" / "overhead_quick.png").read_bytes()[:4] == b"\x89PNG"  # drawn and linked
-    assert "](img/overhead_quick.png)" in (tmp_path / "docs" / "benchmarks.md").read_text()
-    assert all(r["steps_per_s"] > 0 for r in data["throughput"])
-    comm = {r["arm"]: r for r in data["bytes"]}
-    h = cfg["local_steps"]
-    assert list(comm) == ["ddp", "hdet T=4", f"diloco H={h}", f"async H={h}", f"diloco H={h}, inner states",
-                          f"diloco H={h}, bf16", f"diloco H={h}, bf16 push and pull", f"diloco H={h}, int8",
-                          f"diloco H={h}, int8 push, bf16 pull"]
-    ddp = comm["ddp"]
-    # DDP all-reduces the float32 gradients every step: 4 bytes per parameter (plus Lightning's few-byte flags).
-    assert ddp["computed_bytes_per_step"] == 4 * ddp["params"]
-    assert ddp["measured_bytes_per_step"] == pytest.approx(4 * ddp["params"], rel=1e-3)
-    # HDET adds a merge every T steps (and a few bytes of votes and guards).
-    hdet = comm["hdet T=4"]
-    assert hdet["computed_bytes_per_step"] == pytest.approx(4 * hdet["params"] * (1 + 1 / 4))
-    assert hdet["measured_bytes_per_step"] >= 4 * hdet["params"]
-    # DiLoCo: one push and one pull of the model per round of H steps (the char LM has no float buffers), plus
-    # small headers: the bound of two models per round; the inner states row also sends AdamW's two moments
-    # with each push and the last message (the first message's are still empty).
-    steps = cfg["exchange_steps"]
-    diloco, inner = comm[f"diloco H={h}"], comm[f"diloco H={h}, inner states"]
-    model = 4 * diloco["params"]
-    assert diloco["computed_bytes_per_step"] == pytest.approx(2 * model / h)
-    assert inner["computed_bytes_per_step"] == pytest.approx(2 * model / h + 2 * model * (1 / h + 1 / steps))
-    for row in (diloco, inner):
-        assert row["measured_bytes_per_step"] == pytest.approx(row["computed_bytes_per_step"], rel=0.05)
-    assert diloco["measured_over_bound"] == pytest.approx(1.0, rel=0.05)
-    # compressed pushes: bf16 halves the push, int8 quarters it (plus its scales); the pull stays float32 unless
-    # pull_compression="bf16" halves it too: then a round moves half the bound
-    bf16, int8 = comm[f"diloco H={h}, bf16"], comm[f"diloco H={h}, int8"]
-    both, int8_bf16 = comm[f"diloco H={h}, bf16 push and pull"], comm[f"diloco H={h}, int8 push, bf16 pull"]
-    assert bf16["computed_bytes_per_step"] == pytest.approx(1.5 * model / h)
-    assert both["computed_bytes_per_step"] == pytest.approx(model / h)
-    for row in (bf16, both):
-        assert row["measured_bytes_per_step"] == pytest.approx(row["computed_bytes_per_step"], rel=0.05)
-    assert int8["measured_bytes_per_step"] < bf16["measured_bytes_per_step"] < diloco["measured_bytes_per_step"]
-    assert int8_bf16["measured_bytes_per_step"] < both["measured_bytes_per_step"]
-    assert all(math.isfinite(row["final_val_loss"]) for row in (diloco, bf16, both, int8, int8_bf16))
-    assert diloco["loss_change"] == 0.0
-    assert comm[f"async H={h}"]["measured_bytes_per_step"] >= diloco["measured_bytes_per_step"] * 0.95
-    small, large = data["memory"]
-    assert (small["width"], large["width"]) == tuple(cfg["memory_d_models"])
-    assert small["model_bytes"] == 4 * diloco["params"] < large["model_bytes"]
-    for m in (small, large):
-        assert set(m["rank0_peak_rss_bytes"]) == {"ddp", "diloco", "async"}
-        assert all(v > m["model_bytes"] for v in m["rank0_peak_rss_bytes"].values())
-    assert set(data["memory_slope"]) == {"diloco", "async"}
-    # lean: rank 0's peak extra memory of a merge and of a checkpoint, DDP against HDET (G = W = 2)
-    lean = {r["arm"]: r for r in data["lean"]}
-    assert list(lean) == ["ddp", "hdet"] and lean["ddp"]["merge_extra_bytes"] == 0
-    assert all(r["checkpoint_extra_bytes"] > 0 and r["own_state_bytes"] > r["model_bytes"] for r in lean.values())
-    headers = [line for line in table if "---" not in line and ("arm" in line or "peak RSS" in line)]
-    assert len(headers) == 4 and len(table) == (2 + 2) + (2 + 9) + (2 + 3) + (2 + 2)
 
 
 @pytest.mark.timeout(360)
@@ -544,24 +379,6 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     text = tables(summary, args, {"good": 1.0}, 10.0)
     assert "1.100 ✗" in text and "2.25 ✗" in text and "| 96 |" in text
     assert "LRs searched for schedule-free AdamW" in text
-
-
-@pytest.mark.timeout(1500)
-def test_elastic_quick_mode(tmp_path):
-    # Two workers per arm, the single job's ranks forked: its arms as in the full run, with 7 interpreters fewer.
-    data, table, _ = run_quick(tmp_path, "elastic", "--budget", "64", "--step-s", "0.02", "--workers", "2",
-                               "--single-start-method", "fork")
-    rows = data["rows"]
-    assert list(rows) == ["elastic, no failure", "elastic, one of 2 killed at 50 %",
-                          "single job (today), one of 2 killed at 50 %"]
-    for arm in list(rows)[:2]:
-        assert not rows[arm]["job_lost"] and rows[arm]["steps_done"] == 64
-        assert rows[arm]["final_loss"] < rows[arm]["initial_loss"]
-    assert rows["elastic, one of 2 killed at 50 %"]["exit_codes"][1] == -9  # the last worker; the service's is last
-    assert rows["single job (today), one of 2 killed at 50 %"]["job_lost"]
-    assert len(table) == 2 + 3
-    assert (tmp_path / "docs" / "img" / "elastic_quick.png").read_bytes()[:4] == b"\x89PNG"  # drawn and linked
-    assert "](img/elastic_quick.png)" in (tmp_path / "docs" / "benchmarks.md").read_text()
 
 
 # A stand-in benchmark for the cache's tests: it records that it ran, writes a results file and its docs block
@@ -797,71 +614,3 @@ def test_hdet_votes_quick_mode(tmp_path):
     assert len(table) == 2 + 2 and all(math.isfinite(r["loss"]) for r in data["rows"])
 
 
-def test_comm_bytes_table_divides_each_arm_by_diloco_f32_at_its_link_and_by_ddp_bytes():
-    """Hand-made records: DiLoCo int8 at loss 2.2 against DiLoCo f32's 2.0 at the same link is 1.1; its 1 MiB
-    against DDP's 8 MiB is 0.125; DDP's loss is divided by DiLoCo f32 on loopback."""
-    import argparse
-
-    from benchmarks.comm_bytes import table
-
-    runs = {
-        "ddp @ 0": {"arm": "ddp", "link": 0.0, "seeds": {0: {"loss": 1.5, "bytes": 8 * 2**20, "wall_s": 5.0}}},
-        "diloco f32 @ 0": {"arm": "diloco f32", "link": 0.0,
-                           "seeds": {0: {"loss": 2.0, "bytes": 4 * 2**20, "wall_s": 6.0}}},
-        "diloco f32 @ 1e+06": {"arm": "diloco f32", "link": 1e6,
-                               "seeds": {0: {"loss": 2.0, "bytes": 4 * 2**20, "wall_s": 9.0}}},
-        "diloco int8 @ 1e+06": {"arm": "diloco int8", "link": 1e6,
-                                "seeds": {0: {"loss": 2.2, "bytes": 2**20, "wall_s": 7.0}}},
-    }
-    args = argparse.Namespace(links=[0.0, 1e6], workload="tabular", workers=4, steps=20, local_steps=5, lr=3e-3,
-                              batch_size=16)
-    rows = {line.split(" | ")[0].lstrip("| ") + " " + line.split(" | ")[1]: line.split(" | ")
-            for line in table(runs, args).splitlines() if line.startswith("| ") and "---" not in line}
-    assert rows["ddp loopback"][3:6] == ["0.75", "8.0", "1"]
-    assert rows["diloco int8 1e+06 bit/s"][3:6] == ["1.1", "1.0", "0.125"]
-    assert rows["diloco f32 1e+06 bit/s"][3:6] == ["1", "4.0", "0.5"]
-
-
-def test_outer_stability_verdict_hand_computed():
-    from benchmarks.outer_stability import verdict
-
-    assert verdict([1.0, 0.5, 0.1], 1) == {"mid": 0.5, "end": pytest.approx(0.1), "rise": pytest.approx(0.2),
-                                           "stable": True}
-    assert not verdict([1.0, 0.1, 0.5], 1)["stable"]  # ends below the start but rose 5x over the second half
-    assert verdict([1.0, 1e-6, 5e-6], 1)["stable"]  # a rise at the floor (< 1e-4 x the start) is noise
-    assert not verdict([1.0, 0.5, float("nan")], 1)["stable"] and verdict([1.0, 0.5, math.inf], 1)["end"] == math.inf
-
-
-def test_outer_stability_quick_mode(tmp_path):
-    """20 rounds per worker, both data orders: the real outer state runs every cell; the published outer step with
-    two SGD workers has already diverged there, the default has not; each worker's own dataset is read whole."""
-    data, table, _ = run_quick(tmp_path, "outer_stability", "--rounds", "20")
-    runs = {(r["data"], r["task"], r["mode"], r["outer"], r["workers"]): r for r in data["runs"]}
-    assert len(runs) == 2 * 2 * 2 * 3 * 3 and all(len(r["curve"]) == 21 for r in runs.values())
-    assert all(runs[(d, "sgd", m, "stable", w)]["stable"] for d in ("shards", "own") for m in ("async", "sync")
-               for w in (2, 4, 8))
-    assert not runs[("shards", "sgd", "sync", "published", 2)]["stable"]
-    assert table[0] == "| data | inner | mode | outer | W = 2 | W = 4 | W = 8 |" and len(table) == 2 + 24
-    import torch
-
-    from benchmarks.outer_stability import Workers
-
-    shards, own = Workers(2, "sgd", 0, "shards").shards, Workers(2, "sgd", 0, "own").shards
-    assert [len(s) for s in shards] == [32, 32] and [len(s) for s in own] == [64, 64]
-    assert torch.equal(own[0][1::2], shards[1]) and not torch.equal(own[1], own[0])
-
-
-@pytest.mark.timeout(300)
-def test_bad_worker_paths_quick_mode(tmp_path):
-    """The regression task in DiLoCo and the elastic mode: each seed's faulty run (the bad worker rejected 3 times,
-    stopped), its fault-free counterpart and a rerun of it spend the whole budget; the cells divide by the
-    fault-free run; DiLoCo with two workers is deterministic, so its rerun lands exactly where the first did."""
-    data, table, _ = run_quick(tmp_path, "bad_worker_paths", "--tasks", "regression", "--paths", "diloco", "elastic")
-    budget = data["config"]["budget"]
-    assert [(r["task"], r["path"]) for r in data["runs"]] == [("regression", "diloco"), ("regression", "elastic")]
-    for r in data["runs"]:
-        assert r["steps"] == [budget] * 3 and r["rejected"] == 3
-        assert r["ratio"] == r["faulty"] / r["clean"] and r["noise"] == r["rerun"] / r["clean"]
-        assert math.isfinite(r["ratio"]) and r["faulty"] < r["initial"]
-    assert data["runs"][0]["noise"] == 1.0
-    assert table[0].startswith("| task | path |") and len(table) == 2 + 2 and "**" in table[2]
