@@ -98,6 +98,7 @@ METHODS: dict[str, dict | None] = {
     "diloco_2ranks": {"mode": "sync", "ranks_per_worker": 2},
     "async_dn_dylu_2ranks": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True,
                              "ranks_per_worker": 2},
+    "async_default_2ranks": {"mode": "async", "outer": "stable", "outer_lr": None, "ranks_per_worker": 2},
     # DiLoCo with compressed exchanges (asked for by name: the loss change against "diloco", same seed and data)
     "diloco_bf16": {"mode": "sync", "compression": "bf16"},
     "diloco_bf16_pull": {"mode": "sync", "compression": "bf16", "pull_compression": "bf16"},

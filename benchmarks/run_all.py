@@ -108,6 +108,10 @@ def search(name: str, methods: Sequence[str], votes: Sequence[str], *args: str) 
 ASYNC_ARGS = ("--start-method", "fork", "--methods", "ddp", "diloco", "async_default", "--levels", "none", "very",
               "--seeds", "3")
 ASYNC_FULL_SIZE = ("--steps", "150", "--local-steps", "15")
+# Issue 42's workers of several ranks: 2 workers x 2 ranks against 4 one-rank workers and DDP over the same 4
+# processes, at equal samples, in benchmark 3's set-up (bench-full).
+ASYNC_2X2_ARGS = ("--name", "async_2x2", "--start-method", "fork", "--world-size", "4", "--methods", "ddp", "diloco",
+                  "diloco_2ranks", "async_default", "async_default_2ranks", "--levels", "none", "very", "--seeds", "3")
 
 
 # In the order of docs/benchmarks.md. The minutes of make bench's parts are those of its first start-to-finish run
@@ -139,6 +143,7 @@ PARTS = (
     Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
          full=True),
     Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
+    Part("async_2x2", "async_published.py", ASYNC_2X2_ARGS, minutes=22, full_size=ASYNC_FULL_SIZE, full=True),
     Part("async_defaults", "async_defaults.py", minutes=13, full=True),
     # bench-full since benchmark 2 at HDET's defaults took 53 min (2026-12-03): make bench would need 94 min
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=9, full=True),
