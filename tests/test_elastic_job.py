@@ -23,6 +23,7 @@ from lightning_hdet.asynchronous.elastic.job import (
     share_session,
 )
 from lightning_hdet.asynchronous.elastic.membership import SessionLost
+from lightning_hdet.asynchronous.elastic.strategy import ElasticWorker
 from lightning_hdet.asynchronous.messages import Kind, ServerHeader
 from lightning_hdet.asynchronous.transport import WorkerTransport
 from lightning_hdet.asynchronous.worker import Worker
@@ -200,6 +201,69 @@ def test_broadcast_json_and_the_transports_of_a_job() -> None:
     leader, follower = _ranks(2, lambda job: job_transport(job, service), lambda job: job_transport(job, None))
     assert isinstance(leader, JobLeaderTransport) and isinstance(follower, JobFollowerTransport)
     assert LOST.next_local_steps < 0  # never a real reply
+
+
+class _Hooks:
+    """The Lightning hooks ElasticWorker extends, as no-ops."""
+
+    def on_train_start(self) -> None:
+        pass
+
+
+class _Client:
+    """Rank 0's sessions, in memory: session ``s`` talks to ``services[s - 1]``."""
+
+    config = {"n_params": 4, "n_buffers": 0, "compression": "none", "pull_compression": "none", "mode": "async"}
+
+    def __init__(self, services: list[_Service]) -> None:
+        self.services, self.session = services, 0
+
+    def reopen(self) -> int:
+        self.session += 1
+        return self.session
+
+    def transport(self, layout: Any) -> _Service:
+        return self.services[self.session - 1]
+
+    def close(self) -> None:
+        pass
+
+
+class _Rank(ElasticWorker, _Hooks):
+    """ElasticWorker's own logic on one rank of a job, without Lightning."""
+
+    def __init__(self, job: _ThreadJob, client: _Client | None) -> None:
+        self._elastic_init("127.0.0.1:1", 10, 0.0, 1.0, 10.0, True, None)
+        self._job, self._client, self._fitting = job, client, True
+        self.lightning_module = torch.nn.Linear(3, 1)
+        self.lightning_module.trainer = type("Trainer", (), {"should_stop": False})()
+        self.optimizers = [torch.optim.SGD(self.lightning_module.parameters(), lr=0.1)]
+        self.root_device = torch.device("cpu")
+
+
+def test_a_lost_session_is_reopened_by_rank_zero_and_every_rank_continues_from_the_newest_model() -> None:
+    m1, m2 = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    first = _Service([(ServerHeader(2, 1), m1)])
+    second = _Service([(ServerHeader(3, 5), m2)])
+    client = _Client([first, second])
+
+    def rank(job: _ThreadJob) -> dict[str, Any]:
+        worker = _Rank(job, client if job.rank == 0 else None)
+        worker._open()  # session 1, shared
+        worker.on_train_start()  # HELLO: m1, a round of 2
+        worker._worker.step(), worker._worker.step()
+        first.lose = "pull"
+        worker._exchange(Kind.PUSH)  # lost: rank 0 reopens (session 2), every rank says hello again
+        params = torch.cat([p.detach().flatten() for p in worker.lightning_module.parameters()])
+        return {"sessions": worker.sessions, "params": params, "rounds": worker.rounds,
+                "steps_in_round": worker._worker.steps_in_round, "seed": torch.initial_seed()}
+
+    results = _ranks(2, rank, rank)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    for r in results:
+        assert r["sessions"] == [1, 2] and torch.equal(r["params"], m2) and r["steps_in_round"] == 0
+        assert r["rounds"] == [(2, 1), (3, 5)] and r["seed"] == 12  # seed + session
+    assert [h.kind for h, _ in second.pushed] == [Kind.HELLO]  # the unfinished round died with session 1
 
 
 def test_ddp_worker_checks_its_arguments_and_seeds_the_sampler_with_its_session() -> None:
