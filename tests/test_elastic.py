@@ -446,8 +446,9 @@ def test_a_worker_job_of_two_ranks_is_one_session_whose_ranks_stay_identical(tmp
     address = f"127.0.0.1:{free_port()}"
     server = launch("server", tmp_path / "server.json", "--address", address, "--budget", "64", "--local-steps", "4")
     pace = ["--address", address, "--step-s", "0.01"]
-    job = launch("worker", tmp_path / "job.json", *pace, "--devices", "2")
-    one = launch("worker", tmp_path / "one.json", *pace)
+    joined = tmp_path / "joined"  # the one-device worker waits at its step 4 until the job (slower to start) joined
+    job = launch("worker", tmp_path / "job.json", *pace, "--devices", "2", "--mark-joined", str(joined))
+    one = launch("worker", tmp_path / "one.json", *pace, "--hold-at", "4", "--hold-until", str(joined))
     codes = _finish([job, one, server], timeout=240)
     assert codes == [0, 0, 0]
     rank1 = tmp_path / "job.rank1.json"  # rank 1 is the job's child process: it may finish just after rank 0
