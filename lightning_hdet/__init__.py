@@ -13,7 +13,7 @@ from lightning_hdet.asynchronous.strategy import AsyncLocalSGDStrategy
 from lightning_hdet.hdet.rules.blends import blend_coefficients
 from lightning_hdet.hdet.lightning.callback import HDETCallback
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
-from lightning_hdet.asynchronous.elastic import ElasticWorkerStrategy, OuterService
+from lightning_hdet.asynchronous.elastic import ElasticDDPWorkerStrategy, ElasticWorkerStrategy, OuterService
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
 from lightning_hdet.hdet.layout import fan_out
 from lightning_hdet.hdet.rules.plateau import PlateauRule
@@ -33,6 +33,7 @@ __all__ = [
     "Ballot",
     "Best",
     "DelayedNesterov",
+    "ElasticDDPWorkerStrategy",
     "ElasticWorkerStrategy",
     "HDETCallback",
     "HDETFSDPStrategy",

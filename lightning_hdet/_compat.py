@@ -102,6 +102,12 @@ def shards_data(trainer: Trainer) -> bool:
     return bool(trainer._accelerator_connector.use_distributed_sampler)
 
 
+def requested_devices(trainer: Trainer) -> int:
+    """How many devices the user gave the Trainer (``devices=``), also under a one-device strategy, which keeps
+    only the first."""
+    return len(trainer._accelerator_connector._parallel_devices or [])  # why: no public accessor
+
+
 def ensure_callback(model: LightningModule, callback_type: type[Callback], make: Any = None) -> None:
     """Append ``make()`` (default: ``callback_type()``) to the Trainer's callbacks unless one is there.
 

@@ -28,6 +28,7 @@ from lightning_hdet import (
     AsyncLocalSGDStrategy,
     Best,
     DelayedNesterov,
+    ElasticDDPWorkerStrategy,
     ElasticWorkerStrategy,
     HDETCallback,
     HDETFabricStrategy,
@@ -56,6 +57,7 @@ SIGNATURES = {
     "AsyncLocalSGDStrategy": (AsyncLocalSGDStrategy, DDPStrategy),
     "DelayedNesterov": (DelayedNesterov,),
     "ElasticWorkerStrategy": (ElasticWorkerStrategy, SingleDeviceStrategy),
+    "ElasticDDPWorkerStrategy": (ElasticDDPWorkerStrategy, DDPStrategy),
     "OuterService": (OuterService, OuterSettings),
     "SlowRanks": (SlowRanks,),
     "CharLM": (CharLM,),
@@ -79,7 +81,7 @@ RULES = {name: getattr(lightning_hdet, name, None) or getattr(experimental, name
 
 # Built from the literal arguments a doc shows; all validate their arguments in ``__init__``.
 CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks", "ElasticWorkerStrategy",
-                 "HDETFabricStrategy")
+                 "ElasticDDPWorkerStrategy", "HDETFabricStrategy")
 
 
 def python_blocks() -> list[tuple[str, str]]:

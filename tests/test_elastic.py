@@ -435,3 +435,33 @@ def test_a_session_rejected_max_rejections_times_in_a_row_is_told_to_stop_and_en
     assert service.hub.dropped == [(1, True)]  # its group goes only once the stop reply was sent
     assert torch.equal(service.outer.params, start) and service.outer.steps_done == 0
     assert service.status()["workers"]["1"]["rejected"] == 3
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_job_of_two_ranks_is_one_session_whose_ranks_stay_identical(tmp_path: Path) -> None:
+    """Issue 42: a service, a worker job of 2 ranks (DDP inside: ElasticDDPWorkerStrategy, devices=2) and a
+    one-device worker. The job is ONE session (its rank 0 meets the service and hands every reply on); a round of H
+    steps counts H against the budget; both of its ranks end with the same parameters and the same last pulled
+    global model."""
+    address = f"127.0.0.1:{free_port()}"
+    server = launch("server", tmp_path / "server.json", "--address", address, "--budget", "64", "--local-steps", "4")
+    pace = ["--address", address, "--step-s", "0.01"]
+    joined = tmp_path / "joined"  # the one-device worker waits at its step 4 until the job (slower to start) joined
+    job = launch("worker", tmp_path / "job.json", *pace, "--devices", "2", "--mark-joined", str(joined))
+    one = launch("worker", tmp_path / "one.json", *pace, "--hold-at", "4", "--hold-until", str(joined))
+    codes = _finish([job, one, server], timeout=240)
+    assert codes == [0, 0, 0]
+    rank1 = tmp_path / "job.rank1.json"  # rank 1 is the job's child process: it may finish just after rank 0
+    _wait_for(lambda: bool(read_json(rank1)), "the job's rank 1 to write its result", timeout=60)
+    server, r0, r1, single = (json.loads((tmp_path / f"{name}.json").read_text())
+                              for name in ("server", "job", "job.rank1", "one"))
+    assert server["steps_done"] == server["budget"] == 64 and server["live"] == []
+    assert sorted(server["ended"].values()) == ["left", "left"] and len(server["workers"]) == 2  # 2 sessions
+    (session,) = r0["sessions"]
+    assert r1["sessions"] == [session] and single["sessions"] != [session]
+    assert r0["rounds"] == r1["rounds"] and r0["inner_steps"] == r1["inner_steps"] > 0
+    assert r0["params"] == r1["params"] and r0["pulled"] == r1["pulled"]  # bit for bit
+    job_steps = server["workers"][str(session)]["steps"]
+    assert job_steps == r0["inner_steps"]  # H per round of H steps (each step reads one batch per rank)
+    assert job_steps + server["workers"][str(single["sessions"][0])]["steps"] == 64
+    assert server["finite"] and server["final_loss"] < server["initial_loss"]

@@ -1,7 +1,8 @@
 """Run by tests/test_elastic.py and benchmarks/elastic.py: one process of an elastic run on loopback.
 
 ``server``: an OuterService for ``LinearModel`` whose evaluation is the validation loss; writes ``--out`` (JSON).
-``worker``: one Lightning job (``devices=1``) with ElasticWorkerStrategy; ``--die-after N`` SIGKILLs (``--die-by
+``worker``: one Lightning job (``devices=1``) with ElasticWorkerStrategy (``--devices k``: a job of k ranks,
+DDP inside, with ElasticDDPWorkerStrategy; rank r > 0 writes ``--out`` with the suffix ``.rank{r}.json``); ``--die-after N`` SIGKILLs (``--die-by
 term``: SIGTERMs, as a preempted spot machine is told) itself in the
 middle of its round after N exchanges; ``--step-s`` paces each step (so that the others are mid-run when it dies);
 ``--nan-from N``: its loss is NaN from its step N on (a worker gone bad); ``--freeze-at join|pull`` SIGSTOPs
@@ -23,7 +24,11 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_hdet.asynchronous.elastic import ElasticWorkerStrategy, OuterService  # noqa: E402
+from lightning_hdet.asynchronous.elastic import (  # noqa: E402
+    ElasticDDPWorkerStrategy,
+    ElasticWorkerStrategy,
+    OuterService,
+)
 from tests.helpers import LinearModel, Regression  # noqa: E402
 
 
@@ -140,13 +145,19 @@ def worker(args: argparse.Namespace) -> None:
         freeze_before(SessionWorkerTransport, "pull")
     model = NaNFrom()
     model.nan_from = args.nan_from
-    strategy = ElasticWorkerStrategy(args.address, reconnect_s=args.reconnect_s, heartbeat_s=0.5)
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=-1, logger=False,
+    kind = ElasticDDPWorkerStrategy if args.devices > 1 else ElasticWorkerStrategy
+    strategy = kind(args.address, reconnect_s=args.reconnect_s, heartbeat_s=0.5)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=-1, logger=False,
                       callbacks=[Pace(args)], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model)
-    Path(args.out).write_text(json.dumps({"sessions": strategy.sessions, "inner_steps": strategy.inner_steps,
-                                          "rounds": strategy.rounds}))
+    out = Path(args.out)
+    if trainer.global_rank > 0:
+        out = out.with_suffix(f".rank{trainer.global_rank}.json")
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    pulled = strategy._worker.pulled[: params.numel()] if strategy._worker is not None else torch.empty(0)
+    out.write_text(json.dumps({"sessions": strategy.sessions, "inner_steps": strategy.inner_steps,
+                               "rounds": strategy.rounds, "params": params.tolist(), "pulled": pulled.tolist()}))
 
 
 if __name__ == "__main__":
@@ -173,5 +184,6 @@ if __name__ == "__main__":
     parser.add_argument("--stop-below", type=float, default=0.0)
     parser.add_argument("--start-method", default="popen", choices=("popen", "spawn", "fork"))  # of `single`
     parser.add_argument("--workers", type=int, default=4)  # of `single`: its ranks
+    parser.add_argument("--devices", type=int, default=1)  # of `worker`: the ranks of its job (DDP inside)
     args = parser.parse_args()
     {"server": server, "worker": worker, "single": single}[args.role](args)
