@@ -296,29 +296,31 @@ def test_a_frozen_worker_expires_and_diloco_continues_with_the_live_set(tmp_path
     assert result["steps_done"] == 96 and result["finite"] and result["final_loss"] < result["initial_loss"]
 
 
-@pytest.mark.parametrize("freeze_at", ["join", "pull"])
-def test_a_worker_frozen_while_joining_or_pulling_expires_and_the_other_finishes(tmp_path: Path, freeze_at: str) -> None:
-    """A worker that SIGSTOPs itself as it is about to meet the service (registered, its heartbeat started) or to
-    pull its first reply: the service's loop never waits on it (it meets and answers each worker on that session's
-    own threads), so its lease expires and DiLoCo finishes the budget with the other worker. Before, the service's
-    side of the meeting waited on the store connection the heartbeat reads share, and a reply waited for the frozen
-    worker to receive it: no lease could expire until ``timeout_s`` (30 minutes by default) had passed."""
+def test_workers_frozen_while_joining_and_while_pulling_expire_and_the_other_finishes(tmp_path: Path) -> None:
+    """Two workers that SIGSTOP themselves, one as it is about to meet the service (registered, its heartbeat
+    started), one as it is about to pull its first reply: the service's loop never waits on either (it meets and
+    answers each worker on that session's own threads), so both leases expire and DiLoCo finishes the budget with
+    the third worker. Before, the service's side of the meeting waited on the store connection the heartbeat reads
+    share, and a reply waited for the frozen worker to receive it: no lease could expire until ``timeout_s`` (30
+    minutes by default) had passed. (One service run for both freezes: each worker start costs seconds.)"""
     address = f"127.0.0.1:{free_port()}"
     server = launch("server", tmp_path / "server.json", "--address", address, "--budget", "48", "--mode", "sync",
                     "--lease-s", "3")
-    frozen = launch("worker", tmp_path / "frozen.json", "--address", address, "--freeze-at", freeze_at)
+    frozen = [launch("worker", tmp_path / f"frozen_{at}.json", "--address", address, "--freeze-at", at)
+              for at in ("join", "pull")]
     try:
         worker = launch("worker", tmp_path / "w.json", "--address", address, "--step-s", "0.02")
         assert _finish([worker, server]) == [0, 0]
     finally:
-        frozen.kill()
+        for f in frozen:
+            f.kill()
     result = json.loads((tmp_path / "server.json").read_text())
-    assert sorted(result["ended"].values()) == ["expired", "left"]
+    assert sorted(result["ended"].values()) == ["expired", "expired", "left"]
     assert result["steps_done"] == 48 and result["finite"] and result["final_loss"] < result["initial_loss"]
     # the service's end-of-run summary says what each session did and why it ended
     lines = result["summary"].splitlines()
     assert lines[0].startswith("DiLoCo result: 48 inner steps of a budget of 48 over ")
-    assert any(line.endswith("; expired") for line in lines) and any(line.endswith("; left") for line in lines)
+    assert sum(line.endswith("; expired") for line in lines) == 2 and any(line.endswith("; left") for line in lines)
 
 
 @pytest.mark.timeout(600)
