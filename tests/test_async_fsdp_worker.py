@@ -15,6 +15,7 @@ import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy
 from lightning_hdet._tensors import flat_pieces
 from lightning_hdet.asynchronous.messages import Fragments
+from lightning_hdet.asynchronous.reshard import shard_rows
 from lightning_hdet.asynchronous.worker_shards import full_pieces, local_state, rows
 from tests.helpers import START, load_ranks
 from tests.test_async_ranks import _held_bytes
@@ -85,19 +86,20 @@ class _Record(Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = False, ckpt_path=None, **kwargs):
+def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = False, ckpt_path=None, devices: int = 4,
+         ranks_per_worker: int = 2, **kwargs):
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}
-    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, ranks_per_worker=2, inside_worker=inside,
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, ranks_per_worker=ranks_per_worker, inside_worker=inside,
                                      start_method=START, **fixed, **kwargs)
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=out, logger=False,
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=out, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0,
                       callbacks=[_Record(out, save)])
     model = MLP()
     trainer.fit(model, ckpt_path=ckpt_path)
-    ranks = load_ranks(out, 4)
+    ranks = load_ranks(out, devices)
     ranks[0]["handed_back"] = model.state_dict()  # what the fork launcher gave the main process
     return ranks
 
@@ -148,6 +150,38 @@ def test_diloco_with_fsdp_inside_equals_ddp_inside_and_resumes(tmp_path):
         _same(resumed[r]["start"]["state"], fsdp[r]["end"]["state"], rtol=0, atol=0)
     assert resumed[0]["outer"]["steps_done"] == 2 * 48
     assert _mse(_full(resumed)) < _mse(final) * 1.5  # it goes on from where it was, not from the start
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_inside_resumes_with_another_ranks_per_worker(tmp_path):
+    """Saved as 2 workers x 2 ranks, resumed as 2 workers x 3 ranks (issue 42): each new rank starts from its rows
+    (FSDP2's Shard(0) for k=3) of its worker's whole inner optimizer state, rebuilt here from the saved shard files,
+    and training goes on finitely to the budget."""
+    _fit(tmp_path / "k2", "sync", "fsdp", max_steps=8, save=True)
+    path = tmp_path / "k2" / "end.ckpt"
+    saved = {w: [torch.load(f"{path}.worker{w}.shard{j}.pt", weights_only=False) for j in range(2)] for w in (0, 1)}
+    assert all(f["shards"] == 2 for files in saved.values() for f in files)
+    resumed = _fit(tmp_path / "k3", "sync", "fsdp", max_steps=12, ckpt_path=str(path), devices=6, ranks_per_worker=3)
+    for r in range(6):
+        worker, j = divmod(r, 3)
+        old = [f["optimizer"]["state"] for f in saved[worker]]
+        start = resumed[r]["start"]["state"]
+        assert start.keys() == old[0].keys() and start  # AdamW state of every parameter, not a fresh one
+        for i in start:
+            for name, value in start[i].items():
+                if value.dim() == 0:  # step: the same on every rank
+                    assert torch.equal(value, old[0][i][name])
+                    continue
+                whole = torch.cat([o[i][name] for o in old])
+                lo, hi = shard_rows(whole.shape[0], 3, j)
+                torch.testing.assert_close(value, whole[lo:hi], rtol=0, atol=0)
+    assert [resumed[r]["start"]["state"][0]["exp_avg"].shape[0] for r in range(6)] == [2, 2, 1] * 2
+    assert resumed[0]["outer"]["steps_done"] == 2 * 12
+    final = {k: torch.cat([resumed[r]["model"][k] for r in range(3)]) if v.dim() else v
+             for k, v in resumed[0]["model"].items()}
+    assert all(torch.isfinite(v).all() for v in final.values())
+    seed_everything(0)
+    assert _mse(final) < _mse(MLP().state_dict())
 
 
 @pytest.mark.timeout(600)
