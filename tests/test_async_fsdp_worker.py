@@ -1,8 +1,9 @@
 """FSDP2 inside workers of several ranks (``inside_worker="fsdp"``): the refused combinations in one process, and 4
 processes as 2 workers x 2 ranks through Lightning's Trainer (gloo, fork), DiLoCo and async, against the same runs
-with DDP inside."""
+with DDP inside; checkpoints resumed with another number of ranks per worker (4 <-> 6 processes)."""
 
 import copy
+import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy
 from lightning_hdet._tensors import flat_pieces
 from lightning_hdet.asynchronous.messages import Fragments
+from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints, worker_file
+from lightning_hdet.asynchronous.ranks import WorkerRanks
+from lightning_hdet.asynchronous.reshard import shard_rows
 from lightning_hdet.asynchronous.worker_shards import full_pieces, local_state, rows
 from tests.helpers import START, load_ranks
 from tests.test_async_ranks import _held_bytes
@@ -85,19 +89,20 @@ class _Record(Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = False, ckpt_path=None, **kwargs):
+def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = False, ckpt_path=None, devices: int = 4,
+         ranks_per_worker: int = 2, **kwargs):
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}
-    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, ranks_per_worker=2, inside_worker=inside,
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, ranks_per_worker=ranks_per_worker, inside_worker=inside,
                                      start_method=START, **fixed, **kwargs)
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=out, logger=False,
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=out, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0,
                       callbacks=[_Record(out, save)])
     model = MLP()
     trainer.fit(model, ckpt_path=ckpt_path)
-    ranks = load_ranks(out, 4)
+    ranks = load_ranks(out, devices)
     ranks[0]["handed_back"] = model.state_dict()  # what the fork launcher gave the main process
     return ranks
 
@@ -148,6 +153,42 @@ def test_diloco_with_fsdp_inside_equals_ddp_inside_and_resumes(tmp_path):
         _same(resumed[r]["start"]["state"], fsdp[r]["end"]["state"], rtol=0, atol=0)
     assert resumed[0]["outer"]["steps_done"] == 2 * 48
     assert _mse(_full(resumed)) < _mse(final) * 1.5  # it goes on from where it was, not from the start
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("k_old", "k_new"), [(2, 3), (3, 2)])
+def test_fsdp_inside_resumes_with_another_ranks_per_worker(tmp_path, k_old, k_new):
+    """Saved as 2 workers x ``k_old`` ranks, resumed as 2 workers x ``k_new`` (issue 42): each new rank starts from
+    its rows (FSDP2's Shard(0)) of its worker's whole inner optimizer state, rebuilt here from the saved shard files,
+    and training goes on finitely to the budget."""
+    _fit(tmp_path / "old", "sync", "fsdp", max_steps=8, save=True, devices=2 * k_old, ranks_per_worker=k_old)
+    path = tmp_path / "old" / "end.ckpt"
+    saved = {w: [torch.load(f"{path}.worker{w}.shard{j}.pt", weights_only=False) for j in range(k_old)]
+             for w in (0, 1)}
+    assert all(f["shards"] == k_old for files in saved.values() for f in files)
+    resumed = _fit(tmp_path / "new", "sync", "fsdp", max_steps=12, ckpt_path=str(path), devices=2 * k_new,
+                   ranks_per_worker=k_new)
+    for r in range(2 * k_new):
+        worker, j = divmod(r, k_new)
+        old = [f["optimizer"]["state"] for f in saved[worker]]
+        start = resumed[r]["start"]["state"]
+        assert start.keys() == old[0].keys() and start  # AdamW state of every parameter, not a fresh one
+        for i in start:
+            for name, value in start[i].items():
+                if value.dim() == 0:  # step: the same on every rank
+                    assert torch.equal(value, old[0][i][name])
+                    continue
+                whole = torch.cat([o[i][name] for o in old])
+                lo, hi = shard_rows(whole.shape[0], k_new, j)
+                torch.testing.assert_close(value, whole[lo:hi], rtol=0, atol=0)
+    rows_of_first = [resumed[r]["start"]["state"][0]["exp_avg"].shape[0] for r in range(2 * k_new)]
+    assert rows_of_first == {2: [3, 2], 3: [2, 2, 1]}[k_new] * 2
+    assert resumed[0]["outer"]["steps_done"] == 2 * 12
+    final = {k: torch.cat([resumed[r]["model"][k] for r in range(k_new)]) if v.dim() else v
+             for k, v in resumed[0]["model"].items()}
+    assert all(torch.isfinite(v).all() for v in final.values())
+    seed_everything(0)
+    assert _mse(final) < _mse(MLP().state_dict())
 
 
 @pytest.mark.timeout(600)
@@ -216,3 +257,30 @@ def test_rows_follow_fsdp2_chunks():
     assert [rows(_Param(5, r, 2)) for r in range(2)] == [(0, 3), (3, 5)]
     assert [rows(_Param(1, r, 2)) for r in range(2)] == [(0, 1), (1, 1)]
     assert [rows(_Param(5, r, 4)) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+
+
+def _resume_as(path: Path, k: int, rank: int):
+    """What ``WorkerCheckpoints._shard_resume`` gives ``rank`` of workers of ``k`` ranks, in one process."""
+    stub = types.SimpleNamespace(worker_ranks=WorkerRanks(2 * k, k, rank), global_rank=rank,
+                                 checkpoint_io=types.SimpleNamespace(
+                                     load_checkpoint=lambda f, **kw: torch.load(f, weights_only=False)))
+    stub._count_shards = lambda p: WorkerCheckpoints._count_shards(stub, p)
+    return WorkerCheckpoints._shard_resume(stub, str(path), None)
+
+
+def test_shard_resume_without_files_with_a_missing_shard_and_from_files_without_their_count(tmp_path):
+    """No files of the worker: None (a fresh state, with a warning); one of the old shards missing: an error naming
+    it; files written before they held their count (``shards``): the count is that of the files beside."""
+    path = tmp_path / "end.ckpt"
+    assert _resume_as(path, 2, 0) is None
+    exp_avg = torch.arange(10.0).view(5, 2)
+    for j, (lo, hi) in enumerate([(0, 3), (3, 5)]):
+        torch.save({"optimizer": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": exp_avg[lo:hi]}},
+                                  "param_groups": [{"params": [0]}]}}, worker_file(path, 0, j))
+    got = [_resume_as(path, 3, r)["optimizer"]["state"][0]["exp_avg"] for r in range(3)]
+    assert [g.tolist() for g in got] == [exp_avg[:2].tolist(), exp_avg[2:4].tolist(), exp_avg[4:].tolist()]
+    assert torch.equal(_resume_as(path, 2, 1)["optimizer"]["state"][0]["exp_avg"], exp_avg[3:])  # same k: as saved
+    head = torch.load(worker_file(path, 0, 0), weights_only=False)
+    torch.save({**head, "shards": 3}, worker_file(path, 0, 0))
+    with pytest.raises(FileNotFoundError, match=r"end\.ckpt\.worker0\.shard2\.pt is missing, one of the 3 shard"):
+        _resume_as(path, 2, 0)

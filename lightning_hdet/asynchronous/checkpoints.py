@@ -6,7 +6,10 @@ never travel to rank 0.
 rank): rank 0 writes ``path``; each worker ``w`` (its leader, for a worker of several ranks: its ranks hold the same
 state) writes ``path.worker{w}.pt`` (:func:`worker_file`) with the state it holds at that moment. ``fit(ckpt_path=
 path)`` then gives each worker (every rank of it) its own file back; a worker without one (e.g. a checkpoint its own
-callback did not write, or a run resumed on more workers) starts from rank 0's state.
+callback did not write, or a run resumed on more workers) starts from rank 0's state. With FSDP2 inside workers
+each rank writes its own shard, ``path.worker{w}.shard{j}.pt``, with the worker's number of shards; a run resumed
+with another ``ranks_per_worker`` reshards each worker's state from its old shards (:func:`~.reshard.
+reshard_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from lightning_hdet._checkpoint import read_checkpoint
 from lightning_hdet._compat import weights_only_kwargs
 from lightning_hdet.asynchronous.rank_groups import RankGroups
 from lightning_hdet.asynchronous.exchange import Exchange
+from lightning_hdet.asynchronous.reshard import reshard_optimizer_state
 from lightning_hdet.asynchronous.worker import Worker
 from lightning_hdet.asynchronous.worker_shards import local_state, sharded_optimizer_state
 
@@ -63,6 +67,8 @@ class WorkerCheckpoints(RankGroups):
             own: dict[str, Any] = {"optimizer": self.optimizer_state(self.optimizers[0])}
             if self._exchange is not None:
                 own["error_feedback"] = self._exchange.worker.feedback.state_dict()
+            if self.inside_worker == "fsdp":  # a resume with another k reads all of them (see _shard_resume)
+                own["shards"] = self.worker_ranks.ranks_per_worker
             self.checkpoint_io.save_checkpoint(own, own_file)
 
     def _own_file(self, filepath: Any) -> str | None:
@@ -93,9 +99,44 @@ class WorkerCheckpoints(RankGroups):
         self._resume_state = checkpoint.get(CHECKPOINT_KEY)
         own = self._own_file(checkpoint_path) or worker_file(checkpoint_path, self.worker_ranks.worker)
         self._resume_worker = None
-        if get_filesystem(own).exists(own):
+        if self.inside_worker == "fsdp":
+            self._resume_worker = self._shard_resume(checkpoint_path, weights_only)
+        elif get_filesystem(own).exists(own):
             self._resume_worker = self.checkpoint_io.load_checkpoint(own, **weights_only_kwargs(weights_only))
         return checkpoint
+
+    def _shard_resume(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any] | None:
+        """FSDP2 inside workers: this rank's shard of its worker's saved state. Its own file if the worker had as
+        many shards then as now (``worker{w}.shard0.pt`` says how many); else all the old shards of its worker,
+        resharded (a file of its name written with another ``k`` holds other rows); ``None`` without any."""
+        ranks = self.worker_ranks
+        k, j = ranks.ranks_per_worker, self.global_rank - ranks.leader
+
+        def read(shard: int) -> dict[str, Any]:
+            path = worker_file(checkpoint_path, ranks.worker, shard)
+            if not get_filesystem(path).exists(path):
+                raise FileNotFoundError(f"{ranks.describe()}: {path} is missing, one of the {k_old} shard files of"
+                                        f" worker {ranks.worker} the checkpoint was written with")
+            return self.checkpoint_io.load_checkpoint(path, **weights_only_kwargs(weights_only))
+
+        first = worker_file(checkpoint_path, ranks.worker, 0)
+        if not get_filesystem(first).exists(first):
+            return None
+        head = self.checkpoint_io.load_checkpoint(first, **weights_only_kwargs(weights_only))
+        k_old = head.get("shards") or self._count_shards(checkpoint_path)  # files from before "shards" was written
+        if k_old == k:
+            return head if j == 0 else read(j)
+        old = [head] + [read(i) for i in range(1, k_old)]
+        log.info("%s: resharding its inner optimizer state from %d shards to %d", ranks.describe(), k_old, k)
+        # the error-feedback residual is the full model's and only the leader's is used: shard 0's
+        return {**head, "optimizer": reshard_optimizer_state([o["optimizer"] for o in old], k, j), "shards": k}
+
+    def _count_shards(self, checkpoint_path: Any) -> int:
+        """How many shard files this rank's worker has beside ``checkpoint_path`` (consecutive from 0)."""
+        count = 0
+        while get_filesystem(checkpoint_path).exists(worker_file(checkpoint_path, self.worker_ranks.worker, count)):
+            count += 1
+        return count
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -117,15 +158,15 @@ class WorkerCheckpoints(RankGroups):
             super().load_optimizer_state_dict(checkpoint)
 
     def _load_shard_state(self) -> None:
-        """FSDP2 inside workers: this rank's shard of its worker's inner optimizer state, from its own file; without
-        one (another layout), a fresh state: another rank's shard would be the wrong rows."""
+        """FSDP2 inside workers: this rank's shard of its worker's inner optimizer state (its own file, or resharded
+        from the old ones, see :meth:`_shard_resume`); if its worker wrote no files, a fresh state."""
         if self._resume_worker is not None:
             optimizer = self.optimizers[0]
             optimizer.load_state_dict(sharded_optimizer_state(optimizer, self._resume_worker["optimizer"]))
         else:
-            log.warning("%s: the checkpoint has no inner optimizer state of this worker's shard (no file %s); it"
-                        " starts with a fresh one", self.worker_ranks.describe(),
-                        self._own_file("<checkpoint>"))
+            log.warning("%s: the checkpoint has no inner optimizer state of this worker (no files %s); it starts"
+                        " with a fresh one", self.worker_ranks.describe(),
+                        worker_file("<checkpoint>", self.worker_ranks.worker, 0).replace("shard0", "shard*"))
 
     def restore_worker(self, worker: Worker) -> None:
         """Give a new :class:`Worker` its error-feedback residual from the checkpoint it resumes (if any)."""

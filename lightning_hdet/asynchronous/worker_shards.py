@@ -220,12 +220,17 @@ def local_state(obj: Any) -> Any:
 
 def sharded_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
     """A :func:`local_state` of an optimizer's state dict made loadable again: each state tensor of a sharded
-    parameter's size becomes a DTensor on that parameter's mesh."""
+    parameter's size becomes a DTensor on that parameter's mesh; one of its rank but not its shard's shape is
+    refused (other rows)."""
     params = {i: p for group, mine in zip(saved["param_groups"], optimizer.param_groups)
               for i, p in zip(group["params"], mine["params"])}
 
     def restore(i: Any, value: Any) -> Any:
         p = params.get(i)
+        if (isinstance(p, DTensor) and isinstance(value, Tensor) and value.dim() == p.dim()
+                and value.shape != local(p).shape):  # never load another rank's (or another k's) rows silently
+            raise ValueError(f"a saved state tensor of parameter {i} has shape {tuple(value.shape)}, this rank's shard"
+                             f" {tuple(local(p).shape)}: it was saved with another layout of the worker's ranks")
         if isinstance(p, DTensor) and isinstance(value, Tensor) and value.dim() and value.shape == local(p).shape:
             return DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements, shape=p.shape,
                                       stride=p.stride(), run_check=False)
