@@ -6,9 +6,8 @@ Delayed Nesterov, the momentum schedule, the push checks) with fake workers, so 
 seconds instead of hours of multi-process fits. Each worker holds a shard of Lightning's ``BoringModel`` task (a
 32 -> 2 linear regression onto ones, 64 training inputs, batch size 1, the shards taken in order as a
 ``DistributedSampler`` without shuffling does: ``--data shards``) or, as an elastic worker does, 64 inputs of its
-own, the whole of its dataset in order (``--data own``: a worker's directions come back only every 8 rounds), and
-runs ``H`` inner steps of its own optimizer per round; the outer side is told which (``worker_data``: the default
-outer lr is 0.339 on shards, 0.163 on each worker's own data):
+own, the whole of its dataset in order (``--data whole``: a worker's directions come back only every 8 rounds), and
+runs ``H`` inner steps of its own optimizer per round:
 
 - ``sgd``: SGD lr 0.05, ``H`` = 8, the issue's case;
 - ``adamw``: AdamW lr 0.01, weight decay 0.1, ``H`` = 8 (a floor above 0: weight decay moves the optimum).
@@ -18,7 +17,7 @@ model (``workers - 1`` pushes stale); DiLoCo: every worker starts each round fro
 takes their mean. Reported: the global model's loss on 256 held-out inputs ÷ its initial loss after 50 rounds per
 worker and at the end, and end ÷ 50 rounds (> 1: the loss rose over the long horizon), the worst over seeds.
 
-Run: ``python benchmarks/outer_stability.py [--quick] [--rounds R] [--seeds S] [--data shards own]``.
+Run: ``python benchmarks/outer_stability.py [--quick] [--rounds R] [--seeds S] [--data shards whole]``.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import torch
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 from lightning_hdet.asynchronous.messages import Kind, Push
-from lightning_hdet.asynchronous.momentum import WORKER_DATA
 from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
 
 NAME = "outer_stability"
@@ -49,7 +47,7 @@ MODES = ("async", "sync")
 WORKERS = (2, 4, 8)
 #: How each worker's data is drawn: a shard of one dataset (the Trainer's ``DistributedSampler``), or a dataset of
 #: its own read whole (an elastic worker: each session its own data, here 64 inputs per worker).
-DATA = WORKER_DATA
+DATA = ("shards", "whole")
 #: A loss below this fraction of the initial one counts as converged: "rose" is not read into noise at the floor.
 FLOOR = 1e-4
 
@@ -102,7 +100,7 @@ def simulate(workers: int, mode: str, outer: str, task: str, rounds: int, seed: 
     flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()]).clone()
     fake = Workers(workers, task, seed, data)
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
-    state = OuterSettings(mode=mode, local_steps=fake.local_steps, outer=outer, worker_data=data, **fixed).build(
+    state = OuterSettings(mode=mode, local_steps=fake.local_steps, outer=outer, **fixed).build(
         flat, torch.zeros(0), workers, None)
     curve = [held_out_loss(state.params)]
     if mode == "sync":
@@ -176,8 +174,8 @@ def _table(runs: list[dict], middle: int, rounds: int, datas: list[str]) -> str:
         rows.append([data, task, "DiLoCo" if mode == "sync" else "async", f"`{outer}`", *cells])
     head = ["data", "inner", "mode", "outer", *(f"W = {w}" for w in WORKERS)]
     return (f"Loss ÷ initial loss after {middle} / {rounds} rounds per worker, the worst seed; `shards`: each worker "
-            "a shard of one 64-input dataset (the Trainer's sampler; `stable`: outer lr 0.339), `own`: each worker 64 "
-            "inputs of its own, read whole (an elastic worker; `stable`: 0.163); ✗: some seed ended above"
+            "a shard of one 64-input dataset (the Trainer's sampler), `whole`: each worker 64 inputs of its own, "
+            "read whole (an elastic worker); ✗: some seed ended above"
             f" its start, not finite, or rose by more than 10 % between the two (above {FLOOR:g} × the start).\n\n"
             + markdown_table(head, rows))
 

@@ -46,7 +46,6 @@ __all__ = [
     "StrategyRegistry",
     "CHECKPOINT_NAMED_BY_RANK_ZERO",
     "attached_trainer",
-    "shards_data",
     "ddp_kwarg",
     "ensure_callback",
     "gloo_options",
@@ -94,12 +93,6 @@ def sync_module_states(module: Module) -> None:
 def attached_trainer(model: LightningModule) -> Optional[Trainer]:
     """The Trainer a module is attached to, or ``None`` (``model.trainer`` raises when there is none)."""
     return model._trainer  # why: the public property raises instead of returning None before `fit`
-
-
-def shards_data(trainer: Trainer) -> bool:
-    """Whether the Trainer gives each rank its part of the data (``Trainer(use_distributed_sampler=...)``, which
-    Lightning keeps on a private connector only)."""
-    return bool(trainer._accelerator_connector.use_distributed_sampler)
 
 
 def requested_devices(trainer: Trainer) -> int:

@@ -79,36 +79,19 @@ def test_int8_pushes_and_bf16_pulls_improve_the_model_with_fewer_bytes(tmp_path)
 
 
 def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
-    for mode in ("async", "sync"):  # one default in both modes: "stable", on shards lr (1 + 0.9) / (2 * 2.8)
+    tail = (1 - 0.9**9) / 0.1  # one push's whole echo at momentum 0.9 restarted every 8 updates: 6.126 x the push
+    for mode in ("async", "sync"):  # one default in both modes: "stable", lr min((1 + 0.9) / (2 * 2.8), 1 / tail)
         config = AsyncLocalSGDStrategy(mode=mode).config
         assert (config["outer"], config["momentum_warmup"], config["momentum_restart"]) == (None, 16, 8)
-        assert (config["outer_lr"], config["outer_momentum"], config["worker_data"]) \
-            == (pytest.approx(1.9 / 5.6), pytest.approx(0.9), "shards")
+        assert (config["outer_lr"], config["outer_momentum"]) == pytest.approx((1 / tail, 0.9))
     assert AsyncLocalSGDStrategy(outer_momentum=0.5).config["outer_lr"] == pytest.approx(0.375)  # lr follows beta
-    assert AsyncLocalSGDStrategy(momentum_restart=0).config["outer_lr"] == pytest.approx(1.9 / 5.6)  # not restarts
+    assert AsyncLocalSGDStrategy(momentum_restart=0).config["outer_lr"] == pytest.approx(0.1)  # and the restarts
     published = AsyncLocalSGDStrategy(outer="published", outer_momentum=0.5)
     assert (published.config["outer_lr"], published.config["outer_momentum"], published.config["momentum_warmup"]) \
         == (0.7, 0.5, 0)
     optimizer = AsyncLocalSGDStrategy(momentum_restart=3).outer_settings.build(
         torch.zeros(2), torch.zeros(0), workers=4, budget=None).optimizer
     assert optimizer.defaults["momentum_restart"] == 3 and optimizer.defaults["momentum_warmup"] == 16
-
-
-@pytest.mark.parametrize(("sampler", "data", "lr"), [(True, "shards", 1.9 / 5.6), (False, "own", 0.1 / (1 - 0.9**9))])
-def test_the_default_outer_lr_follows_how_the_trainer_draws_each_worker_s_data(sampler, data, lr):
-    """Lightning's distributed sampler gives each worker its part of one dataset: the round's bound, 0.339. Without
-    it each rank reads the dataset it was given whole: one push's whole echo bounds the lr too, 1 / (1 + 0.9 + ...
-    + 0.9^8) = 0.163 (the elastic case, issue 42). An explicit ``outer_lr`` is kept either way."""
-    for strategy in (AsyncLocalSGDStrategy(), AsyncLocalSGDStrategy(outer_lr=0.2)):
-        trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, use_distributed_sampler=sampler,
-                          logger=False, enable_checkpointing=False, enable_progress_bar=False)
-        model = BoringModel()
-        model.trainer = trainer
-        strategy.connect(model)
-        assert strategy.config["worker_data"] == data
-        assert strategy.config["outer_lr"] == pytest.approx(lr if strategy.outer_lr is None else 0.2)
-        assert strategy.outer_settings.build(torch.zeros(2), torch.zeros(0), 2, None).optimizer.defaults["lr"] \
-            == pytest.approx(strategy.config["outer_lr"])
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

@@ -56,10 +56,10 @@ def test_two_workers_keep_improving_over_a_long_run_at_the_defaults(tmp_path: Pa
             default_root_dir=tmp_path, callbacks=[Halfway(out, 2 * H * ROUNDS)]).fit(model)
     record = json.loads(out.read_text())
     assert record["middle"] is not None and record["steps"] == 2 * H * ROUNDS
-    # measured at the default (outer lr 0.339: the Trainer's sampler shards the data; seed 0, async's timing varies):
-    # halfway / end loss 0.0085 / 0.00016 and 0.084 / 0.010 async, 0.0019 / 1.6e-5 DiLoCo (start 1.2); at 0.163 (the
-    # default where each worker reads its own data) 0.021 / 0.0013 in both modes; at lr 0.7 ("robust" async,
-    # "published" DiLoCo) at 40 rounds per worker: 0.98 / 48 async, 4.2 / 91 DiLoCo
+    # measured at the default (outer lr 0.163; seed 0, async's timing varies): halfway / end loss 0.021 / 0.0013 async,
+    # 0.021 / 0.0013 DiLoCo (start 1.2); at 0.339 (the default before issue 42's elastic fix) 0.0085 / 0.00016 and
+    # 0.084 / 0.010 async, 0.0019 / 1.6e-5 DiLoCo; at lr 0.7 ("robust" async, "published" DiLoCo) at 40 rounds per
+    # worker: 0.98 / 48 async, 4.2 / 91 DiLoCo
     assert record["end"] < 0.1 * initial
     assert record["end"] < record["middle"][1]  # the loss still falls over the second half
 
@@ -76,9 +76,8 @@ def test_two_elastic_workers_keep_improving_over_a_long_run_at_the_defaults(tmp_
     assert record["exit_codes"] == [0, 0, 0] and record["steps_done"] == budget
     (middle, *_), end = record["curve"], record["final"]
     assert middle[0] == ROUNDS
-    # measured at the elastic default (outer lr 0.163): halfway / end 0.0083 / 2.8e-5 (start 1.2; seeds 1-7 of
-    # fit_elastic: end 3e-6 - 5.4e-5 x the start); at 0.339 (the default before issue 42's elastic fix, and the
-    # Trainer's on shards) 0.0015 / 0.00022 but also
+    # measured at the default (outer lr 0.163): halfway / end 0.0083 / 2.8e-5 (start 1.2; seeds 1-7 of fit_elastic:
+    # end 3e-6 - 5.4e-5 x the start); at 0.339 (the default before issue 42's elastic fix) 0.0015 / 0.00022 but also
     # 0.040 / 0.058 (stalled and rose in 9 of 16 runs); at outer="robust" (lr 0.7) 0.95 / 280
     assert end < 0.1 * record["initial"]
     assert end < middle[1]  # the loss still falls over the second half

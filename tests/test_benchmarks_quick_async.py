@@ -211,11 +211,11 @@ def test_outer_stability_verdict_hand_computed():
 
 def test_outer_stability_quick_mode(tmp_path):
     """20 rounds per worker, both data orders: the real outer state runs every cell; the published outer step with
-    two SGD workers has already diverged there, the default has not; each worker's own dataset is read whole."""
+    two SGD workers has already diverged there, the default has not; each worker's whole dataset is its own."""
     data, table, _ = run_quick(tmp_path, "outer_stability", "--rounds", "20")
     runs = {(r["data"], r["task"], r["mode"], r["outer"], r["workers"]): r for r in data["runs"]}
     assert len(runs) == 2 * 2 * 2 * 3 * 3 and all(len(r["curve"]) == 21 for r in runs.values())
-    assert all(runs[(d, "sgd", m, "stable", w)]["stable"] for d in ("shards", "own") for m in ("async", "sync")
+    assert all(runs[(d, "sgd", m, "stable", w)]["stable"] for d in ("shards", "whole") for m in ("async", "sync")
                for w in (2, 4, 8))
     assert not runs[("shards", "sgd", "sync", "published", 2)]["stable"]
     assert table[0] == "| data | inner | mode | outer | W = 2 | W = 4 | W = 8 |" and len(table) == 2 + 24
@@ -223,7 +223,7 @@ def test_outer_stability_quick_mode(tmp_path):
 
     from benchmarks.outer_stability import Workers
 
-    shards, own = Workers(2, "sgd", 0, "shards").shards, Workers(2, "sgd", 0, "own").shards
+    shards, own = Workers(2, "sgd", 0, "shards").shards, Workers(2, "sgd", 0, "whole").shards
     assert [len(s) for s in shards] == [32, 32] and [len(s) for s in own] == [64, 64]
     assert torch.equal(own[0][1::2], shards[1]) and not torch.equal(own[1], own[0])
 

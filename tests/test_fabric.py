@@ -173,9 +173,6 @@ def test_fabric_strategies_refuse_bad_arguments() -> None:
         AsyncLocalSGDFabricStrategy(local_steps=0)
     with pytest.raises(ValueError, match="compression"):
         AsyncLocalSGDFabricStrategy(compression="zip")
-    with pytest.raises(ValueError, match=r"`worker_data` must be one of \('shards', 'own'\)"):
-        AsyncLocalSGDFabricStrategy(worker_data="whole")
-    assert AsyncLocalSGDFabricStrategy(worker_data="own").outer_settings.preset.lr == pytest.approx(0.1 / (1 - 0.9**9))
     with pytest.raises(ValueError, match="at least 2 processes"):
         Fabric(accelerator="cpu", devices=1, strategy="async_local_sgd")
     with pytest.raises(TypeError, match="strategy='hdet'"):

@@ -102,16 +102,13 @@ def test_warm_up_and_restarts_stop_the_oscillation_of_stale_pushes():
 
 
 def test_resolve_outer_presets_and_overrides():
-    stable = OuterPreset(pytest.approx(1.9 / 5.6), 0.9, 16, 8)  # 0.339: the round's bound, on shards of one dataset
-    assert resolve_outer(None) == resolve_outer("stable") == resolve_outer(None, worker_data="shards") == stable
-    own = OuterPreset(pytest.approx(1 / TAIL), 0.9, 16, 8)  # 0.163: one push's whole echo at most the push
-    assert resolve_outer(None, worker_data="own") == own
+    stable = OuterPreset(pytest.approx(1 / TAIL), 0.9, 16, 8)  # 0.163: one push's whole echo at most the push
+    assert resolve_outer(None) == resolve_outer("stable") == stable
     assert resolve_outer(None, momentum=0.5) == OuterPreset(0.375, 0.5, 16, 8)  # 1.5 / (2 * 2): lr follows beta
-    assert resolve_outer(None, restart=0, worker_data="own") == OuterPreset(pytest.approx(0.1), 0.9, 16, 0)  # 1/10
-    assert resolve_outer(None, restart=0) == OuterPreset(pytest.approx(1.9 / 5.6), 0.9, 16, 0)  # no echo bound
-    assert resolve_outer(None, restart=4, worker_data="own") == OuterPreset(pytest.approx(1 / 4.0951), 0.9, 16, 4)
-    assert resolve_outer(None, lr=0.2, momentum=0.5, worker_data="own") == OuterPreset(0.2, 0.5, 16, 8)  # explicit
-    assert resolve_outer("robust", worker_data="own") == OuterPreset(0.7, 0.9, 16, 8)  # a preset's lr stays
+    assert resolve_outer(None, restart=0) == OuterPreset(pytest.approx(0.1), 0.9, 16, 0)  # 1 / 10: and restarts
+    assert resolve_outer(None, restart=4) == OuterPreset(pytest.approx(1 / 4.0951), 0.9, 16, 4)
+    assert resolve_outer(None, lr=0.2, momentum=0.5) == OuterPreset(0.2, 0.5, 16, 8)  # an explicit lr stays
+    assert resolve_outer("robust") == OuterPreset(0.7, 0.9, 16, 8)
     assert resolve_outer("published") == OUTER_PRESETS["published"] == OuterPreset(0.7, 0.9, 0, 0)
     assert resolve_outer("published", momentum=0.5, restart=2) == OuterPreset(0.7, 0.5, 0, 2)
     with pytest.raises(ValueError, match="`outer` must be one of"):
@@ -120,21 +117,17 @@ def test_resolve_outer_presets_and_overrides():
         resolve_outer(None, momentum=1.0)
     with pytest.raises(ValueError, match="`momentum_restart`"):
         resolve_outer(None, restart=-1)
-    with pytest.raises(ValueError, match="`worker_data` must be one of"):
-        resolve_outer(None, worker_data="whole")
 
 
 def test_stable_outer_lr_hand_computed():
     # (1 + beta) / (2 (1 + 2 beta)): half Nesterov's bound for pseudo-gradient Jacobian eigenvalues up to 2 ...
-    assert [stable_outer_lr(b, 8) for b in (0.0, 0.5, 0.7, 0.9)] == pytest.approx([0.5, 0.375, 1.7 / 4.8, 1.9 / 5.6])
-    assert stable_outer_lr(0.9, 0) == stable_outer_lr(0.9, 8)  # on shards the restarts do not matter
-    # ... and where each worker reads its own data, unless one push's whole echo, 1 / tail, is smaller: at 0.7
-    # (0.354 against 1 / 3.199 = 0.313), at 0.9 (0.339 against 0.163)
-    assert [stable_outer_lr(b, 8, "own") for b in (0.0, 0.5)] == pytest.approx([0.5, 0.375])
-    assert stable_outer_lr(0.7, 8, "own") == pytest.approx(0.3 / (1 - 0.7**9))
+    assert [stable_outer_lr(b, 8) for b in (0.0, 0.5)] == pytest.approx([0.5, 0.375])
+    # ... unless one push's whole echo, 1 / tail, is smaller: at 0.7 (0.354 against 1 / 3.199 = 0.313), at 0.9 (0.339
+    # against 0.163)
+    assert stable_outer_lr(0.7, 8) == pytest.approx(0.3 / (1 - 0.7**9))
     assert [momentum_tail(0.5, 2), momentum_tail(0.9, 8), momentum_tail(0.9, 0), momentum_tail(0.0, 8)] \
         == pytest.approx([1.75, TAIL, 10.0, 1.0])
-    assert [stable_outer_lr(0.9, 8, "own"), stable_outer_lr(0.9, 0, "own"), stable_outer_lr(0.7, 0, "own")] \
+    assert [stable_outer_lr(0.9, 8), stable_outer_lr(0.9, 0), stable_outer_lr(0.7, 0)] \
         == pytest.approx([1 / TAIL, 0.1, 0.3])  # 0.7 without restarts: min(0.354, 1 / (1 / 0.3))
 
 
@@ -162,14 +155,13 @@ def test_the_bound_behind_the_stable_lr_is_where_nesterov_diverges():
     assert _nesterov_on_mirror_rounds(bound / 2) < 1e-20 and _nesterov_on_mirror_rounds(stable_outer_lr(0.9, 0)) < 1e-10
 
 
-@pytest.mark.parametrize("worker_data", ["shards", "own"])
 @pytest.mark.parametrize("workers", [2, 4])
-def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(workers, worker_data):
+def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(workers):
     """Asynchronous pushes of mirror rounds (gain 2), each ``workers - 1`` pushes stale: "robust" (lr 0.7) grows
-    beyond 100 within 50 rounds per worker (211 and 5e4 measured), the default preset is below 1e-2 by then and
-    below 1e-4 after 200 (measured for W = 2 / 4: on shards, lr 0.339, 1.4e-6 / 5e-5 and 3e-16 / 1e-5; on each
-    worker's own data, lr 0.163, 1e-6 / 3e-5 and 9e-17 / 9e-13)."""
-    robust, stable = OUTER_PRESETS["robust"], resolve_outer(None, worker_data=worker_data)
+    beyond 100 within 50 rounds per worker (211 and 5e4 measured), the default preset (outer lr 0.163 and 0.327)
+    is below 1e-2 by then (1e-6 and 2.8e-3; at 0.339 for every W, before issue 42's elastic fix: 1.4e-6 and 5e-5)
+    and below 1e-4 after 200 (9e-17 and 2.5e-6; before: 3e-16 and 1e-5)."""
+    robust, stable = OUTER_PRESETS["robust"], resolve_outer(None)
     diverged = _round_robin(robust.momentum, robust.warmup, robust.restart, 2.0, 50, workers, robust.lr)
     assert diverged[-1] > 100
     converged = _round_robin(stable.momentum, stable.warmup, stable.restart, 2.0, 200, workers, stable.lr)
@@ -204,13 +196,12 @@ def test_momentum_tail_is_one_push_s_whole_motion_hand_computed():
 def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end(mode, workers):
     """Issue 42's elastic bug, by hand: one momentum update's worth of mirror rounds (every worker's pseudo-gradient
     2 x: the most a stable inner optimizer does, to -x) along a direction no later round touches until the momentum
-    restarted, with the momentum at full strength (right after a restart): what happens where each worker reads a
-    dataset of its own. The default outer step there moves x by lr * TAIL * 2 x in all (Delayed Nesterov or
-    DiLoCo's mean: the W pushes count once): at 0.163 = 1 / TAIL, to -x exactly, where the workers' rounds ended,
-    and no further. At the shards' default 0.339 to 1 - 0.339 * TAIL * 2 = -3.2: 3.2 times past the optimum,
-    growth at every such visit (on shards of one dataset the other workers' rounds revisit it first)."""
+    restarted, with the momentum at full strength (right after a restart). The default outer step moves x by
+    lr * TAIL * 2 x in all (Delayed Nesterov or DiLoCo's mean: the W pushes count once): at 0.163 = 1 / TAIL, to -x
+    exactly, where the workers' rounds ended, and no further. At 0.339 (the default before, for any W) to
+    1 - 0.339 * TAIL * 2 = -3.2: 3.2 times past the optimum, growth at every such visit."""
     x = torch.ones(1)
-    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, momentum_warmup=0, worker_data="own",
+    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, momentum_warmup=0,
                              **({"dynamic_local_steps": False} if mode == "async" else {}))
     state = settings.build(x, torch.zeros(0), workers, None)
     for update in range(1, 20):  # the 8th momentum update restarts the momentum before taking the pushes

@@ -253,8 +253,8 @@ def test_overlap_learns_keeps_the_budget_and_the_link_no_longer_holds_the_worker
     assert blocking["wait"]["1"] >= sum(blocking["held"]["MainThread"]) - (0.05 + 384e-6) - 1e-9
     assert overlapped["held"]["MainThread"] == pytest.approx([0.05 + 2496e-6])
     assert len(overlapped["held"]["async-local-sgd-exchange"]) >= 4
-    # learns: 15 rounds per worker, 6 of each round's 8 steps overlapped; at the default outer lr on shards (0.339)
-    # both end below 0.1 x the start; at 0.163 (each worker's own data) DiLoCo ends at 0.14 x (deterministic)
-    assert overlapped["loss"] < 0.1 * initial
+    # learns: 15 rounds per worker, 6 of each round's 8 steps overlapped; at the default outer lr 0.163 (issue 42's
+    # elastic fix) DiLoCo ends at 0.14 x the start (deterministic), async below 0.1 x; at 0.339 both below 0.1 x
+    assert overlapped["loss"] < 0.25 * initial
     if mode == "sync":
         assert overlapped["steps"]["0"] == overlapped["steps"]["1"] == 120

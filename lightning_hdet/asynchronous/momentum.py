@@ -14,8 +14,8 @@ can build up on stale pushes without giving it up where pushes agree:
 
 Neither bounds the outer lr, which alone decides whether one round can be amplified (issue 42: at the published 0.7
 two workers diverged, async and DiLoCo alike): the default preset, ``"stable"``, takes the lr of
-:func:`stable_outer_lr`, which where each worker reads a dataset of its own (issue 42's elastic runs) also bounds
-how far one push moves the model through the momentum in all (:func:`momentum_tail`).
+:func:`stable_outer_lr`, which also bounds how far one push moves the model through the momentum in all
+(:func:`momentum_tail`; issue 42's elastic runs, where each worker reads the whole of its own dataset).
 
 Pure: no Lightning, no process groups.
 """
@@ -79,44 +79,35 @@ def momentum_tail(momentum: float, restart: int) -> float:
     return sum(momentum**k for k in range(restart + 1))
 
 
-#: How the workers' data is drawn, which decides the ``"stable"`` preset's lr (:func:`stable_outer_lr`):
-#: ``"shards"``: each worker reads its part of one dataset (Lightning's distributed sampler, the Trainer's and
-#: Fabric's default); ``"own"``: each worker reads a whole dataset of its own (an elastic worker, or a Trainer told
-#: ``use_distributed_sampler=False``).
-WORKER_DATA = ("shards", "own")
+def stable_outer_lr(momentum: float, restart: int) -> float:
+    """The default outer lr for outer (Nesterov) momentum ``beta`` restarted every ``restart`` momentum updates: the
+    smaller of two bounds, ``min((1 + beta) / (2 * (1 + 2 * beta)), 1 / momentum_tail(beta, restart))`` (0.163 at
+    0.9 restarted every 8; 0.375 at 0.5; 0.5 without momentum).
 
-
-def stable_outer_lr(momentum: float, restart: int, worker_data: str = "shards") -> float:
-    """The default outer lr for outer (Nesterov) momentum ``beta`` restarted every ``restart`` momentum updates:
-    the round's bound ``(1 + beta) / (2 * (1 + 2 * beta))`` where the workers share one dataset (0.339 at 0.9; 0.375
-    at 0.5; 0.5 without momentum), and the smaller of it and the echo's bound ``1 / momentum_tail(beta, restart)``
-    where each reads its own (0.163 at 0.9 restarted every 8).
-
-    * **The round** (0.339 at 0.9): a round of a stable inner optimizer moves a worker at most to the mirror image
-      of its start (each step contracts the error, possibly flipping its sign), so the pseudo-gradient's Jacobian
-      has eigenvalues in ``[0, 2]``. Nesterov's outer step on eigenvalue ``lam`` is stable iff
-      ``lr * lam < 2 (1 + beta) / (1 + 2 beta)``: 0.679 at 0.9, just below the published 0.7, which is why two
-      workers diverged there (issue 42). Half of it: an asynchronous push is about one momentum update stale, and
-      one step of delay halves gradient descent's stable range.
-    * **The push's whole echo** (``"own"`` data only): the round's bound holds where the next rounds revisit a
-      push's directions and correct what the momentum carried too far, as the other workers' shards of one dataset
-      do. Where they do not for several rounds (each worker reads a dataset of its own, of many rounds), nothing
-      corrects it meanwhile, and a push (or one momentum update's worth of pushes, which point at the same error)
-      moves the model by ``lr * momentum_tail`` times itself in all; the bound keeps that at most 1. At 0.339 it
-      was 2.1: issue 42's elastic runs stalled near 1e-2 x the start and rose, and ``benchmarks/outer_stability.py
-      --data own`` rose for 2, 4 and 8 workers. On shards the echo's bound cost 1-3 % of the final loss
-      (benchmark 3), so it applies where the data calls for it only.
+    * **The round** (``(1 + beta) / (2 * (1 + 2 * beta))``, 0.339 at 0.9): a round of a stable inner optimizer moves
+      a worker at most to the mirror image of its start (each step contracts the error, possibly flipping its
+      sign), so the pseudo-gradient's Jacobian has eigenvalues in ``[0, 2]``. Nesterov's outer step on eigenvalue
+      ``lam`` is stable iff ``lr * lam < 2 (1 + beta) / (1 + 2 beta)``: 0.679 at 0.9, just below the published 0.7,
+      which is why two workers diverged there (issue 42). Half of it: an asynchronous push is about one momentum
+      update stale, and one step of delay halves gradient descent's stable range.
+    * **The push's whole echo** (``1 / momentum_tail(beta, restart)``, 0.163 at 0.9 restarted every 8): the round's
+      bound holds where the next rounds revisit a push's directions and correct what the momentum carried too far.
+      Where they do not for several rounds (each worker reads a dataset of many rounds, as an elastic worker reads
+      the whole of its own), nothing corrects it meanwhile, and a push (or one momentum update's worth of pushes,
+      which point at the same error) moves the model by ``lr * momentum_tail`` times itself in all. At most 1: the
+      momentum never carries the model further along a push than the round itself went. At 0.339 (the round's
+      bound alone, the default before) that was 2.1: issue 42's elastic runs stalled near 1e-2 x the start and
+      rose; in the one-process simulation of ``benchmarks/outer_stability.py`` (``--data whole``) it rose for
+      2, 4 and 8 workers, and 0.25 (1.5) still rose for 2 and 4.
 
     Neither depends on the number of workers or ``H``.
     """
-    check_choice("worker_data", worker_data, WORKER_DATA)
-    round_bound = (1.0 + momentum) / (2.0 * (1.0 + 2.0 * momentum))
-    return round_bound if worker_data == "shards" else min(round_bound, 1.0 / momentum_tail(momentum, restart))
+    return min((1.0 + momentum) / (2.0 * (1.0 + 2.0 * momentum)), 1.0 / momentum_tail(momentum, restart))
 
 
 #: ``"stable"``: the default in both modes: momentum 0.9 with the warm-up and restarts of ``"robust"`` and the
-#: outer lr of :func:`stable_outer_lr` (0.339 on shards of one dataset, 0.163 where each worker reads its own),
-#: stable for any number of workers (docs/async.md, issue 42).
+#: outer lr of :func:`stable_outer_lr` (0.163), stable for any number of workers and any data order (docs/async.md,
+#: issue 42).
 #: ``"published"``: DiLoCo's and the asynchronous Local-SGD paper's outer Nesterov (lr 0.7, momentum 0.9).
 #: ``"robust"``: the async default before issue 42, chosen from the sweep in docs/async.md: the published lr and
 #: momentum with a momentum warm-up and periodic restarts, which keep short runs from oscillating; it diverges
@@ -136,12 +127,11 @@ def resolve_outer(
     momentum: Optional[float] = None,
     warmup: Optional[int] = None,
     restart: Optional[int] = None,
-    worker_data: str = "shards",
 ) -> OuterPreset:
     """The preset ``outer`` (default :data:`DEFAULT_OUTER`, async and DiLoCo alike) with every explicitly given
     number in its place; a preset without an lr (``"stable"``) derives it from the momentum and restarts in effect
-    (:func:`stable_outer_lr`, for ``worker_data``), so that an explicit ``outer_momentum`` or ``momentum_restart``
-    gets the lr that keeps it stable."""
+    (:func:`stable_outer_lr`), so that an explicit ``outer_momentum`` or ``momentum_restart`` gets the lr that keeps
+    it stable."""
     outer = DEFAULT_OUTER if outer is None else outer
     check_choice("outer", outer, tuple(OUTER_PRESETS), hint="Or leave it unset and give the numbers explicitly.")
     given: dict[str, Any] = {"lr": lr, "momentum": momentum, "warmup": warmup, "restart": restart}
@@ -150,5 +140,5 @@ def resolve_outer(
         check_number("outer_momentum", settings["momentum"])
         check_number("outer_momentum", settings["momentum"], 0.0, 1.0, high_open=True)
         check_int("momentum_restart", settings["restart"], minimum=0)
-        settings["lr"] = stable_outer_lr(settings["momentum"], settings["restart"], worker_data)
+        settings["lr"] = stable_outer_lr(settings["momentum"], settings["restart"])
     return OuterPreset(**settings)

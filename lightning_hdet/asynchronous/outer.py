@@ -28,7 +28,7 @@ from lightning_hdet._tensors import state_from_bytes
 from lightning_hdet.asynchronous.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem, check_push_settings
 from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
-from lightning_hdet.asynchronous.momentum import WORKER_DATA, MomentumSchedule, OuterPreset, resolve_outer
+from lightning_hdet.asynchronous.momentum import MomentumSchedule, OuterPreset, resolve_outer
 from lightning_hdet.asynchronous.messages import Kind, Push
 
 log = logging.getLogger(__name__)
@@ -186,14 +186,9 @@ class OuterSettings:
     check_pushes: bool = True
     max_norm_ratio: float = PushCheck.MAX_NORM_RATIO
     max_rejections: int = PushCheck.MAX_REJECTIONS
-    #: How the workers' data is drawn (:data:`~.momentum.WORKER_DATA`), which decides the ``"stable"`` preset's lr;
-    #: the Trainer strategy reads it from the Trainer, the Fabric strategy takes it as an argument (its loop's
-    #: data is the user's), an elastic service defaults to ``"own"``.
-    worker_data: str = "shards"
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
-        check_choice("worker_data", self.worker_data, WORKER_DATA)
         self._resolve_async_only()
         check_push_settings(self.check_pushes, self.max_norm_ratio, self.max_rejections)
         validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
@@ -225,7 +220,7 @@ class OuterSettings:
     def preset(self) -> OuterPreset:
         """The outer numbers in effect: the named preset with the explicitly given ones in their place."""
         return resolve_outer(self.outer, self.outer_lr, self.outer_momentum, self.momentum_warmup,
-                             self.momentum_restart, self.worker_data)
+                             self.momentum_restart)
 
     def numbers(self) -> dict[str, float]:
         """The outer numbers in effect, by argument name (recorded in the run config)."""

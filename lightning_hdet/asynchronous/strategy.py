@@ -27,7 +27,6 @@ from lightning_hdet._compat import (
     attached_trainer,
     ensure_callback,
     register_names,
-    shards_data,
     strategy_timeout,
     sync_module_states,
 )
@@ -58,8 +57,6 @@ from lightning_hdet.records import History
 log = logging.getLogger(__name__)
 
 Mode = Literal["async", "sync"]
-#: The :class:`OuterSettings` fields that are this strategy's arguments (``worker_data`` comes from the Trainer).
-_OUTER_ARGUMENTS = tuple(f.name for f in fields(OuterSettings) if f.name != "worker_data")
 
 
 class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
@@ -75,8 +72,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
         outer: ``"stable"`` (default: momentum 0.9 with warm-up and restarts, the outer lr that keeps every round
-            unamplified, 0.339, and where each rank reads its own data, ``use_distributed_sampler=False``, also
-            every push's momentum echo, 0.163), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see ``docs/async.md``); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when
+            and every push's momentum echo unamplified, 0.163), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see
+            ``docs/async.md``); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when
             given, replace its numbers (the derived lr follows ``outer_momentum`` and ``momentum_restart``).
         delayed_nesterov: async only (refused with ``mode="sync"``, like the next two): Delayed Nesterov (default
             True) or plain Nesterov SGD (False).
@@ -130,7 +127,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
                  auto_wrap_policy: ShardingPolicy = None, **kwargs: Any) -> None:
         arguments = dict(locals())
-        settings = OuterSettings(**{name: arguments[name] for name in _OUTER_ARGUMENTS})
+        settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
         error_feedback = check_compression(compression, error_feedback, pull_compression)
         check_ranks_per_worker(ranks_per_worker)
         check_overlap_steps(overlap_steps, local_steps, ranks_per_worker)
@@ -159,22 +156,13 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
                 "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections",
                 "ranks_per_worker", "overlap_steps", "inside_worker")
-        settings = self.outer_settings
-        return {**{k: getattr(self, k) for k in keys}, **settings.numbers(), "worker_data": settings.worker_data,
-                "workers": self._expected_workers}  # the numbers in effect
+        numbers = self.outer_settings.numbers()  # in effect
+        return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_workers}
 
     @property
     def outer_settings(self) -> OuterSettings:
-        """The outer side's hyperparameters, from this strategy's arguments and how the Trainer draws the data."""
-        return OuterSettings(**{name: getattr(self, name) for name in _OUTER_ARGUMENTS},
-                             worker_data=self._worker_data())
-
-    def _worker_data(self) -> str:
-        """``"shards"`` while Lightning's distributed sampler gives each rank its part of the data (the default, and
-        before a Trainer is attached); ``"own"`` under ``Trainer(use_distributed_sampler=False)``, where each rank
-        reads the dataset the user gave it (whole, or sharded by the user: the lower outer lr is the safe one)."""
-        trainer = attached_trainer(self._lightning_module) if self._lightning_module is not None else None
-        return "own" if trainer is not None and not shards_data(trainer) else "shards"
+        """The outer side's hyperparameters, from this strategy's arguments."""
+        return OuterSettings(**{f.name: getattr(self, f.name) for f in fields(OuterSettings)})
 
     def _reset_run_state(self) -> None:
         self.training_apart = False

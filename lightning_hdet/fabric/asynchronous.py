@@ -37,10 +37,7 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
     Args:
         **kwargs: the Trainer strategy's outer-optimizer and codec arguments (``local_steps``, ``mode``,
             ``outer``, ``outer_lr``, ``outer_momentum``, ``delayed_nesterov``, ``dynamic_local_steps``,
-            ``compression``, ... see :class:`~lightning_hdet.asynchronous.strategy.AsyncLocalSGDStrategy`), and
-            ``worker_data``: ``"shards"`` (default: ``fabric.setup_dataloaders`` gives each rank its part of the
-            data) or ``"own"`` (each rank reads a whole dataset of its own: the default outer lr is then 0.163
-            instead of 0.339, see :func:`~lightning_hdet.asynchronous.momentum.stable_outer_lr`); then
+            ``compression``, ... see :class:`~lightning_hdet.asynchronous.strategy.AsyncLocalSGDStrategy`), then
             everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts (``timeout`` also bounds
             every exchange, so it must exceed the longest round).
 

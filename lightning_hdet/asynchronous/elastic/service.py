@@ -75,8 +75,7 @@ class OuterService:
         token: a shared secret every worker must give (``ElasticWorkerStrategy(token=...)``) to open a session;
             ``None`` (default): any process that reaches the address may join. It keeps stray processes out; it is
             not encryption (the model and the pushes still travel in the clear).
-        **outer: :class:`~..outer.OuterSettings` (``mode``, ``local_steps``, ``outer``, ``outer_lr``, ...);
-            ``worker_data`` is ``"own"`` unless given (each session reads a dataset of its own).
+        **outer: :class:`~..outer.OuterSettings` (``mode``, ``local_steps``, ``outer``, ``outer_lr``, ...).
     """
 
     def __init__(self, module: Module, address: str, budget: int | None, checkpoint: str | Path | None = None,
@@ -92,7 +91,7 @@ class OuterService:
             check_number(name, value, low=0, low_open=True, hint="It is in seconds.")
         check_number("max_idle_s", max_idle_s, low=0, optional=True)
         check_compression(compression, None, pull_compression)
-        self.settings = OuterSettings(**{"worker_data": "own", **outer})  # each session reads a dataset of its own
+        self.settings = OuterSettings(**outer)
         require("momentum_activation", self.settings.momentum_activation, self.settings.momentum_activation == 0,
                 "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
         self.module, self.address, self.budget = module, address, budget
