@@ -361,6 +361,42 @@ def test_the_service_gives_up_waiting_for_a_worker_whose_session_ended_before_it
     assert not receiving.is_alive() and hub.inbox.empty()
 
 
+def test_closing_the_service_does_not_wait_for_a_reply_stuck_on_a_frozen_worker() -> None:
+    """One process: a session's reply blocks for good (its worker froze mid-exchange; gloo's abort does not end a
+    pending send). Once the session is dropped (its lease ran out), ``close`` waits for the group's teardown but not
+    for that thread: with an unbounded ``timeout`` this test would hang (the suite's timeout fails it); before,
+    ``run()`` ended ``timeout`` (30 s) late after such a worker."""
+    import queue
+    import threading
+
+    from lightning_hdet.asynchronous.elastic.hub import SessionHub
+    from lightning_hdet.asynchronous.messages import Fragments, ServerHeader
+
+    sending, frozen, torn_down = threading.Event(), threading.Event(), threading.Event()
+
+    class FrozenPeer:
+        class group:  # noqa: N801  (stands for the session's gloo group)
+            abort = staticmethod(torn_down.set)
+
+        def reply(self, *message: object) -> None:
+            sending.set()
+            frozen.wait()  # a send to a SIGSTOPped worker
+
+    hub = SessionHub("127.0.0.1:0", {}, next_id=1, timeout=600.0, n_buffers=0, layout=Fragments([(2,)], "none"))
+    end, outbox = FrozenPeer(), queue.Queue()
+    hub._ends[1], hub._outboxes[1] = end, outbox  # as _receive leaves them once the worker met the service
+    hub._start(hub._send_replies, 1, end, outbox, name="elastic-reply-1")
+    hub.reply(1, ServerHeader(4, 1), torch.zeros(2), torch.zeros(0))
+    assert sending.wait(30)
+    hub.drop(1)  # the lease ran out
+    hub.close(timeout=None)  # returns: the teardown is joined, the stuck reply is not
+    assert torn_down.is_set()
+    replying = next(t for t in threading.enumerate() if t.name == "elastic-reply-1")
+    assert replying.is_alive()  # still blocked: a daemon, it ends with the process
+    frozen.set()
+    replying.join(timeout=30)
+
+
 def test_a_token_keeps_out_workers_without_it_and_admits_those_with_it() -> None:
     """One process: the service's store on loopback, its admissions on a thread; workers register from this
     thread (the session's gloo group is left out). A worker without the token is refused before it takes a session

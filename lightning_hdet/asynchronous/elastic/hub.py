@@ -67,6 +67,8 @@ class SessionHub:
         self._outboxes: dict[int, queue.Queue] = {}
         self._dropped: set[int] = set()
         self._threads: list[threading.Thread] = []  # replying threads and teardowns, joined by close()
+        #: Sessions dropped without flushing (lost, expired): their replying thread may be blocked for good.
+        self._abandoned: set[int] = set()
         self._closing = threading.Event()
         self._lock = threading.Lock()
 
@@ -96,7 +98,7 @@ class SessionHub:
                 dropped = session in self._dropped  # ended while the group formed: its worker must find out
                 self._ends[session] = end
                 self._outboxes[session] = outbox = queue.Queue()
-            self._start(self._send_replies, session, end, outbox)
+            self._start(self._send_replies, session, end, outbox, name=f"elastic-reply-{session}")
             if dropped:
                 self.drop(session)
                 return
@@ -156,11 +158,13 @@ class SessionHub:
             outbox.put(_FLUSH)
             return
         outbox.put(None)
+        with self._lock:
+            self._abandoned.add(session)
         # on its own thread: tearing down a group whose peer is frozen must not stall the loop
         self._start(abort, end.group, name=f"elastic-drop-{session}")
 
-    def _start(self, target: Any, *args: Any, name: str | None = None) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True, name=name or f"elastic-reply-{args[0]}")
+    def _start(self, target: Any, *args: Any, name: str) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=name)
         self._threads.append(thread)
         thread.start()
 
@@ -169,11 +173,17 @@ class SessionHub:
         blocked on their groups), then wait (up to ``timeout`` seconds each) for the replying threads and the groups
         being torn down: a thread still inside a group's ``abort`` when the interpreter exits makes the C++ runtime
         terminate the process (seen: the service exited with SIGABRT, "terminate called without an active
-        exception", after a normal end)."""
+        exception", after a normal end). Not waited for: the replying thread of a session dropped as lost or expired,
+        which may be blocked for good in a send to a frozen worker (gloo's abort does not end a pending send); it is a
+        daemon, as every session's receiving thread is, so it ends with the process. Waiting for it delayed the end of
+        ``run()`` by ``timeout`` after a worker froze mid-exchange."""
         self._closing.set()
         with self._lock:
             still_open = list(self._ends)
         for session in still_open:
             self.drop(session)
+        with self._lock:
+            abandoned = {f"elastic-reply-{session}" for session in self._abandoned}
         for thread in list(self._threads):
-            thread.join(timeout)
+            if thread.name not in abandoned:
+                thread.join(timeout)
