@@ -388,7 +388,7 @@ def test_closing_the_service_does_not_wait_for_a_reply_stuck_on_a_frozen_worker(
     hub._start(hub._send_replies, 1, end, outbox, name="elastic-reply-1")
     hub.reply(1, ServerHeader(4, 1), torch.zeros(2), torch.zeros(0))
     assert sending.wait(30)
-    hub.drop(1)  # the lease ran out
+    hub.drop(1, unresponsive=True)  # the lease ran out
     hub.close(timeout=None)  # returns: the teardown is joined, the stuck reply is not
     assert torn_down.is_set()
     replying = next(t for t in threading.enumerate() if t.name == "elastic-reply-1")
@@ -453,7 +453,7 @@ def test_a_session_rejected_max_rejections_times_in_a_row_is_told_to_stop_and_en
         def reply(self, session, header, params, buffers) -> None:
             self.replies.append(header)
 
-        def drop(self, session, flush=False) -> None:
+        def drop(self, session, flush=False, unresponsive=False) -> None:
             self.dropped.append((session, flush))
 
     service = OuterService(LinearModel(), "127.0.0.1:0", budget=100, local_steps=2)

@@ -67,7 +67,7 @@ class SessionHub:
         self._outboxes: dict[int, queue.Queue] = {}
         self._dropped: set[int] = set()
         self._threads: list[threading.Thread] = []  # replying threads and teardowns, joined by close()
-        #: Sessions dropped without flushing (lost, expired): their replying thread may be blocked for good.
+        #: Sessions dropped because their worker stopped answering: their replying thread may be blocked for good.
         self._abandoned: set[int] = set()
         self._closing = threading.Event()
         self._lock = threading.Lock()
@@ -144,9 +144,11 @@ class SessionHub:
         sends_model = header.next_local_steps > 0  # a stop carries no model
         outbox.put((header, params.clone() if sends_model else params, buffers.clone() if sends_model else buffers))
 
-    def drop(self, session: int, flush: bool = False) -> None:
+    def drop(self, session: int, flush: bool = False, unresponsive: bool = False) -> None:
         """Forget ``session`` and tear its group down (its threads, if still waiting, then end); with ``flush``,
-        only after the replies already queued were sent (a worker told to stop must hear it)."""
+        only after the replies already queued were sent (a worker told to stop must hear it). ``unresponsive``:
+        its worker stopped answering (lease expired, connection lost), so :meth:`close` does not wait for its
+        replying thread."""
         with self._lock:
             end = self._ends.pop(session, None)
             outbox = self._outboxes.pop(session, None)
@@ -158,8 +160,9 @@ class SessionHub:
             outbox.put(_FLUSH)
             return
         outbox.put(None)
-        with self._lock:
-            self._abandoned.add(session)
+        if unresponsive:
+            with self._lock:
+                self._abandoned.add(session)
         # on its own thread: tearing down a group whose peer is frozen must not stall the loop
         self._start(abort, end.group, name=f"elastic-drop-{session}")
 
@@ -173,9 +176,11 @@ class SessionHub:
         blocked on their groups), then wait (up to ``timeout`` seconds each) for the replying threads and the groups
         being torn down: a thread still inside a group's ``abort`` when the interpreter exits makes the C++ runtime
         terminate the process (seen: the service exited with SIGABRT, "terminate called without an active
-        exception", after a normal end). Not waited for: the replying thread of a session dropped as lost or expired,
-        which may be blocked for good in a send to a frozen worker (gloo's abort does not end a pending send); it is a
-        daemon, as every session's receiving thread is, so it ends with the process. Waiting for it delayed the end of
+        exception", after a normal end). Not waited for: the replying thread of a session dropped as unresponsive
+        (lost or expired), which may be blocked for good in a send to a frozen worker (gloo's abort does not end a
+        pending send); it is a daemon, as every session's receiving thread is, so it ends with the process. Every
+        other replying thread is joined: one still sending when the process exits aborts it (seen after a normal
+        leave). Waiting for it delayed the end of
         ``run()`` by ``timeout`` after a worker froze mid-exchange."""
         self._closing.set()
         with self._lock:

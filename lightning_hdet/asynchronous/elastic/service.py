@@ -215,7 +215,7 @@ class OuterService:
         if not self.table.end(session, reason):
             return
         log.info("session %d ended (%s); %d live", session, reason, len(self.table.live))
-        self.hub.drop(session, flush=flush)
+        self.hub.drop(session, flush=flush, unresponsive=reason == "expired" or reason.startswith("lost"))
         self._parked.pop(session, None)
         self.outer.release(session)
         self._follow_live_set()
