@@ -227,13 +227,14 @@ def sharded_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict
 
     def restore(i: Any, value: Any) -> Any:
         p = params.get(i)
-        if (isinstance(p, DTensor) and isinstance(value, Tensor) and value.dim() == p.dim()
-                and value.shape != local(p).shape):  # never load another rank's (or another k's) rows silently
-            raise ValueError(f"a saved state tensor of parameter {i} has shape {tuple(value.shape)}, this rank's shard"
-                             f" {tuple(local(p).shape)}: it was saved with another layout of the worker's ranks")
-        if isinstance(p, DTensor) and isinstance(value, Tensor) and value.dim() and value.shape == local(p).shape:
-            return DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements, shape=p.shape,
-                                      stride=p.stride(), run_check=False)
+        if isinstance(p, DTensor) and isinstance(value, Tensor) and value.dim():
+            if value.shape == local(p).shape:
+                return DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements, shape=p.shape,
+                                          stride=p.stride(), run_check=False)
+            if value.dim() == p.dim():  # never load another rank's (or another k's) rows silently
+                raise ValueError(f"a saved state tensor of parameter {i} has shape {tuple(value.shape)}, this rank's"
+                                 f" shard {tuple(local(p).shape)}: it was saved with another layout of the worker's"
+                                 " ranks")
         return value
 
     state = {i: {k: restore(i, v) for k, v in entry.items()} for i, entry in saved["state"].items()}
