@@ -264,19 +264,18 @@ def _resume_as(path: Path, k: int, rank: int):
     stub = types.SimpleNamespace(worker_ranks=WorkerRanks(2 * k, k, rank), global_rank=rank,
                                  checkpoint_io=types.SimpleNamespace(
                                      load_checkpoint=lambda f, **kw: torch.load(f, weights_only=False)))
-    stub._count_shards = lambda p: WorkerCheckpoints._count_shards(stub, p)
     return WorkerCheckpoints._shard_resume(stub, str(path), None)
 
 
-def test_shard_resume_without_files_with_a_missing_shard_and_from_files_without_their_count(tmp_path):
-    """No files of the worker: None (a fresh state, with a warning); one of the old shards missing: an error naming
-    it; files written before they held their count (``shards``): the count is that of the files beside."""
+def test_shard_resume_without_files_resharded_and_with_a_missing_shard(tmp_path):
+    """No files of the worker: None (a fresh state, with a warning); 2 shards read as 3 or as 2; one of the old
+    shards missing: an error naming it."""
     path = tmp_path / "end.ckpt"
     assert _resume_as(path, 2, 0) is None
     exp_avg = torch.arange(10.0).view(5, 2)
     for j, (lo, hi) in enumerate([(0, 3), (3, 5)]):
         torch.save({"optimizer": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": exp_avg[lo:hi]}},
-                                  "param_groups": [{"params": [0]}]}}, worker_file(path, 0, j))
+                                  "param_groups": [{"params": [0]}]}, "shards": 2}, worker_file(path, 0, j))
     got = [_resume_as(path, 3, r)["optimizer"]["state"][0]["exp_avg"] for r in range(3)]
     assert [g.tolist() for g in got] == [exp_avg[:2].tolist(), exp_avg[2:4].tolist(), exp_avg[4:].tolist()]
     assert torch.equal(_resume_as(path, 2, 1)["optimizer"]["state"][0]["exp_avg"], exp_avg[3:])  # same k: as saved

@@ -123,20 +123,13 @@ class WorkerCheckpoints(RankGroups):
         if not get_filesystem(first).exists(first):
             return None
         head = self.checkpoint_io.load_checkpoint(first, **weights_only_kwargs(weights_only))
-        k_old = head.get("shards") or self._count_shards(checkpoint_path)  # files from before "shards" was written
+        k_old = head["shards"]
         if k_old == k:
             return head if j == 0 else read(j)
         old = [head] + [read(i) for i in range(1, k_old)]
         log.info("%s: resharding its inner optimizer state from %d shards to %d", ranks.describe(), k_old, k)
         # the error-feedback residual is the full model's and only the leader's is used: shard 0's
         return {**head, "optimizer": reshard_optimizer_state([o["optimizer"] for o in old], k, j), "shards": k}
-
-    def _count_shards(self, checkpoint_path: Any) -> int:
-        """How many shard files this rank's worker has beside ``checkpoint_path`` (consecutive from 0)."""
-        count = 0
-        while get_filesystem(checkpoint_path).exists(worker_file(checkpoint_path, self.worker_ranks.worker, count)):
-            count += 1
-        return count
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
