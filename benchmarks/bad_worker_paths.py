@@ -7,9 +7,11 @@ loopback), ``H`` inner steps per round, the package's defaults otherwise. Two ta
 and ``regression``, the tests' least squares (``tests/helpers.LinearModel``; a floor at its noise). In the faulty
 run one of the ``W`` workers' loss is NaN from its step 2 on (its first round): it discards its rounds, is
 rejected three times in a row and stops, having added nothing to the global model. Its fault-free counterpart
-runs the ``W - 1`` healthy workers alone on the same budget, so both spend the same healthy samples; it runs twice,
-so that the table shows how far two identical runs land apart (async timing). Reported per task, path and seed:
-the global model's final loss ÷ its initial loss in both runs, faulty ÷ fault-free and rerun ÷ fault-free.
+runs the ``W - 1`` healthy workers alone on the same budget, so both spend the same healthy samples. The two runs
+cannot read the data in the same order (``W`` shards against ``W - 1``), so the fault-free run runs again with
+only its data order changed (the sampler's seed; elastic: the workers' data seed): the table shows how far runs
+land apart that differ in nothing but their order (and, async, timing). Reported per task, path and seed: the
+global model's final loss ÷ its initial loss in both runs, faulty ÷ fault-free and reordered ÷ fault-free.
 
 Run: ``python benchmarks/bad_worker_paths.py [--quick] [--workers W] [--budget B] [--seeds S] [--tasks ...]
 [--paths ...]``.
@@ -21,6 +23,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -41,6 +44,8 @@ from tests.test_async_defaults import SGDBoring, _loss
 NAME = "bad_worker_paths"
 PATHS = ("async", "diloco", "elastic")
 BAD_FROM = 2  # the bad worker's loss is NaN from its 2nd step on: within its first round, so none of it is applied
+#: The reordered fault-free run's data seed is the run's seed plus this (its model starts the same).
+REORDER = 1000
 #: A "huge" bad worker's parameters move by this much at every step from :data:`HUGE_FROM` on: finite pushes
 #: thousands of times the others', which only the outer side's norm check can catch; it needs 4 accepted pushes
 #: first, so the fault starts in the worker's 4th round (H = 8).
@@ -118,10 +123,11 @@ class Curve(Callback):
 
 
 def fit_trainer(mode: str, workers: int, budget: int, seed: int, fault: str | None, work: Path, every: int = 0,
-                task: str = "boring", **strategy) -> dict:
+                task: str = "boring", order: int = 0, **strategy) -> dict:
     """One Trainer run of ``workers`` ranks sharing ``budget`` inner steps (``mode``: ``"async"`` or ``"sync"``);
-    with a ``fault`` (:class:`Faulty`), the last rank goes bad. Returns the initial and final loss, the curve (every ``every`` steps
-    applied), the steps applied and each worker's statistics."""
+    with a ``fault`` (:class:`Faulty`), the last rank goes bad; ``order`` is added to the sampler's seed (only the
+    data order changes). Returns the initial and final loss, the curve (every ``every`` steps applied), the steps
+    applied and each worker's statistics."""
     if budget % workers:
         raise ValueError(f"`budget` must be a multiple of the {workers} workers, got {budget}")
     work.mkdir(parents=True, exist_ok=True)
@@ -129,6 +135,7 @@ def fit_trainer(mode: str, workers: int, budget: int, seed: int, fault: str | No
     seed_everything(seed)
     model = make(workers - 1 if fault else None, fault or "nan")
     initial = loss(model)
+    os.environ["PL_GLOBAL_SEED"] = str(seed + order)  # Lightning's DistributedSampler reads its seed from here
     out = work / "record.json"
     Trainer(strategy=AsyncLocalSGDStrategy(mode=mode, start_method="fork", **strategy), accelerator="cpu",
             devices=workers, max_steps=budget // workers, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
@@ -150,7 +157,7 @@ def _serve(address: str, budget: int, seed: int, every: int, out: Path, task: st
     out.write_text(json.dumps({"initial": initial, "final": loss(model), "curve": curve, **status}))
 
 
-def _work(address: str, seed: int, fault: str | None, out: Path, task: str) -> None:
+def _work(address: str, seed: int, fault: str | None, out: Path, task: str) -> None:  # seed: of its data order
     strategy = ElasticWorkerStrategy(address, seed=seed, heartbeat_s=0.5)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=-1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -159,17 +166,17 @@ def _work(address: str, seed: int, fault: str | None, out: Path, task: str) -> N
 
 
 def fit_elastic(workers: int, budget: int, seed: int, fault: str | None, work: Path, every: int = 0, task: str = "boring",
-                timeout: float = 300, **settings) -> dict:
+                timeout: float = 300, order: int = 0, **settings) -> dict:
     """One elastic run: a service and ``workers`` one-device worker jobs, forked, on loopback; with a ``fault``,
-    the last worker goes bad. ``every``: the service evaluates the global model every so many outer updates (0:
+    the last worker goes bad; ``order`` is added to the workers' data seed. ``every``: the service evaluates the global model every so many outer updates (0:
     at the end only). Returns the service's record (``initial``, ``final``, ``curve``, its status) and
     ``exit_codes`` (the workers', then the service's)."""
     work.mkdir(parents=True, exist_ok=True)
     fork = multiprocessing.get_context("fork")
     address, record = f"127.0.0.1:{free_port()}", work / "service.json"
     procs = [fork.Process(target=_serve, args=(address, budget, seed, every, record, task, settings))]
-    procs += [fork.Process(target=_work, args=(address, seed, fault if i == workers - 1 else None, work / f"w{i}.json",
-                                               task))
+    procs += [fork.Process(target=_work, args=(address, seed + order, fault if i == workers - 1 else None,
+                                               work / f"w{i}.json", task))
               for i in range(workers)]
     for p in procs:
         p.start()
@@ -186,20 +193,20 @@ def fit_elastic(workers: int, budget: int, seed: int, fault: str | None, work: P
 
 def run_set(path: str, task: str, workers: int, budget: int, seed: int, work: Path, fault: str = "nan",
             **settings) -> dict:
-    """The faulty run (``workers``, the last one bad), its fault-free counterpart (the healthy ones alone) and a
-    rerun of that counterpart (how far two identical runs land apart: timing, in async)."""
+    """The faulty run (``workers``, the last one bad), its fault-free counterpart (the healthy ones alone) and that
+    counterpart with another data order (how far runs land apart that differ only in their order)."""
     runs = []
-    for bad, w in ((fault, workers), (None, workers - 1), (None, workers - 1)):
+    for bad, w, order in ((fault, workers, 0), (None, workers - 1, 0), (None, workers - 1, REORDER)):
         where = work / f"{task}_{path}_{seed}_{len(runs)}"
         if path == "elastic":
-            runs.append(fit_elastic(w, budget, seed, bad, where, task=task, **settings))
+            runs.append(fit_elastic(w, budget, seed, bad, where, task=task, order=order, **settings))
         else:
             runs.append(fit_trainer("sync" if path == "diloco" else "async", w, budget, seed, bad, where, task=task,
-                                    **settings))
-    faulty, clean, rerun = runs
+                                    order=order, **settings))
+    faulty, clean, reordered = runs
     return {"task": task, "path": path, "seed": seed, "initial": clean["initial"], "faulty": faulty["final"],
-            "clean": clean["final"], "rerun": rerun["final"], "ratio": faulty["final"] / clean["final"],
-            "noise": rerun["final"] / clean["final"], "steps": [r["steps_done"] for r in runs],
+            "clean": clean["final"], "reordered": reordered["final"], "ratio": faulty["final"] / clean["final"],
+            "noise": reordered["final"] / clean["final"], "steps": [r["steps_done"] for r in runs],
             "rejected": sum(s["rejected"] for s in faulty["workers"].values())}
 
 
@@ -214,12 +221,13 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
                          ", ".join(fmt(r["noise"]) for r in sel), ", ".join(str(r["rejected"]) for r in sel)])
     head = (f"Mode: {'quick' if args.quick else 'full'}; H = {args.local_steps}, budget {args.budget} inner steps; "
             f"faulty: {args.workers} workers, the last one bad ({FAULT_TEXT[args.fault]}); fault-free: the "
-            f"{args.workers - 1} healthy ones alone, and the same run again (*rerun ÷*: two identical runs); the "
+            f"{args.workers - 1} healthy ones alone, and again with another data order (*reordered ÷*: runs that differ "
+            "only in the sampler's or the workers' data seed); the "
             f"defaults otherwise (outer `{args.outer}`). `boring`: BoringModel + SGD lr 0.05, loss on 256 held-out "
             "inputs (its floor is 0); `regression`: the tests' least squares, SGD lr 0.05, batch 16, loss on its "
             "256 samples (its floor is the noise's, ~1e-4 × the start). Per seed.\n\n")
     return head + markdown_table(["task", "path", "fault-free ÷ initial", "faulty ÷ initial", "faulty ÷ fault-free",
-                                  "median ÷", "rerun ÷ fault-free", "pushes rejected"], rows)
+                                  "median ÷", "reordered ÷ fault-free", "pushes rejected"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:

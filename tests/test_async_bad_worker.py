@@ -35,13 +35,19 @@ class Record(Callback):
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.n_after_exclusion: list[int] = []  # rank 0: Delayed Nesterov's N at each step once rank 1 is out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        outer = trainer.strategy._outer
+        if outer is not None and outer.excluded(BAD_RANK):
+            self.n_after_exclusion.append(outer.optimizer.param_groups[0]["buffer_size"])
 
     def on_fit_end(self, trainer, pl_module):
         worker = trainer.strategy._exchange.worker
         record = {"discarded": worker.discarded, "rejected": worker.rejected, "inner_steps": worker.inner_steps}
         if trainer.global_rank == 0:
             outer = trainer.strategy._outer
-            record.update(loss=_loss(pl_module), steps_done=outer.steps_done,
+            record.update(loss=_loss(pl_module), steps_done=outer.steps_done, n=self.n_after_exclusion,
                           stats={w: vars(s) for w, s in outer.workers.items()})
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -52,8 +58,9 @@ def test_a_nan_worker_is_rejected_and_stopped_while_the_others_finish(tmp_path: 
     """3 workers, H = 4 (fixed round lengths: rank 1 must not run out of budget before it goes bad, however slow
     the loaded machine makes it), a 3 x 40 step budget. Rank 1 discards its non-finite rounds itself (it never
     pushes NaN), is told each time, and stops after 3 in a row; the global model is finite and better than at the start,
-    the rejections are in the logged metrics, and the healthy workers spend the budget. (The "robust" outer
-    settings in both modes: with DiLoCo's published ones this toy run diverges on 2 healthy workers alone.)"""
+    the rejections are in the logged metrics, the healthy workers spend the budget, and async's N follows the two
+    left. (The "robust" outer settings in both modes: with DiLoCo's published ones this toy run diverges on 2
+    healthy workers alone.)"""
     seed_everything(0)
     model = NaNFrom()
     initial = _loss(model)
@@ -74,6 +81,8 @@ def test_a_nan_worker_is_rejected_and_stopped_while_the_others_finish(tmp_path: 
     with open(next((tmp_path / "logs").glob("version_*/metrics.csv"))) as f:
         logged = [float(row["async/worker1/rejected"]) for row in csv.DictReader(f) if row.get("async/worker1/rejected")]
     assert max(logged) == 3.0
+    # async: Delayed Nesterov's N follows the two workers left (from a momentum boundary); DiLoCo's is 1
+    assert 2 in ranks[0]["n"] if mode == "async" else set(ranks[0]["n"]) == {1}
     for p in model.parameters():  # every rank ends with the global model, rank 0's included
         assert torch.isfinite(p).all()
 

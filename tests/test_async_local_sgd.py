@@ -361,3 +361,34 @@ def test_grace_window_closes_once_every_active_worker_pushed():
     thread.join(60)
     assert not thread.is_alive() and server.error is None
     assert outer.outer_updates == 4 and replies.empty()
+
+
+def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_boundary():
+    """Three async workers, N = 3 (outer lr 0.6, momentum 0: each push moves the model by -0.6 * g / N). Worker 2
+    stops after the first push: N stays 3 until the cycle's third push, then each push moves by 0.6 / 2 (before, a
+    run that lost a worker stepped every push at 2/3 of the same run without it). A configured buffer_size stays
+    the ceiling; DiLoCo's N is 1 and does not follow."""
+    from lightning_hdet.asynchronous.outer import OuterSettings
+
+    outer = OuterSettings(local_steps=4, outer_lr=0.6, outer_momentum=0.0).build(torch.zeros(1), torch.zeros(0), 3,
+                                                                                   budget=None)
+    outer.process([Push(w, Kind.HELLO, 0, 0.0, 0.0) for w in range(3)])
+
+    def push(worker: int) -> float:
+        before = outer.params.item()
+        outer.process([Push(worker, Kind.PUSH, 4, 1.0, 0.0, pseudo_gradient=torch.ones(1))])
+        return before - outer.params.item()
+
+    assert push(0) == pytest.approx(0.2)
+    outer.follow_live(2)  # worker 2 left: one push of the cycle buffered, so N stays 3 for now
+    assert [push(1), push(0)] == pytest.approx([0.2, 0.2])  # the cycle's third push: a boundary, N = 2 from here
+    assert outer.optimizer.param_groups[0]["buffer_size"] == 2
+    assert [push(1), push(0)] == pytest.approx([0.3, 0.3])
+    capped = OuterSettings(buffer_size=2).build(torch.zeros(1), torch.zeros(0), 4, budget=None)
+    capped.follow_live(3)
+    assert capped.optimizer.param_groups[0]["buffer_size"] == 2  # the user's N is the ceiling
+    capped.follow_live(1)
+    assert capped.optimizer.param_groups[0]["buffer_size"] == 1
+    diloco = OuterSettings(mode="sync").build(torch.zeros(1), torch.zeros(0), 4, budget=None)
+    diloco.follow_live(2)
+    assert not diloco.follows_live and diloco.optimizer.param_groups[0]["buffer_size"] == 1

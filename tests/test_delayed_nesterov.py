@@ -66,6 +66,18 @@ def test_intermediate_push_moves_by_lr_g_over_n():
         torch.testing.assert_close(p - before, -0.5 * g / 4)
 
 
+def test_resize_waits_for_a_momentum_boundary():
+    p = torch.zeros(2)
+    dn = DelayedNesterov([p], lr=1.0, momentum=0.5, buffer_size=2)
+    assert dn.resize(3) and dn.param_groups[0]["buffer_size"] == 3  # no state yet: a boundary
+    _push(dn, p, torch.ones(2))  # one push buffered of 3
+    assert not dn.resize(1) and dn.param_groups[0]["buffer_size"] == 3
+    _push(dn, p, torch.ones(2)), _push(dn, p, torch.ones(2))  # the third updates the momentum: a boundary again
+    assert dn.resize(1) and dn.param_groups[0]["buffer_size"] == 1
+    with pytest.raises(ValueError, match="size"):
+        dn.resize(0)
+
+
 def test_momentum_activation_formula():
     lr, beta, n, c = 0.3, 0.8, 2, 0.25
     p = torch.zeros(3)

@@ -13,13 +13,10 @@ import pytest
 import torch
 
 from benchmarks.elastic import free_port, launch, read_json
-from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic.membership import parse_address
-from lightning_hdet.asynchronous.elastic.service import resize_buffer
 from lightning_hdet.asynchronous.elastic.sessions import (
     SessionTable,
     backoff,
-    live_buffer_size,
     session_seed,
     should_park,
 )
@@ -56,11 +53,6 @@ def test_session_ids_are_never_reused_and_a_restart_continues_after_the_checkpoi
         SessionTable(lease_s=0)
 
 
-def test_buffer_size_follows_the_live_set() -> None:
-    assert [live_buffer_size(None, n) for n in (0, 1, 4, 5)] == [1, 1, 4, 5]
-    assert [live_buffer_size(3, n) for n in (0, 2, 3, 8)] == [1, 2, 3, 3]
-
-
 def test_a_worker_is_parked_only_while_others_hold_budget_in_flight() -> None:
     assert should_park(0, budget_left=10, others_in_flight=10)
     assert not should_park(0, budget_left=10, others_in_flight=0)  # nobody can release anything: stop
@@ -72,17 +64,6 @@ def test_a_worker_is_parked_only_while_others_hold_budget_in_flight() -> None:
 def test_backoff_doubles_up_to_its_cap_and_seeds_differ_per_session() -> None:
     assert [backoff(k) for k in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
     assert [session_seed(100, s) for s in (1, 2, 9)] == [101, 102, 109]
-
-
-def test_resize_buffer_waits_for_a_momentum_boundary() -> None:
-    p = torch.zeros(2)
-    dn = DelayedNesterov([p], lr=1.0, momentum=0.5, buffer_size=2)
-    assert resize_buffer(dn, 3) and dn.param_groups[0]["buffer_size"] == 3  # no state yet: a boundary
-    p.grad = torch.ones(2)
-    dn.step()  # one push buffered of 3
-    assert not resize_buffer(dn, 1) and dn.param_groups[0]["buffer_size"] == 3
-    dn.step(), dn.step()  # the third push updates the momentum: a boundary again
-    assert resize_buffer(dn, 1) and dn.param_groups[0]["buffer_size"] == 1
 
 
 def test_release_returns_in_flight_steps_and_drops_speed_and_buffers() -> None:

@@ -73,6 +73,19 @@ class DelayedNesterov(Optimizer):
                     self._step_one(p, p.grad, lr, n, c, schedule)
         return loss
 
+    def resize(self, size: int) -> bool:
+        """Set ``N`` to ``size`` in each parameter group with no push buffered (a momentum-update boundary; a
+        cycle's pushes were each applied with ``1/N``, so ``N`` cannot change inside one); True if every group took
+        it."""
+        check_int("size", size, minimum=1)
+        done = True
+        for group in self.param_groups:
+            if all(self.state.get(p, {}).get("pushes", 0) == 0 for p in group["params"]):
+                group["buffer_size"] = size
+            else:
+                done = False
+        return done
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Also loads the state of the ``torch.optim.SGD(nesterov=True)`` that DiLoCo's outer step was before
         (the same step as ``N = 1``): its ``lr`` and ``momentum`` and momentum buffers are kept, the settings it

@@ -257,7 +257,8 @@ class OuterSettings:
         step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()
         check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
         return OuterState(params, optimizer, policy, step, budget, buffers=buffers, check=check,
-                          max_rejections=self.max_rejections)
+                          max_rejections=self.max_rejections, follows_live=is_async and bool(self.delayed_nesterov),
+                          configured_buffer=self.buffer_size)
 
 
 @dataclass
@@ -293,6 +294,11 @@ class OuterState:
     check: PushCheck | None = None
     #: Rejections in a row after which a worker's next reply says stop.
     max_rejections: int = PushCheck.MAX_REJECTIONS
+    #: Delayed Nesterov's ``N`` follows the workers still training (:meth:`follow_live`): async with Delayed
+    #: Nesterov. False: ``N`` stays as built (DiLoCo's and plain Nesterov's 1).
+    follows_live: bool = False
+    #: The ``buffer_size`` the user gave, the most ``N`` may follow up to (``None``: as many as are live).
+    configured_buffer: int | None = None
 
     def __post_init__(self) -> None:
         #: The outer optimizer's parameters: one view of :attr:`params` per fragment, in order.
@@ -302,6 +308,7 @@ class OuterState:
         self.ranges: list[tuple[int, int]] = list(zip([0, *ends[:-1]], ends))
         self._sum: Tensor | None = None  # SyncStep: the round's summed pseudo-gradient
         self._stage: Tensor | None = None  # a checked stream's fragments until its verdict (one push at a time)
+        self._live: int | None = None  # workers still training, as last told (follow_live)
 
     def receive(self, push: Push, gradients: Iterable[Tensor], stable: bool = False) -> None:
         """One push: its pseudo-gradient's fragments (``float32``, in order; ``gradients`` may be a stream still
@@ -381,10 +388,26 @@ class OuterState:
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
             # DiLoCo's mean is over the pushes applied: a rejected one is not in the sum
             self.step_policy.close(self, sum(p.steps > 0 and p.rejected is None for p in pushes))
+            self._resize_buffer()  # a change of N waits for a momentum boundary: retried at every batch
             waiting = [p.worker for p in pushes if p.kind != Kind.BYE]
             replies = {w: self._allocate(w, len(waiting)) for w in waiting}
             self.metrics_version += 1
             return replies
+
+    def follow_live(self, live: int) -> None:
+        """``live`` workers still train (others were excluded, left or were told to stop). Delayed Nesterov's ``N``
+        becomes ``min(buffer_size, live)`` (at least 1) at its next momentum boundary: each push moves the model by
+        ``lr / N``, so an ``N`` above the workers left would step every push at ``live / N`` of the same run
+        without the missing ones, and make momentum wait for pushes that never come."""
+        with self.model_lock, self.lock:
+            self._live = live
+            self._resize_buffer()
+
+    def _resize_buffer(self) -> None:
+        """Under both locks: move ``N`` toward the live workers where a momentum boundary allows it."""
+        if self.follows_live and self._live is not None:
+            assert isinstance(self.optimizer, DelayedNesterov)  # follows_live is set where it is built as one
+            self.optimizer.resize(max(1, min(self.configured_buffer or self._live, self._live)))
 
     def process(self, pushes: list[Push]) -> dict[int, int]:
         """:meth:`receive` then :meth:`close` pushes that carry their whole ``pseudo_gradient`` (one process, e.g.

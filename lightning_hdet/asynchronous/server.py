@@ -155,7 +155,7 @@ class Server:
             self.accept(push, messages)
 
     def _serve(self) -> None:
-        active = set(range(self.workers))
+        active, stopping = set(range(self.workers)), set()
         while active:
             batch = self._collect(len(active))
             with self._gate:  # closed before close(): no push may enter the version this batch is sent
@@ -164,6 +164,8 @@ class Server:
                 self._replies_pending = 1  # this loop
             replies = self.outer.close(batch)
             active -= {p.worker for p in batch if p.kind == Kind.BYE}
+            stopping |= {w for w, steps in replies.items() if steps <= 0}  # they leave next (BYE)
+            self.outer.follow_live(len(active - stopping))
             log.debug("closed a batch of %d push(es); %d worker(s) still training", len(batch), len(active))
             if replies.get(self.local.worker, 0) > 0:
                 with self._gate:  # and rank 0's own pull

@@ -21,15 +21,13 @@ from typing import Any, Union
 
 import torch
 from torch.nn import Module
-from torch.optim import Optimizer
 
 from lightning_hdet._checks import check_int, check_number, require
 from lightning_hdet._tensors import float_buffers, write_from
 from lightning_hdet.asynchronous.compression import check_compression
-from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic.hub import Lost, SessionHub
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, proof_matches
-from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_token, live_buffer_size, should_park
+from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_token, should_park
 from lightning_hdet.asynchronous.exchange import read_model
 from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterSettings
@@ -39,18 +37,6 @@ from lightning_hdet.asynchronous.result import AsyncResult
 log = logging.getLogger(__name__)
 FORMAT = "lightning_hdet.elastic/1"
 Evaluate = Callable[[Module], Mapping[str, float]]
-
-
-def resize_buffer(optimizer: Optimizer, size: int) -> bool:
-    """Set Delayed Nesterov's ``N`` to ``size`` where no push is buffered (a momentum-update boundary); True if
-    every parameter group took it."""
-    done = True
-    for group in optimizer.param_groups:
-        if all(optimizer.state.get(p, {}).get("pushes", 0) == 0 for p in group["params"]):
-            group["buffer_size"] = size
-        else:
-            done = False
-    return done
 
 
 class OuterService:
@@ -222,11 +208,8 @@ class OuterService:
         self._retry_parked()
 
     def _follow_live_set(self) -> None:
-        """Delayed Nesterov's ``N`` follows the live sessions (see :func:`~.sessions.live_buffer_size`)."""
-        if isinstance(self.outer.optimizer, DelayedNesterov) and self.settings.mode == "async" \
-                and self.settings.delayed_nesterov:
-            with self.outer.lock:
-                resize_buffer(self.outer.optimizer, live_buffer_size(self.settings.buffer_size, len(self.table.live)))
+        """Delayed Nesterov's ``N`` follows the live sessions (:meth:`~..outer.OuterState.follow_live`)."""
+        self.outer.follow_live(len(self.table.live))
 
     # the exchange
     def _collect(self, first: Push) -> list[Push]:

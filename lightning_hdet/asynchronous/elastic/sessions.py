@@ -94,12 +94,6 @@ def check_token(token: object) -> None:
             "None or a non-empty string", "Set the same token on the service and on every worker.")
 
 
-def live_buffer_size(configured: int | None, live: int) -> int:
-    """Delayed Nesterov's ``N`` for ``live`` sessions: ``min(configured or live, live)``, at least 1."""
-    n = live if configured is None else min(configured, live)
-    return max(1, n)
-
-
 def should_park(allocated: int, budget_left: int | None, others_in_flight: int) -> bool:
     """Hold a worker's reply instead of telling it to stop: its allocation is 0, but budget is left and other
     workers' in-flight steps may yet be released (if their sessions end)."""
