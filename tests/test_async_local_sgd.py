@@ -392,3 +392,20 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     diloco = OuterSettings(mode="sync").build(torch.zeros(1), torch.zeros(0), 4, budget=None)
     diloco.follow_live(2)
     assert not diloco.follows_live and diloco.optimizer.param_groups[0]["buffer_size"] == 1
+
+
+def test_a_resumed_run_takes_its_own_n_not_the_checkpoints():
+    """A checkpoint written once its workers had stopped holds N = 1; the run that resumes it on three workers
+    steps each push by lr / 3 from its first push, not by lr / 1."""
+    from lightning_hdet.asynchronous.outer import OuterSettings
+
+    settings = OuterSettings(local_steps=4, outer_lr=0.6, outer_momentum=0.0)
+    ended = settings.build(torch.zeros(1), torch.zeros(0), 3, budget=None)
+    ended.follow_live(1)
+    assert ended.optimizer.param_groups[0]["buffer_size"] == 1
+    resumed = settings.build(torch.zeros(1), torch.zeros(0), 3, budget=None)
+    resumed.load_state_dict(ended.state_dict())
+    assert resumed.optimizer.param_groups[0]["buffer_size"] == 3
+    resumed.process([Push(w, Kind.HELLO, 0, 0.0, 0.0) for w in range(3)])
+    resumed.process([Push(0, Kind.PUSH, 4, 1.0, 0.0, pseudo_gradient=torch.ones(1))])
+    assert resumed.params.item() == pytest.approx(-0.2)

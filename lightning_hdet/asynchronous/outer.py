@@ -256,9 +256,11 @@ class OuterSettings:
                                   self.speed_smoothing)
         step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()
         check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
-        return OuterState(params, optimizer, policy, step, budget, buffers=buffers, check=check,
-                          max_rejections=self.max_rejections, follows_live=is_async and bool(self.delayed_nesterov),
-                          configured_buffer=self.buffer_size)
+        state = OuterState(params, optimizer, policy, step, budget, buffers=buffers, check=check,
+                           max_rejections=self.max_rejections, follows_live=is_async and bool(self.delayed_nesterov),
+                           configured_buffer=self.buffer_size)
+        state.follow_live(workers)
+        return state
 
 
 @dataclass
@@ -561,6 +563,7 @@ class OuterState:
             self.worker_buffers = {int(w): b.float().clone() for w, b in state["worker_buffers"].items()
                                    if workers is None or int(w) < workers}
             self.optimizer.load_state_dict(state["optimizer"])
+            self._resize_buffer()  # the checkpoint's N is its run's (1 once its workers stopped): follow this run's
             self.local_steps.load_state_dict(state["policy"])
             self.steps_done = int(state["steps_done"])
             self.outer_updates = int(state["outer_updates"])
