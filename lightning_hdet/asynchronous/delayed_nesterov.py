@@ -86,6 +86,10 @@ class DelayedNesterov(Optimizer):
                 done = False
         return done
 
+    def follow(self, live: int, ceiling: int | None = None) -> bool:
+        """:meth:`resize` to ``live`` workers, at most ``ceiling`` (a ``buffer_size`` given), at least 1."""
+        return self.resize(max(1, min(ceiling or live, live)))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Also loads the state of the ``torch.optim.SGD(nesterov=True)`` that DiLoCo's outer step was before
         (the same step as ``N = 1``): its ``lr`` and ``momentum`` and momentum buffers are kept, the settings it

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -263,6 +263,16 @@ class OuterSettings:
         return state
 
 
+def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size: int) -> list[Tensor]:
+    """A whole pseudo-gradient as fragments (``ranges`` of a model of ``size`` values); one of the wrong size or
+    dimension as it is, for the checks."""
+    if gradient is None:
+        return []
+    if gradient.dim() != 1 or gradient.numel() != size:
+        return [gradient]
+    return [gradient[s:e] for s, e in ranges]
+
+
 @dataclass
 class OuterState:
     """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget, counters.
@@ -296,8 +306,7 @@ class OuterState:
     check: PushCheck | None = None
     #: Rejections in a row after which a worker's next reply says stop.
     max_rejections: int = PushCheck.MAX_REJECTIONS
-    #: Delayed Nesterov's ``N`` follows the workers still training (:meth:`follow_live`): async with Delayed
-    #: Nesterov. False: ``N`` stays as built (DiLoCo's and plain Nesterov's 1).
+    #: Delayed Nesterov's ``N`` follows the workers still training (:meth:`follow_live`; async only).
     follows_live: bool = False
     #: The ``buffer_size`` the user gave, the most ``N`` may follow up to (``None``: as many as are live).
     configured_buffer: int | None = None
@@ -397,37 +406,26 @@ class OuterState:
             return replies
 
     def follow_live(self, live: int) -> None:
-        """``live`` workers still train (others were excluded, left or were told to stop). Delayed Nesterov's ``N``
-        becomes ``min(buffer_size, live)`` (at least 1) at its next momentum boundary: each push moves the model by
-        ``lr / N``, so an ``N`` above the workers left would step every push at ``live / N`` of the same run
-        without the missing ones, and make momentum wait for pushes that never come."""
+        """``live`` workers still train. Delayed Nesterov's ``N`` becomes ``min(buffer_size, live)`` from its next
+        momentum boundary: each push moves the model by ``lr / N``, so an ``N`` above the workers left would step
+        every push at ``live / N`` of the run without the missing ones, and momentum would wait for them."""
         with self.model_lock, self.lock:
             self._live = live
             self._resize_buffer()
 
-    def _resize_buffer(self) -> None:
-        """Under both locks: move ``N`` toward the live workers where a momentum boundary allows it."""
+    def _resize_buffer(self) -> None:  # under both locks; follows_live is set only where it is built as one
         if self.follows_live and self._live is not None:
-            assert isinstance(self.optimizer, DelayedNesterov)  # follows_live is set where it is built as one
-            self.optimizer.resize(max(1, min(self.configured_buffer or self._live, self._live)))
+            self.optimizer.follow(self._live, self.configured_buffer)  # type: ignore[attr-defined]
 
     def process(self, pushes: list[Push]) -> dict[int, int]:
         """:meth:`receive` then :meth:`close` pushes that carry their whole ``pseudo_gradient`` (one process, e.g.
         tests); every waiting worker then pulls the current version."""
         for push in pushes:
-            self.receive(push, self._split(push.pseudo_gradient), stable=True)
+            self.receive(push, split_push(push.pseudo_gradient, self.ranges, self.params.numel()), stable=True)
         replies = self.close(pushes)
         for worker in replies:
             self.mark_pulled(worker)
         return replies
-
-    def _split(self, gradient: Tensor | None) -> list[Tensor]:
-        """A whole pseudo-gradient as fragments; one of the wrong size or dimension as it is, for the checks."""
-        if gradient is None:
-            return []
-        if gradient.dim() != 1 or gradient.numel() != self.params.numel():
-            return [gradient]
-        return [gradient[s:e] for s, e in self.ranges]
 
     def mark_pulled(self, worker: int) -> int:
         """``worker`` pulls the global model now (under :attr:`model_lock`): its version, for staleness."""
