@@ -64,11 +64,8 @@ def regression_loss(model: torch.nn.Module) -> float:
 def run_regression(strategy, slow, seed: int, steps: int, work: Path) -> tuple[float, float]:
     """The issue's case: BoringModel with SGD lr 0.05; (initial, final) loss of the global model."""
     from lightning.pytorch import Trainer, seed_everything
-    from lightning.pytorch.demos.boring_classes import BoringModel
 
-    class SGDBoring(BoringModel):
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+    from tests.test_async_defaults import SGDBoring  # importable by name: spawned ranks unpickle the module
 
     seed_everything(seed, verbose=False)
     model = SGDBoring()

@@ -144,7 +144,7 @@ PARTS = (
          full=True),
     Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
     Part("async_2x2", "async_published.py", ASYNC_2X2_ARGS, minutes=22, full_size=ASYNC_FULL_SIZE, full=True),
-    Part("async_defaults", "async_defaults.py", minutes=13, full=True),
+    Part("async_defaults", "async_defaults.py", ("--start-method", "fork"), minutes=13, full=True),
     # bench-full since benchmark 2 at HDET's defaults took 53 min (2026-12-03): make bench would need 94 min
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=9, full=True),
     Part("overhead", "overhead.py", minutes=12, code=("benchmarks/sharded_fit.py",)),
