@@ -20,6 +20,8 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
 - **HDET at its defaults** (``--hdet-votes defaults``): what a user gets from ``strategy="hdet"`` with nothing
   else given, one run on ``W`` processes at the starting LR: the groups, their multipliers (the start among them)
   and the vote interval are the package's, derived from the job (``--groups`` and ``--pbt-interval`` do not apply);
+  ``defaults:OPTION=VALUE[:...]`` changes one option of ``HDETStrategy`` (``num_groups``) or of ``Search`` (e.g.
+  ``defaults:refine_spread=1.0``), to measure it beside the defaults;
 - **HDET**, one arm per other entry of ``--hdet-votes`` (``VOTE`` or ``VOTE:SIGNAL``, e.g. ``pbt:heldout``): one run
   on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at the grid's LRs, voting and
   blending every ``T`` steps (``blend="best"`` by default). Entries the installed ``HDETCallback`` does not
@@ -48,7 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -201,8 +203,13 @@ def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], di
 
     ok, skipped = [], {}
     for vote in votes:
-        if vote == DEFAULTS:
-            ok.append(vote)
+        if vote.split(":")[0] == DEFAULTS:
+            try:
+                defaults_options(vote)
+            except (ValueError, TypeError) as err:
+                skipped[vote] = str(err)
+            else:
+                ok.append(vote)
             continue
         try:
             for step in vote.split(">"):
@@ -238,8 +245,8 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     from lightning_hdet import HDETStrategy
 
     center = math.exp(sum(map(math.log, lrs)) / len(lrs))
-    if vote == DEFAULTS:
-        return run_hdet_defaults(center, base, world, start_method, work)
+    if vote.split(":")[0] == DEFAULTS:
+        return run_hdet_defaults(center, base, world, start_method, work, *defaults_options(vote))
     arm = parse_hdet_arm(vote)
     strategy = HDETStrategy(
         num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync=arm.sync,
@@ -256,15 +263,30 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     return hdet_outcome(run, world, groups, lrs)
 
 
-def run_hdet_defaults(lr: float, base: RunSpec, world: int, start_method: str, work: Path) -> dict:
+STRATEGY_OPTIONS = ("num_groups",)  # a defaults arm's options that belong to HDETStrategy; the others to Search
+
+
+def defaults_options(vote: str) -> tuple[dict[str, Any], Any]:
+    """A ``defaults[:OPTION=VALUE...]`` arm's ``HDETStrategy`` keyword arguments and ``Search``: the defaults with
+    those options changed (e.g. ``defaults:refine_spread=1.0`` or ``defaults:num_groups=2``, to measure one option)."""
+    from lightning_hdet import Search
+
+    options = {k: int(v) if v.isdigit() else float(v) for k, v in (item.split("=", 1) for item in vote.split(":")[1:])}
+    strategy = {k: options.pop(k) for k in STRATEGY_OPTIONS if k in options}
+    return strategy, Search(**options)
+
+
+def run_hdet_defaults(lr: float, base: RunSpec, world: int, start_method: str, work: Path,
+                      options: Optional[dict[str, Any]] = None, search: Any = True) -> dict:
     """``strategy="hdet"`` as a user launches it: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given
-    (only the seed of its random choices), the optimizer at the starting LR ``lr``, every rank reading its own shard
-    (the default search ends with one gradient over the job)."""
+    (only the seed of its random choices; ``options`` and ``search`` for an arm that changes one option), the
+    optimizer at the starting LR ``lr``, every rank reading its own shard (the default search ends with one gradient
+    over the job)."""
     from lightning_hdet import HDETCallback, HDETStrategy
 
-    strategy = HDETStrategy(start_method=start_method, process_group_backend="gloo")
+    strategy = HDETStrategy(start_method=start_method, process_group_backend="gloo", **(options or {}))
     spec = replace(base, lr=lr, devices=world, shard_data=False, shard_train=True)
-    run = fit_run(spec, work, strategy=strategy, callbacks=[HDETCallback(seed=base.seed)])
+    run = fit_run(spec, work, strategy=strategy, callbacks=[HDETCallback(seed=base.seed, search=search)])
     groups = len(run.rank_extra[0]["group_lrs"])
     return hdet_outcome(run, world, groups, [lr])
 

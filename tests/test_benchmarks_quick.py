@@ -19,7 +19,7 @@ from benchmarks.common import (
     update_doc_section,
     write_block,
 )
-from benchmarks.search_baselines import STARTS, accepted_votes, lr_grid, parse_hdet_arm
+from benchmarks.search_baselines import STARTS, accepted_votes, defaults_options, lr_grid, parse_hdet_arm
 from benchmarks.search_pbt import pbt_explore, ray_available
 from benchmarks.search_report import to_target
 from tests.bench_quick import REPO, run_quick
@@ -118,6 +118,17 @@ def test_vote_names_the_callback_does_not_accept_are_skipped_with_the_reason():
     assert parse_hdet_arm("softmax:heldout@global") == ("softmax", "heldout", "global", False, False)
     assert parse_hdet_arm("pbt:improvement+search") == ("pbt", "improvement", "group", True, False)
     assert parse_hdet_arm("pbt@global+ref+search") == ("pbt", "mean", "global", True, True)
+
+
+def test_a_defaults_arm_changes_one_option_of_the_strategy_or_of_the_search():
+    from lightning_hdet import Search
+
+    assert defaults_options("defaults") == ({}, Search())
+    assert defaults_options("defaults:num_groups=2:refine_spread=1.0") == ({"num_groups": 2}, Search(refine_spread=1.0))
+    assert defaults_options("defaults:steps=16") == ({}, Search(steps=16))  # an integer stays one
+    ok, skipped = accepted_votes(["defaults:refine_spread=1.0", "defaults:nope=1", "defaults:refine_spread=0.5"])
+    assert ok == ["defaults:refine_spread=1.0"]
+    assert "nope" in skipped["defaults:nope=1"] and "`refine_spread` must be" in skipped["defaults:refine_spread=0.5"]
     with pytest.raises(ValueError, match=r"suffixes are \['\+search', '\+ref'\], got '\+later'"):
         parse_hdet_arm("pbt+later")
 
