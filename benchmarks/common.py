@@ -457,7 +457,8 @@ def stamp(seeds: Iterable[int] | None, wall_s: float | None = None) -> str:
 # Pages of the research log whose generated blocks no page holds yet (a first run of a research table): the
 # others go to the results page, docs/benchmarks.md. A block found on any page is rewritten where it stands.
 RESEARCH_BLOCKS = {"search_signals": "research/2026-12-hdet-search.md",
-                   "search_baselines_detail": "research/2026-12-hdet-search.md"}
+                   "search_baselines_detail": "research/2026-12-hdet-search.md",
+                   "search_long": "research/2026-12-hdet-search.md"}
 
 
 def block_page(docs_dir: Path, name: str) -> Path:

@@ -139,6 +139,13 @@ PARTS = (
          minutes=120, full_size=SEARCH_FULL_SIZE, full=True),
     Part("search_signals", "search_baselines.py", search("search_signals", ("grid",), SIGNAL_VOTES),
          minutes=20, full_size=SEARCH_FULL_SIZE, full=True),
+    # Issue 41's longer runs: benchmark 2's char LM at 1,024 steps (the default's search ends at step 300, a vote
+    # every 100), untuned and default HDET from every start, the 4x-compute grid from the 10x starts (the target's
+    # reference). From 128-step timings ~40 min without the grid and ~50 more with it.
+    Part("search_long", "search_baselines.py",
+         search("search_long", ("untuned",), ("defaults",), "--workloads", "char_lm", "--full-grid", "10x high",
+                "10x low"),
+         minutes=90, full_size=("--steps", "1024", "--pbt-interval", "128", "--val-every", "128"), full=True),
     Part("async_published", "async_published.py", ASYNC_ARGS, minutes=13, full_size=ASYNC_FULL_SIZE),
     Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
          full=True),
