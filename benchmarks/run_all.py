@@ -141,11 +141,11 @@ PARTS = (
          minutes=20, full_size=SEARCH_FULL_SIZE, full=True),
     # Issue 41's longer runs: benchmark 2's char LM at 1,024 steps (the default's search ends at step 300, a vote
     # every 100), untuned and default HDET from every start, the 4x-compute grid from the 10x starts (the target's
-    # reference). From 128-step timings ~40 min without the grid and ~50 more with it.
+    # reference). Idle, one 1,024-step run took 84 s (untuned) and 95 s (HDET) on 2026-12-03: ~28 min, the grid ~36.
     Part("search_long", "search_baselines.py",
          search("search_long", ("untuned",), ("defaults",), "--workloads", "char_lm", "--full-grid", "10x high",
                 "10x low"),
-         minutes=90, full_size=("--steps", "1024", "--pbt-interval", "128", "--val-every", "128"), full=True),
+         minutes=65, full_size=("--steps", "1024", "--pbt-interval", "128", "--val-every", "128"), full=True),
     Part("async_published", "async_published.py", ASYNC_ARGS, minutes=13, full_size=ASYNC_FULL_SIZE),
     Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
          full=True),
