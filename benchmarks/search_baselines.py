@@ -203,7 +203,7 @@ def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], di
 
     ok, skipped = [], {}
     for vote in votes:
-        if vote.split(":")[0] == DEFAULTS:
+        if is_defaults_arm(vote):
             try:
                 defaults_options(vote)
             except (ValueError, TypeError) as err:
@@ -245,7 +245,7 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     from lightning_hdet import HDETStrategy
 
     center = math.exp(sum(map(math.log, lrs)) / len(lrs))
-    if vote.split(":")[0] == DEFAULTS:
+    if is_defaults_arm(vote):
         return run_hdet_defaults(center, base, world, start_method, work, *defaults_options(vote))
     arm = parse_hdet_arm(vote)
     strategy = HDETStrategy(
@@ -264,6 +264,11 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
 
 
 STRATEGY_OPTIONS = ("num_groups",)  # a defaults arm's options that belong to HDETStrategy; the others to Search
+
+
+def is_defaults_arm(vote: str) -> bool:
+    """``defaults`` or ``defaults:OPTION=VALUE[:...]`` (:func:`defaults_options`)."""
+    return vote.split(":")[0] == DEFAULTS
 
 
 def defaults_options(vote: str) -> tuple[dict[str, Any], Any]:

@@ -118,6 +118,8 @@ def test_vote_names_the_callback_does_not_accept_are_skipped_with_the_reason():
     assert parse_hdet_arm("softmax:heldout@global") == ("softmax", "heldout", "global", False, False)
     assert parse_hdet_arm("pbt:improvement+search") == ("pbt", "improvement", "group", True, False)
     assert parse_hdet_arm("pbt@global+ref+search") == ("pbt", "mean", "global", True, True)
+    with pytest.raises(ValueError, match=r"suffixes are \['\+search', '\+ref'\], got '\+later'"):
+        parse_hdet_arm("pbt+later")
 
 
 def test_a_defaults_arm_changes_one_option_of_the_strategy_or_of_the_search():
@@ -129,8 +131,6 @@ def test_a_defaults_arm_changes_one_option_of_the_strategy_or_of_the_search():
     ok, skipped = accepted_votes(["defaults:refine_spread=1.0", "defaults:nope=1", "defaults:refine_spread=0.5"])
     assert ok == ["defaults:refine_spread=1.0"]
     assert "nope" in skipped["defaults:nope=1"] and "`refine_spread` must be" in skipped["defaults:refine_spread=0.5"]
-    with pytest.raises(ValueError, match=r"suffixes are \['\+search', '\+ref'\], got '\+later'"):
-        parse_hdet_arm("pbt+later")
 
 
 def _search_quick(tmp_path: Path, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
