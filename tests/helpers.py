@@ -142,6 +142,7 @@ class Recorder(Callback):
         if hdet:
             info["history"] = hdet[0].history
             info["rescues"] = hdet[0].rescues
+            info["restarted_at"] = hdet[0].controller.restarted_at
         self.out.mkdir(parents=True, exist_ok=True)
         torch.save(info, self.out / f"rank{trainer.global_rank}.pt")
 

@@ -157,3 +157,57 @@ def test_the_search_ends_once_at_the_first_vote_at_or_after_search_steps():
     assert [controller.search_ends(step) for step in (4, 6, 8)] == [False, True, True]
     controller.decide(replace(_interval([2.0, 1.0], step=8), refine=True))
     assert controller.searched_at == 8 and not controller.search_ends(12)
+
+
+@pytest.mark.parametrize(("centre", "below", "restarts"), [(0.25, 1 / 3, True), (1 / 3, 1 / 3, True),
+                                                           (0.5, 1 / 3, False), (0.25, None, False)],
+                         ids=["below", "at-the-bound", "above", "off"])
+def test_a_search_ending_far_below_the_start_lr_restarts_every_group_from_the_initial_model(centre, below, restarts):
+    """The winner (group 0, the lowest loss) sits at ``centre`` x the optimizer's LR: at or below ``restart_below``
+    every group restarts from the initial model at the new grid (its geometric mean is ``centre``); above it, or
+    with ``restart_below=None``, every group takes the winner's model as before. The decision is a checkpointed
+    fact of the run."""
+    search = Search(refine_spread=2.0, restart_below=below)
+    controller = HDETController(HDETConfig(search=search, safety_net=None))
+    decision = controller.decide(replace(_interval([1.0, 2.0], multipliers=(centre, 3.0), step=8), refine=True))
+    assert decision.refined and decision.winner == 0 and decision.coefficients == [1.0, 0.0]
+    assert decision.multipliers[:, 0].tolist() == pytest.approx([centre / 2**0.5, centre * 2**0.5])
+    assert decision.from_initial == ([True, True] if restarts else []) and not decision.roll_back
+    assert decision.warning == "" and controller.restarted_at == (8 if restarts else None)
+    restored = HDETController(HDETConfig())
+    restored.load_state_dict(controller.state_dict())
+    assert restored.restarted_at == controller.restarted_at
+    assert controller.keeps_initial == (below is not None)  # (no safety net: no plateau rule needs it)
+
+
+def test_a_restart_from_the_initial_model_without_one_held_is_a_warning_and_the_winners_model_trains_on():
+    controller = HDETController(HDETConfig(search=Search()))
+    ended = replace(_interval([1.0, 2.0], multipliers=(0.1, 1.0), step=8), refine=True, holds_initial=False)
+    decision = controller.decide(ended)
+    assert decision.refined and decision.from_initial == [] and controller.restarted_at is None
+    assert decision.warning == (
+        "HDET: step 8: the search ended at 0.1x the optimizer's LR, at or below Search(restart_below=0.333), but no "
+        "initial model is held (a run resumed from a checkpoint keeps none): every group trains on from the winner's "
+        "model.")
+
+
+def test_restart_below_must_be_a_fraction_of_the_lr():
+    for bad in (0.0, 1.5, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="restart_below"):
+            Search(restart_below=bad)
+    assert Search(restart_below=1.0).restart_below == 1.0 and Search().restart_below == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("below", [1 / 3, None], ids=["restarted", "not-restarted"])
+def test_after_a_restart_from_the_initial_model_the_climb_back_to_the_start_is_not_a_rise(below):
+    """Both groups fall from 2.0 to 0.5 / 0.9; the search ends on group 0 at x0.25. Restarted, the next interval
+    is back near the start (1.9): the safety net's history was the search's models', so nothing is a rise. Without
+    the restart the same losses are a rise on 0.5 and 0.9 (``rose``, both groups: a roll-back)."""
+    controller = HDETController(HDETConfig(search=Search(restart_below=below), safety_net=SafetyNet()))
+    start = {"first_losses": [2.0, 2.0], "first_errors": [0.01, 0.01]}
+    controller.decide(replace(_interval([1.0, 1.2], multipliers=(0.25, 1.0), step=4), **start))
+    ended = controller.decide(replace(_interval([0.5, 0.9], multipliers=(0.25, 1.0), step=8), refine=True))
+    assert ended.refined and (controller.restarted_at == 8) == (below is not None)
+    after = controller.decide(_interval([1.9, 1.9], multipliers=(0.25 / 1.5**0.5, 0.25 * 1.5**0.5), step=12))
+    assert after.rescued == ([False, False] if below is not None else [True, True])
+    assert [r for r in after.reasons if r] == ([] if below is not None else ["rose", "rose"])

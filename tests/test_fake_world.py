@@ -166,6 +166,37 @@ def test_the_search_ends_on_the_winner_with_a_grid_around_its_lr_and_global_grad
     assert ("set_gradient_sync", "global") in world.calls
 
 
+def test_a_search_ending_far_below_the_start_lr_restarts_every_group_from_the_initial_model():
+    """Group 0 (x0.25) learns fastest; the search ends on it at step 2 (0.25 <= restart_below=1/3). Every group
+    takes its model (2) and then the initial one (0), which becomes the restore point; the LRs are a grid of ratio
+    2 around 0.25. Step 3 moves the groups by 1 and 2; the end of fit merges on the best group (group 0: 1), where
+    the winner's model alone would have ended at 3."""
+    world = FakeWorld(params=[0.0], lr_multipliers=[0.25, 2.0], num_groups=2, gradient_sync="group")
+    (cb, _), _ = world.fit(_callback(every_n_steps=2, search=Search(steps=2, refine_spread=2.0)),
+                           _drift(lambda g, step: 2.0 - 0.1 * (2 - g) * step), max_steps=3)
+    assert cb.controller.searched_at == 2 and cb.controller.restarted_at == 2
+    assert world.table.get(1)[:, 0].tolist() == pytest.approx([0.25 / 2**0.5, 0.25 * 2**0.5])
+    assert ("restart_from_initial",) in world.calls
+    assert world.params.flatten().tolist() == [1.0, 1.0]
+    assert world.restarts == [2, 2]  # at the search's merge, then at the restart
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "none-held"])
+def test_a_restart_from_the_initial_model_makes_it_the_restore_point_and_changes_nothing_where_none_is_held(held):
+    """From 5, the groups train to 6 and 7 and merge to 6.5 (the restore point). The restart puts every group back
+    at 5, which a later roll-back returns to (not 6.5); without an initial model held nothing changes."""
+    world = FakeWorld(params=[5.0], lr_multipliers=[1.0, 2.0], num_groups=2)
+    world.run(lambda executor: executor.hdet.merger.ensure_restore_point(keep_initial=held))
+    world.run(lambda executor: executor.params.add_(1.0 + executor.group_index))
+    world.run(lambda executor: executor.hdet.merger.merge([0.5, 0.5], [1.0, 1.0], restart=[False, False]))
+    assert world.run(lambda executor: executor.hdet.merger.restart_from_initial()) == [held, held]
+    assert world.params.flatten().tolist() == ([5.0, 5.0] if held else [6.5, 6.5])
+    assert world.restarts == ([1, 1] if held else [0, 0])
+    world.run(lambda executor: executor.params.add_(3.0))
+    world.run(lambda executor: executor.hdet.merger.restore())
+    assert world.params.flatten().tolist() == ([5.0, 5.0] if held else [6.5, 6.5])
+
+
 def test_the_fake_holds_every_rank_to_the_same_calls():
     world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
     with pytest.raises(AssertionError, match=r"group [01] called .*set_lr_multipliers.* while group [01] called"):

@@ -257,13 +257,16 @@ def test_a_roll_back_flagged_initial_returns_to_the_model_the_fit_started_from()
 
 def test_the_rule_is_an_option_of_the_safety_net():
     """``SafetyNet(plateau=...)`` reaches the controller; ``SafetyNet(plateau=None)`` and ``safety_net=False``
-    switch it off, and with it the strategy's copy of the initial model."""
-    from lightning_hdet import HDETCallback, SafetyNet
+    switch it off, and with it the strategy's copy of the initial model unless the search restarts from it
+    (``Search.restart_below``)."""
+    from lightning_hdet import HDETCallback, SafetyNet, Search
 
     rule = PlateauRule(steps=50, cut=0.2)
     assert HDETCallback(safety_net=SafetyNet(plateau=rule)).controller.plateau == rule
     assert HDETCallback().controller.plateau == PlateauRule() and HDETCallback().controller.keeps_initial
-    assert not HDETCallback(safety_net=SafetyNet(plateau=None)).controller.keeps_initial
-    assert not HDETCallback(safety_net=False).controller.keeps_initial
+    no_restart = Search(restart_below=None)
+    assert not HDETCallback(safety_net=SafetyNet(plateau=None), search=no_restart).controller.keeps_initial
+    assert not HDETCallback(safety_net=False, search=False).controller.keeps_initial
+    assert HDETCallback(safety_net=False).controller.keeps_initial  # the default search may restart from it
     with pytest.raises(ValueError, match="`plateau` must be None or a PlateauRule"):
         SafetyNet(plateau=200)

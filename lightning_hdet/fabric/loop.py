@@ -81,7 +81,7 @@ class HDETLoop:
         self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.signal.bins, strategy.root_device)
         self._fresh = True  # the run's first step is ahead (not resumed): its loss is the safety net's start level
         self.initial_lrs: list[float] = self.hdet.table.current_lrs()[:, 0].tolist()
-        self.hdet.merger.ensure_restore_point()
+        self.hdet.merger.ensure_restore_point(keep_initial=self.controller.keeps_initial)
 
     @property
     def history(self) -> list[dict[str, Any]]:

@@ -35,6 +35,8 @@ class HDETResult:
         gradient_sync: how gradients were averaged at the end (``"group"`` or ``"global"``; ``None``: not known).
         ties: votes on a monitored metric that every group reported alike while their parameters differed
             (:mod:`~lightning_hdet.hdet.lightning.monitor`).
+        restarted_at: the step at which the search's end restarted every group from the initial model
+            (``Search.restart_below``: the LR it found was far below the starting one), ``None`` if it did not.
     """
 
     lrs: list[float]
@@ -50,6 +52,7 @@ class HDETResult:
     every_n_steps: Optional[int] = None
     gradient_sync: Optional[str] = None
     ties: int = 0
+    restarted_at: Optional[int] = None
 
     def summary(self) -> str:
         """The run in a few lines, numbers rounded; without a vote, what the run then was."""
@@ -58,7 +61,8 @@ class HDETResult:
         found = "LRs found" if self.votes else "LRs at the end, never moved"
         lines = [
             f"HDET result: {self.votes} vote(s), {self.rescues} rescue(s)"
-            + (f", search ended at step {self.searched_at}" if self.searched_at is not None else ""),
+            + (f", search ended at step {self.searched_at}" if self.searched_at is not None else "")
+            + (" and restarted every group from the initial model" if self.restarted_at is not None else ""),
             *([] if self.votes else [self._no_vote()]),
             f"  {found} (per param group{', group ' + str(winner) if winner >= 0 else ''}): "
             f"{rounded_list(self.lrs)}; every group started at {rounded_list(self.initial_lrs)}",
@@ -106,7 +110,8 @@ def make_result(
     **run: Any,
 ) -> HDETResult:
     """The result from the history rows (one per vote and group, with ``step`` and ``winner``) and the end-of-fit
-    LR table; ``run``: the other fields (``steps``, ``every_n_steps``, ``gradient_sync``, ``ties``)."""
+    LR table; ``run``: the other fields (``steps``, ``every_n_steps``, ``gradient_sync``, ``ties``,
+    ``restarted_at``)."""
     winners: list[tuple[int, int]] = []
     for row in history:
         if not winners or winners[-1][0] != row["step"]:

@@ -363,6 +363,10 @@ class _CheckedMerger(Merger):
         self._agree("restore", tuple(map(bool, initial)))
         super().restore(initial)
 
+    def restart_from_initial(self) -> bool:
+        self._agree("restart_from_initial")
+        return super().restart_from_initial()
+
 
 class InMemoryCommunicator:
     """The :class:`~lightning_hdet.hdet.execution.comm.Communicator` of one simulated rank (one per group) of a

@@ -187,6 +187,20 @@ class Merger:
         self.site.clear_optimizer_state()
         log.debug("roll-back to the %s", "initial model" if fresh else "restore point")
 
+    def restart_from_initial(self) -> bool:
+        """Every group takes the initial model, which becomes the restore point too (a later roll-back must not
+        return to the weights it replaced), and restarts its optimizer state; ``False``, and nothing changes, where
+        no initial model is held (:meth:`ensure_restore_point`)."""
+        held = self._initial_point
+        if held is None:
+            return False
+        assert self._restore_point is not None, "ensure_restore_point() runs at the start of fit"
+        write_from(self._restorable_tensors(), held, self.groups.root_device)
+        self._restore_point.copy_(held)
+        self.site.clear_optimizer_state()
+        log.debug("restart from the initial model")
+        return True
+
     def validate_merged(self, on: bool) -> None:
         """``on``: every rank holds the checkpoint's merged model (its own state kept on the host), for validation;
         off: each group's own state back (:mod:`~lightning_hdet.hdet.execution.validation`). Idempotent; ``on`` is a

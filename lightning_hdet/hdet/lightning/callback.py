@@ -421,7 +421,8 @@ def _hand_back(trainer: Trainer, callback: HDETCallback, hdet: HDETParts) -> HDE
     result = make_result(vote_rows(history), hdet.table.current_lrs().tolist(), callback.initial_lrs,
                          callback.num_votes, callback.rescues, callback.controller.searched_at,
                          vote_history_locations(trainer) if history else [], steps=trainer.global_step,
-                         every_n_steps=callback.every_n_steps, gradient_sync=hdet.gradient_sync, ties=callback.ties)
+                         every_n_steps=callback.every_n_steps, gradient_sync=hdet.gradient_sync, ties=callback.ties,
+                         restarted_at=callback.controller.restarted_at)
     if trainer.is_global_zero and hdet.num_groups > 1:
         if history:
             log_vote_history(trainer, history, step=trainer.global_step)

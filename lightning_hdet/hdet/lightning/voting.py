@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional
 
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hdet.hdet.console import rounded_list
 from lightning_hdet.hdet.execution.meter import Reading
@@ -34,6 +34,7 @@ def decide_and_execute(hdet: HDETParts, controller: HDETController, step: int, r
         schedule_lrs=hdet.table.schedule_lrs().tolist(), shared_gradients=hdet.gradient_sync == "global",
         final=final, curves=reading.curves, first_losses=reading.first_losses, first_errors=reading.first_errors,
         heldout=heldout, refine=not final and controller.search_ends(step), explored=hdet.explored,
+        holds_initial=hdet.merger.initial_point is not None,
     ))
     execute(hdet, decision)
     return decision
@@ -56,8 +57,12 @@ def execute(hdet: HDETParts, decision: Decision) -> None:
         hdet.set_explored(decision.explored)
     if decision.refined:
         hdet.set_gradient_sync("global")
+        restarted = any(decision.from_initial) and hdet.merger.restart_from_initial()
+        start = "the initial model (Search.restart_below)" if restarted else "its model"
         rank_zero_info(f"HDET: step {decision.step}: search ended on group {decision.winner}; every group trains "
-                       f"from its model at LRs {rounded_list(decision.lrs)} with gradient_sync='global'.")
+                       f"from {start} at LRs {rounded_list(decision.lrs)} with gradient_sync='global'.")
+    if decision.warning:
+        rank_zero_warn(decision.warning)
 
 
 def finish(hdet: HDETParts, controller: HDETController, voted_last: bool, vote_final: Callable[[], object]) -> None:

@@ -178,6 +178,14 @@ def advance(
     return CollapseHistory(start, previous, stalled, error, left)
 
 
+def restarted(history: CollapseHistory) -> CollapseHistory:
+    """The history after every group restarted from the initial model (``Search.restart_below``): the starting
+    levels stand (the same model), the previous intervals, stall counts and departures from the start are forgotten,
+    so the climb back to the starting level does not read as a rise."""
+    n = len(history.start)
+    return CollapseHistory(list(history.start), [NAN] * n, [0] * n, list(history.start_error), [False] * n)
+
+
 def rose_above_start(history: CollapseHistory, losses: Sequence[float]) -> bool:
     """Whether some group's loss is above its starting level plus ``NOISE_Z`` standard errors (a blow-up, or a
     collapse knocked above the untrained level; an infinite or NaN loss counts; groups whose level is unknown do

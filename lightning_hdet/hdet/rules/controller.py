@@ -22,7 +22,14 @@ from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
 from lightning_hdet.hdet.hyperparams import refined as refined_tables
 from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, has_progressed, rose_above_start
+from lightning_hdet.hdet.rules.collapse import (
+    CollapseHistory,
+    Verdict,
+    advance,
+    has_progressed,
+    restarted,
+    rose_above_start,
+)
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.options import Search
 from lightning_hdet.hdet.rules.plateau import (
@@ -60,6 +67,7 @@ class Interval:
     heldout: Optional[Sequence[float]] = None  # ``signal="heldout"``: every group's averaged iterate's held-out loss
     refine: bool = False  # the search ends here (``search_steps``): winner's model, LRs a narrow grid around its LR
     explored: Explored = field(default_factory=Explored)  # the other explored hyperparameters (hyperparams.py)
+    holds_initial: bool = True  # the strategy holds the initial model (a fresh run; keeps_initial)
 
 
 @dataclass(frozen=True)
@@ -80,9 +88,12 @@ class Decision:
     keep: bool = True  # the merge target may become the restore point (the safety net judged this vote good)
     reasons: list[str] = field(default_factory=list)  # why each rescued group counts as diverged ("" if not)
     refined: bool = False  # the search ended: every group took the winner's model and restarts its optimizer
-    from_initial: list[bool] = field(default_factory=list)  # at a roll-back: groups that restart from the initial model
+    # Groups that restart from the initial model: at a roll-back (the plateau ladder), or every group where the search
+    # ended on an LR at most ``Search.restart_below`` times the optimizer's.
+    from_initial: list[bool] = field(default_factory=list)
     explored: dict[str, Tensor] = field(default_factory=dict)  # the other explored hyperparameters' new tables
     values: dict[str, list[float]] = field(default_factory=dict)  # their new real values, first param group (logs)
+    warning: str = ""  # what the strategy warns about after executing the decision ("": nothing)
 
     @property
     def restart(self) -> list[bool]:
@@ -123,6 +134,7 @@ class HDETController:
         self.last_winner = -1
         self.last_coefficients: list[float] = []
         self.searched_at: Optional[int] = None  # the step of the vote that ended the search (``search_steps``)
+        self.restarted_at: Optional[int] = None  # that vote restarted every group from the initial model
         # From which step a vote may end the search (None: never); the callback sizes it from the run's length.
         self.search_steps: Optional[int] = config.search.steps if config.search is not None else None
 
@@ -150,8 +162,11 @@ class HDETController:
 
     @property
     def keeps_initial(self) -> bool:
-        """Whether the strategy should hold the initial model: the plateau rule's ladder restarts half of it there."""
-        return self.config.safety_net is not None and self.plateau.steps is not None
+        """Whether the strategy should hold the initial model: the plateau rule's ladder restarts half of it there,
+        and a search that ends on a low LR every group (``Search.restart_below``)."""
+        search = self.config.search
+        return (self.config.safety_net is not None and self.plateau.steps is not None) or (
+            search is not None and search.restart_below is not None)
 
     def search_ends(self, step: int) -> bool:
         """Whether a vote at ``step`` ends the search (``search_steps``; it ends once)."""
@@ -268,13 +283,16 @@ class HDETController:
         log.debug("vote at step %d: losses %s, signal %s, weights %s, winner %d, rescued %s", interval.step, losses,
                   signal, weights, winner, rescued)
         refined = interval.refine and winner >= 0 and num_groups > 1
+        restart, warning = [], ""
         if refined:
+            restart, warning = self._restart(interval, float(table[winner, 0]))
             grid = self._end_search(interval.step, table[winner].tolist(), num_groups)
             table = grid if interval.explored.lr else table  # (explore={"lr": 1.0}: the LRs stay)
             explored = refined_tables(explored, winner, self._refine_spread)
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
-                        coefficients, strengths, copies, refined=refined, explored=explored)
+                        coefficients, strengths, copies, refined=refined, from_initial=restart, explored=explored,
+                        warning=warning)
 
     def _end_search(self, step: int, row: list[float], num_groups: int) -> Tensor:
         """The search's winner's multipliers become the centre of a grid of ratio ``refine_spread``; the vote rule
@@ -283,6 +301,24 @@ class HDETController:
         self.rule.load_state_dict({})
         log.debug("search ended at step %d around multipliers %s", step, row)
         return centred_grid(row, num_groups, self._refine_spread)
+
+    def _restart(self, interval: Interval, centre: float) -> tuple[list[bool], str]:
+        """Whether a search ending around the winner's multiplier ``centre`` restarts every group from the initial
+        model (``Search.restart_below``), and the warning when it should but no initial model is held."""
+        below = (self.config.search or Search()).restart_below
+        wanted = below is not None and centre <= below * (1 + 1e-9)
+        self.restarted_at = interval.step if wanted and interval.holds_initial else None
+        if self.restarted_at is not None:
+            # Each group's own history described the search's models: the climb back from the initial one is not a
+            # rise. The plateau rule keeps the ensemble's best and its clock: a restart that does not get below what
+            # the search reached within the rule's patience is stuck (LRs still 30-100x too high in
+            # tests/test_plateau_fit.py, where a fresh clock left the run at chance to its end).
+            self.collapse_history = restarted(self.collapse_history)
+        if not wanted or interval.holds_initial:
+            return [True] * len(interval.losses) if wanted else [], ""
+        return [], (f"HDET: step {interval.step}: the search ended at {centre:.3g}x the optimizer's LR, at or below "
+                    f"Search(restart_below={below:.3g}), but no initial model is held (a run resumed from a "
+                    "checkpoint keeps none): every group trains on from the winner's model.")
 
     @property
     def _refine_spread(self) -> float:
@@ -338,6 +374,7 @@ class HDETController:
             "last_coefficients": list(self.last_coefficients),
             "collapse": self.collapse_history.state_dict(),
             "searched_at": self.searched_at,
+            "restarted_at": self.restarted_at,
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
@@ -353,6 +390,7 @@ class HDETController:
         self.last_coefficients = list(state_dict["last_coefficients"])
         self.collapse_history.load_state_dict(state_dict["collapse"])
         self.searched_at = state_dict["searched_at"]
+        self.restarted_at = state_dict.get("restarted_at")  # (absent from older checkpoints)
         self.plateau_history.load_state_dict(state_dict["plateau"])
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]

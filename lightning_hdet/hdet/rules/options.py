@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 from lightning_hdet._checks import check_int, check_number, require
+from lightning_hdet.hdet.rules.defaults import RESTART_BELOW
 from lightning_hdet.hdet.rules.safety_net import SafetyNet
 from lightning_hdet.hdet.rules.selection import PBT
 from lightning_hdet.hdet.rules.signals import CURVE_BINS
@@ -69,23 +70,32 @@ class Search:
 
     At the first vote at or after step ``steps`` whose winner is below its first step's loss, every group takes
     the winner's model (and a fresh optimizer state), the LRs become a grid of ratio ``refine_spread`` around the
-    winner's, and gradients are averaged over all ranks from then on (``gradient_sync="global"``).
+    winner's, and gradients are averaged over all ranks from then on (``gradient_sync="global"``). Where the
+    winner's LR is at most ``restart_below`` times the optimizer's, every group restarts from the initial model
+    instead: weights trained at a far higher LR went on training slowly (docs/hdet.md, "search, then train").
 
     Args:
         steps: the step at which the search may end; ``None``: a quarter of the run, ``trainer.max_steps // 4``
             (or of the estimated optimizer steps of a run bounded by epochs), searched the whole run when the
             run's length is unknown.
         refine_spread: the ratio between neighbouring groups' LRs once the search ended (>= 1).
+        restart_below: the winner's LR multiplier (of the first param group) at or below which the groups restart
+            from the initial model, in (0, 1]; ``None``: never. A fresh run only (a resumed one holds no initial
+            model; it warns and trains on from the winner's).
     """
 
     steps: Optional[int] = None
     refine_spread: float = 1.5
+    restart_below: Optional[float] = RESTART_BELOW
 
     def __post_init__(self) -> None:
         check_int("search_steps", self.steps, minimum=1, optional=True,
                   hint="None searches for the whole run; N ends the search at the first vote at or after step N.")
         check_number("refine_spread", self.refine_spread, low=1.0,
                      hint="The ratio between neighbouring groups' LRs after the search (1 gives every group its LR).")
+        if self.restart_below is not None:
+            check_number("restart_below", self.restart_below, 0.0, 1.0, low_open=True,
+                         hint="A fraction of the optimizer's LR, e.g. 1/3; None never restarts from the initial model.")
 
     def options(self) -> dict[str, Any]:
         """The options as given (the run config)."""
