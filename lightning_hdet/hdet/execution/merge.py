@@ -191,14 +191,11 @@ class Merger:
         """Every group takes the initial model, which becomes the restore point too (a later roll-back must not
         return to the weights it replaced), and restarts its optimizer state; ``False``, and nothing changes, where
         no initial model is held (:meth:`ensure_restore_point`)."""
-        held = self._initial_point
-        if held is None:
+        if self._initial_point is None:
             return False
         assert self._restore_point is not None, "ensure_restore_point() runs at the start of fit"
-        write_from(self._restorable_tensors(), held, self.groups.root_device)
-        self._restore_point.copy_(held)
-        self.site.clear_optimizer_state()
-        log.debug("restart from the initial model")
+        self._restore_point.copy_(self._initial_point)
+        self.restore()
         return True
 
     def validate_merged(self, on: bool) -> None:

@@ -306,19 +306,20 @@ class HDETController:
         """Whether a search ending around the winner's multiplier ``centre`` restarts every group from the initial
         model (``Search.restart_below``), and the warning when it should but no initial model is held."""
         below = (self.config.search or Search()).restart_below
-        wanted = below is not None and centre <= below * (1 + 1e-9)
-        self.restarted_at = interval.step if wanted and interval.holds_initial else None
-        if self.restarted_at is not None:
-            # Each group's own history described the search's models: the climb back from the initial one is not a
-            # rise. The plateau rule keeps the ensemble's best and its clock: a restart that does not get below what
-            # the search reached within the rule's patience is stuck (LRs still 30-100x too high in
-            # tests/test_plateau_fit.py, where a fresh clock left the run at chance to its end).
-            self.collapse_history = restarted(self.collapse_history)
-        if not wanted or interval.holds_initial:
-            return [True] * len(interval.losses) if wanted else [], ""
-        return [], (f"HDET: step {interval.step}: the search ended at {centre:.3g}x the optimizer's LR, at or below "
-                    f"Search(restart_below={below:.3g}), but no initial model is held (a run resumed from a "
-                    "checkpoint keeps none): every group trains on from the winner's model.")
+        self.restarted_at = None
+        if below is None or centre > below * (1 + 1e-9):
+            return [], ""
+        if not interval.holds_initial:
+            return [], (f"HDET: step {interval.step}: the search ended at {centre:.3g}x the optimizer's LR, at or "
+                        f"below Search(restart_below={below:.3g}), but no initial model is held (a run resumed from a "
+                        "checkpoint keeps none): every group trains on from the winner's model.")
+        self.restarted_at = interval.step
+        # Each group's own history described the search's models: the climb back from the initial one is not a rise.
+        # The plateau rule keeps the ensemble's best and its clock: a restart that does not get below what the search
+        # reached within the rule's patience is stuck (LRs still 30-100x too high in tests/test_plateau_fit.py, where
+        # a fresh clock left the run at chance to its end).
+        self.collapse_history = restarted(self.collapse_history)
+        return [True] * len(interval.losses), ""
 
     @property
     def _refine_spread(self) -> float:

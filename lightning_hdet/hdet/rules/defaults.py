@@ -21,7 +21,7 @@ DEFAULT_SEARCH = True  # Search(): ends at SEARCH_FRACTION of the run
 # (three workloads, three starts, six seeds; median 0.99x); the search is the premium a run pays when its LR was right.
 SEARCH_FRACTION = 0.25
 # Search(restart_below=...): where the search ends on an LR at most this fraction of the user's, every group restarts
-# from the initial model. Measured (docs/research/2026-12-hdet-search.md, "Restart from the initial model"): the char
+# from the initial model. Measured (docs/research/2026-12-hdet-search.md, "The char LM at 1,024 steps"): the char
 # LM from 10x too high at 1,024 steps ended 1.8-1.9x the good LR's loss on the weights the search's high LRs left,
 # 1.11-1.15x restarted (3 seeds); at 128 steps it fired only from 10x too high, never from the good or 10x low start.
 RESTART_BELOW = 1 / 3

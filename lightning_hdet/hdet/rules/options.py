@@ -93,9 +93,8 @@ class Search:
                   hint="None searches for the whole run; N ends the search at the first vote at or after step N.")
         check_number("refine_spread", self.refine_spread, low=1.0,
                      hint="The ratio between neighbouring groups' LRs after the search (1 gives every group its LR).")
-        if self.restart_below is not None:
-            check_number("restart_below", self.restart_below, 0.0, 1.0, low_open=True,
-                         hint="A fraction of the optimizer's LR, e.g. 1/3; None never restarts from the initial model.")
+        check_number("restart_below", self.restart_below, 0.0, 1.0, low_open=True, optional=True,
+                     hint="A fraction of the optimizer's LR, e.g. 1/3; None never restarts from the initial model.")
 
     def options(self) -> dict[str, Any]:
         """The options as given (the run config)."""
