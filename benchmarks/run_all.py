@@ -14,6 +14,7 @@ any options for every script (``--quick``, ``--results-dir DIR``, ``--docs-dir D
 from __future__ import annotations
 
 import argparse
+import resource
 import shlex
 import subprocess
 import sys
@@ -238,19 +239,26 @@ def run_part(part: Part, inputs: dict, args: argparse.Namespace, extra: Sequence
     """Run one part; on success write its record (key, inputs, what it wrote, its time)."""
     dirs = [args.results_dir, args.docs_dir]
     before = snapshot(dirs)
-    start = time.perf_counter()
+    start, cpu_before = time.perf_counter(), _children_cpu_s()
     cmd = [sys.executable, str(repo / "benchmarks" / part.script), *part.command(extra)[2:]]
     rc = subprocess.call(cmd, cwd=repo)
-    wall_s = time.perf_counter() - start
-    print(f"{part.name}: exit {rc} after {wall_s / 60:.1f} min", flush=True)
+    wall_s, cpu_s = time.perf_counter() - start, _children_cpu_s() - cpu_before
+    print(f"{part.name}: exit {rc} after {wall_s / 60:.1f} min ({cpu_s / 60:.1f} CPU-min)", flush=True)
     if rc == 0:
         written = [f for f, mtime in snapshot(dirs).items() if before.get(f) != mtime]
         write_record(record_path(args, part, extra), {
             "part": part.name, "key": key_of(inputs), "inputs": inputs, "command": shlex.join(part.command(extra)),
-            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": wall_s,
+            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": wall_s, "cpu_s": cpu_s,
             "outputs": outputs_of(written, args.docs_dir, repo),
         })
     return rc
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds used by this process's finished children (a part's processes). Beside the wall-clock it tells a
+    run on a loaded machine (same CPU time, longer wall) from a part that grew (both longer)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: Sequence[str] | None = None, parts: Sequence[Part] = PARTS, repo: Path = REPO) -> int:

@@ -444,6 +444,8 @@ def test_run_all_skips_unchanged_parts_and_resumes_after_a_failure(tmp_path, cap
         return runs.read_text().split() if runs.exists() else []
 
     assert run() == ["a", "b"]  # `make bench`: the parts not marked full
+    record = json.loads((repo / "benchmarks" / "results" / "cache" / "a.json").read_text())
+    assert record["wall_s"] > 0 and record["cpu_s"] >= 0  # CPU time beside the wall tells a loaded machine apart
     assert run() == [] and "0 of 2 parts to run" in capsys.readouterr().out
     assert run("--full") == ["c"]  # bench-full adds its parts; the others stay cached
     (repo / "benchmarks" / "other_helper.py").write_text("VALUE = 3\n")  # code only b imports
