@@ -20,8 +20,8 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
 - **HDET at its defaults** (``--hdet-votes defaults``): what a user gets from ``strategy="hdet"`` with nothing
   else given, one run on ``W`` processes at the starting LR: the groups, their multipliers (the start among them)
   and the vote interval are the package's, derived from the job (``--groups`` and ``--pbt-interval`` do not apply);
-  ``defaults:OPTION=VALUE[:...]`` changes one option of ``HDETStrategy`` (``num_groups``) or of ``Search`` (e.g.
-  ``defaults:refine_spread=1.0``), to measure it beside the defaults;
+  ``defaults:OPTION=VALUE[:...]`` changes one option of ``HDETStrategy`` (``num_groups``, ``gradient_sync``) or of
+  ``Search`` (e.g. ``defaults:refine_spread=1.0``), to measure it beside the defaults;
 - **HDET**, one arm per other entry of ``--hdet-votes`` (``VOTE`` or ``VOTE:SIGNAL``, e.g. ``pbt:heldout``): one run
   on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at the grid's LRs, voting and
   blending every ``T`` steps (``blend="best"`` by default). Entries the installed ``HDETCallback`` does not
@@ -263,7 +263,7 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     return hdet_outcome(run, world, groups, lrs)
 
 
-STRATEGY_OPTIONS = ("num_groups",)  # a defaults arm's options that belong to HDETStrategy; the others to Search
+STRATEGY_OPTIONS = ("num_groups", "gradient_sync")  # a defaults arm's options for HDETStrategy; the others Search's
 
 
 def is_defaults_arm(vote: str) -> bool:
@@ -276,9 +276,19 @@ def defaults_options(vote: str) -> tuple[dict[str, Any], Any]:
     those options changed (e.g. ``defaults:refine_spread=1.0`` or ``defaults:num_groups=2``, to measure one option)."""
     from lightning_hdet import Search
 
-    options = {k: int(v) if v.isdigit() else float(v) for k, v in (item.split("=", 1) for item in vote.split(":")[1:])}
+    options = {k: _value(v) for k, v in (item.split("=", 1) for item in vote.split(":")[1:])}
     strategy = {k: options.pop(k) for k in STRATEGY_OPTIONS if k in options}
     return strategy, Search(**options)
+
+
+def _value(text: str) -> Any:
+    """An option's value as written: an integer, a number, else the word (``gradient_sync=cluster``)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def run_hdet_defaults(lr: float, base: RunSpec, world: int, start_method: str, work: Path,

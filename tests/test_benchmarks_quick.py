@@ -128,6 +128,7 @@ def test_a_defaults_arm_changes_one_option_of_the_strategy_or_of_the_search():
     assert defaults_options("defaults") == ({}, Search())
     assert defaults_options("defaults:num_groups=2:refine_spread=1.0") == ({"num_groups": 2}, Search(refine_spread=1.0))
     assert defaults_options("defaults:steps=16") == ({}, Search(steps=16))  # an integer stays one
+    assert defaults_options("defaults:gradient_sync=cluster") == ({"gradient_sync": "cluster"}, Search())
     ok, skipped = accepted_votes(["defaults:refine_spread=1.0", "defaults:nope=1", "defaults:refine_spread=0.5"])
     assert ok == ["defaults:refine_spread=1.0"]
     assert "nope" in skipped["defaults:nope=1"] and "`refine_spread` must be" in skipped["defaults:refine_spread=0.5"]

@@ -125,6 +125,30 @@ def test_the_fabric_default_searches_then_averages_gradients_over_every_rank() -
     fabric.launch(_search_run)
 
 
+def _cluster_run(fabric: Fabric) -> None:
+    """The default grid of "cluster" on four ranks (0.19, 1, 1, 5.2): ranks 1 and 2 average one gradient, the probes
+    their own, until the clusters split at step 3."""
+    torch.manual_seed(0)
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    shared, apart = [], []  # per step: ranks 1 and 2 / 0 and 1 saw the same averaged gradient
+    for step, (x, y) in enumerate(_batches(fabric.global_rank, 6)):
+        if step == 3:
+            fabric.strategy.set_clusters([[0], [1], [2], [3]])
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        grads = fabric.all_gather(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        shared.append(bool(torch.equal(grads[1], grads[2])))
+        apart.append(not torch.allclose(grads[0], grads[1]))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert shared == [True] * 3 + [False] * 3 and all(apart), (shared, apart)
+
+
+def test_a_fabric_cluster_shares_one_gradient_until_it_splits() -> None:
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=HDETFabricStrategy(gradient_sync="cluster",
+                                                                              start_method=START))
+    fabric.launch(_cluster_run)
+
+
 def _diloco_run(fabric: Fabric, path: Path) -> None:
     torch.manual_seed(0)
     model, optimizer = fabric.setup(*_model_and_optimizer())

@@ -45,8 +45,9 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         lr_multipliers: one learning-rate multiplier per group (``None``: the preset's grid, or the fan-out set by
             ``spread``), as for the Trainer's strategy.
         spread: half-width of the published fan-out, in ``[0, 1)`` (``None``: the preset's).
-        gradient_sync: ``"global"`` (gradients averaged over all ranks) or ``"group"`` (inside each group, until
-            the search ends); ``None``: the preset's.
+        gradient_sync: ``"global"`` (gradients averaged over all ranks), ``"group"`` (inside each group, until
+            the search ends) or ``"cluster"`` (experimental: inside each cluster of groups, as for the Trainer's
+            HDETStrategy); ``None``: the preset's.
         preset: ``"recommended"`` (default, as the Trainer's ``"hdet"``: a geometric grid around the optimizer's
             LR, ``"group"``, and for :class:`~lightning_hdet.fabric.loop.HDETLoop` a PBT search ending a quarter
             into ``max_steps``) or ``"published"`` (the paper's ±11 % fan-out, ``"global"``, the softmax vote and
@@ -127,15 +128,15 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         if self._module is not None and self._module is not module:
             raise ValueError("HDETFabricStrategy trains one model: `fabric.setup` was called for a second one.")
         self._module = module
-        group = self.gradient_sync == "group"
-        if group:
+        apart = self.gradient_sync != "global"
+        if apart:
             # Groups are separate DDP jobs: start them all from rank 0's weights, then reduce inside the group.
             sync_module_states(module)
             set_ddp_kwarg(self, "process_group", self._group_pgs[self.group_index])
         wrapped = super().setup_module(module)
-        if group and self.num_groups > 1:  # the search's end switches it to every rank (`_apply_gradient_sync`)
-            self._gradient_mean = GradientMean(self._group_pgs[self.group_index], self.layout.group_size,
-                                               self.communicator)
+        if apart and self.num_groups > 1:  # votes and the search's end switch its ranks (`_apply_gradient_sync`)
+            ranks = self._gradient_process_group(strategy_timeout(self)), len(self.gradient_ranks)
+            self._gradient_mean = GradientMean(*ranks, self.communicator)
             wrapped.register_comm_hook(self._gradient_mean, GradientMean.hook)
         return wrapped
 
@@ -147,17 +148,22 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         return super().setup_optimizer(optimizer)
 
     def _apply_gradient_sync(self) -> None:
-        """``"group"`` -> ``"global"``: the DDP hook averages over every rank from the next backward on (no
-        collective; the user's loop keeps the DDP wrapper Fabric returned)."""
+        """``"group"``/``"cluster"`` -> ``"global"``, or new clusters: the DDP hook averages over the new ranks from
+        the next backward on (the user's loop keeps the DDP wrapper Fabric returned)."""
         mean = self._gradient_mean
         if self.num_groups == 1:
             return  # the one group is every rank already
-        if mean is None or self.gradient_sync != "global":
+        if mean is None or self.gradient_sync == "group":
             raise ValueError(
-                "HDETFabricStrategy switches `gradient_sync` only from 'group' (set up with `fabric.setup` and more "
-                f"than one group) to 'global'; it cannot become {self.gradient_sync!r} here."
+                "HDETFabricStrategy switches `gradient_sync` only from 'group' or 'cluster' (set up with `fabric.setup` "
+                f"and more than one group) to 'global', or between clusters; it cannot become {self.gradient_sync!r} "
+                "here."
             )
-        mean.process_group, mean.size = None, self.world_size
+        if self.gradient_sync == "global":
+            mean.process_group, mean.size = None, self.world_size
+        else:
+            mean.process_group = self._gradient_process_group(strategy_timeout(self))
+            mean.size = len(self.gradient_ranks)
 
     # ------------------------------------------------------------------ the step
     @override
@@ -193,7 +199,8 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
     def teardown(self) -> None:
         set_ddp_kwarg(self, "process_group", None)  # the last reference to a group ends its native threads
         self._gradient_mean = None
-        groups, self._group_pgs = self._group_pgs, []
+        groups, self._group_pgs = self._group_pgs + list(self._cluster_pgs.values()), []
+        self._cluster_pgs = {}
         destroy_groups(groups)
         super().teardown()
 

@@ -32,7 +32,8 @@ class HDETResult:
         history: that table's rows (one per vote and group, the columns of ``vote_history.csv``): :meth:`to_rows`.
         steps: the optimizer steps the run took (``None``: not known).
         every_n_steps: the interval between votes (``None``: not known).
-        gradient_sync: how gradients were averaged at the end (``"group"`` or ``"global"``; ``None``: not known).
+        gradient_sync: how gradients were averaged at the end (``"group"``, ``"cluster"`` or ``"global"``; ``None``:
+            not known).
         ties: votes on a monitored metric that every group reported alike while their parameters differed
             (:mod:`~lightning_hdet.hdet.lightning.monitor`).
         restarted_at: the step at which the search's end restarted every group from the initial model
@@ -78,7 +79,8 @@ class HDETResult:
         steps = "the run" if self.steps is None else f"{self.steps} step(s)"
         every = "" if self.every_n_steps is None else f" (a vote every {self.every_n_steps} steps)"
         shared = {"global": "plain DDP on one shared gradient, each group stepping at its starting LR",
-                  "group": "one plain DDP run per group, each at its starting LR"}.get(self.gradient_sync or "",
+                  "group": "one plain DDP run per group, each at its starting LR",
+                  "cluster": "one plain DDP run per cluster of groups, each at its starting LR"}.get(self.gradient_sync or "",
                                                                                        "each group at its starting LR")
         merged = f"; the final merge at step {self.winners[-1][0]} combined them" if self.winners else ""
         return (f"  no vote in {steps}{every}: no LR moved, so the run was {shared} "

@@ -52,6 +52,16 @@ class HDETHost(Protocol):
         """Average gradients over all ranks or inside each group from the next step on (a collective)."""
 
     @property
+    def clusters(self) -> list[list[int]]:
+        """The groups that average one gradient (:mod:`~lightning_hdet.hdet.clusters`)."""
+
+    def set_clusters(self, clusters: list[list[int]]) -> None:
+        """Under ``gradient_sync="cluster"``, the clusters from the next step on (may create process groups)."""
+
+    def rate_rows(self) -> Any:
+        """Every group's multipliers beside its explored values, one row per group."""
+
+    @property
     def config(self) -> dict[str, Any]:
         """The strategy's settings, recorded in the run config under ``hdet/...``."""
 
@@ -91,6 +101,17 @@ class HDETParts:
         self.host.set_gradient_sync(gradient_sync)
 
     @property
+    def clusters(self) -> list[list[int]]:
+        return self.host.clusters
+
+    def set_clusters(self, clusters: list[list[int]]) -> None:
+        """See :meth:`HDETHost.set_clusters`."""
+        self.host.set_clusters(clusters)
+
+    def rate_rows(self) -> Any:
+        return self.host.rate_rows()
+
+    @property
     def config(self) -> dict[str, Any]:
         return self.host.config
 
@@ -117,7 +138,8 @@ class HDETParts:
         explored = self.explored.tables
         return {"num_groups": self.num_groups, "interval": self.groups.gather_group_values(interval_row),
                 "lr_multipliers": self.table.multipliers, **self.host.ensemble_files(),
-                "last_good": self.merger.restore_point, **({"explored": explored} if explored else {})}
+                "last_good": self.merger.restore_point, **({"explored": explored} if explored else {}),
+                **({"clusters": self.clusters} if self.gradient_sync == "cluster" else {})}
 
     def load_ensemble(self, state: dict[str, Any]) -> Any:
         """Inverse of :meth:`save_ensemble` (the groups' own states are read when Lightning restores the model);
@@ -127,6 +149,8 @@ class HDETParts:
         self.table.set(state["lr_multipliers"])
         if state.get("last_good") is not None:
             self.merger.load_restore_point(state["last_good"])
+        if self.gradient_sync == "cluster":  # (a checkpoint without clusters: every group alone, whatever it holds)
+            self.set_clusters(state.get("clusters") or [[g] for g in range(self.num_groups)])
         if state.get("explored") is not None:  # (refused, naming both, when the run explores other names)
             self.set_explored(state["explored"])
         elif self.explored.tables:

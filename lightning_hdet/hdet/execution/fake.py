@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_hdet.hdet.clusters import Clusters, check_clusters, equal_runs, singletons
 from lightning_hdet.hdet.execution.comm import GroupComm
 from lightning_hdet.hdet.execution.executor import HDETParts
 from lightning_hdet.hdet.execution.guard import StepGuard
@@ -52,7 +53,8 @@ class FakeWorld:
         params: every group's parameters, ``(num_groups, d)`` (or ``d`` values: each group starts from them).
         lr_multipliers: every group's multiplier of the first param group (one per group).
         schedule_lrs: what the optimizers and schedulers say, one per flattened param group.
-        gradient_sync: ``"group"`` or ``"global"``, as the strategy's.
+        gradient_sync: ``"group"``, ``"cluster"`` or ``"global"``, as the strategy's (``clusters``: the groups' clusters,
+            at first the runs of equal neighbouring rates, as the strategy's).
         num_groups: the number of groups when ``params`` is one vector.
         explore: other explored hyperparameters: every group's multiplier of each name (first param group), as
             ``HDETStrategy(explore=...)`` with lists; ``{"lr": 1.0}`` freezes the LR.
@@ -83,6 +85,7 @@ class FakeWorld:
         self._barriers: dict[tuple[int, ...], threading.Barrier] = {}  # one per process group (tuple of ranks)
         # Each group's own objects, as each rank's strategy owns its own.
         self.parts = [_parts(self, _Rank(self, g, MultiplierTable(lr_multipliers))) for g in range(self.num_groups)]
+        self.clusters = equal_runs(self.parts[0].host.rate_rows())  # (used under gradient_sync="cluster")
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -303,6 +306,24 @@ class _Rank:
         self.world.exchange(self.group_index, ("set_gradient_sync", gradient_sync))
         self.world.gradient_sync = gradient_sync
         self.world.barrier()  # nobody reads it half-switched
+
+    @property
+    def clusters(self) -> Clusters:
+        if self.world.gradient_sync == "cluster":
+            return [list(c) for c in self.world.clusters]
+        return [list(range(self.num_groups))] if self.world.gradient_sync == "global" else singletons(self.num_groups)
+
+    def set_clusters(self, clusters: Clusters) -> None:
+        check_clusters(clusters, self.num_groups)
+        self.world.exchange(self.group_index, ("set_clusters", tuple(tuple(c) for c in clusters)))
+        if self.group_index == 0 and self.world.gradient_sync == "cluster":
+            self.world.clusters = [list(c) for c in clusters]
+        self.world.barrier()  # nobody reads them half-written
+
+    def rate_rows(self) -> Tensor:
+        columns = len(self.world.schedule)
+        tables = [self.multiplier_table.get(columns), *self.world.explored.get(columns).values()]
+        return torch.cat([t.reshape(self.num_groups, -1).double() for t in tables], dim=1)
 
     @property
     def config(self) -> dict[str, Any]:

@@ -99,6 +99,9 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
         **fsdp_kwargs: Any,
     ) -> None:
         self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
+        require("gradient_sync", gradient_sync, gradient_sync != "cluster", "'group' or 'global' with hdet_fsdp",
+                "Clusters of groups need process groups of unequal size, which the FSDP2 device mesh of equal groups "
+                "does not have; use strategy='hdet' (DDP) for gradient_sync='cluster'.")
         for name in fsdp_kwargs:
             require(name, fsdp_kwargs[name], name in _FSDP_KWARGS, f"one of fully_shard's arguments {_FSDP_KWARGS}",
                     "HDETFSDPStrategy builds the device mesh itself.")

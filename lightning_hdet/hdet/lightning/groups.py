@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
-import torch.distributed as dist
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
+from lightning_hdet.hdet.clusters import Clusters, equal_runs
 from lightning_hdet.hdet.execution.comm import Communicator, GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.execution.executor import HDETParts
 from lightning_hdet.hdet.execution.guard import StepGuard, skips_on_device
@@ -46,6 +47,7 @@ from lightning_hdet.hdet.layout import (
     fan_out,
     make_layout,
 )
+from lightning_hdet.hdet.lightning.gradient_groups import GradientGroups
 from lightning_hdet.hdet.multipliers import (
     MultiplierTable,
     check_numeric_lrs,
@@ -53,13 +55,13 @@ from lightning_hdet.hdet.multipliers import (
     scaled_lr,
     schedule_lrs,
 )
-from lightning_hdet.hdet.rules.defaults import PRESETS, span_grid
+from lightning_hdet.hdet.rules.defaults import PRESETS, incumbent_grid, span_grid
 
-GradientSync = Literal["global", "group"]
-GRADIENT_SYNC = ("global", "group")
+GradientSync = Literal["global", "group", "cluster"]
+GRADIENT_SYNC = ("global", "group", "cluster")
 
 
-class HDETGroups:
+class HDETGroups(GradientGroups):
     """Groups of ranks, their learning-rate multipliers, the guard's counters and the vote's one collective."""
 
     hdet: HDETParts
@@ -102,6 +104,8 @@ class HDETGroups:
         self.gradient_sync = gradient_sync
         self._layout: Optional[GroupLayout] = None
         self._multipliers: Optional[MultiplierTable] = None
+        self._clusters: Optional[Clusters] = None  # under "cluster": set at the first wrap, then by the votes
+        self._cluster_pgs: dict[tuple[int, ...], Any] = {}  # the process group of each cluster of several groups
 
     def _init_parts(self, site: MergeSite, communicator: Optional[Communicator] = None) -> None:
         """Build ``self.hdet``, the objects the callback drives (call in ``__init__``, after :meth:`_init_groups`):
@@ -128,6 +132,7 @@ class HDETGroups:
             "spread": self.spread,
             "preset": self.preset.name,
             "gradient_sync": self.gradient_sync,
+            **({"clusters": self.clusters} if self.gradient_sync == "cluster" else {}),
             **({"explore": {n: t[:, 0].tolist() for n, t in self.explored.tables.items()}} if self._explore else {}),
         }
 
@@ -145,6 +150,13 @@ class HDETGroups:
         # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
         self._layout = self._make_layout(self.num_nodes * self.num_processes)
         self._explored = ExploredTables(self._explore, self.num_groups)  # (a list of multipliers: one per group)
+        if self.gradient_sync == "cluster" and all(len(c) == 1 for c in equal_runs(self.rate_rows())):
+            rank_zero_warn(
+                f"gradient_sync='cluster' with the multipliers {self._table.get(1)[:, 0].tolist()}: no two neighbouring "
+                "groups share their rates, so every group trains alone as under 'group'. Clusters need four groups "
+                "or more (the default grid then puts the user's LR on the middle ones) or equal neighbouring "
+                "`lr_multipliers`."
+            )
         super()._configure_launcher()  # type: ignore[misc]
 
     def _make_layout(self, world_size: int) -> GroupLayout:
@@ -167,16 +179,6 @@ class HDETGroups:
                 "choose `num_groups` so the group size divides the processes per node to keep traffic local."
             )
         return layout
-
-    def _new_group_process_groups(self, timeout: Any) -> list[Any]:
-        """One process group per HDET group (call on every rank, after the default group exists)."""
-        # Every rank creates every group, in the same order. Except over gloo on GPUs: Lightning then binds the
-        # default group to the device, and torch (2.11-2.13) has a rank outside a new group split gloo's
-        # communicator, which gloo cannot do (AttributeError: perform_nocolor_split). The groups are disjoint, so
-        # each rank can create only its own (the others stay None); NCCL keeps the faster split.
-        own_only = self.root_device.type != "cpu" and dist.get_backend() == "gloo"
-        return [dist.new_group(self.layout.ranks(g), timeout=timeout, use_local_synchronization=own_only)
-                for g in range(self.layout.num_groups)]
 
     @property
     def layout(self) -> GroupLayout:
@@ -206,6 +208,8 @@ class HDETGroups:
             lr_span = self._explore.get("lr")
             if initial is None and isinstance(lr_span, float):
                 initial = span_grid(self.num_groups, lr_span)  # explore={"lr": span}
+            elif initial is None and self.spread is None and self.gradient_sync == "cluster":
+                initial = incumbent_grid(self.num_groups, self.preset.span)  # the user's LR on the middle groups
             elif initial is None and self.spread is None:
                 initial = span_grid(self.num_groups, self.preset.span)  # the preset's geometric grid
             elif initial is None:
@@ -240,7 +244,8 @@ class HDETGroups:
         self.hdet.table.set(multipliers)
 
     def set_gradient_sync(self, gradient_sync: GradientSync) -> None:
-        """Average gradients over all ranks (``"global"``) or inside each group (``"group"``) from the next step on.
+        """Average gradients over all ranks (``"global"``), inside each group (``"group"``) or inside each cluster
+        (``"cluster"``, :attr:`clusters`) from the next step on.
 
         The one writer of ``gradient_sync`` after ``__init__``; call it on every rank at the same step, between
         steps. Every group keeps its own parameters; how the strategy switches is its ``_apply_gradient_sync``.
@@ -253,6 +258,13 @@ class HDETGroups:
     def _apply_gradient_sync(self) -> None:
         """Make the wrapped or sharded model reduce gradients as ``gradient_sync`` now says (the strategy's hook)."""
         raise NotImplementedError
+
+    def rate_rows(self) -> Tensor:
+        """Every group's multipliers beside its explored hyperparameters' values, one row per group: groups with
+        equal rows train alike."""
+        columns = max(1, self.num_param_groups)  # (before the optimizers exist, every column is the first)
+        tables = [self._table.get(columns), *(self._hyper.get(columns).values() if self._explore else ())]
+        return torch.cat([t.reshape(self.num_groups, -1).double() for t in tables], dim=1)
 
     def param_group_offset(self, optimizer: Optimizer) -> int:
         """Index of ``optimizer``'s first param group in the flattened list over all optimizers."""
@@ -323,14 +335,18 @@ class HDETGroups:
         steps, inner = guard.counter(self.root_device), unwrap_optimizer(optimizer)
         scaler = self._uses_grad_scaler()  # a GradScaler skips non-finite steps itself and owns ``found_inf``
         exact = skips_on_device(inner) and not scaler
-        closure = steps.wrap(closure, optimizer, guard.hook, not scaler, self._guard_process_group,
-                             self.layout.group_size, exact)
+        closure = steps.wrap(closure, optimizer, guard.hook, not scaler, *self._step_guard_group(), exact)
         try:
             with self.scaled_lr(optimizer), (steps.found_inf(inner) if exact else nullcontext()):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         finally:
             if guard.hook is not None:
                 guard.hook.reset()
+
+    def _step_guard_group(self) -> tuple[Any, int]:
+        """The ranks that skip a flagged step together, and how many: this rank's group (its strategy may widen it
+        to the ranks that share its gradient)."""
+        return self._guard_process_group, self.layout.group_size
 
     @property
     def skipped_steps(self) -> int:

@@ -69,7 +69,10 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
             (``0`` is plain DDP); ``None``: the preset's multipliers. Not with ``lr_multipliers``.
         gradient_sync: ``"group"``: each group is its own DDP job on its own process group, so groups diverge between
             merges (recommended for a search). ``"global"``: gradients averaged over all ranks every step (published;
-            groups differ only in step size). ``None``: the preset's.
+            groups differ only in step size). ``"cluster"`` (experimental): as ``"group"``, but neighbouring groups
+            at equal rates that hold one model train as one DDP job (a cluster; the default grid puts the user's LR
+            on the middle groups, :func:`~lightning_hdet.hdet.rules.defaults.incumbent_grid`), until a vote treats
+            them differently (:mod:`~lightning_hdet.hdet.clusters`). ``None``: the preset's.
         preset: the defaults of the arguments left ``None`` and of the HDETCallback installed when none is passed
             (:mod:`~lightning_hdet.hdet.rules.defaults`): ``"recommended"`` (search, then train: the measured best) or
             ``"published"`` (the paper's: ``spread=1/9``, ``"global"``, ``vote="softmax"``, no end to the search).
@@ -109,6 +112,7 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
+        self._cluster_size = 1
         self._init_parts(ReplicaSite(self), communicator)
 
     # ------------------------------------------------------------------ registration
@@ -141,14 +145,27 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         return self.group_process_group  # a guarded step is skipped by the whole group
 
     # ------------------------------------------------------------------ DDP wrapping
+    @property
+    def _gradient_group(self) -> Any:
+        """The process group DDP averages over: ``None`` (every rank) under ``"global"``, else this rank's group's or
+        cluster's."""
+        return None if self.gradient_sync == "global" else self._gradient_process_group(strategy_timeout(self))
+
     @override
     def _setup_model(self, model: Module) -> Module:
-        group = self.gradient_sync == "group"
-        if group and ddp_kwarg(self, "init_sync", True):
+        apart = self.gradient_sync != "global"
+        if apart and ddp_kwarg(self, "init_sync", True):
             # Groups are separate DDP jobs: start them all from rank 0's weights, then reduce inside the group.
             sync_module_states(model)
-        set_ddp_kwarg(self, "process_group", self.group_process_group if group else None)
+        set_ddp_kwarg(self, "process_group", self._gradient_group)
+        self._cluster_size = len(self.gradient_ranks)  # (read every step by the guard: computed once per wrap)
         return super()._setup_model(model)
+
+    @override
+    def _step_guard_group(self) -> tuple[Any, int]:
+        if self.gradient_sync != "cluster":
+            return super()._step_guard_group()
+        return ddp_kwarg(self, "process_group"), self._cluster_size  # a cluster shares its gradient: skips together
 
     def _apply_gradient_sync(self) -> None:
         """A model already wrapped is wrapped again by DDP over the new process group."""
@@ -190,7 +207,8 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         set_ddp_kwarg(self, "process_group", None)
         # HDET's groups are destroyed before Lightning's teardown, while the default group they were built on is up.
         # (None in the list: another group's, never created on this rank: gloo on GPUs, above)
-        groups, self._group_pgs = self._group_pgs, []
+        groups, self._group_pgs = self._group_pgs + list(self._cluster_pgs.values()), []
+        self._cluster_pgs = {}
         destroy_groups(groups)
         super().teardown()
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hdet.hdet.clusters import after_vote
 from lightning_hdet.hdet.console import rounded_list
 from lightning_hdet.hdet.execution.meter import Reading
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
@@ -42,7 +43,8 @@ def decide_and_execute(hdet: HDETParts, controller: HDETController, step: int, r
 
 def execute(hdet: HDETParts, decision: Decision) -> None:
     """The strategy carries out one decision: roll back, or merge (one collective per step of the plan); then the
-    new multipliers and, when the decision ended the search, gradients averaged over all ranks."""
+    new multipliers, the clusters they and the merge leave (``gradient_sync="cluster"``) and, when the decision ended
+    the search, gradients averaged over all ranks."""
     if decision.roll_back:
         hdet.merger.restore(decision.from_initial)
         rank_zero_info(
@@ -55,6 +57,8 @@ def execute(hdet: HDETParts, decision: Decision) -> None:
     hdet.table.set(decision.multipliers)
     if decision.explored:
         hdet.set_explored(decision.explored)
+    if hdet.gradient_sync == "cluster" and not decision.refined:  # (the search's end: every rank, below)
+        hdet.set_clusters(after_vote(hdet.clusters, hdet.rate_rows(), decision))
     if decision.refined:
         hdet.set_gradient_sync("global")
         restarted = any(decision.from_initial) and hdet.merger.restart_from_initial()

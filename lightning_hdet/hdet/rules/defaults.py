@@ -72,6 +72,18 @@ def span_grid(num_groups: int, span: float) -> list[float]:
     return [span ** ((g - home) / intervals) for g in range(num_groups)]
 
 
+def incumbent_grid(num_groups: int, span: float) -> list[float]:
+    """The grid of ``gradient_sync="cluster"``: the user's LR (1) on the middle groups, which train as one cluster on
+    half the ranks or more, and ``max(1, G // 4)`` probes on each side, geometric up to ``span ** -0.5`` and
+    ``span ** 0.5`` (four groups: ``[span ** -0.5, 1, 1, span ** 0.5]``). Fewer than four groups hold no cluster of
+    the user's LR beside a probe each way: :func:`span_grid`."""
+    if num_groups < 4:
+        return span_grid(num_groups, span)
+    probes = max(1, num_groups // 4)
+    below = [span ** (-0.5 * (probes - i) / probes) for i in range(probes)]
+    return below + [1.0] * (num_groups - 2 * probes) + [1.0 / m for m in reversed(below)]
+
+
 def user_group(num_groups: int) -> int:
     """The group :func:`span_grid` gives multiplier 1 (the user's own learning rate)."""
     return (num_groups - 1) // 2
