@@ -271,14 +271,19 @@ def is_defaults_arm(vote: str) -> bool:
     return vote.split(":")[0] == DEFAULTS
 
 
-def defaults_options(vote: str) -> tuple[dict[str, Any], Any]:
-    """A ``defaults[:OPTION=VALUE...]`` arm's ``HDETStrategy`` keyword arguments and ``Search``: the defaults with
-    those options changed (e.g. ``defaults:refine_spread=1.0`` or ``defaults:num_groups=2``, to measure one option)."""
+def defaults_options(vote: str) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """A ``defaults[:OPTION=VALUE...]`` arm's ``HDETStrategy`` keyword arguments, ``Search`` and ``HDETCallback``
+    keyword arguments: the defaults with those options changed (e.g. ``defaults:refine_spread=1.0``,
+    ``defaults:num_groups=2`` or ``defaults:gradient_sync=cluster:vote=halving``, to measure one option)."""
     from lightning_hdet import Search
+    from lightning_hdet.experimental import Halving
+    from lightning_hdet.hdet.rules.options import as_vote
 
     options = {k: _value(v) for k, v in (item.split("=", 1) for item in vote.split(":")[1:])}
     strategy = {k: options.pop(k) for k in STRATEGY_OPTIONS if k in options}
-    return strategy, Search(**options)
+    callback = {"vote": Halving() if options["vote"] == "halving" else as_vote(options["vote"])} if "vote" in options else {}
+    options.pop("vote", None)
+    return strategy, Search(**options), callback
 
 
 def _value(text: str) -> Any:
@@ -292,7 +297,8 @@ def _value(text: str) -> Any:
 
 
 def run_hdet_defaults(lr: float, base: RunSpec, world: int, start_method: str, work: Path,
-                      options: Optional[dict[str, Any]] = None, search: Any = True) -> dict:
+                      options: Optional[dict[str, Any]] = None, search: Any = True,
+                      callback: Optional[dict[str, Any]] = None) -> dict:
     """``strategy="hdet"`` as a user launches it: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given
     (only the seed of its random choices; ``options`` and ``search`` for an arm that changes one option), the
     optimizer at the starting LR ``lr``, every rank reading its own shard (the default search ends with one gradient
@@ -301,7 +307,8 @@ def run_hdet_defaults(lr: float, base: RunSpec, world: int, start_method: str, w
 
     strategy = HDETStrategy(start_method=start_method, process_group_backend="gloo", **(options or {}))
     spec = replace(base, lr=lr, devices=world, shard_data=False, shard_train=True)
-    run = fit_run(spec, work, strategy=strategy, callbacks=[HDETCallback(seed=base.seed, search=search)])
+    run = fit_run(spec, work, strategy=strategy,
+                  callbacks=[HDETCallback(seed=base.seed, search=search, **(callback or {}))])
     groups = len(run.rank_extra[0]["group_lrs"])
     return hdet_outcome(run, world, groups, [lr])
 

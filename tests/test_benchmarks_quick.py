@@ -124,11 +124,14 @@ def test_vote_names_the_callback_does_not_accept_are_skipped_with_the_reason():
 
 def test_a_defaults_arm_changes_one_option_of_the_strategy_or_of_the_search():
     from lightning_hdet import Search
+    from lightning_hdet.experimental import Halving
 
-    assert defaults_options("defaults") == ({}, Search())
-    assert defaults_options("defaults:num_groups=2:refine_spread=1.0") == ({"num_groups": 2}, Search(refine_spread=1.0))
-    assert defaults_options("defaults:steps=16") == ({}, Search(steps=16))  # an integer stays one
-    assert defaults_options("defaults:gradient_sync=cluster") == ({"gradient_sync": "cluster"}, Search())
+    assert defaults_options("defaults") == ({}, Search(), {})
+    assert defaults_options("defaults:num_groups=2:refine_spread=1.0") == ({"num_groups": 2}, Search(refine_spread=1.0),
+                                                                            {})
+    assert defaults_options("defaults:steps=16") == ({}, Search(steps=16), {})  # an integer stays one
+    assert defaults_options("defaults:gradient_sync=cluster:vote=halving") == (
+        {"gradient_sync": "cluster"}, Search(), {"vote": Halving()})
     ok, skipped = accepted_votes(["defaults:refine_spread=1.0", "defaults:nope=1", "defaults:refine_spread=0.5"])
     assert ok == ["defaults:refine_spread=1.0"]
     assert "nope" in skipped["defaults:nope=1"] and "`refine_spread` must be" in skipped["defaults:refine_spread=0.5"]

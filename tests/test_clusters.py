@@ -7,8 +7,9 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from lightning_hdet import HDETCallback, HDETStrategy, PBT
-from lightning_hdet.hdet.clusters import after_vote, check_clusters, equal_runs, next_clusters
+from lightning_hdet import PBT, HDETCallback, HDETStrategy
+from lightning_hdet.experimental import Halving
+from lightning_hdet.hdet.clusters import after_vote, check_clusters, equal_rows, next_clusters
 from lightning_hdet.hdet.fsdp.strategy import HDETFSDPStrategy
 from lightning_hdet.hdet.rules.controller import Decision
 from lightning_hdet.hdet.rules.defaults import incumbent_grid, span_grid
@@ -30,11 +31,11 @@ def _decision(rows: torch.Tensor, copies=(), rescued=None, roll_back=False, from
                     from_initial=list(from_initial))
 
 
-def test_equal_neighbouring_rows_form_a_cluster_and_equal_distant_rows_do_not():
-    assert equal_runs(_rows(0.2, 1.0, 1.0, 5.0)) == [[0], [1, 2], [3]]
-    assert equal_runs(_rows(1.0, 1.0, 2.0, 1.0)) == [[0, 1], [2], [3]]  # group 3's 1.0 is not next to them
+def test_in_a_fresh_run_groups_with_equal_rows_form_a_cluster():
+    assert equal_rows(_rows(0.2, 1.0, 1.0, 5.0)) == [[0], [1, 2], [3]]
+    assert equal_rows(_rows(1.0, 2.0, 1.0, 2.0)) == [[0, 2], [1, 3]]  # ranks 0, 2 and 1, 3: one job each
     two_columns = torch.tensor([[1.0, 1.0], [1.0, 2.0], [1.0, 2.0]], dtype=torch.float64)
-    assert equal_runs(two_columns) == [[0], [1, 2]]  # every column counts (param groups, explored values)
+    assert equal_rows(two_columns) == [[0], [1, 2]]  # every column counts (param groups, explored values)
 
 
 def test_a_vote_keeps_a_cluster_it_treats_alike_and_splits_one_it_does_not():
@@ -62,12 +63,31 @@ def test_without_a_common_model_clusters_never_join_and_with_one_they_follow_the
     back = _decision(rows, roll_back=True, from_initial=[False, False, False, True])
     assert after_vote([[0], [1], [2, 3]], rows, back) == [[0, 1, 2], [3]]
     assert after_vote([[0], [1], [2], [3]], rows, _decision(rows, roll_back=True)) == [[0, 1, 2, 3]]
+    alternating = _rows(1.0, 2.0, 1.0, 2.0)
+    assert after_vote([[0], [1, 2, 3]], alternating, _decision(alternating, roll_back=True)) == [[0, 2], [1, 3]]
 
 
-@pytest.mark.parametrize("clusters", [[[0], [2], [1]], [[0, 1]], [[0], [], [1, 2]], "0,1,2", [[0, 1, 2, 3]]])
-def test_clusters_that_are_not_runs_of_every_group_are_refused(clusters):
-    with pytest.raises(ValueError, match="`clusters`.*runs of neighbouring group indices covering 0..2"):
+def test_a_group_that_copies_another_whole_at_its_rates_joins_its_cluster():
+    rows = _rows(5.0, 1.0, 1.0, 5.0)  # group 0 took group 3's model and rates; 1 and 2 left alone
+    whole = _decision(rows, [MergeStep([0, 0, 0, 1], [1, 0, 0, 0])])
+    assert after_vote([[0], [1, 2], [3]], rows, whole) == [[0, 3], [1, 2]]
+    # a perturbed LR, half a copy, or a source that was itself moved: no join
+    moved = _rows(4.0, 1.0, 1.0, 5.0)
+    assert after_vote([[0], [1, 2], [3]], moved, _decision(moved, [MergeStep([0, 0, 0, 1], [1, 0, 0, 0])])) == [
+        [0], [1, 2], [3]]
+    half = _decision(rows, [MergeStep([0, 0, 0, 1], [0.5, 0, 0, 0])])
+    assert after_vote([[0], [1, 2], [3]], rows, half) == [[0], [1, 2], [3]]
+    # group 0 copied group 3, which then copied group 1: 0 joins nobody, 3 joins 1's cluster
+    chain = _decision(_rows(5.0, 1.0, 1.0, 1.0), [MergeStep([0, 0, 0, 1], [1, 0, 0, 0]),
+                                                  MergeStep([0, 1, 0, 0], [0, 0, 0, 1])])
+    assert after_vote([[0], [1, 2], [3]], _rows(5.0, 1.0, 1.0, 1.0), chain) == [[0], [1, 2, 3]]
+
+
+@pytest.mark.parametrize("clusters", [[[0], [1, 1], [2]], [[0, 1]], [[0], [], [1, 2]], "0,1,2", [[0, 1, 2, 3]]])
+def test_clusters_that_do_not_cover_every_group_once_are_refused(clusters):
+    with pytest.raises(ValueError, match=r"`clusters`.*lists of group indices covering 0..2 once each"):
         check_clusters(clusters, 3)
+    check_clusters([[0, 2], [1]], 3)  # any partition
 
 
 def test_the_incumbent_grid_puts_the_users_lr_on_the_middle_groups():
@@ -102,7 +122,7 @@ def test_pbt_over_the_fake_keeps_the_incumbent_cluster_when_a_probe_loses_and_sp
 def test_cluster_is_refused_by_hdet_fsdp_and_warns_where_no_two_groups_share_their_rates():
     with pytest.raises(ValueError, match="`gradient_sync`.*'group' or 'global' with hdet_fsdp.*strategy='hdet'"):
         HDETFSDPStrategy(gradient_sync="cluster")
-    with pytest.warns(UserWarning, match="no two neighbouring groups share their rates"):
+    with pytest.warns(UserWarning, match="no two groups share their rates"):
         Trainer(strategy=HDETStrategy(gradient_sync="cluster"), accelerator="cpu", devices=2, logger=False)
     trainer = Trainer(strategy=HDETStrategy(gradient_sync="cluster"), accelerator="cpu", devices=4, logger=False)
     assert trainer.strategy.lr_multipliers[:, 0].tolist() == pytest.approx(incumbent_grid(4, 27.0))
@@ -135,3 +155,31 @@ def test_a_cluster_is_one_ddp_job_over_its_ranks_until_it_splits(tmp_path):
     assert not any(torch.allclose(a, b) for a, b in zip(grads[1][4:], grads[2][4:]))  # each its own after the split
     assert not torch.allclose(ranks[1]["params_by_step"][8], ranks[2]["params_by_step"][8])
     assert [r["effective_lrs"][0][0] for r in ranks] == pytest.approx([0.1 * m for m in incumbent_grid(4, 27.0)])
+
+
+def test_a_resumed_run_takes_its_clusters_from_the_checkpoint():
+    """Split at the vote of step 4 and saved at 5; a fresh world starts with the incumbent cluster whole, and
+    resuming from those checkpoints leaves it split, as the straight run is."""
+    vote = PBT(quantile=0.25, resample_probability=0.0)
+
+    def run(**kw):
+        world = FakeWorld(params=[0.0], lr_multipliers=[0.2, 1.0, 1.0, 5.0], gradient_sync="cluster")
+        world.fit(lambda: HDETCallback(every_n_steps=4, vote=vote, search=False), _losses([2, 1, 3, 4]),
+                  max_steps=6, **kw)
+        return world
+
+    straight, half = run(), run(save_at=5)
+    assert all(c["hdet"]["clusters"] == [[0], [1], [2], [3]] for c in half.checkpoints)
+    resumed = run(resume=half.checkpoints)
+    assert resumed.clusters == straight.clusters == [[0], [1], [2], [3]]
+
+
+def test_halving_hands_the_losers_to_the_winners_clusters():
+    """experimental.Halving over the fake: at step 4 the two worst groups (0, 1) copy the two best (3, 2) with their
+    rates unchanged; group 0 joins group 3, group 1 stays with group 2 (it copied its own cluster's model)."""
+    world = FakeWorld(params=[0.0], lr_multipliers=[0.2, 1.0, 1.0, 5.0], gradient_sync="cluster")
+    world.fit(lambda: HDETCallback(every_n_steps=4, vote=Halving(), search=False), _losses([1, 2, 3, 4]), max_steps=5)
+    assert world.table.get(1)[:, 0].tolist() == [5.0, 1.0, 1.0, 5.0]
+    assert world.clusters == [[0, 3], [1, 2]]
+    with pytest.raises(ValueError, match="`quantile`"):
+        Halving(quantile=0.7)

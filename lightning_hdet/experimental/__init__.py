@@ -5,6 +5,7 @@ default arms; each is described in docs/experimental.md with the measurement tha
 :class:`~lightning_hdet.HDETCallback` where the option they replace lived:
 
 * ``vote=PB2()`` (level with ``PBT``), ``vote=ReferencePBT(reference_group=g)`` (level with ``PBT``),
+  ``vote=Halving()`` (successive halving; with ``gradient_sync="cluster"`` losers join the winners' clusters),
   ``vote=PartialMerge(Softmax(), strength=s)`` (the old ``blend_strength``: no visible difference);
 * ``signal=Improvement()`` (worse than ``"mean"`` in 6 of 6 cells), ``signal=Forecast()`` (level or worse),
   ``signal=Heldout()`` (level, 2 % worse on shapes);
@@ -22,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_hdet._checks import check_int, check_integer, check_number, require
+from lightning_hdet.experimental.halving import Halving
 from lightning_hdet.experimental.pb2 import PB2
 from lightning_hdet.hdet.lightning.heldout import HeldoutLoss, HeldoutScorer
 from lightning_hdet.hdet.rules.options import PBT, Signal, Softmax, Vote
@@ -32,7 +34,7 @@ from lightning_hdet.hdet.rules.votes import Ballot, VoteResult
 if TYPE_CHECKING:
     from lightning_hdet.hdet.rules.controller import Interval
 
-__all__ = ["Forecast", "Heldout", "Improvement", "InitNoise", "PB2", "PartialMerge", "ReferencePBT"]
+__all__ = ["Forecast", "Halving", "Heldout", "Improvement", "InitNoise", "PB2", "PartialMerge", "ReferencePBT"]
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet.hdet.clusters import Clusters, check_clusters, equal_runs, singletons
+from lightning_hdet.hdet.clusters import Clusters, check_clusters, equal_rows, singletons
 from lightning_hdet.hdet.execution.comm import GroupComm
 from lightning_hdet.hdet.execution.executor import HDETParts
 from lightning_hdet.hdet.execution.guard import StepGuard
@@ -85,7 +85,7 @@ class FakeWorld:
         self._barriers: dict[tuple[int, ...], threading.Barrier] = {}  # one per process group (tuple of ranks)
         # Each group's own objects, as each rank's strategy owns its own.
         self.parts = [_parts(self, _Rank(self, g, MultiplierTable(lr_multipliers))) for g in range(self.num_groups)]
-        self.clusters = equal_runs(self.parts[0].host.rate_rows())  # (used under gradient_sync="cluster")
+        self.clusters = equal_rows(self.parts[0].host.rate_rows())  # (used under gradient_sync="cluster")
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_hdet.hdet.clusters import Clusters, check_clusters, cluster_of, equal_runs, singletons
+from lightning_hdet.hdet.clusters import Clusters, check_clusters, cluster_of, equal_rows, singletons
 from lightning_hdet.hdet.layout import GroupLayout
 
 
@@ -75,13 +75,13 @@ class GradientGroups:
     def clusters(self) -> Clusters:
         """The groups that average one gradient, as lists of group indices (:mod:`~lightning_hdet.hdet.clusters`):
         every group alone under ``"group"``, all together under ``"global"``; under ``"cluster"`` the runs of
-        neighbouring groups at equal rates that hold one model, as the votes leave them."""
+        groups at equal rates that hold one model, as the votes leave them."""
         if self.gradient_sync == "global":
             return [list(range(self.num_groups))]
         if self.gradient_sync == "group":
             return singletons(self.num_groups)
         if self._clusters is None:  # a fresh run: every group starts from one model (rank 0's)
-            self._clusters = equal_runs(self.rate_rows())
+            self._clusters = equal_rows(self.rate_rows())
         return [list(c) for c in self._clusters]
 
     def set_clusters(self, clusters: Clusters) -> None:

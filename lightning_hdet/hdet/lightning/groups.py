@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
-from lightning_hdet.hdet.clusters import Clusters, equal_runs
+from lightning_hdet.hdet.clusters import Clusters, equal_rows
 from lightning_hdet.hdet.execution.comm import Communicator, GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.execution.executor import HDETParts
 from lightning_hdet.hdet.execution.guard import StepGuard, skips_on_device
@@ -150,11 +150,11 @@ class HDETGroups(GradientGroups):
         # Runs when the Trainer is built, before any process or process group exists: validate the layout here.
         self._layout = self._make_layout(self.num_nodes * self.num_processes)
         self._explored = ExploredTables(self._explore, self.num_groups)  # (a list of multipliers: one per group)
-        if self.gradient_sync == "cluster" and all(len(c) == 1 for c in equal_runs(self.rate_rows())):
+        if self.gradient_sync == "cluster" and all(len(c) == 1 for c in equal_rows(self.rate_rows())):
             rank_zero_warn(
-                f"gradient_sync='cluster' with the multipliers {self._table.get(1)[:, 0].tolist()}: no two neighbouring "
-                "groups share their rates, so every group trains alone as under 'group'. Clusters need four groups "
-                "or more (the default grid then puts the user's LR on the middle ones) or equal neighbouring "
+                f"gradient_sync='cluster' with the multipliers {self._table.get(1)[:, 0].tolist()}: no two groups share "
+                "their rates, so every group trains alone as under 'group'. Clusters need four groups "
+                "or more (the default grid then puts the user's LR on the middle ones) or equal "
                 "`lr_multipliers`."
             )
         super()._configure_launcher()  # type: ignore[misc]

@@ -69,8 +69,8 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
             (``0`` is plain DDP); ``None``: the preset's multipliers. Not with ``lr_multipliers``.
         gradient_sync: ``"group"``: each group is its own DDP job on its own process group, so groups diverge between
             merges (recommended for a search). ``"global"``: gradients averaged over all ranks every step (published;
-            groups differ only in step size). ``"cluster"`` (experimental): as ``"group"``, but neighbouring groups
-            at equal rates that hold one model train as one DDP job (a cluster; the default grid puts the user's LR
+            groups differ only in step size). ``"cluster"`` (experimental): as ``"group"``, but groups at equal
+            rates that hold one model train as one DDP job (a cluster; the default grid puts the user's LR
             on the middle groups, :func:`~lightning_hdet.hdet.rules.defaults.incumbent_grid`), until a vote treats
             them differently (:mod:`~lightning_hdet.hdet.clusters`). ``None``: the preset's.
         preset: the defaults of the arguments left ``None`` and of the HDETCallback installed when none is passed
