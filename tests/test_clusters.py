@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from lightning_hdet import PBT, HDETCallback, HDETStrategy
+from lightning_hdet import PBT, HDETCallback, HDETStrategy, Search
 from lightning_hdet.experimental import Halving
 from lightning_hdet.hdet.clusters import after_vote, check_clusters, equal_rows, next_clusters
 from lightning_hdet.hdet.fsdp.strategy import HDETFSDPStrategy
@@ -15,7 +15,7 @@ from lightning_hdet.hdet.rules.controller import Decision
 from lightning_hdet.hdet.rules.defaults import incumbent_grid, span_grid
 from lightning_hdet.hdet.rules.selection import MergeStep
 from lightning_hdet.testing import FakeWorld
-from tests.helpers import START, Recorder, SGDBoring, load_ranks, trainer_kwargs
+from tests.helpers import START, LinearModel, Recorder, SGDBoring, load_ranks, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -183,3 +183,14 @@ def test_halving_hands_the_losers_to_the_winners_clusters():
     assert world.clusters == [[0, 3], [1, 2]]
     with pytest.raises(ValueError, match="`quantile`"):
         Halving(quantile=0.7)
+
+
+def test_the_search_ends_a_cluster_run_with_one_gradient_over_every_rank(tmp_path):
+    seed_everything(7)
+    strategy = HDETStrategy(gradient_sync="cluster", start_method=START)
+    callbacks = [HDETCallback(every_n_steps=3, search=Search(steps=3, restart_below=None)), Recorder(tmp_path)]
+    Trainer(strategy=strategy, callbacks=callbacks, **trainer_kwargs()).fit(LinearModel(lr=0.1))
+    grads = [r["grads"] for r in load_ranks(tmp_path, 4)]
+    assert all(torch.equal(a, b) for a, b in zip(grads[1][:3], grads[2][:3]))  # the cluster, during the search
+    assert not any(torch.allclose(a, b) for a, b in zip(grads[0][:3], grads[1][:3]))
+    assert all(torch.equal(g[k], grads[0][k]) for g in grads for k in range(3, 8))  # every rank after it
