@@ -40,7 +40,7 @@ from tests.helpers import START, LinearModel, Recorder, SGDBoring, flat_params, 
         (dict(lr_multipliers="12"), "`lr_multipliers` must be a non-empty sequence of positive finite numbers"),
         (dict(lr_multipliers=[]), "`lr_multipliers` must be a non-empty sequence"),
         (dict(lr_multipliers=[1.0, "2"]), "`lr_multipliers` must be a non-empty sequence of positive finite numbers"),
-        (dict(gradient_sync=""), r"`gradient_sync` must be one of \('global', 'group'\), got ''"),
+        (dict(gradient_sync=""), r"`gradient_sync` must be one of \('global', 'group', 'cluster'\), got ''"),
         (dict(preset="paper"), r"`preset` must be one of \('recommended', 'published'\), got 'paper'"),
         (dict(spread=0.1, lr_multipliers=[1, 2]), "`spread` must be None when `lr_multipliers` is given"),
         # options of sharded strategies: HDET keeps a full replica per rank
