@@ -263,7 +263,7 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     return hdet_outcome(run, world, groups, lrs)
 
 
-STRATEGY_OPTIONS = ("num_groups", "gradient_sync")  # a defaults arm's options for HDETStrategy; the others Search's
+STRATEGY_OPTIONS = ("num_groups", "gradient_sync", "lr_multipliers")  # a defaults arm's HDETStrategy options
 
 
 def is_defaults_arm(vote: str) -> bool:
@@ -274,13 +274,16 @@ def is_defaults_arm(vote: str) -> bool:
 def defaults_options(vote: str) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """A ``defaults[:OPTION=VALUE...]`` arm's ``HDETStrategy`` keyword arguments, ``Search`` and ``HDETCallback``
     keyword arguments: the defaults with those options changed (e.g. ``defaults:refine_spread=1.0``,
-    ``defaults:num_groups=2`` or ``defaults:gradient_sync=cluster:vote=halving``, to measure one option)."""
+    ``defaults:num_groups=2``, ``defaults:gradient_sync=cluster:vote=halving`` or
+    ``defaults:lr_multipliers=0.44/1/1/5.2``, to measure one option)."""
     from lightning_hdet import Search
     from lightning_hdet.experimental import Halving
     from lightning_hdet.hdet.rules.options import as_vote
 
     options = {k: _value(v) for k, v in (item.split("=", 1) for item in vote.split(":")[1:])}
     strategy = {k: options.pop(k) for k in STRATEGY_OPTIONS if k in options}
+    if "lr_multipliers" in strategy:  # one per group, separated by "/"
+        strategy["lr_multipliers"] = [float(m) for m in str(strategy["lr_multipliers"]).split("/")]
     callback = {"vote": Halving() if options["vote"] == "halving" else as_vote(options["vote"])} if "vote" in options else {}
     options.pop("vote", None)
     return strategy, Search(**options), callback

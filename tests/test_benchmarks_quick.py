@@ -132,6 +132,8 @@ def test_a_defaults_arm_changes_one_option_of_the_strategy_or_of_the_search():
     assert defaults_options("defaults:steps=16") == ({}, Search(steps=16), {})  # an integer stays one
     assert defaults_options("defaults:gradient_sync=cluster:vote=halving") == (
         {"gradient_sync": "cluster"}, Search(), {"vote": Halving()})
+    assert defaults_options("defaults:lr_multipliers=0.44/1/1/5.2") == ({"lr_multipliers": [0.44, 1.0, 1.0, 5.2]},
+                                                                         Search(), {})
     ok, skipped = accepted_votes(["defaults:refine_spread=1.0", "defaults:nope=1", "defaults:refine_spread=0.5"])
     assert ok == ["defaults:refine_spread=1.0"]
     assert "nope" in skipped["defaults:nope=1"] and "`refine_spread` must be" in skipped["defaults:refine_spread=0.5"]

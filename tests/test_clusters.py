@@ -194,3 +194,9 @@ def test_the_search_ends_a_cluster_run_with_one_gradient_over_every_rank(tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(grads[1][:3], grads[2][:3]))  # the cluster, during the search
     assert not any(torch.allclose(a, b) for a, b in zip(grads[0][:3], grads[1][:3]))
     assert all(torch.equal(g[k], grads[0][k]) for g in grads for k in range(3, 8))  # every rank after it
+
+
+def test_groups_that_differ_only_in_another_explored_hyperparameter_are_not_one_cluster():
+    world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 1.0, 1.0, 1.0], gradient_sync="cluster",
+                      explore={"weight_decay": [1.0, 1.0, 3.0, 3.0]})
+    assert world.clusters == [[0, 1], [2, 3]]
