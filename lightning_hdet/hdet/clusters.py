@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_hdet._checks import require
@@ -26,6 +27,22 @@ Clusters = list[list[int]]
 def singletons(num_groups: int) -> Clusters:
     """Every group alone (``gradient_sync="group"``)."""
     return [[g] for g in range(num_groups)]
+
+
+def for_sync(gradient_sync: str, num_groups: int, clusters: Clusters) -> Clusters:
+    """The groups that average one gradient under ``gradient_sync``: all together (``"global"``), each alone
+    (``"group"``), or (a copy of) ``clusters`` (``"cluster"``)."""
+    if gradient_sync == "global":
+        return [list(range(num_groups))]
+    if gradient_sync == "group":
+        return singletons(num_groups)
+    return [list(c) for c in clusters]
+
+
+def stacked_rows(tables: Sequence[Tensor], num_groups: int) -> Tensor:
+    """Every group's rates as one row: its multipliers beside its explored hyperparameters' values (``tables``:
+    the multiplier table, then each explored table, one row per group); groups with equal rows train alike."""
+    return torch.cat([t.reshape(num_groups, -1).double() for t in tables], dim=1)
 
 
 def by_key(groups: Sequence[int], keys: Sequence[Hashable]) -> Clusters:

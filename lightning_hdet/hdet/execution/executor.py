@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from lightning_utilities.core.rank_zero import rank_zero_warn  # what Lightning re-exports; execution/ imports no Lightning
 
+from lightning_hdet.hdet.clusters import singletons
 from lightning_hdet.hdet.execution.comm import GroupComm
 from lightning_hdet.hdet.execution.guard import StepGuard
 from lightning_hdet.hdet.execution.merge import Merger
@@ -150,7 +151,7 @@ class HDETParts:
         if state.get("last_good") is not None:
             self.merger.load_restore_point(state["last_good"])
         if self.gradient_sync == "cluster":  # (a checkpoint without clusters: every group alone, whatever it holds)
-            self.set_clusters(state.get("clusters") or [[g] for g in range(self.num_groups)])
+            self.set_clusters(state.get("clusters") or singletons(self.num_groups))
         if state.get("explored") is not None:  # (refused, naming both, when the run explores other names)
             self.set_explored(state["explored"])
         elif self.explored.tables:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet.hdet.clusters import Clusters, check_clusters, equal_rows, singletons
+from lightning_hdet.hdet.clusters import Clusters, check_clusters, equal_rows, for_sync, stacked_rows
 from lightning_hdet.hdet.execution.comm import GroupComm
 from lightning_hdet.hdet.execution.executor import HDETParts
 from lightning_hdet.hdet.execution.guard import StepGuard
@@ -54,7 +54,7 @@ class FakeWorld:
         lr_multipliers: every group's multiplier of the first param group (one per group).
         schedule_lrs: what the optimizers and schedulers say, one per flattened param group.
         gradient_sync: ``"group"``, ``"cluster"`` or ``"global"``, as the strategy's (``clusters``: the groups' clusters,
-            at first the runs of equal neighbouring rates, as the strategy's).
+            at first the groups with equal rates, as the strategy's).
         num_groups: the number of groups when ``params`` is one vector.
         explore: other explored hyperparameters: every group's multiplier of each name (first param group), as
             ``HDETStrategy(explore=...)`` with lists; ``{"lr": 1.0}`` freezes the LR.
@@ -309,9 +309,7 @@ class _Rank:
 
     @property
     def clusters(self) -> Clusters:
-        if self.world.gradient_sync == "cluster":
-            return [list(c) for c in self.world.clusters]
-        return [list(range(self.num_groups))] if self.world.gradient_sync == "global" else singletons(self.num_groups)
+        return for_sync(self.world.gradient_sync, self.num_groups, self.world.clusters)
 
     def set_clusters(self, clusters: Clusters) -> None:
         check_clusters(clusters, self.num_groups)
@@ -322,8 +320,8 @@ class _Rank:
 
     def rate_rows(self) -> Tensor:
         columns = len(self.world.schedule)
-        tables = [self.multiplier_table.get(columns), *self.world.explored.get(columns).values()]
-        return torch.cat([t.reshape(self.num_groups, -1).double() for t in tables], dim=1)
+        return stacked_rows([self.multiplier_table.get(columns), *self.world.explored.get(columns).values()],
+                            self.num_groups)
 
     @property
     def config(self) -> dict[str, Any]:

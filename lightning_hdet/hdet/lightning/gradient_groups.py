@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_hdet.hdet.clusters import Clusters, check_clusters, cluster_of, equal_rows, singletons
+from lightning_hdet.hdet.clusters import Clusters, check_clusters, cluster_of, equal_rows, for_sync
 from lightning_hdet.hdet.layout import GroupLayout
 
 
@@ -34,6 +34,11 @@ class GradientGroups:
     rate_rows: Callable[[], Tensor]
     _apply_gradient_sync: Callable[[], None]
     num_groups: int
+
+    def _init_gradient_groups(self) -> None:
+        """No clusters yet (call in the host's ``__init__``)."""
+        self._clusters = None
+        self._cluster_pgs = {}
 
     def _new_group_process_groups(self, timeout: Any) -> list[Any]:
         """One process group per HDET group (call on every rank, after the default group exists)."""
@@ -65,24 +70,22 @@ class GradientGroups:
         cluster's, creating every cluster's new process group first on every rank)."""
         if self.gradient_sync == "group":
             return self._group_pgs[self.group_index]
-        mine, own_only = cluster_of(self.clusters, self.group_index), self._own_groups_only()
-        for cluster in self.clusters:
+        clusters, own_only = self.clusters, self._own_groups_only()
+        mine, pg = cluster_of(clusters, self.group_index), None
+        for cluster in clusters:
             if len(cluster) > 1 and (cluster == mine or not own_only):
-                self._cluster_process_group([r for g in cluster for r in self.layout.ranks(g)], timeout)
-        return self._group_pgs[self.group_index] if len(mine) == 1 else self._cluster_pgs[tuple(self.gradient_ranks)]
+                made = self._cluster_process_group([r for g in cluster for r in self.layout.ranks(g)], timeout)
+                pg = made if cluster == mine else pg
+        return self._group_pgs[self.group_index] if len(mine) == 1 else pg
 
     @property
     def clusters(self) -> Clusters:
         """The groups that average one gradient, as lists of group indices (:mod:`~lightning_hdet.hdet.clusters`):
         every group alone under ``"group"``, all together under ``"global"``; under ``"cluster"`` the runs of
         groups at equal rates that hold one model, as the votes leave them."""
-        if self.gradient_sync == "global":
-            return [list(range(self.num_groups))]
-        if self.gradient_sync == "group":
-            return singletons(self.num_groups)
-        if self._clusters is None:  # a fresh run: every group starts from one model (rank 0's)
+        if self.gradient_sync == "cluster" and self._clusters is None:  # a fresh run: every group holds rank 0's model
             self._clusters = equal_rows(self.rate_rows())
-        return [list(c) for c in self._clusters]
+        return for_sync(self.gradient_sync, self.num_groups, self._clusters or [])
 
     def set_clusters(self, clusters: Clusters) -> None:
         """Under ``gradient_sync="cluster"``, the clusters from the next step on (on every rank, the same lists,

@@ -20,7 +20,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -31,7 +30,7 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
-from lightning_hdet.hdet.clusters import Clusters, equal_rows
+from lightning_hdet.hdet.clusters import equal_rows, stacked_rows
 from lightning_hdet.hdet.execution.comm import Communicator, GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.execution.executor import HDETParts
 from lightning_hdet.hdet.execution.guard import StepGuard, skips_on_device
@@ -104,8 +103,7 @@ class HDETGroups(GradientGroups):
         self.gradient_sync = gradient_sync
         self._layout: Optional[GroupLayout] = None
         self._multipliers: Optional[MultiplierTable] = None
-        self._clusters: Optional[Clusters] = None  # under "cluster": set at the first wrap, then by the votes
-        self._cluster_pgs: dict[tuple[int, ...], Any] = {}  # the process group of each cluster of several groups
+        self._init_gradient_groups()
 
     def _init_parts(self, site: MergeSite, communicator: Optional[Communicator] = None) -> None:
         """Build ``self.hdet``, the objects the callback drives (call in ``__init__``, after :meth:`_init_groups`):
@@ -264,7 +262,7 @@ class HDETGroups(GradientGroups):
         equal rows train alike."""
         columns = max(1, self.num_param_groups)  # (before the optimizers exist, every column is the first)
         tables = [self._table.get(columns), *(self._hyper.get(columns).values() if self._explore else ())]
-        return torch.cat([t.reshape(self.num_groups, -1).double() for t in tables], dim=1)
+        return stacked_rows(tables, self.num_groups)
 
     def param_group_offset(self, optimizer: Optimizer) -> int:
         """Index of ``optimizer``'s first param group in the flattened list over all optimizers."""
