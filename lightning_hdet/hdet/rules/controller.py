@@ -43,6 +43,7 @@ from lightning_hdet.hdet.rules.plateau import (
     patience,
     ladder,
 )
+from lightning_hdet.hdet.rules.search_end import detrended_error, evidence_is_in, refine_span
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.rules.signals import curve_error
 from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, winner_of
@@ -189,6 +190,8 @@ class HDETController:
         self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses,
                                         interval.first_errors)
         self.plateau_history = forget(self.plateau_history, roll_back)
+        if not interval.refine and self._evidence_is_in(interval, healthy):
+            interval = replace(interval, refine=True)  # ends the search early (Search.evidence)
         if interval.refine and not self._search_can_end(losses, healthy):
             interval = replace(interval, refine=False)  # an ordinary vote; the next one tries again
         decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
@@ -240,6 +243,22 @@ class HDETController:
         from a 10x high start, benchmark 2). Where the starting level is unknown (``monitor``) it ends as asked."""
         winner = winner_of(losses, healthy)
         return winner >= 0 and has_progressed(self.collapse_history, winner, losses[winner])
+
+    def _evidence_is_in(self, interval: Interval, healthy: Sequence[bool]) -> bool:
+        """Whether a vote of the search before ``search_steps`` ends it (``Search.evidence``, :mod:`.search_end`):
+        only inside the search, after warm-up, on the training-loss curves (not with ``monitor``)."""
+        search = self.config.search
+        if search is None or search.evidence is None or self.search_steps is None or self.searched_at is not None:
+            return False
+        if interval.final or interval.curves is None or self.config.monitor is not None or len(healthy) < 2:
+            return False
+        if interval.step < self.config.warmup_steps:
+            return False
+        errors = [detrended_error(row) for row in interval.curves.tolist()]
+        lrs = interval.multipliers[:, 0].tolist()
+        winner = winner_of(interval.losses, healthy)
+        span = refine_span(len(healthy), search.refine_spread)
+        return evidence_is_in(interval.losses, errors, healthy, lrs, winner, span, search.evidence)
 
     def _scores(self, interval: Interval, healthy: Sequence[bool]) -> list[float]:
         """What the vote compares: the signal's scores (a curve's, the held-out losses), or the interval losses

@@ -73,6 +73,8 @@ class Search:
     winner's, and gradients are averaged over all ranks from then on (``gradient_sync="global"``). Where the
     winner's LR is at most ``restart_below`` times the optimizer's, every group restarts from the initial model
     instead: weights trained at a far higher LR went on training slowly (docs/hdet.md, "search, then train").
+    With ``evidence``, a vote of the search before step ``steps`` also ends it once every group whose LR the grid
+    leaves out lost to the winner by more than ``evidence`` standard errors (:mod:`~.search_end`).
 
     Args:
         steps: the step at which the search may end; ``None``: a quarter of the run, ``trainer.max_steps // 4``
@@ -82,11 +84,15 @@ class Search:
         restart_below: the winner's LR multiplier (of the first param group) at or below which the groups restart
             from the initial model, in (0, 1]; ``None``: never. A fresh run only (a resumed one holds no initial
             model; it warns and trains on from the winner's).
+        evidence: standard errors by which every group outside the grid the search ends on must have lost to the
+            winner for a vote before ``steps`` to end the search (> 0); ``None``: it ends at ``steps`` only. Needs
+            the training-loss curves (not with ``monitor``).
     """
 
     steps: Optional[int] = None
     refine_spread: float = 1.5
     restart_below: Optional[float] = RESTART_BELOW
+    evidence: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_int("search_steps", self.steps, minimum=1, optional=True,
@@ -95,6 +101,8 @@ class Search:
                      hint="The ratio between neighbouring groups' LRs after the search (1 gives every group its LR).")
         check_number("restart_below", self.restart_below, 0.0, 1.0, low_open=True, optional=True,
                      hint="A fraction of the optimizer's LR, e.g. 1/3; None never restarts from the initial model.")
+        check_number("evidence", self.evidence, low=0.0, low_open=True, optional=True,
+                     hint="Standard errors, e.g. 2.5; None ends the search at `steps` only.")
 
     def options(self) -> dict[str, Any]:
         """The options as given (the run config)."""

@@ -1,0 +1,100 @@
+"""``Search(evidence=z)``: a vote of the search ends it once every group outside the refine grid clearly lost
+(pure: hand-computed values, the controller in one process)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lightning_hdet import Search
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
+from lightning_hdet.hdet.rules.search_end import detrended_error, evidence_is_in, refine_span
+
+PATTERN = [0.0, 0.1, -0.1, 0.0]  # about its line (slope -0.02): residuals -0.03, 0.09, -0.09, 0.03
+
+
+def _row(means, count=2):
+    """A gathered loss-curve row: bin sums, then counts (``count`` steps per bin)."""
+    return [m * count for m in means] + [count] * len(means)
+
+
+def test_the_detrended_error_is_the_scatter_about_the_bins_line():
+    # residuals^2 sum to 0.018; / (n - 2) = 0.009; / n = 0.00225; sqrt = 0.0474342
+    assert detrended_error(_row([1.0 + p for p in PATTERN])) == pytest.approx(0.0474342, abs=1e-6)
+    # a falling loss with the same scatter: the fall is not noise
+    assert detrended_error(_row([2.0 - 0.3 * b + p for b, p in enumerate(PATTERN)])) == pytest.approx(0.0474342,
+                                                                                                       abs=1e-6)
+    assert detrended_error(_row([3.0, 2.0, 1.0, 0.0])) == pytest.approx(0.0)  # a straight line: no scatter
+    assert detrended_error(_row([1.0, 2.0])) == 0.0  # two bins: nothing left once a line is fitted
+    assert detrended_error([2.0, 0.0, 4.0, 2.0, 0.0, 2.0]) == 0.0  # three bins, one empty: two left
+
+
+def test_the_refine_grid_reaches_ratio_to_the_half_groups_either_side():
+    assert refine_span(4, 1.5) == pytest.approx(1.5**1.5)  # 0.544x to 1.837x
+    assert refine_span(2, 4.0) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(("lrs", "losses", "ends"), [
+    ((0.44, 1.0, 2.3, 5.2), (2.0, 1.5, 1.6, 2.4), False),  # 2.3x is outside and only 0.1 behind (< 2.5 x 0.141)
+    ((0.44, 1.0, 2.3, 5.2), (2.0, 1.5, 1.9, 2.4), True),  # every group outside lost by > 0.354
+    ((0.44, 1.0, 1.5, 5.2), (2.0, 1.5, 1.6, 2.4), True),  # 1.5x is inside the grid: it need not have lost
+    ((0.7, 1.0, 1.5, 1.8), (2.0, 1.5, 1.6, 2.4), False),  # nothing outside the grid: nothing was ruled out
+], ids=["close-neighbour-outside", "all-lost", "close-neighbour-inside", "all-inside"])
+def test_the_evidence_is_in_when_every_group_outside_the_grid_lost_by_z_standard_errors(lrs, losses, ends):
+    errors = [0.1] * 4  # the difference of two means: 0.1 x sqrt(2) = 0.1414; x 2.5 = 0.354
+    assert evidence_is_in(losses, errors, [True] * 4, lrs, 1, refine_span(4, 1.5), 2.5) is ends
+
+
+def test_no_evidence_from_an_unknown_error_or_an_unhealthy_winner():
+    lrs, losses, span = (0.44, 1.0, 2.3, 5.2), (2.0, 1.5, 1.9, 2.4), refine_span(4, 1.5)
+    assert not evidence_is_in(losses, [0.1, 0.0, 0.1, 0.1], [True] * 4, lrs, 1, span, 2.5)
+    assert not evidence_is_in(losses, [0.1] * 4, [True, False, True, True], lrs, 1, span, 2.5)
+    # an unhealthy loser is left out of the test (the safety net handles it)
+    assert evidence_is_in((2.0, 1.5, 1.9, 9.0), [0.1, 0.1, 0.1, float("nan")], [True, True, True, False], lrs, 1,
+                          span, 2.5)
+
+
+def _interval(step: int, losses, multipliers, scatter: float) -> Interval:
+    """Four groups whose loss curves fall by 0.3 per bin around their interval means, with ``scatter`` x the
+    pattern about that line (so each group's detrended error is ``scatter x 0.474``)."""
+    curves = torch.tensor([_row([loss + 0.45 - 0.3 * b + scatter * p for b, p in enumerate(PATTERN)])
+                           for loss in losses], dtype=torch.float64)
+    table = torch.tensor(multipliers, dtype=torch.float64)[:, None]
+    return Interval(step, losses, [True] * 4, table, [0.1], False, curves=curves)
+
+
+@pytest.mark.parametrize(("evidence", "scatter", "ends"), [(2.5, 1.0, True), (2.5, 4.0, False), (None, 1.0, False)],
+                         ids=["clear", "noisy", "off"])
+def test_a_vote_of_the_search_ends_it_early_once_the_evidence_is_in(evidence, scatter, ends):
+    """Leads of 0.5 and more over the groups outside the grid: with errors 0.047 (difference 0.067, x 2.5 = 0.168) the
+    search ends at step 16, long before ``steps``; with four times the scatter (0.671) it does not."""
+    controller = HDETController(HDETConfig(search=Search(steps=300, evidence=evidence), safety_net=None))
+    controller.search_steps = 300  # (the callback sizes it from the run)
+    decision = controller.decide(_interval(16, [2.0, 1.5, 2.0, 2.6], (0.44, 1.0, 2.3, 5.2), scatter))
+    assert decision.refined is ends and controller.searched_at == (16 if ends else None)
+    if ends:
+        assert decision.winner == 1 and decision.restart == [True] * 4
+        assert decision.multipliers[:, 0].tolist() == pytest.approx([1.5**k for k in (-1.5, -0.5, 0.5, 1.5)])
+        assert not controller.search_ends(300)  # it ended once
+
+
+def test_no_early_end_with_monitor_before_warm_up_or_after_the_search():
+    interval = _interval(16, [2.0, 1.5, 2.0, 2.6], (0.44, 1.0, 2.3, 5.2), 1.0)
+    search = Search(steps=300, evidence=2.5)
+    for config in (HDETConfig(search=search, safety_net=None, monitor="val_loss"),
+                   HDETConfig(search=search, safety_net=None, warmup_steps=32)):
+        controller = HDETController(config)
+        controller.search_steps = 300
+        assert not controller.decide(interval).refined
+    controller = HDETController(HDETConfig(search=search, safety_net=None))
+    controller.search_steps = 300
+    assert controller.decide(replace(interval, refine=True)).refined  # the search ends at `steps`, once
+    assert not controller.decide(replace(interval, step=32)).refined
+
+
+def test_evidence_must_be_a_positive_number():
+    with pytest.raises(ValueError, match="`evidence` must be a finite number > 0 or None, got 0"):
+        Search(evidence=0)
