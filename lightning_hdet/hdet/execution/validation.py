@@ -23,9 +23,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch import Tensor
-from torch.nn import Module
 
-from lightning_hdet._sharding import reshard
 from lightning_hdet._tensors import all_finite, flat_dtype, host_buffer, numel, read_into, write_from
 
 
