@@ -43,7 +43,7 @@ from lightning_hdet.hdet.rules.plateau import (
     patience,
     ladder,
 )
-from lightning_hdet.hdet.rules.search_end import detrended_error, evidence_is_in, refine_span
+from lightning_hdet.hdet.rules.search_end import curves_show_evidence
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.rules.signals import curve_error
 from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, winner_of
@@ -248,17 +248,13 @@ class HDETController:
         """Whether a vote of the search before ``search_steps`` ends it (``Search.evidence``, :mod:`.search_end`):
         only inside the search, after warm-up, on the training-loss curves (not with ``monitor``)."""
         search = self.config.search
-        if search is None or search.evidence is None or self.search_steps is None or self.searched_at is not None:
+        inside = self.search_steps is not None and self.searched_at is None and len(healthy) > 1
+        if search is None or search.evidence is None or not inside or interval.final or interval.curves is None:
             return False
-        if interval.final or interval.curves is None or self.config.monitor is not None or len(healthy) < 2:
+        if self.config.monitor is not None or interval.step < self.config.warmup_steps:
             return False
-        if interval.step < self.config.warmup_steps:
-            return False
-        errors = [detrended_error(row) for row in interval.curves.tolist()]
-        lrs = interval.multipliers[:, 0].tolist()
-        winner = winner_of(interval.losses, healthy)
-        span = refine_span(len(healthy), search.refine_spread)
-        return evidence_is_in(interval.losses, errors, healthy, lrs, winner, span, search.evidence)
+        return curves_show_evidence(interval.curves.tolist(), interval.losses, healthy,
+                                    interval.multipliers[:, 0].tolist(), search.refine_spread, search.evidence)
 
     def _scores(self, interval: Interval, healthy: Sequence[bool]) -> list[float]:
         """What the vote compares: the signal's scores (a curve's, the held-out losses), or the interval losses

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lightning_hdet.hdet.rules.votes import winner_of
+
 #: The default ``Search.evidence``: standard errors by which each group outside the refine grid must have lost.
 EVIDENCE_Z = 2.5
 
@@ -60,3 +62,12 @@ def evidence_is_in(losses: Sequence[float], errors: Sequence[float], healthy: Se
         if not (math.isfinite(errors[g]) and errors[g] > 0 and math.isfinite(losses[g])):
             return False
     return all(losses[g] - losses[winner] > z * math.hypot(errors[g], errors[winner]) for g in outside)
+
+
+def curves_show_evidence(rows: Sequence[Sequence[float]], losses: Sequence[float], healthy: Sequence[bool],
+                         lrs: Sequence[float], ratio: float, z: float) -> bool:
+    """:func:`evidence_is_in` for a vote: each group's error from its gathered loss-curve row, the winner the
+    healthy group of the lowest loss (:func:`~.votes.winner_of`), the span of a grid of ``ratio`` over the groups."""
+    winner = winner_of(losses, healthy)
+    errors = [detrended_error(row) for row in rows]
+    return evidence_is_in(losses, errors, healthy, lrs, winner, refine_span(len(losses), ratio), z)
