@@ -7,8 +7,8 @@ means, each group's from its loss curve's scatter about a straight line (:func:`
 loss falls within an interval, and that fall is the same for every group, not noise in its mean).
 Groups inside the grid's span need not be told apart from the winner: the grid goes on trying their LRs.
 
-The test looks at each vote of the search, so it is a sequential test with up to a few looks; ``z`` is set above the
-one-look 2.0 for that reason (a Pocock boundary for three looks at 5 % is 2.29).
+The test looks at each vote of the search, so it is a sequential test with up to a few looks: pick ``z`` above the
+one-look 2.0 (a Pocock boundary for three looks at 5 % is 2.29; 2.5 was measured, docs/research).
 """
 
 from __future__ import annotations
@@ -16,18 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lightning_hdet.hdet.rules.signals import bin_means
 from lightning_hdet.hdet.rules.votes import winner_of
-
-#: The default ``Search.evidence``: standard errors by which each group outside the refine grid must have lost.
-EVIDENCE_Z = 2.5
-
 
 def detrended_error(row: Sequence[float]) -> float:
     """Standard error of the interval's mean loss from a gathered loss-curve row (``[sums..., counts...]`` of equal
     bins, :class:`~lightning_hdet.hdet.rules.signals.LossCurve`): the bin means' scatter about their least-squares
     line over the square root of their number. 0.0 with fewer than three counted bins (nothing left to scatter)."""
-    bins = len(row) // 2
-    points = [(b, row[b] / row[bins + b]) for b in range(bins) if row[bins + b] > 0]
+    points = bin_means(row)
     if len(points) < 3 or not all(math.isfinite(m) for _, m in points):
         return 0.0
     n = len(points)

@@ -146,12 +146,17 @@ def forecast(points: Sequence[Point], interval: int, horizon: float) -> float:
     return a + b * math.exp(-c * horizon)
 
 
+def bin_means(row: Sequence[float]) -> list[tuple[int, float]]:
+    """``(bin, mean loss)`` of every counted bin of a gathered :meth:`LossCurve.row`."""
+    bins = len(row) // 2
+    return [(b, row[b] / row[bins + b]) for b in range(bins) if row[bins + b] > 0]
+
+
 def curve_error(row: Sequence[float]) -> float:
     """Standard error of the interval's mean loss from a gathered :meth:`LossCurve.row`: the spread of its bin
     means over the square root of their number (0.0 with fewer than two bins; a trend inflates it, which only
     makes the safety net's noise margins wider)."""
-    bins = len(row) // 2
-    means = [row[b] / row[bins + b] for b in range(bins) if row[bins + b] > 0]
+    means = [mean for _, mean in bin_means(row)]
     if len(means) < 2 or not all(math.isfinite(m) for m in means):
         return 0.0
     centre = sum(means) / len(means)
