@@ -104,9 +104,9 @@ class SlowLink(Callback):
         if exchange is None or not slowed or isinstance(exchange.worker.transport, LimitedTransport):
             return
         layout = exchange.worker.layout
-        pull_bytes = layout.pull_nbytes + 4 * (exchange.worker.pulled.numel() - layout.numel)
+        buffer_bytes = 4 * (exchange.worker.pulled.numel() - layout.numel)
         exchange.worker.transport = LimitedTransport(exchange.worker.transport, self.bits_per_s, self.latency_s,
-                                                     pull_bytes)
+                                                     lambda reply: layout.reply_nbytes(reply.deltas) + buffer_bytes)
 
 
 __all__ = ["GLOO_THREADS", "PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowLink",

@@ -78,6 +78,25 @@ def test_int8_pushes_and_bf16_pulls_improve_the_model_with_fewer_bytes(tmp_path)
         assert stats["push_bytes"] == push * stats["rounds"]
 
 
+@pytest.mark.timeout(240)
+def test_int8_pushes_and_int8_delta_pulls_improve_the_model_with_fewer_bytes(tmp_path):
+    """Async, so a reply may carry several changes (one per batch the server closed since the worker's last pull):
+    a remote worker's first pull is the model itself (66 float32 values, 264 bytes), a later one the 78-byte int8
+    changes it lacks, or the model again once they would weigh more (the log keeps 264 bytes: 3 changes; the slow
+    worker misses more); rank 0's own pulls travel nowhere."""
+    strategy = AsyncLocalSGDStrategy(local_steps=12, compression="int8", pull_compression="int8", start_method="fork")
+    initial, record = _fit_issue_case(tmp_path, strategy)
+    assert record["loss"] < 0.5 * initial
+    change = Codec("int8", [torch.Size([2, 32]), torch.Size([2])]).nbytes
+    assert record["stats"]["0"]["pull_bytes"] == record["stats"]["0"]["dense_pulls"] == 0
+    changes = {}
+    for worker in ("1", "2", "3"):
+        stats = record["stats"][worker]
+        changes[worker], rest = divmod(stats["pull_bytes"] - 264 * stats["dense_pulls"], change)
+        assert stats["dense_pulls"] >= 1 and changes[worker] >= 0 and rest == 0
+    assert sum(changes.values()) > 0
+
+
 def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
     tail = (1 - 0.9**9) / 0.1  # one push's whole echo at momentum 0.9 restarted every 8 updates: 6.126 x the push
     for mode in ("async", "sync"):  # one default in both modes: "stable", lr min((1 + 0.9) / (2 * 2.8), 1 / tail)
@@ -101,7 +120,8 @@ def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
     (dict(compression="fp8"), r"`compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\)"),
     (dict(compression="topk2", error_feedback=False), r"`error_feedback` must be True with compression='topk2'"),
     (dict(error_feedback="yes"), "`error_feedback` must be True or False"),
-    (dict(pull_compression="int8"), r"`pull_compression` must be one of \('none', 'bf16'\).*8-bit weights"),
+    (dict(pull_compression="fp8"),
+     r"`pull_compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\).*only what changed"),
 ])
 def test_bad_outer_and_compression_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -411,6 +411,40 @@ def test_bf16_pulls_leave_workers_rounded_and_the_global_model_exact() -> None:
     assert server.outer.params.tolist() == [2 + 2**-10, 1 + 3 * 2**-9 - 1.0078125]
 
 
+def test_topk2_pulls_send_workers_the_public_model_and_keep_the_global_model_exact() -> None:
+    """DiLoCo over two workers with topk2 pulls (one value of the two kept, 2 bits), outer plain SGD lr 1, from [0,
+    0]: the hellos send the model itself (8 bytes, plus the buffer's 4). Round 1 leaves w = [1, 1] and [3, -2]: g =
+    [-1, -1], [-3, 2], so G = [2, -0.5]. The change sent keeps only the larger value: both workers (rank 0 by
+    reading it) hold P = [2, 0], and G - P = [0, -0.5] waits for the next change. Worker 1's reply: 4 bytes of scale,
+    2 of position, 1 of levels, plus the buffer: 11 bytes; rank 0's own pull travels nowhere (0 bytes)."""
+    layout = Fragments([torch.Size([2])], pull_compression="topk2")
+    settings = OuterSettings(mode="sync", local_steps=2, outer_lr=1.0, outer_momentum=0.0, check_pushes=False)
+    server, network, modules = _start(settings, budget=8, layout=layout)
+    workers = [Worker(modules[0], CPU, server.local, layout=layout),
+               Worker(modules[1], CPU, network.ends[1], layout=layout)]
+    pulled = threading.Barrier(2, timeout=60)
+
+    def run(w: int) -> None:
+        workers[w].exchange(Kind.HELLO)
+        pulled.wait()
+        _round(workers[w], modules[w], [[1.0, 1.0], [3.0, -2.0]][w], 2.0, 2)
+        workers[w].exchange(Kind.BYE)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    server.join()
+    assert server.outer.params.tolist() == [2.0, -0.5]
+    assert server.public is not None and server.public.params.tolist() == pytest.approx([2.0, 0.0])
+    for worker in workers:
+        assert torch.equal(worker.pulled[:2], server.public.params)
+    stats = server.outer.worker_stats()
+    assert (stats[1]["pull_bytes"], stats[1]["dense_pulls"]) == (12 + 11, 1)
+    assert (stats[0]["pull_bytes"], stats[0]["dense_pulls"]) == (0, 0)
+
+
 # ------------------------------------------------------------------------------- rank 0 validating the global model
 def test_swap_pulled_exchanges_the_module_and_the_pulled_model_one_fragment_at_a_time() -> None:
     """Fragments of one value: the swap goes through a one-value buffer, across the parameter and the buffer; the

@@ -174,29 +174,40 @@ def test_elastic_quick_mode(tmp_path):
     assert "](img/elastic_quick.png)" in (tmp_path / "docs" / "benchmarks.md").read_text()
 
 
-def test_comm_bytes_table_divides_each_arm_by_diloco_f32_at_its_link_and_by_ddp_bytes():
-    """Hand-made records: DiLoCo int8 at loss 2.2 against DiLoCo f32's 2.0 at the same link is 1.1; its 1 MiB
-    against DDP's 8 MiB is 0.125; DDP's loss is divided by DiLoCo f32 on loopback."""
+def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps():
+    """Hand-made records. The target is DiLoCo f32's final loss 2.0 + 1 % = 2.02. DDP (1 MiB a step) first
+    validates below it at step 15 (2.05 at step 10 is above): 15 MiB. DiLoCo f32 (64 KiB a step) reaches it at its
+    last step, 20: 1.25 MiB, 12x fewer. topk2 with topk2 pulls (1 KiB a step, 60 steps) at step 40: 40 KiB, 384x
+    fewer, and ends at 1.95 / 2.0 = 0.975; topk2 pushes alone never reach it. At 1 Mbit/s int8's 2.2 is divided by
+    DiLoCo f32's loss at that link."""
     import argparse
 
     from benchmarks.comm_bytes import table
 
+    def run(loss: float, per_step: int, curve: list[tuple[int, float]]) -> dict:
+        steps = curve[-1][0]
+        return {"seeds": {0: {"loss": loss, "per_step": per_step, "bytes": per_step * steps, "curve": curve,
+                              "steps": steps, "wall_s": 5.0}}}
+
+    f32 = [(5, 2.6), (10, 2.3), (15, 2.1), (20, 2.0)]
     runs = {
-        "ddp @ 0": {"arm": "ddp", "link": 0.0, "seeds": {0: {"loss": 1.5, "bytes": 8 * 2**20, "wall_s": 5.0}}},
-        "diloco f32 @ 0": {"arm": "diloco f32", "link": 0.0,
-                           "seeds": {0: {"loss": 2.0, "bytes": 4 * 2**20, "wall_s": 6.0}}},
-        "diloco f32 @ 1e+06": {"arm": "diloco f32", "link": 1e6,
-                               "seeds": {0: {"loss": 2.0, "bytes": 4 * 2**20, "wall_s": 9.0}}},
-        "diloco int8 @ 1e+06": {"arm": "diloco int8", "link": 1e6,
-                                "seeds": {0: {"loss": 2.2, "bytes": 2**20, "wall_s": 7.0}}},
+        "ddp @ 0": {"arm": "ddp", "link": 0.0, **run(1.5, 2**20, [(5, 2.5), (10, 2.05), (15, 1.9), (20, 1.5)])},
+        "diloco f32 @ 0": {"arm": "diloco f32", "link": 0.0, **run(2.0, 2**16, f32)},
+        "diloco topk2 @ 0": {"arm": "diloco topk2", "link": 0.0, **run(2.5, 2**10, [(20, 2.5)])},
+        "diloco topk2 + topk2 pulls @ 0": {"arm": "diloco topk2 + topk2 pulls", "link": 0.0,
+                                           **run(1.95, 2**10, [(20, 2.3), (40, 2.01), (60, 1.95)])},
+        "diloco f32 @ 1e+06": {"arm": "diloco f32", "link": 1e6, **run(2.0, 2**16, f32)},
+        "diloco int8 @ 1e+06": {"arm": "diloco int8", "link": 1e6, **run(2.2, 2**14, [(20, 2.2)])},
     }
     args = argparse.Namespace(links=[0.0, 1e6], workload="tabular", workers=4, steps=20, local_steps=5, lr=3e-3,
-                              batch_size=16)
+                              batch_size=16, long_factor=3)
     rows = {line.split(" | ")[0].lstrip("| ") + " " + line.split(" | ")[1]: line.split(" | ")
             for line in table(runs, args).splitlines() if line.startswith("| ") and "---" not in line}
-    assert rows["ddp loopback"][3:6] == ["0.75", "8.0", "1"]
-    assert rows["diloco int8 1e+06 bit/s"][3:6] == ["1.1", "1.0", "0.125"]
-    assert rows["diloco f32 1e+06 bit/s"][3:6] == ["1", "4.0", "0.5"]
+    assert rows["ddp loopback"][2:7] == ["20", "1.500", "0.75", "20.00", "1x"]
+    assert rows["diloco f32 loopback"][4:7] == ["1", "1.25", "12x"]
+    assert rows["diloco topk2 + topk2 pulls loopback"][2:7] == ["60", "1.950", "0.975", "0.06", "384x"]
+    assert rows["diloco topk2 loopback"][4:7] == ["1.25", "0.02", "not reached"]
+    assert rows["diloco int8 1e+06 bit/s"][4:7] == ["1.1", "0.31", "not reached"]
 
 
 def test_outer_stability_verdict_hand_computed():

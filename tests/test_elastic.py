@@ -479,3 +479,12 @@ def test_a_worker_job_of_two_ranks_is_one_session_whose_ranks_stay_identical(tmp
     assert job_steps == r0["inner_steps"]  # H per round of H steps (each step reads one batch per rank)
     assert job_steps + server["workers"][str(single["sessions"][0])]["steps"] == 64
     assert server["finite"] and server["final_loss"] < server["initial_loss"]
+
+
+def test_an_elastic_service_refuses_delta_pulls_before_it_starts() -> None:
+    from lightning_hdet import OuterService
+    from tests.helpers import LinearModel
+
+    with pytest.raises(ValueError, match="`pull_compression` must be 'none' or 'bf16' with an elastic service, got "
+                                         "'int8'. A change of the public model needs the version a worker holds"):
+        OuterService(LinearModel(), "127.0.0.1:0", budget=10, pull_compression="int8")

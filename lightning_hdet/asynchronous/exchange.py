@@ -50,7 +50,8 @@ class Exchange:
         outer: rank 0 only: the outer state to serve (see :meth:`OuterSettings.build`).
         compression: the pseudo-gradients' codec (``"none"``, ``"bf16"``, ``"int8"``; every worker uses the same).
         error_feedback: each worker keeps what its codec lost and adds it to its next push.
-        pull_compression: the pulled global parameters' codec (``"none"`` or ``"bf16"``).
+        pull_compression: the pulled global parameters' codec (``"none"``, ``"bf16"``, or a delta codec: see
+            :mod:`.public_model`).
         optimizer: the inner optimizer (its state is cleared after a rejected push).
         check_self: the worker checks its round is finite before pushing it (see :class:`~.worker.Worker`).
         ranks: this rank's place among workers of several ranks (``None``: every rank is a worker).

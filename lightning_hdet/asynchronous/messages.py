@@ -17,10 +17,12 @@ Worker -> server, in this order:
 
 Server -> worker, in this order:
 
-1. a :class:`ServerHeader` (``float64[3]``);
+1. a :class:`ServerHeader` (``float64[4]``);
 2. when ``next_local_steps > 0``: the global parameters, one message per fragment encoded by the pull codec
    (``"none"``: ``float32``; ``"bf16"``: the parameters rounded to bfloat16, whose float32 originals stay on rank
-   0), then (only if the model has floating-point buffers) the global buffers (``float32``).
+   0), or, when the header's ``deltas`` is ``n >= 0``, ``n`` changes of the public model, oldest first, each one
+   message per fragment in its delta codec (:mod:`.public_model`); then (only if the model has floating-point
+   buffers) the global buffers (``float32``).
 
 Headers are ``float64`` so that step counts and seconds share one tensor exactly (integers up to 2**53).
 """
@@ -36,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_hdet._tensors import BUCKET_BYTES
-from lightning_hdet.asynchronous.compression import DEFAULT_CHUNK, Codec, CodecName
+from lightning_hdet.asynchronous.compression import DEFAULT_CHUNK, DELTA_PULL_CODECS, Codec, CodecName
 
 #: Largest fragment of a pushed or pulled model, in bytes of ``float32`` values: the size of HDET's merge buckets
 #: (DDP's default bucket size), one number for both.
@@ -92,7 +94,7 @@ class WorkerHeader:
 
 @dataclass(frozen=True)
 class ServerHeader:
-    """The header of the server's reply (``float64[3]``, fields in this order)."""
+    """The header of the server's reply (``float64[4]``, fields in this order)."""
 
     #: Inner steps of the worker's next round; 0 means stop (no model follows).
     next_local_steps: int
@@ -101,17 +103,20 @@ class ServerHeader:
     #: How many of the worker's latest pushes in a row were rejected (0: its last push was applied); the worker
     #: then resets its inner optimizer state (see :mod:`.checks`).
     rejected: int = 0
+    #: What follows: ``-1`` the parameters themselves (in the pull codec), ``n >= 0`` the last ``n`` changes of the
+    #: public model, each in every fragment's delta codec (:mod:`.public_model`), to add to the worker's own copy.
+    deltas: int = -1
 
-    SIZE: ClassVar[int] = 3
+    SIZE: ClassVar[int] = 4
 
     def encode(self) -> Tensor:
-        return torch.tensor([float(self.next_local_steps), float(self.outer_updates), float(self.rejected)],
-                            dtype=torch.float64)
+        return torch.tensor([float(self.next_local_steps), float(self.outer_updates), float(self.rejected),
+                             float(self.deltas)], dtype=torch.float64)
 
     @classmethod
     def decode(cls, tensor: Tensor) -> ServerHeader:
-        steps, outer_updates, rejected = _decode(tensor, cls.SIZE, "server header")
-        return cls(int(steps), int(outer_updates), int(rejected))
+        steps, outer_updates, rejected, deltas = _decode(tensor, cls.SIZE, "server header")
+        return cls(int(steps), int(outer_updates), int(rejected), int(deltas))
 
 
 @dataclass
@@ -205,14 +210,19 @@ class Fragments:
         shapes: the parameters' shapes, in order.
         compression: the pseudo-gradients' codec.
         max_bytes: the largest fragment, in bytes of ``float32`` values.
-        pull_compression: the pulled global parameters' codec (``"none"`` or ``"bf16"``).
+        pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (the parameters
+            themselves), or one of :data:`~.compression.DELTA_PULL_CODECS` (changes of the public model, the
+            parameters themselves in ``float32`` when a worker holds no logged version).
     """
 
     def __init__(self, shapes: Sequence[torch.Size], compression: CodecName = "none",
                  max_bytes: int = FRAGMENT_BYTES, pull_compression: CodecName = "none") -> None:
         self.fragments = fragment_layout(shapes, max(1, max_bytes // 4))
         self.codecs = [Codec(compression, f.shapes) for f in self.fragments]
-        self.pull_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments]
+        delta = pull_compression in DELTA_PULL_CODECS
+        self.pull_codecs = [Codec("none" if delta else pull_compression, f.shapes) for f in self.fragments]
+        #: The codecs of a public model's changes, one per fragment (empty: pulls send the parameters).
+        self.delta_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments] if delta else []
         self.numel = sum(f.numel for f in self.fragments)
 
     @property
@@ -230,9 +240,14 @@ class Fragments:
         """Bytes of one pulled set of global parameters (all fragments)."""
         return sum(c.nbytes for c in self.pull_codecs)
 
+    def reply_nbytes(self, deltas: int) -> int:
+        """Bytes of the parameters' part of a reply whose header says ``deltas`` (:attr:`ServerHeader.deltas`)."""
+        return self.pull_nbytes if deltas < 0 else deltas * sum(c.nbytes for c in self.delta_codecs)
+
     def pull_buffer(self) -> Tensor:
-        """A buffer for one encoded pull fragment (empty when pulls are not encoded: they travel as views)."""
-        encoded = [c.nbytes for c in self.pull_codecs if c.name != "none"]
+        """A buffer for one encoded pull fragment or change (empty when pulls are not encoded: they travel as
+        views)."""
+        encoded = [c.nbytes for c in self.pull_codecs + self.delta_codecs if c.name != "none"]
         return torch.empty(max(encoded, default=0), dtype=torch.uint8)
 
     @property

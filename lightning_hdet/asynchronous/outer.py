@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("async", "sync")
 _STAT_KEYS = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s", "push_bytes",
-              "rejected")
+              "pull_bytes", "dense_pulls", "rejected")
 
 
 @dataclass
@@ -56,6 +56,11 @@ class WorkerStats:
     pending: int = 0
     #: Bytes of pseudo-gradient and buffer payload the worker pushed so far (after compression).
     push_bytes: int = 0
+    #: Bytes of parameters and buffers the replies sent it so far (0 for rank 0's own worker: nothing travels), and
+    #: how many of them sent the parameters themselves (with a delta pull codec: its first pull, and any whose
+    #: version had left the log; see :mod:`.public_model`).
+    pull_bytes: int = 0
+    dense_pulls: int = 0
     #: Pushes rejected (by the checks, or discarded by the worker itself), their inner steps, and how many of the
     #: latest pushes in a row were rejected.
     rejected: int = 0
@@ -427,10 +432,14 @@ class OuterState:
             self.mark_pulled(worker)
         return replies
 
-    def mark_pulled(self, worker: int) -> int:
-        """``worker`` pulls the global model now (under :attr:`model_lock`): its version, for staleness."""
+    def mark_pulled(self, worker: int, nbytes: int = 0, dense: bool = False) -> int:
+        """``worker`` pulls the global model now (under :attr:`model_lock`; ``nbytes`` travel, the parameters
+        themselves when ``dense``): its version, for staleness."""
         with self.lock:
-            self.workers[worker].pulled_version = self.outer_updates
+            stats = self.workers[worker]
+            stats.pulled_version = self.outer_updates
+            stats.pull_bytes += nbytes
+            stats.dense_pulls += dense
             return self.outer_updates
 
     def _record(self, push: Push) -> None:
@@ -510,7 +519,7 @@ class OuterState:
             out: dict[str, float] = {"async/outer_updates": float(self.outer_updates)}
             for w, s in sorted(self.workers.items()):
                 for name in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s", "rounds", "push_bytes",
-                             "rejected"):
+                             "pull_bytes", "rejected"):
                     out[f"async/worker{w}/{name}"] = float(getattr(s, name))
             return out
 

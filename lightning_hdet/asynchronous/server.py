@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterState
+from lightning_hdet.asynchronous.public_model import PublicModel
 from lightning_hdet.asynchronous.transport import InProcessTransport, ServerTransport
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class Server:
         self._decoded = torch.empty(self.layout.largest, dtype=torch.float32)  # rank 0's own worker's
         self._decoded_remote = torch.empty(self.layout.largest if workers > 1 else 0, dtype=torch.float32)
         self._reply = self.layout.pull_buffer()  # used under the outer state's model lock only
+        #: What the workers train from with a delta pull codec (``None``: the global model itself).
+        self.public = PublicModel(outer.params, self.layout) if self.layout.delta_codecs else None
         #: Rank 0's own worker's transport.
         self.local = InProcessTransport(self.accept, self.read_model, timeout, self.raise_error,
                                         gradient_bytes=self.layout.nbytes)
@@ -124,11 +127,13 @@ class Server:
         version copied."""
         n = self.layout.numel
         with self.outer.model_lock:
+            # the public model itself with a delta codec: rank 0's worker trains from what the others hold
+            params = self.outer.params.detach() if self.public is None else self.public.params
             if combine is None:
-                self.layout.pull_into(self.outer.params.detach(), into[:n], self._reply)
+                self.layout.pull_into(params, into[:n], self._reply)
                 into[n:].copy_(self.outer.buffers)
             else:  # the decode buffer of rank 0's own pushes: this runs in the same (training) thread
-                for start, values in self.layout.pull_values(self.outer.params.detach(), self._reply, self._decoded):
+                for start, values in self.layout.pull_values(params, self._reply, self._decoded):
                     combine(start, values)
                 combine(n, self.outer.buffers)
             version = self.outer.mark_pulled(worker)
@@ -163,6 +168,9 @@ class Server:
                 self._wait_for_replies("The next batch")
                 self._replies_pending = 1  # this loop
             replies = self.outer.close(batch)
+            if self.public is not None:
+                with self.outer.model_lock:  # every reply of the batch sends one version
+                    self.public.publish(self.outer.params.detach(), self.outer.outer_updates)
             active -= {p.worker for p in batch if p.kind == Kind.BYE}
             stopping |= {w for w, steps in replies.items() if steps <= 0}  # they leave next (BYE)
             self.outer.follow_live(len(active - stopping))
@@ -176,12 +184,23 @@ class Server:
                     # its pull copies the model, and the version then, unless it stops
                     self.local.reply(ServerHeader(steps, self.outer.outer_updates, rejected))
                     continue
-                assert self.remote is not None
                 with self.outer.model_lock:  # one version, fragment by fragment, with no copy
-                    header = ServerHeader(steps, self.outer.mark_pulled(worker), rejected)
-                    self.remote.reply(worker, header, self.layout.encode_pull(self.outer.params.detach(), self._reply),
-                                      self.outer.buffers)
+                    self._reply_to(worker, steps, rejected)
             self._replied()
+
+    def _reply_to(self, worker: int, steps: int, rejected: int) -> None:
+        """Send a remote worker its reply (under the model lock): unless it stops, the parameters in the pull codec
+        or the public model's changes it lacks; its stats count the bytes."""
+        assert self.remote is not None
+        deltas, params = -1, iter(())
+        if steps > 0 and self.public is not None:
+            deltas, messages = self.public.reply(worker)
+            params = iter(messages)
+        elif steps > 0:
+            params = self.layout.encode_pull(self.outer.params.detach(), self._reply)
+        nbytes = self.layout.reply_nbytes(deltas) + 4 * self.outer.buffers.numel() if steps > 0 else 0
+        version = self.outer.mark_pulled(worker, nbytes, dense=steps > 0 and deltas < 0)
+        self.remote.reply(worker, ServerHeader(steps, version, rejected, deltas), params, self.outer.buffers)
 
     def _next(self, timeout: float) -> Push:
         push = self.inbox.get(timeout=timeout)

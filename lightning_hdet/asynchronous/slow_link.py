@@ -4,7 +4,8 @@ and latency (:class:`~lightning_hdet.testing.SlowLink` installs it). Pure: no Li
 A blocking exchange over a slow link holds its worker for ``latency + bytes * 8 / bits_per_s`` each way; this
 wrapper makes the worker wait that long after the real (fast, loopback) transport returned, so wall-clock on one
 machine reads as it would between sites. Counted: the header, the encoded fragments, the buffers and the inner
-state of a push; the header and, unless it says stop, the pulled model (its codec's bytes) of a reply.
+state of a push; the header and, unless it says stop, what the reply carries (the pulled model in its codec, or
+the public model's changes) and the buffers.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ class LimitedTransport(WorkerTransport):
         inner: the worker's real transport.
         bits_per_s: the link's bandwidth, in bits per second.
         latency_s: seconds added to every message, each way.
-        pull_bytes: bytes of a pulled model (the parameters in their pull codec, plus the float32 buffers).
+        reply_bytes: bytes a reply carries after its header (the parameters in their pull codec, or the changes its
+            header counts, plus the float32 buffers).
         sleep: waits the given seconds (injected so tests need no clock).
     """
 
-    def __init__(self, inner: WorkerTransport, bits_per_s: float, latency_s: float, pull_bytes: int,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, inner: WorkerTransport, bits_per_s: float, latency_s: float,
+                 reply_bytes: Callable[[ServerHeader], int], sleep: Callable[[float], None] = time.sleep) -> None:
         check_link(bits_per_s, latency_s)
-        self.inner, self.bits_per_s, self.latency_s, self.pull_bytes = inner, bits_per_s, latency_s, pull_bytes
+        self.inner, self.bits_per_s, self.latency_s, self.reply_bytes = inner, bits_per_s, latency_s, reply_bytes
         self.sleep = sleep
         #: Seconds this link added, summed over the exchanges (what the worker waited beyond the real transport).
         self.delay_s = 0.0
@@ -65,7 +67,7 @@ class LimitedTransport(WorkerTransport):
 
     def pull(self, into: Tensor) -> ServerHeader:
         reply = self.inner.pull(into)
-        self._travel(_FLOAT64 * ServerHeader.SIZE + (self.pull_bytes if reply.next_local_steps > 0 else 0))
+        self._travel(_FLOAT64 * ServerHeader.SIZE + (self.reply_bytes(reply) if reply.next_local_steps > 0 else 0))
         return reply
 
     def close(self) -> None:

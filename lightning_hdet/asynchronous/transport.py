@@ -118,23 +118,37 @@ def send_reply(send: Send, header: ServerHeader, params: Iterable[Tensor], buffe
             send(buffers)
 
 
-def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor) -> ServerHeader:
+def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor,
+                  scratch: Tensor | None = None) -> ServerHeader:
     """A reply: its header and, unless it says stop, the global parameters (each encoded fragment received into
     ``message``, :meth:`~.messages.Fragments.pull_buffer`, and decoded into place; ``float32`` ones straight into
-    place) then buffers into ``into``."""
+    place) or the public model's changes (each decoded into ``scratch``, a buffer of the largest fragment, and added
+    to the version ``into`` holds), then buffers into ``into``."""
     raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
     recv(raw)
     header = ServerHeader.decode(raw)
     if header.next_local_steps > 0:
-        for codec, part in zip(layout.pull_codecs, layout.split(into)):
-            if codec.name == "none":
-                recv(part)
-            else:
-                recv(message[: codec.nbytes])
-                codec.decode(message[: codec.nbytes], part)
+        if header.deltas >= 0:
+            scratch = torch.empty(layout.largest, dtype=torch.float32) if scratch is None else scratch
+            for _ in range(header.deltas):  # oldest first, as rank 0 added them to its copy
+                for codec, part in zip(layout.delta_codecs, layout.split(into)):
+                    recv(message[: codec.nbytes])
+                    part.add_(codec.decode(message[: codec.nbytes], scratch[: codec.numel]))
+        else:
+            _receive_params(recv, layout, into, message)
         if into.numel() > layout.numel:
             recv(into[layout.numel :])
     return header
+
+
+def _receive_params(recv: Recv, layout: Fragments, into: Tensor, message: Tensor) -> None:
+    """The global parameters in the pull codec, into place fragment by fragment."""
+    for codec, part in zip(layout.pull_codecs, layout.split(into)):
+        if codec.name == "none":
+            recv(part)
+        else:
+            recv(message[: codec.nbytes])
+            codec.decode(message[: codec.nbytes], part)
 
 
 def receive_buffer(layout: Fragments) -> Tensor:
@@ -148,13 +162,16 @@ class GlooWorkerTransport(WorkerTransport):
     def __init__(self, push_group: Any, reply_group: Any, layout: Fragments) -> None:
         self.push_group, self.reply_group, self.layout = push_group, reply_group, layout
         self._message = layout.pull_buffer()
+        # a delta pull codec's changes are decoded here before they are added (empty without one)
+        self._scratch = torch.empty(layout.largest if layout.delta_codecs else 0, dtype=torch.float32)
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
         send_push(lambda t: dist.send(t, dst=0, group=self.push_group), header, messages, buffers, inner_state)
 
     def pull(self, into: Tensor) -> ServerHeader:
-        return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into, self._message)
+        return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into, self._message,
+                             self._scratch)
 
     def close(self) -> None:
         """Drop the references to the groups: a gloo group's native threads end only when its last reference goes

@@ -77,6 +77,10 @@ class OuterService:
             check_number(name, value, low=0, low_open=True, hint="It is in seconds.")
         check_number("max_idle_s", max_idle_s, low=0, optional=True)
         check_compression(compression, None, pull_compression)
+        require("pull_compression", pull_compression, pull_compression in ("none", "bf16"),
+                "'none' or 'bf16' with an elastic service",
+                "A change of the public model needs the version a worker holds; a session that rejoins after a"
+                " restart of the service holds none the service knows. Use AsyncLocalSGDStrategy for delta pulls.")
         self.settings = OuterSettings(**outer)
         require("momentum_activation", self.settings.momentum_activation, self.settings.momentum_activation == 0,
                 "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")

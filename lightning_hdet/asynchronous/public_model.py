@@ -1,0 +1,89 @@
+"""Pulls that send only what changed: rank 0's *public model* and its log of compressed changes. Pure tensor code:
+no Lightning, no process groups.
+
+With a delta pull codec (``pull_compression="int8"``, ``"topk2"`` or ``"topk4"``) the workers train from a public
+copy ``P`` of the global model ``G`` that follows it in compressed steps: when a batch of pushes has moved ``G``,
+rank 0 encodes ``D = codec(G - P)`` fragment by fragment, adds ``decode(D)`` to ``P`` and logs ``D``. A worker that
+holds version ``u`` of ``P`` is sent the changes ``u + 1 .. v`` and adds them, oldest first, to its own copy
+(``theta_pulled``): both ends then hold ``P`` bit for bit (the same ``float32`` additions on the host, in the same
+order). What a change did not carry stays in ``G - P`` and leaves with a later one: error feedback on the pull side,
+as DoubleSqueeze (arXiv 1905.05957) compresses a parameter server's replies. ``G`` itself, what the outer optimizer
+steps and what a run ends with, is never rounded.
+
+A worker that holds no version (its first pull) or one older than the log receives ``P`` itself in ``float32``: a
+*dense* pull, counted. The log keeps at most ``max_log_bytes`` of changes (by default one ``float32`` model), so
+rank 0 holds at most two models more than without it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from lightning_hdet.asynchronous.messages import Fragments
+
+
+class PublicModel:
+    """The public model ``P``, its logged changes and the version each remote worker holds.
+
+    Args:
+        params: the global parameters ``G`` now (copied).
+        layout: the fragments and their delta codecs (``layout.delta_codecs`` must not be empty).
+        max_log_bytes: the most bytes of encoded changes kept (default: ``4 * layout.numel``).
+    """
+
+    def __init__(self, params: Tensor, layout: Fragments, max_log_bytes: int | None = None) -> None:
+        if not layout.delta_codecs:
+            raise ValueError("PublicModel needs a layout with a delta pull codec (int8, topk2 or topk4).")
+        self.layout = layout
+        self.params = params.detach().to(torch.float32, copy=True)
+        #: The version ``params`` is at: how many changes were published.
+        self.version = 0
+        self.max_log_bytes = 4 * layout.numel if max_log_bytes is None else max_log_bytes
+        self._log: deque[tuple[int, list[Tensor]]] = deque()  # (version, one message per fragment)
+        self._log_bytes = 0
+        self._held: dict[int, int] = {}  # worker -> the version of P it holds
+        self._source = -1  # the outer version last published
+        self._diff = torch.empty(layout.largest, dtype=torch.float32)
+
+    @property
+    def change_nbytes(self) -> int:
+        """Bytes of one logged change (every fragment's message)."""
+        return self.layout.reply_nbytes(1)
+
+    @torch.no_grad()
+    def publish(self, params: Tensor, source_version: int) -> None:
+        """Move ``P`` toward ``params`` (``G`` at outer version ``source_version``) by one logged change; nothing when
+        ``G`` did not move since the last call. While no worker holds a version, ``P`` simply becomes ``G`` (the
+        first pulls are dense anyway). Call under the model's lock, before a batch's replies."""
+        if source_version == self._source:
+            return
+        self._source = source_version
+        if not self._held:
+            self.params.copy_(params)
+            return
+        messages = []
+        for (start, end), codec in zip(self.layout.ranges, self.layout.delta_codecs):
+            diff = torch.sub(params[start:end], self.params[start:end], out=self._diff[: end - start])
+            message = codec.encode(diff, torch.empty(codec.nbytes, dtype=torch.uint8))
+            self.params[start:end].add_(codec.decode(message, diff))
+            messages.append(message)
+        self.version += 1
+        self._log.append((self.version, messages))
+        self._log_bytes += self.change_nbytes
+        while self._log_bytes > self.max_log_bytes:
+            self._log.popleft()
+            self._log_bytes -= self.change_nbytes
+
+    def reply(self, worker: int) -> tuple[int, list[Tensor]]:
+        """What ``worker``'s pull carries now, in wire order: ``(n, messages)``, the ``n`` changes it lacks (oldest
+        first, one message per fragment each), or ``(-1, P's fragments)`` when it holds no logged version (a dense
+        pull). ``worker`` holds the current version afterwards."""
+        held = self._held.get(worker)
+        self._held[worker] = self.version
+        oldest = self._log[0][0] if self._log else self.version + 1
+        if held is None or held < oldest - 1:
+            return -1, [self.params[start:end] for start, end in self.layout.ranges]
+        return self.version - held, [m for version, messages in self._log if version > held for m in messages]
