@@ -37,11 +37,12 @@ CODECS: tuple[str, ...] = ("none", "bf16", "int8", "topk2", "topk4")
 SPARSE_CHUNK = 4096
 #: The sparse codecs keep one value in this many of each chunk (1.6 %; SparseLoCo keeps 1-3 %).
 SPARSE_KEEP = 64
-#: Codecs for the pulled global parameters. ``"none"`` / ``"bf16"`` send the model itself; the others send only its
+#: Codecs for the pulled global parameters. ``"none"`` / ``"bf16"`` send the model itself, ``"int8"`` only its
 #: change since the worker's last pull (:mod:`.public_model`): int8 of the weights themselves would err by up to
-#: ``absmax / 254`` per row for good, int8 of a change errs only until the next pull carries the rest.
-PULL_CODECS: tuple[str, ...] = ("none", "bf16", "int8", "topk2", "topk4")
-#: The pull codecs that send changes of the public model (:mod:`.public_model`).
+#: ``absmax / 254`` per row for good, int8 of a change errs only until the next pull carries the rest. Sparse
+#: changes are not offered: the public model fell behind the global one (the research log's "Delta pulls").
+PULL_CODECS: tuple[str, ...] = ("none", "bf16", "int8")
+#: The codecs a pull can send changes in (:mod:`.public_model` works with any codec that loses values).
 DELTA_PULL_CODECS: tuple[str, ...] = ("int8", "topk2", "topk4")
 #: Values per int8 scale for flat (0-D / 1-D) tensors: 4 bytes of scale per 256 values (1.6 %).
 DEFAULT_CHUNK = 256
@@ -56,8 +57,9 @@ def check_compression(compression: object, error_feedback: object, pull_compress
                  hint="'bf16' halves a push, 'int8' quarters it (plus one float32 scale per row), 'topk2' / 'topk4'"
                       " send 1.6 % of the values in 2 / 4 bits (about 110x / 100x fewer bytes).")
     check_choice("pull_compression", pull_compression, PULL_CODECS,
-                 hint="'bf16' halves a pull; 'int8' / 'topk2' / 'topk4' send only what changed since the worker's last"
-                      " pull, in that codec, the rest following in later pulls.")
+                 hint="'bf16' halves a pull; 'int8' sends only what changed since the worker's last pull, the rest"
+                      " following in later pulls. Sparse pulls ('topk2', 'topk4') let the public model fall behind the"
+                      " global one (the char LM's loss rose after 650 steps), so they are not offered.")
     if error_feedback is None:
         return compression != "none"
     check_bool("error_feedback", error_feedback)

@@ -1,14 +1,15 @@
 """Pulls that send only what changed: rank 0's *public model* and its log of compressed changes. Pure tensor code:
 no Lightning, no process groups.
 
-With a delta pull codec (``pull_compression="int8"``, ``"topk2"`` or ``"topk4"``) the workers train from a public
-copy ``P`` of the global model ``G`` that follows it in compressed steps: when a batch of pushes has moved ``G``,
+With a delta pull codec (``pull_compression="int8"``) the workers train from a public copy ``P`` of the global
+model ``G`` that follows it in compressed steps: when a batch of pushes has moved ``G``,
 rank 0 encodes ``D = codec(G - P)`` fragment by fragment, adds ``decode(D)`` to ``P`` and logs ``D``. A worker that
 holds version ``u`` of ``P`` is sent the changes ``u + 1 .. v`` and adds them, oldest first, to its own copy
 (``theta_pulled``): both ends then hold ``P`` bit for bit (the same ``float32`` additions on the host, in the same
 order). What a change did not carry stays in ``G - P`` and leaves with a later one: error feedback on the pull side,
 as DoubleSqueeze (arXiv 1905.05957) compresses a parameter server's replies. ``G`` itself, what the outer optimizer
-steps and what a run ends with, is never rounded.
+steps and what a run ends with, is never rounded. The code takes any codec that loses values; sparse ones (one
+value in 64 a change) let ``P`` fall behind ``G`` under the outer Nesterov step, so the strategy offers int8 only.
 
 A worker that holds no version (its first pull) or one older than the log receives ``P`` itself in ``float32``: a
 *dense* pull, counted. The log keeps at most ``max_log_bytes`` of changes (by default one ``float32`` model), so
