@@ -137,9 +137,10 @@ def test_worker_header_round_trip() -> None:
 
 def test_server_header_round_trip_and_bad_sizes() -> None:
     header = ServerHeader(next_local_steps=12, outer_updates=345, rejected=2)
-    assert header.encode().tolist() == [12.0, 345.0, 2.0]
+    assert header.encode().tolist() == [12.0, 345.0, 2.0, -1.0]  # -1: the parameters themselves follow
     assert ServerHeader.decode(header.encode()) == header
-    with pytest.raises(ValueError, match=r"server header is float64\[3\], got torch.float64\[5\]"):
+    assert ServerHeader.decode(ServerHeader(4, 5, 0, deltas=3).encode()).deltas == 3
+    with pytest.raises(ValueError, match=r"server header is float64\[4\], got torch.float64\[5\]"):
         ServerHeader.decode(torch.zeros(5, dtype=torch.float64))
     with pytest.raises(ValueError, match="worker header"):
         WorkerHeader.decode(torch.zeros(5, dtype=torch.float32))

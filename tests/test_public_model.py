@@ -47,6 +47,25 @@ def test_a_worker_behind_the_log_gets_the_model_itself() -> None:
     assert public.reply(2) == (0, [])  # up to date: nothing follows
 
 
+def test_the_log_keeps_only_what_some_worker_lacks() -> None:
+    """Workers 1 and 2 hold version 0. Change 1 is kept until both pulled it; change 2 is kept for worker 2 alone
+    until it leaves."""
+    layout = Fragments([torch.Size([4])], pull_compression="int8")
+    public = PublicModel(torch.zeros(4), layout)
+    public.reply(1), public.reply(2)
+    public.publish(torch.ones(4), source_version=1)
+    assert public.logged == 1
+    public.reply(1)
+    assert public.logged == 1
+    public.reply(2)
+    assert public.logged == 0
+    public.publish(torch.full((4,), 2.0), source_version=2)
+    public.reply(1)
+    assert public.logged == 1
+    public.forget(2)
+    assert public.logged == 0
+
+
 def test_until_a_worker_holds_a_version_the_public_model_is_the_global_one() -> None:
     layout = Fragments([torch.Size([4])], pull_compression="topk2")
     public = PublicModel(torch.zeros(4), layout)

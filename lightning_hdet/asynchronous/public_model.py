@@ -12,8 +12,10 @@ steps and what a run ends with, is never rounded. The code takes any codec that 
 value in 64 a change) let ``P`` fall behind ``G`` under the outer Nesterov step, so the strategy offers int8 only.
 
 A worker that holds no version (its first pull) or one older than the log receives ``P`` itself in ``float32``: a
-*dense* pull, counted. The log keeps at most ``max_log_bytes`` of changes (by default one ``float32`` model), so
-rank 0 holds at most two models more than without it.
+*dense* pull, counted. The log keeps only the changes some remote worker still lacks, and at most
+``max_log_bytes`` of them (by default one ``float32`` model: more changes than that weigh more than the model), so
+rank 0 holds one model more (``P``) plus the log: in DiLoCo, where every worker pulls every version, the log is
+empty between rounds; in async mode it holds what the slowest worker lacks.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class PublicModel:
         """Bytes of one logged change (every fragment's message)."""
         return self.layout.reply_nbytes(1)
 
+    @property
+    def logged(self) -> int:
+        """How many changes the log holds now."""
+        return len(self._log)
+
     @torch.no_grad()
     def publish(self, params: Tensor, source_version: int) -> None:
         """Move ``P`` toward ``params`` (``G`` at outer version ``source_version``) by one logged change; nothing when
@@ -74,9 +81,7 @@ class PublicModel:
         self.version += 1
         self._log.append((self.version, messages))
         self._log_bytes += self.change_nbytes
-        while self._log_bytes > self.max_log_bytes:
-            self._log.popleft()
-            self._log_bytes -= self.change_nbytes
+        self._trim()
 
     def reply(self, worker: int) -> tuple[int, list[Tensor]]:
         """What ``worker``'s pull carries now, in wire order: ``(n, messages)``, the ``n`` changes it lacks (oldest
@@ -86,5 +91,20 @@ class PublicModel:
         self._held[worker] = self.version
         oldest = self._log[0][0] if self._log else self.version + 1
         if held is None or held < oldest - 1:
-            return -1, [self.params[start:end] for start, end in self.layout.ranges]
-        return self.version - held, [m for version, messages in self._log if version > held for m in messages]
+            reply = -1, [self.params[start:end] for start, end in self.layout.ranges]
+        else:
+            reply = self.version - held, [m for version, messages in self._log if version > held for m in messages]
+        self._trim()  # the reply's messages stay alive in the list it returns
+        return reply
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left: the changes only it lacked are dropped."""
+        self._held.pop(worker, None)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the changes every remote worker holds, then the oldest while the log weighs more than its bound."""
+        needed = min(self._held.values(), default=self.version)
+        while self._log and (self._log[0][0] <= needed or self._log_bytes > self.max_log_bytes):
+            self._log.popleft()
+            self._log_bytes -= self.change_nbytes

@@ -171,7 +171,12 @@ class Server:
             if self.public is not None:
                 with self.outer.model_lock:  # every reply of the batch sends one version
                     self.public.publish(self.outer.params.detach(), self.outer.outer_updates)
-            active -= {p.worker for p in batch if p.kind == Kind.BYE}
+            left = {p.worker for p in batch if p.kind == Kind.BYE}
+            active -= left
+            if self.public is not None:
+                with self.outer.model_lock:
+                    for worker in left:
+                        self.public.forget(worker)
             stopping |= {w for w, steps in replies.items() if steps <= 0}  # they leave next (BYE)
             self.outer.follow_live(len(active - stopping))
             log.debug("closed a batch of %d push(es); %d worker(s) still training", len(batch), len(active))

@@ -94,7 +94,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost), or ``"int8"``: a
             pull sends only the changes of a public copy of the global model since the worker's last pull, in
             int8, and what a change left out follows in later ones (a worker's first pull sends the model; rank 0
-            holds up to two models more; see ``docs/async.md``).
+            holds one model more, and in async mode up to one more of changes; see ``docs/async.md``).
         check_pushes: every push is checked (finite, its layout, a norm within ``max_norm_ratio`` times the recent
             median); a bad one is discarded whole and its worker restarts from the global model.
         max_norm_ratio: a push whose norm exceeds this multiple of the recent median is rejected (10).
