@@ -10,7 +10,8 @@ on either side: the one-time setup, ``W - 1`` float32 models (DDP's broadcast of
 pull). At each link speed (``--links``, bits per second; 0: loopback, no emulation) every worker but rank 0's sits
 behind a :class:`~lightning_hdet.testing.SlowLink`. Every arm validates the model every H steps (DiLoCo: the global
 model, between outer steps). Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes to DiLoCo-f32's final
-loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes to the same loss; and
+loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes to the same loss;
+bytes per step ÷ DDP's; and
 wall-clock (loaded machine: compare within one run only).
 
 Run: ``python benchmarks/comm_bytes.py [--quick] [--workload char_lm] [--seeds 0] [--links 0 1e8]``.
@@ -135,6 +136,9 @@ def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
     def per_seed(key: str, value: Callable[[int, dict], str]) -> str:
         return " / ".join(value(s, run) for s, run in runs[key]["seeds"].items())
 
+    def ddp_step(seed: int) -> float:
+        return runs[f"ddp @ {args.links[0]:g}"]["seeds"][seed]["per_step"]
+
     def reference(link: float, seed: int) -> dict:
         return runs.get(f"diloco f32 @ {link:g}", runs[f"diloco f32 @ {args.links[0]:g}"])["seeds"][seed]
 
@@ -151,10 +155,11 @@ def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
         rows.append([entry["arm"], "loopback" if link == 0 else f"{link:.3g} bit/s",
                      per_seed(key, lambda s, r: str(r["steps"])), per_seed(key, lambda s, r: fmt(r["loss"])),
                      per_seed(key, lambda s, r: f"{r['loss'] / reference(link, s)['loss']:.3g}"),
-                     per_seed(key, lambda s, r: f"{r['bytes'] / 2**20:.2f}"), per_seed(key, fewer(key, link)),
+                     per_seed(key, lambda s, r: f"{r['bytes'] / 2**20:.2f}"),
+                     per_seed(key, lambda s, r: f"{ddp_step(s) / r['per_step']:.0f}x"), per_seed(key, fewer(key, link)),
                      per_seed(key, lambda s, r: f"{r['wall_s']:.0f}")])
-    header = ["arm", "link", "steps", "final loss", "÷ DiLoCo f32", "MiB sent", "fewer bytes than DDP to DiLoCo's loss",
-              "wall s"]
+    header = ["arm", "link", "steps", "final loss", "÷ DiLoCo f32", "MiB sent", "fewer bytes per step than DDP",
+              "fewer bytes than DDP to DiLoCo's loss", "wall s"]
     return (markdown_table(header, rows) + f"\n\n{args.workload}, W = {args.workers}, {args.steps} steps per rank "
             f"(delta-pull arms {args.long_factor}x), H = {args.local_steps}, lr {args.lr}, batch {args.batch_size} per "
             f"rank, overlap τ = {getattr(args, 'overlap_steps', None)}; DiLoCo's loss: DiLoCo f32's final one + "

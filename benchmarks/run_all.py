@@ -164,7 +164,7 @@ PARTS = (
     Part("elastic", "elastic.py", minutes=2, code=("tests/scripts/elastic_run.py",)),
     # bytes to a loss (issue 43): DDP, DiLoCo and async with each push codec, on loopback and behind a 100 Mbit/s
     # SlowLink; estimated from its quick run (11 fits of 4 processes; the char LM's 300 steps ~1.5 min each)
-    Part("comm_bytes", "comm_bytes.py", ("--start-method", "fork"), minutes=20, full=True),
+    Part("comm_bytes", "comm_bytes.py", ("--start-method", "fork"), minutes=30, full=True),
     # Benchmark 7 (issue 39): the default's groups at W = 4, 8, 16 (bench) and the votes the search needs (bench-full).
     # (minutes: 35 and 14 measured on 2026-12-02 under load 10-15 from other jobs; about half that on idle cores)
     # bench-full: at 35 min it took make bench past its 90 (116 min estimated with it)
