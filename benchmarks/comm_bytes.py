@@ -12,7 +12,7 @@ behind a :class:`~lightning_hdet.testing.SlowLink`. Every arm validates the mode
 model, between outer steps). Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes to DiLoCo-f32's final
 loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes to the same loss;
 bytes per step ÷ DDP's; and
-wall-clock (loaded machine: compare within one run only).
+wall-clock (loaded machine: compare within one run only), and an overlap arm's ÷ its blocking arm's.
 
 Run: ``python benchmarks/comm_bytes.py [--quick] [--workload char_lm] [--seeds 0] [--links 0 1e8]``.
 """
@@ -132,34 +132,42 @@ def bytes_to(run: dict, target: float) -> float:
 
 
 def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
-    """Medians over seeds would hide too little with one seed: every seed's ratio is shown."""
-    def per_seed(key: str, value: Callable[[int, dict], str]) -> str:
-        return " / ".join(value(s, run) for s, run in runs[key]["seeds"].items())
+    """Medians over seeds would hide too little with one seed: every seed's ratio is shown ("—": the arm it is
+    divided by did not run)."""
+    def run_of(arm: str, link: float, seed: int) -> dict | None:
+        entry = runs.get(f"{arm} @ {link:g}") or runs.get(f"{arm} @ {args.links[0]:g}")
+        return None if entry is None else entry["seeds"].get(seed)
 
-    def ddp_step(seed: int) -> float:
-        return runs[f"ddp @ {args.links[0]:g}"]["seeds"][seed]["per_step"]
+    def ratio(num: float, ref: dict | None, field: str, digits: str = ".3g") -> str:
+        return "—" if ref is None else f"{num / ref[field]:{digits}}"
 
-    def reference(link: float, seed: int) -> dict:
-        return runs.get(f"diloco f32 @ {link:g}", runs[f"diloco f32 @ {args.links[0]:g}"])["seeds"][seed]
+    def fewer(link: float, seed: int, run: dict) -> str:
+        ddp, f32 = run_of("ddp", args.links[0], seed), run_of("diloco f32", link, seed)
+        if ddp is None or f32 is None:
+            return "—"
+        target = TARGET * f32["loss"]
+        mine = bytes_to(run, target)
+        return "not reached" if math.isinf(mine) else f"{bytes_to(ddp, target) / mine:.0f}x"
 
-    def fewer(key: str, link: float) -> Callable[[int, dict], str]:
-        def value(seed: int, run: dict) -> str:
-            target = TARGET * reference(link, seed)["loss"]
-            ddp, mine = bytes_to(runs[f"ddp @ {args.links[0]:g}"]["seeds"][seed], target), bytes_to(run, target)
-            return "not reached" if math.isinf(mine) else f"{ddp / mine:.0f}x"
-        return value
+    def per_step_fewer(ddp: dict | None, run: dict) -> str:
+        return "—" if ddp is None else f"{ddp['per_step'] / run['per_step']:.0f}x"
 
-    rows = []
-    for key, entry in runs.items():
-        link = entry["link"]
-        rows.append([entry["arm"], "loopback" if link == 0 else f"{link:.3g} bit/s",
-                     per_seed(key, lambda s, r: str(r["steps"])), per_seed(key, lambda s, r: fmt(r["loss"])),
-                     per_seed(key, lambda s, r: f"{r['loss'] / reference(link, s)['loss']:.3g}"),
-                     per_seed(key, lambda s, r: f"{r['bytes'] / 2**20:.2f}"),
-                     per_seed(key, lambda s, r: f"{ddp_step(s) / r['per_step']:.0f}x"), per_seed(key, fewer(key, link)),
-                     per_seed(key, lambda s, r: f"{r['wall_s']:.0f}")])
+    def cells(entry: dict) -> list[str]:
+        link, arm = entry["link"], entry["arm"]
+        blocking = arm.removesuffix(" overlap") if arm.endswith(" overlap") else None
+        columns: list[Callable[[int, dict], str]] = [
+            lambda s, r: str(r["steps"]), lambda s, r: fmt(r["loss"]),
+            lambda s, r: ratio(r["loss"], run_of("diloco f32", link, s), "loss"),
+            lambda s, r: f"{r['bytes'] / 2**20:.2f}",
+            lambda s, r: per_step_fewer(run_of("ddp", link, s), r),
+            lambda s, r: fewer(link, s, r), lambda s, r: f"{r['wall_s']:.0f}",
+            lambda s, r: "" if blocking is None else ratio(r["wall_s"], run_of(blocking, link, s), "wall_s", ".2f")]
+        return [" / ".join(column(s, r) for s, r in entry["seeds"].items()) for column in columns]
+
+    rows = [[entry["arm"], "loopback" if entry["link"] == 0 else f"{entry['link']:.3g} bit/s", *cells(entry)]
+            for entry in runs.values()]
     header = ["arm", "link", "steps", "final loss", "÷ DiLoCo f32", "MiB sent", "fewer bytes per step than DDP",
-              "fewer bytes than DDP to DiLoCo's loss", "wall s"]
+              "fewer bytes than DDP to DiLoCo's loss", "wall s", "wall ÷ blocking"]
     return (markdown_table(header, rows) + f"\n\n{args.workload}, W = {args.workers}, {args.steps} steps per rank "
             f"(delta-pull arms {args.long_factor}x), H = {args.local_steps}, lr {args.lr}, batch {args.batch_size} per "
             f"rank, overlap τ = {getattr(args, 'overlap_steps', None)}; DiLoCo's loss: DiLoCo f32's final one + "

@@ -198,16 +198,21 @@ def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps():
                                            **run(1.95, 2**10, [(20, 2.3), (40, 2.01), (60, 1.95)])},
         "diloco f32 @ 1e+06": {"arm": "diloco f32", "link": 1e6, **run(2.0, 2**16, f32)},
         "diloco int8 @ 1e+06": {"arm": "diloco int8", "link": 1e6, **run(2.2, 2**14, [(20, 2.2)])},
+        "diloco f32 overlap @ 1e+06": {"arm": "diloco f32 overlap", "link": 1e6, **run(2.0, 2**16, f32)},
     }
+    runs["diloco f32 overlap @ 1e+06"]["seeds"][0]["wall_s"] = 3.5  # 0.70 of the blocking run's 5 s
     args = argparse.Namespace(links=[0.0, 1e6], workload="tabular", workers=4, steps=20, local_steps=5, lr=3e-3,
                               batch_size=16, long_factor=3)
-    rows = {line.split(" | ")[0].lstrip("| ") + " " + line.split(" | ")[1]: line.split(" | ")
+    rows = {line.split(" | ")[0].lstrip("| ") + " " + line.split(" | ")[1]: [c.strip(" |") for c in line.split(" | ")]
             for line in table(runs, args).splitlines() if line.startswith("| ") and "---" not in line}
     assert rows["ddp loopback"][2:8] == ["20", "1.500", "0.75", "20.00", "1x", "1x"]
     assert rows["diloco f32 loopback"][4:8] == ["1", "1.25", "16x", "12x"]
     assert rows["diloco topk2 + topk2 pulls loopback"][2:8] == ["60", "1.950", "0.975", "0.06", "1024x", "384x"]
     assert rows["diloco topk2 loopback"][4:8] == ["1.25", "0.02", "1024x", "not reached"]
     assert rows["diloco int8 1e+06 bit/s"][4:8] == ["1.1", "0.31", "64x", "not reached"]
+    assert rows["diloco f32 overlap 1e+06 bit/s"][9] == "0.70" and rows["diloco f32 1e+06 bit/s"][9] == ""
+    without = table({k: v for k, v in runs.items() if not k.startswith("ddp")}, args)  # no DDP arm: "—"
+    assert "| diloco f32 | loopback | 20 | 2.000 | 1 | 1.25 | — | — | 5 |" in without
 
 
 def test_outer_stability_verdict_hand_computed():
