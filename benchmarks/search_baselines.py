@@ -428,9 +428,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--full-grid", nargs="*", default=None, choices=list(STARTS), metavar="START",
                    help="also run the grid with every run as large as the whole job (G x the compute), from these "
                    "starts (none named: every start)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "schedulefree"),
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "schedulefree", "prodigy"),
                    help="the optimizer whose LR grid, TPE, PBT and HDET search (default adamw; schedulefree: "
-                   "schedule-free AdamW, the baseline's optimizer); prodigy and schedulefree runs keep their own")
+                   "schedule-free AdamW, the baseline's optimizer; prodigy: Prodigy, whose lr multiplies its own "
+                   "estimate, so the starts are 1.0 and 10x either side); prodigy and schedulefree runs keep their own")
     p.add_argument("--groups", type=int, default=4, help="G: LRs in the grid / trials / PBT members / HDET groups")
     p.add_argument("--steps", type=int, default=None, help="S: steps per run (default 320, quick 16)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, quick 1)")
@@ -487,8 +488,10 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, value in (("--pbt-interval", args.pbt_interval), ("--val-every", args.val_every)):
         if args.steps % value:
             p.error(f"{flag}={value} must divide --steps={args.steps} so every method spends the whole budget")
+    # Prodigy's lr multiplies its own step-size estimate: 1.0 is its good value whatever the workload
+    good = {w: 1.0 for w in GOOD_LR} if args.optimizer == "prodigy" else GOOD_LR
     try:
-        args.good_lr = {**GOOD_LR, **{k: float(v) for k, v in (item.split("=", 1) for item in args.good_lr)}}
+        args.good_lr = {**good, **{k: float(v) for k, v in (item.split("=", 1) for item in args.good_lr)}}
     except ValueError:
         p.error(f"--good-lr takes WORKLOAD=LR pairs, got {args.good_lr}")
     args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v])

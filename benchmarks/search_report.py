@@ -174,7 +174,7 @@ def _insurance_table(summary: dict) -> str:
 
 
 # How the table names the optimizer whose LR grid, TPE, PBT and HDET search (``--optimizer``).
-OPTIMIZER_NAMES = {"adamw": "AdamW", "schedulefree": "schedule-free AdamW"}
+OPTIMIZER_NAMES = {"adamw": "AdamW", "schedulefree": "schedule-free AdamW", "prodigy": "Prodigy (its lr multiplier)"}
 
 
 def settings(summary: dict, args: argparse.Namespace, total_s: float) -> str:

@@ -633,3 +633,13 @@ def test_hdet_votes_quick_mode(tmp_path):
     assert len(table) == 2 + 2 and all(math.isfinite(r["loss"]) for r in data["rows"])
 
 
+
+
+def test_search_baselines_starts_prodigy_from_its_own_lr_multiplier():
+    """Prodigy's lr multiplies its own estimate: its good value is 1.0 on every workload (AdamW's stay per workload),
+    and a --good-lr pair still overrides one."""
+    from benchmarks.search_baselines import GOOD_LR, parse_args
+
+    assert parse_args(["--quick"]).good_lr == GOOD_LR
+    args = parse_args(["--quick", "--optimizer", "prodigy", "--good-lr", "tabular=0.5"])
+    assert args.good_lr == {**{w: 1.0 for w in GOOD_LR}, "tabular": 0.5}
