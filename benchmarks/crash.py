@@ -15,7 +15,10 @@ are reported as skipped; ``--default-votes`` arms (``hdet_<arm>_defaults``, name
 ``VOTE[@SYNC][+search]``) run as a user would: the strategy's default multipliers (a 27x geometric grid) and
 gradient sync (``group`` unless the arm names one), the callback's defaults but the vote, no warm start; only
 ``+search`` arms end the search, where ``Search()`` does (a quarter of the run), so ``pbt+search`` is the default
-of ``strategy="hdet"``. Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1).
+of ``strategy="hdet"`` but for its vote interval (``T``, where the default sizes it to the run: 38 steps of 300).
+``defaults[:OPTION=VALUE...]`` (``hdet_defaults...``, benchmark 2's arm) is ``strategy="hdet"`` exactly, interval
+included, with those options of ``HDETStrategy`` or ``Search`` changed (e.g. ``defaults:evidence=2.5``).
+Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1).
 Issue 28's price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
 HDET ÷ the best of a full-batch grid from the high LR down to the low one (``grid_xG``, the ceiling; target
 ≤ 1.5 from 100-300x too high).
@@ -39,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.common import WORKLOADS, begin, fmt, hdet_callbacks, markdown_table, plot_panels, publish
 from benchmarks.hdet_published import add_published_args, fill_published_defaults, run_config
-from benchmarks.search_baselines import accepted_votes, parse_hdet_arm
+from benchmarks.search_baselines import accepted_votes, defaults_options, is_defaults_arm, parse_hdet_arm
 from lightning_hdet.hdet.rules.defaults import DEFAULT_GRADIENT_SYNC, SEARCH_FRACTION
 
 NAME = "crash"
@@ -76,7 +79,7 @@ def run_case(args: argparse.Namespace, workload: str, failure: str, seed: int, w
     rows = [row(key, result) for key, result in ends.items()]
     rows += [row(f"hdet_{v}", run_config(case, high, optimizer, {"vote": v, "init_noise": 0.01}, work / v))
              for v in args.votes]
-    rows += [row(f"hdet_{v}_defaults", run_default_arm(case, high, optimizer, v, work / f"default_{v}"))
+    rows += [row(default_arm_name(v), run_default_arm(case, high, optimizer, v, work / f"default_{v}"))
              for v in args.default_votes]
     if grid:  # the ceiling: every LR of the grid on all ranks (GRID_POINTS x the compute), the best one
         best = min(grid, key=lambda r: r["final_val_loss"] if math.isfinite(r["final_val_loss"]) else math.inf)
@@ -88,14 +91,26 @@ def run_default_arm(args: argparse.Namespace, lr: float, optimizer: str, entry: 
     """``entry`` (``VOTE[@SYNC][+search]``, as benchmark 2 names its arms) as a user runs it: the strategy's default
     multipliers (a 27x geometric grid over the groups, one group per rank here), its gradient sync (default
     ``group``), the callback's defaults but the vote, no warm start; ``+search`` ends the search where ``Search()``
-    does, at a quarter of the run (``pbt+search`` is ``strategy="hdet"``'s default)."""
-    from lightning_hdet import HDETStrategy
+    does, at a quarter of the run (``pbt+search`` is ``strategy="hdet"``'s default but for its vote interval, ``T``
+    here). ``defaults[:OPTION=VALUE...]``: ``HDETStrategy()`` and ``HDETCallback()`` as benchmark 2's ``defaults``
+    arm builds them (:func:`~benchmarks.search_baselines.defaults_options`), only the seed and those options given."""
+    from lightning_hdet import HDETCallback, HDETStrategy
 
+    if is_defaults_arm(entry):
+        options, search, callback = defaults_options(entry)
+        strategy = HDETStrategy(start_method=args.start_method, process_group_backend="gloo", **options)
+        callbacks = [HDETCallback(seed=args.seed, search=search, **callback)]
+        return run_config(args, lr, optimizer, {"entry": entry}, work, strategy=strategy, callbacks=callbacks)
     arm = parse_hdet_arm(entry, DEFAULT_GRADIENT_SYNC)
     strategy = HDETStrategy(gradient_sync=arm.sync, start_method=args.start_method, process_group_backend="gloo")
     callbacks = hdet_callbacks(args.every, vote=arm.vote, signal=arm.signal, seed=args.seed,
                                search_steps=int(args.steps * SEARCH_FRACTION) if arm.search else None)
     return run_config(args, lr, optimizer, {"entry": entry}, work, strategy=strategy, callbacks=callbacks)
+
+
+def default_arm_name(entry: str) -> str:
+    """A ``--default-votes`` arm's row name: ``hdet_pbt+search_defaults``, ``hdet_defaults:evidence=2.5``."""
+    return f"hdet_{entry}" if is_defaults_arm(entry) else f"hdet_{entry}_defaults"
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -150,8 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--default-votes", default="",
                    help="comma-separated HDET arms run as a user would (VOTE[@SYNC][+search], as benchmark 2 names "
                    "them): the strategy's default multipliers and gradient sync (group), the callback's defaults but "
-                   "the vote, no warm start; pbt+search is the default of strategy='hdet', e.g. "
-                   "pbt+search,trust_region@global")
+                   "the vote, no warm start; pbt+search is the default of strategy='hdet' (but for the vote interval), "
+                   "defaults[:OPTION=VALUE...] exactly that with these options of HDETStrategy or Search, e.g. "
+                   "pbt+search,trust_region@global,defaults:evidence=2.5")
     p.add_argument("--full-grid", action="store_true",
                    help=f"also run plain DDP at {GRID_POINTS} LRs from the high LR down to the low one, on all ranks "
                    f"({GRID_POINTS} x the compute), and report HDET ÷ its best (the ceiling)")

@@ -317,6 +317,32 @@ def test_crash_quick_mode_nan_and_collapse(tmp_path):
     assert "1 seed(s) from 0," in (merged / "benchmarks.md").read_text()  # the parts' seeds, not the command's
 
 
+def test_crash_defaults_arm_runs_strategy_hdet_with_one_option_changed(monkeypatch):
+    """``--default-votes defaults:evidence=2.5``: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given
+    but the seed and that option (the vote interval sized to the run), where ``pbt+search`` gives ``T``; no
+    training."""
+    from lightning_hdet import Search
+    from benchmarks import crash
+
+    args = crash.parse_args(["--default-votes", "pbt+search,defaults,defaults:evidence=2.5,defaults:nope=1"])
+    assert args.default_votes == ["pbt+search", "defaults", "defaults:evidence=2.5"]
+    assert "defaults:nope=1" in args.skipped
+    assert [crash.default_arm_name(v) for v in args.default_votes] == [
+        "hdet_pbt+search_defaults", "hdet_defaults", "hdet_defaults:evidence=2.5"]
+    seen = {}
+    monkeypatch.setattr(crash, "run_config", lambda *a, strategy, callbacks, **k: seen.update(
+        strategy=strategy, callbacks=callbacks))
+    args.seed = 3
+    crash.run_default_arm(args, 0.9, "adamw", "defaults:evidence=2.5", Path("unused"))
+    (callback,) = seen["callbacks"]
+    assert callback.search == Search(evidence=2.5) and callback.every_n_steps is None
+    assert callback.vote == "pbt"
+    assert seen["strategy"].gradient_sync == "group" and callback.settings.seed == 3
+    crash.run_default_arm(args, 0.9, "adamw", "pbt+search", Path("unused"))
+    (callback,) = seen["callbacks"]
+    assert callback.every_n_steps == args.every == 30 and callback.search == Search(steps=75)
+
+
 def test_crash_table_divides_hdet_by_the_untuned_run_and_the_full_batch_grid():
     """Hand-made rows (one seed): HDET 1.2, the untuned run (DDP at the high LR) 1.8, the grid's best 1.0: HDET ÷
     untuned 0.667, ÷ grid ×G 1.2 (≤ 1.5: met); the grid's LRs run from the high LR down to the low one."""
