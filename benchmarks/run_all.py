@@ -86,12 +86,14 @@ SF_VOTES = ("softmax", "pbt", "pbt@global", "pbt+search", "pb2+search")
 SEARCH_FULL_SIZE = ("--steps", "128", "--pbt-interval", "32", "--val-every", "16")
 
 
-# The crash benchmark (issue 28's price check), at 100-300x too high: HDET as a user runs it (the default
-# `pbt+search`, no warm start; trust_region@global stayed stuck in every seed of shapes and tabular, log 2026-12-02) ÷ the best of plain DDP at four LRs on all ranks (whose
-# ends are the untuned run and DDP at the good LR), three workloads, three seeds, HDET's processes forked. The
-# NaN-type failures and the published arms (warm start, ±11 % fan-out) are bench-full's `crash_published`.
+# The crash benchmark (issue 28's price check), at 100-300x too high: HDET as a user runs it (`defaults`:
+# strategy="hdet" exactly) beside `pbt+search` (the same but a vote every S/10 steps, the tables' arm before
+# 2026-12-04; at 300 steps the defaults vote every 38 and crash where it learns: research log 2026-12-04), each ÷ the
+# best of plain DDP at four LRs on all ranks (whose ends are the untuned run and DDP at the good LR), three
+# workloads, three seeds, HDET's processes forked. The NaN-type failures and the published arms (warm start, ±11 %
+# fan-out) are bench-full's `crash_published`.
 CRASH_ARGS = ("--failures", "collapse", "--full-grid", "--hdet-votes", "", "--default-votes",
-              "pbt+search", "--seeds", "3", "--start-method", "fork")
+              "defaults,pbt+search", "--seeds", "3", "--start-method", "fork")
 CRASH_PUBLISHED_ARGS = ("--name", "crash_published", "--seeds", "3", "--start-method", "fork")
 
 
@@ -159,7 +161,7 @@ PARTS = (
     # rank 0's host memory (issue 29) on models past one 25 MiB fragment, as docs/async.md quotes it
     Part("overhead_memory", "overhead.py", ("--parts", "memory", "--memory-d-models", "768", "1280", "--exchange-steps",
                                             "20", "--local-steps", "10", "--batch-size", "4"), minutes=12, full=True),
-    Part("crash", "crash.py", CRASH_ARGS, minutes=11),
+    Part("crash", "crash.py", CRASH_ARGS, minutes=18),
     Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
     Part("elastic", "elastic.py", minutes=2, code=("tests/scripts/elastic_run.py",)),
     # bytes to a loss (issue 43): DDP, DiLoCo and async with each push codec, on loopback and behind a 100 Mbit/s
