@@ -144,13 +144,14 @@ class _Steps(Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4):
+def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4, pull="none"):
     tmp_path.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     # plain averaging outer step (Local SGD): what is under test is the workers' ranks, not the outer optimizer
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
     strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, ranks_per_worker=ranks_per_worker,
-                                     outer_lr=1.0, outer_momentum=0.0, start_method=START, **fixed)
+                                     outer_lr=1.0, outer_momentum=0.0, pull_compression=pull, start_method=START,
+                                     **fixed)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=4, check_val_every_n_epoch=None,
@@ -160,9 +161,11 @@ def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_two_workers_of_two_ranks(tmp_path, mode):
-    ranks = _fit(tmp_path, mode, ranks_per_worker=2, max_steps=40)
+@pytest.mark.parametrize(("mode", "pull"), [("async", "none"), ("sync", "none"), ("sync", "int8")])
+def test_two_workers_of_two_ranks(tmp_path, mode, pull):
+    """int8 pulls: the leader adds the changes to the public model it holds, then hands the result to its other
+    rank, so the two stay identical as with float32 pulls."""
+    ranks = _fit(tmp_path, mode, ranks_per_worker=2, max_steps=40, pull=pull)
     outer = ranks[0]["outer"]
     assert sorted(outer["workers"]) == [0, 1]  # the server sees 2 workers, not 4 ranks
     # each worker's ranks took the same steps and rounds; the budget counts worker steps (2 workers x 40)

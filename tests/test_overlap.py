@@ -22,9 +22,10 @@ from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHe
 from lightning_hdet.asynchronous.outer import OuterSettings
 from lightning_hdet.asynchronous.overlap import check_overlap_steps, correction, overlap_this_round
 from lightning_hdet.asynchronous.overlapped import OverlapWorker
+from lightning_hdet.asynchronous.public_model import PublicModel
 from lightning_hdet.asynchronous.server import Server
 from lightning_hdet.asynchronous.slow_link import LimitedTransport
-from lightning_hdet.asynchronous.transport import WorkerTransport
+from lightning_hdet.asynchronous.transport import WorkerTransport, receive_reply, send_reply
 from tests.test_async_defaults import SGDBoring, _loss
 
 
@@ -162,6 +163,45 @@ def test_a_remote_worker_pushes_early_trains_on_and_carries_its_overlapped_steps
     worker.exchange(Kind.BYE)
     assert transport.pushes == [(0, 0, None), (2, 2, [-2.0, -2.0]), (4, 2, [-4.0, -4.0]), (2, 0, [-2.0, -2.0])]
     assert [r[0] for r in worker.rounds] == [4, 4, 0]
+
+
+class Changes(WorkerTransport):
+    """A remote worker's transport with int8 pulls over the real wire code: before each pull rank 0's public model
+    is published toward the next global model of ``models``; the reply carries the changes the worker lacks."""
+
+    def __init__(self, models: list[list[float]], steps: list[int]) -> None:
+        self.layout = Fragments([torch.Size([2])], pull_compression="int8")
+        self.public = PublicModel(torch.zeros(2), self.layout)
+        self.models, self.steps, self.deltas = list(models), list(steps), []
+
+    def push(self, header, messages, buffers, inner_state) -> None:
+        for _ in messages:
+            pass
+
+    def pull(self, into):
+        steps, version = self.steps.pop(0), len(self.steps)
+        self.public.publish(torch.tensor(self.models.pop(0)), source_version=version)
+        deltas, messages = self.public.reply(1) if steps else (-1, [])
+        wire: list[torch.Tensor] = []
+        send_reply(lambda t: wire.append(t.clone()), ServerHeader(steps, version, 0, deltas), messages, torch.zeros(0))
+        it = iter(wire)
+        header = receive_reply(lambda t: t.copy_(next(it)), self.layout, into, self.layout.pull_buffer())
+        self.deltas.append(header.deltas)
+        return header
+
+
+def test_an_overlapped_worker_adds_int8_changes_to_the_model_it_pulled_not_to_the_one_it_sent() -> None:
+    """H = 4, τ = 2, each step +1, int8 pulls. The hello sends the model itself, [0, 0]. 2 steps ([2, 2]), push;
+    while 2 more steps run ([4, 4]) the reply brings one change, [5, 5] (exact in int8: 127 levels of 5 / 127), added
+    to the pulled [0, 0] (not to θ_at_send [2, 2], which the worker keeps apart): merge [5, 5] + ([4, 4] − [2, 2]) =
+    [7, 7], the reference [5, 5]."""
+    module, transport = Pair(), Changes([[0.0, 0.0], [5.0, 5.0], [5.0, 5.0]], [4, 4, 0])
+    worker = OverlapWorker(module, torch.device("cpu"), transport, layout=transport.layout, overlap_steps=2)
+    worker.exchange(Kind.HELLO)
+    _train(worker, module, 4)
+    assert transport.deltas == [-1, 1]
+    torch.testing.assert_close(worker.pulled, torch.tensor([5.0, 5.0]))
+    torch.testing.assert_close(module.w.detach(), torch.tensor([7.0, 7.0]))
 
 
 @pytest.mark.parametrize("pull", ["none", "bf16"])  # bf16: decoded piece by piece (these values are exact in it)
