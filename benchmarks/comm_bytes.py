@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--links", type=float, nargs="+", default=[0.0, 1e8],
                         help="link speeds in bits per second (0: loopback)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--name", default=NAME, help="name of the results file and of the docs block")
     parser.add_argument("--long-factor", type=int, default=5,
                         help="the int8-pull arm runs this many times --steps (where its loss goes on)")
     parser.add_argument("--overlap-steps", type=int, default=None,
@@ -111,7 +112,7 @@ def main() -> None:
     if args.quick:
         args.local_steps = min(args.local_steps, 5)
     args.overlap_steps = args.overlap_steps or max(1, args.local_steps // 5)
-    name, _ = begin(NAME, args.quick)
+    name, _ = begin(args.name, args.quick)
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:

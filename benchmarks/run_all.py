@@ -94,6 +94,9 @@ SEARCH_FULL_SIZE = ("--steps", "128", "--pbt-interval", "32", "--val-every", "16
 # fan-out) are bench-full's `crash_published`.
 CRASH_ARGS = ("--failures", "collapse", "--full-grid", "--hdet-votes", "", "--default-votes",
               "defaults,pbt+search", "--seeds", "3", "--start-method", "fork")
+COMM_OVERLAP_ARGS = ("--name", "comm_overlap", "--start-method", "fork", "--workers", "2", "--steps", "300",
+                     "--local-steps", "50", "--overlap-steps", "25", "--links", "1.2e7", "--arms", "diloco f32",
+                     "diloco f32 overlap", "--seeds", "0", "1", "2")
 CRASH_PUBLISHED_ARGS = ("--name", "crash_published", "--seeds", "3", "--start-method", "fork")
 
 
@@ -167,6 +170,9 @@ PARTS = (
     # bytes to a loss (issue 43): DDP, DiLoCo and async with each push codec, on loopback and behind a 100 Mbit/s
     # SlowLink; estimated from its quick run (11 fits of 4 processes; the char LM's 300 steps ~1.5 min each)
     Part("comm_bytes", "comm_bytes.py", ("--start-method", "fork"), minutes=30, full=True),
+    # overlap against the blocking exchange (issue 43's second target) at two processes, one core each: at four on
+    # two cores the run is CPU-bound and hiding the link cannot shorten it (research log 2026-12-04)
+    Part("comm_overlap", "comm_bytes.py", COMM_OVERLAP_ARGS, minutes=3, full=True),
     # Benchmark 7 (issue 39): the default's groups at W = 4, 8, 16 (bench) and the votes the search needs (bench-full).
     # (minutes: 35 and 14 measured on 2026-12-02 under load 10-15 from other jobs; about half that on idle cores)
     # bench-full: at 35 min it took make bench past its 90 (116 min estimated with it)
