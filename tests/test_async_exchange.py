@@ -101,11 +101,13 @@ def _round(worker: Worker, module: Tiny, w: list[float], stat: float, steps: int
     worker.exchange(Kind.PUSH)
 
 
-def _one_round_each(server: Server, workers: list[Worker], modules: list[Tiny]) -> None:
+def _one_round_each(server: Server, workers: list[Worker], modules: list[Tiny],
+                    local: dict[int, tuple[list[float], float]] | None = None) -> None:
     """Each worker in its own thread (a sync batch waits for both): hello, one round of 2 steps leaving
-    w = [1, 1], stat 2 (worker 0) and w = [3, -1], stat 6 (worker 1), then leave; wait for the server to end.
-    Both pull the starting model before either pushes (async: else the later hello pulls the first push)."""
-    local = {0: ([1.0, 1.0], 2.0), 1: ([3.0, -1.0], 6.0)}
+    ``local[w]``'s (w, stat) (default w = [1, 1], stat 2 for worker 0 and w = [3, -1], stat 6 for worker 1), then
+    leave; wait for the server to end. Both pull the starting model before either pushes (async: else the later
+    hello pulls the first push)."""
+    local = local or {0: ([1.0, 1.0], 2.0), 1: ([3.0, -1.0], 6.0)}
     pulled = threading.Barrier(2, timeout=60)
 
     def run(w: int) -> None:
@@ -423,20 +425,7 @@ def test_topk2_pulls_send_workers_the_public_model_and_keep_the_global_model_exa
     server, network, modules = _start(settings, budget=8, layout=layout)
     workers = [Worker(modules[0], CPU, server.local, layout=layout),
                Worker(modules[1], CPU, network.ends[1], layout=layout)]
-    pulled = threading.Barrier(2, timeout=60)
-
-    def run(w: int) -> None:
-        workers[w].exchange(Kind.HELLO)
-        pulled.wait()
-        _round(workers[w], modules[w], [[1.0, 1.0], [3.0, -2.0]][w], 2.0, 2)
-        workers[w].exchange(Kind.BYE)
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    server.join()
+    _one_round_each(server, workers, modules, local={0: ([1.0, 1.0], 2.0), 1: ([3.0, -2.0], 6.0)})
     assert server.outer.params.tolist() == [2.0, -0.5]
     assert server.public is not None and server.public.params.tolist() == pytest.approx([2.0, 0.0])
     for worker in workers:

@@ -168,13 +168,11 @@ class Server:
                 self._wait_for_replies("The next batch")
                 self._replies_pending = 1  # this loop
             replies = self.outer.close(batch)
-            if self.public is not None:
-                with self.outer.model_lock:  # every reply of the batch sends one version
-                    self.public.publish(self.outer.params.detach(), self.outer.outer_updates)
             left = {p.worker for p in batch if p.kind == Kind.BYE}
             active -= left
             if self.public is not None:
-                with self.outer.model_lock:
+                with self.outer.model_lock:  # every reply of the batch sends one version
+                    self.public.publish(self.outer.params.detach(), self.outer.outer_updates)
                     for worker in left:
                         self.public.forget(worker)
             stopping |= {w for w, steps in replies.items() if steps <= 0}  # they leave next (BYE)

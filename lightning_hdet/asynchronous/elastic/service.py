@@ -24,7 +24,7 @@ from torch.nn import Module
 
 from lightning_hdet._checks import check_int, check_number, require
 from lightning_hdet._tensors import float_buffers, write_from
-from lightning_hdet.asynchronous.compression import check_compression
+from lightning_hdet.asynchronous.compression import DELTA_PULL_CODECS, check_compression
 from lightning_hdet.asynchronous.elastic.hub import Lost, SessionHub
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, proof_matches
 from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_token, should_park
@@ -77,7 +77,7 @@ class OuterService:
             check_number(name, value, low=0, low_open=True, hint="It is in seconds.")
         check_number("max_idle_s", max_idle_s, low=0, optional=True)
         check_compression(compression, None, pull_compression)
-        require("pull_compression", pull_compression, pull_compression in ("none", "bf16"),
+        require("pull_compression", pull_compression, pull_compression not in DELTA_PULL_CODECS,
                 "'none' or 'bf16' with an elastic service",
                 "A change of the public model needs the version a worker holds; a session that rejoins after a"
                 " restart of the service holds none the service knows. Use AsyncLocalSGDStrategy for delta pulls.")
