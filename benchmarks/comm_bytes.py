@@ -11,9 +11,8 @@ pull). At each link speed (``--links``, bits per second; 0: loopback, no emulati
 behind a :class:`~lightning_hdet.testing.SlowLink`. Every arm validates the model every H steps (DiLoCo: the global
 model, between outer steps). Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes to DiLoCo-f32's final
 loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes to the same loss;
-bytes per step ÷ DDP's; and
-wall-clock (loaded machine: compare within one run only), and an overlap arm's time inside ``fit`` (rank 0's, no
-process start-up) ÷ its blocking arm's.
+bytes per step ÷ DDP's; wall-clock (loaded machine: compare within one run only); and an overlap arm's time inside
+``fit`` (rank 0's, no process start-up) ÷ its blocking arm's.
 
 Run: ``python benchmarks/comm_bytes.py [--quick] [--workload char_lm] [--seeds 0] [--links 0 1e8]``.
 """
@@ -21,7 +20,6 @@ Run: ``python benchmarks/comm_bytes.py [--quick] [--workload char_lm] [--seeds 0
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -74,12 +72,12 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
         callbacks = [SlowLink(bits_per_s=link)] if link > 0 else []
     result = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
     model_bytes = 4 * sum(p.numel() for p in build_workload(spec)[0].parameters())
+    setup = (args.workers - 1) * model_bytes  # DDP's broadcast, the workers' first pulls (their buffers stay counted)
     if setting is None:  # ring all-reduce: 2 (W - 1) / W models per rank and step, on every rank
         per_step = 2 * (args.workers - 1) * model_bytes
-        sent, setup = per_step * steps, (args.workers - 1) * model_bytes
+        sent = per_step * steps
     else:
         stats = result.rank_extra[0]["worker_stats"]
-        setup = (args.workers - 1) * model_bytes  # the first pulls (their buffers stay counted: a few bytes)
         sent = sum(s["push_bytes"] + s["pull_bytes"] for s in stats.values()) - setup
         per_step = sent / steps  # every round of DiLoCo sends the same bytes (the last may be short: a bound)
     curve = [(step, loss) for step, loss, _ in result.val_curve]

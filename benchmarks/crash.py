@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.common import WORKLOADS, begin, fmt, hdet_callbacks, markdown_table, plot_panels, publish
 from benchmarks.hdet_published import add_published_args, fill_published_defaults, run_config
-from benchmarks.search_baselines import accepted_votes, defaults_options, is_defaults_arm, parse_hdet_arm
+from benchmarks.search_baselines import accepted_votes, defaults_run, is_defaults_arm, parse_hdet_arm
 from lightning_hdet.hdet.rules.defaults import DEFAULT_GRADIENT_SYNC, SEARCH_FRACTION
 
 NAME = "crash"
@@ -94,12 +94,10 @@ def run_default_arm(args: argparse.Namespace, lr: float, optimizer: str, entry: 
     does, at a quarter of the run (``pbt+search`` is ``strategy="hdet"``'s default but for its vote interval, ``T``
     here). ``defaults[:OPTION=VALUE...]``: ``HDETStrategy()`` and ``HDETCallback()`` as benchmark 2's ``defaults``
     arm builds them (:func:`~benchmarks.search_baselines.defaults_options`), only the seed and those options given."""
-    from lightning_hdet import HDETCallback, HDETStrategy
+    from lightning_hdet import HDETStrategy
 
     if is_defaults_arm(entry):
-        options, search, callback = defaults_options(entry)
-        strategy = HDETStrategy(start_method=args.start_method, process_group_backend="gloo", **options)
-        callbacks = [HDETCallback(seed=args.seed, search=search, **callback)]
+        strategy, callbacks = defaults_run(entry, args.start_method, args.seed)
         return run_config(args, lr, optimizer, {"entry": entry}, work, strategy=strategy, callbacks=callbacks)
     arm = parse_hdet_arm(entry, DEFAULT_GRADIENT_SYNC)
     strategy = HDETStrategy(gradient_sync=arm.sync, start_method=args.start_method, process_group_backend="gloo")

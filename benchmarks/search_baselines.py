@@ -50,7 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -246,7 +246,7 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
 
     center = math.exp(sum(map(math.log, lrs)) / len(lrs))
     if is_defaults_arm(vote):
-        return run_hdet_defaults(center, base, world, start_method, work, *defaults_options(vote))
+        return run_hdet_defaults(center, base, world, start_method, work, vote)
     arm = parse_hdet_arm(vote)
     strategy = HDETStrategy(
         num_groups=groups, lr_multipliers=[lr / center for lr in lrs], gradient_sync=arm.sync,
@@ -299,19 +299,25 @@ def _value(text: str) -> Any:
     return text
 
 
-def run_hdet_defaults(lr: float, base: RunSpec, world: int, start_method: str, work: Path,
-                      options: Optional[dict[str, Any]] = None, search: Any = True,
-                      callback: Optional[dict[str, Any]] = None) -> dict:
-    """``strategy="hdet"`` as a user launches it: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given
-    (only the seed of its random choices; ``options`` and ``search`` for an arm that changes one option), the
-    optimizer at the starting LR ``lr``, every rank reading its own shard (the default search ends with one gradient
-    over the job)."""
+def defaults_run(entry: str, start_method: str, seed: int) -> tuple[Any, list[Any]]:
+    """The strategy and callbacks of a ``defaults[:OPTION=VALUE...]`` arm: ``HDETStrategy()`` and ``HDETCallback()``
+    with only the seed and those options given (:func:`defaults_options`)."""
     from lightning_hdet import HDETCallback, HDETStrategy
 
-    strategy = HDETStrategy(start_method=start_method, process_group_backend="gloo", **(options or {}))
+    options, search, callback = defaults_options(entry)
+    strategy = HDETStrategy(start_method=start_method, process_group_backend="gloo", **options)
+    return strategy, [HDETCallback(seed=seed, search=search, **callback)]
+
+
+def run_hdet_defaults(lr: float, base: RunSpec, world: int, start_method: str, work: Path,
+                      entry: str = "defaults") -> dict:
+    """``strategy="hdet"`` as a user launches it: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given
+    (only the seed of its random choices; an ``entry`` ``defaults:OPTION=VALUE...`` changes those options,
+    :func:`defaults_run`), the optimizer at the starting LR ``lr``, every rank reading its own shard (the default
+    search ends with one gradient over the job)."""
+    strategy, callbacks = defaults_run(entry, start_method, base.seed)
     spec = replace(base, lr=lr, devices=world, shard_data=False, shard_train=True)
-    run = fit_run(spec, work, strategy=strategy,
-                  callbacks=[HDETCallback(seed=base.seed, search=search, **(callback or {}))])
+    run = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
     groups = len(run.rank_extra[0]["group_lrs"])
     return hdet_outcome(run, world, groups, [lr])
 
