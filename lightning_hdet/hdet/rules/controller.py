@@ -189,7 +189,7 @@ class HDETController:
         roll_back = num_groups > 1 and (not any(healthy) or contaminated)
         self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses,
                                         interval.first_errors)
-        self.plateau_history = forget(self.plateau_history, roll_back)
+        self.plateau_history = forget(self.plateau_history, restarted=plateau.all_stuck)
         if not interval.refine and self._evidence_is_in(interval, healthy):
             interval = replace(interval, refine=True)  # ends the search early (Search.evidence)
         if interval.refine and not self._search_can_end(losses, healthy):

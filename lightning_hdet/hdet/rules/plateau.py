@@ -11,8 +11,9 @@ untrained model's), so the run sits there to the end. This rule closes that hole
   ``NOISE_Z`` standard errors of that interval and a relative ``min_gain``; otherwise it is **stuck** for the
   interval's steps (one ensemble-wide level: a group's own best so far ratchets down on noise alone, measured);
 * when the ensemble is stuck for ``steps`` optimizer steps in a row (in a run of known length, a fifth of it where
-  that is shorter, but at least two votes; doubled after each ladder; never with fewer than twice as many steps
-  left in the run: :func:`patience`, :func:`judged_at`), every group counts as failed: the ensemble
+  that is shorter, but at least two votes; doubled after each ladder; never with fewer steps than that left in the
+  run: :func:`patience`, :func:`judged_at`; a rescue's roll-back keeps counting: :func:`forget`), every group
+  counts as failed: the ensemble
   **rolls back** and restarts on a geometric ladder of learning rates ``cut`` to ``cut**2`` times the current
   geometric mean, a search downward (ten to a hundred times lower for ``cut=0.1``); a ladder still stuck twice
   as long descends again. (A single group stuck beside better ones needs no rule of its own: the vote
@@ -124,12 +125,15 @@ def patience(rule: PlateauRule, run_steps: Optional[int], every: int, cuts: int 
 
 
 def judged_at(steps: Optional[int], run_steps: Optional[int], step: int) -> Optional[int]:
-    """``steps`` where a ladder started at ``step`` would still have ``2 * steps`` left, the wait the rule gives that
-    ladder (:func:`patience` doubles after a cut), else ``None`` (the rule does not count this vote). A ladder that
-    cannot be judged before the run ends only throws the run's end away; and a run that flattens near its end is
-    more often at its noise floor than stuck (the insurance test: from the right LR a run converged by step 32 of 64
-    would otherwise have its LR cut 10x at step 48 and end at 5x the loss)."""
-    if steps is None or run_steps is None or run_steps - step >= 2 * steps:
+    """``steps`` where a ladder started at ``step`` would still have ``steps`` left to learn, else ``None`` (the rule
+    does not count this vote). Why one patience and not none: a ladder started later only throws the run's end
+    away, and a run that flattens near its end is more often at its noise floor than stuck (the insurance test: from
+    the right LR a run converged by step 32 of 64 would otherwise have its LR cut 10x at step 48 and end at 5x the
+    loss). Why not two (the wait :func:`patience` gives a ladder before judging it again): the ladder's rungs are
+    judged against each other by the votes that follow, not by this rule; requiring two patiences left forbade the
+    ladder from step 152 of a 300-step run voting every 38 steps, which left tabular and shapes stuck at their
+    prior after a rescue at step 152 (research log 2026-12-05)."""
+    if steps is None or run_steps is None or run_steps - step >= steps:
         return steps
     return None
 
@@ -170,10 +174,12 @@ def judge_plateau(
     return PlateauVerdict(armed and stuck_steps >= rule.steps, PlateauHistory(history.best, stuck_steps, step))
 
 
-def forget(history: PlateauHistory, rolled_back: bool) -> PlateauHistory:
-    """The history after the vote's decision: after a roll-back (the ladder's, or any other) the ensemble starts
-    afresh: a new best level, from the restored models."""
-    return PlateauHistory(math.nan, 0, history.last_step) if rolled_back else history
+def forget(history: PlateauHistory, restarted: bool) -> PlateauHistory:
+    """The history after the vote's decision: after a ladder (``restarted``: half of the groups from the initial
+    model, at new LRs) the ensemble starts afresh, with a new best level. A rescue's roll-back does not start afresh:
+    it restores the last good merge, whose level the best already records, so the climb back to it is not progress
+    (it was counted as such, and a collapsed run at the labels' prior never looked stuck: research log 2026-12-05)."""
+    return PlateauHistory(math.nan, 0, history.last_step) if restarted else history
 
 
 def ladder(multipliers: Tensor, cut: float) -> Tensor:
