@@ -9,7 +9,9 @@ holds version ``u`` of ``P`` is sent the changes ``u + 1 .. v`` and adds them, o
 order). What a change did not carry stays in ``G - P`` and leaves with a later one: error feedback on the pull side,
 as DoubleSqueeze (arXiv 1905.05957) compresses a parameter server's replies. ``G`` itself, what the outer optimizer
 steps and what a run ends with, is never rounded. The code takes any codec that loses values; sparse ones (one
-value in 64 a change) let ``P`` fall behind ``G`` under the outer Nesterov step, so the strategy offers int8 only.
+value in 64 a change) let ``P`` fall behind ``G`` under the outer Nesterov step, so the strategy offers them only
+with ``outer="sparseloco"``, whose change is exactly sparse: there a change is not ``codec(G - P)`` but the round's
+pushes forwarded as they are (:mod:`.sparse_outer`), and ``P`` equals ``G`` bit for bit.
 
 A worker that holds no version (its first pull) or one older than the log receives ``P`` itself in ``float32``: a
 *dense* pull, counted. The log keeps only the changes some remote worker still lacks, and at most
