@@ -3,8 +3,9 @@
 
 Arms on W processes, the same seed, data and per-rank batch: DDP (its ring all-reduce sends ``2 (W - 1) / W``
 float32 models per rank and step, counted, not emulated), DiLoCo and async with each push codec, and DiLoCo with
-int8 pulls of the public model's changes (``pull_compression="int8"``; run ``--long-factor`` times the steps, to
-show where the loss goes on). For the Local-SGD arms the bytes are those the outer side counted: the pushes after
+int8 pulls of the public model's changes (``pull_compression="int8"``) or SparseLoCo's update with exact sparse
+pulls (``outer="sparseloco"``, topk2 both ways); the arms with compressed pulls run ``--long-factor`` times the
+steps, to show where the loss goes on. For the Local-SGD arms the bytes are those the outer side counted: the pushes after
 compression (rank 0's own included, though it travels nowhere) and the replies to the other workers. Not counted
 on either side: the one-time setup, ``W - 1`` float32 models (DDP's broadcast of the model, the workers' first
 pull). At each link speed (``--links``, bits per second; 0: loopback, no emulation) every worker but rank 0's sits
@@ -42,12 +43,13 @@ from benchmarks.common import (
 )
 
 NAME = "comm_bytes"
-#: arm -> (mode, push codec, overlapped, pull codec); ``None``: DDP.
+#: arm -> (mode, push codec, overlapped, pull codec[, outer]); ``None``: DDP.
 ARMS = {"ddp": None, "diloco f32": ("sync", "none", False, "none"), "diloco int8": ("sync", "int8", False, "none"),
         "diloco topk2": ("sync", "topk2", False, "none"), "async f32": ("async", "none", False, "none"),
         "async topk2": ("async", "topk2", False, "none"), "diloco f32 overlap": ("sync", "none", True, "none"),
         "async f32 overlap": ("async", "none", True, "none"),
-        "diloco int8 + int8 pulls": ("sync", "int8", False, "int8")}
+        "diloco int8 + int8 pulls": ("sync", "int8", False, "int8"),
+        "diloco sparseloco": ("sync", "topk2", False, "topk2", "sparseloco")}
 #: The loss an arm must reach, as a multiple of DiLoCo-f32's final loss (issue 43: within 1 %).
 TARGET = 1.01
 
@@ -68,7 +70,8 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
     else:
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=setting[0], compression=setting[1],
                                          overlap_steps=args.overlap_steps if setting[2] else 0,
-                                         pull_compression=setting[3], start_method=args.start_method)
+                                         pull_compression=setting[3], start_method=args.start_method,
+                                         outer=setting[4] if len(setting) > 4 else None)
         callbacks = [SlowLink(bits_per_s=link)] if link > 0 else []
     result = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
     model_bytes = 4 * sum(p.numel() for p in build_workload(spec)[0].parameters())

@@ -60,17 +60,21 @@ class Exchange:
         overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking).
             Rank 0's worker overlaps only in DiLoCo: in async mode its in-process exchange returns at once.
         shard_group: the model is sharded with FSDP2 over this group of the worker's ranks (:mod:`.worker_shards`).
+        sparse_outer: the outer update is SparseLoCo's (``outer="sparseloco"``): sparse pulls forward its rounds.
+        error_decay: the error feedback's decay (SparseLoCo's ``beta``; 1: plain error feedback).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
                  optimizer: Optimizer | None = None, check_self: bool = True, ranks: WorkerRanks | None = None,
-                 worker_group: Any = None, overlap_steps: int = 0, shard_group: Any = None) -> None:
+                 worker_group: Any = None, overlap_steps: int = 0, shard_group: Any = None,
+                 sparse_outer: bool = False, error_decay: float = 1.0) -> None:
         self.module, self.device, self.outer, self.workers = module, device, outer, workers
         self.groups: tuple[Any, ...] = groups
         layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
-                           pull_compression=pull_compression)  # type: ignore[arg-type]
+                           pull_compression=pull_compression,  # type: ignore[arg-type]
+                           round_workers=workers if sparse_outer else 0)
         self.server: Server | None = None
         transport: WorkerTransport | None = None  # a follower's comes from its leader (below)
         k = ranks.ranks_per_worker if ranks is not None else 1
@@ -90,9 +94,12 @@ class Exchange:
             overlap_steps = 0
         self.worker: Worker
         if shard_group is not None:
-            self.worker = ShardedWorker(*args, group=shard_group, leader=ranks is None or ranks.is_leader)
+            self.worker = ShardedWorker(*args, group=shard_group, leader=ranks is None or ranks.is_leader,
+                                        error_decay=error_decay)
+        elif overlap_steps:
+            self.worker = OverlapWorker(*args, overlap_steps=overlap_steps, error_decay=error_decay)
         else:
-            self.worker = OverlapWorker(*args, overlap_steps=overlap_steps) if overlap_steps else Worker(*args)
+            self.worker = Worker(*args, error_decay=error_decay)
 
     @staticmethod
     def _within_worker(ranks: WorkerRanks, group: Any, transport: WorkerTransport | None,

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from lightning_hdet._tensors import BUCKET_BYTES
 from lightning_hdet.asynchronous.compression import DEFAULT_CHUNK, DELTA_PULL_CODECS, Codec, CodecName
+from lightning_hdet.asynchronous.sparse_outer import RoundCodec
 
 #: Largest fragment of a pushed or pulled model, in bytes of ``float32`` values: the size of HDET's merge buckets
 #: (DDP's default bucket size), one number for both.
@@ -213,16 +214,23 @@ class Fragments:
         pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (the parameters
             themselves), or one of :data:`~.compression.DELTA_PULL_CODECS` (changes of the public model, the
             parameters themselves in ``float32`` when a worker holds no logged version).
+        round_workers: with a sparse ``pull_compression`` (``outer="sparseloco"``), the changes are the rounds'
+            pushes of this many workers forwarded exactly (:class:`~.sparse_outer.RoundCodec`); 0: a change is the
+            pull codec's encoding of the difference.
     """
 
     def __init__(self, shapes: Sequence[torch.Size], compression: CodecName = "none",
-                 max_bytes: int = FRAGMENT_BYTES, pull_compression: CodecName = "none") -> None:
+                 max_bytes: int = FRAGMENT_BYTES, pull_compression: CodecName = "none", round_workers: int = 0) -> None:
         self.fragments = fragment_layout(shapes, max(1, max_bytes // 4))
         self.codecs = [Codec(compression, f.shapes) for f in self.fragments]
         delta = pull_compression in DELTA_PULL_CODECS
         self.pull_codecs = [Codec("none" if delta else pull_compression, f.shapes) for f in self.fragments]
         #: The codecs of a public model's changes, one per fragment (empty: pulls send the parameters).
-        self.delta_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments] if delta else []
+        self.delta_codecs: list[Codec | RoundCodec] = []
+        if delta and round_workers:
+            self.delta_codecs = [RoundCodec(codec, round_workers) for codec in self.codecs]
+        elif delta:
+            self.delta_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments]
         self.numel = sum(f.numel for f in self.fragments)
 
     @property

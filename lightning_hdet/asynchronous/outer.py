@@ -30,6 +30,7 @@ from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, valida
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
 from lightning_hdet.asynchronous.momentum import MomentumSchedule, OuterPreset, resolve_outer
 from lightning_hdet.asynchronous.messages import Kind, Push
+from lightning_hdet.asynchronous.sparse_outer import SparseRound
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,38 @@ class SyncStep:
         return min(steps, (outer.budget - outer.steps_done - outer.pending_steps) // n_waiting)
 
 
+class SparseSyncStep(SyncStep):
+    """DiLoCo with SparseLoCo's update (``outer="sparseloco"``): the global model moves by the round change of
+    :class:`~.sparse_outer.SparseRound`, ``-lr`` times the mean of the pushes as they were encoded, decoded as a
+    pull decodes it (so that pulls can carry it exactly); no momentum. The server keeps each applied push's
+    messages in :attr:`round` (:meth:`attach`); the decoded fragments it receives were only checked.
+
+    Args:
+        lr: the outer lr ``alpha``.
+    """
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+        self.round: SparseRound | None = None
+
+    def attach(self, sparse_round: SparseRound) -> None:
+        """Where the server keeps the round's pushes (it knows their codecs)."""
+        self.round = sparse_round
+
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        pass  # the round's messages are in self.round already
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        if not pushes:
+            return
+        if self.round is None:
+            raise RuntimeError("outer='sparseloco' steps from the pushes' messages; no server attached its round.")
+        scratch = self.round.scratch
+        for (start, end), codec, message in zip(outer.ranges, self.round.codecs, self.round.close(pushes, self.lr)):
+            outer.params[start:end].add_(codec.decode(message, scratch[: end - start]))
+        outer.outer_updates += 1
+
+
 #: The options only async mode uses, and their defaults there.
 _ASYNC_ONLY: dict[str, Any] = {"delayed_nesterov": True, "dynamic_local_steps": True, "grace_period": 0.0}
 _WHY_NOT_SYNC = {
@@ -201,6 +234,8 @@ class OuterSettings:
         validate_outer_hyperparameters(preset.lr, preset.momentum,
                                        1 if self.buffer_size is None else self.buffer_size, self.momentum_activation)
         MomentumSchedule(preset.momentum, preset.warmup, preset.restart)  # checks the warm-up and restart
+        if preset.sparse:
+            self._check_sparse()
         if self.grace_period is not None:
             check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
         for name, value in (("buffer_size", self.buffer_size), ("momentum_activation", self.momentum_activation or None)):
@@ -220,6 +255,17 @@ class OuterSettings:
                                  f" Remove it, or use mode='async'.")
             if self.mode == "async" and value is None:
                 object.__setattr__(self, name, default)  # frozen: filled once, here
+
+    def _check_sparse(self) -> None:
+        """``outer="sparseloco"``: DiLoCo only, and no momentum settings (its momentum is the workers')."""
+        if self.mode != "sync":
+            raise ValueError(f"`outer='sparseloco'` applies only with mode='sync' (DiLoCo), got mode={self.mode!r}:"
+                             " its update is the mean of every worker's round. Use mode='sync' or another `outer`.")
+        for name in ("outer_momentum", "momentum_warmup", "momentum_restart"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"`{name}={getattr(self, name)!r}` has no effect with outer='sparseloco': its update"
+                                 " keeps no outer momentum (the workers' decayed error feedback, `error_decay`,"
+                                 " stands in for it). Remove it.")
 
     @property
     def preset(self) -> OuterPreset:
@@ -259,7 +305,8 @@ class OuterSettings:
                                     momentum_restart=p.restart)
         policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, self.dynamic_local_steps and is_async,
                                   self.speed_smoothing)
-        step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()
+        step: StepPolicy = (AsyncStep(self.grace_period) if is_async else
+                            SparseSyncStep(p.lr) if p.sparse else SyncStep())
         check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
         state = OuterState(params, optimizer, policy, step, budget, buffers=buffers, check=check,
                            max_rejections=self.max_rejections, follows_live=is_async and bool(self.delayed_nesterov),

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
-from lightning_hdet.asynchronous.outer import OuterState
+from lightning_hdet.asynchronous.outer import OuterState, SparseSyncStep
 from lightning_hdet.asynchronous.public_model import PublicModel
+from lightning_hdet.asynchronous.sparse_outer import RoundCodec, SparseRound
 from lightning_hdet.asynchronous.transport import InProcessTransport, ServerTransport
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,15 @@ class Server:
         self._reply = self.layout.pull_buffer()  # used under the outer state's model lock only
         #: What the workers train from with a delta pull codec (``None``: the global model itself).
         self.public = PublicModel(outer.params, self.layout) if self.layout.delta_codecs else None
+        #: ``outer="sparseloco"``: the round's pushes as they were encoded, from which the outer step moves the model.
+        self.round: SparseRound | None = None
+        if isinstance(outer.step_policy, SparseSyncStep):
+            self.round = SparseRound(self.layout.codecs, workers)
+            outer.step_policy.attach(self.round)
+        # the public model's changes are the rounds themselves (sparse pulls) or its own encoding of G - P
+        self._forwards = any(isinstance(c, RoundCodec) for c in self.layout.delta_codecs)
+        if self._forwards and self.round is None:
+            raise ValueError("Pulls that forward the rounds' pushes follow outer='sparseloco' only.")
         #: Rank 0's own worker's transport.
         self.local = InProcessTransport(self.accept, self.read_model, timeout, self.raise_error,
                                         gradient_bytes=self.layout.nbytes)
@@ -117,8 +127,12 @@ class Server:
         with self._gate:
             self._wait_for_replies(f"A push from worker {push.worker}")
         self.raise_error()
+        if self.round is not None:
+            messages = self.round.keeping(push.worker, messages)
         # the stream is read only now: a remote sender waits meanwhile (no copy is queued)
         self.outer.receive(push, self.layout.decode(messages, out))
+        if self.round is not None and push.rejected is not None:
+            self.round.drop(push.worker)
         self.inbox.put(push)
 
     def read_model(self, worker: int, into: Tensor, combine: Callable[[int, Tensor], None] | None = None) -> int:
@@ -172,7 +186,8 @@ class Server:
             active -= left
             if self.public is not None:
                 with self.outer.model_lock:  # every reply of the batch sends one version
-                    self.public.publish(self.outer.params.detach(), self.outer.outer_updates)
+                    change = self.round.change if self.round is not None and self._forwards else None
+                    self.public.publish(self.outer.params.detach(), self.outer.outer_updates, change)
                     for worker in left:
                         self.public.forget(worker)
             stopping |= {w for w, steps in replies.items() if steps <= 0}  # they leave next (BYE)

@@ -50,11 +50,13 @@ class Worker:
         optimizer: the inner optimizer, whose state is cleared when a push of this worker was rejected.
         check_self: before pushing, check that the local parameters and buffers are finite; a round that is not
             is discarded (pushed without steps: the server counts it as rejected) instead of pushed.
+        error_decay: the residual's weight in the next push (:class:`~.compression.ErrorFeedback`; 1: plain).
     """
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport,
                  inner_optimizer: Optimizer | None = None, layout: Fragments | None = None,
-                 error_feedback: bool = True, optimizer: Optimizer | None = None, check_self: bool = True) -> None:
+                 error_feedback: bool = True, optimizer: Optimizer | None = None, check_self: bool = True,
+                 error_decay: float = 1.0) -> None:
         self.module, self.device, self.transport, self.inner_optimizer = module, device, transport, inner_optimizer
         self.optimizer, self.check_self = optimizer, check_self
         #: How this worker is named in its warnings (the strategies say which rank or session).
@@ -67,7 +69,7 @@ class Worker:
         self.n_params = numel(list(module.parameters()))
         self.layout = layout or Fragments(shapes)
         self.feedback = ErrorFeedback(Codec(self.layout.codecs[0].name if self.layout.codecs else "none", shapes),
-                                      error_feedback)
+                                      error_feedback, error_decay)
         self.pulled = host_buffer(numel(model_state(module)), device)  # theta_pulled, then the global buffers
         # one fragment of the push at a time, and this worker's buffer values
         self.fragment = host_buffer(self.layout.largest, device)

@@ -24,11 +24,12 @@ from typing_extensions import override
 from lightning_hdet._compat import register_names, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.compression import check_compression
+from lightning_hdet.asynchronous.sparse_outer import check_sparse_outer
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings
 
-_CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression")
+_CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression", "error_decay")
 
 
 class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
@@ -60,9 +61,13 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
         names = {f.name for f in fields(OuterSettings)}
         self.outer_settings = OuterSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         self._codecs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CODEC_OPTIONS}
+        sparse = self.outer_settings.preset.sparse
+        decay = check_sparse_outer(sparse, self.outer_settings.mode, self._codecs.get("compression", "none"),
+                                   self._codecs.pop("error_decay", None))
         self._codecs["error_feedback"] = check_compression(self._codecs.get("compression", "none"),
                                                            self._codecs.get("error_feedback"),
-                                                           self._codecs.get("pull_compression", "none"))
+                                                           self._codecs.get("pull_compression", "none"), sparse)
+        self._codecs.update(sparse_outer=sparse, error_decay=1.0 if decay is None else decay)
         super().__init__(**kwargs)
         self._groups: Optional[tuple[Any, Any]] = None
         self._module: Optional[Module] = None
