@@ -38,6 +38,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_hdet._checks import check_int
+from lightning_hdet.asynchronous.compression import DELTA_PULL_CODECS
 
 
 def overlap_this_round(overlap_steps: int, allocated: int, carried: int) -> int:
@@ -53,14 +54,43 @@ def correction(global_new: Tensor, at_send: Tensor) -> Tensor:
     return at_send.neg_().add_(global_new)
 
 
-def check_overlap_steps(overlap_steps: int, local_steps: int, ranks_per_worker: int) -> None:
-    """``overlap_steps``: 0 (a blocking exchange) or ``1..local_steps − 1``; not with workers of several ranks."""
+def check_overlap_steps(overlap_steps: int, local_steps: int, ranks_per_worker: int, stagger: int = 1) -> None:
+    """``overlap_steps``: 0 (a blocking exchange) or ``1..local_steps / stagger − 1`` (a round); not with workers of
+    several ranks."""
     check_int("overlap_steps", overlap_steps, minimum=0,
               hint="0 is a blocking exchange; τ > 0 inner steps are taken while a round's push and pull travel.")
-    if overlap_steps and overlap_steps >= local_steps:
-        raise ValueError(f"`overlap_steps={overlap_steps}` leaves no step of a round before its push (local_steps="
-                         f"{local_steps}); allowed: 0 (a blocking exchange) or 1..{local_steps - 1}.")
+    round_steps = local_steps // stagger
+    if overlap_steps and overlap_steps >= round_steps:
+        rounds = f"local_steps={local_steps}" + (f" / stagger={stagger}" if stagger > 1 else "")
+        raise ValueError(f"`overlap_steps={overlap_steps}` leaves no step of a round before its push ({rounds});"
+                         f" allowed: 0 (a blocking exchange) or 1..{round_steps - 1}.")
     if overlap_steps and ranks_per_worker > 1:
         raise ValueError(f"`overlap_steps={overlap_steps}` is not supported with `ranks_per_worker={ranks_per_worker}`:"
                          " a worker of several ranks hands its reply on with collectives of its own group, which"
                          " cannot run beside its training. Use overlap_steps=0, or ranks_per_worker=1.")
+
+
+def check_stagger(stagger: int, mode: str, local_steps: int) -> None:
+    """``stagger``: 1, or with DiLoCo a divisor ``F`` of ``local_steps`` (rounds of ``local_steps / F`` steps)."""
+    check_int("stagger", stagger, minimum=1, hint="1 synchronises the whole model at once; F >= 2 (DiLoCo) in F"
+              " parts, one every local_steps / F steps.")
+    if stagger > 1 and mode != "sync":
+        raise ValueError(f"`stagger={stagger}` applies to DiLoCo only (mode='sync'), got mode={mode!r}: an async"
+                         " push is applied on arrival, with no common round to stagger. Use stagger=1, or"
+                         " mode='sync'.")
+    if local_steps % stagger:
+        divisors = [d for d in range(1, local_steps + 1) if local_steps % d == 0]
+        raise ValueError(f"`stagger={stagger}` does not divide local_steps={local_steps}: each part is synchronised"
+                         f" every local_steps steps, one part every local_steps / stagger. Allowed: {divisors}.")
+
+
+def check_stagger_exchange(stagger: int, pull_compression: str, ranks_per_worker: int) -> None:
+    """What ``stagger > 1`` is not built for: pulls of the public model's changes (they carry the whole model) and
+    workers of several ranks (their leader hands replies on whole)."""
+    if stagger > 1 and pull_compression in DELTA_PULL_CODECS:
+        raise ValueError(f"`stagger={stagger}` is not supported with `pull_compression={pull_compression!r}`, whose"
+                         " pulls carry changes of the whole model. Use pull_compression='none' or 'bf16', or"
+                         " stagger=1.")
+    if stagger > 1 and ranks_per_worker > 1:
+        raise ValueError(f"`stagger={stagger}` is not supported with `ranks_per_worker={ranks_per_worker}`: a worker of"
+                         " several ranks hands its replies on whole. Use stagger=1, or ranks_per_worker=1.")
