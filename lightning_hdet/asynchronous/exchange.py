@@ -60,7 +60,8 @@ class Exchange:
         overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking).
             Rank 0's worker overlaps only in DiLoCo: in async mode its in-process exchange returns at once.
         shard_group: the model is sharded with FSDP2 over this group of the worker's ranks (:mod:`.worker_shards`).
-        stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`; 1: all of it).
+        stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`; 1: all of it;
+            only with ``overlap_steps``: the :class:`~.overlapped.OverlapWorker` sends the parts).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
@@ -93,9 +94,7 @@ class Exchange:
         if shard_group is not None:
             self.worker = ShardedWorker(*args, group=shard_group, leader=ranks is None or ranks.is_leader)
         else:
-            # staggered, every push is a part's: the overlapping worker's schedule, with τ = 0 when blocking
-            staggered = stagger > 1
-            self.worker = OverlapWorker(*args, overlap_steps=overlap_steps) if overlap_steps or staggered else Worker(*args)
+            self.worker = OverlapWorker(*args, overlap_steps=overlap_steps) if overlap_steps else Worker(*args)
 
     @staticmethod
     def _within_worker(ranks: WorkerRanks, group: Any, transport: WorkerTransport | None,

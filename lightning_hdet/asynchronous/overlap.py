@@ -29,6 +29,13 @@ arXiv 2501.18512; its reference is also ``θ_global_new``):
   gradients differ; measured (at 0.339), the loss at a fixed budget grows with ``τ / H``
   (``benchmarks/overlap_link.py``, ``docs/async.md``).
 
+**Staggered parts** (``stagger=F``, DiLoCo; Streaming DiLoCo's schedule, arXiv 2501.18512): the model's fragments
+are grouped into ``F`` parts of consecutive fragments (:func:`~.messages.stagger_parts`), rounds are ``H / F`` steps
+and push ``i`` carries part ``i mod F`` only, so each part is synchronised every ``H`` steps, at its own offset, and
+each exchange is ``1 / F`` of the bytes: ``τ`` can be ``F`` times smaller for the same hidden link time. The merge
+above applies to the part that travelled (and the buffers); the other parts train on. The goodbye carries every
+part's steps since its last exchange (which is why a staggered run needs ``τ >= 1``: its goodbye always has steps).
+
 The cost: the worker keeps ``θ_local_at_send`` while the exchange travels (one model-sized host copy; rank 0's
 worker keeps it in its pulled model's buffer instead, see :mod:`.overlapped`).
 """
@@ -84,13 +91,17 @@ def check_stagger(stagger: int, mode: str, local_steps: int) -> None:
                          f" every local_steps steps, one part every local_steps / stagger. Allowed: {divisors}.")
 
 
-def check_stagger_exchange(stagger: int, pull_compression: str, ranks_per_worker: int) -> None:
-    """What ``stagger > 1`` is not built for: pulls of the public model's changes (they carry the whole model) and
-    workers of several ranks (their leader hands replies on whole)."""
+def check_stagger_exchange(stagger: int, pull_compression: str, overlap_steps: int) -> None:
+    """What ``stagger > 1`` is not built for: a blocking exchange (and so, see :func:`check_overlap_steps`, workers
+    of several ranks) and pulls of the public model's changes (they carry the whole model)."""
+    if stagger > 1 and not overlap_steps:
+        # the goodbye carries every part's steps since its last exchange only when it carries steps at all: with
+        # τ >= 1 it always does (the τ steps after the last push); blocking, it carries none and the other parts'
+        # last steps would be lost
+        raise ValueError(f"`stagger={stagger}` needs `overlap_steps` >= 1, got overlap_steps=0: a staggered run"
+                         " ends with overlapped steps that carry every part's last steps. Give overlap_steps, or"
+                         " use stagger=1.")
     if stagger > 1 and pull_compression in DELTA_PULL_CODECS:
         raise ValueError(f"`stagger={stagger}` is not supported with `pull_compression={pull_compression!r}`, whose"
                          " pulls carry changes of the whole model. Use pull_compression='none' or 'bf16', or"
                          " stagger=1.")
-    if stagger > 1 and ranks_per_worker > 1:
-        raise ValueError(f"`stagger={stagger}` is not supported with `ranks_per_worker={ranks_per_worker}`: a worker of"
-                         " several ranks hands its replies on whole. Use stagger=1, or ranks_per_worker=1.")

@@ -112,8 +112,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
             blocks its worker; else ``1..local_steps - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
             overlaps in DiLoCo only. See ``docs/async.md``, "Overlapping the exchange with compute".
-        stagger: DiLoCo only: ``F`` parts of the model, each synchronised every ``local_steps`` steps, part ``f``
-            at step ``(f + 1) · local_steps / F`` of each period (rounds of ``local_steps / F`` steps; 1: all at once).
+        stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
+            ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
+            period (rounds of ``local_steps / F`` steps; 1: all at once).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -136,7 +137,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         error_feedback = check_compression(compression, error_feedback, pull_compression)
         check_ranks_per_worker(ranks_per_worker)
         check_overlap_steps(overlap_steps, local_steps, ranks_per_worker, stagger)
-        check_stagger_exchange(stagger, pull_compression, ranks_per_worker)
+        check_stagger_exchange(stagger, pull_compression, overlap_steps)
         check_inside_worker(inside_worker, ranks_per_worker, checkpoint_inner_states, ddp_arguments(kwargs),
                             auto_wrap_policy)
         if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
