@@ -4,16 +4,17 @@
 Arms on W processes, the same seed, data and per-rank batch: DDP (its ring all-reduce sends ``2 (W - 1) / W``
 float32 models per rank and step, counted, not emulated), DiLoCo and async with each push codec, and DiLoCo with
 int8 pulls of the public model's changes (``pull_compression="int8"``) or SparseLoCo's update with exact sparse
-pulls (``outer="sparseloco"``, topk2 both ways); the arms with compressed pulls run ``--long-factor`` times the
-steps, to show where the loss goes on. For the Local-SGD arms the bytes are those the outer side counted: the pushes after
-compression (rank 0's own included, though it travels nowhere) and the replies to the other workers. Not counted
-on either side: the one-time setup, ``W - 1`` float32 models (DDP's broadcast of the model, the workers' first
-pull). At each link speed (``--links``, bits per second; 0: loopback, no emulation) every worker but rank 0's sits
-behind a :class:`~lightning_hdet.testing.SlowLink`. Every arm validates the model every H steps (DiLoCo: the global
-model, between outer steps). Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes to DiLoCo-f32's final
-loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes to the same loss;
-bytes per step ÷ DDP's; wall-clock (loaded machine: compare within one run only); and an overlap arm's time inside
-``fit`` (rank 0's, no process start-up) ÷ its blocking arm's.
+pulls (``outer="sparseloco"``, topk2 both ways); the arms with compressed pulls run ``--long-factor`` times
+the steps, to show where the loss goes on. The ``stagger`` arm sends one of ``--stagger`` parts per exchange,
+overlapped by ``--stagger-overlap-steps``. For the Local-SGD arms the bytes are those the outer side counted: the
+pushes after compression (rank 0's own included, though it travels nowhere) and the replies to the other workers.
+Not counted on either side: the one-time setup, ``W - 1`` float32 models (DDP's broadcast of the model, the
+workers' first pull). At each link speed (``--links``, bits per second; 0: loopback, no emulation) every worker
+but rank 0's sits behind a :class:`~lightning_hdet.testing.SlowLink`. Every arm validates the model every H steps
+(DiLoCo: the global model, between outer steps). Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes
+to DiLoCo-f32's final loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes
+to the same loss; bytes per step ÷ DDP's; wall-clock (loaded machine: compare within one run only); and an overlap
+arm's time inside ``fit`` (rank 0's, no process start-up) ÷ its blocking arm's.
 
 Run: ``python benchmarks/comm_bytes.py [--quick] [--workload char_lm] [--seeds 0] [--links 0 1e8]``.
 """
@@ -43,13 +44,17 @@ from benchmarks.common import (
 )
 
 NAME = "comm_bytes"
-#: arm -> (mode, push codec, overlapped, pull codec[, outer]); ``None``: DDP.
-ARMS = {"ddp": None, "diloco f32": ("sync", "none", False, "none"), "diloco int8": ("sync", "int8", False, "none"),
-        "diloco topk2": ("sync", "topk2", False, "none"), "async f32": ("async", "none", False, "none"),
-        "async topk2": ("async", "topk2", False, "none"), "diloco f32 overlap": ("sync", "none", True, "none"),
-        "async f32 overlap": ("async", "none", True, "none"),
-        "diloco int8 + int8 pulls": ("sync", "int8", False, "int8"),
-        "diloco sparseloco": ("sync", "topk2", False, "topk2", "sparseloco")}
+#: arm -> (mode, push codec, overlapped, pull codec, staggered, outer); ``None``: DDP.
+ARMS = {"ddp": None, "diloco f32": ("sync", "none", False, "none", False, None),
+        "diloco int8": ("sync", "int8", False, "none", False, None),
+        "diloco topk2": ("sync", "topk2", False, "none", False, None),
+        "async f32": ("async", "none", False, "none", False, None),
+        "async topk2": ("async", "topk2", False, "none", False, None),
+        "diloco f32 overlap": ("sync", "none", True, "none", False, None),
+        "async f32 overlap": ("async", "none", True, "none", False, None),
+        "diloco int8 + int8 pulls": ("sync", "int8", False, "int8", False, None),
+        "diloco sparseloco": ("sync", "topk2", False, "topk2", False, "sparseloco"),
+        "diloco f32 stagger overlap": ("sync", "none", True, "none", True, None)}
 #: The loss an arm must reach, as a multiple of DiLoCo-f32's final loss (issue 43: within 1 %).
 TARGET = 1.01
 
@@ -68,10 +73,11 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
         strategy = DDPStrategy(start_method=args.start_method, process_group_backend="gloo")
         callbacks = []
     else:
+        tau = args.stagger_overlap_steps if setting[4] else args.overlap_steps
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=setting[0], compression=setting[1],
-                                         overlap_steps=args.overlap_steps if setting[2] else 0,
-                                         pull_compression=setting[3], start_method=args.start_method,
-                                         outer=setting[4] if len(setting) > 4 else None)
+                                         overlap_steps=tau if setting[2] else 0, pull_compression=setting[3],
+                                         stagger=args.stagger if setting[4] else 1, outer=setting[5],
+                                         start_method=args.start_method)
         callbacks = [SlowLink(bits_per_s=link)] if link > 0 else []
     result = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
     model_bytes = 4 * sum(p.numel() for p in build_workload(spec)[0].parameters())
@@ -107,12 +113,16 @@ def main() -> None:
                         help="the int8-pull arm runs this many times --steps (where its loss goes on)")
     parser.add_argument("--overlap-steps", type=int, default=None,
                         help="τ of the overlap arms (default: a fifth of a round)")
+    parser.add_argument("--stagger", type=int, default=2, help="F of the stagger arms")
+    parser.add_argument("--stagger-overlap-steps", type=int, default=None,
+                        help="τ of the stagger overlap arm (default: --overlap-steps / --stagger)")
     add_start_method_arg(parser)
     args = parser.parse_args()
     args.steps = args.steps or (20 if args.quick else 300)
     if args.quick:
         args.local_steps = min(args.local_steps, 5)
     args.overlap_steps = args.overlap_steps or max(1, args.local_steps // 5)
+    args.stagger_overlap_steps = args.stagger_overlap_steps or max(1, args.overlap_steps // args.stagger)
     name, _ = begin(args.name, args.quick)
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +167,7 @@ def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
 
     def cells(entry: dict) -> list[str]:
         link, arm = entry["link"], entry["arm"]
-        blocking = arm.removesuffix(" overlap") if arm.endswith(" overlap") else None
+        blocking = " ".join(arm.split()[:2]) if arm.endswith(" overlap") else None  # e.g. "diloco f32"
         columns: list[Callable[[int, dict], str]] = [
             lambda s, r: str(r["steps"]), lambda s, r: fmt(r["loss"]),
             lambda s, r: ratio(r["loss"], run_of("diloco f32", link, s), "loss"),
@@ -173,7 +183,8 @@ def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
               "fewer bytes than DDP to DiLoCo's loss", "wall s", "fit s ÷ blocking"]
     return (markdown_table(header, rows) + f"\n\n{args.workload}, W = {args.workers}, {args.steps} steps per rank "
             f"(delta-pull arms {args.long_factor}x), H = {args.local_steps}, lr {args.lr}, batch {args.batch_size} per "
-            f"rank, overlap τ = {getattr(args, 'overlap_steps', None)}; DiLoCo's loss: DiLoCo f32's final one + "
+            f"rank, overlap τ = {getattr(args, 'overlap_steps', None)}, stagger F = {getattr(args, 'stagger', None)} "
+            f"(τ = {getattr(args, 'stagger_overlap_steps', None)}); DiLoCo's loss: DiLoCo f32's final one + "
             f"{TARGET - 1:.0%}; setup ({args.workers - 1} float32 models) not counted")  # getattr: tests' arguments
 
 

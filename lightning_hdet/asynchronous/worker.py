@@ -117,10 +117,11 @@ class Worker:
         """Write the pulled global model (``theta_pulled``, then the buffers) into the module."""
         write_from(model_state(self.module), self.pulled, self.device)
 
-    def _outgoing(self, kind: Kind, compute_s: float, pending: int = 0) -> tuple[WorkerHeader, Tensor | None,
-                                                                                  Tensor | None]:
+    def _outgoing(self, kind: Kind, compute_s: float, pending: int = 0,
+                  part: int = -1) -> tuple[WorkerHeader, Tensor | None, Tensor | None]:
         """The header of this round's push (its steps: 0 when nothing may be pushed), its buffer values and inner
-        state; ``pending``: steps of the round still to come after the push (overlap)."""
+        state; ``pending``: steps of the round still to come after the push (overlap); ``part``: the fragments it
+        carries (staggered; ``-1``: all)."""
         steps = self.steps_in_round
         if self.pulled_lent and steps:  # no pulled model to push a pseudo-gradient against
             log.warning("%s: %d step(s) after it was told to stop are not pushed.", self.name, steps)
@@ -137,7 +138,7 @@ class Worker:
         inner = state_to_bytes(self.inner_optimizer.state_dict()) if self.inner_optimizer is not None else None
         log.debug("push %s after %d step(s)", kind.name, steps)
         header = WorkerHeader(kind, steps, compute_s, self.wait_s, inner.numel() if inner is not None else 0,
-                              pending if steps > 0 else 0)
+                              pending if steps > 0 else 0, part)
         return header, buffers, inner
 
     def _adopt(self, reply: ServerHeader) -> bool:
