@@ -14,7 +14,8 @@ but rank 0's sits behind a :class:`~lightning_hdet.testing.SlowLink`. Every arm 
 (DiLoCo: the global model, between outer steps). Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes
 to DiLoCo-f32's final loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes
 to the same loss; bytes per step ÷ DDP's; wall-clock (loaded machine: compare within one run only); and an overlap
-arm's time inside ``fit`` (rank 0's, no process start-up) ÷ its blocking arm's.
+arm's time inside ``fit`` (rank 0's, no process start-up) ÷ its blocking arm's. Drawn (``img/<name>.png``, linked
+under the table): each arm's validation loss against the bytes it had sent by then, one panel per link.
 
 Run: ``python benchmarks/comm_bytes.py [--quick] [--workload char_lm] [--seeds 0] [--links 0 1e8]``.
 """
@@ -135,13 +136,50 @@ def main() -> None:
                     record = run_arm(arm, seed, link, args, Path(tmp) / f"{arm.replace(' ', '_')}_{link:g}_{seed}")
                     runs.setdefault(key, {"arm": arm, "link": link, "seeds": {}})["seeds"][seed] = record
                     print(f"seed {seed} {key}: {record}", flush=True)
-    publish(name, args, {"runs": runs}, table(runs, args), seeds=args.seeds)
+    plot = plot_loss_against_bytes(args.docs_dir / "img" / f"{name}.png", runs, args)
+    publish(name, args, {"runs": runs}, table(runs, args) + f"\n\n![{name}](img/{plot.name})\n", seeds=args.seeds)
 
 
 def bytes_to(run: dict, target: float) -> float:
     """Bytes ``run`` sent until its first validation at or below ``target`` (``inf``: never reached)."""
     reached = [step for step, loss in run["curve"] if loss <= target]
     return run["per_step"] * reached[0] if reached else math.inf
+
+
+def plot_loss_against_bytes(path: Path, runs: dict[str, dict], args: argparse.Namespace) -> Path:
+    """Validation loss against the bytes sent by then (log x; one panel per link, one colour per arm: the first
+    seed drawn, the others faint), DiLoCo f32's loss + 1 % (its first seed) dashed; saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(args.links), figsize=(6.4 * len(args.links), 4.2), squeeze=False, sharey=True)
+    colours = {arm: f"C{i % 10}" for i, arm in enumerate(dict.fromkeys(e["arm"] for e in runs.values()))}
+    for ax, link in zip(axes[0], args.links):
+        for entry in runs.values():
+            if entry["link"] != link and entry["arm"] != "ddp":
+                continue  # DDP ran once (on the first link) and is drawn in every panel
+            for i, run in enumerate(entry["seeds"].values()):
+                points = [(run["per_step"] * step, loss) for step, loss in run["curve"] if step > 0]
+                ax.plot(*zip(*points), color=colours[entry["arm"]], marker="." if i == 0 else None,
+                        alpha=1.0 if i == 0 else 0.3, label=entry["arm"] if i == 0 else None)
+        f32 = runs.get(f"diloco f32 @ {link:g}")
+        if f32 is not None:
+            target = TARGET * next(iter(f32["seeds"].values()))["loss"]
+            ax.axhline(target, color="k", linestyle="--", linewidth=1, label=f"DiLoCo f32 + {TARGET - 1:.0%}")
+        ax.set_xscale("log")
+        ax.set_title(f"{args.workload}, " + ("loopback" if link == 0 else f"{link:.3g} bit/s"))
+        ax.set_xlabel("bytes sent (setup not counted)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("validation loss")
+    legend = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}  # every panel's arms
+    axes[0][-1].legend(legend.values(), legend.keys(), fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
