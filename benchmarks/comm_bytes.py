@@ -10,8 +10,8 @@ overlapped by ``--stagger-overlap-steps``. For the Local-SGD arms the bytes are 
 pushes after compression (rank 0's own included, though it travels nowhere) and the replies to the other workers.
 Not counted on either side: the one-time setup, ``W - 1`` float32 models (DDP's broadcast of the model, the
 workers' first pull). At each link speed (``--links``, bits per second; 0: loopback, no emulation) every worker
-but rank 0's sits behind a :class:`~lightning_hdet.testing.SlowLink`. Every arm validates the model every H steps
-(DiLoCo: the global model, between outer steps). Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes
+but rank 0's sits behind a :class:`~lightning_hdet.testing.SlowLink`. Every Local-SGD arm validates the model every H steps
+(DiLoCo: the global model, between outer steps), DDP every H / 10 on the same batches. Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes
 to DiLoCo-f32's final loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes
 to the same loss; bytes per step ÷ DDP's; wall-clock (loaded machine: compare within one run only); and an overlap
 arm's time inside ``fit`` (rank 0's, no process start-up) ÷ its blocking arm's. Drawn (``img/<name>.png``, linked
@@ -27,6 +27,7 @@ import math
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -71,6 +72,9 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
     spec = RunSpec(lr=args.lr, steps=steps, seed=seed, devices=args.workers, batch_size=args.batch_size,
                    val_every=args.local_steps, val_batches=8, workload=args.workload)
     if setting is None:
+        # Every tenth of a round, on the batches the Local-SGD arms validate (rank 0's, unsharded), so that DDP's
+        # bytes to a loss are not rounded up to a whole round nor measured on another shard of the data.
+        spec = replace(spec, val_every=max(1, args.local_steps // 10), shard_data=False, shard_train=True)
         strategy = DDPStrategy(start_method=args.start_method, process_group_backend="gloo")
         callbacks = []
     else:
