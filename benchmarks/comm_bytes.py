@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -97,7 +98,8 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
     curve = [(step, loss) for step, loss, _ in result.val_curve]
     return {"loss": result.final_model_val_loss, "bytes": sent, "setup_bytes": setup, "per_step": per_step,
             "curve": curve, "steps": steps, "wall_s": result.wall_s, "fit_s": result.fit_s,
-            "dense_pulls": 0 if setting is None else sum(s["dense_pulls"] for s in stats.values())}
+            "dense_pulls": 0 if setting is None else sum(s["dense_pulls"] for s in stats.values()),
+            "load": os.getloadavg()[0]}  # the machine's: other jobs' processes stretch the wall-clock
 
 
 def main() -> None:
@@ -223,11 +225,16 @@ def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
             for entry in runs.values()]
     header = ["arm", "link", "steps", "final loss", "÷ DiLoCo f32", "MiB sent", "fewer bytes per step than DDP",
               "fewer bytes than DDP to DiLoCo's loss", "wall s", "fit s ÷ blocking"]
+    arms = {entry["arm"] for entry in runs.values()}
+    overlap = (f", overlap τ = {args.overlap_steps}" if any(a.endswith(" overlap") for a in arms) else "") + (
+        f", stagger F = {args.stagger} (τ = {args.stagger_overlap_steps})" if any("stagger" in a for a in arms) else "")
+    loads = [r["load"] for entry in runs.values() for r in entry["seeds"].values() if "load" in r]
+    load = f"; load average {min(loads):.1f}–{max(loads):.1f} on {os.cpu_count()} cores after the fits" if loads else ""
     return (markdown_table(header, rows) + f"\n\n{args.workload}, W = {args.workers}, {args.steps} steps per rank "
-            f"(delta-pull arms {args.long_factor}x), H = {args.local_steps}, lr {args.lr}, batch {args.batch_size} per "
-            f"rank, overlap τ = {getattr(args, 'overlap_steps', None)}, stagger F = {getattr(args, 'stagger', None)} "
-            f"(τ = {getattr(args, 'stagger_overlap_steps', None)}); DiLoCo's loss: DiLoCo f32's final one + "
-            f"{TARGET - 1:.0%}; setup ({args.workers - 1} float32 models) not counted")  # getattr: tests' arguments
+            f"(compressed-pull arms {args.long_factor}x), H = {args.local_steps}, lr {args.lr}, batch {args.batch_size}"
+            f" per rank{overlap}; DiLoCo's loss: DiLoCo f32's final one + {TARGET - 1:.0%}; setup ({args.workers - 1}"
+            f" float32 models) not counted; DDP validated every {max(1, args.local_steps // 10)} steps{load} (wall s"
+            " and fit s: compare within one run only)")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ COMM_OVERLAP_ARGS = ("--name", "comm_overlap", "--start-method", "fork", "--work
                      "--seeds", "0", "1", "2")
 # Issue 43's bytes target: SparseLoCo against DDP and float32 DiLoCo at H = 100, W = 4, loopback, three seeds.
 COMM_SPARSE_ARGS = ("--start-method", "fork", "--local-steps", "100", "--long-factor", "5", "--links", "0", "--arms",
-                    "ddp", "diloco f32", "diloco sparseloco", "--seeds", "0", "1", "2")
+                    "ddp", "diloco f32", "diloco int8 + int8 pulls", "diloco sparseloco", "--seeds", "0", "1", "2")
 CRASH_PUBLISHED_ARGS = ("--name", "crash_published", "--seeds", "3", "--start-method", "fork")
 
 

@@ -202,7 +202,7 @@ def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps(tmp_path
     }
     runs["diloco f32 overlap @ 1e+06"]["seeds"][0]["fit_s"] = 2.8  # 0.70 of the blocking run's 4 s in fit
     args = argparse.Namespace(links=[0.0, 1e6], workload="tabular", workers=4, steps=20, local_steps=5, lr=3e-3,
-                              batch_size=16, long_factor=3)
+                              batch_size=16, long_factor=3, overlap_steps=2)
     rows = {line.split(" | ")[0].lstrip("| ") + " " + line.split(" | ")[1]: [c.strip(" |") for c in line.split(" | ")]
             for line in table(runs, args).splitlines() if line.startswith("| ") and "---" not in line}
     assert rows["ddp loopback"][2:8] == ["20", "1.500", "0.75", "20.00", "1x", "1x"]
@@ -211,6 +211,7 @@ def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps(tmp_path
     assert rows["diloco topk2 loopback"][4:8] == ["1.25", "0.02", "1024x", "not reached"]
     assert rows["diloco int8 1e+06 bit/s"][4:8] == ["1.1", "0.31", "64x", "not reached"]
     assert rows["diloco f32 overlap 1e+06 bit/s"][9] == "0.70" and rows["diloco f32 1e+06 bit/s"][9] == ""
+    assert "overlap τ = 2; DiLoCo's loss" in table(runs, args) and "stagger" not in table(runs, args)
     without = table({k: v for k, v in runs.items() if not k.startswith("ddp")}, args)  # no DDP arm: "—"
     assert "| diloco f32 | loopback | 20 | 2.000 | 1 | 1.25 | — | — | 5 |" in without
     runs["diloco f32 @ 0"]["seeds"][1] = runs["diloco f32 @ 0"]["seeds"][0]  # a second seed: drawn faintly
