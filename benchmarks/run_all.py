@@ -179,10 +179,12 @@ PARTS = (
     # overlap against the blocking exchange (issue 43's second target) at two processes, one core each: at four on
     # two cores the run is CPU-bound and hiding the link cannot shorten it (research log 2026-12-04)
     Part("comm_overlap", "comm_bytes.py", COMM_OVERLAP_ARGS, minutes=4, full=True),
-    # bytes to DiLoCo's loss with SparseLoCo (issue 43's 1,000x): the char LM and the tabular MLP (MINUTES_SPARSE)
-    Part("comm_sparse", "comm_bytes.py", ("--name", "comm_sparse", *COMM_SPARSE_ARGS), minutes=15, full=True),
+    # bytes to DiLoCo's loss with SparseLoCo (issue 43's 1,000x): the char LM and the tabular MLP, measured on
+    # 2026-12-05 at load 6-15 from other jobs: 16.9 min (17.9 CPU-min; int8 both ways and SparseLoCo ~2 min a seed
+    # each) and 1.8 min (2.0 CPU-min)
+    Part("comm_sparse", "comm_bytes.py", ("--name", "comm_sparse", *COMM_SPARSE_ARGS), minutes=17, full=True),
     Part("comm_sparse_tabular", "comm_bytes.py", ("--name", "comm_sparse_tabular", "--workload", "tabular",
-                                                   *COMM_SPARSE_ARGS), minutes=5, full=True),
+                                                   *COMM_SPARSE_ARGS), minutes=2, full=True),
     # Benchmark 7 (issue 39): the default's groups at W = 4, 8, 16 (bench) and the votes the search needs (bench-full).
     # (minutes: 35 and 14 measured on 2026-12-02 under load 10-15 from other jobs; about half that on idle cores)
     # bench-full: at 35 min it took make bench past its 90 (116 min estimated with it)
