@@ -177,8 +177,9 @@ PARTS = (
     # SlowLink; estimated from its quick run (11 fits of 4 processes; the char LM's 300 steps ~1.5 min each)
     Part("comm_bytes", "comm_bytes.py", ("--start-method", "fork"), minutes=30, full=True),
     # overlap against the blocking exchange (issue 43's second target) at two processes, one core each: at four on
-    # two cores the run is CPU-bound and hiding the link cannot shorten it (research log 2026-12-04)
-    Part("comm_overlap", "comm_bytes.py", COMM_OVERLAP_ARGS, minutes=4, full=True),
+    # two cores the run is CPU-bound and hiding the link cannot shorten it (research log 2026-12-04); 59 s for two arms
+    # on the quiet machine, three arms ~1.5 min
+    Part("comm_overlap", "comm_bytes.py", COMM_OVERLAP_ARGS, minutes=2, full=True),
     # bytes to DiLoCo's loss with SparseLoCo (issue 43's 1,000x): the char LM and the tabular MLP, measured on
     # 2026-12-05 at load 6-15 from other jobs: 16.9 min (17.9 CPU-min; int8 both ways and SparseLoCo ~2 min a seed
     # each) and 1.8 min (2.0 CPU-min)
