@@ -94,9 +94,15 @@ SEARCH_FULL_SIZE = ("--steps", "128", "--pbt-interval", "32", "--val-every", "16
 # fan-out) are bench-full's `crash_published`.
 CRASH_ARGS = ("--failures", "collapse", "--full-grid", "--hdet-votes", "", "--default-votes",
               "defaults,pbt+search", "--seeds", "3", "--start-method", "fork")
+# Issue 43's overlap target: whole-model overlap (τ = 25 of H = 50) and staggered parts (F = 2, τ = 18) against the
+# blocking exchange, two workers behind 12 Mbit/s (the setting measured on a quiet machine, research log 2026-12-05).
 COMM_OVERLAP_ARGS = ("--name", "comm_overlap", "--start-method", "fork", "--workers", "2", "--steps", "300",
-                     "--local-steps", "50", "--overlap-steps", "25", "--links", "1.2e7", "--arms", "diloco f32",
-                     "diloco f32 overlap", "--seeds", "0", "1", "2")
+                     "--local-steps", "50", "--overlap-steps", "25", "--stagger", "2", "--stagger-overlap-steps", "18",
+                     "--links", "1.2e7", "--arms", "diloco f32", "diloco f32 overlap", "diloco f32 stagger overlap",
+                     "--seeds", "0", "1", "2")
+# Issue 43's bytes target: SparseLoCo against DDP and float32 DiLoCo at H = 100, W = 4, loopback, three seeds.
+COMM_SPARSE_ARGS = ("--start-method", "fork", "--local-steps", "100", "--long-factor", "5", "--links", "0", "--arms",
+                    "ddp", "diloco f32", "diloco int8 + int8 pulls", "diloco sparseloco", "--seeds", "0", "1", "2")
 CRASH_PUBLISHED_ARGS = ("--name", "crash_published", "--seeds", "3", "--start-method", "fork")
 
 
@@ -171,8 +177,15 @@ PARTS = (
     # SlowLink; estimated from its quick run (11 fits of 4 processes; the char LM's 300 steps ~1.5 min each)
     Part("comm_bytes", "comm_bytes.py", ("--start-method", "fork"), minutes=30, full=True),
     # overlap against the blocking exchange (issue 43's second target) at two processes, one core each: at four on
-    # two cores the run is CPU-bound and hiding the link cannot shorten it (research log 2026-12-04)
-    Part("comm_overlap", "comm_bytes.py", COMM_OVERLAP_ARGS, minutes=3, full=True),
+    # two cores the run is CPU-bound and hiding the link cannot shorten it (research log 2026-12-04); 59 s for two arms
+    # on the quiet machine, three arms ~1.5 min
+    Part("comm_overlap", "comm_bytes.py", COMM_OVERLAP_ARGS, minutes=2, full=True),
+    # bytes to DiLoCo's loss with SparseLoCo (issue 43's 1,000x): the char LM and the tabular MLP, measured on
+    # 2026-12-05 at load 6-15 from other jobs: 16.9 min (17.9 CPU-min; int8 both ways and SparseLoCo ~2 min a seed
+    # each) and 1.8 min (2.0 CPU-min)
+    Part("comm_sparse", "comm_bytes.py", ("--name", "comm_sparse", *COMM_SPARSE_ARGS), minutes=17, full=True),
+    Part("comm_sparse_tabular", "comm_bytes.py", ("--name", "comm_sparse_tabular", "--workload", "tabular",
+                                                   *COMM_SPARSE_ARGS), minutes=2, full=True),
     # Benchmark 7 (issue 39): the default's groups at W = 4, 8, 16 (bench) and the votes the search needs (bench-full).
     # (minutes: 35 and 14 measured on 2026-12-02 under load 10-15 from other jobs; about half that on idle cores)
     # bench-full: at 35 min it took make bench past its 90 (116 min estimated with it)

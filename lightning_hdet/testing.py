@@ -106,7 +106,7 @@ class SlowLink(Callback):
         layout = exchange.worker.layout
         buffer_bytes = 4 * (exchange.worker.pulled.numel() - layout.numel)
         exchange.worker.transport = LimitedTransport(exchange.worker.transport, self.bits_per_s, self.latency_s,
-                                                     lambda reply: layout.reply_nbytes(reply.deltas) + buffer_bytes)
+                                                     lambda reply: layout.reply_nbytes(reply.deltas, reply.part) + buffer_bytes)
 
 
 __all__ = ["GLOO_THREADS", "PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowLink",

@@ -97,6 +97,49 @@ def test_int8_pushes_and_int8_delta_pulls_improve_the_model_with_fewer_bytes(tmp
     assert sum(changes.values()) > 0
 
 
+class RecordPulled(Callback):
+    """Every rank writes the parameters it pulled last; rank 0 also whether its public model is the global one."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module):
+        exchange = trainer.strategy._exchange
+        record = {"pulled": exchange.worker.pulled[: exchange.worker.n_params].tolist()}
+        if trainer.global_rank == 0:
+            record["public_is_global"] = torch.equal(exchange.server.public.params, exchange.outer.params)
+        (self.out / f"pulled{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.timeout(240)
+def test_sparseloco_with_sparse_pulls_improves_the_model_and_workers_hold_the_global_model(tmp_path):
+    """DiLoCo with SparseLoCo's update, topk2 both ways: BoringModel's 66 values are one chunk, so each push sends
+    one value (a 4-byte scale, a 2-byte position, a level byte: 7 bytes) and each change forwards 4 of them (a
+    4-byte factor and 4 slots of 8 bytes: 36 bytes); a remote worker's first pull is the model (264 bytes). Every
+    worker's last pull is the same version, and the public model is the global one bit for bit."""
+    strategy = AsyncLocalSGDStrategy(local_steps=12, mode="sync", outer="sparseloco", compression="topk2",
+                                     pull_compression="topk2", start_method="fork")
+    seed_everything(0)
+    model = SGDBoring()
+    initial = _loss(model)
+    out = tmp_path / "record.json"
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=120, limit_val_batches=0,
+                      num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path,
+                      callbacks=[Record(out), RecordPulled(tmp_path)])
+    trainer.fit(model)
+    record = json.loads(out.read_text())
+    assert record["loss"] < 0.5 * initial  # 0.17x when written
+    assert Codec("topk2", [torch.Size([2, 32]), torch.Size([2])]).nbytes == 7
+    for worker, stats in record["stats"].items():
+        assert stats["push_bytes"] == 7 * stats["rounds"]
+        if worker != "0":  # the pulls after its hello: one change a round (the stop reply sends none)
+            assert (stats["dense_pulls"], stats["pull_bytes"]) == (1, 264 + 36 * (stats["rounds"] - 1))
+    pulled = [json.loads((tmp_path / f"pulled{rank}.json").read_text()) for rank in range(4)]
+    assert pulled[0]["public_is_global"]
+    assert all(p["pulled"] == pulled[0]["pulled"] for p in pulled)
+
+
 def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
     tail = (1 - 0.9**9) / 0.1  # one push's whole echo at momentum 0.9 restarted every 8 updates: 6.126 x the push
     for mode in ("async", "sync"):  # one default in both modes: "stable", lr min((1 + 0.9) / (2 * 2.8), 1 / tail)
@@ -114,15 +157,27 @@ def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(outer="fast"), r"`outer` must be one of \('stable', 'published', 'robust'\)"),
+    (dict(outer="fast"), r"`outer` must be one of \('stable', 'published', 'robust', 'sparseloco'\)"),
     (dict(momentum_warmup=-1), "`momentum_warmup` must be an integer >= 0, got -1"),
     (dict(momentum_restart=1.5), "`momentum_restart` must be an integer >= 0, got 1.5"),
     (dict(compression="fp8"), r"`compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\)"),
     (dict(compression="topk2", error_feedback=False), r"`error_feedback` must be True with compression='topk2'"),
     (dict(error_feedback="yes"), "`error_feedback` must be True or False"),
     (dict(pull_compression="fp8"),
-     r"`pull_compression` must be one of \('none', 'bf16', 'int8'\).*only what changed"),
-    (dict(pull_compression="topk2"), r"`pull_compression` must be one of .*Sparse pulls .* are not offered"),
+     r"`pull_compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\).*only what changed"),
+    (dict(mode="sync", compression="topk2", pull_compression="topk2"),
+     r"`pull_compression` must be 'none', 'bf16' or 'int8' without outer='sparseloco', got 'topk2'.*fall behind"),
+    (dict(mode="sync", outer="sparseloco", compression="topk2", pull_compression="topk4"),
+     r"`pull_compression` must be compression='topk2' \(a pull forwards the round's pushes as they are\)"),
+    (dict(outer="sparseloco", compression="topk2"), r"`outer='sparseloco'` applies only with mode='sync'"),
+    (dict(mode="sync", outer="sparseloco", compression="int8"),
+     r"`compression` must be 'topk2' or 'topk4' with outer='sparseloco', got 'int8'"),
+    (dict(mode="sync", outer="sparseloco", compression="topk2", outer_momentum=0.9),
+     r"`outer_momentum=0.9` has no effect with outer='sparseloco'"),
+    (dict(mode="sync", outer="sparseloco", compression="topk2", error_decay=-0.1),
+     r"`error_decay` must be a number in \[0, 1\], got -0.1"),
+    (dict(mode="sync", compression="topk2", error_decay=0.9),
+     r"`error_decay` must be None without outer='sparseloco', got 0.9"),
 ])
 def test_bad_outer_and_compression_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

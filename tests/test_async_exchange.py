@@ -130,20 +130,21 @@ def test_kinds_are_the_documented_numbers() -> None:
 
 
 def test_worker_header_round_trip() -> None:
-    header = WorkerHeader(Kind.PUSH, steps=37, compute_s=1.25, wait_s=0.5, inner_state_bytes=2**40 + 3, pending=4)
+    header = WorkerHeader(Kind.PUSH, steps=37, compute_s=1.25, wait_s=0.5, inner_state_bytes=2**40 + 3, pending=4,
+                          part=2)
     raw = header.encode()
-    assert raw.dtype == torch.float64 and raw.tolist() == [1.0, 37.0, 1.25, 0.5, float(2**40 + 3), 4.0]
+    assert raw.dtype == torch.float64 and raw.tolist() == [1.0, 37.0, 1.25, 0.5, float(2**40 + 3), 4.0, 2.0]
     assert WorkerHeader.decode(raw) == header
     assert WorkerHeader.decode(WorkerHeader(Kind.BYE, 0, 0.0, 0.0).encode()).kind is Kind.BYE
 
 
 def test_server_header_round_trip_and_bad_sizes() -> None:
     header = ServerHeader(next_local_steps=12, outer_updates=345, rejected=2)
-    assert header.encode().tolist() == [12.0, 345.0, 2.0, -1.0]  # -1: the parameters themselves follow
+    assert header.encode().tolist() == [12.0, 345.0, 2.0, -1.0, -1.0]  # -1: the parameters themselves, all parts
     assert ServerHeader.decode(header.encode()) == header
     assert ServerHeader.decode(ServerHeader(4, 5, 0, deltas=3).encode()).deltas == 3
-    with pytest.raises(ValueError, match=r"server header is float64\[4\], got torch.float64\[5\]"):
-        ServerHeader.decode(torch.zeros(5, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"server header is float64\[5\], got torch.float64\[4\]"):
+        ServerHeader.decode(torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="worker header"):
         WorkerHeader.decode(torch.zeros(5, dtype=torch.float32))
 
@@ -165,7 +166,7 @@ def test_gloo_worker_sends_header_buffers_inner_state_then_fragments_in_order() 
         GlooWorkerTransport("pushes", "replies", layout).push(
             WorkerHeader(Kind.PUSH, 2, 1.0, 0.0, 5), fragments, torch.ones(1), torch.zeros(5, dtype=torch.uint8))
     sent = [(c.args[0].dtype, c.args[0].numel(), c.kwargs["dst"], c.kwargs["group"]) for c in send.call_args_list]
-    assert sent == [(torch.float64, 6, 0, "pushes"), (torch.float32, 1, 0, "pushes"), (torch.uint8, 5, 0, "pushes"),
+    assert sent == [(torch.float64, 7, 0, "pushes"), (torch.float32, 1, 0, "pushes"), (torch.uint8, 5, 0, "pushes"),
                     (torch.uint8, 8, 0, "pushes"), (torch.uint8, 12, 0, "pushes")]
 
 

@@ -174,7 +174,7 @@ def test_elastic_quick_mode(tmp_path):
     assert "](img/elastic_quick.png)" in (tmp_path / "docs" / "benchmarks.md").read_text()
 
 
-def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps():
+def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps(tmp_path):
     """Hand-made records. The target is DiLoCo f32's final loss 2.0 + 1 % = 2.02. DDP (1 MiB a step) first
     validates below it at step 15 (2.05 at step 10 is above): 15 MiB. DiLoCo f32 (64 KiB a step) reaches it at its
     last step, 20: 1.25 MiB, 12x fewer (16x fewer a step). topk2 with topk2 pulls (1 KiB a step, 60 steps) at step 40: 40 KiB, 384x
@@ -182,7 +182,7 @@ def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps():
     DiLoCo f32's loss at that link."""
     import argparse
 
-    from benchmarks.comm_bytes import table
+    from benchmarks.comm_bytes import plot_loss_against_bytes, table
 
     def run(loss: float, per_step: int, curve: list[tuple[int, float]]) -> dict:
         steps = curve[-1][0]
@@ -202,7 +202,7 @@ def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps():
     }
     runs["diloco f32 overlap @ 1e+06"]["seeds"][0]["fit_s"] = 2.8  # 0.70 of the blocking run's 4 s in fit
     args = argparse.Namespace(links=[0.0, 1e6], workload="tabular", workers=4, steps=20, local_steps=5, lr=3e-3,
-                              batch_size=16, long_factor=3)
+                              batch_size=16, long_factor=3, overlap_steps=2)
     rows = {line.split(" | ")[0].lstrip("| ") + " " + line.split(" | ")[1]: [c.strip(" |") for c in line.split(" | ")]
             for line in table(runs, args).splitlines() if line.startswith("| ") and "---" not in line}
     assert rows["ddp loopback"][2:8] == ["20", "1.500", "0.75", "20.00", "1x", "1x"]
@@ -211,8 +211,12 @@ def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps():
     assert rows["diloco topk2 loopback"][4:8] == ["1.25", "0.02", "1024x", "not reached"]
     assert rows["diloco int8 1e+06 bit/s"][4:8] == ["1.1", "0.31", "64x", "not reached"]
     assert rows["diloco f32 overlap 1e+06 bit/s"][9] == "0.70" and rows["diloco f32 1e+06 bit/s"][9] == ""
+    assert "overlap τ = 2; DiLoCo's loss" in table(runs, args) and "stagger" not in table(runs, args)
     without = table({k: v for k, v in runs.items() if not k.startswith("ddp")}, args)  # no DDP arm: "—"
     assert "| diloco f32 | loopback | 20 | 2.000 | 1 | 1.25 | — | — | 5 |" in without
+    runs["diloco f32 @ 0"]["seeds"][1] = runs["diloco f32 @ 0"]["seeds"][0]  # a second seed: drawn faintly
+    plot = plot_loss_against_bytes(tmp_path / "img" / "comm.png", runs, args)
+    assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_outer_stability_verdict_hand_computed():

@@ -488,3 +488,19 @@ def test_an_elastic_service_refuses_delta_pulls_before_it_starts() -> None:
     with pytest.raises(ValueError, match="`pull_compression` must be 'none' or 'bf16' with an elastic service, got "
                                          "'int8'. A change of the public model needs the version a worker holds"):
         OuterService(LinearModel(), "127.0.0.1:0", budget=10, pull_compression="int8")
+
+
+def test_an_elastic_service_refuses_sparseloco_and_staggered_parts_before_it_starts() -> None:
+    # Both were accepted before: SparseLoCo failed at the first outer step (no server attached its round), and
+    # stagger=F silently ran rounds of local_steps / F steps with whole-model pushes.
+    from lightning_hdet import OuterService
+    from tests.helpers import LinearModel
+
+    with pytest.raises(ValueError, match="`outer` must be a dense outer setting with an elastic service, got "
+                                         "'sparseloco'. SparseLoCo's update steps from each round's sparse push"):
+        OuterService(LinearModel(), "127.0.0.1:0", budget=10, mode="sync", outer="sparseloco",
+                     compression="topk2")
+    with pytest.raises(ValueError, match="`stagger` must be 1 with an elastic service, got 2. Its workers push"):
+        OuterService(LinearModel(), "127.0.0.1:0", budget=10, mode="sync", local_steps=4, stagger=2)
+    service = OuterService(LinearModel(), "127.0.0.1:0", budget=10, mode="sync", local_steps=4, outer="stable")
+    assert service.settings.stagger == 1 and not service.settings.preset.sparse

@@ -18,7 +18,7 @@ PURE_MODULES = ["experimental/pb2.py", "asynchronous/delayed_nesterov.py",
                 "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",
                 "asynchronous/compression.py", "asynchronous/checks.py", "asynchronous/elastic/sessions.py",
                 "asynchronous/elastic/job.py", "asynchronous/result.py", "asynchronous/slow_link.py",
-                "asynchronous/ranks.py", "asynchronous/reshard.py",
+                "asynchronous/ranks.py", "asynchronous/reshard.py", "asynchronous/exchange_options.py",
                 "records/history.py", "records/tensorboard.py", "_checks.py"]
 PURE = PURE_MODULES + sorted(p.relative_to(PACKAGE).as_posix() for folder, pattern in PURE_FOLDERS.items()
                              for p in (PACKAGE / folder).glob(pattern))

@@ -29,7 +29,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet._checks import check_bool, check_choice, check_int, require
+from lightning_hdet._checks import check_bool, check_choice, check_int, check_number, require
 
 CodecName = Literal["none", "bf16", "int8", "topk2", "topk4"]
 CODECS: tuple[str, ...] = ("none", "bf16", "int8", "topk2", "topk4")
@@ -39,9 +39,11 @@ SPARSE_CHUNK = 4096
 SPARSE_KEEP = 64
 #: Codecs for the pulled global parameters. ``"none"`` / ``"bf16"`` send the model itself, ``"int8"`` only its
 #: change since the worker's last pull (:mod:`.public_model`): int8 of the weights themselves would err by up to
-#: ``absmax / 254`` per row for good, int8 of a change errs only until the next pull carries the rest. Sparse
-#: changes are not offered: the public model fell behind the global one (the research log's "Delta pulls").
-PULL_CODECS: tuple[str, ...] = ("none", "bf16", "int8")
+#: ``absmax / 254`` per row for good, int8 of a change errs only until the next pull carries the rest. The sparse
+#: ones only with ``outer="sparseloco"``, whose changes are exactly sparse: a pull forwards the rounds' pushes as
+#: they are (:mod:`.sparse_outer`). Under a dense outer step the public model fell behind the global one (the
+#: research log's "Delta pulls").
+PULL_CODECS: tuple[str, ...] = ("none", "bf16", "int8", "topk2", "topk4")
 #: The codecs a pull can send changes in (:mod:`.public_model` works with any codec that loses values).
 DELTA_PULL_CODECS: tuple[str, ...] = ("int8", "topk2", "topk4")
 #: Values per int8 scale for flat (0-D / 1-D) tensors: 4 bytes of scale per 256 values (1.6 %).
@@ -49,17 +51,26 @@ DEFAULT_CHUNK = 256
 _SCALE_BYTES = 4  # one float32 per row
 
 
-def check_compression(compression: object, error_feedback: object, pull_compression: object = "none") -> bool:
+def check_compression(compression: object, error_feedback: object, pull_compression: object = "none",
+                      sparse_outer: bool = False) -> bool:
     """The strategy's ``compression`` / ``error_feedback`` / ``pull_compression`` arguments (raises the package's
     ``ValueError``); returns whether error feedback is in force. ``error_feedback=None``: on with every codec that
-    loses values; given with ``compression="none"``, which loses nothing, it is refused (it would do nothing)."""
+    loses values; given with ``compression="none"``, which loses nothing, it is refused (it would do nothing).
+    ``sparse_outer``: the outer update is SparseLoCo's (``outer="sparseloco"``), the only one sparse pulls follow."""
     check_choice("compression", compression, CODECS,
                  hint="'bf16' halves a push, 'int8' quarters it (plus one float32 scale per row), 'topk2' / 'topk4'"
                       " send 1.6 % of the values in 2 / 4 bits (about 110x / 100x fewer bytes).")
     check_choice("pull_compression", pull_compression, PULL_CODECS,
                  hint="'bf16' halves a pull; 'int8' sends only what changed since the worker's last pull, the rest"
-                      " following in later pulls. Sparse pulls ('topk2', 'topk4') let the public model fall behind the"
-                      " global one (the char LM's loss rose after 650 steps), so they are not offered.")
+                      " following in later pulls; 'topk2' / 'topk4' only with outer='sparseloco'.")
+    if str(pull_compression).startswith("topk"):
+        require("pull_compression", pull_compression, sparse_outer, "'none', 'bf16' or 'int8' without"
+                " outer='sparseloco'", "Under a dense outer step every value changes each round, so sparse changes"
+                " let the workers' model fall behind the global one (the char LM's loss rose after 650 steps); with"
+                " outer='sparseloco' the change is exactly sparse and a pull forwards the round's pushes.")
+        require("pull_compression", pull_compression, pull_compression == compression,
+                f"compression={compression!r} (a pull forwards the round's pushes as they are)",
+                "Give both the same sparse codec.")
     if error_feedback is None:
         return compression != "none"
     check_bool("error_feedback", error_feedback)
@@ -230,16 +241,22 @@ class SparseLayout:
 
     @torch.no_grad()
     def decode(self, message: Tensor, out: Tensor) -> Tensor:
+        out.zero_()
+        return self.add_into(message, out)
+
+    @torch.no_grad()
+    def add_into(self, message: Tensor, out: Tensor) -> Tensor:
+        """Add the values ``message`` stands for to ``out`` (one float32 addition per kept value, so that the sum
+        of several messages is the same, bit for bit, wherever it is computed in the same order)."""
         scales, positions, packed = self._views(message)
         levels = _unpack(packed, self.bits, self.kept).to(torch.float32).sub_(self.half)
-        out.zero_()
         for index, (start, rows, length, k, offset) in enumerate(self._groups()):
             first = 0 if index == 0 else len(self.chunks) - 1
             values = levels[offset : offset + rows * k].view(rows, k) * scales[first : first + rows].unsqueeze(1)
             # a chunk whose scale is 0 decodes to zeros whatever its levels say
             values = torch.where(scales[first : first + rows].unsqueeze(1) > 0, values, torch.zeros_like(values))
             where = positions[offset : offset + rows * k].view(rows, k).to(torch.int64)
-            out[start : start + rows * length].view(rows, length).scatter_(1, where, values)
+            out[start : start + rows * length].view(rows, length).scatter_add_(1, where, values)
         return out
 
 
@@ -263,15 +280,18 @@ class ErrorFeedback:
     """A worker's codec with error feedback: each push sends ``codec(g + residual)`` and keeps
     ``residual = g + residual - decoded`` for the next one (zero for ``"none"``, which loses nothing). A push that
     travels in fragments encodes each with its own codec and the matching slice of the residual
-    (:meth:`encode_part`).
+    (:meth:`encode_part`). With ``decay`` below 1 each push sends ``codec(g + decay * residual)`` instead:
+    SparseLoCo's accumulator, which stands in for the outer momentum (``outer="sparseloco"``).
 
     Args:
         codec: the whole push's codec (its name and size).
         enabled: False sends ``codec(g)`` and keeps no residual.
+        decay: ``beta`` in [0, 1], the residual's weight in the next push (1: plain error feedback).
     """
 
-    def __init__(self, codec: Codec, enabled: bool = True) -> None:
-        self.codec = codec
+    def __init__(self, codec: Codec, enabled: bool = True, decay: float = 1.0) -> None:
+        check_number("error_decay", decay, 0.0, 1.0)
+        self.codec, self.decay = codec, decay
         self.enabled = enabled and codec.name != "none"
         self.residual = torch.zeros(codec.numel if self.enabled else 0, dtype=torch.float32)
         self._decoded = torch.empty(0, dtype=torch.float32)
@@ -288,6 +308,8 @@ class ErrorFeedback:
         if not self.enabled:
             return codec.encode(values, out)
         residual = self.residual[start : start + codec.numel]
+        if self.decay != 1.0:
+            residual.mul_(self.decay)
         values.add_(residual)
         message = codec.encode(values, out)
         if self._decoded.numel() < codec.numel:

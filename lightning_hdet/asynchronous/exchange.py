@@ -60,17 +60,23 @@ class Exchange:
         overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking).
             Rank 0's worker overlaps only in DiLoCo: in async mode its in-process exchange returns at once.
         shard_group: the model is sharded with FSDP2 over this group of the worker's ranks (:mod:`.worker_shards`).
+        sparse_outer: the outer update is SparseLoCo's (``outer="sparseloco"``): sparse pulls forward its rounds.
+        error_decay: the error feedback's decay (SparseLoCo's ``beta``; ``None``: plain error feedback).
+        stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`; 1: all of it;
+            only with ``overlap_steps``: the :class:`~.overlapped.OverlapWorker` sends the parts).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
                  optimizer: Optimizer | None = None, check_self: bool = True, ranks: WorkerRanks | None = None,
-                 worker_group: Any = None, overlap_steps: int = 0, shard_group: Any = None) -> None:
+                 worker_group: Any = None, overlap_steps: int = 0, shard_group: Any = None,
+                 sparse_outer: bool = False, error_decay: float | None = None, stagger: int = 1) -> None:
         self.module, self.device, self.outer, self.workers = module, device, outer, workers
         self.groups: tuple[Any, ...] = groups
         layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
-                           pull_compression=pull_compression)  # type: ignore[arg-type]
+                           pull_compression=pull_compression, parts=stagger,  # type: ignore[arg-type]
+                           round_workers=workers if sparse_outer else 0)
         self.server: Server | None = None
         transport: WorkerTransport | None = None  # a follower's comes from its leader (below)
         k = ranks.ranks_per_worker if ranks is not None else 1
@@ -89,10 +95,14 @@ class Exchange:
         if outer is not None and outer.step_policy.mode == "async":
             overlap_steps = 0
         self.worker: Worker
+        decay = 1.0 if error_decay is None else error_decay
         if shard_group is not None:
-            self.worker = ShardedWorker(*args, group=shard_group, leader=ranks is None or ranks.is_leader)
+            self.worker = ShardedWorker(*args, group=shard_group, leader=ranks is None or ranks.is_leader,
+                                        error_decay=decay)
+        elif overlap_steps:
+            self.worker = OverlapWorker(*args, overlap_steps=overlap_steps, error_decay=decay)
         else:
-            self.worker = OverlapWorker(*args, overlap_steps=overlap_steps) if overlap_steps else Worker(*args)
+            self.worker = Worker(*args, error_decay=decay)
 
     @staticmethod
     def _within_worker(ranks: WorkerRanks, group: Any, transport: WorkerTransport | None,
@@ -117,8 +127,8 @@ class Exchange:
                     ) -> OuterState:
         """Rank 0: the outer state, from this model (``read``: its flat parameters and buffers) or from the
         checkpoint's outer state ``resume`` (on fewer workers, the others' buffers no longer count)."""
-        ranges = Fragments([p.shape for p in module.parameters()]).ranges  # the same for every codec
-        outer = settings.build(*read(module, device), workers, budget, ranges)
+        layout = Fragments([p.shape for p in module.parameters()], parts=settings.stagger)  # the same for every codec
+        outer = settings.build(*read(module, device), workers, budget, layout.ranges, layout.parts)
         if resume is not None:
             outer.load_state_dict(resume, workers=workers)
         return outer

@@ -7,28 +7,30 @@ fragment as it arrives and never holds a whole model per worker.
 
 Worker -> server, in this order:
 
-1. a :class:`WorkerHeader` (``float64[6]``);
+1. a :class:`WorkerHeader` (``float64[7]``);
 2. when ``steps > 0`` and the model has floating-point buffers: their current *values* (``float32``);
 3. when ``inner_state_bytes > 0``: the worker's serialized inner optimizer state (``uint8[inner_state_bytes]``;
    only with ``checkpoint_inner_states=True``, off by default);
-4. when ``steps > 0``: one ``uint8`` message per fragment: that fragment of the pseudo-gradient
-   (``theta_pulled - theta_local``) encoded by the fragment's codec (:mod:`.compression`; ``"none"``: its
-   ``float32`` bytes).
+4. when ``steps > 0``: one ``uint8`` message per fragment of the header's ``part`` (all, or one part's): that
+   fragment of the pseudo-gradient (``theta_pulled - theta_local``) encoded by the fragment's codec
+   (:mod:`.compression`; ``"none"``: its ``float32`` bytes).
 
 Server -> worker, in this order:
 
-1. a :class:`ServerHeader` (``float64[4]``);
+1. a :class:`ServerHeader` (``float64[5]``);
 2. when ``next_local_steps > 0``: the global parameters, one message per fragment encoded by the pull codec
    (``"none"``: ``float32``; ``"bf16"``: the parameters rounded to bfloat16, whose float32 originals stay on rank
    0), or, when the header's ``deltas`` is ``n >= 0``, ``n`` changes of the public model, oldest first, each one
-   message per fragment in its delta codec (:mod:`.public_model`); then (only if the model has floating-point
-   buffers) the global buffers (``float32``).
+   message per fragment in its delta codec (:mod:`.public_model`; with ``outer="sparseloco"`` a round change, the
+   round's pushes forwarded: :mod:`.sparse_outer`); then (only if the model has floating-point buffers) the
+   global buffers (``float32``). The parameters are those of the header's ``part`` (all, or the part pushed).
 
 Headers are ``float64`` so that step counts and seconds share one tensor exactly (integers up to 2**53).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -39,6 +41,7 @@ from torch import Tensor
 
 from lightning_hdet._tensors import BUCKET_BYTES
 from lightning_hdet.asynchronous.compression import DEFAULT_CHUNK, DELTA_PULL_CODECS, Codec, CodecName
+from lightning_hdet.asynchronous.sparse_outer import RoundCodec
 
 #: Largest fragment of a pushed or pulled model, in bytes of ``float32`` values: the size of HDET's merge buckets
 #: (DDP's default bucket size), one number for both.
@@ -64,7 +67,7 @@ def _decode(tensor: Tensor, size: int, name: str) -> list[float]:
 
 @dataclass(frozen=True)
 class WorkerHeader:
-    """The header of a worker's message (``float64[6]``, fields in this order)."""
+    """The header of a worker's message (``float64[7]``, fields in this order)."""
 
     #: What the message means.
     kind: Kind
@@ -79,22 +82,26 @@ class WorkerHeader:
     #: Inner steps of its current round the worker takes after this push, before it merges the reply (its overlap,
     #: see :mod:`.overlap`); they are in its next push. The server keeps them out of the budget left meanwhile.
     pending: int = 0
+    #: Which fragments the push carries: ``-1`` all of them, ``p >= 0`` those of part ``p`` of a staggered
+    #: layout (:attr:`Fragments.parts`); the reply carries the same ones.
+    part: int = -1
 
-    SIZE: ClassVar[int] = 6
+    SIZE: ClassVar[int] = 7
 
     def encode(self) -> Tensor:
         return torch.tensor([float(self.kind), float(self.steps), self.compute_s, self.wait_s,
-                             float(self.inner_state_bytes), float(self.pending)], dtype=torch.float64)
+                             float(self.inner_state_bytes), float(self.pending), float(self.part)],
+                            dtype=torch.float64)
 
     @classmethod
     def decode(cls, tensor: Tensor) -> WorkerHeader:
-        kind, steps, compute_s, wait_s, state_bytes, pending = _decode(tensor, cls.SIZE, "worker header")
-        return cls(Kind(int(kind)), int(steps), compute_s, wait_s, int(state_bytes), int(pending))
+        kind, steps, compute_s, wait_s, state_bytes, pending, part = _decode(tensor, cls.SIZE, "worker header")
+        return cls(Kind(int(kind)), int(steps), compute_s, wait_s, int(state_bytes), int(pending), int(part))
 
 
 @dataclass(frozen=True)
 class ServerHeader:
-    """The header of the server's reply (``float64[4]``, fields in this order)."""
+    """The header of the server's reply (``float64[5]``, fields in this order)."""
 
     #: Inner steps of the worker's next round; 0 means stop (no model follows).
     next_local_steps: int
@@ -106,17 +113,19 @@ class ServerHeader:
     #: What follows: ``-1`` the parameters themselves (in the pull codec), ``n >= 0`` the last ``n`` changes of the
     #: public model, each in every fragment's delta codec (:mod:`.public_model`), to add to the worker's own copy.
     deltas: int = -1
+    #: Which fragments' parameters follow (:attr:`WorkerHeader.part`: those the worker pushed).
+    part: int = -1
 
-    SIZE: ClassVar[int] = 4
+    SIZE: ClassVar[int] = 5
 
     def encode(self) -> Tensor:
         return torch.tensor([float(self.next_local_steps), float(self.outer_updates), float(self.rejected),
-                             float(self.deltas)], dtype=torch.float64)
+                             float(self.deltas), float(self.part)], dtype=torch.float64)
 
     @classmethod
     def decode(cls, tensor: Tensor) -> ServerHeader:
-        steps, outer_updates, rejected, deltas = _decode(tensor, cls.SIZE, "server header")
-        return cls(int(steps), int(outer_updates), int(rejected), int(deltas))
+        steps, outer_updates, rejected, deltas, part = _decode(tensor, cls.SIZE, "server header")
+        return cls(int(steps), int(outer_updates), int(rejected), int(deltas), int(part))
 
 
 @dataclass
@@ -142,6 +151,8 @@ class Push:
     rejected: str | None = None
     #: Steps of the worker's round still to come before it merges the reply (:attr:`WorkerHeader.pending`).
     pending: int = 0
+    #: Which fragments it carries (:attr:`WorkerHeader.part`).
+    part: int = -1
 
     @classmethod
     def of(cls, worker: int, header: WorkerHeader, buffers: Tensor | None = None,
@@ -149,7 +160,7 @@ class Push:
         """The push a header announces (``gradient_bytes``: what its fragments weigh on the wire)."""
         payload = (gradient_bytes + (0 if buffers is None else 4 * buffers.numel())) if header.steps > 0 else 0
         return cls(worker, header.kind, header.steps, header.compute_s, header.wait_s, None, inner_state, buffers,
-                   payload, pending=header.pending)
+                   payload, pending=header.pending, part=header.part)
 
 
 @dataclass(frozen=True)
@@ -203,6 +214,20 @@ def fragment_layout(shapes: Sequence[torch.Size], max_values: int) -> list[Fragm
     return fragments
 
 
+def stagger_parts(fragments: Sequence[Fragment], parts: int) -> list[range]:
+    """The fragments' indices cut into ``parts`` runs of consecutive fragments, each fragment in the part its middle
+    value falls in when the values are cut into ``parts`` equal stretches (Streaming DiLoCo's fragments, synchronised
+    at staggered steps: :mod:`.overlap`). A part left without a fragment (a tensor row longer than a part) is refused.
+    """
+    total = fragments[-1].end if fragments else 0
+    owners = [min(parts - 1, (f.start + f.end) * parts // (2 * total)) for f in fragments]
+    runs = [range(bisect.bisect_left(owners, p), bisect.bisect_right(owners, p)) for p in range(parts)]
+    if parts > 1 and not all(runs):
+        raise ValueError(f"`stagger={parts}` leaves a part of this model without parameters (its {total} values come"
+                         f" in {len(fragments)} fragment(s) of whole tensor rows); use a smaller `stagger`.")
+    return runs
+
+
 class Fragments:
     """How a model's flat parameters travel: the :func:`fragment_layout` and one codec per fragment.
 
@@ -213,16 +238,32 @@ class Fragments:
         pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (the parameters
             themselves), or one of :data:`~.compression.DELTA_PULL_CODECS` (changes of the public model, the
             parameters themselves in ``float32`` when a worker holds no logged version).
+        parts: the fragments are grouped into this many parts (:func:`stagger_parts`; fragments are then at most
+            a quarter of a part's share of the values), each of which a push may carry alone.
+        round_workers: with a sparse ``pull_compression`` (``outer="sparseloco"``), the changes are the rounds'
+            pushes of this many workers forwarded exactly (:class:`~.sparse_outer.RoundCodec`); 0: a change is the
+            pull codec's encoding of the difference.
     """
 
     def __init__(self, shapes: Sequence[torch.Size], compression: CodecName = "none",
-                 max_bytes: int = FRAGMENT_BYTES, pull_compression: CodecName = "none") -> None:
-        self.fragments = fragment_layout(shapes, max(1, max_bytes // 4))
+                 max_bytes: int = FRAGMENT_BYTES, pull_compression: CodecName = "none", parts: int = 1,
+                 round_workers: int = 0) -> None:
+        max_values = max(1, max_bytes // 4)
+        if parts > 1:
+            # fragments of at most a quarter of a part: the parts, whole fragments, come out within ~1/8 of equal
+            max_values = min(max_values, max(1, -(-sum(torch.Size(s).numel() for s in shapes) // (4 * parts))))
+        self.fragments = fragment_layout(shapes, max_values)
+        #: The fragments' indices, part by part (one part: all of them).
+        self.parts = stagger_parts(self.fragments, parts)
         self.codecs = [Codec(compression, f.shapes) for f in self.fragments]
         delta = pull_compression in DELTA_PULL_CODECS
         self.pull_codecs = [Codec("none" if delta else pull_compression, f.shapes) for f in self.fragments]
         #: The codecs of a public model's changes, one per fragment (empty: pulls send the parameters).
-        self.delta_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments] if delta else []
+        self.delta_codecs: list[Codec | RoundCodec] = []
+        if delta and round_workers:
+            self.delta_codecs = [RoundCodec(codec, round_workers) for codec in self.codecs]
+        elif delta:
+            self.delta_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments]
         self.numel = sum(f.numel for f in self.fragments)
 
     @property
@@ -230,19 +271,35 @@ class Fragments:
         """``(start, end)`` of each fragment in the flat vector."""
         return [(f.start, f.end) for f in self.fragments]
 
+    def indices(self, part: int = -1) -> range:
+        """The indices of the fragments a message of ``part`` carries (``-1``: all)."""
+        return range(len(self.fragments)) if part < 0 else self.parts[part]
+
+    def span(self, part: int = -1) -> tuple[int, int]:
+        """``(start, end)`` of ``part``'s values in the flat vector (its fragments are consecutive)."""
+        chosen = self.indices(part)
+        return (self.fragments[chosen[0]].start, self.fragments[chosen[-1]].end) if chosen else (0, 0)
+
+    def part_nbytes(self, part: int = -1) -> int:
+        """Bytes of one encoded pseudo-gradient of ``part`` (``-1``: all fragments)."""
+        return sum(self.codecs[i].nbytes for i in self.indices(part))
+
     @property
     def nbytes(self) -> int:
         """Bytes of one encoded pseudo-gradient (all fragments)."""
-        return sum(c.nbytes for c in self.codecs)
+        return self.part_nbytes()
 
     @property
     def pull_nbytes(self) -> int:
         """Bytes of one pulled set of global parameters (all fragments)."""
         return sum(c.nbytes for c in self.pull_codecs)
 
-    def reply_nbytes(self, deltas: int) -> int:
-        """Bytes of the parameters' part of a reply whose header says ``deltas`` (:attr:`ServerHeader.deltas`)."""
-        return self.pull_nbytes if deltas < 0 else deltas * sum(c.nbytes for c in self.delta_codecs)
+    def reply_nbytes(self, deltas: int, part: int = -1) -> int:
+        """Bytes of the parameters' part of a reply whose header says ``deltas`` (:attr:`ServerHeader.deltas`) and
+        ``part``."""
+        if deltas >= 0:
+            return deltas * sum(c.nbytes for c in self.delta_codecs)
+        return sum(self.pull_codecs[i].nbytes for i in self.indices(part))
 
     def pull_buffer(self) -> Tensor:
         """A buffer for one encoded pull fragment or change (empty when pulls are not encoded: they travel as
@@ -255,39 +312,49 @@ class Fragments:
         """Values in the largest fragment (the size of a fragment buffer)."""
         return max((f.numel for f in self.fragments), default=0)
 
-    def split(self, flat: Tensor) -> Iterator[Tensor]:
-        """Views of ``flat``, one per fragment, in order (no copies)."""
+    def split(self, flat: Tensor, part: int = -1) -> Iterator[Tensor]:
+        """Views of ``flat``, one per fragment (of ``part``), in order (no copies)."""
         if flat.numel() < self.numel:
             raise ValueError(f"Expected at least {self.numel} values, got {flat.numel()}.")
-        return (flat[s:e] for s, e in self.ranges)
+        return (flat[self.fragments[i].start : self.fragments[i].end] for i in self.indices(part))
+
+    def _pull_codecs(self, part: int) -> list[Codec]:
+        return [self.pull_codecs[i] for i in self.indices(part)]
 
     def encode(self, flat: Tensor) -> Iterator[Tensor]:
         """Each fragment of ``flat`` encoded by its codec, in order (no error feedback)."""
         return (codec.encode(part) for codec, part in zip(self.codecs, self.split(flat)))
 
-    def encode_pull(self, params: Tensor, buffer: Tensor) -> Iterator[Tensor]:
-        """Each fragment of the global ``params`` encoded by its pull codec, in order: the ``float32`` views of
-        ``params`` themselves (``"none"``), or messages written into ``buffer`` (:meth:`pull_buffer`, reused: send
-        each before the next)."""
-        for codec, part in zip(self.pull_codecs, self.split(params)):
-            yield part if codec.name == "none" else codec.encode(part, buffer[: codec.nbytes])
+    def encode_pull(self, params: Tensor, buffer: Tensor, part: int = -1) -> Iterator[Tensor]:
+        """Each fragment (of ``part``) of the global ``params`` encoded by its pull codec, in order: the ``float32``
+        views of ``params`` themselves (``"none"``), or messages written into ``buffer`` (:meth:`pull_buffer`,
+        reused: send each before the next)."""
+        for codec, values in zip(self._pull_codecs(part), self.split(params, part)):
+            yield values if codec.name == "none" else codec.encode(values, buffer[: codec.nbytes])
 
-    def pull_into(self, params: Tensor, into: Tensor, buffer: Tensor) -> None:
-        """What a pull of ``params`` leaves a worker with, written into ``into`` (rank 0's own worker, which needs
-        no bytes to travel, still gets the same values as the others)."""
-        for codec, message, part in zip(self.pull_codecs, self.encode_pull(params, buffer), self.split(into)):
-            part.copy_(message) if codec.name == "none" else codec.decode(message, part)
+    def pull_into(self, params: Tensor, into: Tensor, buffer: Tensor, part: int = -1) -> None:
+        """What a pull of ``params`` (its ``part``) leaves a worker with, written into ``into`` (rank 0's own
+        worker, which needs no bytes to travel, still gets the same values as the others)."""
+        for codec, message, values in zip(self._pull_codecs(part), self.encode_pull(params, buffer, part),
+                                          self.split(into, part)):
+            values.copy_(message) if codec.name == "none" else codec.decode(message, values)
 
-    def pull_values(self, params: Tensor, buffer: Tensor, out: Tensor) -> Iterator[tuple[int, Tensor]]:
-        """Each fragment of the global ``params`` as a pull leaves a worker with it, with its first value's index:
-        a view of ``params`` (``"none"``), or decoded into ``out`` (reused: consume each before the next)."""
-        for (start, _), codec, message in zip(self.ranges, self.pull_codecs, self.encode_pull(params, buffer)):
-            yield start, message if codec.name == "none" else codec.decode(message, out[: codec.numel])
+    def pull_values(self, params: Tensor, buffer: Tensor, out: Tensor,
+                    part: int = -1) -> Iterator[tuple[int, Tensor]]:
+        """Each fragment (of ``part``) of the global ``params`` as a pull leaves a worker with it, with its first
+        value's index: a view of ``params`` (``"none"``), or decoded into ``out`` (reused: consume each before the
+        next)."""
+        for i, message in zip(self.indices(part), self.encode_pull(params, buffer, part)):
+            codec = self.pull_codecs[i]
+            values = message if codec.name == "none" else codec.decode(message, out[: codec.numel])
+            yield self.fragments[i].start, values
 
-    def decode(self, messages: Iterable[Tensor], out: Tensor) -> Iterator[Tensor]:
-        """Each arriving fragment message decoded into ``out`` (a buffer of at least :attr:`largest` values,
-        reused for every fragment: consume each before the next), in order. The receiver checks the count."""
-        for codec, message in zip(self.codecs, messages):
+    def decode(self, messages: Iterable[Tensor], out: Tensor, part: int = -1) -> Iterator[Tensor]:
+        """Each arriving fragment message (of ``part``) decoded into ``out`` (a buffer of at least :attr:`largest`
+        values, reused for every fragment: consume each before the next), in order. The receiver checks the
+        count."""
+        for i, message in zip(self.indices(part), messages):
+            codec = self.codecs[i]
             yield codec.decode(message, None if codec.name == "none" else out[: codec.numel])  # "none": a view
 
     def join(self, messages: Iterable[Tensor]) -> Tensor:

@@ -61,12 +61,14 @@ class MomentumSchedule:
 @dataclass(frozen=True)
 class OuterPreset:
     """One named choice of the outer optimizer's numbers (see :data:`OUTER_PRESETS`); ``lr=None``: derived from
-    the momentum and its restarts by :func:`stable_outer_lr`."""
+    the momentum and its restarts by :func:`stable_outer_lr`. ``sparse``: SparseLoCo's update (:mod:`.sparse_outer`)
+    instead of a Nesterov step."""
 
     lr: Optional[float]
     momentum: float
     warmup: int
     restart: int
+    sparse: bool = False
 
 
 def momentum_tail(momentum: float, restart: int) -> float:
@@ -112,10 +114,14 @@ def stable_outer_lr(momentum: float, restart: int) -> float:
 #: ``"robust"``: the async default before issue 42, chosen from the sweep in docs/async.md: the published lr and
 #: momentum with a momentum warm-up and periodic restarts, which keep short runs from oscillating; it diverges
 #: with two workers on BoringModel + SGD.
+#: ``"sparseloco"``: DiLoCo only, with a sparse codec: SparseLoCo's update (arXiv 2508.15706), ``-lr`` times the
+#: mean of the round's sparse pushes with no outer momentum (the workers' decayed error feedback carries it; lr 1,
+#: the paper's), so that the global model's change is exactly sparse (:mod:`.sparse_outer`).
 OUTER_PRESETS: dict[str, OuterPreset] = {
     "stable": OuterPreset(lr=None, momentum=0.9, warmup=16, restart=8),
     "published": OuterPreset(lr=0.7, momentum=0.9, warmup=0, restart=0),
     "robust": OuterPreset(lr=0.7, momentum=0.9, warmup=16, restart=8),
+    "sparseloco": OuterPreset(lr=1.0, momentum=0.0, warmup=0, restart=0, sparse=True),
 }
 #: The preset used when ``outer`` is not given, in both modes.
 DEFAULT_OUTER = "stable"

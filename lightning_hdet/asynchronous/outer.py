@@ -30,6 +30,8 @@ from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, valida
 from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
 from lightning_hdet.asynchronous.momentum import MomentumSchedule, OuterPreset, resolve_outer
 from lightning_hdet.asynchronous.messages import Kind, Push
+from lightning_hdet.asynchronous.overlap import check_stagger
+from lightning_hdet.asynchronous.sparse_outer import SparseRound
 
 log = logging.getLogger(__name__)
 
@@ -131,27 +133,83 @@ class AsyncStep:
 
 class SyncStep:
     """DiLoCo: one outer update with the mean of every worker's push; every worker runs ``H`` steps, the last
-    round shortened so that the budget is met exactly."""
+    round shortened so that the budget is met exactly.
+
+    Args:
+        stagger: ``F``: rounds are ``H / F`` steps long and each push carries one of ``F`` parts of the model
+            (Streaming DiLoCo; :mod:`.overlap`), so each fragment's outer step takes the mean of the pushes that
+            carried it.
+    """
 
     mode = "sync"
     #: ``None``: a batch waits for every worker still training.
     batch_window: float | None = None
 
+    def __init__(self, stagger: int = 1) -> None:
+        self.stagger = stagger
+        self._sum: Tensor | None = None  # the round's summed pseudo-gradient: one model, not one per worker
+        self._counts: list[int] = []  # per fragment, how many pushes are in the sum
+
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
-        outer.accumulate(index, gradient)  # the sum of the round's pushes: one model, not one per worker
+        if self._sum is None:
+            self._sum, self._counts = torch.zeros_like(outer.params), [0] * len(outer.ranges)
+        start, end = outer.ranges[index]
+        self._sum[start:end].add_(gradient)
+        self._counts[index] += 1
 
     def pushed(self, outer: OuterState) -> None:
         pass
 
     def close(self, outer: OuterState, pushes: int) -> None:
-        if pushes:
-            outer.step_mean(pushes)
+        """One outer update: each fragment that pushes carried steps with their mean."""
+        if not pushes:
+            return
+        if self._sum is not None:
+            for index, (start, end) in enumerate(outer.ranges):
+                if self._counts[index]:
+                    outer.step_fragment(index, self._sum[start:end].div_(self._counts[index]))
+                    self._counts[index] = 0
+            self._sum.zero_()
+        outer.outer_updates += 1
 
     def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
-        steps = outer.local_steps.local_steps
+        steps = outer.local_steps.local_steps // self.stagger
         if outer.budget is None:
             return steps
         return min(steps, (outer.budget - outer.steps_done - outer.pending_steps) // n_waiting)
+
+
+class SparseSyncStep(SyncStep):
+    """DiLoCo with SparseLoCo's update (``outer="sparseloco"``): the global model moves by the round change of
+    :class:`~.sparse_outer.SparseRound`, ``-lr`` times the mean of the pushes as they were encoded, decoded as a
+    pull decodes it (so that pulls can carry it exactly); no momentum. The server keeps each applied push's
+    messages in :attr:`round` (:meth:`attach`); the decoded fragments it receives were only checked.
+
+    Args:
+        lr: the outer lr ``alpha``.
+    """
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()  # rounds of H steps: OuterSettings refuses stagger with outer="sparseloco"
+        self.lr = lr
+        self.round: SparseRound | None = None
+
+    def attach(self, sparse_round: SparseRound) -> None:
+        """Where the server keeps the round's pushes (it knows their codecs)."""
+        self.round = sparse_round
+
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        pass  # the round's messages are in self.round already
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        if not pushes:
+            return
+        if self.round is None:
+            raise RuntimeError("outer='sparseloco' steps from the pushes' messages; no server attached its round.")
+        scratch = self.round.scratch
+        for (start, end), codec, message in zip(outer.ranges, self.round.codecs, self.round.close(pushes, self.lr)):
+            outer.params[start:end].add_(codec.decode(message, scratch[: end - start]))
+        outer.outer_updates += 1
 
 
 #: The options only async mode uses, and their defaults there.
@@ -191,16 +249,21 @@ class OuterSettings:
     check_pushes: bool = True
     max_norm_ratio: float = PushCheck.MAX_NORM_RATIO
     max_rejections: int = PushCheck.MAX_REJECTIONS
+    #: DiLoCo only: the model is synchronised in this many parts, one every ``local_steps / stagger`` steps.
+    stagger: int = 1
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         self._resolve_async_only()
         check_push_settings(self.check_pushes, self.max_norm_ratio, self.max_rejections)
         validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
+        check_stagger(self.stagger, self.mode, self.local_steps)
         preset = self.preset  # checks the name
         validate_outer_hyperparameters(preset.lr, preset.momentum,
                                        1 if self.buffer_size is None else self.buffer_size, self.momentum_activation)
         MomentumSchedule(preset.momentum, preset.warmup, preset.restart)  # checks the warm-up and restart
+        if preset.sparse:
+            self._check_sparse()
         if self.grace_period is not None:
             check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
         for name, value in (("buffer_size", self.buffer_size), ("momentum_activation", self.momentum_activation or None)):
@@ -220,6 +283,24 @@ class OuterSettings:
                                  f" Remove it, or use mode='async'.")
             if self.mode == "async" and value is None:
                 object.__setattr__(self, name, default)  # frozen: filled once, here
+
+    def _check_sparse(self) -> None:
+        """``outer="sparseloco"``: DiLoCo only, not staggered, and no momentum settings (its momentum is the
+        workers')."""
+        if self.mode != "sync":
+            raise ValueError(f"`outer='sparseloco'` applies only with mode='sync' (DiLoCo), got mode={self.mode!r}:"
+                             " its update is the mean of every worker's round. Use mode='sync' or another `outer`.")
+        if self.stagger > 1:
+            # SparseRound files a push's messages by their position in the push and closes a round with one factor
+            # (-lr / pushes) for every fragment: a staggered push carries one part, and the goodbye all of them
+            raise ValueError(f"`stagger={self.stagger}` is not supported with `outer='sparseloco'`: its round change"
+                             " forwards whole-model pushes with one step factor per round, while a staggered push"
+                             " carries one part of the model. Use stagger=1, or another `outer`.")
+        for name in ("outer_momentum", "momentum_warmup", "momentum_restart"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"`{name}={getattr(self, name)!r}` has no effect with outer='sparseloco': its update"
+                                 " keeps no outer momentum (the workers' decayed error feedback, `error_decay`,"
+                                 " stands in for it). Remove it.")
 
     @property
     def preset(self) -> OuterPreset:
@@ -244,11 +325,12 @@ class OuterSettings:
         validate_outer_hyperparameters(self.preset.lr, self.preset.momentum, n, self.momentum_activation)
 
     def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None,
-              ranges: list[tuple[int, int]] | None = None) -> OuterState:
+              ranges: list[tuple[int, int]] | None = None, parts: list[range] | None = None) -> OuterState:
         """The outer state over the flat host tensors ``params`` and ``buffers`` (the global model's start):
         Delayed Nesterov (async, ``delayed_nesterov``) or Nesterov SGD, i.e. Delayed Nesterov with ``N = 1`` (the
         same step, without ``torch.optim.SGD``'s model-sized temporary), and the mode's step policy. ``ranges``:
-        the fragments pushes arrive in (default: one)."""
+        the fragments pushes arrive in (default: one); ``parts``: their indices by part, when staggered
+        (:attr:`~.messages.Fragments.parts`)."""
         is_async = self.mode == "async"
         params.requires_grad_(False)
         views = [params[s:e] for s, e in ranges or [(0, params.numel())]]  # leaves: params needs no grad
@@ -259,11 +341,12 @@ class OuterSettings:
                                     momentum_restart=p.restart)
         policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, self.dynamic_local_steps and is_async,
                                   self.speed_smoothing)
-        step: StepPolicy = AsyncStep(self.grace_period) if is_async else SyncStep()
+        step: StepPolicy = (AsyncStep(self.grace_period) if is_async else
+                            SparseSyncStep(p.lr) if p.sparse else SyncStep(self.stagger))
         check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
         state = OuterState(params, optimizer, policy, step, budget, buffers=buffers, check=check,
                            max_rejections=self.max_rejections, follows_live=is_async and bool(self.delayed_nesterov),
-                           configured_buffer=self.buffer_size)
+                           configured_buffer=self.buffer_size, parts=parts or [])
         state.follow_live(workers)
         return state
 
@@ -315,6 +398,8 @@ class OuterState:
     follows_live: bool = False
     #: The ``buffer_size`` the user gave, the most ``N`` may follow up to (``None``: as many as are live).
     configured_buffer: int | None = None
+    #: The fragments' indices by part, when a push may carry one part (:attr:`~.messages.Fragments.parts`).
+    parts: list[range] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         #: The outer optimizer's parameters: one view of :attr:`params` per fragment, in order.
@@ -322,7 +407,6 @@ class OuterState:
         ends = torch.tensor([v.numel() for v in self.views]).cumsum(0).tolist()
         #: ``(start, end)`` of each fragment in :attr:`params`.
         self.ranges: list[tuple[int, int]] = list(zip([0, *ends[:-1]], ends))
-        self._sum: Tensor | None = None  # SyncStep: the round's summed pseudo-gradient
         self._stage: Tensor | None = None  # a checked stream's fragments until its verdict (one push at a time)
         self._live: int | None = None  # workers still training, as last told (follow_live)
 
@@ -345,8 +429,8 @@ class OuterState:
             else:
                 if self._stage is None and not stable:
                     self._stage = torch.empty_like(self.params, requires_grad=False)
-                reason, kept, norm = self.check.inspect(push.worker, fragments, self.ranges,
-                                                        None if stable else self._stage)
+                ranges = [self.ranges[i] for i in self._indices(push.part)]
+                reason, kept, norm = self.check.inspect(push.worker, fragments, ranges, None if stable else self._stage)
                 if reason is None and push.steps > 0 and self.ranges and not kept:
                     reason = "steps without a pseudo-gradient"
                 reason = reason or buffers_problem(push.buffers, self.buffers.numel())
@@ -360,15 +444,20 @@ class OuterState:
     def _apply(self, push: Push, fragments: Iterable[Tensor]) -> None:
         with self.lock:
             self._record(push)
-        count = 0
-        for index, gradient in enumerate(fragments):
-            self.step_policy.receive(self, index, gradient)
+        indices, count = self._indices(push.part), 0
+        for gradient in fragments:
+            if count < len(indices):
+                self.step_policy.receive(self, indices[count], gradient)
             count += 1
-        if count and count != len(self.views):
-            raise ValueError(f"A push has {len(self.views)} fragments, got {count}.")
+        if count and count != len(indices):
+            raise ValueError(f"A push has {len(indices)} fragments, got {count}.")
         if count:
             with self.lock:
                 self.step_policy.pushed(self)
+
+    def _indices(self, part: int) -> range:
+        """The fragments a push of ``part`` carries (``-1``: all)."""
+        return range(len(self.views)) if part < 0 else self.parts[part]
 
     def _reject(self, push: Push, reason: str) -> None:
         """Discard ``push`` whole: its steps do not count (the budget's share it held is free again), its buffers
@@ -466,21 +555,6 @@ class OuterState:
         view.grad = gradient.to(view.dtype)
         self.optimizer.step()  # steps only the fragment with a gradient
         view.grad = None
-
-    def accumulate(self, index: int, gradient: Tensor) -> None:
-        """Add one fragment to the round's sum (DiLoCo)."""
-        if self._sum is None:
-            self._sum = torch.zeros_like(self.params)
-        start, end = self.ranges[index]
-        self._sum[start:end].add_(gradient)
-
-    def step_mean(self, pushes: int) -> None:
-        """One outer update with the mean of the round's ``pushes`` summed pseudo-gradients (DiLoCo)."""
-        assert self._sum is not None
-        for index, (start, end) in enumerate(self.ranges):
-            self.step_fragment(index, self._sum[start:end].div_(pushes))
-        self._sum.zero_()
-        self.outer_updates += 1
 
     @property
     def pending_steps(self) -> int:

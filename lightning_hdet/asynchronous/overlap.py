@@ -29,6 +29,13 @@ arXiv 2501.18512; its reference is also ``θ_global_new``):
   gradients differ; measured (at 0.339), the loss at a fixed budget grows with ``τ / H``
   (``benchmarks/overlap_link.py``, ``docs/async.md``).
 
+**Staggered parts** (``stagger=F``, DiLoCo; Streaming DiLoCo's schedule, arXiv 2501.18512): the model's fragments
+are grouped into ``F`` parts of consecutive fragments (:func:`~.messages.stagger_parts`), rounds are ``H / F`` steps
+and push ``i`` carries part ``i mod F`` only, so each part is synchronised every ``H`` steps, at its own offset, and
+each exchange is ``1 / F`` of the bytes: ``τ`` can be ``F`` times smaller for the same hidden link time. The merge
+above applies to the part that travelled (and the buffers); the other parts train on. The goodbye carries every
+part's steps since its last exchange (which is why a staggered run needs ``τ >= 1``: its goodbye always has steps).
+
 The cost: the worker keeps ``θ_local_at_send`` while the exchange travels (one model-sized host copy; rank 0's
 worker keeps it in its pulled model's buffer instead, see :mod:`.overlapped`).
 """
@@ -38,6 +45,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_hdet._checks import check_int
+from lightning_hdet.asynchronous.compression import DELTA_PULL_CODECS
 
 
 def overlap_this_round(overlap_steps: int, allocated: int, carried: int) -> int:
@@ -53,14 +61,47 @@ def correction(global_new: Tensor, at_send: Tensor) -> Tensor:
     return at_send.neg_().add_(global_new)
 
 
-def check_overlap_steps(overlap_steps: int, local_steps: int, ranks_per_worker: int) -> None:
-    """``overlap_steps``: 0 (a blocking exchange) or ``1..local_steps − 1``; not with workers of several ranks."""
+def check_overlap_steps(overlap_steps: int, local_steps: int, ranks_per_worker: int, stagger: int = 1) -> None:
+    """``overlap_steps``: 0 (a blocking exchange) or ``1..local_steps / stagger − 1`` (a round); not with workers of
+    several ranks."""
     check_int("overlap_steps", overlap_steps, minimum=0,
               hint="0 is a blocking exchange; τ > 0 inner steps are taken while a round's push and pull travel.")
-    if overlap_steps and overlap_steps >= local_steps:
-        raise ValueError(f"`overlap_steps={overlap_steps}` leaves no step of a round before its push (local_steps="
-                         f"{local_steps}); allowed: 0 (a blocking exchange) or 1..{local_steps - 1}.")
+    round_steps = local_steps // stagger
+    if overlap_steps and overlap_steps >= round_steps:
+        rounds = f"local_steps={local_steps}" + (f" / stagger={stagger}" if stagger > 1 else "")
+        raise ValueError(f"`overlap_steps={overlap_steps}` leaves no step of a round before its push ({rounds});"
+                         f" allowed: 0 (a blocking exchange) or 1..{round_steps - 1}.")
     if overlap_steps and ranks_per_worker > 1:
         raise ValueError(f"`overlap_steps={overlap_steps}` is not supported with `ranks_per_worker={ranks_per_worker}`:"
                          " a worker of several ranks hands its reply on with collectives of its own group, which"
                          " cannot run beside its training. Use overlap_steps=0, or ranks_per_worker=1.")
+
+
+def check_stagger(stagger: int, mode: str, local_steps: int) -> None:
+    """``stagger``: 1, or with DiLoCo a divisor ``F`` of ``local_steps`` (rounds of ``local_steps / F`` steps)."""
+    check_int("stagger", stagger, minimum=1, hint="1 synchronises the whole model at once; F >= 2 (DiLoCo) in F"
+              " parts, one every local_steps / F steps.")
+    if stagger > 1 and mode != "sync":
+        raise ValueError(f"`stagger={stagger}` applies to DiLoCo only (mode='sync'), got mode={mode!r}: an async"
+                         " push is applied on arrival, with no common round to stagger. Use stagger=1, or"
+                         " mode='sync'.")
+    if local_steps % stagger:
+        divisors = [d for d in range(1, local_steps + 1) if local_steps % d == 0]
+        raise ValueError(f"`stagger={stagger}` does not divide local_steps={local_steps}: each part is synchronised"
+                         f" every local_steps steps, one part every local_steps / stagger. Allowed: {divisors}.")
+
+
+def check_stagger_exchange(stagger: int, pull_compression: str, overlap_steps: int) -> None:
+    """What ``stagger > 1`` is not built for: a blocking exchange (and so, see :func:`check_overlap_steps`, workers
+    of several ranks) and pulls of the public model's changes (they carry the whole model)."""
+    if stagger > 1 and not overlap_steps:
+        # the goodbye carries every part's steps since its last exchange only when it carries steps at all: with
+        # τ >= 1 it always does (the τ steps after the last push); blocking, it carries none and the other parts'
+        # last steps would be lost
+        raise ValueError(f"`stagger={stagger}` needs `overlap_steps` >= 1, got overlap_steps=0: a staggered run"
+                         " ends with overlapped steps that carry every part's last steps. Give overlap_steps, or"
+                         " use stagger=1.")
+    if stagger > 1 and pull_compression in DELTA_PULL_CODECS:
+        raise ValueError(f"`stagger={stagger}` is not supported with `pull_compression={pull_compression!r}`, whose"
+                         " pulls carry changes of the whole model. Use pull_compression='none' or 'bf16', or"
+                         " stagger=1.")

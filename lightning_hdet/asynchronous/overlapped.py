@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from lightning_hdet._tensors import add_from, flat_pieces, host_buffer, model_state, read_into, write_from
-from lightning_hdet.asynchronous.messages import Kind, ServerHeader
+from lightning_hdet.asynchronous.compression import Codec
+from lightning_hdet.asynchronous.messages import Fragment, Kind, ServerHeader
 from lightning_hdet.asynchronous.overlap import correction, overlap_this_round
 from lightning_hdet.asynchronous.transport import InProcessTransport
 from lightning_hdet.asynchronous.worker import Worker
@@ -79,6 +80,10 @@ class OverlapWorker(Worker):
         self._flight: _Flight | None = None
         self._carry = False  # the push in flight carried steps: its overlapped steps are carried onto the reply
         self._compute_s = 0.0  # compute seconds of the steps in the next push, before the current stretch
+        #: Pushes sent so far; staggered, push ``i`` carries part ``i mod F`` (every worker's ``i``-th push is in
+        #: the same DiLoCo round), and ``part`` is the one in flight (``-1``: all fragments, not staggered).
+        self.pushes = 0
+        self.part = -1
 
     def step(self) -> bool:
         """Count one inner step; True when it is time to send, or (while an exchange travels) to merge."""
@@ -115,10 +120,13 @@ class OverlapWorker(Worker):
 
     def _send(self) -> None:
         start = time.perf_counter()
-        header, buffers, inner = self._outgoing(Kind.PUSH, self._compute_s + start - self.round_start, self.overlap)
+        parts = len(self.layout.parts)
+        self.part, self.pushes = self.pushes % parts if parts > 1 else -1, self.pushes + 1
+        header, buffers, inner = self._outgoing(Kind.PUSH, self._compute_s + start - self.round_start, self.overlap,
+                                                self.part)
         self._carry, steps = header.steps > 0, header.steps
         if self.in_place:
-            kept = self._keep_sent() if steps else iter(())
+            kept = self._keep_sent(self.part) if steps else iter(())
             self.transport.push(header, kept, buffers, inner)
             for _ in kept:  # a reader may stop at the last fragment (a zip): its θ_at_send is written on resuming
                 pass
@@ -129,7 +137,7 @@ class OverlapWorker(Worker):
                 read_into(model_state(self.module), self.sent, self.device)
 
             def run() -> ServerHeader:
-                self.transport.push(header, self._from_sent() if steps else iter(()), buffers, inner)
+                self.transport.push(header, self._from_sent(self.part) if steps else iter(()), buffers, inner)
                 return self.transport.pull(self.pulled)
             self._flight = _Flight(run)
         self._sending, self.steps_in_round, self._compute_s = True, 0, 0.0
@@ -147,13 +155,16 @@ class OverlapWorker(Worker):
             assert self._flight is not None
             reply, self._flight = self._flight.wait(), None
         carry = self._carry and reply.rejected == 0  # a rejected or discarded round is not carried on
+        start_part, end_part = self.layout.span(self.part)
         if self._adopt(reply) and not self.in_place:
-            if carry:
-                add_from(model_state(self.module), correction(self.pulled, self.sent), self.device)
-            else:
+            if carry:  # the part that travelled, and the buffers; the other parts train on untouched
+                state = model_state(self.module)
+                for s, e in ((start_part, end_part), (self.n_params, self.pulled.numel())):
+                    add_from(flat_pieces(state, s, e), correction(self.pulled[s:e], self.sent[s:e]), self.device)
+            else:  # restarts from the pulled model: the other parts' references (all of it, not staggered)
                 write_from(model_state(self.module), self.pulled, self.device)
-        elif self.stopped and not self.in_place:
-            self.pulled, self.sent = self.sent, self.pulled  # the goodbye pushes the overlapped steps against θ_at_send
+        elif self.stopped and not self.in_place:  # the goodbye pushes the part's overlapped steps against θ_at_send
+            self.pulled[start_part:end_part].copy_(self.sent[start_part:end_part])
         if carry:
             self.steps_in_round = carried
         self._sending = False
@@ -172,21 +183,26 @@ class OverlapWorker(Worker):
             write_from(pieces, values, self.device)
         kept.copy_(values)
 
-    def _from_sent(self) -> Iterator[Tensor]:
-        """The encoded fragments of ``θ_pulled − θ_at_send`` (a remote worker's push, from its background thread)."""
-        for fragment, codec in zip(self.layout.fragments, self.layout.codecs):
+    def _from_sent(self, part: int) -> Iterator[Tensor]:
+        """The encoded fragments (of ``part``) of ``θ_pulled − θ_at_send`` (a remote worker's push, from its
+        background thread)."""
+        for fragment, codec in self._fragments(part):
             gradient = self.fragment[: fragment.numel]
             torch.sub(self.pulled[fragment.start : fragment.end], self.sent[fragment.start : fragment.end],
                       out=gradient)
             yield self._encode(codec, gradient, fragment.start)
 
-    def _keep_sent(self) -> Iterator[Tensor]:
-        """Rank 0's push, from the model as :meth:`_messages` reads it; each fragment of ``pulled`` then holds
-        ``θ_at_send`` (written once the fragment's message was sent: the message may be a view of it)."""
+    def _keep_sent(self, part: int) -> Iterator[Tensor]:
+        """Rank 0's push (of ``part``), from the model as :meth:`_messages` reads it; each of its fragments of
+        ``pulled`` then holds ``θ_at_send`` (written once the fragment's message was sent: the message may be a view
+        of it)."""
         params = list(self.module.parameters())
-        for fragment, codec in zip(self.layout.fragments, self.layout.codecs):
+        for fragment, codec in self._fragments(part):
             local = read_into(flat_pieces(params, fragment.start, fragment.end), self.fragment[: fragment.numel],
                               self.device)
             gradient = self.pulled[fragment.start : fragment.end]
             yield self._encode(codec, gradient.sub_(local), fragment.start)
             gradient.copy_(local)
+
+    def _fragments(self, part: int) -> Iterator[tuple[Fragment, Codec]]:
+        return ((self.layout.fragments[i], self.layout.codecs[i]) for i in self.layout.indices(part))

@@ -9,7 +9,9 @@ holds version ``u`` of ``P`` is sent the changes ``u + 1 .. v`` and adds them, o
 order). What a change did not carry stays in ``G - P`` and leaves with a later one: error feedback on the pull side,
 as DoubleSqueeze (arXiv 1905.05957) compresses a parameter server's replies. ``G`` itself, what the outer optimizer
 steps and what a run ends with, is never rounded. The code takes any codec that loses values; sparse ones (one
-value in 64 a change) let ``P`` fall behind ``G`` under the outer Nesterov step, so the strategy offers int8 only.
+value in 64 a change) let ``P`` fall behind ``G`` under the outer Nesterov step, so the strategy offers them only
+with ``outer="sparseloco"``, whose change is exactly sparse: there a change is not ``codec(G - P)`` but the round's
+pushes forwarded as they are (:mod:`.sparse_outer`), and ``P`` equals ``G`` bit for bit.
 
 A worker that holds no version (its first pull) or one older than the log receives ``P`` itself in ``float32``: a
 *dense* pull, counted. The log keeps only the changes some remote worker still lacks, and at most
@@ -62,10 +64,12 @@ class PublicModel:
         return len(self._log)
 
     @torch.no_grad()
-    def publish(self, params: Tensor, source_version: int) -> None:
+    def publish(self, params: Tensor, source_version: int, change: list[Tensor] | None = None) -> None:
         """Move ``P`` toward ``params`` (``G`` at outer version ``source_version``) by one logged change; nothing when
         ``G`` did not move since the last call. While no worker holds a version, ``P`` simply becomes ``G`` (the
-        first pulls are dense anyway). Call under the model's lock, before a batch's replies."""
+        first pulls are dense anyway). ``change``: the change itself, one message per fragment, which moved ``G``
+        exactly (``outer="sparseloco"``'s round, :mod:`.sparse_outer`); else ``codec(G - P)``. Call under the
+        model's lock, before a batch's replies."""
         if source_version == self._source:
             return
         self._source = source_version
@@ -73,10 +77,14 @@ class PublicModel:
             self.params.copy_(params)
             return
         messages = []
-        for (start, end), codec in zip(self.layout.ranges, self.layout.delta_codecs):
-            diff = torch.sub(params[start:end], self.params[start:end], out=self._diff[: end - start])
-            message = codec.encode(diff, torch.empty(codec.nbytes, dtype=torch.uint8))
-            self.params[start:end].add_(codec.decode(message, diff))
+        for index, ((start, end), codec) in enumerate(zip(self.layout.ranges, self.layout.delta_codecs)):
+            out = self._diff[: end - start]
+            if change is None:
+                diff = torch.sub(params[start:end], self.params[start:end], out=out)
+                message = codec.encode(diff, torch.empty(codec.nbytes, dtype=torch.uint8))  # type: ignore[union-attr]
+            else:
+                message = change[index]
+            self.params[start:end].add_(codec.decode(message, out))
             messages.append(message)
         self.version += 1
         self._log.append((self.version, messages))

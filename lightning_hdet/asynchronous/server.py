@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
-from lightning_hdet.asynchronous.outer import OuterState
+from lightning_hdet.asynchronous.outer import OuterState, SparseSyncStep
 from lightning_hdet.asynchronous.public_model import PublicModel
+from lightning_hdet.asynchronous.sparse_outer import RoundCodec, SparseRound
 from lightning_hdet.asynchronous.transport import InProcessTransport, ServerTransport
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,18 @@ class Server:
         self._reply = self.layout.pull_buffer()  # used under the outer state's model lock only
         #: What the workers train from with a delta pull codec (``None``: the global model itself).
         self.public = PublicModel(outer.params, self.layout) if self.layout.delta_codecs else None
+        #: ``outer="sparseloco"``: the round's pushes as they were encoded, from which the outer step moves the model.
+        self.round: SparseRound | None = None
+        if isinstance(outer.step_policy, SparseSyncStep):
+            self.round = SparseRound(self.layout.codecs, workers)
+            outer.step_policy.attach(self.round)
+        # the public model's changes are the rounds themselves (sparse pulls) or its own encoding of G - P
+        self._forwards = any(isinstance(c, RoundCodec) for c in self.layout.delta_codecs)
+        if self._forwards and self.round is None:
+            raise ValueError("Pulls that forward the rounds' pushes follow outer='sparseloco' only.")
         #: Rank 0's own worker's transport.
         self.local = InProcessTransport(self.accept, self.read_model, timeout, self.raise_error,
-                                        gradient_bytes=self.layout.nbytes)
+                                        gradient_bytes=self.layout.part_nbytes)
         self.error: BaseException | None = None
         self._gate = threading.Condition()
         self._replies_pending = 0  # > 0: a batch's replies are being sent; pushes wait before being applied
@@ -117,23 +127,28 @@ class Server:
         with self._gate:
             self._wait_for_replies(f"A push from worker {push.worker}")
         self.raise_error()
+        if self.round is not None:
+            messages = self.round.keeping(push.worker, messages)
         # the stream is read only now: a remote sender waits meanwhile (no copy is queued)
-        self.outer.receive(push, self.layout.decode(messages, out))
+        self.outer.receive(push, self.layout.decode(messages, out, push.part))
+        if self.round is not None and push.rejected is not None:
+            self.round.drop(push.worker)
         self.inbox.put(push)
 
-    def read_model(self, worker: int, into: Tensor, combine: Callable[[int, Tensor], None] | None = None) -> int:
-        """Copy the global parameters (as a pull leaves them: see ``pull_compression``) and buffers into ``into``
-        (rank 0's own pull), or hand them to ``combine(start, values)`` piece by piece (no model-sized copy); the
-        version copied."""
+    def read_model(self, worker: int, into: Tensor, combine: Callable[[int, Tensor], None] | None = None,
+                   part: int = -1) -> int:
+        """Copy the global parameters (of ``part``; as a pull leaves them: see ``pull_compression``) and buffers
+        into ``into`` (rank 0's own pull), or hand them to ``combine(start, values)`` piece by piece (no model-sized
+        copy); the version copied."""
         n = self.layout.numel
         with self.outer.model_lock:
             # the public model itself with a delta codec: rank 0's worker trains from what the others hold
             params = self.outer.params.detach() if self.public is None else self.public.params
             if combine is None:
-                self.layout.pull_into(params, into[:n], self._reply)
+                self.layout.pull_into(params, into[:n], self._reply, part)
                 into[n:].copy_(self.outer.buffers)
             else:  # the decode buffer of rank 0's own pushes: this runs in the same (training) thread
-                for start, values in self.layout.pull_values(params, self._reply, self._decoded):
+                for start, values in self.layout.pull_values(params, self._reply, self._decoded, part):
                     combine(start, values)
                 combine(n, self.outer.buffers)
             version = self.outer.mark_pulled(worker)
@@ -168,11 +183,13 @@ class Server:
                 self._wait_for_replies("The next batch")
                 self._replies_pending = 1  # this loop
             replies = self.outer.close(batch)
+            parts = {p.worker: p.part for p in batch}  # a reply carries the fragments its push carried
             left = {p.worker for p in batch if p.kind == Kind.BYE}
             active -= left
             if self.public is not None:
                 with self.outer.model_lock:  # every reply of the batch sends one version
-                    self.public.publish(self.outer.params.detach(), self.outer.outer_updates)
+                    change = self.round.change if self.round is not None and self._forwards else None
+                    self.public.publish(self.outer.params.detach(), self.outer.outer_updates, change)
                     for worker in left:
                         self.public.forget(worker)
             stopping |= {w for w, steps in replies.items() if steps <= 0}  # they leave next (BYE)
@@ -185,25 +202,25 @@ class Server:
                 rejected = self.outer.rejection_streak(worker)
                 if worker == self.local.worker:
                     # its pull copies the model, and the version then, unless it stops
-                    self.local.reply(ServerHeader(steps, self.outer.outer_updates, rejected))
+                    self.local.reply(ServerHeader(steps, self.outer.outer_updates, rejected, part=parts[worker]))
                     continue
                 with self.outer.model_lock:  # one version, fragment by fragment, with no copy
-                    self._reply_to(worker, steps, rejected)
+                    self._reply_to(worker, steps, rejected, parts[worker])
             self._replied()
 
-    def _reply_to(self, worker: int, steps: int, rejected: int) -> None:
-        """Send a remote worker its reply (under the model lock): unless it stops, the parameters in the pull codec
-        or the public model's changes it lacks; its stats count the bytes."""
+    def _reply_to(self, worker: int, steps: int, rejected: int, part: int) -> None:
+        """Send a remote worker its reply (under the model lock): unless it stops, the parameters (of ``part``) in
+        the pull codec or the public model's changes it lacks; its stats count the bytes."""
         assert self.remote is not None
         deltas, params = -1, iter(())
         if steps > 0 and self.public is not None:
             deltas, messages = self.public.reply(worker)
             params = iter(messages)
         elif steps > 0:
-            params = self.layout.encode_pull(self.outer.params.detach(), self._reply)
-        nbytes = self.layout.reply_nbytes(deltas) + 4 * self.outer.buffers.numel() if steps > 0 else 0
+            params = self.layout.encode_pull(self.outer.params.detach(), self._reply, part)
+        nbytes = self.layout.reply_nbytes(deltas, part) + 4 * self.outer.buffers.numel() if steps > 0 else 0
         version = self.outer.mark_pulled(worker, nbytes, dense=steps > 0 and deltas < 0)
-        self.remote.reply(worker, ServerHeader(steps, version, rejected, deltas), params, self.outer.buffers)
+        self.remote.reply(worker, ServerHeader(steps, version, rejected, deltas, part), params, self.outer.buffers)
 
     def _next(self, timeout: float) -> Push:
         push = self.inbox.get(timeout=timeout)

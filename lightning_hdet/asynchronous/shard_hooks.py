@@ -27,6 +27,14 @@ def ddp_arguments(kwargs: Mapping[str, Any]) -> list[str]:
     return [k for k in kwargs if k not in _STRATEGY_ARGS]
 
 
+def check_ddp_hooks(kwargs: Mapping[str, Any], ranks_per_worker: int) -> None:
+    """Refuse DDP's hook arguments where they would do nothing: ``model_averaging_period`` always (the exchange
+    averages the workers), ``ddp_comm_hook`` with one-rank workers (no DDP wraps the model)."""
+    if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
+        raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: with `ranks_per_worker=1` the"
+                         " model is not wrapped in DDP (a `ddp_comm_hook` applies inside workers of several ranks).")
+
+
 def check_sharded_entry(model: pl.LightningModule) -> None:
     """Refuse, before any process group, an entry on a module a previous ``fit`` left sharded over process groups
     that ended with it."""

@@ -34,16 +34,15 @@ from lightning_hdet._process_groups import destroy_default_group_at_exit, destro
 from lightning_hdet._sharding import ShardingPolicy
 from lightning_hdet.asynchronous.callback import AsyncLogging
 from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints
-from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange, read_model
+from lightning_hdet.asynchronous.exchange_options import check_exchange_options
 from lightning_hdet.asynchronous.limits import LoopLimits
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.asynchronous.overlap import check_overlap_steps
-from lightning_hdet.asynchronous.ranks import check_ranks_per_worker
 from lightning_hdet.asynchronous.readouts import ExchangeReadouts
 from lightning_hdet.asynchronous.shard_hooks import (
     ShardedWorkersLauncher,
+    check_ddp_hooks,
     check_sharded_entry,
     ddp_arguments,
 )
@@ -75,6 +74,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             and every push's momentum echo unamplified, 0.163), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see
             ``docs/async.md``); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when
             given, replace its numbers (the derived lr follows ``outer_momentum`` and ``momentum_restart``).
+            ``"sparseloco"``: DiLoCo with a sparse codec only: the global model moves by ``outer_lr`` (default 1)
+            times the mean of the sparse pushes, with no outer momentum (the workers' error feedback, decayed by
+            ``error_decay``, carries it), so its change is exactly sparse and sparse pulls can send it exactly.
         delayed_nesterov: async only (refused with ``mode="sync"``, like the next two): Delayed Nesterov (default
             True) or plain Nesterov SGD (False).
         dynamic_local_steps: give slower workers proportionally fewer local steps (default True).
@@ -94,7 +96,11 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost), or ``"int8"``: a
             pull sends only the changes of a public copy of the global model since the worker's last pull, in
             int8, and what a change left out follows in later ones (a worker's first pull sends the model; rank 0
-            holds one model more, and in async mode up to one more of changes; see ``docs/async.md``).
+            holds one model more, and in async mode up to one more of changes; see ``docs/async.md``). With
+            ``outer="sparseloco"`` also ``compression``'s sparse codec: each change is the round's pushes
+            forwarded, and workers hold the global model exactly.
+        error_decay: with ``outer="sparseloco"`` only: ``beta`` in [0, 1], the weight of what a worker's codec left
+            out in its next push (default 0.95, SparseLoCo's).
         check_pushes: every push is checked (finite, its layout, a norm within ``max_norm_ratio`` times the recent
             median); a bad one is discarded whole and its worker restarts from the global model.
         max_norm_ratio: a push whose norm exceeds this multiple of the recent median is rejected (10).
@@ -112,6 +118,10 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
             blocks its worker; else ``1..local_steps - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
             overlaps in DiLoCo only. See ``docs/async.md``, "Overlapping the exchange with compute".
+        stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
+            ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
+            period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``outer="sparseloco"``, whose round
+            change carries the whole model.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
             longest round.
@@ -128,17 +138,15 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  compression: str = "none", error_feedback: bool | None = None, pull_compression: str = "none",
                  check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
                  ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
-                 auto_wrap_policy: ShardingPolicy = None, **kwargs: Any) -> None:
+                 auto_wrap_policy: ShardingPolicy = None, error_decay: float | None = None, stagger: int = 1,
+                 **kwargs: Any) -> None:
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
-        error_feedback = check_compression(compression, error_feedback, pull_compression)
-        check_ranks_per_worker(ranks_per_worker)
-        check_overlap_steps(overlap_steps, local_steps, ranks_per_worker)
+        error_feedback, error_decay = check_exchange_options(settings, compression, error_feedback, pull_compression,
+                                                             error_decay, overlap_steps, ranks_per_worker)
         check_inside_worker(inside_worker, ranks_per_worker, checkpoint_inner_states, ddp_arguments(kwargs),
                             auto_wrap_policy)
-        if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
-            raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: with `ranks_per_worker=1` the"
-                             " model is not wrapped in DDP (a `ddp_comm_hook` applies inside workers of several ranks).")
+        check_ddp_hooks(kwargs, ranks_per_worker)
         super().__init__(**kwargs)
         self.ranks_per_worker, self.overlap_steps, self.inside_worker = ranks_per_worker, overlap_steps, inside_worker
         self.auto_wrap_policy = auto_wrap_policy
@@ -146,6 +154,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states
         self.compression, self.error_feedback, self.pull_compression = compression, error_feedback, pull_compression
+        self.error_decay = error_decay
         # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
@@ -158,7 +167,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
                 "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
                 "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections",
-                "ranks_per_worker", "overlap_steps", "inside_worker")
+                "ranks_per_worker", "overlap_steps", "inside_worker", "error_decay", "stagger")
         numbers = self.outer_settings.numbers()  # in effect
         return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_workers}
 
@@ -264,7 +273,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
                                   inner, outer, self.compression, self.error_feedback, self.pull_compression,
                                   self.optimizers[0], self.check_pushes, ranks, self.exchange_group, self.overlap_steps,
-                                  self.shard_group)
+                                  self.shard_group, self.outer_settings.preset.sparse, self.error_decay, self.stagger)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
         self.training_apart = True

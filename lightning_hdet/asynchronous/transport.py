@@ -97,13 +97,13 @@ def receive_push(worker: int, header: WorkerHeader, recv: Recv, layout: Fragment
     if header.inner_state_bytes > 0:
         inner_state = torch.empty(header.inner_state_bytes, dtype=torch.uint8)
         recv(inner_state)
-    push = Push.of(worker, header, buffers, inner_state, layout.nbytes)
-    return push, _fragments(recv, layout, received) if header.steps > 0 else iter(())
+    push = Push.of(worker, header, buffers, inner_state, layout.part_nbytes(header.part))
+    return push, _fragments(recv, layout, received, header.part) if header.steps > 0 else iter(())
 
 
-def _fragments(recv: Recv, layout: Fragments, received: Tensor) -> Iterator[Tensor]:
-    for codec in layout.codecs:
-        message = received[: codec.nbytes]
+def _fragments(recv: Recv, layout: Fragments, received: Tensor, part: int) -> Iterator[Tensor]:
+    for i in layout.indices(part):
+        message = received[: layout.codecs[i].nbytes]
         recv(message)
         yield message
 
@@ -135,20 +135,21 @@ def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor,
                     recv(message[: codec.nbytes])
                     part.add_(codec.decode(message[: codec.nbytes], scratch[: codec.numel]))
         else:
-            _receive_params(recv, layout, into, message)
+            _receive_params(recv, layout, into, message, header.part)
         if into.numel() > layout.numel:
             recv(into[layout.numel :])
     return header
 
 
-def _receive_params(recv: Recv, layout: Fragments, into: Tensor, message: Tensor) -> None:
-    """The global parameters in the pull codec, into place fragment by fragment."""
-    for codec, part in zip(layout.pull_codecs, layout.split(into)):
+def _receive_params(recv: Recv, layout: Fragments, into: Tensor, message: Tensor, part: int) -> None:
+    """The global parameters (of ``part``) in the pull codec, into place fragment by fragment."""
+    for i, values in zip(layout.indices(part), layout.split(into, part)):
+        codec = layout.pull_codecs[i]
         if codec.name == "none":
-            recv(part)
+            recv(values)
         else:
             recv(message[: codec.nbytes])
-            codec.decode(message[: codec.nbytes], part)
+            codec.decode(message[: codec.nbytes], values)
 
 
 def receive_buffer(layout: Fragments) -> Tensor:
@@ -214,17 +215,19 @@ class InProcessTransport(WorkerTransport):
 
     Args:
         accept: the server's entry for a push and its fragments (it consumes them before returning).
-        read_model: the server's copy of the global model into a worker's buffer (or handed piece by piece to a
-            function of ``(start, values)``); returns the version copied.
+        read_model: the server's copy of the global model (the parameters of a part, and the buffers) into a
+            worker's buffer (or handed piece by piece to a function of ``(start, values)``); returns the version
+            copied.
         timeout: seconds to wait for a reply.
         check: raises if the server failed (called around every wait, so the training thread sees it).
         worker: the worker id this transport speaks for (rank 0).
-        gradient_bytes: bytes of one encoded pseudo-gradient (counted in ``push_bytes``).
+        gradient_bytes: bytes of one encoded pseudo-gradient of a part (``-1``: whole; counted in ``push_bytes``).
     """
 
     def __init__(self, accept: Callable[[Push, Iterable[Tensor]], None],
-                 read_model: Callable[[int, Tensor, Callable[[int, Tensor], None] | None], int],
-                 timeout: float, check: Callable[[], None], worker: int = 0, gradient_bytes: int = 0) -> None:
+                 read_model: Callable[[int, Tensor, Callable[[int, Tensor], None] | None, int], int],
+                 timeout: float, check: Callable[[], None], worker: int = 0,
+                 gradient_bytes: Callable[[int], int] = lambda part: 0) -> None:
         self.accept, self.read_model, self.timeout, self.check = accept, read_model, timeout, check
         self.worker, self.gradient_bytes = worker, gradient_bytes
         self._replies: queue.Queue[ServerHeader] = queue.Queue()
@@ -234,7 +237,7 @@ class InProcessTransport(WorkerTransport):
         self.check()
         # the buffers are copied: the server keeps them, and the worker reuses its buffer
         buffers = buffers.clone() if buffers is not None else None
-        self.accept(Push.of(self.worker, header, buffers, inner_state, self.gradient_bytes), messages)
+        self.accept(Push.of(self.worker, header, buffers, inner_state, self.gradient_bytes(header.part)), messages)
 
     def pull(self, into: Tensor, combine: Combine | None = None) -> ServerHeader:
         """Wait for the reply, then copy the global model into ``into``; or, with ``combine``, hand it over piece by
@@ -244,7 +247,8 @@ class InProcessTransport(WorkerTransport):
         self.check()
         if header.next_local_steps > 0:
             pieces = None if combine is None else functools.partial(combine, header)
-            header = ServerHeader(header.next_local_steps, self.read_model(self.worker, into, pieces), header.rejected)
+            version = self.read_model(self.worker, into, pieces, header.part)
+            header = ServerHeader(header.next_local_steps, version, header.rejected, part=header.part)
         return header
 
     def reply(self, header: ServerHeader) -> None:

@@ -50,11 +50,13 @@ class Worker:
         optimizer: the inner optimizer, whose state is cleared when a push of this worker was rejected.
         check_self: before pushing, check that the local parameters and buffers are finite; a round that is not
             is discarded (pushed without steps: the server counts it as rejected) instead of pushed.
+        error_decay: the residual's weight in the next push (:class:`~.compression.ErrorFeedback`; 1: plain).
     """
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport,
                  inner_optimizer: Optimizer | None = None, layout: Fragments | None = None,
-                 error_feedback: bool = True, optimizer: Optimizer | None = None, check_self: bool = True) -> None:
+                 error_feedback: bool = True, optimizer: Optimizer | None = None, check_self: bool = True,
+                 error_decay: float = 1.0) -> None:
         self.module, self.device, self.transport, self.inner_optimizer = module, device, transport, inner_optimizer
         self.optimizer, self.check_self = optimizer, check_self
         #: How this worker is named in its warnings (the strategies say which rank or session).
@@ -67,7 +69,7 @@ class Worker:
         self.n_params = numel(list(module.parameters()))
         self.layout = layout or Fragments(shapes)
         self.feedback = ErrorFeedback(Codec(self.layout.codecs[0].name if self.layout.codecs else "none", shapes),
-                                      error_feedback)
+                                      error_feedback, error_decay)
         self.pulled = host_buffer(numel(model_state(module)), device)  # theta_pulled, then the global buffers
         # one fragment of the push at a time, and this worker's buffer values
         self.fragment = host_buffer(self.layout.largest, device)
@@ -115,10 +117,11 @@ class Worker:
         """Write the pulled global model (``theta_pulled``, then the buffers) into the module."""
         write_from(model_state(self.module), self.pulled, self.device)
 
-    def _outgoing(self, kind: Kind, compute_s: float, pending: int = 0) -> tuple[WorkerHeader, Tensor | None,
-                                                                                  Tensor | None]:
+    def _outgoing(self, kind: Kind, compute_s: float, pending: int = 0,
+                  part: int = -1) -> tuple[WorkerHeader, Tensor | None, Tensor | None]:
         """The header of this round's push (its steps: 0 when nothing may be pushed), its buffer values and inner
-        state; ``pending``: steps of the round still to come after the push (overlap)."""
+        state; ``pending``: steps of the round still to come after the push (overlap); ``part``: the fragments it
+        carries (staggered; ``-1``: all)."""
         steps = self.steps_in_round
         if self.pulled_lent and steps:  # no pulled model to push a pseudo-gradient against
             log.warning("%s: %d step(s) after it was told to stop are not pushed.", self.name, steps)
@@ -135,7 +138,7 @@ class Worker:
         inner = state_to_bytes(self.inner_optimizer.state_dict()) if self.inner_optimizer is not None else None
         log.debug("push %s after %d step(s)", kind.name, steps)
         header = WorkerHeader(kind, steps, compute_s, self.wait_s, inner.numel() if inner is not None else 0,
-                              pending if steps > 0 else 0)
+                              pending if steps > 0 else 0, part)
         return header, buffers, inner
 
     def _adopt(self, reply: ServerHeader) -> bool:

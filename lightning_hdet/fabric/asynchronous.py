@@ -23,12 +23,12 @@ from typing_extensions import override
 
 from lightning_hdet._compat import register_names, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.asynchronous.compression import check_compression
 from lightning_hdet.asynchronous.exchange import Exchange
+from lightning_hdet.asynchronous.exchange_options import check_exchange_options
 from lightning_hdet.asynchronous.messages import Kind
 from lightning_hdet.asynchronous.outer import OuterSettings
 
-_CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression")
+_CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression", "error_decay")
 
 
 class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
@@ -60,9 +60,16 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
         names = {f.name for f in fields(OuterSettings)}
         self.outer_settings = OuterSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         self._codecs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CODEC_OPTIONS}
-        self._codecs["error_feedback"] = check_compression(self._codecs.get("compression", "none"),
-                                                           self._codecs.get("error_feedback"),
-                                                           self._codecs.get("pull_compression", "none"))
+        if self.outer_settings.stagger > 1:
+            raise ValueError(f"`stagger={self.outer_settings.stagger}` is not supported by {type(self).__name__}:"
+                             " staggered parts travel in overlapped exchanges (`overlap_steps`), which the Fabric loop"
+                             " does not run. Use stagger=1, or the Trainer's AsyncLocalSGDStrategy.")
+        self._codecs.setdefault("compression", "none")
+        self._codecs.setdefault("pull_compression", "none")
+        feedback, decay = check_exchange_options(self.outer_settings, self._codecs["compression"],
+                                                 self._codecs.get("error_feedback"), self._codecs["pull_compression"],
+                                                 self._codecs.pop("error_decay", None))
+        self._codecs.update(error_feedback=feedback, sparse_outer=self.outer_settings.preset.sparse, error_decay=decay)
         super().__init__(**kwargs)
         self._groups: Optional[tuple[Any, Any]] = None
         self._module: Optional[Module] = None

@@ -39,6 +39,27 @@ FORMAT = "lightning_hdet.elastic/1"
 Evaluate = Callable[[Module], Mapping[str, float]]
 
 
+def elastic_settings(compression: str, pull_compression: str, outer: Mapping[str, Any]) -> OuterSettings:
+    """The service's outer settings from its arguments, refusing what an elastic service cannot do."""
+    check_compression(compression, None, pull_compression)
+    require("pull_compression", pull_compression, pull_compression not in DELTA_PULL_CODECS,
+            "'none' or 'bf16' with an elastic service",
+            "A change of the public model needs the version a worker holds; a session that rejoins after a"
+            " restart of the service holds none the service knows. Use AsyncLocalSGDStrategy for delta pulls.")
+    settings = OuterSettings(**outer)
+    require("momentum_activation", settings.momentum_activation, settings.momentum_activation == 0,
+            "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
+    require("outer", settings.outer, not settings.preset.sparse, "a dense outer setting with an elastic service",
+            "SparseLoCo's update steps from each round's sparse push messages as AsyncLocalSGDStrategy's server"
+            " collects them, with pulls that forward them (delta pulls, which a rejoining session cannot follow),"
+            " and its workers' decayed error feedback: the service and its workers have none of these. Use"
+            " AsyncLocalSGDStrategy(outer='sparseloco'), or another `outer`.")
+    require("stagger", settings.stagger, settings.stagger == 1, "1 with an elastic service",
+            "Its workers push and pull the whole model every round, so a staggered service would only shorten the"
+            " rounds to local_steps / stagger steps. Use AsyncLocalSGDStrategy for staggered parts.")
+    return settings
+
+
 class OuterService:
     """The outer optimizer's service at ``address``; :meth:`run` serves until the budget is spent and every
     session has left.
@@ -76,14 +97,7 @@ class OuterService:
         for name, value in (("heartbeat_s", heartbeat_s), ("timeout_s", timeout_s)):
             check_number(name, value, low=0, low_open=True, hint="It is in seconds.")
         check_number("max_idle_s", max_idle_s, low=0, optional=True)
-        check_compression(compression, None, pull_compression)
-        require("pull_compression", pull_compression, pull_compression not in DELTA_PULL_CODECS,
-                "'none' or 'bf16' with an elastic service",
-                "A change of the public model needs the version a worker holds; a session that rejoins after a"
-                " restart of the service holds none the service knows. Use AsyncLocalSGDStrategy for delta pulls.")
-        self.settings = OuterSettings(**outer)
-        require("momentum_activation", self.settings.momentum_activation, self.settings.momentum_activation == 0,
-                "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
+        self.settings = elastic_settings(compression, pull_compression, outer)
         self.module, self.address, self.budget = module, address, budget
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.checkpoint_every, self.evaluate, self.evaluate_every = checkpoint_every, evaluate, evaluate_every

@@ -1,0 +1,125 @@
+"""outer="sparseloco": the decayed error feedback, the round change (encode, decode, the outer step), and the
+exact sparse pulls, in one process. Values are computed by hand in the comments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback
+from lightning_hdet.asynchronous.messages import Fragments, Kind, Push
+from lightning_hdet.asynchronous.outer import OuterSettings, SparseSyncStep
+from lightning_hdet.asynchronous.public_model import PublicModel
+from lightning_hdet.asynchronous.sparse_outer import RoundCodec, SparseRound
+from lightning_hdet.asynchronous.worker import Worker
+from tests.test_async_exchange import CPU, _one_round_each, _start
+
+TWO = [torch.Size([2])]
+
+
+def _message(values: list[float]) -> torch.Tensor:
+    """A topk2 push of two values: one kept (the larger), its level exact when it is the chunk's largest."""
+    return Codec("topk2", TWO).encode(torch.tensor(values))
+
+
+def test_error_feedback_decay_weights_the_residual_in_the_next_push() -> None:
+    """topk2 keeps one value of two. beta = 0.5. Push 1: g = [4, 1] sends [4, 0], keeps residual [0, 1]. Push 2:
+    g = [1, 2] plus 0.5 * [0, 1] = [1, 2.5] sends [0, 2.5], keeps [1, 0]. (Plain error feedback would send 3.)"""
+    codec = Codec("topk2", TWO)
+    feedback = ErrorFeedback(codec, decay=0.5)
+    assert codec.decode(feedback.encode(torch.tensor([4.0, 1.0]))).tolist() == [4.0, 0.0]
+    assert feedback.residual.tolist() == [0.0, 1.0]
+    assert codec.decode(feedback.encode(torch.tensor([1.0, 2.0]))).tolist() == [0.0, 2.5]
+    assert feedback.residual.tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"`error_decay` must be a number in \[0, 1\], got 1.5"):
+        ErrorFeedback(codec, decay=1.5)
+
+
+def test_a_round_change_forwards_the_pushes_and_decodes_to_minus_lr_times_their_mean() -> None:
+    """Three slots of a 7-byte topk2 message (a scale, a position, a level byte) padded to 8, after the 4-byte
+    factor: 28 bytes. Workers 0 and 2 push [4, 0] and [0, -3]; worker 1's push was rejected (its slot is zeros).
+    lr 1, 2 pushes: factor -0.5, so the change is -0.5 * [4, -3] = [-2, 1.5]; the slots are empty afterwards."""
+    sparse_round = SparseRound([Codec("topk2", TWO)], workers=3)
+    codec = sparse_round.codecs[0]
+    assert (codec.slot_bytes, codec.nbytes) == (8, 28)
+    for worker, values in ((0, [4.0, 1.0]), (1, [5.0, 5.0]), (2, [0.0, -3.0])):
+        assert list(sparse_round.keeping(worker, [_message(values)]))  # passed on as they came
+    sparse_round.drop(1)
+    (change,) = sparse_round.close(pushes=2, lr=1.0)
+    assert torch.equal(codec.slot(change, 1), torch.zeros(7, dtype=torch.uint8))
+    assert change[:4].view(torch.float32).tolist() == [-0.5]
+    assert codec.decode(change, torch.empty(2)).tolist() == [-2.0, 1.5]
+    (empty,) = sparse_round.close(pushes=1, lr=1.0)
+    assert codec.decode(empty, torch.empty(2)).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="forwards sparse pushes; the pushes' codec is 'int8'"):
+        RoundCodec(Codec("int8", TWO), workers=2)
+
+
+def test_the_sparseloco_step_moves_the_global_model_by_the_change_alone() -> None:
+    """No momentum, lr 2: G = [1, 1] - 2 * mean([4, 0], [0, -3]) = [1, 1] - [4, -3] = [-3, 4]; a second round
+    with the same pushes moves it by as much again (a momentum would move it further): [-7, 7]."""
+    outer = OuterSettings(mode="sync", outer="sparseloco", outer_lr=2.0, check_pushes=False).build(
+        torch.ones(2), torch.zeros(0), workers=2, budget=None)
+    policy = outer.step_policy
+    assert isinstance(policy, SparseSyncStep)
+    sparse_round = SparseRound([Codec("topk2", TWO)], workers=2)
+    policy.attach(sparse_round)
+    for expected in ([-3.0, 4.0], [-7.0, 7.0]):
+        for worker, values in ((0, [4.0, 1.0]), (1, [0.0, -3.0])):
+            messages = list(sparse_round.keeping(worker, [_message(values)]))
+            outer.receive(Push(worker, Kind.PUSH, 1, 0.0, 0.0), Fragments(TWO, "topk2").decode(messages, torch.empty(2)))
+        outer.close([Push(0, Kind.PUSH, 1, 0.0, 0.0), Push(1, Kind.PUSH, 1, 0.0, 0.0)])
+        assert outer.params.tolist() == expected
+    assert outer.outer_updates == 2 and not outer.optimizer.state  # no momentum buffer
+
+
+def test_the_public_model_follows_random_round_changes_bit_for_bit() -> None:
+    """Values that do not add exactly in float32 (random, three fragments of a 10,000-value model, 4 workers, lr
+    0.7): after 5 rounds the public model, moved by the logged changes, equals the global model moved by the outer
+    step, bit for bit; so does a worker's copy that adds the changes it was sent."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [torch.Size([5000]), torch.Size([3000]), torch.Size([2000])]
+    layout = Fragments(shapes, "topk2", max_bytes=4 * 5000, pull_compression="topk2", round_workers=4)
+    outer = OuterSettings(mode="sync", outer="sparseloco", outer_lr=0.7, check_pushes=False).build(
+        torch.randn(10_000, generator=generator), torch.zeros(0), workers=4, budget=None, ranges=layout.ranges)
+    sparse_round = SparseRound(layout.codecs, workers=4)
+    outer.step_policy.attach(sparse_round)  # type: ignore[attr-defined]
+    public = PublicModel(outer.params, layout)
+    public.reply(1)  # worker 1 holds version 0: P itself
+    copy = outer.params.clone()
+    for version in range(1, 6):
+        pushes = [Push(w, Kind.PUSH, 1, 0.0, 0.0) for w in range(4)]
+        for push in pushes:
+            messages = list(sparse_round.keeping(push.worker, layout.encode(torch.randn(10_000, generator=generator))))
+            outer.receive(push, layout.decode(messages, torch.empty(layout.largest)))
+        outer.close(pushes)
+        public.publish(outer.params, version, sparse_round.change)
+        deltas, changes = public.reply(1)
+        for (start, end), codec, message in zip(layout.ranges, layout.delta_codecs, changes):
+            copy[start:end].add_(codec.decode(message, torch.empty(end - start)))
+        assert deltas == 1 and torch.equal(public.params, outer.params) and torch.equal(copy, outer.params)
+    assert public.change_nbytes == sum(4 + 4 * c.slot_bytes for c in layout.delta_codecs)  # type: ignore[union-attr]
+
+
+def test_sparse_pulls_leave_both_workers_with_the_global_model_exactly() -> None:
+    """DiLoCo, two workers, topk2 both ways, outer sparseloco (lr 1), error decay 0.5, from [0, 0]. Round 1 leaves
+    w = [2, 1] and [3, -4]: g0 = [-2, -1] sends [-2, 0] (keeps [0, -1]), g1 = [-3, 4] sends [0, 4] (keeps [-3, 0]);
+    G = -mean = [1, -2], which both workers hold. Worker 1's reply: the hello's model (8 bytes, plus the buffer's 4),
+    then one change: a 4-byte factor and 2 slots of 8 bytes (plus the buffer): 12 + 24 bytes. (A change of this
+    2-value model outweighs the model, which the log's bound would send instead: the bound is raised here.)"""
+    layout = Fragments(TWO, "topk2", pull_compression="topk2", round_workers=2)
+    settings = OuterSettings(mode="sync", local_steps=2, outer="sparseloco", check_pushes=False)
+    server, network, modules = _start(settings, budget=8, layout=layout)
+    assert server.public is not None
+    server.public.max_log_bytes = 64
+    workers = [Worker(modules[0], CPU, server.local, layout=layout, error_decay=0.5),
+               Worker(modules[1], CPU, network.ends[1], layout=layout, error_decay=0.5)]
+    _one_round_each(server, workers, modules, local={0: ([2.0, 1.0], 2.0), 1: ([3.0, -4.0], 6.0)})
+    assert server.outer.params.tolist() == [1.0, -2.0]
+    assert torch.equal(server.public.params, server.outer.params)
+    for worker in workers:
+        assert torch.equal(worker.pulled[:2], server.outer.params)
+    assert workers[0].feedback.residual.tolist() == [0.0, -1.0]
+    assert workers[1].feedback.residual.tolist() == [-3.0, 0.0]
+    stats = server.outer.worker_stats()
+    assert (stats[1]["pull_bytes"], stats[1]["dense_pulls"]) == (12 + 24, 1)
