@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--name", default=NAME, help="name of the results file and of the docs block")
     parser.add_argument("--long-factor", type=int, default=5,
-                        help="the int8-pull arm runs this many times --steps (where its loss goes on)")
+                        help="the compressed-pull arms (int8, SparseLoCo) run this many times --steps (where their loss goes on)")
     parser.add_argument("--overlap-steps", type=int, default=None,
                         help="τ of the overlap arms (default: a fifth of a round)")
     parser.add_argument("--stagger", type=int, default=2, help="F of the stagger arms")
@@ -126,8 +126,8 @@ def main() -> None:
     add_start_method_arg(parser)
     args = parser.parse_args()
     args.steps = args.steps or (20 if args.quick else 300)
-    if args.quick:
-        args.local_steps = min(args.local_steps, 5)
+    if args.quick:  # a multiple of --stagger, which must divide a round
+        args.local_steps = max(args.stagger, min(args.local_steps, 5) // args.stagger * args.stagger)
     args.overlap_steps = args.overlap_steps or max(1, args.local_steps // 5)
     args.stagger_overlap_steps = args.stagger_overlap_steps or max(1, args.overlap_steps // args.stagger)
     name, _ = begin(args.name, args.quick)

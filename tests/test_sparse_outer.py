@@ -123,3 +123,13 @@ def test_sparse_pulls_leave_both_workers_with_the_global_model_exactly() -> None
     assert workers[1].feedback.residual.tolist() == [-3.0, 0.0]
     stats = server.outer.worker_stats()
     assert (stats[1]["pull_bytes"], stats[1]["dense_pulls"]) == (12 + 24, 1)
+
+
+def test_int8_pulls_beside_sparseloco_encode_the_change_and_do_not_forward_the_rounds() -> None:
+    """``outer="sparseloco"`` with ``pull_compression="int8"``: a pull is the int8 encoding of the public model's
+    change (as under any outer step), not the rounds' pushes forwarded; only a sparse pull codec forwards them."""
+    shapes = [torch.Size([64])]
+    int8 = Fragments(shapes, "topk2", pull_compression="int8", round_workers=4)
+    assert [c.name for c in int8.delta_codecs] == ["int8"]
+    sparse = Fragments(shapes, "topk2", pull_compression="topk2", round_workers=4)
+    assert all(isinstance(c, RoundCodec) and c.workers == 4 for c in sparse.delta_codecs)

@@ -186,3 +186,41 @@ def test_staggered_diloco_learns_and_keeps_the_budget(tmp_path: Path) -> None:
     assert run["steps_done"] == run["budget"] == 240 and run["steps"] == {"0": 120, "1": 120}
     assert run["updates"] >= 30
     assert run["loss"] < 0.25 * initial
+
+
+def test_rank_0_staggered_restarts_every_part_from_its_reference_after_a_rejected_round() -> None:
+    """Rank 0's in-process worker, parts [0, 2) and [2, 4), rounds of 4, τ = 2, each step +1. Hello: [0, 0, 0, 0].
+    2 steps, push part 0, 2 more steps ([4, 4, 4, 4]); the reply rejects the round and brings part 0's global values
+    [0, 0]. No trace of the rejected round may stay: part 0 is the global [0, 0], and part 1 goes back to its
+    reference [0, 0] (a remote worker writes its whole pulled model); keeping [4, 4] there would push the bad round's
+    steps again."""
+    from lightning_hdet.asynchronous.transport import InProcessTransport
+
+    module, layout = Quad(), Fragments([torch.Size([4])], max_bytes=8, parts=2)
+    pushes: list[int] = []
+
+    def accept(push, messages) -> None:
+        for _ in messages:
+            pass
+        pushes.append(push.part)
+        transport.reply(ServerHeader(4, len(pushes), 1 if push.kind == Kind.PUSH else 0, part=push.part))
+
+    def read_model(worker, into, pieces, part) -> int:
+        start, end = layout.span(part) if part >= 0 else (0, 4)
+        values = torch.zeros(end - start)
+        if pieces is None:
+            into[start:end].copy_(values)
+        else:
+            pieces(start, values)
+        return len(pushes)
+
+    transport = InProcessTransport(accept, read_model, timeout=5.0, check=lambda: None)
+    worker = OverlapWorker(module, torch.device("cpu"), transport, layout=layout, overlap_steps=2)
+    worker.exchange(Kind.HELLO)
+    for _ in range(4):
+        with torch.no_grad():
+            module.w.add_(1.0)
+        if worker.step():
+            worker.exchange(Kind.PUSH)
+    assert pushes == [-1, 0] and worker.rejected == 1
+    assert module.w.tolist() == [0.0, 0.0, 0.0, 0.0]

@@ -260,7 +260,7 @@ class Fragments:
         self.pull_codecs = [Codec("none" if delta else pull_compression, f.shapes) for f in self.fragments]
         #: The codecs of a public model's changes, one per fragment (empty: pulls send the parameters).
         self.delta_codecs: list[Codec | RoundCodec] = []
-        if delta and round_workers:
+        if delta and round_workers and pull_compression != "int8":  # sparse pulls forward the rounds' pushes
             self.delta_codecs = [RoundCodec(codec, round_workers) for codec in self.codecs]
         elif delta:
             self.delta_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments]

@@ -156,7 +156,12 @@ class OverlapWorker(Worker):
             reply, self._flight = self._flight.wait(), None
         carry = self._carry and reply.rejected == 0  # a rejected or discarded round is not carried on
         start_part, end_part = self.layout.span(self.part)
-        if self._adopt(reply) and not self.in_place:
+        adopted = self._adopt(reply)
+        if adopted and self.in_place and not carry and len(self.layout.parts) > 1:
+            # rank 0, staggered, a round not carried on (rejected, or discarded): every part back to its reference,
+            # as a remote worker does below; the pull rewrote only the part that travelled
+            write_from(model_state(self.module), self.pulled, self.device)
+        if adopted and not self.in_place:
             if carry:  # the part that travelled, and the buffers; the other parts train on untouched
                 state = model_state(self.module)
                 for s, e in ((start_part, end_part), (self.n_params, self.pulled.numel())):

@@ -116,7 +116,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             ``{TransformerBlock}``) or a predicate; ``None``: the whole model is one unit.
         overlap_steps: ``τ``, inner steps a worker keeps taking while its round's push and pull travel; it then
             merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
-            blocks its worker; else ``1..local_steps - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
+            blocks its worker; else ``1..local_steps / stagger - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
             overlaps in DiLoCo only. See ``docs/async.md``, "Overlapping the exchange with compute".
         stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
             ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
