@@ -224,3 +224,17 @@ def test_rank_0_staggered_restarts_every_part_from_its_reference_after_a_rejecte
             worker.exchange(Kind.PUSH)
     assert pushes == [-1, 0] and worker.rejected == 1
     assert module.w.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_resuming_with_another_stagger_is_refused_with_its_reason() -> None:
+    """The outer optimizer holds one parameter per fragment: 16 values in parts of 2 make 8 fragments of 2, one part
+    makes 1; loading one's state into the other names the layout, not torch's parameter-group mismatch."""
+    def outer(stagger: int):
+        layout = Fragments([torch.Size([16])], parts=stagger)
+        return OuterSettings(mode="sync", local_steps=4, stagger=stagger, outer_lr=1.0,
+                             outer_momentum=0.0).build(torch.zeros(16), torch.zeros(0), workers=2, budget=12,
+                                                       ranges=layout.ranges, parts=layout.parts)
+
+    staggered, whole = outer(2), outer(1)
+    with pytest.raises(ValueError, match=r"holds \d+ fragment\(s\), this run 1: .*another `stagger`"):
+        whole.load_state_dict(staggered.state_dict())

@@ -639,6 +639,11 @@ class OuterState:
                         f"The checkpoint's outer state holds {state[key].numel()} {name} but the model has"
                         f" {own.numel()}."
                     )
+            saved = sum(len(group["params"]) for group in state["optimizer"]["param_groups"])
+            own = sum(len(group["params"]) for group in self.optimizer.param_groups)
+            if saved != own:  # the outer optimizer holds one parameter per fragment: another layout
+                raise ValueError(f"The checkpoint's outer optimizer holds {saved} fragment(s), this run {own}: it was "
+                                 "saved with another fragment layout (e.g. another `stagger`). Resume with its settings.")
             self.params.data.copy_(state["params"])
             self.buffers.copy_(state["buffers"])
             self.worker_buffers = {int(w): b.float().clone() for w, b in state["worker_buffers"].items()
