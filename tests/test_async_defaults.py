@@ -43,14 +43,18 @@ class Record(Callback):
 def _fit_issue_case(tmp_path: Path, strategy: AsyncLocalSGDStrategy) -> tuple[float, dict]:
     """The issue's case: 4 workers, rank 3 four times slower, H = 12, a 120-step budget; returns the initial loss
     and rank 0's record."""
+    return _fit_four(tmp_path, strategy, SlowRanks({3: 4.0}, base_seconds=0.01))
+
+
+def _fit_four(tmp_path: Path, strategy: AsyncLocalSGDStrategy, *callbacks: Callback) -> tuple[float, dict]:
+    """120 steps of SGDBoring on 4 processes with these callbacks; returns the initial loss and rank 0's record."""
     seed_everything(0)
     model = SGDBoring()
     initial = _loss(model)
     out = tmp_path / "record.json"
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=120, limit_val_batches=0,
                       num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=tmp_path,
-                      callbacks=[SlowRanks({3: 4.0}, base_seconds=0.01), Record(out)])
+                      enable_model_summary=False, default_root_dir=tmp_path, callbacks=[*callbacks, Record(out)])
     trainer.fit(model)
     return initial, json.loads(out.read_text())
 
@@ -119,16 +123,7 @@ def test_sparseloco_with_sparse_pulls_improves_the_model_and_workers_hold_the_gl
     worker's last pull is the same version, and the public model is the global one bit for bit."""
     strategy = AsyncLocalSGDStrategy(local_steps=12, mode="sync", outer="sparseloco", compression="topk2",
                                      pull_compression="topk2", start_method="fork")
-    seed_everything(0)
-    model = SGDBoring()
-    initial = _loss(model)
-    out = tmp_path / "record.json"
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=120, limit_val_batches=0,
-                      num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=tmp_path,
-                      callbacks=[Record(out), RecordPulled(tmp_path)])
-    trainer.fit(model)
-    record = json.loads(out.read_text())
+    initial, record = _fit_four(tmp_path, strategy, RecordPulled(tmp_path))
     assert record["loss"] < 0.5 * initial  # 0.17x when written
     assert Codec("topk2", [torch.Size([2, 32]), torch.Size([2])]).nbytes == 7
     for worker, stats in record["stats"].items():
