@@ -10,11 +10,12 @@ overlapped by ``--stagger-overlap-steps``. For the Local-SGD arms the bytes are 
 pushes after compression (rank 0's own included, though it travels nowhere) and the replies to the other workers.
 Not counted on either side: the one-time setup, ``W - 1`` float32 models (DDP's broadcast of the model, the
 workers' first pull). At each link speed (``--links``, bits per second; 0: loopback, no emulation) every worker
-but rank 0's sits behind a :class:`~lightning_hdet.testing.SlowLink`. Every Local-SGD arm validates the model every H steps
-(DiLoCo: the global model, between outer steps), DDP every H / 10 on the same batches. Reported: the final loss ÷ DiLoCo-f32's; bytes in all; **bytes
-to DiLoCo-f32's final loss** (+1 %: the first validation at or below it, bytes counted to that step) ÷ DDP's bytes
-to the same loss; bytes per step ÷ DDP's; wall-clock (loaded machine: compare within one run only); and an overlap
-arm's time inside ``fit`` (rank 0's, no process start-up) ÷ its blocking arm's. Drawn (``img/<name>.png``, linked
+but rank 0's sits behind a :class:`~lightning_hdet.testing.SlowLink`. Every Local-SGD arm validates the model
+every H steps (DiLoCo: the global model, between outer steps), DDP every H / 10 on the same batches. Reported:
+the final loss ÷ DiLoCo-f32's; bytes in all; **bytes to DiLoCo-f32's final loss** (+1 %: the first validation
+at or below it, bytes counted to that step) ÷ DDP's bytes to the same loss; bytes per step ÷ DDP's; wall-clock
+(loaded machine: compare within one run only); and an overlap arm's time inside ``fit`` (rank 0's, no process
+start-up) ÷ its blocking arm's. Drawn (``img/<name>.png``, linked
 under the table): each arm's validation loss against the bytes it had sent by then, one panel per link.
 
 Run: ``python benchmarks/comm_bytes.py [--quick] [--workload char_lm] [--seeds 0] [--links 0 1e8]``.
@@ -117,7 +118,8 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--name", default=NAME, help="name of the results file and of the docs block")
     parser.add_argument("--long-factor", type=int, default=5,
-                        help="the compressed-pull arms (int8, SparseLoCo) run this many times --steps (where their loss goes on)")
+                        help="the compressed-pull arms (int8, SparseLoCo) run this many times --steps (where their"
+                        " loss goes on)")
     parser.add_argument("--overlap-steps", type=int, default=None,
                         help="τ of the overlap arms (default: a fifth of a round)")
     parser.add_argument("--stagger", type=int, default=2, help="F of the stagger arms")

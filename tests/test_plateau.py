@@ -283,7 +283,8 @@ def test_a_rescue_does_not_restart_the_count_and_a_ladder_may_start_with_one_wai
     controller.run_steps = 300
     multipliers = [0.9, 0.96, 1.04, 1.1]
     votes = [(38, [45.1, 451.5, 7011.8, 53656.2]), (76, [2.115, 2.225, 2.543, 2.066]),
-             (114, [2.018, 2.004, 1.961, 1.887]), (152, [2.863, 4.258, 10.47, 31.149]), (190, [2.854, 4.8, 10.569, 5.723])]
+             (114, [2.018, 2.004, 1.961, 1.887]), (152, [2.863, 4.258, 10.47, 31.149]),
+             (190, [2.854, 4.8, 10.569, 5.723])]
     ladders, rolled = [], []
     for step, losses in votes:
         decision = controller.decide(_interval(step, losses, multipliers, first=[2.08] * 4 if step == 38 else None))

@@ -19,7 +19,7 @@ def check_exchange_options(settings: OuterSettings, compression: str, error_feed
     error feedback is in force and the error feedback's decay (``None``: plain). Raises the package's
     ``ValueError``."""
     sparse = settings.preset.sparse
-    error_decay = check_sparse_outer(sparse, settings.mode, compression, error_decay)
+    error_decay = check_sparse_outer(sparse, compression, error_decay)
     feedback = check_compression(compression, error_feedback, pull_compression, sparse_outer=sparse)
     check_ranks_per_worker(ranks_per_worker)
     check_overlap_steps(overlap_steps, settings.local_steps, ranks_per_worker, settings.stagger)

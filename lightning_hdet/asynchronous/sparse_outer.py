@@ -111,15 +111,14 @@ class SparseRound:
         return self.change
 
 
-def check_sparse_outer(sparse: bool, mode: str, compression: str, error_decay: float | None) -> float | None:
-    """The arguments ``outer="sparseloco"`` depends on; returns the error feedback's decay in force (``None``
+def check_sparse_outer(sparse: bool, compression: str, error_decay: float | None) -> float | None:
+    """The arguments ``outer="sparseloco"`` depends on (its ``mode`` and momentum options are
+    :class:`~.outer.OuterSettings`'); returns the error feedback's decay in force (``None``
     without it: plain error feedback). Raises the package's ``ValueError`` naming the argument."""
     if not sparse:
         require("error_decay", error_decay, error_decay is None, "None without outer='sparseloco'",
                 "The decayed error feedback stands in for SparseLoCo's outer momentum; a dense outer step has its own.")
         return None
-    require("mode", mode, mode == "sync", "'sync' with outer='sparseloco'",
-            "Its update is the mean of every worker's round; use mode='sync' or another `outer`.")
     require("compression", compression, str(compression).startswith("topk"), "'topk2' or 'topk4' with"
             " outer='sparseloco'", "A dense codec would change every value each round: the update would not be sparse.")
     decay = SPARSELOCO_DECAY if error_decay is None else error_decay
