@@ -15,7 +15,8 @@ every H steps (DiLoCo: the global model, between outer steps), DDP every H / 10 
 the final loss ÷ DiLoCo-f32's; bytes in all; **bytes to DiLoCo-f32's final loss** (+1 %: the first validation
 at or below it, bytes counted to that step) ÷ DDP's bytes to the same loss; bytes per step ÷ DDP's; wall-clock
 (loaded machine: compare within one run only); and an overlap arm's time inside ``fit`` (rank 0's, no process
-start-up) ÷ its blocking arm's. Drawn (``img/<name>.png``, linked
+start-up) ÷ its blocking arm's, and the share of the exchange's time it hid (with a loopback run beside it: the
+blocking arm's time there is the best overlap can reach). Drawn (``img/<name>.png``, linked
 under the table): each arm's validation loss against the bytes it had sent by then, one panel per link.
 
 Run: ``python benchmarks/comm_bytes.py [--quick] [--workload char_lm] [--seeds 0] [--links 0 1e8]``.
@@ -208,6 +209,14 @@ def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
         mine = bytes_to(run, target)
         return "not reached" if math.isinf(mine) else f"{bytes_to(ddp, target) / mine:.0f}x"
 
+    def hidden(run: dict, blocking: str, link: float, seed: int) -> str:
+        """The share of the exchange's time the overlap hid: (blocking - overlap) / (blocking - blocking on
+        loopback), the loopback run being the same arm with nothing to wait for (the best overlap can do)."""
+        slow, fast = run_of(blocking, link, seed), runs.get(f"{blocking} @ 0", {}).get("seeds", {}).get(seed)
+        if link == 0 or slow is None or fast is None or slow["fit_s"] <= fast["fit_s"]:
+            return "—"
+        return f"{(slow['fit_s'] - run['fit_s']) / (slow['fit_s'] - fast['fit_s']):.0%}"
+
     def per_step_fewer(ddp: dict | None, run: dict) -> str:
         return "—" if ddp is None else f"{ddp['per_step'] / run['per_step']:.0f}x"
 
@@ -220,13 +229,15 @@ def table(runs: dict[str, dict], args: argparse.Namespace) -> str:
             lambda s, r: f"{r['bytes'] / 2**20:.2f}",
             lambda s, r: per_step_fewer(run_of("ddp", link, s), r),
             lambda s, r: fewer(link, s, r), lambda s, r: f"{r['wall_s']:.0f}",
-            lambda s, r: "" if blocking is None else ratio(r["fit_s"], run_of(blocking, link, s), "fit_s", ".2f")]
+            lambda s, r: "" if blocking is None else ratio(r["fit_s"], run_of(blocking, link, s), "fit_s", ".2f"),
+            lambda s, r: "" if blocking is None else hidden(r, blocking, link, s)]
         return [" / ".join(column(s, r) for s, r in entry["seeds"].items()) for column in columns]
 
     rows = [[entry["arm"], "loopback" if entry["link"] == 0 else f"{entry['link']:.3g} bit/s", *cells(entry)]
             for entry in runs.values()]
     header = ["arm", "link", "steps", "final loss", "÷ DiLoCo f32", "MiB sent", "fewer bytes per step than DDP",
-              "fewer bytes than DDP to DiLoCo's loss", "wall s", "fit s ÷ blocking"]
+              "fewer bytes than DDP to DiLoCo's loss", "wall s", "fit s ÷ blocking",
+              "exchange time hidden"]
     arms = {entry["arm"] for entry in runs.values()}
     overlap = (f", overlap τ = {args.overlap_steps}" if any(a.endswith(" overlap") for a in arms) else "") + (
         f", stagger F = {args.stagger} (τ = {args.stagger_overlap_steps})" if any("stagger" in a for a in arms) else "")
