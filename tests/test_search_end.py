@@ -1,5 +1,6 @@
-"""``Search(evidence=z)``: a vote of the search ends it once every group outside the refine grid clearly lost
-(pure: hand-computed values, the controller in one process)."""
+"""``Search(evidence=z)``: a vote of the search ends it once every group outside the refine grid clearly lost; the
+search's end as its own object (:class:`SearchPhase`) and in the controller's checkpoints (pure: hand-computed values,
+the controller in one process)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from lightning_hdet import Search
+from lightning_hdet.hdet.rules.collapse import CollapseHistory
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
-from lightning_hdet.hdet.rules.search_end import detrended_error, evidence_is_in, refine_span
+from lightning_hdet.hdet.rules.search_end import SearchPhase, detrended_error, evidence_is_in, refine_span
 
 PATTERN = [0.0, 0.1, -0.1, 0.0]  # about its line (slope -0.02): residuals -0.03, 0.09, -0.09, 0.03
 
@@ -72,7 +74,7 @@ def test_a_vote_of_the_search_ends_it_early_once_the_evidence_is_in(evidence, sc
     """Leads of 0.5 and more over the groups outside the grid: with errors 0.047 (difference 0.067, x 2.5 = 0.168) the
     search ends at step 16, long before ``steps``; with four times the scatter (0.671) it does not."""
     controller = HDETController(HDETConfig(search=Search(steps=300, evidence=evidence), safety_net=None))
-    controller.search_steps = 300  # (the callback sizes it from the run)
+    controller.search_phase.steps = 300  # (the callback sizes it from the run)
     decision = controller.decide(_interval(16, [2.0, 1.5, 2.0, 2.6], (0.44, 1.0, 2.3, 5.2), scatter))
     assert decision.refined is ends and controller.searched_at == (16 if ends else None)
     if ends:
@@ -87,10 +89,10 @@ def test_no_early_end_with_monitor_before_warm_up_or_after_the_search():
     for config in (HDETConfig(search=search, safety_net=None, monitor="val_loss"),
                    HDETConfig(search=search, safety_net=None, warmup_steps=32)):
         controller = HDETController(config)
-        controller.search_steps = 300
+        controller.search_phase.steps = 300
         assert not controller.decide(interval).refined
     controller = HDETController(HDETConfig(search=search, safety_net=None))
-    controller.search_steps = 300
+    controller.search_phase.steps = 300
     assert controller.decide(replace(interval, refine=True)).refined  # the search ends at `steps`, once
     assert not controller.decide(replace(interval, step=32)).refined
 
@@ -98,3 +100,87 @@ def test_no_early_end_with_monitor_before_warm_up_or_after_the_search():
 def test_evidence_must_be_a_positive_number():
     with pytest.raises(ValueError, match="`evidence` must be a finite number > 0 or None, got 0"):
         Search(evidence=0)
+
+
+def _vote(step: int, losses, multipliers, holds_initial: bool = True, refine: bool = True) -> Interval:
+    table = torch.tensor(multipliers, dtype=torch.float64)[:, None]
+    return Interval(step, losses, [True] * len(losses), table, [0.1], False, refine=refine,
+                    holds_initial=holds_initial)
+
+
+def test_the_search_phase_ends_at_the_first_vote_at_or_after_its_steps_and_only_once():
+    assert SearchPhase(None).steps is None and not SearchPhase(None).ends(10**6)  # no search end: never
+    phase = SearchPhase(Search(steps=6))
+    assert [phase.ends(step) for step in (4, 5, 6, 8)] == [False, False, True, True]
+    phase.end(_vote(8, [2.0, 1.0], (1.0, 3.0)), [3.0])
+    assert phase.searched_at == 8 and not phase.ends(8) and not phase.ends(12)
+    phase.steps = 20  # (the callback sizes it from the run): it has ended all the same
+    assert not phase.ends(24)
+
+
+@pytest.mark.parametrize(("centre", "restarts"), [(0.25, True), (1 / 3, True), (0.5, False)],
+                         ids=["below", "at-the-bound", "above"])
+def test_the_search_ends_on_a_grid_around_the_winner_and_restarts_below_restart_below(centre, restarts):
+    """Two groups, ``refine_spread=2``: the grid is centre / sqrt(2), centre x sqrt(2); at or below
+    ``restart_below=1/3`` (x (1 + 1e-9)) every group restarts from the initial model, above it none does."""
+    phase = SearchPhase(Search(refine_spread=2.0, restart_below=1 / 3))
+    grid, restart, warning = phase.end(_vote(8, [1.0, 2.0], (centre, 3.0)), [centre])
+    assert grid[:, 0].tolist() == pytest.approx([centre / 2**0.5, centre * 2**0.5]) and warning == ""
+    assert restart == ([True, True] if restarts else []) and phase.searched_at == 8
+    assert phase.restarted_at == (8 if restarts else None)
+    assert SearchPhase(Search(restart_below=None)).end(_vote(8, [1.0, 2.0], (0.01, 3.0)), [0.01])[1] == []
+
+
+def test_a_restart_without_an_initial_model_held_is_a_warning():
+    phase = SearchPhase(Search())  # restart_below=1/3
+    grid, restart, warning = phase.end(_vote(12, [1.0, 2.0, 3.0], (0.1, 1.0, 2.0), holds_initial=False), [0.1])
+    assert restart == [] and phase.restarted_at is None and phase.searched_at == 12
+    assert grid[:, 0].tolist() == pytest.approx([0.1 / 1.5, 0.1, 0.15])
+    assert warning == (
+        "HDET: step 12: the search ended at 0.1x the optimizer's LR, at or below Search(restart_below=0.333), but no "
+        "initial model is held (a run resumed from a checkpoint keeps none): every group trains on from the winner's "
+        "model.")
+
+
+def test_a_vote_told_to_refine_ends_the_search_only_on_a_winner_below_its_starting_noise_band():
+    """Starting levels 1.79 +- 0.01: the winner must be below 1.79 - 2 x 0.01 = 1.77."""
+    phase = SearchPhase(Search(steps=4))
+    history = CollapseHistory([1.79, 1.79], [1.79, 1.79], [0, 0], [0.01, 0.01], [False, False])
+    healthy = [True, True]
+    assert not phase.ends_here(_vote(4, [1.775, 1.79], (1.0, 2.0)), healthy, history)
+    assert phase.ends_here(_vote(4, [1.769, 1.79], (1.0, 2.0)), healthy, history)
+    assert not phase.ends_here(_vote(4, [1.5, 1.79], (1.0, 2.0), refine=False), healthy, history)  # not asked
+    assert not phase.ends_here(_vote(4, [1.5, 1.79], (1.0, 2.0)), [False, False], history)  # no winner
+    assert phase.ends_here(_vote(4, [1.785, 1.79], (1.0, 2.0)), healthy, CollapseHistory())  # level unknown
+
+
+def _checkpoint(searched_at, restarted_at) -> dict:
+    """A controller checkpoint as written before the search's end had its own object, built by hand."""
+    return {"rule": {"votes": {}}, "generator": torch.Generator().manual_seed(7).get_state(),
+            "history": [{"step": 8, "group": 0, "lr": 0.05, "loss": 1.0, "weight": 1.0, "winner": 0,
+                         "rescued": False, "reason": ""}],
+            "rescues": 1, "num_votes": 2, "last_winner": 0, "last_coefficients": [1.0, 0.0],
+            "collapse": {"start": [2.0, 2.0], "previous": [1.0, 1.2], "stalled": [0, 1], "start_error": [0.01, 0.01],
+                         "left": [True, True]},
+            "searched_at": searched_at, "restarted_at": restarted_at,
+            "plateau": {"best": 1.0, "stuck_steps": 4, "last_step": 8}, "plateau_cuts": 0, "plateau_armed": True}
+
+
+@pytest.mark.parametrize(("searched_at", "restarted_at"), [(8, 8), (8, None), (None, None)])
+def test_a_checkpoint_from_before_the_search_phase_loads_and_round_trips(searched_at, restarted_at):
+    old = _checkpoint(searched_at, restarted_at)
+    controller = HDETController(HDETConfig(search=Search(steps=4)))
+    controller.load_state_dict(old)
+    assert (controller.searched_at, controller.restarted_at) == (searched_at, restarted_at)
+    assert controller.search_ends(12) is (searched_at is None)
+    new = controller.state_dict()
+    assert list(new) == list(old) and torch.equal(new.pop("generator"), old.pop("generator")) and new == old
+
+
+def test_a_checkpoint_older_than_restart_below_loads_without_restarted_at():
+    old = _checkpoint(8, None)
+    del old["restarted_at"]
+    controller = HDETController(HDETConfig(search=Search()))
+    controller.load_state_dict(old)
+    assert controller.searched_at == 8 and controller.restarted_at is None
+    assert controller.state_dict()["restarted_at"] is None

@@ -75,7 +75,7 @@ class HDETLoop:
         self.settings.vote.check_strategy(strategy.hdet.gradient_sync, list(strategy.hdet.explored.tables))
         self.fabric, self.strategy, self.hdet = fabric, strategy, strategy.hdet
         self.controller = HDETController(self.settings)
-        self.controller.search_steps = _search_end(self.settings.search, max_steps)
+        self.controller.search_phase.steps = _search_end(self.settings.search, max_steps)
         self.global_step = 0  # optimizer steps taken (counted by `step`)
         self._last_vote_step = -1
         self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.signal.bins, strategy.root_device)

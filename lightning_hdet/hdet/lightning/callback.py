@@ -203,7 +203,7 @@ class HDETCallback(Callback):
         hdet.merger.ensure_restore_point(keep_initial=self.controller.keeps_initial)
         if self.controller.searched_at is not None:
             hdet.set_gradient_sync("global")  # resumed after the search ended
-        self.controller.search_steps = search_steps(self.search, trainer)
+        self.controller.search_phase.steps = search_steps(self.search, trainer)
         self.controller.run_steps = run_length(trainer)
         if self._heldout is not None:
             self._heldout.start(trainer, pl_module)  # after experimental.InitNoise (on_fit_start): it averages those

@@ -3,7 +3,8 @@
 :meth:`HDETController.decide` is the whole vote: which groups diverged (the safety net), whether every group must
 roll back, the vote weights and winner, the new learning-rate multipliers (the vote rule, then the rescue cuts), and
 what the groups merge toward. It owns the vote rule's state, the generator of its random permutations and the vote
-counters, and checkpoints them through ``state_dict``/``load_state_dict``. It never touches a model: the callback
+counters, and checkpoints them through ``state_dict``/``load_state_dict``; the search's end is its
+:class:`~lightning_hdet.hdet.rules.search_end.SearchPhase`. It never touches a model: the callback
 hands the :class:`Decision` to the strategy, which executes it.
 """
 
@@ -20,18 +21,9 @@ from torch import Tensor
 
 from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
 from lightning_hdet.hdet.hyperparams import refined as refined_tables
-from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.rules.collapse import (
-    CollapseHistory,
-    Verdict,
-    advance,
-    has_progressed,
-    restarted,
-    rose_above_start,
-)
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, restarted, rose_above_start
 from lightning_hdet.hdet.rules.config import HDETConfig
-from lightning_hdet.hdet.rules.options import Search
 from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
@@ -43,7 +35,7 @@ from lightning_hdet.hdet.rules.plateau import (
     patience,
     ladder,
 )
-from lightning_hdet.hdet.rules.search_end import curves_show_evidence
+from lightning_hdet.hdet.rules.search_end import SearchPhase
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.rules.signals import curve_error
 from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, winner_of
@@ -134,10 +126,7 @@ class HDETController:
         self.num_votes = 0
         self.last_winner = -1
         self.last_coefficients: list[float] = []
-        self.searched_at: Optional[int] = None  # the step of the vote that ended the search (``search_steps``)
-        self.restarted_at: Optional[int] = None  # that vote restarted every group from the initial model
-        # From which step a vote may end the search (None: never); the callback sizes it from the run's length.
-        self.search_steps: Optional[int] = config.search.steps if config.search is not None else None
+        self.search_phase = SearchPhase(config.search, config.warmup_steps, curves=config.monitor is None)
 
     @property
     def generator(self) -> torch.Generator:
@@ -169,10 +158,19 @@ class HDETController:
         return (self.config.safety_net is not None and self.plateau.steps is not None) or (
             search is not None and search.restart_below is not None)
 
+    @property
+    def searched_at(self) -> Optional[int]:
+        """The step of the vote that ended the search (:class:`SearchPhase`), ``None`` before."""
+        return self.search_phase.searched_at
+
+    @property
+    def restarted_at(self) -> Optional[int]:
+        """The step of that vote if it restarted every group from the initial model, else ``None``."""
+        return self.search_phase.restarted_at
+
     def search_ends(self, step: int) -> bool:
-        """Whether a vote at ``step`` ends the search (``search_steps``; it ends once)."""
-        end = self.search_steps
-        return end is not None and step >= end and self.searched_at is None
+        """Whether a vote at ``step`` ends the search (``search_phase.steps``; it ends once)."""
+        return self.search_phase.ends(step)
 
     # ------------------------------------------------------------------ the vote
     def decide(self, interval: Interval) -> Decision:
@@ -190,10 +188,8 @@ class HDETController:
         self.collapse_history = advance(self.collapse_history, verdict, losses, roll_back, interval.first_losses,
                                         interval.first_errors)
         self.plateau_history = forget(self.plateau_history, restarted=plateau.all_stuck)
-        if not interval.refine and self._evidence_is_in(interval, healthy):
-            interval = replace(interval, refine=True)  # ends the search early (Search.evidence)
-        if interval.refine and not self._search_can_end(losses, healthy):
-            interval = replace(interval, refine=False)  # an ordinary vote; the next one tries again
+        # Told to end the search, or early (Search.evidence); if it may not end yet, an ordinary vote: the next tries.
+        interval = replace(interval, refine=self.search_phase.ends_here(interval, healthy, self.collapse_history))
         decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
         keep = net is None or net.keeps(verdict, losses, self.collapse_history)
         decision = replace(decision, keep=keep, reasons=verdict.reasons)
@@ -236,25 +232,6 @@ class HDETController:
                                 self.plateau_armed)
         self.plateau_history = plateau.history
         return plateau.applied(verdict), plateau
-
-    def _search_can_end(self, losses: Sequence[float], healthy: Sequence[bool]) -> bool:
-        """The search ends only on a winner below its starting level's noise band: one still on the untrained model's
-        plateau says nothing about the LR, and a narrow grid around it under one shared gradient stays there (shapes
-        from a 10x high start, benchmark 2). Where the starting level is unknown (``monitor``) it ends as asked."""
-        winner = winner_of(losses, healthy)
-        return winner >= 0 and has_progressed(self.collapse_history, winner, losses[winner])
-
-    def _evidence_is_in(self, interval: Interval, healthy: Sequence[bool]) -> bool:
-        """Whether a vote of the search before ``search_steps`` ends it (``Search.evidence``, :mod:`.search_end`):
-        only inside the search, after warm-up, on the training-loss curves (not with ``monitor``)."""
-        search = self.config.search
-        inside = self.search_steps is not None and self.searched_at is None and len(healthy) > 1
-        if search is None or search.evidence is None or not inside or interval.final or interval.curves is None:
-            return False
-        if self.config.monitor is not None or interval.step < self.config.warmup_steps:
-            return False
-        return curves_show_evidence(interval.curves.tolist(), interval.losses, healthy,
-                                    interval.multipliers[:, 0].tolist(), search.refine_spread, search.evidence)
 
     def _scores(self, interval: Interval, healthy: Sequence[bool]) -> list[float]:
         """What the vote compares: the signal's scores (a curve's, the held-out losses), or the interval losses
@@ -300,46 +277,19 @@ class HDETController:
         refined = interval.refine and winner >= 0 and num_groups > 1
         restart, warning = [], ""
         if refined:
-            restart, warning = self._restart(interval, float(table[winner, 0]))
-            grid = self._end_search(interval.step, table[winner].tolist(), num_groups)
+            grid, restart, warning = self.search_phase.end(interval, table[winner].tolist())
+            self.rule.load_state_dict({})  # it starts afresh from the grid: its state described the search
+            if restart:
+                # Each group's history described the search's models: the climb back from the initial one is no rise.
+                # The plateau rule keeps the ensemble's best and its clock: a restart not below it within its patience
+                # is stuck (LRs 30-100x too high in tests/test_plateau_fit.py, left at chance by a fresh clock).
+                self.collapse_history = restarted(self.collapse_history)
             table = grid if interval.explored.lr else table  # (explore={"lr": 1.0}: the LRs stay)
-            explored = refined_tables(explored, winner, self._refine_spread)
+            explored = refined_tables(explored, winner, self.search_phase.refine_spread)
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
                         coefficients, strengths, copies, refined=refined, from_initial=restart, explored=explored,
                         warning=warning)
-
-    def _end_search(self, step: int, row: list[float], num_groups: int) -> Tensor:
-        """The search's winner's multipliers become the centre of a grid of ratio ``refine_spread``; the vote rule
-        starts afresh from that grid (its velocity, spread or vote count described the search)."""
-        self.searched_at = step
-        self.rule.load_state_dict({})
-        log.debug("search ended at step %d around multipliers %s", step, row)
-        return centred_grid(row, num_groups, self._refine_spread)
-
-    def _restart(self, interval: Interval, centre: float) -> tuple[list[bool], str]:
-        """Whether a search ending around the winner's multiplier ``centre`` restarts every group from the initial
-        model (``Search.restart_below``), and the warning when it should but no initial model is held."""
-        below = (self.config.search or Search()).restart_below
-        self.restarted_at = None
-        if below is None or centre > below * (1 + 1e-9):
-            return [], ""
-        if not interval.holds_initial:
-            return [], (f"HDET: step {interval.step}: the search ended at {centre:.3g}x the optimizer's LR, at or "
-                        f"below Search(restart_below={below:.3g}), but no initial model is held (a run resumed from a "
-                        "checkpoint keeps none): every group trains on from the winner's model.")
-        self.restarted_at = interval.step
-        # Each group's own history described the search's models: the climb back from the initial one is not a rise.
-        # The plateau rule keeps the ensemble's best and its clock: a restart that does not get below what the search
-        # reached within the rule's patience is stuck (LRs still 30-100x too high in tests/test_plateau_fit.py, where
-        # a fresh clock left the run at chance to its end).
-        self.collapse_history = restarted(self.collapse_history)
-        return [True] * len(interval.losses), ""
-
-    @property
-    def _refine_spread(self) -> float:
-        """The ratio of the grid the search ends on (``Search``'s; its default for an interval told to refine)."""
-        return (self.config.search or Search()).refine_spread
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
@@ -389,8 +339,7 @@ class HDETController:
             "last_winner": self.last_winner,
             "last_coefficients": list(self.last_coefficients),
             "collapse": self.collapse_history.state_dict(),
-            "searched_at": self.searched_at,
-            "restarted_at": self.restarted_at,
+            **self.search_phase.state_dict(),  # "searched_at", "restarted_at"
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
@@ -405,8 +354,7 @@ class HDETController:
         self.last_winner = state_dict["last_winner"]
         self.last_coefficients = list(state_dict["last_coefficients"])
         self.collapse_history.load_state_dict(state_dict["collapse"])
-        self.searched_at = state_dict["searched_at"]
-        self.restarted_at = state_dict.get("restarted_at")  # (absent from older checkpoints)
+        self.search_phase.load_state_dict(state_dict)
         self.plateau_history.load_state_dict(state_dict["plateau"])
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]

@@ -9,15 +9,30 @@ Groups inside the grid's span need not be told apart from the winner: the grid g
 
 The test looks at each vote of the search, so it is a sequential test with up to a few looks: pick ``z`` above the
 one-look 2.0 (a Pocock boundary for three looks at 5 % is 2.29; 2.5 was measured, docs/research).
+
+:class:`SearchPhase` is the controller's part that ends the search: at ``Search.steps``, or earlier on this test.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
+from torch import Tensor
+
+from lightning_hdet.hdet.multipliers import centred_grid
+from lightning_hdet.hdet.rules.collapse import CollapseHistory, has_progressed
+from lightning_hdet.hdet.rules.options import Search
 from lightning_hdet.hdet.rules.signals import bin_means
 from lightning_hdet.hdet.rules.votes import winner_of
+
+if TYPE_CHECKING:
+    from lightning_hdet.hdet.rules.controller import Interval
+
+log = logging.getLogger(__name__)
+
 
 def detrended_error(row: Sequence[float]) -> float:
     """Standard error of the interval's mean loss from a gathered loss-curve row (``[sums..., counts...]`` of equal
@@ -67,3 +82,92 @@ def curves_show_evidence(rows: Sequence[Sequence[float]], losses: Sequence[float
     winner = winner_of(losses, healthy)
     errors = [detrended_error(row) for row in rows]
     return evidence_is_in(losses, errors, healthy, lrs, winner, refine_span(len(losses), ratio), z)
+
+
+class SearchPhase:
+    """The search's end (:class:`~lightning_hdet.hdet.rules.options.Search`): from which step a vote may end it,
+    whether a vote does, and the grid the groups train on after it.
+
+    It owns ``steps``, ``searched_at`` and ``restarted_at`` (the controller checkpoints the last two under those
+    keys). The controller keeps the vote rule and the collapse history: it passes the history in, and starts the rule
+    afresh and restarts the history where :meth:`end` tells it to.
+
+    Args:
+        search: the search's options; ``None``: no search end (``steps`` is ``None``), though an interval told to
+            refine still ends on ``Search()``'s grid.
+        warmup_steps: votes before this step never end the search early (``Search.evidence``).
+        curves: whether the votes read the training-loss curves (not with ``monitor``): the evidence test needs them.
+    """
+
+    def __init__(self, search: Optional[Search], warmup_steps: int = 0, curves: bool = True) -> None:
+        self.search = search
+        self.warmup_steps = warmup_steps
+        self.curves = curves
+        # From which step a vote may end the search (None: never); the callback sizes it from the run's length.
+        self.steps: Optional[int] = search.steps if search is not None else None
+        self.searched_at: Optional[int] = None  # the step of the vote that ended the search
+        self.restarted_at: Optional[int] = None  # that vote restarted every group from the initial model
+
+    @property
+    def refine_spread(self) -> float:
+        """The ratio of the grid the search ends on (``Search``'s; its default for an interval told to refine)."""
+        return (self.search or Search()).refine_spread
+
+    def ends(self, step: int) -> bool:
+        """Whether a vote at ``step`` ends the search (``steps``; it ends once)."""
+        return self.steps is not None and step >= self.steps and self.searched_at is None
+
+    def ends_here(self, interval: Interval, healthy: Sequence[bool], history: CollapseHistory) -> bool:
+        """Whether this vote ends the search: told to (``interval.refine``) or, before ``steps``, with the evidence
+        in; either way only on a winner below its starting level's noise band in the collapse ``history``: one
+        still on the untrained model's plateau says nothing about the LR, and a narrow grid around it under one
+        shared gradient stays there (shapes from a 10x high start, benchmark 2). Where the starting level is unknown
+        (``monitor``) it ends as asked."""
+        if not (interval.refine or self._evidence_is_in(interval, healthy)):
+            return False
+        winner = winner_of(interval.losses, healthy)
+        return winner >= 0 and has_progressed(history, winner, interval.losses[winner])
+
+    def _evidence_is_in(self, interval: Interval, healthy: Sequence[bool]) -> bool:
+        """Whether a vote of the search before ``steps`` ends it (``Search.evidence``, :func:`curves_show_evidence`):
+        only inside the search, after warm-up, on the training-loss curves (not with ``monitor``)."""
+        search = self.search
+        inside = self.steps is not None and self.searched_at is None and len(healthy) > 1
+        if search is None or search.evidence is None or not inside or interval.final or interval.curves is None:
+            return False
+        if not self.curves or interval.step < self.warmup_steps:
+            return False
+        return curves_show_evidence(interval.curves.tolist(), interval.losses, healthy,
+                                    interval.multipliers[:, 0].tolist(), search.refine_spread, search.evidence)
+
+    def end(self, interval: Interval, row: list[float]) -> tuple[Tensor, list[bool], str]:
+        """End the search at ``interval``'s vote around the winner's multipliers ``row``: the grid of ratio
+        ``refine_spread`` centred on them, the groups that restart from the initial model (every group or none)
+        and the warning when they should but no initial model is held. The caller starts its vote rule afresh (its
+        velocity, spread or vote count described the search) and, on a restart, its collapse history."""
+        restart, warning = self._restart(interval, row[0])
+        self.searched_at = interval.step
+        log.debug("search ended at step %d around multipliers %s", interval.step, row)
+        return centred_grid(row, len(interval.losses), self.refine_spread), restart, warning
+
+    def _restart(self, interval: Interval, centre: float) -> tuple[list[bool], str]:
+        """Whether a search ending around the winner's multiplier ``centre`` restarts every group from the initial
+        model (``Search.restart_below``), and the warning when it should but no initial model is held."""
+        below = (self.search or Search()).restart_below
+        self.restarted_at = None
+        if below is None or centre > below * (1 + 1e-9):
+            return [], ""
+        if not interval.holds_initial:
+            return [], (f"HDET: step {interval.step}: the search ended at {centre:.3g}x the optimizer's LR, at or "
+                        f"below Search(restart_below={below:.3g}), but no initial model is held (a run resumed from a "
+                        "checkpoint keeps none): every group trains on from the winner's model.")
+        self.restarted_at = interval.step
+        return [True] * len(interval.losses), ""
+
+    def state_dict(self) -> dict[str, Optional[int]]:
+        """What a checkpoint keeps, under the controller's keys."""
+        return {"searched_at": self.searched_at, "restarted_at": self.restarted_at}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.searched_at = state_dict["searched_at"]
+        self.restarted_at = state_dict.get("restarted_at")  # (absent from older checkpoints)
