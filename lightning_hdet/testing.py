@@ -105,8 +105,9 @@ class SlowLink(Callback):
             return
         layout = exchange.worker.layout
         buffer_bytes = 4 * (exchange.worker.pulled.numel() - layout.numel)
-        exchange.worker.transport = LimitedTransport(exchange.worker.transport, self.bits_per_s, self.latency_s,
-                                                     lambda reply: layout.reply_nbytes(reply.deltas, reply.part) + buffer_bytes)
+        exchange.worker.transport = LimitedTransport(
+            exchange.worker.transport, self.bits_per_s, self.latency_s,
+            lambda reply: layout.reply_nbytes(reply.deltas, reply.part, reply.rejected) + buffer_bytes)
 
 
 __all__ = ["GLOO_THREADS", "PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowLink",

@@ -45,6 +45,29 @@ def test_the_norm_limit_is_a_multiple_of_the_larger_median_once_there_is_history
     assert zero.limit(0) == math.inf  # never against a median of 0
 
 
+def test_with_stagger_each_part_and_the_whole_model_have_their_own_medians() -> None:
+    """F = 4 parts of one value each. Parts 0-2 pushed norms 1, part 3 (a larger part) norms 3, and goodbyes (the
+    whole model) norms 2. One mixed median would be 1 (12 ones, 4 threes, 4 twos): limit 10 for everything, refusing
+    an honest part-3 push of 12. Per kind: parts 0-2 limit 10, part 3 limit 30, the whole model 20."""
+    check = PushCheck(max_norm_ratio=10.0, min_history=4)
+    for worker in (0, 1):
+        for _ in range(2):
+            for part, norm in ((0, 1.0), (1, 1.0), (2, 1.0), (3, 3.0), (-1, 2.0)):
+                check.accepted(worker, norm, part)
+    assert [check.limit(0, part) for part in (0, 1, 2, 3, -1)] == [10.0, 10.0, 10.0, 30.0, 20.0]
+    assert check.limit(7, 3) == 30.0 and check.limit(7) == 20.0  # a worker without history: everyone's median
+    whole = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    honest_bye = [torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([1.0])]
+    assert check.inspect(0, honest_bye, whole, None)[0] is None  # norm 2, limit 20
+    assert check.inspect(0, [torch.tensor([12.0])], [(3, 4)], None, part=3)[0] is None  # limit 30
+    # 11: above part 1's limit 10, though below 10 x the whole model's median (20)
+    assert check.inspect(0, [torch.tensor([11.0])], [(1, 2)], None, part=1)[0] == (
+        "norm 11 above 10 x the recent median of part 1's pushes (limit 10)")
+    fresh = PushCheck(min_history=1)
+    fresh.accepted(0, 1.0, part=0)
+    assert fresh.limit(0, part=1) == math.inf and fresh.limit(0) == math.inf  # no history of that kind yet
+
+
 def test_inspect_reads_every_fragment_and_names_the_first_problem() -> None:
     check = PushCheck()
     ok = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])]
@@ -159,6 +182,36 @@ def test_delayed_nesterov_counts_only_the_applied_pushes() -> None:
     for push in ([1.0], [math.nan], [1.0]):
         outer.process([Push(0, Kind.PUSH, 4, 1.0, 0.0, torch.tensor(push))])
     assert outer.params.tolist() == [-1.5] and outer.outer_updates == 2
+
+
+def test_the_outer_state_checks_a_staggered_push_against_its_own_part() -> None:
+    """F = 2 parts of two 1-value fragments each, DiLoCo, outer lr 1. Four rounds of both parts (the first worker's
+    norm 1 in part 0, 10 in part 1) build each part's history: limits 10 and 100 (a mixed median, 5.5, would give
+    55 to both). Then a part-0 push of norm 20 is rejected and a part-1 push of norm 60 applied."""
+    layout = Fragments([torch.Size([4])], parts=2)
+    assert layout.parts == [range(2), range(2, 4)]
+    outer = OuterSettings(mode="sync", local_steps=4, stagger=2, outer_lr=1.0, outer_momentum=0.0).build(
+        torch.zeros(4), torch.zeros(0), workers=1, budget=None, ranges=layout.ranges, parts=layout.parts)
+    outer.process([Push(0, Kind.HELLO, 0, 1.0, 0.0)])
+
+    def push(part: int) -> Push:
+        return Push(0, Kind.PUSH, 2, 1.0, 0.0, part=part)
+
+    def fragments(norm: float) -> list[torch.Tensor]:
+        return [torch.tensor([norm]), torch.tensor([0.0])]
+
+    for _ in range(4):
+        for part, norm in ((0, 1.0), (1, 10.0)):
+            pushed = push(part)
+            outer.receive(pushed, fragments(norm), stable=True)
+            outer.close([pushed])
+    assert outer.params.tolist() == [-4.0, 0.0, -40.0, 0.0] and outer.workers[0].rejected == 0
+    rejected, applied = push(0), push(1)
+    outer.receive(rejected, fragments(20.0), stable=True)
+    outer.receive(applied, fragments(60.0), stable=True)
+    outer.close([rejected, applied])
+    assert rejected.rejected == "norm 20 above 10 x the recent median of part 0's pushes (limit 10)"
+    assert applied.rejected is None and outer.params.tolist() == [-4.0, 0.0, -100.0, 0.0]
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

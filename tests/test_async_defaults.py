@@ -118,9 +118,10 @@ class RecordPulled(Callback):
 @pytest.mark.timeout(240)
 def test_sparseloco_with_sparse_pulls_improves_the_model_and_workers_hold_the_global_model(tmp_path):
     """DiLoCo with SparseLoCo's update, topk2 both ways: BoringModel's 66 values are one chunk, so each push sends
-    one value (a 4-byte scale, a 2-byte position, a level byte: 7 bytes) and each change forwards 4 of them (a
-    4-byte factor and 4 slots of 8 bytes: 36 bytes); a remote worker's first pull is the model (264 bytes). Every
-    worker's last pull is the same version, and the public model is the global one bit for bit."""
+    one value (a 4-byte scale, a 2-byte position, a level byte: 7 bytes) and each change forwards the 3 others'
+    (a 4-byte factor and 3 slots of 8 bytes: 28 bytes; the worker fills its own slot with its push); a remote
+    worker's first pull is the model (264 bytes). Every worker's last pull is the same version, and the public
+    model is the global one bit for bit."""
     strategy = AsyncLocalSGDStrategy(local_steps=12, mode="sync", outer="sparseloco", compression="topk2",
                                      pull_compression="topk2", start_method="fork")
     initial, record = _fit_four(tmp_path, strategy, RecordPulled(tmp_path))
@@ -129,7 +130,7 @@ def test_sparseloco_with_sparse_pulls_improves_the_model_and_workers_hold_the_gl
     for worker, stats in record["stats"].items():
         assert stats["push_bytes"] == 7 * stats["rounds"]
         if worker != "0":  # the pulls after its hello: one change a round (the stop reply sends none)
-            assert (stats["dense_pulls"], stats["pull_bytes"]) == (1, 264 + 36 * (stats["rounds"] - 1))
+            assert (stats["dense_pulls"], stats["pull_bytes"]) == (1, 264 + 28 * (stats["rounds"] - 1))
     pulled = [json.loads((tmp_path / f"pulled{rank}.json").read_text()) for rank in range(4)]
     assert pulled[0]["public_is_global"]
     assert all(p["pulled"] == pulled[0]["pulled"] for p in pulled)

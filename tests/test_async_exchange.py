@@ -30,20 +30,23 @@ CPU = torch.device("cpu")
 
 class QueueEnd(WorkerTransport):
     """A "remote" worker living in this process: its push (with copies of its fragments) goes into the network's
-    queue; its pull waits for the server's reply."""
+    queue; its pull waits for the server's reply. It keeps its last push's messages, as GlooWorkerTransport does."""
 
     def __init__(self, worker: int, pushes: queue.Queue, layout: Fragments) -> None:
         self.worker, self.pushes, self.layout = worker, pushes, layout
         self.replies: queue.Queue = queue.Queue()
+        self.sent: list[torch.Tensor] = []
 
     def push(self, header, messages, buffers, inner_state) -> None:
         copied = None if buffers is None else buffers.clone()
         push = Push.of(self.worker, header, copied, inner_state, self.layout.nbytes)
-        self.pushes.put((push, [m.clone() for m in messages]))
+        self.sent = [m.clone() for m in messages]
+        self.pushes.put((push, list(self.sent)))
 
     def pull(self, into: torch.Tensor) -> ServerHeader:
         wire = iter(self.replies.get(timeout=60))  # what the server sent, read back by the real receiving code
-        return receive_reply(lambda t: t.copy_(next(wire)), self.layout, into, self.layout.pull_buffer())
+        return receive_reply(lambda t: t.copy_(next(wire)), self.layout, into, self.layout.pull_buffer(),
+                             own=(self.worker, self.sent))
 
 
 class QueueNetwork(ServerTransport):
@@ -163,7 +166,7 @@ def test_gloo_worker_sends_header_buffers_inner_state_then_fragments_in_order() 
     layout = Fragments([torch.Size([2]), torch.Size([3])], max_bytes=12)  # two fragments: 2 and 3 values
     fragments = iter([torch.ones(8, dtype=torch.uint8), torch.ones(12, dtype=torch.uint8)])
     with mock.patch("torch.distributed.send") as send:
-        GlooWorkerTransport("pushes", "replies", layout).push(
+        GlooWorkerTransport("pushes", "replies", layout, 1).push(
             WorkerHeader(Kind.PUSH, 2, 1.0, 0.0, 5), fragments, torch.ones(1), torch.zeros(5, dtype=torch.uint8))
     sent = [(c.args[0].dtype, c.args[0].numel(), c.kwargs["dst"], c.kwargs["group"]) for c in send.call_args_list]
     assert sent == [(torch.float64, 7, 0, "pushes"), (torch.float32, 1, 0, "pushes"), (torch.uint8, 5, 0, "pushes"),

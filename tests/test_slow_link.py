@@ -71,17 +71,20 @@ def test_slow_link_holds_every_worker_but_rank_0_for_its_bytes(tmp_path: Path) -
     """BoringModel (66 float32 parameters, no buffers), H = 4, 80,000 bits/s, 10 ms latency. Rank 1's pushes weigh
     56 + 264 bytes, its pulls 40 + 264 (a stop: 40), and after the stop its goodbye 56 (a header, nothing left to
     push); its first exchange (the hello) is not slowed. Rank 0's worker shares the outer optimizer's process: not
-    slowed."""
+    slowed. DiLoCo, so that the rounds are fixed by construction: every worker runs every round, a budget of
+    2 x 16 steps is 4 rounds of 4 each, so rank 1 pushes 4 times, pulls the model 3 times and is then told to stop.
+    (Async shares the budget first come, first served: rank 0, not slowed, may take rank 1's later rounds, or all
+    of them on a loaded machine.)"""
     seed_everything(0)
-    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=4, start_method="fork"), accelerator="cpu", devices=2,
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode="sync", start_method="fork")
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2,
                       max_steps=16, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[SlowLink(bits_per_s=80_000, latency_s=0.01), Delays(tmp_path)])
     trainer.fit(BoringModel())
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert rank0["delay"] is None
-    exchanges = rank1["rounds"][1:]  # after the hello: a push then a pull each
-    stops = sum(1 for steps, _ in exchanges if steps == 0)
-    seconds = len(exchanges) * (0.01 + 8 * 320 / 80_000) + stops * (0.01 + 8 * 40 / 80_000) \
-        + (len(exchanges) - stops) * (0.01 + 8 * 304 / 80_000) + (0.01 + 8 * 56 / 80_000)
-    assert len(exchanges) >= 2 and rank1["delay"] == pytest.approx(seconds)
+    assert [steps for steps, _ in rank1["rounds"]] == [4, 4, 4, 4, 0]  # the hello's reply, then 4 exchanges
+    seconds = 4 * (0.01 + 8 * 320 / 80_000) + 3 * (0.01 + 8 * 304 / 80_000) + (0.01 + 8 * 40 / 80_000) \
+        + (0.01 + 8 * 56 / 80_000)
+    assert rank1["delay"] == pytest.approx(seconds)

@@ -7,14 +7,22 @@ import pytest
 import torch
 
 from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push
+from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.outer import OuterSettings, SparseSyncStep
 from lightning_hdet.asynchronous.public_model import PublicModel
 from lightning_hdet.asynchronous.sparse_outer import RoundCodec, SparseRound
+from lightning_hdet.asynchronous.transport import receive_reply, send_reply
 from lightning_hdet.asynchronous.worker import Worker
 from tests.test_async_exchange import CPU, _one_round_each, _start
 
 TWO = [torch.Size([2])]
+
+
+def _read_back(wire: list[torch.Tensor], layout: Fragments, into: torch.Tensor, own=None) -> None:
+    """A reply's tensors, as sent, received by the workers' code into ``into`` (all of them)."""
+    pieces = iter(wire)
+    receive_reply(lambda t: t.copy_(next(pieces)), layout, into, layout.pull_buffer(), own=own)
+    assert next(pieces, None) is None
 
 
 def _message(values: list[float]) -> torch.Tensor:
@@ -76,7 +84,8 @@ def test_the_sparseloco_step_moves_the_global_model_by_the_change_alone() -> Non
 def test_the_public_model_follows_random_round_changes_bit_for_bit() -> None:
     """Values that do not add exactly in float32 (random, three fragments of a 10,000-value model, 4 workers, lr
     0.7): after 5 rounds the public model, moved by the logged changes, equals the global model moved by the outer
-    step, bit for bit; so does a worker's copy that adds the changes it was sent."""
+    step, bit for bit; so does a worker's copy that adds the changes as rank 0 logged them, and one that adds them as
+    they travel to worker 1, without its slot, which it fills with the push it sent."""
     generator = torch.Generator().manual_seed(0)
     shapes = [torch.Size([5000]), torch.Size([3000]), torch.Size([2000])]
     layout = Fragments(shapes, "topk2", max_bytes=4 * 5000, pull_compression="topk2", round_workers=4)
@@ -86,27 +95,64 @@ def test_the_public_model_follows_random_round_changes_bit_for_bit() -> None:
     outer.step_policy.attach(sparse_round)  # type: ignore[attr-defined]
     public = PublicModel(outer.params, layout)
     public.reply(1)  # worker 1 holds version 0: P itself
-    copy = outer.params.clone()
+    copy, pulled = outer.params.clone(), outer.params.clone()
+    sent: dict[int, list[torch.Tensor]] = {}
     for version in range(1, 6):
         pushes = [Push(w, Kind.PUSH, 1, 0.0, 0.0) for w in range(4)]
         for push in pushes:
             messages = list(sparse_round.keeping(push.worker, layout.encode(torch.randn(10_000, generator=generator))))
             outer.receive(push, layout.decode(messages, torch.empty(layout.largest)))
+            sent[push.worker] = messages
         outer.close(pushes)
         public.publish(outer.params, version, sparse_round.change)
         deltas, changes = public.reply(1)
         for (start, end), codec, message in zip(layout.ranges, layout.delta_codecs, changes):
             copy[start:end].add_(codec.decode(message, torch.empty(end - start)))
+        wire: list[torch.Tensor] = []
+        send_reply(wire.append, ServerHeader(1, version, 0, deltas), layout.without_own(changes, 1), torch.zeros(0))
+        _read_back(wire, layout, pulled, own=(1, sent[1]))
         assert deltas == 1 and torch.equal(public.params, outer.params) and torch.equal(copy, outer.params)
+        assert torch.equal(pulled, outer.params)
     assert public.change_nbytes == sum(4 + 4 * c.slot_bytes for c in layout.delta_codecs)  # type: ignore[union-attr]
+
+
+def test_a_pull_leaves_out_the_receivers_slot_which_it_fills_with_its_own_push() -> None:
+    """W = 3, one fragment of 2 values, topk2 (7-byte messages in 8-byte slots after the 4-byte factor): a change is
+    4 + 3 * 8 = 28 bytes; a pull to a worker whose push was applied leaves its slot out: 20 bytes, in pieces around
+    it (worker 0: 4 + 16, worker 1: 12 + 8, worker 2: 20). The pushes send [4, 0], [0, 5] and [0, -3]; lr 1.5 over
+    3 pushes: factor -0.5, so each worker, its own push filled in, adds -0.5 * [4, 2] = [-2, -1]. A worker whose
+    push was rejected (its streak is 1) gets the whole change."""
+    layout = Fragments(TWO, "topk2", pull_compression="topk2", round_workers=3)
+    sparse_round = SparseRound(layout.codecs, workers=3)
+    pushed = {w: _message(values) for w, values in ((0, [4.0, 1.0]), (1, [1.0, 5.0]), (2, [0.0, -3.0]))}
+    for worker, message in pushed.items():
+        list(sparse_round.keeping(worker, [message]))
+    change = sparse_round.close(pushes=3, lr=1.5)
+    assert [layout.reply_nbytes(1, rejected=r) for r in (None, 0, 1)] == [28, 20, 28]
+    assert layout.skips_own(1, 0) and not layout.skips_own(1, 1) and not layout.skips_own(0, 0)
+    for worker, sizes in ((0, [4, 16]), (1, [12, 8]), (2, [20])):
+        wire: list[torch.Tensor] = []
+        send_reply(wire.append, ServerHeader(2, 1, 0, 1), layout.without_own(change, worker), torch.zeros(0))
+        assert [t.numel() for t in wire[1:]] == sizes
+        start = 4 + 8 * worker  # everything but the worker's slot
+        assert torch.equal(torch.cat(wire[1:]), torch.cat([change[0][:start], change[0][start + 8 :]]))
+        into = torch.zeros(2)
+        _read_back(wire, layout, into, own=(worker, [pushed[worker]]))
+        assert into.tolist() == [-2.0, -1.0]
+    wire = []
+    send_reply(wire.append, ServerHeader(2, 1, 1, 1), change, torch.zeros(0))  # rejected: the whole change
+    into = torch.zeros(2)
+    _read_back(wire, layout, into)
+    assert [t.numel() for t in wire[1:]] == [28] and into.tolist() == [-2.0, -1.0]
 
 
 def test_sparse_pulls_leave_both_workers_with_the_global_model_exactly() -> None:
     """DiLoCo, two workers, topk2 both ways, outer sparseloco (lr 1), error decay 0.5, from [0, 0]. Round 1 leaves
     w = [2, 1] and [3, -4]: g0 = [-2, -1] sends [-2, 0] (keeps [0, -1]), g1 = [-3, 4] sends [0, 4] (keeps [-3, 0]);
     G = -mean = [1, -2], which both workers hold. Worker 1's reply: the hello's model (8 bytes, plus the buffer's 4),
-    then one change: a 4-byte factor and 2 slots of 8 bytes (plus the buffer): 12 + 24 bytes. (A change of this
-    2-value model outweighs the model, which the log's bound would send instead: the bound is raised here.)"""
+    then one change without its own slot: a 4-byte factor and worker 0's 8-byte slot (plus the buffer): 12 + 16
+    bytes (24 with its own slot). (A change of this 2-value model outweighs the model, which the log's bound would
+    send instead: the bound is raised here.)"""
     layout = Fragments(TWO, "topk2", pull_compression="topk2", round_workers=2)
     settings = OuterSettings(mode="sync", local_steps=2, outer="sparseloco", check_pushes=False)
     server, network, modules = _start(settings, budget=8, layout=layout)
@@ -122,7 +168,7 @@ def test_sparse_pulls_leave_both_workers_with_the_global_model_exactly() -> None
     assert workers[0].feedback.residual.tolist() == [0.0, -1.0]
     assert workers[1].feedback.residual.tolist() == [-3.0, 0.0]
     stats = server.outer.worker_stats()
-    assert (stats[1]["pull_bytes"], stats[1]["dense_pulls"]) == (12 + 24, 1)
+    assert (stats[1]["pull_bytes"], stats[1]["dense_pulls"]) == (12 + 16, 1)
 
 
 def test_int8_pulls_beside_sparseloco_encode_the_change_and_do_not_forward_the_rounds() -> None:

@@ -8,11 +8,13 @@ push before any of it is applied (``docs/failure_modes.md``, "A worker goes bad"
   floating-point buffer values the right size, ``float32`` and finite;
 * **finite**: every fragment's norm (one reduction per fragment, no copy: NaN or Inf anywhere makes it NaN or
   Inf) is finite;
-* **norm**: the whole pseudo-gradient's norm is at most ``max_norm_ratio`` times the larger of the median of this
-  worker's and of everyone's recent accepted norms (once ``min_history`` pushes were accepted, and never against
-  a median of 0). A median follows a schedule (warm-up, decay) and ignores one odd push; a multiple of it still
-  lets a push several times larger than usual through (a longer round, a loss spike), so that only an outlier by
-  an order of magnitude is refused.
+* **norm**: the push's pseudo-gradient norm is at most ``max_norm_ratio`` times the larger of the median of this
+  worker's and of everyone's recent accepted norms of pushes that carry the same fragments (once ``min_history``
+  such pushes were accepted, and never against a median of 0). A median follows a schedule (warm-up, decay) and
+  ignores one odd push; a multiple of it still lets a push several times larger than usual through (a longer
+  round, a loss spike), so that only an outlier by an order of magnitude is refused. With ``stagger=F`` a push
+  carries one of ``F`` parts (its norm ~1/sqrt(F) of the whole model's, and parts differ in size) and a goodbye
+  the whole model: each kind has its own history, as one mixed median would refuse honest pushes or pass bad ones.
 
 A worker can also discard its own round (its local steps went non-finite): it pushes with no steps, which the
 outer side counts as a rejection of that worker. ``max_rejections`` rejections in a row exclude the worker.
@@ -54,8 +56,8 @@ class PushCheck:
     Args:
         max_norm_ratio: a push whose norm exceeds this multiple of the reference median is rejected.
         max_rejections: rejections in a row after which a worker is excluded.
-        window: accepted norms kept, per worker and overall.
-        min_history: accepted pushes (overall) before the norm rule applies.
+        window: accepted norms kept, per worker and overall, for each part (``-1``: the whole model).
+        min_history: accepted pushes (overall, of the same part) before the norm rule applies.
     """
 
     MAX_NORM_RATIO = 10.0
@@ -68,30 +70,32 @@ class PushCheck:
         check_int("min_history", min_history, minimum=1)
         self.max_norm_ratio, self.max_rejections = max_norm_ratio, max_rejections
         self.window, self.min_history = window, min_history
-        self._all: deque[float] = deque(maxlen=window)
-        self._own: dict[int, deque[float]] = {}
+        self._all: dict[int, deque[float]] = {}  # by part
+        self._own: dict[tuple[int, int], deque[float]] = {}  # by (worker, part)
 
-    def limit(self, worker: int) -> float:
-        """The largest norm ``worker``'s next push may have (``inf`` until the norm rule applies)."""
-        if len(self._all) < self.min_history:
+    def limit(self, worker: int, part: int = -1) -> float:
+        """The largest norm ``worker``'s next push of ``part`` (``-1``: the whole model) may have (``inf`` until
+        the norm rule applies)."""
+        everyone = self._all.get(part, ())
+        if len(everyone) < self.min_history:
             return math.inf
-        reference = statistics.median(self._all)
-        own = self._own.get(worker)
+        reference = statistics.median(everyone)
+        own = self._own.get((worker, part))
         if own:
             reference = max(reference, statistics.median(own))
         return self.max_norm_ratio * reference if reference > 0 else math.inf
 
-    def accepted(self, worker: int, norm: float) -> None:
-        """Record an applied push's norm."""
-        self._all.append(norm)
-        self._own.setdefault(worker, deque(maxlen=self.window)).append(norm)
+    def accepted(self, worker: int, norm: float, part: int = -1) -> None:
+        """Record an applied push's norm (of ``part``; ``-1``: the whole model)."""
+        self._all.setdefault(part, deque(maxlen=self.window)).append(norm)
+        self._own.setdefault((worker, part), deque(maxlen=self.window)).append(norm)
 
     def inspect(self, worker: int, fragments: Iterable[Tensor], ranges: Sequence[tuple[int, int]],
-                stage: Tensor | None) -> tuple[str | None, list[Tensor], float]:
+                stage: Tensor | None, part: int = -1) -> tuple[str | None, list[Tensor], float]:
         """Read every arriving fragment (all of them, so that a stream is always consumed), check its form and
-        norm, and keep it: a view of the fragment itself (``stage=None``: the caller's tensors stay valid), or a
-        copy in ``stage``'s slice (a stream reuses its buffers). Returns ``(reason, kept, norm)``; ``reason`` is
-        ``None`` for a push that may be applied."""
+        norm (against pushes of the same ``part``), and keep it: a view of the fragment itself (``stage=None``: the
+        caller's tensors stay valid), or a copy in ``stage``'s slice (a stream reuses its buffers). Returns
+        ``(reason, kept, norm)``; ``reason`` is ``None`` for a push that may be applied."""
         reason, kept, squares = None, [], 0.0
         for index, fragment in enumerate(fragments):
             if reason is not None:
@@ -109,8 +113,10 @@ class PushCheck:
         if reason is None and kept and len(kept) != len(ranges):
             reason = f"{len(kept)} fragments, the layout has {len(ranges)}"
         norm = math.sqrt(squares)
-        if reason is None and kept and not norm <= self.limit(worker):
-            reason = f"norm {norm:.4g} above {self.max_norm_ratio:g} x the recent median (limit {self.limit(worker):.4g})"
+        limit = self.limit(worker, part)
+        if reason is None and kept and not norm <= limit:
+            of = f" of part {part}'s pushes" if part >= 0 else ""
+            reason = f"norm {norm:.4g} above {self.max_norm_ratio:g} x the recent median{of} (limit {limit:.4g})"
         return reason, kept, norm
 
 

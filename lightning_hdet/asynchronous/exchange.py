@@ -86,7 +86,7 @@ class Exchange:
             self.server.start()
             transport = self.server.local
         elif ranks is None or ranks.is_leader:
-            transport = GlooWorkerTransport(*groups, layout)
+            transport = GlooWorkerTransport(*groups, layout, ranks.worker if ranks is not None else dist.get_rank())
         if ranks is not None and k > 1:
             transport, inner_optimizer = self._within_worker(ranks, worker_group, transport, inner_optimizer,
                                                              shard_group is not None)

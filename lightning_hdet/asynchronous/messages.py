@@ -260,8 +260,11 @@ class Fragments:
         self.pull_codecs = [Codec("none" if delta else pull_compression, f.shapes) for f in self.fragments]
         #: The codecs of a public model's changes, one per fragment (empty: pulls send the parameters).
         self.delta_codecs: list[Codec | RoundCodec] = []
+        #: The same, when they are round changes that forward the pushes (``outer="sparseloco"``; else empty).
+        self.round_codecs: list[RoundCodec] = []
         if delta and round_workers and pull_compression != "int8":  # sparse pulls forward the rounds' pushes
-            self.delta_codecs = [RoundCodec(codec, round_workers) for codec in self.codecs]
+            self.round_codecs = [RoundCodec(codec, round_workers) for codec in self.codecs]
+            self.delta_codecs = list(self.round_codecs)
         elif delta:
             self.delta_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments]
         self.numel = sum(f.numel for f in self.fragments)
@@ -294,12 +297,27 @@ class Fragments:
         """Bytes of one pulled set of global parameters (all fragments)."""
         return sum(c.nbytes for c in self.pull_codecs)
 
-    def reply_nbytes(self, deltas: int, part: int = -1) -> int:
-        """Bytes of the parameters' part of a reply whose header says ``deltas`` (:attr:`ServerHeader.deltas`) and
-        ``part``."""
+    def reply_nbytes(self, deltas: int, part: int = -1, rejected: int | None = None) -> int:
+        """Bytes of the parameters' part of a reply whose header says ``deltas`` (:attr:`ServerHeader.deltas`),
+        ``part`` and ``rejected`` (``None``: whole changes, as logged; see :meth:`skips_own`)."""
         if deltas >= 0:
-            return deltas * sum(c.nbytes for c in self.delta_codecs)
+            nbytes = deltas * sum(c.nbytes for c in self.delta_codecs)
+            if rejected is not None and self.skips_own(deltas, rejected):
+                nbytes -= sum(c.slot_bytes for c in self.round_codecs)
+            return nbytes
         return sum(self.pull_codecs[i].nbytes for i in self.indices(part))
+
+    def skips_own(self, deltas: int, rejected: int) -> bool:
+        """Whether a reply's newest change travels without the receiving worker's slot: the changes forward the
+        rounds' pushes, and the worker's push was applied (``rejected == 0``), so that change (this batch's) holds
+        it and the worker has its bytes."""
+        return bool(self.round_codecs) and deltas > 0 and rejected == 0
+
+    def without_own(self, changes: list[Tensor], worker: int) -> list[Tensor]:
+        """A reply's changes (one message per fragment each, oldest first) with ``worker``'s slot left out of the
+        newest (:meth:`skips_own`): what travels to ``worker``."""
+        n = len(self.round_codecs)
+        return changes[:-n] + [p for c, m in zip(self.round_codecs, changes[-n:]) for p in c.around(m, worker)]
 
     def pull_buffer(self) -> Tensor:
         """A buffer for one encoded pull fragment or change (empty when pulls are not encoded: they travel as

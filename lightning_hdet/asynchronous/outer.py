@@ -430,14 +430,15 @@ class OuterState:
                 if self._stage is None and not stable:
                     self._stage = torch.empty_like(self.params, requires_grad=False)
                 ranges = [self.ranges[i] for i in self._indices(push.part)]
-                reason, kept, norm = self.check.inspect(push.worker, fragments, ranges, None if stable else self._stage)
+                stage = None if stable else self._stage
+                reason, kept, norm = self.check.inspect(push.worker, fragments, ranges, stage, push.part)
                 if reason is None and push.steps > 0 and self.ranges and not kept:
                     reason = "steps without a pseudo-gradient"
                 reason = reason or buffers_problem(push.buffers, self.buffers.numel())
                 if reason is None:
                     self._apply(push, kept)
                     if kept:
-                        self.check.accepted(push.worker, norm)
+                        self.check.accepted(push.worker, norm, push.part)
                 else:
                     self._reject(push, reason)
 

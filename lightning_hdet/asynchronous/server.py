@@ -215,10 +215,12 @@ class Server:
         deltas, params = -1, iter(())
         if steps > 0 and self.public is not None:
             deltas, messages = self.public.reply(worker)
+            if self.layout.skips_own(deltas, rejected):  # it has its own push: 1/W of the change less to send
+                messages = self.layout.without_own(messages, worker)
             params = iter(messages)
         elif steps > 0:
             params = self.layout.encode_pull(self.outer.params.detach(), self._reply, part)
-        nbytes = self.layout.reply_nbytes(deltas, part) + 4 * self.outer.buffers.numel() if steps > 0 else 0
+        nbytes = self.layout.reply_nbytes(deltas, part, rejected) + 4 * self.outer.buffers.numel() if steps > 0 else 0
         version = self.outer.mark_pulled(worker, nbytes, dense=steps > 0 and deltas < 0)
         self.remote.reply(worker, ServerHeader(steps, version, rejected, deltas, part), params, self.outer.buffers)
 

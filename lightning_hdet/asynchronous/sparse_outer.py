@@ -12,8 +12,9 @@ decoding the same bytes a worker decodes, with the same float32 operations in th
 
 Why forward the pushes rather than the union's values: a chunk of 4,096 values costs a worker's ``topk2`` push 148
 bytes (a scale, 64 int16 positions, 64 2-bit levels), so the round of W = 4 forwarded costs 596 bytes; the
-union's up to 256 positions with exact float32 values cost up to 1,536. (A worker's own slot comes back to it too:
-one slot in W it could have kept.)
+union's up to 256 positions with exact float32 values cost up to 1,536. A worker's pull leaves out its own slot
+(:meth:`RoundCodec.around`; 448 bytes at W = 4): it fills the slot with the bytes it pushed, which rank 0 forwards
+to the others, and sums the slots in the same order, so it still holds ``G`` bit for bit.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class RoundCodec:
         """``worker``'s push message inside ``message`` (a view)."""
         start = _FACTOR_BYTES + worker * self.slot_bytes
         return message[start : start + self.codec.nbytes]
+
+    def around(self, message: Tensor, worker: int) -> list[Tensor]:
+        """``message`` without ``worker``'s slot, as a pull to ``worker`` carries it: the views before and after
+        the slot (an empty one left out); ``worker`` writes its own push into the slot (:meth:`slot`)."""
+        start = _FACTOR_BYTES + worker * self.slot_bytes
+        return [piece for piece in (message[:start], message[start + self.slot_bytes : self.nbytes]) if piece.numel()]
 
     @torch.no_grad()
     def decode(self, message: Tensor, out: Tensor) -> Tensor:

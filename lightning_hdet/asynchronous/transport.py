@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import queue
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -118,27 +118,54 @@ def send_reply(send: Send, header: ServerHeader, params: Iterable[Tensor], buffe
             send(buffers)
 
 
-def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor,
-                  scratch: Tensor | None = None) -> ServerHeader:
+def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor, scratch: Tensor | None = None,
+                  own: tuple[int, Sequence[Tensor]] | None = None) -> ServerHeader:
     """A reply: its header and, unless it says stop, the global parameters (each encoded fragment received into
     ``message``, :meth:`~.messages.Fragments.pull_buffer`, and decoded into place; ``float32`` ones straight into
     place) or the public model's changes (each decoded into ``scratch``, a buffer of the largest fragment, and added
-    to the version ``into`` holds), then buffers into ``into``."""
+    to the version ``into`` holds), then buffers into ``into``. ``own``: this worker and its last push's messages
+    (:func:`keep_sent`), which fill the slot a forwarded round leaves out (:meth:`~.messages.Fragments.skips_own`)."""
     raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
     recv(raw)
     header = ServerHeader.decode(raw)
     if header.next_local_steps > 0:
         if header.deltas >= 0:
             scratch = torch.empty(layout.largest, dtype=torch.float32) if scratch is None else scratch
-            for _ in range(header.deltas):  # oldest first, as rank 0 added them to its copy
-                for codec, part in zip(layout.delta_codecs, layout.split(into)):
-                    recv(message[: codec.nbytes])
-                    part.add_(codec.decode(message[: codec.nbytes], scratch[: codec.numel]))
+            skips = layout.skips_own(header.deltas, header.rejected)
+            for change in range(header.deltas):  # oldest first, as rank 0 added them to its copy
+                for index, (codec, part) in enumerate(zip(layout.delta_codecs, layout.split(into))):
+                    received = message[: codec.nbytes]
+                    if skips and change == header.deltas - 1:
+                        _receive_around_own(recv, layout, index, received, own)
+                    else:
+                        recv(received)
+                    part.add_(codec.decode(received, scratch[: codec.numel]))
         else:
             _receive_params(recv, layout, into, message, header.part)
         if into.numel() > layout.numel:
             recv(into[layout.numel :])
     return header
+
+
+def _receive_around_own(recv: Recv, layout: Fragments, index: int, message: Tensor,
+                        own: tuple[int, Sequence[Tensor]] | None) -> None:
+    """Fragment ``index`` of a round change that left out this worker's slot: the rest received around it, the
+    slot written with the bytes this worker pushed (those rank 0 forwarded to the others)."""
+    if own is None:
+        raise RuntimeError("A pull left out this worker's slot of the round, but its transport kept no push.")
+    worker, sent = own
+    codec = layout.round_codecs[index]
+    for piece in codec.around(message, worker):
+        recv(piece)
+    codec.slot(message, worker).copy_(sent[index])
+
+
+def keep_sent(messages: Iterable[Tensor], sent: Sequence[Tensor]) -> Iterator[Tensor]:
+    """``messages`` (a push's fragments, in order) passed on, each copied into ``sent`` first (the sender reuses
+    its buffer): what fills this worker's slot of its next pull (:func:`receive_reply`)."""
+    for index, message in enumerate(messages):
+        sent[index].copy_(message)
+        yield message
 
 
 def _receive_params(recv: Recv, layout: Fragments, into: Tensor, message: Tensor, part: int) -> None:
@@ -158,21 +185,25 @@ def receive_buffer(layout: Fragments) -> Tensor:
 
 
 class GlooWorkerTransport(WorkerTransport):
-    """A remote worker (rank > 0): point-to-point messages to and from rank 0 over two ``gloo`` groups."""
+    """A remote worker (rank > 0), worker ``worker`` at the server: point-to-point messages to and from rank 0
+    over two ``gloo`` groups."""
 
-    def __init__(self, push_group: Any, reply_group: Any, layout: Fragments) -> None:
-        self.push_group, self.reply_group, self.layout = push_group, reply_group, layout
+    def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, worker: int) -> None:
+        self.push_group, self.reply_group, self.layout, self.worker = push_group, reply_group, layout, worker
         self._message = layout.pull_buffer()
         # a delta pull codec's changes are decoded here before they are added (empty without one)
         self._scratch = torch.empty(layout.largest if layout.delta_codecs else 0, dtype=torch.float32)
+        # forwarded rounds (outer="sparseloco"): the last push's messages, this worker's slot of its next pull
+        self._sent = [torch.empty(c.codec.nbytes, dtype=torch.uint8) for c in layout.round_codecs]
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
+        messages = keep_sent(messages, self._sent) if self._sent else messages
         send_push(lambda t: dist.send(t, dst=0, group=self.push_group), header, messages, buffers, inner_state)
 
     def pull(self, into: Tensor) -> ServerHeader:
         return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into, self._message,
-                             self._scratch)
+                             self._scratch, (self.worker, self._sent))
 
     def close(self) -> None:
         """Drop the references to the groups: a gloo group's native threads end only when its last reference goes
