@@ -65,7 +65,24 @@ def test_with_stagger_each_part_and_the_whole_model_have_their_own_medians() -> 
         "norm 11 above 10 x the recent median of part 1's pushes (limit 10)")
     fresh = PushCheck(min_history=1)
     fresh.accepted(0, 1.0, part=0)
-    assert fresh.limit(0, part=1) == math.inf and fresh.limit(0) == math.inf  # no history of that kind yet
+    assert fresh.limit(0, part=1) == math.inf  # no history of that kind yet
+    assert fresh.limit(0) == 10.0  # the whole model: against its parts' (below)
+
+
+def test_a_staggered_goodbye_without_history_of_its_own_is_judged_against_its_parts() -> None:
+    """F = 2 parts with medians 3 and 4 (four pushes each, none of the whole model): the whole model's reference is
+    sqrt(3^2 + 4^2) = 5, so a goodbye of norm 50 passes and one of 51 is refused; with only part 0's history the
+    reference is 3 (limit 30); a part without history stays unchecked."""
+    check = PushCheck()
+    for _ in range(4):
+        check.accepted(0, 3.0, part=0)
+    assert check.limit(0) == 30.0 and check.limit(0, part=1) == math.inf
+    for _ in range(4):
+        check.accepted(1, 4.0, part=1)
+    assert check.limit(0) == 50.0
+    assert check.inspect(0, [torch.tensor([30.0, 40.0])], [(0, 2)], None)[0] is None
+    assert check.inspect(0, [torch.tensor([30.0, 40.6])], [(0, 2)], None)[0] == (
+        "norm 50.48 above 10 x the recent median (limit 50)")
 
 
 def test_inspect_reads_every_fragment_and_names_the_first_problem() -> None:

@@ -75,11 +75,18 @@ class PushCheck:
 
     def limit(self, worker: int, part: int = -1) -> float:
         """The largest norm ``worker``'s next push of ``part`` (``-1``: the whole model) may have (``inf`` until
-        the norm rule applies)."""
+        the norm rule applies). A whole-model push with too little history of its own (a staggered run's goodbye)
+        is judged against the parts' medians added in squares, ``||theta||^2 = sum_p ||theta_p||^2``."""
         everyone = self._all.get(part, ())
-        if len(everyone) < self.min_history:
+        if len(everyone) >= self.min_history:
+            reference = statistics.median(everyone)
+        elif part == -1:  # a staggered run's goodbye: few whole-model pushes, but its parts' norms add in squares
+            reference = math.sqrt(sum(statistics.median(d) ** 2 for p, d in self._all.items()
+                                      if p >= 0 and len(d) >= self.min_history))
+        else:
             return math.inf
-        reference = statistics.median(everyone)
+        if part == -1 and len(everyone) < self.min_history and reference == 0:
+            return math.inf  # no part has history yet either
         own = self._own.get((worker, part))
         if own:
             reference = max(reference, statistics.median(own))
