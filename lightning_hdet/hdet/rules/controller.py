@@ -210,10 +210,16 @@ class HDETController:
         num_groups, net = len(interval.losses), self.config.safety_net
         if net is None:
             return Verdict([False] * num_groups, [""] * num_groups, [0] * num_groups)
-        progress = interval.step >= self.config.warmup_steps and not interval.final
-        curve = interval.curves is not None and self.config.monitor is None  # the losses are the curve's means
-        errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None
+        progress, errors = self._evidence(interval)
         return net.judge(self.collapse_history, interval.losses, interval.finite, progress, errors)
+
+    def _evidence(self, interval: Interval) -> tuple[bool, Optional[list[float]]]:
+        """What the progress rules may judge by: whether progress is judged at all (after warm-up, not at the final
+        merge), and each group's interval standard error from its loss curve (None with ``monitor``: the losses
+        are then not the curve's means)."""
+        progress = interval.step >= self.config.warmup_steps and not interval.final
+        curve = interval.curves is not None and self.config.monitor is None
+        return progress, [curve_error(row) for row in interval.curves.tolist()] if curve else None
 
     def _judge_plateau(self, interval: Interval, verdict: Verdict) -> tuple[Verdict, PlateauVerdict]:
         """The other rules' verdict with the plateau rule's failures added, and the plateau rule's own verdict
@@ -221,9 +227,7 @@ class HDETController:
         rule = self.plateau
         steps = patience(rule, self.run_steps, self.config.every_n_steps, self.plateau_cuts)
         rule = replace(rule, steps=judged_at(steps, self.run_steps, interval.step))
-        progress = interval.step >= self.config.warmup_steps and not interval.final
-        curve = interval.curves is not None and self.config.monitor is None
-        errors = [curve_error(row) for row in interval.curves.tolist()] if curve else None
+        progress, errors = self._evidence(interval)
         # The plateau rule acts only once the run has shown a failure (plateau.py): a group caught, now or before,
         # or a loss above its starting level (a collapse knocked above it that no other rule caught).
         self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or rose_above_start(
