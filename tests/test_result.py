@@ -39,6 +39,20 @@ def test_result_without_a_healthy_winner_reports_the_groups_mean() -> None:
                                                    "restarted every group from the initial model")
 
 
+def test_the_result_counts_the_plateau_ladders_and_says_what_a_slow_start_looks_like() -> None:
+    """Rows whose reason is "plateau" mark a ladder (benchmark 2's shapes from 10x too high: every group at step 64);
+    a vote where only some groups were caught for another reason is not one."""
+    history = _rows(32, 0, [1.8, 1.8]) + _rows(64, -1, [1.79, 1.8]) + _rows(96, 1, [1.79, 1.7])
+    for row in history[2:4]:
+        row["reason"] = "plateau"
+    history[4]["reason"] = "stalled"
+    result = make_result(history, [[0.001], [0.0001]], [0.02, 0.05], 3, 2, 32, [])
+    assert result.ladders == [64] and result.to_dict()["ladders"] == [64]
+    assert ("the plateau rule moved every group onto 10-100x lower LRs at step(s) 64" in result.summary())
+    assert "plateau rule" not in make_result(_rows(32, 0, [1.8, 1.8]), [[0.02]] * 2, [0.02] * 2, 1, 0, None,
+                                             []).summary()
+
+
 def test_a_run_without_a_vote_says_what_it_was() -> None:
     """No vote (the run shorter than the interval): the summary says so and what trained, never "LRs found"."""
     table = [[0.02], [0.08]]

@@ -38,6 +38,8 @@ class HDETResult:
             (:mod:`~lightning_hdet.hdet.lightning.monitor`).
         restarted_at: the step at which the search's end restarted every group from the initial model
             (``Search.restart_below``: the LR it found was far below the starting one), ``None`` if it did not.
+        ladders: the steps at which the plateau rule rolled every group back onto its ladder of 10-100x lower LRs
+            (``PlateauRule``: no new best for its patience, in a run that had failed before).
     """
 
     lrs: list[float]
@@ -54,6 +56,7 @@ class HDETResult:
     gradient_sync: Optional[str] = None
     ties: int = 0
     restarted_at: Optional[int] = None
+    ladders: list[int] = field(default_factory=list)
 
     def summary(self) -> str:
         """The run in a few lines, numbers rounded; without a vote, what the run then was."""
@@ -68,11 +71,19 @@ class HDETResult:
             f"  {found} (per param group{', group ' + str(winner) if winner >= 0 else ''}): "
             f"{rounded_list(self.lrs)}; every group started at {rounded_list(self.initial_lrs)}",
             f"  winners: {tally or 'none'}",
+            *([self._ladders()] if self.ladders else []),
             *([f"  {self.ties} vote(s) saw one monitored value for every group although their parameters differed: "
                "the metric was not each group's own (see the warnings)"] if self.ties else []),
             f"  vote history: {', '.join(self.vote_history) or 'not written (no logger with a log_dir)'}",
         ]
         return "\n".join(lines)
+
+    def _ladders(self) -> str:
+        """The plateau rule's interventions: every LR moved far down, which a slow start can trigger too."""
+        steps = ", ".join(str(step) for step in self.ladders)
+        return (f"  the plateau rule moved every group onto 10-100x lower LRs at step(s) {steps}: no group set a new "
+                "best after a failure. A model that sits at its untrained loss for a while at any LR (a CNN's start) "
+                "looks the same; if the LRs found are far below a good one, see docs/hdet.md, 'Safety net'.")
 
     def _no_vote(self) -> str:
         """What a run without a vote was: every group at its starting LR, merged (if at all) at the end."""
@@ -124,8 +135,9 @@ def make_result(
         lrs = table[last]
     else:  # no vote or no healthy winner: the groups' mean
         lrs = [sum(column) / len(column) for column in zip(*table)] if table else []
+    ladders = sorted({int(row["step"]) for row in history if row.get("reason") == "plateau"})
     return HDETResult(lrs, table, [float(x) for x in initial_lrs], winners, votes, rescues, searched_at,
-                      list(vote_history), [dict(row) for row in history], **run)
+                      list(vote_history), [dict(row) for row in history], ladders=ladders, **run)
 
 
 def vote_line(step: int, winner: int, losses: Sequence[float], lrs: Sequence[float], final: bool = False) -> str:
