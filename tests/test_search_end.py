@@ -147,11 +147,13 @@ def test_a_vote_told_to_refine_ends_the_search_only_on_a_winner_below_its_starti
     phase = SearchPhase(Search(steps=4))
     history = CollapseHistory([1.79, 1.79], [1.79, 1.79], [0, 0], [0.01, 0.01], [False, False])
     healthy = [True, True]
-    assert not phase.ends_here(_vote(4, [1.775, 1.79], (1.0, 2.0)), healthy, history)
-    assert phase.ends_here(_vote(4, [1.769, 1.79], (1.0, 2.0)), healthy, history)
-    assert not phase.ends_here(_vote(4, [1.5, 1.79], (1.0, 2.0), refine=False), healthy, history)  # not asked
-    assert not phase.ends_here(_vote(4, [1.5, 1.79], (1.0, 2.0)), [False, False], history)  # no winner
-    assert phase.ends_here(_vote(4, [1.785, 1.79], (1.0, 2.0)), healthy, CollapseHistory())  # level unknown
+    assert not phase.ends_here(_vote(4, [1.775, 1.79], (1.0, 2.0)), healthy, history, curves=True)
+    assert phase.ends_here(_vote(4, [1.769, 1.79], (1.0, 2.0)), healthy, history, curves=True)
+    not_asked = _vote(4, [1.5, 1.79], (1.0, 2.0), refine=False)
+    assert not phase.ends_here(not_asked, healthy, history, curves=True)
+    assert not phase.ends_here(_vote(4, [1.5, 1.79], (1.0, 2.0)), [False, False], history, curves=True)  # no winner
+    # the starting level unknown
+    assert phase.ends_here(_vote(4, [1.785, 1.79], (1.0, 2.0)), healthy, CollapseHistory(), curves=True)
 
 
 def _checkpoint(searched_at, restarted_at) -> dict:

@@ -83,10 +83,10 @@ class PushCheck:
         elif part == -1:  # a staggered run's goodbye: few whole-model pushes, but its parts' norms add in squares
             reference = math.sqrt(sum(statistics.median(d) ** 2 for p, d in self._all.items()
                                       if p >= 0 and len(d) >= self.min_history))
+            if reference == 0:
+                return math.inf  # no part has history yet either
         else:
             return math.inf
-        if part == -1 and len(everyone) < self.min_history and reference == 0:
-            return math.inf  # no part has history yet either
         own = self._own.get((worker, part))
         if own:
             reference = max(reference, statistics.median(own))

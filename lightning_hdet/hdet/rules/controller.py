@@ -126,7 +126,7 @@ class HDETController:
         self.num_votes = 0
         self.last_winner = -1
         self.last_coefficients: list[float] = []
-        self.search_phase = SearchPhase(config.search, config.warmup_steps, curves=config.monitor is None)
+        self.search_phase = SearchPhase(config.search)
 
     @property
     def generator(self) -> torch.Generator:
@@ -176,7 +176,8 @@ class HDETController:
     def decide(self, interval: Interval) -> Decision:
         """One vote: safety net -> roll-back or (weights, winner, new multipliers, merge plan)."""
         losses, num_groups = list(interval.losses), len(interval.losses)
-        verdict, plateau = self._judge_plateau(interval, self._judge(interval))
+        progress, errors = self._evidence(interval)
+        verdict, plateau = self._judge_plateau(interval, self._judge(interval, progress, errors), progress, errors)
         healthy = [not r for r in verdict.diverged]
         # With a shared gradient a group whose *loss* blew up sent huge, still finite gradients into every group
         # before it was caught: nothing from this interval is kept. (Non-finite gradients alone were kept out of
@@ -189,7 +190,8 @@ class HDETController:
                                         interval.first_errors)
         self.plateau_history = forget(self.plateau_history, restarted=plateau.all_stuck)
         # Told to end the search, or early (Search.evidence); if it may not end yet, an ordinary vote: the next tries.
-        interval = replace(interval, refine=self.search_phase.ends_here(interval, healthy, self.collapse_history))
+        ends = self.search_phase.ends_here(interval, healthy, self.collapse_history, progress and errors is not None)
+        interval = replace(interval, refine=ends)
         decision = self._roll_back(interval, verdict.diverged) if roll_back else self._vote(interval, verdict.diverged)
         keep = net is None or net.keeps(verdict, losses, self.collapse_history)
         decision = replace(decision, keep=keep, reasons=verdict.reasons)
@@ -203,14 +205,13 @@ class HDETController:
         self._count(decision, interval.final)
         return decision
 
-    def _judge(self, interval: Interval) -> Verdict:
+    def _judge(self, interval: Interval, progress: bool, errors: Optional[list[float]]) -> Verdict:
         """The safety net's verdict (nobody diverged when it is off); progress is not judged before warm-up, nor at
         the final merge (its interval is often a fragment of a few steps, and a roll-back there would throw away
         the end of the run on that little evidence; non-finite and ``x best`` groups are still kept out)."""
         num_groups, net = len(interval.losses), self.config.safety_net
         if net is None:
             return Verdict([False] * num_groups, [""] * num_groups, [0] * num_groups)
-        progress, errors = self._evidence(interval)
         return net.judge(self.collapse_history, interval.losses, interval.finite, progress, errors)
 
     def _evidence(self, interval: Interval) -> tuple[bool, Optional[list[float]]]:
@@ -221,13 +222,13 @@ class HDETController:
         curve = interval.curves is not None and self.config.monitor is None
         return progress, [curve_error(row) for row in interval.curves.tolist()] if curve else None
 
-    def _judge_plateau(self, interval: Interval, verdict: Verdict) -> tuple[Verdict, PlateauVerdict]:
+    def _judge_plateau(self, interval: Interval, verdict: Verdict, progress: bool,
+                       errors: Optional[list[float]]) -> tuple[Verdict, PlateauVerdict]:
         """The other rules' verdict with the plateau rule's failures added, and the plateau rule's own verdict
         (:mod:`~lightning_hdet.hdet.rules.plateau`; judged like the progress rules: not before warm-up nor at the end)."""
         rule = self.plateau
         steps = patience(rule, self.run_steps, self.config.every_n_steps, self.plateau_cuts)
         rule = replace(rule, steps=judged_at(steps, self.run_steps, interval.step))
-        progress, errors = self._evidence(interval)
         # The plateau rule acts only once the run has shown a failure (plateau.py): a group caught, now or before,
         # or a loss above its starting level (a collapse knocked above it that no other rule caught).
         self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or rose_above_start(

@@ -95,14 +95,10 @@ class SearchPhase:
     Args:
         search: the search's options; ``None``: no search end (``steps`` is ``None``), though an interval told to
             refine still ends on ``Search()``'s grid.
-        warmup_steps: votes before this step never end the search early (``Search.evidence``).
-        curves: whether the votes read the training-loss curves (not with ``monitor``): the evidence test needs them.
     """
 
-    def __init__(self, search: Optional[Search], warmup_steps: int = 0, curves: bool = True) -> None:
+    def __init__(self, search: Optional[Search]) -> None:
         self.search = search
-        self.warmup_steps = warmup_steps
-        self.curves = curves
         # From which step a vote may end the search (None: never); the callback sizes it from the run's length.
         self.steps: Optional[int] = search.steps if search is not None else None
         self.searched_at: Optional[int] = None  # the step of the vote that ended the search
@@ -117,25 +113,24 @@ class SearchPhase:
         """Whether a vote at ``step`` ends the search (``steps``; it ends once)."""
         return self.steps is not None and step >= self.steps and self.searched_at is None
 
-    def ends_here(self, interval: Interval, healthy: Sequence[bool], history: CollapseHistory) -> bool:
+    def ends_here(self, interval: Interval, healthy: Sequence[bool], history: CollapseHistory, curves: bool) -> bool:
         """Whether this vote ends the search: told to (``interval.refine``) or, before ``steps``, with the evidence
-        in; either way only on a winner below its starting level's noise band in the collapse ``history``: one
+        in (``curves``: the vote may be judged on its training-loss curves, as the progress rules are: after
+        warm-up, not at the final merge, not with ``monitor``); either way only on a winner below its starting level's noise band in the collapse ``history``: one
         still on the untrained model's plateau says nothing about the LR, and a narrow grid around it under one
         shared gradient stays there (shapes from a 10x high start, benchmark 2). Where the starting level is unknown
         (``monitor``) it ends as asked."""
-        if not (interval.refine or self._evidence_is_in(interval, healthy)):
+        if not (interval.refine or curves and self._evidence_is_in(interval, healthy)):
             return False
         winner = winner_of(interval.losses, healthy)
         return winner >= 0 and has_progressed(history, winner, interval.losses[winner])
 
     def _evidence_is_in(self, interval: Interval, healthy: Sequence[bool]) -> bool:
         """Whether a vote of the search before ``steps`` ends it (``Search.evidence``, :func:`curves_show_evidence`):
-        only inside the search, after warm-up, on the training-loss curves (not with ``monitor``)."""
+        only inside the search, on a vote whose curves may be judged (:meth:`ends_here`)."""
         search = self.search
         inside = self.steps is not None and self.searched_at is None and len(healthy) > 1
-        if search is None or search.evidence is None or not inside or interval.final or interval.curves is None:
-            return False
-        if not self.curves or interval.step < self.warmup_steps:
+        if search is None or search.evidence is None or not inside or interval.curves is None:
             return False
         return curves_show_evidence(interval.curves.tolist(), interval.losses, healthy,
                                     interval.multipliers[:, 0].tolist(), search.refine_spread, search.evidence)
