@@ -46,7 +46,7 @@ def synthetic_metrics(steps: int = STEPS, seed: int = 0) -> dict[int, dict[str, 
     table: dict[int, dict[str, float]] = {}
     vote = 0
     for step in range(steps):
-        row: dict[str, float] = {"hdet/base_lr": base_lr, "hdet/rescues": float(rescues)}
+        row: dict[str, float] = {"hdet/mean_lr": base_lr, "hdet/rescues": float(rescues)}
         for g in range(GROUPS):
             lr = base_lr * multipliers[g]
             row[f"hdet/group{g}/lr"] = lr

@@ -112,3 +112,30 @@ def test_safety_net_off_judges_nothing_and_keeps_every_finite_merge():
 def test_callback_rejects_bad_rule_arguments(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def _noisy_curves(levels, noise: float, interval: int = 16) -> torch.Tensor:
+    """Flat curves at ``levels`` whose bin means (two steps each, eight bins) alternate -``noise``, +``noise``."""
+    rows = []
+    for level in levels:
+        curve = LossCurve(interval, 8)
+        for t in range(interval):
+            curve.add(t, torch.tensor(level + (noise if (t // 2) % 2 else -noise)))
+        rows.append(curve.row())
+    return torch.stack(rows)
+
+
+def test_each_vote_records_where_its_winner_stood_and_whether_it_led_beyond_noise():
+    """``edge``: the winner's LR the highest (1), the lowest (-1) or inside (0) of those voted on; ``clear``: the
+    winner led the runner-up by more than two standard errors of the difference (bin means +-0.1 about the level:
+    each group's error sqrt(8 * 0.01 / 7 / 8) = 0.0378, the difference's 0.0535, two of them 0.107)."""
+    error = math.sqrt(8 * 0.01 / 7 / 8)
+    assert 2 * math.hypot(error, error) == pytest.approx(0.1069, abs=1e-4)
+    controller = HDETController(HDETConfig(vote=PBT(resample_probability=0.0)))
+    top = controller.decide(_interval([2.0, 1.5, 1.0], (0.5, 1.0, 2.0), curves=_noisy_curves([2.0, 1.5, 1.0], 0.1)))
+    assert top.winner == 2 and {(h["edge"], h["clear"]) for h in controller.history} == {(1, 1)}
+    inside = controller.decide(_interval([1.2, 1.15, 1.3], (0.5, 1.0, 2.0), curves=_noisy_curves([1.2, 1.15, 1.3],
+                                                                                                 0.1)))
+    assert inside.winner == 1 and (controller.history[-1]["edge"], controller.history[-1]["clear"]) == (0, 0)
+    controller.decide(_interval([1.0, 1.5], (0.5, 1.0)))  # no curves (e.g. monitor): the lead is not judged
+    assert (controller.history[-1]["edge"], controller.history[-1]["clear"]) == (-1, "")

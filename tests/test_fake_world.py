@@ -210,7 +210,7 @@ def test_a_monitored_metric_never_logged_is_an_error_naming_the_logged_ones():
     with pytest.raises(MisconfigurationException, match=r"monitor='val_los'\) found no such metric at the vote at step "
                                                         r"4\. Logged metrics: \['train_loss', 'val_loss'\]"):
         world.fit(_callback(every_n_steps=4, monitor="val_los"), _drift(_falling), max_steps=4,
-                  callback_metrics={"val_loss": 1.0, "train_loss": 1.0, "hdet/base_lr": 0.1})
+                  callback_metrics={"val_loss": 1.0, "train_loss": 1.0, "hdet/mean_lr": 0.1})
 
 # ---------------------------------------------------------------------------------------------------------------
 # The vote rules on a real (least-squares) problem, in one process: every group takes SGD steps on the same four

@@ -37,7 +37,7 @@ def tensorboard_tags(log_dir: str) -> set[str]:
 
 
 def documented_keys(groups: int) -> set[str]:
-    keys = {"hdet/vote/winner", "hdet/base_lr", "hdet/rescues"}
+    keys = {"hdet/vote/winner", "hdet/mean_lr", "hdet/rescues"}
     for g in range(groups):
         keys |= {f"hdet/group{g}/lr", f"hdet/group{g}/loss", f"hdet/vote/weight{g}"}
     return keys

@@ -25,7 +25,7 @@ pytest.importorskip("matplotlib")
 DOCUMENTED_KEYS = (
     {f"hdet/group{g}/{k}" for g in range(GROUPS) for k in ("lr", "loss")}
     | {f"hdet/vote/weight{g}" for g in range(GROUPS)}
-    | {"hdet/vote/winner", "hdet/base_lr", "hdet/rescues", "async/outer_updates"}
+    | {"hdet/vote/winner", "hdet/mean_lr", "hdet/rescues", "async/outer_updates"}
     | {f"async/worker{w}/{k}" for w in range(WORKERS)
        for k in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s")}
 )
@@ -104,7 +104,7 @@ def test_figures_show_groups_votes_and_workers(recorded, expected):
     assert ax.get_yscale() == "log"
     group_lines = [line for line in ax.get_lines() if line.get_label().startswith("group")]
     assert len(group_lines) == GROUPS
-    assert [line.get_gid() for line in ax.get_lines()].count("base_lr") == 1
+    assert [line.get_gid() for line in ax.get_lines()].count("mean_lr") == 1
     assert list(group_lines[3].get_ydata()) == pytest.approx(
         [expected["table"][s]["hdet/group3/lr"] for s in range(STEPS)], rel=1e-6)
 

@@ -96,3 +96,50 @@ def test_console_lines_round_and_count() -> None:
     assert "no group was healthy" in vote_line(3, -1, [float("nan")], [0.1], final=True)
     assert rounded_list([float("inf"), 2.0]) == "[inf, 2]"
     assert [counted(1, "rank"), counted(4, "rank")] == ["1 rank", "4 ranks"]
+
+
+def _marked(step: int, winner: int, losses: list[float], edge: int, clear: object) -> list[dict]:
+    rows = _rows(step, winner, losses)
+    for row in rows:
+        row.update(edge=edge, clear=clear)
+    return rows
+
+
+def test_the_result_says_where_the_best_lr_likely_is_and_which_lr_to_use_in_a_plain_run() -> None:
+    """The highest LR won the last two votes: the summary points above the highest LR at the end; the LR for a plain
+    run is the last winner's. The lowest edge points below the lowest; one edge win or an inside win says neither."""
+    table = [[0.01], [0.02], [0.04]]
+    up = make_result(_marked(10, 2, [0.5, 0.4, 0.3], 1, 1) + _marked(20, 2, [0.4, 0.3, 0.2], 1, 1), table,
+                     [0.01, 0.02, 0.04], votes=3, rescues=0, searched_at=None, vote_history=[])
+    assert up.edges == [1, 1] and up.edge_run() == 1
+    assert "your best LR is likely above 0.04" in up.summary()
+    assert "for a plain run (one LR, e.g. DDP) use lr=[0.04]" in up.summary()
+    down = make_result(_marked(10, 0, [0.1, 0.4, 0.5], -1, 1) + _marked(20, 0, [0.1, 0.3, 0.5], -1, 1), table,
+                       [0.01, 0.02, 0.04], 3, 0, None, [])
+    assert "your best LR is likely below 0.01" in down.summary()
+    for edges in ((1, 0), (-1, 1), (0, 0)):
+        mixed = make_result(_marked(10, 0, [0.1, 0.4], edges[0], 1) + _marked(20, 0, [0.1, 0.3], edges[1], 1),
+                            table[:2], [0.01, 0.02], 3, 0, None, [])
+        assert mixed.edge_run() == 0 and "likely" not in mixed.summary()
+
+
+def test_the_result_says_when_the_votes_were_within_noise_or_too_few() -> None:
+    """Half the judged votes or more within noise: said, with the fix; votes with no judgement ("") not counted."""
+    table = [[0.01], [0.02]]
+    noisy = make_result(_marked(10, 0, [0.3, 0.31], 0, 0) + _marked(20, 1, [0.3, 0.29], 0, 1)
+                        + _marked(30, 1, [0.3, 0.3], 0, ""), table, [0.01, 0.02], 3, 0, None, [])
+    assert (noisy.unclear, noisy.judged) == (1, 2)
+    assert "1 of 2 votes were within noise" in noisy.summary()
+    decided = make_result(_marked(10, 0, [0.1, 0.31], 0, 1) + _marked(20, 0, [0.1, 0.29], 0, 1), table,
+                          [0.01, 0.02], 3, 0, None, [])
+    assert "within noise" not in decided.summary() and "too few" not in decided.summary()
+    short = make_result(_marked(10, 0, [0.1, 0.31], 0, 1), table, [0.01, 0.02], 1, 0, None, [])
+    assert "only 1 vote(s): too few to search" in short.summary()
+
+
+def test_the_result_says_what_the_votes_read() -> None:
+    table = [[0.01], [0.02]]
+    assert "the votes read each group's `val_loss`" in make_result(
+        _rows(10, 0, [0.1, 0.2]), table, [0.01, 0.02], 1, 0, None, [], monitor="val_loss").summary()
+    assert "the votes read each group's training loss" in make_result(
+        _rows(10, 0, [0.1, 0.2]), table, [0.01, 0.02], 1, 0, None, []).summary()

@@ -44,6 +44,31 @@ def test_spread_is_kept_upward_first():
     assert result.multipliers == pytest.approx([1.0, 1.3, 1 / 1.2])  # group 1 is above: the mover goes below
 
 
+def test_a_grid_whose_edge_keeps_winning_travels_that_way_by_its_own_spacing():
+    """One win of the highest LR places the probe x1.2 above it (a first lead is often noise); a second in a row
+    places it one step of the grid's spacing beyond (the default search's 2.28x), and every further one again: a
+    geometric walk. The lowest edge walks down alike; a win inside the grid ends the streak."""
+    rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
+    grid = [27 ** -0.25, 1.0, 27 ** 0.25, 27 ** 0.5]  # the default search's grid: 2.28x apart
+    first = rule.explore(_ballot([4.0, 3.0, 2.0, 1.0], grid), _gen())  # the highest LR leads once
+    assert first.sources == [3, 1, 2, 3] and first.multipliers[0] == pytest.approx(27 ** 0.5 * 1.2)
+    second = rule.explore(_ballot([4.0, 3.0, 2.0, 1.0], grid), _gen())  # ... and again: one grid step beyond it
+    assert second.multipliers[0] == pytest.approx(27 ** 0.75) and rule.streaks == {0: 2}
+    walked = [second.multipliers[0]]
+    for _ in range(2):  # the probe leads from the top: the walk goes on, 2.28x a vote
+        table = [walked[-1] / 27 ** 0.5, walked[-1] / 27 ** 0.25, walked[-1]]
+        walked.append(max(rule.explore(_ballot([3.0, 2.0, 1.0], table), _gen()).multipliers))
+    assert walked[-1] == pytest.approx(27 ** 1.25) and rule.streaks == {0: 4}
+    rule.explore(_ballot([2.0, 1.0, 3.0, 4.0], grid), _gen())  # a win inside: the streak ends
+    assert rule.streaks == {0: 0}
+    for _ in range(2):
+        low = rule.explore(_ballot([1.0, 2.0, 3.0, 4.0], grid), _gen())  # the lowest leads twice
+    assert rule.streaks == {0: -2} and min(low.multipliers) == pytest.approx(27 ** -0.5)
+    restored = PBT(resample_probability=0.0)
+    restored.load_state_dict(rule.state_dict())
+    assert restored.streaks == {0: -2}
+
+
 def test_perturbation_draws_both_directions_and_resamples_log_uniformly():
     rule = PBT(resample_probability=0.0)
     seen = {round(rule.explore(_ballot([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 0.5, 3.0]), _gen(s)).multipliers[3], 6)
@@ -71,7 +96,7 @@ def test_slow_reference_group_moves_only_every_few_votes():
     ballot = _ballot([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0])
     assert rule.explore(ballot, _gen()).sources == [0, 1, 2, 0]  # vote 0: the reference takes part
     assert rule.explore(ballot, _gen()).sources == [0, 1, 0, 3]  # vote 1: exempt, the next worst moves
-    assert rule.state_dict() == {"votes": {0: 2}}
+    assert rule.state_dict() == {"votes": {0: 2}, "streaks": {0: 0}}  # (all multipliers alike: no edge)
 
 
 def test_no_move_before_warmup_and_state_round_trip():

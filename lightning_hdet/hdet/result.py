@@ -40,6 +40,11 @@ class HDETResult:
             (``Search.restart_below``: the LR it found was far below the starting one), ``None`` if it did not.
         ladders: the steps at which the plateau rule rolled every group back onto its ladder of 10-100x lower LRs
             (``PlateauRule``: no new best for its patience, in a run that had failed before).
+        monitor: the metric the votes read (``None``: each group's training loss); ``monitor="auto"`` decides it.
+        edges: per vote, where its winner stood among the LRs voted on: ``1`` the highest, ``-1`` the lowest, ``0``
+            inside. An edge that won the last votes says the best LR lies beyond what was tried.
+        unclear: the votes whose winner led the runner-up by less than two standard errors (within noise).
+        judged: the votes whose lead could be judged that way (training-loss votes with loss curves).
     """
 
     lrs: list[float]
@@ -57,6 +62,10 @@ class HDETResult:
     ties: int = 0
     restarted_at: Optional[int] = None
     ladders: list[int] = field(default_factory=list)
+    monitor: Optional[str] = None
+    edges: list[int] = field(default_factory=list)
+    unclear: int = 0
+    judged: int = 0
 
     def summary(self) -> str:
         """The run in a few lines, numbers rounded; without a vote, what the run then was."""
@@ -70,13 +79,44 @@ class HDETResult:
             *([] if self.votes else [self._no_vote()]),
             f"  {found} (per param group{', group ' + str(winner) if winner >= 0 else ''}): "
             f"{rounded_list(self.lrs)}; every group started at {rounded_list(self.initial_lrs)}",
-            f"  winners: {tally or 'none'}",
+            f"  winners: {tally or 'none'}; the votes read "
+            + (f"each group's `{self.monitor}`" if self.monitor else "each group's training loss"),
+            *self.advice(),
             *([self._ladders()] if self.ladders else []),
             *([f"  {self.ties} vote(s) saw one monitored value for every group although their parameters differed: "
                "the metric was not each group's own (see the warnings)"] if self.ties else []),
             f"  vote history: {', '.join(self.vote_history) or 'not written (no logger with a log_dir)'}",
         ]
         return "\n".join(lines)
+
+    def edge_run(self) -> int:
+        """``1`` (``-1``) when the highest (lowest) LR voted on won the last two votes or more, else ``0``."""
+        last = self.edges[-2:]
+        return last[0] if len(last) == 2 and last[0] == last[1] != 0 else 0
+
+    def advice(self) -> list[str]:
+        """What to do next, in lines: where the best LR likely lies, whether the votes could tell the LRs apart, and
+        the LR for a plain run."""
+        if not self.votes or not self.lrs:
+            return []
+        lines = []
+        top = max(lr[0] for lr in self.group_lrs) if self.group_lrs else self.lrs[0]
+        low = min(lr[0] for lr in self.group_lrs) if self.group_lrs else self.lrs[0]
+        edge = self.edge_run()
+        if edge:
+            side, bound = ("highest", top) if edge > 0 else ("lowest", low)
+            lines.append(f"  the {side} LR tried won the last votes: your best LR is likely "
+                         f"{'above' if edge > 0 else 'below'} {rounded(bound)}. Train longer with HDET (the grid moves "
+                         f"on that way at every vote), or start the next run from there.")
+        if self.judged and 2 * self.unclear >= self.judged:
+            lines.append(f"  {self.unclear} of {self.judged} votes were within noise (the winner led by under two "
+                         "standard errors): the LRs tried trained about equally well, so the one found is no better "
+                         "established than its neighbours. More steps per vote (every_n_steps) would tell them apart.")
+        if self.votes < 3:
+            lines.append(f"  only {self.votes} vote(s): too few to search; train longer or vote more often.")
+        lines.append(f"  for a plain run (one LR, e.g. DDP) use lr={rounded_list(self.lrs)} "
+                     "(per param group: the LR the last winner ended at).")
+        return lines
 
     def _ladders(self) -> str:
         """The plateau rule's interventions: every LR moved far down, which a slow start can trigger too."""
@@ -120,24 +160,32 @@ def make_result(
     rescues: int,
     searched_at: Optional[int],
     vote_history: Sequence[str],
+    table: Optional[Sequence[Mapping[str, Any]]] = None,
     **run: Any,
 ) -> HDETResult:
-    """The result from the history rows (one per vote and group, with ``step`` and ``winner``) and the end-of-fit
-    LR table; ``run``: the other fields (``steps``, ``every_n_steps``, ``gradient_sync``, ``ties``,
-    ``restarted_at``)."""
+    """The result from the controller's history rows (one per vote and group, with ``step`` and ``winner``, and
+    where kept ``reason``, ``edge`` and ``clear``) and the end-of-fit LR table; ``table``: the rows as the vote
+    history table holds them (default: ``history``); ``run``: the other fields (``steps``, ``every_n_steps``,
+    ``gradient_sync``, ``ties``, ``restarted_at``, ``monitor``)."""
     winners: list[tuple[int, int]] = []
+    firsts: list[Mapping[str, Any]] = []  # each vote's first row: the vote-wide columns
     for row in history:
         if not winners or winners[-1][0] != row["step"]:
             winners.append((int(row["step"]), int(row["winner"])))
-    table = [[float(lr) for lr in row] for row in group_lrs]
+            firsts.append(row)
+    lr_table = [[float(lr) for lr in row] for row in group_lrs]
     last = winners[-1][1] if winners else -1
     if last >= 0:
-        lrs = table[last]
+        lrs = lr_table[last]
     else:  # no vote or no healthy winner: the groups' mean
-        lrs = [sum(column) / len(column) for column in zip(*table)] if table else []
+        lrs = [sum(column) / len(column) for column in zip(*lr_table)] if lr_table else []
     ladders = sorted({int(row["step"]) for row in history if row.get("reason") == "plateau"})
-    return HDETResult(lrs, table, [float(x) for x in initial_lrs], winners, votes, rescues, searched_at,
-                      list(vote_history), [dict(row) for row in history], ladders=ladders, **run)
+    clear = [row["clear"] for row in firsts if row.get("clear", "") != ""]
+    rows = history if table is None else table
+    return HDETResult(lrs, lr_table, [float(x) for x in initial_lrs], winners, votes, rescues, searched_at,
+                      list(vote_history), [dict(row) for row in rows], ladders=ladders,
+                      edges=[int(row.get("edge", 0)) for row in firsts], unclear=sum(not c for c in clear),
+                      judged=len(clear), **run)
 
 
 def vote_line(step: int, winner: int, losses: Sequence[float], lrs: Sequence[float], final: bool = False) -> str:

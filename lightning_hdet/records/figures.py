@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_hdet.records.history import (
-    BASE_LR,
+    MEAN_LR,
     GROUP_LOSS,
     GROUP_LR,
     VOTE_WEIGHT,
@@ -105,7 +105,7 @@ def plot_group_losses(history: History) -> Figure:
 
 
 def plot_group_lrs(history: History) -> Figure:
-    """Each group's learning rate over time on a log scale, with the shared base LR dashed."""
+    """Each group's learning rate over time on a log scale, with the groups' mean LR dashed."""
     groups = history.indices(GROUP_LR)
     _require(bool(groups), "group learning rates", "hdet/group{g}/lr")
     fig = _new_figure()
@@ -113,9 +113,9 @@ def plot_group_lrs(history: History) -> Figure:
     for g in groups:
         steps, lrs = history.series(f"hdet/group{g}/lr")
         ax.plot(steps, lrs, color=member_color(g), linewidth=1.5, label=f"group {g}", drawstyle="steps-post")
-    steps, base = history.series(BASE_LR)
+    steps, base = history.series(MEAN_LR)
     if steps:
-        ax.plot(steps, base, color="black", linestyle="--", linewidth=1, label="base LR", gid="base_lr",
+        ax.plot(steps, base, color="black", linestyle="--", linewidth=1, label="mean LR", gid="mean_lr",
                 drawstyle="steps-post")
     vote_steps, _ = votes(history)
     if vote_steps:

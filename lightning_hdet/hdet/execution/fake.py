@@ -487,6 +487,11 @@ class FakeTrainer:
     estimated_stepping_batches: float = math.inf
     callback_metrics: dict[str, Any] = field(default_factory=dict)
     loggers: list[Any] = field(default_factory=list)
+    # The training data per epoch and the validation's cadence (``monitor="auto"``): an unbounded stream by default.
+    num_training_batches: float = math.inf
+    val_check_batch: Optional[float] = None
+    check_val_every_n_epoch: Optional[int] = None
+    limit_val_batches: float = 1.0
 
     @property
     def is_global_zero(self) -> bool:

@@ -40,6 +40,7 @@ from lightning_hdet.hdet.execution.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.execution.validation import unmerged_validation_warning
 from lightning_hdet.hdet.hyperparams import Explored, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
+from lightning_hdet.hdet.lightning import auto_monitor
 from lightning_hdet.hdet.lightning.heldout import HeldoutScorer
 from lightning_hdet.hdet.lightning.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric
@@ -86,8 +87,10 @@ class HDETCallback(Callback):
             (``True``: at a quarter of the run); ``False``: the vote searches the whole run (the published set-up).
         safety_net: :class:`~lightning_hdet.SafetyNet` (``True``: its defaults): skip non-finite steps, restore
             diverged or collapsed groups, and move an ensemble that stopped learning onto lower LRs; ``False``: off.
-        monitor: ``None`` votes on each group's mean training loss over the interval (the per-step loss, also under
-            ``accumulate_grad_batches``); a metric name (e.g. ``"val_loss"``) votes on each group's own value of
+        monitor: ``"auto"`` (the default, :mod:`~lightning_hdet.hdet.lightning.auto_monitor`): ``"val_loss"`` where the
+            run reads its training data more than once and validates (the training loss then rewards memorising),
+            else ``None``. ``None`` votes on each group's mean training loss over the interval (the per-step loss,
+            also under ``accumulate_grad_batches``); a metric name (e.g. ``"val_loss"``) votes on each group's own value of
             that logged metric, from the first validation ending at or after the vote's step (a ``sync_dist=True``
             metric is reduced inside each group during that validation: :mod:`~lightning_hdet.hdet.lightning.monitor`).
         signal: what the vote compares: ``"mean"`` (the interval's loss); research signals are in
@@ -102,14 +105,17 @@ class HDETCallback(Callback):
         vote: Union[str, Vote] = DEFAULT_VOTE,
         search: Union[bool, Search] = DEFAULT_SEARCH,
         safety_net: Union[bool, SafetyNet] = True,
-        monitor: Optional[str] = None,
+        monitor: Optional[str] = auto_monitor.AUTO,
         signal: Union[str, Signal] = "mean",
         warmup_steps: int = 0,
         seed: int = 0,
     ) -> None:
-        self.settings = resolve(every_n_steps, vote, search, safety_net, monitor, signal, warmup_steps, seed)
+        # "auto" is decided at train start (`_choose_monitor`); until then the votes would read the training loss.
+        self._auto = monitor == auto_monitor.AUTO
+        self.settings = resolve(every_n_steps, vote, search, safety_net, None if self._auto else monitor, signal,
+                                warmup_steps, seed)
         self._requested_every = every_n_steps  # None: sized to the run at set-up or train start (`_size_votes`)
-        self.config = self.settings.as_dict()  # recorded in the run config under ``hdet/callback/...``
+        self.config = self._recorded()  # recorded in the run config under ``hdet/callback/...``
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.initial_lrs: list[float] = []  # every group's real learning rate when training started
@@ -117,10 +123,18 @@ class HDETCallback(Callback):
         self._last_vote_step = -1
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
-        self._monitor = None if monitor is None else MonitoredMetric(monitor)  # value, waiting vote, ties
+        self._monitor = None if self.settings.monitor is None else MonitoredMetric(self.settings.monitor)  # value, waiting vote, ties
         self._checked_strategy: Any = None  # the strategy `_parts` last found to carry HDET's parts
         self._resumed_interval: Optional[Tensor] = None
         self._heldout: Optional[HeldoutScorer] = self.settings.signal.scorer()
+        self._loaded: dict[str, Any] = {}  # a checkpoint's monitor state, for a monitor "auto" picks at train start
+
+    def _recorded(self) -> dict[str, Any]:
+        """The settings as recorded (``monitor="auto"`` until train start decides, then what it decided)."""
+        config = self.settings.as_dict()
+        if self._auto:
+            config["monitor"] = f"auto: {self.settings.monitor}" if self.settings.monitor else auto_monitor.AUTO
+        return config
 
     # Read-outs (the rules and settings live in `settings`, the vote's state in `controller`).
     @property
@@ -187,6 +201,7 @@ class HDETCallback(Callback):
         hdet = self._parts(trainer)
         if trainer.max_steps <= 0:  # bounded by epochs (or not at all): Lightning's estimate of the run's steps
             self._size_votes(run_length(trainer), warn=True, announce=True)
+        self._choose_monitor(trainer, pl_module)
         if self._meter is None:
             self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.signal.bins, hdet.groups.root_device)
         every = self.settings.every_n_steps
@@ -210,6 +225,27 @@ class HDETCallback(Callback):
         if self.controller.searched_at is not None:
             rank_zero_info(f"HDET: resumed after the search ended at step {self.controller.searched_at}")
 
+    def _choose_monitor(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """``monitor="auto"``: vote on ``val_loss`` where the run repeats its data and validates
+        (:mod:`~lightning_hdet.hdet.lightning.auto_monitor`); said once. A curve signal keeps the training loss."""
+        if not self._auto or self._monitor is not None or type(self.settings.signal) is not Signal:
+            return
+        name, line = auto_monitor.decide(trainer, pl_module, run_length(trainer), self.settings.every_n_steps)
+        if name is not None:
+            self._set_monitor(name)
+            self._monitor.load_state_dict(self._loaded)
+        if line and name is not None:
+            rank_zero_info(line)
+        elif line:
+            rank_zero_warn(line)
+
+    def _set_monitor(self, name: Optional[str]) -> None:
+        """Vote on ``name`` from now on (``None``: the training loss)."""
+        self.settings = replace(self.settings, monitor=name)
+        self.controller.config = self.settings
+        self.config = self._recorded()
+        self._monitor = None if name is None else MonitoredMetric(name)
+
     def _size_votes(self, run_steps: Optional[int], warn: bool, announce: bool = False) -> None:
         """Set the vote interval for a run of ``run_steps`` optimizer steps (``None``: not known yet, or unknown):
         the one given, else :func:`~lightning_hdet.hdet.rules.defaults.vote_interval`; warn when fewer than two votes
@@ -219,7 +255,7 @@ class HDETCallback(Callback):
             every = None  # sized at train start
         self.settings = replace(self.settings, every_n_steps=every)
         self.controller.config = self.settings  # (its plateau patience and curve signals read the interval)
-        self.config = self.settings.as_dict()
+        self.config = self._recorded()
         if warn and warning:
             rank_zero_warn(warning)
         if announce and self._requested_every is None:
@@ -251,7 +287,7 @@ class HDETCallback(Callback):
             lrs = hdet.table.current_lrs()
             if not vote:  # a vote logged its new learning rates itself
                 _log_lrs(trainer, lrs, step, self.report, hdet.explored)
-            pl_module.log("hdet/base_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
+            pl_module.log("hdet/mean_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -274,7 +310,12 @@ class HDETCallback(Callback):
         hdet.merger.site.reshard()
         if trainer.sanity_checking:
             return
-        if self._monitor.read(trainer.callback_metrics):  # the vote that waited for this validation
+        due = self._monitor.read(trainer.callback_metrics)
+        if self._auto and self._monitor.value is None:  # "auto" found no val_loss: back to the training loss
+            rank_zero_warn(auto_monitor.missing_warning(auto_monitor.logged_names(trainer.callback_metrics)))
+            due = self._monitor.pending
+            self._set_monitor(None)
+        if due:  # the vote that waited for this validation
             self._last_vote_step = trainer.global_step
             # Lightning runs the validation hooks under inference mode; a vote's merge and restore point must stay
             # normal tensors, updated in place by later votes in training.
@@ -343,6 +384,7 @@ class HDETCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.controller.load_state_dict(state_dict)
         self._last_vote_step = state_dict["last_vote_step"]
+        self._loaded = dict(state_dict)
         if self._monitor is not None:
             self._monitor.load_state_dict(state_dict)
 
@@ -418,11 +460,12 @@ def _announce(hdet: HDETParts, settings: HDETConfig, plan: str) -> None:
 def _hand_back(trainer: Trainer, callback: HDETCallback, hdet: HDETParts) -> HDETResult:
     """The run's result (every rank); rank 0 also logs the vote history, the figures and the summary."""
     history = callback.history
-    result = make_result(vote_rows(history), hdet.table.current_lrs().tolist(), callback.initial_lrs,
+    result = make_result(history, hdet.table.current_lrs().tolist(), callback.initial_lrs,
                          callback.num_votes, callback.rescues, callback.controller.searched_at,
-                         vote_history_locations(trainer) if history else [], steps=trainer.global_step,
+                         vote_history_locations(trainer) if history else [], table=vote_rows(history),
+                         steps=trainer.global_step,
                          every_n_steps=callback.every_n_steps, gradient_sync=hdet.gradient_sync, ties=callback.ties,
-                         restarted_at=callback.controller.restarted_at)
+                         restarted_at=callback.controller.restarted_at, monitor=callback.settings.monitor)
     if trainer.is_global_zero and hdet.num_groups > 1:
         if history:
             log_vote_history(trainer, history, step=trainer.global_step)
@@ -466,7 +509,7 @@ def _log_lrs(trainer: Trainer, lrs: Tensor, step: int, report: History, explored
     metrics = {f"hdet/group{g}/lr": float(lrs[g, 0]) for g in range(num_groups)}
     for p in range(1, lrs.shape[1]):
         metrics.update({f"hdet/group{g}/lr-pg{p}": float(lrs[g, p]) for g in range(num_groups)})
-    metrics["hdet/base_lr"] = float(lrs[:, 0].mean())
+    metrics["hdet/mean_lr"] = float(lrs[:, 0].mean())
     metrics.update(explored_metrics(values(explored.tables, explored)))
     report.add(step, metrics)
     for logger in trainer.loggers:

@@ -83,13 +83,13 @@ def finish(hdet: HDETParts, controller: HDETController, voted_last: bool, vote_f
 
 def vote_metrics(decision: Decision, rescues: int, heldout: Optional[list[float]] = None) -> dict[str, float]:
     """What a vote logs at its own step: winner, rescues, every group's loss, weight and new LR (and held-out
-    loss), the base LR and the other explored hyperparameters."""
+    loss), the groups' mean LR and the other explored hyperparameters."""
     metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
     for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
         metrics.update({f"hdet/group{g}/loss": loss, f"hdet/vote/weight{g}": weight, f"hdet/group{g}/lr": lr})
     for g, value in enumerate(heldout or []):
         metrics[f"hdet/group{g}/heldout"] = value
-    metrics["hdet/base_lr"] = sum(decision.lrs) / len(decision.lrs)
+    metrics["hdet/mean_lr"] = sum(decision.lrs) / len(decision.lrs)
     return {**metrics, **explored_metrics(decision.values)}
 
 

@@ -202,7 +202,8 @@ class HDETController:
             decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
                                from_initial=from_initial(table) if decision.roll_back else [])
             self.plateau_cuts += 1
-        self._count(decision, interval.final)
+        self._count(decision, interval.final, _edge(interval.multipliers[:, 0].tolist(), decision.winner),
+                    _clear(losses, errors, decision.winner, [not r for r in decision.rescued]))
         return decision
 
     def _judge(self, interval: Interval, progress: bool, errors: Optional[list[float]]) -> Verdict:
@@ -314,7 +315,7 @@ class HDETController:
                 table[g] *= self.config.safety_net.rescue_lr_factor
         return table
 
-    def _count(self, decision: Decision, final: bool) -> None:
+    def _count(self, decision: Decision, final: bool, edge: int, clear: Optional[bool]) -> None:
         self.rescues += sum(decision.rescued)
         # A roll-back counts as a vote even at the final merge (it moved the learning rates).
         self.num_votes += 0 if final and not decision.roll_back else 1
@@ -324,7 +325,8 @@ class HDETController:
             self.history.append(
                 {"step": decision.step, "group": g, "lr": lrs[g], "loss": decision.losses[g],
                  "weight": decision.weights[g], "winner": decision.winner, "rescued": bool(decision.rescued[g]),
-                 "reason": decision.reasons[g] if decision.reasons else "",
+                 "reason": decision.reasons[g] if decision.reasons else "", "edge": edge,
+                 "clear": "" if clear is None else int(clear),
                  **({"explored": {n: v[g] for n, v in decision.values.items()}} if decision.values else {})}
             )
 
@@ -363,6 +365,34 @@ class HDETController:
         self.plateau_history.load_state_dict(state_dict["plateau"])
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
+
+
+def _edge(multipliers: Sequence[float], winner: int) -> int:
+    """Where the vote's winner stood among the LRs voted on: 1 the highest, -1 the lowest, 0 inside (or no winner, or
+    all alike): an edge that keeps winning says the best LR lies beyond what was tried (the result's summary)."""
+    if winner < 0 or max(multipliers) <= min(multipliers) * (1 + 1e-9):
+        return 0
+    m = multipliers[winner]
+    return 1 if m >= max(multipliers) * (1 - 1e-9) else -1 if m <= min(multipliers) * (1 + 1e-9) else 0
+
+
+# Standard errors by which the winner must lead the runner-up for a vote to count as decided (a one-look test).
+CLEAR_Z = 2.0
+
+
+def _clear(losses: Sequence[float], errors: Optional[Sequence[float]], winner: int,
+           healthy: Sequence[bool]) -> Optional[bool]:
+    """Whether the winner led the runner-up by more than ``CLEAR_Z`` standard errors of the difference (each group's
+    from its loss curve); ``None`` where it cannot be said (no curve errors, e.g. with ``monitor``, or fewer than
+    two healthy groups)."""
+    others = [g for g in range(len(losses)) if healthy[g] and g != winner and math.isfinite(losses[g])]
+    if errors is None or winner < 0 or not others:
+        return None
+    second = min(others, key=lambda g: losses[g])
+    spread = math.hypot(errors[winner], errors[second])
+    if not (math.isfinite(spread) and spread > 0):
+        return None
+    return losses[second] - losses[winner] > CLEAR_Z * spread
 
 
 def _lrs(table: Tensor, interval: Interval) -> list[float]:

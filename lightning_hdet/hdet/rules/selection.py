@@ -7,7 +7,9 @@ range (explore). The other groups keep their parameters and learning rates, so o
 whole population toward the lowest learning rate the way re-centring every group on the winner does.
 
 The spread never collapses: after the moves, if no group sits at least ``exp(min_spread)`` above (below) the
-leader, a mover is placed there, upward first (the short-horizon bias pushes down).
+leader, a mover is placed there, upward first. An edge of the LRs tried that keeps winning (the highest, or the
+lowest, leads two votes in a row) gets its probe one step of the grid's own spacing beyond it instead, so the grid
+travels that way geometrically as far as the user's LR was off.
 
 A subclass may exempt a group from a vote's selection (:meth:`PBT.exempt`): ``experimental.ReferencePBT``'s slow
 reference group (MF-PBT, arXiv 2506.03225), a longer-horizon member the greedy ones are measured against.
@@ -27,6 +29,11 @@ import torch
 
 from lightning_hdet._checks import check_number, require
 from lightning_hdet.hdet.rules.votes import Ballot, Vote, VoteResult, refill, winner_of
+
+
+# Consecutive votes an edge of the LRs must lead before the grid travels past it: one lead is often noise (a first
+# interval's losses on an untrained model are within a percent of each other).
+TRAVEL_AFTER = 2
 
 
 @dataclass
@@ -104,6 +111,8 @@ class PBT(Vote):
     factors: tuple[float, float] = (0.8, 1.2)
     min_spread: float = math.log(1.2)
     votes: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Per ballot key: +n (-n) when the highest (lowest) LR voted on led the last n votes, 0 otherwise.
+    streaks: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_number("quantile", self.quantile, 0.0, 0.5, low_open=True)
@@ -146,10 +155,11 @@ class PBT(Vote):
         if not ballot.move or winner < 0 or n < 2:
             return Selection(weights, winner, multipliers, list(range(n)))
         self.votes[ballot.key] = vote + 1
+        streak = self._streak(ballot, winner)
         pairs = self.pairs(ballot, vote)
         for g, m in self._moves(ballot, pairs, generator).items():
             multipliers[g] = m
-        self._keep_spread(multipliers, winner, list(pairs))
+        self._keep_spread(multipliers, winner, list(pairs), travel=abs(streak) >= TRAVEL_AFTER)
         return Selection(weights, winner, multipliers, [pairs.get(g, g) for g in range(n)])
 
     def _moves(self, ballot: Ballot, pairs: dict[int, int], generator: torch.Generator) -> dict[int, float]:
@@ -166,10 +176,26 @@ class PBT(Vote):
             return math.exp(log_low + draws[1] * (log_high - log_low))
         return source * (self.factors[0] if draws[1] < 0.5 else self.factors[1])
 
-    def _keep_spread(self, multipliers: list[float], leader: int, movers: list[int]) -> None:
-        """Place movers so some group sits ``exp(min_spread)`` above the leader and some below (up first)."""
+    def _streak(self, ballot: Ballot, winner: int) -> int:
+        """Count this vote into the edge streak of ``ballot.key``: the winner the highest LR voted on extends a run of
+        top wins, the lowest one of bottom wins; anything else ends it."""
+        top, low = max(ballot.multipliers), min(ballot.multipliers)
+        m, last = ballot.multipliers[winner], self.streaks.get(ballot.key, 0)
+        edge = 0 if top <= low * (1 + 1e-12) else 1 if m >= top * (1 - 1e-12) else -1 if m <= low * (1 + 1e-12) else 0
+        self.streaks[ballot.key] = edge * (abs(last) + 1) if edge and edge * last > 0 else edge
+        return self.streaks[ballot.key]
+
+    def _keep_spread(self, multipliers: list[float], leader: int, movers: list[int], travel: bool = False) -> None:
+        """Place movers so some group sits ``exp(min_spread)`` above the leader and some below (up first); with
+        ``travel`` (an edge that keeps winning), one step of the grid's spacing away instead: the log-distance from
+        the leader to its nearest other group before the moves, at least ``min_spread``. The default search's grid
+        (2.28x apart) then walks 2.28x a vote, the grid after it 1.5x, where x1.2 a vote took a 40x-off start the
+        whole run (issue 59)."""
         lead = multipliers[leader]
-        up, down = lead * math.exp(self.min_spread), lead * math.exp(-self.min_spread)
+        others = [abs(math.log(m / lead)) for g, m in enumerate(multipliers) if g != leader and g not in movers]
+        spacing = min((d for d in others if d > 1e-12), default=self.min_spread)
+        step = max(self.min_spread, spacing) if travel else self.min_spread
+        up, down = lead * math.exp(step), lead * math.exp(-step)
         free = list(movers)
         if free and not any(m >= up * (1 - 1e-12) for m in multipliers):
             g = max(free, key=lambda h: (multipliers[h], -h))
@@ -180,7 +206,8 @@ class PBT(Vote):
             multipliers[g] = down
 
     def state_dict(self) -> dict:
-        return {"votes": dict(self.votes)}
+        return {"votes": dict(self.votes), "streaks": dict(self.streaks)}
 
     def load_state_dict(self, state: dict) -> None:
         refill(self.votes, {int(k): int(v) for k, v in state.get("votes", {}).items()})
+        refill(self.streaks, {int(k): int(v) for k, v in state.get("streaks", {}).items()})  # (absent: older files)
