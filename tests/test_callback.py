@@ -175,6 +175,54 @@ def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
     torch.testing.assert_close(loaded, expected.double(), rtol=1e-6, atol=1e-6)
 
 
+class _StartLR(Callback):
+    """Records the optimizer's LR when a (resumed) plain run starts training."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.lr = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_a_plain_lightning_resume_continues_at_the_lr_hdet_ended_at(tmp_path):
+    """The checkpoint's optimizer LR is the last winner's (multiplier x the optimizer's 0.01): a plain one-process
+    Trainer resuming it trains there. The HDET resume of the same file is unchanged (its exact continuation:
+    test_resume_continues_the_ensemble_exactly, where the multipliers differ from 1 too)."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=4)
+    strategy = HDETStrategy(lr_multipliers=[1.0, 4.0], gradient_sync="group", start_method=START)
+    callback = HDETCallback(every_n_steps=4, vote=PBT(resample_probability=0.0), search=False)
+    ranks = _fit(tmp_path, strategy, callback, model=LinearModel(optimizer="adam", lr=0.01, n_train=16), extra=(ckpt,),
+                 enable_checkpointing=True, use_distributed_sampler=False, devices=2, max_steps=12)
+    last = [h for h in ranks[0]["history"] if h["step"] == 12]
+    ended = last[last[0]["winner"]]["lr"]
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(ended)
+    assert saved["hdet"]["plain_lr_multipliers"] == pytest.approx([ended / 0.01])
+    start = _StartLR()
+    plain = Trainer(callbacks=[start], **trainer_kwargs(devices=1, max_steps=13, enable_checkpointing=False))
+    plain.fit(LinearModel(optimizer="adam", lr=0.01, n_train=16), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert start.lr == pytest.approx(ended) and ended != pytest.approx(0.01)
+
+
+def test_saved_lrs_scale_per_param_group_and_back(tmp_path):
+    """By hand: two param groups at 0.1 and 0.02 (a scheduler's base LRs alike) times multipliers 3 and 0.5; the
+    inverse restores them. With two optimizers the schedulers are left alone (whose groups they hold is unknown)."""
+    from lightning_hdet.hdet.lightning.checkpoints import scale_saved_lrs
+
+    checkpoint = {"optimizer_states": [{"param_groups": [{"lr": 0.1, "initial_lr": 0.1}, {"lr": 0.02}]}],
+                  "lr_schedulers": [{"base_lrs": [0.1, 0.02], "_last_lr": [0.05, 0.01]}]}
+    scale_saved_lrs(checkpoint, [3.0, 0.5])
+    groups = checkpoint["optimizer_states"][0]["param_groups"]
+    assert [groups[0]["lr"], groups[0]["initial_lr"], groups[1]["lr"]] == pytest.approx([0.3, 0.3, 0.01])
+    assert checkpoint["lr_schedulers"][0]["base_lrs"] == pytest.approx([0.3, 0.01])
+    assert checkpoint["lr_schedulers"][0]["_last_lr"] == pytest.approx([0.15, 0.005])
+    scale_saved_lrs(checkpoint, [1 / 3.0, 2.0])
+    assert checkpoint["lr_schedulers"][0]["base_lrs"] == pytest.approx([0.1, 0.02]) and groups[1]["lr"] == 0.02
+    two = {"optimizer_states": [{"param_groups": [{"lr": 0.1}]}, {"param_groups": [{"lr": 0.2}]}],
+           "lr_schedulers": [{"base_lrs": [0.1]}]}
+    scale_saved_lrs(two, [2.0])  # one multiplier: every param group takes the first
+    assert [s["param_groups"][0]["lr"] for s in two["optimizer_states"]] == pytest.approx([0.2, 0.4])
+    assert two["lr_schedulers"][0]["base_lrs"] == [0.1]
+
+
 def test_monitor_votes_on_each_groups_own_validation_metric(tmp_path):
     cb = HDETCallback(every_n_steps=4, monitor="val_loss", search=False)
     ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="global", start_method=START), cb, model=LinearModel(), devices=2,

@@ -47,7 +47,8 @@ def test_spread_is_kept_upward_first():
 def test_a_grid_whose_edge_keeps_winning_travels_that_way_by_its_own_spacing():
     """One win of the highest LR places the probe x1.2 above it (a first lead is often noise); a second in a row
     places it one step of the grid's spacing beyond (the default search's 2.28x), and every further one again: a
-    geometric walk. The lowest edge walks down alike; a win inside the grid ends the streak."""
+    geometric walk. The lowest edge walks down alike; a win inside the grid ends the streak; the streak outlives the
+    search's end (``carried``) and a checkpoint."""
     rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
     grid = [27 ** -0.25, 1.0, 27 ** 0.25, 27 ** 0.5]  # the default search's grid: 2.28x apart
     first = rule.explore(_ballot([4.0, 3.0, 2.0, 1.0], grid), _gen())  # the highest LR leads once
@@ -59,6 +60,9 @@ def test_a_grid_whose_edge_keeps_winning_travels_that_way_by_its_own_spacing():
         table = [walked[-1] / 27 ** 0.5, walked[-1] / 27 ** 0.25, walked[-1]]
         walked.append(max(rule.explore(_ballot([3.0, 2.0, 1.0], table), _gen()).multipliers))
     assert walked[-1] == pytest.approx(27 ** 1.25) and rule.streaks == {0: 4}
+    after = PBT(resample_probability=0.0)
+    after.load_state_dict(rule.carried())  # the search's end: the vote counts go, the streak stays
+    assert after.votes == {} and after.streaks == {0: 4}
     rule.explore(_ballot([2.0, 1.0, 3.0, 4.0], grid), _gen())  # a win inside: the streak ends
     assert rule.streaks == {0: 0}
     for _ in range(2):

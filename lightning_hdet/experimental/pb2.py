@@ -190,7 +190,7 @@ class PB2(PBT):
         picks = ucb_picks(rows, self.intervals[ballot.key], low, high, len(pairs), self.kappa, self.epsilon)
         return dict(zip(pairs, picks))
 
-    def _keep_spread(self, multipliers: list[float], leader: int, movers: list[int], travel: bool = False) -> None:
+    def _keep_spread(self, multipliers: list[float], leader: int, movers: list[int], travel: float = 0.0) -> None:
         """No floor on the spread nor travel: it would overrule the bound whenever the leader sits at an end of the population
         (with one mover per vote, most votes); the bound's exploration term keeps the groups apart instead."""
 

@@ -41,6 +41,7 @@ from lightning_hdet.hdet.execution.validation import unmerged_validation_warning
 from lightning_hdet.hdet.hyperparams import Explored, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.lightning import auto_monitor
+from lightning_hdet.hdet.lightning.checkpoints import PLAIN_KEY, scale_saved_lrs
 from lightning_hdet.hdet.lightning.heldout import HeldoutScorer
 from lightning_hdet.hdet.lightning.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric
@@ -236,6 +237,8 @@ class HDETCallback(Callback):
             self._monitor.load_state_dict(self._loaded)
         if line and name is not None:
             rank_zero_info(line)
+            if self._parts(trainer).num_groups > 1:
+                rank_zero_warn(unmerged_validation_warning(name))
         elif line:
             rank_zero_warn(line)
 
@@ -393,9 +396,20 @@ class HDETCallback(Callback):
         """Add the full ensemble: each group's parameters and optimizer state, multipliers and interval losses."""
         hdet = self._parts(trainer)
         checkpoint["hdet"] = hdet.save_ensemble(self._meter.row(hdet.guard.interval_skipped(reset=False)))
+        if not getattr(trainer.strategy, "saves_plain_lrs", False):  # (FSDP: the optimizer states are the groups')
+            return
+        # The saved model is the merged one: its LRs go with it, so that a plain Lightning resume continues there.
+        table, winner = hdet.table.multipliers, self.controller.last_winner
+        row = (table[winner] if 0 <= winner < table.shape[0] else table.mean(0)).tolist()
+        scale_saved_lrs(checkpoint, row)
+        checkpoint["hdet"][PLAIN_KEY] = row
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("hdet") or {}
+        if state.get(PLAIN_KEY) is not None:  # HDET applies its multipliers itself: back to the schedule's LRs
+            scale_saved_lrs(checkpoint, [1.0 / m for m in state[PLAIN_KEY]])
+            state[PLAIN_KEY] = None  # (Lightning restores the optimizers from this same dict, once)
         self._resumed_interval = self._parts(trainer).load_ensemble(checkpoint.get("hdet"))
 
 

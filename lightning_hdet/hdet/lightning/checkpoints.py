@@ -70,3 +70,29 @@ def state_dict_with(module: Module, tensors: list[Tensor], values: list[Tensor])
     """``module.state_dict()`` with ``tensors`` (its parameters and float buffers) replaced by ``values``."""
     merged = {id(t): v for t, v in zip(tensors, values)}
     return {k: merged.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}
+
+
+# The multipliers (per flattened param group) by which a checkpoint's optimizer and scheduler LRs were scaled to the
+# LRs the run ended at, so that a plain Lightning resume (no HDET) continues there; an HDET resume divides them out.
+PLAIN_KEY = "plain_lr_multipliers"
+
+
+def scale_saved_lrs(checkpoint: dict[str, Any], multipliers: list[float]) -> None:
+    """Multiply the LRs ``checkpoint`` holds for each flattened param group by its multiplier, in place: every
+    optimizer's ``lr`` and ``initial_lr`` (a scheduler's start) and, with one optimizer, every scheduler's
+    ``base_lrs`` and ``_last_lr`` (a scheduler's param groups are its optimizer's; with several optimizers the
+    checkpoint does not say which scheduler is whose, and those are left as they are)."""
+    groups = [pg for state in checkpoint.get("optimizer_states") or [] for pg in state.get("param_groups", [])]
+    if len(multipliers) < len(groups):
+        multipliers = list(multipliers) + [multipliers[0]] * (len(groups) - len(multipliers))
+    for pg, m in zip(groups, multipliers):
+        for key in ("lr", "initial_lr"):
+            if isinstance(pg.get(key), (int, float)):
+                pg[key] = pg[key] * m
+    if len(checkpoint.get("optimizer_states") or []) != 1:
+        return
+    for scheduler in checkpoint.get("lr_schedulers") or []:
+        for key in ("base_lrs", "_last_lr"):
+            values = scheduler.get(key)
+            if isinstance(values, list) and all(isinstance(v, (int, float)) for v in values):
+                scheduler[key] = [v * m for v, m in zip(values, multipliers)]

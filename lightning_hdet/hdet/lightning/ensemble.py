@@ -75,6 +75,10 @@ def merged_on_rank_zero(groups: GroupComm, tensors: list[Tensor], is_global_zero
 class EnsembleOps(MergeOps):
     """Warm start and checkpoints of an ensemble of full replicas (see the module docstring)."""
 
+    # The checkpoint's own optimizer states are rank 0's, not the groups' (those go to the group files, from the live
+    # optimizers): HDETCallback scales their LRs to where the run ended, for a plain Lightning resume.
+    saves_plain_lrs = True
+
     def add_init_noise(self, relative_std: float, seed: int) -> None:
         """Published warm start (:func:`add_init_noise`) on this rank's parameters."""
         add_init_noise(list(self.lightning_module.parameters()), relative_std, seed)

@@ -284,7 +284,7 @@ class HDETController:
         restart, warning = [], ""
         if refined:
             grid, restart, warning = self.search_phase.end(interval, table[winner].tolist())
-            self.rule.load_state_dict({})  # it starts afresh from the grid: its state described the search
+            self.rule.load_state_dict(self.rule.carried())  # afresh on the grid: its state described the search
             if restart:
                 # Each group's history described the search's models: the climb back from the initial one is no rise.
                 # The plateau rule keeps the ensemble's best and its clock: a restart not below it within its patience

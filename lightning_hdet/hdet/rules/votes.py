@@ -122,6 +122,10 @@ class Vote:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def carried(self) -> dict:
+        """The part of :meth:`state_dict` that outlives the search's end (the rest described the search's grid)."""
+        return {}
+
 
 def recorded(rule: Any) -> dict[str, Any]:
     """A rule object's options (its ``__init__`` fields), nested rule objects as dicts, for the run config."""
