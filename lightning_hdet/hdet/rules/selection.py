@@ -152,10 +152,12 @@ class PBT(Vote):
         weights = [1.0 if g == winner else 0.0 for g in range(n)]
         multipliers = list(ballot.multipliers)
         vote = self.votes.get(ballot.key, 0)
+        # (every vote counts into the streak, the search's last one too: it moves nothing, its winner is an edge)
+        streak = self._streak(ballot, winner) if winner >= 0 and n >= 2 else 0
         if not ballot.move or winner < 0 or n < 2:
             return Selection(weights, winner, multipliers, list(range(n)))
         self.votes[ballot.key] = vote + 1
-        travel = self._spacing(ballot, winner) if abs(self._streak(ballot, winner)) >= TRAVEL_AFTER else 0.0
+        travel = self._spacing(ballot, winner) if abs(streak) >= TRAVEL_AFTER else 0.0
         pairs = self.pairs(ballot, vote)
         for g, m in self._moves(ballot, pairs, generator).items():
             multipliers[g] = m
