@@ -1,10 +1,18 @@
-"""``HDETCallback(monitor="auto")``'s decision (lightning_hdet/hdet/lightning/auto_monitor.py), in one process."""
+"""``HDETCallback(monitor="auto")``'s decision (lightning_hdet/hdet/lightning/auto_monitor.py): the rule in one
+process, and in a two-process fit."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+from typing import Any
 
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from lightning_hdet import HDETCallback, HDETStrategy
 from lightning_hdet.hdet.lightning.auto_monitor import AUTO_METRIC, MAX_WAIT, choose, epochs_read
+from tests.helpers import START, LinearModel, trainer_kwargs
 
 
 def test_epochs_read_is_the_run_over_one_epoch_and_unknown_without_either() -> None:
@@ -32,3 +40,45 @@ def test_a_repeating_run_without_usable_validation_warns_with_the_fix() -> None:
     name, line = choose(4.0, MAX_WAIT * 38 + 1, 38)  # validating too rarely: the votes would wait
     assert name is None and "Validate at least every 76 steps (now every 77" in line
     assert "val_check_interval=38, check_val_every_n_epoch=None" in line
+
+
+class _Validated(Callback):
+    """Each rank's ``val_loss`` at every validation, and the callback's result, written at the end of fit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.seen = out, {}
+
+    def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+            self.seen[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
+
+    def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
+        hdet = next(cb for cb in trainer.callbacks if isinstance(cb, HDETCallback))
+        torch.save({"seen": self.seen, "history": hdet.history, "monitor": hdet.result.monitor,
+                    "summary": hdet.result.summary()}, self.out / f"validated{trainer.global_rank}.pt")
+
+
+def _fit(out: Path, **trainer: Any) -> list[dict[str, Any]]:
+    out.mkdir(parents=True)
+    seed_everything(0)
+    fit = Trainer(strategy=HDETStrategy(start_method=START), callbacks=[HDETCallback(every_n_steps=4), _Validated(out)],
+                  **trainer_kwargs(devices=2, max_steps=16, **trainer))
+    fit.fit(LinearModel(lr=0.02, n_train=64))  # 2 steps an epoch on each of two ranks: 8 epochs in 16 steps
+    return [torch.load(out / f"validated{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_a_repeating_run_that_validates_votes_on_each_groups_val_loss(tmp_path: Path) -> None:
+    """Two processes, two groups of one rank, the data read 8 times, validation every 4 steps: every vote's loss for
+    group g is rank g's own ``val_loss`` of that step (each group validates its own model), and the result says so.
+    The same run without validation votes on the training loss, the summary saying so."""
+    ranks = _fit(tmp_path / "val", val_check_interval=4, check_val_every_n_epoch=None, limit_val_batches=None)
+    assert all(r["monitor"] == "val_loss" for r in ranks)
+    votes = sorted({h["step"] for h in ranks[0]["history"]})
+    assert votes == [4, 8, 12, 16]
+    for h in ranks[0]["history"]:
+        assert h["loss"] == pytest.approx(ranks[h["group"]]["seen"][h["step"]], rel=1e-6)
+    assert ranks[0]["seen"][4] != pytest.approx(ranks[1]["seen"][4])  # two models, two values
+    assert "the votes read each group's `val_loss`" in ranks[0]["summary"]
+    plain = _fit(tmp_path / "plain")  # limit_val_batches=0: no validation
+    assert plain[0]["monitor"] is None and plain[0]["seen"] == {}
+    assert "the votes read each group's training loss" in plain[0]["summary"]
