@@ -474,6 +474,10 @@ def stamp(seeds: Iterable[int] | None, wall_s: float | None = None) -> str:
 RESEARCH_BLOCKS = {"search_signals": "research/2026-12-hdet-search.md",
                    "search_baselines_detail": "research/2026-12-hdet-search.md",
                    "search_long": "research/2026-12-hdet-search.md"}
+# Issue 59's cells (benchmarks/run_all.py's search_repeat_* parts and their first measurement) go to the log too.
+RESEARCH_BLOCKS.update({f"search_repeat_{o}_{s}{w}": "research/2026-12-hdet-search.md" for o in ("adamw", "sgd")
+                        for s in ("constant", "cosine") for w in ("", "_tabular_small", "_shapes_small")})
+RESEARCH_BLOCKS["search_repeat_targets"] = "research/2026-12-hdet-search.md"
 
 
 def block_page(docs_dir: Path, name: str) -> Path:
