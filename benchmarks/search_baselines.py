@@ -81,7 +81,7 @@ from benchmarks.common import (
     write_block,
     write_json,
 )
-from benchmarks.search_lr_find import run_lr_find
+from benchmarks.search_lr_find import FINDER_STEPS, run_lr_find
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
 from benchmarks.search_report import page_table, summarise, tables
 from lightning_hdet.hdet.multipliers import centred_grid
@@ -529,6 +529,9 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, value in (("--pbt-interval", args.pbt_interval), ("--val-every", args.val_every)):
         if args.steps % value:
             p.error(f"{flag}={value} must divide --steps={args.steps} so every method spends the whole budget")
+    if "lr_find" in args.methods and args.steps <= math.ceil(FINDER_STEPS / args.world_size):
+        p.error(f"lr_find spends {FINDER_STEPS} one-process steps of the budget: --steps={args.steps} must exceed "
+                f"{math.ceil(FINDER_STEPS / args.world_size)} at --world-size={args.world_size}")
     if args.schedule != "constant" and "char_lm" in args.workloads:
         p.error(f"--schedule={args.schedule} applies to the shapes and tabular workloads; the char LM has its own "
                 "scheduler option: drop char_lm from --workloads")
