@@ -309,26 +309,50 @@ HANDED_BACK_NOTE = (
     "≤ 1.15; ÷ `lr_find` + DDP ≤ 1 from every start (equal compute: the finder's 100 steps counted).")
 
 
-def main(argv: list[str] | None = None) -> str:
-    """Issue 59's targets table over benchmark 2's result files (one per optimizer and schedule), printed and
-    written to ``--out`` (markdown) with a stamp."""
-    from benchmarks.common import stamp
+def load_cells(paths: list[Path]) -> tuple[dict[tuple[str, str], tuple[list, list[str]]], dict, set[int], float]:
+    """The arms of benchmark 2's result files grouped by (optimizer, schedule), with each group's HDET votes; the
+    good LRs, seeds and summed wall-clock. A baseline arm (same workload, start, seed and method) is taken from the
+    first file that has it, so a file of HDET arms alone (``--methods`` with nothing) is read against an earlier
+    file's baselines. Where several files of one group hold HDET arms, each file's are named ``VOTE [file stem]``
+    (an old and a new ``defaults`` side by side)."""
     from benchmarks.search_baselines import Arm
+
+    loaded = [(path, json.loads(path.read_text())) for path in paths]
+    label_of = {path: (d["config"]["optimizer"], d["config"].get("schedule", "constant")) for path, d in loaded}
+    hdet_files = [label_of[path] for path, d in loaded if any(a["method"].startswith("hdet_") for a in d["arms"])]
+    groups: dict[tuple[str, str], tuple[dict, list[str]]] = {}
+    good, seeds, wall = {}, set(), 0.0
+    for path, data in loaded:
+        label = label_of[path]
+        cells, votes = groups.setdefault(label, ({}, []))
+        tag = f" [{path.stem}]" if hdet_files.count(label) > 1 else ""
+        for raw in data["arms"]:
+            arm = Arm(**raw)
+            if arm.method.startswith("hdet_"):
+                arm.method += tag
+                vote = arm.method.removeprefix("hdet_")
+                votes += [] if vote in votes else [vote]
+                cells[(arm.workload, arm.start, arm.seed, arm.method)] = arm
+            else:
+                cells.setdefault((arm.workload, arm.start, arm.seed, arm.method), arm)
+            seeds.add(arm.seed)
+        wall += data.get("total_wall_s", 0.0)
+        good.update({(w, *label): lr for w, lr in data["config"]["good_lr"].items()})
+    return {k: (list(cells.values()), votes) for k, (cells, votes) in groups.items()}, good, seeds, wall
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Issue 59's targets table over benchmark 2's result files (see :func:`load_cells`), printed and written to
+    ``--out`` (markdown) with a stamp."""
+    from benchmarks.common import stamp
 
     p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", type=Path, help="search_baselines result files (JSON)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
     args = p.parse_args(argv)
-    rows, good, seeds, wall = [], {}, set(), 0.0
-    for path in args.results:
-        data = json.loads(path.read_text())
-        config = data["config"]
-        label = {"optimizer": config["optimizer"], "schedule": config.get("schedule", "constant")}
-        arms = [Arm(**a) for a in data["arms"]]
-        seeds |= {a.seed for a in arms}
-        wall += data.get("total_wall_s", 0.0)
-        rows += handed_back_rows(arms, config["votes"], label)
-        good.update({(w, label["optimizer"], label["schedule"]): lr for w, lr in config["good_lr"].items()})
+    groups, good, seeds, wall = load_cells(args.results)
+    rows = [row for (optimizer, schedule), (arms, votes) in groups.items()
+            for row in handed_back_rows(arms, votes, {"optimizer": optimizer, "schedule": schedule})]
     text = (HANDED_BACK_NOTE + "\n\n" + handed_back_table(rows, good) + "\n\nFrom: "
             + ", ".join(f"`{p.as_posix()}`" for p in args.results) + "\n\n" + stamp(seeds, wall_s=wall))
     if args.out is not None:

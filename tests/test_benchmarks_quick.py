@@ -721,3 +721,22 @@ def test_search_baselines_starts_prodigy_from_its_own_lr_multiplier():
     assert parse_args(["--quick"]).good_lr == GOOD_LR
     args = parse_args(["--quick", "--optimizer", "prodigy", "--good-lr", "tabular=0.5"])
     assert args.good_lr == {**{w: 1.0 for w in GOOD_LR}, "tabular": 0.5}
+
+
+def test_issue_59_table_reads_a_file_of_hdet_arms_against_an_earlier_files_baselines(tmp_path):
+    from dataclasses import asdict
+
+    from benchmarks.search_baselines import Arm
+    from benchmarks.search_report import main
+
+    def arm(method, start, final):
+        return asdict(Arm("tabular_small", method, start, 0, 1e-3, 9.0, [], [1e-3], 0, 1.0, final_loss=final))
+
+    config = {"optimizer": "adamw", "schedule": "constant", "good_lr": {"tabular_small": 1e-3}}
+    old = [arm("untuned", "good", 2.0), arm("lr_find", "good", 1.6), arm("hdet_defaults", "good", 2.2)]
+    new = [arm("hdet_defaults", "good", 1.8), arm("untuned", "good", 9.0)]  # its untuned: the first file's is kept
+    for name, arms in (("before", old), ("after", new)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"config": config, "arms": arms}))
+    text = main([str(tmp_path / "before.json"), str(tmp_path / "after.json")])
+    assert "| good | defaults [before] | 2.200 | 1.100 (1.100) ✗ |" in text
+    assert "| good | defaults [after] | 1.800 | 0.900 (0.900) ✓ | 0.900 (0.900) | 1.125 (1.125) ✗ |" in text
