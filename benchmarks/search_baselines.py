@@ -401,6 +401,19 @@ def base_spec(args: argparse.Namespace, workload: str, center: float, seed: int)
     )
 
 
+_FINDER_ARMS: dict[str, dict] = {}
+
+
+def finder_arm(start_lr: float, base: RunSpec, world: int, work: Path) -> dict:
+    """The lr_find arm, run once per workload, seed and settings: the finder sweeps its own range (1e-8 to 1) from
+    the same seeded weights and data order whatever the starting LR, so its suggestion, and the DDP run at it, are
+    the same from every start (only a ``None`` suggestion falls back to the start; then it runs again)."""
+    key = repr(replace(base, lr=0.0)) + f"/{world}"
+    if key not in _FINDER_ARMS or _FINDER_ARMS[key]["extra"]["fallback"]:
+        _FINDER_ARMS[key] = run_lr_find(start_lr, base, world, work)
+    return _FINDER_ARMS[key]
+
+
 def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, work: Path) -> list[Arm]:
     """Every method from one start on one seed."""
     center = args.good_lr[workload] * STARTS[start]
@@ -415,7 +428,7 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
         "pbt_minimal": lambda: run_pbt_minimal(lrs, lo, hi, args.pbt_interval, base, world, work / "pbt_minimal"),
         "prodigy": lambda: run_single("prodigy", 1.0, base, world, work / "prodigy"),
         "schedulefree": lambda: run_single("schedulefree", center, base, world, work / "schedulefree"),
-        "lr_find": lambda: run_lr_find(center, base, world, work / "lr_find"),
+        "lr_find": lambda: finder_arm(center, base, world, work / "lr_find"),
     }
     for vote in args.votes:
         where = work / f"hdet_{vote.replace(':', '_').replace('>', '_then_')}"
