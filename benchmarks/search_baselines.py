@@ -100,9 +100,10 @@ GOOD_LR = {"char_lm": 1e-2, "shapes": 5e-3, "tabular": 3e-3}
 # of the handed-back model over seeds 0-2, on a grid of three LRs per decade (benchmarks/search_calibrate.py, results
 # in benchmarks/results/search_calibrate*.json). tabular_small: AdamW 4.6e-4 (1.239; 2.2e-4 and 1e-3 within 0.07),
 # SGD 1e-2 (1.238; 4.6e-3 and 2.2e-2 within 0.07); both memorise above (AdamW 1e-2: 3.10). shapes_small: AdamW
-# 2.2e-3 (0.914; 1e-3 and 4.6e-3 within 0.06, seeds spread up to 0.25).
+# 2.2e-3 (0.914; 1e-3 and 4.6e-3 within 0.06, seeds spread up to 0.25), SGD 4.6e-2 (0.920; 0.1: 1.023, 2.2e-2:
+# 1.207; 1e-4 to 2.2e-3 barely learn, 1.79-1.80).
 GOOD_LR.update({"tabular_small": 4.6e-4, "shapes_small": 2.2e-3})
-GOOD_LR_SGD = {"tabular_small": 1e-2}
+GOOD_LR_SGD = {"tabular_small": 1e-2, "shapes_small": 4.6e-2}
 # Where a workload x optimizer x schedule has no measured good LR: --good-lr gives it (search_calibrate.py finds it).
 GOOD_LRS = {("adamw", "constant"): GOOD_LR, ("sgd", "constant"): GOOD_LR_SGD}
 
