@@ -314,18 +314,20 @@ def load_cells(paths: list[Path]) -> tuple[dict[tuple[str, str], tuple[list, lis
     good LRs, seeds and summed wall-clock. A baseline arm (same workload, start, seed and method) is taken from the
     first file that has it, so a file of HDET arms alone (``--methods`` with nothing) is read against an earlier
     file's baselines. Where several files of one group hold HDET arms, each file's are named ``VOTE [file stem]``
-    (an old and a new ``defaults`` side by side)."""
+    (an old and a new ``defaults`` side by side) when those files share a workload."""
     from benchmarks.search_baselines import Arm
 
     loaded = [(path, json.loads(path.read_text())) for path in paths]
     label_of = {path: (d["config"]["optimizer"], d["config"].get("schedule", "constant")) for path, d in loaded}
-    hdet_files = [label_of[path] for path, d in loaded if any(a["method"].startswith("hdet_") for a in d["arms"])]
+    hdet_cells = {path: {(*label_of[path], a["workload"]) for a in d["arms"] if a["method"].startswith("hdet_")}
+                  for path, d in loaded}
     groups: dict[tuple[str, str], tuple[dict, list[str]]] = {}
     good, seeds, wall = {}, set(), 0.0
     for path, data in loaded:
         label = label_of[path]
         cells, votes = groups.setdefault(label, ({}, []))
-        tag = f" [{path.stem}]" if hdet_files.count(label) > 1 else ""
+        shared = any(hdet_cells[path] & cells_of for other, cells_of in hdet_cells.items() if other != path)
+        tag = f" [{path.stem}]" if shared else ""
         for raw in data["arms"]:
             arm = Arm(**raw)
             if arm.method.startswith("hdet_"):
