@@ -1,7 +1,7 @@
 """Benchmark 2's good LRs: the untuned arm (plain DDP at one LR, as one process on the whole job's batch) over a
 log grid of LRs, per workload, optimizer and schedule; the LR whose handed-back model has the lowest median held-out
 loss over the seeds is the workload's "good LR" (``GOOD_LR`` in ``search_baselines.py``, whose starts are multiples
-of it). Results: ``benchmarks/results/search_calibrate_<workloads>_<schedule>.json``.
+of it). Results: ``benchmarks/results/search_calibrate_<workloads>_<schedule>_<optimizers>.json``.
 
 Run: ``python benchmarks/search_calibrate.py --workloads tabular_small shapes_small --optimizers adamw sgd``.
 """
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    name, t0 = begin(f"search_calibrate_{'_'.join(args.workloads)}_{args.schedule}", False)
+    name, t0 = begin(f"search_calibrate_{'_'.join(args.workloads)}_{args.schedule}_{'_'.join(args.optimizers)}", False)
     rows, best = [], {}
     with tempfile.TemporaryDirectory(prefix=name) as tmp:
         for workload in args.workloads:
