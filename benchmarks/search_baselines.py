@@ -104,8 +104,13 @@ GOOD_LR = {"char_lm": 1e-2, "shapes": 5e-3, "tabular": 3e-3}
 # 1.207; 1e-4 to 2.2e-3 barely learn, 1.79-1.80).
 GOOD_LR.update({"tabular_small": 4.6e-4, "shapes_small": 2.2e-3})
 GOOD_LR_SGD = {"tabular_small": 1e-2, "shapes_small": 4.6e-2}
+# With --schedule cosine (the same calibration, search_calibrate_*_cosine_*): tabular_small AdamW 1e-3 (1.240;
+# 4.6e-4: 1.255, 2.2e-3: 1.293), SGD 2.2e-2 (1.234; 1e-2: 1.277, 4.6e-2: 1.298).
+GOOD_LR_COSINE = {"tabular_small": 1e-3}
+GOOD_LR_SGD_COSINE = {"tabular_small": 2.2e-2}
 # Where a workload x optimizer x schedule has no measured good LR: --good-lr gives it (search_calibrate.py finds it).
-GOOD_LRS = {("adamw", "constant"): GOOD_LR, ("sgd", "constant"): GOOD_LR_SGD}
+GOOD_LRS = {("adamw", "constant"): GOOD_LR, ("sgd", "constant"): GOOD_LR_SGD, ("adamw", "cosine"): GOOD_LR_COSINE,
+            ("sgd", "cosine"): GOOD_LR_SGD_COSINE}
 
 
 @dataclass
