@@ -466,7 +466,7 @@ def test_the_lr_find_arm_counts_the_finders_steps_in_its_compute(tmp_path):
 @pytest.mark.parametrize(("argv", "match"), [
     (["--optimizer", "sgd", "--workloads", "char_lm"], "no good LR measured for \\['char_lm'\\]"),
     (["--schedule", "cosine", "--workloads", "char_lm", "shapes"], "--schedule=cosine applies to the shapes"),
-    (["--optimizer", "sgd", "--schedule", "cosine", "--workloads", "tabular_small"], "give --good-lr WORKLOAD=LR"),
+    (["--optimizer", "sgd", "--schedule", "cosine", "--workloads", "shapes"], "give --good-lr WORKLOAD=LR"),
 ])
 def test_search_baselines_refuses_a_start_without_a_measured_good_lr(argv, match, capsys):
     from benchmarks.search_baselines import parse_args
