@@ -474,21 +474,20 @@ def stamp(seeds: Iterable[int] | None, wall_s: float | None = None) -> str:
 RESEARCH_BLOCKS = {"search_signals": "research/2026-12-hdet-search.md",
                    "search_baselines_detail": "research/2026-12-hdet-search.md",
                    "search_long": "research/2026-12-hdet-search.md"}
-# Issue 59's cells (benchmarks/run_all.py's search_repeat_* parts and their first measurement) go to the log too.
-RESEARCH_BLOCKS.update({f"search_repeat_{o}_{s}{w}": "research/2026-12-hdet-search.md" for o in ("adamw", "sgd")
-                        for s in ("constant", "cosine") for w in ("", "_tabular_small", "_shapes_small")})
-RESEARCH_BLOCKS["search_repeat_targets"] = "research/2026-12-hdet-search.md"
+# Issue 59's cells (run_all.py's search_repeat_* parts, their first measurement and any variant named so) too.
+RESEARCH_PREFIXES = {"search_repeat": "research/2026-12-hdet-search.md"}
 
 
 def block_page(docs_dir: Path, name: str) -> Path:
     """The page under ``docs_dir`` that holds ``name``'s generated block (its markers on lines of their own), else
-    its page in :data:`RESEARCH_BLOCKS`, else ``docs_dir / "benchmarks.md"``: a block moved to the research log
-    keeps being rewritten there."""
+    its page in :data:`RESEARCH_BLOCKS` (or by its prefix, :data:`RESEARCH_PREFIXES`), else
+    ``docs_dir / "benchmarks.md"``: a block moved to the research log keeps being rewritten there."""
     marker = re.compile(rf"^<!-- BEGIN {re.escape(name)} -->$", re.M)
     for page in sorted(docs_dir.rglob("*.md")):
         if marker.search(page.read_text()):
             return page
-    return docs_dir / RESEARCH_BLOCKS.get(name, "benchmarks.md")
+    prefixed = (page for prefix, page in RESEARCH_PREFIXES.items() if name.startswith(prefix))
+    return docs_dir / RESEARCH_BLOCKS.get(name, next(prefixed, "benchmarks.md"))
 
 
 def write_block(docs_dir: Path, name: str, markdown: str) -> Path:
