@@ -105,9 +105,10 @@ GOOD_LR = {"char_lm": 1e-2, "shapes": 5e-3, "tabular": 3e-3}
 GOOD_LR.update({"tabular_small": 4.6e-4, "shapes_small": 2.2e-3})
 GOOD_LR_SGD = {"tabular_small": 1e-2, "shapes_small": 4.6e-2}
 # With --schedule cosine (the same calibration, search_calibrate_*_cosine_*): tabular_small AdamW 1e-3 (1.240;
-# 4.6e-4: 1.255, 2.2e-3: 1.293), SGD 2.2e-2 (1.234; 1e-2: 1.277, 4.6e-2: 1.298).
-GOOD_LR_COSINE = {"tabular_small": 1e-3}
-GOOD_LR_SGD_COSINE = {"tabular_small": 2.2e-2}
+# 4.6e-4: 1.255, 2.2e-3: 1.293), SGD 2.2e-2 (1.234; 1e-2: 1.277, 4.6e-2: 1.298); shapes_small (four LRs around the
+# constant's best) AdamW 2.2e-3 (0.971; 4.6e-3 to 1e-2 within 0.02), SGD 0.1 (0.868; 4.6e-2: 1.052, 0.215: 1.146).
+GOOD_LR_COSINE = {"tabular_small": 1e-3, "shapes_small": 2.2e-3}
+GOOD_LR_SGD_COSINE = {"tabular_small": 2.2e-2, "shapes_small": 0.1}
 # Where a workload x optimizer x schedule has no measured good LR: --good-lr gives it (search_calibrate.py finds it).
 GOOD_LRS = {("adamw", "constant"): GOOD_LR, ("sgd", "constant"): GOOD_LR_SGD, ("adamw", "cosine"): GOOD_LR_COSINE,
             ("sgd", "cosine"): GOOD_LR_SGD_COSINE}

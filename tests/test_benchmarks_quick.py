@@ -222,8 +222,14 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
     untuned_cell = f"{targets[('shapes', 'softmax+search')]['vs']['untuned']:.3f}"
     assert any(line.startswith("| shapes | good | softmax+search |") and untuned_cell in line for line in page)
     detail = _block_rows((tmp_path / "docs" / "benchmarks.md").read_text(), "search_baselines_quick_detail")
-    methods_table = [line for line in detail if line.count("|") == 12]
+    methods_table = [line for line in detail if line.count("|") == 12 and "| adamw | constant |" not in line
+                     and not line.startswith("| workload | optimizer |")]
     assert len(methods_table) == 2 + len(workloads) * len(ran)
+    # issue 59's table: one row per workload and HDET arm, on the handed-back models' held-out losses
+    handed_back = [line for line in detail if "| adamw | constant | good |" in line]
+    assert len(handed_back) == len(workloads) * 2
+    cells = [[c.strip() for c in line.split("|")] for line in handed_back]
+    assert all(c[9] == "—" and c[7] != "—" for c in cells)  # no lr_find arm ran; untuned did
     assert any("÷ best baseline" in line and "÷ untuned" in line for line in table) and "no_such_rule" in proc.stdout
     # Parts of a run made in parallel merge into the same summary, without training.
     part = tmp_path / "results" / "search_baselines_quick.json"
