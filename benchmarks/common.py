@@ -42,17 +42,26 @@ DOCS_DIR = REPO / "docs"
 # generated tabular data.
 WORKLOADS = ("char_lm", "shapes", "tabular")
 TABULAR_TRAIN = 16384  # the tabular training set's rows (TabularDataModule's default)
+# Issue 59's workloads whose data repeat: a 300-step run of 4 processes x batch 32 (38,400 samples) reads the
+# small tabular set 37 times and the small shapes set 25 times, so they memorise and the held-out loss rises
+# when over-trained. Validated on a separate held-out set of SMALL_VAL items (other rows / images).
+SMALL_TRAIN = {"tabular_small": 1024, "shapes_small": 1536}
+SMALL_VAL = 512
+ALL_WORKLOADS = WORKLOADS + tuple(SMALL_TRAIN)  # what a script may name; WORKLOADS stays its default
 # Loss of a constant predictor: where a collapsed run sits (uniform over the outputs; tabular: the training
 # labels' own distribution, which the teacher does not balance).
 CHANCE_LOSS = {"char_lm": math.log(VOCAB_SIZE), "shapes": math.log(len(CLASSES)),
-               "tabular": prior_loss(make_tabular(TABULAR_TRAIN)[1], 8)}
+               "tabular": prior_loss(make_tabular(TABULAR_TRAIN)[1], 8),
+               "tabular_small": prior_loss(make_tabular(SMALL_TRAIN["tabular_small"])[1], 8),
+               "shapes_small": math.log(len(CLASSES))}
 
 
 @dataclass
 class RunSpec:
     """One training run of ``workload``: :class:`CharLM` on :class:`CharCorpusDataModule` (``"char_lm"``),
     :class:`ShapesCNN` on :class:`ShapesDataModule` (``"shapes"``) or :class:`TabularMLP` on
-    :class:`TabularDataModule` (``"tabular"``; ``block_size`` and ``max_chars`` unused but by the char LM).
+    :class:`TabularDataModule` (``"tabular"``; ``block_size`` and ``max_chars`` unused but by the char LM);
+    ``"tabular_small"`` and ``"shapes_small"`` are the same models on small training sets (:data:`SMALL_TRAIN`).
 
     ``steps`` is the global step to stop at (cumulative when resuming); ``devices`` the number of
     processes; ``model`` extra model arguments (``optimizer``, ``d_model``, ...). ``shard_data=False``
@@ -311,7 +320,13 @@ def build_workload(spec: RunSpec) -> tuple[LightningModule, LightningDataModule]
         data = TabularDataModule(batch_size=spec.batch_size, num_train=TABULAR_TRAIN, shuffle_seed=spec.seed,
                                  shard_train=spec.shard_train)
         return TabularMLP(lr=spec.lr, **spec.model), data
-    raise ValueError(f"workload={spec.workload!r} is not one of {WORKLOADS}")
+    if spec.workload in SMALL_TRAIN:  # issue 59's repeating data (SMALL_TRAIN), the same items in every run
+        kind = TabularDataModule if spec.workload == "tabular_small" else ShapesDataModule
+        data = kind(batch_size=spec.batch_size, num_train=SMALL_TRAIN[spec.workload], num_val=SMALL_VAL,
+                    shuffle_seed=spec.seed, shard_train=spec.shard_train)
+        model = TabularMLP if spec.workload == "tabular_small" else ShapesCNN
+        return model(lr=spec.lr, **spec.model), data
+    raise ValueError(f"workload={spec.workload!r} is not one of {ALL_WORKLOADS}")
 
 
 @torch.no_grad()
@@ -459,17 +474,20 @@ def stamp(seeds: Iterable[int] | None, wall_s: float | None = None) -> str:
 RESEARCH_BLOCKS = {"search_signals": "research/2026-12-hdet-search.md",
                    "search_baselines_detail": "research/2026-12-hdet-search.md",
                    "search_long": "research/2026-12-hdet-search.md"}
+# Issue 59's cells (run_all.py's search_repeat_* parts, their first measurement and any variant named so) too.
+RESEARCH_PREFIXES = {"search_repeat": "research/2026-12-hdet-search.md"}
 
 
 def block_page(docs_dir: Path, name: str) -> Path:
     """The page under ``docs_dir`` that holds ``name``'s generated block (its markers on lines of their own), else
-    its page in :data:`RESEARCH_BLOCKS`, else ``docs_dir / "benchmarks.md"``: a block moved to the research log
-    keeps being rewritten there."""
+    its page in :data:`RESEARCH_BLOCKS` (or by its prefix, :data:`RESEARCH_PREFIXES`), else
+    ``docs_dir / "benchmarks.md"``: a block moved to the research log keeps being rewritten there."""
     marker = re.compile(rf"^<!-- BEGIN {re.escape(name)} -->$", re.M)
     for page in sorted(docs_dir.rglob("*.md")):
         if marker.search(page.read_text()):
             return page
-    return docs_dir / RESEARCH_BLOCKS.get(name, "benchmarks.md")
+    prefixed = (page for prefix, page in RESEARCH_PREFIXES.items() if name.startswith(prefix))
+    return docs_dir / RESEARCH_BLOCKS.get(name, next(prefixed, "benchmarks.md"))
 
 
 def write_block(docs_dir: Path, name: str, markdown: str) -> Path:

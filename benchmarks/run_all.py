@@ -81,6 +81,21 @@ SIGNAL_VOTES = ("pbt", "pbt:improvement", "pbt:forecast", "pbt:heldout", "softma
 # Schedule-free AdamW as the optimizer every search tunes (bench-full).
 SF_METHODS = ("grid", "optuna_tpe", "pbt", "prodigy", "schedulefree")
 SF_VOTES = ("softmax", "pbt", "pbt@global", "pbt+search", "pb2+search")
+# Issue 59's cells: the repeating workloads (>= 25 epochs in 300 steps of 4 x 32), starts 1x, 10x and 40x either
+# way of the grid's best, untuned, grid, lr_find + DDP and HDET at its defaults, three seeds, one part per optimizer
+# and schedule (bench-full). Another HDET variant: the same command with --hdet-votes defaults:OPTION=VALUE and
+# another --name. Minutes: the first measurement (constant LR, 2026-12-06, 2 cores at load 10-17 from other jobs):
+# tabular_small 8-12 min per optimizer (grid included), shapes_small 10-13 min without its grid and 11 with it
+# alone: ~33 min a part there, about half on idle cores.
+REPEAT_ARGS = ("--workloads", "tabular_small", "shapes_small", "--starts", "good", "10x low", "10x high", "40x low",
+               "40x high", "--steps", "300", "--batch-size", "32", "--val-every", "30", "--seeds", "3")
+
+
+def repeat(optimizer: str, schedule: str) -> tuple[str, ...]:
+    return search(f"search_repeat_{optimizer}_{schedule}", ("untuned", "grid", "lr_find"), ("defaults",),
+                  "--optimizer", optimizer, "--schedule", schedule, *REPEAT_ARGS)
+
+
 # HDET's processes forked, as the tables' were: saves ~10 s of imports per run, changes no number but the
 # wall-clock. The table's sizes (S = 128) apply at full size only.
 SEARCH_FULL_SIZE = ("--steps", "128", "--pbt-interval", "32", "--val-every", "16")
@@ -159,6 +174,10 @@ PARTS = (
          search("search_long", ("untuned",), ("defaults",), "--workloads", "char_lm", "--full-grid", "10x high",
                 "10x low"),
          minutes=65, full_size=("--steps", "1024", "--pbt-interval", "128", "--val-every", "128"), full=True),
+    Part("search_repeat_adamw_constant", "search_baselines.py", repeat("adamw", "constant"), minutes=33, full=True),
+    Part("search_repeat_sgd_constant", "search_baselines.py", repeat("sgd", "constant"), minutes=30, full=True),
+    Part("search_repeat_adamw_cosine", "search_baselines.py", repeat("adamw", "cosine"), minutes=33, full=True),
+    Part("search_repeat_sgd_cosine", "search_baselines.py", repeat("sgd", "cosine"), minutes=30, full=True),
     Part("async_published", "async_published.py", ASYNC_ARGS, minutes=13, full_size=ASYNC_FULL_SIZE),
     Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
          full=True),

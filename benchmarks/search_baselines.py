@@ -26,13 +26,22 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
   on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at the grid's LRs, voting and
   blending every ``T`` steps (``blend="best"`` by default). Entries the installed ``HDETCallback`` does not
   accept are reported as skipped, so new rules are measured as soon as they land;
+- **lr_find** (issue 59, not run by default): Lightning's ``Tuner(trainer).lr_find`` (``num_training=100``, its
+  other arguments at their defaults) on one process at the per-process batch from the starting LR's model, then
+  plain DDP at its suggestion for ``S - ceil(100/W)`` steps (the finder's 100 rank-steps counted;
+  ``benchmarks/search_lr_find.py``); when it suggests nothing, the starting LR, recorded;
 - optionally (``--full-grid``) **grid ×G**: the grid again with every run as large as the whole HDET job
   (``W``-process batch), i.e. ``G`` × the compute: the ceiling, the reference of the "one run over G LRs at 1/G
   of the grid's compute" target.
 
 The targets table reports HDET ÷ untuned and HDET ÷ grid ×G per start (issue 28's price check).
 
-Each method starts from a good LR, 10× too high and 10× too low (the grid is centred on the start).
+Each method starts from a good LR, 10× too high and 10× too low (the grid is centred on the start); ``--starts``
+adds 40× either way (issue 59). ``--optimizer sgd`` (momentum 0.9) and ``--schedule cosine`` (``CosineAnnealingLR``
+over the run, in the model's ``configure_optimizers``) apply to every run; the good LR of each workload, optimizer
+and schedule is measured (``GOOD_LRS``, ``benchmarks/search_calibrate.py``) or given (``--good-lr``). Every arm also
+records the held-out loss of the model it hands back (``Arm.final_loss``): issue 59's targets table
+(``search_report.handed_back_table``) reads it.
 Reported per workload, start and method (medians over seeds, with the range over seeds): best validation
 loss, the LR it settled on, compute and deployed wall-clock to a target loss; then the targets of issue 13
 as ratios, HDET against every baseline.
@@ -59,6 +68,7 @@ from benchmarks.common import (
     hdet_callbacks,
     DOCS_DIR,
     RESULTS_DIR,
+    ALL_WORKLOADS,
     WORKLOADS,
     RunResult,
     RunSpec,
@@ -71,6 +81,7 @@ from benchmarks.common import (
     write_block,
     write_json,
 )
+from benchmarks.search_lr_find import FINDER_STEPS, run_lr_find
 from benchmarks.search_pbt import ray_available, run_pbt, run_pbt_minimal
 from benchmarks.search_report import page_table, summarise, tables
 from lightning_hdet.hdet.multipliers import centred_grid
@@ -78,12 +89,29 @@ from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
 
 NAME = "search_baselines"
 DEFAULTS = "defaults"  # the HDET arm with nothing given: the package's groups, multipliers and vote interval
-STARTS = {"good": 1.0, "10x high": 10.0, "10x low": 0.1}
-BASELINES = ("untuned", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree")
+STARTS = {"good": 1.0, "10x high": 10.0, "10x low": 0.1, "40x high": 40.0, "40x low": 1 / 40}
+DEFAULT_STARTS = ("good", "10x high", "10x low")  # the 40x starts (issue 59) run when named
+BASELINES = ("untuned", "grid", "optuna_tpe", "pbt", "pbt_minimal", "prodigy", "schedulefree", "lr_find")
 # The good AdamW LR of each workload: the best of a coarse sweep (char LM: best grid LR of a first run at
 # S = 400; shapes: 1e-3..1e-2 within 0.06 nats of each other at S = 320, 3e-2 and above collapse to chance).
 # tabular: 3e-3..1e-2 within 0.02 of each other at 300 steps of batch 256, 0.3 and above at the labels' prior.
 GOOD_LR = {"char_lm": 1e-2, "shapes": 5e-3, "tabular": 3e-3}
+# Issue 59's repeating workloads (constant LR, W = 4 x batch 32, S = 300): the LR of the lowest median held-out loss
+# of the handed-back model over seeds 0-2, on a grid of three LRs per decade (benchmarks/search_calibrate.py, results
+# in benchmarks/results/search_calibrate*.json). tabular_small: AdamW 4.6e-4 (1.239; 2.2e-4 and 1e-3 within 0.07),
+# SGD 1e-2 (1.238; 4.6e-3 and 2.2e-2 within 0.07); both memorise above (AdamW 1e-2: 3.10). shapes_small: AdamW
+# 2.2e-3 (0.914; 1e-3 and 4.6e-3 within 0.06, seeds spread up to 0.25), SGD 4.6e-2 (0.920; 0.1: 1.023, 2.2e-2:
+# 1.207; 1e-4 to 2.2e-3 barely learn, 1.79-1.80).
+GOOD_LR.update({"tabular_small": 4.6e-4, "shapes_small": 2.2e-3})
+GOOD_LR_SGD = {"tabular_small": 1e-2, "shapes_small": 4.6e-2}
+# With --schedule cosine (the same calibration, search_calibrate_*_cosine_*): tabular_small AdamW 1e-3 (1.240;
+# 4.6e-4: 1.255, 2.2e-3: 1.293), SGD 2.2e-2 (1.234; 1e-2: 1.277, 4.6e-2: 1.298); shapes_small (four LRs around the
+# constant's best) AdamW 2.2e-3 (0.971; 4.6e-3 to 1e-2 within 0.02), SGD 0.1 (0.868; 4.6e-2: 1.052, 0.215: 1.146).
+GOOD_LR_COSINE = {"tabular_small": 1e-3, "shapes_small": 2.2e-3}
+GOOD_LR_SGD_COSINE = {"tabular_small": 2.2e-2, "shapes_small": 0.1}
+# Where a workload x optimizer x schedule has no measured good LR: --good-lr gives it (search_calibrate.py finds it).
+GOOD_LRS = {("adamw", "constant"): GOOD_LR, ("sgd", "constant"): GOOD_LR_SGD, ("adamw", "cosine"): GOOD_LR_COSINE,
+            ("sgd", "cosine"): GOOD_LR_SGD_COSINE}
 
 
 @dataclass
@@ -102,6 +130,7 @@ class Arm:
     diverged_runs: int
     wall_s: float
     extra: dict = field(default_factory=dict)
+    final_loss: float = math.nan  # held-out loss of the handed-back model (grid: of its best run's); NaN: not measured
 
 
 def lr_grid(center: float, groups: int, spread: float) -> list[float]:
@@ -125,7 +154,8 @@ def run_grid(method: str, lrs: list[float], base: RunSpec, world: int, work: Pat
     best = min(runs, key=lambda r: r.best_val_loss)
     scale = world * len(lrs) if method == "grid_xG" else world
     return dict(settled_lr=best.spec.lr, best_val_loss=best.best_val_loss, curve=_side_by_side(runs, scale),
-                lrs_tried=lrs, diverged_runs=sum(r.diverged for r in runs), wall_s=sum(r.wall_s for r in runs))
+                lrs_tried=lrs, diverged_runs=sum(r.diverged for r in runs), wall_s=sum(r.wall_s for r in runs),
+                final_loss=min(r.final_model_val_loss for r in runs))
 
 
 def run_optuna(start_lr: float, lo: float, hi: float, trials: int, base: RunSpec, work: Path) -> dict:
@@ -167,7 +197,7 @@ def run_single(optimizer: str, lr: float, base: RunSpec, world: int, work: Path)
     spec = replace(whole_batch(base, world), lr=lr, model={**base.model, "optimizer": optimizer})
     run = fit_run(spec, work)
     return dict(settled_lr=run.rank_lrs[0], best_val_loss=run.best_val_loss, curve=_side_by_side([run], world),
-                lrs_tried=[lr], diverged_runs=int(run.diverged), wall_s=run.wall_s)
+                lrs_tried=[lr], diverged_runs=int(run.diverged), wall_s=run.wall_s, final_loss=run.final_model_val_loss)
 
 
 class HDETArm(NamedTuple):
@@ -334,8 +364,9 @@ def hdet_outcome(run: RunResult, world: int, groups: int, lrs: list[float]) -> d
     return dict(
         settled_lr=run.rank_extra[0]["group_lrs"][best_group], best_val_loss=curve[-1][1] if curve else math.inf,
         curve=curve, lrs_tried=sorted({row["lr"] for row in history} | set(lrs)), diverged_runs=int(run.diverged),
-        wall_s=run.wall_s, extra={"history": history, "rescues": run.rank_extra[0]["rescues"],
-                                  "merged_model_val_loss": run.final_model_val_loss},
+        wall_s=run.wall_s, final_loss=run.final_model_val_loss,
+        extra={"history": history, "rescues": run.rank_extra[0]["rescues"],
+               "merged_model_val_loss": run.final_model_val_loss},
     )
 
 
@@ -356,6 +387,7 @@ def run_two_step(lrs: list[float], base: RunSpec, args: argparse.Namespace, entr
     return dict(settled_lr=two["settled_lr"], best_val_loss=min(one["best_val_loss"], two["best_val_loss"]),
                 curve=best_so_far(one["curve"] + later), lrs_tried=sorted(set(one["lrs_tried"] + two["lrs_tried"])),
                 diverged_runs=one["diverged_runs"] + two["diverged_runs"], wall_s=one["wall_s"] + two["wall_s"],
+                final_loss=two["final_loss"],
                 extra={"history": one["extra"]["history"] + [{**row, "step": row["step"] + half.steps}
                                                              for row in two["extra"]["history"]], "first_settled_lr":
                        one["settled_lr"], "merged_model_val_loss": two["extra"]["merged_model_val_loss"]})
@@ -364,13 +396,29 @@ def run_two_step(lrs: list[float], base: RunSpec, args: argparse.Namespace, entr
 def base_spec(args: argparse.Namespace, workload: str, center: float, seed: int) -> RunSpec:
     """A grid run of ``workload``: W/G processes, the script's sizes."""
     sizes = {"char_lm": {"d_model": args.d_model, "n_layers": args.n_layers}, "shapes": {"width": args.width}}
+    sizes["shapes_small"] = sizes["shapes"]
     model = dict(sizes.get(workload, {}))  # tabular: the MLP's own sizes
     model["optimizer"] = args.optimizer
+    if workload != "char_lm":  # the char LM's own "cosine" has a floor; fill_defaults refuses it there
+        model["scheduler"] = args.schedule
     return RunSpec(
         lr=center, steps=args.steps, seed=seed, devices=args.world_size // args.groups, batch_size=args.batch_size,
         max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches, model=model,
         workload=workload,
     )
+
+
+_FINDER_ARMS: dict[str, dict] = {}
+
+
+def finder_arm(start_lr: float, base: RunSpec, world: int, work: Path) -> dict:
+    """The lr_find arm, run once per workload, seed and settings: the finder sweeps its own range (1e-8 to 1) from
+    the same seeded weights and data order whatever the starting LR, so its suggestion, and the DDP run at it, are
+    the same from every start (only a ``None`` suggestion falls back to the start; then it runs again)."""
+    key = repr(replace(base, lr=0.0)) + f"/{world}"
+    if key not in _FINDER_ARMS or _FINDER_ARMS[key]["extra"]["fallback"]:
+        _FINDER_ARMS[key] = run_lr_find(start_lr, base, world, work)
+    return _FINDER_ARMS[key]
 
 
 def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, work: Path) -> list[Arm]:
@@ -387,6 +435,7 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
         "pbt_minimal": lambda: run_pbt_minimal(lrs, lo, hi, args.pbt_interval, base, world, work / "pbt_minimal"),
         "prodigy": lambda: run_single("prodigy", 1.0, base, world, work / "prodigy"),
         "schedulefree": lambda: run_single("schedulefree", center, base, world, work / "schedulefree"),
+        "lr_find": lambda: finder_arm(center, base, world, work / "lr_find"),
     }
     for vote in args.votes:
         where = work / f"hdet_{vote.replace(':', '_').replace('>', '_then_')}"
@@ -406,14 +455,16 @@ def run_start(workload: str, start: str, args: argparse.Namespace, seed: int, wo
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny budget, one seed (about a minute on 2 cores)")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS, metavar="WORKLOAD",
-                   help=f"of {list(WORKLOADS)} (default all)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=ALL_WORKLOADS, metavar="WORKLOAD",
+                   help=f"of {list(ALL_WORKLOADS)} (default {list(WORKLOADS)})")
     p.add_argument("--world-size", type=int, default=4, help="W: processes of the job")
-    p.add_argument("--starts", nargs="+", default=list(STARTS), choices=list(STARTS), metavar="START",
-                   help=f"starting LRs to run, of {list(STARTS)} (default all)")
-    p.add_argument("--methods", nargs="*", default=[m for m in BASELINES if m != "pbt_minimal"], choices=BASELINES,
-                   metavar="METHOD", help=f"baselines to run, of {list(BASELINES)} (default all but pbt_minimal, "
-                   "the Ray-free re-implementation of PBT; pbt is skipped when Ray is missing)")
+    p.add_argument("--starts", nargs="+", default=list(DEFAULT_STARTS), choices=list(STARTS), metavar="START",
+                   help=f"starting LRs to run, of {list(STARTS)} (default {list(DEFAULT_STARTS)})")
+    p.add_argument("--methods", nargs="*", default=[m for m in BASELINES if m not in ("pbt_minimal", "lr_find")],
+                   choices=BASELINES, metavar="METHOD",
+                   help=f"baselines to run, of {list(BASELINES)} (default all but pbt_minimal, the Ray-free "
+                   "re-implementation of PBT, and lr_find, Lightning's Tuner.lr_find + DDP at its suggestion; pbt is "
+                   "skipped when Ray is missing)")
     p.add_argument("--hdet-votes", default="best,softmax",
                    help="comma-separated HDETCallback vote names, each optionally with a signal and the strategy's "
                    "gradient_sync (VOTE[:SIGNAL][@SYNC], e.g. pbt:heldout, pbt@global; default signal mean, sync "
@@ -434,8 +485,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--full-grid", nargs="*", default=None, choices=list(STARTS), metavar="START",
                    help="also run the grid with every run as large as the whole job (G x the compute), from these "
                    "starts (none named: every start)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "schedulefree", "prodigy"),
-                   help="the optimizer whose LR grid, TPE, PBT and HDET search (default adamw; schedulefree: "
+    p.add_argument("--schedule", default="constant", choices=("constant", "cosine"),
+                   help="the LR schedule of every run but the char LM's: constant (a bare optimizer) or cosine "
+                   "(CosineAnnealingLR to zero over the run, set up in the model's configure_optimizers)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd", "schedulefree", "prodigy"),
+                   help="the optimizer whose LR grid, TPE, PBT and HDET search (default adamw; sgd: SGD with "
+                   "momentum 0.9; schedulefree: "
                    "schedule-free AdamW, the baseline's optimizer; prodigy: Prodigy, whose lr multiplies its own "
                    "estimate, so the starts are 1.0 and 10x either side); prodigy and schedulefree runs keep their own")
     p.add_argument("--groups", type=int, default=4, help="G: LRs in the grid / trials / PBT members / HDET groups")
@@ -494,12 +549,23 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, value in (("--pbt-interval", args.pbt_interval), ("--val-every", args.val_every)):
         if args.steps % value:
             p.error(f"{flag}={value} must divide --steps={args.steps} so every method spends the whole budget")
+    if "lr_find" in args.methods and args.steps <= math.ceil(FINDER_STEPS / args.world_size):
+        p.error(f"lr_find spends {FINDER_STEPS} one-process steps of the budget: --steps={args.steps} must exceed "
+                f"{math.ceil(FINDER_STEPS / args.world_size)} at --world-size={args.world_size}")
+    if args.schedule != "constant" and "char_lm" in args.workloads:
+        p.error(f"--schedule={args.schedule} applies to the shapes and tabular workloads; the char LM has its own "
+                "scheduler option: drop char_lm from --workloads")
     # Prodigy's lr multiplies its own step-size estimate: 1.0 is its good value whatever the workload
-    good = {w: 1.0 for w in GOOD_LR} if args.optimizer == "prodigy" else GOOD_LR
+    good = ({w: 1.0 for w in ALL_WORKLOADS} if args.optimizer == "prodigy"
+            else GOOD_LRS.get(("adamw" if args.optimizer == "schedulefree" else args.optimizer, args.schedule), {}))
     try:
         args.good_lr = {**good, **{k: float(v) for k, v in (item.split("=", 1) for item in args.good_lr)}}
     except ValueError:
         p.error(f"--good-lr takes WORKLOAD=LR pairs, got {args.good_lr}")
+    missing = [w for w in args.workloads if w not in args.good_lr]
+    if missing and not args.merge:
+        p.error(f"no good LR measured for {missing} with --optimizer={args.optimizer} --schedule={args.schedule}: "
+                "give --good-lr WORKLOAD=LR (benchmarks/search_calibrate.py measures it)")
     args.votes, args.skipped = accepted_votes([v for v in args.hdet_votes.split(",") if v])
     if "pbt" in args.methods and not ray_available():
         args.skipped["pbt"] = "Ray Tune is not installed (pip install 'ray[tune]', or the `bench` extra)"

@@ -12,8 +12,14 @@ Targets (issue 13), per workload, start and HDET vote rule:
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 from collections.abc import Iterable
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script (issue 59's table over result files): the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import fmt, markdown_table, median
 
@@ -105,6 +111,7 @@ def summarise(arms: list, args: argparse.Namespace, starts: dict) -> dict:
         out["targets_val_loss"][workload] = target
         out["rows"] += rows
         out["targets"] += _target_rows(mine, rows, workload, starts, args.votes)
+    out["handed_back"] = handed_back_rows(arms, args.votes, {"optimizer": args.optimizer, "schedule": args.schedule})
     return out
 
 
@@ -174,7 +181,7 @@ def _insurance_table(summary: dict) -> str:
 
 
 # How the table names the optimizer whose LR grid, TPE, PBT and HDET search (``--optimizer``).
-OPTIMIZER_NAMES = {"adamw": "AdamW", "schedulefree": "schedule-free AdamW", "prodigy": "Prodigy (its lr multiplier)"}
+OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD + momentum 0.9", "schedulefree": "schedule-free AdamW", "prodigy": "Prodigy (its lr multiplier)"}
 
 
 def settings(summary: dict, args: argparse.Namespace, total_s: float) -> str:
@@ -185,7 +192,8 @@ def settings(summary: dict, args: argparse.Namespace, total_s: float) -> str:
         f"Mode: {'quick' if args.quick else 'full'}; W = {args.world_size} processes, G = {args.groups}, "
         f"S = {args.steps} steps, T = {args.pbt_interval} (PBT interval, HDET vote interval), validation every "
         f"{args.val_every} steps on {args.val_batches} batches, batch {args.batch_size} per process, "
-        f"{args.seeds} seed(s), medians over seeds; LRs searched for {OPTIMIZER_NAMES[args.optimizer]}. Target "
+        f"{args.seeds} seed(s), medians over seeds; LRs searched for {OPTIMIZER_NAMES[args.optimizer]}, "
+        f"{args.schedule} schedule. Target "
         f"loss ((1 + {args.margin}) × best reached at equal compute): {targets}. Skipped: {skipped}. Total "
         f"wall-clock {total_s:.0f} s."
     )
@@ -199,7 +207,13 @@ def tables(summary: dict, args: argparse.Namespace, starts: dict, total_s: float
         + "\n\nIssue 13's targets, HDET's median best validation loss divided by each baseline's (≤ 1 means HDET is "
         "at least as good), per seed the range of HDET ÷ that seed's best baseline; ✓ / ✗ against the target.\n\n"
         + _targets_table(summary)
+        + (f"\n\n{HANDED_BACK_NOTE}\n\n{handed_back_table(summary['handed_back'], _good(args))}"
+           if summary["handed_back"] else "")
     )
+
+
+def _good(args: argparse.Namespace) -> dict[tuple[str, str, str], float]:
+    return {(w, args.optimizer, args.schedule): lr for w, lr in args.good_lr.items()}
 
 
 def page_table(summary: dict, args: argparse.Namespace, total_s: float) -> str:
@@ -209,3 +223,145 @@ def page_table(summary: dict, args: argparse.Namespace, total_s: float) -> str:
         "target where it applies (good start: ÷ untuned ≤ 1.02; 10× off: ÷ grid ×G ≤ 1.05).\n\n"
         + _insurance_table(summary)
     )
+
+
+# Issue 59's targets on the held-out loss of the handed-back model (``Arm.final_loss``), per start: the ratio each
+# start is judged by and its bound on the median over seeds (and, from the good start, on the worst seed).
+# "grid best": plain DDP at the grid's best LR (the untuned arm of the good start, same seed).
+TARGETS_59 = {"good": ("untuned", 1.02, 1.10), "10x high": ("grid_best", 1.05, None),
+              "10x low": ("grid_best", 1.05, None), "40x high": ("grid_best", 1.15, None),
+              "40x low": ("grid_best", 1.15, None)}
+LR_FIND_BOUND = 1.0  # at equal compute, at or below lr_find + DDP from every start
+
+
+def handed_back_rows(arms: list, votes: list[str], label: dict) -> list[dict]:
+    """Issue 59's targets per workload, start and HDET arm: per seed HDET's handed-back held-out loss ÷ the untuned
+    run's (same start), ÷ plain DDP at the grid's best LR (the good start's untuned run) and ÷ ``lr_find`` + DDP
+    (same start); each as its median and worst (largest) over seeds. ``label`` (optimizer, schedule) is copied in."""
+    out = []
+    for workload in dict.fromkeys(a.workload for a in arms):
+        for start in dict.fromkeys(a.start for a in arms if a.workload == workload):
+            for vote in votes:
+                ratios: dict[str, list[float]] = {"untuned": [], "grid_best": [], "lr_find": []}
+                hdet_losses, finder_lrs = [], []
+                for seed in sorted({a.seed for a in arms}):
+                    mine = {a.method: a for a in arms if (a.workload, a.start, a.seed) == (workload, start, seed)}
+                    hdet = mine.get(f"hdet_{vote}")
+                    if hdet is None or not math.isfinite(hdet.final_loss):
+                        continue
+                    hdet_losses.append(hdet.final_loss)
+                    best = next((a for a in arms if (a.workload, a.start, a.seed, a.method)
+                                 == (workload, "good", seed, "untuned")), None)
+                    for key, other in (("untuned", mine.get("untuned")), ("grid_best", best),
+                                       ("lr_find", mine.get("lr_find"))):
+                        if other is not None and math.isfinite(other.final_loss) and other.final_loss > 0:
+                            ratios[key].append(hdet.final_loss / other.final_loss)
+                    if "lr_find" in mine:
+                        finder_lrs.append(mine["lr_find"].settled_lr)
+                if not hdet_losses:
+                    continue
+                out.append({**label, "workload": workload, "start": start, "vote": vote,
+                            "hdet_final_loss": median(hdet_losses), "seeds": len(hdet_losses),
+                            "lr_find_lr": median(finder_lrs) if finder_lrs else None,
+                            **{f"vs_{k}": median(v) if v else None for k, v in ratios.items()},
+                            **{f"vs_{k}_worst": max(v) if v else None for k, v in ratios.items()}})
+    return out
+
+
+def _cell(row: dict, key: str, bound: float | None, worst_bound: float | None) -> str:
+    """``median (worst seed)`` with ✓ / ✗ where a target applies (both bounds met)."""
+    med, worst = row[f"vs_{key}"], row[f"vs_{key}_worst"]
+    if med is None:
+        return "—"
+    text = f"{med:.3f} ({worst:.3f})"
+    if bound is None:
+        return text
+    ok = med <= bound and (worst_bound is None or worst <= worst_bound)
+    return f"{text} {'✓' if ok else '✗'}"
+
+
+def handed_back_table(rows: list[dict], good_lr: dict[tuple[str, str, str], float] | None = None) -> str:
+    """Issue 59's targets table: HDET ÷ untuned (the good start's target: median ≤ 1.02, worst seed ≤ 1.10), ÷
+    grid best (10x off ≤ 1.05, 40x off ≤ 1.15), ÷ ``lr_find`` + DDP (≤ 1 everywhere); medians of seeds with the
+    worst seed in brackets. ``good_lr`` (workload, optimizer, schedule) -> the grid's best LR, to show the finder's
+    suggestion as a multiple of it."""
+    headers = ["workload", "optimizer", "schedule", "start", "HDET arm", "HDET loss (median)",
+               "÷ untuned (worst)", "÷ grid best (worst)", "÷ lr_find + DDP (worst)", "lr_find LR ÷ best LR", "seeds"]
+    body = []
+    for r in rows:
+        key, bound, worst_bound = TARGETS_59.get(r["start"], (None, None, None))
+        best_lr = (good_lr or {}).get((r["workload"], r["optimizer"], r["schedule"]))
+        body.append([
+            r["workload"], r["optimizer"], r["schedule"], r["start"], r["vote"], fmt(r["hdet_final_loss"]),
+            _cell(r, "untuned", bound if key == "untuned" else None, worst_bound),
+            _cell(r, "grid_best", bound if key == "grid_best" else None, None),
+            _cell(r, "lr_find", LR_FIND_BOUND, None),
+            "—" if r["lr_find_lr"] is None or best_lr is None else f"{r['lr_find_lr'] / best_lr:.2g}",
+            str(r["seeds"]),
+        ])
+    return markdown_table(headers, body)
+
+
+HANDED_BACK_NOTE = (
+    "Issue 59's targets on the held-out loss of the model each run hands back (HDET: the merged model), medians "
+    "over seeds with the worst seed in brackets; ✓ / ✗ where a target applies: from the good start ÷ untuned ≤ 1.02 "
+    "(worst seed ≤ 1.10); from 10× off ÷ grid best (plain DDP at the grid's best LR, same seed) ≤ 1.05, from 40× off "
+    "≤ 1.15; ÷ `lr_find` + DDP ≤ 1 from every start (equal compute: the finder's 100 steps counted).")
+
+
+def load_cells(paths: list[Path]) -> tuple[dict[tuple[str, str], tuple[list, list[str]]], dict, set[int], float]:
+    """The arms of benchmark 2's result files grouped by (optimizer, schedule), with each group's HDET votes; the
+    good LRs, seeds and summed wall-clock. A baseline arm (same workload, start, seed and method) is taken from the
+    first file that has it, so a file of HDET arms alone (``--methods`` with nothing) is read against an earlier
+    file's baselines. Where several files of one group hold HDET arms, each file's are named ``VOTE [file stem]``
+    (an old and a new ``defaults`` side by side) when those files share a workload."""
+    from benchmarks.search_baselines import Arm
+
+    loaded = [(path, json.loads(path.read_text())) for path in paths]
+    label_of = {path: (d["config"]["optimizer"], d["config"].get("schedule", "constant")) for path, d in loaded}
+    hdet_cells = {path: {(*label_of[path], a["workload"]) for a in d["arms"] if a["method"].startswith("hdet_")}
+                  for path, d in loaded}
+    groups: dict[tuple[str, str], tuple[dict, list[str]]] = {}
+    good, seeds, wall = {}, set(), 0.0
+    for path, data in loaded:
+        label = label_of[path]
+        cells, votes = groups.setdefault(label, ({}, []))
+        shared = any(hdet_cells[path] & cells_of for other, cells_of in hdet_cells.items() if other != path)
+        tag = f" [{path.stem}]" if shared else ""
+        for raw in data["arms"]:
+            arm = Arm(**raw)
+            if arm.method.startswith("hdet_"):
+                arm.method += tag
+                vote = arm.method.removeprefix("hdet_")
+                votes += [] if vote in votes else [vote]
+                cells[(arm.workload, arm.start, arm.seed, arm.method)] = arm
+            else:
+                cells.setdefault((arm.workload, arm.start, arm.seed, arm.method), arm)
+            seeds.add(arm.seed)
+        wall += data.get("total_wall_s", 0.0)
+        good.update({(w, *label): lr for w, lr in data["config"]["good_lr"].items()})
+    return {k: (list(cells.values()), votes) for k, (cells, votes) in groups.items()}, good, seeds, wall
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Issue 59's targets table over benchmark 2's result files (see :func:`load_cells`), printed and written to
+    ``--out`` (markdown) with a stamp."""
+    from benchmarks.common import stamp
+
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    p.add_argument("results", nargs="+", type=Path, help="search_baselines result files (JSON)")
+    p.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
+    args = p.parse_args(argv)
+    groups, good, seeds, wall = load_cells(args.results)
+    rows = [row for (optimizer, schedule), (arms, votes) in groups.items()
+            for row in handed_back_rows(arms, votes, {"optimizer": optimizer, "schedule": schedule})]
+    text = (HANDED_BACK_NOTE + "\n\n" + handed_back_table(rows, good) + "\n\nFrom: "
+            + ", ".join(f"`{p.as_posix()}`" for p in args.results) + "\n\n" + stamp(seeds, wall_s=wall))
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

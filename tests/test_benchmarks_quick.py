@@ -222,8 +222,14 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
     untuned_cell = f"{targets[('shapes', 'softmax+search')]['vs']['untuned']:.3f}"
     assert any(line.startswith("| shapes | good | softmax+search |") and untuned_cell in line for line in page)
     detail = _block_rows((tmp_path / "docs" / "benchmarks.md").read_text(), "search_baselines_quick_detail")
-    methods_table = [line for line in detail if line.count("|") == 12]
+    methods_table = [line for line in detail if line.count("|") == 12 and "| adamw | constant |" not in line
+                     and not line.startswith("| workload | optimizer |")]
     assert len(methods_table) == 2 + len(workloads) * len(ran)
+    # issue 59's table: one row per workload and HDET arm, on the handed-back models' held-out losses
+    handed_back = [line for line in detail if "| adamw | constant | good |" in line]
+    assert len(handed_back) == len(workloads) * 2
+    cells = [[c.strip() for c in line.split("|")] for line in handed_back]
+    assert all(c[9] == "—" and c[7] != "—" for c in cells)  # no lr_find arm ran; untuned did
     assert any("÷ best baseline" in line and "÷ untuned" in line for line in table) and "no_such_rule" in proc.stdout
     # Parts of a run made in parallel merge into the same summary, without training.
     part = tmp_path / "results" / "search_baselines_quick.json"
@@ -407,7 +413,7 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     args = argparse.Namespace(workloads=["shapes"], run_methods=["grid", "prodigy", "hdet_best", "grid_xG"],
                               votes=["best"], skipped={}, margin=1.0, quick=False, world_size=4, groups=4, steps=32,
                               pbt_interval=8, val_every=8, val_batches=8, batch_size=16, seeds=2,
-                              good_lr={"shapes": 5e-3}, optimizer="schedulefree")
+                              good_lr={"shapes": 5e-3}, optimizer="schedulefree", schedule="constant")
     summary = summarise(arms, args, {"good": 1.0})
     assert summary["targets_val_loss"]["shapes"] == pytest.approx(2 * 0.9)  # (1 + margin) x best, grid_xG excluded
     rows = {r["method"]: r for r in summary["rows"]}
@@ -422,6 +428,58 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     text = tables(summary, args, {"good": 1.0}, 10.0)
     assert "1.100 ✗" in text and "2.25 ✗" in text and "| 96 |" in text
     assert "LRs searched for schedule-free AdamW" in text
+
+
+def test_issue_59_table_divides_the_handed_back_losses_per_seed_and_shows_the_worst():
+    from benchmarks.search_baselines import Arm
+    from benchmarks.search_report import handed_back_rows, handed_back_table
+
+    def arm(method, start, seed, final, lr=1e-3):
+        return Arm("tabular_small", method, start, seed, lr, 9.0, [], [lr], 0, 1.0, final_loss=final)
+
+    arms = [arm("untuned", "good", 0, 1.0), arm("untuned", "good", 1, 2.0), arm("untuned", "good", 2, 1.0),
+            arm("hdet_defaults", "good", 0, 1.01), arm("hdet_defaults", "good", 1, 2.4),
+            arm("hdet_defaults", "good", 2, 0.9),
+            arm("lr_find", "good", 0, 1.1, 4e-3), arm("lr_find", "good", 1, 2.0, 5e-3), arm("lr_find", "good", 2, 1.0),
+            arm("untuned", "10x high", 0, 3.0), arm("hdet_defaults", "10x high", 0, 1.04),
+            arm("lr_find", "10x high", 0, 1.3, 4e-3)]
+    good, high = handed_back_rows(arms, ["defaults"], {"optimizer": "sgd", "schedule": "constant"})
+    # good start, per seed HDET / untuned: 1.01, 1.2, 0.9 -> median 1.01, worst 1.2 (over 1.10: the target fails)
+    assert good["vs_untuned"] == pytest.approx(1.01) and good["vs_untuned_worst"] == pytest.approx(1.2)
+    # ÷ lr_find per seed: 1.01 / 1.1, 2.4 / 2.0, 0.9 / 1.0 -> median 0.918, worst 1.2
+    assert good["vs_lr_find"] == pytest.approx(1.01 / 1.1) and good["vs_lr_find_worst"] == pytest.approx(1.2)
+    assert good["lr_find_lr"] == pytest.approx(4e-3) and good["seeds"] == 3
+    # 10x high on seed 0 only: ÷ grid best is ÷ the good start's untuned run of seed 0
+    assert high["vs_grid_best"] == pytest.approx(1.04) and high["vs_untuned"] == pytest.approx(1.04 / 3.0)
+    assert high["vs_lr_find"] == pytest.approx(0.8) and high["seeds"] == 1
+    text = handed_back_table([good, high], {("tabular_small", "sgd", "constant"): 1e-3})
+    assert "| 1.010 (1.200) ✗ |" in text  # the median meets 1.02, the worst seed does not meet 1.10
+    assert "| 1.040 (1.040) ✓ |" in text and "| 0.800 (0.800) ✓ |" in text and "| 4 |" in text
+
+
+def test_the_lr_find_arm_counts_the_finders_steps_in_its_compute(tmp_path):
+    from benchmarks.search_lr_find import FINDER_STEPS, run_lr_find
+
+    base = RunSpec(lr=1e-3, steps=40, batch_size=8, val_every=5, val_batches=4, workload="tabular_small",
+                   model={"optimizer": "sgd", "width": 16})
+    out = run_lr_find(1e-3, base, 4, tmp_path)
+    assert out["extra"]["ddp_steps"] == 40 - math.ceil(FINDER_STEPS / 4) == 15
+    assert [c for c, _, _ in out["curve"]] == [FINDER_STEPS + 4 * s for s in (5, 10, 15)]  # W x S = 160 in all
+    suggested = out["extra"]["suggested_lr"]
+    assert out["settled_lr"] == (1e-3 if suggested is None else suggested) and math.isfinite(out["final_loss"])
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--optimizer", "sgd", "--workloads", "char_lm"], "no good LR measured for \\['char_lm'\\]"),
+    (["--schedule", "cosine", "--workloads", "char_lm", "shapes"], "--schedule=cosine applies to the shapes"),
+    (["--optimizer", "sgd", "--schedule", "cosine", "--workloads", "shapes"], "give --good-lr WORKLOAD=LR"),
+])
+def test_search_baselines_refuses_a_start_without_a_measured_good_lr(argv, match, capsys):
+    from benchmarks.search_baselines import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--methods", "untuned", "--hdet-votes", "", *argv])
+    assert re.search(match, capsys.readouterr().err)
 
 
 # A stand-in benchmark for the cache's tests: it records that it ran, writes a results file and its docs block
@@ -669,3 +727,22 @@ def test_search_baselines_starts_prodigy_from_its_own_lr_multiplier():
     assert parse_args(["--quick"]).good_lr == GOOD_LR
     args = parse_args(["--quick", "--optimizer", "prodigy", "--good-lr", "tabular=0.5"])
     assert args.good_lr == {**{w: 1.0 for w in GOOD_LR}, "tabular": 0.5}
+
+
+def test_issue_59_table_reads_a_file_of_hdet_arms_against_an_earlier_files_baselines(tmp_path):
+    from dataclasses import asdict
+
+    from benchmarks.search_baselines import Arm
+    from benchmarks.search_report import main
+
+    def arm(method, start, final):
+        return asdict(Arm("tabular_small", method, start, 0, 1e-3, 9.0, [], [1e-3], 0, 1.0, final_loss=final))
+
+    config = {"optimizer": "adamw", "schedule": "constant", "good_lr": {"tabular_small": 1e-3}}
+    old = [arm("untuned", "good", 2.0), arm("lr_find", "good", 1.6), arm("hdet_defaults", "good", 2.2)]
+    new = [arm("hdet_defaults", "good", 1.8), arm("untuned", "good", 9.0)]  # its untuned: the first file's is kept
+    for name, arms in (("before", old), ("after", new)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"config": config, "arms": arms}))
+    text = main([str(tmp_path / "before.json"), str(tmp_path / "after.json")])
+    assert "| good | defaults [before] | 2.200 | 1.100 (1.100) ✗ |" in text
+    assert "| good | defaults [after] | 1.800 | 0.900 (0.900) ✓ | 0.900 (0.900) | 1.125 (1.125) ✗ |" in text

@@ -106,6 +106,8 @@ def test_model_rejects_unknown_optimizer_and_bad_lr():
         ShapesCNN(optimizer="adam9")
     with pytest.raises(ValueError, match="lr"):
         ShapesCNN(lr=0)
+    with pytest.raises(ValueError, match="scheduler='cos' is not supported; choose one of"):
+        ShapesCNN(scheduler="cos")
 
 
 @pytest.mark.parametrize("optimizer, module", [("prodigy", "prodigyopt"), ("schedulefree", "schedulefree")])

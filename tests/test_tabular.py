@@ -51,7 +51,30 @@ def test_the_mlp_learns_the_task_below_the_label_prior():
     (lambda: TabularDataModule(label_noise=1.0), "`label_noise` must be"),
     (lambda: TabularDataModule(batch_size=0), "`batch_size` must be"),
     (lambda: TabularMLP(depth=0), "`depth` must be"),
+    (lambda: TabularMLP(scheduler="linear"), "scheduler='linear' is not supported"),
 ])
 def test_bad_arguments_name_themselves(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("scheduler", ["constant", "cosine"])
+def test_the_scheduler_option_anneals_the_lr_to_zero_over_the_fit_or_keeps_it(scheduler):
+    from tests.helpers import quiet_trainer
+
+    model = TabularMLP(width=8, lr=0.02, scheduler=scheduler)
+    trainer = quiet_trainer(devices=1, max_steps=10, limit_val_batches=0)
+    trainer.fit(model, TabularDataModule(batch_size=16, num_train=64, num_val=16))
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    if scheduler == "cosine":  # CosineAnnealingLR with T_max = the fit's 10 steps: at zero after the last
+        assert len(trainer.lr_scheduler_configs) == 1 and trainer.lr_scheduler_configs[0].interval == "step"
+        assert lr == pytest.approx(0.0, abs=1e-12)
+    else:
+        assert trainer.lr_scheduler_configs == [] and lr == 0.02
+
+
+def test_a_small_training_set_repeats_within_a_fit():
+    data = TabularDataModule(batch_size=32, num_train=1024, num_val=512)
+    data.setup("fit")
+    assert len(data.train_set) == 1024 and len(data.val_set) == 512
+    assert not torch.equal(data.train_set.tensors[0][:512], data.val_set.tensors[0])  # held out: other rows

@@ -17,6 +17,9 @@ from lightning.pytorch import LightningModule
 from lightning_hdet._tensors import is_schedule_free
 
 OPTIMIZERS = ("adamw", "sgd", "prodigy", "schedulefree")
+# LR schedules of the shapes and tabular demos (:func:`with_schedule`): a bare optimizer, or cosine annealing to
+# zero over the fit (``CosineAnnealingLR``, stepped every optimizer step).
+SCHEDULES = ("constant", "cosine")
 # The package each optional optimizer comes from, and what to install.
 _OPTIONAL = {"prodigy": ("prodigyopt", "Prodigy"), "schedulefree": ("schedulefree", "AdamWScheduleFree")}
 
@@ -37,6 +40,19 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, w
             f"optimizer={name!r} needs the `{module}` package: pip install {module} (or the `bench` extra)"
         ) from err
     return getattr(package, cls)(params, lr=lr, weight_decay=weight_decay)
+
+
+def with_schedule(optimizer: torch.optim.Optimizer, scheduler: str, module: LightningModule) -> object:
+    """What ``module.configure_optimizers`` returns for ``scheduler`` (one of :data:`SCHEDULES`): the bare
+    optimizer (``"constant"``, as many modules do), or it with ``CosineAnnealingLR`` over the fit's
+    ``estimated_stepping_batches``, stepped every step (``"cosine"``), so a strategy sees a real scheduler."""
+    if scheduler == "constant":
+        return optimizer  # no trainer needed: a bare optimizer can be made outside a fit
+    if scheduler != "cosine":
+        raise ValueError(f"scheduler={scheduler!r} is not supported; choose one of {SCHEDULES}")
+    total = max(int(module.trainer.estimated_stepping_batches), 1)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
 
 
 def set_schedule_free_mode(module: LightningModule, train: bool) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet.demos.base import DemoModule, check_shard_train, check_shuffle_seed, training_loader
-from lightning_hdet.demos.optim import OPTIMIZERS, make_optimizer
+from lightning_hdet.demos.optim import OPTIMIZERS, SCHEDULES, make_optimizer, with_schedule
 
 CLASSES = ("disc", "square", "plus", "ring", "horizontal stripes", "vertical stripes")
 
@@ -126,15 +126,19 @@ class ShapesCNN(DemoModule):
         lr: learning rate (for Prodigy, the multiplier of its own estimate; 1.0 recommended).
         optimizer: one of ``"adamw"``, ``"sgd"`` (momentum 0.9), ``"prodigy"``, ``"schedulefree"`` (AdamW).
         weight_decay: decoupled for the Adam family, L2 for SGD.
+        scheduler: ``"constant"`` (a bare optimizer) or ``"cosine"`` (``CosineAnnealingLR`` to zero over the
+            fit's ``estimated_stepping_batches``, stepped every step).
     """
 
     def __init__(
         self, num_classes: int = len(CLASSES), width: int = 16, lr: float = 3e-3, optimizer: str = "adamw",
-        weight_decay: float = 0.0,
+        weight_decay: float = 0.0, scheduler: str = "constant",
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}")
+        if scheduler not in SCHEDULES:
+            raise ValueError(f"scheduler={scheduler!r} is not supported; choose one of {SCHEDULES}")
         if not (isinstance(lr, (int, float)) and lr > 0):
             raise ValueError(f"lr must be a positive number, got {lr!r}")
         self.save_hyperparameters()
@@ -153,6 +157,7 @@ class ShapesCNN(DemoModule):
         images, labels = batch
         return F.cross_entropy(self(images), labels)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> object:
         hp = self.hparams
-        return make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
+        optimizer = make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
+        return with_schedule(optimizer, hp.scheduler, self)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet._checks import check_int, check_number
 from lightning_hdet.demos.base import DemoModule, check_shard_train, check_shuffle_seed, training_loader
-from lightning_hdet.demos.optim import OPTIMIZERS, make_optimizer
+from lightning_hdet.demos.optim import OPTIMIZERS, SCHEDULES, make_optimizer, with_schedule
 
 
 def make_tabular(
@@ -115,15 +115,19 @@ class TabularMLP(DemoModule):
         lr: learning rate (for Prodigy, the multiplier of its own estimate; 1.0 recommended).
         optimizer: one of ``"adamw"``, ``"sgd"`` (momentum 0.9), ``"prodigy"``, ``"schedulefree"`` (AdamW).
         weight_decay: decoupled for the Adam family, L2 for SGD.
+        scheduler: ``"constant"`` (a bare optimizer) or ``"cosine"`` (``CosineAnnealingLR`` to zero over the
+            fit's ``estimated_stepping_batches``, stepped every step).
     """
 
     def __init__(
         self, features: int = 16, num_classes: int = 8, width: int = 128, depth: int = 2, lr: float = 3e-3,
-        optimizer: str = "adamw", weight_decay: float = 0.0,
+        optimizer: str = "adamw", weight_decay: float = 0.0, scheduler: str = "constant",
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}")
+        if scheduler not in SCHEDULES:
+            raise ValueError(f"scheduler={scheduler!r} is not supported; choose one of {SCHEDULES}")
         check_number("lr", lr, low=0.0, low_open=True)
         check_int("depth", depth, minimum=1)
         self.save_hyperparameters()
@@ -141,6 +145,7 @@ class TabularMLP(DemoModule):
         rows, labels = batch
         return F.cross_entropy(self(rows), labels)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> object:
         hp = self.hparams
-        return make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
+        optimizer = make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
+        return with_schedule(optimizer, hp.scheduler, self)
