@@ -124,11 +124,12 @@ class HDETCallback(Callback):
         self._last_vote_step = -1
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
-        self._monitor = None if self.settings.monitor is None else MonitoredMetric(self.settings.monitor)  # value, waiting vote, ties
+        monitored = self.settings.monitor
+        self._monitor = None if monitored is None else MonitoredMetric(monitored)  # value, waiting vote, ties
         self._checked_strategy: Any = None  # the strategy `_parts` last found to carry HDET's parts
         self._resumed_interval: Optional[Tensor] = None
         self._heldout: Optional[HeldoutScorer] = self.settings.signal.scorer()
-        self._loaded: dict[str, Any] = {}  # a checkpoint's monitor state, for a monitor "auto" picks at train start
+        self._loaded: dict[str, Any] = {}  # a checkpoint's state, for the monitor "auto" picks at train start
 
     def _recorded(self) -> dict[str, Any]:
         """The settings as recorded (``monitor="auto"`` until train start decides, then what it decided)."""
@@ -235,12 +236,14 @@ class HDETCallback(Callback):
         if name is not None:
             self._set_monitor(name)
             self._monitor.load_state_dict(self._loaded)
-        if line and name is not None:
+            hdet = self._parts(trainer)
+            record_config(trainer, "hdet", {**hdet.config, "callback": self.config})  # what runs, not "auto"
             rank_zero_info(line)
-            if self._parts(trainer).num_groups > 1:
+            if hdet.num_groups > 1:
                 rank_zero_warn(unmerged_validation_warning(name))
         elif line:
             rank_zero_warn(line)
+        self._loaded = {}
 
     def _set_monitor(self, name: Optional[str]) -> None:
         """Vote on ``name`` from now on (``None``: the training loss)."""
@@ -387,7 +390,7 @@ class HDETCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.controller.load_state_dict(state_dict)
         self._last_vote_step = state_dict["last_vote_step"]
-        self._loaded = dict(state_dict)
+        self._loaded = state_dict
         if self._monitor is not None:
             self._monitor.load_state_dict(state_dict)
 
