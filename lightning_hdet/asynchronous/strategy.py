@@ -43,6 +43,7 @@ from lightning_hdet.asynchronous.readouts import ExchangeReadouts
 from lightning_hdet.asynchronous.shard_hooks import (
     ShardedWorkersLauncher,
     check_ddp_hooks,
+    check_names_of,
     check_sharded_entry,
     ddp_arguments,
 )
@@ -124,7 +125,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             change carries the whole model.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
-            longest round.
+            longest round. DistributedDataParallel's options (``find_unused_parameters``, ...) only with
+            ``ranks_per_worker > 1``, where DDP wraps the model inside each worker; any other name is refused.
     """
 
     strategy_name = "async_local_sgd"
@@ -140,6 +142,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
                  auto_wrap_policy: ShardingPolicy = None, error_decay: float | None = None, stagger: int = 1,
                  **kwargs: Any) -> None:
+        check_names_of(type(self), kwargs, ranks_per_worker)  # a misspelled name before any value's check
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
         error_feedback, error_decay = check_exchange_options(settings, compression, error_feedback, pull_compression,

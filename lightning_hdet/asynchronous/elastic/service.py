@@ -22,7 +22,7 @@ from typing import Any, Union
 import torch
 from torch.nn import Module
 
-from lightning_hdet._checks import check_int, check_number, require
+from lightning_hdet._checks import KnownArguments, check_int, check_number, require
 from lightning_hdet._tensors import float_buffers, write_from
 from lightning_hdet.asynchronous.compression import DELTA_PULL_CODECS, check_compression
 from lightning_hdet.asynchronous.elastic.hub import Lost, SessionHub
@@ -60,7 +60,7 @@ def elastic_settings(compression: str, pull_compression: str, outer: Mapping[str
     return settings
 
 
-class OuterService:
+class OuterService(KnownArguments):
     """The outer optimizer's service at ``address``; :meth:`run` serves until the budget is spent and every
     session has left.
 
