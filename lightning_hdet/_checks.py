@@ -128,11 +128,17 @@ def own_arguments(cls: type) -> tuple[str, ...]:
                  if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_any_keyword(cls: type) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
+
+
 class KnownArguments:
     """Base of a public class whose ``__init__`` takes no ``**kwargs`` (also a dataclass's generated one): a keyword
     it does not know is refused by :func:`check_names`, with the closest name, instead of Python's bare
-    ``TypeError``."""
+    ``TypeError``. (A subclass whose ``__init__`` takes ``**kwargs``, e.g. a user's own rule, checks its own.)"""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        check_names(cls.__name__, kwargs, own_arguments(cls))
+        if not _takes_any_keyword(cls):
+            check_names(cls.__name__, kwargs, own_arguments(cls))
         return super().__new__(cls)

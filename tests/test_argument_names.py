@@ -11,6 +11,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
+import torch
 
 import lightning_hdet
 from lightning_hdet import (
@@ -22,13 +23,15 @@ from lightning_hdet import (
     HDETCallback,
     HDETFabricStrategy,
     HDETStrategy,
+    OuterService,
     SafetyNet,
     experimental,
 )
 from lightning_hdet._checks import ArgumentNameError, own_arguments
 
 # The arguments a constructor cannot do without (Python binds them before the constructor's first line runs).
-REQUIRED = {ElasticWorkerStrategy: {"server": "127.0.0.1:1"}, ElasticDDPWorkerStrategy: {"server": "127.0.0.1:1"}}
+REQUIRED = {ElasticWorkerStrategy: {"server": "127.0.0.1:1"}, ElasticDDPWorkerStrategy: {"server": "127.0.0.1:1"},
+            OuterService: {"module": torch.nn.Linear(1, 1), "address": "127.0.0.1:0", "budget": 10}}
 PUBLIC = sorted({obj for module in (lightning_hdet, experimental) for obj in map(module.__dict__.get, module.__all__)
                  if inspect.isclass(obj)}, key=lambda cls: cls.__name__)
 
@@ -75,6 +78,7 @@ def test_every_public_class_is_checked() -> None:
     (lambda: AsyncLocalSGDFabricStrategy(static_graph=True), "never wrapped in DistributedDataParallel"),
     (lambda: ElasticWorkerStrategy("127.0.0.1:1", static_graph=True), "SingleDeviceStrategy's: accelerator"),
     (lambda: experimental.PartialMerge(strenght=0.5), "Did you mean `strength`?"),
+    (lambda: OuterService(torch.nn.Linear(1, 1), "127.0.0.1:0", 10, local_step=5), "Did you mean `local_steps`?"),
 ])
 def test_the_message_says_what_to_write(make, message: str) -> None:
     with pytest.raises(ArgumentNameError, match=message.replace("(", r"\(").replace("?", r"\?").replace("[", r"\[")):
@@ -89,6 +93,8 @@ def test_names_that_take_effect_are_accepted() -> None:
     assert ElasticDDPWorkerStrategy("127.0.0.1:1", gradient_as_bucket_view=True)._ddp_kwargs == {
         "gradient_as_bucket_view": True}
     assert AsyncLocalSGDFabricStrategy(local_steps=7, timeout=timedelta(seconds=30)).outer_settings.local_steps == 7
+    service = OuterService(torch.nn.Linear(1, 1), "127.0.0.1:0", 10, local_steps=7, mode="sync")
+    assert service.settings.local_steps == 7
 
 
 def test_the_error_is_both_a_type_error_and_a_value_error() -> None:
@@ -105,3 +111,12 @@ def test_rule_objects_still_copy_pickle_and_replace() -> None:
     assert replace(rule, quantile=0.25) == PBT()
     with pytest.raises(ArgumentNameError, match="Did you mean `quantile`"):
         replace(rule, quantiles=0.25)
+
+
+def test_a_subclass_taking_any_keyword_checks_its_own() -> None:
+    class Custom(PBT):
+        def __init__(self, scale: float = 1.0, **options: object) -> None:
+            super().__init__(**options)
+            object.__setattr__(self, "scale", scale)
+
+    assert Custom(scale=2.0, quantile=0.5).quantile == 0.5  # the keywords reach its __init__
