@@ -124,9 +124,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``outer="sparseloco"``, whose round
             change carries the whole model.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
-            ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
-            longest round. DistributedDataParallel's options (``find_unused_parameters``, ...) only with
-            ``ranks_per_worker > 1``, where DDP wraps the model inside each worker; any other name is refused.
+            ``cluster_environment``, ...; its ``timeout`` also bounds the exchange: longer than a round), and DDP's
+            (``find_unused_parameters``, ...) with ``ranks_per_worker > 1`` only; any other name is refused.
     """
 
     strategy_name = "async_local_sgd"
