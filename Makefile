@@ -1,5 +1,6 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both create .venv on first use.
-# `make test` also builds the documentation site (tests/test_docs.py); `make docs` writes it to site/.
+# `make test` also builds the documentation site (tests/test_docs.py) and, where `chromium` is installed, opens every
+# page in it headless (.ci/run installs Debian's `chromium` first); `make docs` writes the site to site/.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

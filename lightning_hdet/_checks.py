@@ -2,13 +2,17 @@
 
 Every check raises ``ValueError("`name` must be <allowed>, got <value>.")`` (plus a hint on what to do), so an
 error always names the argument, the value and what is allowed. Checks run in constructors, before any process
-or process group exists.
+or process group exists. A keyword argument no constructor knows raises :class:`ArgumentNameError`, naming the
+closest valid name (:func:`check_names`; :class:`KnownArguments` for constructors without ``**kwargs``).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 
@@ -92,3 +96,49 @@ def check_positive(name: str, value: Any) -> None:
 def check_integer(name: str, value: Any) -> None:
     """Any integer (not a ``bool``), e.g. a seed."""
     require(name, value, is_int(value), "an integer")
+
+
+class ArgumentNameError(TypeError, ValueError):
+    """A keyword argument the constructor does not know: a ``TypeError`` as Python's own, and a ``ValueError`` as
+    every other check of this package (so either ``except`` catches it)."""
+
+
+def check_names(owner: str, given: Mapping[str, Any], own: Sequence[str],
+                passed_on: Optional[Mapping[str, Sequence[str]]] = None, hint: str = "") -> None:
+    """Refuse a keyword of ``given`` that is neither one of ``owner``'s ``own`` arguments nor one of ``passed_on``'s
+    (where the rest go, e.g. ``{"DistributedDataParallel": (...)}``: only names that are really used there), naming
+    the closest valid name and ``owner``'s own arguments."""
+    passed_on = passed_on or {}
+    valid = [*own, *(name for names in passed_on.values() for name in names)]
+    for name, value in given.items():
+        if name in valid:
+            continue
+        close = difflib.get_close_matches(name, valid, n=1)
+        guess = f" Did you mean `{close[0]}`?" if close else ""
+        rest = "".join(f"; {where}'s: {', '.join(names)}" for where, names in passed_on.items())
+        raise ArgumentNameError(f"{owner} got an unsupported argument `{name}`={value!r}.{guess} Its own arguments:"
+                                f" {', '.join(own)}{rest}." + (f" {hint}" if hint else ""))
+
+
+@functools.lru_cache(maxsize=None)
+def own_arguments(cls: type) -> tuple[str, ...]:
+    """The keyword arguments ``cls``'s ``__init__`` names (not ``self``, ``*args`` or ``**kwargs``)."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return tuple(p.name for p in parameters
+                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_any_keyword(cls: type) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
+
+
+class KnownArguments:
+    """Base of a public class whose ``__init__`` takes no ``**kwargs`` (also a dataclass's generated one): a keyword
+    it does not know is refused by :func:`check_names`, with the closest name, instead of Python's bare
+    ``TypeError``. (A subclass whose ``__init__`` takes ``**kwargs``, e.g. a user's own rule, checks its own.)"""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not _takes_any_keyword(cls):
+            check_names(cls.__name__, kwargs, own_arguments(cls))
+        return super().__new__(cls)

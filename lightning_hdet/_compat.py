@@ -38,9 +38,11 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry as StrategyR
 # model (its module holds one shard); the launcher's `_collect_rank_zero_results` is the only place to do it.
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 __all__ = [
+    "DDP_OPTIONS",
     "DCP_METADATA_FILENAME",
     "MultiProcessingLauncher",
     "StrategyRegistry",
@@ -110,6 +112,12 @@ def ensure_callback(model: LightningModule, callback_type: type[Callback], make:
     trainer = attached_trainer(model)
     if trainer is not None and not any(isinstance(cb, callback_type) for cb in trainer.callbacks):
         trainer.callbacks.append((make or callback_type)())
+
+
+#: The keyword arguments of torch's DistributedDataParallel a strategy's ``**kwargs`` may really set: Lightning passes
+#: ``module`` and ``device_ids`` itself, and our strategies set ``process_group``.
+DDP_OPTIONS = tuple(sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters)
+                           - {"self", "module", "device_ids", "process_group"}))
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
@@ -210,7 +218,6 @@ def _check_private_names() -> None:
     in_init = ModelParallelStrategy.__init__.__code__.co_names
     missing += [f"ModelParallelStrategy.{name}" for name in ("_setup_distributed", "_device_mesh", "_timeout")
                 if not hasattr(ModelParallelStrategy, name) and name not in in_init]
-    from torch.nn.parallel import DistributedDataParallel
 
     if not hasattr(MultiProcessingLauncher, "_collect_rank_zero_results"):
         missing.append("_MultiProcessingLauncher._collect_rank_zero_results")

@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_hdet._checks import KnownArguments
 from lightning_hdet.asynchronous.slow_link import LimitedTransport, check_link
 from lightning_hdet.hdet.execution.fake import FakeExecutor, FakeModule, FakeTrainer, FakeWorld
 
@@ -38,7 +39,7 @@ from lightning_hdet.hdet.execution.fake import FakeExecutor, FakeModule, FakeTra
 PUBLISHED_STEP_SECONDS: tuple[float, ...] = (0.58, 0.75, 1.51, 3.33)
 
 
-class SlowRanks(Callback):
+class SlowRanks(KnownArguments, Callback):
     """Pad each training step of a rank to ``factors.get(rank, 1) * base_seconds`` seconds.
 
     Args:
@@ -80,7 +81,7 @@ class SlowRanks(Callback):
             time.sleep(remaining)
 
 
-class SlowLink(Callback):
+class SlowLink(KnownArguments, Callback):
     """Emulate a slow link between each async worker and the outer optimizer (``AsyncLocalSGDStrategy``, either
     mode): every push and pull holds its worker as long as its bytes take at ``bits_per_s`` plus ``latency_s``.
 

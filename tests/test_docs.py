@@ -1,17 +1,22 @@
 """The documentation site builds without warnings and works offline (every link resolves to a file, diagrams
-render without the internet), its code fits the page and uses only arguments that exist, and every generated
-benchmark table is stamped by a command ``make bench`` or ``make bench-full`` runs."""
+render without the internet), its pages fit a 1,280 px screen in headless Chromium (their links and images work
+there too), its code uses only arguments that exist, and every generated benchmark table is stamped by a command
+``make bench`` or ``make bench-full`` runs."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from html.parser import HTMLParser
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -201,14 +206,31 @@ def test_mermaid_diagrams_are_rendered_by_the_bundled_script(pages: dict[Path, _
     assert {"concepts.html", "async.html"} <= set(with_diagrams)
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium is not installed "
-                    "(`apt-get install chromium`); the HTML checks above still ran")
-def test_diagrams_render_offline_in_headless_chromium(site: Path) -> None:
+# Headless Chromium as CI runs it (`.ci/run` installs Debian's `chromium` when it is missing, and sets
+# HDET_REQUIRE_BROWSER=1 so that a missing browser fails the browser checks instead of skipping them). Without the
+# background-networking flags it waits on the closed network; a fresh profile per run keeps runs independent.
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--no-proxy-server", "--window-size=1280,900")
+
+
+def chromium(profile: Path, *args: str) -> list[str]:
+    """The command line of a headless Chromium with its own fresh profile under ``profile``."""
+    exe = shutil.which("chromium")
+    if exe is None:
+        if os.environ.get("HDET_REQUIRE_BROWSER"):
+            pytest.fail("headless Chromium is not installed: `apt-get install chromium` (.ci/run does it)")
+        pytest.skip("headless Chromium is not installed (`apt-get install chromium`; .ci/run installs it); "
+                    "the HTML checks above still ran")
+    return [exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args]
+
+
+def test_diagrams_render_offline_in_headless_chromium(site: Path, tmp_path: Path) -> None:
     """Opened from disk, as the README says: Material replaces each diagram's source by the drawn one."""
     names = ("concepts.html", "async.html")
     browsers = {name: subprocess.Popen(  # in parallel: most of a run is Chromium starting
-        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=2000", "--dump-dom",
-         (site / name).as_uri()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for name in names}
+        chromium(tmp_path / name, "--virtual-time-budget=2000", "--dump-dom", (site / name).as_uri()),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for name in names}
     for name, browser in browsers.items():
         dom = browser.communicate(timeout=120)[0]
         diagrams = len([m for m in parse(site / name).mermaid if MERMAID_START.search(m)])
@@ -216,6 +238,96 @@ def test_diagrams_render_offline_in_headless_chromium(site: Path) -> None:
         assert not MERMAID_START.search(re.sub(r"<[^>]+>", "", dom)), f"{name}: a diagram is raw text"
         assert "Syntax error in text" not in dom, f"{name}: Mermaid could not read a diagram"
         assert dom.count('<div class="mermaid">') == diagrams, name
+
+
+CHECKER = Path(__file__).with_name("browser_check.js")
+# What fits a code block of a page at 1,280 px without scrolling (docs/stylesheets/extra.css): the browser check
+# sees it, test_code_lines_fit_the_page holds every block written in a page to it.
+MAX_CODE_LINE = 88
+
+
+def browser_check(root: Path, pages: list[str], profile: Path, timeout: float = 240) -> dict:
+    """Open ``pages`` (paths under ``root``) in headless Chromium at 1,280 px, from a local web server, and return
+    what tests/browser_check.js reports: per page the content wider than the viewport or cut off, and the images
+    that did not load; every internal link to a missing file or anchor."""
+    extras = {"/__check__.html": b'<!doctype html><body style="margin:0"><script src="__check__.js"></script>',
+              "/__check__.js": CHECKER.read_bytes(),
+              "/__pages__.json": json.dumps({"pages": pages, "maxCodeLine": MAX_CODE_LINE}).encode()}
+    report: dict = {}
+    done = threading.Event()
+
+    class Handler(SimpleHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path not in extras:
+                return super().do_GET()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/javascript" if self.path.endswith(".js") else "text/html")
+            self.end_headers()
+            self.wfile.write(extras[self.path])
+
+        def do_POST(self) -> None:
+            report.update(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+            done.set()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    browser = subprocess.Popen(chromium(profile, f"http://127.0.0.1:{server.server_port}/__check__.html"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert done.wait(timeout), f"headless Chromium sent no report in {timeout:.0f} s"
+    finally:
+        browser.kill()
+        browser.wait()
+        server.shutdown()
+        server.server_close()
+    assert "error" not in report, report.get("error")
+    return report
+
+
+def _problems(report: dict) -> list[str]:
+    out = [f"{page['url']}: {problem}" for page in report["pages"] for problem in page["wide"]]
+    out += [f"{page['url']}: image {src} did not load" for page in report["pages"] for src in page["images"]]
+    return out + [f"broken link {link}" for link in report["broken"]]
+
+
+def test_every_page_fits_1280_px_and_its_links_and_images_work_in_headless_chromium(
+    site: Path, tmp_path: Path
+) -> None:
+    """Every page in a real browser at 1,280 px: nothing wider than the viewport or cut off (wide tables and code
+    scroll inside their box), every image loads, every internal link and #anchor leads somewhere."""
+    pages = [p.relative_to(site).as_posix() for p in sorted(site.rglob("*.html")) if p.name != "404.html"]
+    report = browser_check(site, pages, tmp_path / "profile")
+    assert sorted(page["url"] for page in report["pages"]) == pages
+    assert not _problems(report), "\n".join(_problems(report)[:30])
+
+
+def test_browser_check_sees_a_wide_page_a_cut_off_table_a_broken_image_and_a_broken_link(tmp_path: Path) -> None:
+    """And a narrow table or a code block of short lines that scrolls where it could fit (wrap, or the font)."""
+    root = tmp_path / "site"
+    root.mkdir()
+    (root / "ok.html").write_text('<p id="here">fits</p><img src="img.svg">')
+    (root / "img.svg").write_text('<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"></svg>')
+    (root / "bad.html").write_text(
+        '<div style="width:2000px">wide</div><div style="width:300px;overflow:hidden"><table><tr>'
+        '<td style="min-width:900px">cut</td></tr></table></div><img src="missing.png">'
+        '<a href="ok.html#here">fine</a> <a href="ok.html#gone">anchor</a> <a href="none.html">file</a>'
+        '<div style="width:300px;overflow-x:auto"><table><tr><td style="min-width:600px">narrow</td></tr></table></div>'
+        '<pre><code style="display:block;width:100px;overflow:auto;font-size:40px">short lines</code></pre>')
+    problems = _problems(browser_check(root, ["bad.html", "ok.html"], tmp_path / "profile", timeout=120))
+    assert [p for p in problems if p.startswith("ok.html")] == []
+    assert any("the page is" in p and "wide" in p for p in problems), problems
+    assert any('"cut" is cut off' in p for p in problems), problems
+    assert any("image missing.png did not load" in p for p in problems), problems
+    assert any(p.endswith("ok.html#gone (no such anchor)") for p in problems), problems
+    assert any(p.endswith("none.html (no such file)") for p in problems), problems
+    assert not any("#here" in p for p in problems), problems
+    assert any('table of 1 columns scrolls (' in p and '"narrow"' in p for p in problems), problems
+    assert any("code block of 11-character lines scrolls" in p for p in problems), problems
 
 
 @pytest.mark.parametrize(("where", "code"), python_blocks(), ids=[w for w, _ in python_blocks()])
@@ -255,7 +367,6 @@ def test_blocks_were_found() -> None:
     assert len(python_blocks()) >= 10
 
 
-MAX_CODE_LINE = 88  # what fits a code block of the page at its default width, without scrolling
 
 
 def code_lines(page: Path) -> list[tuple[int, str]]:
@@ -288,6 +399,16 @@ def test_code_lines_check_sees_a_long_line(tmp_path: Path) -> None:
     page.write_text("text " * 40 + "\n\n  ```bash\n  " + "x" * 89 + "\n  ok\n  ```\n\n```\n--8<-- \"f\"\n```\n"
                     "```mermaid\n" + "y" * 100 + "\n```\n")
     assert [(n, len(line)) for n, line in code_lines(page)] == [(4, 89), (5, 2)]
+
+
+USER_DOCS_WORDS = 25_000  # docs/*.md, as `cat docs/*.md | wc -w` counts (not the API pages or the research log)
+
+
+def test_user_docs_stay_within_their_word_budget() -> None:
+    words = sum(len(page.read_text().split()) for page in (ROOT / "docs").glob("*.md"))
+    assert 10_000 < words <= USER_DOCS_WORDS, (
+        f"docs/*.md hold {words} words (budget {USER_DOCS_WORDS}): move research-like text and long generated "
+        "tables to docs/research/, leaving the reading and a link (make bench rewrites a block where it stands)")
 
 
 def _nav_pages(items: list) -> list[str]:

@@ -151,7 +151,7 @@ def test_a_sync_dist_metric_under_monitor_is_each_sharded_groups_own(launched: P
 @pytest.mark.parametrize(("kwargs", "devices", "match"), [
     ({"num_groups": 3}, 4, "does not divide the world size 4"),
     ({}, 1, "more than one process"),
-    ({"mesh": None}, 4, "`mesh` must be one of fully_shard's arguments"),
+    ({"mesh": None}, 4, "unsupported argument `mesh`=None.*builds the device mesh itself"),
     ({"auto_wrap_policy": 3}, 4, "`auto_wrap_policy` must be None, a set of torch.nn.Module classes"),
     ({"gradient_sync": "all"}, 4, "`gradient_sync` must be one of"),
 ])

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_hdet._checks import check_int, check_number
+from lightning_hdet._checks import KnownArguments, check_int, check_number
 from lightning_hdet.asynchronous.momentum import MomentumSchedule
 
 
-class DelayedNesterov(Optimizer):
+class DelayedNesterov(KnownArguments, Optimizer):
     """Delayed Nesterov outer optimizer.
 
     ``param.grad`` holds the pseudo-gradient of one push (``theta_pulled - theta_local``). On every

@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_hdet._checks import check_int, check_number
+from lightning_hdet._checks import KnownArguments, check_int, check_number
 
 
 def smoothed_speed(previous: float | None, measured: float, smoothing: float) -> float:
@@ -40,7 +40,7 @@ def dynamic_local_steps(speed: float | None, speeds: Mapping[int, float], local_
     return max(min_local_steps, min(local_steps, math.floor(speed * (min(cycles) - exchange) + 1e-9)))
 
 
-class LocalStepsPolicy:
+class LocalStepsPolicy(KnownArguments):
     """Per-worker speed bookkeeping and the next round's local step count.
 
     Args:

@@ -12,7 +12,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from lightning_hdet._compat import MultiProcessingLauncher, attached_trainer
+from lightning_hdet._checks import check_names, is_int, own_arguments
+from lightning_hdet._compat import DDP_OPTIONS, MultiProcessingLauncher, attached_trainer
 from lightning_hdet._sharding import is_sharded
 from lightning_hdet.asynchronous.outer import OuterState
 from lightning_hdet.asynchronous.worker_shards import local_state, state_from_flat
@@ -25,6 +26,18 @@ _STRATEGY_ARGS = set(inspect.signature(DDPStrategy.__init__).parameters) - {
 def ddp_arguments(kwargs: Mapping[str, Any]) -> list[str]:
     """The keyword arguments that only DDP inside a worker reads."""
     return [k for k in kwargs if k not in _STRATEGY_ARGS]
+
+
+def check_names_of(cls: type, kwargs: Mapping[str, Any], ranks_per_worker: Any) -> None:
+    """Refuse a name that is neither the strategy's, DDPStrategy's nor, in workers of several ranks (the only place
+    a DistributedDataParallel wraps the model), one of DistributedDataParallel's: elsewhere it would do nothing."""
+    several = is_int(ranks_per_worker) and ranks_per_worker > 1
+    hint = "" if several or not set(kwargs) & set(DDP_OPTIONS) else (
+        "With `ranks_per_worker=1` no DistributedDataParallel wraps the model, so its options do nothing; they apply"
+        " inside workers of several ranks (`ranks_per_worker` > 1).")
+    check_names(cls.__name__, kwargs, own_arguments(cls),
+                {"Lightning DDPStrategy": own_arguments(DDPStrategy), **({"DistributedDataParallel": DDP_OPTIONS}
+                                                                         if several else {})}, hint)
 
 
 def check_ddp_hooks(kwargs: Mapping[str, Any], ranks_per_worker: int) -> None:

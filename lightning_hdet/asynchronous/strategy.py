@@ -43,6 +43,7 @@ from lightning_hdet.asynchronous.readouts import ExchangeReadouts
 from lightning_hdet.asynchronous.shard_hooks import (
     ShardedWorkersLauncher,
     check_ddp_hooks,
+    check_names_of,
     check_sharded_entry,
     ddp_arguments,
 )
@@ -123,8 +124,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``outer="sparseloco"``, whose round
             change carries the whole model.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
-            ``cluster_environment``, ...). The exchange group uses the same ``timeout``, which must exceed the
-            longest round.
+            ``cluster_environment``, ...; its ``timeout`` also bounds the exchange: longer than a round), and DDP's
+            (``find_unused_parameters``, ...) with ``ranks_per_worker > 1`` only; any other name is refused.
     """
 
     strategy_name = "async_local_sgd"
@@ -140,6 +141,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
                  auto_wrap_policy: ShardingPolicy = None, error_decay: float | None = None, stagger: int = 1,
                  **kwargs: Any) -> None:
+        check_names_of(type(self), kwargs, ranks_per_worker)  # a misspelled name before any value's check
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
         error_feedback, error_decay = check_exchange_options(settings, compression, error_feedback, pull_compression,

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_hdet._checks import check_int, check_integer, check_number, require
+from lightning_hdet._checks import KnownArguments, check_int, check_integer, check_number, require
 from lightning_hdet.experimental.halving import Halving
 from lightning_hdet.experimental.pb2 import PB2
 from lightning_hdet.hdet.lightning.heldout import HeldoutLoss, HeldoutScorer
@@ -193,7 +193,7 @@ class Heldout(Signal):
         return HeldoutScorer(self.batches, self.decay, self.loss)
 
 
-class InitNoise(Callback):
+class InitNoise(KnownArguments, Callback):
     """The published warm start: at the start of a fresh fit each group's parameters become ``theta_0 + eps``,
     ``eps ~ N(0, std^2 |theta_0|^2 / d)``, distinct per group and equal within one (paper: ``std=0.01``). No
     visible difference measured. Use with ``strategy="hdet"`` or ``"hdet_fsdp"``.

@@ -21,7 +21,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hdet._compat import register_names, strategy_timeout, sync_module_states
+from lightning_hdet._checks import check_names, own_arguments
+from lightning_hdet._compat import DDP_OPTIONS, register_names, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.exchange import Exchange
 from lightning_hdet.asynchronous.exchange_options import check_exchange_options
@@ -38,8 +39,9 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
         **kwargs: the Trainer strategy's outer-optimizer and codec arguments (``local_steps``, ``mode``,
             ``outer``, ``outer_lr``, ``outer_momentum``, ``delayed_nesterov``, ``dynamic_local_steps``,
             ``compression``, ... see :class:`~lightning_hdet.asynchronous.strategy.AsyncLocalSGDStrategy`), then
-            everything Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` accepts (``timeout`` also bounds
-            every exchange, so it must exceed the longest round).
+            Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`'s own arguments (``timeout`` also bounds
+            every exchange, so it must exceed the longest round); not DistributedDataParallel's options: the model
+            is never wrapped in DDP.
 
     Example::
 
@@ -57,7 +59,11 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
     strategy_name = "async_local_sgd"
 
     def __init__(self, **kwargs: Any) -> None:
-        names = {f.name for f in fields(OuterSettings)}
+        names = [f.name for f in fields(OuterSettings)]
+        check_names(type(self).__name__, kwargs, (*names, *_CODEC_OPTIONS),
+                    {"Fabric DDPStrategy": own_arguments(FabricDDPStrategy)},
+                    "The model is never wrapped in DistributedDataParallel here, so its options do nothing."
+                    if set(kwargs) & set(DDP_OPTIONS) else "")
         self.outer_settings = OuterSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         self._codecs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CODEC_OPTIONS}
         if self.outer_settings.stagger > 1:

@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hdet._compat import register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
+from lightning_hdet._checks import check_names, own_arguments
+from lightning_hdet._compat import DDP_OPTIONS, register_names, set_ddp_kwarg, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.hdet.execution.comm import Communicator
 from lightning_hdet.hdet.hyperparams import Span, check_optimizers
@@ -80,11 +81,13 @@ class HDETFabricStrategy(HDETGroups, EnsembleOps, FabricDDPStrategy):
         communicator: Optional[Communicator] = None,
         **kwargs: Any,
     ) -> None:
-        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         if kwargs.get("process_group") is not None:
             raise ValueError("`process_group` cannot be passed to HDETFabricStrategy: it creates the process groups "
                              "itself (one per HDET group).")
         kwargs.pop("process_group", None)
+        check_names(type(self).__name__, kwargs, own_arguments(type(self)),
+                    {"Fabric DDPStrategy": own_arguments(FabricDDPStrategy), "DistributedDataParallel": DDP_OPTIONS})
+        self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
         self._init_parts(ReplicaSite(self), communicator)

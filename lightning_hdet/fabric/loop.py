@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from lightning.fabric import Fabric
 from torch import Tensor
 
-from lightning_hdet._checks import check_int
+from lightning_hdet._checks import KnownArguments, check_int
 from lightning_hdet.fabric.hdet import HDETFabricStrategy
 from lightning_hdet.hdet.execution.meter import IntervalMeter
 from lightning_hdet.hdet.lightning.voting import decide_and_execute, finish, search_end, vote_metrics
@@ -27,7 +27,7 @@ from lightning_hdet.hdet.rules.options import SafetyNet, Search, Vote
 from lightning_hdet.records.wandb import log_vote_history
 
 
-class HDETLoop:
+class HDETLoop(KnownArguments):
     """Votes, merges and the safety net for a Fabric loop on ``Fabric(strategy="hdet")``.
 
     Args:

@@ -14,12 +14,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_hdet._checks import KnownArguments
 from lightning_hdet.hdet.execution.executor import is_executor
 from lightning_hdet.replay.sources import Initial, Source
 from lightning_hdet.replay.trajectory import LRTrajectory, ReplayHooks
 
 
-class HDETReplay(Callback):
+class HDETReplay(KnownArguments, Callback):
     """Replay the winning LR trajectory of a finished HDET run, step by step (Ray Tune's
     ``PopulationBasedTrainingReplay`` for HDET): "search small, replay big".
 

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from torch.optim import Optimizer
 
+from lightning_hdet._checks import KnownArguments
 from lightning_hdet.hdet.hyperparams import ONE_MINUS, base, scaled
 from lightning_hdet.hdet.multipliers import scaled_lr
 from lightning_hdet.replay.sources import Initial, Source, load_run
@@ -51,7 +52,7 @@ class Piece:
     explored: dict[str, float] = field(default_factory=dict)
 
 
-class LRTrajectory:
+class LRTrajectory(KnownArguments):
     """The winning LR trajectory of an HDET run, as pieces (see the module docstring)."""
 
     def __init__(self, pieces: Sequence[Piece]) -> None:

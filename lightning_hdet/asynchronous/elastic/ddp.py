@@ -16,6 +16,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hdet._checks import check_names, own_arguments
+from lightning_hdet._compat import DDP_OPTIONS
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.elastic.job import JobComm, SoloJob
 from lightning_hdet.asynchronous.elastic.sessions import session_seed
@@ -64,6 +66,8 @@ class ElasticDDPWorkerStrategy(ElasticWorker, DDPStrategy):
     def __init__(self, server: str, seed: int = 0, reconnect_s: float = 60.0, heartbeat_s: float = 1.0,
                  timeout_s: float = 1800.0, error_feedback: bool = True, token: str | None = None,
                  **kwargs: Any) -> None:
+        check_names(type(self).__name__, kwargs, own_arguments(type(self)),
+                    {"Lightning DDPStrategy": own_arguments(DDPStrategy), "DistributedDataParallel": DDP_OPTIONS})
         self._elastic_init(server, seed, reconnect_s, heartbeat_s, timeout_s, error_feedback, token)
         super().__init__(**kwargs)
         self._job_group: Any = None

@@ -15,14 +15,14 @@ import os
 import queue
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Union
 
 import torch
 from torch.nn import Module
 
-from lightning_hdet._checks import check_int, check_number, require
+from lightning_hdet._checks import check_int, check_names, check_number, own_arguments, require
 from lightning_hdet._tensors import float_buffers, write_from
 from lightning_hdet.asynchronous.compression import DELTA_PULL_CODECS, check_compression
 from lightning_hdet.asynchronous.elastic.hub import Lost, SessionHub
@@ -90,6 +90,8 @@ class OuterService:
                  timeout_s: float = 1800.0, compression: str = "none", evaluate: Evaluate | None = None,
                  evaluate_every: int = 0, max_idle_s: float | None = None, pull_compression: str = "none",
                  token: str | None = None, **outer: Any) -> None:
+        check_names(type(self).__name__, outer, own_arguments(type(self)),
+                    {"OuterSettings": [f.name for f in fields(OuterSettings)]})
         check_token(token)
         check_int("budget", budget, minimum=1, optional=True)
         check_int("checkpoint_every", checkpoint_every, minimum=1)

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hdet._checks import check_bool, check_int, check_number
+from lightning_hdet._checks import check_bool, check_int, check_names, check_number, own_arguments
 from lightning_hdet._compat import requested_devices
 from lightning_hdet._tensors import float_buffers, numel
 from lightning_hdet.asynchronous.elastic.client import SessionClient
@@ -213,6 +213,8 @@ class ElasticWorkerStrategy(ElasticWorker, SingleDeviceStrategy):
     def __init__(self, server: str, device: Any = None, seed: int = 0, reconnect_s: float = 60.0,
                  heartbeat_s: float = 1.0, timeout_s: float = 1800.0, error_feedback: bool = True,
                  token: str | None = None, **kwargs: Any) -> None:
+        check_names(type(self).__name__, kwargs, own_arguments(type(self)),
+                    {"Lightning SingleDeviceStrategy": own_arguments(SingleDeviceStrategy)[1:]})  # (not `device`)
         self._elastic_init(server, seed, reconnect_s, heartbeat_s, timeout_s, error_feedback, token)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"

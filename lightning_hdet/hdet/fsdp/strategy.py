@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hdet._checks import require
+from lightning_hdet._checks import check_names, own_arguments, require
 from lightning_hdet._compat import (
     StrategyRegistry,
     init_model_parallel,
@@ -98,13 +98,12 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
         communicator: Optional[Communicator] = None,
         **fsdp_kwargs: Any,
     ) -> None:
+        check_names(type(self).__name__, fsdp_kwargs, own_arguments(type(self)), {"fully_shard": _FSDP_KWARGS},
+                    "HDETFSDPStrategy builds the device mesh itself." if "mesh" in fsdp_kwargs else "")
         self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
         require("gradient_sync", gradient_sync, gradient_sync != "cluster", "'group' or 'global' with hdet_fsdp",
                 "Clusters of groups need process groups of unequal size, which the FSDP2 device mesh of equal groups "
                 "does not have; use strategy='hdet' (DDP) for gradient_sync='cluster'.")
-        for name in fsdp_kwargs:
-            require(name, fsdp_kwargs[name], name in _FSDP_KWARGS, f"one of fully_shard's arguments {_FSDP_KWARGS}",
-                    "HDETFSDPStrategy builds the device mesh itself.")
         policy_ok = auto_wrap_policy is None or callable(auto_wrap_policy) or (
             isinstance(auto_wrap_policy, (set, frozenset, list, tuple))
             and all(isinstance(c, type) and issubclass(c, Module) for c in auto_wrap_policy))

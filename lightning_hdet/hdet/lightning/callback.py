@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hdet._checks import KnownArguments
 from lightning_hdet.hdet.console import counted
 from lightning_hdet.hdet.execution.executor import HDETParts, is_executor
 from lightning_hdet.hdet.execution.meter import IntervalMeter, Reading
@@ -70,7 +71,7 @@ from lightning_hdet.records.wandb import (
 log = logging.getLogger(__name__)
 
 
-class HDETCallback(Callback):
+class HDETCallback(KnownArguments, Callback):
     """Loss-based voting, learning-rate exploration, parameter blending and the safety net for HDET.
 
     The defaults are the measured best (:mod:`~lightning_hdet.hdet.rules.defaults`): a ``PBT`` search for the first

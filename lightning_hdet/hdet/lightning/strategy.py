@@ -15,7 +15,6 @@ A thin subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
@@ -26,7 +25,9 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hdet._checkpoint import read_checkpoint
+from lightning_hdet._checks import check_names, own_arguments
 from lightning_hdet._compat import (
+    DDP_OPTIONS,
     StrategyRegistry,
     ddp_kwarg,
     has_user_comm_hook,
@@ -49,10 +50,6 @@ from lightning_hdet.hdet.rules.defaults import DEFAULT_PRESET
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
-
-# Extra keyword arguments DDPStrategy forwards to torch's DistributedDataParallel; HDET owns `process_group`.
-_DDP_KWARGS = tuple(sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "process_group"}))
-
 
 class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
     """Data parallelism with groups of replicas that train with different learning rates.
@@ -108,8 +105,8 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         communicator: Optional[Communicator] = None,
         **kwargs: Any,
     ) -> None:
+        _check_ddp_kwargs(type(self), kwargs)
         self._init_groups(num_groups, lr_multipliers, spread, gradient_sync, preset, explore)
-        _check_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
         self._group_pgs: list[Any] = []
         self._cluster_size = 1
@@ -213,23 +210,17 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
         super().teardown()
 
 
-def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
-    """Reject keyword arguments that DistributedDataParallel would only refuse after the process groups exist.
+def _check_ddp_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
+    """Reject a misspelled name, and keyword arguments that DistributedDataParallel would only refuse after the
+    process groups exist.
 
     Sharded strategies' options (FSDP's ``sharding_strategy``, DeepSpeed's ``stage``/``offload_optimizer``, ...)
     land here: HDET needs a full model replica on every rank, because groups merge by averaging whole parameters.
     """
-    own = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
-    for name in kwargs:
-        if name == "process_group":
-            if kwargs[name] is not None:
-                raise ValueError(
-                    "`process_group` cannot be passed to HDETStrategy: it creates the process groups itself "
-                    "(one per HDET group)."
-                )
-        elif name not in own and name not in _DDP_KWARGS:
-            raise ValueError(
-                f"HDETStrategy got an unsupported argument `{name}`={kwargs[name]!r}. Besides its own and "
-                f"DDPStrategy's arguments it accepts only DistributedDataParallel options: {', '.join(_DDP_KWARGS)}. "
-                "HDETStrategy keeps a full replica on every rank; for sharded (FSDP2) groups use `strategy=\"hdet_fsdp\"`."
-            )
+    if kwargs.get("process_group") is not None:
+        raise ValueError("`process_group` cannot be passed to HDETStrategy: it creates the process groups itself "
+                         "(one per HDET group).")
+    check_names(cls.__name__, {k: v for k, v in kwargs.items() if k != "process_group"}, own_arguments(cls),
+                {"Lightning DDPStrategy": own_arguments(DDPStrategy), "DistributedDataParallel": DDP_OPTIONS},
+                "HDETStrategy keeps a full replica on every rank; for sharded (FSDP2) groups use "
+                "`strategy=\"hdet_fsdp\"`.")

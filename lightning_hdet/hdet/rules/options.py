@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
-from lightning_hdet._checks import check_int, check_number, require
+from lightning_hdet._checks import KnownArguments, check_int, check_number, require
 from lightning_hdet.hdet.rules.defaults import RESTART_BELOW
 from lightning_hdet.hdet.rules.safety_net import SafetyNet
 from lightning_hdet.hdet.rules.selection import PBT
@@ -40,7 +40,7 @@ __all__ = ["Best", "PBT", "SafetyNet", "Search", "Signal", "Softmax", "TrustRegi
 
 
 @dataclass(frozen=True)
-class Signal:
+class Signal(KnownArguments):
     """What a vote compares: each group's mean training loss over the interval (``"mean"``, the one recommended);
     the others are in :mod:`lightning_hdet.experimental`.
 
@@ -65,7 +65,7 @@ class Signal:
 
 
 @dataclass(frozen=True)
-class Search:
+class Search(KnownArguments):
     """End the search and train around what it found, in the same run (docs/hdet.md, "search, then train").
 
     At the first vote at or after step ``steps`` whose winner is below its first step's loss, every group takes

@@ -54,12 +54,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_hdet._checks import check_int, check_number
+from lightning_hdet._checks import KnownArguments, check_int, check_number
 from lightning_hdet.hdet.rules.collapse import NOISE_Z, Verdict
 
 
 @dataclass(frozen=True)
-class PlateauRule:
+class PlateauRule(KnownArguments):
     """``steps``: the most optimizer steps the ensemble may go without a new best before every group fails (a run
     of known length waits a fifth of it where that is shorter, at least two votes; twice as long after each ladder;
     ``None`` switches the rule off); ``cut``: the ladder's top rung relative to the current LRs, in (0, 1) (its

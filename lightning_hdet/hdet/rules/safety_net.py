@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_hdet._checks import check_int, check_number, is_finite_number, require
+from lightning_hdet._checks import KnownArguments, check_int, check_number, is_finite_number, require
 from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, is_good, judge
 from lightning_hdet.hdet.rules.plateau import PlateauRule
 from lightning_hdet.hdet.rules.votes import recorded
 
 
 @dataclass(frozen=True)
-class SafetyNet:
+class SafetyNet(KnownArguments):
     """Skip the optimizer steps of a group whose loss or gradients are non-finite, restore a diverged or collapsed
     group from the others, roll every group back when all of them did (docs/hdet.md, "Safety net").
 

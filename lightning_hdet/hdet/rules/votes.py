@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from lightning_hdet._checks import check_bool, check_choice, check_number, check_positive
+from lightning_hdet._checks import KnownArguments, check_bool, check_choice, check_number, check_positive
 from lightning_hdet.hdet.rules.blends import BLENDS
 
 # The controller never moves the base LR by more than this factor in one vote (keeps it positive and finite).
@@ -66,7 +66,7 @@ def symmetric_positions(n: int) -> list[float]:
 
 
 @dataclass(frozen=True)
-class Ballot:
+class Ballot(KnownArguments):
     """What one vote sees for one optimizer param group."""
 
     key: int  # which param group: rules keep their state (velocity, spread) per key
@@ -77,7 +77,7 @@ class Ballot:
     move: bool  # False before ``warmup_steps`` and at the final merge: weigh, but leave the LRs alone
 
 
-class Vote:
+class Vote(KnownArguments):
     """Base of the vote rules: ``explore`` turns one vote's losses into weights, a winner and new multipliers.
 
     A subclass is a frozen dataclass: its options are fields checked in ``__post_init__`` (errors name the argument),
