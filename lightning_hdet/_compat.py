@@ -46,6 +46,7 @@ __all__ = [
     "StrategyRegistry",
     "CHECKPOINT_NAMED_BY_RANK_ZERO",
     "attached_trainer",
+    "default_store",
     "ddp_kwarg",
     "ensure_callback",
     "gloo_options",
@@ -83,6 +84,17 @@ CHECKPOINT_NAMED_BY_RANK_ZERO = "reduce_boolean_decision" in inspect.getsource(M
 def weights_only_kwargs(weights_only: Optional[bool]) -> dict[str, Any]:
     """``{"weights_only": ...}`` for the Lightning releases whose checkpoint readers take it, else ``{}``."""
     return {"weights_only": weights_only} if CHECKPOINT_TAKES_WEIGHTS_ONLY else {}
+
+
+def default_store() -> Any:
+    """The default process group's key-value store.
+
+    Why: the async strategy hands rank 0's checkpoint requests to workers that train apart (no collective can
+    meet) through the store every rank already reaches; torch has no public accessor for it.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()
 
 
 def sync_module_states(module: Module) -> None:

@@ -400,6 +400,11 @@ class OuterState:
     configured_buffer: int | None = None
     #: The fragments' indices by part, when a push may carry one part (:attr:`~.messages.Fragments.parts`).
     parts: list[range] = field(default_factory=list)
+    #: Each worker's pushes (of any kind) in this run that the global model has taken in (async: on arrival;
+    #: DiLoCo: when their round closes); a checkpoint's snapshot records them (:mod:`.checkpoints`). Not saved.
+    exchanges: dict[int, int] = field(default_factory=dict)
+    #: Checkpoint requests rank 0 made so far in this run (every reply carries the number, see :mod:`.checkpoints`).
+    checkpoint_requests: int = 0
 
     def __post_init__(self) -> None:
         #: The outer optimizer's parameters: one view of :attr:`params` per fragment, in order.
@@ -441,6 +446,11 @@ class OuterState:
                         self.check.accepted(push.worker, norm, push.part)
                 else:
                     self._reject(push, reason)
+            if self.step_policy.mode != "sync":  # the model holds it now (DiLoCo's: once its round closes)
+                self._count(push.worker)
+
+    def _count(self, worker: int) -> None:
+        self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
 
     def _apply(self, push: Push, fragments: Iterable[Tensor]) -> None:
         with self.lock:
@@ -494,6 +504,9 @@ class OuterState:
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
             # DiLoCo's mean is over the pushes applied: a rejected one is not in the sum
             self.step_policy.close(self, sum(p.steps > 0 and p.rejected is None for p in pushes))
+            if self.step_policy.mode == "sync":
+                for push in pushes:
+                    self._count(push.worker)
             self._resize_buffer()  # a change of N waits for a momentum boundary: retried at every batch
             waiting = [p.worker for p in pushes if p.kind != Kind.BYE]
             replies = {w: self._allocate(w, len(waiting)) for w in waiting}
@@ -609,11 +622,21 @@ class OuterState:
         with self.model_lock:
             return self.params.detach().clone(), self.buffers.clone()
 
-    def state_dict(self) -> dict[str, Any]:
+    def request_checkpoint(self) -> int:
+        """Number a new checkpoint request (every reply from now on carries it; see :mod:`.checkpoints`)."""
+        with self.model_lock:
+            self.checkpoint_requests += 1
+            return self.checkpoint_requests
+
+    def state_dict(self, request: bool = False) -> dict[str, Any]:
         """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent and
         ``worker_buffers`` the buffers they pushed, each as of that worker's latest exchange (the one counted
-        in ``workers[w]["steps"]``)."""
+        in ``workers[w]["steps"]``, and ``exchanges[w]``-th in this run). ``request``: the snapshot is a
+        checkpoint's, numbered (``"request"``) in the same lock, so that a reply sent before it does not carry its
+        number and one sent after does."""
         with self.model_lock, self.lock:
+            if request:
+                self.checkpoint_requests += 1
             state = {
                 "params": self.params.detach().clone(),
                 "buffers": self.buffers.clone(),
@@ -624,7 +647,10 @@ class OuterState:
                 "steps_done": self.steps_done,
                 "outer_updates": self.outer_updates,
                 "workers": {w: dict(vars(s)) for w, s in self.workers.items()},
+                "exchanges": dict(self.exchanges),
             }
+            if request:
+                state["request"] = self.checkpoint_requests
             inner = dict(self.inner_states)  # the stored tensors are replaced, never modified
         state["inner_optimizer_states"] = {w: state_from_bytes(data) for w, data in sorted(inner.items())}
         return state

@@ -3,7 +3,7 @@ model rank 0 shows validation and checkpoints while the workers train apart."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any, Optional
 
@@ -33,6 +33,8 @@ class ExchangeReadouts:
     _exchange: Exchange | None
     #: True while this rank trains apart from the others (set by the strategy).
     training_apart: bool
+    #: Rank 0 while training: the outer state's snapshot for the checkpoint being written (``WorkerCheckpoints``').
+    take_snapshot: Callable[[], Optional[dict[str, Any]]]
 
     @property
     def _outer(self) -> OuterState | None:
@@ -104,8 +106,7 @@ class ExchangeReadouts:
         """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
         state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
         ``save_checkpoint``), so the two always hold the same global model."""
-        snapshot = self._outer.state_dict() if self.training_apart and self._outer is not None else None
-        self._outer_snapshot = snapshot
+        snapshot = self.take_snapshot()
         if self.shard_group is not None:
             return sharded_module_state(self.lightning_module, snapshot, self._outer, self.is_global_zero)
         with self._global_model(snapshot):

@@ -222,7 +222,8 @@ class Server:
             params = self.layout.encode_pull(self.outer.params.detach(), self._reply, part)
         nbytes = self.layout.reply_nbytes(deltas, part, rejected) + 4 * self.outer.buffers.numel() if steps > 0 else 0
         version = self.outer.mark_pulled(worker, nbytes, dense=steps > 0 and deltas < 0)
-        self.remote.reply(worker, ServerHeader(steps, version, rejected, deltas, part), params, self.outer.buffers)
+        header = ServerHeader(steps, version, rejected, deltas, part, self.outer.checkpoint_requests)
+        self.remote.reply(worker, header, params, self.outer.buffers)
 
     def _next(self, timeout: float) -> Push:
         push = self.inbox.get(timeout=timeout)

@@ -11,20 +11,19 @@ import logging
 from dataclasses import fields
 from typing import Any, Literal
 
-import lightning
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hdet._compat import (
-    CHECKPOINT_NAMED_BY_RANK_ZERO,
     MultiProcessingLauncher,
     StrategyRegistry,
     attached_trainer,
+    default_store,
     ensure_callback,
     register_names,
     strategy_timeout,
@@ -157,6 +156,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.error_decay = error_decay
         # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
         self._resume_state: dict[str, Any] | None = None
+        self._fits = 0
         self._groups: tuple[Any, Any] | None = None
         self.report = History()  # the outer metrics rank 0 logged, for the figures at the end of fit
         self._reset_run_state()
@@ -222,10 +222,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self._reset_run_state()
-        if not CHECKPOINT_NAMED_BY_RANK_ZERO and any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks):
-            rank_zero_warn(f"lightning {lightning.__version__}: ModelCheckpoint names files on every rank, so a "
-                           "worker saving after rank 0 wrote a checkpoint gives its own file another name and resumes "
-                           "from rank 0's inner optimizer state. Lightning >= 2.6 keeps every worker's own state.")
+        self._fits += 1  # every rank runs the same entries: one number for this fit's checkpoint requests
         if len(self.optimizers) != 1:
             raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
         # Only fit exchanges: the groups live from here to this entry's teardown (validate, test, predict create none).
@@ -276,6 +273,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                                   self.shard_group, self.outer_settings.preset.sparse, self.error_decay, self.stagger)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
+        if not self.checkpoint_inner_states:  # else the states travel with the pushes and rank 0's file holds them
+            self.follow_checkpoints(default_store(), self._fits, keep=bool(module.trainer.checkpoint_callbacks))
         self.training_apart = True
         self._run_exchange(Kind.HELLO)
 
@@ -297,6 +296,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         assert self._exchange is not None
         worker = self._exchange.worker
         worker.exchange(kind)
+        self.after_exchange()
         if worker.stopped:
             log.debug("rank %d: stop", self.global_rank)
             self.lightning_module.trainer.should_stop = True
@@ -323,12 +323,21 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             self._exchange.leave(stop_everyone=trainer.should_stop)  # e.g. EarlyStopping on rank 0
             self._log_outer_metrics()
             self.training_apart = False
+            self._finish_checkpoints()
             if self.shard_group is not None:
                 self._exchange.share_global_model(self._groups[1])
             else:
                 sync_module_states(self.lightning_module)
             self._limits.restore(self.lightning_module)
         super().on_train_end()
+
+    def _finish_checkpoints(self) -> None:
+        """Every rank left the exchange: the workers follow rank 0's checkpoint requests made after their last reply
+        (rank 0 says how many it made)."""
+        assert self._groups is not None
+        count = torch.tensor([self._outer.checkpoint_requests if self._outer is not None else 0], dtype=torch.int64)
+        dist.broadcast(count, src=0, group=self._groups[1])
+        self.finish_checkpoints(int(count))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
