@@ -49,6 +49,7 @@ __all__ = [
     "default_store",
     "ddp_kwarg",
     "ensure_callback",
+    "show_in_progress_bar",
     "gloo_options",
     "has_user_comm_hook",
     "init_model_parallel",
@@ -113,15 +114,34 @@ def requested_devices(trainer: Trainer) -> int:
     return len(trainer._accelerator_connector._parallel_devices or [])  # why: no public accessor
 
 
-def ensure_callback(model: LightningModule, callback_type: type[Callback], make: Any = None) -> None:
-    """Append ``make()`` (default: ``callback_type()``) to the Trainer's callbacks unless one is there.
+def ensure_callback(model: LightningModule, callback_type: type[Callback], make: Any = None,
+                    first: bool = False) -> None:
+    """Append ``make()`` (default: ``callback_type()``) to the Trainer's callbacks unless one is there; ``first``:
+    put it (or the one there) before the others, so that its hooks run first.
 
     Why here: a strategy's ``connect`` is the first moment it sees the Trainer; companion callbacks (HDET's vote,
     async's logging) are installed there when the user passed none.
     """
     trainer = attached_trainer(model)
-    if trainer is not None and not any(isinstance(cb, callback_type) for cb in trainer.callbacks):
-        trainer.callbacks.append((make or callback_type)())
+    if trainer is None:
+        return
+    found = [cb for cb in trainer.callbacks if isinstance(cb, callback_type)]
+    callback = found[0] if found else (make or callback_type)()
+    if found and not first:
+        return
+    if found:
+        trainer.callbacks.remove(callback)
+    trainer.callbacks.insert(0 if first else len(trainer.callbacks), callback)
+
+
+def show_in_progress_bar(trainer: Trainer, metrics: dict[str, Any]) -> None:
+    """Show ``metrics`` in the progress bar as they are (an ``int`` stays an integer).
+
+    Why: ``LightningModule.log`` turns every value into a float tensor (a worker's index showed as ``1.000``);
+    ``trainer.progress_bar_metrics`` is the dict the progress bar reads and keeps what is added to it until the next
+    entry resets it.
+    """
+    trainer.progress_bar_metrics.update(metrics)
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:

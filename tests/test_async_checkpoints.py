@@ -52,11 +52,11 @@ class ExchangeStates(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         worker = trainer.strategy._exchange.worker
         if worker.steps_in_round == 0:  # this step ended with an exchange
-            self.after[worker.pushes] = copy.deepcopy(trainer.optimizers[0].state_dict())
+            self.after[worker.exchanges] = copy.deepcopy(trainer.optimizers[0].state_dict())
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         worker = trainer.strategy._exchange.worker
-        self.after.setdefault(worker.pushes + 1, copy.deepcopy(trainer.optimizers[0].state_dict()))  # leaving
+        self.after.setdefault(worker.exchanges + 1, copy.deepcopy(trainer.optimizers[0].state_dict()))  # leaving
         torch.save({"start": self.start, "after": self.after}, self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -91,8 +91,10 @@ class WorkerCheckpoints(RankGroups):
     _resume_worker: dict[str, Any] | None = None
     #: Rank 0: the outer state snapshot ``lightning_module_state_dict`` took for the checkpoint being written.
     _outer_snapshot: dict[str, Any] | None = None
-    #: True while the workers train apart (set by the subclass): only rank 0's checkpoint decisions count.
+    #: True while the workers train apart (set by the subclass): only rank 0's checkpoint decisions count; and
+    #: True once this rank left the exchange (its state is final).
     training_apart = False
+    left_exchange = False
     #: While training apart: rank 0's requests (``None``: none are made, e.g. with ``checkpoint_inner_states``),
     #: how many this rank followed, and its own state as of its latest exchange ``(exchange, serialized)``.
     _requests: CheckpointRequests | None = None
@@ -113,8 +115,9 @@ class WorkerCheckpoints(RankGroups):
         if self.training_apart:  # rank 0's decision: its own file now, the others' at their next reply
             if request is not None and self._requests is not None:
                 exchanges = snapshot["exchanges"] if whole else {}
-                if whole:
-                    self._write_own(filepath, exchanges.get(self.worker_ranks.worker, 0), now=None)
+                if whole:  # between exchanges; once it left, its state is that of its last
+                    now = self._exchange.worker.exchanges if self.left_exchange and self._exchange else None
+                    self._write_own(filepath, exchanges.get(self.worker_ranks.worker, 0), now)
                 self._requests.post(request, "save" if whole else "none", filepath, exchanges)
                 self._followed = max(self._followed, request)
             return
@@ -158,9 +161,10 @@ class WorkerCheckpoints(RankGroups):
         if self._requests is None or self._exchange is None:
             return
         worker = self._exchange.worker
-        self._follow_requests(worker.checkpoints, now=worker.pushes)
+        if not self.is_global_zero:  # rank 0 wrote its own file as it made each request
+            self._follow_requests(worker.checkpoints, now=worker.exchanges)
         if self._keeping:
-            self._kept = (worker.pushes, state_to_bytes(self._own_state()))
+            self._kept = (worker.exchanges, state_to_bytes(self._own_state()))
 
     def finish_checkpoints(self, requests: int) -> None:
         """Every worker left: follow rank 0's requests up to ``requests`` (those made after this worker's last
@@ -169,7 +173,7 @@ class WorkerCheckpoints(RankGroups):
         if self._requests is not None and snapshot is not None and "request" in snapshot:
             self._requests.post(snapshot["request"], "none")  # taken, never saved
         elif self._requests is not None and self._exchange is not None and not self.is_global_zero:
-            self._follow_requests(requests, now=self._exchange.worker.pushes)
+            self._follow_requests(requests, now=self._exchange.worker.exchanges)
         self._requests, self._kept = None, None
 
     def _follow_requests(self, upto: int, now: int) -> None:
@@ -267,6 +271,9 @@ class WorkerCheckpoints(RankGroups):
         if not get_filesystem(first).exists(first):
             return None
         head = self.checkpoint_io.load_checkpoint(first, **weights_only_kwargs(weights_only))
+        if "missing" in head:
+            log.warning("%s: %s holds no state: %s.", ranks.describe(), first, head["missing"])
+            return None
         k_old = head["shards"]
         if k_old == k:
             return head if j == 0 else read(j)

@@ -16,12 +16,13 @@ from lightning_hdet.asynchronous.shard_hooks import sharded_module_state
 from lightning_hdet.asynchronous.worker_shards import global_model_shards
 
 
-def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None) -> AsyncResult:
-    """What the run behind ``outer`` did so far (one consistent read)."""
+def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None,
+                 local_worker: Optional[int] = None) -> AsyncResult:
+    """What the run behind ``outer`` did so far (one consistent read); ``local_worker``: the one in its process."""
     with outer.lock:
         workers = {w: dict(vars(s)) for w, s in outer.workers.items()}
         return make_async_result(outer.step_policy.mode, outer.budget, outer.steps_done, outer.outer_updates, workers,
-                                 ended)
+                                 ended, local_worker)
 
 
 class ExchangeReadouts:
@@ -82,7 +83,7 @@ class ExchangeReadouts:
     def result(self) -> AsyncResult | None:
         """Rank 0, during and after ``fit``: what every worker did (its :meth:`~.result.AsyncResult.summary` is
         printed at the end of ``fit``); ``None`` on the other ranks and before the first ``fit``."""
-        return outer_result(self._outer) if self._outer is not None else None
+        return outer_result(self._outer, local_worker=0) if self._outer is not None else None  # rank 0's worker
 
     @override
     def on_validation_start(self) -> None:

@@ -202,7 +202,8 @@ class Server:
                 rejected = self.outer.rejection_streak(worker)
                 if worker == self.local.worker:
                     # its pull copies the model, and the version then, unless it stops
-                    self.local.reply(ServerHeader(steps, self.outer.outer_updates, rejected, part=parts[worker]))
+                    self.local.reply(ServerHeader(steps, self.outer.outer_updates, rejected, part=parts[worker],
+                                                  checkpoints=self.outer.checkpoint_requests))
                     continue
                 with self.outer.model_lock:  # one version, fragment by fragment, with no copy
                     self._reply_to(worker, steps, rejected, parts[worker])

@@ -178,6 +178,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     def _reset_run_state(self) -> None:
         self.training_apart = False
+        self.left_exchange = False  # True from leave_exchange until the next fit
         self._exchange: Exchange | None = None
         self._budget: int | None = None
         self._limits = LoopLimits()
@@ -203,11 +204,11 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures)."""
+        """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures), first."""
         if self.inside_worker == "fsdp":
             check_sharded_entry(model)
         super().connect(model)
-        ensure_callback(model, AsyncLogging)
+        ensure_callback(model, AsyncLogging, first=True)  # its on_train_end leaves the exchange before the others
 
     @override
     def configure_ddp(self) -> None:
@@ -284,10 +285,12 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         with self._exchange.worker.inner_lr(optimizer):  # cut after rejected pushes in a row
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.training_apart:
+        if self.training_apart and not self.left_exchange:
             assert self._exchange is not None
             if self._exchange.worker.step():
                 self._run_exchange(Kind.PUSH)
+            if self._exchange.worker.stopped:  # the budget is spent: this step's hooks see the final global model
+                self.leave_exchange()
             self._log_outer_metrics()
         return output
 
@@ -313,21 +316,31 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    def leave_exchange(self) -> None:
+        """Leave the exchange (pushing any unfinished round; rank 0 waits for every worker to leave), then every rank
+        holds the final global model. Once per fit, on every rank: at the step whose reply said stop, or when the loop
+        ends otherwise (e.g. EarlyStopping on rank 0) at the start of ``on_train_end`` (:class:`AsyncLogging`, first
+        among the callbacks), so that the callbacks of the last step see the global model. Lightning's collectives
+        stay local until the strategy's own ``on_train_end`` (the ranks' callbacks decided apart)."""
+        if not self.training_apart or self.left_exchange:
+            return
+        assert self._exchange is not None and self._groups is not None
+        log.debug("rank %d: leaving the exchange", self.global_rank)
+        self._exchange.leave(stop_everyone=self.lightning_module.trainer.should_stop)  # e.g. EarlyStopping on rank 0
+        self.left_exchange = True
+        self._log_outer_metrics()
+        if self.shard_group is not None:
+            self._exchange.share_global_model(self._groups[1])
+        else:
+            sync_module_states(self.lightning_module)
+
     @override
     def on_train_end(self) -> None:
-        """Leave the exchange (pushing any unfinished round), then give every rank the global model."""
-        trainer = self.lightning_module.trainer
+        """Leave the exchange if not yet done, follow rank 0's last checkpoint requests; collectives meet again."""
         if self.training_apart:
-            assert self._exchange is not None
-            log.debug("rank %d: leaving the exchange", self.global_rank)
-            self._exchange.leave(stop_everyone=trainer.should_stop)  # e.g. EarlyStopping on rank 0
-            self._log_outer_metrics()
+            self.leave_exchange()
             self.training_apart = False
             self._finish_checkpoints()
-            if self.shard_group is not None:
-                self._exchange.share_global_model(self._groups[1])
-            else:
-                sync_module_states(self.lightning_module)
             self._limits.restore(self.lightning_module)
         super().on_train_end()
 

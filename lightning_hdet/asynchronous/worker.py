@@ -80,8 +80,9 @@ class Worker:
         self.rounds: list[tuple[int, int]] = []
         self.inner_steps = 0
         self.steps_in_round = 0
-        #: Pushes (of any kind) this worker sent; and rank 0's checkpoint requests so far, as its last reply said.
-        self.pushes = 0
+        #: Exchanges (pushes of any kind) this worker made; and rank 0's checkpoint requests so far, as its last reply
+        #: said (see :mod:`.checkpoints`).
+        self.exchanges = 0
         self.checkpoints = 0
         #: Length of the current round; ``inf`` once the server said stop.
         self.round_steps: float = 0
@@ -140,7 +141,7 @@ class Worker:
         # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
         inner = state_to_bytes(self.inner_optimizer.state_dict()) if self.inner_optimizer is not None else None
         log.debug("push %s after %d step(s)", kind.name, steps)
-        self.pushes += 1
+        self.exchanges += 1
         header = WorkerHeader(kind, steps, compute_s, self.wait_s, inner.numel() if inner is not None else 0,
                               pending if steps > 0 else 0, part)
         return header, buffers, inner
