@@ -30,6 +30,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from typing_extensions import override
 
@@ -101,6 +103,7 @@ class WorkerCheckpoints(RankGroups):
     _followed = 0
     _kept: tuple[int, Any] | None = None
     _keeping = False
+    _fits = 0
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -147,11 +150,12 @@ class WorkerCheckpoints(RankGroups):
             own["shards"] = self.worker_ranks.ranks_per_worker
         return own
 
-    def follow_checkpoints(self, store: Any, fit: int, keep: bool) -> None:
+    def follow_checkpoints(self, store: Any, keep: bool) -> None:
         """Training apart starts: follow rank 0's checkpoint requests through ``store`` (see the module docstring);
         ``keep``: hold a host copy of this worker's state as of each exchange (a checkpoint callback may ask for
         it; without one, a checkpoint rank 0 writes says its workers' states were not kept)."""
-        self._requests = CheckpointRequests(store, fit)
+        self._fits += 1  # every rank runs the same entries: one number per fit keeps their requests apart
+        self._requests = CheckpointRequests(store, self._fits)
         self._followed, self._kept = 0, None
         self._keeping = keep and self._own_file("") is not None  # a worker's other DDP ranks write nothing
 
@@ -166,9 +170,14 @@ class WorkerCheckpoints(RankGroups):
         if self._keeping:
             self._kept = (worker.exchanges, state_to_bytes(self._own_state()))
 
-    def finish_checkpoints(self, requests: int) -> None:
-        """Every worker left: follow rank 0's requests up to ``requests`` (those made after this worker's last
-        reply), with its state as of its leaving push; then no more requests."""
+    def finish_checkpoints(self, groups: tuple[Any, Any] | None) -> None:
+        """Every worker left (collectives meet again): follow rank 0's requests made after this worker's last reply
+        (rank 0 says how many it made, over the exchange's reply group), with its state as of its leaving push;
+        then no more."""
+        outer = self._exchange.outer if self._exchange is not None else None
+        count = torch.tensor([outer.counts.requests if outer is not None else 0], dtype=torch.int64)
+        dist.broadcast(count, src=0, group=groups[1] if groups is not None else None)
+        requests = int(count)
         snapshot, self._outer_snapshot = self._outer_snapshot, None
         if self._requests is not None and snapshot is not None and "request" in snapshot:
             self._requests.post(snapshot["request"], "none")  # taken, never saved
@@ -232,7 +241,8 @@ class WorkerCheckpoints(RankGroups):
             self.checkpoint_io.remove_checkpoint(own)
         outer = self._exchange.outer if self._exchange is not None else None
         if self.training_apart and self._requests is not None and outer is not None:
-            number = outer.request_checkpoint()
+            with outer.model_lock:
+                number = outer.counts.reserve()
             self._requests.post(number, "remove", filepath)
             self._followed = max(self._followed, number)
 

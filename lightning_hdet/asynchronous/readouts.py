@@ -14,6 +14,7 @@ from lightning_hdet.asynchronous.outer import OuterState
 from lightning_hdet.asynchronous.result import AsyncResult, make_async_result
 from lightning_hdet.asynchronous.shard_hooks import sharded_module_state
 from lightning_hdet.asynchronous.worker_shards import global_model_shards
+from lightning_hdet.records import History
 
 
 def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None,
@@ -34,6 +35,9 @@ class ExchangeReadouts:
     _exchange: Exchange | None
     #: True while this rank trains apart from the others (set by the strategy).
     training_apart: bool
+    #: Rank 0: the outer metrics logged (a History, for the figures) and the version last logged.
+    report: History
+    _logged_version = -1
     #: Rank 0 while training: the outer state's snapshot for the checkpoint being written (``WorkerCheckpoints``').
     take_snapshot: Callable[[], Optional[dict[str, Any]]]
 
@@ -84,6 +88,17 @@ class ExchangeReadouts:
         """Rank 0, during and after ``fit``: what every worker did (its :meth:`~.result.AsyncResult.summary` is
         printed at the end of ``fit``); ``None`` on the other ranks and before the first ``fit``."""
         return outer_result(self._outer, local_worker=0) if self._outer is not None else None  # rank 0's worker
+
+    def _log_outer_metrics(self) -> None:
+        """Rank 0: the outer metrics to the loggers (and :attr:`report`), when they changed since last logged."""
+        if self._outer is None or self._outer.metrics_version == self._logged_version:
+            return
+        self._logged_version = self._outer.metrics_version
+        trainer = self.lightning_module.trainer
+        metrics = self._outer.metrics()
+        self.report.add(trainer.global_step, metrics)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def on_validation_start(self) -> None:

@@ -12,7 +12,6 @@ from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -156,7 +155,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.error_decay = error_decay
         # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
         self._resume_state: dict[str, Any] | None = None
-        self._fits = 0
         self._groups: tuple[Any, Any] | None = None
         self.report = History()  # the outer metrics rank 0 logged, for the figures at the end of fit
         self._reset_run_state()
@@ -223,7 +221,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self._reset_run_state()
-        self._fits += 1  # every rank runs the same entries: one number for this fit's checkpoint requests
         if len(self.optimizers) != 1:
             raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
         # Only fit exchanges: the groups live from here to this entry's teardown (validate, test, predict create none).
@@ -275,7 +272,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
         if not self.checkpoint_inner_states:  # else the states travel with the pushes and rank 0's file holds them
-            self.follow_checkpoints(default_store(), self._fits, keep=bool(module.trainer.checkpoint_callbacks))
+            self.follow_checkpoints(default_store(), keep=bool(module.trainer.checkpoint_callbacks))
         self.training_apart = True
         self._run_exchange(Kind.HELLO)
 
@@ -306,22 +303,10 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         else:
             log.debug("rank %d: round start, %d step(s)", self.global_rank, worker.round_steps)
 
-    def _log_outer_metrics(self) -> None:
-        if self._outer is None or self._outer.metrics_version == self._logged_version:
-            return
-        self._logged_version = self._outer.metrics_version
-        trainer = self.lightning_module.trainer
-        metrics = self._outer.metrics()
-        self.report.add(trainer.global_step, metrics)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
     def leave_exchange(self) -> None:
-        """Leave the exchange (pushing any unfinished round; rank 0 waits for every worker to leave), then every rank
-        holds the final global model. Once per fit, on every rank: at the step whose reply said stop, or when the loop
-        ends otherwise (e.g. EarlyStopping on rank 0) at the start of ``on_train_end`` (:class:`AsyncLogging`, first
-        among the callbacks), so that the callbacks of the last step see the global model. Lightning's collectives
-        stay local until the strategy's own ``on_train_end`` (the ranks' callbacks decided apart)."""
+        """Leave the exchange (rank 0 waits for every worker); every rank then holds the final global model. Once,
+        at the step whose reply said stop or (e.g. EarlyStopping) first in ``on_train_end`` (:class:`AsyncLogging`),
+        so that the last step's callbacks see the global model; collectives stay local until ``on_train_end``."""
         if not self.training_apart or self.left_exchange:
             return
         assert self._exchange is not None and self._groups is not None
@@ -340,17 +325,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         if self.training_apart:
             self.leave_exchange()
             self.training_apart = False
-            self._finish_checkpoints()
+            self.finish_checkpoints(self._groups)
             self._limits.restore(self.lightning_module)
         super().on_train_end()
-
-    def _finish_checkpoints(self) -> None:
-        """Every rank left the exchange: the workers follow rank 0's checkpoint requests made after their last reply
-        (rank 0 says how many it made)."""
-        assert self._groups is not None
-        count = torch.tensor([self._outer.checkpoint_requests if self._outer is not None else 0], dtype=torch.int64)
-        dist.broadcast(count, src=0, group=self._groups[1])
-        self.finish_checkpoints(int(count))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
