@@ -158,8 +158,10 @@ def test_each_worker_checkpoints_its_own_inner_state_and_residual(tmp_path: Path
     for w in (0, 1):
         _assert_same_inner_state(torch.load(tmp_path / "a" / f"end.ckpt.worker{w}.pt", weights_only=True)["optimizer"],
                                  ranks[w]["end"])
-    # resume from a mid-training checkpoint: each worker its own state and residual
-    path = next(p for p in paths if "step=6." in p.name)  # both workers have pushed twice
+    # resume from a mid-training checkpoint whose global model holds a push of each worker: each worker its own
+    # state and residual
+    path = next(p for p in paths if all(torch.load(p, weights_only=True)["async_local_sgd"]["workers"].get(w, {})
+                                        .get("steps", 0) > 0 for w in (0, 1)))
     resumed = _fit_adam(tmp_path / "b", False, ckpt_path=str(path))
     for w in (0, 1):
         own = torch.load(f"{path}.worker{w}.pt", weights_only=True)

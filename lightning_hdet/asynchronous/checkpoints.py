@@ -184,6 +184,8 @@ class WorkerCheckpoints(RankGroups):
         elif self._requests is not None and self._exchange is not None and not self.is_global_zero:
             self._follow_requests(requests, now=self._exchange.worker.exchanges)
         self._requests, self._kept = None, None
+        # every file is written when fit returns (and rank 0, which hosts the store, waits for the reads)
+        dist.barrier(group=groups[1] if groups is not None else None)
 
     def _follow_requests(self, upto: int, now: int) -> None:
         assert self._requests is not None

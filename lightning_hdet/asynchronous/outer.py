@@ -362,7 +362,6 @@ def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size:
 
 
 @dataclass
-@dataclass
 class ExchangeCounts:
     """What a checkpoint's snapshot says about the workers (see :mod:`.checkpoints`; per run, not saved): each
     worker's exchanges (pushes of any kind) the global model has taken in (async: on arrival; DiLoCo: when their
@@ -389,6 +388,7 @@ class ExchangeCounts:
         return self.requests
 
 
+@dataclass
 class OuterState:
     """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget, counters.
 
@@ -427,7 +427,7 @@ class OuterState:
     configured_buffer: int | None = None
     #: The fragments' indices by part, when a push may carry one part (:attr:`~.messages.Fragments.parts`).
     parts: list[range] = field(default_factory=list)
-    counts: ExchangeCounts = field(default_factory=lambda: ExchangeCounts())  # for checkpoints, per run
+    counts: ExchangeCounts = field(default_factory=ExchangeCounts)  # for checkpoints, per run
 
     def __post_init__(self) -> None:
         #: The outer optimizer's parameters: one view of :attr:`params` per fragment, in order.
@@ -642,9 +642,8 @@ class OuterState:
             return self.params.detach().clone(), self.buffers.clone()
 
     def state_dict(self, request: bool = False) -> dict[str, Any]:
-        """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent and
-        ``worker_buffers`` the buffers they pushed, each as of that worker's latest exchange (the one counted in
-        ``workers[w]["steps"]``; ``exchanges``); ``request``: a checkpoint's, numbered (:class:`ExchangeCounts`)."""
+        """A consistent snapshot; the inner states and buffers the workers sent, each as of its latest exchange (in
+        ``workers[w]["steps"]`` and ``exchanges``); ``request``: a checkpoint's, numbered (:class:`ExchangeCounts`)."""
         with self.model_lock, self.lock:
             state = {
                 "params": self.params.detach().clone(),
