@@ -113,16 +113,16 @@ class WorkerCheckpoints(RankGroups):
         if self.is_global_zero and outer is not None:
             # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
             checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
         whole = bool(self.optimizers) and "optimizer_states" in checkpoint  # not for weights-only ones
+        exchanges = snapshot["exchanges"] if whole and request is not None else {}
+        if request is not None and self._requests is not None:  # posted first: a worker that heard of it waits
+            self._requests.post(request, "save" if whole else "none", filepath, exchanges)
+            self._followed = max(self._followed, request)
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
         if self.training_apart:  # rank 0's decision: its own file now, the others' at their next reply
-            if request is not None and self._requests is not None:
-                exchanges = snapshot["exchanges"] if whole else {}
-                if whole:  # between exchanges; once it left, its state is that of its last
-                    now = self._exchange.worker.exchanges if self.left_exchange and self._exchange else None
-                    self._write_own(filepath, exchanges.get(self.worker_ranks.worker, 0), now)
-                self._requests.post(request, "save" if whole else "none", filepath, exchanges)
-                self._followed = max(self._followed, request)
+            if whole and request is not None:  # between exchanges; once it left, its state is that of its last
+                now = self._exchange.worker.exchanges if self.left_exchange and self._exchange else None
+                self._write_own(filepath, exchanges.get(self.worker_ranks.worker, 0), now)
             return
         own_file = self._own_file(filepath)
         if whole and own_file:
