@@ -110,3 +110,39 @@ def test_a_resume_from_the_best_last_or_a_periodic_checkpoint_gives_each_worker_
         for w in (0, 1):
             _same(resumed[w]["start"], torch.load(f"{path}.worker{w}.pt", weights_only=True)["optimizer"])
         assert not torch.equal(resumed[0]["start"]["state"][0]["exp_avg"], resumed[1]["start"]["state"][0]["exp_avg"])
+
+
+class SaveAtStep(Callback):
+    """A ``trainer.save_checkpoint`` of the user's own, on every rank, at its step ``step`` (mid-round)."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_whose_workers_states_were_not_kept_says_so_and_resumes_from_rank_0s(tmp_path: Path) -> None:
+    """DiLoCo, H = 4, no checkpoint callback (so no worker keeps its state after each exchange): a checkpoint of the
+    user's own at step 6 holds the global model after round 1, but each worker's state as of that round's end is no
+    longer held (worker 1 hears of the checkpoint at the end of round 2). Each worker's file says so, and a resume
+    starts the workers from rank 0's inner state in the checkpoint."""
+    seed_everything(0)
+    path = tmp_path / "mine.ckpt"
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode="sync", start_method=START)
+    trainer = Trainer(strategy=strategy, callbacks=[SaveAtStep(path, 6)], **trainer_kwargs(devices=2, max_steps=12))
+    trainer.fit(AdamBoring())
+    assert torch.load(path, weights_only=True)["async_local_sgd"]["exchanges"] == {0: 2, 1: 2}  # hello, round 1
+    for w in (0, 1):
+        own = torch.load(f"{path}.worker{w}.pt", weights_only=True)
+        assert list(own) == ["missing"] and "exchange 2" in own["missing"] and "no checkpoint callback" in own["missing"]
+    out = tmp_path / "resumed"
+    out.mkdir()
+    resumed = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=4, mode="sync", start_method=START),
+                      callbacks=[ExchangeStates(out)], **trainer_kwargs(devices=2, max_steps=16))
+    resumed.fit(AdamBoring(), ckpt_path=str(path))
+    saved = torch.load(path, weights_only=True)["optimizer_states"][0]  # rank 0's, at its step 6
+    for rank in load_ranks(out, 2):
+        _same(rank["start"], saved)

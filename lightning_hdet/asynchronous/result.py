@@ -83,8 +83,8 @@ class AsyncResult:
         budget = f" of a budget of {self.budget}" if self.budget is not None else ""
         wire = self.push_bytes + self.pull_bytes
         lines = [f"{name} result: {self.steps_done} inner steps{budget} over {len(self.workers)} worker(s)",
-                 f"  {self.outer_updates} outer updates, {self.rejected} push(es) rejected, {_size(wire)} over the wire"
-                 f" ({_size(self.push_bytes)} pushed, {_size(self.pull_bytes)} pulled)"]
+                 f"  {self.outer_updates} outer updates, {self.rejected} push(es) rejected, {_size(wire)} on the wire"
+                 f" ({_size(self.push_bytes)} out, {_size(self.pull_bytes)} in)"]
         for w in sorted(set(self.workers) | set(self.ended)):
             ended = f"; {self.ended[w]}" if w in self.ended else ""
             r = self.workers.get(w)
@@ -92,8 +92,8 @@ class AsyncResult:
                 lines.append(f"  worker {w}: nothing pushed{ended}")
                 continue
             rejected = f", {r.rejected} rejected ({r.rejected_steps} steps discarded)" if r.rejected else ""
-            wire = ("in-process" if w == self.local_worker
-                    else f"{_size(r.push_bytes)} pushed, {_size(r.pull_bytes)} pulled")
+            # out: its pushes, in: its pulls
+            wire = "in-process" if w == self.local_worker else f"{_size(r.push_bytes)} out, {_size(r.pull_bytes)} in"
             lines.append(f"  worker {w}: {r.steps} steps in {r.rounds} rounds{rejected}, {wire},"
                          f" {r.total_compute_s:.2f} s computing, {r.total_wait_s:.2f} s waiting{ended}")
         return "\n".join(lines)
