@@ -48,8 +48,10 @@ __all__ = [
     "StrategyRegistry",
     "CHECKPOINT_NAMED_BY_RANK_ZERO",
     "attached_trainer",
+    "default_store",
     "ddp_kwarg",
     "ensure_callback",
+    "show_in_progress_bar",
     "gloo_options",
     "has_user_comm_hook",
     "init_model_parallel",
@@ -87,6 +89,17 @@ def weights_only_kwargs(weights_only: Optional[bool]) -> dict[str, Any]:
     return {"weights_only": weights_only} if CHECKPOINT_TAKES_WEIGHTS_ONLY else {}
 
 
+def default_store() -> Any:
+    """The default process group's key-value store.
+
+    Why: the async strategy hands rank 0's checkpoint requests to workers that train apart (no collective can
+    meet) through the store every rank already reaches; torch has no public accessor for it.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
 def sync_module_states(module: Module) -> None:
     """Broadcast rank 0's parameters and buffers to every rank (what DDP does when it wraps a model)."""
     _sync_module_states(module)
@@ -103,15 +116,34 @@ def requested_devices(trainer: Trainer) -> int:
     return len(trainer._accelerator_connector._parallel_devices or [])  # why: no public accessor
 
 
-def ensure_callback(model: LightningModule, callback_type: type[Callback], make: Any = None) -> None:
-    """Append ``make()`` (default: ``callback_type()``) to the Trainer's callbacks unless one is there.
+def ensure_callback(model: LightningModule, callback_type: type[Callback], make: Any = None,
+                    first: bool = False) -> None:
+    """Append ``make()`` (default: ``callback_type()``) to the Trainer's callbacks unless one is there; ``first``:
+    put it (or the one there) before the others, so that its hooks run first.
 
     Why here: a strategy's ``connect`` is the first moment it sees the Trainer; companion callbacks (HDET's vote,
     async's logging) are installed there when the user passed none.
     """
     trainer = attached_trainer(model)
-    if trainer is not None and not any(isinstance(cb, callback_type) for cb in trainer.callbacks):
-        trainer.callbacks.append((make or callback_type)())
+    if trainer is None:
+        return
+    found = [cb for cb in trainer.callbacks if isinstance(cb, callback_type)]
+    callback = found[0] if found else (make or callback_type)()
+    if found and not first:
+        return
+    if found:
+        trainer.callbacks.remove(callback)
+    trainer.callbacks.insert(0 if first else len(trainer.callbacks), callback)
+
+
+def show_in_progress_bar(trainer: Trainer, metrics: dict[str, Any]) -> None:
+    """Show ``metrics`` in the progress bar as they are (an ``int`` stays an integer).
+
+    Why: ``LightningModule.log`` turns every value into a float tensor (a worker's index showed as ``1.000``);
+    ``trainer.progress_bar_metrics`` is the dict the progress bar reads and keeps what is added to it until the next
+    entry resets it.
+    """
+    trainer.progress_bar_metrics.update(metrics)
 
 
 #: The keyword arguments of torch's DistributedDataParallel a strategy's ``**kwargs`` may really set: Lightning passes

@@ -171,7 +171,12 @@ def test_a_bad_push_is_rejected_whole_and_its_budget_released(mode: str, bad: st
     stats = outer.workers[1]
     assert (stats.rejected, stats.rejected_steps, stats.rejected_streak, stats.steps) == (1, 4, 1, 16)
     assert outer.steps_done == 36 and outer.rejection_streak(1) == 1 and outer.rejection_streak(0) == 0
-    assert replies[1] == 4 and outer.metrics()["async/worker1/rejected"] == 1.0
+    metrics = outer.metrics()
+    assert replies[1] == 4 and metrics["async/worker1/rejected"] == 1
+    # counts are logged as integers, rates and seconds as floats
+    assert all(type(metrics[f"async/worker1/{k}"]) is int
+               for k in ("local_steps", "staleness", "rounds", "push_bytes", "pull_bytes", "rejected"))
+    assert type(metrics["async/outer_updates"]) is int and type(metrics["async/worker1/steps_per_s"]) is float
 
 
 def test_max_rejections_in_a_row_stop_a_worker_and_an_applied_push_resets_the_count() -> None:

@@ -143,10 +143,12 @@ def test_worker_header_round_trip() -> None:
 
 def test_server_header_round_trip_and_bad_sizes() -> None:
     header = ServerHeader(next_local_steps=12, outer_updates=345, rejected=2)
-    assert header.encode().tolist() == [12.0, 345.0, 2.0, -1.0, -1.0]  # -1: the parameters themselves, all parts
+    # -1: the parameters themselves, all parts; 0: no checkpoint requests yet
+    assert header.encode().tolist() == [12.0, 345.0, 2.0, -1.0, -1.0, 0.0]
     assert ServerHeader.decode(header.encode()) == header
     assert ServerHeader.decode(ServerHeader(4, 5, 0, deltas=3).encode()).deltas == 3
-    with pytest.raises(ValueError, match=r"server header is float64\[5\], got torch.float64\[4\]"):
+    assert ServerHeader.decode(ServerHeader(4, 5, checkpoints=7).encode()).checkpoints == 7
+    with pytest.raises(ValueError, match=r"server header is float64\[6\], got torch.float64\[4\]"):
         ServerHeader.decode(torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="worker header"):
         WorkerHeader.decode(torch.zeros(5, dtype=torch.float32))

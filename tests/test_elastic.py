@@ -449,6 +449,8 @@ def test_a_session_rejected_max_rejections_times_in_a_row_is_told_to_stop_and_en
     assert service.hub.dropped == [(1, True)]  # its group goes only once the stop reply was sent
     assert torch.equal(service.outer.params, start) and service.outer.steps_done == 0
     assert service.status()["workers"]["1"]["rejected"] == 3
+    # every reply with steps sent the model (9 float32 parameters, no buffers): the pulls are counted too
+    assert service.result.workers[1].pull_bytes == 3 * 9 * 4
 
 
 @pytest.mark.timeout(300)

@@ -94,7 +94,7 @@ def test_over_the_wire_every_worker_holds_the_public_model_bit_for_bit(codec: st
         deltas, messages = public.reply(worker)
         wire: list[torch.Tensor] = []
         send_reply(lambda t: wire.append(t.clone()), ServerHeader(4, 0, 0, deltas), messages, torch.tensor([9.0]))
-        assert sum(t.numel() * t.element_size() for t in wire) == 40 + layout.reply_nbytes(deltas) + 4
+        assert sum(t.numel() * t.element_size() for t in wire) == 48 + layout.reply_nbytes(deltas) + 4
         it = iter(wire)
         header = receive_reply(lambda t: t.copy_(next(it)), layout, held[worker], layout.pull_buffer())
         assert header.deltas == deltas and next(it, None) is None

@@ -32,8 +32,8 @@ class Loopback(WorkerTransport):
 def test_a_push_and_a_pull_take_their_bytes_over_the_bandwidth_plus_the_latency() -> None:
     """8,000 bits/s (1,000 bytes/s), 0.5 s latency. A push: a 56-byte header (7 float64), 2 fragments of 100 bytes,
     4 float32 buffer values (16 bytes), no inner state: 272 bytes, 0.272 + 0.5 s. A pull of a 700-byte model: a
-    40-byte header (5 float64) + 700 bytes, 0.74 + 0.5 s; one of 2 changes of 50 bytes each (a delta pull codec):
-    40 + 100 bytes, 0.14 + 0.5 s; a stop reply carries no model: 0.04 + 0.5 s."""
+    48-byte header (6 float64) + 700 bytes, 0.748 + 0.5 s; one of 2 changes of 50 bytes each (a delta pull codec):
+    48 + 100 bytes, 0.148 + 0.5 s; a stop reply carries no model: 0.048 + 0.5 s."""
     waited: list[float] = []
     inner = Loopback(ServerHeader(8, 3))
     link = LimitedTransport(inner, bits_per_s=8000, latency_s=0.5,
@@ -46,7 +46,7 @@ def test_a_push_and_a_pull_take_their_bytes_over_the_bandwidth_plus_the_latency(
     link.pull(torch.zeros(1))
     inner.reply = ServerHeader(0, 4)
     link.pull(torch.zeros(1))
-    assert waited == pytest.approx([0.772, 1.24, 0.64, 0.54]) and link.delay_s == pytest.approx(3.192)
+    assert waited == pytest.approx([0.772, 1.248, 0.648, 0.548]) and link.delay_s == pytest.approx(3.216)
 
 
 def test_the_link_is_checked_when_it_is_made() -> None:
@@ -69,7 +69,7 @@ class Delays(Callback):
 @pytest.mark.timeout(180)
 def test_slow_link_holds_every_worker_but_rank_0_for_its_bytes(tmp_path: Path) -> None:
     """BoringModel (66 float32 parameters, no buffers), H = 4, 80,000 bits/s, 10 ms latency. Rank 1's pushes weigh
-    56 + 264 bytes, its pulls 40 + 264 (a stop: 40), and after the stop its goodbye 56 (a header, nothing left to
+    56 + 264 bytes, its pulls 48 + 264 (a stop: 48), and after the stop its goodbye 56 (a header, nothing left to
     push); its first exchange (the hello) is not slowed. Rank 0's worker shares the outer optimizer's process: not
     slowed. DiLoCo, so that the rounds are fixed by construction: every worker runs every round, a budget of
     2 x 16 steps is 4 rounds of 4 each, so rank 1 pushes 4 times, pulls the model 3 times and is then told to stop.
@@ -85,6 +85,6 @@ def test_slow_link_holds_every_worker_but_rank_0_for_its_bytes(tmp_path: Path) -
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert rank0["delay"] is None
     assert [steps for steps, _ in rank1["rounds"]] == [4, 4, 4, 4, 0]  # the hello's reply, then 4 exchanges
-    seconds = 4 * (0.01 + 8 * 320 / 80_000) + 3 * (0.01 + 8 * 304 / 80_000) + (0.01 + 8 * 40 / 80_000) \
+    seconds = 4 * (0.01 + 8 * 320 / 80_000) + 3 * (0.01 + 8 * 312 / 80_000) + (0.01 + 8 * 48 / 80_000) \
         + (0.01 + 8 * 56 / 80_000)
     assert rank1["delay"] == pytest.approx(seconds)

@@ -10,11 +10,26 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_hdet._compat import show_in_progress_bar
 from lightning_hdet.records import log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, record_config
 
 if TYPE_CHECKING:
     from lightning_hdet.asynchronous.strategy import AsyncLocalSGDStrategy
+
+
+def _show_progress(trainer: pl.Trainer) -> None:
+    """Rank 0's progress bar: outer updates, the slowest worker (integers) and the job's budget done (a share)."""
+    strategy = _async_strategy(trainer)
+    stats = strategy.worker_stats() if strategy is not None else {}
+    if strategy is None or not stats:
+        return
+    shown: dict[str, Any] = {"async/outer_updates": strategy.outer_updates,
+                             "async/slowest": min(stats, key=lambda w: stats[w]["steps_per_s"] or math.inf)}
+    done = strategy.budget_done  # a counter read, not the whole result (this runs on every batch)
+    if done is not None:
+        shown["async/budget_done"] = done
+    show_in_progress_bar(trainer, shown)
 
 
 def _async_strategy(trainer: pl.Trainer) -> AsyncLocalSGDStrategy | None:
@@ -24,9 +39,10 @@ def _async_strategy(trainer: pl.Trainer) -> AsyncLocalSGDStrategy | None:
 
 
 class AsyncLogging(Callback):
-    """What the async strategy shows: the outer-update count and the slowest worker in the progress bar, its
-    settings in the run config (``async/...``), and at the end of fit the run's summary (what every worker did)
-    and the per-worker figures in W&B."""
+    """What the async strategy shows: the outer-update count, the slowest worker and the share of the job's budget
+    done in rank 0's progress bar, its settings in the run config (``async/...``), and at the end of fit the run's
+    summary (what every worker did) and the per-worker figures in W&B. Installed first among the callbacks: at
+    ``on_train_end`` it leaves the exchange, so that the other callbacks see the final global model."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -37,17 +53,20 @@ class AsyncLogging(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        _show_progress(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = _async_strategy(trainer)
-        stats = strategy.worker_stats() if strategy is not None else {}
-        if not stats:
+        if strategy is None:
             return
-        slowest = min(stats, key=lambda w: stats[w]["steps_per_s"] or math.inf)
-        pl_module.log("async/outer_updates", float(strategy.outer_updates), prog_bar=True, logger=False,
-                      rank_zero_only=True)
-        pl_module.log("async/slowest", float(slowest), prog_bar=True, logger=False, rank_zero_only=True)
-        done = strategy.budget_done  # a counter read, not the whole result (this runs on every batch)
-        if done is not None:
-            pl_module.log("async/budget_done", done, prog_bar=True, logger=False, rank_zero_only=True)
+        strategy.leave_exchange()
+        _show_progress(trainer)
+        result = strategy.result
+        if result is not None and result.budget is not None and result.steps_done >= result.budget:
+            rank_zero_info(f"`Trainer.fit` stopped: the budget of `max_steps={result.budget // len(result.workers)}`"
+                           f" ({result.budget} inner steps over {len(result.workers)} workers) is spent;"
+                           f" `global_step` {trainer.global_step} counts rank 0's own steps.")
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -17,7 +17,7 @@ Worker -> server, in this order:
 
 Server -> worker, in this order:
 
-1. a :class:`ServerHeader` (``float64[5]``);
+1. a :class:`ServerHeader` (``float64[6]``);
 2. when ``next_local_steps > 0``: the global parameters, one message per fragment encoded by the pull codec
    (``"none"``: ``float32``; ``"bf16"``: the parameters rounded to bfloat16, whose float32 originals stay on rank
    0), or, when the header's ``deltas`` is ``n >= 0``, ``n`` changes of the public model, oldest first, each one
@@ -101,7 +101,7 @@ class WorkerHeader:
 
 @dataclass(frozen=True)
 class ServerHeader:
-    """The header of the server's reply (``float64[5]``, fields in this order)."""
+    """The header of the server's reply (``float64[6]``, fields in this order)."""
 
     #: Inner steps of the worker's next round; 0 means stop (no model follows).
     next_local_steps: int
@@ -115,17 +115,20 @@ class ServerHeader:
     deltas: int = -1
     #: Which fragments' parameters follow (:attr:`WorkerHeader.part`: those the worker pushed).
     part: int = -1
+    #: How many checkpoint requests rank 0 has made so far (each: write or remove the worker's own file beside a
+    #: checkpoint rank 0 wrote or removed; see :mod:`.checkpoints`).
+    checkpoints: int = 0
 
-    SIZE: ClassVar[int] = 5
+    SIZE: ClassVar[int] = 6
 
     def encode(self) -> Tensor:
         return torch.tensor([float(self.next_local_steps), float(self.outer_updates), float(self.rejected),
-                             float(self.deltas), float(self.part)], dtype=torch.float64)
+                             float(self.deltas), float(self.part), float(self.checkpoints)], dtype=torch.float64)
 
     @classmethod
     def decode(cls, tensor: Tensor) -> ServerHeader:
-        steps, outer_updates, rejected, deltas, part = _decode(tensor, cls.SIZE, "server header")
-        return cls(int(steps), int(outer_updates), int(rejected), int(deltas), int(part))
+        steps, outer_updates, rejected, deltas, part, checkpoints = _decode(tensor, cls.SIZE, "server header")
+        return cls(int(steps), int(outer_updates), int(rejected), int(deltas), int(part), int(checkpoints))
 
 
 @dataclass

@@ -362,6 +362,33 @@ def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size:
 
 
 @dataclass
+class ExchangeCounts:
+    """What a checkpoint's snapshot says about the workers (see :mod:`.checkpoints`; per run, not saved): each
+    worker's exchanges (pushes of any kind) the global model has taken in (async: on arrival; DiLoCo: when their
+    round closes), and the checkpoint requests rank 0 made (every reply carries the number). Numbered under the
+    model lock, so that a reply sent before a snapshot does not carry its request and one sent after does."""
+
+    exchanges: dict[int, int] = field(default_factory=dict)
+    requests: int = 0
+
+    def received(self, worker: int, mode: str) -> None:
+        """A push of ``worker`` was applied or rejected (async: the model holds it now)."""
+        if mode != "sync":
+            self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
+
+    def closed(self, workers: Iterable[int], mode: str) -> None:
+        """A batch of pushes of ``workers`` closed (DiLoCo: the model holds them now)."""
+        if mode == "sync":
+            for w in workers:
+                self.exchanges[w] = self.exchanges.get(w, 0) + 1
+
+    def reserve(self) -> int:
+        """A new request's number."""
+        self.requests += 1
+        return self.requests
+
+
+@dataclass
 class OuterState:
     """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget, counters.
 
@@ -400,6 +427,7 @@ class OuterState:
     configured_buffer: int | None = None
     #: The fragments' indices by part, when a push may carry one part (:attr:`~.messages.Fragments.parts`).
     parts: list[range] = field(default_factory=list)
+    counts: ExchangeCounts = field(default_factory=ExchangeCounts)  # for checkpoints, per run
 
     def __post_init__(self) -> None:
         #: The outer optimizer's parameters: one view of :attr:`params` per fragment, in order.
@@ -441,6 +469,7 @@ class OuterState:
                         self.check.accepted(push.worker, norm, push.part)
                 else:
                     self._reject(push, reason)
+            self.counts.received(push.worker, self.step_policy.mode)
 
     def _apply(self, push: Push, fragments: Iterable[Tensor]) -> None:
         with self.lock:
@@ -494,6 +523,7 @@ class OuterState:
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
             # DiLoCo's mean is over the pushes applied: a rejected one is not in the sum
             self.step_policy.close(self, sum(p.steps > 0 and p.rejected is None for p in pushes))
+            self.counts.closed([p.worker for p in pushes], self.step_policy.mode)
             self._resize_buffer()  # a change of N waits for a momentum boundary: retried at every batch
             waiting = [p.worker for p in pushes if p.kind != Kind.BYE]
             replies = {w: self._allocate(w, len(waiting)) for w in waiting}
@@ -588,14 +618,16 @@ class OuterState:
         with self.lock:
             self.stop_requested = True
 
-    def metrics(self) -> dict[str, float]:
-        """The logged metrics (keys fixed by the project; see docs/async.md)."""
+    def metrics(self) -> dict[str, float | int]:
+        """The logged metrics (keys fixed by the project; see docs/async.md): counts as integers, rates and seconds
+        as floats."""
         with self.lock:
-            out: dict[str, float] = {"async/outer_updates": float(self.outer_updates)}
+            out: dict[str, float | int] = {"async/outer_updates": int(self.outer_updates)}
             for w, s in sorted(self.workers.items()):
-                for name in ("steps_per_s", "local_steps", "staleness", "compute_s", "wait_s", "rounds", "push_bytes",
-                             "pull_bytes", "rejected"):
+                for name in ("steps_per_s", "compute_s", "wait_s"):
                     out[f"async/worker{w}/{name}"] = float(getattr(s, name))
+                for name in ("local_steps", "staleness", "rounds", "push_bytes", "pull_bytes", "rejected"):
+                    out[f"async/worker{w}/{name}"] = int(getattr(s, name))
             return out
 
     def worker_stats(self) -> dict[int, dict[str, float]]:
@@ -609,10 +641,9 @@ class OuterState:
         with self.model_lock:
             return self.params.detach().clone(), self.buffers.clone()
 
-    def state_dict(self) -> dict[str, Any]:
-        """A consistent snapshot; ``inner_optimizer_states`` holds the inner states the workers sent and
-        ``worker_buffers`` the buffers they pushed, each as of that worker's latest exchange (the one counted
-        in ``workers[w]["steps"]``)."""
+    def state_dict(self, request: bool = False) -> dict[str, Any]:
+        """A consistent snapshot; the inner states and buffers the workers sent, each as of its latest exchange (in
+        ``workers[w]["steps"]`` and ``exchanges``); ``request``: a checkpoint's, numbered (:class:`ExchangeCounts`)."""
         with self.model_lock, self.lock:
             state = {
                 "params": self.params.detach().clone(),
@@ -624,6 +655,7 @@ class OuterState:
                 "steps_done": self.steps_done,
                 "outer_updates": self.outer_updates,
                 "workers": {w: dict(vars(s)) for w, s in self.workers.items()},
+                "exchanges": dict(self.counts.exchanges), **({"request": self.counts.reserve()} if request else {}),
             }
             inner = dict(self.inner_states)  # the stored tensors are replaced, never modified
         state["inner_optimizer_states"] = {w: state_from_bytes(data) for w, data in sorted(inner.items())}

@@ -3,7 +3,7 @@ model rank 0 shows validation and checkpoints while the workers train apart."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any, Optional
 
@@ -14,14 +14,16 @@ from lightning_hdet.asynchronous.outer import OuterState
 from lightning_hdet.asynchronous.result import AsyncResult, make_async_result
 from lightning_hdet.asynchronous.shard_hooks import sharded_module_state
 from lightning_hdet.asynchronous.worker_shards import global_model_shards
+from lightning_hdet.records import History
 
 
-def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None) -> AsyncResult:
-    """What the run behind ``outer`` did so far (one consistent read)."""
+def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None,
+                 local_worker: Optional[int] = None) -> AsyncResult:
+    """What the run behind ``outer`` did so far (one consistent read); ``local_worker``: the one in its process."""
     with outer.lock:
         workers = {w: dict(vars(s)) for w, s in outer.workers.items()}
         return make_async_result(outer.step_policy.mode, outer.budget, outer.steps_done, outer.outer_updates, workers,
-                                 ended)
+                                 ended, local_worker)
 
 
 class ExchangeReadouts:
@@ -33,6 +35,11 @@ class ExchangeReadouts:
     _exchange: Exchange | None
     #: True while this rank trains apart from the others (set by the strategy).
     training_apart: bool
+    #: Rank 0: the outer metrics logged (a History, for the figures) and the version last logged.
+    report: History
+    _logged_version = -1
+    #: Rank 0 while training: the outer state's snapshot for the checkpoint being written (``WorkerCheckpoints``').
+    take_snapshot: Callable[[], Optional[dict[str, Any]]]
 
     @property
     def _outer(self) -> OuterState | None:
@@ -80,7 +87,18 @@ class ExchangeReadouts:
     def result(self) -> AsyncResult | None:
         """Rank 0, during and after ``fit``: what every worker did (its :meth:`~.result.AsyncResult.summary` is
         printed at the end of ``fit``); ``None`` on the other ranks and before the first ``fit``."""
-        return outer_result(self._outer) if self._outer is not None else None
+        return outer_result(self._outer, local_worker=0) if self._outer is not None else None  # rank 0's worker
+
+    def _log_outer_metrics(self) -> None:
+        """Rank 0: the outer metrics to the loggers (and :attr:`report`), when they changed since last logged."""
+        if self._outer is None or self._outer.metrics_version == self._logged_version:
+            return
+        self._logged_version = self._outer.metrics_version
+        trainer = self.lightning_module.trainer
+        metrics = self._outer.metrics()
+        self.report.add(trainer.global_step, metrics)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def on_validation_start(self) -> None:
@@ -104,8 +122,7 @@ class ExchangeReadouts:
         """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
         state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
         ``save_checkpoint``), so the two always hold the same global model."""
-        snapshot = self._outer.state_dict() if self.training_apart and self._outer is not None else None
-        self._outer_snapshot = snapshot
+        snapshot = self.take_snapshot()
         if self.shard_group is not None:
             return sharded_module_state(self.lightning_module, snapshot, self._outer, self.is_global_zero)
         with self._global_model(snapshot):

@@ -3,7 +3,8 @@
 process group.
 
 HDET prints what it found (``HDETResult``); a Local-SGD run's counterpart is what each worker did: its inner steps
-and rounds, the pushes the checks rejected, the bytes it sent and the time it spent waiting on the exchange.
+and rounds, the pushes the checks rejected, the bytes its exchanges moved over the wire (pushes and pulls; rank 0's
+own worker moves none) and the time it spent waiting on the exchange.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ class WorkerRecord:
     #: Pushes the checks rejected (or that the worker discarded as non-finite), and their inner steps.
     rejected: int
     rejected_steps: int
-    #: Payload bytes it pushed (after compression).
+    #: Payload bytes it pushed (after compression), and those the replies sent it (0 for rank 0's own worker).
     push_bytes: int
+    pull_bytes: int
     #: Seconds computing and waiting on the exchange, summed over its rounds, and its measured inner steps per second.
     total_compute_s: float
     total_wait_s: float
@@ -47,6 +49,8 @@ class AsyncResult:
         outer_updates: how many times the outer optimizer stepped.
         workers: each worker's record, by worker id (rank, or elastic session id).
         ended: why each worker's participation ended, where known (elastic sessions: ``"left"``, ``"expired"``...).
+        local_worker: the worker that runs in the outer optimizer's process (rank 0's), whose exchanges cross no
+            wire (``None``: every worker is remote, e.g. elastic sessions).
     """
 
     mode: str
@@ -55,6 +59,7 @@ class AsyncResult:
     outer_updates: int
     workers: dict[int, WorkerRecord]
     ended: dict[int, str]
+    local_worker: Optional[int] = None
 
     @property
     def rejected(self) -> int:
@@ -63,17 +68,23 @@ class AsyncResult:
 
     @property
     def push_bytes(self) -> int:
-        """Payload bytes pushed in all."""
-        return sum(w.push_bytes for w in self.workers.values())
+        """Payload bytes pushed over the wire in all (the in-process worker's pushes cross none)."""
+        return sum(r.push_bytes for w, r in self.workers.items() if w != self.local_worker)
+
+    @property
+    def pull_bytes(self) -> int:
+        """Payload bytes the replies sent over the wire in all."""
+        return sum(r.pull_bytes for w, r in self.workers.items() if w != self.local_worker)
 
     def summary(self) -> str:
         """The run in a few lines: the budget, the totals, then one line per worker (those that ended without a push
         too)."""
         name = "DiLoCo" if self.mode == "sync" else "Async Local-SGD"
         budget = f" of a budget of {self.budget}" if self.budget is not None else ""
+        wire = self.push_bytes + self.pull_bytes
         lines = [f"{name} result: {self.steps_done} inner steps{budget} over {len(self.workers)} worker(s)",
-                 f"  {self.outer_updates} outer updates, {self.rejected} push(es) rejected, {_size(self.push_bytes)}"
-                 " pushed"]
+                 f"  {self.outer_updates} outer updates, {self.rejected} push(es) rejected, {_size(wire)} on the wire"
+                 f" ({_size(self.push_bytes)} out, {_size(self.pull_bytes)} in)"]
         for w in sorted(set(self.workers) | set(self.ended)):
             ended = f"; {self.ended[w]}" if w in self.ended else ""
             r = self.workers.get(w)
@@ -81,7 +92,9 @@ class AsyncResult:
                 lines.append(f"  worker {w}: nothing pushed{ended}")
                 continue
             rejected = f", {r.rejected} rejected ({r.rejected_steps} steps discarded)" if r.rejected else ""
-            lines.append(f"  worker {w}: {r.steps} steps in {r.rounds} rounds{rejected}, {_size(r.push_bytes)} pushed,"
+            # out: its pushes, in: its pulls
+            wire = "in-process" if w == self.local_worker else f"{_size(r.push_bytes)} out, {_size(r.pull_bytes)} in"
+            lines.append(f"  worker {w}: {r.steps} steps in {r.rounds} rounds{rejected}, {wire},"
                          f" {r.total_compute_s:.2f} s computing, {r.total_wait_s:.2f} s waiting{ended}")
         return "\n".join(lines)
 
@@ -94,10 +107,12 @@ class AsyncResult:
 
 
 def make_async_result(mode: str, budget: Optional[int], steps_done: int, outer_updates: int,
-                      workers: Mapping[int, Mapping[str, Any]], ended: Optional[Mapping[int, str]] = None) -> AsyncResult:
+                      workers: Mapping[int, Mapping[str, Any]], ended: Optional[Mapping[int, str]] = None,
+                      local_worker: Optional[int] = None) -> AsyncResult:
     """The result from the outer state's per-worker statistics (``vars`` of each ``WorkerStats``)."""
     return AsyncResult(mode, budget, int(steps_done), int(outer_updates),
-                       {int(w): WorkerRecord.from_stats(s) for w, s in workers.items()}, dict(ended or {}))
+                       {int(w): WorkerRecord.from_stats(s) for w, s in workers.items()}, dict(ended or {}),
+                       local_worker)
 
 
 def _size(n: int) -> str:

@@ -202,7 +202,8 @@ class Server:
                 rejected = self.outer.rejection_streak(worker)
                 if worker == self.local.worker:
                     # its pull copies the model, and the version then, unless it stops
-                    self.local.reply(ServerHeader(steps, self.outer.outer_updates, rejected, part=parts[worker]))
+                    self.local.reply(ServerHeader(steps, self.outer.outer_updates, rejected, part=parts[worker],
+                                                  checkpoints=self.outer.counts.requests))
                     continue
                 with self.outer.model_lock:  # one version, fragment by fragment, with no copy
                     self._reply_to(worker, steps, rejected, parts[worker])
@@ -222,7 +223,8 @@ class Server:
             params = self.layout.encode_pull(self.outer.params.detach(), self._reply, part)
         nbytes = self.layout.reply_nbytes(deltas, part, rejected) + 4 * self.outer.buffers.numel() if steps > 0 else 0
         version = self.outer.mark_pulled(worker, nbytes, dense=steps > 0 and deltas < 0)
-        self.remote.reply(worker, ServerHeader(steps, version, rejected, deltas, part), params, self.outer.buffers)
+        header = ServerHeader(steps, version, rejected, deltas, part, self.outer.counts.requests)
+        self.remote.reply(worker, header, params, self.outer.buffers)
 
     def _next(self, timeout: float) -> Push:
         push = self.inbox.get(timeout=timeout)

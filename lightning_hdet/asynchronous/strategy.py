@@ -11,20 +11,18 @@ import logging
 from dataclasses import fields
 from typing import Any, Literal
 
-import lightning
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hdet._compat import (
-    CHECKPOINT_NAMED_BY_RANK_ZERO,
     MultiProcessingLauncher,
     StrategyRegistry,
     attached_trainer,
+    default_store,
     ensure_callback,
     register_names,
     strategy_timeout,
@@ -180,6 +178,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     def _reset_run_state(self) -> None:
         self.training_apart = False
+        self.left_exchange = False  # True from leave_exchange until the next fit
         self._exchange: Exchange | None = None
         self._budget: int | None = None
         self._limits = LoopLimits()
@@ -205,11 +204,11 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures)."""
+        """Attach the model and the :class:`AsyncLogging` callback (progress bar, run config, figures), first."""
         if self.inside_worker == "fsdp":
             check_sharded_entry(model)
         super().connect(model)
-        ensure_callback(model, AsyncLogging)
+        ensure_callback(model, AsyncLogging, first=True)  # its on_train_end leaves the exchange before the others
 
     @override
     def configure_ddp(self) -> None:
@@ -224,10 +223,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self._reset_run_state()
-        if not CHECKPOINT_NAMED_BY_RANK_ZERO and any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks):
-            rank_zero_warn(f"lightning {lightning.__version__}: ModelCheckpoint names files on every rank, so a "
-                           "worker saving after rank 0 wrote a checkpoint gives its own file another name and resumes "
-                           "from rank 0's inner optimizer state. Lightning >= 2.6 keeps every worker's own state.")
         if len(self.optimizers) != 1:
             raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
         # Only fit exchanges: the groups live from here to this entry's teardown (validate, test, predict create none).
@@ -278,6 +273,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                                   self.shard_group, self.outer_settings.preset.sparse, self.error_decay, self.stagger)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
+        if not self.checkpoint_inner_states:  # else the states travel with the pushes and rank 0's file holds them
+            self.follow_checkpoints(default_store(), keep=bool(module.trainer.checkpoint_callbacks))
         self.training_apart = True
         self._run_exchange(Kind.HELLO)
 
@@ -287,10 +284,12 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         with self._exchange.worker.inner_lr(optimizer):  # cut after rejected pushes in a row
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.training_apart:
+        if self.training_apart and not self.left_exchange:
             assert self._exchange is not None
             if self._exchange.worker.step():
                 self._run_exchange(Kind.PUSH)
+            if self._exchange.worker.stopped:  # the budget is spent: this step's hooks see the final global model
+                self.leave_exchange()
             self._log_outer_metrics()
         return output
 
@@ -299,36 +298,36 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         assert self._exchange is not None
         worker = self._exchange.worker
         worker.exchange(kind)
+        self.after_exchange()
         if worker.stopped:
             log.debug("rank %d: stop", self.global_rank)
             self.lightning_module.trainer.should_stop = True
         else:
             log.debug("rank %d: round start, %d step(s)", self.global_rank, worker.round_steps)
 
-    def _log_outer_metrics(self) -> None:
-        if self._outer is None or self._outer.metrics_version == self._logged_version:
+    def leave_exchange(self) -> None:
+        """Leave the exchange (rank 0 waits for every worker); every rank then holds the final global model. Once,
+        at the step whose reply said stop or (e.g. EarlyStopping) first in ``on_train_end`` (:class:`AsyncLogging`),
+        so that the last step's callbacks see the global model; collectives stay local until ``on_train_end``."""
+        if not self.training_apart or self.left_exchange:
             return
-        self._logged_version = self._outer.metrics_version
-        trainer = self.lightning_module.trainer
-        metrics = self._outer.metrics()
-        self.report.add(trainer.global_step, metrics)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        assert self._exchange is not None and self._groups is not None
+        log.debug("rank %d: leaving the exchange", self.global_rank)
+        self._exchange.leave(stop_everyone=self.lightning_module.trainer.should_stop)  # e.g. EarlyStopping on rank 0
+        self.left_exchange = True
+        self._log_outer_metrics()
+        if self.shard_group is not None:
+            self._exchange.share_global_model(self._groups[1])
+        else:
+            sync_module_states(self.lightning_module)
 
     @override
     def on_train_end(self) -> None:
-        """Leave the exchange (pushing any unfinished round), then give every rank the global model."""
-        trainer = self.lightning_module.trainer
+        """Leave the exchange if not yet done, follow rank 0's last checkpoint requests; collectives meet again."""
         if self.training_apart:
-            assert self._exchange is not None
-            log.debug("rank %d: leaving the exchange", self.global_rank)
-            self._exchange.leave(stop_everyone=trainer.should_stop)  # e.g. EarlyStopping on rank 0
-            self._log_outer_metrics()
+            self.leave_exchange()
             self.training_apart = False
-            if self.shard_group is not None:
-                self._exchange.share_global_model(self._groups[1])
-            else:
-                sync_module_states(self.lightning_module)
+            self.finish_checkpoints(self._groups)
             self._limits.restore(self.lightning_module)
         super().on_train_end()
 

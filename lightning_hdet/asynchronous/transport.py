@@ -22,6 +22,7 @@ import functools
 import queue
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -279,7 +280,7 @@ class InProcessTransport(WorkerTransport):
         if header.next_local_steps > 0:
             pieces = None if combine is None else functools.partial(combine, header)
             version = self.read_model(self.worker, into, pieces, header.part)
-            header = ServerHeader(header.next_local_steps, version, header.rejected, part=header.part)
+            header = replace(header, outer_updates=version)
         return header
 
     def reply(self, header: ServerHeader) -> None:

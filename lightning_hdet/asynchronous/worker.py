@@ -80,6 +80,10 @@ class Worker:
         self.rounds: list[tuple[int, int]] = []
         self.inner_steps = 0
         self.steps_in_round = 0
+        #: Exchanges (pushes of any kind) this worker made; and rank 0's checkpoint requests so far, as its last reply
+        #: said (see :mod:`.checkpoints`).
+        self.exchanges = 0
+        self.checkpoints = 0
         #: Length of the current round; ``inf`` once the server said stop.
         self.round_steps: float = 0
         #: ``theta_pulled`` was lent out after the stop (:meth:`spare_buffer`): it no longer holds the pulled model.
@@ -137,6 +141,7 @@ class Worker:
         # serialized now: a snapshot, since the optimizer keeps updating its tensors in place
         inner = state_to_bytes(self.inner_optimizer.state_dict()) if self.inner_optimizer is not None else None
         log.debug("push %s after %d step(s)", kind.name, steps)
+        self.exchanges += 1
         header = WorkerHeader(kind, steps, compute_s, self.wait_s, inner.numel() if inner is not None else 0,
                               pending if steps > 0 else 0, part)
         return header, buffers, inner
@@ -145,6 +150,7 @@ class Worker:
         """Take the reply's next round (a new round starts); True when it brought a model to continue from."""
         log.debug("pulled version %d, next round %d step(s)", reply.outer_updates, reply.next_local_steps)
         self.steps_in_round = 0
+        self.checkpoints = max(self.checkpoints, reply.checkpoints)
         self.rounds.append((reply.next_local_steps, reply.outer_updates))
         self._recover(reply.rejected, reply.next_local_steps == 0)
         if reply.next_local_steps == 0:

@@ -9,6 +9,8 @@ every decision (batches, round lengths, leaving, parking) is taken in one place.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 import os
@@ -118,11 +120,15 @@ class OuterService:
             self._resume(torch.load(self.checkpoint, weights_only=True))
 
     # life cycle
+    @functools.cached_property
+    def _layout(self) -> Fragments:
+        """The fragments and codecs of the sessions' pushes and pulls."""
+        return Fragments([p.shape for p in self.module.parameters()], self.compression,  # type: ignore[arg-type]
+                         pull_compression=self.pull_compression)  # type: ignore[arg-type]
+
     def start(self) -> None:
         """Bind the address and open registration."""
-        n_buffers = self.outer.buffers.numel()
-        layout = Fragments([p.shape for p in self.module.parameters()], self.compression,  # type: ignore[arg-type]
-                           pull_compression=self.pull_compression)  # type: ignore[arg-type]
+        n_buffers, layout = self.outer.buffers.numel(), self._layout
         config = {"n_params": self.outer.params.numel(), "n_buffers": n_buffers, "compression": self.compression,
                   "pull_compression": self.pull_compression, "mode": self.settings.mode, "token": self.token is not None}
         self.hub = SessionHub(self.address, config, self.table.next_id, self.timeout_s, n_buffers, layout)
@@ -275,6 +281,8 @@ class OuterService:
         try:
             header = ServerHeader(steps, self.outer.outer_updates, self.outer.rejection_streak(session))
             self.hub.reply(session, header, self.outer.params.detach(), self.outer.buffers)
+            if steps > 0:  # the model travels (a stop carries none): counted, as the pushes are
+                self.outer.mark_pulled(session, self._layout.reply_nbytes(-1) + 4 * self.outer.buffers.numel())
         except SessionLost as err:
             self._end(session, f"lost: {err}")
 
