@@ -346,11 +346,14 @@ def load_cells(paths: list[Path]) -> tuple[dict[tuple[str, str], tuple[list, lis
 def main(argv: list[str] | None = None) -> str:
     """Issue 59's targets table over benchmark 2's result files (see :func:`load_cells`), printed and written to
     ``--out`` (markdown) with a stamp."""
-    from benchmarks.common import stamp
+    from benchmarks.common import DOCS_DIR, stamp, write_block
 
     p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", type=Path, help="search_baselines result files (JSON)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
+    p.add_argument("--block", default=None, metavar="NAME",
+                   help="also write it as the docs block NAME (search_repeat*: the research log)")
+    p.add_argument("--docs-dir", type=Path, default=DOCS_DIR)
     args = p.parse_args(argv)
     groups, good, seeds, wall = load_cells(args.results)
     rows = [row for (optimizer, schedule), (arms, votes) in groups.items()
@@ -359,6 +362,8 @@ def main(argv: list[str] | None = None) -> str:
             + ", ".join(f"`{p.as_posix()}`" for p in args.results) + "\n\n" + stamp(seeds, wall_s=wall))
     if args.out is not None:
         args.out.write_text(text + "\n")
+    if args.block is not None:
+        write_block(args.docs_dir, args.block, text)
     print(text)
     return text
 
