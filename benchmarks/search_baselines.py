@@ -22,7 +22,7 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
   and the vote interval are the package's, derived from the job (``--groups`` and ``--pbt-interval`` do not apply);
   ``defaults:OPTION=VALUE[:...]`` changes one option of ``HDETStrategy`` (``num_groups``, ``gradient_sync``) or of
   ``Search`` (e.g. ``defaults:refine_spread=1.0``), to measure it beside the defaults;
-- **HDET**, one arm per other entry of ``--hdet-votes`` (``VOTE`` or ``VOTE:SIGNAL``, e.g. ``pbt:heldout``): one run
+- **HDET**, one arm per other entry of ``--hdet-votes`` (``VOTE[:SIGNAL][@SYNC]``, e.g. ``pbt@global``): one run
   on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at the grid's LRs, voting and
   blending every ``T`` steps (``blend="best"`` by default). Entries the installed ``HDETCallback`` does not
   accept are reported as skipped, so new rules are measured as soon as they land;
