@@ -490,8 +490,7 @@ def stamp(seeds: Iterable[int] | None, wall_s: float | None = None) -> str:
 
 # Pages of the research log whose generated blocks no page holds yet (a first run of a research table): the
 # others go to the results page, docs/benchmarks.md. A block found on any page is rewritten where it stands.
-RESEARCH_BLOCKS = {"search_signals": "research/2026-12-hdet-search.md",
-                   "search_baselines_detail": "research/2026-12-hdet-search.md",
+RESEARCH_BLOCKS = {"search_baselines_detail": "research/2026-12-hdet-search.md",
                    "search_long": "research/2026-12-hdet-search.md"}
 # Issue 59's cells (run_all.py's search_repeat_* parts, their first measurement and any variant named so) too.
 RESEARCH_PREFIXES = {"search_repeat": "research/2026-12-hdet-search.md"}
@@ -628,25 +627,19 @@ def run_spec(args: argparse.Namespace, lr: float, **model: object) -> RunSpec:
 
 
 def hdet_callbacks(every_n_steps: int, vote: str = "pbt", signal: str = "mean", blend: str = "mean",
-                   search_steps: int | None = None, refine_spread: float = 1.5, reference_group: int | None = None,
-                   blend_strength: float = 1.0, init_noise: float = 0.0, seed: int = 0,
-                   **softmax: float) -> list[Callback]:
+                   search_steps: int | None = None, refine_spread: float = 1.5, blend_strength: float = 1.0,
+                   init_noise: float = 0.0, seed: int = 0, **softmax: float) -> list[Callback]:
     """The HDET callbacks of one benchmark arm from its flat names (the arms' labels and the results' columns
-    keep 0.x's flat arguments): the vote object with its own options, the research options of
-    :mod:`lightning_hdet.experimental` where an arm asks for one, and ``InitNoise`` for ``init_noise``."""
+    keep 0.x's flat arguments): the vote object with its own options, ``experimental.PartialMerge`` for
+    ``blend_strength`` and ``experimental.InitNoise`` for ``init_noise`` (benchmark 1's published arms)."""
     from lightning_hdet import PBT, Best, HDETCallback, Search, Softmax, experimental
 
     rules = {"softmax": lambda: Softmax(blend=blend, **softmax), "best": lambda: Best(blend=blend),
-             "pbt": lambda: PBT() if reference_group is None else experimental.ReferencePBT(
-                 reference_group=reference_group),
-             "pb2": experimental.PB2}
+             "pbt": PBT}
     rule: object = rules[vote]() if vote in rules else vote  # another name: HDETCallback's error says which exist
     if blend_strength != 1.0:
         rule = experimental.PartialMerge(rule, strength=blend_strength)
-    signals = {"improvement": experimental.Improvement, "forecast": experimental.Forecast,
-               "heldout": experimental.Heldout}
-    kind = signals[signal]() if signal in signals else signal
     search = Search(steps=search_steps, refine_spread=refine_spread) if search_steps else False
-    callbacks: list[Callback] = [HDETCallback(every_n_steps=every_n_steps, vote=rule, signal=kind, search=search,
+    callbacks: list[Callback] = [HDETCallback(every_n_steps=every_n_steps, vote=rule, signal=signal, search=search,
                                               seed=seed)]
     return callbacks + ([experimental.InitNoise(init_noise, seed=seed)] if init_noise > 0 else [])

@@ -71,16 +71,13 @@ SEARCH_METHODS = ("untuned", "grid", "optuna_tpe", "pbt", "prodigy", "schedulefr
 # (pbt+search) and the alternatives (trust_region@global, pbt@global: they lost or drew in every cell of the
 # insurance round, research log 2026-12-01) are in bench-full's search_remedies.
 SEARCH_VOTES = ("defaults",)  # HDET as `strategy="hdet"` runs it with nothing set
-# Every remedy of issue 13 side by side (bench-full), against the baselines that need no Ray.
+# Every remedy of issue 13 that is still in the package side by side (bench-full), against the baselines that need
+# no Ray (PB2, the reference group and the curve and held-out signals were removed: research log 2026-12-06).
 REMEDY_METHODS = ("grid", "optuna_tpe", "prodigy", "schedulefree")
-REMEDY_VOTES = ("pbt", "pb2", "pbt+search", "pb2+search", "pbt@global", "pb2@global", "softmax", "pbt:improvement",
-                "softmax:improvement", "pbt:forecast", "softmax:forecast", "pbt:heldout", "softmax:heldout", "pbt+ref")
-# The vote signals (bench-full).
-SIGNAL_VOTES = ("pbt", "pbt:improvement", "pbt:forecast", "pbt:heldout", "softmax", "softmax:improvement",
-                "softmax:forecast", "softmax:heldout")
+REMEDY_VOTES = ("pbt", "pbt+search", "pbt@global", "softmax")
 # Schedule-free AdamW as the optimizer every search tunes (bench-full).
 SF_METHODS = ("grid", "optuna_tpe", "pbt", "prodigy", "schedulefree")
-SF_VOTES = ("softmax", "pbt", "pbt@global", "pbt+search", "pb2+search")
+SF_VOTES = ("softmax", "pbt", "pbt@global", "pbt+search")
 # Issue 59's cells: the repeating workloads (>= 25 epochs in 300 steps of 4 x 32), starts 1x, 10x and 40x either
 # way of the grid's best, untuned, grid, lr_find + DDP and HDET at its defaults, three seeds, one part per optimizer
 # and schedule (bench-full). Another HDET variant: the same command with --hdet-votes defaults:OPTION=VALUE and
@@ -161,12 +158,11 @@ PARTS = (
          minutes=34, full_size=SEARCH_FULL_SIZE),
     Part("search_remedies", "search_baselines.py", search("search_remedies", REMEDY_METHODS, REMEDY_VOTES,
                                                           "--seeds", "6"),
-         minutes=70, full_size=SEARCH_FULL_SIZE, full=True),
+         # (search_pb2, the four baselines and six HDET arms over six seeds, took 38 min: four arms, ~32)
+         minutes=32, full_size=SEARCH_FULL_SIZE, full=True),
     Part("search_schedule_free", "search_baselines.py",
          search("search_schedule_free", SF_METHODS, SF_VOTES, "--optimizer", "schedulefree", "--seeds", "6"),
          minutes=120, full_size=SEARCH_FULL_SIZE, full=True),
-    Part("search_signals", "search_baselines.py", search("search_signals", ("grid",), SIGNAL_VOTES),
-         minutes=20, full_size=SEARCH_FULL_SIZE, full=True),
     # Issue 41's longer runs: benchmark 2's char LM at 1,024 steps (the default's search ends at step 300, a vote
     # every 100), untuned and default HDET from every start, the 4x-compute grid from the 10x starts (the target's
     # reference). Idle, one 1,024-step run took 84 s (untuned) and 95 s (HDET) on 2026-12-03: ~28 min, the grid ~36.

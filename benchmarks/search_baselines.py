@@ -22,7 +22,7 @@ A job has ``W`` processes and ``G`` groups; every method gets ``W × S`` rank-st
   and the vote interval are the package's, derived from the job (``--groups`` and ``--pbt-interval`` do not apply);
   ``defaults:OPTION=VALUE[:...]`` changes one option of ``HDETStrategy`` (``num_groups``, ``gradient_sync``) or of
   ``Search`` (e.g. ``defaults:refine_spread=1.0``), to measure it beside the defaults;
-- **HDET**, one arm per other entry of ``--hdet-votes`` (``VOTE`` or ``VOTE:SIGNAL``, e.g. ``pbt:heldout``): one run
+- **HDET**, one arm per other entry of ``--hdet-votes`` (``VOTE[:SIGNAL][@SYNC]``, e.g. ``pbt@global``): one run
   on ``W`` processes in ``G`` groups (each its own DDP job on ``W/G`` processes) at the grid's LRs, voting and
   blending every ``T`` steps (``blend="best"`` by default). Entries the installed ``HDETCallback`` does not
   accept are reported as skipped, so new rules are measured as soon as they land;
@@ -205,24 +205,22 @@ class HDETArm(NamedTuple):
     signal: str
     sync: str
     search: bool  # ``+search``: the callback ends the search (``--search-fraction``) and trains globally
-    reference: bool  # ``+ref``: group G/2 is MF-PBT's slow reference group (``reference_group``)
 
 
-ARM_SUFFIXES = ("search", "ref")
+ARM_SUFFIXES = ("search",)
 
 
 def parse_hdet_arm(entry: str, sync: str = "group") -> HDETArm:
-    """``"pbt:heldout@global"`` -> ``("pbt", "heldout", "global", False, False)``: the vote, its signal (default
-    ``mean``), the strategy's ``gradient_sync`` (default ``sync``); suffixes: ``+search`` is one fit of the
-    search-then-train recipe (``HDETCallback(search=Search())``), ``+ref`` gives ``vote="pbt"`` a slow reference
-    group (``reference_group=G/2``)."""
+    """``"pbt:mean@global"`` -> ``("pbt", "mean", "global", False)``: the vote, its signal (default ``mean``), the
+    strategy's ``gradient_sync`` (default ``sync``); the suffix ``+search`` is one fit of the search-then-train recipe
+    (``HDETCallback(search=Search())``)."""
     head, *suffixes = entry.split("+")
     unknown = [s for s in suffixes if s not in ARM_SUFFIXES]
     if unknown:
         raise ValueError(f"HDET arm {entry!r}: suffixes are {['+' + s for s in ARM_SUFFIXES]}, got '+{unknown[0]}'.")
     rule, _, named = head.partition("@")
     vote, _, signal = rule.partition(":")
-    return HDETArm(vote, signal or "mean", named or sync, "search" in suffixes, "ref" in suffixes)
+    return HDETArm(vote, signal or "mean", named or sync, "search" in suffixes)
 
 
 def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], dict[str, str]]:
@@ -244,8 +242,7 @@ def accepted_votes(votes: list[str], sync: str = "group") -> tuple[list[str], di
         try:
             for step in vote.split(">"):
                 arm = parse_hdet_arm(step, sync)
-                callback = hdet_callbacks(2, vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None,
-                                          reference_group=1 if arm.reference else None)[0]
+                callback = hdet_callbacks(2, vote=arm.vote, signal=arm.signal, search_steps=2 if arm.search else None)[0]
                 callback.settings.vote.check_strategy(HDETStrategy(num_groups=2, gradient_sync=arm.sync).gradient_sync, [])
         except (ValueError, TypeError) as err:
             skipped[vote] = str(err)
@@ -270,7 +267,7 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     takes the best of its runs. ``+search``: one fit of the search-then-train recipe, the callback ending the
     search at ``search_fraction`` of the steps (default ``Search()``'s, a quarter; LRs then a grid of ratio
     ``refine_spread`` around the winner's, ``global`` sync);
-    every rank reads its own shard throughout. ``+ref``: group ``groups // 2`` is a slow reference group (MF-PBT).
+    every rank reads its own shard throughout.
     """
     from lightning_hdet import HDETStrategy
 
@@ -284,8 +281,7 @@ def run_hdet_arm(lrs: list[float], base: RunSpec, world: int, groups: int, inter
     )
     callbacks = hdet_callbacks(interval, vote=arm.vote, signal=arm.signal, blend=blend, seed=base.seed,
                                search_steps=int(base.steps * search_fraction) if arm.search else None,
-                               refine_spread=refine_spread,
-                               reference_group=groups // 2 if arm.reference else None)
+                               refine_spread=refine_spread)
     shared = arm.sync == "global" or arm.search
     spec = replace(base, lr=center, devices=world, shard_data=world > groups and not shared, shard_train=shared)
     run = fit_run(spec, work, strategy=strategy, callbacks=callbacks, init_weights=init_weights,
@@ -467,12 +463,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "skipped when Ray is missing)")
     p.add_argument("--hdet-votes", default="best,softmax",
                    help="comma-separated HDETCallback vote names, each optionally with a signal and the strategy's "
-                   "gradient_sync (VOTE[:SIGNAL][@SYNC], e.g. pbt:heldout, pbt@global; default signal mean, sync "
+                   "gradient_sync (VOTE[:SIGNAL][@SYNC], e.g. pbt@global; default signal mean, sync "
                    "group), one HDET arm each (default best,softmax); FIRST>SECOND (e.g. pbt>pbt@global) runs FIRST "
                    "for half the steps, then SECOND from its model around the LR it found (--two-step-spread); "
                    "VOTE+search (e.g. pbt+search) does that in one fit (HDETCallback(search=Search()), "
-                   "--search-fraction); +ref gives "
-                   "pbt a slow reference group (MF-PBT, reference_group=G/2)")
+                   "--search-fraction)")
     p.add_argument("--two-step-spread", type=float, default=1.5,
                    help="FIRST>SECOND and +search arms: factor between neighbouring LRs of the second half's grid")
     p.add_argument("--search-fraction", type=float, default=SEARCH_FRACTION,

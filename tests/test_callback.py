@@ -133,7 +133,7 @@ def test_global_sync_divergence_rolls_every_group_back(tmp_path):
 def test_resume_continues_the_ensemble_exactly(tmp_path, vote, search_steps):
     """Resumed at step 8: with ``search_steps=6`` the resumed run must average gradients globally from its first
     step (the strategy wraps the model again before training), or it would not match the straight run. That a
-    vote rule's own state (``PB2``'s observations) resumes exactly is tested in one process (test_fake_world.py)."""
+    vote rule's own state (``PBT``'s generator and streaks) resumes exactly is tested in one process (test_fake_world.py)."""
 
     def run(out: Path, **kw: Any) -> list[dict[str, Any]]:
         ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)

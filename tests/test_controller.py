@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_hdet.experimental import Improvement, PartialMerge
+from lightning_hdet.experimental import PartialMerge
 from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
-from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Signal, Softmax
+from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Softmax
 
 
 def _interval(losses, finite=None, multipliers=(0.5, 1.5), step=4, shared=False, final=False, lr=0.1):
@@ -103,8 +103,7 @@ def test_centred_grid_by_hand():
 @pytest.mark.parametrize("vote", ["pbt", "softmax", "best"])
 def test_the_search_ends_on_the_winner_with_a_narrow_grid_around_its_lr(vote):
     rule = {"pbt": PBT(), "softmax": Softmax(blend="mean"), "best": Best(blend="mean")}[vote]
-    controller = HDETController(HDETConfig(vote=PartialMerge(rule, strength=0.5), search=Search(refine_spread=2.0),
-                                           signal=Improvement() if vote == "pbt" else Signal()))
+    controller = HDETController(HDETConfig(vote=PartialMerge(rule, strength=0.5), search=Search(refine_spread=2.0)))
     controller.decide(_interval([3.0, 2.0, 1.0], multipliers=(0.5, 1.0, 4.0), step=4))  # the rule's state moves
     searched = _interval([3.0, 1.0, 2.0], multipliers=(0.5, 1.0, 4.0), step=8)
     decision = controller.decide(replace(searched, refine=True))

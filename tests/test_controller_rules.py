@@ -1,4 +1,4 @@
-"""The controller with the PBT vote, the curve signals and the collapse rules, against hand-computed values."""
+"""The controller with the PBT vote, a signal's scores and the collapse rules, against hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+from dataclasses import dataclass
+
 from lightning_hdet import PBT, Best, HDETCallback, SafetyNet, Softmax
-from lightning_hdet.experimental import Forecast, ReferencePBT
+from lightning_hdet.hdet.rules.options import Signal
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
 from lightning_hdet.hdet.rules.selection import MergeStep
@@ -32,26 +34,33 @@ def test_pbt_decision_copies_the_best_into_the_worst_only():
     assert final.plan == [MergeStep([0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0])]
 
 
-def _curves(interval: int, shapes) -> torch.Tensor:
-    rows = []
-    for a, b, c in shapes:
-        curve = LossCurve(interval, 8)
-        for t in range(interval):
-            curve.add(t, torch.tensor(a + b * math.exp(-c * t)))
-        rows.append(curve.row())
-    return torch.stack(rows)
+@dataclass(frozen=True)
+class _Slope(Signal):
+    """A signal of the test's own: the last bin's mean loss minus the first's (the steeper fall scores lower)."""
+
+    name = "slope"
+
+    def scores(self, interval, every):
+        rows = interval.curves.tolist()
+        return [r[7] / r[15] - r[0] / r[8] for r in rows]
 
 
-def test_forecast_signal_votes_for_the_steeper_curve_and_the_final_merge_by_level():
-    curves = _curves(16, [(1.00, 1.0, 0.4), (0.60, 1.5, 0.1)])  # group 0: lower mean; group 1: still falling
-    means = [float(r[:8].sum() / r[8:].sum()) for r in curves]
+def test_a_signals_scores_decide_the_vote_and_the_final_merge_picks_by_level():
+    curves = []
+    for start, fall in ((1.0, 0.1), (1.3, 0.6)):  # group 0: the lower mean; group 1: falls six times as fast
+        curve = LossCurve(16, 8)
+        for t in range(16):
+            curve.add(t, torch.tensor(start - fall * t / 15))
+        curves.append(curve.row())
+    curves = torch.stack(curves)
+    means = [float(r[:8].sum() / r[8:].sum()) for r in curves]  # 1 - 0.1 / 2 = 0.95 and 1.3 - 0.6 / 2 = 1.0
     assert means[0] < means[1]
     mean_vote = HDETController(HDETConfig(every_n_steps=16, vote=Best(blend="best")))
     assert mean_vote.decide(_interval(means, (1.0, 2.0), curves=curves)).winner == 0
-    forecast = HDETController(HDETConfig(every_n_steps=16, vote=Best(blend="best"), signal=Forecast(horizon=64)))
-    decision = forecast.decide(_interval(means, (1.0, 2.0), curves=curves))
+    sloped = HDETController(HDETConfig(every_n_steps=16, vote=Best(blend="best"), signal=_Slope()))
+    decision = sloped.decide(_interval(means, (1.0, 2.0), curves=curves))
     assert decision.winner == 1 and decision.coefficients == [0.0, 1.0] and decision.losses == means
-    assert forecast.decide(_interval(means, (1.0, 2.0), curves=curves, final=True)).winner == 0
+    assert sloped.decide(_interval(means, (1.0, 2.0), curves=curves, final=True)).winner == 0
 
 
 def test_collapsed_groups_roll_back_with_cut_lrs_and_no_good_merge():
@@ -101,13 +110,10 @@ def test_safety_net_off_judges_nothing_and_keeps_every_finite_merge():
 @pytest.mark.parametrize(("make", "match"), [
     (lambda: PBT(quantile=0.9), r"`quantile` must be a number in \(0, 0.5\]"),
     (lambda: HDETCallback(signal="slope"), "`signal` must be 'mean' or a Signal object"),
-    (lambda: HDETCallback(signal=Forecast(), monitor="val_loss"), "`signal` must be 'mean' when `monitor` is set"),
-    (lambda: Forecast(horizon=0), "`forecast_horizon` must be a positive integer or None"),
-    (lambda: Forecast(bins=1), "`curve_bins` must be an integer >= 2"),
+    (lambda: HDETCallback(signal=_Slope(), monitor="val_loss"), "`signal` must be 'mean' when `monitor` is set"),
     (lambda: SafetyNet(stall_patience=0), "`stall_patience` must be a positive integer or None"),
     (lambda: SafetyNet(rise_margin=0), "`rise_margin` must be a finite number > 0 or None"),
     (lambda: SafetyNet(chance_loss=float("nan")), "`chance_loss` must be a finite number or None"),
-    (lambda: ReferencePBT(reference_group=-1), "`reference_group` must be an integer >= 0"),
 ])
 def test_callback_rejects_bad_rule_arguments(make, match):
     with pytest.raises(ValueError, match=match):

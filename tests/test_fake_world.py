@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hdet import PBT, Best, HDETCallback, SafetyNet, Search, Softmax
-from lightning_hdet.experimental import PB2, PartialMerge
+from lightning_hdet.experimental import PartialMerge
 from lightning_hdet.hdet.layout import fan_out
 from lightning_hdet.testing import FakeWorld
 from tests.helpers import Regression
@@ -250,15 +250,14 @@ def _winner_lr(history):
     return last[last[0]["winner"]]["lr"]
 
 
-@pytest.mark.parametrize("vote", ["pbt", "pb2", "best"])
+@pytest.mark.parametrize("vote", ["pbt", "best"])
 def test_pbt_climbs_from_a_too_low_lr_where_best_stops(vote):
     """SGD from an LR 50x below the best grid LR: every vote the highest LR has the lowest loss. PBT always keeps a
-    group 1.2x above its leader, so it climbs to the good LRs, and so does PB2, whose bound reaches 1.2x above the
-    population; ``best`` re-centres on the winner with a spread that shrinks to ``min_spread`` and stops far below."""
+    group 1.2x above its leader, so it climbs to the good LRs; ``best`` re-centres on the winner with a spread that shrinks to ``min_spread`` and stops far below."""
     steps, start = 40, 0.002
     grid = {lr: _grid_loss(lr, steps) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 0.5)}
     best_grid = min(grid, key=grid.get)
-    rule = {"pbt": PBT(resample_probability=0.0), "pb2": PB2(), "best": Best(blend="best")}[vote]
+    rule = {"pbt": PBT(resample_probability=0.0), "best": Best(blend="best")}[vote]
     world = FakeWorld(params=torch.zeros(9), lr_multipliers=[0.5, 0.8, 1.25, 2.0], schedule_lrs=[start])
     runs = world.fit(_callback(every_n_steps=2, vote=rule, seed=0), _least_squares(), max_steps=steps)
     settled = _winner_lr(runs[0][0].history)
@@ -397,10 +396,10 @@ def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(net):
     assert math.isfinite(final) and final < 0.7 * math.log(CLASSES)  # trains again, far below the collapsed level
 
 
-@pytest.mark.parametrize(("vote", "search"), [(PB2(), False), ("pbt", Search(steps=6))], ids=["pb2", "search ends at 6"])
+@pytest.mark.parametrize(("vote", "search"), [(PBT(), False), ("pbt", Search(steps=6))], ids=["pbt", "search ends at 6"])
 def test_resume_continues_the_votes_exactly(vote, search):
-    """Resumed at step 8 from every group's checkpoint: ``PB2`` picks the same LRs from its restored observations,
-    and after a search that ended at 6 the resumed run averages gradients over all groups from its first step (or
+    """Resumed at step 8 from every group's checkpoint: ``PBT`` makes the same random moves from its restored
+    generator and edge streaks, and after a search that ended at 6 the resumed run averages gradients over all groups from its first step (or
     it would not match the straight run)."""
 
     def run(**kw):

@@ -158,7 +158,7 @@ def test_a_vote_told_to_refine_ends_the_search_only_on_a_winner_below_its_starti
 
 def _checkpoint(searched_at, restarted_at) -> dict:
     """A controller checkpoint as written before the search's end had its own object, built by hand."""
-    return {"rule": {"votes": {}}, "generator": torch.Generator().manual_seed(7).get_state(),
+    return {"rule": {}, "generator": torch.Generator().manual_seed(7).get_state(),
             "history": [{"step": 8, "group": 0, "lr": 0.05, "loss": 1.0, "weight": 1.0, "winner": 0,
                          "rescued": False, "reason": ""}],
             "rescues": 1, "num_votes": 2, "last_winner": 0, "last_coefficients": [1.0, 0.0],

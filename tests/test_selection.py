@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.experimental import ReferencePBT
 from lightning_hdet.hdet.rules.selection import PBT, MergeStep, copy_plan, plan_matrix, quantile_size
 from lightning_hdet.hdet.rules.votes import Ballot
 
@@ -61,8 +60,8 @@ def test_a_grid_whose_edge_keeps_winning_travels_that_way_by_its_own_spacing():
         walked.append(max(rule.explore(_ballot([3.0, 2.0, 1.0], table), _gen()).multipliers))
     assert walked[-1] == pytest.approx(27 ** 1.25) and rule.streaks == {0: 4}
     after = PBT(resample_probability=0.0)
-    after.load_state_dict(rule.carried())  # the search's end: the vote counts go, the streak stays
-    assert after.votes == {} and after.streaks == {0: 4}
+    after.load_state_dict(rule.carried())  # the search's end: the streak stays
+    assert after.streaks == {0: 4}
     rule.explore(_ballot([2.0, 1.0, 3.0, 4.0], grid), _gen())  # a win inside: the streak ends
     assert rule.streaks == {0: 0}
     for _ in range(2):
@@ -92,24 +91,16 @@ def test_unhealthy_groups_all_move_and_pairs_follow_the_ranking():
     result = rule.explore(_ballot([2.0, math.nan, 1.0, math.inf], [1.0] * 4, [True, False, True, True]), _gen())
     assert result.sources == [0, 2, 2, 2]  # every unhealthy group moves, even past the quantile
     rule = PBT(resample_probability=0.0)
-    assert rule.pairs(_ballot([float(g) for g in range(8)], [1.0] * 8), vote=0) == {7: 0, 6: 1}
-
-
-def test_slow_reference_group_moves_only_every_few_votes():
-    rule = ReferencePBT(resample_probability=0.0, reference_group=3, reference_every=2)
-    ballot = _ballot([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0])
-    assert rule.explore(ballot, _gen()).sources == [0, 1, 2, 0]  # vote 0: the reference takes part
-    assert rule.explore(ballot, _gen()).sources == [0, 1, 0, 3]  # vote 1: exempt, the next worst moves
-    assert rule.state_dict() == {"votes": {0: 2}, "streaks": {0: 0}}  # (all multipliers alike: no edge)
+    assert rule.pairs(_ballot([float(g) for g in range(8)], [1.0] * 8)) == {7: 0, 6: 1}
 
 
 def test_no_move_before_warmup_and_state_round_trip():
     rule = PBT()
     result = rule.explore(_ballot([1.0, 2.0], [1.0, 2.0], move=False), _gen())
-    assert result.multipliers == [1.0, 2.0] and result.sources == [0, 1] and rule.votes == {}
+    assert result.multipliers == [1.0, 2.0] and result.sources == [0, 1]
     other = PBT()
-    other.load_state_dict({"votes": {"0": 3}})
-    assert other.votes == {0: 3}
+    other.load_state_dict({"votes": {"0": 3}, "streaks": {"0": -2}})  # (a checkpoint's old vote counts: unused)
+    assert other.state_dict() == {"streaks": {0: -2}}
 
 
 def test_bad_arguments_name_themselves():
@@ -119,8 +110,6 @@ def test_bad_arguments_name_themselves():
         PBT(factors=(1.2,))
     with pytest.raises(ValueError, match="`min_spread`"):
         PBT(min_spread=0.0)
-    with pytest.raises(ValueError, match="`reference_group` must be a group index below the number"):
-        ReferencePBT(reference_group=4).explore(_ballot([1.0, 2.0], [1.0, 1.0]), _gen())
 
 
 def test_copy_plan_one_step_per_source_and_its_matrix():

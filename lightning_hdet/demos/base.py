@@ -68,10 +68,6 @@ its own group's with ``HDETCallback(monitor="val_loss")``, the vote's signal),
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def heldout_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        """The batch's mean loss, without logging: what ``HDETCallback(signal=experimental.Heldout())`` scores."""
-        return self._loss(batch)
-
     @override
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=False)

@@ -43,7 +43,6 @@ from lightning_hdet.hdet.hyperparams import Explored, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.lightning import auto_monitor
 from lightning_hdet.hdet.lightning.checkpoints import PLAIN_KEY, scale_saved_lrs
-from lightning_hdet.hdet.lightning.heldout import HeldoutScorer
 from lightning_hdet.hdet.lightning.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric
 from lightning_hdet.hdet.lightning.voting import (
@@ -129,7 +128,6 @@ class HDETCallback(KnownArguments, Callback):
         self._monitor = None if monitored is None else MonitoredMetric(monitored)  # value, waiting vote, ties
         self._checked_strategy: Any = None  # the strategy `_parts` last found to carry HDET's parts
         self._resumed_interval: Optional[Tensor] = None
-        self._heldout: Optional[HeldoutScorer] = self.settings.signal.scorer()
         self._loaded: dict[str, Any] = {}  # a checkpoint's state, for the monitor "auto" picks at train start
 
     def _recorded(self) -> dict[str, Any]:
@@ -223,8 +221,6 @@ class HDETCallback(KnownArguments, Callback):
             hdet.set_gradient_sync("global")  # resumed after the search ended
         self.controller.search_phase.steps = search_steps(self.search, trainer)
         self.controller.run_steps = run_length(trainer)
-        if self._heldout is not None:
-            self._heldout.start(trainer, pl_module)  # after experimental.InitNoise (on_fit_start): it averages those
         if self.controller.searched_at is not None:
             rank_zero_info(f"HDET: resumed after the search ended at step {self.controller.searched_at}")
 
@@ -281,8 +277,6 @@ class HDETCallback(KnownArguments, Callback):
         elif self._first_pending and self._monitor is None and not pl_module.automatic_optimization:
             raise missing_loss(pl_module, trainer.global_step)  # at the first step, not at the first vote
         self._first_pending = self._first_pending and trainer.global_step == 0
-        if self._heldout is not None:
-            self._heldout.step(trainer.global_step)
         step = trainer.global_step
         vote = step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step
         if vote and self._monitor is not None:  # it waits for the validation of this step or a later one
@@ -349,26 +343,19 @@ class HDETCallback(KnownArguments, Callback):
     def vote_and_merge(self, trainer: Trainer, pl_module: LightningModule, final: bool = False) -> None:
         """One vote: losses -> decision (weights, winner, multipliers, rescues) -> merged or rolled-back model."""
         hdet = self._parts(trainer)
-        reading, heldout = self._signal(trainer, pl_module, hdet, final)
-        decision = decide_and_execute(hdet, self.controller, trainer.global_step, reading, final, heldout)
-        _log_vote(trainer, decision, self.controller.rescues, self.report, heldout, final)
+        reading = self._signal(trainer, hdet)
+        decision = decide_and_execute(hdet, self.controller, trainer.global_step, reading, final)
+        _log_vote(trainer, decision, self.controller.rescues, self.report, final)
         self._meter.reset(trainer.global_step)
-        if self._heldout is not None:
-            self._heldout.restart()  # the next interval averages from the merged (or restored) parameters
 
-    def _signal(
-        self, trainer: Trainer, pl_module: LightningModule, hdet: HDETParts, final: bool
-    ) -> tuple[Reading, Optional[list[float]]]:
-        """Every group's loss curve for this interval, whether it stayed finite (no skipped step) and, with
-        ``signal="heldout"``, its averaged iterate's held-out loss: one small all-reduce for all of it."""
+    def _signal(self, trainer: Trainer, hdet: HDETParts) -> Reading:
+        """Every group's loss curve for this interval and whether it stayed finite (no skipped step): one small
+        all-reduce for all of it."""
         monitor = self._monitor
         if monitor is not None and monitor.value is None:
             raise _missing_metric(trainer, monitor.name)
         row = self._meter.row(hdet.guard.interval_skipped(reset=True), None if monitor is None else monitor.value)
-        scored = self._heldout is not None and not final  # the final merge picks by level: nothing to score
-        if scored:
-            row = torch.cat([row, self._heldout.row(trainer, pl_module, hdet.groups)])
-        if monitor is not None:  # (never with a held-out signal: the config refuses both)
+        if monitor is not None:
             row = torch.cat([row, monitor.fingerprint(_model_tensors(hdet), hdet.groups.root_device)])
         table = hdet.groups.gather_group_values(row)
         width = self._meter.width
@@ -379,7 +366,7 @@ class HDETCallback(KnownArguments, Callback):
             rank_zero_warn(tie)
         if not reading.counted:
             raise _no_training_loss(trainer.global_step)
-        return reading, HeldoutScorer.read(table[:, self._meter.width :]) if scored else None
+        return reading
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -507,11 +494,11 @@ def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException
 
 
 def _log_vote(
-    trainer: Trainer, decision: Decision, rescues: int, report: History, heldout: Optional[list[float]], final: bool
+    trainer: Trainer, decision: Decision, rescues: int, report: History, final: bool
 ) -> None:
     """Metrics at the vote's own step (rank 0, every logger) and one console line; the controller already kept the
     history row."""
-    metrics = vote_metrics(decision, rescues, heldout)
+    metrics = vote_metrics(decision, rescues)
     if trainer.is_global_zero:
         report.add(decision.step, metrics)
         for logger in trainer.loggers:

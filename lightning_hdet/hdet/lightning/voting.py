@@ -26,15 +26,16 @@ if TYPE_CHECKING:
     from lightning_hdet.hdet.execution.executor import HDETParts
 
 
-def decide_and_execute(hdet: HDETParts, controller: HDETController, step: int, reading: Reading, final: bool,
-                       heldout: Optional[list[float]] = None) -> Decision:
+def decide_and_execute(
+    hdet: HDETParts, controller: HDETController, step: int, reading: Reading, final: bool
+) -> Decision:
     """The controller's decision on this interval's ``reading`` (the search may end here unless ``final``),
     carried out by the strategy (:func:`execute`)."""
     decision = controller.decide(Interval(
         step=step, losses=reading.losses, finite=reading.finite, multipliers=hdet.table.multipliers,
         schedule_lrs=hdet.table.schedule_lrs().tolist(), shared_gradients=hdet.gradient_sync == "global",
         final=final, curves=reading.curves, first_losses=reading.first_losses, first_errors=reading.first_errors,
-        heldout=heldout, refine=not final and controller.search_ends(step), explored=hdet.explored,
+        refine=not final and controller.search_ends(step), explored=hdet.explored,
         holds_initial=hdet.merger.initial_point is not None,
     ))
     execute(hdet, decision)
@@ -81,14 +82,12 @@ def finish(hdet: HDETParts, controller: HDETController, voted_last: bool, vote_f
         vote_final()
 
 
-def vote_metrics(decision: Decision, rescues: int, heldout: Optional[list[float]] = None) -> dict[str, float]:
-    """What a vote logs at its own step: winner, rescues, every group's loss, weight and new LR (and held-out
-    loss), the groups' mean LR and the other explored hyperparameters."""
+def vote_metrics(decision: Decision, rescues: int) -> dict[str, float]:
+    """What a vote logs at its own step: winner, rescues, every group's loss, weight and new LR, the groups' mean
+    LR and the other explored hyperparameters."""
     metrics: dict[str, float] = {"hdet/vote/winner": float(decision.winner), "hdet/rescues": float(rescues)}
     for g, (loss, weight, lr) in enumerate(zip(decision.losses, decision.weights, decision.lrs)):
         metrics.update({f"hdet/group{g}/loss": loss, f"hdet/vote/weight{g}": weight, f"hdet/group{g}/lr": lr})
-    for g, value in enumerate(heldout or []):
-        metrics[f"hdet/group{g}/heldout"] = value
     metrics["hdet/mean_lr"] = sum(decision.lrs) / len(decision.lrs)
     return {**metrics, **explored_metrics(decision.values)}
 

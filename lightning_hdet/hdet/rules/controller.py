@@ -57,7 +57,6 @@ class Interval:
     curves: Optional[Tensor] = None  # every group's loss curve, ``(num_groups, 2 * bins)`` (signals.LossCurve.row)
     first_losses: Optional[Sequence[float]] = None  # every group's loss at its first training step (fresh runs)
     first_errors: Optional[Sequence[float]] = None  # the standard error of ``first_losses``
-    heldout: Optional[Sequence[float]] = None  # ``signal="heldout"``: every group's averaged iterate's held-out loss
     refine: bool = False  # the search ends here (``search_steps``): winner's model, LRs a narrow grid around its LR
     explored: Explored = field(default_factory=Explored)  # the other explored hyperparameters (hyperparams.py)
     holds_initial: bool = True  # the strategy holds the initial model (a fresh run; keeps_initial)

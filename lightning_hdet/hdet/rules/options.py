@@ -8,15 +8,15 @@ As Ray Tune takes a scheduler object, :class:`~lightning_hdet.hdet.lightning.cal
 * a **search** (:class:`Search`, ``True`` for its defaults, ``False`` to vote the whole run without ending it);
 * a **safety net** (:class:`SafetyNet`, ``True`` for its defaults, ``False`` to switch it off), with the plateau
   rule (:class:`~lightning_hdet.hdet.rules.plateau.PlateauRule`) as its option ``plateau``;
-* a **signal** (``"mean"``; research signals live in :mod:`lightning_hdet.experimental`).
+* a **signal** (``"mean"``).
 
 Every object is a frozen dataclass checked on creation: an option that does not exist for a rule is a
 ``TypeError`` from the constructor, and a value outside its range raises the package's standard ``ValueError``
 before any process exists. Each is also the code that runs: the votes' ``explore`` (:mod:`~lightning_hdet.hdet.rules.votes`,
 :mod:`~lightning_hdet.hdet.rules.selection`, :mod:`~lightning_hdet.hdet.rules.trust_region`), the safety net's ``judge``
 (:mod:`~lightning_hdet.hdet.rules.safety_net`), the signal's ``scores``; the controller takes them as they are
-(:class:`~lightning_hdet.hdet.rules.config.HDETConfig`). Options measured as not helping are in
-:mod:`lightning_hdet.experimental` (built on :class:`Vote` and :class:`Signal`).
+(:class:`~lightning_hdet.hdet.rules.config.HDETConfig`). Research options are in
+:mod:`lightning_hdet.experimental` (built on :class:`Vote`).
 """
 
 from __future__ import annotations
@@ -41,22 +41,16 @@ __all__ = ["Best", "PBT", "SafetyNet", "Search", "Signal", "Softmax", "TrustRegi
 
 @dataclass(frozen=True)
 class Signal(KnownArguments):
-    """What a vote compares: each group's mean training loss over the interval (``"mean"``, the one recommended);
-    the others are in :mod:`lightning_hdet.experimental`.
+    """What a vote compares: each group's mean training loss over the interval (``"mean"``).
 
-    A subclass says what it scores (:meth:`scores`), whether it is a loss ``level`` (``experimental.PB2`` needs one)
-    and how many ``bins`` of the interval's loss curve the callback keeps on the device."""
+    A subclass says what it scores (:meth:`scores`) and how many ``bins`` of the interval's loss curve the callback
+    keeps on the device."""
 
     name: ClassVar[str] = "mean"
-    level: ClassVar[bool] = True
-    bins = CURVE_BINS  # (a field of the curve signals)
+    bins = CURVE_BINS
 
     def scores(self, interval: Interval, every: int) -> Optional[list[float]]:
         """Every group's score at this vote (lower is better); ``None``: the interval's losses themselves."""
-        return None
-
-    def scorer(self) -> Any:
-        """What scores each group besides its training curve (``None``: nothing; see ``experimental.Heldout``)."""
         return None
 
     def options(self) -> dict[str, Any]:
@@ -122,10 +116,10 @@ def as_vote(vote: Union[str, Vote]) -> Vote:
 
 
 def as_signal(signal: Union[str, Signal]) -> Signal:
-    """``signal`` as an object: ``"mean"`` or an experimental :class:`Signal`."""
+    """``signal`` as an object: ``"mean"`` or a :class:`Signal`."""
     if isinstance(signal, Signal):
         return signal
-    require("signal", signal, signal == "mean", "'mean' or a Signal object (see lightning_hdet.experimental)")
+    require("signal", signal, signal == "mean", "'mean' or a Signal object")
     return Signal()
 
 

@@ -11,9 +11,6 @@ leader, a mover is placed there, upward first. An edge of the LRs tried that kee
 lowest, leads two votes in a row, the search's end between them or not) gets its probe one step of the grid's own
 spacing beyond it instead, so the grid travels that way geometrically, as far as the user's LR was off.
 
-A subclass may exempt a group from a vote's selection (:meth:`PBT.exempt`): ``experimental.ReferencePBT``'s slow
-reference group (MF-PBT, arXiv 2506.03225), a longer-horizon member the greedy ones are measured against.
-
 The parameter moves are a :class:`MergePlan`: steps the strategy's ``merge(coefficients, strengths)`` executes
 as they are, one all-reduce each (one per distinct copy source: one for up to seven groups).
 """
@@ -23,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -110,7 +107,6 @@ class PBT(Vote):
     resample_probability: float = 0.25
     factors: tuple[float, float] = (0.8, 1.2)
     min_spread: float = math.log(1.2)
-    votes: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     # Per ballot key: +n (-n) when the highest (lowest) LR voted on led the last n votes, 0 otherwise.
     streaks: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -130,17 +126,12 @@ class PBT(Vote):
             return (0, ballot.losses[g], g) if ok else (1, 0.0, g)
         return sorted(range(n), key=key)
 
-    def exempt(self, vote: int) -> Optional[int]:
-        """The group left out of selection at this rule's ``vote``-th vote (``None``: none)."""
-        return None
-
-    def pairs(self, ballot: Ballot, vote: int) -> dict[int, int]:
+    def pairs(self, ballot: Ballot) -> dict[int, int]:
         """``{mover: source}``: the k-th worst copies the k-th best; every unhealthy group moves too."""
         order = self.rank(ballot)
         healthy = [g for g in order if ballot.healthy[g] and math.isfinite(ballot.losses[g])]
         k = quantile_size(len(order), self.quantile)
-        exempt = self.exempt(vote)
-        candidates = [g for g in reversed(order) if g != exempt]
+        candidates = list(reversed(order))
         movers = [g for g in candidates if g not in healthy]
         movers += [g for g in candidates if g in healthy and g not in movers][: max(k - len(movers), 0)]
         sources = [g for g in healthy if g not in movers][: max(k, 1)]
@@ -151,14 +142,12 @@ class PBT(Vote):
         winner = winner_of(ballot.losses, ballot.healthy)
         weights = [1.0 if g == winner else 0.0 for g in range(n)]
         multipliers = list(ballot.multipliers)
-        vote = self.votes.get(ballot.key, 0)
         # (every vote counts into the streak, the search's last one too: it moves nothing, its winner is an edge)
         streak = self._streak(ballot, winner) if winner >= 0 and n >= 2 else 0
         if not ballot.move or winner < 0 or n < 2:
             return Selection(weights, winner, multipliers, list(range(n)))
-        self.votes[ballot.key] = vote + 1
         travel = self._spacing(ballot, winner) if abs(streak) >= TRAVEL_AFTER else 0.0
-        pairs = self.pairs(ballot, vote)
+        pairs = self.pairs(ballot)
         for g, m in self._moves(ballot, pairs, generator).items():
             multipliers[g] = m
         self._keep_spread(multipliers, winner, list(pairs), travel)
@@ -213,10 +202,9 @@ class PBT(Vote):
 
     def state_dict(self) -> dict:
         # (no streak yet: the key is left out, as checkpoints before it had none)
-        return {"votes": dict(self.votes), **({"streaks": dict(self.streaks)} if self.streaks else {})}
+        return {"streaks": dict(self.streaks)} if self.streaks else {}
 
     def load_state_dict(self, state: dict) -> None:
-        refill(self.votes, {int(k): int(v) for k, v in state.get("votes", {}).items()})
         refill(self.streaks, {int(k): int(v) for k, v in state.get("streaks", {}).items()})  # (absent: older files)
 
     def carried(self) -> dict:
