@@ -70,6 +70,10 @@ def test_a_grid_whose_edge_keeps_winning_travels_that_way_by_its_own_spacing():
     restored = PBT(resample_probability=0.0)
     restored.load_state_dict(rule.state_dict())
     assert restored.streaks == {0: -2}
+    still = PBT(resample_probability=0.0, factors=(0.8, 0.8), travel=False)  # no travel: x1.2 beyond, every time
+    for _ in range(3):
+        kept = still.explore(_ballot([4.0, 3.0, 2.0, 1.0], grid), _gen())
+    assert kept.multipliers[0] == pytest.approx(27 ** 0.5 * 1.2)
 
 
 def test_perturbation_draws_both_directions_and_resamples_log_uniformly():

@@ -119,8 +119,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             overlaps in DiLoCo only. See ``docs/async.md``, "Overlapping the exchange with compute".
         stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
             ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
-            period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``outer="sparseloco"``, whose round
-            change carries the whole model.
+            period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``outer="sparseloco"``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...; its ``timeout`` also bounds the exchange: longer than a round), and DDP's
             (``find_unused_parameters``, ...) with ``ranks_per_worker > 1`` only; any other name is refused.

@@ -99,6 +99,8 @@ class PBT(Vote):
             [0, 1].
         factors: the two perturbation factors, picked at random (Ray Tune: 0.8 and 1.2).
         min_spread: log-distance from the leader's multiplier kept on each side by some group (> 0).
+        travel: an edge of the LRs that led two votes in a row gets its probe one step of the grid's spacing beyond
+            it (``False``: ``min_spread`` beyond, as any leader).
     """
 
     name: ClassVar[str] = "pbt"
@@ -107,6 +109,7 @@ class PBT(Vote):
     resample_probability: float = 0.25
     factors: tuple[float, float] = (0.8, 1.2)
     min_spread: float = math.log(1.2)
+    travel: bool = True
     # Per ballot key: +n (-n) when the highest (lowest) LR voted on led the last n votes, 0 otherwise.
     streaks: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -117,6 +120,7 @@ class PBT(Vote):
             isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in self.factors),
             "two positive finite numbers")
         check_number("min_spread", self.min_spread, low=0.0, low_open=True)
+        require("travel", self.travel, isinstance(self.travel, bool), "True or False")
 
     def rank(self, ballot: Ballot) -> list[int]:
         """Groups from best to worst: healthy ones by loss (lowest index on ties), then the unhealthy ones."""
@@ -146,7 +150,7 @@ class PBT(Vote):
         streak = self._streak(ballot, winner) if winner >= 0 and n >= 2 else 0
         if not ballot.move or winner < 0 or n < 2:
             return Selection(weights, winner, multipliers, list(range(n)))
-        travel = self._spacing(ballot, winner) if abs(streak) >= TRAVEL_AFTER else 0.0
+        travel = self._spacing(ballot, winner) if self.travel and abs(streak) >= TRAVEL_AFTER else 0.0
         pairs = self.pairs(ballot)
         for g, m in self._moves(ballot, pairs, generator).items():
             multipliers[g] = m
