@@ -82,3 +82,27 @@ def test_a_repeating_run_that_validates_votes_on_each_groups_val_loss(tmp_path: 
     plain = _fit(tmp_path / "plain")  # limit_val_batches=0: no validation
     assert plain[0]["monitor"] is None and plain[0]["seen"] == {}
     assert "the votes read each group's training loss" in plain[0]["summary"]
+
+
+class _OtherName(LinearModel):
+    """Validation logs ``valid_loss``, not ``val_loss``."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("valid_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+
+def test_a_validation_without_val_loss_falls_back_to_the_training_loss(tmp_path: Path) -> None:
+    """"auto" chose ``val_loss`` (the data repeat, validation every 4 steps), but validation logs ``valid_loss``:
+    at the first validation the votes fall back to the training loss, the waiting vote runs then, and every later
+    vote falls on its own step."""
+    (tmp_path / "x").mkdir()
+    seed_everything(0)
+    fit = Trainer(strategy=HDETStrategy(start_method=START), callbacks=[HDETCallback(every_n_steps=4),
+                  _Validated(tmp_path / "x")], **trainer_kwargs(devices=2, max_steps=16, val_check_interval=4,
+                                                                check_val_every_n_epoch=None, limit_val_batches=None))
+    fit.fit(_OtherName(lr=0.02, n_train=64))
+    rank = torch.load(tmp_path / "x" / "validated0.pt", weights_only=False)
+    assert rank["monitor"] is None and rank["seen"] == {}
+    assert sorted({h["step"] for h in rank["history"]}) == [4, 8, 12, 16]
+    assert "the votes read each group's training loss" in rank["summary"]

@@ -19,6 +19,11 @@ from typing import Any, Optional
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_hdet.hdet.execution.validation import unmerged_validation_warning
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.records.wandb import record_config
 
 AUTO = "auto"
 # The metric name Lightning's own docs and most modules log in `validation_step`.
@@ -78,8 +83,10 @@ def choose(epochs: Optional[float], period: Optional[float], every: int) -> tupl
                   f"faster) and the run may end on too high an LR. {fix}, or pass HDETCallback(monitor='your_metric').")
 
 
-def missing_warning(names: list[str]) -> str:
-    """The warning when the validation a repeating run's votes were to read logged no ``val_loss``."""
+def missing(metrics: dict[str, Any]) -> str:
+    """The warning when the validation a repeating run's votes were to read logged no ``val_loss``
+    (``metrics``: what it logged)."""
+    names = sorted(k for k in metrics if not k.startswith("hdet/"))
     return (f"HDET: monitor='auto' expected `{AUTO_METRIC}` from validation (the run repeats its training data), but "
             f"validation logged {names}: the votes read the training loss, which rewards memorising. Log "
             f"`{AUTO_METRIC}`, or pass HDETCallback(monitor='your_metric').")
@@ -94,6 +101,23 @@ def decide(trainer: Trainer, pl_module: LightningModule, run_steps: Optional[int
     return choose(epochs, validation_period(trainer, pl_module), every)
 
 
-def logged_names(metrics: dict[str, Any]) -> list[str]:
-    """The user's logged metric names (not HDET's own)."""
-    return sorted(k for k in metrics if not k.startswith("hdet/"))
+def recorded(settings: HDETConfig, auto: bool) -> dict[str, Any]:
+    """The callback's settings as the run config records them: ``monitor="auto"`` until train start decides, then
+    ``"auto: val_loss"`` (what runs)."""
+    config = settings.as_dict()
+    if auto:
+        config["monitor"] = f"auto: {settings.monitor}" if settings.monitor else AUTO
+    return config
+
+
+def announce(trainer: Optional[Trainer], hdet: Any, name: Optional[str], line: str, config: dict[str, Any]) -> None:
+    """Say what ``"auto"`` decided (``line``), once on rank 0: with ``name`` as information, the run config updated
+    to it and the warning of what validation then shows; without one, as a warning (there is a fix to make)."""
+    if name is None:
+        if line:
+            rank_zero_warn(line)
+        return
+    record_config(trainer, "hdet", {**hdet.config, "callback": config})
+    rank_zero_info(line)
+    if hdet.num_groups > 1:
+        rank_zero_warn(unmerged_validation_warning(name))

@@ -42,7 +42,7 @@ from lightning_hdet.hdet.execution.validation import unmerged_validation_warning
 from lightning_hdet.hdet.hyperparams import Explored, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.lightning import auto_monitor
-from lightning_hdet.hdet.lightning.checkpoints import PLAIN_KEY, scale_saved_lrs
+from lightning_hdet.hdet.lightning.checkpoints import restore_schedule_lrs, save_plain_lrs
 from lightning_hdet.hdet.lightning.module_checks import check_module, missing_loss, step_loss, stepping_warning
 from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric
 from lightning_hdet.hdet.lightning.voting import (
@@ -88,12 +88,10 @@ class HDETCallback(KnownArguments, Callback):
             (``True``: at a quarter of the run); ``False``: the vote searches the whole run (the published set-up).
         safety_net: :class:`~lightning_hdet.SafetyNet` (``True``: its defaults): skip non-finite steps, restore
             diverged or collapsed groups, and move an ensemble that stopped learning onto lower LRs; ``False``: off.
-        monitor: ``"auto"`` (the default, :mod:`~lightning_hdet.hdet.lightning.auto_monitor`): ``"val_loss"`` where the
-            run reads its training data more than once and validates (the training loss then rewards memorising),
-            else ``None``. ``None`` votes on each group's mean training loss over the interval (the per-step loss,
-            also under ``accumulate_grad_batches``); a metric name (e.g. ``"val_loss"``) votes on each group's own value of
-            that logged metric, from the first validation ending at or after the vote's step (a ``sync_dist=True``
-            metric is reduced inside each group during that validation: :mod:`~lightning_hdet.hdet.lightning.monitor`).
+        monitor: ``"auto"``: ``"val_loss"`` where the run repeats its data and validates, else ``None``
+            (:mod:`~lightning_hdet.hdet.lightning.auto_monitor`). ``None`` votes on each group's mean training loss over
+            the interval; a metric name on each group's own value of that logged metric, from the first validation
+            ending at or after the vote's step (:mod:`~lightning_hdet.hdet.lightning.monitor`).
         signal: what the vote compares: ``"mean"`` (the interval's loss); research signals are in
             :mod:`lightning_hdet.experimental`.
         warmup_steps: votes before this step only merge; learning rates start moving after it.
@@ -116,7 +114,7 @@ class HDETCallback(KnownArguments, Callback):
         self.settings = resolve(every_n_steps, vote, search, safety_net, None if self._auto else monitor, signal,
                                 warmup_steps, seed)
         self._requested_every = every_n_steps  # None: sized to the run at set-up or train start (`_size_votes`)
-        self.config = self._recorded()  # recorded in the run config under ``hdet/callback/...``
+        self.config = auto_monitor.recorded(self.settings, self._auto)  # the run config's ``hdet/callback/...``
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.initial_lrs: list[float] = []  # every group's real learning rate when training started
@@ -129,13 +127,6 @@ class HDETCallback(KnownArguments, Callback):
         self._checked_strategy: Any = None  # the strategy `_parts` last found to carry HDET's parts
         self._resumed_interval: Optional[Tensor] = None
         self._loaded: dict[str, Any] = {}  # a checkpoint's state, for the monitor "auto" picks at train start
-
-    def _recorded(self) -> dict[str, Any]:
-        """The settings as recorded (``monitor="auto"`` until train start decides, then what it decided)."""
-        config = self.settings.as_dict()
-        if self._auto:
-            config["monitor"] = f"auto: {self.settings.monitor}" if self.settings.monitor else auto_monitor.AUTO
-        return config
 
     # Read-outs (the rules and settings live in `settings`, the vote's state in `controller`).
     @property
@@ -202,10 +193,11 @@ class HDETCallback(KnownArguments, Callback):
         hdet = self._parts(trainer)
         if trainer.max_steps <= 0:  # bounded by epochs (or not at all): Lightning's estimate of the run's steps
             self._size_votes(run_length(trainer), warn=True, announce=True)
-        self._choose_monitor(trainer, pl_module)
-        if self._meter is None:
-            self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.signal.bins, hdet.groups.root_device)
         every = self.settings.every_n_steps
+        if self._auto and self._monitor is None and type(self.settings.signal) is Signal:  # "auto" decides now
+            self._set_monitor(*auto_monitor.decide(trainer, pl_module, run_length(trainer), every), trainer)
+        if self._meter is None:
+            self._meter = IntervalMeter(every, self.settings.signal.bins, hdet.groups.root_device)
         self._meter.reset((trainer.global_step // every) * every)  # votes fall on multiples of every_n_steps
         resumed = self._resumed_interval
         if resumed is not None and resumed.shape[1] == self._meter.width:  # another signal's bins: a fresh interval
@@ -224,30 +216,16 @@ class HDETCallback(KnownArguments, Callback):
         if self.controller.searched_at is not None:
             rank_zero_info(f"HDET: resumed after the search ended at step {self.controller.searched_at}")
 
-    def _choose_monitor(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """``monitor="auto"``: vote on ``val_loss`` where the run repeats its data and validates
-        (:mod:`~lightning_hdet.hdet.lightning.auto_monitor`); said once. A curve signal keeps the training loss."""
-        if not self._auto or self._monitor is not None or type(self.settings.signal) is not Signal:
-            return
-        name, line = auto_monitor.decide(trainer, pl_module, run_length(trainer), self.settings.every_n_steps)
-        if name is not None:
-            self._set_monitor(name)
-            self._monitor.load_state_dict(self._loaded)
-            hdet = self._parts(trainer)
-            record_config(trainer, "hdet", {**hdet.config, "callback": self.config})  # what runs, not "auto"
-            rank_zero_info(line)
-            if hdet.num_groups > 1:
-                rank_zero_warn(unmerged_validation_warning(name))
-        elif line:
-            rank_zero_warn(line)
-        self._loaded = {}
-
-    def _set_monitor(self, name: Optional[str]) -> None:
-        """Vote on ``name`` from now on (``None``: the training loss)."""
+    def _set_monitor(self, name: Optional[str], line: str = "", trainer: Optional[Trainer] = None) -> None:
+        """Vote on ``name`` from now on (``None``: the training loss); with ``trainer``, say why (``line``)."""
         self.settings = replace(self.settings, monitor=name)
         self.controller.config = self.settings
-        self.config = self._recorded()
+        self.config = auto_monitor.recorded(self.settings, self._auto)
         self._monitor = None if name is None else MonitoredMetric(name)
+        if self._monitor is not None:
+            self._monitor.load_state_dict(self._loaded)  # (a resume's: "auto" decides after the callback loaded)
+        if trainer is not None or line:
+            auto_monitor.announce(trainer, trainer and self._parts(trainer), name, line, self.config)
 
     def _size_votes(self, run_steps: Optional[int], warn: bool, announce: bool = False) -> None:
         """Set the vote interval for a run of ``run_steps`` optimizer steps (``None``: not known yet, or unknown):
@@ -258,7 +236,7 @@ class HDETCallback(KnownArguments, Callback):
             every = None  # sized at train start
         self.settings = replace(self.settings, every_n_steps=every)
         self.controller.config = self.settings  # (its plateau patience and curve signals read the interval)
-        self.config = self._recorded()
+        self.config = auto_monitor.recorded(self.settings, self._auto)
         if warn and warning:
             rank_zero_warn(warning)
         if announce and self._requested_every is None:
@@ -313,9 +291,7 @@ class HDETCallback(KnownArguments, Callback):
             return
         due = self._monitor.read(trainer.callback_metrics)
         if self._auto and self._monitor.value is None:  # "auto" found no val_loss: back to the training loss
-            rank_zero_warn(auto_monitor.missing_warning(auto_monitor.logged_names(trainer.callback_metrics)))
-            due = self._monitor.pending
-            self._set_monitor(None)
+            due, _ = self._monitor.pending, self._set_monitor(None, auto_monitor.missing(trainer.callback_metrics))
         if due:  # the vote that waited for this validation
             self._last_vote_step = trainer.global_step
             # Lightning runs the validation hooks under inference mode; a vote's merge and restore point must stay
@@ -387,20 +363,12 @@ class HDETCallback(KnownArguments, Callback):
         """Add the full ensemble: each group's parameters and optimizer state, multipliers and interval losses."""
         hdet = self._parts(trainer)
         checkpoint["hdet"] = hdet.save_ensemble(self._meter.row(hdet.guard.interval_skipped(reset=False)))
-        if not getattr(trainer.strategy, "saves_plain_lrs", False):  # (FSDP: the optimizer states are the groups')
-            return
-        # The saved model is the merged one: its LRs go with it, so that a plain Lightning resume continues there.
-        table, winner = hdet.table.multipliers, self.controller.last_winner
-        row = (table[winner] if 0 <= winner < table.shape[0] else table.mean(0)).tolist()
-        scale_saved_lrs(checkpoint, row)
-        checkpoint["hdet"][PLAIN_KEY] = row
+        if getattr(trainer.strategy, "saves_plain_lrs", False):  # (FSDP: the optimizer states are the groups')
+            save_plain_lrs(checkpoint, hdet.table.multipliers, self.controller.last_winner)
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("hdet") or {}
-        if state.get(PLAIN_KEY) is not None:  # HDET applies its multipliers itself: back to the schedule's LRs
-            scale_saved_lrs(checkpoint, [1.0 / m for m in state[PLAIN_KEY]])
-            state[PLAIN_KEY] = None  # (Lightning restores the optimizers from this same dict, once)
+        restore_schedule_lrs(checkpoint)  # HDET applies its multipliers itself
         self._resumed_interval = self._parts(trainer).load_ensemble(checkpoint.get("hdet"))
 
 

@@ -96,3 +96,20 @@ def scale_saved_lrs(checkpoint: dict[str, Any], multipliers: list[float]) -> Non
             values = scheduler.get(key)
             if isinstance(values, list) and all(isinstance(v, (int, float)) for v in values):
                 scheduler[key] = [v * m for v, m in zip(values, multipliers)]
+
+
+def save_plain_lrs(checkpoint: dict[str, Any], multipliers: Tensor, winner: int) -> None:
+    """Scale the checkpoint's LRs to the last ``winner``'s row of the ``multipliers`` table (the groups' mean row
+    without one): the saved model is the merged one, and its LRs go with it for a plain Lightning resume."""
+    row = (multipliers[winner] if 0 <= winner < multipliers.shape[0] else multipliers.mean(0)).tolist()
+    scale_saved_lrs(checkpoint, row)
+    checkpoint["hdet"][PLAIN_KEY] = row
+
+
+def restore_schedule_lrs(checkpoint: dict[str, Any]) -> None:
+    """Undo :func:`save_plain_lrs` on a checkpoint HDET resumes (it applies its multipliers itself), once: Lightning
+    restores the optimizers and schedulers from this same dict afterwards."""
+    state = checkpoint.get("hdet") or {}
+    if state.get(PLAIN_KEY) is not None:
+        scale_saved_lrs(checkpoint, [1.0 / m for m in state[PLAIN_KEY]])
+        state[PLAIN_KEY] = None
