@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_hdet._checks import check_integer, check_number, require
+from lightning_hdet._checks import KnownArguments, check_integer, check_number, require
 from lightning_hdet.experimental.halving import Halving
 from lightning_hdet.hdet.rules.options import Softmax, Vote
 from lightning_hdet.hdet.rules.votes import Ballot, VoteResult
@@ -74,7 +74,7 @@ class PartialMerge(Vote):
         self.vote.load_state_dict(state)
 
 
-class InitNoise(Callback):
+class InitNoise(KnownArguments, Callback):
     """The published warm start: at the start of a fresh fit each group's parameters become ``theta_0 + eps``,
     ``eps ~ N(0, std^2 |theta_0|^2 / d)``, distinct per group and equal within one (paper: ``std=0.01``). No
     visible difference measured. Use with ``strategy="hdet"`` or ``"hdet_fsdp"``.
