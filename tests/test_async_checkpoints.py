@@ -50,8 +50,11 @@ class ExchangeStates(Callback):
         self.after: dict[int, Any] = {}
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # The first step end that counts exchange k is the step of that exchange: its state is the one right after
+        # it. (Keyed by the count, not by `steps_in_round == 0`: the exchange whose reply says stop, at the last
+        # step, need not start a new round, and async runs hit it at a varying step.)
         worker = trainer.strategy._exchange.worker
-        if worker.steps_in_round == 0:  # this step ended with an exchange
+        if worker.exchanges not in self.after:
             self.after[worker.exchanges] = copy.deepcopy(trainer.optimizers[0].state_dict())
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
