@@ -38,7 +38,7 @@ from lightning_hdet.hdet.rules.plateau import (
 from lightning_hdet.hdet.rules.search_end import SearchPhase
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.rules.signals import curve_error
-from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, winner_of
+from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, edge_of, winner_of
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class HDETController:
             decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
                                from_initial=from_initial(table) if decision.roll_back else [])
             self.plateau_cuts += 1
-        self._count(decision, interval.final, _edge(interval.multipliers[:, 0].tolist(), decision.winner),
+        self._count(decision, interval.final, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
                     _clear(losses, errors, decision.winner, [not r for r in decision.rescued]))
         return decision
 
@@ -364,15 +364,6 @@ class HDETController:
         self.plateau_history.load_state_dict(state_dict["plateau"])
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
-
-
-def _edge(multipliers: Sequence[float], winner: int) -> int:
-    """Where the vote's winner stood among the LRs voted on: 1 the highest, -1 the lowest, 0 inside (or no winner, or
-    all alike): an edge that keeps winning says the best LR lies beyond what was tried (the result's summary)."""
-    if winner < 0 or max(multipliers) <= min(multipliers) * (1 + 1e-9):
-        return 0
-    m = multipliers[winner]
-    return 1 if m >= max(multipliers) * (1 - 1e-9) else -1 if m <= min(multipliers) * (1 + 1e-9) else 0
 
 
 # Standard errors by which the winner must lead the runner-up for a vote to count as decided (a one-look test).

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from lightning_hdet._checks import check_number, require
-from lightning_hdet.hdet.rules.votes import Ballot, Vote, VoteResult, refill, winner_of
+from lightning_hdet.hdet.rules.votes import Ballot, Vote, VoteResult, edge_of, refill, winner_of
 
 
 # Votes in a row an edge of the LRs must lead before the grid travels past it: a first lead is often noise (from the
@@ -174,9 +174,7 @@ class PBT(Vote):
     def _streak(self, ballot: Ballot, winner: int) -> int:
         """Count this vote into the edge streak of ``ballot.key``: the winner the highest LR voted on extends a run of
         top wins, the lowest one a run of bottom wins; anything else ends it."""
-        top, low = max(ballot.multipliers), min(ballot.multipliers)
-        m, last = ballot.multipliers[winner], self.streaks.get(ballot.key, 0)
-        edge = 0 if top <= low * (1 + 1e-12) else 1 if m >= top * (1 - 1e-12) else -1 if m <= low * (1 + 1e-12) else 0
+        edge, last = edge_of(ballot.multipliers, winner), self.streaks.get(ballot.key, 0)
         self.streaks[ballot.key] = edge * (abs(last) + 1) if edge and edge * last > 0 else edge
         return self.streaks[ballot.key]
 

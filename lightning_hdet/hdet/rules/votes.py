@@ -52,6 +52,16 @@ def softmax_weights(losses: Sequence[float], healthy: Sequence[bool], temperatur
     return weights
 
 
+def edge_of(multipliers: Sequence[float], winner: int) -> int:
+    """Where ``winner`` stands among the LRs voted on: 1 the highest, -1 the lowest, 0 inside (or no winner, or all
+    alike). An edge that keeps winning says the best LR lies beyond what was tried: PBT travels past it, and the
+    result's summary says so."""
+    if winner < 0 or max(multipliers) <= min(multipliers) * (1 + 1e-9):
+        return 0
+    m = multipliers[winner]
+    return 1 if m >= max(multipliers) * (1 - 1e-9) else -1 if m <= min(multipliers) * (1 + 1e-9) else 0
+
+
 def winner_of(losses: Sequence[float], healthy: Sequence[bool]) -> int:
     """The healthy group with the lowest loss (the lowest index on ties); -1 if none is healthy."""
     idx = [g for g, ok in enumerate(healthy) if ok]
