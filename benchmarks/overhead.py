@@ -129,7 +129,7 @@ class Probe(Callback):
         self.cpu_times.append(time.process_time())  # this process's CPU time: robust to other jobs on the machine
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_hdet.asynchronous.messages import Fragments
+        from lightning_hdet.asynchronous.wire.messages import Fragments
 
         layout = Fragments([p.shape for p in pl_module.parameters()], getattr(trainer.strategy, "compression", "none"),
                            pull_compression=getattr(trainer.strategy, "pull_compression", "none"))

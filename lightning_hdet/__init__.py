@@ -6,24 +6,23 @@ Importing the package registers ``Trainer(strategy=...)`` names: ``"hdet"``, ``"
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_hdet.asynchronous.strategy import AsyncLocalSGDStrategy
-from lightning_hdet.hdet.rules.blends import blend_coefficients
-from lightning_hdet.hdet.lightning.callback import HDETCallback
-from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.elastic import ElasticDDPWorkerStrategy, ElasticWorkerStrategy, OuterService
+from lightning_hdet.asynchronous.lightning.strategy import AsyncLocalSGDStrategy
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
-from lightning_hdet.hdet.layout import fan_out
-from lightning_hdet.hdet.rules.plateau import PlateauRule
-from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.hdet.fsdp.strategy import HDETFSDPStrategy
+from lightning_hdet.hdet.layout import fan_out
+from lightning_hdet.hdet.lightning.callback import HDETCallback
 from lightning_hdet.hdet.lightning.strategy import HDETStrategy
+from lightning_hdet.hdet.rules.blends import blend_coefficients
+from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Softmax, TrustRegion
+from lightning_hdet.hdet.rules.plateau import PlateauRule
+from lightning_hdet.hdet.rules.votes import Ballot
 from lightning_hdet.replay import HDETReplay, LRTrajectory
 from lightning_hdet.testing import SlowLink, SlowRanks
-from lightning_hdet.hdet.rules.options import PBT, Best, SafetyNet, Search, Softmax, TrustRegion
-from lightning_hdet.hdet.rules.votes import Ballot
 
 __version__ = "0.1.0.dev0"
 

@@ -1,5 +1,5 @@
 """FSDP2 helpers that both ``"hdet_fsdp"`` (:mod:`lightning_hdet.hdet.fsdp`) and FSDP2 inside async workers
-(:mod:`lightning_hdet.asynchronous.worker_shards`) use: which submodules to shard, sharding, and freeing gathered
+(:mod:`lightning_hdet.asynchronous.exchange.worker_shards`) use: which submodules to shard, sharding, and freeing gathered
 parameters. No Lightning and no process group of their own: the mesh is given."""
 
 from __future__ import annotations

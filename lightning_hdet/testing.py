@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_hdet._checks import KnownArguments
-from lightning_hdet.asynchronous.slow_link import LimitedTransport, check_link
+from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport, check_link
 from lightning_hdet.hdet.execution.fake import FakeExecutor, FakeModule, FakeTrainer, FakeWorld
 
 #: Seconds per step of the four heterogeneous workers in the asynchronous Local-SGD paper's toy example.

@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet import AsyncLocalSGDStrategy
-from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy
-from lightning_hdet.asynchronous.messages import Kind, Push
-from lightning_hdet.asynchronous.outer import AsyncStep, OuterState
+from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
+from lightning_hdet.asynchronous.outer.state import AsyncStep, OuterState
+from lightning_hdet.asynchronous.wire.messages import Kind, Push
 from tests.helpers import load_ranks, trainer_kwargs
 
 OFFSET = 10.0  # rank r's inputs have mean r * OFFSET, so the workers' running means differ clearly

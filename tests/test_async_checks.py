@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push
-from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.outer.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem
+from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push
 from tests.test_async_exchange import CPU, _round, _start
 
 RANGES = [(0, 2), (2, 3)]  # a 3-value model in two fragments
@@ -318,7 +318,7 @@ def test_loop_limits_lift_and_give_back_once_and_need_no_trainer_when_nothing_wa
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_hdet.asynchronous.limits import LoopLimits
+    from lightning_hdet.asynchronous.lightning.limits import LoopLimits
 
     limits, module = LoopLimits(), BoringModel()
     limits.restore(module)  # unattached: `module.trainer` would raise

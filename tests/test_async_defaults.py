@@ -11,7 +11,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
-from lightning_hdet.asynchronous.compression import Codec
+from lightning_hdet.asynchronous.wire.codecs import Codec
 
 
 class SGDBoring(BoringModel):

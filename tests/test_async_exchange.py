@@ -12,18 +12,25 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hdet.asynchronous.compression import Codec
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader, fragment_layout
-from lightning_hdet.asynchronous.outer import AsyncStep, OuterSettings, OuterState
-from lightning_hdet.asynchronous.server import Server
-from lightning_hdet.asynchronous.transport import (
+from lightning_hdet.asynchronous.exchange.server import Server
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.outer.state import AsyncStep, OuterSettings, OuterState
+from lightning_hdet.asynchronous.wire.codecs import Codec
+from lightning_hdet.asynchronous.wire.messages import (
+    Fragments,
+    Kind,
+    Push,
+    ServerHeader,
+    WorkerHeader,
+    fragment_layout,
+)
+from lightning_hdet.asynchronous.wire.transport import (
     GlooWorkerTransport,
     ServerTransport,
     WorkerTransport,
     receive_reply,
     send_reply,
 )
-from lightning_hdet.asynchronous.worker import Worker
 
 CPU = torch.device("cpu")
 
@@ -466,8 +473,8 @@ def test_rank_zero_validates_the_global_model_without_a_copy_when_it_can(case: s
     is made when the worker's pulled model is the global one (DiLoCo between outer steps: the two are swapped),
     nor once the worker was told to stop (its pulled model's buffer holds the module's own; steps it would still
     take are then not pushed); while it trains on a stale pull, the module's own model waits in a new one."""
-    from lightning_hdet.asynchronous import exchange as exchange_module
-    from lightning_hdet.asynchronous.exchange import Exchange
+    from lightning_hdet.asynchronous.exchange import exchange as exchange_module
+    from lightning_hdet.asynchronous.exchange.exchange import Exchange
 
     module = Tiny()
     module.set([1.0, 2.0], 3.0)

@@ -15,14 +15,14 @@ from torch.utils.data import DataLoader
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy
 from lightning_hdet._tensors import flat_pieces
-from lightning_hdet.asynchronous.messages import Fragments
-from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints, worker_file
-from lightning_hdet.asynchronous.ranks import WorkerRanks
-from lightning_hdet.asynchronous.reshard import shard_rows
-from lightning_hdet.asynchronous.worker_shards import full_pieces, local_state, rows
+from lightning_hdet.asynchronous.exchange.ranks import WorkerRanks
+from lightning_hdet.asynchronous.exchange.reshard import shard_rows
+from lightning_hdet.asynchronous.exchange.worker_shards import full_pieces, local_state, rows
+from lightning_hdet.asynchronous.lightning.checkpoints import WorkerCheckpoints, worker_file
+from lightning_hdet.asynchronous.wire.messages import Fragments
 from tests.helpers import START, load_ranks
-from tests.test_async_ranks import _held_bytes
 from tests.test_async_local_sgd import Regression
+from tests.test_async_ranks import _held_bytes
 
 
 class MLP(LightningModule):

@@ -14,11 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
-from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy
-from lightning_hdet.asynchronous.messages import Kind, Push
-from lightning_hdet.asynchronous.outer import AsyncStep, OuterState, SyncStep
-from lightning_hdet.asynchronous.server import Server
-from lightning_hdet.asynchronous.transport import ServerTransport
+from lightning_hdet.asynchronous.exchange.server import Server
+from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
+from lightning_hdet.asynchronous.outer.state import AsyncStep, OuterState, SyncStep
+from lightning_hdet.asynchronous.wire.messages import Kind, Push
+from lightning_hdet.asynchronous.wire.transport import ServerTransport
 from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
 BASE_SECONDS = 0.05  # a factor-1 step; the slow rank takes 4x
@@ -368,7 +368,7 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     stops after the first push: N stays 3 until the cycle's third push, then each push moves by 0.6 / 2 (before, a
     run that lost a worker stepped every push at 2/3 of the same run without it). A configured buffer_size stays
     the ceiling; DiLoCo's N is 1 and does not follow."""
-    from lightning_hdet.asynchronous.outer import OuterSettings
+    from lightning_hdet.asynchronous.outer.state import OuterSettings
 
     outer = OuterSettings(local_steps=4, outer_lr=0.6, outer_momentum=0.0).build(torch.zeros(1), torch.zeros(0), 3,
                                                                                    budget=None)
@@ -397,7 +397,7 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
 def test_a_resumed_run_takes_its_own_n_not_the_checkpoints():
     """A checkpoint written once its workers had stopped holds N = 1; the run that resumes it on three workers
     steps each push by lr / 3 from its first push, not by lr / 1."""
-    from lightning_hdet.asynchronous.outer import OuterSettings
+    from lightning_hdet.asynchronous.outer.state import OuterSettings
 
     settings = OuterSettings(local_steps=4, outer_lr=0.6, outer_momentum=0.0)
     ended = settings.build(torch.zeros(1), torch.zeros(0), 3, budget=None)

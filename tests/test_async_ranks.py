@@ -14,9 +14,9 @@ from torch.utils.data import TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
-from lightning_hdet.asynchronous.messages import Kind, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport, WorkerRanks
-from lightning_hdet.asynchronous.transport import WorkerTransport
+from lightning_hdet.asynchronous.exchange.ranks import FollowerTransport, LeaderTransport, WorkerRanks
+from lightning_hdet.asynchronous.wire.messages import Kind, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 from tests.helpers import START, LinearModel, flat_params, load_ranks, trainer_kwargs
 from tests.test_async_local_sgd import Regression
 

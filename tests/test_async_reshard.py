@@ -4,7 +4,7 @@ hand-computed tensors: FSDP2 gives shard ``j`` of ``k`` rows ``[j * ceil(n / k),
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.reshard import reshard_optimizer_state, shard_rows
+from lightning_hdet.asynchronous.exchange.reshard import reshard_optimizer_state, shard_rows
 
 
 def _adam_shards(rows: list[list[float]], sizes: list[int]) -> list[dict]:

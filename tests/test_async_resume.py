@@ -177,9 +177,9 @@ def test_a_checkpoint_takes_one_snapshot_of_the_outer_state(tmp_path: Path) -> N
     """A push applied between ``lightning_module_state_dict`` and ``save_checkpoint`` (rank 0, during training)
     changes neither: the checkpoint's model and its outer state are the same snapshot."""
     from lightning_hdet._tensors import numel
-    from lightning_hdet.asynchronous.exchange import Exchange
-    from lightning_hdet.asynchronous.messages import Kind, Push
-    from lightning_hdet.asynchronous.worker import Worker
+    from lightning_hdet.asynchronous.exchange.exchange import Exchange
+    from lightning_hdet.asynchronous.exchange.worker import Worker
+    from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
     model = LinearModel(lr=0.05, n_train=16)
     strategy = AsyncLocalSGDStrategy(local_steps=2, outer_lr=1.0, outer_momentum=0.0, start_method=START)

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
-from lightning_hdet.asynchronous.callback import AsyncLogging
+from lightning_hdet.asynchronous.lightning.callback import AsyncLogging
 from tests.helpers import LinearModel, Recorder, flat_params, load_ranks, trainer_kwargs
 
 

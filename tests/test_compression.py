@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback, check_compression, row_layout
+from lightning_hdet.asynchronous.wire.codecs import Codec, ErrorFeedback, check_compression, row_layout
 
 SHAPES = [torch.Size([2, 4]), torch.Size([3])]  # a weight (2 rows of 4) and a bias (flat)
 

@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 
 
 def _push(opt: DelayedNesterov, p: torch.Tensor, g: torch.Tensor) -> None:

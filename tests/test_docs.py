@@ -27,7 +27,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 import lightning_hdet
-from lightning_hdet import experimental
 from lightning_hdet import (
     PBT,
     AsyncLocalSGDStrategy,
@@ -46,8 +45,9 @@ from lightning_hdet import (
     Search,
     SlowRanks,
     Softmax,
+    experimental,
 )
-from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterSettings
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 ROOT = Path(__file__).resolve().parents[1]

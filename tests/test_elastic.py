@@ -20,9 +20,8 @@ from lightning_hdet.asynchronous.elastic.sessions import (
     session_seed,
     should_park,
 )
-from lightning_hdet.asynchronous.messages import Kind, Push
-from lightning_hdet.asynchronous.outer import OuterSettings
-
+from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
 
 # pure bookkeeping
@@ -101,7 +100,7 @@ class _LoopbackGroup:
 @pytest.mark.parametrize("pull", ["none", "bf16"])
 def test_session_transports_stream_fragments_and_the_service_gets_a_whole_push(pull: str) -> None:
     from lightning_hdet.asynchronous.elastic.transport import SessionServerEnd, SessionWorkerTransport
-    from lightning_hdet.asynchronous.messages import Fragments, ServerHeader, WorkerHeader
+    from lightning_hdet.asynchronous.wire.messages import Fragments, ServerHeader, WorkerHeader
 
     layout = Fragments([torch.Size([6, 4]), torch.Size([5])], "bf16", max_bytes=4 * 8,  # several fragments
                        pull_compression=pull)  # type: ignore[arg-type]
@@ -333,7 +332,7 @@ def test_the_service_gives_up_waiting_for_a_worker_whose_session_ended_before_it
     import threading
 
     from lightning_hdet.asynchronous.elastic.hub import SessionHub
-    from lightning_hdet.asynchronous.messages import Fragments
+    from lightning_hdet.asynchronous.wire.messages import Fragments
 
     hub = SessionHub("127.0.0.1:0", {}, next_id=1, timeout=600.0, n_buffers=0, layout=Fragments([(2,)], "none"))
     hub.attach(1)
@@ -353,7 +352,7 @@ def test_closing_the_service_does_not_wait_for_a_reply_stuck_on_a_frozen_worker(
     import threading
 
     from lightning_hdet.asynchronous.elastic.hub import SessionHub
-    from lightning_hdet.asynchronous.messages import Fragments, ServerHeader
+    from lightning_hdet.asynchronous.wire.messages import Fragments, ServerHeader
 
     sending, frozen, torn_down = threading.Event(), threading.Event(), threading.Event()
 
@@ -425,7 +424,7 @@ def test_a_session_rejected_max_rejections_times_in_a_row_is_told_to_stop_and_en
     each is rejected (the global model stays the start), the third reply says stop with 3 rejections, and the
     session ends as excluded (its group torn down after that reply is sent)."""
     from lightning_hdet import OuterService
-    from lightning_hdet.asynchronous.messages import Push
+    from lightning_hdet.asynchronous.wire.messages import Push
     from tests.helpers import LinearModel
 
     class Hub:

@@ -24,9 +24,9 @@ from lightning_hdet.asynchronous.elastic.job import (
 )
 from lightning_hdet.asynchronous.elastic.membership import SessionLost
 from lightning_hdet.asynchronous.elastic.strategy import ElasticWorker
-from lightning_hdet.asynchronous.messages import Kind, ServerHeader
-from lightning_hdet.asynchronous.transport import WorkerTransport
-from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.wire.messages import Kind, ServerHeader
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 from tests.helpers import LinearModel
 
 

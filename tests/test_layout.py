@@ -13,13 +13,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hdet"
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
 # Pure math: no Lightning, no process groups (unit-tested against hand-computed values): every module of hdet/rules/
 # and directly in hdet/ (what HDET's layers share), and the modules listed.
-PURE_FOLDERS = {"hdet/rules": "**/*.py", "hdet": "*.py"}
-PURE_MODULES = ["experimental/halving.py", "asynchronous/delayed_nesterov.py",
-                "asynchronous/local_steps.py", "asynchronous/messages.py", "asynchronous/outer.py",
-                "asynchronous/compression.py", "asynchronous/checks.py", "asynchronous/elastic/sessions.py",
-                "asynchronous/elastic/job.py", "asynchronous/result.py", "asynchronous/slow_link.py",
-                "asynchronous/ranks.py", "asynchronous/reshard.py", "asynchronous/exchange_options.py",
-                "records/history.py", "records/tensorboard.py", "_checks.py"]
+PURE_FOLDERS = {"hdet/rules": "**/*.py", "hdet": "*.py", "asynchronous/outer": "*.py"}
+PURE_MODULES = ["experimental/halving.py", "asynchronous/wire/messages.py", "asynchronous/wire/codecs.py",
+                "asynchronous/wire/slow_link.py", "asynchronous/elastic/sessions.py", "asynchronous/elastic/job.py",
+                "asynchronous/result.py", "asynchronous/exchange/ranks.py", "asynchronous/exchange/reshard.py",
+                "asynchronous/lightning/exchange_options.py", "records/history.py", "records/tensorboard.py",
+                "_checks.py"]
 PURE = PURE_MODULES + sorted(p.relative_to(PACKAGE).as_posix() for folder, pattern in PURE_FOLDERS.items()
                              for p in (PACKAGE / folder).glob(pattern))
 # HDET's layers, lowest first: a module of hdet/ imports from its own layer or a lower one. The pure modules beside
@@ -104,6 +103,19 @@ def test_hdet_layers_import_only_their_own_or_lower_ones(path: Path) -> None:
         assert not lightning, f"{_rel(path)} is in hdet/execution/ but imports Lightning: {lightning}"
 
 
+# asynchronous/'s folders: outer/ is pure (PURE_FOLDERS), wire/ and exchange/ carry messages over process groups but
+# import no Lightning (one round runs without a Trainer); only lightning/ and elastic/ may.
+ASYNC_WITHOUT_LIGHTNING = ("asynchronous/outer/", "asynchronous/wire/", "asynchronous/exchange/")
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if _rel(p).startswith(ASYNC_WITHOUT_LIGHTNING)], ids=_rel)
+def test_async_layers_below_lightning_import_no_lightning(path: Path) -> None:
+    names = _imports(_tree(path))
+    lightning = [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")
+                 or n.startswith(("lightning_hdet.asynchronous.lightning", "lightning_hdet.asynchronous.elastic"))]
+    assert not lightning, f"{_rel(path)} is below asynchronous/lightning/ but imports {lightning}"
+
+
 # HDET's collectives go through its injected Communicator (hdet/execution/comm.py): tested in one process over
 # FakeWorld.
 COMMUNICATOR = "hdet/execution/comm.py"
@@ -157,7 +169,7 @@ def _lightning_classes() -> list[type]:
 
 def test_every_overridden_lightning_hook_carries_override() -> None:
     """A Lightning release that renames a hook must not silently stop calling ours (``@override`` + type checkers)."""
-    import lightning_hdet.asynchronous.strategy as async_strategy
+    import lightning_hdet.asynchronous.lightning.strategy as async_strategy
 
     classes = _lightning_classes() + [c for c in vars(async_strategy).values()
                                       if isinstance(c, type) and c.__module__.startswith("lightning_hdet")

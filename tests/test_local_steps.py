@@ -1,6 +1,10 @@
 import pytest
 
-from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, dynamic_local_steps, smoothed_speed
+from lightning_hdet.asynchronous.outer.local_steps import (
+    LocalStepsPolicy,
+    dynamic_local_steps,
+    smoothed_speed,
+)
 
 
 def test_dynamic_local_steps_formula():

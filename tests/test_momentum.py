@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
-from lightning_hdet.asynchronous.momentum import (
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.momentum import (
     OUTER_PRESETS,
     MomentumSchedule,
     OuterPreset,
@@ -12,7 +12,7 @@ from lightning_hdet.asynchronous.momentum import (
     resolve_outer,
     stable_outer_lr,
 )
-from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterSettings
 
 #: ``1 + 0.9 + ... + 0.9^8``: one push's whole motion, in ``outer_lr`` x the push, at momentum 0.9 restarted every 8
 TAIL = (1 - 0.9**9) / (1 - 0.9)
@@ -213,7 +213,7 @@ def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end
 
 def _rounds(state, pushes, mode):
     """One round per worker: DiLoCo's mean in one batch, async's pushes one by one (one momentum update each way)."""
-    from lightning_hdet.asynchronous.messages import Kind, Push
+    from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
     batch = [Push(w, Kind.PUSH, 8, 1.0, 0.0, pseudo_gradient=g) for w, g in pushes]
     for group in ([batch] if mode == "sync" else [[p] for p in batch]):

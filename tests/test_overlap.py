@@ -18,14 +18,14 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import nn
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowLink, SlowRanks
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.asynchronous.overlap import check_overlap_steps, correction, overlap_this_round
-from lightning_hdet.asynchronous.overlapped import OverlapWorker
-from lightning_hdet.asynchronous.public_model import PublicModel
-from lightning_hdet.asynchronous.server import Server
-from lightning_hdet.asynchronous.slow_link import LimitedTransport
-from lightning_hdet.asynchronous.transport import WorkerTransport, receive_reply, send_reply
+from lightning_hdet.asynchronous.exchange.overlap import check_overlap_steps, correction, overlap_this_round
+from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
+from lightning_hdet.asynchronous.exchange.public_model import PublicModel
+from lightning_hdet.asynchronous.exchange.server import Server
+from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport, receive_reply, send_reply
 from tests.test_async_defaults import SGDBoring, _loss
 
 

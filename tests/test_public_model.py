@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.messages import Fragments, ServerHeader
-from lightning_hdet.asynchronous.public_model import PublicModel
-from lightning_hdet.asynchronous.transport import receive_reply, send_reply
+from lightning_hdet.asynchronous.exchange.public_model import PublicModel
+from lightning_hdet.asynchronous.wire.messages import Fragments, ServerHeader
+from lightning_hdet.asynchronous.wire.transport import receive_reply, send_reply
 
 
 def test_int8_changes_follow_the_global_model_and_what_they_leave_out_follows_later() -> None:

@@ -11,9 +11,9 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowLink
-from lightning_hdet.asynchronous.messages import Kind, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.slow_link import LimitedTransport
-from lightning_hdet.asynchronous.transport import WorkerTransport
+from lightning_hdet.asynchronous.wire.messages import Kind, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 
 class Loopback(WorkerTransport):

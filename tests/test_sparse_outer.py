@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
-from lightning_hdet.asynchronous.outer import OuterSettings, SparseSyncStep
-from lightning_hdet.asynchronous.public_model import PublicModel
-from lightning_hdet.asynchronous.sparse_outer import RoundCodec, SparseRound
-from lightning_hdet.asynchronous.transport import receive_reply, send_reply
-from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.asynchronous.exchange.public_model import PublicModel
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.outer.sparseloco import RoundCodec, SparseRound
+from lightning_hdet.asynchronous.outer.state import OuterSettings, SparseSyncStep
+from lightning_hdet.asynchronous.wire.codecs import Codec, ErrorFeedback
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
+from lightning_hdet.asynchronous.wire.transport import receive_reply, send_reply
 from tests.test_async_exchange import CPU, _one_round_each, _start
 
 TWO = [torch.Size([2])]

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy
-from lightning_hdet.asynchronous.compression import Codec
+from lightning_hdet.asynchronous.wire.codecs import Codec
 
 
 class Regression(LightningModule):

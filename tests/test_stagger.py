@@ -14,11 +14,11 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import nn
 
 from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
+from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.asynchronous.overlapped import OverlapWorker
-from lightning_hdet.asynchronous.transport import WorkerTransport
 from tests.test_async_defaults import SGDBoring, _loss
 
 
@@ -194,7 +194,7 @@ def test_rank_0_staggered_restarts_every_part_from_its_reference_after_a_rejecte
     [0, 0]. No trace of the rejected round may stay: part 0 is the global [0, 0], and part 1 goes back to its
     reference [0, 0] (a remote worker writes its whole pulled model); keeping [4, 4] there would push the bad round's
     steps again."""
-    from lightning_hdet.asynchronous.transport import InProcessTransport
+    from lightning_hdet.asynchronous.wire.transport import InProcessTransport
 
     module, layout = Quad(), Fragments([torch.Size([4])], max_bytes=8, parts=2)
     pushes: list[int] = []

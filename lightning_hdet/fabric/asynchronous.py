@@ -1,8 +1,8 @@
 """``Fabric(strategy="async_local_sgd")`` and ``"diloco"``: the exchange of the Trainer's async strategy, for loops.
 
-The same worker, outer state and server as :class:`~lightning_hdet.asynchronous.strategy.AsyncLocalSGDStrategy`,
-wired by the same :class:`~lightning_hdet.asynchronous.exchange.Exchange` and configured by the same
-:class:`~lightning_hdet.asynchronous.outer.OuterSettings`. The model is never wrapped in DDP; the loop runs
+The same worker, outer state and server as :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`,
+wired by the same :class:`~lightning_hdet.asynchronous.exchange.exchange.Exchange` and configured by the same
+:class:`~lightning_hdet.asynchronous.outer.state.OuterSettings`. The model is never wrapped in DDP; the loop runs
 inside :meth:`AsyncLocalSGDFabricStrategy.training`, and each ``optimizer.step()`` counts one inner step and,
 at the end of the worker's round, exchanges with the outer optimizer on rank 0 (as torchft's ``LocalSGD`` wraps the
 optimizer step).
@@ -24,10 +24,10 @@ from typing_extensions import override
 from lightning_hdet._checks import check_names, own_arguments
 from lightning_hdet._compat import DDP_OPTIONS, register_names, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.asynchronous.exchange import Exchange
-from lightning_hdet.asynchronous.exchange_options import check_exchange_options
-from lightning_hdet.asynchronous.messages import Kind
-from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.exchange.exchange import Exchange
+from lightning_hdet.asynchronous.lightning.exchange_options import check_exchange_options
+from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.wire.messages import Kind
 
 _CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression", "error_decay")
 
@@ -38,7 +38,7 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
     Args:
         **kwargs: the Trainer strategy's outer-optimizer and codec arguments (``local_steps``, ``mode``,
             ``outer``, ``outer_lr``, ``outer_momentum``, ``delayed_nesterov``, ``dynamic_local_steps``,
-            ``compression``, ... see :class:`~lightning_hdet.asynchronous.strategy.AsyncLocalSGDStrategy`), then
+            ``compression``, ... see :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`), then
             Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`'s own arguments (``timeout`` also bounds
             every exchange, so it must exceed the longest round); not DistributedDataParallel's options: the model
             is never wrapped in DDP.

@@ -13,7 +13,7 @@ import time
 from lightning_hdet.asynchronous.elastic.membership import Registration, SessionLost
 from lightning_hdet.asynchronous.elastic.sessions import backoff
 from lightning_hdet.asynchronous.elastic.transport import SessionWorkerTransport
-from lightning_hdet.asynchronous.messages import Fragments
+from lightning_hdet.asynchronous.wire.messages import Fragments
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from lightning_hdet.asynchronous.elastic.membership import (
     session_group,
 )
 from lightning_hdet.asynchronous.elastic.transport import SessionServerEnd
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from lightning_hdet.asynchronous.elastic.membership import SessionLost
-from lightning_hdet.asynchronous.messages import Kind, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport
-from lightning_hdet.asynchronous.transport import WorkerTransport
+from lightning_hdet.asynchronous.exchange.ranks import FollowerTransport, LeaderTransport
+from lightning_hdet.asynchronous.wire.messages import Kind, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 #: What rank 0 broadcasts instead of a reply when its session was lost (job-internal: never sent to the service).
 LOST = ServerHeader(-1, 0, 0)

@@ -10,7 +10,6 @@ every decision (batches, round lengths, leaving, parking) is taken in one place.
 from __future__ import annotations
 
 import functools
-
 import json
 import logging
 import os
@@ -26,15 +25,15 @@ from torch.nn import Module
 
 from lightning_hdet._checks import check_int, check_names, check_number, own_arguments, require
 from lightning_hdet._tensors import float_buffers, write_from
-from lightning_hdet.asynchronous.compression import DELTA_PULL_CODECS, check_compression
 from lightning_hdet.asynchronous.elastic.hub import Lost, SessionHub
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, proof_matches
 from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_token, should_park
-from lightning_hdet.asynchronous.exchange import read_model
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
-from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.asynchronous.readouts import outer_result
+from lightning_hdet.asynchronous.exchange.exchange import read_model
+from lightning_hdet.asynchronous.lightning.readouts import outer_result
+from lightning_hdet.asynchronous.outer.state import OuterSettings
 from lightning_hdet.asynchronous.result import AsyncResult
+from lightning_hdet.asynchronous.wire.codecs import DELTA_PULL_CODECS, check_compression
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
 
 log = logging.getLogger(__name__)
 FORMAT = "lightning_hdet.elastic/1"

@@ -27,12 +27,11 @@ from lightning_hdet._tensors import float_buffers, numel
 from lightning_hdet.asynchronous.elastic.client import SessionClient
 from lightning_hdet.asynchronous.elastic.job import JobComm, SoloJob, job_transport, share_session
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, parse_address
-from lightning_hdet.asynchronous.elastic.sessions import check_token
-from lightning_hdet.asynchronous.elastic.sessions import session_seed
-from lightning_hdet.asynchronous.limits import LoopLimits
-from lightning_hdet.asynchronous.messages import Fragments, Kind
-from lightning_hdet.asynchronous.transport import WorkerTransport
-from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.asynchronous.elastic.sessions import check_token, session_seed
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.lightning.limits import LoopLimits
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, first_line
-from lightning_hdet.asynchronous.messages import Fragments, Push, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.transport import (
+from lightning_hdet.asynchronous.wire.messages import Fragments, Push, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.transport import (
     WorkerTransport,
     receive_buffer,
     receive_push,

@@ -7,7 +7,7 @@ by its own share ``-lr * g / N`` plus, optionally, a fraction ``c`` of the momen
 
 With ``momentum_activation = 0``, ``N`` pushes of the same ``g`` move the parameters exactly like one
 ``torch.optim.SGD(nesterov=True)`` step on ``g``. ``momentum_warmup`` / ``momentum_restart`` schedule the momentum
-(see :mod:`lightning_hdet.asynchronous.momentum`); with ``N = 1`` this is Nesterov SGD with that schedule.
+(see :mod:`lightning_hdet.asynchronous.outer.momentum`); with ``N = 1`` this is Nesterov SGD with that schedule.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_hdet._checks import KnownArguments, check_int, check_number
-from lightning_hdet.asynchronous.momentum import MomentumSchedule
+from lightning_hdet.asynchronous.outer.momentum import MomentumSchedule
 
 
 class DelayedNesterov(KnownArguments, Optimizer):

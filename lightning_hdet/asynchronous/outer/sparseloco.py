@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_hdet._checks import check_number, require
-from lightning_hdet.asynchronous.compression import Codec
+from lightning_hdet.asynchronous.wire.codecs import Codec
 
 #: SparseLoCo's error-feedback decay ``beta`` (the paper's setting), the default of ``error_decay``.
 SPARSELOCO_DECAY = 0.95

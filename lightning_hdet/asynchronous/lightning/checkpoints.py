@@ -38,11 +38,11 @@ from typing_extensions import override
 from lightning_hdet._checkpoint import read_checkpoint
 from lightning_hdet._compat import weights_only_kwargs
 from lightning_hdet._tensors import state_from_bytes, state_to_bytes
-from lightning_hdet.asynchronous.rank_groups import RankGroups
-from lightning_hdet.asynchronous.exchange import Exchange
-from lightning_hdet.asynchronous.reshard import reshard_optimizer_state
-from lightning_hdet.asynchronous.worker import Worker
-from lightning_hdet.asynchronous.worker_shards import local_state, sharded_optimizer_state
+from lightning_hdet.asynchronous.exchange.exchange import Exchange
+from lightning_hdet.asynchronous.exchange.reshard import reshard_optimizer_state
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.exchange.worker_shards import local_state, sharded_optimizer_state
+from lightning_hdet.asynchronous.lightning.rank_groups import RankGroups
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing_extensions import override
 
 from lightning_hdet._compat import ensure_callback, set_ddp_kwarg, strategy_timeout
 from lightning_hdet._process_groups import destroy_groups
-from lightning_hdet.asynchronous.collectives import LocalCollectivesStrategy
-from lightning_hdet.asynchronous.exchange import Exchange
-from lightning_hdet.asynchronous.ranks import WorkerRanks, check_ranks_per_worker
-from lightning_hdet.asynchronous.worker_shards import shard_worker
+from lightning_hdet.asynchronous.exchange.exchange import Exchange
+from lightning_hdet.asynchronous.exchange.ranks import WorkerRanks, check_ranks_per_worker
+from lightning_hdet.asynchronous.exchange.worker_shards import shard_worker
+from lightning_hdet.asynchronous.lightning.collectives import LocalCollectivesStrategy
 
 log = logging.getLogger(__name__)
 

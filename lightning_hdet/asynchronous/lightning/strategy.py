@@ -30,26 +30,26 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet._sharding import ShardingPolicy
-from lightning_hdet.asynchronous.callback import AsyncLogging
-from lightning_hdet.asynchronous.checkpoints import WorkerCheckpoints
-from lightning_hdet.asynchronous.exchange import Exchange, read_model
-from lightning_hdet.asynchronous.exchange_options import check_exchange_options
-from lightning_hdet.asynchronous.limits import LoopLimits
-from lightning_hdet.asynchronous.messages import Kind
-from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.asynchronous.readouts import ExchangeReadouts
-from lightning_hdet.asynchronous.shard_hooks import (
+from lightning_hdet.asynchronous.exchange.exchange import Exchange, read_model
+from lightning_hdet.asynchronous.exchange.worker_shards import (
+    check_inside_worker,
+    read_full,
+    read_sharded_model,
+)
+from lightning_hdet.asynchronous.lightning.callback import AsyncLogging
+from lightning_hdet.asynchronous.lightning.checkpoints import WorkerCheckpoints
+from lightning_hdet.asynchronous.lightning.exchange_options import check_exchange_options
+from lightning_hdet.asynchronous.lightning.limits import LoopLimits
+from lightning_hdet.asynchronous.lightning.readouts import ExchangeReadouts
+from lightning_hdet.asynchronous.lightning.shard_hooks import (
     ShardedWorkersLauncher,
     check_ddp_hooks,
     check_names_of,
     check_sharded_entry,
     ddp_arguments,
 )
-from lightning_hdet.asynchronous.worker_shards import (
-    check_inside_worker,
-    read_full,
-    read_sharded_model,
-)
+from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.wire.messages import Kind
 from lightning_hdet.records import History
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@
 process groups (one for pushes, one for replies, so that rank 0's receiver and server threads never share a
 group). Rank 0's own worker talks to its server through :class:`InProcessTransport` (queues, no copies over a
 network). Any other implementation of these two classes (an in-memory fake in the tests; later, workers that are
-separate jobs) plugs into :class:`~lightning_hdet.asynchronous.server.Server` and
-:class:`~lightning_hdet.asynchronous.worker.Worker` unchanged. The byte layout is in
-:mod:`~lightning_hdet.asynchronous.messages`.
+separate jobs) plugs into :class:`~lightning_hdet.asynchronous.exchange.server.Server` and
+:class:`~lightning_hdet.asynchronous.exchange.worker.Worker` unchanged. The byte layout is in
+:mod:`~lightning_hdet.asynchronous.wire.messages`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_hdet.asynchronous.messages import Fragments, Push, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.messages import Fragments, Push, ServerHeader, WorkerHeader
 
 
 class WorkerTransport(ABC):

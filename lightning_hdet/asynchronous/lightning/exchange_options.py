@@ -4,11 +4,11 @@ refuses. Pure: no Lightning, no process groups."""
 
 from __future__ import annotations
 
-from lightning_hdet.asynchronous.compression import check_compression
-from lightning_hdet.asynchronous.outer import OuterSettings
-from lightning_hdet.asynchronous.overlap import check_overlap_steps, check_stagger_exchange
-from lightning_hdet.asynchronous.ranks import check_ranks_per_worker
-from lightning_hdet.asynchronous.sparse_outer import check_sparse_outer
+from lightning_hdet.asynchronous.exchange.overlap import check_overlap_steps, check_stagger_exchange
+from lightning_hdet.asynchronous.exchange.ranks import check_ranks_per_worker
+from lightning_hdet.asynchronous.outer.sparseloco import check_sparse_outer
+from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.wire.codecs import check_compression
 
 
 def check_exchange_options(settings: OuterSettings, compression: str, error_feedback: bool | None,

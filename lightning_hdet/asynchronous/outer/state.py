@@ -25,13 +25,18 @@ from torch.optim import Optimizer
 
 from lightning_hdet._checks import check_choice, check_number
 from lightning_hdet._tensors import state_from_bytes
-from lightning_hdet.asynchronous.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem, check_push_settings
-from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
-from lightning_hdet.asynchronous.local_steps import LocalStepsPolicy, validate_local_steps
-from lightning_hdet.asynchronous.momentum import MomentumSchedule, OuterPreset, resolve_outer
-from lightning_hdet.asynchronous.messages import Kind, Push
-from lightning_hdet.asynchronous.overlap import check_stagger
-from lightning_hdet.asynchronous.sparse_outer import SparseRound
+from lightning_hdet.asynchronous.exchange.overlap import check_stagger
+from lightning_hdet.asynchronous.outer.checks import (
+    DISCARDED_BY_WORKER,
+    PushCheck,
+    buffers_problem,
+    check_push_settings,
+)
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
+from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, validate_local_steps
+from lightning_hdet.asynchronous.outer.momentum import MomentumSchedule, OuterPreset, resolve_outer
+from lightning_hdet.asynchronous.outer.sparseloco import SparseRound
+from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,21 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_hdet._sharding import ShardingPolicy, reshard, shard
-from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, read_into, sync_device, write_from
-from lightning_hdet.asynchronous.messages import Fragments
-from lightning_hdet.asynchronous.transport import WorkerTransport
-from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet._tensors import (
+    float_buffers,
+    host_buffer,
+    local,
+    numel,
+    read_into,
+    sync_device,
+    write_from,
+)
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.wire.messages import Fragments
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 if TYPE_CHECKING:
-    from lightning_hdet.asynchronous.outer import OuterState
+    from lightning_hdet.asynchronous.outer.state import OuterState
 
 #: What may run inside a worker of several ranks.
 INSIDE_WORKER = ("ddp", "fsdp")

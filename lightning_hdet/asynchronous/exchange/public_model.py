@@ -27,7 +27,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from lightning_hdet.asynchronous.messages import Fragments
+from lightning_hdet.asynchronous.wire.messages import Fragments
 
 
 class PublicModel:

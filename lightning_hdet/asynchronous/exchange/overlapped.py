@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from lightning_hdet._tensors import add_from, flat_pieces, host_buffer, model_state, read_into, write_from
-from lightning_hdet.asynchronous.compression import Codec
-from lightning_hdet.asynchronous.messages import Fragment, Kind, ServerHeader
-from lightning_hdet.asynchronous.overlap import correction, overlap_this_round
-from lightning_hdet.asynchronous.transport import InProcessTransport
-from lightning_hdet.asynchronous.worker import Worker
+from lightning_hdet.asynchronous.exchange.overlap import correction, overlap_this_round
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.wire.codecs import Codec
+from lightning_hdet.asynchronous.wire.messages import Fragment, Kind, ServerHeader
+from lightning_hdet.asynchronous.wire.transport import InProcessTransport
 
 
 class _Flight:

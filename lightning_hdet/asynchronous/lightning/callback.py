@@ -15,7 +15,7 @@ from lightning_hdet.records import log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, record_config
 
 if TYPE_CHECKING:
-    from lightning_hdet.asynchronous.strategy import AsyncLocalSGDStrategy
+    from lightning_hdet.asynchronous.lightning.strategy import AsyncLocalSGDStrategy
 
 
 def _show_progress(trainer: pl.Trainer) -> None:
@@ -33,7 +33,9 @@ def _show_progress(trainer: pl.Trainer) -> None:
 
 
 def _async_strategy(trainer: pl.Trainer) -> AsyncLocalSGDStrategy | None:
-    from lightning_hdet.asynchronous.strategy import AsyncLocalSGDStrategy  # the strategy imports this module
+    from lightning_hdet.asynchronous.lightning.strategy import (
+        AsyncLocalSGDStrategy,  # the strategy imports this module
+    )
 
     return trainer.strategy if isinstance(trainer.strategy, AsyncLocalSGDStrategy) else None
 

@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from lightning_hdet._tensors import BUCKET_BYTES
-from lightning_hdet.asynchronous.compression import DEFAULT_CHUNK, DELTA_PULL_CODECS, Codec, CodecName
-from lightning_hdet.asynchronous.sparse_outer import RoundCodec
+from lightning_hdet.asynchronous.outer.sparseloco import RoundCodec
+from lightning_hdet.asynchronous.wire.codecs import DEFAULT_CHUNK, DELTA_PULL_CODECS, Codec, CodecName
 
 #: Largest fragment of a pushed or pulled model, in bytes of ``float32`` values: the size of HDET's merge buckets
 #: (DDP's default bucket size), one number for both.

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from lightning_hdet.asynchronous.messages import ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.transport import WorkerTransport
+from lightning_hdet.asynchronous.wire.messages import ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 #: An in-place collective over one worker's ranks (its ``gloo`` group): a broadcast from the worker's leader, or
 #: an all-reduce taking the maximum.

@@ -21,14 +21,18 @@ from lightning_hdet._tensors import (
     read_into,
     write_from,
 )
-from lightning_hdet.asynchronous.messages import Fragments, Kind
-from lightning_hdet.asynchronous.outer import OuterSettings, OuterState
-from lightning_hdet.asynchronous.overlapped import OverlapWorker
-from lightning_hdet.asynchronous.ranks import FollowerTransport, LeaderTransport, WorkerRanks
-from lightning_hdet.asynchronous.server import Server
-from lightning_hdet.asynchronous.transport import GlooServerTransport, GlooWorkerTransport, WorkerTransport
-from lightning_hdet.asynchronous.worker import Worker
-from lightning_hdet.asynchronous.worker_shards import ShardedWorker
+from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
+from lightning_hdet.asynchronous.exchange.ranks import FollowerTransport, LeaderTransport, WorkerRanks
+from lightning_hdet.asynchronous.exchange.server import Server
+from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet.asynchronous.exchange.worker_shards import ShardedWorker
+from lightning_hdet.asynchronous.outer.state import OuterSettings, OuterState
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind
+from lightning_hdet.asynchronous.wire.transport import (
+    GlooServerTransport,
+    GlooWorkerTransport,
+    WorkerTransport,
+)
 
 
 def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,9 +29,9 @@ from lightning_hdet._tensors import (
     state_to_bytes,
     write_from,
 )
-from lightning_hdet.asynchronous.compression import Codec, ErrorFeedback
-from lightning_hdet.asynchronous.messages import Fragments, Kind, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.transport import WorkerTransport
+from lightning_hdet.asynchronous.wire.codecs import Codec, ErrorFeedback
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 log = logging.getLogger(__name__)
 

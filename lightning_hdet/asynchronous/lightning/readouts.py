@@ -9,11 +9,11 @@ from typing import Any, Optional
 
 from typing_extensions import override
 
-from lightning_hdet.asynchronous.exchange import Exchange
-from lightning_hdet.asynchronous.outer import OuterState
+from lightning_hdet.asynchronous.exchange.exchange import Exchange
+from lightning_hdet.asynchronous.exchange.worker_shards import global_model_shards
+from lightning_hdet.asynchronous.lightning.shard_hooks import sharded_module_state
+from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.result import AsyncResult, make_async_result
-from lightning_hdet.asynchronous.shard_hooks import sharded_module_state
-from lightning_hdet.asynchronous.worker_shards import global_model_shards
 from lightning_hdet.records import History
 
 

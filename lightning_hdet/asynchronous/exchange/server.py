@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from lightning_hdet.asynchronous.messages import Fragments, Kind, Push, ServerHeader
-from lightning_hdet.asynchronous.outer import OuterState, SparseSyncStep
-from lightning_hdet.asynchronous.public_model import PublicModel
-from lightning_hdet.asynchronous.sparse_outer import RoundCodec, SparseRound
-from lightning_hdet.asynchronous.transport import InProcessTransport, ServerTransport
+from lightning_hdet.asynchronous.exchange.public_model import PublicModel
+from lightning_hdet.asynchronous.outer.sparseloco import RoundCodec, SparseRound
+from lightning_hdet.asynchronous.outer.state import OuterState, SparseSyncStep
+from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
+from lightning_hdet.asynchronous.wire.transport import InProcessTransport, ServerTransport
 
 log = logging.getLogger(__name__)
 

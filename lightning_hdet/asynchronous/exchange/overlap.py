@@ -45,7 +45,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_hdet._checks import check_int
-from lightning_hdet.asynchronous.compression import DELTA_PULL_CODECS
+from lightning_hdet.asynchronous.wire.codecs import DELTA_PULL_CODECS
 
 
 def overlap_this_round(overlap_steps: int, allocated: int, carried: int) -> int:

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Iterator
 from torch import Tensor
 
 from lightning_hdet._checks import check_number
-from lightning_hdet.asynchronous.messages import ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.transport import WorkerTransport
+from lightning_hdet.asynchronous.wire.messages import ServerHeader, WorkerHeader
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 _FLOAT64, _FLOAT32 = 8, 4
 

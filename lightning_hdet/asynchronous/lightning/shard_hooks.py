@@ -15,8 +15,8 @@ from typing_extensions import override
 from lightning_hdet._checks import check_names, is_int, own_arguments
 from lightning_hdet._compat import DDP_OPTIONS, MultiProcessingLauncher, attached_trainer
 from lightning_hdet._sharding import is_sharded
-from lightning_hdet.asynchronous.outer import OuterState
-from lightning_hdet.asynchronous.worker_shards import local_state, state_from_flat
+from lightning_hdet.asynchronous.exchange.worker_shards import local_state, state_from_flat
+from lightning_hdet.asynchronous.outer.state import OuterState
 
 #: DDPStrategy's own arguments; any other keyword (and its DDP-hook ones) is for DDP inside a worker.
 _STRATEGY_ARGS = set(inspect.signature(DDPStrategy.__init__).parameters) - {
