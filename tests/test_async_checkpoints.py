@@ -59,7 +59,11 @@ class ExchangeStates(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         worker = trainer.strategy._exchange.worker
-        self.after.setdefault(worker.exchanges + 1, copy.deepcopy(trainer.optimizers[0].state_dict()))  # leaving
+        state = trainer.optimizers[0].state_dict()
+        # An exchange at the very last step (its reply said stop) is seen by no step end: its state is this one, as
+        # is that of the push a worker makes when leaving (how the run ends depends on timing under load).
+        for count in (worker.exchanges, worker.exchanges + 1):
+            self.after.setdefault(count, copy.deepcopy(state))
         torch.save({"start": self.start, "after": self.after}, self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -258,7 +258,10 @@ def test_bad_worker_paths_quick_mode(tmp_path):
     budget = data["config"]["budget"]
     assert [(r["task"], r["path"]) for r in data["runs"]] == [("regression", "diloco"), ("regression", "elastic")]
     for r in data["runs"]:
-        assert r["steps"] == [budget] * 3 and r["rejected"] == 3
+        # DiLoCo's rounds wait for every worker: the bad one is rejected exactly three times. The elastic service
+        # waits for no one: on a loaded machine the healthy jobs can spend the budget before the bad one's third
+        # push (seen: none of its pushes arrived), but it is never rejected more often than that before it stops.
+        assert r["steps"] == [budget] * 3 and (r["rejected"] == 3 if r["path"] == "diloco" else r["rejected"] <= 3)
         assert r["ratio"] == r["faulty"] / r["clean"] and r["noise"] == r["reordered"] / r["clean"]
         assert math.isfinite(r["ratio"]) and r["faulty"] < r["initial"]
     assert data["runs"][0]["noise"] != 1.0

@@ -13,7 +13,10 @@ best") never fires. These rules also judge each group against its *own* history:
   alone it cannot be told from a collapse back to exactly that level, and rolling back and cutting every LR on a
   plateau only lengthens it (``chance_loss`` catches a group that sits at the constant predictor's level);
 * ``rose``: the loss, less ``NOISE_Z`` standard errors of the interval's mean, exceeds ``(1 + rise_margin)`` times the
-  group's own previous interval;
+  group's own previous interval, or is back at its starting level's noise band although the previous interval was
+  clearly below it (``RELAPSE_DEPTH``): a classifier that collapses falls back to about the untrained loss, which is
+  never twice a trained interval's, so the doubling alone would wait for the ``stalled`` rule's patience while every
+  group trained on from the collapsed model (seen on a CNN with SGD: issue 59);
 * ``chance``: the loss is at or above ``(1 - chance_tolerance) * chance_loss``, the loss of a constant predictor
   (e.g. ``ln(num_classes)``; for a language model the unigram entropy is the tighter choice).
 
@@ -45,6 +48,11 @@ if TYPE_CHECKING:
 
 NAN = math.nan
 NOISE_Z = 2.0  # standard errors a difference must exceed before the progress rules believe it (about 95 %)
+# How far below its starting level's band a group's previous interval must have been for a return to that band to
+# count as a relapse ("rose"): 10 % of the level, well beyond a few batches' wobble on an early plateau, where a
+# false alarm would roll a slow start back (what the stall rule's design avoids; tests/test_plateau.py's blip from
+# 6 % below stays noise).
+RELAPSE_DEPTH = 0.10
 
 
 @dataclass
@@ -101,6 +109,13 @@ def _left_start(history: CollapseHistory, g: int, loss: float) -> bool:
     return history.left[g] or now
 
 
+def _relapsed(history: CollapseHistory, g: int, previous: float, low: float) -> bool:
+    """Whether group ``g`` is back at its starting level (``low``, this interval's lower bound, at or above the
+    band's lower edge) although its previous interval was ``RELAPSE_DEPTH`` below that edge (positive levels)."""
+    edge = history.start[g] - NOISE_Z * history.start_error[g]
+    return math.isfinite(edge) and edge > 0 and previous < (1 - RELAPSE_DEPTH) * edge and low >= edge
+
+
 def _worse_than_best(losses: Sequence[float], bad: Sequence[bool], factor: Optional[float]) -> list[bool]:
     finite = [loss for loss, b in zip(losses, bad) if not b]
     if factor is None or not finite or min(finite) <= 0:
@@ -132,7 +147,7 @@ def judge(
         at_start = (progress and not bad[g] and math.isfinite(start) and loss >= floor * start
                     and _left_start(history, g, loss))
         rose = (progress and rule.rise_margin is not None and math.isfinite(previous)
-                and low > (1 + rule.rise_margin) * previous)
+                and (low > (1 + rule.rise_margin) * previous or _relapsed(history, g, previous, low)))
         stalled.append(history.stalled[g] + 1 if at_start else 0)
         if bad[g]:
             reasons.append("non-finite")
