@@ -93,6 +93,22 @@ def repeat(optimizer: str, schedule: str) -> tuple[str, ...]:
                   "--optimizer", optimizer, "--schedule", schedule, *REPEAT_ARGS)
 
 
+# Issue 59's other baselines on the AdamW-constant repeating cells, beside untuned, lr_find and HDET in one run
+# (the grid is the adamw_constant part's): Optuna TPE, Ray Tune's PBT (seed 0 only, as benchmark 2's table),
+# Prodigy, schedule-free AdamW. One seed and start took 1.3 min without PBT and PBT ~95 s an arm at load 3-11
+# (2026-12-06): ~35 min.
+def repeat_baselines() -> tuple[str, ...]:
+    return search("search_repeat_baselines", ("untuned", "optuna_tpe", "pbt", "prodigy", "schedulefree", "lr_find"),
+                  ("defaults",), "--optimizer", "adamw", "--schedule", "constant", "--pbt-seeds", "1", *REPEAT_ARGS)
+
+
+def repeat_w8(optimizer: str) -> tuple[str, ...]:
+    """Issue 59's constant-LR cells at 8 processes (four groups of two ranks): untuned, lr_find + DDP and HDET at
+    the good LRs measured at 4 (GOOD_LRS; the grid not rerun)."""
+    return search(f"search_repeat_{optimizer}_constant_w8", ("untuned", "lr_find"), ("defaults",), "--optimizer",
+                  optimizer, "--schedule", "constant", "--world-size", "8", *REPEAT_ARGS)
+
+
 # HDET's processes forked, as the tables' were: saves ~10 s of imports per run, changes no number but the
 # wall-clock. The table's sizes (S = 128) apply at full size only.
 SEARCH_FULL_SIZE = ("--steps", "128", "--pbt-interval", "32", "--val-every", "16")
@@ -174,6 +190,11 @@ PARTS = (
     Part("search_repeat_sgd_constant", "search_baselines.py", repeat("sgd", "constant"), minutes=30, full=True),
     Part("search_repeat_adamw_cosine", "search_baselines.py", repeat("adamw", "cosine"), minutes=33, full=True),
     Part("search_repeat_sgd_cosine", "search_baselines.py", repeat("sgd", "cosine"), minutes=30, full=True),
+    Part("search_repeat_baselines", "search_baselines.py", repeat_baselines(), minutes=35, full=True,
+         code=("benchmarks/search_pbt.py",)),
+    # at 8 processes: tabular AdamW took 2.5 min (2026-12-06), shapes about twice its 13 min at 4
+    Part("search_repeat_adamw_constant_w8", "search_baselines.py", repeat_w8("adamw"), minutes=30, full=True),
+    Part("search_repeat_sgd_constant_w8", "search_baselines.py", repeat_w8("sgd"), minutes=20, full=True),
     Part("async_published", "async_published.py", ASYNC_ARGS, minutes=13, full_size=ASYNC_FULL_SIZE),
     Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
          full=True),
