@@ -225,11 +225,15 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
     issue_59 = detail.index(next(line for line in detail if line.startswith("| workload | optimizer | schedule |")))
     methods_table = [line for line in detail[:issue_59] if line.count("|") == 12]
     assert len(methods_table) == 2 + len(workloads) * len(ran)
-    # issue 59's table, last: one row per workload and HDET arm, on the handed-back models' held-out losses
-    handed_back = detail[issue_59 + 2:]
-    assert len(handed_back) == len(workloads) * 2
+    # issue 59's table: one row per workload and HDET arm, on the handed-back models' held-out losses
+    handed_back = detail[issue_59 + 2:issue_59 + 2 + len(workloads) * 2]
     cells = [[c.strip() for c in line.split("|")] for line in handed_back]
     assert all(c[9] == "—" and c[7] != "—" for c in cells)  # no lr_find arm ran; untuned did
+    # last, HDET ÷ each other baseline on the same losses (no Ray here: PBT's column is absent)
+    others = detail[issue_59 + 2 + len(workloads) * 2:]
+    assert others[0].startswith("| workload | optimizer | start | HDET arm | HDET loss | ÷ grid (worst) | ÷ TPE (worst) "
+                                "| ÷ Prodigy (worst) | ÷ SF (worst) |") and len(others) == 2 + len(workloads) * 2
+    assert all("—" not in line for line in others[2:])  # every arm recorded its handed-back model's loss
     assert any("÷ best baseline" in line and "÷ untuned" in line for line in table) and "no_such_rule" in proc.stdout
     # Parts of a run made in parallel merge into the same summary, without training.
     part = tmp_path / "results" / "search_baselines_quick.json"
