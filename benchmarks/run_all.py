@@ -84,13 +84,31 @@ SF_VOTES = ("softmax", "pbt", "pbt@global", "pbt+search")
 # another --name. Minutes: the first measurement (constant LR, 2026-12-06, 2 cores at load 10-17 from other jobs):
 # tabular_small 8-12 min per optimizer (grid included), shapes_small 10-13 min without its grid and 11 with it
 # alone: ~33 min a part there, about half on idle cores.
-REPEAT_ARGS = ("--workloads", "tabular_small", "shapes_small", "--starts", "good", "10x low", "10x high", "40x low",
-               "40x high", "--steps", "300", "--batch-size", "32", "--val-every", "30", "--seeds", "3")
+REPEAT_CELLS = ("--starts", "good", "10x low", "10x high", "40x low", "40x high", "--steps", "300", "--batch-size", "32",
+                "--val-every", "30", "--seeds", "3")
+REPEAT_ARGS = ("--workloads", "tabular_small", "shapes_small", *REPEAT_CELLS)
 
 
 def repeat(optimizer: str, schedule: str) -> tuple[str, ...]:
     return search(f"search_repeat_{optimizer}_{schedule}", ("untuned", "grid", "lr_find"), ("defaults",),
                   "--optimizer", optimizer, "--schedule", schedule, *REPEAT_ARGS)
+
+
+# Issue 59's other baselines on the AdamW-constant repeating cells, beside untuned, lr_find and HDET in one run
+# (the grid is the adamw_constant part's): Optuna TPE, Ray Tune's PBT (seed 0 only, as benchmark 2's table),
+# Prodigy, schedule-free AdamW. One seed and start took 1.3 min without PBT and PBT ~95 s an arm at load 3-11
+# (2026-12-06): ~35 min.
+def repeat_baselines() -> tuple[str, ...]:
+    return search("search_repeat_baselines", ("untuned", "optuna_tpe", "pbt", "prodigy", "schedulefree", "lr_find"),
+                  ("defaults",), "--optimizer", "adamw", "--schedule", "constant", "--pbt-seeds", "1", *REPEAT_ARGS)
+
+
+def repeat_w8(optimizer: str, workload: str) -> tuple[str, ...]:
+    """Issue 59's constant-LR cells at 8 processes (four groups of two ranks), one workload: untuned, lr_find + DDP
+    and HDET at the good LRs measured at 4 (GOOD_LRS; the grid not rerun)."""
+    return search(f"search_repeat_{optimizer}_constant_{workload}_w8", ("untuned", "lr_find"), ("defaults",),
+                  "--optimizer", optimizer, "--schedule", "constant", "--world-size", "8", "--workloads", workload,
+                  *REPEAT_CELLS)
 
 
 # HDET's processes forked, as the tables' were: saves ~10 s of imports per run, changes no number but the
@@ -174,6 +192,14 @@ PARTS = (
     Part("search_repeat_sgd_constant", "search_baselines.py", repeat("sgd", "constant"), minutes=30, full=True),
     Part("search_repeat_adamw_cosine", "search_baselines.py", repeat("adamw", "cosine"), minutes=33, full=True),
     Part("search_repeat_sgd_cosine", "search_baselines.py", repeat("sgd", "cosine"), minutes=30, full=True),
+    Part("search_repeat_baselines", "search_baselines.py", repeat_baselines(), minutes=35, full=True,
+         code=("benchmarks/search_pbt.py",)),
+    # at 8 processes, one part per workload: tabular AdamW took 2.5 min (2026-12-06), shapes about twice its 13 min
+    # (AdamW) and 8 min (SGD) at 4
+    *(Part(f"search_repeat_{opt}_constant_{w}_w8", "search_baselines.py", repeat_w8(opt, w), minutes=minutes,
+           full=True)
+      for opt, w, minutes in (("sgd", "tabular_small", 3), ("adamw", "shapes_small", 26), ("sgd", "shapes_small", 16),
+                              ("adamw", "tabular_small", 3))),
     Part("async_published", "async_published.py", ASYNC_ARGS, minutes=13, full_size=ASYNC_FULL_SIZE),
     Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
          full=True),

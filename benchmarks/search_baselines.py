@@ -178,10 +178,10 @@ def run_optuna(start_lr: float, lo: float, hi: float, trials: int, base: RunSpec
         points += [(base.devices * (spent_steps + s), loss, spent_s + secs) for s, loss, secs in r.val_curve]
         spent_steps += r.spec.steps
         spent_s += r.fit_s
-    best = min(runs, key=lambda r: r.best_val_loss)
+    best = min(runs, key=lambda r: r.best_val_loss)  # the trial the study hands back (its objective)
     return dict(settled_lr=best.spec.lr, best_val_loss=best.best_val_loss, curve=best_so_far(points),
                 lrs_tried=[r.spec.lr for r in runs], diverged_runs=sum(r.diverged for r in runs),
-                wall_s=sum(r.wall_s for r in runs))
+                wall_s=sum(r.wall_s for r in runs), final_loss=best.final_model_val_loss)
 
 
 def whole_batch(base: RunSpec, world: int) -> RunSpec:

@@ -78,7 +78,7 @@ def _member(config: dict, base: RunSpec, interval: int, reports: str) -> None:
         (out / "step.json").write_text(json.dumps({"step": step}))
         loss = run.final_val_loss if not run.diverged else math.inf
         metrics = {"val_loss": loss, "step": step, "lr": lr, "fit_s": run.fit_s, "wall_s": run.wall_s,
-                   "diverged": int(run.diverged)}
+                   "diverged": int(run.diverged), "final_model_val_loss": run.final_model_val_loss}
         with log.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(out)))
@@ -141,6 +141,8 @@ def _summarise_members(members: list[list[dict]], world: int, wall_s: float, ini
         lrs_tried=sorted({row["lr"] for row in history}), diverged_runs=sum(int(r["diverged"]) for m in members
                                                                             for r in m),
         wall_s=wall_s, extra={"history": history, "ray_init_s": init_s},
+        # the member that ended best is the one handed back: its model's held-out loss (issue 59's tables)
+        final_loss=best.get("final_model_val_loss", math.nan),
     )
 
 
@@ -179,7 +181,7 @@ def run_pbt_minimal(
             ckpts[m] = out
             losses.append(run.final_val_loss if not run.diverged else math.inf)
             rows[m].append({"step": step, "lr": lr, "val_loss": losses[-1], "fit_s": run.fit_s,
-                            "diverged": int(run.diverged)})
+                            "diverged": int(run.diverged), "final_model_val_loss": run.final_model_val_loss})
         if step + interval > base.steps:
             break
         order = sorted(range(len(members)), key=lambda m: losses[m])

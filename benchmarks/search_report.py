@@ -209,6 +209,7 @@ def tables(summary: dict, args: argparse.Namespace, starts: dict, total_s: float
         + _targets_table(summary)
         + (f"\n\n{HANDED_BACK_NOTE}\n\n{handed_back_table(summary['handed_back'], _good(args))}"
            if summary["handed_back"] else "")
+        + (f"\n\n{others}" if (others := baselines_table(summary["handed_back"])) else "")
     )
 
 
@@ -242,8 +243,9 @@ def handed_back_rows(arms: list, votes: list[str], label: dict) -> list[dict]:
     for workload in dict.fromkeys(a.workload for a in arms):
         for start in dict.fromkeys(a.start for a in arms if a.workload == workload):
             for vote in votes:
-                ratios: dict[str, list[float]] = {"untuned": [], "grid_best": [], "lr_find": []}
-                hdet_losses, finder_lrs = [], []
+                ratios: dict[str, list[float]] = {"untuned": [], "grid_best": [], "lr_find": [],
+                                                  **{m: [] for m in OTHER_BASELINES}}
+                hdet_losses, finder_lrs, pbt_seeds = [], [], 0
                 for seed in sorted({a.seed for a in arms}):
                     mine = {a.method: a for a in arms if (a.workload, a.start, a.seed) == (workload, start, seed)}
                     hdet = mine.get(f"hdet_{vote}")
@@ -253,16 +255,17 @@ def handed_back_rows(arms: list, votes: list[str], label: dict) -> list[dict]:
                     best = next((a for a in arms if (a.workload, a.start, a.seed, a.method)
                                  == (workload, "good", seed, "untuned")), None)
                     for key, other in (("untuned", mine.get("untuned")), ("grid_best", best),
-                                       ("lr_find", mine.get("lr_find"))):
+                                       ("lr_find", mine.get("lr_find")), *((m, mine.get(m)) for m in OTHER_BASELINES)):
                         if other is not None and math.isfinite(other.final_loss) and other.final_loss > 0:
                             ratios[key].append(hdet.final_loss / other.final_loss)
                     if "lr_find" in mine:
                         finder_lrs.append(mine["lr_find"].settled_lr)
+                    pbt_seeds += "pbt" in mine
                 if not hdet_losses:
                     continue
                 out.append({**label, "workload": workload, "start": start, "vote": vote,
                             "hdet_final_loss": median(hdet_losses), "seeds": len(hdet_losses),
-                            "lr_find_lr": median(finder_lrs) if finder_lrs else None,
+                            "lr_find_lr": median(finder_lrs) if finder_lrs else None, "seeds_pbt": pbt_seeds,
                             **{f"vs_{k}": median(v) if v else None for k, v in ratios.items()},
                             **{f"vs_{k}_worst": max(v) if v else None for k, v in ratios.items()}})
     return out
@@ -307,6 +310,32 @@ HANDED_BACK_NOTE = (
     "over seeds with the worst seed in brackets; ✓ / ✗ where a target applies: from the good start ÷ untuned ≤ 1.02 "
     "(worst seed ≤ 1.10); from 10× off ÷ grid best (plain DDP at the grid's best LR, same seed) ≤ 1.05, from 40× off "
     "≤ 1.15; ÷ `lr_find` + DDP ≤ 1 from every start (equal compute: the finder's 100 steps counted).")
+
+
+def baselines_table(rows: list[dict]) -> str:
+    """HDET's handed-back held-out loss ÷ each other baseline's that ran (the grid's best run, TPE's best trial,
+    PBT's best member, Prodigy, schedule-free AdamW; same start and seed), median over seeds (worst seed): issue 59's
+    item 4 beside the targets table. Empty when none of them ran."""
+    shown = [m for m in OTHER_BASELINES if any(r.get(f"vs_{m}") is not None for r in rows)]
+    if not shown:
+        return ""
+    headers = ["workload", "optimizer", "start", "HDET arm", "HDET loss", *[f"÷ {BASELINE_LABELS[m]} (worst)" for m in shown],
+               "seeds (PBT)"]
+    body = []
+    for r in rows:
+        pbt = r.get("seeds_pbt")
+        body.append([r["workload"], r["optimizer"], r["start"], r["vote"], fmt(r["hdet_final_loss"]),
+                     *[_cell(r, m, None, None) for m in shown], f"{r['seeds']}" + (f" ({pbt})" if pbt else "")])
+    return BASELINES_NOTE + "\n\n" + markdown_table(headers, body)
+
+
+# Issue 59's item 4: the baselines beside lr_find, on the handed-back model (grid: its run of the lowest held-out loss).
+OTHER_BASELINES = ("grid", "optuna_tpe", "pbt", "prodigy", "schedulefree")
+BASELINES_NOTE = (
+    "HDET's handed-back held-out loss ÷ each other baseline's at equal compute, same start and seed, median over seeds "
+    "(worst seed in brackets; below 1: HDET better). Grid: its run of the lowest held-out loss; TPE: the trial of the "
+    "lowest validation loss; PBT (Ray Tune): the member that ended best; Prodigy (lr 1) and schedule-free AdamW (at "
+    "the starting LR): one run on the whole job's batch.")
 
 
 def load_cells(paths: list[Path]) -> tuple[dict[tuple[str, str], tuple[list, list[str]]], dict, set[int], float]:
@@ -358,7 +387,9 @@ def main(argv: list[str] | None = None) -> str:
     groups, good, seeds, wall = load_cells(args.results)
     rows = [row for (optimizer, schedule), (arms, votes) in groups.items()
             for row in handed_back_rows(arms, votes, {"optimizer": optimizer, "schedule": schedule})]
-    text = (HANDED_BACK_NOTE + "\n\n" + handed_back_table(rows, good) + "\n\nFrom: "
+    others = baselines_table(rows)
+    text = (HANDED_BACK_NOTE + "\n\n" + handed_back_table(rows, good) + (f"\n\n{others}" if others else "")
+            + "\n\nFrom: "
             + ", ".join(f"`{p.as_posix()}`" for p in args.results) + "\n\n" + stamp(seeds, wall_s=wall))
     if args.out is not None:
         args.out.write_text(text + "\n")

@@ -225,11 +225,15 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
     issue_59 = detail.index(next(line for line in detail if line.startswith("| workload | optimizer | schedule |")))
     methods_table = [line for line in detail[:issue_59] if line.count("|") == 12]
     assert len(methods_table) == 2 + len(workloads) * len(ran)
-    # issue 59's table, last: one row per workload and HDET arm, on the handed-back models' held-out losses
-    handed_back = detail[issue_59 + 2:]
-    assert len(handed_back) == len(workloads) * 2
+    # issue 59's table: one row per workload and HDET arm, on the handed-back models' held-out losses
+    handed_back = detail[issue_59 + 2:issue_59 + 2 + len(workloads) * 2]
     cells = [[c.strip() for c in line.split("|")] for line in handed_back]
     assert all(c[9] == "—" and c[7] != "—" for c in cells)  # no lr_find arm ran; untuned did
+    # last, HDET ÷ each other baseline on the same losses (no Ray here: PBT's column is absent)
+    others = detail[issue_59 + 2 + len(workloads) * 2:]
+    assert others[0].startswith("| workload | optimizer | start | HDET arm | HDET loss | ÷ grid (worst) | ÷ TPE (worst) "
+                                "| ÷ Prodigy (worst) | ÷ SF (worst) |") and len(others) == 2 + len(workloads) * 2
+    assert all("—" not in line for line in others[2:])  # every arm recorded its handed-back model's loss
     assert any("÷ best baseline" in line and "÷ untuned" in line for line in table) and "no_such_rule" in proc.stdout
     # Parts of a run made in parallel merge into the same summary, without training.
     part = tmp_path / "results" / "search_baselines_quick.json"
@@ -432,7 +436,7 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
 
 def test_issue_59_table_divides_the_handed_back_losses_per_seed_and_shows_the_worst():
     from benchmarks.search_baselines import Arm
-    from benchmarks.search_report import handed_back_rows, handed_back_table
+    from benchmarks.search_report import baselines_table, handed_back_rows, handed_back_table
 
     def arm(method, start, seed, final, lr=1e-3):
         return Arm("tabular_small", method, start, seed, lr, 9.0, [], [lr], 0, 1.0, final_loss=final)
@@ -455,6 +459,17 @@ def test_issue_59_table_divides_the_handed_back_losses_per_seed_and_shows_the_wo
     text = handed_back_table([good, high], {("tabular_small", "sgd", "constant"): 1e-3})
     assert "| 1.010 (1.200) ✗ |" in text  # the median meets 1.02, the worst seed does not meet 1.10
     assert "| 1.040 (1.040) ✓ |" in text and "| 0.800 (0.800) ✓ |" in text and "| 4 |" in text
+    assert baselines_table([good, high]) == ""  # no other baseline ran: no table
+    # the other baselines (issue 59's item 4): TPE on every seed of the good start, Ray's PBT on seed 0 only
+    arms += [arm("optuna_tpe", "good", 0, 0.5), arm("optuna_tpe", "good", 1, 3.0), arm("optuna_tpe", "good", 2, 1.8),
+             arm("pbt", "good", 0, 2.02)]
+    good, _ = handed_back_rows(arms, ["defaults"], {"optimizer": "sgd", "schedule": "constant"})
+    # ÷ TPE per seed: 1.01 / 0.5, 2.4 / 3.0, 0.9 / 1.8 -> median 0.8, worst 2.02; ÷ PBT one seed: 0.5
+    assert good["vs_optuna_tpe"] == pytest.approx(0.8) and good["vs_optuna_tpe_worst"] == pytest.approx(2.02)
+    assert good["vs_pbt"] == pytest.approx(0.5) and good["seeds_pbt"] == 1 and good["vs_prodigy"] is None
+    text = baselines_table([good])
+    assert "| ÷ TPE (worst) | ÷ PBT (Ray) (worst) |" in text and "Prodigy (worst)" not in text
+    assert "| 0.800 (2.020) | 0.500 (0.500) | 3 (1) |" in text
 
 
 def test_the_lr_find_arm_counts_the_finders_steps_in_its_compute(tmp_path):
