@@ -264,7 +264,8 @@ def table(results: list[dict], labels: list[str], seeds: list[int], rounds: int)
                                                           chosen[m][:3])] for m in MODES]
     return (f"Outer settings `lr/momentum/schedule` (schedule on: momentum warm-up 16 and restart every 8), "
             f"{len(labels)} swept; seeds {seeds}; final held-out loss (mean over seeds); boring: {rounds} rounds per "
-            "worker, every number its final ÷ initial loss (no ratio to the best: round-off there). ✗: some run ended above its start, not finite, or rose over its last rounds. Chosen per mode: "
+            "worker, every number its final ÷ initial loss (no ratio to the best: round-off there). ✗: some run "
+            "ended above its start, not finite, or rose over its last rounds. Chosen per mode: "
             "the stable setting with the smallest worst ratio to each cell's best.\n\n"
             + markdown_table(head, rows) + "\n\nThe three best settings per mode (worst ratio to the best over its "
             "cells):\n\n" + markdown_table(["mode", "1st", "2nd", "3rd"], summary))
