@@ -28,6 +28,7 @@ import itertools
 import logging
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -92,22 +93,37 @@ def held_out_loss(flat: torch.Tensor) -> float:
         return float(((x @ flat[:64].view(2, 32).T + flat[64:] - 1) ** 2).mean())
 
 
-def simulate(workers: int, mode: str, outer: str, task: str, rounds: int, seed: int, data: str = "shards"
-             ) -> list[float]:
-    """The global model's held-out loss at the start and after each round per worker."""
+def simulate(workers: int, mode: str, outer: str | None, task: str, rounds: int, seed: int, data: str = "shards",
+             **numbers: float) -> list[float]:
+    """The global model's held-out loss at the start and after each round per worker; ``numbers``: the outer
+    settings' explicit ``outer_lr``, ``outer_momentum``, ``momentum_warmup``, ``momentum_restart``."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(32, 2)
     flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()]).clone()
     fake = Workers(workers, task, seed, data)
+    state = build_outer(flat, workers, mode, fake.local_steps, outer, **numbers)
+    return drive(state, fake, workers, mode, rounds, seed, held_out_loss)
+
+
+def build_outer(flat: torch.Tensor, workers: int, mode: str, local_steps: int, outer: str | None,
+                **numbers: float) -> OuterState:
+    """The package's outer side over the flat parameters ``flat`` (no buffers), rounds of fixed length."""
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
-    state = OuterSettings(mode=mode, local_steps=fake.local_steps, outer=outer, **fixed).build(
+    return OuterSettings(mode=mode, local_steps=local_steps, outer=outer, **fixed, **numbers).build(
         flat, torch.zeros(0), workers, None)
-    curve = [held_out_loss(state.params)]
+
+
+def drive(state: OuterState, fake, workers: int, mode: str, rounds: int, seed: int,
+          score: Callable[[torch.Tensor], float]) -> list[float]:
+    """``rounds`` rounds per worker of ``fake`` (``.round(worker, start)`` -> pseudo-gradient, ``.local_steps``)
+    through ``state``: DiLoCo's, or async pushes in arrival order (each round takes 1 + U(0, 0.1) time units);
+    ``score`` of the global parameters at the start and after each round per worker."""
+    curve = [score(state.params)]
     if mode == "sync":
         for _ in range(rounds):
             start = state.params.clone()
             _process(state, [(w, fake.round(w, start)) for w in range(workers)], fake.local_steps)
-            curve.append(held_out_loss(state.params))
+            curve.append(score(state.params))
         return curve
     clock = torch.Generator().manual_seed(seed + 1)
     duration = lambda: 1.0 + 0.1 * float(torch.rand(1, generator=clock))  # noqa: E731
@@ -120,7 +136,7 @@ def simulate(workers: int, mode: str, outer: str, task: str, rounds: int, seed: 
         starts[w] = state.params.clone()
         heapq.heappush(queue, (t + duration(), w))
         if push % workers == 0:
-            curve.append(held_out_loss(state.params))
+            curve.append(score(state.params))
     return curve
 
 

@@ -206,6 +206,10 @@ PARTS = (
     Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
     Part("async_2x2", "async_published.py", ASYNC_2X2_ARGS, minutes=22, full_size=ASYNC_FULL_SIZE, full=True),
     Part("async_defaults", "async_defaults.py", ("--start-method", "fork"), minutes=13, full=True),
+    # issue 60: Trainer(strategy="diloco") and strategy="async_local_sgd" as typed against DDP (5 min at load ~20)
+    Part("async_typed", "async_published.py", ("--name", "async_typed", "--start-method", "fork", "--world-size", "4",
+                                               "--levels", "none", "--seeds", "1", "--methods", "ddp", "diloco_typed",
+                                               "async_typed", "diloco", "async_default"), minutes=5, full=True),
     # bench-full since benchmark 2 at HDET's defaults took 53 min (2026-12-03): make bench would need 94 min
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=9, full=True),
     Part("overhead", "overhead.py", minutes=12, code=("benchmarks/sharded_fit.py",)),
@@ -235,6 +239,9 @@ PARTS = (
     Part("hdet_votes", "hdet_votes.py", ("--start-method", "fork", "--seeds", "4"), minutes=14, full=True),
     # the outer step over 200 rounds per worker (issue 42): one process, 4.0 min (2.5 CPU-min) at load ~4, 2026-12-02
     Part("outer_stability", "outer_stability.py", minutes=4, full=True),
+    # issue 60's sweep of the outer lr, momentum, schedule and H on four workloads (one process; estimated from
+    # single runs at load ~3, 2026-12-06: ~75 s per setting, 16 settings)
+    Part("outer_sweep", "outer_sweep.py", minutes=20, full=True),
     # a bad worker on every path (issue 42): faulty ÷ fault-free at equal healthy samples, W = 3, 3 seeds, two tasks;
     # 54 short forked runs, 3.5 min (estimated from one seed's 97 s at load ~4, 2026-12-02)
     Part("bad_worker_paths", "bad_worker_paths.py", minutes=5, full=True),

@@ -138,12 +138,12 @@ def test_sparseloco_with_sparse_pulls_improves_the_model_and_workers_hold_the_gl
 
 def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
     tail = (1 - 0.9**9) / 0.1  # one push's whole echo at momentum 0.9 restarted every 8 updates: 6.126 x the push
-    for mode in ("async", "sync"):  # one default in both modes: "stable", lr min((1 + 0.9) / (2 * 2.8), 1 / tail)
+    for mode in ("async", "sync"):  # one default in both modes: "stable", lr min((1 + 0.5) / (2 * 2), 1 / 1.996)
         config = AsyncLocalSGDStrategy(mode=mode).config
         assert (config["outer"], config["momentum_warmup"], config["momentum_restart"]) == (None, 16, 8)
-        assert (config["outer_lr"], config["outer_momentum"]) == pytest.approx((1 / tail, 0.9))
-    assert AsyncLocalSGDStrategy(outer_momentum=0.5).config["outer_lr"] == pytest.approx(0.375)  # lr follows beta
-    assert AsyncLocalSGDStrategy(momentum_restart=0).config["outer_lr"] == pytest.approx(0.1)  # and the restarts
+        assert (config["outer_lr"], config["outer_momentum"]) == pytest.approx((0.375, 0.5))
+    assert AsyncLocalSGDStrategy(outer_momentum=0.9).config["outer_lr"] == pytest.approx(1 / tail)  # lr follows beta
+    assert AsyncLocalSGDStrategy(outer_momentum=0.9, momentum_restart=0).config["outer_lr"] == pytest.approx(0.1)
     published = AsyncLocalSGDStrategy(outer="published", outer_momentum=0.5)
     assert (published.config["outer_lr"], published.config["outer_momentum"], published.config["momentum_warmup"]) \
         == (0.7, 0.5, 0)

@@ -248,6 +248,59 @@ def test_outer_stability_quick_mode(tmp_path):
     assert torch.equal(own[0][1::2], shards[1]) and not torch.equal(own[1], own[0])
 
 
+def test_outer_sweep_choose_hand_computed():
+    """Per mode, each setting's worst ratio to its cell's best over the model cells; stability over every cell
+    (the stability check's included, its losses in no ratio): "a" is 1.0 and 1.5x the best, "b" 1.2 and 1.0, so
+    "b" (worst 1.2) leads "a" (1.5) — unless "b" diverged on the stability check."""
+    from benchmarks.outer_sweep import choose
+
+    def cell(workload, a, b, stable_b=True, ddp=1.0):
+        return {"cell": [workload, "adamw", 2, "async", 10], "ddp": ddp,
+                "runs": {"a": {"final": a, "stable": True}, "b": {"final": b, "stable": stable_b}}}
+
+    results = [cell("x", 1.0, 1.2), cell("y", 3.0, 2.0), cell("boring", 1e-15, 1e-3, ddp=None)]
+    assert choose(results, "async", ["a", "b"]) == [("b", pytest.approx(1.2), True), ("a", pytest.approx(1.5), True)]
+    results[-1]["runs"]["b"]["stable"] = False
+    assert [label for label, *_ in choose(results, "async", ["a", "b"])] == ["a", "b"]
+
+
+def test_outer_sweep_worker_round_is_start_minus_its_local_model():
+    """A fake worker copies the global parameters in (no aliasing: the start it is given stays as it was), takes H
+    inner steps, and returns start - local; its inner optimizer's state carries over to its next round."""
+    import torch
+
+    from benchmarks.outer_sweep import ModelWorkers, load_flat
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(3, (8,))
+    fake = ModelWorkers(model, x, y, 2, "sgd", 0.1, 0.0, local_steps=2, seed=0)
+    start = torch.zeros(15)
+    delta = fake.round(0, start)
+    assert torch.equal(start, torch.zeros(15)) and delta.abs().sum() > 0
+    local = torch.cat([p.detach().flatten() for p in fake.models[0].parameters()])
+    assert torch.equal(delta, start - local)
+    assert fake.opts[0].state[next(fake.models[0].parameters())]["momentum_buffer"] is not None
+    load_flat(model, start)
+    start.add_(1.0)
+    assert float(model.weight.abs().sum()) == 0.0  # copied, not a view of ``start``
+
+
+def test_outer_sweep_quick_mode(tmp_path):
+    """Two settings (the old default and the published one), two workers on the small tabular set with AdamW and
+    SGD, and the stability check: every cell holds both settings; the model cells a DDP reference; the published
+    step with two SGD workers on BoringModel diverges; the partial file is gone once the table is written."""
+    data, table, _ = run_quick(tmp_path, "outer_sweep", "--workers", "2", "--workloads", "tabular_small", "boring")
+    cells = {tuple(r["cell"]): r for r in data["results"]}
+    assert len(cells) == 2 * 2 + 2 * 3 * 2
+    assert all(set(r["runs"]) == {"0.163/0.9/on", "0.7/0.9/off"} for r in cells.values())
+    assert all((r["ddp"] is None) == (c[0] == "boring") for c, r in cells.items())
+    assert not cells[("boring", "shards", 2, "async", 8)]["runs"]["0.7/0.9/off"]["stable"]
+    assert cells[("boring", "shards", 2, "async", 8)]["runs"]["0.163/0.9/on"]["stable"]
+    assert table[0].startswith("| workload | inner / data | W | mode | H |") and len(table) == 2 + 16 + 2 + 2
+    assert not (tmp_path / "results" / "outer_sweep_quick.partial.json").exists()
+
+
 @pytest.mark.timeout(300)
 def test_bad_worker_paths_quick_mode(tmp_path):
     """The regression task in DiLoCo and the elastic mode: each seed's faulty run (the bad worker rejected 3 times,

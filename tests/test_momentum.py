@@ -102,12 +102,15 @@ def test_warm_up_and_restarts_stop_the_oscillation_of_stale_pushes():
 
 
 def test_resolve_outer_presets_and_overrides():
-    stable = OuterPreset(pytest.approx(1 / TAIL), 0.9, 16, 8)  # 0.163: one push's whole echo at most the push
+    stable = OuterPreset(0.375, 0.5, 16, 8)  # 1.5 / (2 * 2): the round's bound (the echo's, 1 / 1.996, is above)
     assert resolve_outer(None) == resolve_outer("stable") == stable
-    assert resolve_outer(None, momentum=0.5) == OuterPreset(0.375, 0.5, 16, 8)  # 1.5 / (2 * 2): lr follows beta
-    assert resolve_outer(None, restart=0) == OuterPreset(pytest.approx(0.1), 0.9, 16, 0)  # 1 / 10: and restarts
-    assert resolve_outer(None, restart=4) == OuterPreset(pytest.approx(1 / 4.0951), 0.9, 16, 4)
-    assert resolve_outer(None, lr=0.2, momentum=0.5) == OuterPreset(0.2, 0.5, 16, 8)  # an explicit lr stays
+    # the lr follows beta (0.163 at 0.9: one push's whole echo at most the push) ...
+    assert resolve_outer(None, momentum=0.9) == OuterPreset(pytest.approx(1 / TAIL), 0.9, 16, 8)
+    assert resolve_outer(None, momentum=0.9, restart=0) == OuterPreset(pytest.approx(0.1), 0.9, 16, 0)  # 1 / 10
+    # ... and the restarts: 1 / (1 + 0.9 + ... + 0.9^4)
+    assert resolve_outer(None, momentum=0.9, restart=4) == OuterPreset(pytest.approx(1 / 4.0951), 0.9, 16, 4)
+    assert resolve_outer(None, restart=0) == OuterPreset(0.375, 0.5, 16, 0)  # at 0.5 the echo's bound is 0.5
+    assert resolve_outer(None, lr=0.2, momentum=0.9) == OuterPreset(0.2, 0.9, 16, 8)  # an explicit lr stays
     assert resolve_outer("robust") == OuterPreset(0.7, 0.9, 16, 8)
     assert resolve_outer("published") == OUTER_PRESETS["published"] == OuterPreset(0.7, 0.9, 0, 0)
     assert resolve_outer("published", momentum=0.5, restart=2) == OuterPreset(0.7, 0.5, 0, 2)
@@ -158,9 +161,10 @@ def test_the_bound_behind_the_stable_lr_is_where_nesterov_diverges():
 @pytest.mark.parametrize("workers", [2, 4])
 def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(workers):
     """Asynchronous pushes of mirror rounds (gain 2), each ``workers - 1`` pushes stale: "robust" (lr 0.7) grows
-    beyond 100 within 50 rounds per worker (211 and 5e4 measured), the default preset (outer lr 0.163 and 0.327)
-    is below 1e-2 by then (1e-6 and 2.8e-3; at 0.339 for every W, before issue 42's elastic fix: 1.4e-6 and 5e-5)
-    and below 1e-4 after 200 (9e-17 and 2.5e-6; before: 3e-16 and 1e-5)."""
+    beyond 100 within 50 rounds per worker (211 and 5e4 measured), the default preset (outer lr 0.375, momentum
+    0.5) is below 1e-2 by then (2e-11 and 2e-6; at 0.163 / 0.9 before issue 60: 9e-7 and 2.8e-5; at 0.339 / 0.9
+    before issue 42's elastic fix: 1.4e-6 and 5e-5) and below 1e-4 after 200 (8e-37 and 1e-19; at 0.163: 7e-17 and
+    6e-13)."""
     robust, stable = OUTER_PRESETS["robust"], resolve_outer(None)
     diverged = _round_robin(robust.momentum, robust.warmup, robust.restart, 2.0, 50, workers, robust.lr)
     assert diverged[-1] > 100
@@ -193,22 +197,25 @@ def test_momentum_tail_is_one_push_s_whole_motion_hand_computed():
 
 
 @pytest.mark.parametrize(("mode", "workers"), [("async", 2), ("async", 4), ("sync", 2), ("sync", 4)])
-def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end(mode, workers):
+@pytest.mark.parametrize("momentum", [0.9, None])
+def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end(mode, workers, momentum):
     """Issue 42's elastic bug, by hand: one momentum update's worth of mirror rounds (every worker's pseudo-gradient
     2 x: the most a stable inner optimizer does, to -x) along a direction no later round touches until the momentum
-    restarted, with the momentum at full strength (right after a restart). The default outer step moves x by
-    lr * TAIL * 2 x in all (Delayed Nesterov or DiLoCo's mean: the W pushes count once): at 0.163 = 1 / TAIL, to -x
-    exactly, where the workers' rounds ended, and no further. At 0.339 (the default before, for any W) to
-    1 - 0.339 * TAIL * 2 = -3.2: 3.2 times past the optimum, growth at every such visit."""
+    restarted, with the momentum at full strength (right after a restart). The derived outer lr moves x by
+    lr * tail * 2 x in all (Delayed Nesterov or DiLoCo's mean: the W pushes count once): at momentum 0.9, 0.163 =
+    1 / TAIL, to -x exactly, where the workers' rounds ended, and no further; at the default 0.5, 0.375 (the round's
+    bound) x 1.996 x 2: to -0.497. At 0.339 / 0.9 (the default before issue 42) to 1 - 0.339 * TAIL * 2 = -3.2:
+    3.2 times past the optimum, growth at every such visit."""
     x = torch.ones(1)
-    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, momentum_warmup=0,
+    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, momentum_warmup=0, outer_momentum=momentum,
                              **({"dynamic_local_steps": False} if mode == "async" else {}))
     state = settings.build(x, torch.zeros(0), workers, None)
     for update in range(1, 20):  # the 8th momentum update restarts the momentum before taking the pushes
         _rounds(state, [(w, 2 * torch.ones(1) if update == 8 else torch.zeros(1)) for w in range(workers)], mode)
-    assert settings.preset.lr == pytest.approx(1 / TAIL)
-    assert float(x) == pytest.approx(1 - settings.preset.lr * TAIL * 2, abs=1e-6)
-    assert float(x) == pytest.approx(-1.0, abs=1e-6)
+    tail = momentum_tail(settings.preset.momentum, 8)
+    assert float(x) == pytest.approx(1 - settings.preset.lr * tail * 2, abs=1e-6)
+    expected = (1 / TAIL, -1.0) if momentum == 0.9 else (0.375, 1 - 0.375 * 1.99609375 * 2)
+    assert (settings.preset.lr, float(x)) == pytest.approx(expected, abs=1e-6)
 
 
 def _rounds(state, pushes, mode):

@@ -107,9 +107,9 @@ def stable_outer_lr(momentum: float, restart: int) -> float:
     return min((1.0 + momentum) / (2.0 * (1.0 + 2.0 * momentum)), 1.0 / momentum_tail(momentum, restart))
 
 
-#: ``"stable"``: the default in both modes: momentum 0.9 with the warm-up and restarts of ``"robust"`` and the
-#: outer lr of :func:`stable_outer_lr` (0.163), stable for any number of workers and any data order (docs/async.md,
-#: issue 42).
+#: ``"stable"``: the default in both modes: momentum 0.5 with the warm-up and restarts of ``"robust"`` and the
+#: outer lr of :func:`stable_outer_lr` (0.375), stable for any number of workers and any data order (docs/async.md,
+#: issues 42 and 60: the best worst case over ``benchmarks/outer_sweep.py``'s cells; 0.9 and 0.163 before).
 #: ``"published"``: DiLoCo's and the asynchronous Local-SGD paper's outer Nesterov (lr 0.7, momentum 0.9).
 #: ``"robust"``: the async default before issue 42, chosen from the sweep in docs/async.md: the published lr and
 #: momentum with a momentum warm-up and periodic restarts, which keep short runs from oscillating; it diverges
@@ -118,7 +118,7 @@ def stable_outer_lr(momentum: float, restart: int) -> float:
 #: mean of the round's sparse pushes with no outer momentum (the workers' decayed error feedback carries it; lr 1,
 #: the paper's), so that the global model's change is exactly sparse (:mod:`.sparse_outer`).
 OUTER_PRESETS: dict[str, OuterPreset] = {
-    "stable": OuterPreset(lr=None, momentum=0.9, warmup=16, restart=8),
+    "stable": OuterPreset(lr=None, momentum=0.5, warmup=16, restart=8),
     "published": OuterPreset(lr=0.7, momentum=0.9, warmup=0, restart=0),
     "robust": OuterPreset(lr=0.7, momentum=0.9, warmup=16, restart=8),
     "sparseloco": OuterPreset(lr=1.0, momentum=0.0, warmup=0, restart=0, sparse=True),

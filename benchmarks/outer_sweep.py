@@ -1,0 +1,314 @@
+"""Issue 60's sweep of the outer step: which outer lr, momentum and momentum schedule (warm-up and restarts on or
+off) end each workload best, at W = 2, 4 and 8 workers, asynchronously and in DiLoCo, and which single setting per
+mode comes within 5 % of every cell's best without ever diverging?
+
+A one-process simulation, as ``benchmarks/outer_stability.py``, that drives the package's real outer side
+(``OuterSettings.build`` -> ``OuterState.process``: Delayed Nesterov, the momentum schedule, the push checks) with
+fake workers, each training a real model on its shard of the data for ``H`` inner steps per round and keeping its
+own inner optimizer's state between rounds. Workloads (equal samples: ``S`` inner steps per worker of batch 32,
+against DDP taking ``S`` steps of batch ``W`` × 32 at the same inner optimizer and lr, in the same process):
+
+- ``tabular_small``: the MLP of ``benchmarks/common.py`` on its 1,024-row tabular set, which the budget reads 12
+  (W = 2) to 50 (W = 8) times; AdamW lr 3e-3 (weight decay 0.1) and SGD lr 0.05 (momentum 0.9) inside;
+- ``shapes_small``: the conv net (width 8) on the 1,536 small images, read 5 to 20 times; AdamW lr 5e-3;
+- ``tabular``: the MLP on 16,384 rows, read 0.8 to 3 times (fresh data); AdamW;
+- ``boring``: Lightning's BoringModel with SGD (``outer_stability.Workers``), 200 rounds per worker, shards and
+  whole datasets per worker: the stability check, scored by its final ÷ initial held-out loss.
+
+``S`` = 200 (shapes: 120), ``H`` = 10 (``boring``: 8); ``tabular_small`` with AdamW also runs at ``H`` = 25
+and 50 (W = 4). Settings: lr 0.163 (the default), 0.35, 0.5, 0.7 and 1.0 at momentum 0.9, and 0.375, 0.5, 0.7
+and 1.0 at 0.5, each with the momentum schedule on and off.
+Reported per cell: the best setting and its final held-out loss ÷ DDP's; each setting's loss ÷ the cell's best
+(``boring``: its final ÷ initial loss, which reaches 1e-15 and whose ratios are round-off); a setting is *unstable*
+where any run ended above its start, not finite, or (``boring``) rose by more than 10 % over its last 150 rounds.
+Per mode, the chosen default: the stable setting whose worst ratio to the best over the model cells is smallest.
+Finished cells are kept in ``outer_sweep[_quick].partial.json`` until the table is written: a run stopped half-way
+resumes from them.
+
+Run: ``python benchmarks/outer_sweep.py [--quick] [--seeds S] [--workloads ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
+from benchmarks.outer_stability import build_outer, drive, simulate, verdict
+from lightning_hdet.demos.optim import make_optimizer
+from lightning_hdet.demos.shapes import ShapesCNN, make_shapes
+from lightning_hdet.demos.tabular import TabularMLP, make_tabular
+
+NAME = "outer_sweep"
+MODES = ("async", "sync")
+WORKERS = (2, 4, 8)
+#: (momentum, outer lrs swept at it): from the default (0.163) to past the published lr at 0.9; at 0.5 from the lr
+#: ``stable_outer_lr`` takes there (0.375).
+GRID = ((0.9, (0.163, 0.35, 0.5, 0.7, 1.0)), (0.5, (0.375, 0.5, 0.7, 1.0)))
+#: The momentum schedule: warm-up over 16 momentum updates and a restart every 8 (the presets'), or none.
+SCHEDULES = {"on": (16, 8), "off": (0, 0)}
+BATCH = 32
+H = 10
+#: inner optimizer -> (lr, weight decay) per model workload.
+INNER = {"tabular_small": {"adamw": (3e-3, 0.1), "sgd": (0.05, 0.0)}, "shapes_small": {"adamw": (5e-3, 0.1)},
+         "tabular": {"adamw": (3e-3, 0.1)}}
+#: Inner steps per worker (equal samples: DDP takes as many steps of W times the batch).
+STEPS = {"tabular_small": 200, "shapes_small": 120, "tabular": 200}
+#: The ``H`` sweep: these local step counts at W = 4 on the first workload with AdamW, beside ``H``.
+H_SWEEP = (25, 50)
+BORING_ROUNDS = 200
+
+
+@dataclass(frozen=True)
+class Outer:
+    """One outer setting: Delayed Nesterov's lr and momentum, the momentum schedule on or off."""
+
+    lr: float
+    momentum: float
+    schedule: str
+
+    @property
+    def numbers(self) -> dict:
+        warmup, restart = SCHEDULES[self.schedule]
+        return {"outer_lr": self.lr, "outer_momentum": self.momentum, "momentum_warmup": warmup,
+                "momentum_restart": restart}
+
+    @property
+    def label(self) -> str:
+        return f"{self.lr:g}/{self.momentum:g}/{self.schedule}"
+
+
+def candidates(quick: bool) -> list[Outer]:
+    if quick:
+        return [Outer(0.163, 0.9, "on"), Outer(0.7, 0.9, "off")]
+    return [Outer(lr, m, s) for m, lrs in GRID for lr in lrs for s in SCHEDULES]
+
+
+def load(workload: str) -> tuple:
+    """(model factory, training inputs, labels, held-out inputs, labels): the data of ``benchmarks/common.py``'s
+    workloads of these names (tabular: task seed 0; held-out: 512 other rows or images)."""
+    if workload == "shapes_small":
+        return (lambda: ShapesCNN(width=8), *make_shapes(1536, seed=0), *make_shapes(512, seed=1))
+    rows = 1024 if workload == "tabular_small" else 16384
+    return (TabularMLP, *make_tabular(rows, seed=0, task_seed=0), *make_tabular(512, seed=1, task_seed=0))
+
+
+class Batches:
+    """Batches of ``size`` rows of ``(x, y)``, reshuffled every epoch (a ``DistributedSampler`` over a shard)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, size: int, seed: int) -> None:
+        self.x, self.y, self.size = x, y, size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order, self.at = torch.randperm(len(x), generator=self.gen), 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.at + self.size > len(self.x):
+            self.order, self.at = torch.randperm(len(self.x), generator=self.gen), 0
+        idx = self.order[self.at:self.at + self.size]
+        self.at += self.size
+        return self.x[idx], self.y[idx]
+
+
+class ModelWorkers:
+    """``W`` fake workers of a real model: each its shard ``w::W`` of the data, its own inner optimizer (state kept
+    between rounds, as a worker's is), ``local_steps`` steps per round from the global parameters it is given."""
+
+    def __init__(self, model: torch.nn.Module, x, y, workers: int, inner: str, lr: float, wd: float,
+                 local_steps: int, seed: int) -> None:
+        self.local_steps = local_steps
+        self.models = [copy.deepcopy(model) for _ in range(workers)]
+        self.opts = [make_optimizer(inner, m.parameters(), lr, wd) for m in self.models]
+        self.data = [Batches(x[w::workers], y[w::workers], BATCH, 1000 * seed + w) for w in range(workers)]
+
+    def round(self, worker: int, start: torch.Tensor) -> torch.Tensor:
+        model, opt, data = self.models[worker], self.opts[worker], self.data[worker]
+        load_flat(model, start)
+        for _ in range(self.local_steps):
+            train_step(model, opt, *data.next())
+        with torch.no_grad():
+            return start - parameters_to_vector(model.parameters())
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+@torch.no_grad()
+def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Copy the flat parameters into ``model`` (``vector_to_parameters`` would make them views of ``flat``)."""
+    at = 0
+    for p in model.parameters():
+        p.copy_(flat[at:at + p.numel()].view_as(p))
+        at += p.numel()
+
+
+def held_out(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """The held-out cross-entropy of ``model`` at flat parameters."""
+    def score(flat: torch.Tensor) -> float:
+        with torch.no_grad():
+            load_flat(model, flat)
+            return float(torch.nn.functional.cross_entropy(model(x), y))
+    return score
+
+
+def ddp_loss(workload: str, inner: str, workers: int, seed: int) -> float:
+    """DDP at equal samples: ``S`` steps of batch ``W`` × 32 on the whole training set."""
+    make, x, y, vx, vy = load(workload)
+    torch.manual_seed(seed)
+    model = make()
+    lr, wd = INNER[workload][inner]
+    opt = make_optimizer(inner, model.parameters(), lr, wd)
+    data = Batches(x, y, BATCH * workers, 1000 * seed)
+    for _ in range(STEPS[workload]):
+        train_step(model, opt, *data.next())
+    return held_out(copy.deepcopy(model), vx, vy)(parameters_to_vector(model.parameters()).detach())
+
+
+def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: int, outer: Outer, seed: int
+              ) -> dict:
+    make, x, y, vx, vy = load(workload)
+    torch.manual_seed(seed)
+    model = make()
+    lr, wd = INNER[workload][inner]
+    fake = ModelWorkers(model, x, y, workers, inner, lr, wd, local_steps, seed)
+    state = build_outer(parameters_to_vector(model.parameters()).detach().clone(), workers, mode, local_steps,
+                        None, **outer.numbers)
+    curve = drive(state, fake, workers, mode, STEPS[workload] // local_steps, seed, held_out(model, vx, vy))
+    finite = all(math.isfinite(c) for c in curve)
+    return {"start": curve[0], "final": curve[-1] if finite else math.inf,
+            "stable": finite and curve[-1] < curve[0]}
+
+
+def boring_run(data: str, workers: int, mode: str, outer: Outer, seed: int, rounds: int) -> dict:
+    curve = simulate(workers, mode, None, "sgd", rounds, seed, data, **outer.numbers)
+    v = verdict(curve, min(50, rounds // 2))
+    return {"start": 1.0, "final": v["end"], "stable": v["stable"]}
+
+
+def cells(args: argparse.Namespace) -> list[tuple]:
+    """(workload, inner or data, W, mode, H) of every cell the arguments ask for."""
+    out = []
+    for workload in args.workloads:
+        if workload == "boring":
+            out += [("boring", d, w, m, 8) for d, w, m in itertools.product(("shards", "whole"), WORKERS, MODES)]
+            continue
+        out += [(workload, i, w, m, H) for i, w, m in itertools.product(INNER[workload], args.workers, MODES)]
+        if workload == args.workloads[0] and not args.quick:
+            out += [(workload, "adamw", 4, m, h) for h, m in itertools.product(H_SWEEP, MODES)]
+    return out
+
+
+def run_cell(cell: tuple, outers: list[Outer], seeds: list[int], rounds: int) -> dict:
+    workload, inner, workers, mode, local_steps = cell
+    runs = {}
+    for outer in outers:
+        results = [boring_run(inner, workers, mode, outer, s, rounds) if workload == "boring" else
+                   model_run(workload, inner, workers, mode, local_steps, outer, s) for s in seeds]
+        runs[outer.label] = {"final": sum(r["final"] for r in results) / len(results),
+                             "stable": all(r["stable"] for r in results)}
+    ddp = None if workload == "boring" else sum(ddp_loss(workload, inner, workers, s) for s in seeds) / len(seeds)
+    return {"cell": list(cell), "ddp": ddp, "runs": runs}
+
+
+def choose(results: list[dict], mode: str, labels: list[str]) -> list[tuple[str, float, bool]]:
+    """Each setting's worst ratio to its cell's best over ``mode``'s cells and whether it was stable in all of
+    them, best first (stable before unstable)."""
+    mine = [r for r in results if r["cell"][3] == mode and r["ddp"] is not None]
+    everywhere = [r for r in results if r["cell"][3] == mode]
+    rows = []
+    for label in labels:
+        worst = max(r["runs"][label]["final"] / _best(r)[1] for r in mine)
+        rows.append((label, worst, all(r["runs"][label]["stable"] for r in everywhere)))
+    return sorted(rows, key=lambda t: (not t[2], t[1]))
+
+
+def _best(result: dict) -> tuple[str, float]:
+    label = min(result["runs"], key=lambda k: result["runs"][k]["final"])
+    return label, result["runs"][label]["final"]
+
+
+def table(results: list[dict], labels: list[str], seeds: list[int], rounds: int) -> str:
+    chosen = {m: choose(results, m, labels) for m in MODES}
+    default, published = "0.163/0.9/on", "0.7/0.9/off"
+    pick = {m: chosen[m][0][0] for m in MODES}
+    rows = []
+    for r in results:
+        workload, inner, workers, mode, h = r["cell"]
+        label, best = _best(r)
+        cols = [workload, inner, str(workers), "DiLoCo" if mode == "sync" else "async", str(h), f"`{label}`",
+                fmt(best / r["ddp"], ".2f") if r["ddp"] else f"{best:.1e}"]
+        for lab in (pick[mode], default, published):
+            run = r["runs"].get(lab)
+            value = None if run is None else (fmt(run["final"] / best, ".2f") if r["ddp"] else f"{run['final']:.1e}")
+            cols.append("–" if run is None else value + ("" if run["stable"] else " ✗"))
+        rows.append(cols)
+    head = ["workload", "inner / data", "W", "mode", "H", "best lr/momentum/schedule", "best ÷ DDP",
+            "chosen ÷ best", "0.163/0.9/on ÷ best", "0.7/0.9/off ÷ best"]
+    summary = [[("DiLoCo" if m == "sync" else "async"), *(f"`{lab}` {w:.2f}{'' if ok else ' ✗'}" for lab, w, ok in
+                                                          chosen[m][:3])] for m in MODES]
+    return (f"Outer settings `lr/momentum/schedule` (schedule on: momentum warm-up 16 and restart every 8), "
+            f"{len(labels)} swept; seeds {seeds}; final held-out loss (mean over seeds); boring: {rounds} rounds per "
+            "worker, every number its final ÷ initial loss (no ratio to the best: round-off there). ✗: some run "
+            "ended above its start, not finite, or rose over its last rounds. Chosen per mode: "
+            "the stable setting with the smallest worst ratio to each cell's best.\n\n"
+            + markdown_table(head, rows) + "\n\nThe three best settings per mode (worst ratio to the best over its "
+            "cells):\n\n" + markdown_table(["mode", "1st", "2nd", "3rd"], summary))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0..n-1 (default 1)")
+    p.add_argument("--workloads", nargs="+", default=["tabular_small", "shapes_small", "tabular", "boring"],
+                   choices=["tabular_small", "shapes_small", "tabular", "boring"])
+    p.add_argument("--workers", nargs="+", type=int, default=list(WORKERS), help="W of the model workloads")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    name, t0 = begin(NAME, args.quick)
+    torch.set_num_threads(1)
+    logging.getLogger("lightning_hdet").setLevel(logging.ERROR)  # the push checks' rejections of diverging runs
+    if args.quick:
+        STEPS.update({k: 40 for k in STEPS})
+    outers, seeds = candidates(args.quick), list(range(args.seeds))
+    rounds = 20 if args.quick else BORING_ROUNDS
+    labels = [o.label for o in outers]
+    partial = args.results_dir / f"{name}.partial.json"
+    sizes = {"labels": labels, "seeds": seeds, "steps": STEPS, "rounds": rounds}
+    done = {tuple(r["cell"]): r for r in _resumable(partial, sizes)}
+    results = []
+    for cell in cells(args):
+        results.append(done.get(cell) or run_cell(cell, outers, seeds, rounds))
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({**sizes, "results": results}, default=float))
+        print(*cell, _best(results[-1]), f"{time.perf_counter() - t0:.0f}s", flush=True)
+    payload = {"results": results, "total_wall_s": time.perf_counter() - t0}
+    publish(name, args, payload, table(results, labels, seeds, rounds), seeds=seeds)
+    partial.unlink()
+    return payload
+
+
+def _resumable(partial: Path, sizes: dict) -> list[dict]:
+    """The cells a stopped run of the same settings finished (none when it ran others)."""
+    if not partial.exists():
+        return []
+    saved = json.loads(partial.read_text())
+    return saved["results"] if {k: saved.get(k) for k in sizes} == json.loads(json.dumps(sizes)) else []
+
+
+if __name__ == "__main__":
+    main()
