@@ -44,7 +44,7 @@ def _typo(name: str) -> str:
 def _cases() -> list[tuple[type, str]]:
     own = [(cls, name) for cls in PUBLIC for name in own_arguments(cls)]
     # (AsyncLocalSGDFabricStrategy takes every name through **kwargs: its own are the Trainer strategy's options)
-    return own + [(AsyncLocalSGDFabricStrategy, name) for name in ("local_steps", "mode", "outer_lr", "compression")]
+    return own + [(AsyncLocalSGDFabricStrategy, name) for name in ("local_steps", "mode", "outer", "compression")]
 
 
 @pytest.mark.parametrize(("cls", "name"), _cases(), ids=[f"{c.__name__}.{n}" for c, n in _cases()])

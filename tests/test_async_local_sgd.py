@@ -15,8 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.exchange.server import Server
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
-from lightning_hdet.asynchronous.outer.state import AsyncStep, OuterState, SyncStep
+from lightning_hdet.asynchronous.outer.state import OuterSettings, OuterState
+from lightning_hdet.asynchronous.outer.steps import AsyncStep, SyncStep
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 from lightning_hdet.asynchronous.wire.transport import ServerTransport
 from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
@@ -185,7 +187,7 @@ def test_sync_h1_matches_ddp(tmp_path):
     seed_everything(0)
     ddp = _fit(tmp_path / "ddp", BoringModel(), "ddp_fork", max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=1, mode="sync", outer_lr=1.0, outer_momentum=0.0, start_method="fork")
+    strategy = AsyncLocalSGDStrategy(local_steps=1, mode="sync", outer=DelayedNesterov(lr=1.0, momentum=0.0), start_method="fork")
     sync = _fit(tmp_path / "sync", BoringModel(), strategy, max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
     assert [n for n, _ in sync[0]["rounds"]] == [1] * 6 + [0]
     assert sync[0]["outer"]["outer_updates"] == 6
@@ -266,10 +268,8 @@ def test_registered_names():
         (dict(mode="fast"), "mode"),
         (dict(local_steps=0), "local_steps"),
         (dict(local_steps=-3), "local_steps"),
-        (dict(outer_lr=0), "outer_lr"),
-        (dict(outer_momentum=1.0), "outer_momentum"),
-        (dict(buffer_size=0), "buffer_size"),
-        (dict(buffer_size=2, momentum_activation=0.6), "momentum_activation"),
+        (dict(outer="fast"), "outer"),
+        (dict(outer_lr=0.7), "outer=DelayedNesterov"),
         (dict(min_local_steps=0), "min_local_steps"),
         (dict(grace_period=-1), "grace_period"),
     ],
@@ -284,7 +284,8 @@ def test_bad_world_checked_before_process_groups():
         Trainer(strategy=AsyncLocalSGDStrategy(), accelerator="cpu", devices=1, logger=False)
     # c must be <= 1/N with the default N = number of workers (4)
     with pytest.raises(ValueError, match="momentum_activation"):
-        Trainer(strategy=AsyncLocalSGDStrategy(momentum_activation=0.3), accelerator="cpu", devices=4, logger=False)
+        Trainer(strategy=AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.5, momentum_activation=0.3)),
+                accelerator="cpu", devices=4, logger=False)
 
 
 def _outer(mode="async", budget=None, local_steps=4, grace_period=0.0):
@@ -370,7 +371,7 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     the ceiling; DiLoCo's N is 1 and does not follow."""
     from lightning_hdet.asynchronous.outer.state import OuterSettings
 
-    outer = OuterSettings(local_steps=4, outer_lr=0.6, outer_momentum=0.0).build(torch.zeros(1), torch.zeros(0), 3,
+    outer = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=0.6, momentum=0.0)).build(torch.zeros(1), torch.zeros(0), 3,
                                                                                    budget=None)
     outer.process([Push(w, Kind.HELLO, 0, 0.0, 0.0) for w in range(3)])
 
@@ -399,7 +400,7 @@ def test_a_resumed_run_takes_its_own_n_not_the_checkpoints():
     steps each push by lr / 3 from its first push, not by lr / 1."""
     from lightning_hdet.asynchronous.outer.state import OuterSettings
 
-    settings = OuterSettings(local_steps=4, outer_lr=0.6, outer_momentum=0.0)
+    settings = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=0.6, momentum=0.0))
     ended = settings.build(torch.zeros(1), torch.zeros(0), 3, budget=None)
     ended.follow_live(1)
     assert ended.optimizer.param_groups[0]["buffer_size"] == 1

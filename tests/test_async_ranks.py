@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.exchange.ranks import FollowerTransport, LeaderTransport, WorkerRanks
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.wire.messages import Kind, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 from tests.helpers import START, LinearModel, flat_params, load_ranks, trainer_kwargs
@@ -150,7 +151,7 @@ def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4, 
     # plain averaging outer step (Local SGD): what is under test is the workers' ranks, not the outer optimizer
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
     strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, ranks_per_worker=ranks_per_worker,
-                                     outer_lr=1.0, outer_momentum=0.0, pull_compression=pull, start_method=START,
+                                     outer=DelayedNesterov(lr=1.0, momentum=0.0), pull_compression=pull, start_method=START,
                                      **fixed)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -1,17 +1,13 @@
-"""The outer momentum's warm-up and restarts, and the named outer settings (pure, hand-computed values)."""
+"""The outer momentum's warm-up and restarts, and the named outer optimizers (pure, hand-computed values)."""
 
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
-from lightning_hdet.asynchronous.outer.momentum import (
-    OUTER_PRESETS,
-    MomentumSchedule,
-    OuterPreset,
-    momentum_tail,
-    resolve_outer,
-    stable_outer_lr,
-)
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov as DN
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterovOptimizer as DelayedNesterov
+from lightning_hdet.asynchronous.outer.delayed_nesterov import MomentumSchedule
+from lightning_hdet.asynchronous.outer.momentum import OUTER_PRESETS, momentum_tail, outer_from, stable_outer_lr
+from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
 from lightning_hdet.asynchronous.outer.state import OuterSettings
 
 #: ``1 + 0.9 + ... + 0.9^8``: one push's whole motion, in ``outer_lr`` x the push, at momentum 0.9 restarted every 8
@@ -101,22 +97,20 @@ def test_warm_up_and_restarts_stop_the_oscillation_of_stale_pushes():
     assert slow[0.9] < slow[0.0]
 
 
-def test_resolve_outer_presets_and_overrides():
-    stable = OuterPreset(pytest.approx(1 / TAIL), 0.9, 16, 8)  # 0.163: one push's whole echo at most the push
-    assert resolve_outer(None) == resolve_outer("stable") == stable
-    assert resolve_outer(None, momentum=0.5) == OuterPreset(0.375, 0.5, 16, 8)  # 1.5 / (2 * 2): lr follows beta
-    assert resolve_outer(None, restart=0) == OuterPreset(pytest.approx(0.1), 0.9, 16, 0)  # 1 / 10: and restarts
-    assert resolve_outer(None, restart=4) == OuterPreset(pytest.approx(1 / 4.0951), 0.9, 16, 4)
-    assert resolve_outer(None, lr=0.2, momentum=0.5) == OuterPreset(0.2, 0.5, 16, 8)  # an explicit lr stays
-    assert resolve_outer("robust") == OuterPreset(0.7, 0.9, 16, 8)
-    assert resolve_outer("published") == OUTER_PRESETS["published"] == OuterPreset(0.7, 0.9, 0, 0)
-    assert resolve_outer("published", momentum=0.5, restart=2) == OuterPreset(0.7, 0.5, 0, 2)
-    with pytest.raises(ValueError, match="`outer` must be one of"):
-        resolve_outer("fast")
-    with pytest.raises(ValueError, match="`outer_momentum`"):
-        resolve_outer(None, momentum=1.0)
-    with pytest.raises(ValueError, match="`momentum_restart`"):
-        resolve_outer(None, restart=-1)
+def test_presets_build_the_objects_with_every_number_in_force():
+    """A preset is one row of numbers and builds the object a user could write; the object's repr shows them all."""
+    stable = outer_from(None)
+    assert stable == outer_from("stable") == DN(lr=stable_outer_lr(0.9, 8), momentum=0.9, warmup=16, restarts=8)
+    assert stable.lr == pytest.approx(1 / TAIL)  # 0.163: one push's whole echo at most the push
+    assert outer_from("robust") == DN(lr=0.7, momentum=0.9, warmup=16, restarts=8)
+    assert outer_from("published") == DN(lr=0.7, momentum=0.9)  # no hidden warm-up
+    assert outer_from("sparseloco") == SparseLoCo(lr=1.0, error_decay=0.95)
+    assert repr(outer_from("published")) == ("DelayedNesterov(lr=0.7, momentum=0.9, warmup=0, restarts=0,"
+                                             " buffer_size=None, momentum_activation=0.0)")
+    mine = DN(lr=0.7, momentum=0.9)
+    assert outer_from(mine) is mine
+    with pytest.raises(ValueError, match="`outer` must be one of .* Or an object: DelayedNesterov"):
+        outer_from("fast")
 
 
 def test_stable_outer_lr_hand_computed():
@@ -161,7 +155,8 @@ def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(worke
     beyond 100 within 50 rounds per worker (211 and 5e4 measured), the default preset (outer lr 0.163 and 0.327)
     is below 1e-2 by then (1e-6 and 2.8e-3; at 0.339 for every W, before issue 42's elastic fix: 1.4e-6 and 5e-5)
     and below 1e-4 after 200 (9e-17 and 2.5e-6; before: 3e-16 and 1e-5)."""
-    robust, stable = OUTER_PRESETS["robust"], resolve_outer(None)
+    robust, stable = OUTER_PRESETS["robust"], OUTER_PRESETS["stable"]
+    stable = type(stable)(stable_outer_lr(stable.momentum, stable.restart), stable.momentum, stable.warmup, stable.restart)
     diverged = _round_robin(robust.momentum, robust.warmup, robust.restart, 2.0, 50, workers, robust.lr)
     assert diverged[-1] > 100
     converged = _round_robin(stable.momentum, stable.warmup, stable.restart, 2.0, 200, workers, stable.lr)
@@ -169,8 +164,8 @@ def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(worke
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(momentum=1.0), "outer_momentum"), (dict(momentum=0.9, warmup=-1), "momentum_warmup"),
-    (dict(momentum=0.9, restart=1.5), "momentum_restart"),
+    (dict(momentum=1.0), "`momentum`"), (dict(momentum=0.9, warmup=-1), "`warmup` must be an integer >= 0, got -1"),
+    (dict(momentum=0.9, restart=1.5), "`restarts` must be an integer >= 0, got 1.5"),
 ])
 def test_bad_schedule(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -201,13 +196,14 @@ def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end
     exactly, where the workers' rounds ended, and no further. At 0.339 (the default before, for any W) to
     1 - 0.339 * TAIL * 2 = -3.2: 3.2 times past the optimum, growth at every such visit."""
     x = torch.ones(1)
-    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, momentum_warmup=0,
+    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False,
+                             outer=DN(lr=stable_outer_lr(0.9, 8), momentum=0.9, restarts=8),
                              **({"dynamic_local_steps": False} if mode == "async" else {}))
     state = settings.build(x, torch.zeros(0), workers, None)
     for update in range(1, 20):  # the 8th momentum update restarts the momentum before taking the pushes
         _rounds(state, [(w, 2 * torch.ones(1) if update == 8 else torch.zeros(1)) for w in range(workers)], mode)
-    assert settings.preset.lr == pytest.approx(1 / TAIL)
-    assert float(x) == pytest.approx(1 - settings.preset.lr * TAIL * 2, abs=1e-6)
+    assert settings.outer.lr == pytest.approx(1 / TAIL)
+    assert float(x) == pytest.approx(1 - settings.outer.lr * TAIL * 2, abs=1e-6)
     assert float(x) == pytest.approx(-1.0, abs=1e-6)
 
 

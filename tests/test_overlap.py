@@ -22,6 +22,7 @@ from lightning_hdet.asynchronous.exchange.overlap import check_overlap_steps, co
 from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
 from lightning_hdet.asynchronous.exchange.public_model import PublicModel
 from lightning_hdet.asynchronous.exchange.server import Server
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.state import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport
@@ -66,7 +67,7 @@ def test_bad_overlap_steps_are_refused_before_any_process_group(kwargs: dict, ma
 
 # ------------------------------------------------------------------------------- the budget with pending steps
 def _outer(mode: str, budget: int, **kwargs):
-    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, outer_lr=1.0, outer_momentum=0.0, **kwargs)
+    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, outer=DelayedNesterov(lr=1.0, momentum=0.0), **kwargs)
     return settings.build(torch.zeros(2), torch.zeros(0), workers=2, budget=budget)
 
 
@@ -213,7 +214,7 @@ def test_rank_0_merges_in_place_from_the_outer_state_in_diloco(device: str, pull
     ([5, 5]), push Δ = [1, 1] − [5, 5] (4 steps): global [3, 3]. 2 steps ([7, 7]); merge: [3, 3] + ([7, 7] − [5, 5])
     = [5, 5]. The goodbye pushes the 2 carried steps, [3, 3] − [5, 5]: global [4, 4]; 2 + 4 + 2 steps applied."""
     module = Pair().to(device)
-    outer = OuterSettings(mode="sync", local_steps=4, check_pushes=False, outer_lr=0.5, outer_momentum=0.0).build(
+    outer = OuterSettings(mode="sync", local_steps=4, check_pushes=False, outer=DelayedNesterov(lr=0.5, momentum=0.0)).build(
         torch.zeros(2), torch.zeros(0), workers=1, budget=None)
     layout = Fragments([torch.Size([2])], pull_compression=pull)
     server = Server(outer, 1, None, timeout=10.0, layout=layout)

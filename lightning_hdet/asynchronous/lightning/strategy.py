@@ -8,7 +8,6 @@ decides (early stopping, best checkpoints) and writes checkpoints. See ``docs/as
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -48,7 +47,11 @@ from lightning_hdet.asynchronous.lightning.shard_hooks import (
     check_sharded_entry,
     ddp_arguments,
 )
+from lightning_hdet.asynchronous.outer.base import OuterOptimizer
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.wire.codecs import Codec, codec_numbers
 from lightning_hdet.asynchronous.wire.messages import Kind
 from lightning_hdet.records import History
 
@@ -69,41 +72,34 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     Args:
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
-        outer: ``"stable"`` (default: momentum 0.9 with warm-up and restarts, the outer lr that keeps every round
-            and every push's momentum echo unamplified, 0.163), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see
-            ``docs/async.md``); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when
-            given, replace its numbers (the derived lr follows ``outer_momentum`` and ``momentum_restart``).
-            ``"sparseloco"``: DiLoCo with a sparse codec only: the global model moves by ``outer_lr`` (default 1)
-            times the mean of the sparse pushes, with no outer momentum (the workers' error feedback, decayed by
-            ``error_decay``, carries it), so its change is exactly sparse and sparse pulls can send it exactly.
-        delayed_nesterov: async only (refused with ``mode="sync"``, like the next two): Delayed Nesterov (default
-            True) or plain Nesterov SGD (False).
-        dynamic_local_steps: give slower workers proportionally fewer local steps (default True).
-        grace_period: pushes arriving within this many seconds of a batch's first one are applied as one batch and
-            those workers restart from the same parameters; it closes early once every training worker pushed (0).
-        buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
-        momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
-        min_local_steps: lower bound of a worker's round length (1).
-        speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
-        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0 (AdamW:
-            twice the model per push and per worker on rank 0). False (default): each worker writes its own file
-            beside every checkpoint (see ``docs/async.md``).
-        compression: the pushes' codec: ``"none"``, ``"bf16"``, ``"int8"``, ``"topk2"`` or ``"topk4"``.
-        error_feedback: each worker adds what its codec lost to its next push (default: on with every codec;
-            refused with ``"none"``, which loses nothing).
+        outer: the outer optimizer, an object: ``DelayedNesterov(lr, momentum, warmup, restarts, buffer_size,
+            momentum_activation)``, ``Nesterov(lr, momentum)`` (DiLoCo's published step) or ``SparseLoCo(lr,
+            error_decay)`` (DiLoCo with a TopK codec); or a preset's name: ``"stable"`` (default: Delayed Nesterov
+            0.9 with a warm-up and restarts, lr 0.163), ``"published"`` (0.7 / 0.9), ``"robust"``, ``"sparseloco"``
+            (see ``docs/async.md``). What it says is what runs: its repr and :attr:`config` show every number.
+        compression: the pushes' codec: ``NoCodec()``, ``BF16()``, ``Int8()``, ``TopK(fraction, bits)``, or a
+            preset's name: ``"none"``, ``"bf16"``, ``"int8"``, ``"topk2"``, ``"topk4"``.
         pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (workers train from the
             global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost), or ``"int8"``: a
             pull sends only the changes of a public copy of the global model since the worker's last pull, in
             int8, and what a change left out follows in later ones (a worker's first pull sends the model; rank 0
             holds one model more, and in async mode up to one more of changes; see ``docs/async.md``). With
-            ``outer="sparseloco"`` also ``compression``'s sparse codec: each change is the round's pushes
-            forwarded, and workers hold the global model exactly.
-        error_decay: with ``outer="sparseloco"`` only: ``beta`` in [0, 1], the weight of what a worker's codec left
-            out in its next push (default 0.95, SparseLoCo's).
-        check_pushes: every push is checked (finite, its layout, a norm within ``max_norm_ratio`` times the recent
-            median); a bad one is discarded whole and its worker restarts from the global model.
-        max_norm_ratio: a push whose norm exceeds this multiple of the recent median is rejected (10).
-        max_rejections: a worker rejected this many times in a row stops; the others go on (3).
+            ``SparseLoCo`` also ``compression``'s TopK codec: each change is the round's pushes forwarded, and
+            workers hold the global model exactly.
+        error_feedback: each worker adds what its codec lost to its next push (default: on with every codec;
+            refused with ``"none"``, which loses nothing).
+        check_pushes: ``True`` (``PushCheck()``: every push is checked, finite, its layout, a norm within 10 times
+            the recent median, 3 rejections in a row stop a worker), a ``PushCheck(max_norm_ratio, max_rejections)``,
+            or ``False``. A bad push is discarded whole and its worker restarts from the global model.
+        dynamic_local_steps: async only (refused with ``mode="sync"``, like ``grace_period``): give slower workers
+            proportionally fewer local steps (default True).
+        min_local_steps: lower bound of a worker's round length (1).
+        grace_period: pushes arriving within this many seconds of a batch's first one are applied as one batch and
+            those workers restart from the same parameters; it closes early once every training worker pushed (0).
+        speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
+        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0 (AdamW:
+            twice the model per push and per worker on rank 0). False (default): each worker writes its own file
+            beside every checkpoint (see ``docs/async.md``).
         ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
             arguments among ``kwargs`` apply there), and push once per round; 1: each rank is a worker. A divisor of
             the world size leaving at least 2 workers; see ``docs/async.md``, "Workers of several ranks".
@@ -119,7 +115,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             overlaps in DiLoCo only. See ``docs/async.md``, "Overlapping the exchange with compute".
         stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
             ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
-            period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``outer="sparseloco"``.
+            period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``SparseLoCo``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...; its ``timeout`` also bounds the exchange: longer than a round), and DDP's
             (``find_unused_parameters``, ...) with ``ranks_per_worker > 1`` only; any other name is refused.
@@ -127,33 +123,26 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     strategy_name = "async_local_sgd"
 
-    def __init__(self, local_steps: int = 50, mode: Mode = "async", outer_lr: float | None = None,
-                 outer_momentum: float | None = None, delayed_nesterov: bool | None = None,
-                 buffer_size: int | None = None, momentum_activation: float = 0.0,
+    def __init__(self, local_steps: int = 50, mode: Mode = "async", outer: OuterOptimizer | str | None = None,
+                 compression: Codec | str = "none", pull_compression: Codec | str = "none",
+                 error_feedback: bool | None = None, check_pushes: PushCheck | bool = True,
                  dynamic_local_steps: bool | None = None, min_local_steps: int = 1, grace_period: float | None = None,
-                 speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
-                 outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
-                 compression: str = "none", error_feedback: bool | None = None, pull_compression: str = "none",
-                 check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
-                 ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
-                 auto_wrap_policy: ShardingPolicy = None, error_decay: float | None = None, stagger: int = 1,
-                 **kwargs: Any) -> None:
+                 speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False, ranks_per_worker: int = 1,
+                 inside_worker: str = "ddp", auto_wrap_policy: ShardingPolicy = None, overlap_steps: int = 0,
+                 stagger: int = 1, **kwargs: Any) -> None:
+        refuse_moved(type(self).__name__, kwargs)
         check_names_of(type(self), kwargs, ranks_per_worker)  # a misspelled name before any value's check
-        arguments = dict(locals())
-        settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
-        error_feedback, error_decay = check_exchange_options(settings, compression, error_feedback, pull_compression,
-                                                             error_decay, overlap_steps, ranks_per_worker)
+        self.outer_settings = OuterSettings(mode, local_steps, outer, min_local_steps, dynamic_local_steps,
+                                            grace_period, speed_smoothing, check_pushes, stagger)
+        self.compression, self.pull_compression, self.error_feedback = check_exchange_options(
+            self.outer_settings, compression, error_feedback, pull_compression, overlap_steps, ranks_per_worker)
         check_inside_worker(inside_worker, ranks_per_worker, checkpoint_inner_states, ddp_arguments(kwargs),
                             auto_wrap_policy)
         check_ddp_hooks(kwargs, ranks_per_worker)
         super().__init__(**kwargs)
         self.ranks_per_worker, self.overlap_steps, self.inside_worker = ranks_per_worker, overlap_steps, inside_worker
         self.auto_wrap_policy = auto_wrap_policy
-        for name, value in vars(settings).items():  # the arguments stay readable (and settable) by name
-            setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states
-        self.compression, self.error_feedback, self.pull_compression = compression, error_feedback, pull_compression
-        self.error_decay = error_decay
         # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
@@ -161,19 +150,19 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self._reset_run_state()
 
     @property
-    def config(self) -> dict[str, Any]:
-        """The settings, as recorded in the logger's run config under ``async/...``."""
-        keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
-                "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
-                "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections",
-                "ranks_per_worker", "overlap_steps", "inside_worker", "error_decay", "stagger")
-        numbers = self.outer_settings.numbers()  # in effect
-        return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_workers}
+    def mode(self) -> str:
+        """``"async"`` or ``"sync"`` (DiLoCo)."""
+        return self.outer_settings.mode
 
     @property
-    def outer_settings(self) -> OuterSettings:
-        """The outer side's hyperparameters, from this strategy's arguments."""
-        return OuterSettings(**{f.name: getattr(self, f.name) for f in fields(OuterSettings)})
+    def config(self) -> dict[str, Any]:
+        """Every setting in force, the objects' numbers included, as recorded in the logger's run config under
+        ``async/...``."""
+        return {**self.outer_settings.numbers(), **codec_numbers("compression", self.compression),
+                **codec_numbers("pull_compression", self.pull_compression), "error_feedback": self.error_feedback,
+                "checkpoint_inner_states": self.checkpoint_inner_states, "ranks_per_worker": self.ranks_per_worker,
+                "overlap_steps": self.overlap_steps, "inside_worker": self.inside_worker,
+                "workers": self._expected_workers}
 
     def _reset_run_state(self) -> None:
         self.training_apart = False
@@ -196,7 +185,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
             )
         self.check_worker_layout()
-        self.outer_settings.check_workers(self._expected_workers)
+        self.outer_settings.outer.check_workers(self._expected_workers)
         super()._configure_launcher()
         if self.inside_worker == "fsdp" and type(self._launcher) is MultiProcessingLauncher:
             self._launcher = ShardedWorkersLauncher(self, start_method=self._start_method)
@@ -268,8 +257,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
                                   inner, outer, self.compression, self.error_feedback, self.pull_compression,
-                                  self.optimizers[0], self.check_pushes, ranks, self.exchange_group, self.overlap_steps,
-                                  self.shard_group, self.outer_settings.preset.sparse, self.error_decay, self.stagger)
+                                  self.optimizers[0], self.outer_settings.check_pushes is not None, ranks,
+                                  self.exchange_group, self.overlap_steps, self.shard_group, self.outer_settings.outer,
+                                  self.outer_settings.stagger)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
         if not self.checkpoint_inner_states:  # else the states travel with the pushes and rank 0's file holds them
