@@ -18,7 +18,7 @@ from lightning_hdet import AsyncLocalSGDStrategy
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
 from lightning_hdet.asynchronous.outer.state import OuterState
-from lightning_hdet.asynchronous.outer.steps import AsyncStep
+from lightning_hdet.asynchronous.outer.state import AsyncStep
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 from tests.helpers import load_ranks, trainer_kwargs
 

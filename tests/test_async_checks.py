@@ -13,7 +13,7 @@ from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet import AsyncLocalSGDStrategy
 from lightning_hdet.asynchronous.outer.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, Nesterov
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push
 from tests.test_async_exchange import CPU, _round, _start
 

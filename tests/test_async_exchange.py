@@ -15,8 +15,9 @@ from torch import nn
 from lightning_hdet.asynchronous.exchange.server import Server
 from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, Nesterov
-from lightning_hdet.asynchronous.outer.state import OuterSettings, OuterState
-from lightning_hdet.asynchronous.outer.steps import AsyncStep
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterState
+from lightning_hdet.asynchronous.outer.state import AsyncStep
 from lightning_hdet.asynchronous.wire.codecs import codec_from
 from lightning_hdet.asynchronous.wire.messages import (
     Fragments,

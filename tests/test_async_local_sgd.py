@@ -17,12 +17,15 @@ from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.exchange.server import Server
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
-from lightning_hdet.asynchronous.outer.state import OuterSettings, OuterState
-from lightning_hdet.asynchronous.outer.steps import AsyncStep, SyncStep
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterState
+from lightning_hdet.asynchronous.outer.state import AsyncStep, SyncStep
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 from lightning_hdet.asynchronous.wire.transport import ServerTransport
 from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
+#: "stable"'s momentum schedule at outer lr 0.5
+STABLE_AT_HALF = DelayedNesterov(lr=0.5, momentum=0.9, warmup=16, restarts=8)
 BASE_SECONDS = 0.05  # a factor-1 step; the slow rank takes 4x
 
 
@@ -207,7 +210,7 @@ def test_callbacks_with_slow_worker_then_resume(tmp_path):
         x, y = model.data[256:320]
         initial_val_loss = float(nn.functional.mse_loss(model.layer(x), y))
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1, save_last=True)
-    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer_lr=0.5)
+    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer=STABLE_AT_HALF)
     first = _fit(tmp_path / "a", model, strategy, max_steps=20, val_check_interval=5,
                  callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), ckpt])
     outer = first[0]["outer"]
@@ -236,7 +239,7 @@ def test_callbacks_with_slow_worker_then_resume(tmp_path):
         )
     # resume: the budget is the whole run's (world size x max_steps), counters continue
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer_lr=0.5)
+    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer=STABLE_AT_HALF)
     early = EarlyStopping(monitor="val_loss", stopping_threshold=1e9, check_on_train_epoch_end=False)
     second = _fit(tmp_path / "b", Regression(), strategy, max_steps=400, val_check_interval=5,
                   ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), early])
@@ -369,7 +372,7 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     stops after the first push: N stays 3 until the cycle's third push, then each push moves by 0.6 / 2 (before, a
     run that lost a worker stepped every push at 2/3 of the same run without it). A configured buffer_size stays
     the ceiling; DiLoCo's N is 1 and does not follow."""
-    from lightning_hdet.asynchronous.outer.state import OuterSettings
+    from lightning_hdet.asynchronous.outer.settings import OuterSettings
 
     outer = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=0.6, momentum=0.0)).build(torch.zeros(1), torch.zeros(0), 3,
                                                                                    budget=None)
@@ -385,7 +388,7 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     assert [push(1), push(0)] == pytest.approx([0.2, 0.2])  # the cycle's third push: a boundary, N = 2 from here
     assert outer.optimizer.param_groups[0]["buffer_size"] == 2
     assert [push(1), push(0)] == pytest.approx([0.3, 0.3])
-    capped = OuterSettings(buffer_size=2).build(torch.zeros(1), torch.zeros(0), 4, budget=None)
+    capped = OuterSettings(outer=DelayedNesterov(lr=0.5, buffer_size=2)).build(torch.zeros(1), torch.zeros(0), 4, budget=None)
     capped.follow_live(3)
     assert capped.optimizer.param_groups[0]["buffer_size"] == 2  # the user's N is the ceiling
     capped.follow_live(1)
@@ -398,7 +401,7 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
 def test_a_resumed_run_takes_its_own_n_not_the_checkpoints():
     """A checkpoint written once its workers had stopped holds N = 1; the run that resumes it on three workers
     steps each push by lr / 3 from its first push, not by lr / 1."""
-    from lightning_hdet.asynchronous.outer.state import OuterSettings
+    from lightning_hdet.asynchronous.outer.settings import OuterSettings
 
     settings = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=0.6, momentum=0.0))
     ended = settings.build(torch.zeros(1), torch.zeros(0), 3, budget=None)

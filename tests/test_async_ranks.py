@@ -44,11 +44,11 @@ def test_bad_ranks_per_worker_refused_before_process_groups(k, devices, match):
 
 
 def test_workers_counted_not_ranks():
-    strategy = AsyncLocalSGDStrategy(ranks_per_worker=2, buffer_size=2)
+    strategy = AsyncLocalSGDStrategy(ranks_per_worker=2, outer=DelayedNesterov(lr=0.5, buffer_size=2))
     Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
     assert strategy.config["workers"] == 2 and strategy.config["ranks_per_worker"] == 2
-    with pytest.raises(ValueError, match="buffer_size=3"):  # N is checked against the workers, not the ranks
-        Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=2, buffer_size=3), accelerator="cpu", devices=4,
+    with pytest.raises(ValueError, match="`buffer_size` must be 1..2"):  # N is checked against the workers, not ranks
+        Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=2, outer=DelayedNesterov(lr=0.5, buffer_size=3)), accelerator="cpu", devices=4,
                 logger=False)
     with pytest.raises(ValueError, match="ddp_comm_hook"):  # nothing to hook with one rank per worker
         AsyncLocalSGDStrategy(ddp_comm_hook=lambda *a: None)

@@ -47,7 +47,7 @@ from lightning_hdet import (
     Softmax,
     experimental,
 )
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterovOp
 from lightning_hdet.asynchronous.outer.delayed_nesterov import MomentumSchedule
 from lightning_hdet.asynchronous.outer.momentum import OUTER_PRESETS, momentum_tail, outer_from, stable_outer_lr
 from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 
 #: ``1 + 0.9 + ... + 0.9^8``: one push's whole motion, in ``outer_lr`` x the push, at momentum 0.9 restarted every 8
 TAIL = (1 - 0.9**9) / (1 - 0.9)

@@ -23,7 +23,7 @@ from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
 from lightning_hdet.asynchronous.exchange.public_model import PublicModel
 from lightning_hdet.asynchronous.exchange.server import Server
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport, receive_reply, send_reply

@@ -10,7 +10,7 @@ from lightning_hdet.asynchronous.exchange.public_model import PublicModel
 from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.outer.sparseloco import RoundCodec, SparseLoCo, SparseRound
 from lightning_hdet.asynchronous.outer.sparseloco import SparseSyncStep
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import ErrorFeedback, Int8, TopK
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.wire.transport import receive_reply, send_reply
@@ -159,7 +159,7 @@ def test_sparse_pulls_leave_both_workers_with_the_global_model_exactly() -> None
     server, network, modules = _start(settings, budget=8, layout=layout)
     assert server.public is not None
     server.public.max_log_bytes = 64
-    workers = [Worker(modules[0], CPU, server.local, layout=layout, error_decay=0.5),
+    workers = [Worker(modules[0], CPU, server.local, layout=layout, error_decay=0.5),  # SparseLoCo(error_decay=0.5)
                Worker(modules[1], CPU, network.ends[1], layout=layout, error_decay=0.5)]
     _one_round_each(server, workers, modules, local={0: ([2.0, 1.0], 2.0), 1: ([3.0, -4.0], 6.0)})
     assert server.outer.params.tolist() == [1.0, -2.0]

@@ -17,7 +17,7 @@ from lightning_hdet import AsyncLocalSGDStrategy
 from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import TopK
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport

@@ -27,7 +27,7 @@ from lightning_hdet._process_groups import destroy_default_group_at_exit, destro
 from lightning_hdet.asynchronous.exchange.exchange import Exchange
 from lightning_hdet.asynchronous.lightning.exchange_options import check_exchange_options
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind
 
 _CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression")

@@ -30,7 +30,7 @@ from lightning_hdet.asynchronous.elastic.membership import SessionLost, proof_ma
 from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_token, should_park
 from lightning_hdet.asynchronous.exchange.exchange import read_model
 from lightning_hdet.asynchronous.lightning.readouts import outer_result
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.result import AsyncResult
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.wire.codecs import Codec, check_codecs, codec_from

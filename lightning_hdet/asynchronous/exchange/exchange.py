@@ -27,7 +27,8 @@ from lightning_hdet.asynchronous.exchange.server import Server
 from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.exchange.worker_shards import ShardedWorker
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
-from lightning_hdet.asynchronous.outer.state import OuterSettings, OuterState
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.codecs import Codec, NoCodec
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind
 from lightning_hdet.asynchronous.wire.transport import (

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_hdet.asynchronous.exchange.overlap import check_overlap_steps, check_stagger_exchange
 from lightning_hdet.asynchronous.exchange.ranks import check_ranks_per_worker
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import Codec, check_codecs, codec_from
 
 

@@ -50,7 +50,7 @@ from lightning_hdet.asynchronous.lightning.shard_hooks import (
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import Codec, codec_numbers
 from lightning_hdet.asynchronous.wire.messages import Kind
 from lightning_hdet.records import History

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hdet._checks import KnownArguments
-from lightning_hdet.asynchronous.outer.steps import AsyncStep, StepPolicy, SyncStep
+from lightning_hdet.asynchronous.outer.state import AsyncStep, StepPolicy, SyncStep
 from lightning_hdet.asynchronous.wire.codecs import Codec
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -33,11 +33,8 @@ from torch.optim import Optimizer
 from lightning_hdet._checks import check_number, require
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterovOptimizer
-from lightning_hdet.asynchronous.outer.steps import StepPolicy, SyncStep
+from lightning_hdet.asynchronous.outer.state import OuterState, StepPolicy, SyncStep
 from lightning_hdet.asynchronous.wire.codecs import Codec, TopK
-
-if TYPE_CHECKING:
-    from lightning_hdet.asynchronous.outer.state import OuterState
 
 #: SparseLoCo's error-feedback decay ``beta`` (the paper's setting), the default of ``error_decay``.
 SPARSELOCO_DECAY = 0.95

@@ -5,8 +5,10 @@ Lightning.
 Pushes arrive in fragments (:class:`~.messages.Fragments`) and are applied fragment by fragment as they arrive:
 the outer optimizer holds one parameter per fragment (views of the flat global parameters), so that stepping a
 fragment is the step of the whole vector restricted to it. How pushes become outer updates and how long each
-worker's next round is differ between the two modes, and are the step policies of :mod:`.steps`; the outer
-optimizer object (:mod:`.base`) builds its ``torch.optim.Optimizer`` and picks its policy.
+worker's next round is differ between the two modes, and are two step policies: :class:`AsyncStep` (each push
+applied on arrival, round lengths by speed, budget shared by speed) and :class:`SyncStep` (DiLoCo: the mean of
+every worker's push, one outer step at the end of the round, equal round lengths). The outer optimizer object
+(:mod:`.base`) builds its ``torch.optim.Optimizer`` and picks its policy; :mod:`.settings` builds the state.
 """
 
 from __future__ import annotations
@@ -16,23 +18,20 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hdet._checks import KnownArguments, check_choice, check_number
+from lightning_hdet._checks import check_int
 from lightning_hdet._tensors import state_from_bytes
-from lightning_hdet.asynchronous.outer.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem, push_check_from
-from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, validate_local_steps
-from lightning_hdet.asynchronous.outer.momentum import outer_from
-from lightning_hdet.asynchronous.outer.steps import StepPolicy, check_stagger
+from lightning_hdet.asynchronous.outer.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem
+from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
 log = logging.getLogger(__name__)
 
-MODES = ("async", "sync")
 _STAT_KEYS = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s", "push_bytes",
               "pull_bytes", "dense_pulls", "rejected")
 
@@ -76,79 +75,115 @@ class WorkerStats:
         self.total_wait_s += wait_s
 
 
-#: The options only async mode uses, and their defaults there.
-_ASYNC_ONLY: dict[str, Any] = {"dynamic_local_steps": True, "grace_period": 0.0}
-_WHY_NOT_SYNC = {
-    "dynamic_local_steps": "every round is `local_steps` long, since each outer step waits for every worker.",
-    "grace_period": "each outer step already waits for every worker's push.",
-}
+class StepPolicy(Protocol):
+    """How a batch of pushes becomes outer updates, and how long a worker's next round is."""
+
+    #: ``"async"`` or ``"sync"`` (recorded in checkpoints).
+    mode: str
+    #: Seconds after a batch's first push during which later pushes join it; ``None``: until every worker
+    #: still training has pushed.
+    batch_window: float | None
+
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        """One arriving fragment of a push's pseudo-gradient (``index``: which fragment)."""
+
+    def pushed(self, outer: OuterState) -> None:
+        """A push's last fragment has arrived."""
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        """The batch closed; ``pushes`` of its pushes carried a pseudo-gradient."""
+
+    def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
+        """``worker``'s next round length within the budget left (``n_waiting`` workers wait for a reply)."""
+
+    def keeps_messages(self, codecs: list, workers: int) -> object | None:
+        """Where the server keeps each applied push's messages for this policy (``None``: it keeps none)."""
 
 
-@dataclass(frozen=True)
-class OuterSettings(KnownArguments):
-    """The outer side's settings (the strategies' and :class:`~..elastic.service.OuterService`'s arguments of the same
-    names), checked on creation: the outer optimizer object, the rounds, the push checks."""
+class AsyncStep:
+    """Asynchronous Local-SGD: every push is its own outer update, in arrival order; each worker's next round
+    length follows its speed; the budget left is shared without waiting for anyone.
 
-    mode: str = "async"
-    local_steps: int = 50
-    #: An :class:`~.base.OuterOptimizer`, or a preset's name (:mod:`.momentum`; ``None``: ``"stable"``): the object.
-    outer: Any = None
-    min_local_steps: int = 1
-    #: Async only (``None``: True in async mode; refused with DiLoCo, whose rounds are all ``local_steps`` long).
-    dynamic_local_steps: bool | None = None
-    #: Async only (``None``: 0.0 in async mode; refused with DiLoCo, which always waits for every worker).
-    grace_period: float | None = None
-    speed_smoothing: float = 0.5
-    #: A :class:`~.checks.PushCheck`, ``True`` (its defaults) or ``False``: once built, the object or ``None``.
-    check_pushes: Any = True
-    #: DiLoCo only: the model is synchronised in this many parts, one every ``local_steps / stagger`` steps.
-    stagger: int = 1
+    Args:
+        grace_period: pushes arriving within this many seconds of a batch's first one join that batch.
+    """
 
-    def __post_init__(self) -> None:
-        check_choice("mode", self.mode, MODES)
-        for name, default in _ASYNC_ONLY.items():
-            value = getattr(self, name)
-            if self.mode == "sync" and value is not None:  # recorded as in force while doing nothing: refused
-                raise ValueError(f"`{name}={value!r}` has no effect with mode='sync' (DiLoCo): {_WHY_NOT_SYNC[name]}"
-                                 f" Remove it, or use mode='async'.")
-            if self.mode == "async" and value is None:
-                object.__setattr__(self, name, default)  # frozen: filled once, here
-        object.__setattr__(self, "outer", outer_from(self.outer))
-        object.__setattr__(self, "check_pushes", push_check_from(self.check_pushes))
-        validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
-        check_stagger(self.stagger, self.mode, self.local_steps)
-        if self.grace_period is not None:
-            check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
-        self.outer.check(self.mode, self.stagger)
+    mode = "async"
 
-    def numbers(self) -> dict[str, Any]:
-        """Every setting in force, the objects' numbers included (the run config)."""
-        checks = self.check_pushes
-        return {"mode": self.mode, "local_steps": self.local_steps, "outer": type(self.outer).__name__,
-                **{f"outer/{k}": v for k, v in self.outer.numbers().items()}, "min_local_steps": self.min_local_steps,
-                "dynamic_local_steps": self.dynamic_local_steps, "grace_period": self.grace_period,
-                "speed_smoothing": self.speed_smoothing, "check_pushes": checks is not None,
-                **({f"check_pushes/{k}": v for k, v in checks.numbers().items()} if checks is not None else {}),
-                "stagger": self.stagger}
+    def __init__(self, grace_period: float = 0.0) -> None:
+        self.batch_window: float | None = grace_period
 
-    def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None,
-              ranges: list[tuple[int, int]] | None = None, parts: list[range] | None = None) -> OuterState:
-        """The outer state over the flat host tensors ``params`` and ``buffers`` (the global model's start): the
-        outer optimizer object's ``torch.optim.Optimizer`` and step policy. ``ranges``: the fragments pushes arrive
-        in (default: one); ``parts``: their indices by part, when staggered (:attr:`~.messages.Fragments.parts`)."""
-        params.requires_grad_(False)
-        views = [params[s:e] for s, e in ranges or [(0, params.numel())]]  # leaves: params needs no grad
-        outer, is_async = self.outer, self.mode == "async"
-        policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, bool(self.dynamic_local_steps) and is_async,
-                                  self.speed_smoothing)
-        check = self.check_pushes.fresh() if self.check_pushes is not None else None
-        state = OuterState(params, outer.optimizer(views, self.mode, workers), policy,
-                           outer.step_policy(self.mode, self.stagger, self.grace_period), budget, buffers=buffers,
-                           check=check, max_rejections=check.max_rejections if check else PushCheck.MAX_REJECTIONS,
-                           follows_live=outer.follows_live(self.mode), configured_buffer=outer.buffer_size,
-                           parts=parts or [])
-        state.follow_live(workers)
-        return state
+    def keeps_messages(self, codecs: list, workers: int) -> object | None:
+        return None
+
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        outer.step_fragment(index, gradient)
+
+    def pushed(self, outer: OuterState) -> None:
+        outer.outer_updates += 1
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        pass
+
+    def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
+        steps = outer.local_steps.next_local_steps(worker)
+        if outer.budget is None:
+            return steps
+        in_flight = sum(s.in_flight for w, s in outer.workers.items() if w != worker)
+        return min(steps, outer.budget - outer.steps_done - in_flight - outer.pending_steps)
+
+
+class SyncStep:
+    """DiLoCo: one outer update with the mean of every worker's push; every worker runs ``H`` steps, the last
+    round shortened so that the budget is met exactly.
+
+    Args:
+        stagger: ``F``: rounds are ``H / F`` steps long and each push carries one of ``F`` parts of the model
+            (Streaming DiLoCo; :mod:`.overlap`), so each fragment's outer step takes the mean of the pushes that
+            carried it.
+    """
+
+    mode = "sync"
+    #: ``None``: a batch waits for every worker still training.
+    batch_window: float | None = None
+
+    def __init__(self, stagger: int = 1) -> None:
+        self.stagger = stagger
+        self._sum: Tensor | None = None  # the round's summed pseudo-gradient: one model, not one per worker
+        self._counts: list[int] = []  # per fragment, how many pushes are in the sum
+
+    def keeps_messages(self, codecs: list, workers: int) -> object | None:
+        return None
+
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        if self._sum is None:
+            self._sum, self._counts = torch.zeros_like(outer.params), [0] * len(outer.ranges)
+        start, end = outer.ranges[index]
+        self._sum[start:end].add_(gradient)
+        self._counts[index] += 1
+
+    def pushed(self, outer: OuterState) -> None:
+        pass
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        """One outer update: each fragment that pushes carried steps with their mean."""
+        if not pushes:
+            return
+        if self._sum is not None:
+            for index, (start, end) in enumerate(outer.ranges):
+                if self._counts[index]:
+                    outer.step_fragment(index, self._sum[start:end].div_(self._counts[index]))
+                    self._counts[index] = 0
+            self._sum.zero_()
+        outer.outer_updates += 1
+
+    def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
+        steps = outer.local_steps.local_steps // self.stagger
+        if outer.budget is None:
+            return steps
+        return min(steps, (outer.budget - outer.steps_done - outer.pending_steps) // n_waiting)
+
+
 
 
 def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size: int) -> list[Tensor]:
@@ -488,3 +523,17 @@ class OuterState:
             self.outer_updates = int(state["outer_updates"])
             self.workers = {int(w): WorkerStats(**{**s, "in_flight": 0, "pending": 0})
                             for w, s in state["workers"].items()}
+
+
+def check_stagger(stagger: int, mode: str, local_steps: int) -> None:
+    """``stagger``: 1, or with DiLoCo a divisor ``F`` of ``local_steps`` (rounds of ``local_steps / F`` steps)."""
+    check_int("stagger", stagger, minimum=1, hint="1 synchronises the whole model at once; F >= 2 (DiLoCo) in F"
+              " parts, one every local_steps / F steps.")
+    if stagger > 1 and mode != "sync":
+        raise ValueError(f"`stagger={stagger}` applies to DiLoCo only (mode='sync'), got mode={mode!r}: an async"
+                         " push is applied on arrival, with no common round to stagger. Use stagger=1, or"
+                         " mode='sync'.")
+    if local_steps % stagger:
+        divisors = [d for d in range(1, local_steps + 1) if local_steps % d == 0]
+        raise ValueError(f"`stagger={stagger}` does not divide local_steps={local_steps}: each part is synchronised"
+                         f" every local_steps steps, one part every local_steps / stagger. Allowed: {divisors}.")
