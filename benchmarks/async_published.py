@@ -135,7 +135,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
                callbacks: Sequence[Callback] = ()) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks
+    from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks, WorkerShape
 
     spec = replace(run_spec(args, args.lr, weight_decay=0.1, scheduler="cosine", warmup_steps=args.steps // 10),
                    seed=seed, block_size=args.block_size)
@@ -148,6 +148,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
         # unless the method names a preset (the package's async default is "stable")
         options = dict(options)
         kind, momentum = options.pop("outer", "dn"), options.pop("momentum", args.outer_momentum)
+        options["worker"] = WorkerShape(ranks_per_worker=options.pop("ranks_per_worker", 1))
         outer = kind if kind in ("stable", "robust") else (Nesterov if kind == "nesterov" else DelayedNesterov)(
             lr=args.outer_lr, momentum=momentum)
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, outer=outer, **options, **common)

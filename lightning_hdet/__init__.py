@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hdet.asynchronous.elastic import ElasticDDPWorkerStrategy, ElasticWorkerStrategy, OuterService
 from lightning_hdet.asynchronous.lightning.strategy import AsyncLocalSGDStrategy
+from lightning_hdet.asynchronous.lightning.worker_shape import WorkerShape
 from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, DelayedNesterovOptimizer, Nesterov
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, dynamic_local_steps
@@ -62,6 +63,7 @@ __all__ = [
     "SparseLoCo",
     "TopK",
     "TrustRegion",
+    "WorkerShape",
     "blend_coefficients",
     "dynamic_local_steps",
     "fan_out",

@@ -17,7 +17,7 @@ PURE_FOLDERS = {"hdet/rules": "**/*.py", "hdet": "*.py", "asynchronous/outer": "
 PURE_MODULES = ["experimental/halving.py", "asynchronous/wire/messages.py", "asynchronous/wire/codecs.py",
                 "asynchronous/wire/slow_link.py", "asynchronous/elastic/sessions.py", "asynchronous/elastic/job.py",
                 "asynchronous/result.py", "asynchronous/exchange/ranks.py", "asynchronous/exchange/reshard.py",
-                "asynchronous/lightning/exchange_options.py", "records/history.py", "records/tensorboard.py",
+                "asynchronous/lightning/worker_shape.py", "records/history.py", "records/tensorboard.py",
                 "_checks.py"]
 PURE = PURE_MODULES + sorted(p.relative_to(PACKAGE).as_posix() for folder, pattern in PURE_FOLDERS.items()
                              for p in (PACKAGE / folder).glob(pattern))

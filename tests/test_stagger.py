@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import nn
 
-from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet import AsyncLocalSGDStrategy, WorkerShape
 from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
@@ -22,6 +22,7 @@ from lightning_hdet.asynchronous.wire.codecs import TopK
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy
+from tests.helpers import async_strategy
 from tests.test_async_defaults import SGDBoring, _loss
 
 
@@ -143,8 +144,8 @@ def test_a_staggered_worker_pushes_its_parts_in_turn_and_merges_only_the_part_th
 ])
 def test_bad_stagger_is_refused_before_any_process_group(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        AsyncLocalSGDStrategy(**{"local_steps": 8, "mode": "sync", **kwargs})
-    assert AsyncLocalSGDStrategy(local_steps=8, mode="sync", stagger=4, overlap_steps=1).config["stagger"] == 4
+        async_strategy(**{"local_steps": 8, "mode": "sync", **kwargs})
+    assert AsyncLocalSGDStrategy(local_steps=8, mode="sync", worker=WorkerShape(stagger=4, overlap_steps=1)).config["stagger"] == 4
 
 
 def test_fabric_refuses_stagger_and_checks_its_options_as_the_trainer_does() -> None:
@@ -180,8 +181,7 @@ def test_staggered_diloco_learns_and_keeps_the_budget(tmp_path: Path) -> None:
     DiLoCo without stagger does here (0.14 x the start, tests/test_overlap.py): below 0.25 x."""
     seed_everything(0)
     initial, out = _loss(SGDBoring()), tmp_path / "run.json"
-    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, mode="sync", stagger=2, overlap_steps=3,
-                                           start_method="fork"),
+    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, mode="sync", start_method="fork", worker=WorkerShape(stagger=2, overlap_steps=3)),
             accelerator="cpu", devices=2, max_steps=120, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=tmp_path, callbacks=[Record(out)]).fit(SGDBoring())

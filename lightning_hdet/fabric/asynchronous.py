@@ -25,7 +25,7 @@ from lightning_hdet._checks import check_names, own_arguments
 from lightning_hdet._compat import DDP_OPTIONS, register_names, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange
-from lightning_hdet.asynchronous.lightning.exchange_options import check_exchange_options
+from lightning_hdet.asynchronous.lightning.worker_shape import check_exchange_options
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hdet._checks import require
 from lightning_hdet._compat import (
     MultiProcessingLauncher,
     StrategyRegistry,
@@ -28,7 +29,6 @@ from lightning_hdet._compat import (
     sync_module_states,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet._sharding import ShardingPolicy
 from lightning_hdet.asynchronous.exchange.exchange import Exchange, read_model
 from lightning_hdet.asynchronous.exchange.worker_shards import (
     check_inside_worker,
@@ -37,7 +37,11 @@ from lightning_hdet.asynchronous.exchange.worker_shards import (
 )
 from lightning_hdet.asynchronous.lightning.callback import AsyncLogging
 from lightning_hdet.asynchronous.lightning.checkpoints import WorkerCheckpoints
-from lightning_hdet.asynchronous.lightning.exchange_options import check_exchange_options
+from lightning_hdet.asynchronous.lightning.worker_shape import (
+    WorkerShape,
+    check_exchange_options,
+    refuse_shape_arguments,
+)
 from lightning_hdet.asynchronous.lightning.limits import LoopLimits
 from lightning_hdet.asynchronous.lightning.readouts import ExchangeReadouts
 from lightning_hdet.asynchronous.lightning.shard_hooks import (
@@ -100,25 +104,12 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0 (AdamW:
             twice the model per push and per worker on rank 0). False (default): each worker writes its own file
             beside every checkpoint (see ``docs/async.md``).
-        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
-            arguments among ``kwargs`` apply there), and push once per round; 1: each rank is a worker. A divisor of
-            the world size leaving at least 2 workers; see ``docs/async.md``, "Workers of several ranks".
-        inside_worker: how a worker's ranks train together: ``"ddp"`` (each holds the model) or ``"fsdp"`` (FSDP2
-            over the worker's ranks: each holds ``1 / k`` of the model, gradients and inner optimizer state; needs
-            ``ranks_per_worker >= 2``). See ``docs/async.md``, "FSDP2 inside a worker".
-        auto_wrap_policy: with ``inside_worker="fsdp"``, the submodules that become FSDP2 units (their parameters
-            gathered one unit at a time), as for Lightning's ``FSDPStrategy``: a set of module classes (e.g.
-            ``{TransformerBlock}``) or a predicate; ``None``: the whole model is one unit.
-        overlap_steps: ``τ``, inner steps a worker keeps taking while its round's push and pull travel; it then
-            merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
-            blocks its worker; else ``1..local_steps / stagger - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
-            overlaps in DiLoCo only. See ``docs/async.md``, "Overlapping the exchange with compute".
-        stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
-            ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
-            period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``SparseLoCo``.
+        worker: what one worker is (:class:`~.worker_shape.WorkerShape`): its ranks (``ranks_per_worker``, DDP or
+            FSDP2 inside, ``auto_wrap_policy``) and how it exchanges (``overlap_steps``, DiLoCo's ``stagger``);
+            default: one rank, a blocking exchange.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...; its ``timeout`` also bounds the exchange: longer than a round), and DDP's
-            (``find_unused_parameters``, ...) with ``ranks_per_worker > 1`` only; any other name is refused.
+            (``find_unused_parameters``, ...) with workers of several ranks only; any other name is refused.
     """
 
     strategy_name = "async_local_sgd"
@@ -127,21 +118,25 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  compression: Codec | str = "none", pull_compression: Codec | str = "none",
                  error_feedback: bool | None = None, check_pushes: PushCheck | bool = True,
                  dynamic_local_steps: bool | None = None, min_local_steps: int = 1, grace_period: float | None = None,
-                 speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False, ranks_per_worker: int = 1,
-                 inside_worker: str = "ddp", auto_wrap_policy: ShardingPolicy = None, overlap_steps: int = 0,
-                 stagger: int = 1, **kwargs: Any) -> None:
+                 speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
+                 worker: WorkerShape | None = None, **kwargs: Any) -> None:
         refuse_moved(type(self).__name__, kwargs)
-        check_names_of(type(self), kwargs, ranks_per_worker)  # a misspelled name before any value's check
+        refuse_shape_arguments(type(self).__name__, kwargs)
+        shape = WorkerShape() if worker is None else worker
+        require("worker", shape, isinstance(shape, WorkerShape), "a WorkerShape(...) or None")
+        check_names_of(type(self), kwargs, shape.ranks_per_worker)  # a misspelled name before any value's check
         self.outer_settings = OuterSettings(mode, local_steps, outer, min_local_steps, dynamic_local_steps,
-                                            grace_period, speed_smoothing, check_pushes, stagger)
+                                            grace_period, speed_smoothing, check_pushes, shape.stagger)
         self.compression, self.pull_compression, self.error_feedback = check_exchange_options(
-            self.outer_settings, compression, error_feedback, pull_compression, overlap_steps, ranks_per_worker)
-        check_inside_worker(inside_worker, ranks_per_worker, checkpoint_inner_states, ddp_arguments(kwargs),
-                            auto_wrap_policy)
-        check_ddp_hooks(kwargs, ranks_per_worker)
+            self.outer_settings, compression, error_feedback, pull_compression, shape.overlap_steps,
+            shape.ranks_per_worker)
+        check_inside_worker(shape.inside_worker, shape.ranks_per_worker, checkpoint_inner_states,
+                            ddp_arguments(kwargs), shape.auto_wrap_policy)
+        check_ddp_hooks(kwargs, shape.ranks_per_worker)
         super().__init__(**kwargs)
-        self.ranks_per_worker, self.overlap_steps, self.inside_worker = ranks_per_worker, overlap_steps, inside_worker
-        self.auto_wrap_policy = auto_wrap_policy
+        self.worker_shape = shape
+        self.ranks_per_worker, self.overlap_steps = shape.ranks_per_worker, shape.overlap_steps
+        self.inside_worker, self.auto_wrap_policy = shape.inside_worker, shape.auto_wrap_policy
         self.checkpoint_inner_states = checkpoint_inner_states
         # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
         self._resume_state: dict[str, Any] | None = None
@@ -160,8 +155,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         ``async/...``."""
         return {**self.outer_settings.numbers(), **codec_numbers("compression", self.compression),
                 **codec_numbers("pull_compression", self.pull_compression), "error_feedback": self.error_feedback,
-                "checkpoint_inner_states": self.checkpoint_inner_states, "ranks_per_worker": self.ranks_per_worker,
-                "overlap_steps": self.overlap_steps, "inside_worker": self.inside_worker,
+                "checkpoint_inner_states": self.checkpoint_inner_states, **self.worker_shape.numbers(),
                 "workers": self._expected_workers}
 
     def _reset_run_state(self) -> None:
