@@ -94,7 +94,9 @@ def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = Fa
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}
-    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, start_method=START, **fixed, **kwargs, worker=WorkerShape(ranks_per_worker=ranks_per_worker, inside_worker=inside))
+    worker = WorkerShape(ranks_per_worker=ranks_per_worker, inside_worker=inside,
+                         auto_wrap_policy=kwargs.pop("auto_wrap_policy", None))
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, start_method=START, worker=worker, **fixed, **kwargs)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=out, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0,

@@ -60,16 +60,13 @@ class Exchange:
         pull_compression: the pulled global parameters' codec (the parameters, or changes: :mod:`.public_model`).
         optimizer: the inner optimizer (its state is cleared after a rejected push).
         check_self: the worker checks its round is finite before pushing it (see :class:`~.worker.Worker`).
-        ranks: this rank's place among workers of several ranks (``None``: every rank is a worker).
-        worker_group: with ``ranks``, the ``gloo`` group of this rank's worker: its leader hands each reply and the
-            global model on to the others over it (see :mod:`.ranks`).
-        overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking).
-            Rank 0's worker overlaps only in DiLoCo: in async mode its in-process exchange returns at once.
+        ranks, worker_group: this rank's place among workers of several ranks and its worker's ``gloo`` group, over
+            which the leader hands each reply on (:mod:`.ranks`; ``None``: every rank is a worker).
+        overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking;
+            rank 0's worker overlaps only in DiLoCo).
         shard_group: the model is sharded with FSDP2 over this group of the worker's ranks (:mod:`.worker_shards`).
-        outer_optimizer: the outer optimizer object (SparseLoCo's: sparse pulls forward its rounds, and its decay
-            weighs the error feedback).
-        stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`; 1: all of it;
-            only with ``overlap_steps``: the :class:`~.overlapped.OverlapWorker` sends the parts).
+        outer_optimizer: the outer optimizer object (how pulls forward its rounds; its error feedback decay).
+        stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,

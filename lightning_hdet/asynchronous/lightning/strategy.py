@@ -73,43 +73,29 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     ``Trainer(max_steps=S)`` is a sample budget: inner steps summed over all workers equal ``workers * S``, i.e.
     ``world_size * S`` batches (fast workers do more of them).
 
-    Args:
+    Args (every default and allowed value: ``docs/configuration.md``):
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
-        outer: the outer optimizer, an object: ``DelayedNesterov(lr, momentum, warmup, restarts, buffer_size,
-            momentum_activation)``, ``Nesterov(lr, momentum)`` (DiLoCo's published step) or ``SparseLoCo(lr,
-            error_decay)`` (DiLoCo with a TopK codec); or a preset's name: ``"stable"`` (default: Delayed Nesterov
-            0.9 with a warm-up and restarts, lr 0.163), ``"published"`` (0.7 / 0.9), ``"robust"``, ``"sparseloco"``
-            (see ``docs/async.md``). What it says is what runs: its repr and :attr:`config` show every number.
+        outer: the outer optimizer: ``DelayedNesterov(...)``, ``Nesterov(...)``, ``SparseLoCo(...)``, or a preset
+            that builds one (``"stable"``, the default, ``"published"``, ``"robust"``, ``"sparseloco"``). What it
+            says is what runs: its repr and :attr:`config` show every number.
         compression: the pushes' codec: ``NoCodec()``, ``BF16()``, ``Int8()``, ``TopK(fraction, bits)``, or a
-            preset's name: ``"none"``, ``"bf16"``, ``"int8"``, ``"topk2"``, ``"topk4"``.
-        pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (workers train from the
-            global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost), or ``"int8"``: a
-            pull sends only the changes of a public copy of the global model since the worker's last pull, in
-            int8, and what a change left out follows in later ones (a worker's first pull sends the model; rank 0
-            holds one model more, and in async mode up to one more of changes; see ``docs/async.md``). With
-            ``SparseLoCo`` also ``compression``'s TopK codec: each change is the round's pushes forwarded, and
-            workers hold the global model exactly.
-        error_feedback: each worker adds what its codec lost to its next push (default: on with every codec;
-            refused with ``"none"``, which loses nothing).
-        check_pushes: ``True`` (``PushCheck()``: every push is checked, finite, its layout, a norm within 10 times
-            the recent median, 3 rejections in a row stop a worker), a ``PushCheck(max_norm_ratio, max_rejections)``,
-            or ``False``. A bad push is discarded whole and its worker restarts from the global model.
-        dynamic_local_steps: async only (refused with ``mode="sync"``, like ``grace_period``): give slower workers
-            proportionally fewer local steps (default True).
+            preset (``"none"``, ``"bf16"``, ``"int8"``, ``"topk2"``, ``"topk4"``).
+        pull_compression: the pulls' codec: the global model (``"none"``, ``"bf16"``), its changes since the
+            worker's last pull (``"int8"``; rank 0 holds one model more), or with ``SparseLoCo`` its rounds' pushes
+            forwarded (``compression``'s TopK codec). See ``docs/async.md``, "Fewer bytes".
+        error_feedback: each worker adds what its codec lost to its next push (default: on with a lossy codec).
+        check_pushes: ``True`` (``PushCheck()``), a ``PushCheck(max_norm_ratio, max_rejections)`` or ``False``: a
+            bad push is discarded whole and its worker restarts from the global model.
+        dynamic_local_steps: async only: slower workers get proportionally fewer local steps (default True).
         min_local_steps: lower bound of a worker's round length (1).
-        grace_period: pushes arriving within this many seconds of a batch's first one are applied as one batch and
-            those workers restart from the same parameters; it closes early once every training worker pushed (0).
+        grace_period: async only: pushes within this many seconds of a batch's first one are applied as one batch.
         speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
-        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0 (AdamW:
-            twice the model per push and per worker on rank 0). False (default): each worker writes its own file
-            beside every checkpoint (see ``docs/async.md``).
-        worker: what one worker is (:class:`~.worker_shape.WorkerShape`): its ranks (``ranks_per_worker``, DDP or
-            FSDP2 inside, ``auto_wrap_policy``) and how it exchanges (``overlap_steps``, DiLoCo's ``stagger``);
-            default: one rank, a blocking exchange.
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
-            ``cluster_environment``, ...; its ``timeout`` also bounds the exchange: longer than a round), and DDP's
-            (``find_unused_parameters``, ...) with workers of several ranks only; any other name is refused.
+        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0; False
+            (default): each worker writes its own file beside every checkpoint.
+        worker: what one worker is (:class:`~.worker_shape.WorkerShape`): its ranks and how it exchanges.
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s (its ``timeout`` also bounds the exchange),
+            and DDP's with workers of several ranks only; any other name is refused.
     """
 
     strategy_name = "async_local_sgd"

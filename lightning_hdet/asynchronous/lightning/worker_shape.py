@@ -21,23 +21,16 @@ class WorkerShape(KnownArguments):
     """How one worker trains and exchanges (``AsyncLocalSGDStrategy(worker=WorkerShape(...))``).
 
     Args:
-        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
-            arguments among the strategy's ``kwargs`` apply there), and push once per round; 1: each rank is a
-            worker. A divisor of the world size leaving at least 2 workers (``docs/async.md``, "Workers of several
-            ranks").
-        inside_worker: how a worker's ranks train together: ``"ddp"`` (each holds the model) or ``"fsdp"`` (FSDP2
-            over the worker's ranks: each holds ``1 / k`` of the model, gradients and inner optimizer state; needs
-            ``ranks_per_worker >= 2``; ``docs/async.md``, "FSDP2 inside a worker").
-        auto_wrap_policy: with ``inside_worker="fsdp"``, the submodules that become FSDP2 units, as for Lightning's
-            ``FSDPStrategy``: a set of module classes (e.g. ``{TransformerBlock}``) or a predicate; ``None``: the
-            whole model is one unit.
-        overlap_steps: ``τ``, inner steps a worker keeps taking while its round's push and pull travel; it then
-            merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
-            blocks; else ``1..local_steps / stagger - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
-            overlaps in DiLoCo only (``docs/async.md``, "Overlapping the exchange with compute").
-        stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
-            ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
-            period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``SparseLoCo``.
+        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, DDP inside (the strategy's DDP
+            arguments apply there), and push once per round; a divisor of the world size leaving >= 2 workers.
+        inside_worker: ``"ddp"`` (each rank holds the model) or ``"fsdp"`` (FSDP2 over the worker's ``k >= 2`` ranks).
+        auto_wrap_policy: with ``"fsdp"``, the submodules that become FSDP2 units (as Lightning's ``FSDPStrategy``).
+        overlap_steps: ``τ``, inner steps a worker keeps taking while its exchange travels, then merged onto the
+            pulled model (0: blocking; ``1..local_steps / stagger - 1``; one-rank workers only).
+        stagger: DiLoCo only, with ``overlap_steps``: the model synchronised in ``F`` parts, one every
+            ``local_steps / F`` steps (Streaming DiLoCo; 1: all at once; not with ``SparseLoCo``).
+
+    See ``docs/async.md``, "Workers of several ranks" and "Overlapping the exchange with compute".
     """
 
     ranks_per_worker: int = 1
