@@ -190,7 +190,8 @@ def test_sync_h1_matches_ddp(tmp_path):
     seed_everything(0)
     ddp = _fit(tmp_path / "ddp", BoringModel(), "ddp_fork", max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=1, mode="sync", outer=DelayedNesterov(lr=1.0, momentum=0.0), start_method="fork")
+    strategy = AsyncLocalSGDStrategy(local_steps=1, mode="sync", outer=DelayedNesterov(lr=1.0, momentum=0.0),
+                                     start_method="fork")
     sync = _fit(tmp_path / "sync", BoringModel(), strategy, max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
     assert [n for n, _ in sync[0]["rounds"]] == [1] * 6 + [0]
     assert sync[0]["outer"]["outer_updates"] == 6
@@ -372,10 +373,8 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     stops after the first push: N stays 3 until the cycle's third push, then each push moves by 0.6 / 2 (before, a
     run that lost a worker stepped every push at 2/3 of the same run without it). A configured buffer_size stays
     the ceiling; DiLoCo's N is 1 and does not follow."""
-    from lightning_hdet.asynchronous.outer.settings import OuterSettings
-
-    outer = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=0.6, momentum=0.0)).build(torch.zeros(1), torch.zeros(0), 3,
-                                                                                   budget=None)
+    settings = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=0.6, momentum=0.0))
+    outer = settings.build(torch.zeros(1), torch.zeros(0), 3, budget=None)
     outer.process([Push(w, Kind.HELLO, 0, 0.0, 0.0) for w in range(3)])
 
     def push(worker: int) -> float:
@@ -388,7 +387,8 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     assert [push(1), push(0)] == pytest.approx([0.2, 0.2])  # the cycle's third push: a boundary, N = 2 from here
     assert outer.optimizer.param_groups[0]["buffer_size"] == 2
     assert [push(1), push(0)] == pytest.approx([0.3, 0.3])
-    capped = OuterSettings(outer=DelayedNesterov(lr=0.5, buffer_size=2)).build(torch.zeros(1), torch.zeros(0), 4, budget=None)
+    capped = OuterSettings(outer=DelayedNesterov(lr=0.5, buffer_size=2)).build(torch.zeros(1), torch.zeros(0), 4,
+                                                                               budget=None)
     capped.follow_live(3)
     assert capped.optimizer.param_groups[0]["buffer_size"] == 2  # the user's N is the ceiling
     capped.follow_live(1)

@@ -40,7 +40,8 @@ def test_rank_layout_consecutive_ranks_per_worker():
 ])
 def test_bad_ranks_per_worker_refused_before_process_groups(k, devices, match):
     with pytest.raises(ValueError, match=f"ranks_per_worker={k}.*{match}"):
-        Trainer(strategy=AsyncLocalSGDStrategy(worker=WorkerShape(ranks_per_worker=k)), accelerator="cpu", devices=devices, logger=False)
+        Trainer(strategy=AsyncLocalSGDStrategy(worker=WorkerShape(ranks_per_worker=k)), accelerator="cpu",
+                devices=devices, logger=False)
 
 
 def test_workers_counted_not_ranks():
@@ -48,8 +49,9 @@ def test_workers_counted_not_ranks():
     Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
     assert strategy.config["workers"] == 2 and strategy.config["ranks_per_worker"] == 2
     with pytest.raises(ValueError, match="`buffer_size` must be 1..2"):  # N is checked against the workers, not ranks
-        Trainer(strategy=AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.5, buffer_size=3), worker=WorkerShape(ranks_per_worker=2)), accelerator="cpu", devices=4,
-                logger=False)
+        Trainer(strategy=AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.5, buffer_size=3),
+                                               worker=WorkerShape(ranks_per_worker=2)),
+                accelerator="cpu", devices=4, logger=False)
     with pytest.raises(ValueError, match="ddp_comm_hook"):  # nothing to hook with one rank per worker
         AsyncLocalSGDStrategy(ddp_comm_hook=lambda *a: None)
 
@@ -150,8 +152,9 @@ def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4, 
     seed_everything(0)
     # plain averaging outer step (Local SGD): what is under test is the workers' ranks, not the outer optimizer
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
-    strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.0), pull_compression=pull, start_method=START,
-                                     **fixed, worker=WorkerShape(ranks_per_worker=ranks_per_worker))
+    strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.0),
+                                     pull_compression=pull, start_method=START,
+                                     worker=WorkerShape(ranks_per_worker=ranks_per_worker), **fixed)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=4, check_val_every_n_epoch=None,
@@ -226,7 +229,8 @@ class _InnerStates(Callback):
 def _fit_adam(out: Path, ranks_per_worker: int, max_steps: int, ckpt_path: str | None = None):
     seed_everything(0)
     out.mkdir(parents=True)
-    strategy = AsyncLocalSGDStrategy(local_steps=2, mode="sync", start_method=START, worker=WorkerShape(ranks_per_worker=ranks_per_worker))
+    strategy = AsyncLocalSGDStrategy(local_steps=2, mode="sync", start_method=START,
+                                     worker=WorkerShape(ranks_per_worker=ranks_per_worker))
     trainer = Trainer(strategy=strategy, callbacks=[_InnerStates(out)], **trainer_kwargs(
         devices=4, max_steps=max_steps, enable_checkpointing=True, default_root_dir=out))
     trainer.fit(LinearModel(optimizer="adam", n_train=64, batch_size=8), ckpt_path=ckpt_path)
@@ -266,7 +270,8 @@ def test_an_early_stop_on_rank_zero_stops_its_worker_at_the_end_of_its_round(tmp
     not leave its worker's other rank waiting for its gradients; the worker stops, both ranks, when the round ends."""
     seed_everything(0)
     strategy = AsyncLocalSGDStrategy(local_steps=3, dynamic_local_steps=False,
-                                     timeout=timedelta(seconds=120), start_method=START, worker=WorkerShape(ranks_per_worker=2))
+                                     timeout=timedelta(seconds=120), start_method=START,
+                                     worker=WorkerShape(ranks_per_worker=2))
     stop = EarlyStopping(monitor="val_loss", mode="max", patience=0)  # the loss falls: stops at the 2nd validation
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
