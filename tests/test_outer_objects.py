@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SparseLoCo
+from lightning_hdet.asynchronous.outer.momentum import stable_outer_lr
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import TopK
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push
@@ -84,12 +85,16 @@ RECORDED = {
     "nesterov_async": ['0x1.6c00a40000000p+3', '0x1.3bd6660000000p+5', '-0x1.89d3980000000p+6', '0x1.66c8c40000000p+5', '0x1.52b2c20000000p+5', '0x1.c70da00000000p+5'],
     "activation_async": ['-0x1.a29e020000000p+0', '0x1.8e031c0000000p+3', '-0x1.47cc080000000p+4', '0x1.59b9aa0000000p+3', '0x1.4030f60000000p+3', '0x1.41a25c0000000p+3'],
 }
+# The presets' numbers as they were then, written out (a preset's numbers may change: these may not).
+STABLE = DelayedNesterov(lr=stable_outer_lr(0.9, 8), momentum=0.9, warmup=16, restarts=8)
+ROBUST = DelayedNesterov(lr=0.7, momentum=0.9, warmup=16, restarts=8)
+PUBLISHED = DelayedNesterov(lr=0.7, momentum=0.9)
 CASES = {
-    "stable_async": dict(mode="async"),  # outer="stable" (the default)
-    "published_async": dict(mode="async", outer="published"),
-    "robust_sync": dict(mode="sync", outer="robust"),
-    "stable_sync": dict(mode="sync"),
-    "published_sync": dict(mode="sync", outer="published"),
+    "stable_async": dict(mode="async", outer=STABLE),  # outer="stable" (the default then)
+    "published_async": dict(mode="async", outer=PUBLISHED),  # outer="published"
+    "robust_sync": dict(mode="sync", outer=ROBUST),  # outer="robust"
+    "stable_sync": dict(mode="sync", outer=STABLE),
+    "published_sync": dict(mode="sync", outer=PUBLISHED),
     # outer_lr=0.7, outer_momentum=0.9, delayed_nesterov=False (the "stable" preset's warm-up and restarts kept)
     "nesterov_async": dict(mode="async", outer=DelayedNesterov(lr=0.7, momentum=0.9, warmup=16, restarts=8,
                                                                 buffer_size=1)),
