@@ -81,24 +81,22 @@ LEVELS: dict[str, tuple[float, ...]] = {
 METHODS: dict[str, dict | None] = {
     "ddp": None,
     "diloco": {"mode": "sync"},
-    "async_nesterov": {"mode": "async", "delayed_nesterov": False, "dynamic_local_steps": False},
-    "async_dn": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": False},
-    "async_dn_dylu": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True},
+    "async_nesterov": {"mode": "async", "outer": "nesterov", "dynamic_local_steps": False},
+    "async_dn": {"mode": "async", "dynamic_local_steps": False},
+    "async_dn_dylu": {"mode": "async", "dynamic_local_steps": True},
     # The same two outer optimizers with momentum 0.5: in a short run one round moves the model a large part
     # of the way, and stale pushes under momentum 0.9 oscillate (docs/async.md, "Choosing the outer settings").
-    "diloco_m0.5": {"mode": "sync", "outer_momentum": 0.5},
-    "async_dn_dylu_m0.5": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True,
-                           "outer_momentum": 0.5},
+    "diloco_m0.5": {"mode": "sync", "momentum": 0.5},
+    "async_dn_dylu_m0.5": {"mode": "async", "dynamic_local_steps": True, "momentum": 0.5},
     # The package's async default: DN + DyLU with outer="stable" (the momentum warm-up and restarts, the outer lr
-    # derived from the momentum: None here, so that --outer-lr does not replace it); before issue 42, "robust".
-    "async_default": {"mode": "async", "outer": "stable", "outer_lr": None},
+    # derived from the momentum, not --outer-lr); before issue 42, "robust".
+    "async_default": {"mode": "async", "outer": "stable"},
     "async_robust": {"mode": "async", "outer": "robust"},
     # Workers of two ranks (DDP inside each, one push per worker; asked for by name, with --world-size 4: issue 42's
     # 2 workers x 2 ranks against 4 one-rank workers and DDP over the same 4 processes, at equal samples)
     "diloco_2ranks": {"mode": "sync", "ranks_per_worker": 2},
-    "async_dn_dylu_2ranks": {"mode": "async", "delayed_nesterov": True, "dynamic_local_steps": True,
-                             "ranks_per_worker": 2},
-    "async_default_2ranks": {"mode": "async", "outer": "stable", "outer_lr": None, "ranks_per_worker": 2},
+    "async_dn_dylu_2ranks": {"mode": "async", "dynamic_local_steps": True, "ranks_per_worker": 2},
+    "async_default_2ranks": {"mode": "async", "outer": "stable", "ranks_per_worker": 2},
     # The registered names as typed, Trainer(strategy="diloco") and Trainer(strategy="async_local_sgd"): every
     # option at the package's default (H = 50 included; issue 60), asked for by name
     "diloco_typed": {"mode": "sync", "typed": True},
@@ -141,7 +139,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
                callbacks: Sequence[Callback] = ()) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+    from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks, WorkerShape
 
     spec = replace(run_spec(args, args.lr, weight_decay=0.1, scheduler="cosine", warmup_steps=args.steps // 10),
                    seed=seed, block_size=args.block_size)
@@ -152,9 +150,14 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
     elif options.get("typed"):  # the registry's arguments only (the start method changes no number)
         strategy = AsyncLocalSGDStrategy(mode=options["mode"], **common)
     else:
-        # the papers' outer settings unless the method names others (the package's async default is "stable")
-        outer = {"outer": "published", "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, **options}
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, **outer, **common)
+        # the papers' outer optimizer (Delayed Nesterov, DiLoCo's Nesterov in sync) at --outer-lr / --outer-momentum
+        # unless the method names a preset (the package's async default is "stable")
+        options = dict(options)
+        kind, momentum = options.pop("outer", "dn"), options.pop("momentum", args.outer_momentum)
+        options["worker"] = WorkerShape(ranks_per_worker=options.pop("ranks_per_worker", 1))
+        outer = kind if kind in ("stable", "robust") else (Nesterov if kind == "nesterov" else DelayedNesterov)(
+            lr=args.outer_lr, momentum=momentum)
+        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, outer=outer, **options, **common)
     slow = SlowRanks(factors(level, args.world_size), base_seconds=args.base_seconds)
     run = fit_run(spec, work, strategy=strategy, callbacks=[slow, *callbacks])
     stats = run.rank_extra[0].get("worker_stats", {})

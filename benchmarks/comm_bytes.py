@@ -68,7 +68,7 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
     """One fit; its final loss, bytes sent in all and wall-clock."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_hdet import AsyncLocalSGDStrategy, SlowLink
+    from lightning_hdet import AsyncLocalSGDStrategy, SlowLink, WorkerShape
 
     setting = ARMS[arm]
     steps = args.steps * (args.long_factor if setting is not None and setting[3] != "none" else 1)
@@ -83,9 +83,9 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
     else:
         tau = args.stagger_overlap_steps if setting[4] else args.overlap_steps
         strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=setting[0], compression=setting[1],
-                                         overlap_steps=tau if setting[2] else 0, pull_compression=setting[3],
-                                         stagger=args.stagger if setting[4] else 1, outer=setting[5],
-                                         start_method=args.start_method)
+                                         pull_compression=setting[3], outer=setting[5], start_method=args.start_method,
+                                         worker=WorkerShape(overlap_steps=tau if setting[2] else 0,
+                                                            stagger=args.stagger if setting[4] else 1))
         callbacks = [SlowLink(bits_per_s=link)] if link > 0 else []
     result = fit_run(spec, work, strategy=strategy, callbacks=callbacks)
     model_bytes = 4 * sum(p.numel() for p in build_workload(spec)[0].parameters())

@@ -37,7 +37,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
-from lightning_hdet.asynchronous.outer.state import OuterSettings, OuterState
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
 NAME = "outer_stability"

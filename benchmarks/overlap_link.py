@@ -60,12 +60,12 @@ class Record(Callback):
 
 
 def fit(mode: str, overlap: int, seed: int, args: argparse.Namespace, work: Path) -> dict:
-    from lightning_hdet import AsyncLocalSGDStrategy, SlowLink, SlowRanks
+    from lightning_hdet import AsyncLocalSGDStrategy, SlowLink, SlowRanks, WorkerShape
 
     seed_everything(seed)
     out = work / f"{mode}_{overlap}_{seed}.json"
-    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, overlap_steps=overlap,
-                                           start_method=args.start_method),
+    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, start_method=args.start_method,
+                                           worker=WorkerShape(overlap_steps=overlap)),
             accelerator="cpu", devices=2, max_steps=args.steps, limit_val_batches=0, num_sanity_val_steps=0,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=work, callbacks=[SlowRanks({}, base_seconds=args.step_seconds),

@@ -45,7 +45,7 @@ def label_inside(arm: str, k: int, inside: str) -> str:
 
 def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> float:
     """One fit of ``arm`` on 2k processes; the final (global) model's validation loss."""
-    from lightning_hdet import AsyncLocalSGDStrategy
+    from lightning_hdet import AsyncLocalSGDStrategy, WorkerShape
 
     common = {"start_method": args.start_method, "process_group_backend": os.environ.get("BENCH_BACKEND", "gloo")}
     setting, k = ARMS[arm], args.ranks_per_worker
@@ -56,8 +56,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> float:
     else:
         mode, several = setting
         inside = {"inside_worker": args.inside_worker} if several else {}
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, ranks_per_worker=k if several else 1,
-                                         **inside, **common)
+        worker = WorkerShape(ranks_per_worker=k if several else 1, **inside)
+        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, worker=worker, **common)
     spec = RunSpec(lr=args.lr, steps=args.steps, seed=seed, devices=2 * k, batch_size=args.batch_size,
                    val_every=args.steps, val_batches=8, workload=args.workload)
     return fit_run(spec, work, strategy=strategy).final_model_val_loss

@@ -10,8 +10,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hdet.asynchronous.elastic import ElasticDDPWorkerStrategy, ElasticWorkerStrategy, OuterService
 from lightning_hdet.asynchronous.lightning.strategy import AsyncLocalSGDStrategy
-from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.lightning.worker_shape import WorkerShape
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, DelayedNesterovOptimizer, Nesterov
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, dynamic_local_steps
+from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
+from lightning_hdet.asynchronous.wire.codecs import BF16, Int8, NoCodec, TopK
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
 from lightning_hdet.hdet.fsdp.strategy import HDETFSDPStrategy
 from lightning_hdet.hdet.layout import fan_out
@@ -29,9 +33,11 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AsyncLocalSGDFabricStrategy",
     "AsyncLocalSGDStrategy",
+    "BF16",
     "Ballot",
     "Best",
     "DelayedNesterov",
+    "DelayedNesterovOptimizer",
     "ElasticDDPWorkerStrategy",
     "ElasticWorkerStrategy",
     "HDETCallback",
@@ -41,16 +47,23 @@ __all__ = [
     "HDETReplay",
     "LRTrajectory",
     "HDETStrategy",
+    "Int8",
     "LocalStepsPolicy",
+    "Nesterov",
+    "NoCodec",
     "OuterService",
     "PBT",
     "PlateauRule",
+    "PushCheck",
     "SafetyNet",
     "Search",
     "SlowLink",
     "SlowRanks",
     "Softmax",
+    "SparseLoCo",
+    "TopK",
     "TrustRegion",
+    "WorkerShape",
     "blend_coefficients",
     "dynamic_local_steps",
     "fan_out",

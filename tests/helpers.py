@@ -181,3 +181,16 @@ class TrainLosses(Callback):
 
 
 __all__ = ["BoringModel", "RandomDataset"]
+
+
+#: The options of ``WorkerShape`` (``AsyncLocalSGDStrategy(worker=...)``).
+SHAPE_OPTIONS = ("ranks_per_worker", "inside_worker", "auto_wrap_policy", "overlap_steps", "stagger")
+
+
+def async_strategy(**kwargs: Any) -> Any:
+    """``AsyncLocalSGDStrategy`` from one flat table of arguments (the refused combinations' tables): ``WorkerShape``'s
+    options among them go into ``worker=``."""
+    from lightning_hdet import AsyncLocalSGDStrategy, WorkerShape
+
+    shape = {k: kwargs.pop(k) for k in SHAPE_OPTIONS if k in kwargs}
+    return AsyncLocalSGDStrategy(**kwargs, **({"worker": WorkerShape(**shape)} if shape else {}))

@@ -25,6 +25,7 @@ from lightning_hdet import (
     HDETStrategy,
     OuterService,
     SafetyNet,
+    WorkerShape,
     experimental,
 )
 from lightning_hdet._checks import ArgumentNameError, own_arguments
@@ -44,7 +45,7 @@ def _typo(name: str) -> str:
 def _cases() -> list[tuple[type, str]]:
     own = [(cls, name) for cls in PUBLIC for name in own_arguments(cls)]
     # (AsyncLocalSGDFabricStrategy takes every name through **kwargs: its own are the Trainer strategy's options)
-    return own + [(AsyncLocalSGDFabricStrategy, name) for name in ("local_steps", "mode", "outer_lr", "compression")]
+    return own + [(AsyncLocalSGDFabricStrategy, name) for name in ("local_steps", "mode", "outer", "compression")]
 
 
 @pytest.mark.parametrize(("cls", "name"), _cases(), ids=[f"{c.__name__}.{n}" for c, n in _cases()])
@@ -88,7 +89,8 @@ def test_the_message_says_what_to_write(make, message: str) -> None:
 def test_names_that_take_effect_are_accepted() -> None:
     assert HDETStrategy(find_unused_parameters=True, timeout=timedelta(seconds=30))._ddp_kwargs == {
         "find_unused_parameters": True}
-    assert AsyncLocalSGDStrategy(ranks_per_worker=2, static_graph=True)._ddp_kwargs == {"static_graph": True}
+    two_ranks = WorkerShape(ranks_per_worker=2)
+    assert AsyncLocalSGDStrategy(static_graph=True, worker=two_ranks)._ddp_kwargs == {"static_graph": True}
     assert HDETFabricStrategy(bucket_cap_mb=10)._ddp_kwargs == {"bucket_cap_mb": 10}
     assert ElasticDDPWorkerStrategy("127.0.0.1:1", gradient_as_bucket_view=True)._ddp_kwargs == {
         "gradient_as_bucket_view": True}

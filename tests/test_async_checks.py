@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from lightning_hdet.asynchronous.exchange.worker import Worker
+from lightning_hdet import AsyncLocalSGDStrategy
 from lightning_hdet.asynchronous.outer.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, Nesterov
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push
 from tests.test_async_exchange import CPU, _round, _start
 
@@ -20,8 +22,8 @@ RANGES = [(0, 2), (2, 3)]  # a 3-value model in two fragments
 
 def _outer(mode: str = "async", budget: int | None = 100, **kwargs):
     """Plain SGD outer step, lr 1 (theta <- theta - g; sync: theta <- theta - mean g), two workers."""
-    extra = {"delayed_nesterov": False, "dynamic_local_steps": False} if mode == "async" else {}
-    settings = OuterSettings(mode=mode, local_steps=4, outer_lr=1.0, outer_momentum=0.0, **extra, **kwargs)
+    extra = {"dynamic_local_steps": False} if mode == "async" else {}
+    settings = OuterSettings(mode=mode, local_steps=4, outer=Nesterov(lr=1.0, momentum=0.0), **extra, **kwargs)
     return settings.build(torch.zeros(3), torch.zeros(1), workers=2, budget=budget, ranges=RANGES)
 
 
@@ -128,13 +130,21 @@ def test_buffer_problems() -> None:
     assert buffers_problem(torch.ones(2), 1) == "buffers are torch.float32[2], expected torch.float32[1]"
 
 
-def test_settings_are_checked_and_a_useless_combination_refused() -> None:
-    with pytest.raises(ValueError, match="`max_norm_ratio` must be"):
-        OuterSettings(max_norm_ratio=1.0)
+def test_push_checks_are_an_object_checked_on_creation_and_the_old_arguments_name_it() -> None:
+    with pytest.raises(ValueError, match="`max_norm_ratio` must be a finite number > 1, got 1.0"):
+        PushCheck(max_norm_ratio=1.0)
     with pytest.raises(ValueError, match="`max_rejections` must be a positive integer"):
-        OuterSettings(max_rejections=0)
-    with pytest.raises(ValueError, match="have no effect with check_pushes=False"):
-        OuterSettings(check_pushes=False, max_rejections=5)
+        PushCheck(max_rejections=0)
+    with pytest.raises(ValueError, match=r"`check_pushes` must be True, False or a PushCheck"):
+        OuterSettings(check_pushes="yes")
+    with pytest.raises(ValueError, match=r"no longer takes `max_rejections`=5.* check_pushes=PushCheck\(max_rejections"):
+        AsyncLocalSGDStrategy(check_pushes=False, max_rejections=5)
+    mine = PushCheck(max_norm_ratio=5.0, max_rejections=2)
+    settings = OuterSettings(check_pushes=mine)
+    assert settings.check_pushes is mine and OuterSettings(check_pushes=True).check_pushes == PushCheck()
+    assert OuterSettings(check_pushes=False).check_pushes is None
+    outer = settings.build(torch.zeros(1), torch.zeros(0), workers=2, budget=None)
+    assert outer.check == mine and outer.check is not mine and outer.max_rejections == 2  # a fresh copy per run
 
 
 # ------------------------------------------------------------------------------------------ the outer state
@@ -180,7 +190,7 @@ def test_a_bad_push_is_rejected_whole_and_its_budget_released(mode: str, bad: st
 
 
 def test_max_rejections_in_a_row_stop_a_worker_and_an_applied_push_resets_the_count() -> None:
-    outer = _outer(max_rejections=2)
+    outer = _outer(check_pushes=PushCheck(max_rejections=2))
     outer.process([_push(1, None, 0, kind=Kind.HELLO)])
     assert outer.process([_push(1, [math.nan] * 3)]) == {1: 4}
     assert outer.process([_push(1, [0.1, 0.0, 0.0])]) == {1: 4} and outer.rejection_streak(1) == 0
@@ -199,7 +209,7 @@ def test_a_round_the_worker_discarded_counts_as_rejected_even_unchecked() -> Non
 def test_delayed_nesterov_counts_only_the_applied_pushes() -> None:
     """N = 2, momentum 0.5, lr 1: push 1 (g = 1) moves theta by -g/2; a rejected push is not the second one;
     the next healthy push (g = 1) completes the buffer: m = 1, theta -= 0.5 * m + g / 2 -> -1.5."""
-    settings = OuterSettings(local_steps=4, outer_lr=1.0, outer_momentum=0.5, outer="published", buffer_size=2)
+    settings = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=1.0, momentum=0.5, buffer_size=2))
     outer = settings.build(torch.zeros(1), torch.zeros(0), workers=2, budget=None, ranges=[(0, 1)])
     for push in ([1.0], [math.nan], [1.0]):
         outer.process([Push(0, Kind.PUSH, 4, 1.0, 0.0, torch.tensor(push))])
@@ -212,7 +222,7 @@ def test_the_outer_state_checks_a_staggered_push_against_its_own_part() -> None:
     55 to both). Then a part-0 push of norm 20 is rejected and a part-1 push of norm 60 applied."""
     layout = Fragments([torch.Size([4])], parts=2)
     assert layout.parts == [range(2), range(2, 4)]
-    outer = OuterSettings(mode="sync", local_steps=4, stagger=2, outer_lr=1.0, outer_momentum=0.0).build(
+    outer = OuterSettings(mode="sync", local_steps=4, stagger=2, outer=DelayedNesterov(lr=1.0, momentum=0.0)).build(
         torch.zeros(4), torch.zeros(0), workers=1, budget=None, ranges=layout.ranges, parts=layout.parts)
     outer.process([Push(0, Kind.HELLO, 0, 1.0, 0.0)])
 
@@ -257,7 +267,7 @@ def test_a_streamed_push_non_finite_in_its_last_fragment_leaves_no_trace() -> No
     its first fragment arrives, and is checked, before the second: the global model stays [0, 0], and worker 1
     (which checks nothing itself here) is told of the rejection and clears its optimizer state."""
     layout = Fragments([torch.Size([2])], max_bytes=4)
-    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False,
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0),
                              dynamic_local_steps=False)
     server, network, modules = _start(settings, budget=8, layout=layout)
     optimizer = torch.optim.Adam(modules[1].parameters())
@@ -279,7 +289,7 @@ def test_a_streamed_push_non_finite_in_its_last_fragment_leaves_no_trace() -> No
 
 def test_a_worker_with_non_finite_steps_does_not_push() -> None:
     layout = Fragments([torch.Size([2])])
-    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False,
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0),
                              dynamic_local_steps=False)
     server, network, modules = _start(settings, budget=8, layout=layout)
     sent = []

@@ -10,8 +10,9 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
-from lightning_hdet.asynchronous.wire.codecs import Codec
+from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks, SparseLoCo
+from lightning_hdet.asynchronous.outer.momentum import stable_outer_lr
+from lightning_hdet.asynchronous.wire.codecs import Int8, TopK
 
 
 class SGDBoring(BoringModel):
@@ -76,7 +77,7 @@ def test_int8_pushes_and_bf16_pulls_improve_the_model_with_fewer_bytes(tmp_path)
     initial, record = _fit_issue_case(tmp_path, strategy)
     assert record["loss"] < 0.5 * initial
     # BoringModel's parameters: a 2 x 32 weight (2 rows) and a bias of 2 (one chunk): 4 * 3 scale bytes + 66 values
-    push = Codec("int8", [torch.Size([2, 32]), torch.Size([2])]).nbytes
+    push = Int8().bind([torch.Size([2, 32]), torch.Size([2])]).nbytes
     assert push == 78 < 4 * 66 / 3
     for stats in record["stats"].values():  # every round's push (and the final partial one) was one message
         assert stats["push_bytes"] == push * stats["rounds"]
@@ -91,7 +92,7 @@ def test_int8_pushes_and_int8_delta_pulls_improve_the_model_with_fewer_bytes(tmp
     strategy = AsyncLocalSGDStrategy(local_steps=12, compression="int8", pull_compression="int8", start_method="fork")
     initial, record = _fit_issue_case(tmp_path, strategy)
     assert record["loss"] < 0.5 * initial
-    change = Codec("int8", [torch.Size([2, 32]), torch.Size([2])]).nbytes
+    change = Int8().bind([torch.Size([2, 32]), torch.Size([2])]).nbytes
     assert record["stats"]["0"]["pull_bytes"] == record["stats"]["0"]["dense_pulls"] == 0
     changes = {}
     for worker in ("1", "2", "3"):
@@ -126,7 +127,7 @@ def test_sparseloco_with_sparse_pulls_improves_the_model_and_workers_hold_the_gl
                                      pull_compression="topk2", start_method="fork")
     initial, record = _fit_four(tmp_path, strategy, RecordPulled(tmp_path))
     assert record["loss"] < 0.5 * initial  # 0.17x when written
-    assert Codec("topk2", [torch.Size([2, 32]), torch.Size([2])]).nbytes == 7
+    assert TopK(bits=2).bind([torch.Size([2, 32]), torch.Size([2])]).nbytes == 7
     for worker, stats in record["stats"].items():
         assert stats["push_bytes"] == 7 * stats["rounds"]
         if worker != "0":  # the pulls after its hello: one change a round (the stop reply sends none)
@@ -136,55 +137,70 @@ def test_sparseloco_with_sparse_pulls_improves_the_model_and_workers_hold_the_gl
     assert all(p["pulled"] == pulled[0]["pulled"] for p in pulled)
 
 
-def test_outer_presets_and_explicit_numbers_reach_the_outer_optimizer():
+def test_outer_presets_and_objects_reach_the_outer_optimizer_with_every_number():
     tail = (1 - 0.9**9) / 0.1  # one push's whole echo at momentum 0.9 restarted every 8 updates: 6.126 x the push
     for mode in ("async", "sync"):  # one default in both modes: "stable", lr min((1 + 0.5) / (2 * 2), 1 / 1.996)
         config = AsyncLocalSGDStrategy(mode=mode).config
-        assert (config["outer"], config["momentum_warmup"], config["momentum_restart"]) == (None, 16, 8)
-        assert (config["outer_lr"], config["outer_momentum"]) == pytest.approx((0.375, 0.5))
-    assert AsyncLocalSGDStrategy(outer_momentum=0.9).config["outer_lr"] == pytest.approx(1 / tail)  # lr follows beta
-    assert AsyncLocalSGDStrategy(outer_momentum=0.9, momentum_restart=0).config["outer_lr"] == pytest.approx(0.1)
-    published = AsyncLocalSGDStrategy(outer="published", outer_momentum=0.5)
-    assert (published.config["outer_lr"], published.config["outer_momentum"], published.config["momentum_warmup"]) \
-        == (0.7, 0.5, 0)
-    optimizer = AsyncLocalSGDStrategy(momentum_restart=3).outer_settings.build(
+        assert (config["outer"], config["outer/warmup"], config["outer/restarts"]) == ("DelayedNesterov", 16, 8)
+        assert (config["outer/lr"], config["outer/momentum"]) == pytest.approx((0.375, 0.5))
+    assert stable_outer_lr(0.9, 8) == pytest.approx(1 / tail)  # the lr that follows momentum 0.9 (the default before)
+    # what a user writes is what runs: no warm-up, no restarts unless given
+    config = AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.7, momentum=0.9)).config
+    assert [config[f"outer/{k}"] for k in ("lr", "momentum", "warmup", "restarts", "buffer_size")] == [0.7, 0.9, 0, 0,
+                                                                                                        None]
+    optimizer = AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.2, restarts=3)).outer_settings.build(
         torch.zeros(2), torch.zeros(0), workers=4, budget=None).optimizer
-    assert optimizer.defaults["momentum_restart"] == 3 and optimizer.defaults["momentum_warmup"] == 16
+    assert optimizer.defaults["momentum_restart"] == 3 and optimizer.defaults["momentum_warmup"] == 0
+    assert optimizer.defaults["buffer_size"] == 4 and optimizer.defaults["lr"] == 0.2
+    sync = AsyncLocalSGDStrategy(mode="sync", outer=Nesterov(lr=0.7)).outer_settings.build(
+        torch.zeros(2), torch.zeros(0), workers=4, budget=None).optimizer
+    assert sync.defaults["buffer_size"] == 1 and sync.defaults["momentum"] == 0.9
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(outer="fast"), r"`outer` must be one of \('stable', 'published', 'robust', 'sparseloco'\)"),
-    (dict(momentum_warmup=-1), "`momentum_warmup` must be an integer >= 0, got -1"),
-    (dict(momentum_restart=1.5), "`momentum_restart` must be an integer >= 0, got 1.5"),
+    (dict(outer_lr=0.7), r"AsyncLocalSGDStrategy no longer takes `outer_lr`=0.7.* outer=DelayedNesterov\(lr=...\)"),
+    (dict(momentum_warmup=4), r"no longer takes `momentum_warmup`=4.* outer=DelayedNesterov\(lr=..., warmup=...\)"),
+    (dict(error_decay=0.9), r"no longer takes `error_decay`=0.9.* outer=SparseLoCo\(error_decay=...\)"),
+    (dict(delayed_nesterov=False), r"no longer takes `delayed_nesterov`=False.* outer=Nesterov\(lr=..., momentum"),
     (dict(compression="fp8"), r"`compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\)"),
-    (dict(compression="topk2", error_feedback=False), r"`error_feedback` must be True with compression='topk2'"),
+    (dict(compression="topk2", error_feedback=False), r"`error_feedback` must be True with compression=TopK\("),
     (dict(error_feedback="yes"), "`error_feedback` must be True or False"),
-    (dict(pull_compression="fp8"),
-     r"`pull_compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\).*only what changed"),
+    (dict(pull_compression="fp8"), r"`pull_compression` must be one of \('none', 'bf16', 'int8', 'topk2', 'topk4'\)"),
     (dict(mode="sync", compression="topk2", pull_compression="topk2"),
-     r"`pull_compression` must be 'none', 'bf16' or 'int8' without outer='sparseloco', got 'topk2'.*fall behind"),
+     r"`pull_compression` must be NoCodec\(\), BF16\(\) or Int8\(\) without SparseLoCo, got TopK.*fall behind"),
     (dict(mode="sync", outer="sparseloco", compression="topk2", pull_compression="topk4"),
-     r"`pull_compression` must be compression='topk2' \(a pull forwards the round's pushes as they are\)"),
-    (dict(outer="sparseloco", compression="topk2"), r"`outer='sparseloco'` applies only with mode='sync'"),
+     r"`pull_compression` must be compression=TopK\(fraction=0.015625, bits=2\) \(a pull forwards the round's"),
+    (dict(outer="sparseloco", compression="topk2"), r"`mode` must be 'sync' \(DiLoCo\) with SparseLoCo, got 'async'"),
     (dict(mode="sync", outer="sparseloco", compression="int8"),
-     r"`compression` must be 'topk2' or 'topk4' with outer='sparseloco', got 'int8'"),
-    (dict(mode="sync", outer="sparseloco", compression="topk2", outer_momentum=0.9),
-     r"`outer_momentum=0.9` has no effect with outer='sparseloco'"),
-    (dict(mode="sync", outer="sparseloco", compression="topk2", error_decay=-0.1),
-     r"`error_decay` must be a number in \[0, 1\], got -0.1"),
-    (dict(mode="sync", compression="topk2", error_decay=0.9),
-     r"`error_decay` must be None without outer='sparseloco', got 0.9"),
+     r"`compression` must be a TopK codec \('topk2' or 'topk4'\) with SparseLoCo, got Int8\(chunk=256\)"),
 ])
 def test_bad_outer_and_compression_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AsyncLocalSGDStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: DelayedNesterov(lr=0.7, warmup=-1), "`warmup` must be an integer >= 0, got -1"),
+    (lambda: DelayedNesterov(lr=0.7, restarts=1.5), "`restarts` must be an integer >= 0, got 1.5"),
+    (lambda: DelayedNesterov(lr=float("inf")), "`lr` must be a finite number, got inf"),
+    (lambda: DelayedNesterov(lr=0.7, buffer_size=0), "`buffer_size` must be a positive integer or None, got 0"),
+    (lambda: Nesterov(lr=0.7, momentum=1.0), r"`momentum` must be a number in \[0, 1\), got 1.0"),
+    (lambda: SparseLoCo(error_decay=-0.1), r"`error_decay` must be a number in \[0, 1\], got -0.1"),
+    (lambda: DelayedNesterov(0.7, momentm=0.5), "DelayedNesterov got an unsupported argument `momentm`=0.5. Did you"
+                                                " mean `momentum`?"),
+])
+def test_outer_optimizer_options_are_checked_on_creation(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(mode="sync", grace_period=0.0), r"`grace_period=0.0` has no effect with mode='sync' \(DiLoCo\)"),
     (dict(mode="sync", dynamic_local_steps=True), r"`dynamic_local_steps=True` has no effect with mode='sync'"),
-    (dict(mode="sync", delayed_nesterov=False), r"`delayed_nesterov=False` has no effect with mode='sync'"),
-    (dict(error_feedback=True), r"`error_feedback` must be left unset with compression='none', got True"),
+    (dict(mode="sync", outer=DelayedNesterov(lr=0.7, buffer_size=2)),
+     r"`buffer_size` must be None with mode='sync' \(DiLoCo\), got 2"),
+    (dict(error_feedback=True), r"`error_feedback` must be left unset with compression=NoCodec\(\), got True"),
 ])
 def test_an_option_without_effect_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -194,9 +210,10 @@ def test_an_option_without_effect_is_refused(kwargs, match):
 def test_the_run_config_records_the_async_only_options_as_in_force_or_not():
     """Async fills their defaults; DiLoCo records them as not in force (None); error feedback follows the codec."""
     config = AsyncLocalSGDStrategy().config
-    assert (config["delayed_nesterov"], config["dynamic_local_steps"], config["grace_period"]) == (True, True, 0.0)
-    assert config["error_feedback"] is False
+    assert (config["dynamic_local_steps"], config["grace_period"]) == (True, 0.0)
+    assert config["error_feedback"] is False and config["compression"] == "NoCodec"
     config = AsyncLocalSGDStrategy(mode="sync", compression="int8").config
-    assert (config["delayed_nesterov"], config["dynamic_local_steps"], config["grace_period"]) == (None, None, None)
+    assert (config["dynamic_local_steps"], config["grace_period"]) == (None, None)
+    assert (config["compression"], config["compression/chunk"]) == ("Int8", 256)
     assert config["error_feedback"] is True
     assert AsyncLocalSGDStrategy(compression="bf16", error_feedback=False).config["error_feedback"] is False

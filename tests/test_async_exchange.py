@@ -14,8 +14,11 @@ from torch import nn
 
 from lightning_hdet.asynchronous.exchange.server import Server
 from lightning_hdet.asynchronous.exchange.worker import Worker
-from lightning_hdet.asynchronous.outer.state import AsyncStep, OuterSettings, OuterState
-from lightning_hdet.asynchronous.wire.codecs import Codec
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, Nesterov
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterState
+from lightning_hdet.asynchronous.outer.state import AsyncStep
+from lightning_hdet.asynchronous.wire.codecs import codec_from
 from lightning_hdet.asynchronous.wire.messages import (
     Fragments,
     Kind,
@@ -186,7 +189,7 @@ def test_gloo_worker_sends_header_buffers_inner_state_then_fragments_in_order() 
 def test_async_rounds_apply_each_push_share_the_budget_and_leave() -> None:
     """Plain SGD outer step (lr 1, no momentum): theta <- theta - g with g = theta_pulled - theta_local, so the
     global model moves by each worker's own change. Budget 6 = 2 workers x 3 steps, rounds of H = 2."""
-    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False,
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0),
                              dynamic_local_steps=False)
     server, network, (m0, m1) = _start(settings, budget=6)
     w0, w1 = Worker(m0, CPU, server.local), Worker(m1, CPU, network.ends[1])
@@ -211,7 +214,7 @@ def test_async_rounds_apply_each_push_share_the_budget_and_leave() -> None:
 
 def test_sync_round_applies_the_mean_once_and_ships_inner_states() -> None:
     """DiLoCo: both pushes, one outer step with their mean; every worker pulls the same model; buffers [4]."""
-    settings = OuterSettings(mode="sync", local_steps=2, outer_lr=1.0, outer_momentum=0.0)
+    settings = OuterSettings(mode="sync", local_steps=2, outer=DelayedNesterov(lr=1.0, momentum=0.0))
     server, network, modules = _start(settings, budget=4)
     inner = torch.optim.SGD(modules[0].parameters(), lr=0.25)
     workers = [Worker(modules[0], CPU, server.local, inner), Worker(modules[1], CPU, network.ends[1])]
@@ -227,7 +230,7 @@ def test_int8_pushes_with_error_feedback_reach_the_true_sum() -> None:
     """int8 pushes (one scale per 2-value chunk) through the fake transport; worker 0 keeps its residual and sends
     it with its next push, worker 1 has no error feedback. Plain SGD outer step (lr 1): theta <- theta - decoded g."""
     layout = Fragments([torch.Size([2])], "int8")
-    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False,
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0),
                              dynamic_local_steps=False)
     server, network, (m0, m1) = _start(settings, budget=6, layout=layout)
     w0 = Worker(m0, CPU, server.local, layout=layout)
@@ -288,7 +291,7 @@ def test_every_worker_of_a_batch_restarts_from_the_same_version() -> None:
     """Grace period 60 s, three workers: worker 1 is replied to first and pushes again at once; that push waits
     until worker 2 has been sent, and rank 0's own worker has pulled, the batch's version (0, the start)."""
     settings = OuterSettings(mode="async", local_steps=2, dynamic_local_steps=False, grace_period=60.0,
-                             outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False)
+                             outer=Nesterov(lr=1.0, momentum=0.0))
     layout = Fragments([torch.Size([2])])
     outer = settings.build(torch.zeros(2), torch.zeros(0), workers=3, budget=None, ranges=layout.ranges)
     network = EagerNetwork(layout, [1, 2], outer)
@@ -338,7 +341,7 @@ def test_fragments_reassemble_what_the_whole_codec_sends(name: str) -> None:
     flat = torch.randn(sum(s.numel() for s in shapes), generator=torch.Generator().manual_seed(0))
     layout = Fragments(shapes, name, max_bytes=4 * 512)  # 512 values: 128 rows, or 2 chunks of 256
     assert len(layout.fragments) > 3 and layout.largest <= 512
-    whole = Codec(name, shapes)
+    whole = codec_from(name).bind(shapes)
     assert layout.nbytes == whole.nbytes
     torch.testing.assert_close(layout.join(layout.encode(flat)), whole.decode(whole.encode(flat.clone())),
                                rtol=0, atol=0)
@@ -352,7 +355,7 @@ def test_the_server_applies_each_fragment_as_it_arrives_or_once_checked(check_pu
     g). Checked: nothing is applied before the last fragment arrived (they wait in the staging buffer). The
     server decodes into one fragment-sized buffer."""
     layout = Fragments([torch.Size([5])], max_bytes=8)
-    settings = OuterSettings(local_steps=2, outer_lr=1.0, outer_momentum=0.0, delayed_nesterov=False,
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0),
                              check_pushes=check_pushes)
     outer = settings.build(torch.zeros(5), torch.zeros(0), workers=1, budget=None, ranges=layout.ranges)
     server = Server(outer, workers=1, remote=None, timeout=60, layout=layout)
@@ -375,8 +378,8 @@ def test_streamed_rounds_match_the_whole_vector_rounds(mode: str) -> None:
     is the hand-computed one, and the reply travelled fragment by fragment. Outer step plain SGD, lr 1 (sync:
     theta <- theta - mean g)."""
     layout = Fragments([torch.Size([2])], max_bytes=4)  # one value per fragment
-    kwargs = {"delayed_nesterov": False, "dynamic_local_steps": False} if mode == "async" else {}
-    settings = OuterSettings(mode=mode, local_steps=2, outer_lr=1.0, outer_momentum=0.0, **kwargs)
+    kwargs = {"dynamic_local_steps": False} if mode == "async" else {}
+    settings = OuterSettings(mode=mode, local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0), **kwargs)
     server, network, modules = _start(settings, budget=4, layout=layout)
     workers = [Worker(modules[0], CPU, server.local, layout=layout),
                Worker(modules[1], CPU, network.ends[1], layout=layout)]
@@ -417,7 +420,7 @@ def test_bf16_pulls_leave_workers_rounded_and_the_global_model_exact() -> None:
     global model [1, 1 + 2**-7], yet the global model keeps its float32 offset: g0 = [0, 2**-7], g1 = [-2,
     2 + 2**-7], theta = start - mean g = [2 + 2**-10, 1 + 3 * 2**-9 - 1 - 2**-7]."""
     layout = Fragments([torch.Size([2])], pull_compression="bf16", max_bytes=4)
-    settings = OuterSettings(mode="sync", local_steps=2, outer_lr=1.0, outer_momentum=0.0)
+    settings = OuterSettings(mode="sync", local_steps=2, outer=DelayedNesterov(lr=1.0, momentum=0.0))
     server, network, modules = _start(settings, budget=4, layout=layout, start=[1 + 2**-10, 1 + 3 * 2**-9])
     workers = [Worker(modules[0], CPU, server.local, layout=layout),
                Worker(modules[1], CPU, network.ends[1], layout=layout)]
@@ -434,7 +437,7 @@ def test_topk2_pulls_send_workers_the_public_model_and_keep_the_global_model_exa
     reading it) hold P = [2, 0], and G - P = [0, -0.5] waits for the next change. Worker 1's reply: 4 bytes of scale,
     2 of position, 1 of levels, plus the buffer: 11 bytes; rank 0's own pull travels nowhere (0 bytes)."""
     layout = Fragments([torch.Size([2])], pull_compression="topk2")
-    settings = OuterSettings(mode="sync", local_steps=2, outer_lr=1.0, outer_momentum=0.0, check_pushes=False)
+    settings = OuterSettings(mode="sync", local_steps=2, outer=DelayedNesterov(lr=1.0, momentum=0.0), check_pushes=False)
     server, network, modules = _start(settings, budget=8, layout=layout)
     workers = [Worker(modules[0], CPU, server.local, layout=layout),
                Worker(modules[1], CPU, network.ends[1], layout=layout)]

@@ -13,14 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet import AsyncLocalSGDStrategy, WorkerShape
 from lightning_hdet._tensors import flat_pieces
 from lightning_hdet.asynchronous.exchange.ranks import WorkerRanks
 from lightning_hdet.asynchronous.exchange.reshard import shard_rows
 from lightning_hdet.asynchronous.exchange.worker_shards import full_pieces, local_state, rows
 from lightning_hdet.asynchronous.lightning.checkpoints import WorkerCheckpoints, worker_file
 from lightning_hdet.asynchronous.wire.messages import Fragments
-from tests.helpers import START, load_ranks
+from tests.helpers import START, async_strategy, load_ranks
 from tests.test_async_local_sgd import Regression
 from tests.test_async_ranks import _held_bytes
 
@@ -94,8 +94,9 @@ def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = Fa
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}
-    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, ranks_per_worker=ranks_per_worker, inside_worker=inside,
-                                     start_method=START, **fixed, **kwargs)
+    worker = WorkerShape(ranks_per_worker=ranks_per_worker, inside_worker=inside,
+                         auto_wrap_policy=kwargs.pop("auto_wrap_policy", None))
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, start_method=START, worker=worker, **fixed, **kwargs)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=out, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0,
@@ -220,7 +221,7 @@ def test_async_with_fsdp_inside_learns_as_ddp_inside(tmp_path):
 ])
 def test_fsdp_inside_refused_where_it_has_no_effect(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        AsyncLocalSGDStrategy(**kwargs)
+        async_strategy(**kwargs)
 
 
 def test_full_pieces_read_each_fragment_of_parameters_split_across_fragments():

@@ -15,12 +15,17 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.exchange.server import Server
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
-from lightning_hdet.asynchronous.outer.state import AsyncStep, OuterState, SyncStep
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterState
+from lightning_hdet.asynchronous.outer.state import AsyncStep, SyncStep
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 from lightning_hdet.asynchronous.wire.transport import ServerTransport
 from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
+#: "stable"'s momentum schedule at outer lr 0.5
+STABLE_AT_HALF = DelayedNesterov(lr=0.5, momentum=0.9, warmup=16, restarts=8)
 BASE_SECONDS = 0.05  # a factor-1 step; the slow rank takes 4x
 
 
@@ -185,7 +190,8 @@ def test_sync_h1_matches_ddp(tmp_path):
     seed_everything(0)
     ddp = _fit(tmp_path / "ddp", BoringModel(), "ddp_fork", max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=1, mode="sync", outer_lr=1.0, outer_momentum=0.0, start_method="fork")
+    strategy = AsyncLocalSGDStrategy(local_steps=1, mode="sync", outer=DelayedNesterov(lr=1.0, momentum=0.0),
+                                     start_method="fork")
     sync = _fit(tmp_path / "sync", BoringModel(), strategy, max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
     assert [n for n, _ in sync[0]["rounds"]] == [1] * 6 + [0]
     assert sync[0]["outer"]["outer_updates"] == 6
@@ -205,7 +211,7 @@ def test_callbacks_with_slow_worker_then_resume(tmp_path):
         x, y = model.data[256:320]
         initial_val_loss = float(nn.functional.mse_loss(model.layer(x), y))
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1, save_last=True)
-    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer_lr=0.5)
+    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer=STABLE_AT_HALF)
     first = _fit(tmp_path / "a", model, strategy, max_steps=20, val_check_interval=5,
                  callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), ckpt])
     outer = first[0]["outer"]
@@ -234,7 +240,7 @@ def test_callbacks_with_slow_worker_then_resume(tmp_path):
         )
     # resume: the budget is the whole run's (world size x max_steps), counters continue
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer_lr=0.5)
+    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer=STABLE_AT_HALF)
     early = EarlyStopping(monitor="val_loss", stopping_threshold=1e9, check_on_train_epoch_end=False)
     second = _fit(tmp_path / "b", Regression(), strategy, max_steps=400, val_check_interval=5,
                   ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), early])
@@ -266,10 +272,8 @@ def test_registered_names():
         (dict(mode="fast"), "mode"),
         (dict(local_steps=0), "local_steps"),
         (dict(local_steps=-3), "local_steps"),
-        (dict(outer_lr=0), "outer_lr"),
-        (dict(outer_momentum=1.0), "outer_momentum"),
-        (dict(buffer_size=0), "buffer_size"),
-        (dict(buffer_size=2, momentum_activation=0.6), "momentum_activation"),
+        (dict(outer="fast"), "outer"),
+        (dict(outer_lr=0.7), "outer=DelayedNesterov"),
         (dict(min_local_steps=0), "min_local_steps"),
         (dict(grace_period=-1), "grace_period"),
     ],
@@ -284,7 +288,8 @@ def test_bad_world_checked_before_process_groups():
         Trainer(strategy=AsyncLocalSGDStrategy(), accelerator="cpu", devices=1, logger=False)
     # c must be <= 1/N with the default N = number of workers (4)
     with pytest.raises(ValueError, match="momentum_activation"):
-        Trainer(strategy=AsyncLocalSGDStrategy(momentum_activation=0.3), accelerator="cpu", devices=4, logger=False)
+        Trainer(strategy=AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.5, momentum_activation=0.3)),
+                accelerator="cpu", devices=4, logger=False)
 
 
 def _outer(mode="async", budget=None, local_steps=4, grace_period=0.0):
@@ -368,10 +373,8 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     stops after the first push: N stays 3 until the cycle's third push, then each push moves by 0.6 / 2 (before, a
     run that lost a worker stepped every push at 2/3 of the same run without it). A configured buffer_size stays
     the ceiling; DiLoCo's N is 1 and does not follow."""
-    from lightning_hdet.asynchronous.outer.state import OuterSettings
-
-    outer = OuterSettings(local_steps=4, outer_lr=0.6, outer_momentum=0.0).build(torch.zeros(1), torch.zeros(0), 3,
-                                                                                   budget=None)
+    settings = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=0.6, momentum=0.0))
+    outer = settings.build(torch.zeros(1), torch.zeros(0), 3, budget=None)
     outer.process([Push(w, Kind.HELLO, 0, 0.0, 0.0) for w in range(3)])
 
     def push(worker: int) -> float:
@@ -384,7 +387,8 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
     assert [push(1), push(0)] == pytest.approx([0.2, 0.2])  # the cycle's third push: a boundary, N = 2 from here
     assert outer.optimizer.param_groups[0]["buffer_size"] == 2
     assert [push(1), push(0)] == pytest.approx([0.3, 0.3])
-    capped = OuterSettings(buffer_size=2).build(torch.zeros(1), torch.zeros(0), 4, budget=None)
+    capped = OuterSettings(outer=DelayedNesterov(lr=0.5, buffer_size=2)).build(torch.zeros(1), torch.zeros(0), 4,
+                                                                               budget=None)
     capped.follow_live(3)
     assert capped.optimizer.param_groups[0]["buffer_size"] == 2  # the user's N is the ceiling
     capped.follow_live(1)
@@ -397,9 +401,9 @@ def test_delayed_nesterovs_n_follows_the_workers_still_training_from_a_momentum_
 def test_a_resumed_run_takes_its_own_n_not_the_checkpoints():
     """A checkpoint written once its workers had stopped holds N = 1; the run that resumes it on three workers
     steps each push by lr / 3 from its first push, not by lr / 1."""
-    from lightning_hdet.asynchronous.outer.state import OuterSettings
+    from lightning_hdet.asynchronous.outer.settings import OuterSettings
 
-    settings = OuterSettings(local_steps=4, outer_lr=0.6, outer_momentum=0.0)
+    settings = OuterSettings(local_steps=4, outer=DelayedNesterov(lr=0.6, momentum=0.0))
     ended = settings.build(torch.zeros(1), torch.zeros(0), 3, budget=None)
     ended.follow_live(1)
     assert ended.optimizer.param_groups[0]["buffer_size"] == 1

@@ -13,8 +13,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks, WorkerShape
 from lightning_hdet.asynchronous.exchange.ranks import FollowerTransport, LeaderTransport, WorkerRanks
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.wire.messages import Kind, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 from tests.helpers import START, LinearModel, flat_params, load_ranks, trainer_kwargs
@@ -39,16 +40,18 @@ def test_rank_layout_consecutive_ranks_per_worker():
 ])
 def test_bad_ranks_per_worker_refused_before_process_groups(k, devices, match):
     with pytest.raises(ValueError, match=f"ranks_per_worker={k}.*{match}"):
-        Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=k), accelerator="cpu", devices=devices, logger=False)
+        Trainer(strategy=AsyncLocalSGDStrategy(worker=WorkerShape(ranks_per_worker=k)), accelerator="cpu",
+                devices=devices, logger=False)
 
 
 def test_workers_counted_not_ranks():
-    strategy = AsyncLocalSGDStrategy(ranks_per_worker=2, buffer_size=2)
+    strategy = AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.5, buffer_size=2), worker=WorkerShape(ranks_per_worker=2))
     Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
     assert strategy.config["workers"] == 2 and strategy.config["ranks_per_worker"] == 2
-    with pytest.raises(ValueError, match="buffer_size=3"):  # N is checked against the workers, not the ranks
-        Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=2, buffer_size=3), accelerator="cpu", devices=4,
-                logger=False)
+    with pytest.raises(ValueError, match="`buffer_size` must be 1..2"):  # N is checked against the workers, not ranks
+        Trainer(strategy=AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.5, buffer_size=3),
+                                               worker=WorkerShape(ranks_per_worker=2)),
+                accelerator="cpu", devices=4, logger=False)
     with pytest.raises(ValueError, match="ddp_comm_hook"):  # nothing to hook with one rank per worker
         AsyncLocalSGDStrategy(ddp_comm_hook=lambda *a: None)
 
@@ -149,9 +152,9 @@ def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4, 
     seed_everything(0)
     # plain averaging outer step (Local SGD): what is under test is the workers' ranks, not the outer optimizer
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
-    strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, ranks_per_worker=ranks_per_worker,
-                                     outer_lr=1.0, outer_momentum=0.0, pull_compression=pull, start_method=START,
-                                     **fixed)
+    strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.0),
+                                     pull_compression=pull, start_method=START,
+                                     worker=WorkerShape(ranks_per_worker=ranks_per_worker), **fixed)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=max_steps, val_check_interval=4, check_val_every_n_epoch=None,
@@ -226,8 +229,8 @@ class _InnerStates(Callback):
 def _fit_adam(out: Path, ranks_per_worker: int, max_steps: int, ckpt_path: str | None = None):
     seed_everything(0)
     out.mkdir(parents=True)
-    strategy = AsyncLocalSGDStrategy(local_steps=2, mode="sync", ranks_per_worker=ranks_per_worker,
-                                     start_method=START)
+    strategy = AsyncLocalSGDStrategy(local_steps=2, mode="sync", start_method=START,
+                                     worker=WorkerShape(ranks_per_worker=ranks_per_worker))
     trainer = Trainer(strategy=strategy, callbacks=[_InnerStates(out)], **trainer_kwargs(
         devices=4, max_steps=max_steps, enable_checkpointing=True, default_root_dir=out))
     trainer.fit(LinearModel(optimizer="adam", n_train=64, batch_size=8), ckpt_path=ckpt_path)
@@ -266,8 +269,9 @@ def test_an_early_stop_on_rank_zero_stops_its_worker_at_the_end_of_its_round(tmp
     """EarlyStopping decides on rank 0 in the middle of a round (validation every 4 steps, rounds of 3): rank 0 must
     not leave its worker's other rank waiting for its gradients; the worker stops, both ranks, when the round ends."""
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=3, ranks_per_worker=2, dynamic_local_steps=False,
-                                     timeout=timedelta(seconds=120), start_method=START)
+    strategy = AsyncLocalSGDStrategy(local_steps=3, dynamic_local_steps=False,
+                                     timeout=timedelta(seconds=120), start_method=START,
+                                     worker=WorkerShape(ranks_per_worker=2))
     stop = EarlyStopping(monitor="val_loss", mode="max", patience=0)  # the loss falls: stops at the 2nd validation
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -285,7 +289,7 @@ def test_an_early_stop_on_rank_zero_stops_its_worker_at_the_end_of_its_round(tmp
 
 def test_a_worker_across_two_nodes_warns():
     with pytest.warns(UserWarning, match="ranks_per_worker=3 with devices=2 per node: some workers span two nodes"):
-        Trainer(strategy=AsyncLocalSGDStrategy(ranks_per_worker=3), accelerator="cpu", devices=2, num_nodes=3,
+        Trainer(strategy=AsyncLocalSGDStrategy(worker=WorkerShape(ranks_per_worker=3)), accelerator="cpu", devices=2, num_nodes=3,
                 logger=False)
 
 
@@ -293,7 +297,7 @@ def test_a_worker_across_two_nodes_warns():
 def test_dynamic_local_steps_follow_each_workers_slowest_rank(tmp_path):
     """Rank 3 (not a leader) is 4x slower: its worker (ranks 2, 3) gets about 1/4 of the other worker's rounds."""
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=8, ranks_per_worker=2, start_method=START)
+    strategy = AsyncLocalSGDStrategy(local_steps=8, start_method=START, worker=WorkerShape(ranks_per_worker=2))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=40, limit_val_batches=0, num_sanity_val_steps=0,

@@ -12,6 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from tests.helpers import START, LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
 from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
@@ -25,7 +26,7 @@ def _fit(out: Path, mode: str, max_steps: int, ckpt_path: str | None = None) -> 
     # One batch, the same on every rank and every step: Lightning's data order on resume is not under test.
     model = LinearModel(lr=0.05, n_train=16)
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
-    strategy = AsyncLocalSGDStrategy(local_steps=2, mode=mode, outer_lr=1.0, outer_momentum=0.5, start_method=START,
+    strategy = AsyncLocalSGDStrategy(local_steps=2, mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.5, warmup=16, restarts=8), start_method=START,
                                      **fixed)
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
     trainer = Trainer(strategy=strategy, callbacks=[ckpt, Recorder(out)],
@@ -182,7 +183,7 @@ def test_a_checkpoint_takes_one_snapshot_of_the_outer_state(tmp_path: Path) -> N
     from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
     model = LinearModel(lr=0.05, n_train=16)
-    strategy = AsyncLocalSGDStrategy(local_steps=2, outer_lr=1.0, outer_momentum=0.0, start_method=START)
+    strategy = AsyncLocalSGDStrategy(local_steps=2, outer=DelayedNesterov(lr=1.0, momentum=0.0), start_method=START)
     strategy.connect(model)
     exchange = Exchange.__new__(Exchange)  # rank 0's part without process groups: its outer state and module
     exchange.module, exchange.device = model, torch.device("cpu")

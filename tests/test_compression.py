@@ -1,9 +1,21 @@
-"""Pseudo-gradient codecs: round trips against hand-computed values (pure, one process)."""
+"""Pseudo-gradient codecs, one object each: round trips against hand-computed values (pure, one process)."""
 
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.wire.codecs import Codec, ErrorFeedback, check_compression, row_layout
+from lightning_hdet._checks import ArgumentNameError
+from lightning_hdet.asynchronous.wire.codecs import (
+    BF16,
+    CODEC_PRESETS,
+    ErrorFeedback,
+    Int8,
+    NoCodec,
+    TopK,
+    check_codecs,
+    codec_from,
+    codec_numbers,
+    row_layout,
+)
 
 SHAPES = [torch.Size([2, 4]), torch.Size([3])]  # a weight (2 rows of 4) and a bias (flat)
 
@@ -14,7 +26,7 @@ def test_row_layout_rows_of_matrices_and_chunks_of_flat_tensors():
 
 
 def test_none_is_the_float32_bytes_without_a_copy():
-    codec = Codec("none", SHAPES)
+    codec = NoCodec().bind(SHAPES)
     flat = torch.arange(11.0) - 5.5
     message = codec.encode(flat)
     assert codec.nbytes == message.numel() == 44 and message.data_ptr() == flat.data_ptr()
@@ -22,7 +34,7 @@ def test_none_is_the_float32_bytes_without_a_copy():
 
 
 def test_bf16_is_exact_for_representable_values_and_rounds_to_nearest_even():
-    codec = Codec("bf16", SHAPES)
+    codec = BF16().bind(SHAPES)
     exact = torch.tensor([1.0, -0.5, 3.0, 0.15625, -1024.0, 0.0, 2.0**-20, 7.5, -96.0, 1.0 / 64, 0.75])
     assert codec.nbytes == 22
     assert torch.equal(codec.decode(codec.encode(exact)), exact)
@@ -32,9 +44,9 @@ def test_bf16_is_exact_for_representable_values_and_rounds_to_nearest_even():
 
 
 def test_int8_row_scales_hand_computed():
-    codec = Codec("int8", SHAPES, chunk=2)
+    codec = Int8(chunk=2).bind(SHAPES)
     # segments: weight rows (0, 2, 4); bias chunks (8, 1, 2) and (10, 1, 1) -> 4 scales
-    assert codec.rows == 4 and codec.nbytes == 4 * 4 + 11
+    assert len(codec.segments) == 3 and codec.nbytes == 4 * 4 + 11
     flat = torch.tensor([1.0, -0.5, 0.25, 0.0,  # absmax 1: q = 127, -63.5 -> -64 (half to even), 31.75 -> 32, 0
                          0.0, 0.0, 0.0, 0.0,  # an all-zero row: scale 0, values 0
                          -2.0, 0.5,  # absmax 2: q = -127, 31.75 -> 32
@@ -50,7 +62,7 @@ def test_int8_row_scales_hand_computed():
 def test_int8_error_is_at_most_half_a_scale_per_row():
     torch.manual_seed(0)
     shapes = [torch.Size([16, 33]), torch.Size([700]), torch.Size([4, 2, 3])]
-    codec = Codec("int8", shapes, chunk=256)
+    codec = Int8(chunk=256).bind(shapes)
     flat = torch.cat([torch.randn(16 * 33) * torch.logspace(-3, 2, 16).repeat_interleave(33),
                       torch.randn(700), torch.randn(24) * 1e-6])
     decoded = codec.decode(codec.encode(flat))
@@ -63,7 +75,7 @@ def test_int8_error_is_at_most_half_a_scale_per_row():
 
 
 def test_error_feedback_carries_the_rounding_to_the_next_push():
-    codec = Codec("bf16", [torch.Size([1])])
+    codec = BF16().bind([torch.Size([1])])
     feedback, plain = ErrorFeedback(codec), ErrorFeedback(codec, enabled=False)
     g = 1 + 2.0**-9
     sent = []
@@ -79,7 +91,7 @@ def test_error_feedback_carries_the_rounding_to_the_next_push():
 
 def test_error_feedback_decoded_pushes_sum_to_the_true_ones_minus_the_residual():
     torch.manual_seed(1)
-    codec = Codec("int8", SHAPES, chunk=2)
+    codec = Int8(chunk=2).bind(SHAPES)
     feedback = ErrorFeedback(codec)
     pushes = [torch.randn(11) for _ in range(5)]
     total = sum(codec.decode(feedback.encode(g.clone())) for g in pushes)
@@ -90,23 +102,23 @@ def test_error_feedback_decoded_pushes_sum_to_the_true_ones_minus_the_residual()
 
 
 def test_none_keeps_no_residual():
-    feedback = ErrorFeedback(Codec("none", SHAPES))
+    feedback = ErrorFeedback(NoCodec().bind(SHAPES))
     flat = torch.ones(11)
     assert feedback.residual.numel() == 0 and torch.equal(feedback.codec.decode(feedback.encode(flat)), flat)
 
 
 def test_wrong_sizes_and_arguments_are_named():
-    codec = Codec("int8", SHAPES)
+    codec = Int8().bind(SHAPES)
     with pytest.raises(ValueError, match="11 float32 values, got 10"):
         codec.encode(torch.zeros(10))
-    with pytest.raises(ValueError, match="'int8' message has"):
+    with pytest.raises(ValueError, match=r"A Int8\(chunk=256\) message has"):
         codec.decode(torch.zeros(3, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="`compression` must be one of"):
-        check_compression("fp8", False)
+    with pytest.raises(ValueError, match="`compression` must be one of .* Or a codec object"):
+        codec_from("fp8")
     with pytest.raises(ValueError, match="`error_feedback` must be True or False"):
-        check_compression("bf16", 1)
+        check_codecs(BF16(), NoCodec(), 1)
     with pytest.raises(ValueError, match="`chunk` must be a positive integer"):
-        Codec("int8", SHAPES, chunk=0)
+        Int8(chunk=0).bind(SHAPES)
 
 
 def test_topk2_keeps_the_largest_values_of_each_chunk_in_two_bits_hand_computed():
@@ -115,7 +127,7 @@ def test_topk2_keeps_the_largest_values_of_each_chunk_in_two_bits_hand_computed(
     (1 - 1.5) * 2 = -1.0. The message: 4 scale bytes + 2 x 2 position bytes + one byte of two 2-bit levels."""
     flat = torch.full((128,), 0.01)
     flat[5], flat[70] = 3.0, -1.0
-    codec = Codec("topk2", [torch.Size([128])])
+    codec = TopK(bits=2).bind([torch.Size([128])])
     message = codec.encode(flat)
     assert codec.nbytes == message.numel() == 9
     assert message[:4].view(torch.float32).item() == 2.0
@@ -132,7 +144,7 @@ def test_topk4_levels_and_a_last_short_chunk_hand_computed():
     flat = torch.zeros(4096 + 70)
     flat[:64] = torch.linspace(2.0, 7.5, 64)  # the 64 kept values of chunk 0, largest 7.5: scale 1
     flat[4096 + 9] = 7.5
-    codec = Codec("topk4", [torch.Size([4096 + 70])])
+    codec = TopK(bits=4).bind([torch.Size([4096 + 70])])
     assert codec.nbytes == 2 * 4 + 65 * 2 + 33  # two scales, 65 positions, 65 levels two to a byte (one padded)
     decoded = codec.decode(codec.encode(flat))
     assert decoded[0] == 2.5 and decoded[63] == 7.5 and decoded[4096 + 9] == 7.5
@@ -143,7 +155,7 @@ def test_sparse_pushes_with_error_feedback_send_everything_in_the_end():
     """The same pseudo-gradient pushed again and again through topk2 with error feedback: the decoded pushes always
     sum to the true ones minus the residual (nothing is lost, only delayed), and the residual stays bounded."""
     g = torch.randn(300, generator=torch.Generator().manual_seed(0))
-    feedback = ErrorFeedback(Codec("topk2", [torch.Size([300])]))
+    feedback = ErrorFeedback(TopK(bits=2).bind([torch.Size([300])]))
     total = torch.zeros(300)
     for n in range(1, 401):
         total += feedback.codec.decode(feedback.encode(g.clone()))
@@ -153,6 +165,45 @@ def test_sparse_pushes_with_error_feedback_send_everything_in_the_end():
 
 
 def test_a_sparse_codec_needs_error_feedback():
-    with pytest.raises(ValueError, match="`error_feedback` must be True with compression='topk2'"):
-        check_compression("topk2", False)
-    check_compression("topk4", True)
+    with pytest.raises(ValueError, match=r"`error_feedback` must be True with compression=TopK\(fraction=0.015625,"
+                                         r" bits=2\), got False"):
+        check_codecs(TopK(bits=2), NoCodec(), False)
+    assert check_codecs(TopK(bits=4), NoCodec(), True)
+    assert not check_codecs(NoCodec(), NoCodec(), None) and check_codecs(Int8(), NoCodec(), None)
+
+
+def test_presets_are_objects_and_an_object_is_what_runs():
+    """The strings are presets of the objects, in one table; an object or its options (what an elastic service
+    publishes) come back as the same object."""
+    assert codec_from("topk4") == TopK(fraction=1 / 64, bits=4) and codec_from("none") == NoCodec()
+    assert set(CODEC_PRESETS) == {"none", "bf16", "int8", "topk2", "topk4"}
+    mine = TopK(fraction=0.05, bits=4)
+    assert codec_from(mine) is mine and codec_from(mine.options()) == mine
+    assert codec_numbers("compression", mine) == {"compression": "TopK", "compression/fraction": 0.05,
+                                                  "compression/bits": 4}
+    assert repr(Int8(chunk=64)) == "Int8(chunk=64)"
+
+
+def test_topk_fraction_sets_the_kept_values_per_chunk_hand_computed():
+    """fraction 1/16 of a 128-value chunk keeps 8 values: 4 scale bytes, 8 int16 positions, 8 levels of 4 bits in 4
+    bytes = 24 bytes; the 8 largest magnitudes come back exactly when they are the scale's levels (+-7.5 x 1)."""
+    flat = torch.zeros(128)
+    flat[:8] = torch.tensor([7.5, -7.5, 6.5, -6.5, 5.5, -5.5, 4.5, -4.5])
+    codec = TopK(fraction=1 / 16, bits=4).bind([torch.Size([128])])
+    assert codec.nbytes == 4 + 2 * 8 + 4
+    assert torch.equal(codec.decode(codec.encode(flat)), flat)
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: TopK(bits=3), r"`bits` must be one of \(1, 2, 4, 8\), got 3"),
+    (lambda: TopK(fraction=0.0), r"`fraction` must be a number in \(0, 1\], got 0.0"),
+    (lambda: Int8(chunk=-1), "`chunk` must be a positive integer, got -1"),
+])
+def test_codec_options_are_checked_on_creation(make, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_a_misspelled_codec_option_names_the_closest() -> None:
+    with pytest.raises(ArgumentNameError, match="TopK got an unsupported argument `bit`=2. Did you mean `bits`?"):
+        TopK(bit=2)

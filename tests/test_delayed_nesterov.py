@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterovOptimizer as DelayedNesterov
 
 
 def _push(opt: DelayedNesterov, p: torch.Tensor, g: torch.Tensor) -> None:
@@ -176,9 +176,9 @@ def test_delayed_nesterov_tames_stale_pushes_that_break_plain_nesterov():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(lr=0.0), "outer_lr"),
-        (dict(lr=1.0, momentum=1.0), "outer_momentum"),
-        (dict(lr=1.0, momentum=-0.1), "outer_momentum"),
+        (dict(lr=0.0), "`lr` must be a finite number > 0, got 0.0"),
+        (dict(lr=1.0, momentum=1.0), r"`momentum` must be a number in \[0, 1\), got 1.0"),
+        (dict(lr=1.0, momentum=-0.1), "`momentum`"),
         (dict(lr=1.0, buffer_size=0), "buffer_size"),
         (dict(lr=1.0, buffer_size=4, momentum_activation=0.3), "momentum_activation"),
         (dict(lr=1.0, momentum_activation=-0.1), "momentum_activation"),

@@ -31,7 +31,6 @@ from lightning_hdet import (
     PBT,
     AsyncLocalSGDStrategy,
     Best,
-    DelayedNesterov,
     ElasticDDPWorkerStrategy,
     ElasticWorkerStrategy,
     HDETCallback,
@@ -47,7 +46,7 @@ from lightning_hdet import (
     Softmax,
     experimental,
 )
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.demos import CharCorpusDataModule, CharLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +59,8 @@ SIGNATURES = {
     "HDETFSDPStrategy": (HDETFSDPStrategy,),
     "HDETCallback": (HDETCallback,),
     "AsyncLocalSGDStrategy": (AsyncLocalSGDStrategy, DDPStrategy),
-    "DelayedNesterov": (DelayedNesterov,),
+    **{name: (getattr(lightning_hdet, name),) for name in ("DelayedNesterov", "Nesterov", "SparseLoCo", "PushCheck",
+                                                           "Int8", "TopK")},
     "ElasticWorkerStrategy": (ElasticWorkerStrategy, SingleDeviceStrategy),
     "ElasticDDPWorkerStrategy": (ElasticDDPWorkerStrategy, DDPStrategy),
     "OuterService": (OuterService, OuterSettings),
@@ -80,9 +80,11 @@ SIGNATURES = {
     "HDETLoop": (HDETLoop,),
     "AsyncLocalSGDFabricStrategy": (OuterSettings, FabricDDPStrategy, AsyncLocalSGDStrategy),
 }
-# The rules' objects a doc may pass as an argument value: built too, so their values are checked.
+# The rules', outer optimizers' and codecs' objects a doc may pass as an argument value: built too, so their values
+# are checked.
 RULES = {name: getattr(lightning_hdet, name, None) or getattr(experimental, name)
-         for name in ("PBT", "Softmax", "Best", "Search", "SafetyNet", *experimental.__all__)}
+         for name in ("PBT", "Softmax", "Best", "Search", "SafetyNet", "DelayedNesterov", "Nesterov", "SparseLoCo",
+                      "PushCheck", "NoCodec", "BF16", "Int8", "TopK", *experimental.__all__)}
 
 # Built from the literal arguments a doc shows; all validate their arguments in ``__init__``.
 CONSTRUCTIBLE = ("HDETStrategy", "HDETCallback", "AsyncLocalSGDStrategy", "SlowRanks", "ElasticWorkerStrategy",

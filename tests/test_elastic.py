@@ -20,7 +20,8 @@ from lightning_hdet.asynchronous.elastic.sessions import (
     session_seed,
     should_park,
 )
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
 
@@ -137,7 +138,8 @@ def test_arguments_are_checked_before_anything_connects() -> None:
     with pytest.raises(ValueError, match="`reconnect_s`"):
         ElasticWorkerStrategy("127.0.0.1:1", reconnect_s=-1)
     with pytest.raises(ValueError, match="`momentum_activation`"):
-        OuterService(LinearModel(), "127.0.0.1:0", budget=10, momentum_activation=0.1, buffer_size=2)
+        OuterService(LinearModel(), "127.0.0.1:0", budget=10,
+                     outer=DelayedNesterov(lr=0.5, momentum_activation=0.1, buffer_size=2))
     with pytest.raises(ValueError, match="`budget`"):
         OuterService(LinearModel(), "127.0.0.1:0", budget=0)
     service = OuterService(LinearModel(), "127.0.0.1:0", budget=10, local_steps=3)  # binds nothing before run()
@@ -488,8 +490,8 @@ def test_an_elastic_service_refuses_delta_pulls_before_it_starts() -> None:
     from lightning_hdet import OuterService
     from tests.helpers import LinearModel
 
-    with pytest.raises(ValueError, match="`pull_compression` must be 'none' or 'bf16' with an elastic service, got "
-                                         "'int8'. A change of the public model needs the version a worker holds"):
+    with pytest.raises(ValueError, match=r"`pull_compression` must be NoCodec\(\) or BF16\(\) \('none', 'bf16'\) with an"
+                                         r" elastic service, got Int8\(chunk=256\). A change of the public model needs"):
         OuterService(LinearModel(), "127.0.0.1:0", budget=10, pull_compression="int8")
 
 
@@ -499,11 +501,11 @@ def test_an_elastic_service_refuses_sparseloco_and_staggered_parts_before_it_sta
     from lightning_hdet import OuterService
     from tests.helpers import LinearModel
 
-    with pytest.raises(ValueError, match="`outer` must be a dense outer setting with an elastic service, got "
-                                         "'sparseloco'. SparseLoCo's update steps from each round's sparse push"):
+    with pytest.raises(ValueError, match=r"`outer` must be a dense outer optimizer with an elastic service, got "
+                                         r"SparseLoCo\(lr=1.0, error_decay=0.95\). SparseLoCo steps from each round"):
         OuterService(LinearModel(), "127.0.0.1:0", budget=10, mode="sync", outer="sparseloco",
                      compression="topk2")
     with pytest.raises(ValueError, match="`stagger` must be 1 with an elastic service, got 2. Its workers push"):
         OuterService(LinearModel(), "127.0.0.1:0", budget=10, mode="sync", local_steps=4, stagger=2)
     service = OuterService(LinearModel(), "127.0.0.1:0", budget=10, mode="sync", local_steps=4, outer="stable")
-    assert service.settings.stagger == 1 and not service.settings.preset.sparse
+    assert service.settings.stagger == 1 and not service.settings.outer.forwards_rounds

@@ -17,7 +17,7 @@ PURE_FOLDERS = {"hdet/rules": "**/*.py", "hdet": "*.py", "asynchronous/outer": "
 PURE_MODULES = ["experimental/halving.py", "asynchronous/wire/messages.py", "asynchronous/wire/codecs.py",
                 "asynchronous/wire/slow_link.py", "asynchronous/elastic/sessions.py", "asynchronous/elastic/job.py",
                 "asynchronous/result.py", "asynchronous/exchange/ranks.py", "asynchronous/exchange/reshard.py",
-                "asynchronous/lightning/exchange_options.py", "records/history.py", "records/tensorboard.py",
+                "asynchronous/lightning/worker_shape.py", "records/history.py", "records/tensorboard.py",
                 "_checks.py"]
 PURE = PURE_MODULES + sorted(p.relative_to(PACKAGE).as_posix() for folder, pattern in PURE_FOLDERS.items()
                              for p in (PACKAGE / folder).glob(pattern))
@@ -101,6 +101,46 @@ def test_hdet_layers_import_only_their_own_or_lower_ones(path: Path) -> None:
     if own == "execution":
         lightning = [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")]
         assert not lightning, f"{_rel(path)} is in hdet/execution/ but imports Lightning: {lightning}"
+
+
+# asynchronous/'s layers, lowest first: a module imports its own layer or a lower one (what crosses the wire, the
+# outer optimizer objects over it, one exchange carried out, the Lightning glue, workers as separate jobs). The
+# modules beside the folders (result.py) are pure and share the lowest.
+ASYNC_LAYERS = {"": 0, "wire": 0, "outer": 1, "exchange": 2, "lightning": 3, "elastic": 4}
+
+
+def _async_layer(parts: list[str]) -> str:
+    return parts[0] if parts[0] in ASYNC_LAYERS else ""
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if _rel(p).startswith("asynchronous/")], ids=_rel)
+def test_async_layers_import_only_their_own_or_lower_ones(path: Path) -> None:
+    own = _async_layer(_rel(path).split("/")[1:])
+    upward = sorted({n for n in _imports(_tree(path)) if n.startswith("lightning_hdet.asynchronous.")
+                     and ASYNC_LAYERS[_async_layer(n.split(".")[2:])] > ASYNC_LAYERS[own]})
+    assert not upward, f"{_rel(path)} (layer {own or 'asynchronous/'}) imports a higher layer: {upward}"
+
+
+def test_async_modules_import_each_other_without_cycles() -> None:
+    """No import circle among asynchronous/'s modules (the callback finds its strategy by a class the strategy
+    mixes in, not by importing it back)."""
+    paths = {"lightning_hdet." + _rel(p)[:-3].replace("/", ".").removesuffix(".__init__"): p for p in _modules()
+             if _rel(p).startswith("asynchronous/")}
+    graph = {module: {n for n in _imports(_tree(path)) if n in paths and n != module}
+             for module, path in paths.items()}
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            raise AssertionError(f"import circle: {' -> '.join(stack[stack.index(node):] + [node])}")
+        if node in done or node not in graph:
+            return
+        for target in sorted(graph[node]):
+            visit(target, [*stack, node])
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])
 
 
 # asynchronous/'s folders: outer/ is pure (PURE_FOLDERS), wire/ and exchange/ carry messages over process groups but

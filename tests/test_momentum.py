@@ -1,18 +1,14 @@
-"""The outer momentum's warm-up and restarts, and the named outer settings (pure, hand-computed values)."""
+"""The outer momentum's warm-up and restarts, and the named outer optimizers (pure, hand-computed values)."""
 
 import pytest
 import torch
 
-from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
-from lightning_hdet.asynchronous.outer.momentum import (
-    OUTER_PRESETS,
-    MomentumSchedule,
-    OuterPreset,
-    momentum_tail,
-    resolve_outer,
-    stable_outer_lr,
-)
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov as DN
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterovOptimizer as DelayedNesterov
+from lightning_hdet.asynchronous.outer.delayed_nesterov import MomentumSchedule
+from lightning_hdet.asynchronous.outer.momentum import OUTER_PRESETS, momentum_tail, outer_from, stable_outer_lr
+from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 
 #: ``1 + 0.9 + ... + 0.9^8``: one push's whole motion, in ``outer_lr`` x the push, at momentum 0.9 restarted every 8
 TAIL = (1 - 0.9**9) / (1 - 0.9)
@@ -101,25 +97,23 @@ def test_warm_up_and_restarts_stop_the_oscillation_of_stale_pushes():
     assert slow[0.9] < slow[0.0]
 
 
-def test_resolve_outer_presets_and_overrides():
-    stable = OuterPreset(0.375, 0.5, 16, 8)  # 1.5 / (2 * 2): the round's bound (the echo's, 1 / 1.996, is above)
-    assert resolve_outer(None) == resolve_outer("stable") == stable
-    # the lr follows beta (0.163 at 0.9: one push's whole echo at most the push) ...
-    assert resolve_outer(None, momentum=0.9) == OuterPreset(pytest.approx(1 / TAIL), 0.9, 16, 8)
-    assert resolve_outer(None, momentum=0.9, restart=0) == OuterPreset(pytest.approx(0.1), 0.9, 16, 0)  # 1 / 10
-    # ... and the restarts: 1 / (1 + 0.9 + ... + 0.9^4)
-    assert resolve_outer(None, momentum=0.9, restart=4) == OuterPreset(pytest.approx(1 / 4.0951), 0.9, 16, 4)
-    assert resolve_outer(None, restart=0) == OuterPreset(0.375, 0.5, 16, 0)  # at 0.5 the echo's bound is 0.5
-    assert resolve_outer(None, lr=0.2, momentum=0.9) == OuterPreset(0.2, 0.9, 16, 8)  # an explicit lr stays
-    assert resolve_outer("robust") == OuterPreset(0.7, 0.9, 16, 8)
-    assert resolve_outer("published") == OUTER_PRESETS["published"] == OuterPreset(0.7, 0.9, 0, 0)
-    assert resolve_outer("published", momentum=0.5, restart=2) == OuterPreset(0.7, 0.5, 0, 2)
-    with pytest.raises(ValueError, match="`outer` must be one of"):
-        resolve_outer("fast")
-    with pytest.raises(ValueError, match="`outer_momentum`"):
-        resolve_outer(None, momentum=1.0)
-    with pytest.raises(ValueError, match="`momentum_restart`"):
-        resolve_outer(None, restart=-1)
+def test_presets_build_the_objects_with_every_number_in_force():
+    """A preset is one row of numbers and builds the object a user could write; the object's repr shows them all.
+    The default, "stable": momentum 0.5 restarted every 8 updates, lr 1.5 / (2 * 2) = 0.375 (the round's bound; the
+    echo's, 1 / 1.996, is above it)."""
+    stable = outer_from(None)
+    assert stable == outer_from("stable") == DN(lr=stable_outer_lr(0.5, 8), momentum=0.5, warmup=16, restarts=8)
+    assert stable.lr == pytest.approx(0.375)
+    assert stable_outer_lr(0.9, 8) == pytest.approx(1 / TAIL)  # 0.163 at 0.9: one push's whole echo at most the push
+    assert outer_from("robust") == DN(lr=0.7, momentum=0.9, warmup=16, restarts=8)
+    assert outer_from("published") == DN(lr=0.7, momentum=0.9)  # no hidden warm-up
+    assert outer_from("sparseloco") == SparseLoCo(lr=1.0, error_decay=0.95)
+    assert repr(outer_from("published")) == ("DelayedNesterov(lr=0.7, momentum=0.9, warmup=0, restarts=0,"
+                                             " buffer_size=None, momentum_activation=0.0)")
+    mine = DN(lr=0.7, momentum=0.9)
+    assert outer_from(mine) is mine
+    with pytest.raises(ValueError, match="`outer` must be one of .* Or an object: DelayedNesterov"):
+        outer_from("fast")
 
 
 def test_stable_outer_lr_hand_computed():
@@ -165,7 +159,8 @@ def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(worke
     0.5) is below 1e-2 by then (2e-11 and 2e-6; at 0.163 / 0.9 before issue 60: 9e-7 and 2.8e-5; at 0.339 / 0.9
     before issue 42's elastic fix: 1.4e-6 and 5e-5) and below 1e-4 after 200 (8e-37 and 1e-19; at 0.163: 7e-17 and
     6e-13)."""
-    robust, stable = OUTER_PRESETS["robust"], resolve_outer(None)
+    robust, stable = OUTER_PRESETS["robust"], OUTER_PRESETS["stable"]
+    stable = type(stable)(stable_outer_lr(stable.momentum, stable.restart), stable.momentum, stable.warmup, stable.restart)
     diverged = _round_robin(robust.momentum, robust.warmup, robust.restart, 2.0, 50, workers, robust.lr)
     assert diverged[-1] > 100
     converged = _round_robin(stable.momentum, stable.warmup, stable.restart, 2.0, 200, workers, stable.lr)
@@ -173,8 +168,8 @@ def test_stale_mirror_rounds_diverge_at_robust_and_converge_at_the_default(worke
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(momentum=1.0), "outer_momentum"), (dict(momentum=0.9, warmup=-1), "momentum_warmup"),
-    (dict(momentum=0.9, restart=1.5), "momentum_restart"),
+    (dict(momentum=1.0), "`momentum`"), (dict(momentum=0.9, warmup=-1), "`warmup` must be an integer >= 0, got -1"),
+    (dict(momentum=0.9, restart=1.5), "`restarts` must be an integer >= 0, got 1.5"),
 ])
 def test_bad_schedule(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -197,7 +192,7 @@ def test_momentum_tail_is_one_push_s_whole_motion_hand_computed():
 
 
 @pytest.mark.parametrize(("mode", "workers"), [("async", 2), ("async", 4), ("sync", 2), ("sync", 4)])
-@pytest.mark.parametrize("momentum", [0.9, None])
+@pytest.mark.parametrize("momentum", [0.9, 0.5])
 def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end(mode, workers, momentum):
     """Issue 42's elastic bug, by hand: one momentum update's worth of mirror rounds (every worker's pseudo-gradient
     2 x: the most a stable inner optimizer does, to -x) along a direction no later round touches until the momentum
@@ -207,15 +202,16 @@ def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end
     bound) x 1.996 x 2: to -0.497. At 0.339 / 0.9 (the default before issue 42) to 1 - 0.339 * TAIL * 2 = -3.2:
     3.2 times past the optimum, growth at every such visit."""
     x = torch.ones(1)
-    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, momentum_warmup=0, outer_momentum=momentum,
+    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False,
+                             outer=DN(lr=stable_outer_lr(momentum, 8), momentum=momentum, restarts=8),
                              **({"dynamic_local_steps": False} if mode == "async" else {}))
     state = settings.build(x, torch.zeros(0), workers, None)
     for update in range(1, 20):  # the 8th momentum update restarts the momentum before taking the pushes
         _rounds(state, [(w, 2 * torch.ones(1) if update == 8 else torch.zeros(1)) for w in range(workers)], mode)
-    tail = momentum_tail(settings.preset.momentum, 8)
-    assert float(x) == pytest.approx(1 - settings.preset.lr * tail * 2, abs=1e-6)
+    tail = momentum_tail(settings.outer.momentum, 8)
+    assert float(x) == pytest.approx(1 - settings.outer.lr * tail * 2, abs=1e-6)
     expected = (1 / TAIL, -1.0) if momentum == 0.9 else (0.375, 1 - 0.375 * 1.99609375 * 2)
-    assert (settings.preset.lr, float(x)) == pytest.approx(expected, abs=1e-6)
+    assert (settings.outer.lr, float(x)) == pytest.approx(expected, abs=1e-6)
 
 
 def _rounds(state, pushes, mode):

@@ -17,15 +17,17 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import nn
 
-from lightning_hdet import AsyncLocalSGDStrategy, SlowLink, SlowRanks
+from lightning_hdet import AsyncLocalSGDStrategy, SlowLink, SlowRanks, WorkerShape
 from lightning_hdet.asynchronous.exchange.overlap import check_overlap_steps, correction, overlap_this_round
 from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
 from lightning_hdet.asynchronous.exchange.public_model import PublicModel
 from lightning_hdet.asynchronous.exchange.server import Server
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport, receive_reply, send_reply
+from tests.helpers import async_strategy
 from tests.test_async_defaults import SGDBoring, _loss
 
 
@@ -60,13 +62,13 @@ def test_the_correction_carries_the_overlapped_displacement_onto_the_new_global_
 ])
 def test_bad_overlap_steps_are_refused_before_any_process_group(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        AsyncLocalSGDStrategy(**{"local_steps": 8, **kwargs})
+        async_strategy(**{"local_steps": 8, **kwargs})
     check_overlap_steps(0, 1, 4)  # 0 is always allowed
 
 
 # ------------------------------------------------------------------------------- the budget with pending steps
 def _outer(mode: str, budget: int, **kwargs):
-    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, outer_lr=1.0, outer_momentum=0.0, **kwargs)
+    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, outer=DelayedNesterov(lr=1.0, momentum=0.0), **kwargs)
     return settings.build(torch.zeros(2), torch.zeros(0), workers=2, budget=budget)
 
 
@@ -213,7 +215,7 @@ def test_rank_0_merges_in_place_from_the_outer_state_in_diloco(device: str, pull
     ([5, 5]), push Δ = [1, 1] − [5, 5] (4 steps): global [3, 3]. 2 steps ([7, 7]); merge: [3, 3] + ([7, 7] − [5, 5])
     = [5, 5]. The goodbye pushes the 2 carried steps, [3, 3] − [5, 5]: global [4, 4]; 2 + 4 + 2 steps applied."""
     module = Pair().to(device)
-    outer = OuterSettings(mode="sync", local_steps=4, check_pushes=False, outer_lr=0.5, outer_momentum=0.0).build(
+    outer = OuterSettings(mode="sync", local_steps=4, check_pushes=False, outer=DelayedNesterov(lr=0.5, momentum=0.0)).build(
         torch.zeros(2), torch.zeros(0), workers=1, budget=None)
     layout = Fragments([torch.Size([2])], pull_compression=pull)
     server = Server(outer, 1, None, timeout=10.0, layout=layout)
@@ -266,7 +268,7 @@ def _fit(tmp_path: Path, mode: str, overlap: int) -> dict:
     of its 66 parameters: about 105 ms), 240 steps of budget; with τ = 6 (120 ms of steps) the link is hidden."""
     seed_everything(0)
     out = tmp_path / f"{mode}{overlap}.json"
-    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, mode=mode, overlap_steps=overlap, start_method="fork"),
+    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, mode=mode, start_method="fork", worker=WorkerShape(overlap_steps=overlap)),
             accelerator="cpu", devices=2, max_steps=120, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=tmp_path,

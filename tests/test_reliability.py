@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_hdet import AsyncLocalSGDStrategy, HDETCallback, HDETStrategy
+from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, HDETCallback, HDETStrategy
 from lightning_hdet.experimental import InitNoise
 from lightning_hdet.hdet.lightning.checkpoints import group_dir, group_file
 from tests.helpers import START, LinearModel, Recorder, SGDBoring, flat_params, load_ranks, trainer_kwargs
@@ -77,15 +77,13 @@ def test_hdet_callback_rejects(kwargs: dict[str, Any], match: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(outer_lr=float("inf")), "`outer_lr` must be a finite number, got inf"),
-        (dict(outer_lr="0.7"), "`outer_lr` must be a finite number, got '0.7'"),
-        (dict(outer_momentum=float("nan")), "`outer_momentum` must be a finite number, got nan"),
+        (dict(outer=0.7), r"`outer` must be one of \('stable', 'published', 'robust', 'sparseloco'\), got 0.7"),
         (dict(local_steps=2.5), "`local_steps` must be a positive integer, got 2.5"),
         (dict(local_steps=4, min_local_steps=8), r"`min_local_steps` \(8\) must not exceed `local_steps` \(4\)"),
         (dict(grace_period=float("inf")), "`grace_period` must be a finite number >= 0, got inf"),
         (dict(speed_smoothing=1.0), r"`speed_smoothing` must be a number in \[0, 1\), got 1.0"),
-        (dict(mode="sync", buffer_size=4), r"`buffer_size`=4 applies only to Delayed Nesterov.*mode='sync'"),
-        (dict(delayed_nesterov=False, momentum_activation=0.1), r"`momentum_activation`=0.1 applies only to Delayed"),
+        (dict(mode="sync", outer=DelayedNesterov(lr=0.7, momentum_activation=0.1)),
+         r"`momentum_activation` must be None with mode='sync' \(DiLoCo\), got 0.1"),
         (dict(ddp_comm_hook=lambda *a: None), "`ddp_comm_hook` / `model_averaging_period` do not apply"),
     ],
 )
@@ -95,8 +93,9 @@ def test_async_strategy_rejects(kwargs: dict[str, Any], match: str) -> None:
 
 
 def test_async_buffer_larger_than_workers_rejected_before_process_groups() -> None:
-    with pytest.raises(ValueError, match=r"`buffer_size=8` is larger than the number of workers \(4\); allowed: 1..4"):
-        Trainer(strategy=AsyncLocalSGDStrategy(buffer_size=8), accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(ValueError, match=r"`buffer_size` must be 1..4 \(the number of workers\), got 8"):
+        Trainer(strategy=AsyncLocalSGDStrategy(outer=DelayedNesterov(lr=0.7, buffer_size=8)), accelerator="cpu",
+                devices=4, logger=False)
 
 
 class _NoLR(torch.optim.Optimizer):

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
 from lightning_hdet import AsyncLocalSGDStrategy
-from lightning_hdet.asynchronous.wire.codecs import Codec
+from lightning_hdet.asynchronous.wire.codecs import codec_from
 
 
 class Regression(LightningModule):
@@ -62,7 +62,7 @@ def test_sparse_pushes_learn_with_a_hundredth_of_the_bytes(tmp_path: Path, codec
     # seen: 1.33 -> 0.60 (topk2) and 0.63 (topk4) in ~90 pushes; "none" reaches 0.002 (sparse pushes are slower
     # per round: they trade rounds for bytes)
     assert record["loss"] < 0.7 * initial
-    push = Codec(codec, [torch.Size([64, 64]), torch.Size([64])]).nbytes
+    push = codec_from(codec).bind([torch.Size([64, 64]), torch.Size([64])]).nbytes
     assert 4 * 4160 / push > 90  # each push is about a hundredth of the float32 one
     for stats in record["stats"].values():
         assert stats["push_bytes"] == push * stats["rounds"]

@@ -13,12 +13,16 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import nn
 
-from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet import AsyncLocalSGDStrategy, WorkerShape
 from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.wire.codecs import TopK
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy
+from tests.helpers import async_strategy
 from tests.test_async_defaults import SGDBoring, _loss
 
 
@@ -55,8 +59,8 @@ def test_each_fragment_steps_with_the_mean_of_the_pushes_that_carried_it(checked
     1) while worker 1 pushes part 1 (all 3): part 0's fragments take worker 0's alone, θ[0:8] = −4; part 1's the
     mean 2, θ[8:16] = −2."""
     layout = Fragments([torch.Size([3, 2]), torch.Size([10])], parts=2)
-    outer = OuterSettings(mode="sync", local_steps=4, stagger=2, check_pushes=checked, outer_lr=1.0,
-                          outer_momentum=0.0).build(torch.zeros(16), torch.zeros(0), workers=2, budget=12,
+    outer = OuterSettings(mode="sync", local_steps=4, stagger=2, check_pushes=checked, outer=DelayedNesterov(lr=1.0,
+                          momentum=0.0)).build(torch.zeros(16), torch.zeros(0), workers=2, budget=12,
                                                     ranges=layout.ranges, parts=layout.parts)
 
     def batch(*pushes: tuple[Push, float]) -> dict[int, int]:
@@ -130,18 +134,18 @@ def test_a_staggered_worker_pushes_its_parts_in_turn_and_merges_only_the_part_th
     ({"stagger": 2}, r"`stagger=2` needs `overlap_steps` >= 1, got overlap_steps=0"),
     ({"stagger": 2, "overlap_steps": 1, "mode": "async"}, r"`stagger=2` applies to DiLoCo only \(mode='sync'\), got mode='async'"),
     ({"stagger": 3, "overlap_steps": 1}, r"`stagger=3` does not divide local_steps=8: .* Allowed: \[1, 2, 4, 8\]"),
-    ({"stagger": 2, "overlap_steps": 1, "pull_compression": "int8"}, r"`stagger=2` is not supported with `pull_compression='int8'`"),
+    ({"stagger": 2, "overlap_steps": 1, "pull_compression": "int8"}, r"`stagger=2` is not supported with `pull_compression=Int8\(chunk=256\)`"),
     ({"stagger": 2, "overlap_steps": 4}, r"`overlap_steps=4` leaves no step of a round before its push "
                                          r"\(local_steps=8 / stagger=2\); allowed: 0 \(a blocking exchange\) or 1..3"),
     ({"stagger": 2, "overlap_steps": 1, "outer": "sparseloco", "compression": "topk2"},
-     r"`stagger=2` is not supported with `outer='sparseloco'`: .* one part of the model. Use stagger=1"),
+     r"`stagger` must be 1 with SparseLoCo, got 2. .* one part of the model."),
     ({"stagger": 2, "overlap_steps": 1, "outer": "sparseloco", "compression": "topk2", "pull_compression": "topk2"},
-     r"`stagger=2` is not supported with `outer='sparseloco'`"),
+     r"`stagger` must be 1 with SparseLoCo, got 2"),
 ])
 def test_bad_stagger_is_refused_before_any_process_group(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        AsyncLocalSGDStrategy(**{"local_steps": 8, "mode": "sync", **kwargs})
-    assert AsyncLocalSGDStrategy(local_steps=8, mode="sync", stagger=4, overlap_steps=1).config["stagger"] == 4
+        async_strategy(**{"local_steps": 8, "mode": "sync", **kwargs})
+    assert AsyncLocalSGDStrategy(local_steps=8, mode="sync", worker=WorkerShape(stagger=4, overlap_steps=1)).config["stagger"] == 4
 
 
 def test_fabric_refuses_stagger_and_checks_its_options_as_the_trainer_does() -> None:
@@ -149,12 +153,12 @@ def test_fabric_refuses_stagger_and_checks_its_options_as_the_trainer_does() -> 
     refused there for the same reason as with the Trainer; SparseLoCo's options still reach its exchange."""
     with pytest.raises(ValueError, match=r"`stagger=2` is not supported by AsyncLocalSGDFabricStrategy: .*overlap"):
         AsyncLocalSGDFabricStrategy(local_steps=8, mode="sync", stagger=2)
-    with pytest.raises(ValueError, match=r"`stagger=2` is not supported with `outer='sparseloco'`"):
+    with pytest.raises(ValueError, match=r"`stagger` must be 1 with SparseLoCo, got 2"):
         AsyncLocalSGDFabricStrategy(local_steps=8, mode="sync", stagger=2, outer="sparseloco", compression="topk2")
     strategy = AsyncLocalSGDFabricStrategy(local_steps=8, mode="sync", outer="sparseloco", compression="topk2",
                                            pull_compression="topk2")
-    assert strategy._codecs == {"compression": "topk2", "pull_compression": "topk2", "error_feedback": True,
-                                "sparse_outer": True, "error_decay": 0.95}
+    assert strategy._codecs == {"compression": TopK(bits=2), "pull_compression": TopK(bits=2), "error_feedback": True,
+                                "outer_optimizer": SparseLoCo(lr=1.0, error_decay=0.95)}
 
 
 # --------------------------------------------------------------------------------------- 2 workers, DiLoCo
@@ -177,8 +181,7 @@ def test_staggered_diloco_learns_and_keeps_the_budget(tmp_path: Path) -> None:
     DiLoCo without stagger does here (0.14 x the start, tests/test_overlap.py): below 0.25 x."""
     seed_everything(0)
     initial, out = _loss(SGDBoring()), tmp_path / "run.json"
-    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, mode="sync", stagger=2, overlap_steps=3,
-                                           start_method="fork"),
+    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, mode="sync", start_method="fork", worker=WorkerShape(stagger=2, overlap_steps=3)),
             accelerator="cpu", devices=2, max_steps=120, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=tmp_path, callbacks=[Record(out)]).fit(SGDBoring())
@@ -231,8 +234,8 @@ def test_resuming_with_another_stagger_is_refused_with_its_reason() -> None:
     makes 1; loading one's state into the other names the layout, not torch's parameter-group mismatch."""
     def outer(stagger: int):
         layout = Fragments([torch.Size([16])], parts=stagger)
-        return OuterSettings(mode="sync", local_steps=4, stagger=stagger, outer_lr=1.0,
-                             outer_momentum=0.0).build(torch.zeros(16), torch.zeros(0), workers=2, budget=12,
+        return OuterSettings(mode="sync", local_steps=4, stagger=stagger, outer=DelayedNesterov(lr=1.0,
+                             momentum=0.0)).build(torch.zeros(16), torch.zeros(0), workers=2, budget=12,
                                                        ranges=layout.ranges, parts=layout.parts)
 
     staggered, whole = outer(2), outer(1)

@@ -25,20 +25,21 @@ from lightning_hdet._checks import check_names, own_arguments
 from lightning_hdet._compat import DDP_OPTIONS, register_names, strategy_timeout, sync_module_states
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange
-from lightning_hdet.asynchronous.lightning.exchange_options import check_exchange_options
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.lightning.worker_shape import check_exchange_options
+from lightning_hdet.asynchronous.outer.momentum import refuse_moved
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind
 
-_CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression", "error_decay")
+_CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression")
 
 
 class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
     """Asynchronous Local-SGD (``mode="async"``) or synchronous DiLoCo (``mode="sync"``) for a Fabric loop.
 
     Args:
-        **kwargs: the Trainer strategy's outer-optimizer and codec arguments (``local_steps``, ``mode``,
-            ``outer``, ``outer_lr``, ``outer_momentum``, ``delayed_nesterov``, ``dynamic_local_steps``,
-            ``compression``, ... see :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`), then
+        **kwargs: the Trainer strategy's outer-optimizer and codec arguments, the same objects (``local_steps``,
+            ``mode``, ``outer=DelayedNesterov(...)``, ``dynamic_local_steps``, ``compression=Int8()``,
+            ``check_pushes``, ... see :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`), then
             Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`'s own arguments (``timeout`` also bounds
             every exchange, so it must exceed the longest round); not DistributedDataParallel's options: the model
             is never wrapped in DDP.
@@ -60,6 +61,7 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         names = [f.name for f in fields(OuterSettings)]
+        refuse_moved(type(self).__name__, kwargs)
         check_names(type(self).__name__, kwargs, (*names, *_CODEC_OPTIONS),
                     {"Fabric DDPStrategy": own_arguments(FabricDDPStrategy)},
                     "The model is never wrapped in DistributedDataParallel here, so its options do nothing."
@@ -70,12 +72,11 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
             raise ValueError(f"`stagger={self.outer_settings.stagger}` is not supported by {type(self).__name__}:"
                              " staggered parts travel in overlapped exchanges (`overlap_steps`), which the Fabric loop"
                              " does not run. Use stagger=1, or the Trainer's AsyncLocalSGDStrategy.")
-        self._codecs.setdefault("compression", "none")
-        self._codecs.setdefault("pull_compression", "none")
-        feedback, decay = check_exchange_options(self.outer_settings, self._codecs["compression"],
-                                                 self._codecs.get("error_feedback"), self._codecs["pull_compression"],
-                                                 self._codecs.pop("error_decay", None))
-        self._codecs.update(error_feedback=feedback, sparse_outer=self.outer_settings.preset.sparse, error_decay=decay)
+        push, pull, feedback = check_exchange_options(self.outer_settings, self._codecs.get("compression", "none"),
+                                                      self._codecs.get("error_feedback"),
+                                                      self._codecs.get("pull_compression", "none"))
+        self._codecs = dict(compression=push, pull_compression=pull, error_feedback=feedback,
+                            outer_optimizer=self.outer_settings.outer)
         super().__init__(**kwargs)
         self._groups: Optional[tuple[Any, Any]] = None
         self._module: Optional[Module] = None
@@ -99,7 +100,7 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
         if workers < 2:
             raise ValueError(f"{type(self).__name__} needs at least 2 processes (got devices={self.num_processes}, "
                              f"num_nodes={self.num_nodes}); use a single-device strategy for one process.")
-        self.outer_settings.check_workers(workers)
+        self.outer_settings.outer.check_workers(workers)
         super()._configure_launcher()
 
     @override

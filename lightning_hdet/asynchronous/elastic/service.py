@@ -30,9 +30,10 @@ from lightning_hdet.asynchronous.elastic.membership import SessionLost, proof_ma
 from lightning_hdet.asynchronous.elastic.sessions import SessionTable, check_token, should_park
 from lightning_hdet.asynchronous.exchange.exchange import read_model
 from lightning_hdet.asynchronous.lightning.readouts import outer_result
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.result import AsyncResult
-from lightning_hdet.asynchronous.wire.codecs import DELTA_PULL_CODECS, check_compression
+from lightning_hdet.asynchronous.outer.momentum import refuse_moved
+from lightning_hdet.asynchronous.wire.codecs import Codec, check_codecs, codec_from
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
 
 log = logging.getLogger(__name__)
@@ -40,25 +41,22 @@ FORMAT = "lightning_hdet.elastic/1"
 Evaluate = Callable[[Module], Mapping[str, float]]
 
 
-def elastic_settings(compression: str, pull_compression: str, outer: Mapping[str, Any]) -> OuterSettings:
-    """The service's outer settings from its arguments, refusing what an elastic service cannot do."""
-    check_compression(compression, None, pull_compression)
-    require("pull_compression", pull_compression, pull_compression not in DELTA_PULL_CODECS,
-            "'none' or 'bf16' with an elastic service",
-            "A change of the public model needs the version a worker holds; a session that rejoins after a"
-            " restart of the service holds none the service knows. Use AsyncLocalSGDStrategy for delta pulls.")
+def elastic_settings(compression: Any, pull_compression: Any, outer: Mapping[str, Any]) -> tuple[OuterSettings, Codec,
+                                                                                                  Codec]:
+    """The service's outer settings and codec objects from its arguments, refusing what an elastic service cannot
+    do."""
     settings = OuterSettings(**outer)
-    require("momentum_activation", settings.momentum_activation, settings.momentum_activation == 0,
-            "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
-    require("outer", settings.outer, not settings.preset.sparse, "a dense outer setting with an elastic service",
-            "SparseLoCo's update steps from each round's sparse push messages as AsyncLocalSGDStrategy's server"
-            " collects them, with pulls that forward them (delta pulls, which a rejoining session cannot follow),"
-            " and its workers' decayed error feedback: the service and its workers have none of these. Use"
-            " AsyncLocalSGDStrategy(outer='sparseloco'), or another `outer`.")
+    push, pull = codec_from(compression), codec_from(pull_compression, "pull_compression")
+    settings.outer.check_codecs(push, pull)
+    check_codecs(push, pull, None)
+    require("pull_compression", pull, not pull.sends_changes, "NoCodec() or BF16() ('none', 'bf16') with an elastic"
+            " service", "A change of the public model needs the version a worker holds; a session that rejoins after"
+            " a restart of the service holds none the service knows. Use AsyncLocalSGDStrategy for delta pulls.")
+    settings.outer.check_elastic()
     require("stagger", settings.stagger, settings.stagger == 1, "1 with an elastic service",
             "Its workers push and pull the whole model every round, so a staggered service would only shorten the"
             " rounds to local_steps / stagger steps. Use AsyncLocalSGDStrategy for staggered parts.")
-    return settings
+    return settings, push, pull
 
 
 class OuterService:
@@ -83,14 +81,16 @@ class OuterService:
         token: a shared secret every worker must give (``ElasticWorkerStrategy(token=...)``) to open a session;
             ``None`` (default): any process that reaches the address may join. It keeps stray processes out; it is
             not encryption (the model and the pushes still travel in the clear).
-        **outer: :class:`~..outer.OuterSettings` (``mode``, ``local_steps``, ``outer``, ``outer_lr``, ...).
+        **outer: :class:`~..outer.state.OuterSettings` (``mode``, ``local_steps``, ``outer=DelayedNesterov(...)``,
+            ``check_pushes``, ...), as the strategy takes them.
     """
 
     def __init__(self, module: Module, address: str, budget: int | None, checkpoint: str | Path | None = None,
                  checkpoint_every: int = 10, lease_s: float = 10.0, heartbeat_s: float = 0.5,
-                 timeout_s: float = 1800.0, compression: str = "none", evaluate: Evaluate | None = None,
-                 evaluate_every: int = 0, max_idle_s: float | None = None, pull_compression: str = "none",
+                 timeout_s: float = 1800.0, compression: Codec | str = "none", evaluate: Evaluate | None = None,
+                 evaluate_every: int = 0, max_idle_s: float | None = None, pull_compression: Codec | str = "none",
                  token: str | None = None, **outer: Any) -> None:
+        refuse_moved(type(self).__name__, outer)
         check_names(type(self).__name__, outer, own_arguments(type(self)),
                     {"OuterSettings": [f.name for f in fields(OuterSettings)]})
         check_token(token)
@@ -100,7 +100,7 @@ class OuterService:
         for name, value in (("heartbeat_s", heartbeat_s), ("timeout_s", timeout_s)):
             check_number(name, value, low=0, low_open=True, hint="It is in seconds.")
         check_number("max_idle_s", max_idle_s, low=0, optional=True)
-        self.settings = elastic_settings(compression, pull_compression, outer)
+        self.settings, compression, pull_compression = elastic_settings(compression, pull_compression, outer)
         self.module, self.address, self.budget = module, address, budget
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.checkpoint_every, self.evaluate, self.evaluate_every = checkpoint_every, evaluate, evaluate_every
@@ -122,14 +122,15 @@ class OuterService:
     @functools.cached_property
     def _layout(self) -> Fragments:
         """The fragments and codecs of the sessions' pushes and pulls."""
-        return Fragments([p.shape for p in self.module.parameters()], self.compression,  # type: ignore[arg-type]
-                         pull_compression=self.pull_compression)  # type: ignore[arg-type]
+        return Fragments([p.shape for p in self.module.parameters()], self.compression,
+                         pull_compression=self.pull_compression)
 
     def start(self) -> None:
         """Bind the address and open registration."""
         n_buffers, layout = self.outer.buffers.numel(), self._layout
-        config = {"n_params": self.outer.params.numel(), "n_buffers": n_buffers, "compression": self.compression,
-                  "pull_compression": self.pull_compression, "mode": self.settings.mode, "token": self.token is not None}
+        config = {"n_params": self.outer.params.numel(), "n_buffers": n_buffers,
+                  "compression": self.compression.options(), "pull_compression": self.pull_compression.options(),
+                  "mode": self.settings.mode, "token": self.token is not None}
         self.hub = SessionHub(self.address, config, self.table.next_id, self.timeout_s, n_buffers, layout)
         self._next_tick = 0.0
         self._idle_since = time.monotonic()

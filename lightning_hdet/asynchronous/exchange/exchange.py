@@ -26,7 +26,10 @@ from lightning_hdet.asynchronous.exchange.ranks import FollowerTransport, Leader
 from lightning_hdet.asynchronous.exchange.server import Server
 from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.exchange.worker_shards import ShardedWorker
-from lightning_hdet.asynchronous.outer.state import OuterSettings, OuterState
+from lightning_hdet.asynchronous.outer.base import OuterOptimizer
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.outer.state import OuterState
+from lightning_hdet.asynchronous.wire.codecs import Codec, NoCodec
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind
 from lightning_hdet.asynchronous.wire.transport import (
     GlooServerTransport,
@@ -52,35 +55,31 @@ class Exchange:
         timeout: seconds any exchange may wait.
         inner_optimizer: sent with every push when given (``checkpoint_inner_states=True``).
         outer: rank 0 only: the outer state to serve (see :meth:`OuterSettings.build`).
-        compression: the pseudo-gradients' codec (``"none"``, ``"bf16"``, ``"int8"``; every worker uses the same).
+        compression: the pseudo-gradients' codec (every worker uses the same).
         error_feedback: each worker keeps what its codec lost and adds it to its next push.
-        pull_compression: the pulled global parameters' codec (``"none"``, ``"bf16"``, or a delta codec: see
-            :mod:`.public_model`).
+        pull_compression: the pulled global parameters' codec (the parameters, or changes: :mod:`.public_model`).
         optimizer: the inner optimizer (its state is cleared after a rejected push).
         check_self: the worker checks its round is finite before pushing it (see :class:`~.worker.Worker`).
-        ranks: this rank's place among workers of several ranks (``None``: every rank is a worker).
-        worker_group: with ``ranks``, the ``gloo`` group of this rank's worker: its leader hands each reply and the
-            global model on to the others over it (see :mod:`.ranks`).
-        overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking).
-            Rank 0's worker overlaps only in DiLoCo: in async mode its in-process exchange returns at once.
+        ranks, worker_group: this rank's place among workers of several ranks and its worker's ``gloo`` group, over
+            which the leader hands each reply on (:mod:`.ranks`; ``None``: every rank is a worker).
+        overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking;
+            rank 0's worker overlaps only in DiLoCo).
         shard_group: the model is sharded with FSDP2 over this group of the worker's ranks (:mod:`.worker_shards`).
-        sparse_outer: the outer update is SparseLoCo's (``outer="sparseloco"``): sparse pulls forward its rounds.
-        error_decay: the error feedback's decay (SparseLoCo's ``beta``; ``None``: plain error feedback).
-        stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`; 1: all of it;
-            only with ``overlap_steps``: the :class:`~.overlapped.OverlapWorker` sends the parts).
+        outer_optimizer: the outer optimizer object (how pulls forward its rounds; its error feedback decay).
+        stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,
-                 compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
+                 compression: Codec = NoCodec(), error_feedback: bool = True, pull_compression: Codec = NoCodec(),
                  optimizer: Optimizer | None = None, check_self: bool = True, ranks: WorkerRanks | None = None,
                  worker_group: Any = None, overlap_steps: int = 0, shard_group: Any = None,
-                 sparse_outer: bool = False, error_decay: float | None = None, stagger: int = 1) -> None:
+                 outer_optimizer: OuterOptimizer | None = None, stagger: int = 1) -> None:
         self.module, self.device, self.outer, self.workers = module, device, outer, workers
         self.groups: tuple[Any, ...] = groups
-        layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
-                           pull_compression=pull_compression, parts=stagger,  # type: ignore[arg-type]
-                           round_workers=workers if sparse_outer else 0)
+        rule = outer_optimizer
+        layout = Fragments([p.shape for p in module.parameters()], compression, pull_compression=pull_compression,
+                           parts=stagger, forward=rule.forward(workers) if rule is not None else None)
         self.server: Server | None = None
         transport: WorkerTransport | None = None  # a follower's comes from its leader (below)
         k = ranks.ranks_per_worker if ranks is not None else 1
@@ -99,7 +98,8 @@ class Exchange:
         if outer is not None and outer.step_policy.mode == "async":
             overlap_steps = 0
         self.worker: Worker
-        decay = 1.0 if error_decay is None else error_decay
+        decay = rule.feedback_decay() if rule is not None else None
+        decay = 1.0 if decay is None else decay
         if shard_group is not None:
             self.worker = ShardedWorker(*args, group=shard_group, leader=ranks is None or ranks.is_leader,
                                         error_decay=decay)

@@ -45,7 +45,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_hdet._checks import check_int
-from lightning_hdet.asynchronous.wire.codecs import DELTA_PULL_CODECS
+from lightning_hdet.asynchronous.wire.codecs import Codec
 
 
 def overlap_this_round(overlap_steps: int, allocated: int, carried: int) -> int:
@@ -77,21 +77,7 @@ def check_overlap_steps(overlap_steps: int, local_steps: int, ranks_per_worker: 
                          " cannot run beside its training. Use overlap_steps=0, or ranks_per_worker=1.")
 
 
-def check_stagger(stagger: int, mode: str, local_steps: int) -> None:
-    """``stagger``: 1, or with DiLoCo a divisor ``F`` of ``local_steps`` (rounds of ``local_steps / F`` steps)."""
-    check_int("stagger", stagger, minimum=1, hint="1 synchronises the whole model at once; F >= 2 (DiLoCo) in F"
-              " parts, one every local_steps / F steps.")
-    if stagger > 1 and mode != "sync":
-        raise ValueError(f"`stagger={stagger}` applies to DiLoCo only (mode='sync'), got mode={mode!r}: an async"
-                         " push is applied on arrival, with no common round to stagger. Use stagger=1, or"
-                         " mode='sync'.")
-    if local_steps % stagger:
-        divisors = [d for d in range(1, local_steps + 1) if local_steps % d == 0]
-        raise ValueError(f"`stagger={stagger}` does not divide local_steps={local_steps}: each part is synchronised"
-                         f" every local_steps steps, one part every local_steps / stagger. Allowed: {divisors}.")
-
-
-def check_stagger_exchange(stagger: int, pull_compression: str, overlap_steps: int) -> None:
+def check_stagger_exchange(stagger: int, pull_compression: Codec, overlap_steps: int) -> None:
     """What ``stagger > 1`` is not built for: a blocking exchange (and so, see :func:`check_overlap_steps`, workers
     of several ranks) and pulls of the public model's changes (they carry the whole model)."""
     if stagger > 1 and not overlap_steps:
@@ -101,7 +87,7 @@ def check_stagger_exchange(stagger: int, pull_compression: str, overlap_steps: i
         raise ValueError(f"`stagger={stagger}` needs `overlap_steps` >= 1, got overlap_steps=0: a staggered run"
                          " ends with overlapped steps that carry every part's last steps. Give overlap_steps, or"
                          " use stagger=1.")
-    if stagger > 1 and pull_compression in DELTA_PULL_CODECS:
+    if stagger > 1 and pull_compression.sends_changes:
         raise ValueError(f"`stagger={stagger}` is not supported with `pull_compression={pull_compression!r}`, whose"
                          " pulls carry changes of the whole model. Use pull_compression='none' or 'bf16', or"
                          " stagger=1.")

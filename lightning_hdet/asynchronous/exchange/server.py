@@ -21,13 +21,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_hdet.asynchronous.exchange.public_model import PublicModel
-from lightning_hdet.asynchronous.outer.sparseloco import RoundCodec, SparseRound
-from lightning_hdet.asynchronous.outer.state import OuterState, SparseSyncStep
+from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
 from lightning_hdet.asynchronous.wire.transport import InProcessTransport, ServerTransport
 
@@ -60,15 +60,13 @@ class Server:
         self._reply = self.layout.pull_buffer()  # used under the outer state's model lock only
         #: What the workers train from with a delta pull codec (``None``: the global model itself).
         self.public = PublicModel(outer.params, self.layout) if self.layout.delta_codecs else None
-        #: ``outer="sparseloco"``: the round's pushes as they were encoded, from which the outer step moves the model.
-        self.round: SparseRound | None = None
-        if isinstance(outer.step_policy, SparseSyncStep):
-            self.round = SparseRound(self.layout.codecs, workers)
-            outer.step_policy.attach(self.round)
+        #: Where the step policy keeps the round's pushes as they were encoded (SparseLoCo's, from which its outer
+        #: step moves the model; ``None``: it keeps none).
+        self.round: Any = outer.step_policy.keeps_messages(self.layout.codecs, workers)
         # the public model's changes are the rounds themselves (sparse pulls) or its own encoding of G - P
-        self._forwards = any(isinstance(c, RoundCodec) for c in self.layout.delta_codecs)
+        self._forwards = bool(self.layout.round_codecs)
         if self._forwards and self.round is None:
-            raise ValueError("Pulls that forward the rounds' pushes follow outer='sparseloco' only.")
+            raise ValueError("Pulls that forward the rounds' pushes follow SparseLoCo only.")
         #: Rank 0's own worker's transport.
         self.local = InProcessTransport(self.accept, self.read_model, timeout, self.raise_error,
                                         gradient_bytes=self.layout.part_nbytes)

@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -29,7 +30,7 @@ from lightning_hdet._tensors import (
     state_to_bytes,
     write_from,
 )
-from lightning_hdet.asynchronous.wire.codecs import Codec, ErrorFeedback
+from lightning_hdet.asynchronous.wire.codecs import Codec, ErrorFeedback, NoCodec
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
@@ -68,12 +69,12 @@ class Worker:
         shapes = [p.shape for p in module.parameters()]
         self.n_params = numel(list(module.parameters()))
         self.layout = layout or Fragments(shapes)
-        self.feedback = ErrorFeedback(Codec(self.layout.codecs[0].name if self.layout.codecs else "none", shapes),
-                                      error_feedback, error_decay)
+        whole = replace(self.layout.codecs[0]) if self.layout.codecs else NoCodec()  # the fragments' codec, unbound
+        self.feedback = ErrorFeedback(whole.bind(shapes), error_feedback, error_decay)
         self.pulled = host_buffer(numel(model_state(module)), device)  # theta_pulled, then the global buffers
         # one fragment of the push at a time, and this worker's buffer values
         self.fragment = host_buffer(self.layout.largest, device)
-        encoded = [c.nbytes for c in self.layout.codecs if c.name != "none"]  # "none" sends the fragment's bytes
+        encoded = [c.nbytes for c in self.layout.codecs if not c.raw]  # a raw codec sends the fragment's bytes
         self.message = torch.empty(max(encoded, default=0), dtype=torch.uint8)
         self.buffers = host_buffer(numel(float_buffers(module)), device)
         #: One entry per exchange: ``(local_steps_assigned, outer_updates_seen)``.
@@ -237,5 +238,5 @@ class Worker:
 
     def _encode(self, codec: Codec, gradient: Tensor, start: int) -> Tensor:
         """One fragment's pseudo-gradient (from value ``start``; changed in place) encoded, with error feedback."""
-        out = None if codec.name == "none" else self.message[: codec.nbytes]
+        out = None if codec.raw else self.message[: codec.nbytes]
         return self.feedback.encode_part(codec, gradient, start, out)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -11,11 +11,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_hdet._compat import show_in_progress_bar
+from lightning_hdet.asynchronous.lightning.readouts import ExchangeReadouts
 from lightning_hdet.records import log_report_figures
 from lightning_hdet.records.wandb import finish_worker_run, record_config
-
-if TYPE_CHECKING:
-    from lightning_hdet.asynchronous.lightning.strategy import AsyncLocalSGDStrategy
 
 
 def _show_progress(trainer: pl.Trainer) -> None:
@@ -32,12 +30,10 @@ def _show_progress(trainer: pl.Trainer) -> None:
     show_in_progress_bar(trainer, shown)
 
 
-def _async_strategy(trainer: pl.Trainer) -> AsyncLocalSGDStrategy | None:
-    from lightning_hdet.asynchronous.lightning.strategy import (
-        AsyncLocalSGDStrategy,  # the strategy imports this module
-    )
-
-    return trainer.strategy if isinstance(trainer.strategy, AsyncLocalSGDStrategy) else None
+def _async_strategy(trainer: pl.Trainer) -> Any:
+    """The trainer's async strategy (the one :class:`ExchangeReadouts`: known without importing the strategy, which
+    imports this module to install the callback), or ``None``."""
+    return trainer.strategy if isinstance(trainer.strategy, ExchangeReadouts) else None
 
 
 class AsyncLogging(Callback):

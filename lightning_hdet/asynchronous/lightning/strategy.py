@@ -8,7 +8,6 @@ decides (early stopping, best checkpoints) and writes checkpoints. See ``docs/as
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -18,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hdet._checks import require
 from lightning_hdet._compat import (
     MultiProcessingLauncher,
     StrategyRegistry,
@@ -29,7 +29,6 @@ from lightning_hdet._compat import (
     sync_module_states,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet._sharding import ShardingPolicy
 from lightning_hdet.asynchronous.exchange.exchange import Exchange, read_model
 from lightning_hdet.asynchronous.exchange.worker_shards import (
     check_inside_worker,
@@ -38,7 +37,11 @@ from lightning_hdet.asynchronous.exchange.worker_shards import (
 )
 from lightning_hdet.asynchronous.lightning.callback import AsyncLogging
 from lightning_hdet.asynchronous.lightning.checkpoints import WorkerCheckpoints
-from lightning_hdet.asynchronous.lightning.exchange_options import check_exchange_options
+from lightning_hdet.asynchronous.lightning.worker_shape import (
+    WorkerShape,
+    check_exchange_options,
+    refuse_shape_arguments,
+)
 from lightning_hdet.asynchronous.lightning.limits import LoopLimits
 from lightning_hdet.asynchronous.lightning.readouts import ExchangeReadouts
 from lightning_hdet.asynchronous.lightning.shard_hooks import (
@@ -48,7 +51,11 @@ from lightning_hdet.asynchronous.lightning.shard_hooks import (
     check_sharded_entry,
     ddp_arguments,
 )
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.base import OuterOptimizer
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.momentum import refuse_moved
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.wire.codecs import Codec, codec_numbers
 from lightning_hdet.asynchronous.wire.messages import Kind
 from lightning_hdet.records import History
 
@@ -66,94 +73,57 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     ``Trainer(max_steps=S)`` is a sample budget: inner steps summed over all workers equal ``workers * S``, i.e.
     ``world_size * S`` batches (fast workers do more of them).
 
-    Args:
+    Args (every default and allowed value: ``docs/configuration.md``):
         local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
-        outer: ``"stable"`` (default: momentum 0.9 with warm-up and restarts, the outer lr that keeps every round
-            and every push's momentum echo unamplified, 0.163), ``"published"`` (0.7 / 0.9) or ``"robust"`` (see
-            ``docs/async.md``); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart``, when
-            given, replace its numbers (the derived lr follows ``outer_momentum`` and ``momentum_restart``).
-            ``"sparseloco"``: DiLoCo with a sparse codec only: the global model moves by ``outer_lr`` (default 1)
-            times the mean of the sparse pushes, with no outer momentum (the workers' error feedback, decayed by
-            ``error_decay``, carries it), so its change is exactly sparse and sparse pulls can send it exactly.
-        delayed_nesterov: async only (refused with ``mode="sync"``, like the next two): Delayed Nesterov (default
-            True) or plain Nesterov SGD (False).
-        dynamic_local_steps: give slower workers proportionally fewer local steps (default True).
-        grace_period: pushes arriving within this many seconds of a batch's first one are applied as one batch and
-            those workers restart from the same parameters; it closes early once every training worker pushed (0).
-        buffer_size: ``N`` for Delayed Nesterov; default: the number of workers.
-        momentum_activation: ``c`` in [0, 1/N] for Delayed Nesterov (0).
+        outer: the outer optimizer: ``DelayedNesterov(...)``, ``Nesterov(...)``, ``SparseLoCo(...)``, or a preset
+            that builds one (``"stable"``, the default, ``"published"``, ``"robust"``, ``"sparseloco"``). What it
+            says is what runs: its repr and :attr:`config` show every number.
+        compression: the pushes' codec: ``NoCodec()``, ``BF16()``, ``Int8()``, ``TopK(fraction, bits)``, or a
+            preset (``"none"``, ``"bf16"``, ``"int8"``, ``"topk2"``, ``"topk4"``).
+        pull_compression: the pulls' codec: the global model (``"none"``, ``"bf16"``), its changes since the
+            worker's last pull (``"int8"``; rank 0 holds one model more), or with ``SparseLoCo`` its rounds' pushes
+            forwarded (``compression``'s TopK codec). See ``docs/async.md``, "Fewer bytes".
+        error_feedback: each worker adds what its codec lost to its next push (default: on with a lossy codec).
+        check_pushes: ``True`` (``PushCheck()``), a ``PushCheck(max_norm_ratio, max_rejections)`` or ``False``: a
+            bad push is discarded whole and its worker restarts from the global model.
+        dynamic_local_steps: async only: slower workers get proportionally fewer local steps (default True).
         min_local_steps: lower bound of a worker's round length (1).
+        grace_period: async only: pushes within this many seconds of a batch's first one are applied as one batch.
         speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
-        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0 (AdamW:
-            twice the model per push and per worker on rank 0). False (default): each worker writes its own file
-            beside every checkpoint (see ``docs/async.md``).
-        compression: the pushes' codec: ``"none"``, ``"bf16"``, ``"int8"``, ``"topk2"`` or ``"topk4"``.
-        error_feedback: each worker adds what its codec lost to its next push (default: on with every codec;
-            refused with ``"none"``, which loses nothing).
-        pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (workers train from the
-            global model rounded to bfloat16; rank 0 keeps it in float32, so no update is lost), or ``"int8"``: a
-            pull sends only the changes of a public copy of the global model since the worker's last pull, in
-            int8, and what a change left out follows in later ones (a worker's first pull sends the model; rank 0
-            holds one model more, and in async mode up to one more of changes; see ``docs/async.md``). With
-            ``outer="sparseloco"`` also ``compression``'s sparse codec: each change is the round's pushes
-            forwarded, and workers hold the global model exactly.
-        error_decay: with ``outer="sparseloco"`` only: ``beta`` in [0, 1], the weight of what a worker's codec left
-            out in its next push (default 0.95, SparseLoCo's).
-        check_pushes: every push is checked (finite, its layout, a norm within ``max_norm_ratio`` times the recent
-            median); a bad one is discarded whole and its worker restarts from the global model.
-        max_norm_ratio: a push whose norm exceeds this multiple of the recent median is rejected (10).
-        max_rejections: a worker rejected this many times in a row stops; the others go on (3).
-        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, as DDP over its ranks (the DDP
-            arguments among ``kwargs`` apply there), and push once per round; 1: each rank is a worker. A divisor of
-            the world size leaving at least 2 workers; see ``docs/async.md``, "Workers of several ranks".
-        inside_worker: how a worker's ranks train together: ``"ddp"`` (each holds the model) or ``"fsdp"`` (FSDP2
-            over the worker's ranks: each holds ``1 / k`` of the model, gradients and inner optimizer state; needs
-            ``ranks_per_worker >= 2``). See ``docs/async.md``, "FSDP2 inside a worker".
-        auto_wrap_policy: with ``inside_worker="fsdp"``, the submodules that become FSDP2 units (their parameters
-            gathered one unit at a time), as for Lightning's ``FSDPStrategy``: a set of module classes (e.g.
-            ``{TransformerBlock}``) or a predicate; ``None``: the whole model is one unit.
-        overlap_steps: ``τ``, inner steps a worker keeps taking while its round's push and pull travel; it then
-            merges the pulled global model with the displacement of those steps carried onto it (0: each exchange
-            blocks its worker; else ``1..local_steps / stagger - 1``; not with ``ranks_per_worker > 1``). Rank 0's worker
-            overlaps in DiLoCo only. See ``docs/async.md``, "Overlapping the exchange with compute".
-        stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
-            ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
-            period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``outer="sparseloco"``.
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
-            ``cluster_environment``, ...; its ``timeout`` also bounds the exchange: longer than a round), and DDP's
-            (``find_unused_parameters``, ...) with ``ranks_per_worker > 1`` only; any other name is refused.
+        checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0; False
+            (default): each worker writes its own file beside every checkpoint.
+        worker: what one worker is (:class:`~.worker_shape.WorkerShape`): its ranks and how it exchanges.
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s (its ``timeout`` also bounds the exchange),
+            and DDP's with workers of several ranks only; any other name is refused.
     """
 
     strategy_name = "async_local_sgd"
 
-    def __init__(self, local_steps: int = 50, mode: Mode = "async", outer_lr: float | None = None,
-                 outer_momentum: float | None = None, delayed_nesterov: bool | None = None,
-                 buffer_size: int | None = None, momentum_activation: float = 0.0,
+    def __init__(self, local_steps: int = 50, mode: Mode = "async", outer: OuterOptimizer | str | None = None,
+                 compression: Codec | str = "none", pull_compression: Codec | str = "none",
+                 error_feedback: bool | None = None, check_pushes: PushCheck | bool = True,
                  dynamic_local_steps: bool | None = None, min_local_steps: int = 1, grace_period: float | None = None,
                  speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
-                 outer: str | None = None, momentum_warmup: int | None = None, momentum_restart: int | None = None,
-                 compression: str = "none", error_feedback: bool | None = None, pull_compression: str = "none",
-                 check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
-                 ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
-                 auto_wrap_policy: ShardingPolicy = None, error_decay: float | None = None, stagger: int = 1,
-                 **kwargs: Any) -> None:
-        check_names_of(type(self), kwargs, ranks_per_worker)  # a misspelled name before any value's check
-        arguments = dict(locals())
-        settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
-        error_feedback, error_decay = check_exchange_options(settings, compression, error_feedback, pull_compression,
-                                                             error_decay, overlap_steps, ranks_per_worker)
-        check_inside_worker(inside_worker, ranks_per_worker, checkpoint_inner_states, ddp_arguments(kwargs),
-                            auto_wrap_policy)
-        check_ddp_hooks(kwargs, ranks_per_worker)
+                 worker: WorkerShape | None = None, **kwargs: Any) -> None:
+        refuse_moved(type(self).__name__, kwargs)
+        refuse_shape_arguments(type(self).__name__, kwargs)
+        shape = WorkerShape() if worker is None else worker
+        require("worker", shape, isinstance(shape, WorkerShape), "a WorkerShape(...) or None")
+        check_names_of(type(self), kwargs, shape.ranks_per_worker)  # a misspelled name before any value's check
+        self.outer_settings = OuterSettings(mode, local_steps, outer, min_local_steps, dynamic_local_steps,
+                                            grace_period, speed_smoothing, check_pushes, shape.stagger)
+        self.compression, self.pull_compression, self.error_feedback = check_exchange_options(
+            self.outer_settings, compression, error_feedback, pull_compression, shape.overlap_steps,
+            shape.ranks_per_worker)
+        check_inside_worker(shape.inside_worker, shape.ranks_per_worker, checkpoint_inner_states,
+                            ddp_arguments(kwargs), shape.auto_wrap_policy)
+        check_ddp_hooks(kwargs, shape.ranks_per_worker)
         super().__init__(**kwargs)
-        self.ranks_per_worker, self.overlap_steps, self.inside_worker = ranks_per_worker, overlap_steps, inside_worker
-        self.auto_wrap_policy = auto_wrap_policy
-        for name, value in vars(settings).items():  # the arguments stay readable (and settable) by name
-            setattr(self, name, value)
+        self.worker_shape = shape
+        self.ranks_per_worker, self.overlap_steps = shape.ranks_per_worker, shape.overlap_steps
+        self.inside_worker, self.auto_wrap_policy = shape.inside_worker, shape.auto_wrap_policy
         self.checkpoint_inner_states = checkpoint_inner_states
-        self.compression, self.error_feedback, self.pull_compression = compression, error_feedback, pull_compression
-        self.error_decay = error_decay
         # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
@@ -161,19 +131,18 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self._reset_run_state()
 
     @property
-    def config(self) -> dict[str, Any]:
-        """The settings, as recorded in the logger's run config under ``async/...``."""
-        keys = ("mode", "local_steps", "outer", "delayed_nesterov", "buffer_size", "momentum_activation",
-                "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
-                "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections",
-                "ranks_per_worker", "overlap_steps", "inside_worker", "error_decay", "stagger")
-        numbers = self.outer_settings.numbers()  # in effect
-        return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_workers}
+    def mode(self) -> str:
+        """``"async"`` or ``"sync"`` (DiLoCo)."""
+        return self.outer_settings.mode
 
     @property
-    def outer_settings(self) -> OuterSettings:
-        """The outer side's hyperparameters, from this strategy's arguments."""
-        return OuterSettings(**{f.name: getattr(self, f.name) for f in fields(OuterSettings)})
+    def config(self) -> dict[str, Any]:
+        """Every setting in force, the objects' numbers included, as recorded in the logger's run config under
+        ``async/...``."""
+        return {**self.outer_settings.numbers(), **codec_numbers("compression", self.compression),
+                **codec_numbers("pull_compression", self.pull_compression), "error_feedback": self.error_feedback,
+                "checkpoint_inner_states": self.checkpoint_inner_states, **self.worker_shape.numbers(),
+                "workers": self._expected_workers}
 
     def _reset_run_state(self) -> None:
         self.training_apart = False
@@ -196,7 +165,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
             )
         self.check_worker_layout()
-        self.outer_settings.check_workers(self._expected_workers)
+        self.outer_settings.outer.check_workers(self._expected_workers)
         super()._configure_launcher()
         if self.inside_worker == "fsdp" and type(self._launcher) is MultiProcessingLauncher:
             self._launcher = ShardedWorkersLauncher(self, start_method=self._start_method)
@@ -268,8 +237,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         inner = self.optimizers[0] if self.checkpoint_inner_states else None
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
                                   inner, outer, self.compression, self.error_feedback, self.pull_compression,
-                                  self.optimizers[0], self.check_pushes, ranks, self.exchange_group, self.overlap_steps,
-                                  self.shard_group, self.outer_settings.preset.sparse, self.error_decay, self.stagger)
+                                  self.optimizers[0], self.outer_settings.check_pushes is not None, ranks,
+                                  self.exchange_group, self.overlap_steps, self.shard_group, self.outer_settings.outer,
+                                  self.outer_settings.stagger)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
         if not self.checkpoint_inner_states:  # else the states travel with the pushes and rank 0's file holds them

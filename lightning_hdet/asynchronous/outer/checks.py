@@ -30,28 +30,16 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_hdet._checks import check_bool, check_int, check_number
+from lightning_hdet._checks import KnownArguments, check_int, check_number, require
 
 #: Reasons a push is rejected (logged, and counted in ``async/worker{i}/rejected``).
 DISCARDED_BY_WORKER = "discarded by the worker (its local steps went non-finite)"
 
 
-def check_push_settings(check_pushes: bool, max_norm_ratio: float, max_rejections: int) -> None:
-    """The strategy's / service's ``check_pushes``, ``max_norm_ratio`` and ``max_rejections`` arguments."""
-    check_bool("check_pushes", check_pushes)
-    check_number("max_norm_ratio", max_norm_ratio, low=1, low_open=True,
-                 hint="A push is refused when its norm exceeds this multiple of the recent median.")
-    check_int("max_rejections", max_rejections, minimum=1,
-              hint="A worker whose pushes are rejected this many times in a row stops.")
-    if not check_pushes and (max_norm_ratio != PushCheck.MAX_NORM_RATIO or max_rejections != PushCheck.MAX_REJECTIONS):
-        raise ValueError(
-            f"`max_norm_ratio`={max_norm_ratio!r} / `max_rejections`={max_rejections!r} have no effect with"
-            " check_pushes=False (nothing is checked); drop them, or keep check_pushes=True."
-        )
-
-
-class PushCheck:
-    """The checks on arriving pushes, and the recent accepted norms they compare with.
+class PushCheck(KnownArguments):
+    """The checks on arriving pushes (the strategies' ``check_pushes=PushCheck(...)``; ``True`` is ``PushCheck()``,
+    ``False`` checks nothing), and the recent accepted norms they compare with (each run's outer state holds a
+    :meth:`fresh` copy).
 
     Args:
         max_norm_ratio: a push whose norm exceeds this multiple of the reference median is rejected.
@@ -65,13 +53,33 @@ class PushCheck:
 
     def __init__(self, max_norm_ratio: float = MAX_NORM_RATIO, max_rejections: int = MAX_REJECTIONS,
                  window: int = 32, min_history: int = 4) -> None:
-        check_push_settings(True, max_norm_ratio, max_rejections)
+        check_number("max_norm_ratio", max_norm_ratio, low=1, low_open=True,
+                     hint="A push is refused when its norm exceeds this multiple of the recent median.")
+        check_int("max_rejections", max_rejections, minimum=1,
+                  hint="A worker whose pushes are rejected this many times in a row stops.")
         check_int("window", window, minimum=1)
         check_int("min_history", min_history, minimum=1)
         self.max_norm_ratio, self.max_rejections = max_norm_ratio, max_rejections
         self.window, self.min_history = window, min_history
         self._all: dict[int, deque[float]] = {}  # by part
         self._own: dict[tuple[int, int], deque[float]] = {}  # by (worker, part)
+
+    def numbers(self) -> dict[str, float]:
+        """Every option in force (the run config)."""
+        return {"max_norm_ratio": self.max_norm_ratio, "max_rejections": self.max_rejections, "window": self.window,
+                "min_history": self.min_history}
+
+    def fresh(self) -> PushCheck:
+        """The same options, no history (what one run's outer state holds)."""
+        return PushCheck(**self.numbers())  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"PushCheck({', '.join(f'{k}={v!r}' for k, v in self.numbers().items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PushCheck) and self.numbers() == other.numbers()
+
+    __hash__ = None  # type: ignore[assignment]
 
     def limit(self, worker: int, part: int = -1) -> float:
         """The largest norm ``worker``'s next push of ``part`` (``-1``: the whole model) may have (``inf`` until
@@ -147,3 +155,11 @@ def _form(index: int, fragment: Tensor, ranges: Sequence[tuple[int, int]]) -> st
     if fragment.dim() != 1 or fragment.numel() != size:
         return f"fragment {index} has shape {tuple(fragment.shape)}, expected ({size},)"
     return None
+
+
+def push_check_from(value: object) -> PushCheck | None:
+    """``check_pushes``: a :class:`PushCheck`, ``True`` (``PushCheck()``) or ``False`` (nothing checked)."""
+    if isinstance(value, PushCheck):
+        return value
+    require("check_pushes", value, isinstance(value, bool), "True, False or a PushCheck(max_norm_ratio, max_rejections)")
+    return PushCheck() if value else None

@@ -1,4 +1,4 @@
-"""Delayed Nesterov (DN): the outer optimizer of asynchronous Local-SGD.
+"""Delayed Nesterov (DN): the outer optimizer of asynchronous Local-SGD, and Nesterov, DiLoCo's.
 
 Plain Nesterov momentum breaks when pseudo-gradients from several workers arrive one after another: each
 push decays the momentum and adds a full momentum step. DN (Liu et al., arXiv 2401.09135) buffers the pushes
@@ -6,24 +6,28 @@ and updates the momentum only once every ``buffer_size`` pushes; in between, eac
 by its own share ``-lr * g / N`` plus, optionally, a fraction ``c`` of the momentum step.
 
 With ``momentum_activation = 0``, ``N`` pushes of the same ``g`` move the parameters exactly like one
-``torch.optim.SGD(nesterov=True)`` step on ``g``. ``momentum_warmup`` / ``momentum_restart`` schedule the momentum
-(see :mod:`lightning_hdet.asynchronous.outer.momentum`); with ``N = 1`` this is Nesterov SGD with that schedule.
+``torch.optim.SGD(nesterov=True)`` step on ``g``. A warm-up and restarts schedule the momentum
+(:class:`MomentumSchedule`; why: :mod:`.momentum`); with ``N = 1`` this is Nesterov SGD with that schedule, the
+outer step of DiLoCo. The objects a user passes are :class:`DelayedNesterov` and :class:`Nesterov`; the
+``torch.optim.Optimizer`` they build is :class:`DelayedNesterovOptimizer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hdet._checks import KnownArguments, check_int, check_number
-from lightning_hdet.asynchronous.outer.momentum import MomentumSchedule
+from lightning_hdet._checks import KnownArguments, check_int, check_number, require
+from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 
 
-class DelayedNesterov(KnownArguments, Optimizer):
-    """Delayed Nesterov outer optimizer.
+class DelayedNesterovOptimizer(KnownArguments, Optimizer):
+    """Delayed Nesterov as a ``torch.optim.Optimizer`` (what :class:`DelayedNesterov` and :class:`Nesterov` build).
 
     ``param.grad`` holds the pseudo-gradient of one push (``theta_pulled - theta_local``). On every
     :meth:`step`, per parameter: ``delta += g``; on the ``N``-th push since the last momentum update
@@ -168,10 +172,117 @@ def validate_outer_hyperparameters(
     lr: float, momentum: float, buffer_size: int, momentum_activation: float
 ) -> None:
     """Raise a ValueError naming the argument when an outer-optimizer hyperparameter is out of range."""
-    for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("momentum_activation", momentum_activation)):
+    for name, value in (("lr", lr), ("momentum", momentum), ("momentum_activation", momentum_activation)):
         check_number(name, value)
-    check_number("outer_lr", lr, low=0, low_open=True)
-    check_number("outer_momentum", momentum, low=0, high=1, high_open=True)
+    check_number("lr", lr, low=0, low_open=True, hint="The outer lr: 0.7 is DiLoCo's; see docs/async.md.")
+    check_number("momentum", momentum, low=0, high=1, high_open=True)
     check_int("buffer_size", buffer_size, minimum=1)
     check_number("momentum_activation", momentum_activation, low=0, high=1.0 / buffer_size,
                  hint=f"(the upper end is 1/buffer_size, buffer_size={buffer_size})")
+
+
+@dataclass(frozen=True)
+class DelayedNesterov(OuterOptimizer):
+    """Delayed Nesterov: asynchronous Local-SGD's outer optimizer (in DiLoCo, where every outer step is one, ``N =
+    1``: Nesterov with this momentum schedule). The ``"stable"``, ``"robust"`` and ``"published"`` presets are this
+    object (:data:`~.momentum.OUTER_PRESETS`).
+
+    Args:
+        lr: the outer learning rate (> 0; DiLoCo's 0.7, the ``"stable"`` preset's
+            :func:`~.momentum.stable_outer_lr`).
+        momentum: Nesterov momentum in [0, 1).
+        warmup: momentum updates over which the momentum ramps up linearly from 0 (0: none).
+        restarts: zero the momentum before every ``restarts``-th momentum update (0: never).
+        buffer_size: async only: ``N``, pushes per momentum update; ``None``: the number of workers still training.
+        momentum_activation: async only: ``c`` in ``[0, 1/N]``, the share of the momentum step applied on each
+            intermediate push (0, as published).
+    """
+
+    lr: float
+    momentum: float = 0.9
+    warmup: int = 0
+    restarts: int = 0
+    buffer_size: Optional[int] = None
+    momentum_activation: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_int("buffer_size", self.buffer_size, minimum=1, optional=True,
+                  hint="Pushes per momentum update; None follows the workers still training.")
+        validate_outer_hyperparameters(self.lr, self.momentum, self.buffer_size or 1, self.momentum_activation)
+        MomentumSchedule(self.momentum, self.warmup, self.restarts)
+
+    def check(self, mode: str, stagger: int) -> None:
+        for name, value in (("buffer_size", self.buffer_size), ("momentum_activation", self.momentum_activation or None)):
+            require(name, value, mode == "async" or value is None, "None with mode='sync' (DiLoCo)",
+                    "DiLoCo's outer step is one Nesterov step on the mean of every worker's push. Remove it.")
+
+    def check_workers(self, workers: int) -> None:
+        n = self.buffer_size or workers
+        require("buffer_size", n, n <= workers, f"1..{workers} (the number of workers)", "Delayed Nesterov averages"
+                " N pushes into one momentum update; N beyond one push per worker only delays momentum.")
+        validate_outer_hyperparameters(self.lr, self.momentum, n, self.momentum_activation)
+
+    def check_elastic(self) -> None:
+        require("momentum_activation", self.momentum_activation, self.momentum_activation == 0,
+                "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
+
+    def follows_live(self, mode: str) -> bool:
+        return mode == "async"
+
+    def optimizer(self, views: Sequence[Tensor], mode: str, workers: int) -> Optimizer:
+        n = (self.buffer_size or workers) if mode == "async" else 1
+        return DelayedNesterovOptimizer(views, lr=self.lr, momentum=self.momentum, buffer_size=n,
+                                        momentum_activation=self.momentum_activation, momentum_warmup=self.warmup,
+                                        momentum_restart=self.restarts)
+
+
+@dataclass(frozen=True)
+class Nesterov(OuterOptimizer):
+    """Nesterov momentum, DiLoCo's published outer step (Douillard et al., arXiv 2311.08105: lr 0.7, momentum 0.9),
+    with no warm-up and no restarts; in async mode every push is a full Nesterov step (no delay).
+
+    Args:
+        lr: the outer learning rate (> 0).
+        momentum: Nesterov momentum in [0, 1).
+    """
+
+    lr: float
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        validate_outer_hyperparameters(self.lr, self.momentum, 1, 0.0)
+
+    def optimizer(self, views: Sequence[Tensor], mode: str, workers: int) -> Optimizer:
+        return DelayedNesterovOptimizer(views, lr=self.lr, momentum=self.momentum)
+
+
+@dataclass(frozen=True)
+class MomentumSchedule:
+    """``beta`` for the k-th momentum update (k = 1, 2, ...) and whether the momentum restarts before it.
+
+    Args:
+        momentum: ``beta`` after the warm-up, in [0, 1).
+        warmup: momentum updates over which ``beta`` ramps up linearly (0: none).
+        restart: zero the momentum buffer before every ``restart``-th momentum update (0: never).
+    """
+
+    momentum: float
+    warmup: int = 0
+    restart: int = 0
+
+    def __post_init__(self) -> None:
+        check_number("momentum", self.momentum, 0.0, 1.0, high_open=True)
+        check_int("warmup", self.warmup, minimum=0, hint="Momentum updates over which the momentum ramps up; 0: none.")
+        check_int("restarts", self.restart, minimum=0, hint="The momentum restarts every this many updates; 0: never.")
+
+    def beta(self, update: int) -> float:
+        """``momentum * min(1, update / warmup)``."""
+        if self.warmup and update < self.warmup:
+            return self.momentum * update / self.warmup
+        return self.momentum
+
+    def restarts(self, update: int) -> bool:
+        """Whether the momentum buffer is zeroed before the ``update``-th momentum update."""
+        return bool(self.restart) and update % self.restart == 0
+
+

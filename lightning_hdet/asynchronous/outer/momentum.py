@@ -1,4 +1,5 @@
-"""The outer momentum's schedule: warm-up and periodic restarts, and the named outer settings.
+"""The named outer optimizers (``outer="stable"``, ...): one table of numbers, the objects they build, and why the
+default momentum has a warm-up and restarts.
 
 Why: every asynchronous push is stale, computed from parameters that other pushes (and the momentum step) have
 moved since. When one round moves the model a large part of the way to where the loss wants it (early training,
@@ -22,47 +23,21 @@ Pure: no Lightning, no process groups.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_hdet._checks import check_choice, check_int, check_number
-
-
-@dataclass(frozen=True)
-class MomentumSchedule:
-    """``beta`` for the k-th momentum update (k = 1, 2, ...) and whether the momentum restarts before it.
-
-    Args:
-        momentum: ``beta`` after the warm-up, in [0, 1).
-        warmup: momentum updates over which ``beta`` ramps up linearly (0: none).
-        restart: zero the momentum buffer before every ``restart``-th momentum update (0: never).
-    """
-
-    momentum: float
-    warmup: int = 0
-    restart: int = 0
-
-    def __post_init__(self) -> None:
-        check_number("outer_momentum", self.momentum, 0.0, 1.0, high_open=True)
-        check_int("momentum_warmup", self.warmup, minimum=0)
-        check_int("momentum_restart", self.restart, minimum=0)
-
-    def beta(self, update: int) -> float:
-        """``momentum * min(1, update / warmup)``."""
-        if self.warmup and update < self.warmup:
-            return self.momentum * update / self.warmup
-        return self.momentum
-
-    def restarts(self, update: int) -> bool:
-        """Whether the momentum buffer is zeroed before the ``update``-th momentum update."""
-        return bool(self.restart) and update % self.restart == 0
+from lightning_hdet._checks import ArgumentNameError, check_choice
+from lightning_hdet.asynchronous.outer.base import OuterOptimizer
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
 
 
 @dataclass(frozen=True)
 class OuterPreset:
     """One named choice of the outer optimizer's numbers (see :data:`OUTER_PRESETS`); ``lr=None``: derived from
-    the momentum and its restarts by :func:`stable_outer_lr`. ``sparse``: SparseLoCo's update (:mod:`.sparse_outer`)
-    instead of a Nesterov step."""
+    the momentum and its restarts by :func:`stable_outer_lr`. ``sparse``: :class:`~.sparseloco.SparseLoCo` instead of
+    :class:`~.delayed_nesterov.DelayedNesterov`."""
 
     lr: Optional[float]
     momentum: float
@@ -127,24 +102,38 @@ OUTER_PRESETS: dict[str, OuterPreset] = {
 DEFAULT_OUTER = "stable"
 
 
-def resolve_outer(
-    outer: Optional[str],
-    lr: Optional[float] = None,
-    momentum: Optional[float] = None,
-    warmup: Optional[int] = None,
-    restart: Optional[int] = None,
-) -> OuterPreset:
-    """The preset ``outer`` (default :data:`DEFAULT_OUTER`, async and DiLoCo alike) with every explicitly given
-    number in its place; a preset without an lr (``"stable"``) derives it from the momentum and restarts in effect
-    (:func:`stable_outer_lr`), so that an explicit ``outer_momentum`` or ``momentum_restart`` gets the lr that keeps
-    it stable."""
-    outer = DEFAULT_OUTER if outer is None else outer
-    check_choice("outer", outer, tuple(OUTER_PRESETS), hint="Or leave it unset and give the numbers explicitly.")
-    given: dict[str, Any] = {"lr": lr, "momentum": momentum, "warmup": warmup, "restart": restart}
-    settings = {**asdict(OUTER_PRESETS[outer]), **{k: v for k, v in given.items() if v is not None}}
-    if settings["lr"] is None:  # checked as validate_outer_hyperparameters does: first finite, then in range
-        check_number("outer_momentum", settings["momentum"])
-        check_number("outer_momentum", settings["momentum"], 0.0, 1.0, high_open=True)
-        check_int("momentum_restart", settings["restart"], minimum=0)
-        settings["lr"] = stable_outer_lr(settings["momentum"], settings["restart"])
-    return OuterPreset(**settings)
+def outer_from(value: OuterOptimizer | str | None) -> OuterOptimizer:
+    """The outer optimizer object for what a user gave ``outer``: an object (as it is), or a preset's name
+    (:data:`OUTER_PRESETS`; ``None``: :data:`DEFAULT_OUTER`), whose numbers the object's repr shows."""
+    if isinstance(value, OuterOptimizer):
+        return value
+    name = DEFAULT_OUTER if value is None else value
+    check_choice("outer", name, tuple(OUTER_PRESETS), hint="Or an object: DelayedNesterov(lr, momentum, warmup,"
+                 " restarts, buffer_size), Nesterov(lr, momentum), SparseLoCo(lr, error_decay).")
+    preset = OUTER_PRESETS[name]
+    if preset.sparse:
+        return SparseLoCo(lr=preset.lr if preset.lr is not None else 1.0)
+    lr = stable_outer_lr(preset.momentum, preset.restart) if preset.lr is None else preset.lr
+    return DelayedNesterov(lr=lr, momentum=preset.momentum, warmup=preset.warmup, restarts=preset.restart)
+
+
+#: The strategy arguments the outer optimizer objects replaced, and what to write instead.
+MOVED: dict[str, str] = {
+    "outer_lr": "outer=DelayedNesterov(lr=...)", "outer_momentum": "outer=DelayedNesterov(lr=..., momentum=...)",
+    "delayed_nesterov": "outer=Nesterov(lr=..., momentum=...) (False) or outer=DelayedNesterov(...) (True)",
+    "buffer_size": "outer=DelayedNesterov(lr=..., buffer_size=...)",
+    "momentum_activation": "outer=DelayedNesterov(lr=..., momentum_activation=...)",
+    "momentum_warmup": "outer=DelayedNesterov(lr=..., warmup=...)",
+    "momentum_restart": "outer=DelayedNesterov(lr=..., restarts=...)",
+    "error_decay": "outer=SparseLoCo(error_decay=...)",
+    "max_norm_ratio": "check_pushes=PushCheck(max_norm_ratio=...)",
+    "max_rejections": "check_pushes=PushCheck(max_rejections=...)",
+}
+
+
+def refuse_moved(owner: str, given: Mapping[str, Any]) -> None:
+    """Refuse an argument an object now holds (:data:`MOVED`), naming what to write instead."""
+    for name, value in given.items():
+        if name in MOVED:
+            raise ArgumentNameError(f"{owner} no longer takes `{name}`={value!r}: the outer optimizer and the push"
+                                    f" checks are objects. Write {MOVED[name]} (see docs/async.md).")

@@ -1,8 +1,11 @@
 """SparseLoCo's outer update (Sarfi et al., arXiv 2508.15706) and its exact sparse pulls. Pure tensor code: no
 Lightning, no process groups.
 
-With ``outer="sparseloco"`` (DiLoCo only) each worker pushes ``codec(g + beta * residual)`` in a sparse codec
-(``"topk2"`` / ``"topk4"``) and keeps what it did not send (:class:`~.compression.ErrorFeedback` with ``decay =
+Everything SparseLoCo is here: the object a user passes (:class:`SparseLoCo`, its options and checks), its outer step
+(:class:`SparseSyncStep`) and the round change its pulls forward (:class:`RoundCodec`, :class:`SparseRound`).
+
+With ``outer=SparseLoCo()`` (DiLoCo only) each worker pushes ``codec(g + beta * residual)`` in a sparse codec
+(:class:`~..wire.codecs.TopK`) and keeps what it did not send (:class:`~..wire.codecs.ErrorFeedback` with ``decay =
 beta``: the decayed accumulator stands in for the outer momentum); rank 0 moves the global model ``G`` by
 ``-lr`` times the mean of the decoded pushes and keeps no momentum. ``G``'s change is then exactly sparse (the
 union of the workers' kept values), so a pull can carry it exactly: a *round change* is the round's pushes
@@ -19,13 +22,19 @@ to the others, and sums the slots in the same order, so it still holds ``G`` bit
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_hdet._checks import check_number, require
-from lightning_hdet.asynchronous.wire.codecs import Codec
+from lightning_hdet.asynchronous.outer.base import OuterOptimizer
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterovOptimizer
+from lightning_hdet.asynchronous.outer.state import OuterState, StepPolicy, SyncStep
+from lightning_hdet.asynchronous.wire.codecs import Codec, TopK
 
 #: SparseLoCo's error-feedback decay ``beta`` (the paper's setting), the default of ``error_decay``.
 SPARSELOCO_DECAY = 0.95
@@ -43,15 +52,15 @@ class RoundCodec:
     slot 1 + ...)``, summed into zeros slot by slot, one float32 addition per kept value.
 
     Args:
-        codec: the pushes' codec for this fragment (``"topk2"`` or ``"topk4"``).
+        codec: the pushes' codec for this fragment (a :class:`~..wire.codecs.TopK`, bound).
         workers: slots per change (the number of workers).
     """
 
-    name = "round"
+    raw = False
 
     def __init__(self, codec: Codec, workers: int) -> None:
         if codec.sparse is None:
-            raise ValueError(f"A round change forwards sparse pushes; the pushes' codec is {codec.name!r}.")
+            raise ValueError(f"A round change forwards sparse pushes; the pushes' codec is {codec!r}.")
         self.codec, self.workers = codec, workers
         self.numel = codec.numel
         self.slot_bytes = _padded(codec.nbytes)
@@ -118,16 +127,93 @@ class SparseRound:
         return self.change
 
 
-def check_sparse_outer(sparse: bool, compression: str, error_decay: float | None) -> float | None:
-    """The arguments ``outer="sparseloco"`` depends on (its ``mode`` and momentum options are
-    :class:`~.outer.OuterSettings`'); returns the error feedback's decay in force (``None``
-    without it: plain error feedback). Raises the package's ``ValueError`` naming the argument."""
-    if not sparse:
-        require("error_decay", error_decay, error_decay is None, "None without outer='sparseloco'",
-                "The decayed error feedback stands in for SparseLoCo's outer momentum; a dense outer step has its own.")
-        return None
-    require("compression", compression, str(compression).startswith("topk"), "'topk2' or 'topk4' with"
-            " outer='sparseloco'", "A dense codec would change every value each round: the update would not be sparse.")
-    decay = SPARSELOCO_DECAY if error_decay is None else error_decay
-    check_number("error_decay", decay, 0.0, 1.0, hint=f"SparseLoCo's is {SPARSELOCO_DECAY}.")
-    return float(decay)
+class SparseSyncStep(SyncStep):
+    """DiLoCo with SparseLoCo's update: the global model moves by the round change of :class:`SparseRound`, ``-lr`` times the mean of the pushes as they were encoded, decoded as a
+    pull decodes it (so that pulls can carry it exactly); no momentum. The server keeps each applied push's
+    messages in :attr:`round` (:meth:`keeps_messages`); the decoded fragments it receives were only checked.
+
+    Args:
+        lr: the outer lr ``alpha``.
+    """
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()  # rounds of H steps: SparseLoCo.check refuses stagger
+        self.lr = lr
+        self.round: SparseRound | None = None
+
+    def attach(self, sparse_round: SparseRound) -> None:
+        """Where the round's pushes are kept (the server, which knows their codecs, or a test)."""
+        self.round = sparse_round
+
+    def keeps_messages(self, codecs: list, workers: int) -> SparseRound:
+        """The server keeps each applied push's messages here, for the round change."""
+        self.attach(SparseRound(codecs, workers))
+        assert self.round is not None
+        return self.round
+
+    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
+        pass  # the round's messages are in self.round already
+
+    def close(self, outer: OuterState, pushes: int) -> None:
+        if not pushes:
+            return
+        if self.round is None:
+            raise RuntimeError("SparseLoCo steps from the pushes' messages; no server attached its round.")
+        scratch = self.round.scratch
+        for (start, end), codec, message in zip(outer.ranges, self.round.codecs, self.round.close(pushes, self.lr)):
+            outer.params[start:end].add_(codec.decode(message, scratch[: end - start]))
+        outer.outer_updates += 1
+
+
+
+
+@dataclass(frozen=True)
+class SparseLoCo(OuterOptimizer):
+    """SparseLoCo's outer step (Sarfi et al., arXiv 2508.15706), DiLoCo only, with a sparse codec
+    (``compression=TopK(...)``): the global model moves by ``lr`` times the mean of the round's sparse pushes, with no
+    outer momentum (the workers' error feedback, decayed by ``error_decay``, carries it), so that its change is
+    exactly sparse and sparse pulls (``pull_compression`` the same codec) can send it exactly.
+
+    Args:
+        lr: the outer lr ``alpha`` (> 0; the paper's 1).
+        error_decay: ``beta`` in [0, 1], the weight of what a worker's codec left out in its next push (the
+            paper's 0.95).
+    """
+
+    forwards_rounds: ClassVar[bool] = True
+    lr: float = 1.0
+    error_decay: float = SPARSELOCO_DECAY
+
+    def __post_init__(self) -> None:
+        check_number("lr", self.lr, low=0, low_open=True)
+        check_number("error_decay", self.error_decay, 0.0, 1.0, hint=f"SparseLoCo's is {SPARSELOCO_DECAY}.")
+
+    def check(self, mode: str, stagger: int) -> None:
+        require("mode", mode, mode == "sync", "'sync' (DiLoCo) with SparseLoCo",
+                "Its update is the mean of every worker's round. Use mode='sync' or another `outer`.")
+        # SparseRound files a push's messages by their position in the push and closes a round with one factor
+        # (-lr / pushes) for every fragment: a staggered push carries one part, and the goodbye all of them
+        require("stagger", stagger, stagger == 1, "1 with SparseLoCo", "Its round change forwards whole-model pushes"
+                " with one step factor per round, while a staggered push carries one part of the model.")
+
+    def check_codecs(self, push: Codec, pull: Codec) -> None:
+        require("compression", push, isinstance(push, TopK), "a TopK codec ('topk2' or 'topk4') with SparseLoCo",
+                "A dense codec would change every value each round: the update would not be sparse.")
+
+    def check_elastic(self) -> None:
+        require("outer", self, False, "a dense outer optimizer with an elastic service", "SparseLoCo steps from each"
+                " round's sparse push messages as AsyncLocalSGDStrategy's server collects them, with pulls that"
+                " forward them (delta pulls, which a rejoining session cannot follow). Use AsyncLocalSGDStrategy.")
+
+    def feedback_decay(self) -> float | None:
+        return self.error_decay
+
+    def forward(self, workers: int) -> Callable[[Codec], RoundCodec]:
+        return lambda codec: RoundCodec(codec, workers)
+
+    def optimizer(self, views: Sequence[Tensor], mode: str, workers: int) -> Optimizer:
+        # no momentum, no state: stepped by SparseSyncStep itself; kept for the checkpoint's fragment layout
+        return DelayedNesterovOptimizer(views, lr=self.lr, momentum=0.0)
+
+    def step_policy(self, mode: str, stagger: int, grace_period: float | None) -> StepPolicy:
+        return SparseSyncStep(self.lr)

@@ -7,7 +7,8 @@ the outer optimizer holds one parameter per fragment (views of the flat global p
 fragment is the step of the whole vector restricted to it. How pushes become outer updates and how long each
 worker's next round is differ between the two modes, and are two step policies: :class:`AsyncStep` (each push
 applied on arrival, round lengths by speed, budget shared by speed) and :class:`SyncStep` (DiLoCo: the mean of
-every worker's push, one outer step at the end of the round, equal round lengths).
+every worker's push, one outer step at the end of the round, equal round lengths). The outer optimizer object
+(:mod:`.base`) builds its ``torch.optim.Optimizer`` and picks its policy; :mod:`.settings` builds the state.
 """
 
 from __future__ import annotations
@@ -23,24 +24,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hdet._checks import check_choice, check_number
+from lightning_hdet._checks import check_int
 from lightning_hdet._tensors import state_from_bytes
-from lightning_hdet.asynchronous.exchange.overlap import check_stagger
-from lightning_hdet.asynchronous.outer.checks import (
-    DISCARDED_BY_WORKER,
-    PushCheck,
-    buffers_problem,
-    check_push_settings,
-)
-from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, validate_outer_hyperparameters
-from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, validate_local_steps
-from lightning_hdet.asynchronous.outer.momentum import MomentumSchedule, OuterPreset, resolve_outer
-from lightning_hdet.asynchronous.outer.sparseloco import SparseRound
+from lightning_hdet.asynchronous.outer.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem
+from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
 log = logging.getLogger(__name__)
 
-MODES = ("async", "sync")
 _STAT_KEYS = ("steps", "rounds", "local_steps", "steps_per_s", "staleness", "compute_s", "wait_s", "push_bytes",
               "pull_bytes", "dense_pulls", "rejected")
 
@@ -105,6 +96,9 @@ class StepPolicy(Protocol):
     def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
         """``worker``'s next round length within the budget left (``n_waiting`` workers wait for a reply)."""
 
+    def keeps_messages(self, codecs: list, workers: int) -> object | None:
+        """Where the server keeps each applied push's messages for this policy (``None``: it keeps none)."""
+
 
 class AsyncStep:
     """Asynchronous Local-SGD: every push is its own outer update, in arrival order; each worker's next round
@@ -118,6 +112,9 @@ class AsyncStep:
 
     def __init__(self, grace_period: float = 0.0) -> None:
         self.batch_window: float | None = grace_period
+
+    def keeps_messages(self, codecs: list, workers: int) -> object | None:
+        return None
 
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
         outer.step_fragment(index, gradient)
@@ -155,6 +152,9 @@ class SyncStep:
         self._sum: Tensor | None = None  # the round's summed pseudo-gradient: one model, not one per worker
         self._counts: list[int] = []  # per fragment, how many pushes are in the sum
 
+    def keeps_messages(self, codecs: list, workers: int) -> object | None:
+        return None
+
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
         if self._sum is None:
             self._sum, self._counts = torch.zeros_like(outer.params), [0] * len(outer.ranges)
@@ -184,176 +184,6 @@ class SyncStep:
         return min(steps, (outer.budget - outer.steps_done - outer.pending_steps) // n_waiting)
 
 
-class SparseSyncStep(SyncStep):
-    """DiLoCo with SparseLoCo's update (``outer="sparseloco"``): the global model moves by the round change of
-    :class:`~.sparse_outer.SparseRound`, ``-lr`` times the mean of the pushes as they were encoded, decoded as a
-    pull decodes it (so that pulls can carry it exactly); no momentum. The server keeps each applied push's
-    messages in :attr:`round` (:meth:`attach`); the decoded fragments it receives were only checked.
-
-    Args:
-        lr: the outer lr ``alpha``.
-    """
-
-    def __init__(self, lr: float) -> None:
-        super().__init__()  # rounds of H steps: OuterSettings refuses stagger with outer="sparseloco"
-        self.lr = lr
-        self.round: SparseRound | None = None
-
-    def attach(self, sparse_round: SparseRound) -> None:
-        """Where the server keeps the round's pushes (it knows their codecs)."""
-        self.round = sparse_round
-
-    def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
-        pass  # the round's messages are in self.round already
-
-    def close(self, outer: OuterState, pushes: int) -> None:
-        if not pushes:
-            return
-        if self.round is None:
-            raise RuntimeError("outer='sparseloco' steps from the pushes' messages; no server attached its round.")
-        scratch = self.round.scratch
-        for (start, end), codec, message in zip(outer.ranges, self.round.codecs, self.round.close(pushes, self.lr)):
-            outer.params[start:end].add_(codec.decode(message, scratch[: end - start]))
-        outer.outer_updates += 1
-
-
-#: The options only async mode uses, and their defaults there.
-_ASYNC_ONLY: dict[str, Any] = {"delayed_nesterov": True, "dynamic_local_steps": True, "grace_period": 0.0}
-_WHY_NOT_SYNC = {
-    "delayed_nesterov": "its outer step is one Nesterov step on the mean of every worker's push.",
-    "dynamic_local_steps": "every round is `local_steps` long, since each outer step waits for every worker.",
-    "grace_period": "each outer step already waits for every worker's push.",
-}
-
-
-@dataclass(frozen=True)
-class OuterSettings:
-    """The outer side's hyperparameters (the strategy's arguments of the same names), checked on creation."""
-
-    mode: str = "async"
-    local_steps: int = 50
-    min_local_steps: int = 1
-    #: ``None``: the preset's (see :data:`~.momentum.OUTER_PRESETS`).
-    outer_lr: float | None = None
-    outer_momentum: float | None = None
-    #: Async only (``None``: True in async mode; refused with DiLoCo, which has no use for it).
-    delayed_nesterov: bool | None = None
-    buffer_size: int | None = None
-    momentum_activation: float = 0.0
-    #: Async only (``None``: True in async mode; refused with DiLoCo, whose rounds are all ``local_steps`` long).
-    dynamic_local_steps: bool | None = None
-    #: Async only (``None``: 0.0 in async mode; refused with DiLoCo, which always waits for every worker).
-    grace_period: float | None = None
-    speed_smoothing: float = 0.5
-    #: The named outer settings (``None``: ``"stable"``, in both modes); the explicit
-    #: ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and ``momentum_restart`` replace its numbers.
-    outer: str | None = None
-    momentum_warmup: int | None = None
-    momentum_restart: int | None = None
-    #: Check every push before it is applied (:mod:`.checks`), and the rule's numbers.
-    check_pushes: bool = True
-    max_norm_ratio: float = PushCheck.MAX_NORM_RATIO
-    max_rejections: int = PushCheck.MAX_REJECTIONS
-    #: DiLoCo only: the model is synchronised in this many parts, one every ``local_steps / stagger`` steps.
-    stagger: int = 1
-
-    def __post_init__(self) -> None:
-        check_choice("mode", self.mode, MODES)
-        self._resolve_async_only()
-        check_push_settings(self.check_pushes, self.max_norm_ratio, self.max_rejections)
-        validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
-        check_stagger(self.stagger, self.mode, self.local_steps)
-        preset = self.preset  # checks the name
-        validate_outer_hyperparameters(preset.lr, preset.momentum,
-                                       1 if self.buffer_size is None else self.buffer_size, self.momentum_activation)
-        MomentumSchedule(preset.momentum, preset.warmup, preset.restart)  # checks the warm-up and restart
-        if preset.sparse:
-            self._check_sparse()
-        if self.grace_period is not None:
-            check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
-        for name, value in (("buffer_size", self.buffer_size), ("momentum_activation", self.momentum_activation or None)):
-            if value is not None and (self.mode != "async" or not self.delayed_nesterov):
-                raise ValueError(
-                    f"`{name}`={value!r} applies only to Delayed Nesterov (mode='async', delayed_nesterov=True), "
-                    f"got mode={self.mode!r}, delayed_nesterov={self.delayed_nesterov!r}."
-                )
-
-    def _resolve_async_only(self) -> None:
-        """The async-only options: their async defaults where not given; with DiLoCo, refused when given (each
-        would be recorded as in force while doing nothing) and left ``None`` (not in force)."""
-        for name, default in _ASYNC_ONLY.items():
-            value = getattr(self, name)
-            if self.mode == "sync" and value is not None:
-                raise ValueError(f"`{name}={value!r}` has no effect with mode='sync' (DiLoCo): {_WHY_NOT_SYNC[name]}"
-                                 f" Remove it, or use mode='async'.")
-            if self.mode == "async" and value is None:
-                object.__setattr__(self, name, default)  # frozen: filled once, here
-
-    def _check_sparse(self) -> None:
-        """``outer="sparseloco"``: DiLoCo only, not staggered, and no momentum settings (its momentum is the
-        workers')."""
-        if self.mode != "sync":
-            raise ValueError(f"`outer='sparseloco'` applies only with mode='sync' (DiLoCo), got mode={self.mode!r}:"
-                             " its update is the mean of every worker's round. Use mode='sync' or another `outer`.")
-        if self.stagger > 1:
-            # SparseRound files a push's messages by their position in the push and closes a round with one factor
-            # (-lr / pushes) for every fragment: a staggered push carries one part, and the goodbye all of them
-            raise ValueError(f"`stagger={self.stagger}` is not supported with `outer='sparseloco'`: its round change"
-                             " forwards whole-model pushes with one step factor per round, while a staggered push"
-                             " carries one part of the model. Use stagger=1, or another `outer`.")
-        for name in ("outer_momentum", "momentum_warmup", "momentum_restart"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"`{name}={getattr(self, name)!r}` has no effect with outer='sparseloco': its update"
-                                 " keeps no outer momentum (the workers' decayed error feedback, `error_decay`,"
-                                 " stands in for it). Remove it.")
-
-    @property
-    def preset(self) -> OuterPreset:
-        """The outer numbers in effect: the named preset with the explicitly given ones in their place."""
-        return resolve_outer(self.outer, self.outer_lr, self.outer_momentum, self.momentum_warmup,
-                             self.momentum_restart)
-
-    def numbers(self) -> dict[str, float]:
-        """The outer numbers in effect, by argument name (recorded in the run config)."""
-        p = self.preset
-        return {"outer_lr": p.lr, "outer_momentum": p.momentum, "momentum_warmup": p.warmup, "momentum_restart": p.restart}
-
-    def check_workers(self, workers: int) -> None:
-        """What depends on the number of workers (checked when the Trainer is built, before any process)."""
-        n = self.buffer_size or workers
-        if n > workers:
-            raise ValueError(
-                f"`buffer_size={n}` is larger than the number of workers ({workers}); allowed: 1..{workers}."
-                " Delayed Nesterov averages N pushes into one momentum update, and N beyond one push per worker"
-                " only delays momentum (the natural choice is the number of workers)."
-            )
-        validate_outer_hyperparameters(self.preset.lr, self.preset.momentum, n, self.momentum_activation)
-
-    def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None,
-              ranges: list[tuple[int, int]] | None = None, parts: list[range] | None = None) -> OuterState:
-        """The outer state over the flat host tensors ``params`` and ``buffers`` (the global model's start):
-        Delayed Nesterov (async, ``delayed_nesterov``) or Nesterov SGD, i.e. Delayed Nesterov with ``N = 1`` (the
-        same step, without ``torch.optim.SGD``'s model-sized temporary), and the mode's step policy. ``ranges``:
-        the fragments pushes arrive in (default: one); ``parts``: their indices by part, when staggered
-        (:attr:`~.messages.Fragments.parts`)."""
-        is_async = self.mode == "async"
-        params.requires_grad_(False)
-        views = [params[s:e] for s, e in ranges or [(0, params.numel())]]  # leaves: params needs no grad
-        p = self.preset
-        n = (self.buffer_size or workers) if is_async and self.delayed_nesterov else 1
-        optimizer = DelayedNesterov(views, lr=p.lr, momentum=p.momentum, buffer_size=n,
-                                    momentum_activation=self.momentum_activation, momentum_warmup=p.warmup,
-                                    momentum_restart=p.restart)
-        policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, self.dynamic_local_steps and is_async,
-                                  self.speed_smoothing)
-        step: StepPolicy = (AsyncStep(self.grace_period) if is_async else
-                            SparseSyncStep(p.lr) if p.sparse else SyncStep(self.stagger))
-        check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
-        state = OuterState(params, optimizer, policy, step, budget, buffers=buffers, check=check,
-                           max_rejections=self.max_rejections, follows_live=is_async and bool(self.delayed_nesterov),
-                           configured_buffer=self.buffer_size, parts=parts or [])
-        state.follow_live(workers)
-        return state
 
 
 def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size: int) -> list[Tensor]:
@@ -693,3 +523,17 @@ class OuterState:
             self.outer_updates = int(state["outer_updates"])
             self.workers = {int(w): WorkerStats(**{**s, "in_flight": 0, "pending": 0})
                             for w, s in state["workers"].items()}
+
+
+def check_stagger(stagger: int, mode: str, local_steps: int) -> None:
+    """``stagger``: 1, or with DiLoCo a divisor ``F`` of ``local_steps`` (rounds of ``local_steps / F`` steps)."""
+    check_int("stagger", stagger, minimum=1, hint="1 synchronises the whole model at once; F >= 2 (DiLoCo) in F"
+              " parts, one every local_steps / F steps.")
+    if stagger > 1 and mode != "sync":
+        raise ValueError(f"`stagger={stagger}` applies to DiLoCo only (mode='sync'), got mode={mode!r}: an async"
+                         " push is applied on arrival, with no common round to stagger. Use stagger=1, or"
+                         " mode='sync'.")
+    if local_steps % stagger:
+        divisors = [d for d in range(1, local_steps + 1) if local_steps % d == 0]
+        raise ValueError(f"`stagger={stagger}` does not divide local_steps={local_steps}: each part is synchronised"
+                         f" every local_steps steps, one part every local_steps / stagger. Allowed: {divisors}.")

@@ -13,16 +13,16 @@ Worker -> server, in this order:
    only with ``checkpoint_inner_states=True``, off by default);
 4. when ``steps > 0``: one ``uint8`` message per fragment of the header's ``part`` (all, or one part's): that
    fragment of the pseudo-gradient (``theta_pulled - theta_local``) encoded by the fragment's codec
-   (:mod:`.compression`; ``"none"``: its ``float32`` bytes).
+   (:mod:`.codecs`; ``NoCodec``: its ``float32`` bytes).
 
 Server -> worker, in this order:
 
 1. a :class:`ServerHeader` (``float64[6]``);
 2. when ``next_local_steps > 0``: the global parameters, one message per fragment encoded by the pull codec
-   (``"none"``: ``float32``; ``"bf16"``: the parameters rounded to bfloat16, whose float32 originals stay on rank
+   (``NoCodec``: ``float32``; ``BF16``: the parameters rounded to bfloat16, whose float32 originals stay on rank
    0), or, when the header's ``deltas`` is ``n >= 0``, ``n`` changes of the public model, oldest first, each one
-   message per fragment in its delta codec (:mod:`.public_model`; with ``outer="sparseloco"`` a round change, the
-   round's pushes forwarded: :mod:`.sparse_outer`); then (only if the model has floating-point buffers) the
+   message per fragment in its delta codec (:mod:`.public_model`; under SparseLoCo a round change, the round's
+   pushes forwarded: :mod:`~..outer.sparseloco`); then (only if the model has floating-point buffers) the
    global buffers (``float32``). The parameters are those of the header's ``part`` (all, or the part pushed).
 
 Headers are ``float64`` so that step counts and seconds share one tensor exactly (integers up to 2**53).
@@ -31,17 +31,16 @@ Headers are ``float64`` so that step counts and seconds share one tensor exactly
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_hdet._tensors import BUCKET_BYTES
-from lightning_hdet.asynchronous.outer.sparseloco import RoundCodec
-from lightning_hdet.asynchronous.wire.codecs import DEFAULT_CHUNK, DELTA_PULL_CODECS, Codec, CodecName
+from lightning_hdet.asynchronous.wire.codecs import DEFAULT_CHUNK, Codec, NoCodec, codec_from
 
 #: Largest fragment of a pushed or pulled model, in bytes of ``float32`` values: the size of HDET's merge buckets
 #: (DDP's default bucket size), one number for both.
@@ -236,21 +235,21 @@ class Fragments:
 
     Args:
         shapes: the parameters' shapes, in order.
-        compression: the pseudo-gradients' codec.
+        compression: the pseudo-gradients' codec (an object or a preset name: :func:`~.codecs.codec_from`).
         max_bytes: the largest fragment, in bytes of ``float32`` values.
-        pull_compression: the pulled global parameters' codec: ``"none"`` or ``"bf16"`` (the parameters
-            themselves), or one of :data:`~.compression.DELTA_PULL_CODECS` (changes of the public model, the
-            parameters themselves in ``float32`` when a worker holds no logged version).
+        pull_compression: the pulled global parameters' codec: the parameters themselves, or, a codec that
+            ``sends_changes``, changes of the public model (the parameters themselves in ``float32`` when a worker
+            holds no logged version).
         parts: the fragments are grouped into this many parts (:func:`stagger_parts`; fragments are then at most
             a quarter of a part's share of the values), each of which a push may carry alone.
-        round_workers: with a sparse ``pull_compression`` (``outer="sparseloco"``), the changes are the rounds'
-            pushes of this many workers forwarded exactly (:class:`~.sparse_outer.RoundCodec`); 0: a change is the
+        forward: with a sparse pull codec, the codec of a round change that forwards the pushes of a fragment's
+            push codec (SparseLoCo's :meth:`~..outer.sparseloco.SparseLoCo.round_codec`); ``None``: a change is the
             pull codec's encoding of the difference.
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], compression: CodecName = "none",
-                 max_bytes: int = FRAGMENT_BYTES, pull_compression: CodecName = "none", parts: int = 1,
-                 round_workers: int = 0) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], compression: Codec | str = NoCodec(),
+                 max_bytes: int = FRAGMENT_BYTES, pull_compression: Codec | str = NoCodec(), parts: int = 1,
+                 forward: Callable[[Codec], Any] | None = None) -> None:
         max_values = max(1, max_bytes // 4)
         if parts > 1:
             # fragments of at most a quarter of a part: the parts, whole fragments, come out within ~1/8 of equal
@@ -258,18 +257,16 @@ class Fragments:
         self.fragments = fragment_layout(shapes, max_values)
         #: The fragments' indices, part by part (one part: all of them).
         self.parts = stagger_parts(self.fragments, parts)
-        self.codecs = [Codec(compression, f.shapes) for f in self.fragments]
-        delta = pull_compression in DELTA_PULL_CODECS
-        self.pull_codecs = [Codec("none" if delta else pull_compression, f.shapes) for f in self.fragments]
+        push, pull = codec_from(compression), codec_from(pull_compression, "pull_compression")
+        self.codecs = [push.bind(f.shapes) for f in self.fragments]
+        self.pull_codecs = [(NoCodec() if pull.sends_changes else pull).bind(f.shapes) for f in self.fragments]
         #: The codecs of a public model's changes, one per fragment (empty: pulls send the parameters).
-        self.delta_codecs: list[Codec | RoundCodec] = []
-        #: The same, when they are round changes that forward the pushes (``outer="sparseloco"``; else empty).
-        self.round_codecs: list[RoundCodec] = []
-        if delta and round_workers and pull_compression != "int8":  # sparse pulls forward the rounds' pushes
-            self.round_codecs = [RoundCodec(codec, round_workers) for codec in self.codecs]
+        self.delta_codecs: list[Any] = [pull.bind(f.shapes) for f in self.fragments] if pull.sends_changes else []
+        #: The same, when they are round changes that forward the pushes (SparseLoCo's; else empty).
+        self.round_codecs: list[Any] = []
+        if forward is not None and self.delta_codecs and self.delta_codecs[0].sparse is not None:
+            self.round_codecs = [forward(codec) for codec in self.codecs]
             self.delta_codecs = list(self.round_codecs)
-        elif delta:
-            self.delta_codecs = [Codec(pull_compression, f.shapes) for f in self.fragments]
         self.numel = sum(f.numel for f in self.fragments)
 
     @property
@@ -325,7 +322,7 @@ class Fragments:
     def pull_buffer(self) -> Tensor:
         """A buffer for one encoded pull fragment or change (empty when pulls are not encoded: they travel as
         views)."""
-        encoded = [c.nbytes for c in self.pull_codecs + self.delta_codecs if c.name != "none"]
+        encoded = [c.nbytes for c in self.pull_codecs + self.delta_codecs if not c.raw]
         return torch.empty(max(encoded, default=0), dtype=torch.uint8)
 
     @property
@@ -348,26 +345,26 @@ class Fragments:
 
     def encode_pull(self, params: Tensor, buffer: Tensor, part: int = -1) -> Iterator[Tensor]:
         """Each fragment (of ``part``) of the global ``params`` encoded by its pull codec, in order: the ``float32``
-        views of ``params`` themselves (``"none"``), or messages written into ``buffer`` (:meth:`pull_buffer`,
+        views of ``params`` themselves (a raw codec), or messages written into ``buffer`` (:meth:`pull_buffer`,
         reused: send each before the next)."""
         for codec, values in zip(self._pull_codecs(part), self.split(params, part)):
-            yield values if codec.name == "none" else codec.encode(values, buffer[: codec.nbytes])
+            yield values if codec.raw else codec.encode(values, buffer[: codec.nbytes])
 
     def pull_into(self, params: Tensor, into: Tensor, buffer: Tensor, part: int = -1) -> None:
         """What a pull of ``params`` (its ``part``) leaves a worker with, written into ``into`` (rank 0's own
         worker, which needs no bytes to travel, still gets the same values as the others)."""
         for codec, message, values in zip(self._pull_codecs(part), self.encode_pull(params, buffer, part),
                                           self.split(into, part)):
-            values.copy_(message) if codec.name == "none" else codec.decode(message, values)
+            values.copy_(message) if codec.raw else codec.decode(message, values)
 
     def pull_values(self, params: Tensor, buffer: Tensor, out: Tensor,
                     part: int = -1) -> Iterator[tuple[int, Tensor]]:
         """Each fragment (of ``part``) of the global ``params`` as a pull leaves a worker with it, with its first
-        value's index: a view of ``params`` (``"none"``), or decoded into ``out`` (reused: consume each before the
+        value's index: a view of ``params`` (a raw codec), or decoded into ``out`` (reused: consume each before the
         next)."""
         for i, message in zip(self.indices(part), self.encode_pull(params, buffer, part)):
             codec = self.pull_codecs[i]
-            values = message if codec.name == "none" else codec.decode(message, out[: codec.numel])
+            values = message if codec.raw else codec.decode(message, out[: codec.numel])
             yield self.fragments[i].start, values
 
     def decode(self, messages: Iterable[Tensor], out: Tensor, part: int = -1) -> Iterator[Tensor]:
@@ -376,7 +373,7 @@ class Fragments:
         count."""
         for i, message in zip(self.indices(part), messages):
             codec = self.codecs[i]
-            yield codec.decode(message, None if codec.name == "none" else out[: codec.numel])  # "none": a view
+            yield codec.read(message, out)
 
     def join(self, messages: Iterable[Tensor]) -> Tensor:
         """The whole decoded vector (reassembly, for tests and small models)."""

@@ -173,7 +173,7 @@ def _receive_params(recv: Recv, layout: Fragments, into: Tensor, message: Tensor
     """The global parameters (of ``part``) in the pull codec, into place fragment by fragment."""
     for i, values in zip(layout.indices(part), layout.split(into, part)):
         codec = layout.pull_codecs[i]
-        if codec.name == "none":
+        if codec.raw:  # its messages are the values' own bytes: straight into place
             recv(values)
         else:
             recv(message[: codec.nbytes])

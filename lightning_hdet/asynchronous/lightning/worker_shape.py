@@ -1,0 +1,72 @@
+"""What one worker is (:class:`WorkerShape`, the strategy's ``worker=``), and the exchange's arguments checked
+together for both strategies (Trainer and Fabric): the codecs, the outer optimizer object and the overlap with its
+staggered parts depend on one another, and each check names the argument it refuses. Pure: no Lightning, no
+process groups."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_hdet._checks import ArgumentNameError, KnownArguments, check_int
+from lightning_hdet.asynchronous.exchange.overlap import check_overlap_steps, check_stagger_exchange
+from lightning_hdet.asynchronous.exchange.ranks import check_ranks_per_worker
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.wire.codecs import Codec, check_codecs, codec_from
+
+
+@dataclass(frozen=True)
+class WorkerShape(KnownArguments):
+    """How one worker trains and exchanges (``AsyncLocalSGDStrategy(worker=WorkerShape(...))``).
+
+    Args:
+        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, DDP inside (the strategy's DDP
+            arguments apply there), and push once per round; a divisor of the world size leaving >= 2 workers.
+        inside_worker: ``"ddp"`` (each rank holds the model) or ``"fsdp"`` (FSDP2 over the worker's ``k >= 2`` ranks).
+        auto_wrap_policy: with ``"fsdp"``, the submodules that become FSDP2 units (as Lightning's ``FSDPStrategy``).
+        overlap_steps: ``τ``, inner steps a worker keeps taking while its exchange travels, then merged onto the
+            pulled model (0: blocking; ``1..local_steps / stagger - 1``; one-rank workers only).
+        stagger: DiLoCo only, with ``overlap_steps``: the model synchronised in ``F`` parts, one every
+            ``local_steps / F`` steps (Streaming DiLoCo; 1: all at once; not with ``SparseLoCo``).
+
+    See ``docs/async.md``, "Workers of several ranks" and "Overlapping the exchange with compute".
+    """
+
+    ranks_per_worker: int = 1
+    inside_worker: str = "ddp"
+    auto_wrap_policy: Any = None
+    overlap_steps: int = 0
+    stagger: int = 1
+
+    def __post_init__(self) -> None:
+        check_ranks_per_worker(self.ranks_per_worker)
+        check_int("overlap_steps", self.overlap_steps, minimum=0,
+                  hint="0 is a blocking exchange; τ > 0 inner steps are taken while a round's push and pull travel.")
+
+    def numbers(self) -> dict[str, Any]:
+        """Every option (the run config)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "auto_wrap_policy"}
+
+
+def refuse_shape_arguments(owner: str, given: Mapping[str, Any]) -> None:
+    """Refuse a :class:`WorkerShape` option passed to the strategy itself, naming the object."""
+    for name, value in given.items():
+        if name in ("ranks_per_worker", "inside_worker", "auto_wrap_policy", "overlap_steps", "stagger"):
+            raise ArgumentNameError(f"{owner} no longer takes `{name}`={value!r}: what one worker is, is an object."
+                                    f" Write worker=WorkerShape({name}={value!r}) (see docs/async.md).")
+
+
+def check_exchange_options(settings: OuterSettings, compression: Any, error_feedback: bool | None,
+                           pull_compression: Any, overlap_steps: int = 0,
+                           ranks_per_worker: int = 1) -> tuple[Codec, Codec, bool]:
+    """Check the codec, ``ranks_per_worker``, ``overlap_steps`` and ``stagger`` arguments against the outer
+    ``settings`` (which checked ``stagger`` with ``mode`` and ``local_steps``); returns the push and pull codec
+    objects and whether error feedback is in force. Raises the package's ``ValueError``."""
+    push, pull = codec_from(compression), codec_from(pull_compression, "pull_compression")
+    settings.outer.check_codecs(push, pull)
+    feedback = check_codecs(push, pull, error_feedback, settings.outer.forwards_rounds)
+    check_ranks_per_worker(ranks_per_worker)
+    check_overlap_steps(overlap_steps, settings.local_steps, ranks_per_worker, settings.stagger)
+    check_stagger_exchange(settings.stagger, pull, overlap_steps)
+    return push, pull, feedback
