@@ -12,6 +12,7 @@ from lightning_hdet.asynchronous.elastic import ElasticDDPWorkerStrategy, Elasti
 from lightning_hdet.asynchronous.lightning.strategy import AsyncLocalSGDStrategy
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, dynamic_local_steps
+from lightning_hdet.asynchronous.wire.network import PointToPoint, Transport
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
 from lightning_hdet.hdet.fsdp.strategy import HDETFSDPStrategy
 from lightning_hdet.hdet.layout import fan_out
@@ -45,11 +46,13 @@ __all__ = [
     "OuterService",
     "PBT",
     "PlateauRule",
+    "PointToPoint",
     "SafetyNet",
     "Search",
     "SlowLink",
     "SlowRanks",
     "Softmax",
+    "Transport",
     "TrustRegion",
     "blend_coefficients",
     "dynamic_local_steps",

@@ -28,11 +28,8 @@ from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.exchange.worker_shards import ShardedWorker
 from lightning_hdet.asynchronous.outer.state import OuterSettings, OuterState
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind
-from lightning_hdet.asynchronous.wire.transport import (
-    GlooServerTransport,
-    GlooWorkerTransport,
-    WorkerTransport,
-)
+from lightning_hdet.asynchronous.wire.network import Link, Transport, check_transport
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 
 def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +44,7 @@ class Exchange:
 
     Args:
         module: the model on ``device``.
-        groups: the two ``gloo`` groups (pushes, replies), over every rank.
+        groups: the strategy's two ``gloo`` groups (pushes, replies), over every rank (``()`` in one process).
         workers: how many workers exchange.
         timeout: seconds any exchange may wait.
         inner_optimizer: sent with every push when given (``checkpoint_inner_states=True``).
@@ -68,6 +65,8 @@ class Exchange:
         error_decay: the error feedback's decay (SparseLoCo's ``beta``; ``None``: plain error feedback).
         stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`; 1: all of it;
             only with ``overlap_steps``: the :class:`~.overlapped.OverlapWorker` sends the parts).
+        transport: builds this process's ends of the exchange from ``groups`` (:mod:`..wire.network`; default:
+            point-to-point over them).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
@@ -75,27 +74,29 @@ class Exchange:
                  compression: str = "none", error_feedback: bool = True, pull_compression: str = "none",
                  optimizer: Optimizer | None = None, check_self: bool = True, ranks: WorkerRanks | None = None,
                  worker_group: Any = None, overlap_steps: int = 0, shard_group: Any = None,
-                 sparse_outer: bool = False, error_decay: float | None = None, stagger: int = 1) -> None:
+                 sparse_outer: bool = False, error_decay: float | None = None, stagger: int = 1,
+                 transport: Transport | None = None) -> None:
         self.module, self.device, self.outer, self.workers = module, device, outer, workers
         self.groups: tuple[Any, ...] = groups
         layout = Fragments([p.shape for p in module.parameters()], compression,  # type: ignore[arg-type]
                            pull_compression=pull_compression, parts=stagger,  # type: ignore[arg-type]
                            round_workers=workers if sparse_outer else 0)
         self.server: Server | None = None
-        transport: WorkerTransport | None = None  # a follower's comes from its leader (below)
         k = ranks.ranks_per_worker if ranks is not None else 1
+        network = check_transport(transport)
+        link = Link(layout, numel(float_buffers(module)), tuple(groups), k)
+        end: WorkerTransport | None = None  # a follower's comes from its leader (below)
         if outer is not None:
-            remote = GlooServerTransport(*groups, layout, outer.buffers.numel(), ranks_per_worker=k)
-            self.server = Server(outer, workers, remote, timeout, layout)
+            self.server = Server(outer, workers, network.server_end(link), timeout, layout)
             self.server.start()
-            transport = self.server.local
+            end = network.local_end(self.server.local, link)
         elif ranks is None or ranks.is_leader:
-            transport = GlooWorkerTransport(*groups, layout, ranks.worker if ranks is not None else dist.get_rank())
+            end = network.worker_end(link, ranks.worker if ranks is not None else dist.get_rank())
         if ranks is not None and k > 1:
-            transport, inner_optimizer = self._within_worker(ranks, worker_group, transport, inner_optimizer,
-                                                             shard_group is not None)
-        assert transport is not None
-        args = (module, device, transport, inner_optimizer, layout, error_feedback, optimizer, check_self)
+            end, inner_optimizer = self._within_worker(ranks, worker_group, end, inner_optimizer,
+                                                       shard_group is not None)
+        assert end is not None
+        args = (module, device, end, inner_optimizer, layout, error_feedback, optimizer, check_self)
         if outer is not None and outer.step_policy.mode == "async":
             overlap_steps = 0
         self.worker: Worker

@@ -50,6 +50,7 @@ from lightning_hdet.asynchronous.lightning.shard_hooks import (
 )
 from lightning_hdet.asynchronous.outer.state import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind
+from lightning_hdet.asynchronous.wire.network import Transport, check_transport
 from lightning_hdet.records import History
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         stagger: DiLoCo only, with ``overlap_steps``: ``F`` parts of the model, each synchronised every
             ``local_steps`` steps, part ``f`` sent at step ``(f + 1) · local_steps / F − overlap_steps`` of each
             period (rounds of ``local_steps / F`` steps; 1: all at once). Not with ``outer="sparseloco"``.
+        transport: what carries pushes and pulls: ``PointToPoint()`` (default, gloo), ``SlowLink(...)`` or another
+            engine's :class:`~lightning_hdet.Transport` (``docs/architecture.md``, "How to plug in a transport").
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``timeout``, ``start_method``,
             ``cluster_environment``, ...; its ``timeout`` also bounds the exchange: longer than a round), and DDP's
             (``find_unused_parameters``, ...) with ``ranks_per_worker > 1`` only; any other name is refused.
@@ -137,7 +140,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  check_pushes: bool = True, max_norm_ratio: float = 10.0, max_rejections: int = 3,
                  ranks_per_worker: int = 1, overlap_steps: int = 0, inside_worker: str = "ddp",
                  auto_wrap_policy: ShardingPolicy = None, error_decay: float | None = None, stagger: int = 1,
-                 **kwargs: Any) -> None:
+                 transport: Transport | None = None, **kwargs: Any) -> None:
         check_names_of(type(self), kwargs, ranks_per_worker)  # a misspelled name before any value's check
         arguments = dict(locals())
         settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)})
@@ -153,8 +156,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             setattr(self, name, value)
         self.checkpoint_inner_states = checkpoint_inner_states
         self.compression, self.error_feedback, self.pull_compression = compression, error_feedback, pull_compression
-        self.error_decay = error_decay
-        # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
+        self.error_decay, self.transport = error_decay, check_transport(transport)
+        # Only plain settings here (and the transport, a factory): the strategy crosses spawn before set-up.
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
         self.report = History()  # the outer metrics rank 0 logged, for the figures at the end of fit
@@ -167,7 +170,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 "dynamic_local_steps", "min_local_steps", "grace_period", "checkpoint_inner_states", "compression",
                 "error_feedback", "pull_compression", "check_pushes", "max_norm_ratio", "max_rejections",
                 "ranks_per_worker", "overlap_steps", "inside_worker", "error_decay", "stagger")
-        numbers = self.outer_settings.numbers()  # in effect
+        numbers = {**self.outer_settings.numbers(), "transport": repr(self.transport)}  # in effect
         return {**{k: getattr(self, k) for k in keys}, **numbers, "workers": self._expected_workers}
 
     @property
@@ -249,9 +252,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        module, device = self.lightning_module, self.root_device
-        outer, ranks = None, self.worker_ranks
-        read = read_model
+        module, device, outer, ranks, read = self.lightning_module, self.root_device, None, self.worker_ranks, read_model
         if self.shard_group is not None and ranks.worker == 0:  # rank 0 gathers the full model with its worker
             if self.is_global_zero:
                 read = read_sharded_model
@@ -260,8 +261,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         if self.is_global_zero:
             outer = Exchange.start_outer(self.outer_settings, module, device, self._workers, self._budget,
                                          self._resume_state, read)
-            self._resume_state = None
-            self._logged_version = -1
+            self._resume_state, self._logged_version = None, -1
         elif self.shard_group is None or ranks.worker != 0:  # with FSDP inside, worker 0's ranks validate together
             module.trainer.limit_val_batches = 0  # only rank 0 validates, with the global model
         assert self._groups is not None
@@ -269,7 +269,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self._exchange = Exchange(module, device, self._groups, self._workers, strategy_timeout(self).total_seconds(),
                                   inner, outer, self.compression, self.error_feedback, self.pull_compression,
                                   self.optimizers[0], self.check_pushes, ranks, self.exchange_group, self.overlap_steps,
-                                  self.shard_group, self.outer_settings.preset.sparse, self.error_decay, self.stagger)
+                                  self.shard_group, self.outer_settings.preset.sparse, self.error_decay, self.stagger,
+                                  self.transport)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
         if not self.checkpoint_inner_states:  # else the states travel with the pushes and rank 0's file holds them
