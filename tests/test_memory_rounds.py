@@ -210,3 +210,27 @@ def test_overlapped_diloco_merges_the_global_model_with_the_steps_taken_meanwhil
     assert [world.modules[w].w.tolist() for w in (0, 1)] == [[3.0, 4.0], [1.0, 2.0]]  # stopped: own model kept
     world.leave()
     assert world.params == [2.0, 3.0] and world.outer.steps_done == 8
+
+
+def test_a_grace_period_batches_every_workers_push_and_they_restart_from_one_version() -> None:
+    """Async, 4 workers, a grace period longer than the test (60 s): a batch closes as soon as every training worker
+    pushed, so each holds all four pushes, each applied on arrival (plain SGD, lr 1: theta += the worker's change),
+    and every worker restarts from the same model. Worker w moves by [1, w] each round: a batch moves theta by
+    [4, 6]. H = 3, budget 36: three batches, then stop."""
+    settings = OuterSettings(local_steps=3, grace_period=60.0, dynamic_local_steps=False, outer_lr=1.0,
+                             outer_momentum=0.0, delayed_nesterov=False)
+    world = World(settings, 4, 36)
+    pulled: dict[int, list[list[float]]] = {w: [] for w in range(4)}
+
+    def run(w: int) -> None:
+        world.exchanges[w].worker.exchange(Kind.HELLO)
+        for _ in range(3):
+            world.round(w, world.modules[w].w.detach() + torch.tensor([1.0, float(w)]))
+            pulled[w].append(world.modules[w].w.tolist())
+
+    world.together(run)
+    world.leave()
+    assert all(pulled[w][:2] == [[4.0, 6.0], [8.0, 12.0]] for w in range(4))  # then stopped: each keeps its own
+    assert world.params == [12.0, 18.0] and world.outer.outer_updates == 12 and world.outer.steps_done == 36
+    assert all(e.worker.rounds == [(3, 0), (3, 4), (3, 8), (0, 12)] for e in world.exchanges)
+    assert all(s.staleness <= 3 for s in world.outer.workers.values())  # at most the batch's other pushes
