@@ -28,6 +28,7 @@ from lightning_hdet.asynchronous.exchange.exchange import Exchange
 from lightning_hdet.asynchronous.lightning.exchange_options import check_exchange_options
 from lightning_hdet.asynchronous.outer.state import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind
+from lightning_hdet.asynchronous.wire.network import check_transport
 
 _CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression", "error_decay")
 
@@ -38,7 +39,8 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
     Args:
         **kwargs: the Trainer strategy's outer-optimizer and codec arguments (``local_steps``, ``mode``,
             ``outer``, ``outer_lr``, ``outer_momentum``, ``delayed_nesterov``, ``dynamic_local_steps``,
-            ``compression``, ... see :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`), then
+            ``compression``, ``transport``, ... see
+            :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`), then
             Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`'s own arguments (``timeout`` also bounds
             every exchange, so it must exceed the longest round); not DistributedDataParallel's options: the model
             is never wrapped in DDP.
@@ -60,12 +62,13 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         names = [f.name for f in fields(OuterSettings)]
-        check_names(type(self).__name__, kwargs, (*names, *_CODEC_OPTIONS),
+        check_names(type(self).__name__, kwargs, (*names, *_CODEC_OPTIONS, "transport"),
                     {"Fabric DDPStrategy": own_arguments(FabricDDPStrategy)},
                     "The model is never wrapped in DistributedDataParallel here, so its options do nothing."
                     if set(kwargs) & set(DDP_OPTIONS) else "")
         self.outer_settings = OuterSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         self._codecs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CODEC_OPTIONS}
+        self.transport = check_transport(kwargs.pop("transport", None))
         if self.outer_settings.stagger > 1:
             raise ValueError(f"`stagger={self.outer_settings.stagger}` is not supported by {type(self).__name__}:"
                              " staggered parts travel in overlapped exchanges (`overlap_steps`), which the Fabric loop"
@@ -143,7 +146,7 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
             if self.is_global_zero else None
         assert self._groups is not None
         self._exchange = Exchange(module, device, self._groups, workers, strategy_timeout(self).total_seconds(),
-                                  None, outer, **self._codecs)
+                                  None, outer, **self._codecs, transport=self.transport)
         self._exchange.worker.exchange(Kind.HELLO)
         try:
             yield self
