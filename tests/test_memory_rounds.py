@@ -234,3 +234,18 @@ def test_a_grace_period_batches_every_workers_push_and_they_restart_from_one_ver
     assert world.params == [12.0, 18.0] and world.outer.outer_updates == 12 and world.outer.steps_done == 36
     assert all(e.worker.rounds == [(3, 0), (3, 4), (3, 8), (0, 12)] for e in world.exchanges)
     assert all(s.staleness <= 3 for s in world.outer.workers.values())  # at most the batch's other pushes
+
+
+def test_the_memory_transport_carries_bytes_and_names_a_wait_or_a_layout_that_does_not_fit() -> None:
+    """A float32 message is received into a uint8 buffer of its bytes (as over gloo); a receiver of another size and
+    a wait past the timeout raise, naming the worker and the way."""
+    network = MemoryTransport(timeout=0.01)
+    network.put("push", 1, torch.tensor([1.0, -2.0]))
+    received = torch.empty(8, dtype=torch.uint8)
+    network.take("push", 1, received)
+    assert received.view(torch.float32).tolist() == [1.0, -2.0] and network.bytes["push"][1] == 8
+    network.put("reply", 2, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="worker 2's reply message is torch.float32\\[3\\], its receiver expected 8"):
+        network.take("reply", 2, torch.empty(2))
+    with pytest.raises(TimeoutError, match="a push message of worker 1"):
+        network.take("push", 1, received)

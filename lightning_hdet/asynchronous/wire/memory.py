@@ -61,12 +61,12 @@ class MemoryTransport(Transport):
             message = self._box(way, worker).get(timeout=self.timeout)
         except queue.Empty:
             raise TimeoutError(f"waited over {self.timeout} s for a {way} message of worker {worker}") from None
-        nbytes = into.numel() * into.element_size()
-        if message.numel() * message.element_size() != nbytes:  # bytes travel, as over gloo (a float32 fragment
-            # is received into a uint8 buffer)
+        # bytes travel, as over gloo: an uncompressed float32 fragment is received into a uint8 buffer
+        sent, received = _bytes(message), _bytes(into)
+        if sent.numel() != received.numel():
             raise RuntimeError(f"worker {worker}'s {way} message is {message.dtype}{list(message.shape)}, its"
-                               f" receiver expected {nbytes} bytes: the ends disagree on the layout")
-        into.view(torch.uint8).copy_(message.reshape(-1).view(torch.uint8).view(into.view(torch.uint8).shape))
+                               f" receiver expected {received.numel()} bytes: the ends disagree on the layout")
+        received.copy_(sent)
 
     def announce(self, worker: int) -> None:
         """A push of ``worker`` starts: the server's next :meth:`MemoryServerEnd.receive` may take it."""
@@ -124,3 +124,8 @@ class MemoryServerEnd(ServerTransport):
 
     def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
         send_reply(lambda tensor: self.network.put("reply", worker, tensor), header, params, buffers)
+
+
+def _bytes(tensor: Tensor) -> Tensor:
+    """A contiguous tensor's bytes, as a flat ``uint8`` view (written in place through it)."""
+    return tensor.view(-1).view(torch.uint8)
