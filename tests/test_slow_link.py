@@ -5,6 +5,7 @@ transport and a recorded sleep, hand-computed), the wrapper over another transpo
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,6 +68,16 @@ def test_the_link_wraps_the_chosen_workers_ends_of_any_transport() -> None:
     assert repr(chosen) == "SlowLink(bits_per_s=8000, latency_s=0, ranks=[0, 4], inner=MemoryTransport(timeout=60))"
     with pytest.raises(TypeError, match="`transport='gloo'` is not a Transport"):
         AsyncLocalSGDStrategy(transport="gloo")
+
+
+def test_as_a_callback_it_wraps_the_strategys_own_transport_once() -> None:
+    strategy = AsyncLocalSGDStrategy(transport=MemoryTransport())
+    link, trainer = SlowLink(8000), SimpleNamespace(strategy=strategy)
+    link.setup(trainer, None, "fit")
+    link.setup(trainer, None, "validate")  # a later entry: already in place
+    assert strategy.transport is link and isinstance(link.inner, MemoryTransport)
+    with pytest.raises(ValueError, match="SlowLink slows the exchange of AsyncLocalSGDStrategy; object has none"):
+        SlowLink(8000).setup(SimpleNamespace(strategy=object()), None, "fit")
 
 
 def test_the_link_is_checked_when_it_is_made() -> None:
