@@ -30,7 +30,8 @@ from lightning_hdet.asynchronous.wire.transport import (
 
 
 class MemoryTransport(Transport):
-    """Queues between the workers and the server of one process; it counts the bytes each way, by worker.
+    """Queues between the workers and the server of one process; it counts the bytes each way, by worker. It holds
+    the queues themselves, so it serves one process only (it is not picklable: not for a launched strategy).
 
     Args:
         timeout: seconds any end waits for a message before it raises :class:`TimeoutError`.
@@ -56,7 +57,7 @@ class MemoryTransport(Transport):
         self._box(way, worker).put(tensor.detach().clone())
 
     def take(self, way: str, worker: int, into: Tensor) -> None:
-        """The next tensor sent ``way`` for ``worker``, into ``into`` (same size and type)."""
+        """The next tensor sent ``way`` for ``worker``, into ``into`` (as many bytes; the type may differ)."""
         try:
             message = self._box(way, worker).get(timeout=self.timeout)
         except queue.Empty:
