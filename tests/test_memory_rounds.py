@@ -155,6 +155,27 @@ def test_a_non_finite_push_is_rejected_whole_and_its_worker_restarts_from_the_gl
     assert world.params == [3.0, 1.0]
 
 
+def test_a_worker_rejected_max_rejections_times_stops_and_delayed_nesterovs_n_follows_the_others() -> None:
+    """Async, 3 workers, Delayed Nesterov at lr 1 and no momentum (each push moves theta by -g / N). Worker 2's
+    rounds are non-finite three times: each rejected, the third reply says stop. N follows the 2 workers left (no
+    push is buffered: a momentum boundary), so worker 0's [1, 0] and worker 1's [0, 2] move theta by half each."""
+    settings = OuterSettings(local_steps=2, dynamic_local_steps=False, max_rejections=3,
+                             **_nesterov(outer_lr=1.0, outer_momentum=0.0))
+    world = World(settings, 3, None, check_self=False)
+    for e in world.exchanges:
+        e.worker.exchange(Kind.HELLO)
+    for _ in range(3):
+        world.round(2, [float("nan"), 1.0])
+    bad = world.exchanges[2].worker
+    assert bad.stopped and bad.rejected == 3 and world.params == [0.0, 0.0]
+    world.round(0, [1.0, 0.0])
+    world.round(1, [0.0, 2.0])
+    assert world.params == [0.5, 1.0] and world.outer.optimizer.param_groups[0]["buffer_size"] == 2
+    assert not any(e.worker.stopped for e in world.exchanges[:2])
+    world.leave()
+    assert world.outer.workers[2].rejected == 3 and world.outer.workers[2].steps == 0
+
+
 def test_int8_pushes_decode_within_half_a_row_scale_and_send_a_quarter_of_the_bytes() -> None:
     """DiLoCo, 2 workers, plain SGD outer step (lr 1): theta = -mean(decoded g). A 2 x 4 parameter is pushed in
     int8 with one float32 scale per row (``max |row| / 127``): each decoded value is within half its row's scale of
