@@ -16,6 +16,7 @@ from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, 
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
 from lightning_hdet.asynchronous.wire.codecs import BF16, Int8, NoCodec, TopK
+from lightning_hdet.asynchronous.wire.network import PointToPoint, Transport
 from lightning_hdet.fabric import AsyncLocalSGDFabricStrategy, HDETFabricStrategy, HDETLoop
 from lightning_hdet.hdet.fsdp.strategy import HDETFSDPStrategy
 from lightning_hdet.hdet.layout import fan_out
@@ -54,6 +55,7 @@ __all__ = [
     "OuterService",
     "PBT",
     "PlateauRule",
+    "PointToPoint",
     "PushCheck",
     "SafetyNet",
     "Search",
@@ -62,6 +64,7 @@ __all__ = [
     "Softmax",
     "SparseLoCo",
     "TopK",
+    "Transport",
     "TrustRegion",
     "WorkerShape",
     "blend_coefficients",

@@ -23,7 +23,7 @@ scaled down 100x::
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_hdet._checks import KnownArguments
-from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport, check_link
+from lightning_hdet.asynchronous.wire.memory import MemoryTransport
+from lightning_hdet.asynchronous.wire.network import Transport
+from lightning_hdet.asynchronous.wire.slow_link import LimitedLink
 from lightning_hdet.hdet.execution.fake import FakeExecutor, FakeModule, FakeTrainer, FakeWorld
 
 #: Seconds per step of the four heterogeneous workers in the asynchronous Local-SGD paper's toy example.
@@ -81,38 +83,33 @@ class SlowRanks(KnownArguments, Callback):
             time.sleep(remaining)
 
 
-class SlowLink(KnownArguments, Callback):
-    """Emulate a slow link between each async worker and the outer optimizer (``AsyncLocalSGDStrategy``, either
-    mode): every push and pull holds its worker as long as its bytes take at ``bits_per_s`` plus ``latency_s``.
+class SlowLink(KnownArguments, LimitedLink, Callback):
+    """Emulate a slow link between async workers and the outer optimizer (``AsyncLocalSGDStrategy``, either mode):
+    every push and pull of a worker behind it holds that worker as long as its bytes take at ``bits_per_s`` plus
+    ``latency_s``. A transport wrapper: ``AsyncLocalSGDStrategy(transport=SlowLink(1e9))``; given in the Trainer's
+    ``callbacks`` instead, it wraps the strategy's transport at set-up.
 
     Args:
         bits_per_s: the link's bandwidth (e.g. ``1e9`` for 1 Gbit/s).
         latency_s: seconds added to every message, each way.
-        ranks: the workers behind the slow link (default: every rank but 0, whose worker shares rank 0's process
-            with the outer optimizer, as a worker co-located with the server would).
+        ranks: the workers behind the slow link, by their (leader's) global rank (default: every worker but rank
+            0's, whose worker shares rank 0's process with the outer optimizer, as a worker co-located with the
+            server would).
+        inner: the transport it slows (default: ``PointToPoint()``).
     """
 
-    def __init__(self, bits_per_s: float, latency_s: float = 0.0, ranks: Sequence[int] | None = None) -> None:
-        check_link(bits_per_s, latency_s)
-        self.bits_per_s, self.latency_s, self.ranks = bits_per_s, latency_s, ranks
-
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        # why private: the exchange is the strategy's own; it exists from the strategy's on_train_start, which Lightning
-        # calls after the callbacks' (the first exchange, the hello, is not slowed)
-        exchange = getattr(trainer.strategy, "_exchange", None)
-        slowed = trainer.global_rank != 0 if self.ranks is None else trainer.global_rank in self.ranks
-        if exchange is None or not slowed or isinstance(exchange.worker.transport, LimitedTransport):
-            return
-        layout = exchange.worker.layout
-        buffer_bytes = 4 * (exchange.worker.pulled.numel() - layout.numel)
-        exchange.worker.transport = LimitedTransport(
-            exchange.worker.transport, self.bits_per_s, self.latency_s,
-            lambda reply: layout.reply_nbytes(reply.deltas, reply.part, reply.rejected) + buffer_bytes)
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if not isinstance(getattr(strategy, "transport", None), Transport):
+            raise ValueError(f"SlowLink slows the exchange of AsyncLocalSGDStrategy; {type(strategy).__name__} has"
+                             " none. Remove it from the callbacks, or use strategy='async_local_sgd' / 'diloco'.")
+        if strategy.transport is not self:  # as a callback: over the transport the strategy was given
+            self.inner, strategy.transport = strategy.transport, self
 
 
-__all__ = ["GLOO_THREADS", "PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld", "SlowLink",
-           "SlowRanks", "live_gloo_threads", "live_process_groups"]
+__all__ = ["GLOO_THREADS", "PUBLISHED_STEP_SECONDS", "FakeExecutor", "FakeModule", "FakeTrainer", "FakeWorld",
+           "MemoryTransport", "SlowLink", "SlowRanks", "live_gloo_threads", "live_process_groups"]
 
 
 def live_process_groups() -> int:

@@ -1,5 +1,6 @@
-"""The exchange without processes: the wire format, and workers + the server in one process over an in-memory
-transport (as torchft tests LocalSGD with a mocked manager). Values are computed by hand in the comments."""
+"""The exchange without processes: the wire format, and workers + the server in one process over the in-memory
+transport (as torchft tests LocalSGD with a mocked manager). Values are computed by hand in the comments.
+``test_memory_rounds.py`` runs whole rounds through the strategy's own wiring."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from lightning_hdet.asynchronous.wire.messages import (
     WorkerHeader,
     fragment_layout,
 )
+from lightning_hdet.asynchronous.wire.memory import MemoryServerEnd, MemoryTransport
+from lightning_hdet.asynchronous.wire.network import Link
 from lightning_hdet.asynchronous.wire.transport import (
     GlooWorkerTransport,
     ServerTransport,
@@ -38,46 +41,27 @@ from lightning_hdet.asynchronous.wire.transport import (
 CPU = torch.device("cpu")
 
 
-class QueueEnd(WorkerTransport):
-    """A "remote" worker living in this process: its push (with copies of its fragments) goes into the network's
-    queue; its pull waits for the server's reply. It keeps its last push's messages, as GlooWorkerTransport does."""
+class Recorded(MemoryTransport):
+    """The in-memory transport, keeping a copy of every message it carries: ``log[(way, worker)]``."""
 
-    def __init__(self, worker: int, pushes: queue.Queue, layout: Fragments) -> None:
-        self.worker, self.pushes, self.layout = worker, pushes, layout
-        self.replies: queue.Queue = queue.Queue()
-        self.sent: list[torch.Tensor] = []
+    def __init__(self) -> None:
+        super().__init__(timeout=60)
+        self.log: dict[tuple[str, int], list[torch.Tensor]] = {}
 
-    def push(self, header, messages, buffers, inner_state) -> None:
-        copied = None if buffers is None else buffers.clone()
-        push = Push.of(self.worker, header, copied, inner_state, self.layout.nbytes)
-        self.sent = [m.clone() for m in messages]
-        self.pushes.put((push, list(self.sent)))
-
-    def pull(self, into: torch.Tensor) -> ServerHeader:
-        wire = iter(self.replies.get(timeout=60))  # what the server sent, read back by the real receiving code
-        return receive_reply(lambda t: t.copy_(next(wire)), self.layout, into, self.layout.pull_buffer(),
-                             own=(self.worker, self.sent))
+    def put(self, way: str, worker: int, tensor: torch.Tensor) -> None:
+        self.log.setdefault((way, worker), []).append(tensor.clone())
+        super().put(way, worker, tensor)
 
 
-class QueueNetwork(ServerTransport):
-    """The server's end for "remote" workers that live in this process (a fake transport)."""
+class Network:
+    """Rank 0's end and workers' ends of one in-memory transport, as :class:`Server` and :class:`Worker` take them."""
 
-    def __init__(self, layout: Fragments, workers: list[int]) -> None:
-        self.layout = layout
-        self.pushes: queue.Queue = queue.Queue()
-        self.ends = {w: QueueEnd(w, self.pushes, layout) for w in workers}
-        #: every fragment each reply carried, by worker
-        self.replied: dict[int, list[list[torch.Tensor]]] = {w: [] for w in workers}
-
-    def receive(self):
-        push, messages = self.pushes.get(timeout=60)
-        return push, iter(messages)
-
-    def reply(self, worker: int, header: ServerHeader, params, buffers: torch.Tensor) -> None:
-        wire: list[torch.Tensor] = []
-        send_reply(lambda t: wire.append(t.clone()), header, params, buffers)
-        self.replied[worker].append(wire[1 : 1 + len(self.layout.ranges)])  # the parameters' fragments
-        self.ends[worker].replies.put(wire)
+    def __init__(self, layout: Fragments, workers: list[int], n_buffers: int = 1,
+                 end: type[MemoryServerEnd] = MemoryServerEnd) -> None:
+        self.memory = Recorded()
+        link = Link(layout, n_buffers)
+        self.server_end = end(self.memory, layout, n_buffers)
+        self.ends = {w: self.memory.worker_end(link, w) for w in workers}
 
 
 class Tiny(nn.Module):
@@ -97,13 +81,13 @@ class Tiny(nn.Module):
 
 
 def _start(settings: OuterSettings, budget: int | None, layout: Fragments | None = None,
-           start: list[float] | None = None) -> tuple[Server, QueueNetwork, list[Tiny]]:
+           start: list[float] | None = None) -> tuple[Server, Network, list[Tiny]]:
     modules = [Tiny(), Tiny()]
     layout = layout or Fragments([torch.Size([2])])
     params = torch.zeros(2) if start is None else torch.tensor(start)
     outer = settings.build(params, torch.zeros(1), workers=2, budget=budget, ranges=layout.ranges)
-    network = QueueNetwork(layout, workers=[1])
-    server = Server(outer, workers=2, remote=network, timeout=60, layout=layout)
+    network = Network(layout, workers=[1])
+    server = Server(outer, workers=2, remote=network.server_end, timeout=60, layout=layout)
     server.start()
     return server, network, modules
 
@@ -267,20 +251,20 @@ def test_a_failed_server_wakes_rank_zeros_worker() -> None:
     assert "outer step failed" in str(error.value.__cause__)
 
 
-class EagerNetwork(QueueNetwork):
+class EagerEnd(MemoryServerEnd):
     """Worker 1 is fast: as soon as it is replied to, it pushes its next round (and the test gives the server a
     second to apply it) before the server goes on to reply to the batch's other workers."""
 
-    def __init__(self, layout: Fragments, workers: list[int], outer: OuterState) -> None:
-        super().__init__(layout, workers)
-        self.outer, self.raced = outer, False
+    outer: OuterState
+    worker: WorkerTransport
+    raced = False
 
     def reply(self, worker: int, header: ServerHeader, params, buffers: torch.Tensor) -> None:
         super().reply(worker, header, params, buffers)
         if worker == 1 and header.next_local_steps > 0 and not self.raced:
             self.raced = True
-            push = Push.of(1, WorkerHeader(Kind.PUSH, steps=2, compute_s=0.1, wait_s=0.0), None, None, 8)
-            self.pushes.put((push, [torch.tensor([1.0, -1.0]).view(torch.uint8)]))  # encoded: bytes
+            self.worker.push(WorkerHeader(Kind.PUSH, steps=2, compute_s=0.1, wait_s=0.0), [torch.tensor([1.0, -1.0])],
+                             None, None)
             for _ in range(100):  # without the reply gate, the push is applied within milliseconds
                 if self.outer.outer_updates:
                     break
@@ -294,25 +278,26 @@ def test_every_worker_of_a_batch_restarts_from_the_same_version() -> None:
                              outer=Nesterov(lr=1.0, momentum=0.0))
     layout = Fragments([torch.Size([2])])
     outer = settings.build(torch.zeros(2), torch.zeros(0), workers=3, budget=None, ranges=layout.ranges)
-    network = EagerNetwork(layout, [1, 2], outer)
-    server = Server(outer, workers=3, remote=network, timeout=60, layout=layout)
+    network = Network(layout, [1, 2], n_buffers=0, end=EagerEnd)
+    network.server_end.outer, network.server_end.worker = outer, network.ends[1]
+    server = Server(outer, workers=3, remote=network.server_end, timeout=60, layout=layout)
     server.start()
     hello = WorkerHeader(Kind.HELLO, steps=0, compute_s=0.0, wait_s=0.0)
     for w in (1, 2):
-        network.pushes.put((Push.of(w, hello), []))
+        network.ends[w].push(hello, [], None, None)
     server.local.push(hello, [], None, None)
     pulled = torch.full((2,), float("nan"))
     local = server.local.pull(pulled)
-    remote = {w: ServerHeader.decode(network.ends[w].replies.get(timeout=60)[0]) for w in (1, 2)}
-    assert network.raced
+    remote = {w: network.ends[w].pull(torch.empty(2)) for w in (1, 2)}
+    assert network.server_end.raced
     assert [local.outer_updates, remote[1].outer_updates, remote[2].outer_updates] == [0, 0, 0]
     assert pulled.tolist() == [0.0, 0.0]  # the start, without worker 1's next round in it
     bye = WorkerHeader(Kind.BYE, steps=0, compute_s=0.0, wait_s=0.0)
     server.local.push(bye, [], None, None)
-    network.pushes.put((Push.of(2, bye), []))
+    network.ends[2].push(bye, [], None, None)
     # then its push was applied
-    assert ServerHeader.decode(network.ends[1].replies.get(timeout=60)[0]).outer_updates == 1
-    network.pushes.put((Push.of(1, bye), []))
+    assert network.ends[1].pull(torch.empty(2)).outer_updates == 1
+    network.ends[1].push(bye, [], None, None)
     server.join()
     assert outer.params.tolist() == [-1.0, 1.0]  # outer LR 1, no momentum: minus the pseudo-gradient
 
@@ -388,8 +373,9 @@ def test_streamed_rounds_match_the_whole_vector_rounds(mode: str) -> None:
     # async: theta = -(g0 + g1) = [4, 0]; sync: theta = -(g0 + g1) / 2 = [2, 0]; buffers: mean [4]
     assert outer.params.tolist() == ([4.0, 0.0] if mode == "async" else [2.0, 0.0])
     assert outer.buffers.tolist() == [4.0] and outer.steps_done == 4
-    hello_reply, *later = network.replied[1]
-    assert [p.tolist() for p in hello_reply] == [[0.0], [0.0]] and later == [[]]  # two 1-value fragments; stop
+    hello_reply, *fragments, buffer, stop = network.memory.log["reply", 1]
+    assert [p.view(torch.float32).tolist() for p in fragments] == [[0.0], [0.0]]  # two 1-value fragments
+    assert ServerHeader.decode(stop).next_local_steps == 0 and buffer.tolist() == [0.0]  # then stop, no model
 
 
 # ------------------------------------------------------------------------------------------ compressed pulls
@@ -458,7 +444,7 @@ def test_swap_pulled_exchanges_the_module_and_the_pulled_model_one_fragment_at_a
     module = Tiny()
     module.set([1.0, 2.0], 3.0)
     module.count.fill_(9)
-    worker = Worker(module, CPU, QueueEnd(1, queue.Queue(), Fragments([torch.Size([2])])),
+    worker = Worker(module, CPU, Network(Fragments([torch.Size([2])]), [1]).ends[1],
                     layout=Fragments([torch.Size([2])], max_bytes=4))
     assert worker.fragment.numel() == 1
     worker.pulled.copy_(torch.tensor([5.0, 6.0, 7.0]))
@@ -484,7 +470,8 @@ def test_rank_zero_validates_the_global_model_without_a_copy_when_it_can(case: s
     outer = OuterSettings(mode="sync").build(torch.tensor([5.0, 6.0]), torch.tensor([7.0]), workers=1, budget=None)
     ex = object.__new__(Exchange)  # no process groups: only what global_model() reads
     ex.module, ex.device, ex.outer = module, CPU, outer
-    ex.worker = Worker(module, CPU, QueueEnd(1, queue.Queue(), Fragments([torch.Size([2])])))
+    network = Network(Fragments([torch.Size([2])]), [1])
+    ex.worker = Worker(module, CPU, network.ends[1])
     pulled = [5.0, 6.0, 7.0] if case == "pulled is global" else [5.0, 6.0, 0.0]
     ex.worker.pulled.copy_(torch.tensor(pulled))
     if case == "stopped":
@@ -501,5 +488,5 @@ def test_rank_zero_validates_the_global_model_without_a_copy_when_it_can(case: s
     if case == "stopped":  # a step after the stop: the leaving push carries no pseudo-gradient
         ex.worker.step()
         ex.worker.exchange(Kind.BYE)
-        push, messages = ex.worker.transport.pushes.get(timeout=5)
-        assert push.kind == Kind.BYE and push.steps == 0 and messages == []
+        push, messages = network.server_end.receive()
+        assert push.kind == Kind.BYE and push.steps == 0 and list(messages) == []

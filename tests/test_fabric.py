@@ -197,6 +197,8 @@ def test_fabric_strategies_refuse_bad_arguments() -> None:
         AsyncLocalSGDFabricStrategy(local_steps=0)
     with pytest.raises(ValueError, match="compression"):
         AsyncLocalSGDFabricStrategy(compression="zip")
+    with pytest.raises(TypeError, match="`transport='gloo'` is not a Transport"):
+        AsyncLocalSGDFabricStrategy(transport="gloo")
     with pytest.raises(ValueError, match="at least 2 processes"):
         Fabric(accelerator="cpu", devices=1, strategy="async_local_sgd")
     with pytest.raises(TypeError, match="strategy='hdet'"):

@@ -29,6 +29,7 @@ from lightning_hdet.asynchronous.lightning.worker_shape import check_exchange_op
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind
+from lightning_hdet.asynchronous.wire.network import check_transport
 
 _CODEC_OPTIONS = ("compression", "error_feedback", "pull_compression")
 
@@ -37,9 +38,10 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
     """Asynchronous Local-SGD (``mode="async"``) or synchronous DiLoCo (``mode="sync"``) for a Fabric loop.
 
     Args:
-        **kwargs: the Trainer strategy's outer-optimizer and codec arguments, the same objects (``local_steps``,
-            ``mode``, ``outer=DelayedNesterov(...)``, ``dynamic_local_steps``, ``compression=Int8()``,
-            ``check_pushes``, ... see :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`), then
+        **kwargs: the Trainer strategy's outer-optimizer, codec and transport arguments, the same objects
+            (``local_steps``, ``mode``, ``outer=DelayedNesterov(...)``, ``dynamic_local_steps``,
+            ``compression=Int8()``, ``check_pushes``, ``transport``, ... see
+            :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`), then
             Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`'s own arguments (``timeout`` also bounds
             every exchange, so it must exceed the longest round); not DistributedDataParallel's options: the model
             is never wrapped in DDP.
@@ -62,12 +64,13 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
     def __init__(self, **kwargs: Any) -> None:
         names = [f.name for f in fields(OuterSettings)]
         refuse_moved(type(self).__name__, kwargs)
-        check_names(type(self).__name__, kwargs, (*names, *_CODEC_OPTIONS),
+        check_names(type(self).__name__, kwargs, (*names, *_CODEC_OPTIONS, "transport"),
                     {"Fabric DDPStrategy": own_arguments(FabricDDPStrategy)},
                     "The model is never wrapped in DistributedDataParallel here, so its options do nothing."
                     if set(kwargs) & set(DDP_OPTIONS) else "")
         self.outer_settings = OuterSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         self._codecs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CODEC_OPTIONS}
+        self.transport = check_transport(kwargs.pop("transport", None))
         if self.outer_settings.stagger > 1:
             raise ValueError(f"`stagger={self.outer_settings.stagger}` is not supported by {type(self).__name__}:"
                              " staggered parts travel in overlapped exchanges (`overlap_steps`), which the Fabric loop"
@@ -144,7 +147,7 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
             if self.is_global_zero else None
         assert self._groups is not None
         self._exchange = Exchange(module, device, self._groups, workers, strategy_timeout(self).total_seconds(),
-                                  None, outer, **self._codecs)
+                                  None, outer, **self._codecs, transport=self.transport)
         self._exchange.worker.exchange(Kind.HELLO)
         try:
             yield self

@@ -1,6 +1,6 @@
 """The exchange's messages over one session's two-rank gloo group: the same wire format as the single-job mode
 (:mod:`..messages`, sent and received by the same functions as the single-job transports), the worker's end
-behind the same :class:`~..transport.WorkerTransport` interface, so the unchanged :class:`~..worker.Worker` runs
+a :class:`~..transport.StreamWorkerTransport` like the others, so the unchanged :class:`~..worker.Worker` runs
 the round. Pushes travel on one tag and replies on another, so that the
 server's receiving thread and its replies never wait on each other. Any failure of the group is a
 :class:`~.membership.SessionLost`.
@@ -18,11 +18,9 @@ from torch import Tensor
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, first_line
 from lightning_hdet.asynchronous.wire.messages import Fragments, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import (
-    WorkerTransport,
+    StreamWorkerTransport,
     receive_buffer,
     receive_push,
-    receive_reply,
-    send_push,
     send_reply,
 )
 
@@ -46,21 +44,26 @@ def _recv(group: Any, tensor: Tensor, *, src: int, tag: int) -> None:
     group.recv([tensor], src, tag).wait()
 
 
-class SessionWorkerTransport(WorkerTransport):
+class SessionWorkerTransport(StreamWorkerTransport):
     """A worker's end of its session (rank 1 of the session's group)."""
 
     def __init__(self, group: Any, session: int, layout: Fragments) -> None:
-        self.group, self.session, self.layout = group, session, layout
-        self._message = layout.pull_buffer()
+        super().__init__(layout, worker=session)
+        self.group, self.session = group, session
+
+    def send(self, tensor: Tensor) -> None:
+        _send(self.group, tensor, dst=_SERVER, tag=PUSH_TAG)
+
+    def recv(self, tensor: Tensor) -> None:
+        _recv(self.group, tensor, src=_SERVER, tag=REPLY_TAG)
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
-        send = partial(_send, self.group, dst=_SERVER, tag=PUSH_TAG)
-        _guarded(self.session, "push", lambda: send_push(send, header, messages, buffers, inner_state))
+        _guarded(self.session, "push",
+                 lambda: StreamWorkerTransport.push(self, header, messages, buffers, inner_state))
 
     def pull(self, into: Tensor) -> ServerHeader:
-        recv = partial(_recv, self.group, src=_SERVER, tag=REPLY_TAG)
-        return _guarded(self.session, "pull", lambda: receive_reply(recv, self.layout, into, self._message))
+        return _guarded(self.session, "pull", lambda: StreamWorkerTransport.pull(self, into))
 
 
 class SessionServerEnd:

@@ -31,11 +31,8 @@ from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.codecs import Codec, NoCodec
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind
-from lightning_hdet.asynchronous.wire.transport import (
-    GlooServerTransport,
-    GlooWorkerTransport,
-    WorkerTransport,
-)
+from lightning_hdet.asynchronous.wire.network import Link, Transport, check_transport
+from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 
 def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +47,7 @@ class Exchange:
 
     Args:
         module: the model on ``device``.
-        groups: the two ``gloo`` groups (pushes, replies), over every rank.
+        groups: the strategy's two ``gloo`` groups (pushes, replies), over every rank (``()`` in one process).
         workers: how many workers exchange.
         timeout: seconds any exchange may wait.
         inner_optimizer: sent with every push when given (``checkpoint_inner_states=True``).
@@ -67,6 +64,8 @@ class Exchange:
         shard_group: the model is sharded with FSDP2 over this group of the worker's ranks (:mod:`.worker_shards`).
         outer_optimizer: the outer optimizer object (how pulls forward its rounds; its error feedback decay).
         stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`).
+        transport: builds this process's ends of the exchange from ``groups`` (:mod:`..wire.network`; default:
+            point-to-point over them).
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
@@ -74,27 +73,29 @@ class Exchange:
                  compression: Codec = NoCodec(), error_feedback: bool = True, pull_compression: Codec = NoCodec(),
                  optimizer: Optimizer | None = None, check_self: bool = True, ranks: WorkerRanks | None = None,
                  worker_group: Any = None, overlap_steps: int = 0, shard_group: Any = None,
-                 outer_optimizer: OuterOptimizer | None = None, stagger: int = 1) -> None:
+                 outer_optimizer: OuterOptimizer | None = None, stagger: int = 1,
+                 transport: Transport | None = None) -> None:
         self.module, self.device, self.outer, self.workers = module, device, outer, workers
         self.groups: tuple[Any, ...] = groups
         rule = outer_optimizer
         layout = Fragments([p.shape for p in module.parameters()], compression, pull_compression=pull_compression,
                            parts=stagger, forward=rule.forward(workers) if rule is not None else None)
         self.server: Server | None = None
-        transport: WorkerTransport | None = None  # a follower's comes from its leader (below)
         k = ranks.ranks_per_worker if ranks is not None else 1
+        network = check_transport(transport)
+        link = Link(layout, numel(float_buffers(module)), tuple(groups), k)
+        end: WorkerTransport | None = None  # a follower's comes from its leader (below)
         if outer is not None:
-            remote = GlooServerTransport(*groups, layout, outer.buffers.numel(), ranks_per_worker=k)
-            self.server = Server(outer, workers, remote, timeout, layout)
+            self.server = Server(outer, workers, network.server_end(link), timeout, layout)
             self.server.start()
-            transport = self.server.local
+            end = network.local_end(self.server.local, link)
         elif ranks is None or ranks.is_leader:
-            transport = GlooWorkerTransport(*groups, layout, ranks.worker if ranks is not None else dist.get_rank())
+            end = network.worker_end(link, ranks.worker if ranks is not None else dist.get_rank())
         if ranks is not None and k > 1:
-            transport, inner_optimizer = self._within_worker(ranks, worker_group, transport, inner_optimizer,
-                                                             shard_group is not None)
-        assert transport is not None
-        args = (module, device, transport, inner_optimizer, layout, error_feedback, optimizer, check_self)
+            end, inner_optimizer = self._within_worker(ranks, worker_group, end, inner_optimizer,
+                                                       shard_group is not None)
+        assert end is not None
+        args = (module, device, end, inner_optimizer, layout, error_feedback, optimizer, check_self)
         if outer is not None and outer.step_policy.mode == "async":
             overlap_steps = 0
         self.worker: Worker

@@ -57,6 +57,7 @@ from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import Codec, codec_numbers
 from lightning_hdet.asynchronous.wire.messages import Kind
+from lightning_hdet.asynchronous.wire.network import Transport, check_transport
 from lightning_hdet.records import History
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0; False
             (default): each worker writes its own file beside every checkpoint.
         worker: what one worker is (:class:`~.worker_shape.WorkerShape`): its ranks and how it exchanges.
+        transport: what carries pushes and pulls: ``PointToPoint()`` (default, gloo), ``SlowLink(...)`` or another
+            engine's :class:`~lightning_hdet.Transport` (``docs/architecture.md``, "How to plug in a transport").
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s (its ``timeout`` also bounds the exchange),
             and DDP's with workers of several ranks only; any other name is refused.
     """
@@ -105,7 +108,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                  error_feedback: bool | None = None, check_pushes: PushCheck | bool = True,
                  dynamic_local_steps: bool | None = None, min_local_steps: int = 1, grace_period: float | None = None,
                  speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
-                 worker: WorkerShape | None = None, **kwargs: Any) -> None:
+                 worker: WorkerShape | None = None, transport: Transport | None = None, **kwargs: Any) -> None:
         refuse_moved(type(self).__name__, kwargs)
         refuse_shape_arguments(type(self).__name__, kwargs)
         shape = WorkerShape() if worker is None else worker
@@ -124,7 +127,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.ranks_per_worker, self.overlap_steps = shape.ranks_per_worker, shape.overlap_steps
         self.inside_worker, self.auto_wrap_policy = shape.inside_worker, shape.auto_wrap_policy
         self.checkpoint_inner_states = checkpoint_inner_states
-        # Only plain settings here: the strategy crosses spawn before set-up (tensors, threads come in set-up).
+        self.transport = check_transport(transport)
+        # Only plain settings here (and the transport, a factory): the strategy crosses spawn before set-up.
         self._resume_state: dict[str, Any] | None = None
         self._groups: tuple[Any, Any] | None = None
         self.report = History()  # the outer metrics rank 0 logged, for the figures at the end of fit
@@ -142,7 +146,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         return {**self.outer_settings.numbers(), **codec_numbers("compression", self.compression),
                 **codec_numbers("pull_compression", self.pull_compression), "error_feedback": self.error_feedback,
                 "checkpoint_inner_states": self.checkpoint_inner_states, **self.worker_shape.numbers(),
-                "workers": self._expected_workers}
+                "transport": repr(self.transport), "workers": self._expected_workers}
 
     def _reset_run_state(self) -> None:
         self.training_apart = False
@@ -218,9 +222,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        module, device = self.lightning_module, self.root_device
-        outer, ranks = None, self.worker_ranks
-        read = read_model
+        module, device, outer, ranks, read = self.lightning_module, self.root_device, None, self.worker_ranks, read_model
         if self.shard_group is not None and ranks.worker == 0:  # rank 0 gathers the full model with its worker
             if self.is_global_zero:
                 read = read_sharded_model
@@ -229,8 +231,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         if self.is_global_zero:
             outer = Exchange.start_outer(self.outer_settings, module, device, self._workers, self._budget,
                                          self._resume_state, read)
-            self._resume_state = None
-            self._logged_version = -1
+            self._resume_state, self._logged_version = None, -1
         elif self.shard_group is None or ranks.worker != 0:  # with FSDP inside, worker 0's ranks validate together
             module.trainer.limit_val_batches = 0  # only rank 0 validates, with the global model
         assert self._groups is not None
@@ -239,7 +240,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                                   inner, outer, self.compression, self.error_feedback, self.pull_compression,
                                   self.optimizers[0], self.outer_settings.check_pushes is not None, ranks,
                                   self.exchange_group, self.overlap_steps, self.shard_group, self.outer_settings.outer,
-                                  self.outer_settings.stagger)
+                                  self.outer_settings.stagger, self.transport)
         self._exchange.worker.name = ranks.describe()
         self.restore_worker(self._exchange.worker)
         if not self.checkpoint_inner_states:  # else the states travel with the pushes and rank 0's file holds them

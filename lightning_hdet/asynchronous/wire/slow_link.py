@@ -1,5 +1,7 @@
 """An emulated slow link: a worker transport that takes as long as its bytes would on a link of a given bandwidth
-and latency (:class:`~lightning_hdet.testing.SlowLink` installs it). Pure: no Lightning, no process groups.
+and latency (:class:`LimitedTransport`), and the transport wrapper that puts it on chosen workers' ends over any
+other transport (:class:`LimitedLink`, the base of :class:`~lightning_hdet.testing.SlowLink`). Pure: no Lightning,
+no process groups.
 
 A blocking exchange over a slow link holds its worker for ``latency + bytes * 8 / bits_per_s`` each way; this
 wrapper makes the worker wait that long after the real (fast, loopback) transport returned, so wall-clock on one
@@ -11,13 +13,14 @@ the public model's changes) and the buffers.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from torch import Tensor
 
 from lightning_hdet._checks import check_number
 from lightning_hdet.asynchronous.wire.messages import ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.wire.transport import WorkerTransport
+from lightning_hdet.asynchronous.wire.network import Link, PointToPoint, Transport, check_transport
+from lightning_hdet.asynchronous.wire.transport import ServerTransport, WorkerTransport
 
 _FLOAT64, _FLOAT32 = 8, 4
 
@@ -72,3 +75,45 @@ class LimitedTransport(WorkerTransport):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class LimitedLink(Transport):
+    """``inner``'s ends, each worker's in ``ranks`` as slow as a link of ``bits_per_s`` and ``latency_s`` makes it
+    (:class:`LimitedTransport`); the server's end is ``inner``'s.
+
+    Args:
+        bits_per_s: the link's bandwidth, in bits per second.
+        latency_s: seconds added to every message, each way.
+        ranks: the workers behind the slow link, by their leader's global rank (default: every worker but rank 0's,
+            which shares rank 0's process with the outer optimizer).
+        inner: the transport it slows (default :class:`~.network.PointToPoint`).
+    """
+
+    def __init__(self, bits_per_s: float, latency_s: float = 0.0, ranks: Sequence[int] | None = None,
+                 inner: Transport | None = None) -> None:
+        check_link(bits_per_s, latency_s)
+        self.bits_per_s, self.latency_s = bits_per_s, latency_s
+        self.ranks = None if ranks is None else tuple(ranks)
+        self.inner = check_transport(inner)
+
+    def server_end(self, link: Link) -> ServerTransport:
+        return self.inner.server_end(link)
+
+    def worker_end(self, link: Link, worker: int) -> WorkerTransport:
+        return self._slowed(self.inner.worker_end(link, worker), link, link.leader(worker))
+
+    def local_end(self, end: WorkerTransport, link: Link) -> WorkerTransport:
+        return self._slowed(self.inner.local_end(end, link), link, 0)
+
+    def _slowed(self, end: WorkerTransport, link: Link, rank: int) -> WorkerTransport:
+        if (rank == 0) if self.ranks is None else (rank not in self.ranks):
+            return end
+        layout, buffer_bytes = link.layout, _FLOAT32 * link.n_buffers
+        return LimitedTransport(end, self.bits_per_s, self.latency_s,
+                                lambda reply: layout.reply_nbytes(reply.deltas, reply.part, reply.rejected)
+                                + buffer_bytes)
+
+    def __repr__(self) -> str:
+        inner = "" if isinstance(self.inner, PointToPoint) else f", inner={self.inner!r}"
+        ranks = "" if self.ranks is None else f", ranks={list(self.ranks)}"
+        return f"{type(self).__name__}(bits_per_s={self.bits_per_s:g}, latency_s={self.latency_s:g}{ranks}{inner})"

@@ -10,10 +10,11 @@
 :class:`GlooWorkerTransport` / :class:`GlooServerTransport` carry them point to point over two ``gloo``
 process groups (one for pushes, one for replies, so that rank 0's receiver and server threads never share a
 group). Rank 0's own worker talks to its server through :class:`InProcessTransport` (queues, no copies over a
-network). Any other implementation of these two classes (an in-memory fake in the tests; later, workers that are
-separate jobs) plugs into :class:`~lightning_hdet.asynchronous.exchange.server.Server` and
-:class:`~lightning_hdet.asynchronous.exchange.worker.Worker` unchanged. The byte layout is in
-:mod:`~lightning_hdet.asynchronous.wire.messages`.
+network). Any other implementation of these two classes (the in-memory one of :mod:`.memory`, the elastic
+sessions', another engine's) plugs into :class:`~lightning_hdet.asynchronous.exchange.server.Server` and
+:class:`~lightning_hdet.asynchronous.exchange.worker.Worker` unchanged; :class:`StreamWorkerTransport` is a worker's
+end over any ordered stream of tensors. The strategy is given a :class:`~.network.Transport`, which builds the ends.
+The byte layout is in :mod:`~lightning_hdet.asynchronous.wire.messages`.
 """
 
 from __future__ import annotations
@@ -185,26 +186,49 @@ def receive_buffer(layout: Fragments) -> Tensor:
     return torch.empty(max((c.nbytes for c in layout.codecs), default=0), dtype=torch.uint8)
 
 
-class GlooWorkerTransport(WorkerTransport):
-    """A remote worker (rank > 0), worker ``worker`` at the server: point-to-point messages to and from rank 0
-    over two ``gloo`` groups."""
+class StreamWorkerTransport(WorkerTransport):
+    """A worker's end over an ordered stream of tensors to and from the server: a subclass sends and receives one
+    tensor (:meth:`send`, :meth:`recv`); this class puts a push and a reply in wire order and keeps what a forwarded
+    round needs. Worker ``worker`` at the server."""
 
-    def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, worker: int) -> None:
-        self.push_group, self.reply_group, self.layout, self.worker = push_group, reply_group, layout, worker
+    def __init__(self, layout: Fragments, worker: int) -> None:
+        self.layout, self.worker = layout, worker
         self._message = layout.pull_buffer()
         # a delta pull codec's changes are decoded here before they are added (empty without one)
         self._scratch = torch.empty(layout.largest if layout.delta_codecs else 0, dtype=torch.float32)
         # forwarded rounds (outer="sparseloco"): the last push's messages, this worker's slot of its next pull
         self._sent = [torch.empty(c.codec.nbytes, dtype=torch.uint8) for c in layout.round_codecs]
 
+    @abstractmethod
+    def send(self, tensor: Tensor) -> None:
+        """Send one tensor of a push to the server (it may be overwritten once this returns)."""
+
+    @abstractmethod
+    def recv(self, tensor: Tensor) -> None:
+        """Receive the server's next tensor of a reply into ``tensor``."""
+
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
         messages = keep_sent(messages, self._sent) if self._sent else messages
-        send_push(lambda t: dist.send(t, dst=0, group=self.push_group), header, messages, buffers, inner_state)
+        send_push(self.send, header, messages, buffers, inner_state)
 
     def pull(self, into: Tensor) -> ServerHeader:
-        return receive_reply(lambda t: dist.recv(t, src=0, group=self.reply_group), self.layout, into, self._message,
-                             self._scratch, (self.worker, self._sent))
+        return receive_reply(self.recv, self.layout, into, self._message, self._scratch, (self.worker, self._sent))
+
+
+class GlooWorkerTransport(StreamWorkerTransport):
+    """A remote worker (rank > 0), worker ``worker`` at the server: point-to-point messages to and from rank 0
+    over two ``gloo`` groups."""
+
+    def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, worker: int) -> None:
+        super().__init__(layout, worker)
+        self.push_group, self.reply_group = push_group, reply_group
+
+    def send(self, tensor: Tensor) -> None:
+        dist.send(tensor, dst=0, group=self.push_group)
+
+    def recv(self, tensor: Tensor) -> None:
+        dist.recv(tensor, src=0, group=self.reply_group)
 
     def close(self) -> None:
         """Drop the references to the groups: a gloo group's native threads end only when its last reference goes
