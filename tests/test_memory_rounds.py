@@ -14,7 +14,10 @@ from torch import nn
 
 from lightning_hdet.asynchronous.exchange.exchange import Exchange
 from lightning_hdet.asynchronous.exchange.ranks import WorkerRanks
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, Nesterov
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.wire.codecs import Int8
 from lightning_hdet.asynchronous.wire.messages import Kind, WorkerHeader
 from lightning_hdet.testing import MemoryTransport
 
@@ -84,17 +87,12 @@ class World:
         self.exchanges[0].server.join()
 
 
-def _nesterov(**numbers) -> dict:
-    """Nesterov at exactly these numbers: no warm-up, no restarts."""
-    return {"outer": "published", "momentum_warmup": 0, "momentum_restart": 0, **numbers}
-
-
 def test_a_diloco_round_of_three_workers_is_one_nesterov_step_on_the_mean() -> None:
     """lr 0.5, momentum 0.5 (``m = 0.5 m + g``, ``theta -= 0.5 (g + 0.5 m)``), from [0, 0], H = 2, budget 12.
     Round 1 leaves [1, 0], [2, 0], [0, 3] (stats 1, 2, 6): g = -[1, 1], m = g, theta = 0.75 * [1, 1], buffers 3.
     Round 2 from there, worker 0 moves by [3, 0]: g = [-1, 0], m = [-1.5, -0.5], theta = [0.75, 0.75] - 0.5 *
     [-1.75, -0.25] = [1.625, 0.875], buffers (3 + 0 + 0) / 3 = 1. The budget is spent: every reply says stop."""
-    world = World(OuterSettings(mode="sync", local_steps=2, **_nesterov(outer_lr=0.5, outer_momentum=0.5)), 3, 12)
+    world = World(OuterSettings(mode="sync", local_steps=2, outer=Nesterov(lr=0.5, momentum=0.5)), 3, 12)
     first = {0: ([1.0, 0.0], 1.0), 1: ([2.0, 0.0], 2.0), 2: ([0.0, 3.0], 6.0)}
     pulled: list[list[float]] = [[], [], []]
 
@@ -119,7 +117,7 @@ def test_async_stale_pushes_in_a_given_order_under_delayed_nesterov() -> None:
     Both pull [0, 0]. Worker 1 pushes g = -[2, 0]: m = [-1, 0], theta = [0.5, 0]. Worker 0, stale by one update,
     pushes g = -[0, 4]: m = [-1, -2], theta = [0.5, 0] + [0.25, 0.5] + [0, 1] = [0.75, 1.5]. Worker 1 from [0.5, 0]
     pushes g = -[0, 1] (a new cycle): m = [-0.5, -1.5], theta = [0.75, 1.75]."""
-    settings = OuterSettings(local_steps=2, dynamic_local_steps=False, **_nesterov(outer_lr=0.5, outer_momentum=0.5))
+    settings = OuterSettings(local_steps=2, dynamic_local_steps=False, outer=DelayedNesterov(lr=0.5, momentum=0.5))
     world = World(settings, 2, None)
     for e in world.exchanges:
         e.worker.exchange(Kind.HELLO)
@@ -141,8 +139,8 @@ def test_a_non_finite_push_is_rejected_whole_and_its_worker_restarts_from_the_gl
     Worker 1's round is [nan, 5]: rejected whole, theta keeps no trace of its finite value; worker 0's [3, 1]
     applies (async: theta = [3, 1]; DiLoCo: the mean of the pushes that passed, the same). Worker 1 is told it was
     rejected and pulls the global model."""
-    options = {"dynamic_local_steps": False, "delayed_nesterov": False} if mode == "async" else {}
-    settings = OuterSettings(mode=mode, local_steps=2, outer_lr=1.0, outer_momentum=0.0, **options)
+    options = {"dynamic_local_steps": False} if mode == "async" else {}
+    settings = OuterSettings(mode=mode, local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0), **options)
     world = World(settings, 2, None, check_self=False)
     world.outer.params.fill_(1.0)
     world.together(lambda w: world.exchanges[w].worker.exchange(Kind.HELLO))
@@ -159,8 +157,8 @@ def test_a_worker_rejected_max_rejections_times_stops_and_delayed_nesterovs_n_fo
     """Async, 3 workers, Delayed Nesterov at lr 1 and no momentum (each push moves theta by -g / N). Worker 2's
     rounds are non-finite three times: each rejected, the third reply says stop. N follows the 2 workers left (no
     push is buffered: a momentum boundary), so worker 0's [1, 0] and worker 1's [0, 2] move theta by half each."""
-    settings = OuterSettings(local_steps=2, dynamic_local_steps=False, max_rejections=3,
-                             **_nesterov(outer_lr=1.0, outer_momentum=0.0))
+    settings = OuterSettings(local_steps=2, dynamic_local_steps=False, check_pushes=PushCheck(max_rejections=3),
+                             outer=DelayedNesterov(lr=1.0, momentum=0.0))
     world = World(settings, 3, None, check_self=False)
     for e in world.exchanges:
         e.worker.exchange(Kind.HELLO)
@@ -183,8 +181,8 @@ def test_int8_pushes_decode_within_half_a_row_scale_and_send_a_quarter_of_the_by
     4) bytes instead of 32."""
     gen = torch.Generator().manual_seed(0)
     local = [torch.randn(2, 4, generator=gen) for _ in range(2)]
-    settings = OuterSettings(mode="sync", local_steps=2, outer_lr=1.0, outer_momentum=0.0)
-    world = World(settings, 2, 4, shape=(2, 4), compression="int8", error_feedback=False)
+    settings = OuterSettings(mode="sync", local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0))
+    world = World(settings, 2, 4, shape=(2, 4), compression=Int8(), error_feedback=False)
 
     def run(w: int) -> None:
         world.exchanges[w].worker.exchange(Kind.HELLO)
@@ -207,7 +205,7 @@ def test_overlapped_diloco_merges_the_global_model_with_the_steps_taken_meanwhil
     that step and one more, sent at [3, 2] and [1, 2]: theta = [2, 2], and the reply says stop (8 steps counted,
     the 2 still to come included). The overlapped steps, by [0, 2] and [0, 0], are kept and pushed with the
     goodbye: theta = [2, 3], the mean of the final models (lr 1); every step counted once."""
-    settings = OuterSettings(mode="sync", local_steps=2, outer_lr=1.0, outer_momentum=0.0)
+    settings = OuterSettings(mode="sync", local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0))
     world = World(settings, 2, 8, overlap_steps=1)
     sent = {0: [[1.0, 0.0], [3.0, 2.0]], 1: [[3.0, 0.0], [1.0, 2.0]]}
     after = {0: [[1.0, 1.0], [3.0, 4.0]], 1: [[3.0, 3.0], [1.0, 2.0]]}  # the overlapped step's model
@@ -238,8 +236,8 @@ def test_a_grace_period_batches_every_workers_push_and_they_restart_from_one_ver
     pushed, so each holds all four pushes, each applied on arrival (plain SGD, lr 1: theta += the worker's change),
     and every worker restarts from the same model. Worker w moves by [1, w] each round: a batch moves theta by
     [4, 6]. H = 3, budget 36: three batches, then stop."""
-    settings = OuterSettings(local_steps=3, grace_period=60.0, dynamic_local_steps=False, outer_lr=1.0,
-                             outer_momentum=0.0, delayed_nesterov=False)
+    settings = OuterSettings(local_steps=3, grace_period=60.0, dynamic_local_steps=False,
+                             outer=Nesterov(lr=1.0, momentum=0.0))
     world = World(settings, 4, 36)
     pulled: dict[int, list[list[float]]] = {w: [] for w in range(4)}
 
