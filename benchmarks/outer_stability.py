@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
+from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
@@ -94,23 +95,23 @@ def held_out_loss(flat: torch.Tensor) -> float:
         return float(((x @ flat[:64].view(2, 32).T + flat[64:] - 1) ** 2).mean())
 
 
-def simulate(workers: int, mode: str, outer: str | None, task: str, rounds: int, seed: int, data: str = "shards",
-             **numbers: float) -> list[float]:
-    """The global model's held-out loss at the start and after each round per worker; ``numbers``: the outer
-    settings' explicit ``outer_lr``, ``outer_momentum``, ``momentum_warmup``, ``momentum_restart``."""
+def simulate(workers: int, mode: str, outer: OuterOptimizer | str | None, task: str, rounds: int, seed: int,
+             data: str = "shards") -> list[float]:
+    """The global model's held-out loss at the start and after each round per worker; ``outer``: a preset's name or
+    an outer optimizer object."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(32, 2)
     flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()]).clone()
     fake = Workers(workers, task, seed, data)
-    state = build_outer(flat, workers, mode, fake.local_steps, outer, **numbers)
+    state = build_outer(flat, workers, mode, fake.local_steps, outer)
     return drive(state, fake, workers, mode, rounds, seed, held_out_loss)
 
 
-def build_outer(flat: torch.Tensor, workers: int, mode: str, local_steps: int, outer: str | None,
-                **numbers: float) -> OuterState:
+def build_outer(flat: torch.Tensor, workers: int, mode: str, local_steps: int,
+                outer: OuterOptimizer | str | None) -> OuterState:
     """The package's outer side over the flat parameters ``flat`` (no buffers), rounds of fixed length."""
     fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
-    return OuterSettings(mode=mode, local_steps=local_steps, outer=outer, **fixed, **numbers).build(
+    return OuterSettings(mode=mode, local_steps=local_steps, outer=outer, **fixed).build(
         flat, torch.zeros(0), workers, None)
 
 

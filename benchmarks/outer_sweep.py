@@ -49,6 +49,7 @@ from torch.nn.utils import parameters_to_vector
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 from benchmarks.outer_stability import build_outer, drive, simulate, verdict
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.demos.optim import make_optimizer
 from lightning_hdet.demos.shapes import ShapesCNN, make_shapes
 from lightning_hdet.demos.tabular import TabularMLP, make_tabular
@@ -82,10 +83,10 @@ class Outer:
     schedule: str
 
     @property
-    def numbers(self) -> dict:
+    def optimizer(self) -> DelayedNesterov:
+        """The object that runs it (in DiLoCo, Delayed Nesterov with N = 1: Nesterov with this schedule)."""
         warmup, restart = SCHEDULES[self.schedule]
-        return {"outer_lr": self.lr, "outer_momentum": self.momentum, "momentum_warmup": warmup,
-                "momentum_restart": restart}
+        return DelayedNesterov(lr=self.lr, momentum=self.momentum, warmup=warmup, restarts=restart)
 
     @property
     def label(self) -> str:
@@ -188,7 +189,7 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
     lr, wd = INNER[workload][inner]
     fake = ModelWorkers(model, x, y, workers, inner, lr, wd, local_steps, seed)
     state = build_outer(parameters_to_vector(model.parameters()).detach().clone(), workers, mode, local_steps,
-                        None, **outer.numbers)
+                        outer.optimizer)
     curve = drive(state, fake, workers, mode, STEPS[workload] // local_steps, seed, held_out(model, vx, vy))
     finite = all(math.isfinite(c) for c in curve)
     return {"start": curve[0], "final": curve[-1] if finite else math.inf,
@@ -196,7 +197,7 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
 
 
 def boring_run(data: str, workers: int, mode: str, outer: Outer, seed: int, rounds: int) -> dict:
-    curve = simulate(workers, mode, None, "sgd", rounds, seed, data, **outer.numbers)
+    curve = simulate(workers, mode, outer.optimizer, "sgd", rounds, seed, data)
     v = verdict(curve, min(50, rounds // 2))
     return {"start": 1.0, "final": v["end"], "stable": v["stable"]}
 
