@@ -1,0 +1,104 @@
+"""One Lightning job of one process in a DiLoCo run on torchft (tests/test_torchft_jobs.py,
+examples/torchft_diloco.py's shape): each job reads its own stream of batches (its ``--job`` index), and writes
+its final parameters and read-outs to ``--out``.
+
+Faults: ``--kill-at-step S`` SIGKILLs this job at its step ``S``; ``--nan-from-step S`` makes its loss NaN from step
+``S`` on (its rounds are rejected until it leaves the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_hdet.torchft import TorchFT, TorchFTStrategy
+
+FEATURES, CLASSES, BATCH, LR = 6, 3, 16, 0.05
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+
+
+def job_batches(job: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Job ``job``'s batches in order (the same in the test's reference)."""
+    g = torch.Generator().manual_seed(100 + job)
+    x = torch.randn(steps, BATCH, FEATURES, generator=g)
+    y = torch.randint(0, CLASSES, (steps, BATCH), generator=g)
+    return list(zip(x, y))
+
+
+def inner_optimizer(params) -> torch.optim.Optimizer:  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=LR)
+
+
+class Stream(IterableDataset):
+    def __init__(self, job: int, steps: int) -> None:
+        self.job, self.steps = job, steps
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(job_batches(self.job, self.steps))
+
+
+class Job(pl.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.net, self.args = make_model(), args
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        step = self.trainer.global_step
+        if step == self.args.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        return loss * float("nan") if 0 <= self.args.nan_from_step <= step else loss
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return inner_optimizer(self.parameters())
+
+    def train_dataloader(self):  # type: ignore[no-untyped-def]
+        return DataLoader(Stream(self.args.job, 4 * self.args.steps), batch_size=None)  # room for retrained rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--job", type=int, required=True)
+    parser.add_argument("--min-replicas", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--local-steps", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--kill-at-step", type=int, default=-1)
+    parser.add_argument("--nan-from-step", type=int, default=-1)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    ft = TorchFT(lighthouse=args.lighthouse, min_replicas=args.min_replicas, replica_id=f"job{args.job}",
+                 timeout=args.timeout, quorum_timeout=3 * args.timeout, connect_timeout=args.timeout,
+                 hostname="localhost")
+    strategy = TorchFTStrategy(ft, local_steps=args.local_steps, outer="published", process_group_backend="gloo")
+    module = Job(args)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=args.out.parent)
+    trainer.fit(module)
+    torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, args.out.with_suffix(".pt"))
+    args.out.write_text(json.dumps({"committed": strategy.rounds_committed, "discarded": strategy.rounds_discarded,
+                                    "rejected": strategy.rounds_rejected, "healed": strategy.healed,
+                                    "global_step": trainer.global_step}))
+
+
+if __name__ == "__main__":
+    main()
