@@ -70,7 +70,9 @@ class TorchFTStrategy(DDPStrategy):
         self.torchft, self.local_steps = torchft, local_steps
         self.check_pushes, self.max_norm_ratio, self.max_rejections = check_pushes, max_norm_ratio, max_rejections
         # the run's read-outs (per job)
-        self.rounds_committed = self.rounds_discarded = self.rounds_rejected = self.healed = 0
+        #: the run's round (committed by the live jobs; a healed job's jumps), rounds this job committed,
+        #: discarded (a job failed in them), had its pseudo-gradient rejected in, and heals from a live peer
+        self.round = self.rounds_committed = self.rounds_discarded = self.rounds_rejected = self.healed = 0
         self._round: Optional[ReplicaRound] = None
         self._manager: Any = None
         self._steps = 0
@@ -126,9 +128,12 @@ class TorchFTStrategy(DDPStrategy):
         assert self._round is not None
         before = self._manager.current_step()
         self._round.start()
-        if self._manager.current_step() != before:  # healed from a live peer (a new or restarted job)
+        self.round = self._manager.current_step()
+        if self.round != before:  # healed from a live peer (a new or restarted job)
             self.healed += 1
             log.info("rank %d: healed to round %d", self.global_rank, self._manager.current_step())
+        log.debug("rank %d: round %d starts with %d jobs", self.global_rank, self._manager.current_step(),
+                  self._manager.num_participants())
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -139,13 +144,15 @@ class TorchFTStrategy(DDPStrategy):
         if self._steps == self.local_steps:
             self._steps = 0
             self._after_round(self._round.finish(), optimizer)
-            if self._manager.current_step() >= self._rounds:
+            self.round = self._manager.current_step()
+            if self.round >= self._rounds:
                 self.lightning_module.trainer.should_stop = True
             else:
                 self._start_round()
         return output
 
     def _after_round(self, outcome: RoundOutcome, optimizer: Optimizer) -> None:
+        log.debug("rank %d: round end, step %d: %s", self.global_rank, self._manager.current_step(), outcome)
         if not outcome.committed:
             self.rounds_discarded += 1
             log.warning("rank %d: round discarded (a job failed during it); training it again", self.global_rank)
