@@ -153,3 +153,14 @@ def test_the_docs_search_then_train_recipe_ends_the_search_in_one_fit(tmp_path: 
     winner = rows[(8, 0)]["winner"]
     centre = rows[(4, winner)]["lr"]  # the LR the winner trained at before the vote that ended the search
     assert [rows[(8, g)]["lr"] for g in (0, 1)] == pytest.approx([centre / 1.5**0.5, centre * 1.5**0.5])
+
+
+@pytest.mark.timeout(300)
+def test_torchft_diloco_three_jobs_one_killed(tmp_path: Path) -> None:
+    """The Lighthouse and three jobs: job 2 dies mid-round halfway; the two left train its round again and end at
+    the run's last round with the same model."""
+    pytest.importorskip("torchft")
+    out = run_example(str(EXAMPLES / "torchft_diloco.py"), "--steps", "20", "--kill-one", cwd=tmp_path)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["job"], r["round"], r["discarded"]) for r in rows] == [(0, 2, 1), (1, 2, 1)], out
+    assert rows[0]["held_out_loss"] == rows[1]["held_out_loss"] and "job 2: ended by signal 9" in out
