@@ -196,15 +196,14 @@ def compare(args: argparse.Namespace) -> None:
 
 
 def table(rows: dict[str, dict], diff: float, initial: float, args: argparse.Namespace) -> str:
-    labels = {"ours": '`AsyncLocalSGDStrategy(mode="sync", outer="published")`', "torchft": "torchft 0.2.0 `DiLoCo`"}
+    labels = {"ours": 'ours, `outer="published"`', "torchft": "torchft 0.2.0 `DiLoCo`"}
     body = [[labels[arm], str(r["rounds"]), fmt(r["loss"], ".4f"), fmt(r["wall_s"], ".1f"),
              f"{r['bytes'] / 2**20:.2f}"] for arm, r in rows.items()]
-    head = (f"Mode: {'quick' if args.quick else 'full'}; 2 workers, H = {args.local_steps}, {args.steps} inner steps "
-            f"each, AdamW (lr {INNER_LR:g}) inside, outer Nesterov {OUTER_LR} / {OUTER_MOMENTUM}; the tabular MLP, "
-            f"held-out loss at the start {initial:.4f}. **Largest parameter difference: {diff:.1e}** (target <= 1e-4).")
-    headers = ["arm", "outer steps", "held-out loss", "wall-clock s (with start-up)", "MiB on the wire"]
-    return (head + "\n\n" + markdown_table(headers, body) + "\n\nBytes: ours counts the pushes and pulls it sent; "
-            "torchft's are its ring allreduce's, computed (2 (W - 1) / W of the payload per replica and round).")
+    head = (f"{'Quick' if args.quick else 'Full'}: 2 workers, H = {args.local_steps}, {args.steps} steps each, AdamW "
+            f"inside, Nesterov {OUTER_LR} / {OUTER_MOMENTUM}; tabular MLP (start loss {initial:.3f}). **Largest "
+            f"parameter difference {diff:.1e}** (target 1e-4). Bytes: ours as sent, torchft's computed (ring).")
+    headers = ["arm", "rounds", "held-out loss", "wall s", "MiB"]
+    return head + "\n\n" + markdown_table(headers, body)
 
 
 def main() -> None:
