@@ -191,8 +191,8 @@ def compare(args: argparse.Namespace) -> None:
         model.load_state_dict(models[arm])
         row["loss"] = held_out_loss(model, args.seed)
     initial = held_out_loss(make_model(args.seed), args.seed)
-    publish(name, args, {"rows": rows, "max_param_diff": diff, "initial_loss": initial}, table(rows, diff, initial, args),
-            seeds=[args.seed])
+    payload = {"rows": rows, "max_param_diff": diff, "initial_loss": initial}
+    publish(name, args, payload, table(rows, diff, initial, args), seeds=[args.seed])
 
 
 def table(rows: dict[str, dict], diff: float, initial: float, args: argparse.Namespace) -> str:

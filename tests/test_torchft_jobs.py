@@ -1,7 +1,8 @@
 """DiLoCo on torchft across processes, as a fault-tolerance system: a Lighthouse (torchft's, in this process) and
 one-process Lightning jobs on loopback over gloo (tests/scripts/torchft_job.py). The healthy jobs end at the
 DiLoCo model computed here by hand with a NaN job left out of every round; with a job SIGKILLed mid-round and one
-that joins late, the others finish together. Every wait is bounded (each job has a deadline, then it is killed and the test fails)."""
+that joins late, the others finish together; a job resumes from its checkpoint. Every wait is bounded (past the
+deadline every job is killed and the test fails)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class Run:
     """A Lighthouse and the jobs started against it; :meth:`wait` bounds every job by the deadline."""
 
     def __init__(self, tmp: Path, min_replicas: int) -> None:
+        tmp.mkdir(exist_ok=True)
         self.tmp, self.min_replicas = tmp, min_replicas
         # a dead or frozen job stops heartbeating: after 2 s the next quorum goes on without it
         self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=1000,
@@ -158,3 +160,25 @@ def test_jobs_end_at_diloco_s_model_with_a_nan_job_left_out_of_every_round(tmp_p
         assert record == {"committed": 4, "discarded": 0, "rejected": 4 if job == 2 else 0, "healed": 0, "round": 4,
                           "global_step": STEPS}
         assert_close(state, expected)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_resumed_from_its_checkpoint_at_a_round_s_end_ends_where_it_would_have(tmp_path):
+    """A job alone (a quorum of one) runs 40 steps; another, its twin under a second Lighthouse, stops after 20 with a
+    checkpoint at that round's end and resumes from it to 40: the same rounds, the same model (the checkpoint held
+    the global model, the outer momentum and the round)."""
+    whole, first = Run(tmp_path / "whole", min_replicas=1), Run(tmp_path / "first", min_replicas=1)
+    checkpoint = tmp_path / "first" / "round.ckpt"
+    whole.launch(0)
+    first.launch(0, "--steps", "20", "--checkpoint", str(checkpoint))
+    whole.go(0)
+    first.go(0)
+    assert whole.wait() == {0: 0} and first.wait() == {0: 0}, whole.logs() + first.logs()
+    assert first.result(0)[0]["round"] == 2 and checkpoint.is_file()
+    second = Run(tmp_path / "second", min_replicas=1)
+    second.launch(0, "--resume", str(checkpoint))
+    second.go(0)
+    assert second.wait() == {0: 0}, second.logs()
+    (r_whole, s_whole), (r_second, s_second) = whole.result(0), second.result(0)
+    assert r_second["round"] == r_whole["round"] == 4 and r_second["committed"] == 2
+    assert_close(s_second, s_whole)

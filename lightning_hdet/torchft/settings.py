@@ -33,6 +33,8 @@ class TorchFT(KnownArguments):
             job (the live jobs meet there) and than the time a new job takes to start.
         connect_timeout: seconds to reach the Lighthouse and the job's own torchft manager.
         hostname: the name other jobs reach this job's manager at (heals are served from it); ``None``: this host's.
+        max_discarded_rounds: rounds discarded in a row (a peer failing in each, or a quorum smaller than
+            ``min_replicas``) after which the job ends with an error instead of training on.
     """
 
     lighthouse: str
@@ -42,12 +44,14 @@ class TorchFT(KnownArguments):
     quorum_timeout: float = 900.0
     connect_timeout: float = 60.0
     hostname: Optional[str] = None
+    max_discarded_rounds: int = 10
 
     def __post_init__(self) -> None:
         require("lighthouse", self.lighthouse, isinstance(self.lighthouse, str) and "://" in self.lighthouse,
                 "an address 'http://HOST:PORT'", "torchft_lighthouse prints it as 'Lighthouse listening on: ...'.")
         check_int("min_replicas", self.min_replicas, minimum=1,
                   hint="A round needs this many live jobs; 1 lets a lone job go on.")
+        check_int("max_discarded_rounds", self.max_discarded_rounds, minimum=1)
         for name in ("timeout", "quorum_timeout", "connect_timeout"):
             check_number(name, getattr(self, name), low=0, low_open=True, hint="In seconds.")
         for name in ("replica_id", "hostname"):
@@ -69,4 +73,5 @@ class TorchFT(KnownArguments):
             connect_timeout=timedelta(seconds=self.connect_timeout), rank=rank, world_size=world_size,
             store_addr=store_addr, store_port=store_port, lighthouse_addr=self.lighthouse,
             replica_id=self.replica_id or f"{socket.gethostname()}_{os.getpid()}",
+            max_retries=self.max_discarded_rounds - 1,  # torchft raises after max_retries + 1 failed commits
             hostname=self.hostname or socket.gethostname())

@@ -22,6 +22,7 @@ from lightning_hdet.torchft.rounds import ReplicaRound, RoundOutcome
 from lightning_hdet.torchft.settings import TorchFT
 
 log = logging.getLogger(__name__)
+_CHECKPOINT_KEY = "torchft"
 
 
 class TorchFTStrategy(DDPStrategy):
@@ -38,11 +39,18 @@ class TorchFTStrategy(DDPStrategy):
         local_steps: ``H``, inner steps per round.
         mode: ``"sync"`` only: torchft's quorum meets at a round's start, so every job waits for the others
             (asynchronous Local-SGD across jobs: ``OuterService`` with ``ElasticWorkerStrategy``).
-        outer, outer_lr, outer_momentum, momentum_warmup, momentum_restart: the outer Nesterov step, as for
-            ``AsyncLocalSGDStrategy(mode="sync")`` (``"stable"`` by default; ``"sparseloco"`` is not supported).
-        check_pushes, max_norm_ratio, max_rejections: each job checks its pseudo-gradient before it is reduced
-            (finite, a norm within ``max_norm_ratio`` times its own recent median); a rejected one is left out of
-            the round's mean and its job restarts from the global model; ``max_rejections`` in a row end the job.
+        outer: the outer Nesterov step's preset, as for ``AsyncLocalSGDStrategy(mode="sync")`` (``"stable"`` by
+            default; ``"sparseloco"`` is not supported); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and
+            ``momentum_restart``, when given, replace its numbers.
+        outer_lr: see ``outer``.
+        outer_momentum: see ``outer``.
+        momentum_warmup: see ``outer``.
+        momentum_restart: see ``outer``.
+        check_pushes: each job checks its pseudo-gradient before it is reduced (finite, a norm within
+            ``max_norm_ratio`` times its own recent median); a rejected one is left out of the round's mean and its
+            job restarts from the global model.
+        max_norm_ratio: see ``check_pushes`` (10).
+        max_rejections: a job rejected in this many rounds in a row ends with an error; the others go on (3).
         **kwargs: passed to Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (inside the job).
     """
 
@@ -78,6 +86,7 @@ class TorchFTStrategy(DDPStrategy):
         self._steps = 0
         self._rounds = 0
         self._limits = LoopLimits()
+        self._resume: Optional[dict[str, Any]] = None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -115,6 +124,10 @@ class TorchFTStrategy(DDPStrategy):
         check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
         self._manager = self.torchft.connect(self.global_rank, self.world_size, env.main_address, env.main_port)
         self._round = ReplicaRound(self.lightning_module, self.root_device, self._manager, self._outer, check)
+        if self._resume is not None:  # the checkpoint's round; a job still training further on heals this one
+            self._round.load_state_dict(self._resume["round"])
+            self._manager.load_state_dict(self._resume["manager"])
+            self._resume = None
         self._steps = 0
         self._start_round()
 
@@ -172,6 +185,20 @@ class TorchFTStrategy(DDPStrategy):
             trainer.logger.log_metrics({"torchft/round": self._manager.current_step(), "torchft/accepted":
                                         outcome.accepted, "torchft/discarded": self.rounds_discarded},
                                        step=trainer.global_step)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Also the run's round, global model and outer state (exact at a round's end, e.g.
+        ``ModelCheckpoint(every_n_train_steps=local_steps)``; mid-round the resumed job restarts that round)."""
+        if self._round is not None:
+            checkpoint[_CHECKPOINT_KEY] = {"round": self._round.state_dict(), "manager": self._manager.state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, **kwargs)  # weights_only: on newer Lightning only
+        self._resume = checkpoint.get(_CHECKPOINT_KEY)
+        return checkpoint
 
     def _close(self) -> None:
         self._round = None

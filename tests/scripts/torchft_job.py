@@ -2,10 +2,11 @@
 examples/torchft_diloco.py's shape): each job reads its own stream of batches (its ``--job`` index), and writes
 its final parameters and read-outs to ``--out``.
 
-Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round ``R``; ``--nan-from-step S`` makes its loss NaN from step
-``S`` on (its rounds are rejected until it leaves the run). ``--sync DIR``: once started, the job writes
-``DIR/ready<job>`` and waits for ``DIR/go<job>`` before ``fit`` (so that the test starts the jobs together, or one
-later), and keeps its committed rounds in ``DIR/rounds<job>``.
+Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round ``R``; ``--nan-from-step S`` makes
+its loss NaN from step ``S`` on (its rounds are rejected until it leaves the run). ``--sync DIR``: once started,
+the job writes ``DIR/ready<job>`` and waits for ``DIR/go<job>`` before ``fit`` (so that the test starts the jobs
+together, or one later), and keeps its committed rounds in ``DIR/rounds<job>``. ``--checkpoint`` saves at every
+round's end, ``--resume`` fits from a checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,11 +53,13 @@ def inner_optimizer(params) -> torch.optim.Optimizer:  # type: ignore[no-untyped
 
 
 class Stream(IterableDataset):
-    def __init__(self, job: int, steps: int) -> None:
-        self.job, self.steps = job, steps
+    """Job ``job``'s batches from ``start`` on (a resumed job goes on where its checkpoint was taken)."""
+
+    def __init__(self, job: int, steps: int, start: int) -> None:
+        self.job, self.steps, self.start = job, steps, start
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(job_batches(self.job, self.steps))
+        return iter(job_batches(self.job, self.steps)[self.start:])
 
 
 class Job(pl.LightningModule):
@@ -80,7 +84,8 @@ class Job(pl.LightningModule):
         return inner_optimizer(self.parameters())
 
     def train_dataloader(self):  # type: ignore[no-untyped-def]
-        return DataLoader(Stream(self.args.job, 4 * self.args.steps), batch_size=None)  # room for retrained rounds
+        stream = Stream(self.args.job, 4 * self.args.steps, self.trainer.global_step)  # room for retrained rounds
+        return DataLoader(stream, batch_size=None)
 
 
 def main() -> None:
@@ -95,6 +100,8 @@ def main() -> None:
     parser.add_argument("--max-rejections", type=int, default=3)
     parser.add_argument("--nan-from-step", type=int, default=-1)
     parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--checkpoint", type=Path, default=None, help="saved at every round's end")
+    parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--sync", type=Path, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -113,10 +120,13 @@ def main() -> None:
     strategy = TorchFTStrategy(ft, local_steps=args.local_steps, outer="published",
                                max_rejections=args.max_rejections, process_group_backend="gloo")
     module = Job(args)
+    callbacks = [] if args.checkpoint is None else [ModelCheckpoint(
+        dirpath=args.checkpoint.parent, filename=args.checkpoint.stem, every_n_train_steps=args.local_steps,
+        save_top_k=-1, enable_version_counter=False)]
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=args.out.parent)
-    trainer.fit(module)
+                         enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=args.out.parent)
+    trainer.fit(module, ckpt_path=args.resume)
     torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, args.out.with_suffix(".pt"))
     args.out.write_text(json.dumps({"committed": strategy.rounds_committed, "discarded": strategy.rounds_discarded,
                                     "rejected": strategy.rounds_rejected, "healed": strategy.healed,
