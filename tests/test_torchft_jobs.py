@@ -182,3 +182,19 @@ def test_a_job_resumed_from_its_checkpoint_at_a_round_s_end_ends_where_it_would_
     (r_whole, s_whole), (r_second, s_second) = whole.result(0), second.result(0)
     assert r_second["round"] == r_whole["round"] == 4 and r_second["committed"] == 2
     assert_close(s_second, s_whole)
+
+
+@pytest.mark.timeout(240)
+def test_jobs_of_two_ranks_train_ddp_inside_and_end_at_diloco_s_model(tmp_path):
+    """Two jobs of two ranks each (one torchft replica group each; rank r of a job reduces with rank r of the
+    other): both ranks of a job read its stream, so DDP inside changes nothing and the jobs end at DiLoCo's model."""
+    run = Run(tmp_path, min_replicas=2)
+    for job in (0, 1):
+        run.launch(job, "--devices", "2", "--steps", "20")
+    run.go(0, 1)
+    assert run.wait() == {0: 0, 1: 0}, run.logs()
+    expected = diloco_by_hand([0, 1], 2)
+    for job in (0, 1):
+        record, state = run.result(job)
+        assert (record["round"], record["committed"], record["discarded"]) == (2, 2, 0)
+        assert_close(state, expected)

@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--max-rejections", type=int, default=3)
     parser.add_argument("--nan-from-step", type=int, default=-1)
     parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--devices", type=int, default=1, help="ranks of the job (DDP inside)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="saved at every round's end")
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--sync", type=Path, default=None)
@@ -123,10 +124,12 @@ def main() -> None:
     callbacks = [] if args.checkpoint is None else [ModelCheckpoint(
         dirpath=args.checkpoint.parent, filename=args.checkpoint.stem, every_n_train_steps=args.local_steps,
         save_top_k=-1, enable_version_counter=False)]
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,
                          enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.out.parent)
     trainer.fit(module, ckpt_path=args.resume)
+    if not trainer.is_global_zero:
+        return
     torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, args.out.with_suffix(".pt"))
     args.out.write_text(json.dumps({"committed": strategy.rounds_committed, "discarded": strategy.rounds_discarded,
                                     "rejected": strategy.rounds_rejected, "healed": strategy.healed,
