@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +56,14 @@ class Regression(LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
+    def on_train_start(self):
+        # the example's jobs start training together (on a busy machine one would otherwise start after the
+        # others' whole short run); a real job may join at any time and heals from a live one
+        (self.args.barrier / f"ready{self.args.job}").touch()
+        deadline = time.monotonic() + 300
+        while len(list(self.args.barrier.glob("ready*"))) < JOBS and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
@@ -83,28 +94,32 @@ def main() -> None:
     parser.add_argument("--kill-one", dest="kill_one", action="store_true", help="job 2 dies halfway")
     parser.add_argument("--job", type=int, default=None, help=argparse.SUPPRESS)  # set for the jobs
     parser.add_argument("--lighthouse", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--barrier", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job is not None:
         return job(args)
     from torchft.coordination import LighthouseServer
 
-    # min_replicas=2: a round needs two live jobs; a dead one leaves the quorum after 2 s without heartbeats
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=2000)
+    # min_replicas=2: a round needs two live jobs; a dead one leaves the quorum after 2 s without heartbeats, a
+    # live one late at a round's start is waited for up to 10 s
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=2000, join_timeout_ms=10_000)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    barrier = Path(tempfile.mkdtemp())
     jobs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--job", str(i), "--lighthouse",
-                              lighthouse.address(), "--steps", str(args.steps),
+                              lighthouse.address(), "--steps", str(args.steps), "--barrier", str(barrier),
                               *(["--kill"] if args.kill_one and i == JOBS - 1 else [])],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for i in range(JOBS)]
     try:
         for i, p in enumerate(jobs):
             out, _ = p.communicate(timeout=600)
-            print(out.strip().splitlines()[-1] if p.returncode == 0 else f"job {i}: ended by signal {-p.returncode}")
+            print(out.strip().splitlines()[-1] if p.returncode == 0 else f"job {i}: ended with {p.returncode}")
     finally:
         for p in jobs:
             p.kill()
         lighthouse.shutdown()
+        shutil.rmtree(barrier)
 
 
 if __name__ == "__main__":

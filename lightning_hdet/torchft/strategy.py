@@ -77,7 +77,6 @@ class TorchFTStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.torchft, self.local_steps = torchft, local_steps
         self.check_pushes, self.max_norm_ratio, self.max_rejections = check_pushes, max_norm_ratio, max_rejections
-        # the run's read-outs (per job)
         #: the run's round (committed by the live jobs; a healed job's jumps), rounds this job committed,
         #: discarded (a job failed in them), had its pseudo-gradient rejected in, and heals from a live peer
         self.round = self.rounds_committed = self.rounds_discarded = self.rounds_rejected = self.healed = 0
@@ -129,6 +128,9 @@ class TorchFTStrategy(DDPStrategy):
             self._manager.load_state_dict(self._resume["manager"])
             self._resume = None
         self._steps = 0
+        trainer = self.lightning_module.trainer
+        if self.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_hyperparams({f"torchft/{k}": v for k, v in self.config.items()})
         self._start_round()
 
     def _outer(self, params: Tensor) -> Optimizer:
