@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lightning_hdet.asynchronous.checks import PushCheck
-from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.torchft import TorchFT, TorchFTStrategy
 from lightning_hdet.torchft.rounds import STATE_KEY, ReplicaRound
 

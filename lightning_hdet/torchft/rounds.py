@@ -25,7 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_hdet._tensors import float_buffers, host_buffer, numel, read_into, write_from
-from lightning_hdet.asynchronous.checks import PushCheck
+from lightning_hdet.asynchronous.outer.checks import PushCheck
 
 #: The key of this package's state among torchft's healing state.
 STATE_KEY = "lightning_hdet"

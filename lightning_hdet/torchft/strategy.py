@@ -14,10 +14,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hdet._checks import check_names, own_arguments, require
-from lightning_hdet.asynchronous.checks import PushCheck
-from lightning_hdet.asynchronous.delayed_nesterov import DelayedNesterov
-from lightning_hdet.asynchronous.limits import LoopLimits
-from lightning_hdet.asynchronous.outer import OuterSettings
+from lightning_hdet.asynchronous.lightning.limits import LoopLimits
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.state import OuterSettings
 from lightning_hdet.torchft.rounds import ReplicaRound, RoundOutcome
 from lightning_hdet.torchft.settings import TorchFT
 
