@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test test-lowest install bench bench-full stress docs docs-serve clean
+.PHONY: demo test test-lowest install bench bench-full stress stress-torchft docs docs-serve clean
 
 install: $(STAMP)
 
@@ -57,6 +57,10 @@ bench-full: $(STAMP)
 # Not part of `make test`: each strategy's trainer entry sequences, 100 fresh runs each; counts aborts at exit.
 stress: $(STAMP)
 	$(PY) benchmarks/stress_exit.py --runs $(or $(RUNS),100)
+
+# Not part of `make test`: DiLoCo on torchft, three jobs with one fault each run (killed, frozen, NaN); counts hangs.
+stress-torchft: $(STAMP)
+	$(PY) benchmarks/torchft_stress.py --runs $(or $(RUNS),21)
 
 clean:
 	rm -rf $(VENV) $(LOWEST) lightning_logs wandb out site .pytest_cache

@@ -219,6 +219,8 @@ PARTS = (
     Part("crash", "crash.py", CRASH_ARGS, minutes=18),
     Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
     Part("elastic", "elastic.py", minutes=2, code=("tests/scripts/elastic_run.py",)),
+    # the peer (issue 60): torchft's DiLoCo beside ours, same workload and settings; ~1.5 min on the idle machine
+    Part("torchft_peer", "torchft_peer.py", minutes=3),
     # bytes to a loss (issue 43): DDP, DiLoCo and async with each push codec, on loopback and behind a 100 Mbit/s
     # SlowLink; estimated from its quick run (11 fits of 4 processes; the char LM's 300 steps ~1.5 min each)
     Part("comm_bytes", "comm_bytes.py", ("--start-method", "fork"), minutes=30, full=True),

@@ -1,0 +1,119 @@
+"""One job's side of a DiLoCo round on torchft. No Lightning, no process group: the torchft ``Manager`` is injected
+(its ``start_quorum``, ``allreduce``, ``should_commit`` and ``register_state_dict_fn``), so that a fake one runs
+whole rounds in one process.
+
+A round: at its start the job joins the quorum of live jobs (a job behind, e.g. new or restarted, heals there from
+a live peer: the global model and the outer optimizer's state); after ``H`` inner steps it checks its
+pseudo-gradient ``theta_global - theta_local`` (finite, a norm within ``max_norm_ratio`` times its own recent
+median) and sends it through one SUM allreduce of ``[pseudo-gradient, floating-point buffers, accepted]``: a
+rejected job sends zeros and ``accepted = 0``, so the mean is over the accepted jobs. If torchft commits the round
+(every rank of the job saw the allreduce succeed), every job runs the same outer step on the mean; otherwise (a
+peer died mid-round) the round is discarded. Either way the job restarts from the global model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_hdet._tensors import float_buffers, host_buffer, numel, read_into, write_from
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+
+#: The key of this package's state among torchft's healing state.
+STATE_KEY = "lightning_hdet"
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one round did: ``committed`` (torchft's vote: False when a peer failed during the round, which is then
+    discarded), ``accepted`` (jobs whose pseudo-gradient passed their checks and went into the mean: the outer step
+    ran if any) and ``rejected`` (this job's reason, ``None`` when it was accepted)."""
+
+    committed: bool
+    accepted: int
+    rejected: Optional[str]
+
+
+class ReplicaRound:
+    """The global model, the outer optimizer and the checks of one job (every job holds the same), and its rounds.
+
+    Args:
+        module: the model on ``device`` (its parameters and floating-point buffers are the global model's start).
+        device: where the module lives; the global model and the wire buffer are host tensors (pinned on CUDA).
+        manager: this rank's torchft ``Manager`` (or a fake with the same methods).
+        outer: builds the outer optimizer over the flat global parameters (e.g. ``DelayedNesterov`` with ``N = 1``).
+        check: the pseudo-gradient's checks (``None``: none).
+    """
+
+    def __init__(self, module: Module, device: torch.device, manager: Any,
+                 outer: Callable[[Tensor], Optimizer], check: PushCheck | None) -> None:
+        self.module, self.device, self.manager, self.check = module, device, manager, check
+        self.tensors = list(module.parameters()) + float_buffers(module)
+        self.n_params = numel(list(module.parameters()))
+        self.global_model = read_into(self.tensors, host_buffer(numel(self.tensors), device), device)
+        self.wire = host_buffer(numel(self.tensors) + 1, device)  # [pseudo-gradient, buffers, accepted]
+        self.optimizer = outer(self.global_model[: self.n_params])
+        self.rejected_streak = 0
+        manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
+
+    def start(self) -> None:
+        """A round's start: the quorum of the live jobs. A job behind heals here (:meth:`load_state_dict`)."""
+        self.manager.start_quorum()
+
+    def finish(self) -> RoundOutcome:
+        """A round's end: check, reduce and (if committed) step; the module then holds the global model."""
+        n, wire = self.n_params, self.wire
+        local = read_into(self.tensors, wire[:-1], self.device)
+        torch.sub(self.global_model[:n], local[:n], out=local[:n])  # the pseudo-gradient, in place
+        reason, norm = self._inspect()
+        if reason is None:
+            wire[-1] = 1.0
+        else:
+            wire.zero_()
+        self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
+        committed = bool(self.manager.should_commit())
+        accepted = int(round(float(wire[-1]))) if committed else 0
+        if accepted:
+            mean = wire[:-1].div_(accepted)
+            params = self.optimizer.param_groups[0]["params"][0]
+            params.grad = mean[:n]
+            self.optimizer.step()
+            params.grad = None
+            self.global_model[n:].copy_(mean[n:])
+        if committed:  # a discarded round neither accepts nor rejects: nothing of it was applied
+            self.rejected_streak = 0 if reason is None else self.rejected_streak + 1
+            if reason is None and self.check is not None:
+                self.check.accepted(0, norm)
+        write_from(self.tensors, self.global_model, self.device)
+        return RoundOutcome(committed, accepted, reason)
+
+    def _inspect(self) -> tuple[Optional[str], float]:
+        n, wire = self.n_params, self.wire
+        if self.check is None:
+            return None, math.nan
+        reason, _, norm = self.check.inspect(0, [wire[:n]], [(0, n)], None)
+        if reason is None and not bool(torch.isfinite(wire[n:-1]).all()):
+            reason = "non-finite buffer values"
+        return reason, norm
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a healing job receives: the global model and the outer optimizer's state (copies: the sender goes on
+        while the transfer runs)."""
+        return {"global_model": self.global_model.clone(),
+                "outer": {"state": {k: {name: v.clone() if isinstance(v, Tensor) else v for name, v in s.items()}
+                                    for k, s in self.optimizer.state_dict()["state"].items()},
+                          "param_groups": self.optimizer.state_dict()["param_groups"]}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Heal: take a live peer's global model and outer state; the module restarts from the global model."""
+        self.global_model.copy_(state["global_model"])
+        self.optimizer.load_state_dict(state["outer"])
+        write_from(self.tensors, self.global_model, self.device)

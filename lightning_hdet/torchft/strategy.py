@@ -1,0 +1,227 @@
+"""DiLoCo across Lightning jobs on torchft: the glue between Lightning's hooks and :class:`~.rounds.ReplicaRound`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hdet._checks import check_names, own_arguments, require
+from lightning_hdet.asynchronous.lightning.limits import LoopLimits
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.torchft.rounds import ReplicaRound, RoundOutcome
+from lightning_hdet.torchft.settings import TorchFT
+
+log = logging.getLogger(__name__)
+_CHECKPOINT_KEY = "torchft"
+
+
+class TorchFTStrategy(DDPStrategy):
+    """DiLoCo (``mode="sync"``) with torchft as its fault-tolerance engine: each Lightning job is one replica group.
+
+    Inside a job its ranks train as DDP (one node, say); every ``local_steps`` steps the jobs live in the round's
+    quorum reduce their pseudo-gradients through torchft and every job runs the same outer step (no rank is a
+    server). A job that dies drops out of the next quorum and the others go on (the round it died in is discarded
+    and trained again); a new or restarted job heals from a live peer at a round's start and joins. The run ends
+    after ``max_steps / local_steps`` committed rounds, the same for every job (a job that joined late included).
+
+    Args:
+        torchft: the Lighthouse, ``min_replicas`` and timeouts (:class:`~.settings.TorchFT`).
+        local_steps: ``H``, inner steps per round.
+        mode: ``"sync"`` only: torchft's quorum meets at a round's start, so every job waits for the others
+            (asynchronous Local-SGD across jobs: ``OuterService`` with ``ElasticWorkerStrategy``).
+        outer: the outer Nesterov step's preset, as for ``AsyncLocalSGDStrategy(mode="sync")`` (``"stable"`` by
+            default; ``"sparseloco"`` is not supported); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and
+            ``momentum_restart``, when given, replace its numbers.
+        outer_lr: see ``outer``.
+        outer_momentum: see ``outer``.
+        momentum_warmup: see ``outer``.
+        momentum_restart: see ``outer``.
+        check_pushes: each job checks its pseudo-gradient before it is reduced (finite, a norm within
+            ``max_norm_ratio`` times its own recent median); a rejected one is left out of the round's mean and its
+            job restarts from the global model.
+        max_norm_ratio: see ``check_pushes`` (10).
+        max_rejections: a job rejected in this many rounds in a row ends with an error; the others go on (3).
+        **kwargs: passed to Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (inside the job).
+    """
+
+    strategy_name = "torchft_diloco"
+
+    def __init__(self, torchft: TorchFT, local_steps: int = 50, mode: str = "sync", outer: Optional[str] = None,
+                 outer_lr: Optional[float] = None, outer_momentum: Optional[float] = None,
+                 momentum_warmup: Optional[int] = None, momentum_restart: Optional[int] = None,
+                 check_pushes: bool = True, max_norm_ratio: float = PushCheck.MAX_NORM_RATIO,
+                 max_rejections: int = PushCheck.MAX_REJECTIONS, **kwargs: Any) -> None:
+        check_names(type(self).__name__, kwargs, own_arguments(type(self)),
+                    {"Lightning DDPStrategy": own_arguments(DDPStrategy)})
+        require("torchft", torchft, isinstance(torchft, TorchFT), "a TorchFT(lighthouse=..., min_replicas=...)")
+        require("mode", mode, mode == "sync", "'sync'",
+                "torchft's quorum meets at every round's start, so its DiLoCo is synchronous; for asynchronous "
+                "Local-SGD across jobs use OuterService with ElasticWorkerStrategy (docs/elastic.md).")
+        arguments = dict(locals())
+        self.outer_settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)
+                                               if f.name in arguments})
+        if self.outer_settings.preset.sparse:
+            raise ValueError("`outer='sparseloco'` is not supported by TorchFTStrategy: its rounds forward the "
+                             "workers' sparse messages, which torchft's dense allreduce does not carry. Use another "
+                             "`outer`, or AsyncLocalSGDStrategy(mode='sync').")
+        super().__init__(**kwargs)
+        self.torchft, self.local_steps = torchft, local_steps
+        self.check_pushes, self.max_norm_ratio, self.max_rejections = check_pushes, max_norm_ratio, max_rejections
+        #: the run's round (committed by the live jobs; a healed job's jumps), rounds this job committed,
+        #: discarded (a job failed in them), had its pseudo-gradient rejected in, and heals from a live peer
+        self.round = self.rounds_committed = self.rounds_discarded = self.rounds_rejected = self.healed = 0
+        self._round: Optional[ReplicaRound] = None
+        self._manager: Any = None
+        self._steps = 0
+        self._rounds = 0
+        self._limits = LoopLimits()
+        self._resume: Optional[dict[str, Any]] = None
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The settings in force (the outer numbers as resolved)."""
+        return {"local_steps": self.local_steps, "outer": self.outer_settings.outer or "stable",
+                **self.outer_settings.numbers(), "check_pushes": self.check_pushes,
+                "max_norm_ratio": self.max_norm_ratio, "max_rejections": self.max_rejections,
+                **{f"torchft_{f.name}": getattr(self.torchft, f.name) for f in fields(TorchFT)}}
+
+    @override
+    def setup_environment(self) -> None:
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:  # before any process group
+            max_steps = trainer.max_steps
+            require("max_steps", max_steps, max_steps > 0 and max_steps % self.local_steps == 0,
+                    f"a positive multiple of local_steps={self.local_steps}",
+                    "Every job runs max_steps / local_steps rounds of local_steps inner steps.")
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
+        self._rounds = trainer.max_steps // self.local_steps
+        self._limits.lift(trainer)  # failed rounds are trained again: the committed rounds, not the loop, end it
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        env = self.cluster_environment
+        assert env is not None
+        check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
+        self._manager = self.torchft.connect(self.global_rank, self.world_size, env.main_address, env.main_port)
+        self._round = ReplicaRound(self.lightning_module, self.root_device, self._manager, self._outer, check)
+        if self._resume is not None:  # the checkpoint's round; a job still training further on heals this one
+            self._round.load_state_dict(self._resume["round"])
+            self._manager.load_state_dict(self._resume["manager"])
+            self._resume = None
+        self._steps = 0
+        trainer = self.lightning_module.trainer
+        if self.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_hyperparams({f"torchft/{k}": v for k, v in self.config.items()})
+        self._start_round()
+
+    def _outer(self, params: Tensor) -> Optimizer:
+        """DiLoCo's outer step: Nesterov SGD with the preset's numbers (Delayed Nesterov with ``N = 1``)."""
+        p = self.outer_settings.preset
+        return DelayedNesterov([params], lr=p.lr, momentum=p.momentum, buffer_size=1, momentum_warmup=p.warmup,
+                               momentum_restart=p.restart)
+
+    def _start_round(self) -> None:
+        assert self._round is not None
+        before = self._manager.current_step()
+        self._round.start()
+        self.round = self._manager.current_step()
+        if self.round != before:  # healed from a live peer (a new or restarted job)
+            self.healed += 1
+            log.info("rank %d: healed to round %d", self.global_rank, self._manager.current_step())
+        log.debug("rank %d: round %d starts with %d jobs", self.global_rank, self._manager.current_step(),
+                  self._manager.num_participants())
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._round is None:
+            return output
+        self._steps += 1
+        if self._steps == self.local_steps:
+            self._steps = 0
+            self._after_round(self._round.finish(), optimizer)
+            self.round = self._manager.current_step()
+            if self.round >= self._rounds:
+                self.lightning_module.trainer.should_stop = True
+            else:
+                self._start_round()
+        return output
+
+    def _after_round(self, outcome: RoundOutcome, optimizer: Optimizer) -> None:
+        log.debug("rank %d: round end, step %d: %s", self.global_rank, self._manager.current_step(), outcome)
+        if not outcome.committed:
+            self.rounds_discarded += 1
+            log.warning("rank %d: round discarded (a job failed during it); training it again", self.global_rank)
+            return
+        self.rounds_committed += 1
+        if outcome.rejected is not None:
+            self.rounds_rejected += 1
+            optimizer.state.clear()  # as a rejected async push does: the inner state led it astray
+            log.warning("rank %d: this job's round was rejected (%s)", self.global_rank, outcome.rejected)
+            assert self._round is not None
+            if self._round.rejected_streak >= self.max_rejections:
+                raise RuntimeError(f"{type(self).__name__}: this job's pseudo-gradient was rejected in "
+                                   f"{self.max_rejections} rounds in a row (last: {outcome.rejected}); it leaves the "
+                                   "run, the other jobs go on (`max_rejections`).")
+        trainer = self.lightning_module.trainer
+        if self.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_metrics({"torchft/round": self._manager.current_step(), "torchft/accepted":
+                                        outcome.accepted, "torchft/discarded": self.rounds_discarded},
+                                       step=trainer.global_step)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Also the run's round, global model and outer state (exact at a round's end, e.g.
+        ``ModelCheckpoint(every_n_train_steps=local_steps)``; mid-round the resumed job restarts that round)."""
+        if self._round is not None:
+            checkpoint[_CHECKPOINT_KEY] = {"round": self._round.state_dict(), "manager": self._manager.state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, **kwargs)  # weights_only: on newer Lightning only
+        self._resume = checkpoint.get(_CHECKPOINT_KEY)
+        return checkpoint
+
+    def _close(self) -> None:
+        self._round = None
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+
+    @override
+    def on_train_end(self) -> None:
+        self._close()
+        self._limits.restore(self.lightning_module)
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._close()
+        self._limits.restore(self.lightning_module)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self._close()
+        super().teardown()
+

@@ -1,0 +1,174 @@
+"""DiLoCo on torchft in one process: a job's rounds (lightning_hdet/torchft/rounds.py) against a fake torchft
+``Manager`` whose allreduce adds the other jobs' contributions; the settings' and the strategy's checks. Values are
+computed by hand in the comments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import ReduceOp
+
+from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.torchft import TorchFT, TorchFTStrategy
+from lightning_hdet.torchft.rounds import STATE_KEY, ReplicaRound
+
+CPU = torch.device("cpu")
+
+
+class FakeManager:
+    """torchft's Manager as a round uses it: ``allreduce`` (SUM) adds ``peers``' wire vectors to this job's and
+    keeps what this job sent; ``should_commit`` answers ``commit``; ``start_quorum`` heals with ``heal_from``'s
+    state when set (as torchft does for a job behind) and counts the quorum."""
+
+    def __init__(self, peers: list[list[float]] = (), commit: bool = True) -> None:
+        self.peers, self.commit = [torch.tensor(p) for p in peers], commit
+        self.sent: list[torch.Tensor] = []
+        self.heal_from: dict | None = None
+        self.quorums = 0
+        self.fns: dict = {}
+
+    def register_state_dict_fn(self, key, load, save):  # type: ignore[no-untyped-def]
+        self.fns[key] = (load, save)
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+        if self.heal_from is not None:
+            self.fns[STATE_KEY][0](self.heal_from)
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> "FakeManager":
+        assert reduce_op == ReduceOp.SUM
+        self.sent.append(tensor.clone())
+        for p in self.peers:
+            tensor.add_(p)
+        return self
+
+    def wait(self) -> bool:
+        return True
+
+    def should_commit(self) -> bool:
+        return self.commit
+
+
+def nesterov(params: torch.Tensor) -> DelayedNesterov:  # outer="published": lr 0.7, momentum 0.9
+    return DelayedNesterov([params], lr=0.7, momentum=0.9, buffer_size=1)
+
+
+def linear(w: list[float]) -> nn.Linear:
+    m = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([w]))
+    return m
+
+
+def trained(module: nn.Module, w: list[float]) -> None:
+    """The round's inner steps, as their result."""
+    with torch.no_grad():
+        module.weight.copy_(torch.tensor([w]))
+
+
+def test_a_round_steps_every_job_with_the_mean_of_the_accepted_pseudo_gradients():
+    module, manager = linear([1.0, 2.0]), FakeManager(peers=[[1.5, 3.0, 1.0]])
+    ft = ReplicaRound(module, CPU, manager, nesterov, PushCheck())
+    ft.start()
+    trained(module, [0.5, 1.0])  # pseudo-gradient global - local = [0.5, 1.0]
+    out = ft.finish()
+    assert torch.equal(manager.sent[0], torch.tensor([0.5, 1.0, 1.0]))  # [pseudo-gradient, accepted]
+    # mean [1.0, 2.0]; Nesterov from zero momentum: m = g, step 0.7 * (g + 0.9 m) = 1.33 g
+    assert (out.committed, out.accepted, out.rejected) == (True, 2, None)
+    assert torch.allclose(module.weight, torch.tensor([[1.0 - 1.33, 2.0 - 2.66]]))
+    assert torch.equal(ft.global_model, module.weight.detach().reshape(-1))
+    # second round, the same mean: m = 0.9 [1, 2] + [1, 2] = [1.9, 3.8]; step 0.7 (g + 0.9 m) = 0.7 * 2.71 g
+    trained(module, (ft.global_model - torch.tensor([0.5, 1.0])).tolist())
+    ft.finish()
+    assert torch.allclose(module.weight, torch.tensor([[1.0 - 1.33 - 1.897, 2.0 - 2.66 - 3.794]]), atol=1e-6)
+
+
+def test_a_non_finite_pseudo_gradient_is_left_out_of_the_mean_and_its_job_restarts_from_the_global_model():
+    module, manager = linear([1.0, 2.0]), FakeManager(peers=[[1.0, 2.0, 1.0]])
+    ft = ReplicaRound(module, CPU, manager, nesterov, PushCheck())
+    trained(module, [math.nan, 1.0])
+    out = ft.finish()
+    assert torch.equal(manager.sent[0], torch.zeros(3))  # nothing of it reaches the others
+    assert out.accepted == 1 and "non-finite" in out.rejected and ft.rejected_streak == 1
+    # the peer's [1, 2] alone: 1.33 [1, 2]
+    assert torch.allclose(module.weight, torch.tensor([[1.0 - 1.33, 2.0 - 2.66]]))
+    trained(module, (ft.global_model - torch.tensor([0.1, 0.1])).tolist())
+    assert ft.finish().rejected is None and ft.rejected_streak == 0
+
+
+def test_a_pseudo_gradient_far_above_its_recent_median_is_rejected():
+    module, manager = linear([0.0, 0.0]), FakeManager()
+    ft = ReplicaRound(module, CPU, manager, lambda p: DelayedNesterov([p], lr=1.0, momentum=0.0), PushCheck())
+    for _ in range(4):  # norms 1: the median the rule needs (min_history 4)
+        trained(module, (ft.global_model - torch.tensor([0.6, 0.8])).tolist())
+        assert ft.finish().rejected is None
+    before = ft.global_model.clone()
+    trained(module, (ft.global_model - torch.tensor([60.0, 80.0])).tolist())  # norm 100 > 10 x 1
+    out = ft.finish()
+    assert "norm 100" in out.rejected and out.accepted == 0
+    assert torch.equal(ft.global_model, before) and torch.equal(module.weight.detach().reshape(-1), before)
+
+
+def test_a_round_torchft_does_not_commit_is_discarded():
+    module, manager = linear([1.0, 2.0]), FakeManager(peers=[[1.0, 1.0, 1.0]], commit=False)
+    ft = ReplicaRound(module, CPU, manager, nesterov, None)
+    trained(module, [0.0, 0.0])
+    out = ft.finish()
+    assert (out.committed, out.accepted) == (False, 0)
+    assert torch.equal(module.weight, torch.tensor([[1.0, 2.0]]))  # back at the global model, which did not move
+    assert not ft.optimizer.state  # no outer step: no momentum
+
+
+def test_a_job_behind_heals_from_a_live_peer_at_the_round_start():
+    live_module, live = linear([1.0, 2.0]), FakeManager(peers=[[1.0, 2.0, 1.0]])
+    peer = ReplicaRound(live_module, CPU, live, nesterov, None)
+    trained(live_module, [0.0, 0.0])
+    peer.finish()  # the live job is a round ahead, with momentum
+    module, manager = linear([9.0, 9.0]), FakeManager(peers=[[1.0, 2.0, 1.0]])
+    new = ReplicaRound(module, CPU, manager, nesterov, None)
+    manager.heal_from = live.fns[STATE_KEY][1]()
+    new.start()
+    assert torch.equal(module.weight, live_module.weight) and torch.equal(new.global_model, peer.global_model)
+    for job in (new, peer):  # the same next round: the same model after it (the momentum came along)
+        trained(job.module, (job.global_model - 1.0).tolist())
+        job.finish()
+    assert torch.equal(module.weight, live_module.weight)
+
+
+def test_floating_point_buffers_take_the_mean_of_the_accepted_jobs():
+    module = nn.Sequential(nn.Linear(1, 1, bias=False), nn.BatchNorm1d(1, affine=False))
+    with torch.no_grad():
+        module[0].weight.fill_(1.0)
+    # wire: [weight's pseudo-gradient, running_mean, running_var, accepted]
+    manager = FakeManager(peers=[[0.0, 3.0, 5.0, 1.0]])
+    ft = ReplicaRound(module, CPU, manager, nesterov, None)
+    module[1].running_mean.fill_(1.0)
+    module[1].running_var.fill_(3.0)
+    ft.finish()
+    assert module[1].running_mean.item() == 2.0 and module[1].running_var.item() == 4.0
+
+
+def test_torchft_settings_and_the_strategy_refuse_what_would_not_run():
+    ok = TorchFT(lighthouse="http://localhost:29510", min_replicas=2)
+    with pytest.raises(ValueError, match="`lighthouse` must be an address 'http://HOST:PORT'"):
+        TorchFT(lighthouse="localhost:29510", min_replicas=2)
+    with pytest.raises(ValueError, match="`min_replicas` must be a positive integer"):
+        TorchFT(lighthouse="http://h:1", min_replicas=0)
+    with pytest.raises(ValueError, match="`quorum_timeout` must be"):
+        TorchFT(lighthouse="http://h:1", min_replicas=1, quorum_timeout=0)
+    with pytest.raises(ValueError, match="Did you mean `timeout`"):
+        TorchFT(lighthouse="http://h:1", min_replicas=1, timeot=3)
+    with pytest.raises(ValueError, match="`mode` must be 'sync'.*OuterService"):
+        TorchFTStrategy(ok, mode="async")
+    with pytest.raises(ValueError, match="sparseloco"):
+        TorchFTStrategy(ok, outer="sparseloco")
+    with pytest.raises(ValueError, match="Did you mean `local_steps`"):
+        TorchFTStrategy(ok, local_step=5)
+    with pytest.raises(ValueError, match="`torchft` must be a TorchFT"):
+        TorchFTStrategy("http://h:1")  # type: ignore[arg-type]
+    config = TorchFTStrategy(ok, local_steps=5, outer="published").config
+    assert (config["outer_lr"], config["outer_momentum"], config["torchft_min_replicas"]) == (0.7, 0.9, 2)
