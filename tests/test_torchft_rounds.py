@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from lightning_hdet.asynchronous.outer.checks import PushCheck
-from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, DelayedNesterovOptimizer, Nesterov
 from lightning_hdet.torchft import TorchFT, TorchFTStrategy
 from lightning_hdet.torchft.rounds import STATE_KEY, ReplicaRound
 
@@ -53,8 +53,8 @@ class FakeManager:
         return self.commit
 
 
-def nesterov(params: torch.Tensor) -> DelayedNesterov:  # outer="published": lr 0.7, momentum 0.9
-    return DelayedNesterov([params], lr=0.7, momentum=0.9, buffer_size=1)
+def nesterov(params: torch.Tensor) -> DelayedNesterovOptimizer:  # outer="published": lr 0.7, momentum 0.9
+    return DelayedNesterovOptimizer([params], lr=0.7, momentum=0.9, buffer_size=1)
 
 
 def linear(w: list[float]) -> nn.Linear:
@@ -102,7 +102,7 @@ def test_a_non_finite_pseudo_gradient_is_left_out_of_the_mean_and_its_job_restar
 
 def test_a_pseudo_gradient_far_above_its_recent_median_is_rejected():
     module, manager = linear([0.0, 0.0]), FakeManager()
-    ft = ReplicaRound(module, CPU, manager, lambda p: DelayedNesterov([p], lr=1.0, momentum=0.0), PushCheck())
+    ft = ReplicaRound(module, CPU, manager, lambda p: DelayedNesterovOptimizer([p], lr=1.0, momentum=0.0), PushCheck())
     for _ in range(4):  # norms 1: the median the rule needs (min_history 4)
         trained(module, (ft.global_model - torch.tensor([0.6, 0.8])).tolist())
         assert ft.finish().rejected is None
@@ -164,11 +164,15 @@ def test_torchft_settings_and_the_strategy_refuse_what_would_not_run():
         TorchFT(lighthouse="http://h:1", min_replicas=1, timeot=3)
     with pytest.raises(ValueError, match="`mode` must be 'sync'.*OuterService"):
         TorchFTStrategy(ok, mode="async")
-    with pytest.raises(ValueError, match="sparseloco"):
+    with pytest.raises(ValueError, match="SparseLoCo.* is not supported by TorchFTStrategy"):
         TorchFTStrategy(ok, outer="sparseloco")
+    with pytest.raises(ValueError, match=r"no longer takes `outer_lr`=0.7.* outer=DelayedNesterov\(lr=...\)"):
+        TorchFTStrategy(ok, outer_lr=0.7)
     with pytest.raises(ValueError, match="Did you mean `local_steps`"):
         TorchFTStrategy(ok, local_step=5)
     with pytest.raises(ValueError, match="`torchft` must be a TorchFT"):
         TorchFTStrategy("http://h:1")  # type: ignore[arg-type]
-    config = TorchFTStrategy(ok, local_steps=5, outer="published").config
-    assert (config["outer_lr"], config["outer_momentum"], config["torchft_min_replicas"]) == (0.7, 0.9, 2)
+    config = TorchFTStrategy(ok, local_steps=5, outer=Nesterov(lr=0.7), check_pushes=PushCheck(max_rejections=5)).config
+    assert (config["outer"], config["outer/lr"], config["outer/momentum"]) == ("Nesterov", 0.7, 0.9)
+    assert (config["check_pushes/max_rejections"], config["local_steps"], config["torchft_min_replicas"]) == (5, 5, 2)
+    assert TorchFTStrategy(ok, outer="published").outer_settings.outer == DelayedNesterov(lr=0.7, momentum=0.9)

@@ -15,14 +15,16 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_names, own_arguments, require
 from lightning_hdet.asynchronous.lightning.limits import LoopLimits
+from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.checks import PushCheck
-from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
-from lightning_hdet.asynchronous.outer.state import OuterSettings
+from lightning_hdet.asynchronous.outer.momentum import refuse_moved
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.torchft.rounds import ReplicaRound, RoundOutcome
 from lightning_hdet.torchft.settings import TorchFT
 
 log = logging.getLogger(__name__)
 _CHECKPOINT_KEY = "torchft"
+_ASYNC_ONLY = ("dynamic_local_steps", "grace_period")  # DiLoCo's settings hold them as None: not recorded
 
 
 class TorchFTStrategy(DDPStrategy):
@@ -39,44 +41,36 @@ class TorchFTStrategy(DDPStrategy):
         local_steps: ``H``, inner steps per round.
         mode: ``"sync"`` only: torchft's quorum meets at a round's start, so every job waits for the others
             (asynchronous Local-SGD across jobs: ``OuterService`` with ``ElasticWorkerStrategy``).
-        outer: the outer Nesterov step's preset, as for ``AsyncLocalSGDStrategy(mode="sync")`` (``"stable"`` by
-            default; ``"sparseloco"`` is not supported); ``outer_lr``, ``outer_momentum``, ``momentum_warmup`` and
-            ``momentum_restart``, when given, replace its numbers.
-        outer_lr: see ``outer``.
-        outer_momentum: see ``outer``.
-        momentum_warmup: see ``outer``.
-        momentum_restart: see ``outer``.
-        check_pushes: each job checks its pseudo-gradient before it is reduced (finite, a norm within
-            ``max_norm_ratio`` times its own recent median); a rejected one is left out of the round's mean and its
-            job restarts from the global model.
-        max_norm_ratio: see ``check_pushes`` (10).
-        max_rejections: a job rejected in this many rounds in a row ends with an error; the others go on (3).
+        outer: the outer optimizer, as for ``AsyncLocalSGDStrategy(mode="sync")``: ``Nesterov(lr, momentum)``,
+            ``DelayedNesterov(...)`` (in DiLoCo Nesterov with its momentum schedule) or a preset's name (``"stable"``
+            by default); ``SparseLoCo`` is not supported (torchft's dense allreduce does not carry sparse rounds).
+        check_pushes: ``True`` (``PushCheck()``), a ``PushCheck(max_norm_ratio, max_rejections)`` or ``False``: each
+            job checks its pseudo-gradient before it is reduced (finite, a norm within ``max_norm_ratio`` times its
+            own recent median); a rejected one is left out of the round's mean and its job restarts from the global
+            model; a job rejected in ``max_rejections`` rounds in a row ends with an error, the others go on.
         **kwargs: passed to Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (inside the job).
     """
 
     strategy_name = "torchft_diloco"
 
-    def __init__(self, torchft: TorchFT, local_steps: int = 50, mode: str = "sync", outer: Optional[str] = None,
-                 outer_lr: Optional[float] = None, outer_momentum: Optional[float] = None,
-                 momentum_warmup: Optional[int] = None, momentum_restart: Optional[int] = None,
-                 check_pushes: bool = True, max_norm_ratio: float = PushCheck.MAX_NORM_RATIO,
-                 max_rejections: int = PushCheck.MAX_REJECTIONS, **kwargs: Any) -> None:
+    def __init__(self, torchft: TorchFT, local_steps: int = 50, mode: str = "sync",
+                 outer: OuterOptimizer | str | None = None, check_pushes: PushCheck | bool = True,
+                 **kwargs: Any) -> None:
+        refuse_moved(type(self).__name__, kwargs)
         check_names(type(self).__name__, kwargs, own_arguments(type(self)),
                     {"Lightning DDPStrategy": own_arguments(DDPStrategy)})
         require("torchft", torchft, isinstance(torchft, TorchFT), "a TorchFT(lighthouse=..., min_replicas=...)")
         require("mode", mode, mode == "sync", "'sync'",
                 "torchft's quorum meets at every round's start, so its DiLoCo is synchronous; for asynchronous "
                 "Local-SGD across jobs use OuterService with ElasticWorkerStrategy (docs/elastic.md).")
-        arguments = dict(locals())
-        self.outer_settings = OuterSettings(**{f.name: arguments[f.name] for f in fields(OuterSettings)
-                                               if f.name in arguments})
-        if self.outer_settings.preset.sparse:
-            raise ValueError("`outer='sparseloco'` is not supported by TorchFTStrategy: its rounds forward the "
-                             "workers' sparse messages, which torchft's dense allreduce does not carry. Use another "
-                             "`outer`, or AsyncLocalSGDStrategy(mode='sync').")
+        self.outer_settings = OuterSettings(mode="sync", local_steps=local_steps, outer=outer,
+                                            check_pushes=check_pushes)
+        if self.outer_settings.outer.forwards_rounds:
+            raise ValueError(f"`outer={self.outer_settings.outer!r}` is not supported by TorchFTStrategy: its rounds "
+                             "forward the workers' sparse messages, which torchft's dense allreduce does not carry. "
+                             "Use Nesterov(...) or DelayedNesterov(...), or AsyncLocalSGDStrategy(mode='sync').")
         super().__init__(**kwargs)
         self.torchft, self.local_steps = torchft, local_steps
-        self.check_pushes, self.max_norm_ratio, self.max_rejections = check_pushes, max_norm_ratio, max_rejections
         #: the run's round (committed by the live jobs; a healed job's jumps), rounds this job committed,
         #: discarded (a job failed in them), had its pseudo-gradient rejected in, and heals from a live peer
         self.round = self.rounds_committed = self.rounds_discarded = self.rounds_rejected = self.healed = 0
@@ -90,10 +84,8 @@ class TorchFTStrategy(DDPStrategy):
     @property
     def config(self) -> dict[str, Any]:
         """The settings in force (the outer numbers as resolved)."""
-        return {"local_steps": self.local_steps, "outer": self.outer_settings.outer or "stable",
-                **self.outer_settings.numbers(), "check_pushes": self.check_pushes,
-                "max_norm_ratio": self.max_norm_ratio, "max_rejections": self.max_rejections,
-                **{f"torchft_{f.name}": getattr(self.torchft, f.name) for f in fields(TorchFT)}}
+        numbers = {k: v for k, v in self.outer_settings.numbers().items() if k not in _ASYNC_ONLY}
+        return {**numbers, **{f"torchft_{f.name}": getattr(self.torchft, f.name) for f in fields(TorchFT)}}
 
     @override
     def setup_environment(self) -> None:
@@ -120,7 +112,8 @@ class TorchFTStrategy(DDPStrategy):
         super().on_train_start()
         env = self.cluster_environment
         assert env is not None
-        check = PushCheck(self.max_norm_ratio, self.max_rejections) if self.check_pushes else None
+        checks = self.outer_settings.check_pushes
+        check = checks.fresh() if checks is not None else None
         self._manager = self.torchft.connect(self.global_rank, self.world_size, env.main_address, env.main_port)
         self._round = ReplicaRound(self.lightning_module, self.root_device, self._manager, self._outer, check)
         if self._resume is not None:  # the checkpoint's round; a job still training further on heals this one
@@ -134,10 +127,8 @@ class TorchFTStrategy(DDPStrategy):
         self._start_round()
 
     def _outer(self, params: Tensor) -> Optimizer:
-        """DiLoCo's outer step: Nesterov SGD with the preset's numbers (Delayed Nesterov with ``N = 1``)."""
-        p = self.outer_settings.preset
-        return DelayedNesterov([params], lr=p.lr, momentum=p.momentum, buffer_size=1, momentum_warmup=p.warmup,
-                               momentum_restart=p.restart)
+        """DiLoCo's outer step: the outer optimizer object's, as every replica runs it (DiLoCo's ``N = 1``)."""
+        return self.outer_settings.outer.optimizer([params], "sync", 1)
 
     def _start_round(self) -> None:
         assert self._round is not None
@@ -178,9 +169,10 @@ class TorchFTStrategy(DDPStrategy):
             optimizer.state.clear()  # as a rejected async push does: the inner state led it astray
             log.warning("rank %d: this job's round was rejected (%s)", self.global_rank, outcome.rejected)
             assert self._round is not None
-            if self._round.rejected_streak >= self.max_rejections:
+            checks = self.outer_settings.check_pushes
+            if checks is not None and self._round.rejected_streak >= checks.max_rejections:
                 raise RuntimeError(f"{type(self).__name__}: this job's pseudo-gradient was rejected in "
-                                   f"{self.max_rejections} rounds in a row (last: {outcome.rejected}); it leaves the "
+                                   f"{checks.max_rejections} rounds in a row (last: {outcome.rejected}); it leaves the "
                                    "run, the other jobs go on (`max_rejections`).")
         trainer = self.lightning_module.trainer
         if self.is_global_zero and trainer.logger is not None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.torchft import TorchFT, TorchFTStrategy
 
 FEATURES, CLASSES, BATCH, LR = 6, 3, 16, 0.05
@@ -119,7 +120,7 @@ def main() -> None:
                  timeout=args.timeout, quorum_timeout=3 * args.timeout, connect_timeout=args.timeout,
                  hostname="localhost")
     strategy = TorchFTStrategy(ft, local_steps=args.local_steps, outer="published",
-                               max_rejections=args.max_rejections, process_group_backend="gloo")
+                               check_pushes=PushCheck(max_rejections=args.max_rejections), process_group_backend="gloo")
     module = Job(args)
     callbacks = [] if args.checkpoint is None else [ModelCheckpoint(
         dirpath=args.checkpoint.parent, filename=args.checkpoint.stem, every_n_train_steps=args.local_steps,
