@@ -143,15 +143,17 @@ def test_the_starting_level_and_its_error_are_set_once_from_the_first_vote():
     assert old.sized(1).start_error == [0.0] and old.sized(1).left == [True]
 
 
-def test_a_classifier_back_at_its_untrained_loss_counts_as_risen_at_once():
+def test_an_ensemble_back_at_its_untrained_loss_counts_as_risen_at_once():
     """Issue 59's CNN with SGD: every group had learned (previous intervals 1.44-1.52 against a start of 1.79) and
     fell back to about ln(6) in one interval, a rise of 25 %, never a doubling. Start 1.79 +- 2 x 0.005: the band's
-    lower edge 1.78; a previous interval below 0.9 x 1.78 = 1.602 and a loss at or above 1.78 is a relapse."""
-    history = CollapseHistory([1.79] * 4, [1.454, 1.518, 1.65, 1.439], [0] * 4, [0.005] * 4, [True] * 4)
-    verdict = judge(SafetyNet(), history, [1.878, 1.868, 1.797, 1.70], [True] * 4)
-    # group 2's previous 1.65 was not clearly below (1.65 > 1.602): a wobble, not a relapse; group 3 still learned
-    assert verdict.reasons == ["rose", "rose", "", ""]
-    noisy = judge(SafetyNet(), history, [1.80, 1.80, 1.80, 1.80], [True] * 4, errors=[0.02, 0.0, 0.0, 0.0])
-    assert noisy.reasons == ["", "rose", "", "rose"]  # 1.80 - 2 x 0.02 = 1.76 is below the edge: not believed yet
-    assert judge(SafetyNet(rise_margin=None), history, [1.878] * 4, [True] * 4).reasons[0] == ""
-    assert judge(SafetyNet(), history, [1.878] * 4, [True] * 4, progress=False).reasons[0] == ""
+    lower edge 1.78; every previous interval below 0.9 x 1.78 = 1.602 and every loss at or above 1.78: all rose.
+    One group short of it (still learning, or its previous interval not clearly below) and no group counts."""
+    history = CollapseHistory([1.79] * 4, [1.454, 1.518, 1.466, 1.439], [0] * 4, [0.005] * 4, [True] * 4)
+    assert judge(SafetyNet(), history, [1.878, 1.868, 1.797, 1.827], [True] * 4).reasons == ["rose"] * 4
+    assert judge(SafetyNet(), history, [1.878, 1.868, 1.797, 1.70], [True] * 4).reasons == [""] * 4
+    wobbled = CollapseHistory([1.79] * 4, [1.454, 1.518, 1.65, 1.439], [0] * 4, [0.005] * 4, [True] * 4)
+    assert judge(SafetyNet(), wobbled, [1.878, 1.868, 1.797, 1.827], [True] * 4).reasons == [""] * 4  # 1.65 > 1.602
+    noisy = judge(SafetyNet(), history, [1.80] * 4, [True] * 4, errors=[0.02, 0.0, 0.0, 0.0])
+    assert noisy.reasons == [""] * 4  # 1.80 - 2 x 0.02 = 1.76 is below the edge: not believed yet
+    assert judge(SafetyNet(rise_margin=None), history, [1.878] * 4, [True] * 4).reasons == [""] * 4
+    assert judge(SafetyNet(), history, [1.878] * 4, [True] * 4, progress=False).reasons == [""] * 4

@@ -13,10 +13,10 @@ best") never fires. These rules also judge each group against its *own* history:
   alone it cannot be told from a collapse back to exactly that level, and rolling back and cutting every LR on a
   plateau only lengthens it (``chance_loss`` catches a group that sits at the constant predictor's level);
 * ``rose``: the loss, less ``NOISE_Z`` standard errors of the interval's mean, exceeds ``(1 + rise_margin)`` times the
-  group's own previous interval, or is back at its starting level's noise band although the previous interval was
-  clearly below it (``RELAPSE_DEPTH``): a classifier that collapses falls back to about the untrained loss, which is
-  never twice a trained interval's, so the doubling alone would wait for the ``stalled`` rule's patience while every
-  group trained on from the collapsed model (seen on a CNN with SGD: issue 59);
+  group's own previous interval; or, for every group at once, the loss is back at its starting level's noise band
+  although each previous interval was clearly below it (``RELAPSE_DEPTH``): a classifier that collapses falls back
+  to about the untrained loss, never twice a trained interval's, so the doubling alone would wait for the
+  ``stalled`` rule's patience while every group trained on from the collapsed model (a CNN with SGD: issue 59);
 * ``chance``: the loss is at or above ``(1 - chance_tolerance) * chance_loss``, the loss of a constant predictor
   (e.g. ``ln(num_classes)``; for a language model the unigram entropy is the tighter choice).
 
@@ -109,11 +109,21 @@ def _left_start(history: CollapseHistory, g: int, loss: float) -> bool:
     return history.left[g] or now
 
 
-def _relapsed(history: CollapseHistory, g: int, previous: float, low: float) -> bool:
-    """Whether group ``g`` is back at its starting level (``low``, this interval's lower bound, at or above the
-    band's lower edge) although its previous interval was ``RELAPSE_DEPTH`` below that edge (positive levels)."""
-    edge = history.start[g] - NOISE_Z * history.start_error[g]
-    return math.isfinite(edge) and edge > 0 and previous < (1 - RELAPSE_DEPTH) * edge and low >= edge
+def _all_relapsed(history: CollapseHistory, losses: Sequence[float], errors: Sequence[float],
+                  bad: Sequence[bool]) -> bool:
+    """Whether every group is back at its starting level (this interval's lower bound at or above the band's lower
+    edge) although each one's previous interval was ``RELAPSE_DEPTH`` below that edge (positive levels): the whole
+    ensemble fell back to its untrained loss, as a classifier does that collapses after every group took the
+    winner's model. A single group's relapse is left to the other rules (rescuing it at once cost more than it
+    saved from 40x too high: research log, issue 59)."""
+    for g, loss in enumerate(losses):
+        edge = history.start[g] - NOISE_Z * history.start_error[g]
+        previous = history.previous[g]
+        if bad[g] or not (math.isfinite(edge) and edge > 0 and math.isfinite(previous)):
+            return False
+        if not (previous < (1 - RELAPSE_DEPTH) * edge and loss - NOISE_Z * errors[g] >= edge):
+            return False
+    return bool(losses)
 
 
 def _worse_than_best(losses: Sequence[float], bad: Sequence[bool], factor: Optional[float]) -> list[bool]:
@@ -141,13 +151,14 @@ def judge(
     worse = _worse_than_best(losses, bad, rule.divergence_factor)
     errors = [e if math.isfinite(e) else 0.0 for e in errors] if errors is not None else [0.0] * len(losses)
     reasons, stalled = [], []
+    relapsed = progress and _all_relapsed(history, losses, errors, bad)
     for g, loss in enumerate(losses):
         start = history.start[g] + NOISE_Z * history.start_error[g]  # the starting level's upper bound
         previous, low = history.previous[g], loss - NOISE_Z * errors[g]  # this interval's lower bound
         at_start = (progress and not bad[g] and math.isfinite(start) and loss >= floor * start
                     and _left_start(history, g, loss))
         rose = (progress and rule.rise_margin is not None and math.isfinite(previous)
-                and (low > (1 + rule.rise_margin) * previous or _relapsed(history, g, previous, low)))
+                and (low > (1 + rule.rise_margin) * previous or relapsed))
         stalled.append(history.stalled[g] + 1 if at_start else 0)
         if bad[g]:
             reasons.append("non-finite")
