@@ -24,8 +24,8 @@ arXiv 2501.18512; its reference is also ``θ_global_new``):
   worker would have taken by ``O(lr · τ · ‖∇²L‖ · ‖θ_local_at_send − θ_global_new‖)``, the same kind of delay
   that asynchronous pushes already carry, and what "eager updates" (Kale et al., arXiv 2502.12996) rely on when
   they apply local progress before the global one arrives. That gap is not small when the outer step is
-  conservative (the default outer lr, 0.163 since issue 42, moves the global model a sixth of the way to the
-  workers' mean before momentum): the overlapped steps then start further along than the global model, where the
+  conservative (the default outer lr, 0.375 since issue 60, 0.163 before, moves the global model a third of the way
+  to the workers' mean before momentum): the overlapped steps then start further along than the global model, where the
   gradients differ; measured (at 0.339), the loss at a fixed budget grows with ``τ / H``
   (``benchmarks/overlap_link.py``, ``docs/async.md``).
 
