@@ -96,8 +96,8 @@ def repeat(optimizer: str, schedule: str) -> tuple[str, ...]:
 
 # Issue 59's other baselines on the AdamW-constant repeating cells, beside untuned, lr_find and HDET in one run
 # (the grid is the adamw_constant part's): Optuna TPE, Ray Tune's PBT (seed 0 only, as benchmark 2's table),
-# Prodigy, schedule-free AdamW. One seed and start took 1.3 min without PBT and PBT ~95 s an arm at load 3-11
-# (2026-12-06): ~35 min.
+# Prodigy, schedule-free AdamW. One seed and start took 1.3 min without PBT and PBT ~95 s an arm at load 3-11; the
+# part took 46.5 min at load 11-18 (2026-12-06; 14.2 CPU-min counted, Ray's workers not among them).
 def repeat_baselines() -> tuple[str, ...]:
     return search("search_repeat_baselines", ("untuned", "optuna_tpe", "pbt", "prodigy", "schedulefree", "lr_find"),
                   ("defaults",), "--optimizer", "adamw", "--schedule", "constant", "--pbt-seeds", "1", *REPEAT_ARGS)
@@ -192,14 +192,13 @@ PARTS = (
     Part("search_repeat_sgd_constant", "search_baselines.py", repeat("sgd", "constant"), minutes=30, full=True),
     Part("search_repeat_adamw_cosine", "search_baselines.py", repeat("adamw", "cosine"), minutes=33, full=True),
     Part("search_repeat_sgd_cosine", "search_baselines.py", repeat("sgd", "cosine"), minutes=30, full=True),
-    Part("search_repeat_baselines", "search_baselines.py", repeat_baselines(), minutes=35, full=True,
+    Part("search_repeat_baselines", "search_baselines.py", repeat_baselines(), minutes=46, full=True,
          code=("benchmarks/search_pbt.py",)),
-    # at 8 processes, one part per workload: tabular AdamW took 2.5 min (2026-12-06), shapes about twice its 13 min
-    # (AdamW) and 8 min (SGD) at 4
+    # at 8 processes, one part per workload: measured at load 12-21 from other jobs (2026-12-06)
     *(Part(f"search_repeat_{opt}_constant_{w}_w8", "search_baselines.py", repeat_w8(opt, w), minutes=minutes,
            full=True)
-      for opt, w, minutes in (("sgd", "tabular_small", 3), ("adamw", "shapes_small", 26), ("sgd", "shapes_small", 16),
-                              ("adamw", "tabular_small", 3))),
+      for opt, w, minutes in (("sgd", "tabular_small", 7), ("adamw", "shapes_small", 22), ("sgd", "shapes_small", 12),
+                              ("adamw", "tabular_small", 7))),
     Part("async_published", "async_published.py", ASYNC_ARGS, minutes=13, full_size=ASYNC_FULL_SIZE),
     Part("async_published_methods", "async_published.py", ("--name", "async_published_methods"), minutes=30,
          full=True),
