@@ -109,12 +109,14 @@ def main() -> None:
     jobs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--job", str(i), "--lighthouse",
                               lighthouse.address(), "--steps", str(args.steps), "--barrier", str(barrier),
                               *(["--kill"] if args.kill_one and i == JOBS - 1 else [])],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(JOBS)]
     try:
         for i, p in enumerate(jobs):
-            out, _ = p.communicate(timeout=600)
-            print(out.strip().splitlines()[-1] if p.returncode == 0 else f"job {i}: ended with {p.returncode}")
+            out, err = p.communicate(timeout=600)
+            last = (err.strip().splitlines() or [""])[-1]  # a job that failed says why (its last line)
+            print(out.strip().splitlines()[-1] if p.returncode == 0 else f"job {i}: ended with {p.returncode}"
+                  + (f" ({last})" if p.returncode > 0 else ""))
     finally:
         for p in jobs:
             p.kill()
