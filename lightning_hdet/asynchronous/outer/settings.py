@@ -16,7 +16,7 @@ from lightning_hdet.asynchronous.outer.state import OuterState, check_stagger
 
 MODES = ("async", "sync")
 #: The options only async mode uses, and their defaults there.
-_ASYNC_ONLY: dict[str, Any] = {"dynamic_local_steps": True, "grace_period": 0.0}
+ASYNC_ONLY: dict[str, Any] = {"dynamic_local_steps": True, "grace_period": 0.0}
 _WHY_NOT_SYNC = {
     "dynamic_local_steps": "every round is `local_steps` long, since each outer step waits for every worker.",
     "grace_period": "each outer step already waits for every worker's push.",
@@ -45,7 +45,7 @@ class OuterSettings(KnownArguments):
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
-        for name, default in _ASYNC_ONLY.items():
+        for name, default in ASYNC_ONLY.items():
             value = getattr(self, name)
             if self.mode == "sync" and value is not None:  # recorded as in force while doing nothing: refused
                 raise ValueError(f"`{name}={value!r}` has no effect with mode='sync' (DiLoCo): {_WHY_NOT_SYNC[name]}"

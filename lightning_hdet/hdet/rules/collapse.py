@@ -76,6 +76,11 @@ class CollapseHistory:
         return CollapseHistory([NAN] * num_groups, [NAN] * num_groups, [0] * num_groups, [0.0] * num_groups,
                                [False] * num_groups)
 
+    def band(self, g: int) -> tuple[float, float]:
+        """Group ``g``'s starting level less and plus ``NOISE_Z`` standard errors (NaN where the level is unknown)."""
+        half = NOISE_Z * self.start_error[g]
+        return self.start[g] - half, self.start[g] + half
+
     def state_dict(self) -> dict:
         return {"start": list(self.start), "previous": list(self.previous), "stalled": list(self.stalled),
                 "start_error": list(self.start_error), "left": list(self.left)}
@@ -117,8 +122,7 @@ def _all_relapsed(history: CollapseHistory, losses: Sequence[float], errors: Seq
     winner's model. A single group's relapse is left to the other rules (rescuing it at once cost more than it
     saved from 40x too high: research log, issue 59)."""
     for g, loss in enumerate(losses):
-        edge = history.start[g] - NOISE_Z * history.start_error[g]
-        previous = history.previous[g]
+        edge, previous = history.band(g)[0], history.previous[g]
         if bad[g] or not (math.isfinite(edge) and edge > 0 and math.isfinite(previous)):
             return False
         if not (previous < (1 - RELAPSE_DEPTH) * edge and loss - NOISE_Z * errors[g] >= edge):
@@ -153,7 +157,7 @@ def judge(
     reasons, stalled = [], []
     relapsed = progress and _all_relapsed(history, losses, errors, bad)
     for g, loss in enumerate(losses):
-        start = history.start[g] + NOISE_Z * history.start_error[g]  # the starting level's upper bound
+        start = history.band(g)[1]  # the starting level's upper bound
         previous, low = history.previous[g], loss - NOISE_Z * errors[g]  # this interval's lower bound
         at_start = (progress and not bad[g] and math.isfinite(start) and loss >= floor * start
                     and _left_start(history, g, loss))
@@ -218,7 +222,7 @@ def rose_above_start(history: CollapseHistory, losses: Sequence[float]) -> bool:
     not)."""
     for g, loss in enumerate(losses):
         if g < len(history.start) and g < len(history.start_error) and math.isfinite(history.start[g]):
-            if not loss <= history.start[g] + NOISE_Z * history.start_error[g]:
+            if not loss <= history.band(g)[1]:
                 return True
     return False
 
@@ -228,7 +232,7 @@ def has_progressed(history: CollapseHistory, group: int, loss: float) -> bool:
     level is unknown)."""
     if group >= len(history.start) or group >= len(history.start_error):
         return True
-    start = history.start[group] - NOISE_Z * history.start_error[group]
+    start = history.band(group)[0]
     return not math.isfinite(start) or loss < start
 
 
