@@ -52,18 +52,21 @@ class ExchangeStates(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # The first step end that counts exchange k is the step of that exchange: its state is the one right after
         # it. (Keyed by the count, not by `steps_in_round == 0`: the exchange whose reply says stop, at the last
-        # step, need not start a new round, and async runs hit it at a varying step.)
-        worker = trainer.strategy._exchange.worker
-        if worker.exchanges not in self.after:
-            self.after[worker.exchanges] = copy.deepcopy(trainer.optimizers[0].state_dict())
+        # step, need not start a new round, and async runs hit it at a varying step.) A step can hold two exchanges
+        # (the push whose reply says stop, then the leaving push, nothing trained between): every count not seen
+        # yet up to this one is of this state.
+        self._record(trainer.strategy._exchange.worker.exchanges, trainer.optimizers[0].state_dict())
+
+    def _record(self, upto: int, state: dict[str, Any]) -> None:
+        for count in range(max(self.after, default=0) + 1, upto + 1):
+            self.after[count] = copy.deepcopy(state)
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         worker = trainer.strategy._exchange.worker
         state = trainer.optimizers[0].state_dict()
         # An exchange at the very last step (its reply said stop) is seen by no step end: its state is this one, as
         # is that of the push a worker makes when leaving (how the run ends depends on timing under load).
-        for count in (worker.exchanges, worker.exchanges + 1):
-            self.after.setdefault(count, copy.deepcopy(state))
+        self._record(worker.exchanges + 1, state)
         torch.save({"start": self.start, "after": self.after}, self.out / f"rank{trainer.global_rank}.pt")
 
 
