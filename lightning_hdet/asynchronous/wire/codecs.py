@@ -1,15 +1,7 @@
-"""Pseudo-gradient codecs: fewer bytes per push. Pure tensor code: no Lightning, no process groups.
-
-A push carries the pseudo-gradient ``theta_pulled - theta_local`` of the parameters as one flat ``float32``
-vector. A codec (one object: :class:`NoCodec`, :class:`BF16`, :class:`Int8`, :class:`TopK`) turns it into a flat
-``uint8`` message of a size fixed by the model's layout (so the receiver can allocate it before the bytes arrive)
-and back. ``compression="int8"`` and the other strings are presets (:data:`CODEC_PRESETS`, the one place a codec has
-a name). A new codec is one subclass of :class:`Codec` (``nbytes``, ``_encode``, ``_decode``) plus its test.
-
-:class:`ErrorFeedback` keeps what the codec lost (``residual = sent - decoded``) on the worker and adds it to
-the next push, so that nothing is lost for good: the decoded pushes sum to the true ones minus the current
-residual.
-"""
+"""Pseudo-gradient codecs (pure tensor code): a flat ``float32`` vector to a ``uint8`` message whose size the
+layout fixes (the receiver allocates it before the bytes arrive), and back. Strings are presets
+(:data:`CODEC_PRESETS`); a new codec is one subclass of :class:`Codec` plus its test. :class:`ErrorFeedback` adds
+what the codec lost to the next push."""
 
 from __future__ import annotations
 
@@ -32,17 +24,9 @@ _SCALE_BYTES = 4  # one float32 per row
 
 @dataclass(frozen=True)
 class Codec(KnownArguments):
-    """Base of the codecs: a frozen dataclass whose fields are its options (checked in ``__post_init__``), bound to a
-    layout by :meth:`bind` (a copy that knows :attr:`numel`), with its own :attr:`nbytes`, :meth:`encode` and
-    :meth:`decode`. What the exchange asks of a codec besides those:
-
-    * ``raw``: its messages are the ``float32`` values' own bytes (views, nothing copied, nothing lost: no error
-      feedback, and a pull lands straight in place);
-    * ``sends_changes``: as ``pull_compression``, a pull sends the public model's changes since the worker's last
-      pull in this codec (:mod:`~..exchange.public_model`) instead of the parameters themselves;
-    * ``sparse``: once bound, the :class:`SparseLayout` of a codec whose messages add into a vector (``None``: not
-      sparse), which SparseLoCo's round changes forward.
-    """
+    """Base of the codecs: a frozen dataclass of its options, bound to a layout by :meth:`bind`. ``raw``: messages
+    are the values' own bytes (views, lossless); ``sends_changes``: as a pull codec it sends the public model's
+    changes (:mod:`~..exchange.public_model`); ``sparse``: once bound, the :class:`SparseLayout` of a sparse codec."""
 
     raw: ClassVar[bool] = False
     sends_changes: ClassVar[bool] = False
@@ -57,11 +41,11 @@ class Codec(KnownArguments):
         return bound
 
     def _layout(self, shapes: Sequence[torch.Size]) -> None:
-        """What a codec keeps about its layout (set with ``object.__setattr__``: the object is frozen)."""
+        """What a codec keeps about its layout (``object.__setattr__``: frozen)."""
 
     @property
     def nbytes(self) -> int:
-        """The size of every message: what one push of the vector costs on the wire."""
+        """The size of every message."""
         raise NotImplementedError
 
     def options(self) -> dict[str, Any]:
@@ -70,24 +54,18 @@ class Codec(KnownArguments):
 
     @torch.no_grad()
     def encode(self, flat: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        """The message for ``flat`` (``float32``, on the host), written into ``out`` when given (a raw codec returns
-        a view of ``flat`` itself)."""
+        """The message for ``flat`` (``float32``, host), into ``out`` when given (raw: a view of ``flat``)."""
         if flat.numel() != self.numel or flat.dtype != torch.float32:
             raise ValueError(f"The codec expects {self.numel} float32 values, got {flat.numel()} {flat.dtype}.")
         return self._encode(flat, torch.empty(self.nbytes, dtype=torch.uint8) if out is None and not self.raw else out)
 
     @torch.no_grad()
     def decode(self, message: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        """The ``float32`` vector a message stands for, written into ``out`` when given (a raw codec without ``out``
-        returns a view of the message itself)."""
+        """The ``float32`` vector of a message, into ``out`` when given (raw without ``out``: a view)."""
         if message.numel() != self.nbytes or message.dtype != torch.uint8:
             raise ValueError(f"A {self!r} message has {self.nbytes} bytes, got {message.numel()} {message.dtype}.")
         return self._decode(message, torch.empty(self.numel, dtype=torch.float32) if out is None and not self.raw
                             else out)
-
-    def read(self, message: Tensor, scratch: Tensor) -> Tensor:
-        """The values of ``message``: decoded into ``scratch`` (its first :attr:`numel`), or a view (raw)."""
-        return self.decode(message, scratch[: self.numel])
 
     def _encode(self, flat: Tensor, out: Tensor) -> Tensor:
         raise NotImplementedError
@@ -105,9 +83,6 @@ class NoCodec(Codec):
     @property
     def nbytes(self) -> int:
         return 4 * self.numel
-
-    def read(self, message: Tensor, scratch: Tensor) -> Tensor:
-        return self.decode(message)
 
     def _encode(self, flat: Tensor, out: Optional[Tensor]) -> Tensor:
         return flat.contiguous().view(torch.uint8)
@@ -135,9 +110,7 @@ class BF16(Codec):
 @dataclass(frozen=True)
 class Int8(Codec):
     """Symmetric 8-bit with one ``float32`` scale ``absmax / 127`` per row (as torchft's DiLoCo and Streaming
-    DiLoCo, arXiv 2501.18512, quantize outer gradients row-wise). A row is the last dimensions of a tensor with two or
-    more dimensions (``shape[0]`` rows), and a chunk of ``chunk`` values of a flat one (biases, norms). Each value is
-    off by at most half its row's scale, ``absmax / 254``. As a pull codec it sends the public model's changes.
+    DiLoCo quantize row-wise); a flat tensor's rows are chunks of ``chunk`` values. As a pull codec: changes.
 
     Args:
         chunk: values per scale of flat tensors.
@@ -189,12 +162,9 @@ class Int8(Codec):
 
 @dataclass(frozen=True)
 class TopK(Codec):
-    """Sparse and low-bit, after SparseLoCo (arXiv 2508.15706): the vector is cut into chunks of
-    :data:`SPARSE_CHUNK` values, each sends its ``fraction`` largest-magnitude values (at least one) as 16-bit
-    positions within the chunk and ``bits``-bit levels of one ``float32`` scale per chunk; the rest is zero. At the
-    default fraction (1/64) about 0.28 (2 bits) or 0.31 (4 bits) bytes per 8 values: 110x / 100x fewer than float32.
-    Only with error feedback is nothing lost for good (the values not sent wait in the residual). As a pull codec
-    it sends changes, and only under SparseLoCo (:mod:`~..outer.sparseloco`), whose changes are exactly sparse.
+    """Sparse and low-bit, after SparseLoCo (arXiv 2508.15706): each chunk of :data:`SPARSE_CHUNK` values sends its
+    ``fraction`` largest-magnitude values as 16-bit positions and ``bits``-bit levels of one scale (1/64, 2 bits:
+    110x fewer bytes than float32). Needs error feedback; as a pull codec only under SparseLoCo.
 
     Args:
         fraction: the share of each chunk's values sent, in (0, 1].
@@ -233,8 +203,7 @@ _CODEC_CLASSES = {cls.__name__: cls for cls in (NoCodec, BF16, Int8, TopK)}
 
 
 def codec_from(value: Any, name: str = "compression") -> Codec:
-    """A codec object from what a user gave ``name``: a :class:`Codec` (as it is), a preset name
-    (:data:`CODEC_PRESETS`), or :meth:`Codec.options` (what an elastic service publishes)."""
+    """A codec object from a :class:`Codec`, a preset name or :meth:`Codec.options` (an elastic service's)."""
     if isinstance(value, Codec):
         return value
     if isinstance(value, Mapping) and value.get("codec") in _CODEC_CLASSES:
@@ -246,11 +215,8 @@ def codec_from(value: Any, name: str = "compression") -> Codec:
 
 
 def check_codecs(push: Codec, pull: Codec, error_feedback: object, forwards_rounds: bool = False) -> bool:
-    """The strategy's ``compression`` / ``pull_compression`` / ``error_feedback`` together (raises the package's
-    ``ValueError``); returns whether error feedback is in force. ``error_feedback=None``: on with every codec that
-    loses values; given with a raw codec, which loses nothing, it is refused (it would do nothing).
-    ``forwards_rounds``: the outer update's changes are the rounds' sparse pushes (SparseLoCo), the only ones sparse
-    pulls follow."""
+    """``compression`` / ``pull_compression`` / ``error_feedback`` together; returns whether error feedback is in
+    force (``None``: on with every lossy codec). ``forwards_rounds``: SparseLoCo, the only step sparse pulls follow."""
     if pull.sends_changes and isinstance(pull, TopK):
         require("pull_compression", pull, forwards_rounds, "NoCodec(), BF16() or Int8() without SparseLoCo", "Under a"
                 " dense outer step every value changes each round, so sparse changes let the workers' model fall"
@@ -270,9 +236,8 @@ def check_codecs(push: Codec, pull: Codec, error_feedback: object, forwards_roun
 
 
 def row_layout(shapes: Sequence[torch.Size], chunk: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:
-    """``(offset, rows, row_length)`` segments covering the flat concatenation of tensors of ``shapes``: a tensor
-    with two or more dimensions has ``shape[0]`` rows; a flat one is cut into chunks of ``chunk`` values (the last
-    one shorter, as its own segment). Empty tensors take no segment."""
+    """``(offset, rows, row_length)`` segments covering the flat tensors of ``shapes``: ``shape[0]`` rows of a 2-D+
+    tensor, chunks of ``chunk`` values of a flat one (the last shorter, its own segment)."""
     check_int("chunk", chunk, minimum=1)
     segments = []
     offset = 0
@@ -291,13 +256,9 @@ def row_layout(shapes: Sequence[torch.Size], chunk: int = DEFAULT_CHUNK) -> list
 
 
 class SparseLayout:
-    """The sparse codecs' message for ``numel`` values: chunks of :data:`SPARSE_CHUNK` values (the last shorter),
-    ``k = max(1, floor(length * fraction))`` kept per chunk. The message holds every chunk's ``float32`` scale, then
-    every kept value's ``int16`` position within its chunk, then the kept values' ``bits``-bit levels, packed.
-
-    A level ``q`` in ``[0, 2**bits)`` stands for ``(q - (2**bits - 1) / 2) * scale`` with ``scale = absmax /
-    ((2**bits - 1) / 2)``: symmetric levels without zero (a kept value is a large one), the largest exact.
-    """
+    """The sparse message for ``numel`` values: per chunk ``k = max(1, floor(length * fraction))`` kept; every
+    chunk's ``float32`` scale, every kept value's ``int16`` position, then the ``bits``-bit levels, packed. Level
+    ``q`` stands for ``(q - half) * scale``, ``half = (2**bits - 1) / 2``: symmetric, no zero, the largest exact."""
 
     def __init__(self, numel: int, bits: int, fraction: float = 1 / 64) -> None:
         self.numel, self.bits = numel, bits
@@ -380,11 +341,8 @@ def _unpack(packed: Tensor, bits: int, count: int) -> Tensor:
 
 
 class ErrorFeedback:
-    """A worker's codec with error feedback: each push sends ``codec(g + residual)`` and keeps
-    ``residual = g + residual - decoded`` for the next one (none for a raw codec, which loses nothing). A push that
-    travels in fragments encodes each with its own codec and the matching slice of the residual
-    (:meth:`encode_part`). With ``decay`` below 1 each push sends ``codec(g + decay * residual)`` instead:
-    SparseLoCo's accumulator, which stands in for the outer momentum (:mod:`~..outer.sparseloco`).
+    """A worker's codec with error feedback: each push sends ``codec(g + decay * residual)`` and keeps
+    ``residual = sent - decoded`` (none for a raw codec). ``decay < 1`` is SparseLoCo's accumulator.
 
     Args:
         codec: the whole push's codec, bound to the whole model (:meth:`Codec.bind`).
@@ -400,14 +358,12 @@ class ErrorFeedback:
         self._decoded = torch.empty(0, dtype=torch.float32)
 
     def encode(self, pseudo_gradient: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        """The message for this push. Adds the residual to ``pseudo_gradient`` in place (the caller's push buffer,
-        which is rebuilt every round) to avoid a model-sized temporary."""
+        """The message for this push (``pseudo_gradient`` changed in place: no model-sized temporary)."""
         return self.encode_part(self.codec, pseudo_gradient, 0, out)
 
     @torch.no_grad()
     def encode_part(self, codec: Codec, values: Tensor, start: int, out: Optional[Tensor] = None) -> Tensor:
-        """The message for the values ``[start, start + codec.numel)`` of this push (``values``, changed in
-        place like :meth:`encode`), with that slice of the residual."""
+        """The message for values ``[start, start + codec.numel)`` of this push, with that slice of the residual."""
         if not self.enabled:
             return codec.encode(values, out)
         residual = self.residual[start : start + codec.numel]
@@ -430,6 +386,6 @@ class ErrorFeedback:
 
 
 def codec_numbers(name: str, codec: Codec) -> dict[str, Any]:
-    """A codec's class and options under ``name`` (the run config: ``compression``, ``compression/bits``, ...)."""
+    """A codec's class and options under ``name`` (the run config)."""
     options = codec.options()
     return {name: options.pop("codec"), **{f"{name}/{k}": v for k, v in options.items()}}

@@ -1,7 +1,5 @@
-"""Every worker and rank 0's server in one process: the exchange's real messages (headers, encoded fragments,
-buffers, inner state, in wire order) copied through queues, with no process group. One process then runs whole
-rounds: rank 0's exchange (outer state and server) and the other workers' exchanges, each worker in its own thread
-where its wait would block the others (DiLoCo waits for every push). Pure: no Lightning, no process groups.
+"""Every worker and rank 0's server in one process: the exchange's real messages, in wire order, copied through
+queues (no process group), so one process runs whole rounds (each worker in its own thread where it would block).
 
     network = MemoryTransport()
     exchanges = [Exchange(module, cpu, (), W, 60, outer=outer if w == 0 else None,
@@ -30,19 +28,14 @@ from lightning_hdet.asynchronous.wire.transport import (
 
 
 class MemoryTransport(Transport):
-    """Queues between the workers and the server of one process; it counts the bytes each way, by worker. It holds
-    the queues themselves, so it serves one process only (it is not picklable: not for a launched strategy).
-
-    Args:
-        timeout: seconds any end waits for a message before it raises :class:`TimeoutError`.
-    """
+    """Queues between the workers and the server of one process (not picklable), counting the bytes each way by
+    worker (:attr:`bytes`: ``"push"`` and ``"reply"``); an end waits ``timeout`` seconds, then raises."""
 
     def __init__(self, timeout: float = 60.0) -> None:
         self.timeout = timeout
         self._arrivals: queue.Queue[int] = queue.Queue()  # a worker whose push's header is on its way
         self._boxes: dict[tuple[str, int], queue.Queue[Tensor]] = {}
         self._lock = threading.Lock()
-        #: Bytes sent so far, by worker: its pushes (``"push"``) and the server's replies to it (``"reply"``).
         self.bytes: dict[str, Counter[int]] = {"push": Counter(), "reply": Counter()}
 
     def server_end(self, link: Link) -> ServerTransport:
@@ -52,12 +45,12 @@ class MemoryTransport(Transport):
         return MemoryWorkerEnd(self, link.layout, worker)
 
     def put(self, way: str, worker: int, tensor: Tensor) -> None:
-        """Send a copy of ``tensor`` one ``way`` (``"push"`` or ``"reply"``) for ``worker``: the sender reuses it."""
+        """Send a copy of ``tensor`` one ``way`` for ``worker`` (the sender reuses it)."""
         self.bytes[way][worker] += tensor.numel() * tensor.element_size()
         self._box(way, worker).put(tensor.detach().clone())
 
     def take(self, way: str, worker: int, into: Tensor) -> None:
-        """The next tensor sent ``way`` for ``worker``, into ``into`` (as many bytes; the type may differ)."""
+        """The next tensor sent ``way`` for ``worker``, into ``into`` (as many bytes)."""
         try:
             message = self._box(way, worker).get(timeout=self.timeout)
         except queue.Empty:
@@ -69,15 +62,6 @@ class MemoryTransport(Transport):
                                f" receiver expected {received.numel()} bytes: the ends disagree on the layout")
         received.copy_(sent)
 
-    def announce(self, worker: int) -> None:
-        """A push of ``worker`` starts: the server's next :meth:`MemoryServerEnd.receive` may take it."""
-        self._arrivals.put(worker)
-
-    def next_arrival(self) -> int:
-        try:
-            return self._arrivals.get(timeout=self.timeout)
-        except queue.Empty:
-            raise TimeoutError(f"the server waited over {self.timeout} s for a push") from None
 
     def _box(self, way: str, worker: int) -> queue.Queue[Tensor]:
         with self._lock:
@@ -88,7 +72,7 @@ class MemoryTransport(Transport):
 
 
 class MemoryWorkerEnd(StreamWorkerTransport):
-    """A worker's end in this process: its push, tensor by tensor, into its queue; its pull from its own."""
+    """A worker's end in this process."""
 
     def __init__(self, network: MemoryTransport, layout: Fragments, worker: int) -> None:
         super().__init__(layout, worker)
@@ -96,7 +80,7 @@ class MemoryWorkerEnd(StreamWorkerTransport):
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
-        self.network.announce(self.worker)
+        self.network._arrivals.put(self.worker)  # the server's next receive may take it
         super().push(header, messages, buffers, inner_state)
 
     def send(self, tensor: Tensor) -> None:
@@ -107,14 +91,17 @@ class MemoryWorkerEnd(StreamWorkerTransport):
 
 
 class MemoryServerEnd(ServerTransport):
-    """Rank 0's end in this process: pushes in the order they started, replies into each worker's queue."""
+    """Rank 0's end in this process: pushes in the order they started."""
 
     def __init__(self, network: MemoryTransport, layout: Fragments, n_buffers: int) -> None:
         self.network, self.layout, self.n_buffers = network, layout, n_buffers
         self._received = receive_buffer(layout)
 
     def receive(self) -> tuple[Push, Iterator[Tensor]]:
-        worker = self.network.next_arrival()
+        try:
+            worker = self.network._arrivals.get(timeout=self.network.timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the server waited over {self.network.timeout} s for a push") from None
 
         def recv(tensor: Tensor) -> None:
             self.network.take("push", worker, tensor)
@@ -128,5 +115,4 @@ class MemoryServerEnd(ServerTransport):
 
 
 def _bytes(tensor: Tensor) -> Tensor:
-    """A contiguous tensor's bytes, as a flat ``uint8`` view (written in place through it)."""
     return tensor.view(-1).view(torch.uint8)

@@ -1,21 +1,9 @@
-"""The transport a strategy is given (``AsyncLocalSGDStrategy(transport=...)``): what carries the exchange's messages
-between the workers and rank 0's server. This is the place another engine's transport goes.
-
-A :class:`Transport` is a factory: it holds no connection itself (it crosses the launcher to every process with the
-strategy) and, once the strategy's process groups exist, builds the two ends the exchange uses: rank 0's
-:class:`~.transport.ServerTransport` for the remote workers and each remote worker's
-:class:`~.transport.WorkerTransport`. Rank 0's own worker talks to its server in process
-(:class:`~.transport.InProcessTransport`); :meth:`Transport.local_end` may wrap that end (a slow link does).
-
-* :class:`PointToPoint` (the default): point-to-point ``send`` / ``recv`` over the strategy's two ``gloo`` groups.
-* :class:`~.memory.MemoryTransport`: every worker and the server in one process, through queues (tests).
-* :class:`~lightning_hdet.testing.SlowLink`: any transport, as slow as a link of a given bandwidth and latency.
-
-What an end carries is fixed by :mod:`.messages` (headers, fragments in their codecs, buffers, inner state) and the
-order by :func:`~.transport.send_push` / :func:`~.transport.send_reply`: an end over another engine (e.g. a
-fault-tolerant collective library) implements ``push`` / ``pull`` (worker) and ``receive`` / ``reply`` (server) on
-its own point-to-point calls, reusing those functions for the byte order. Every tensor an end sees is on the host
-(pinned on CUDA): the worker reads the model into host buffers before it pushes, so an end never syncs a device.
+"""The transport a strategy is given (``transport=...``), where another engine's goes: a picklable factory that,
+once the strategy's groups exist, builds rank 0's :class:`~.transport.ServerTransport` and each remote worker's
+:class:`~.transport.WorkerTransport` (:class:`PointToPoint`, the default; :class:`~.memory.MemoryTransport`;
+:class:`~lightning_hdet.testing.SlowLink`). An end over another engine implements ``push`` / ``pull`` and
+``receive`` / ``reply`` on its own point-to-point calls, reusing :func:`~.transport.send_push` and friends for the
+byte order. Every tensor an end sees is on the host, so an end never syncs a device.
 """
 
 from __future__ import annotations
@@ -35,33 +23,17 @@ from lightning_hdet.asynchronous.wire.transport import (
 
 @dataclass(frozen=True)
 class Link:
-    """What a :class:`Transport` builds an end from, once the strategy's groups exist.
-
-    Args:
-        layout: the model's fragments and their codecs (the same on every worker and at the server).
-        n_buffers: float32 buffer values that follow the parameters in a push and a reply.
-        groups: the strategy's two ``gloo`` groups over every rank (pushes, replies); a transport that does not
-            run on process groups ignores them (``()`` in one process).
-        ranks_per_worker: ranks in a worker; worker ``w``'s leader, the rank that pushes and pulls, is
-            ``w * ranks_per_worker``.
-    """
+    """What a :class:`Transport` builds an end from: the fragments and codecs, the float buffer values, the
+    strategy's two ``gloo`` groups (pushes, replies; ``()`` in one process) and the ranks per worker."""
 
     layout: Fragments
     n_buffers: int
     groups: tuple[Any, ...] = ()
     ranks_per_worker: int = 1
 
-    def leader(self, worker: int) -> int:
-        """The global rank that exchanges for ``worker``."""
-        return worker * self.ranks_per_worker
-
 
 class Transport(ABC):
-    """How the exchange's messages travel: builds rank 0's end for the remote workers and each remote worker's end.
-
-    Built ends are closed by the exchange when it ends (:meth:`~.transport.WorkerTransport.close`); a transport
-    itself must stay picklable (it crosses spawn with the strategy) and holds no connection.
-    """
+    """Builds rank 0's end for the remote workers and each remote worker's end (picklable; holds no connection)."""
 
     @abstractmethod
     def server_end(self, link: Link) -> ServerTransport:
@@ -80,9 +52,8 @@ class Transport(ABC):
 
 
 class PointToPoint(Transport):
-    """The default transport: point-to-point messages to and from rank 0 over the strategy's two ``gloo`` groups
-    (one for pushes, one for replies, so that rank 0's receiving and replying threads never share a group). The
-    tensors are host copies (pinned on CUDA): the groups are ``gloo`` whatever the training backend is."""
+    """The default: point to point to and from rank 0 over two ``gloo`` groups (pushes, replies: rank 0's receiving
+    and replying threads never share one), whatever the training backend."""
 
     def server_end(self, link: Link) -> ServerTransport:
         return GlooServerTransport(*link.groups, link.layout, link.n_buffers, ranks_per_worker=link.ranks_per_worker)
@@ -92,7 +63,7 @@ class PointToPoint(Transport):
 
 
 def check_transport(transport: Any) -> Transport:
-    """``transport`` (``None``: :class:`PointToPoint`), refused unless it is a :class:`Transport`."""
+    """``transport`` (``None``: :class:`PointToPoint`), refused unless a :class:`Transport`."""
     if transport is None:
         return PointToPoint()
     if not isinstance(transport, Transport):

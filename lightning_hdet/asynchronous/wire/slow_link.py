@@ -1,14 +1,6 @@
-"""An emulated slow link: a worker transport that takes as long as its bytes would on a link of a given bandwidth
-and latency (:class:`LimitedTransport`), and the transport wrapper that puts it on chosen workers' ends over any
-other transport (:class:`LimitedLink`, the base of :class:`~lightning_hdet.testing.SlowLink`). Pure: no Lightning,
-no process groups.
-
-A blocking exchange over a slow link holds its worker for ``latency + bytes * 8 / bits_per_s`` each way; this
-wrapper makes the worker wait that long after the real (fast, loopback) transport returned, so wall-clock on one
-machine reads as it would between sites. Counted: the header, the encoded fragments, the buffers and the inner
-state of a push; the header and, unless it says stop, what the reply carries (the pulled model in its codec, or
-the public model's changes) and the buffers.
-"""
+"""An emulated slow link (the base of :class:`~lightning_hdet.testing.SlowLink`): after the real transport
+returns, the worker waits ``latency + bytes * 8 / bits_per_s`` each way for every byte a push and a reply carry, so
+wall-clock on one machine reads as it would between sites."""
 
 from __future__ import annotations
 
@@ -32,23 +24,14 @@ def check_link(bits_per_s: float, latency_s: float) -> None:
 
 
 class LimitedTransport(WorkerTransport):
-    """``inner``, as slow as a link of ``bits_per_s`` and ``latency_s`` (one way) would make it.
-
-    Args:
-        inner: the worker's real transport.
-        bits_per_s: the link's bandwidth, in bits per second.
-        latency_s: seconds added to every message, each way.
-        reply_bytes: bytes a reply carries after its header (the parameters in their pull codec, or the changes its
-            header counts, plus the float32 buffers).
-        sleep: waits the given seconds (injected so tests need no clock).
-    """
+    """``inner``, as slow as a link of ``bits_per_s`` and ``latency_s`` (one way); ``reply_bytes``: what a reply
+    carries after its header; ``sleep`` is injected so tests need no clock. :attr:`delay_s`: seconds added."""
 
     def __init__(self, inner: WorkerTransport, bits_per_s: float, latency_s: float,
                  reply_bytes: Callable[[ServerHeader], int], sleep: Callable[[float], None] = time.sleep) -> None:
         check_link(bits_per_s, latency_s)
         self.inner, self.bits_per_s, self.latency_s, self.reply_bytes = inner, bits_per_s, latency_s, reply_bytes
         self.sleep = sleep
-        #: Seconds this link added, summed over the exchanges (what the worker waited beyond the real transport).
         self.delay_s = 0.0
 
     def _travel(self, nbytes: int) -> None:
@@ -78,16 +61,8 @@ class LimitedTransport(WorkerTransport):
 
 
 class LimitedLink(Transport):
-    """``inner``'s ends, each worker's in ``ranks`` as slow as a link of ``bits_per_s`` and ``latency_s`` makes it
-    (:class:`LimitedTransport`); the server's end is ``inner``'s.
-
-    Args:
-        bits_per_s: the link's bandwidth, in bits per second.
-        latency_s: seconds added to every message, each way.
-        ranks: the workers behind the slow link, by their leader's global rank (default: every worker but rank 0's,
-            which shares rank 0's process with the outer optimizer).
-        inner: the transport it slows (default :class:`~.network.PointToPoint`).
-    """
+    """``inner``'s ends (default :class:`~.network.PointToPoint`), each worker's whose leader is in ``ranks``
+    (default: all but rank 0's) behind a :class:`LimitedTransport`."""
 
     def __init__(self, bits_per_s: float, latency_s: float = 0.0, ranks: Sequence[int] | None = None,
                  inner: Transport | None = None) -> None:
@@ -100,7 +75,7 @@ class LimitedLink(Transport):
         return self.inner.server_end(link)
 
     def worker_end(self, link: Link, worker: int) -> WorkerTransport:
-        return self._slowed(self.inner.worker_end(link, worker), link, link.leader(worker))
+        return self._slowed(self.inner.worker_end(link, worker), link, worker * link.ranks_per_worker)
 
     def local_end(self, end: WorkerTransport, link: Link) -> WorkerTransport:
         return self._slowed(self.inner.local_end(end, link), link, 0)

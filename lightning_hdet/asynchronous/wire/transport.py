@@ -1,21 +1,7 @@
-"""How exchange messages travel: a small interface and its two implementations.
-
-* :class:`WorkerTransport` is a worker's end: :meth:`~WorkerTransport.push` one message (header, buffers, inner
-  state, then the pseudo-gradient's fragments as they are produced), then :meth:`~WorkerTransport.pull` the reply
-  into a flat host buffer.
-* :class:`ServerTransport` is the server's end for remote workers: :meth:`~ServerTransport.receive` the next
-  message from any of them (its fragments arrive one at a time, into one fragment-sized buffer),
-  :meth:`~ServerTransport.reply` to one, fragment by fragment.
-
-:class:`GlooWorkerTransport` / :class:`GlooServerTransport` carry them point to point over two ``gloo``
-process groups (one for pushes, one for replies, so that rank 0's receiver and server threads never share a
-group). Rank 0's own worker talks to its server through :class:`InProcessTransport` (queues, no copies over a
-network). Any other implementation of these two classes (the in-memory one of :mod:`.memory`, the elastic
-sessions', another engine's) plugs into :class:`~lightning_hdet.asynchronous.exchange.server.Server` and
-:class:`~lightning_hdet.asynchronous.exchange.worker.Worker` unchanged; :class:`StreamWorkerTransport` is a worker's
-end over any ordered stream of tensors. The strategy is given a :class:`~.network.Transport`, which builds the ends.
-The byte layout is in :mod:`~lightning_hdet.asynchronous.wire.messages`.
-"""
+"""The two ends of the exchange (:class:`WorkerTransport`, :class:`ServerTransport`), the wire order over any
+stream of tensors (:func:`send_push`, :func:`receive_reply`, ...), the ``gloo`` point-to-point ends and rank 0's
+in-process end. Any other implementation (:mod:`.memory`, the elastic sessions', another engine's) plugs into the
+server and worker unchanged; :mod:`.network` builds them."""
 
 from __future__ import annotations
 
@@ -39,16 +25,14 @@ class WorkerTransport(ABC):
     @abstractmethod
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
-        """Send one message: ``buffers`` (``float32`` values) and the encoded fragments ``messages`` (``uint8``,
-        produced one at a time; each may be overwritten once the next is asked for) when ``header.steps > 0``,
-        ``inner_state`` when ``header.inner_state_bytes > 0``."""
+        """Send one message (``messages``: encoded fragments, each may be overwritten once the next is asked for)."""
 
     @abstractmethod
     def pull(self, into: Tensor) -> ServerHeader:
         """Wait for the reply; unless it says stop, the global parameters then buffers land in ``into``."""
 
     def close(self) -> None:
-        """Let go of what carries the messages once the exchange has ended (nothing to release by default)."""
+        """Let go of what carries the messages once the exchange has ended."""
 
 
 class ServerTransport(ABC):
@@ -56,30 +40,25 @@ class ServerTransport(ABC):
 
     @abstractmethod
     def receive(self) -> tuple[Push, Iterator[Tensor]]:
-        """The next message from any remote worker (blocks): its :class:`Push` (header, buffers, inner state) and
-        an iterator over its encoded fragments, which must be consumed, each before the next, before the next
-        :meth:`receive`."""
+        """The next message from any remote worker and an iterator over its fragments (consume it first)."""
 
     @abstractmethod
     def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
-        """Answer ``worker``; the parameters' fragments ``params`` and the ``buffers`` travel only when
-        ``header.next_local_steps > 0``."""
+        """Answer ``worker`` (``params`` and ``buffers`` travel unless the header says stop)."""
 
     def close(self) -> None:
-        """Let go of what carries the messages once the exchange has ended (nothing to release by default)."""
+        """Let go of what carries the messages once the exchange has ended."""
 
 
 #: Takes a piece of a reply's global model: the reply, the piece's first index in the flat model, its values.
 Combine = Callable[[ServerHeader, int, Tensor], None]
-
-#: Sends one tensor to the peer / receives one tensor from it (a process group's point-to-point call).
 Send = Callable[[Tensor], None]
 Recv = Callable[[Tensor], None]
 
 
 def send_push(send: Send, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
               inner_state: Tensor | None) -> None:
-    """A push in wire order: the header, the buffers, the inner state, then the fragments as they are produced."""
+    """A push in wire order."""
     send(header.encode())
     for part in (buffers, inner_state):
         if part is not None:
@@ -90,8 +69,7 @@ def send_push(send: Send, header: WorkerHeader, messages: Iterable[Tensor], buff
 
 def receive_push(worker: int, header: WorkerHeader, recv: Recv, layout: Fragments, n_buffers: int,
                  received: Tensor) -> tuple[Push, Iterator[Tensor]]:
-    """The rest of a push whose ``header`` arrived: its buffers and inner state, and an iterator receiving its
-    fragments one at a time into ``received`` (one fragment-sized buffer, reused)."""
+    """The rest of a push whose ``header`` arrived, its fragments received one at a time into ``received``."""
     buffers = inner_state = None
     if header.steps > 0 and n_buffers:
         buffers = torch.empty(n_buffers, dtype=torch.float32)
@@ -111,7 +89,7 @@ def _fragments(recv: Recv, layout: Fragments, received: Tensor, part: int) -> It
 
 
 def send_reply(send: Send, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
-    """A reply in wire order: the header, then (unless it says stop) the parameters' fragments and the buffers."""
+    """A reply in wire order."""
     send(header.encode())
     if header.next_local_steps > 0:
         for part in params:
@@ -122,11 +100,9 @@ def send_reply(send: Send, header: ServerHeader, params: Iterable[Tensor], buffe
 
 def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor, scratch: Tensor | None = None,
                   own: tuple[int, Sequence[Tensor]] | None = None) -> ServerHeader:
-    """A reply: its header and, unless it says stop, the global parameters (each encoded fragment received into
-    ``message``, :meth:`~.messages.Fragments.pull_buffer`, and decoded into place; ``float32`` ones straight into
-    place) or the public model's changes (each decoded into ``scratch``, a buffer of the largest fragment, and added
-    to the version ``into`` holds), then buffers into ``into``. ``own``: this worker and its last push's messages
-    (:func:`keep_sent`), which fill the slot a forwarded round leaves out (:meth:`~.messages.Fragments.skips_own`)."""
+    """A reply into ``into``: the parameters (decoded through ``message``; float32 straight into place) or the
+    public model's changes (decoded into ``scratch``, added to ``into``), then the buffers. ``own``: this worker and
+    its last push's messages, for the slot a forwarded round leaves out (:meth:`~.messages.Fragments.skips_own`)."""
     raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
     recv(raw)
     header = ServerHeader.decode(raw)
@@ -143,7 +119,13 @@ def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor, 
                         recv(received)
                     part.add_(codec.decode(received, scratch[: codec.numel]))
         else:
-            _receive_params(recv, layout, into, message, header.part)
+            for i, values in zip(layout.indices(header.part), layout.split(into, header.part)):
+                codec = layout.pull_codecs[i]
+                if codec.raw:  # its messages are the values' own bytes: straight into place
+                    recv(values)
+                else:
+                    recv(message[: codec.nbytes])
+                    codec.decode(message[: codec.nbytes], values)
         if into.numel() > layout.numel:
             recv(into[layout.numel :])
     return header
@@ -151,8 +133,7 @@ def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor, 
 
 def _receive_around_own(recv: Recv, layout: Fragments, index: int, message: Tensor,
                         own: tuple[int, Sequence[Tensor]] | None) -> None:
-    """Fragment ``index`` of a round change that left out this worker's slot: the rest received around it, the
-    slot written with the bytes this worker pushed (those rank 0 forwarded to the others)."""
+    """Fragment ``index`` of a round change without this worker's slot, the slot filled with its own push."""
     if own is None:
         raise RuntimeError("A pull left out this worker's slot of the round, but its transport kept no push.")
     worker, sent = own
@@ -163,33 +144,19 @@ def _receive_around_own(recv: Recv, layout: Fragments, index: int, message: Tens
 
 
 def keep_sent(messages: Iterable[Tensor], sent: Sequence[Tensor]) -> Iterator[Tensor]:
-    """``messages`` (a push's fragments, in order) passed on, each copied into ``sent`` first (the sender reuses
-    its buffer): what fills this worker's slot of its next pull (:func:`receive_reply`)."""
+    """``messages`` passed on, each copied into ``sent`` first (this worker's slot of its next pull)."""
     for index, message in enumerate(messages):
         sent[index].copy_(message)
         yield message
 
 
-def _receive_params(recv: Recv, layout: Fragments, into: Tensor, message: Tensor, part: int) -> None:
-    """The global parameters (of ``part``) in the pull codec, into place fragment by fragment."""
-    for i, values in zip(layout.indices(part), layout.split(into, part)):
-        codec = layout.pull_codecs[i]
-        if codec.raw:  # its messages are the values' own bytes: straight into place
-            recv(values)
-        else:
-            recv(message[: codec.nbytes])
-            codec.decode(message[: codec.nbytes], values)
-
-
 def receive_buffer(layout: Fragments) -> Tensor:
-    """One buffer the size of the largest encoded fragment (every fragment of every push lands in it)."""
+    """One buffer the size of the largest encoded fragment."""
     return torch.empty(max((c.nbytes for c in layout.codecs), default=0), dtype=torch.uint8)
 
 
 class StreamWorkerTransport(WorkerTransport):
-    """A worker's end over an ordered stream of tensors to and from the server: a subclass sends and receives one
-    tensor (:meth:`send`, :meth:`recv`); this class puts a push and a reply in wire order and keeps what a forwarded
-    round needs. Worker ``worker`` at the server."""
+    """A worker's end over an ordered stream of tensors: a subclass gives :meth:`send` and :meth:`recv`."""
 
     def __init__(self, layout: Fragments, worker: int) -> None:
         self.layout, self.worker = layout, worker
@@ -201,11 +168,11 @@ class StreamWorkerTransport(WorkerTransport):
 
     @abstractmethod
     def send(self, tensor: Tensor) -> None:
-        """Send one tensor of a push to the server (it may be overwritten once this returns)."""
+        """Send one tensor (it may be overwritten once this returns)."""
 
     @abstractmethod
     def recv(self, tensor: Tensor) -> None:
-        """Receive the server's next tensor of a reply into ``tensor``."""
+        """Receive the server's next tensor into ``tensor``."""
 
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
@@ -217,8 +184,7 @@ class StreamWorkerTransport(WorkerTransport):
 
 
 class GlooWorkerTransport(StreamWorkerTransport):
-    """A remote worker (rank > 0), worker ``worker`` at the server: point-to-point messages to and from rank 0
-    over two ``gloo`` groups."""
+    """A remote worker's end: point to point to and from rank 0 over two ``gloo`` groups."""
 
     def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, worker: int) -> None:
         super().__init__(layout, worker)
@@ -231,15 +197,13 @@ class GlooWorkerTransport(StreamWorkerTransport):
         dist.recv(tensor, src=0, group=self.reply_group)
 
     def close(self) -> None:
-        """Drop the references to the groups: a gloo group's native threads end only when its last reference goes
-        (the strategy destroys the groups; an exchange kept for its read-outs must not keep them alive)."""
+        # a gloo group's native threads end only with its last reference: an exchange kept for its read-outs
+        # must not keep them alive
         self.push_group = self.reply_group = None
 
 
 class GlooServerTransport(ServerTransport):
-    """Rank 0's end for the remote workers: receives from any rank, replies point to point. Fragments land in one
-    fragment-sized receive buffer, reused for every fragment of every push. With workers of ``ranks_per_worker``
-    ranks, worker ``w`` is its leader, rank ``w * ranks_per_worker`` (see :mod:`.ranks`)."""
+    """Rank 0's end: receives from any rank, replies point to point (worker ``w``'s leader is ``w * k``)."""
 
     def __init__(self, push_group: Any, reply_group: Any, layout: Fragments, n_buffers: int,
                  ranks_per_worker: int = 1) -> None:
@@ -258,27 +222,13 @@ class GlooServerTransport(ServerTransport):
         leader = worker * self.ranks_per_worker
         send_reply(lambda t: dist.send(t, dst=leader, group=self.reply_group), header, params, buffers)
 
-    def close(self) -> None:
-        """Drop the references to the groups: a gloo group's native threads end only when its last reference goes
-        (the strategy destroys the groups; an exchange kept for its read-outs must not keep them alive)."""
-        self.push_group = self.reply_group = None
+    close = GlooWorkerTransport.close
 
 
 class InProcessTransport(WorkerTransport):
-    """Rank 0's own worker and the server in the same process: each pushed fragment is handed to the server as
-    it is produced (``accept`` applies it; nothing is copied or queued), and a pull copies the global model
-    straight into the worker's buffer.
-
-    Args:
-        accept: the server's entry for a push and its fragments (it consumes them before returning).
-        read_model: the server's copy of the global model (the parameters of a part, and the buffers) into a
-            worker's buffer (or handed piece by piece to a function of ``(start, values)``); returns the version
-            copied.
-        timeout: seconds to wait for a reply.
-        check: raises if the server failed (called around every wait, so the training thread sees it).
-        worker: the worker id this transport speaks for (rank 0).
-        gradient_bytes: bytes of one encoded pseudo-gradient of a part (``-1``: whole; counted in ``push_bytes``).
-    """
+    """Rank 0's own worker's end: each pushed fragment is handed to the server's ``accept`` as it is produced
+    (nothing copied or queued) and a pull copies the global model through ``read_model`` (which returns the version).
+    ``check`` raises if the server failed; ``gradient_bytes(part)``: what a push counts in ``push_bytes``."""
 
     def __init__(self, accept: Callable[[Push, Iterable[Tensor]], None],
                  read_model: Callable[[int, Tensor, Callable[[int, Tensor], None] | None, int], int],
@@ -296,9 +246,8 @@ class InProcessTransport(WorkerTransport):
         self.accept(Push.of(self.worker, header, buffers, inner_state, self.gradient_bytes(header.part)), messages)
 
     def pull(self, into: Tensor, combine: Combine | None = None) -> ServerHeader:
-        """Wait for the reply, then copy the global model into ``into``; or, with ``combine``, hand it over piece by
-        piece instead (``combine(reply, start, values)``: the values from index ``start`` of the flat parameters then
-        buffers; an overlapping worker merges them in place, see :mod:`.overlapped`)."""
+        """Wait for the reply, then copy the global model into ``into``, or hand it piece by piece to ``combine``
+        (an overlapping worker merges in place, :mod:`.overlapped`)."""
         header = self._replies.get(timeout=self.timeout)
         self.check()
         if header.next_local_steps > 0:
@@ -308,9 +257,9 @@ class InProcessTransport(WorkerTransport):
         return header
 
     def reply(self, header: ServerHeader) -> None:
-        """The server's side: the in-process worker may go on (its :meth:`pull` copies the global model)."""
+        """The server's side: the in-process worker may go on."""
         self._replies.put(header)
 
     def wake(self) -> None:
-        """Wake a waiting :meth:`pull` (the server failed; :meth:`pull` then raises through ``check``)."""
+        """Wake a waiting :meth:`pull` (the server failed: it then raises)."""
         self._replies.put(ServerHeader(0, 0))
