@@ -1,6 +1,4 @@
-"""This process's part of the exchange during one ``fit``: its :class:`~.worker.Worker` and, on rank 0, the
-:class:`~.outer.OuterState` with its :class:`~.server.Server`. No Lightning: the strategy drives it.
-"""
+"""This process's part of the exchange during one ``fit``: its worker and, on rank 0, the outer state's server."""
 
 from __future__ import annotations
 
@@ -13,14 +11,7 @@ import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_hdet._tensors import (
-    float_buffers,
-    host_buffer,
-    model_state,
-    numel,
-    read_into,
-    write_from,
-)
+from lightning_hdet._tensors import float_buffers, host_buffer, model_state, numel, read_into, write_from
 from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
 from lightning_hdet.asynchronous.exchange.ranks import FollowerTransport, LeaderTransport, WorkerRanks
 from lightning_hdet.asynchronous.exchange.server import Server
@@ -43,29 +34,17 @@ def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torc
 
 
 class Exchange:
-    """Start the exchange (rank 0 also starts the outer state and its server), run it, leave it.
+    """Start the exchange (rank 0 also its outer state's server), run it, leave it.
 
     Args:
-        module: the model on ``device``.
-        groups: the strategy's two ``gloo`` groups (pushes, replies), over every rank (``()`` in one process).
-        workers: how many workers exchange.
-        timeout: seconds any exchange may wait.
+        groups: the strategy's two ``gloo`` groups (pushes, replies; ``()`` in one process).
         inner_optimizer: sent with every push when given (``checkpoint_inner_states=True``).
-        outer: rank 0 only: the outer state to serve (see :meth:`OuterSettings.build`).
-        compression: the pseudo-gradients' codec (every worker uses the same).
-        error_feedback: each worker keeps what its codec lost and adds it to its next push.
-        pull_compression: the pulled global parameters' codec (the parameters, or changes: :mod:`.public_model`).
+        outer: rank 0 only: the outer state to serve.
         optimizer: the inner optimizer (its state is cleared after a rejected push).
-        check_self: the worker checks its round is finite before pushing it (see :class:`~.worker.Worker`).
-        ranks, worker_group: this rank's place among workers of several ranks and its worker's ``gloo`` group, over
-            which the leader hands each reply on (:mod:`.ranks`; ``None``: every rank is a worker).
-        overlap_steps: inner steps a worker takes while its exchange travels (:mod:`.overlapped`; 0: blocking;
-            rank 0's worker overlaps only in DiLoCo).
-        shard_group: the model is sharded with FSDP2 over this group of the worker's ranks (:mod:`.worker_shards`).
+        ranks, worker_group: this rank's place among workers of several ranks, and its worker's ``gloo`` group.
+        shard_group: FSDP2 inside the worker over this group (:mod:`.worker_shards`).
         outer_optimizer: the outer optimizer object (how pulls forward its rounds; its error feedback decay).
-        stagger: DiLoCo's pushes carry one of this many parts of the model in turn (:mod:`.overlap`).
-        transport: builds this process's ends of the exchange from ``groups`` (:mod:`..wire.network`; default:
-            point-to-point over them).
+        The others: the strategy's options of the same names.
     """
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
@@ -112,8 +91,7 @@ class Exchange:
     @staticmethod
     def _within_worker(ranks: WorkerRanks, group: Any, transport: WorkerTransport | None,
                        inner_optimizer: Optimizer | None, sharded: bool) -> tuple[WorkerTransport, Optimizer | None]:
-        """A worker of several ranks: the leader's transport hands replies on over ``group``; the others' receive
-        them (and send no inner state: the leader's is theirs)."""
+        """A worker of several ranks: the leader hands replies on over ``group``; the others send no inner state."""
         def broadcast(tensor: torch.Tensor) -> None:
             dist.broadcast(tensor, src=ranks.leader, group=group)
 
@@ -130,8 +108,7 @@ class Exchange:
                     budget: int | None, resume: dict[str, Any] | None,
                     read: Callable[[Module, torch.device], tuple[torch.Tensor, torch.Tensor]] = read_model,
                     ) -> OuterState:
-        """Rank 0: the outer state, from this model (``read``: its flat parameters and buffers) or from the
-        checkpoint's outer state ``resume`` (on fewer workers, the others' buffers no longer count)."""
+        """Rank 0: the outer state, from this model (``read``) or the checkpoint's outer state ``resume``."""
         layout = Fragments([p.shape for p in module.parameters()], parts=settings.stagger)  # the same for every codec
         outer = settings.build(*read(module, device), workers, budget, layout.ranges, layout.parts)
         if resume is not None:
@@ -139,8 +116,8 @@ class Exchange:
         return outer
 
     def leave(self, stop_everyone: bool) -> None:
-        """Push any unfinished round and leave; rank 0 (``stop_everyone``: e.g. EarlyStopping decided) then waits
-        for every worker to leave and writes the global model into its module."""
+        """Push any unfinished round and leave; rank 0 (``stop_everyone``: e.g. EarlyStopping) then waits for every
+        worker and writes the global model into its module."""
         if self.outer is not None and stop_everyone and not self.worker.stopped:
             self.outer.request_stop()
         self.worker.exchange(Kind.BYE)
@@ -150,8 +127,8 @@ class Exchange:
                 self.write_global_model()
 
     def share_global_model(self, group: Any) -> None:
-        """FSDP2 inside workers, after every rank left: rank 0 broadcasts the global model over ``group`` (``gloo``,
-        through each rank's pulled-model buffer) and every rank writes its shards of it."""
+        """FSDP2 inside workers, after every rank left: rank 0 broadcasts the global model over ``group`` and every
+        rank writes its shards of it."""
         flat, n = self.worker.pulled, self.worker.n_params
         if self.outer is not None:
             with self.outer.model_lock:
@@ -161,13 +138,9 @@ class Exchange:
         self.worker.write_pulled()
 
     def close(self) -> None:
-        """End this exchange on every path, before its groups are destroyed: after a failed fit, rank 0's server
-        threads are stopped (after a normal end they have ended already); then every reference to the groups is
-        dropped, so that their native threads end with them. What the exchange counted stays readable.
-
-        A receiver blocked waiting for a remote push cannot be woken from this process (aborting or shutting down a
-        gloo group does not end a pending receive): it returns, with an error, once the peers' connections close,
-        i.e. when the other ranks release their groups or exit."""
+        """End this exchange on every path, before its groups are destroyed: stop rank 0's server threads (after a
+        failed fit), then drop every reference to the groups so their native threads end. The counts stay readable.
+        A receiver blocked on a remote push returns only once the peers' connections close (gloo cannot abort it)."""
         if self.server is not None and self.server.running:
             self.server.stop(timeout=1.0)
         self.worker.transport.close()
@@ -176,8 +149,7 @@ class Exchange:
         self.groups = ()
 
     def write_global_model(self, snapshot: Mapping[str, Any] | None = None) -> None:
-        """Rank 0: write the global parameters and floating-point buffers into the module: the outer state's, or
-        those of ``snapshot`` (an :meth:`~.outer.OuterState.state_dict`)."""
+        """Rank 0: write the global model (the outer state's, or ``snapshot``'s) into the module."""
         assert self.outer is not None
         if snapshot is not None:
             write_from(list(self.module.parameters()), snapshot["params"], self.device)
@@ -189,10 +161,9 @@ class Exchange:
 
     @contextmanager
     def global_model(self, snapshot: Mapping[str, Any] | None = None) -> Iterator[None]:
-        """Rank 0: the module holds the current global model (or ``snapshot``'s) inside the block, its own
-        outside. When the global model is the one rank 0's worker pulled (always in DiLoCo between outer steps),
-        the module and that pulled copy are swapped; otherwise the module's own model waits in a host copy (in the
-        pulled model's buffer once the worker was told to stop: it no longer needs it)."""
+        """Rank 0: the module holds the global model (or ``snapshot``'s) inside the block. When it is the one rank 0's
+        worker pulled (DiLoCo between outer steps) the two are swapped; else the module's own waits in a host copy
+        (the pulled model's buffer once the worker was told to stop)."""
         if snapshot is None and self._pulled_is_global():
             self.worker.swap_pulled()
             try:
@@ -210,7 +181,7 @@ class Exchange:
             write_from(tensors, saved, self.device)
 
     def _pulled_is_global(self) -> bool:
-        """Rank 0's worker's ``theta_pulled`` is, bit for bit, the current global model (parameters and buffers)."""
+        """Rank 0's worker's ``theta_pulled`` is, bit for bit, the current global model."""
         assert self.outer is not None
         pulled, n = self.worker.pulled, self.outer.params.numel()
         if self.worker.fragment.numel() == 0:  # no parameters: nothing to swap through

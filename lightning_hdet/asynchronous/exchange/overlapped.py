@@ -1,18 +1,8 @@
-"""A worker whose exchange overlaps its compute (``overlap_steps=τ``; the correction is in :mod:`.overlap`). No
-Lightning and no process groups here.
-
-A round of ``H`` steps (as allocated by the server) runs ``H − τ`` steps, *sends* (the push, then the pull, travel
-meanwhile), runs ``τ`` more steps, then *merges* the reply: ``θ ← θ_global_new + (θ_now − θ_at_send)``. The push
-says how many of its round's steps are still to come (``pending``), so the server keeps them out of the budget
-left until they arrive in the next push: the budget stays exact.
-
-Where things are while the exchange travels:
-
-* a remote worker keeps ``θ_at_send`` in :attr:`OverlapWorker.sent` (one model-sized host copy, pinned on CUDA),
-  and a background thread pushes ``θ_pulled − θ_at_send`` and pulls the reply into ``θ_pulled``;
-* rank 0's worker (DiLoCo; in async mode its in-process exchange returns at once and it does not overlap) pushes
-  at once, in its own thread, and keeps ``θ_at_send`` in ``θ_pulled``, which the push no longer needs; at the merge
-  it reads the global model piece by piece from the outer state: no extra model copy on rank 0.
+"""A worker whose exchange overlaps its compute (``overlap_steps=τ``; the merge is :mod:`.overlap`'s): ``H − τ``
+steps, send, ``τ`` steps, merge. The push's ``pending`` keeps the ``τ`` steps out of the budget left until the next
+push carries them. A remote worker keeps ``θ_at_send`` in :attr:`OverlapWorker.sent` and exchanges in a background
+thread; rank 0's (DiLoCo only) pushes at once, keeps ``θ_at_send`` in ``θ_pulled`` and merges the global model piece
+by piece from the outer state: no extra model copy on rank 0.
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ from lightning_hdet.asynchronous.wire.transport import InProcessTransport
 
 
 class _Flight:
-    """A remote worker's exchange travelling in a background thread: ``run`` (the push, then the pull)."""
+    """A remote worker's exchange (``run``: the push, then the pull) in a background thread."""
 
     def __init__(self, run: Callable[[], ServerHeader]) -> None:
         self.reply: ServerHeader | None = None
@@ -57,31 +47,22 @@ class _Flight:
 
 
 class OverlapWorker(Worker):
-    """A :class:`~.worker.Worker` that sends ``overlap_steps`` before its round ends and merges the reply after them.
-
-    Args:
-        *args, **kwargs: as :class:`~.worker.Worker`.
-        overlap_steps: ``τ``, inner steps taken while a round's push and pull travel (at most the round, see
-            :func:`~.overlap.overlap_this_round`).
-    """
+    """A :class:`~.worker.Worker` that sends ``overlap_steps`` before its round ends and merges after them."""
 
     def __init__(self, *args: Any, overlap_steps: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.overlap_steps = overlap_steps
-        #: Rank 0's own transport: its pull merges in place (kept aside, should a ``SlowLink`` wrap the transport).
+        # rank 0's own transport merges in place (kept aside, should a SlowLink wrap it)
         self.local = self.transport if isinstance(self.transport, InProcessTransport) else None
         self.in_place = self.local is not None
-        #: ``θ_at_send`` of a remote worker (rank 0's is kept in ``pulled``).
-        self.sent = host_buffer(0 if self.in_place else self.pulled.numel(), self.device)
-        #: This round's overlap, and its steps since the last merge.
+        self.sent = host_buffer(0 if self.in_place else self.pulled.numel(), self.device)  # θ_at_send (remote)
         self.overlap = 0
         self.since_merge = 0
         self._sending = False  # an exchange is travelling (sent, not merged)
         self._flight: _Flight | None = None
         self._carry = False  # the push in flight carried steps: its overlapped steps are carried onto the reply
         self._compute_s = 0.0  # compute seconds of the steps in the next push, before the current stretch
-        #: Pushes sent so far; staggered, push ``i`` carries part ``i mod F`` (every worker's ``i``-th push is in
-        #: the same DiLoCo round), and ``part`` is the one in flight (``-1``: all fragments, not staggered).
+        # staggered, push i carries part i mod F (every worker's i-th push is in the same round); -1: all
         self.pushes = 0
         self.part = -1
 
@@ -95,8 +76,8 @@ class OverlapWorker(Worker):
         return self.since_merge >= self.round_steps - self.overlap
 
     def exchange(self, kind: Kind) -> None:
-        """``HELLO``: as a blocking worker. ``PUSH``: send, or merge (and send at once when the round has no steps
-        before its push). ``BYE``: merge any exchange in flight, then push what was not pushed yet and leave."""
+        """``HELLO``: as a blocking worker. ``PUSH``: send, or merge. ``BYE``: merge any exchange in flight, then push
+        what was not pushed yet and leave."""
         if kind == Kind.HELLO:
             super().exchange(kind)
             self._next_round()
@@ -178,8 +159,8 @@ class OverlapWorker(Worker):
         self.round_start = time.perf_counter()
 
     def _combine(self, reply: ServerHeader, start: int, values: Tensor) -> None:
-        """Rank 0: merge one piece of the global model (``values``, from index ``start``) into the module, with
-        ``θ_at_send`` read from ``pulled``, which then holds the global model (the next reference)."""
+        """Rank 0: merge one piece of the global model into the module (``θ_at_send`` read from ``pulled``, which
+        then holds the global model)."""
         end = start + values.numel()
         pieces, kept = flat_pieces(model_state(self.module), start, end), self.pulled[start:end]
         if self._carry and reply.rejected == 0:
@@ -189,8 +170,7 @@ class OverlapWorker(Worker):
         kept.copy_(values)
 
     def _from_sent(self, part: int) -> Iterator[Tensor]:
-        """The encoded fragments (of ``part``) of ``θ_pulled − θ_at_send`` (a remote worker's push, from its
-        background thread)."""
+        """A remote worker's push: the encoded fragments of ``θ_pulled − θ_at_send``."""
         for fragment, codec in self._fragments(part):
             gradient = self.fragment[: fragment.numel]
             torch.sub(self.pulled[fragment.start : fragment.end], self.sent[fragment.start : fragment.end],
@@ -198,9 +178,8 @@ class OverlapWorker(Worker):
             yield self._encode(codec, gradient, fragment.start)
 
     def _keep_sent(self, part: int) -> Iterator[Tensor]:
-        """Rank 0's push (of ``part``), from the model as :meth:`_messages` reads it; each of its fragments of
-        ``pulled`` then holds ``θ_at_send`` (written once the fragment's message was sent: the message may be a view
-        of it)."""
+        """Rank 0's push; each fragment of ``pulled`` then holds ``θ_at_send`` (written once its message was sent:
+        the message may be a view of it)."""
         params = list(self.module.parameters())
         for fragment, codec in self._fragments(part):
             local = read_into(flat_pieces(params, fragment.start, fragment.end), self.fragment[: fragment.numel],

@@ -1,14 +1,7 @@
-"""Workers of several ranks: which ranks form which worker, and the transports that make them one worker.
-
-A worker of ``k`` ranks trains like DDP inside (its ranks' gradients are all-reduced every inner step, so their
-parameters and inner optimizer states stay identical) and exchanges like a one-rank worker: its *leader* (its
-lowest rank) pushes the pseudo-gradient once and pulls the reply; :class:`LeaderTransport` then broadcasts the
-reply's header and the global model to the worker's other ranks, whose :class:`FollowerTransport` sends nothing
-and receives that broadcast. Every rank thus runs the same :class:`~.worker.Worker` bookkeeping (round lengths,
-rejections, stop) from the same replies. The round's compute time pushed is the slowest rank's (a max over the
-worker's ranks), so that dynamic local steps follow the worker's slowest rank.
-
-No Lightning and no process groups here: the collectives over the worker's own group are injected.
+"""Workers of several ranks (the collectives over a worker's group are injected): a worker of ``k`` ranks trains
+as DDP inside and exchanges as one: its *leader* (lowest rank) pushes and pulls, :class:`LeaderTransport` broadcasts
+each reply to the others' :class:`FollowerTransport`, so every rank keeps the same bookkeeping. The compute time
+pushed is the slowest rank's, so dynamic local steps follow it.
 """
 
 from __future__ import annotations
@@ -22,14 +15,12 @@ from torch import Tensor
 from lightning_hdet.asynchronous.wire.messages import ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
-#: An in-place collective over one worker's ranks (its ``gloo`` group): a broadcast from the worker's leader, or
-#: an all-reduce taking the maximum.
+#: An in-place collective over one worker's ranks: a broadcast from its leader, or an all-reduce (maximum).
 Collective = Callable[[Tensor], None]
 
 
 def check_ranks_per_worker(ranks_per_worker: int, world_size: int | None = None) -> None:
-    """Refuse a ``ranks_per_worker`` that cannot split ``world_size`` ranks into two workers or more (checked when
-    the strategy is built, and with the world size when the Trainer is, before any process group exists)."""
+    """Refuse a ``ranks_per_worker`` that cannot split ``world_size`` ranks into two workers or more."""
     if isinstance(ranks_per_worker, bool) or not isinstance(ranks_per_worker, int) or ranks_per_worker < 1:
         raise ValueError(f"`ranks_per_worker={ranks_per_worker!r}` must be an integer >= 1 (the ranks that train"
                          " one worker together, DDP inside; 1: every rank is a worker).")
@@ -49,9 +40,8 @@ def check_ranks_per_worker(ranks_per_worker: int, world_size: int | None = None)
 
 @dataclass(frozen=True)
 class WorkerRanks:
-    """``world_size`` ranks in workers of ``ranks_per_worker`` consecutive ranks (under torchrun or SLURM, a
-    node's ranks are consecutive: ``ranks_per_worker`` = GPUs per node makes one worker per node), seen from
-    ``rank``."""
+    """``world_size`` ranks in workers of ``ranks_per_worker`` consecutive ranks (a node's, under torchrun or
+    SLURM), seen from ``rank``."""
 
     world_size: int
     ranks_per_worker: int
@@ -64,12 +54,10 @@ class WorkerRanks:
 
     @property
     def workers(self) -> int:
-        """How many workers exchange with the server."""
         return self.world_size // self.ranks_per_worker
 
     @property
     def worker(self) -> int:
-        """This rank's worker (its id at the server)."""
         return self.rank // self.ranks_per_worker
 
     @property
@@ -90,7 +78,7 @@ class WorkerRanks:
         return list(range(start, start + self.ranks_per_worker))
 
     def describe(self) -> str:
-        """How this rank's worker is named in warnings."""
+        """This rank's worker, as warnings name it."""
         if self.ranks_per_worker == 1:
             return f"rank {self.rank}"
         ranks = self.ranks_of(self.worker)
@@ -109,13 +97,7 @@ def slowest(header: WorkerHeader, max_reduce: Collective) -> WorkerHeader:
 
 
 class LeaderTransport(WorkerTransport):
-    """The leader's end: pushes through ``inner`` (to the server) and hands every reply on to its worker's ranks.
-
-    Args:
-        inner: the leader's own transport to the server.
-        broadcast: a broadcast from the leader over the worker's ranks.
-        max_reduce: an all-reduce (maximum) over the worker's ranks.
-    """
+    """The leader's end: pushes through ``inner`` and hands every reply on to its worker's ranks."""
 
     def __init__(self, inner: WorkerTransport, broadcast: Collective, max_reduce: Collective) -> None:
         self.inner, self.broadcast, self.max_reduce = inner, broadcast, max_reduce
@@ -137,13 +119,8 @@ class LeaderTransport(WorkerTransport):
 
 
 class FollowerTransport(WorkerTransport):
-    """A non-leader rank's end: its push only reports its compute time (its pseudo-gradient is the leader's, and
-    is never read); its pull receives the leader's reply and global model.
-
-    Args:
-        gathers: the model is sharded over the worker (FSDP2): the push runs ``messages`` to its end without
-            reading it, since producing them takes this rank's part in the leader's gathers.
-    """
+    """A non-leader rank's end: its push only reports its compute time; its pull receives the leader's broadcast.
+    ``gathers`` (FSDP2 inside): the push runs ``messages`` to its end, which takes its part in the leader's gathers."""
 
     def __init__(self, broadcast: Collective, max_reduce: Collective, gathers: bool = False) -> None:
         self.broadcast, self.max_reduce, self.gathers = broadcast, max_reduce, gathers

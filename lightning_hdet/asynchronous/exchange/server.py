@@ -1,17 +1,10 @@
-"""Rank 0's exchange service: the outer optimizer answering the workers, on two background threads.
+"""Rank 0's exchange service on two threads: the *receiver* applies remote pushes fragment by fragment as they
+arrive (rank 0's own worker does so from its training thread) and queues them; the *server* closes batches by the
+step policy and replies to every waiting worker.
 
-The *receiver* thread takes remote workers' messages from a :class:`~.transport.ServerTransport` and applies each
-fragment of their pseudo-gradients to the :class:`~.outer.OuterState` as it arrives (rank 0's own worker does the
-same from its training thread, through :class:`~.transport.InProcessTransport`); each applied push then goes to
-the inbox. The *server* thread takes batches from the inbox, closes them (the step policy) and replies to every
-worker that waits, fragment by fragment. Batches follow the step policy: ``batch_window`` seconds after the first
-push (closing early once every worker still training is in the batch), or until every worker still training has
-pushed.
-
-Every worker of a batch restarts from the same version: from the batch's close until its last reply has been
-sent (and rank 0's own worker has pulled), a newly arriving push waits before it is applied (the *reply gate*).
-Without it, a fast worker replied to first could push its next round, and have it applied, before a slower
-worker of the same batch was sent the model.
+Every worker of a batch restarts from the same version: from a batch's close until its last reply is sent, a new
+push waits before it is applied (the *reply gate*); else a fast worker replied to first could have its next round
+applied before a slower worker of the same batch was sent the model.
 """
 
 from __future__ import annotations
@@ -38,15 +31,8 @@ _STOP: Push = object()  # type: ignore[assignment]
 
 
 class Server:
-    """The outer optimizer's service for ``workers`` workers: worker 0 in this process, the others remote.
-
-    Args:
-        outer: the outer state it applies pushes to.
-        workers: how many workers exchange (worker 0 included).
-        remote: the transport to workers ``1..workers-1`` (``None`` only when ``workers == 1``).
-        timeout: seconds any wait may take before the server fails.
-        layout: the fragments and their codecs (default: ``outer``'s fragments, uncompressed).
-    """
+    """The outer optimizer's service for ``workers`` workers: worker 0 in this process, the others over ``remote``;
+    ``layout`` defaults to ``outer``'s fragments, uncompressed."""
 
     def __init__(self, outer: OuterState, workers: int, remote: ServerTransport | None, timeout: float,
                  layout: Fragments | None = None) -> None:
@@ -58,16 +44,13 @@ class Server:
         self._decoded = torch.empty(self.layout.largest, dtype=torch.float32)  # rank 0's own worker's
         self._decoded_remote = torch.empty(self.layout.largest if workers > 1 else 0, dtype=torch.float32)
         self._reply = self.layout.pull_buffer()  # used under the outer state's model lock only
-        #: What the workers train from with a delta pull codec (``None``: the global model itself).
         self.public = PublicModel(outer.params, self.layout) if self.layout.delta_codecs else None
-        #: Where the step policy keeps the round's pushes as they were encoded (SparseLoCo's, from which its outer
-        #: step moves the model; ``None``: it keeps none).
+        # where the step policy keeps the round's pushes as encoded (SparseLoCo's; None: it keeps none)
         self.round: Any = outer.step_policy.keeps_messages(self.layout.codecs, workers)
         # the public model's changes are the rounds themselves (sparse pulls) or its own encoding of G - P
         self._forwards = bool(self.layout.round_codecs)
         if self._forwards and self.round is None:
             raise ValueError("Pulls that forward the rounds' pushes follow SparseLoCo only.")
-        #: Rank 0's own worker's transport.
         self.local = InProcessTransport(self.accept, self.read_model, timeout, self.raise_error,
                                         gradient_bytes=self.layout.part_nbytes)
         self.error: BaseException | None = None
@@ -84,20 +67,19 @@ class Server:
             t.start()
 
     def join(self) -> None:
-        """Wait for both threads (every worker has left), then raise if the server failed."""
+        """Wait for both threads, then raise if the server failed."""
         for t in self._threads:
             t.join(self.timeout)
         self.raise_error()
 
     @property
     def running(self) -> bool:
-        """Whether a thread is still serving (after a normal end, none is)."""
+        """Whether a thread is still serving."""
         return any(t.is_alive() for t in self._threads)
 
     def stop(self, timeout: float) -> None:
-        """End both threads early (the fit failed), waiting up to ``timeout`` seconds for each: the server thread
-        wakes from its inbox, a push waiting at the gate fails. A receiver blocked in its transport returns only once
-        the transport fails."""
+        """End both threads early (the fit failed), waiting up to ``timeout`` seconds for each (a receiver blocked in
+        its transport returns only once the transport fails)."""
         if self.error is None:
             self.error = RuntimeError("the server was stopped")
         self.inbox.put(_STOP)
@@ -120,7 +102,7 @@ class Server:
                 self._gate.notify_all()
 
     def accept(self, push: Push, messages: Iterable[Tensor]) -> None:
-        """Apply a push fragment by fragment as its encoded ``messages`` arrive, then queue it for its batch."""
+        """Apply a push fragment by fragment as its ``messages`` arrive, then queue it for its batch."""
         out = self._decoded if push.worker == self.local.worker else self._decoded_remote
         with self._gate:
             self._wait_for_replies(f"A push from worker {push.worker}")
@@ -135,9 +117,8 @@ class Server:
 
     def read_model(self, worker: int, into: Tensor, combine: Callable[[int, Tensor], None] | None = None,
                    part: int = -1) -> int:
-        """Copy the global parameters (of ``part``; as a pull leaves them: see ``pull_compression``) and buffers
-        into ``into`` (rank 0's own pull), or hand them to ``combine(start, values)`` piece by piece (no model-sized
-        copy); the version copied."""
+        """Rank 0's own pull: the global model (as a pull leaves it) into ``into``, or piece by piece to ``combine``;
+        returns the version."""
         n = self.layout.numel
         with self.outer.model_lock:
             # the public model itself with a delta codec: rank 0's worker trains from what the others hold
@@ -154,12 +135,12 @@ class Server:
         return version
 
     def _wait_for_replies(self, who: str) -> None:
-        """Wait (holding :attr:`_gate`) until the last batch's replies are all done, or the server failed."""
+        """Wait (holding :attr:`_gate`) until the last batch's replies are done, or the server failed."""
         if not self._gate.wait_for(lambda: self._replies_pending == 0 or self.error is not None, self.timeout):
             raise TimeoutError(f"{who} waited over {self.timeout} s for the previous batch's replies.")
 
     def _replied(self) -> None:
-        """One of the batch's pending replies is done (rank 0's pull, or the server's loop over the others)."""
+        """One of the batch's pending replies is done."""
         with self._gate:
             self._replies_pending -= 1
             self._gate.notify_all()
@@ -208,8 +189,7 @@ class Server:
             self._replied()
 
     def _reply_to(self, worker: int, steps: int, rejected: int, part: int) -> None:
-        """Send a remote worker its reply (under the model lock): unless it stops, the parameters (of ``part``) in
-        the pull codec or the public model's changes it lacks; its stats count the bytes."""
+        """Send a remote worker its reply (under the model lock): the parameters or the changes it lacks."""
         assert self.remote is not None
         deltas, params = -1, iter(())
         if steps > 0 and self.public is not None:
@@ -231,8 +211,8 @@ class Server:
         return push
 
     def _collect(self, active: int) -> list[Push]:
-        """One batch: the first push, then those within the policy's window (a window closes early once every
-        active worker is in the batch: each waits for its reply, so no further push can come)."""
+        """One batch: the first push, then those within the policy's window (closed early once every active worker
+        is in it)."""
         batch = [self._next(self.timeout)]
         window = self.outer.step_policy.batch_window
         deadline = None if window is None else time.monotonic() + window

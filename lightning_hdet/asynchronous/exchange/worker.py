@@ -1,10 +1,5 @@
-"""One worker's side of the exchange: counting its round and, at its end, one exchange over a transport.
-
-An exchange pushes the pseudo-gradient ``theta_pulled - theta_local`` fragment by fragment (each read from the
-model into one fragment-sized host buffer, encoded and sent before the next is read; buffers travel as values),
-pulls the new global model into the host buffer ``theta_pulled`` and writes it into the model. No Lightning and no process groups here: the strategy
-calls :meth:`Worker.step` after each inner optimizer step and :meth:`Worker.exchange` at the start and end.
-"""
+"""One worker's side (no Lightning, no process groups): it counts its round and, at its end, pushes ``theta_pulled -
+theta_local`` fragment by fragment through one fragment-sized host buffer, then pulls the global model."""
 
 from __future__ import annotations
 
@@ -20,16 +15,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_hdet._tensors import (
-    flat_pieces,
-    float_buffers,
-    host_buffer,
-    model_state,
-    numel,
-    read_into,
-    state_to_bytes,
-    write_from,
-)
+from lightning_hdet._tensors import (flat_pieces, float_buffers, host_buffer, model_state, numel, read_into,
+                                     state_to_bytes, write_from)
 from lightning_hdet.asynchronous.wire.codecs import Codec, ErrorFeedback, NoCodec
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
@@ -41,17 +28,11 @@ class Worker:
     """A worker's round bookkeeping and exchange.
 
     Args:
-        module: the model (its parameters, then its floating-point buffers, are exchanged).
-        device: where the model lives (host buffers are pinned on CUDA).
-        transport: how messages reach the server.
-        inner_optimizer: when given, each exchange also sends its state (serialized on the host).
-        layout: the fragments and their codecs (default: :class:`~.messages.Fragments` of the parameters,
-            uncompressed); the server decodes with the same.
-        error_feedback: keep what the codec lost and add it to the next push.
-        optimizer: the inner optimizer, whose state is cleared when a push of this worker was rejected.
-        check_self: before pushing, check that the local parameters and buffers are finite; a round that is not
-            is discarded (pushed without steps: the server counts it as rejected) instead of pushed.
-        error_decay: the residual's weight in the next push (:class:`~.compression.ErrorFeedback`; 1: plain).
+        inner_optimizer: when given, each exchange also sends its state.
+        layout: the fragments and their codecs (default: the parameters', uncompressed).
+        optimizer: the inner optimizer, whose state is cleared after a rejected push.
+        check_self: a round whose parameters or buffers are not finite is discarded (pushed without steps).
+        error_decay: the residual's weight in the next push (:class:`~..wire.codecs.ErrorFeedback`).
     """
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport,
@@ -60,12 +41,9 @@ class Worker:
                  error_decay: float = 1.0) -> None:
         self.module, self.device, self.transport, self.inner_optimizer = module, device, transport, inner_optimizer
         self.optimizer, self.check_self = optimizer, check_self
-        #: How this worker is named in its warnings (the strategies say which rank or session).
-        self.name = "this worker"
-        #: How many of this worker's latest pushes in a row were rejected (from the server's last reply).
-        self.rejected = 0
-        #: Rounds this worker discarded itself (non-finite).
-        self.discarded = 0
+        self.name = "this worker"  # in warnings (the strategies say which rank or session)
+        self.rejected = 0  # its latest pushes rejected in a row
+        self.discarded = 0  # rounds it discarded itself (non-finite)
         shapes = [p.shape for p in module.parameters()]
         self.n_params = numel(list(module.parameters()))
         self.layout = layout or Fragments(shapes)
@@ -77,17 +55,12 @@ class Worker:
         encoded = [c.nbytes for c in self.layout.codecs if not c.raw]  # a raw codec sends the fragment's bytes
         self.message = torch.empty(max(encoded, default=0), dtype=torch.uint8)
         self.buffers = host_buffer(numel(float_buffers(module)), device)
-        #: One entry per exchange: ``(local_steps_assigned, outer_updates_seen)``.
         self.rounds: list[tuple[int, int]] = []
         self.inner_steps = 0
         self.steps_in_round = 0
-        #: Exchanges (pushes of any kind) this worker made; and rank 0's checkpoint requests so far, as its last reply
-        #: said (see :mod:`.checkpoints`).
         self.exchanges = 0
-        self.checkpoints = 0
-        #: Length of the current round; ``inf`` once the server said stop.
-        self.round_steps: float = 0
-        #: ``theta_pulled`` was lent out after the stop (:meth:`spare_buffer`): it no longer holds the pulled model.
+        self.checkpoints = 0  # rank 0's checkpoint requests so far, as its last reply said
+        self.round_steps: float = 0  # inf once the server said stop
         self.pulled_lent = False
         self.wait_s = 0.0
         self.round_start = time.perf_counter()
@@ -104,8 +77,7 @@ class Worker:
         return self.steps_in_round >= self.round_steps
 
     def exchange(self, kind: Kind) -> None:
-        """Push this round (buffers and the pseudo-gradient's fragments, if any steps were taken; the inner state
-        when sending it) and, unless leaving, pull the next round's length and the global model into the module."""
+        """Push this round and, unless leaving, pull the next round's length and the global model into the module."""
         compute_s = time.perf_counter() - self.round_start
         start = time.perf_counter()  # reading, encoding and serializing count as exchange time
         header, buffers, inner = self._outgoing(kind, compute_s)
@@ -119,14 +91,12 @@ class Worker:
         self.round_start = time.perf_counter()
 
     def write_pulled(self) -> None:
-        """Write the pulled global model (``theta_pulled``, then the buffers) into the module."""
+        """Write the pulled global model into the module."""
         write_from(model_state(self.module), self.pulled, self.device)
 
     def _outgoing(self, kind: Kind, compute_s: float, pending: int = 0,
                   part: int = -1) -> tuple[WorkerHeader, Tensor | None, Tensor | None]:
-        """The header of this round's push (its steps: 0 when nothing may be pushed), its buffer values and inner
-        state; ``pending``: steps of the round still to come after the push (overlap); ``part``: the fragments it
-        carries (staggered; ``-1``: all)."""
+        """The header of this round's push (steps 0 when nothing may be pushed), its buffer values and inner state."""
         steps = self.steps_in_round
         if self.pulled_lent and steps:  # no pulled model to push a pseudo-gradient against
             log.warning("%s: %d step(s) after it was told to stop are not pushed.", self.name, steps)
@@ -148,7 +118,7 @@ class Worker:
         return header, buffers, inner
 
     def _adopt(self, reply: ServerHeader) -> bool:
-        """Take the reply's next round (a new round starts); True when it brought a model to continue from."""
+        """Take the reply's next round; True when it brought a model to continue from."""
         log.debug("pulled version %d, next round %d step(s)", reply.outer_updates, reply.next_local_steps)
         self.steps_in_round = 0
         self.checkpoints = max(self.checkpoints, reply.checkpoints)
@@ -161,14 +131,13 @@ class Worker:
         return True
 
     def _finite(self, buffers: Tensor | None) -> bool:
-        """The local parameters (one norm per tensor, one device sync per round) and buffer values are finite."""
+        """The local parameters (one device sync per round) and buffer values are finite."""
         params = [p.detach() for p in self.module.parameters()]
         finite = not params or bool(torch.stack(torch._foreach_norm(params)).isfinite().all())
         return finite and (buffers is None or bool(torch.isfinite(buffers).all()))
 
     def _recover(self, rejected: int, stop: bool) -> None:
-        """After a rejected push: no trace of the bad round stays (the codec's residual, the inner optimizer's
-        state); the model is the global one the reply brings."""
+        """After a rejected push: no trace of the bad round stays (residual, inner optimizer state)."""
         self.rejected = rejected
         if not rejected:
             return
@@ -185,13 +154,12 @@ class Worker:
 
     @property
     def lr_factor(self) -> float:
-        """The inner learning rate's multiplier this round: halved for every rejection in a row after the first."""
+        """The inner lr's multiplier: halved for every rejection in a row after the first."""
         return 0.5 ** max(0, self.rejected - 1)
 
     @contextmanager
     def inner_lr(self, optimizer: Optimizer) -> Iterator[None]:
-        """Inside the block, ``optimizer``'s learning rates are cut by :attr:`lr_factor` (restored after, so that a
-        scheduler's values are never lost)."""
+        """Inside the block, ``optimizer``'s learning rates are cut by :attr:`lr_factor` (restored after)."""
         factor = self.lr_factor
         if factor == 1.0:
             yield
@@ -206,17 +174,16 @@ class Worker:
                 group["lr"] = lr
 
     def spare_buffer(self) -> Tensor | None:
-        """``theta_pulled``, once this worker no longer needs it (told to stop, nothing left to push), for rank 0 to
-        hold its own model in while it validates the global one (no host copy); ``None`` while it is needed."""
+        """``theta_pulled`` once no longer needed (stopped, nothing to push), for rank 0 to hold its own model in
+        while it validates; ``None`` while needed."""
         if not self.stopped or self.steps_in_round:
             return None
         self.pulled_lent = True
         return self.pulled
 
     def swap_pulled(self) -> None:
-        """Exchange the model's parameters and floating-point buffers with ``theta_pulled`` (and back, called
-        again), one fragment at a time through the fragment buffer: no model-sized copy. Rank 0 validates the
-        global model this way when it is the one it pulled (DiLoCo, between outer steps)."""
+        """Exchange the model with ``theta_pulled`` (and back, called again), one fragment at a time: no model-sized
+        copy."""
         tensors, total = model_state(self.module), self.pulled.numel()
         size = self.fragment.numel()
         for start in range(0, total, size):
@@ -227,8 +194,7 @@ class Worker:
             self.pulled[start:end].copy_(held)
 
     def _messages(self) -> Iterator[Tensor]:
-        """The encoded fragments of ``theta_pulled - theta_local``, one at a time (each read from the model into
-        the fragment buffer, which the next one overwrites)."""
+        """The encoded fragments of ``theta_pulled - theta_local``, one at a time through the fragment buffer."""
         params = list(self.module.parameters())
         for fragment, codec in zip(self.layout.fragments, self.layout.codecs):
             values = read_into(flat_pieces(params, fragment.start, fragment.end), self.fragment[: fragment.numel],
@@ -237,6 +203,6 @@ class Worker:
             yield self._encode(codec, values, fragment.start)
 
     def _encode(self, codec: Codec, gradient: Tensor, start: int) -> Tensor:
-        """One fragment's pseudo-gradient (from value ``start``; changed in place) encoded, with error feedback."""
+        """One fragment's pseudo-gradient (from value ``start``) encoded, with error feedback."""
         out = None if codec.raw else self.message[: codec.nbytes]
         return self.feedback.encode_part(codec, gradient, start, out)

@@ -1,15 +1,7 @@
-"""FSDP2 inside a worker of several ranks (``inside_worker="fsdp"``): the worker's ranks shard the model, its
-gradients and the inner optimizer's state over the worker's own group; the exchange still sees one full model.
-
-At a round's end the push streams the full parameters: for each parameter in turn, every rank of the worker
-takes part in FSDP2's all-gather (``full_tensor()``, on the device, one parameter at a time) and the leader reads
-the gathered values fragment by fragment into its fragment buffer, as a one-rank worker reads its model. No
-model-sized copy is added on any rank: the leader holds what a DDP leader holds (``theta_pulled`` and one
-fragment), the others the pulled model they already receive. The pulled global model is written back shard-wise:
-each rank copies its own rows of each parameter (FSDP2 shards dim 0 as ``torch.chunk`` does) from the pulled host
-buffer. Worker 0's ranks validate the global model together, rank 0 streaming it one parameter at a time
-(:func:`global_model_shards`); checkpoints hold each rank's shard of the inner optimizer state as plain tensors
-(:func:`local_state`, :func:`sharded_optimizer_state`). No Lightning here; the process groups are given.
+"""FSDP2 inside a worker of several ranks (``inside_worker="fsdp"``; no Lightning, the groups are given): the
+worker's ranks shard the model and inner optimizer state; the exchange still sees one full model. A push gathers one
+parameter at a time (every rank takes part) and the leader reads it fragment by fragment; the pulled model is written
+back shard-wise, each rank its own rows. No model-sized copy is added on any rank.
 """
 
 from __future__ import annotations
@@ -29,15 +21,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_hdet._sharding import ShardingPolicy, reshard, shard
-from lightning_hdet._tensors import (
-    float_buffers,
-    host_buffer,
-    local,
-    numel,
-    read_into,
-    sync_device,
-    write_from,
-)
+from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, read_into, sync_device, write_from
+from lightning_hdet.asynchronous.exchange.reshard import shard_rows
 from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.wire.messages import Fragments
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
@@ -79,9 +64,8 @@ def check_inside_worker(inside_worker: str, ranks_per_worker: int, checkpoint_in
 
 
 def shard_worker(module: Module, group: Any, device_type: str, policy: ShardingPolicy = None) -> None:
-    """Shard ``module`` with FSDP2 over ``group`` (one worker's ranks): the submodules ``policy`` picks as their own
-    units, then the root; ``training_step`` and ``validation_step`` gather the parameters as ``forward`` does
-    (Lightning calls them directly)."""
+    """Shard ``module`` with FSDP2 over ``group`` (``policy``'s units, then the root); ``training_step`` and
+    ``validation_step`` gather as ``forward`` does (Lightning calls them directly)."""
     shard(module, DeviceMesh.from_group(group, device_type), policy)
     for method in ("training_step", "validation_step"):
         register_fsdp_forward_method(module, method)
@@ -92,18 +76,13 @@ def shard_worker(module: Module, group: Any, device_type: str, policy: ShardingP
 
 
 def rows(p: DTensor) -> tuple[int, int]:
-    """The rows ``[lo, hi)`` of ``p``'s dim 0 this rank holds (FSDP2's ``Shard(0)``: chunks of ceil(n / k))."""
-    mesh = p.device_mesh
-    n = p.shape[0] if p.dim() else 1
-    size = math.ceil(n / mesh.size())
-    lo = min(mesh.get_local_rank() * size, n)
-    return lo, min(lo + size, n)
+    """The rows ``[lo, hi)`` of ``p``'s dim 0 this rank holds."""
+    return shard_rows(p.shape[0] if p.dim() else 1, p.device_mesh.size(), p.device_mesh.get_local_rank())
 
 
 @torch.no_grad()
 def write_shards(params: Sequence[Tensor], flat: Tensor, device: torch.device) -> None:
-    """Each rank copies its rows of every parameter from the flat host buffer ``flat`` (the full parameters, in
-    order) into its local shards: no gather, nothing model-sized on the device."""
+    """Each rank copies its rows of every parameter from the flat host buffer ``flat`` into its local shards."""
     offset = 0
     for p in params:
         full = flat[offset : offset + p.numel()].view(p.shape)
@@ -117,8 +96,7 @@ def write_shards(params: Sequence[Tensor], flat: Tensor, device: torch.device) -
 
 
 def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device) -> Tensor | None:
-    """Every rank of the worker gathers each full parameter in turn; the leader (``out`` given) copies them into
-    the flat host buffer ``out``."""
+    """Every rank gathers each full parameter in turn; the leader (``out`` given) copies them into ``out``."""
     offset = 0
     for p in params:
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
@@ -129,9 +107,8 @@ def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device
 
 
 def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Tensor]]:
-    """For each fragment of ``layout`` in turn, its pieces of the full parameters: each parameter is gathered once
-    (every parameter, in order, also the empty ones, so that every rank of the worker calls the same gathers; by
-    the last fragment all are) and kept only while a fragment still reads it."""
+    """Each fragment's pieces of the full parameters, each parameter gathered once, in order (also the empty ones:
+    every rank calls the same gathers) and kept only while a fragment still reads it."""
     gathered: dict[int, Tensor] = {}
     next_param, offset, offsets = 0, 0, []
     for p in params:
@@ -159,13 +136,8 @@ def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Te
 
 
 class ShardedWorker(Worker):
-    """A :class:`~.worker.Worker` whose model is sharded with FSDP2 over its worker's ranks (see the module
-    docstring). Every rank of the worker runs it; only the leader's transport sends what it reads.
-
-    Args:
-        group: the worker's FSDP2 group (the default backend): the finite check's all-reduce.
-        leader: this rank pushes for its worker.
-    """
+    """A :class:`~.worker.Worker` sharded with FSDP2 over ``group`` (its finite check's all-reduce); every rank
+    runs it, only the ``leader``'s transport sends."""
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport, *args: Any,
                  group: Any = None, leader: bool = True, **kwargs: Any) -> None:
@@ -173,8 +145,7 @@ class ShardedWorker(Worker):
         self.group, self.leader = group, leader
 
     def _messages(self) -> Iterator[Tensor]:
-        """The encoded fragments of ``theta_pulled - theta_local``, the full ``theta_local`` gathered parameter by
-        parameter (a follower's transport runs this only for its part in the gathers: it yields nothing)."""
+        """The encoded fragments, gathered parameter by parameter (a follower only takes part: it yields nothing)."""
         params = list(self.module.parameters())
         if not self.leader:
             for _ in full_pieces(params, self.layout):
@@ -186,8 +157,7 @@ class ShardedWorker(Worker):
             yield self._encode(codec, values, fragment.start)
 
     def _finite(self, buffers: Tensor | None) -> bool:
-        """Every rank's shards and buffer values are finite: one flag reduced over the worker (one sync per round),
-        so that its ranks agree on pushing (a follower's push takes part in the leader's gathers)."""
+        """Every rank's shards and buffers are finite: one flag reduced over the worker, so its ranks agree."""
         shards = [local(p.detach()) for p in self.module.parameters()]
         flag = torch.ones((), dtype=torch.int32, device=self.device)
         for t in shards:
@@ -198,7 +168,7 @@ class ShardedWorker(Worker):
         return bool(flag)
 
     def write_pulled(self) -> None:
-        """The pulled global model, each rank its own rows of it (buffers whole)."""
+        """The pulled global model, each rank its own rows."""
         write_shards(list(self.module.parameters()), self.pulled, self.device)
         write_shards(float_buffers(self.module), self.pulled[self.n_params :], self.device)
 
@@ -207,8 +177,7 @@ class ShardedWorker(Worker):
 
 
 def read_sharded_model(module: Module, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Rank 0: flat host copies of the full parameters (gathered with its worker's other ranks, which call
-    :func:`read_full` without ``out``) and of the floating-point buffers."""
+    """Rank 0: flat host copies of the full parameters (its worker's ranks gather) and the buffers."""
     params, buffers = list(module.parameters()), float_buffers(module)
     full = read_full(params, host_buffer(numel(params), device), device)
     assert full is not None
@@ -216,7 +185,7 @@ def read_sharded_model(module: Module, device: torch.device) -> tuple[Tensor, Te
 
 
 def local_state(obj: Any) -> Any:
-    """``obj`` (a state dict, nested) with every DTensor replaced by this rank's local shard (what a rank writes)."""
+    """``obj`` (a nested state dict) with every DTensor replaced by this rank's local shard."""
     if isinstance(obj, DTensor):
         return local(obj.detach()).clone()
     if isinstance(obj, dict):
@@ -227,9 +196,8 @@ def local_state(obj: Any) -> Any:
 
 
 def sharded_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
-    """A :func:`local_state` of an optimizer's state dict made loadable again: each state tensor of a sharded
-    parameter's size becomes a DTensor on that parameter's mesh; one of its rank but not its shard's shape is
-    refused (other rows)."""
+    """A :func:`local_state` of an optimizer's state dict made loadable again (DTensors on the parameters' meshes);
+    a tensor of another shard's shape is refused."""
     params = {i: p for group, mine in zip(saved["param_groups"], optimizer.param_groups)
               for i, p in zip(group["params"], mine["params"])}
 
@@ -250,8 +218,7 @@ def sharded_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict
 
 
 def state_from_flat(module: Module, params: Tensor, buffers: Tensor) -> dict[str, Any]:
-    """The module's state dict with its parameters and floating-point buffers taken from the flat host vectors
-    ``params`` and ``buffers`` (a global model), nothing gathered; the other entries are the module's own."""
+    """The module's state dict with its parameters and float buffers from the flat ``params`` and ``buffers``."""
     values: dict[str, Tensor] = {}
     for named, flat in ((module.named_parameters(), params),
                         (((n, b) for n, b in module.named_buffers() if torch.is_floating_point(b)), buffers)):
@@ -265,9 +232,8 @@ def state_from_flat(module: Module, params: Tensor, buffers: Tensor) -> dict[str
 @contextmanager
 def global_model_shards(module: Module, device: torch.device, outer: OuterState | None, group: Any,
                         src: int) -> Iterator[None]:
-    """Worker 0's ranks validate the global model together: inside the block each holds its rows of it, streamed
-    from rank 0 (``outer`` given; global rank ``src``) over the worker's ``gloo`` group one parameter at a time
-    (rank 0 holds the outer state's lock meanwhile); their own shards wait in a host copy (1/k of the model)."""
+    """Worker 0's ranks validate the global model together: inside the block each holds its rows, streamed from
+    rank ``src`` (``outer`` given) one parameter at a time; their own shards wait in a host copy."""
     params, buffers = list(module.parameters()), float_buffers(module)
     mine = [local(p.detach()) for p in params] + buffers
     saved = read_into(mine, host_buffer(numel(mine), device), device)
