@@ -1,20 +1,7 @@
-"""The outer optimizer as one object: its options, checks and step (pure: no Lightning, no process groups).
-
-An outer optimizer (:class:`OuterOptimizer`) is a frozen dataclass: its options are fields checked in
-``__post_init__`` (errors name the argument, the value, what is allowed), its step is the ``torch.optim.Optimizer``
-it builds over the global model's fragments (:meth:`~OuterOptimizer.optimizer`) and the step policy it runs in
-(:meth:`~OuterOptimizer.step_policy`). What the strategy, the server and the workers ask of it besides those:
-
-* :meth:`~OuterOptimizer.check` / :meth:`~OuterOptimizer.check_workers` / :meth:`~OuterOptimizer.check_codecs` /
-  :meth:`~OuterOptimizer.check_elastic`: refuse a mode, a number of workers, codecs or an elastic service it has
-  no point with (each before any process exists);
-* ``forwards_rounds``: the global model's change is exactly the round's sparse pushes, so sparse pulls may forward
-  them (:meth:`~OuterOptimizer.forward`);
-* :meth:`~OuterOptimizer.feedback_decay`: the decay of the workers' error feedback (``None``: plain);
-* :meth:`~OuterOptimizer.numbers`: every number in force (the run config; the repr shows them too).
-
-The object the user passes is the one that runs: a preset name (``outer="stable"``) only builds one
-(:mod:`.momentum`).
+"""The outer optimizer as one object (pure): a frozen dataclass whose fields are its checked options, which builds
+the ``torch.optim.Optimizer`` stepping the global model's fragments and picks its step policy. Its hooks refuse a
+mode, a number of workers, codecs or an elastic service it has no point with; ``forwards_rounds``: its change is
+exactly the round's sparse pushes, which pulls may forward. A preset name only builds one (:mod:`.momentum`).
 """
 
 from __future__ import annotations
@@ -32,22 +19,20 @@ from lightning_hdet.asynchronous.wire.codecs import Codec
 
 
 class OuterOptimizer(KnownArguments):
-    """Base of the outer optimizers (:class:`~.delayed_nesterov.DelayedNesterov`,
-    :class:`~.delayed_nesterov.Nesterov`, :class:`~.sparseloco.SparseLoCo`)."""
+    """Base of the outer optimizers (``DelayedNesterov``, ``Nesterov``, ``SparseLoCo``)."""
 
     forwards_rounds: ClassVar[bool] = False
-    #: The most pushes one momentum update may average (Delayed Nesterov's ``N``; ``None``: as many as are live).
     buffer_size: int | None = None
 
     def numbers(self) -> dict[str, Any]:
-        """Every option in force, by name (recorded in the run config beside the class's name)."""
+        """Every option in force, by name (the run config)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
 
     def check(self, mode: str, stagger: int) -> None:
         """Refuse a ``mode`` (``"async"`` / ``"sync"``) or ``stagger`` this optimizer has no point with."""
 
     def check_workers(self, workers: int) -> None:
-        """What depends on the number of workers (checked when the Trainer is built, before any process)."""
+        """What depends on the number of workers (before any process)."""
 
     def check_codecs(self, push: Codec, pull: Codec) -> None:
         """Refuse codecs this optimizer cannot step from."""
@@ -68,7 +53,7 @@ class OuterOptimizer(KnownArguments):
         return False
 
     def optimizer(self, views: Sequence[Tensor], mode: str, workers: int) -> Optimizer:
-        """The ``torch.optim.Optimizer`` stepping the global model's fragments (``views``, one per fragment)."""
+        """The ``torch.optim.Optimizer`` stepping the global model's fragments ``views``."""
         raise NotImplementedError
 
     def step_policy(self, mode: str, stagger: int, grace_period: float | None) -> StepPolicy:

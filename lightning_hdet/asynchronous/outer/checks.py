@@ -1,23 +1,9 @@
-"""What a push must be before the outer optimizer applies it. Pure: no process groups, no Lightning.
-
-One worker with a bad batch, an overflow or a faulty device must not poison the global model that every other
-worker trains from. Rank 0's server and the elastic :class:`~.elastic.service.OuterService` therefore look at every
-push before any of it is applied (``docs/failure_modes.md``, "A worker goes bad"):
-
-* **form**: as many fragments as the layout has, each a flat ``float32`` tensor of its fragment's size; the
-  floating-point buffer values the right size, ``float32`` and finite;
-* **finite**: every fragment's norm (one reduction per fragment, no copy: NaN or Inf anywhere makes it NaN or
-  Inf) is finite;
-* **norm**: the push's pseudo-gradient norm is at most ``max_norm_ratio`` times the larger of the median of this
-  worker's and of everyone's recent accepted norms of pushes that carry the same fragments (once ``min_history``
-  such pushes were accepted, and never against a median of 0). A median follows a schedule (warm-up, decay) and
-  ignores one odd push; a multiple of it still lets a push several times larger than usual through (a longer
-  round, a loss spike), so that only an outlier by an order of magnitude is refused. With ``stagger=F`` a push
-  carries one of ``F`` parts (its norm ~1/sqrt(F) of the whole model's, and parts differ in size) and a goodbye
-  the whole model: each kind has its own history, as one mixed median would refuse honest pushes or pass bad ones.
-
-A worker can also discard its own round (its local steps went non-finite): it pushes with no steps, which the
-outer side counts as a rejection of that worker. ``max_rejections`` rejections in a row exclude the worker.
+"""What a push must be before the outer optimizer applies it (pure; ``docs/failure_modes.md``, "A worker goes bad"):
+the right fragments and buffers (``float32``, finite), finite norms, and a norm at most ``max_norm_ratio`` times the
+larger of this worker's and everyone's recent median for pushes of the same part (once ``min_history`` were
+accepted). A median follows schedules and ignores one odd push; the multiple lets a longer round or a loss spike
+through, refusing only an order-of-magnitude outlier. Staggered parts and whole-model goodbyes keep their own
+histories. ``max_rejections`` rejections in a row (a worker's own discarded rounds included) exclude the worker.
 """
 
 from __future__ import annotations
@@ -37,9 +23,8 @@ DISCARDED_BY_WORKER = "discarded by the worker (its local steps went non-finite)
 
 
 class PushCheck(KnownArguments):
-    """The checks on arriving pushes (the strategies' ``check_pushes=PushCheck(...)``; ``True`` is ``PushCheck()``,
-    ``False`` checks nothing), and the recent accepted norms they compare with (each run's outer state holds a
-    :meth:`fresh` copy).
+    """The checks on arriving pushes (``check_pushes=PushCheck(...)``) and the recent accepted norms they compare
+    with (each run holds a :meth:`fresh` copy).
 
     Args:
         max_norm_ratio: a push whose norm exceeds this multiple of the reference median is rejected.
@@ -65,12 +50,11 @@ class PushCheck(KnownArguments):
         self._own: dict[tuple[int, int], deque[float]] = {}  # by (worker, part)
 
     def numbers(self) -> dict[str, float]:
-        """Every option in force (the run config)."""
         return {"max_norm_ratio": self.max_norm_ratio, "max_rejections": self.max_rejections, "window": self.window,
                 "min_history": self.min_history}
 
     def fresh(self) -> PushCheck:
-        """The same options, no history (what one run's outer state holds)."""
+        """The same options, no history."""
         return PushCheck(**self.numbers())  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -82,9 +66,8 @@ class PushCheck(KnownArguments):
     __hash__ = None  # type: ignore[assignment]
 
     def limit(self, worker: int, part: int = -1) -> float:
-        """The largest norm ``worker``'s next push of ``part`` (``-1``: the whole model) may have (``inf`` until
-        the norm rule applies). A whole-model push with too little history of its own (a staggered run's goodbye)
-        is judged against the parts' medians added in squares, ``||theta||^2 = sum_p ||theta_p||^2``."""
+        """The largest norm ``worker``'s next push of ``part`` may have (``inf`` until the rule applies); a
+        whole-model push without history of its own is judged against the parts' medians added in squares."""
         everyone = self._all.get(part, ())
         if len(everyone) >= self.min_history:
             reference = statistics.median(everyone)
@@ -101,16 +84,14 @@ class PushCheck(KnownArguments):
         return self.max_norm_ratio * reference if reference > 0 else math.inf
 
     def accepted(self, worker: int, norm: float, part: int = -1) -> None:
-        """Record an applied push's norm (of ``part``; ``-1``: the whole model)."""
+        """Record an applied push's norm."""
         self._all.setdefault(part, deque(maxlen=self.window)).append(norm)
         self._own.setdefault((worker, part), deque(maxlen=self.window)).append(norm)
 
     def inspect(self, worker: int, fragments: Iterable[Tensor], ranges: Sequence[tuple[int, int]],
                 stage: Tensor | None, part: int = -1) -> tuple[str | None, list[Tensor], float]:
-        """Read every arriving fragment (all of them, so that a stream is always consumed), check its form and
-        norm (against pushes of the same ``part``), and keep it: a view of the fragment itself (``stage=None``: the
-        caller's tensors stay valid), or a copy in ``stage``'s slice (a stream reuses its buffers). Returns
-        ``(reason, kept, norm)``; ``reason`` is ``None`` for a push that may be applied."""
+        """Read every fragment (a stream is always consumed), check its form and norm and keep it (a view, or with
+        ``stage`` a copy: a stream reuses its buffers). Returns ``(reason, kept, norm)``, ``reason`` ``None`` if fine."""
         reason, kept, squares = None, [], 0.0
         for index, fragment in enumerate(fragments):
             if reason is not None:
@@ -136,7 +117,7 @@ class PushCheck(KnownArguments):
 
 
 def buffers_problem(buffers: Tensor | None, n_buffers: int) -> str | None:
-    """What is wrong with a push's floating-point buffer values (``None``: nothing)."""
+    """What is wrong with a push's buffer values (``None``: nothing)."""
     if buffers is None:
         return None
     if buffers.dtype != torch.float32 or buffers.numel() != n_buffers:

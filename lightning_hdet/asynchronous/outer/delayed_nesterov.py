@@ -1,15 +1,9 @@
-"""Delayed Nesterov (DN): the outer optimizer of asynchronous Local-SGD, and Nesterov, DiLoCo's.
-
-Plain Nesterov momentum breaks when pseudo-gradients from several workers arrive one after another: each
-push decays the momentum and adds a full momentum step. DN (Liu et al., arXiv 2401.09135) buffers the pushes
-and updates the momentum only once every ``buffer_size`` pushes; in between, each push moves the parameters
-by its own share ``-lr * g / N`` plus, optionally, a fraction ``c`` of the momentum step.
-
-With ``momentum_activation = 0``, ``N`` pushes of the same ``g`` move the parameters exactly like one
-``torch.optim.SGD(nesterov=True)`` step on ``g``. A warm-up and restarts schedule the momentum
-(:class:`MomentumSchedule`; why: :mod:`.momentum`); with ``N = 1`` this is Nesterov SGD with that schedule, the
-outer step of DiLoCo. The objects a user passes are :class:`DelayedNesterov` and :class:`Nesterov`; the
-``torch.optim.Optimizer`` they build is :class:`DelayedNesterovOptimizer`.
+"""Delayed Nesterov (DN, Liu et al., arXiv 2401.09135), asynchronous Local-SGD's outer optimizer, and Nesterov,
+DiLoCo's. Plain Nesterov breaks when pushes arrive one after another (each decays the momentum and adds a full
+momentum step); DN updates the momentum once every ``N`` pushes, and in between each push moves the parameters by
+``-lr * g / N`` (plus a share ``c`` of the momentum step). With ``c = 0``, ``N`` pushes of one ``g`` step exactly
+as ``torch.optim.SGD(nesterov=True)``; with ``N = 1`` it is DiLoCo's Nesterov with a momentum schedule
+(:class:`MomentumSchedule`; why: :mod:`.momentum`).
 """
 
 from __future__ import annotations
@@ -29,21 +23,10 @@ from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 class DelayedNesterovOptimizer(KnownArguments, Optimizer):
     """Delayed Nesterov as a ``torch.optim.Optimizer`` (what :class:`DelayedNesterov` and :class:`Nesterov` build).
 
-    ``param.grad`` holds the pseudo-gradient of one push (``theta_pulled - theta_local``). On every
-    :meth:`step`, per parameter: ``delta += g``; on the ``N``-th push since the last momentum update
-    ``m = momentum * m + delta / N`` and ``theta -= lr * ((1 - c*N + c) * momentum * m + g / N)``, then
-    ``delta = 0``; otherwise ``theta -= lr * (c * momentum * m + g / N)``. With ``c = 0`` (the default) no ``delta``
-    is kept: each push is added to the momentum as it arrives (rank 0 holds one model less).
-
-    Args:
-        params: the parameters (the global model, usually host-memory tensors).
-        lr: outer learning rate (> 0).
-        momentum: momentum coefficient in [0, 1).
-        buffer_size: ``N``, pushes per momentum update (>= 1); the natural choice is the number of workers.
-        momentum_activation: ``c`` in ``[0, 1/N]``, the share of the momentum step applied on each
-            intermediate push (0 = momentum only at the ``N``-th push, as published by default).
-        momentum_warmup: momentum updates over which ``momentum`` ramps up linearly from 0 (0: none).
-        momentum_restart: zero the momentum before every ``momentum_restart``-th momentum update (0: never).
+    ``param.grad`` holds one push's pseudo-gradient ``g``. Per :meth:`step`: ``delta += g``; on the ``N``-th push
+    ``m = momentum * m + delta / N`` and ``theta -= lr * ((1 - c*N + c) * momentum * m + g / N)``, then ``delta =
+    0``; otherwise ``theta -= lr * (c * momentum * m + g / N)``. With ``c = 0`` no ``delta`` is kept (each push goes
+    into the momentum as it arrives). ``momentum_warmup`` / ``momentum_restart``: :class:`MomentumSchedule`'s.
     """
 
     def __init__(
@@ -78,9 +61,8 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
         return loss
 
     def resize(self, size: int) -> bool:
-        """Set ``N`` to ``size`` in each parameter group with no push buffered (a momentum-update boundary; a
-        cycle's pushes were each applied with ``1/N``, so ``N`` cannot change inside one); True if every group took
-        it."""
+        """Set ``N`` to ``size`` in each group at a momentum-update boundary (a cycle's pushes were each applied with
+        ``1/N``); True if every group took it."""
         check_int("size", size, minimum=1)
         done = True
         for group in self.param_groups:
@@ -95,9 +77,8 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
         return self.resize(max(1, min(ceiling or live, live)))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Also loads the state of the ``torch.optim.SGD(nesterov=True)`` that DiLoCo's outer step was before
-        (the same step as ``N = 1``): its ``lr`` and ``momentum`` and momentum buffers are kept, the settings it
-        lacks take this optimizer's values, its other settings are dropped."""
+        """Also loads a ``torch.optim.SGD(nesterov=True)`` state (DiLoCo's outer step before, ``N = 1``): its lr,
+        momentum and buffers are kept, the settings it lacks are this optimizer's, the others dropped."""
         groups = [{**{k: v for k, v in own.items() if k != "params"},
                    **{k: v for k, v in saved.items() if k in own}}
                   for own, saved in zip(self.param_groups, state_dict["param_groups"])]
@@ -108,8 +89,7 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
 
     @staticmethod
     def _fold_delta(state: dict[str, Any], group: dict[str, Any]) -> None:
-        """A state saved before pushes went straight into the momentum (``c = 0``) kept them in ``delta``: fold
-        it in as :meth:`_step_one` would have (``m = momentum * m + delta / N``)."""
+        """A state saved before pushes went straight into the momentum kept them in ``delta``: fold it in."""
         n, c = group["buffer_size"], group["momentum_activation"]
         if "delta" not in state or (c > 0 and n > 1):
             return
@@ -125,12 +105,10 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
 
     def _step_one(self, p: torch.Tensor, g: torch.Tensor, lr: float, n: int, c: float,
                   schedule: MomentumSchedule) -> None:
-        """One push on one parameter. Buffers are made only where the step reads them: no momentum buffer with
-        momentum 0, and no ``delta`` unless ``c > 0``: with ``c = 0`` the momentum is read only at the ``N``-th push,
-        so each push is added to it as it comes (``m = momentum * m`` at a cycle's first push, ``m += g / N`` at
-        each; the same update as ``m = momentum * m + delta / N``, to rounding) and Delayed Nesterov holds one model
-        of momentum and nothing else, as DiLoCo's Nesterov step does (``torch.optim.SGD`` also makes a model-sized
-        temporary). ``get`` with defaults: states saved before schedules, or by ``SGD``, lack keys."""
+        """One push on one parameter. Buffers only where read: no momentum buffer with momentum 0, no ``delta``
+        unless ``c > 0`` (with ``c = 0`` the momentum is read only at the ``N``-th push, so each push goes into it as
+        it comes: one model of state, as DiLoCo's Nesterov). ``get`` with defaults: older or ``SGD`` states lack
+        keys."""
         state = self.state[p]
         pushes, updates = state.get("pushes", 0) + 1, state.get("updates", 0)
         beta = schedule.beta(updates + 1)  # of the next momentum update
@@ -171,7 +149,7 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
 def validate_outer_hyperparameters(
     lr: float, momentum: float, buffer_size: int, momentum_activation: float
 ) -> None:
-    """Raise a ValueError naming the argument when an outer-optimizer hyperparameter is out of range."""
+    """Refuse an outer-optimizer hyperparameter out of range, naming it."""
     for name, value in (("lr", lr), ("momentum", momentum), ("momentum_activation", momentum_activation)):
         check_number(name, value)
     check_number("lr", lr, low=0, low_open=True, hint="The outer lr: 0.7 is DiLoCo's; see docs/async.md.")
@@ -183,18 +161,16 @@ def validate_outer_hyperparameters(
 
 @dataclass(frozen=True)
 class DelayedNesterov(OuterOptimizer):
-    """Delayed Nesterov: asynchronous Local-SGD's outer optimizer (in DiLoCo, where every outer step is one, ``N =
-    1``: Nesterov with this momentum schedule). The ``"stable"``, ``"robust"`` and ``"published"`` presets are this
-    object (:data:`~.momentum.OUTER_PRESETS`).
+    """Delayed Nesterov (in DiLoCo ``N = 1``: Nesterov with this momentum schedule); the ``"stable"``, ``"robust"``
+    and ``"published"`` presets are this object.
 
     Args:
-        lr: the outer learning rate (> 0; DiLoCo's 0.7, the ``"stable"`` preset's
-            :func:`~.momentum.stable_outer_lr`).
+        lr: the outer learning rate (> 0; DiLoCo's 0.7).
         momentum: Nesterov momentum in [0, 1).
         warmup: momentum updates over which the momentum ramps up linearly from 0 (0: none).
         restarts: zero the momentum before every ``restarts``-th momentum update (0: never).
-        buffer_size: async only: ``N``, pushes per momentum update; ``None``: the number of workers still training.
-        momentum_activation: async only: ``c`` in ``[0, 1/N]``, the share of the momentum step applied on each
+        buffer_size: async only: ``N``, pushes per momentum update; ``None``: the workers still training.
+        momentum_activation: async only: ``c`` in ``[0, 1/N]``, the share of the momentum step on each
             intermediate push (0, as published).
     """
 
@@ -238,13 +214,8 @@ class DelayedNesterov(OuterOptimizer):
 
 @dataclass(frozen=True)
 class Nesterov(OuterOptimizer):
-    """Nesterov momentum, DiLoCo's published outer step (Douillard et al., arXiv 2311.08105: lr 0.7, momentum 0.9),
-    with no warm-up and no restarts; in async mode every push is a full Nesterov step (no delay).
-
-    Args:
-        lr: the outer learning rate (> 0).
-        momentum: Nesterov momentum in [0, 1).
-    """
+    """Nesterov momentum, DiLoCo's published outer step (arXiv 2311.08105: lr 0.7, momentum 0.9), no warm-up or
+    restarts; in async mode every push is a full Nesterov step."""
 
     lr: float
     momentum: float = 0.9
@@ -258,13 +229,8 @@ class Nesterov(OuterOptimizer):
 
 @dataclass(frozen=True)
 class MomentumSchedule:
-    """``beta`` for the k-th momentum update (k = 1, 2, ...) and whether the momentum restarts before it.
-
-    Args:
-        momentum: ``beta`` after the warm-up, in [0, 1).
-        warmup: momentum updates over which ``beta`` ramps up linearly (0: none).
-        restart: zero the momentum buffer before every ``restart``-th momentum update (0: never).
-    """
+    """``beta`` for the k-th momentum update (k = 1, 2, ...; ramped up over ``warmup``) and whether the momentum
+    restarts before it (every ``restart``-th; 0: never)."""
 
     momentum: float
     warmup: int = 0
@@ -284,5 +250,4 @@ class MomentumSchedule:
     def restarts(self, update: int) -> bool:
         """Whether the momentum buffer is zeroed before the ``update``-th momentum update."""
         return bool(self.restart) and update % self.restart == 0
-
 

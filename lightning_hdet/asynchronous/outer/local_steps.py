@@ -1,16 +1,9 @@
-"""Dynamic local steps (DyLU): give each worker a round length proportional to its speed.
+"""Dynamic local steps (DyLU), pure bookkeeping: each worker's round length in proportion to its speed.
 
-Worker ``w`` with smoothed speed ``v_w`` (inner steps per second) and smoothed exchange time ``e_w`` (seconds
-from its push until the next round's model arrived) has a round *cycle* of ``steps / v_w + e_w``. Every worker gets
-the cycle of the quickest one at ``H`` steps, ``T = min_u (H / v_u + e_u)``: ``floor(v_w * (T - e_w))`` inner steps,
-at least ``min_local_steps`` (with no exchange time, ``floor(v_w / max_u v_u * H)`` as published), so that fast and
-slow workers finish their rounds at about the same time.
-
-Why the exchange time counts: the published rule equalizes compute only. A worker whose exchanges take longer (its
-link, or a server busy in its host process) then pushes less often than the others, its pushes grow staler, and a
-stale push amplified by the outer momentum keeps the global model from settling (issue 42: two workers on one host,
-the rank-0 worker 12 ms of compute + 1 ms of exchange per round, the other 14 + 8 ms, pushed 121 vs 74 times and the
-loss hovered where it should fall). Pure bookkeeping: no Lightning, no process groups.
+Worker ``w`` with smoothed speed ``v_w`` and exchange time ``e_w`` gets ``floor(v_w * (T - e_w))`` steps (at least
+``min_local_steps``), ``T = min_u (H / v_u + e_u)`` the quickest worker's cycle at ``H`` steps, so all finish their
+rounds together. Why the exchange time counts (the published rule equalizes compute only): a worker with slower
+exchanges would push less often, its pushes staler, and the momentum keeps the model from settling (issue 42).
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from lightning_hdet._checks import KnownArguments, check_int, check_number
 
 
 def smoothed_speed(previous: float | None, measured: float, smoothing: float) -> float:
-    """Exponential moving average of steps/s: ``smoothing * previous + (1 - smoothing) * measured``."""
+    """``smoothing * previous + (1 - smoothing) * measured``."""
     if previous is None:
         return measured
     return smoothing * previous + (1.0 - smoothing) * measured
@@ -41,14 +34,8 @@ def dynamic_local_steps(speed: float | None, speeds: Mapping[int, float], local_
 
 
 class LocalStepsPolicy(KnownArguments):
-    """Per-worker speed bookkeeping and the next round's local step count.
-
-    Args:
-        local_steps: ``H``, the round length of the fastest worker.
-        min_local_steps: lower bound for any worker's round.
-        dynamic: when False every worker always runs ``H`` steps.
-        smoothing: weight of the previous speed in the moving average, in [0, 1).
-    """
+    """Per-worker speeds and the next round's length (``dynamic=False``: always ``H``; ``smoothing``: the previous
+    speed's weight in the moving average, in [0, 1))."""
 
     def __init__(self, local_steps: int, min_local_steps: int = 1, dynamic: bool = True, smoothing: float = 0.5) -> None:
         validate_local_steps(local_steps, min_local_steps, smoothing)
@@ -57,24 +44,22 @@ class LocalStepsPolicy(KnownArguments):
         self.dynamic = dynamic
         self.smoothing = smoothing
         self.speeds: dict[int, float] = {}
-        #: Smoothed seconds per exchange (push to pulled model), by worker.
         self.exchanges: dict[int, float] = {}
 
     def update(self, worker: int, steps: int, seconds: float, exchange_s: float = 0.0) -> None:
-        """Record that ``worker`` ran ``steps`` inner steps in ``seconds`` of compute, and that its last exchange
-        took ``exchange_s`` seconds."""
+        """``worker`` ran ``steps`` in ``seconds`` of compute; its last exchange took ``exchange_s``."""
         if steps <= 0 or seconds <= 0:
             return
         self.speeds[worker] = smoothed_speed(self.speeds.get(worker), steps / seconds, self.smoothing)
         self.exchanges[worker] = smoothed_speed(self.exchanges.get(worker), max(exchange_s, 0.0), self.smoothing)
 
     def forget(self, worker: int) -> None:
-        """``worker`` left: its speed no longer sets the others' round lengths."""
+        """``worker`` left: its speed no longer counts."""
         self.speeds.pop(worker, None)
         self.exchanges.pop(worker, None)
 
     def next_local_steps(self, worker: int) -> int:
-        """The number of inner steps ``worker`` should run in its next round."""
+        """``worker``'s next round length."""
         if not self.dynamic:
             return self.local_steps
         return dynamic_local_steps(self.speeds.get(worker), self.speeds, self.local_steps, self.min_local_steps,
@@ -90,7 +75,7 @@ class LocalStepsPolicy(KnownArguments):
 
 
 def validate_local_steps(local_steps: int, min_local_steps: int, smoothing: float = 0.5) -> None:
-    """Raise a ValueError naming the argument when ``H``, its lower bound or the speed smoothing is invalid."""
+    """Refuse an invalid ``H``, lower bound or speed smoothing, naming it."""
     check_int("local_steps", local_steps, minimum=1)
     check_int("min_local_steps", min_local_steps, minimum=1)
     if min_local_steps > local_steps:

@@ -1,23 +1,13 @@
-"""SparseLoCo's outer update (Sarfi et al., arXiv 2508.15706) and its exact sparse pulls. Pure tensor code: no
-Lightning, no process groups.
+"""SparseLoCo (Sarfi et al., arXiv 2508.15706), all in one file (pure): the object (:class:`SparseLoCo`), its outer
+step (:class:`SparseSyncStep`) and the round change its pulls forward (:class:`RoundCodec`, :class:`SparseRound`).
 
-Everything SparseLoCo is here: the object a user passes (:class:`SparseLoCo`, its options and checks), its outer step
-(:class:`SparseSyncStep`) and the round change its pulls forward (:class:`RoundCodec`, :class:`SparseRound`).
-
-With ``outer=SparseLoCo()`` (DiLoCo only) each worker pushes ``codec(g + beta * residual)`` in a sparse codec
-(:class:`~..wire.codecs.TopK`) and keeps what it did not send (:class:`~..wire.codecs.ErrorFeedback` with ``decay =
-beta``: the decayed accumulator stands in for the outer momentum); rank 0 moves the global model ``G`` by
-``-lr`` times the mean of the decoded pushes and keeps no momentum. ``G``'s change is then exactly sparse (the
-union of the workers' kept values), so a pull can carry it exactly: a *round change* is the round's pushes
-forwarded as they are, one slot per worker, with the step's factor ``-lr / pushes``. Rank 0 moves ``G`` by
-decoding the same bytes a worker decodes, with the same float32 operations in the same order
-(:meth:`RoundCodec.decode`), so the public model and every worker's copy stay equal to ``G`` bit for bit.
-
-Why forward the pushes rather than the union's values: a chunk of 4,096 values costs a worker's ``topk2`` push 148
-bytes (a scale, 64 int16 positions, 64 2-bit levels), so the round of W = 4 forwarded costs 596 bytes; the
-union's up to 256 positions with exact float32 values cost up to 1,536. A worker's pull leaves out its own slot
-(:meth:`RoundCodec.around`; 448 bytes at W = 4): it fills the slot with the bytes it pushed, which rank 0 forwards
-to the others, and sums the slots in the same order, so it still holds ``G`` bit for bit.
+Each worker pushes ``codec(g + beta * residual)`` in a sparse codec (the decayed error feedback stands in for the
+outer momentum); rank 0 moves ``G`` by ``-lr`` times the mean of the decoded pushes, no momentum. ``G``'s change is
+then exactly sparse, so a pull carries it exactly: a *round change* is the round's pushes forwarded as they are,
+one slot per worker, with the factor ``-lr / pushes``, decoded on rank 0 and every worker with the same float32
+operations in the same order: everyone holds ``G`` bit for bit. Why forward pushes rather than the union's values:
+at W = 4 a chunk's round costs 596 bytes forwarded (``topk2``), up to 1,536 as positions and float32 values. A
+worker's pull leaves out its own slot (:meth:`RoundCodec.around`) and fills it with the bytes it pushed.
 """
 
 from __future__ import annotations
@@ -47,14 +37,8 @@ def _padded(nbytes: int) -> int:
 
 
 class RoundCodec:
-    """One fragment's round change: the float32 factor ``-lr / pushes``, then ``workers`` slots, each one push
-    message of ``codec`` (a sparse codec) or zeros (that worker did not push). It decodes to ``factor * (slot 0 +
-    slot 1 + ...)``, summed into zeros slot by slot, one float32 addition per kept value.
-
-    Args:
-        codec: the pushes' codec for this fragment (a :class:`~..wire.codecs.TopK`, bound).
-        workers: slots per change (the number of workers).
-    """
+    """One fragment's round change: the float32 factor ``-lr / pushes``, then one slot per worker holding its push
+    in ``codec`` (bound TopK) or zeros; it decodes to ``factor * (slot 0 + slot 1 + ...)``, slot by slot."""
 
     raw = False
 
@@ -72,8 +56,7 @@ class RoundCodec:
         return message[start : start + self.codec.nbytes]
 
     def around(self, message: Tensor, worker: int) -> list[Tensor]:
-        """``message`` without ``worker``'s slot, as a pull to ``worker`` carries it: the views before and after
-        the slot (an empty one left out); ``worker`` writes its own push into the slot (:meth:`slot`)."""
+        """The views of ``message`` before and after ``worker``'s slot (what a pull to ``worker`` carries)."""
         start = _FACTOR_BYTES + worker * self.slot_bytes
         return [piece for piece in (message[:start], message[start + self.slot_bytes : self.nbytes]) if piece.numel()]
 
@@ -90,23 +73,16 @@ class RoundCodec:
 
 
 class SparseRound:
-    """Rank 0's round being gathered: each applied push's messages in its worker's slot, until the outer step
-    closes the round into its change (:meth:`close`). Holds one change (``W`` pushes, under 2 % of a model).
-
-    Args:
-        codecs: the pushes' codec of each fragment.
-        workers: how many workers push.
-    """
+    """Rank 0's round being gathered: each applied push's messages in its worker's slot, until :meth:`close`."""
 
     def __init__(self, codecs: Sequence[Codec], workers: int) -> None:
         self.codecs = [RoundCodec(c, workers) for c in codecs]
         self._slots = [torch.zeros(c.nbytes, dtype=torch.uint8) for c in self.codecs]
-        #: The last closed round's change, one message per fragment (logged for the pulls).
         self.change: list[Tensor] = []
         self.scratch = torch.empty(max((c.numel for c in self.codecs), default=0), dtype=torch.float32)
 
     def keeping(self, worker: int, messages: Iterable[Tensor]) -> Iterator[Tensor]:
-        """``messages`` (a push's fragments, in order) passed on, each copied into ``worker``'s slot first."""
+        """``messages`` passed on, each copied into ``worker``'s slot first."""
         for index, message in enumerate(messages):
             self.codecs[index].slot(self._slots[index], worker).copy_(message)
             yield message
@@ -128,13 +104,8 @@ class SparseRound:
 
 
 class SparseSyncStep(SyncStep):
-    """DiLoCo with SparseLoCo's update: the global model moves by the round change of :class:`SparseRound`, ``-lr`` times the mean of the pushes as they were encoded, decoded as a
-    pull decodes it (so that pulls can carry it exactly); no momentum. The server keeps each applied push's
-    messages in :attr:`round` (:meth:`keeps_messages`); the decoded fragments it receives were only checked.
-
-    Args:
-        lr: the outer lr ``alpha``.
-    """
+    """DiLoCo with SparseLoCo's update: the model moves by :class:`SparseRound`'s change, decoded as a pull decodes
+    it; no momentum. The decoded fragments it receives were only checked."""
 
     def __init__(self, lr: float) -> None:
         super().__init__()  # rounds of H steps: SparseLoCo.check refuses stagger
@@ -142,11 +113,11 @@ class SparseSyncStep(SyncStep):
         self.round: SparseRound | None = None
 
     def attach(self, sparse_round: SparseRound) -> None:
-        """Where the round's pushes are kept (the server, which knows their codecs, or a test)."""
+        """Where the round's pushes are kept."""
         self.round = sparse_round
 
     def keeps_messages(self, codecs: list, workers: int) -> SparseRound:
-        """The server keeps each applied push's messages here, for the round change."""
+        """Where the server keeps each applied push's messages."""
         self.attach(SparseRound(codecs, workers))
         assert self.round is not None
         return self.round
@@ -165,14 +136,10 @@ class SparseSyncStep(SyncStep):
         outer.outer_updates += 1
 
 
-
-
 @dataclass(frozen=True)
 class SparseLoCo(OuterOptimizer):
-    """SparseLoCo's outer step (Sarfi et al., arXiv 2508.15706), DiLoCo only, with a sparse codec
-    (``compression=TopK(...)``): the global model moves by ``lr`` times the mean of the round's sparse pushes, with no
-    outer momentum (the workers' error feedback, decayed by ``error_decay``, carries it), so that its change is
-    exactly sparse and sparse pulls (``pull_compression`` the same codec) can send it exactly.
+    """SparseLoCo's outer step, DiLoCo only, with ``compression=TopK(...)``: ``lr`` times the mean of the round's
+    sparse pushes, no outer momentum, so sparse pulls (the same codec) can send its change exactly.
 
     Args:
         lr: the outer lr ``alpha`` (> 0; the paper's 1).

@@ -1,14 +1,7 @@
-"""The outer side of Local-SGD: global parameters and buffers, the outer optimizer, the step budget, per-worker
-statistics (and, only with ``checkpoint_inner_states=True``, inner optimizer states). Pure: no process groups, no
-Lightning.
-
-Pushes arrive in fragments (:class:`~.messages.Fragments`) and are applied fragment by fragment as they arrive:
-the outer optimizer holds one parameter per fragment (views of the flat global parameters), so that stepping a
-fragment is the step of the whole vector restricted to it. How pushes become outer updates and how long each
-worker's next round is differ between the two modes, and are two step policies: :class:`AsyncStep` (each push
-applied on arrival, round lengths by speed, budget shared by speed) and :class:`SyncStep` (DiLoCo: the mean of
-every worker's push, one outer step at the end of the round, equal round lengths). The outer optimizer object
-(:mod:`.base`) builds its ``torch.optim.Optimizer`` and picks its policy; :mod:`.settings` builds the state.
+"""The outer side of Local-SGD (pure): global parameters and buffers, the outer optimizer (one parameter per
+fragment, views of the flat global parameters, so pushes are applied fragment by fragment as they arrive), the step
+budget and per-worker statistics. The two modes are step policies: :class:`AsyncStep` (each push on arrival, rounds
+and budget by speed) and :class:`SyncStep` (DiLoCo: one step with the round's mean, equal rounds).
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,23 +41,14 @@ class WorkerStats:
     rounds: int = 0
     steps: int = 0
     pulled_version: int = 0
-    #: Steps allocated in its latest reply and not pushed yet.
-    in_flight: int = 0
-    #: Steps of an allocation it takes after a push, before merging the reply (overlap): in its next push.
-    pending: int = 0
-    #: Bytes of pseudo-gradient and buffer payload the worker pushed so far (after compression).
+    in_flight: int = 0  # allocated in its latest reply, not pushed yet
+    pending: int = 0  # taken after a push, before merging its reply (overlap): in its next push
     push_bytes: int = 0
-    #: Bytes of parameters and buffers the replies sent it so far (0 for rank 0's own worker: nothing travels), and
-    #: how many of them sent the parameters themselves (with a delta pull codec: its first pull, and any whose
-    #: version had left the log; see :mod:`.public_model`).
-    pull_bytes: int = 0
-    dense_pulls: int = 0
-    #: Pushes rejected (by the checks, or discarded by the worker itself), their inner steps, and how many of the
-    #: latest pushes in a row were rejected.
+    pull_bytes: int = 0  # 0 for rank 0's own worker: nothing travels
+    dense_pulls: int = 0  # replies that sent the parameters themselves (delta pull codec)
     rejected: int = 0
     rejected_steps: int = 0
     rejected_streak: int = 0
-    #: Seconds computing and waiting on the exchange, summed over its rounds (``compute_s``/``wait_s``: the latest).
     total_compute_s: float = 0.0
     total_wait_s: float = 0.0
 
@@ -75,17 +59,16 @@ class WorkerStats:
         self.total_wait_s += wait_s
 
 
-class StepPolicy(Protocol):
-    """How a batch of pushes becomes outer updates, and how long a worker's next round is."""
+class StepPolicy:
+    """How a batch of pushes becomes outer updates, and how long a worker's next round is. ``mode``: ``"async"`` or
+    ``"sync"`` (in checkpoints); ``batch_window``: seconds after a batch's first push that later ones join it
+    (``None``: until every worker still training has pushed)."""
 
-    #: ``"async"`` or ``"sync"`` (recorded in checkpoints).
     mode: str
-    #: Seconds after a batch's first push during which later pushes join it; ``None``: until every worker
-    #: still training has pushed.
-    batch_window: float | None
+    batch_window: float | None = None
 
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
-        """One arriving fragment of a push's pseudo-gradient (``index``: which fragment)."""
+        """One arriving fragment of a push's pseudo-gradient."""
 
     def pushed(self, outer: OuterState) -> None:
         """A push's last fragment has arrived."""
@@ -94,36 +77,28 @@ class StepPolicy(Protocol):
         """The batch closed; ``pushes`` of its pushes carried a pseudo-gradient."""
 
     def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
-        """``worker``'s next round length within the budget left (``n_waiting`` workers wait for a reply)."""
+        """``worker``'s next round length within the budget left."""
+        raise NotImplementedError
 
     def keeps_messages(self, codecs: list, workers: int) -> object | None:
-        """Where the server keeps each applied push's messages for this policy (``None``: it keeps none)."""
+        """Where the server keeps each applied push's messages (``None``: nowhere)."""
+        return None
 
 
-class AsyncStep:
-    """Asynchronous Local-SGD: every push is its own outer update, in arrival order; each worker's next round
-    length follows its speed; the budget left is shared without waiting for anyone.
-
-    Args:
-        grace_period: pushes arriving within this many seconds of a batch's first one join that batch.
-    """
+class AsyncStep(StepPolicy):
+    """Asynchronous Local-SGD: every push is its own outer update, in arrival order; round lengths follow speeds;
+    pushes within ``grace_period`` seconds of a batch's first join it."""
 
     mode = "async"
 
     def __init__(self, grace_period: float = 0.0) -> None:
         self.batch_window: float | None = grace_period
 
-    def keeps_messages(self, codecs: list, workers: int) -> object | None:
-        return None
-
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
         outer.step_fragment(index, gradient)
 
     def pushed(self, outer: OuterState) -> None:
         outer.outer_updates += 1
-
-    def close(self, outer: OuterState, pushes: int) -> None:
-        pass
 
     def allocate(self, outer: OuterState, worker: int, n_waiting: int) -> int:
         steps = outer.local_steps.next_local_steps(worker)
@@ -133,27 +108,16 @@ class AsyncStep:
         return min(steps, outer.budget - outer.steps_done - in_flight - outer.pending_steps)
 
 
-class SyncStep:
-    """DiLoCo: one outer update with the mean of every worker's push; every worker runs ``H`` steps, the last
-    round shortened so that the budget is met exactly.
-
-    Args:
-        stagger: ``F``: rounds are ``H / F`` steps long and each push carries one of ``F`` parts of the model
-            (Streaming DiLoCo; :mod:`.overlap`), so each fragment's outer step takes the mean of the pushes that
-            carried it.
-    """
+class SyncStep(StepPolicy):
+    """DiLoCo: one outer update with the mean of every worker's push; rounds of ``H / stagger`` steps, the last
+    shortened to meet the budget exactly (staggered, each fragment steps with the mean of the pushes carrying it)."""
 
     mode = "sync"
-    #: ``None``: a batch waits for every worker still training.
-    batch_window: float | None = None
 
     def __init__(self, stagger: int = 1) -> None:
         self.stagger = stagger
         self._sum: Tensor | None = None  # the round's summed pseudo-gradient: one model, not one per worker
         self._counts: list[int] = []  # per fragment, how many pushes are in the sum
-
-    def keeps_messages(self, codecs: list, workers: int) -> object | None:
-        return None
 
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
         if self._sum is None:
@@ -161,9 +125,6 @@ class SyncStep:
         start, end = outer.ranges[index]
         self._sum[start:end].add_(gradient)
         self._counts[index] += 1
-
-    def pushed(self, outer: OuterState) -> None:
-        pass
 
     def close(self, outer: OuterState, pushes: int) -> None:
         """One outer update: each fragment that pushes carried steps with their mean."""
@@ -184,11 +145,8 @@ class SyncStep:
         return min(steps, (outer.budget - outer.steps_done - outer.pending_steps) // n_waiting)
 
 
-
-
 def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size: int) -> list[Tensor]:
-    """A whole pseudo-gradient as fragments (``ranges`` of a model of ``size`` values); one of the wrong size or
-    dimension as it is, for the checks."""
+    """A whole pseudo-gradient as fragments (one of the wrong shape as it is, for the checks)."""
     if gradient is None:
         return []
     if gradient.dim() != 1 or gradient.numel() != size:
@@ -198,21 +156,20 @@ def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size:
 
 @dataclass
 class ExchangeCounts:
-    """What a checkpoint's snapshot says about the workers (see :mod:`.checkpoints`; per run, not saved): each
-    worker's exchanges (pushes of any kind) the global model has taken in (async: on arrival; DiLoCo: when their
-    round closes), and the checkpoint requests rank 0 made (every reply carries the number). Numbered under the
-    model lock, so that a reply sent before a snapshot does not carry its request and one sent after does."""
+    """For checkpoints (per run, not saved): each worker's exchanges the global model holds (async: on arrival;
+    DiLoCo: when their round closes) and rank 0's checkpoint requests, numbered under the model lock so a reply
+    sent before a snapshot does not carry its request and one sent after does."""
 
     exchanges: dict[int, int] = field(default_factory=dict)
     requests: int = 0
 
     def received(self, worker: int, mode: str) -> None:
-        """A push of ``worker`` was applied or rejected (async: the model holds it now)."""
+        """A push of ``worker`` was applied or rejected."""
         if mode != "sync":
             self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
 
     def closed(self, workers: Iterable[int], mode: str) -> None:
-        """A batch of pushes of ``workers`` closed (DiLoCo: the model holds them now)."""
+        """A batch of pushes of ``workers`` closed."""
         if mode == "sync":
             for w in workers:
                 self.exchanges[w] = self.exchanges.get(w, 0) + 1
@@ -225,21 +182,15 @@ class ExchangeCounts:
 
 @dataclass
 class OuterState:
-    """The outer optimizer's side: global parameters and buffers, outer optimizer, speeds, budget, counters.
-
-    The outer optimizer steps on the parameters only, one fragment at a time (its parameters are the fragments'
-    views of :attr:`params`). The global floating-point buffers (e.g. BatchNorm running statistics) are the mean
-    of the latest values pushed by each worker that has pushed so far. Thread-safe: :attr:`model_lock` guards the
-    global model for a whole push, reply or snapshot (so no reply mixes two versions); :attr:`lock` the
-    counters and statistics (taken after :attr:`model_lock`, never before).
-    """
+    """The outer optimizer's side. The global float buffers are the mean of each worker's latest pushed values.
+    :attr:`model_lock` guards the global model for a whole push, reply or snapshot (no reply mixes two versions);
+    :attr:`lock` the counters, taken after :attr:`model_lock`, never before."""
 
     params: Tensor
     optimizer: Optimizer
     local_steps: LocalStepsPolicy
     step_policy: StepPolicy
     budget: int | None
-    #: The global floating-point buffers, flat (empty for a model without any).
     buffers: Tensor = field(default_factory=lambda: torch.zeros(0))
     steps_done: int = 0
     outer_updates: int = 0
@@ -248,37 +199,26 @@ class OuterState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     model_lock: threading.Lock = field(default_factory=threading.Lock)
     metrics_version: int = 0
-    #: Each worker's serialized inner optimizer state as of its latest exchange (only when workers send it).
-    inner_states: dict[int, Tensor] = field(default_factory=dict)
-    #: Each worker's floating-point buffers as of its latest push.
+    inner_states: dict[int, Tensor] = field(default_factory=dict)  # serialized, only when workers send them
     worker_buffers: dict[int, Tensor] = field(default_factory=dict)
-    #: The checks every push passes before it is applied (``None``: applied as it arrives, unchecked).
-    check: PushCheck | None = None
-    #: Rejections in a row after which a worker's next reply says stop.
+    check: PushCheck | None = None  # None: applied as it arrives, unchecked
     max_rejections: int = PushCheck.MAX_REJECTIONS
-    #: Delayed Nesterov's ``N`` follows the workers still training (:meth:`follow_live`; async only).
-    follows_live: bool = False
-    #: The ``buffer_size`` the user gave, the most ``N`` may follow up to (``None``: as many as are live).
-    configured_buffer: int | None = None
-    #: The fragments' indices by part, when a push may carry one part (:attr:`~.messages.Fragments.parts`).
+    follows_live: bool = False  # Delayed Nesterov's N follows the workers still training (async)
+    configured_buffer: int | None = None  # the buffer_size given: the most N may follow up to
     parts: list[range] = field(default_factory=list)
     counts: ExchangeCounts = field(default_factory=ExchangeCounts)  # for checkpoints, per run
 
     def __post_init__(self) -> None:
-        #: The outer optimizer's parameters: one view of :attr:`params` per fragment, in order.
         self.views: list[Tensor] = [p for group in self.optimizer.param_groups for p in group["params"]]
         ends = torch.tensor([v.numel() for v in self.views]).cumsum(0).tolist()
-        #: ``(start, end)`` of each fragment in :attr:`params`.
         self.ranges: list[tuple[int, int]] = list(zip([0, *ends[:-1]], ends))
         self._stage: Tensor | None = None  # a checked stream's fragments until its verdict (one push at a time)
         self._live: int | None = None  # workers still training, as last told (follow_live)
 
     def receive(self, push: Push, gradients: Iterable[Tensor], stable: bool = False) -> None:
-        """One push: its pseudo-gradient's fragments (``float32``, in order; ``gradients`` may be a stream still
-        arriving over the network) and its statistics. Unchecked, each fragment is applied (or, DiLoCo, summed)
-        as it arrives. Checked (:attr:`check`), every fragment is inspected and kept (``stable``: the given
-        tensors stay valid, as views of a whole pseudo-gradient do; else copied into one staging buffer) and the
-        push is applied only once all of it passed; a rejected one leaves no trace but its counts."""
+        """One push and its fragments (maybe a stream still arriving). Unchecked, each is applied as it arrives;
+        checked, each is kept (``stable``: the given tensors stay valid; else copied to one staging buffer) and the
+        push applied only once all of it passed: a rejected one leaves no trace but its counts."""
         stream = iter(gradients)
         first = next(stream, None)  # waited for without the lock: a slow sender does not hold up the others
         fragments = stream if first is None else itertools.chain([first], stream)
@@ -321,12 +261,10 @@ class OuterState:
                 self.step_policy.pushed(self)
 
     def _indices(self, part: int) -> range:
-        """The fragments a push of ``part`` carries (``-1``: all)."""
         return range(len(self.views)) if part < 0 else self.parts[part]
 
     def _reject(self, push: Push, reason: str) -> None:
-        """Discard ``push`` whole: its steps do not count (the budget's share it held is free again), its buffers
-        and inner state are dropped; only the rejection is counted."""
+        """Discard ``push`` whole (its steps return to the budget); only the rejection is counted."""
         push.rejected = reason
         with self.lock:
             stats = self.workers.setdefault(push.worker, WorkerStats())
@@ -341,7 +279,7 @@ class OuterState:
                     streak, self.max_rejections, f" Its {push.steps} inner step(s) do not count." if push.steps else "")
 
     def rejection_streak(self, worker: int) -> int:
-        """How many of ``worker``'s latest pushes in a row were rejected (sent in its reply)."""
+        """How many of ``worker``'s latest pushes in a row were rejected."""
         with self.lock:
             stats = self.workers.get(worker)
             return stats.rejected_streak if stats is not None else 0
@@ -351,8 +289,7 @@ class OuterState:
         return self.rejection_streak(worker) >= self.max_rejections
 
     def close(self, pushes: list[Push]) -> dict[int, int]:
-        """Close a batch of received pushes (as the step policy says) and return the next round's local step
-        count for each worker that waits for a reply (0 means stop)."""
+        """Close a batch by the step policy; the next round's length of each waiting worker (0: stop)."""
         with self.model_lock, self.lock:
             if any(p.buffers is not None and p.rejected is None for p in pushes):
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
@@ -366,9 +303,8 @@ class OuterState:
             return replies
 
     def follow_live(self, live: int) -> None:
-        """``live`` workers still train. Delayed Nesterov's ``N`` becomes ``min(buffer_size, live)`` from its next
-        momentum boundary: each push moves the model by ``lr / N``, so an ``N`` above the workers left would step
-        every push at ``live / N`` of the run without the missing ones, and momentum would wait for them."""
+        """``live`` workers still train: Delayed Nesterov's ``N`` becomes ``min(buffer_size, live)`` at its next
+        momentum boundary (a larger ``N`` would shrink every push's step and make the momentum wait)."""
         with self.model_lock, self.lock:
             self._live = live
             self._resize_buffer()
@@ -378,8 +314,7 @@ class OuterState:
             self.optimizer.follow(self._live, self.configured_buffer)  # type: ignore[attr-defined]
 
     def process(self, pushes: list[Push]) -> dict[int, int]:
-        """:meth:`receive` then :meth:`close` pushes that carry their whole ``pseudo_gradient`` (one process, e.g.
-        tests); every waiting worker then pulls the current version."""
+        """:meth:`receive` and :meth:`close` whole pushes (tests); every waiting worker then pulls."""
         for push in pushes:
             self.receive(push, split_push(push.pseudo_gradient, self.ranges, self.params.numel()), stable=True)
         replies = self.close(pushes)
@@ -388,8 +323,7 @@ class OuterState:
         return replies
 
     def mark_pulled(self, worker: int, nbytes: int = 0, dense: bool = False) -> int:
-        """``worker`` pulls the global model now (under :attr:`model_lock`; ``nbytes`` travel, the parameters
-        themselves when ``dense``): its version, for staleness."""
+        """``worker`` pulls now (under :attr:`model_lock`; ``nbytes`` travel); returns its version."""
         with self.lock:
             stats = self.workers[worker]
             stats.pulled_version = self.outer_updates
@@ -416,7 +350,7 @@ class OuterState:
             stats.steps_per_s = self.local_steps.speeds.get(push.worker, 0.0)
 
     def step_fragment(self, index: int, gradient: Tensor) -> None:
-        """The outer step of one fragment (called by the step policy, under :attr:`model_lock`)."""
+        """The outer step of one fragment (under :attr:`model_lock`)."""
         view = self.views[index]
         view.grad = gradient.to(view.dtype)
         self.optimizer.step()  # steps only the fragment with a gradient
@@ -424,8 +358,7 @@ class OuterState:
 
     @property
     def pending_steps(self) -> int:
-        """Steps the workers take after their latest push before merging its reply (overlap; under :attr:`lock`):
-        allocated already, pushed next time, so not in the budget left."""
+        """Steps taken after the latest pushes (overlap; under :attr:`lock`): not in the budget left."""
         return sum(s.pending for s in self.workers.values())
 
     def _allocate(self, worker: int, n_waiting: int) -> int:
@@ -438,9 +371,7 @@ class OuterState:
         return stats.in_flight
 
     def release(self, worker: int) -> None:
-        """``worker`` left for good (an elastic session ended): its in-flight steps return to the budget, its speed
-        no longer sets the others' round lengths, and its buffers leave the global mean (under :attr:`model_lock`:
-        the buffers are part of the global model a reply or snapshot reads)."""
+        """``worker`` left for good (an elastic session): its in-flight steps, speed and buffers no longer count."""
         with self.model_lock, self.lock:
             if worker in self.workers:
                 self.workers[worker].in_flight = self.workers[worker].pending = 0
@@ -454,8 +385,7 @@ class OuterState:
             self.stop_requested = True
 
     def metrics(self) -> dict[str, float | int]:
-        """The logged metrics (keys fixed by the project; see docs/async.md): counts as integers, rates and seconds
-        as floats."""
+        """The logged metrics (docs/async.md): counts as integers, rates and seconds as floats."""
         with self.lock:
             out: dict[str, float | int] = {"async/outer_updates": int(self.outer_updates)}
             for w, s in sorted(self.workers.items()):
@@ -466,8 +396,7 @@ class OuterState:
             return out
 
     def worker_stats(self) -> dict[int, dict[str, float]]:
-        """Per-worker progress: inner ``steps``, ``rounds``, next ``local_steps``, ``steps_per_s``, ``staleness``,
-        ``compute_s``, ``wait_s``."""
+        """Per-worker progress (:data:`_STAT_KEYS`)."""
         with self.lock:
             return {w: {k: getattr(s, k) for k in _STAT_KEYS} for w, s in sorted(self.workers.items())}
 
@@ -477,8 +406,7 @@ class OuterState:
             return self.params.detach().clone(), self.buffers.clone()
 
     def state_dict(self, request: bool = False) -> dict[str, Any]:
-        """A consistent snapshot; the inner states and buffers the workers sent, each as of its latest exchange (in
-        ``workers[w]["steps"]`` and ``exchanges``); ``request``: a checkpoint's, numbered (:class:`ExchangeCounts`)."""
+        """A consistent snapshot; ``request``: a checkpoint's, numbered (:class:`ExchangeCounts`)."""
         with self.model_lock, self.lock:
             state = {
                 "params": self.params.detach().clone(),
@@ -497,16 +425,13 @@ class OuterState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], workers: int | None = None) -> None:
-        """Restore a :meth:`state_dict`. With ``workers`` (a run resumed on fewer workers), the buffers of workers
-        ``>= workers`` no longer count in the mean."""
+        """Restore a :meth:`state_dict` (on fewer ``workers``, the others' buffers no longer count)."""
         with self.model_lock, self.lock:
             for key, name, own in (("params", "parameters", self.params),
                                    ("buffers", "floating-point buffer values", self.buffers)):
                 if state[key].numel() != own.numel():
-                    raise ValueError(
-                        f"The checkpoint's outer state holds {state[key].numel()} {name} but the model has"
-                        f" {own.numel()}."
-                    )
+                    raise ValueError(f"The checkpoint's outer state holds {state[key].numel()} {name} but the model"
+                                     f" has {own.numel()}.")
             saved = sum(len(group["params"]) for group in state["optimizer"]["param_groups"])
             own = sum(len(group["params"]) for group in self.optimizer.param_groups)
             if saved != own:  # the outer optimizer holds one parameter per fragment: another layout
@@ -526,7 +451,7 @@ class OuterState:
 
 
 def check_stagger(stagger: int, mode: str, local_steps: int) -> None:
-    """``stagger``: 1, or with DiLoCo a divisor ``F`` of ``local_steps`` (rounds of ``local_steps / F`` steps)."""
+    """``stagger``: 1, or with DiLoCo a divisor of ``local_steps``."""
     check_int("stagger", stagger, minimum=1, hint="1 synchronises the whole model at once; F >= 2 (DiLoCo) in F"
               " parts, one every local_steps / F steps.")
     if stagger > 1 and mode != "sync":
