@@ -18,10 +18,10 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import nn
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowLink, SlowRanks, WorkerShape
-from lightning_hdet.asynchronous.exchange.overlap import check_overlap_steps, correction, overlap_this_round
-from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker
+from lightning_hdet.asynchronous.exchange.overlapped import OverlapWorker, correction, overlap_this_round
 from lightning_hdet.asynchronous.exchange.public_model import PublicModel
 from lightning_hdet.asynchronous.exchange.server import Server
+from lightning_hdet.asynchronous.lightning.worker_shape import check_overlap_steps
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader

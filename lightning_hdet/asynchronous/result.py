@@ -1,11 +1,6 @@
-"""What an async or DiLoCo run hands back: :class:`AsyncResult`, built from the outer state at the end of ``fit``
-(or of an elastic service's run), with its few-line summary and a plain-dict export. Pure: no Lightning, no
-process group.
-
-HDET prints what it found (``HDETResult``); a Local-SGD run's counterpart is what each worker did: its inner steps
-and rounds, the pushes the checks rejected, the bytes its exchanges moved over the wire (pushes and pulls; rank 0's
-own worker moves none) and the time it spent waiting on the exchange.
-"""
+"""What an async or DiLoCo run hands back (pure): :class:`AsyncResult`, built from the outer state at the end of
+``fit`` or of an elastic service's run, with its summary (each worker's steps, rounds, rejections, bytes over the
+wire both ways, waiting time) and a plain-dict export."""
 
 from __future__ import annotations
 
@@ -16,19 +11,16 @@ from typing import Any, Optional
 
 @dataclass(frozen=True)
 class WorkerRecord:
-    """One worker (a rank of the job, or a session of an elastic service) as the outer side saw it."""
+    """One worker (a rank, or an elastic session) as the outer side saw it: inner steps and rounds of its applied
+    pushes, pushes rejected (or discarded as non-finite) and their steps, payload bytes each way (after compression),
+    seconds computing and waiting summed over its rounds, and its speed."""
 
-    #: Inner steps of its applied pushes (rejected ones not counted).
     steps: int
-    #: Pushes applied.
     rounds: int
-    #: Pushes the checks rejected (or that the worker discarded as non-finite), and their inner steps.
     rejected: int
     rejected_steps: int
-    #: Payload bytes it pushed (after compression), and those the replies sent it (0 for rank 0's own worker).
     push_bytes: int
     pull_bytes: int
-    #: Seconds computing and waiting on the exchange, summed over its rounds, and its measured inner steps per second.
     total_compute_s: float
     total_wait_s: float
     steps_per_s: float
@@ -63,22 +55,20 @@ class AsyncResult:
 
     @property
     def rejected(self) -> int:
-        """Pushes rejected in all."""
         return sum(w.rejected for w in self.workers.values())
 
     @property
     def push_bytes(self) -> int:
-        """Payload bytes pushed over the wire in all (the in-process worker's pushes cross none)."""
+        """Payload bytes pushed over the wire (the in-process worker's cross none)."""
         return sum(r.push_bytes for w, r in self.workers.items() if w != self.local_worker)
 
     @property
     def pull_bytes(self) -> int:
-        """Payload bytes the replies sent over the wire in all."""
+        """Payload bytes the replies sent over the wire."""
         return sum(r.pull_bytes for w, r in self.workers.items() if w != self.local_worker)
 
     def summary(self) -> str:
-        """The run in a few lines: the budget, the totals, then one line per worker (those that ended without a push
-        too)."""
+        """The run in a few lines: the budget, the totals, then one line per worker."""
         name = "DiLoCo" if self.mode == "sync" else "Async Local-SGD"
         budget = f" of a budget of {self.budget}" if self.budget is not None else ""
         wire = self.push_bytes + self.pull_bytes
@@ -109,14 +99,14 @@ class AsyncResult:
 def make_async_result(mode: str, budget: Optional[int], steps_done: int, outer_updates: int,
                       workers: Mapping[int, Mapping[str, Any]], ended: Optional[Mapping[int, str]] = None,
                       local_worker: Optional[int] = None) -> AsyncResult:
-    """The result from the outer state's per-worker statistics (``vars`` of each ``WorkerStats``)."""
+    """The result from the outer state's per-worker statistics."""
     return AsyncResult(mode, budget, int(steps_done), int(outer_updates),
                        {int(w): WorkerRecord.from_stats(s) for w, s in workers.items()}, dict(ended or {}),
                        local_worker)
 
 
 def _size(n: int) -> str:
-    """Bytes in the largest unit that keeps the number at least 1 (B, KiB, MiB, GiB)."""
+    """Bytes in the largest unit that keeps the number at least 1."""
     value, unit = float(n), "B"
     for next_unit in ("KiB", "MiB", "GiB"):
         if value < 1024:

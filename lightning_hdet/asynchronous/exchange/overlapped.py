@@ -1,8 +1,26 @@
-"""A worker whose exchange overlaps its compute (``overlap_steps=τ``; the merge is :mod:`.overlap`'s): ``H − τ``
-steps, send, ``τ`` steps, merge. The push's ``pending`` keeps the ``τ`` steps out of the budget left until the next
-push carries them. A remote worker keeps ``θ_at_send`` in :attr:`OverlapWorker.sent` and exchanges in a background
-thread; rank 0's (DiLoCo only) pushes at once, keeps ``θ_at_send`` in ``θ_pulled`` and merges the global model piece
-by piece from the outer state: no extra model copy on rank 0.
+"""A worker whose exchange overlaps its compute (no Lightning, no process groups).
+
+With ``overlap_steps=τ`` a worker pushes ``τ`` steps before its round ends, trains on while the push and pull
+travel, then merges ``θ ← θ_global_new + (θ_local_now − θ_local_at_send)``; ``θ_global_new`` is its next reference.
+
+Why this merge and not Streaming DiLoCo's mix ``α θ_local_now + (1 − α) θ_global_new`` (arXiv 2501.18512):
+
+* **No step is lost or counted twice**: the ``τ`` steps' displacement moves onto the new global model whole and
+  goes into the next push whole, so ``max_steps`` stays an exact budget; the mix keeps only ``α`` of it.
+* **``τ = 0`` is the blocking exchange, bit for bit**, with no second knob (``α``).
+* **First-order, it is the blocking worker's round**: the overlapped gradients were taken at ``θ_local_at_send``
+  instead of ``θ_global_new``, an ``O(lr · τ · ‖∇²L‖ · ‖θ_local_at_send − θ_global_new‖)`` delay of the kind async
+  pushes already carry (as "eager updates", arXiv 2502.12996). With a conservative outer lr that gap is not
+  small: the loss at a fixed budget grows with ``τ / H`` (``benchmarks/overlap_link.py``, ``docs/async.md``).
+
+**Staggered parts** (``stagger=F``, DiLoCo; Streaming DiLoCo's schedule): rounds of ``H / F`` steps, push ``i``
+carries part ``i mod F`` (:func:`~.messages.stagger_parts`), so each part syncs every ``H`` steps at its own offset
+and each exchange is ``1 / F`` of the bytes. The merge applies to the part that travelled (and the buffers); the
+goodbye carries every part's steps since its last exchange, which is why a staggered run needs ``τ >= 1``.
+
+The push's ``pending`` keeps the ``τ`` steps out of the budget left until the next push carries them. A remote worker
+keeps ``θ_at_send`` in :attr:`OverlapWorker.sent` and exchanges in a background thread; rank 0's (DiLoCo only) keeps
+it in ``θ_pulled`` and merges the global model piece by piece from the outer state: no extra model copy on rank 0.
 """
 
 from __future__ import annotations
@@ -16,11 +34,22 @@ import torch
 from torch import Tensor
 
 from lightning_hdet._tensors import add_from, flat_pieces, host_buffer, model_state, read_into, write_from
-from lightning_hdet.asynchronous.exchange.overlap import correction, overlap_this_round
 from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.wire.codecs import Codec
 from lightning_hdet.asynchronous.wire.messages import Fragment, Kind, ServerHeader
 from lightning_hdet.asynchronous.wire.transport import InProcessTransport
+
+
+def overlap_this_round(overlap_steps: int, allocated: int, carried: int) -> int:
+    """How many of a round's ``allocated`` steps come after its push: at most the round, and few enough that the
+    push carries a step (``carried``: the previous round's overlapped steps; a push without steps reads as
+    discarded)."""
+    return max(0, min(overlap_steps, allocated, carried + allocated - 1))
+
+
+def correction(global_new: Tensor, at_send: Tensor) -> Tensor:
+    """``global_new − at_send``, into ``at_send`` (no temporary): added to the model it gives the merge above."""
+    return at_send.neg_().add_(global_new)
 
 
 class _Flight:

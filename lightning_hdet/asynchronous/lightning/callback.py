@@ -17,7 +17,7 @@ from lightning_hdet.records.wandb import finish_worker_run, record_config
 
 
 def _show_progress(trainer: pl.Trainer) -> None:
-    """Rank 0's progress bar: outer updates, the slowest worker (integers) and the job's budget done (a share)."""
+    """Rank 0's progress bar: outer updates, the slowest worker and the job's budget done."""
     strategy = _async_strategy(trainer)
     stats = strategy.worker_stats() if strategy is not None else {}
     if strategy is None or not stats:
@@ -31,16 +31,14 @@ def _show_progress(trainer: pl.Trainer) -> None:
 
 
 def _async_strategy(trainer: pl.Trainer) -> Any:
-    """The trainer's async strategy (the one :class:`ExchangeReadouts`: known without importing the strategy, which
-    imports this module to install the callback), or ``None``."""
+    """The trainer's async strategy, or ``None`` (by its read-outs: the strategy imports this module)."""
     return trainer.strategy if isinstance(trainer.strategy, ExchangeReadouts) else None
 
 
 class AsyncLogging(Callback):
-    """What the async strategy shows: the outer-update count, the slowest worker and the share of the job's budget
-    done in rank 0's progress bar, its settings in the run config (``async/...``), and at the end of fit the run's
-    summary (what every worker did) and the per-worker figures in W&B. Installed first among the callbacks: at
-    ``on_train_end`` it leaves the exchange, so that the other callbacks see the final global model."""
+    """What the async strategy shows: rank 0's progress bar, the run config (``async/...``), and at the end the
+    run's summary and per-worker figures. Installed first: its ``on_train_end`` leaves the exchange, so the other
+    callbacks see the final global model."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -1,26 +1,15 @@
-"""The strategy's checkpoint files: rank 0 writes the Lightning checkpoint with the outer state, and every worker
-writes its own inner optimizer state (and its error-feedback residual) to a file beside it, so that inner states
-never travel to rank 0.
+"""The strategy's checkpoint files: rank 0 writes the Lightning checkpoint with the outer state; every worker writes
+its own inner optimizer state and error-feedback residual beside it (:func:`worker_file`), so inner states never
+travel to rank 0 (unless ``checkpoint_inner_states``).
 
-While the workers train apart, **rank 0 alone decides** (best, last, periodic: Lightning's ``ModelCheckpoint``
-runs its decisions on rank 0, which alone validates). Each checkpoint rank 0 writes is a numbered *request*: its
-snapshot of the global model records, for every worker, how many of its exchanges the model holds (``exchanges``);
-every reply from then on carries the request's number (:attr:`~.messages.ServerHeader.checkpoints`), and the
-request itself (the path, the exchanges) waits in the default process group's store (:class:`CheckpointRequests`).
-Each worker keeps a host copy of its own state as of its latest exchange; at its next reply it writes
-``path.worker{w}.pt`` (:func:`worker_file`) from that copy or from its state then, whichever is of the exchange the
-checkpoint's model holds, so the files are consistent with the global model saved (DiLoCo: the round boundary; async:
-each worker's latest exchange). Removals travel the same way. Requests a worker can no longer hear of in a reply
-(made after its last one) are followed when every rank meets again at the end of training. A file whose state was not
-kept says so (``{"missing": why}``), and so does the log. With ``checkpoint_inner_states`` the states travel in
-the pushes and rank 0's file holds them.
-
-Outside training (``trainer.save_checkpoint(path)`` on every rank, Lightning's contract) each worker ``w`` (its
-leader, for a worker of several ranks: its ranks hold the same state) writes its state then. ``fit(ckpt_path=
-path)`` then gives each worker (every rank of it) its own file back; a worker without one (e.g. a run resumed on
-more workers) starts from rank 0's state, with a warning. With FSDP2 inside workers each rank writes its own shard,
-``path.worker{w}.shard{j}.pt``, with the worker's number of shards; a run resumed with another ``ranks_per_worker``
-reshards each worker's state from its old shards (:func:`~.reshard.reshard_optimizer_state`).
+While the workers train apart rank 0 alone decides (best, last, periodic). Each checkpoint it writes is a numbered
+*request*: its snapshot records, per worker, how many of its exchanges the model holds; every later reply carries the
+number, and the request (path, exchanges) waits in the default group's store (:class:`CheckpointRequests`). At its
+next reply a worker writes its file from its state then or from the host copy it kept of its latest exchange,
+whichever the checkpoint's model holds (DiLoCo: the round boundary); removals travel the same way, and requests no
+reply announced are followed when every rank meets at the end. A state not kept is said so in the file and the log.
+Outside training every worker's leader writes its state then. With FSDP2 inside, each rank writes its own shard, and
+a resume with another ``ranks_per_worker`` reshards (:func:`~..exchange.reshard.reshard_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -51,16 +40,13 @@ CHECKPOINT_KEY = "async_local_sgd"
 
 
 def worker_file(filepath: Any, worker: int, shard: int | None = None) -> str:
-    """The file beside the checkpoint ``filepath`` that holds ``worker``'s own state (with one rank per worker, the
-    worker is the rank); with FSDP2 inside workers, one per rank: the worker's ``shard``-th rank's."""
+    """The file beside ``filepath`` with ``worker``'s own state (FSDP2 inside: its ``shard``-th rank's)."""
     return f"{filepath}.worker{worker}.pt" if shard is None else f"{filepath}.worker{worker}.shard{shard}.pt"
 
 
 class CheckpointRequests:
-    """Rank 0's checkpoint writes and removals while the workers train apart, for the other workers to follow with
-    their own files, through a key-value store (the default process group's; any object with ``set(key, value)``
-    and a ``get(key)`` that waits for the key, e.g. a fake in tests). ``fit`` keeps one ``fit``'s numbers apart from
-    another's."""
+    """Rank 0's checkpoint writes and removals for the workers to follow, through a key-value ``store`` (``set``, a
+    waiting ``get``); ``fit`` keeps one fit's numbers apart from another's."""
 
     def __init__(self, store: Any, fit: int) -> None:
         self.store, self.fit = store, fit
@@ -69,36 +55,30 @@ class CheckpointRequests:
         return f"lightning_hdet/async/fit{self.fit}/checkpoint{number}"
 
     def post(self, number: int, op: str, path: Any = None, exchanges: Mapping[int, int] | None = None) -> None:
-        """Request ``number``: ``op`` ``"save"`` (each worker writes its file beside ``path``, with its state as of
-        its ``exchanges[w]``-th exchange), ``"remove"`` (its file beside ``path``) or ``"none"``."""
+        """Request ``number``: ``op`` ``"save"`` (with each worker's state as of its ``exchanges[w]``-th exchange),
+        ``"remove"`` or ``"none"``."""
         value = {"op": op, "path": None if path is None else str(path),
                  "exchanges": {str(w): int(c) for w, c in (exchanges or {}).items()}}
         self.store.set(self._key(number), json.dumps(value))
 
     def read(self, number: int) -> dict[str, Any]:
-        """Request ``number`` (waits until rank 0 posted it: a number is taken just before the file is written)."""
+        """Request ``number`` (waits until rank 0 posted it)."""
         value = json.loads(self.store.get(self._key(number)))
         return {**value, "exchanges": {int(w): c for w, c in value["exchanges"].items()}}
 
 
 class WorkerCheckpoints(RankGroups):
-    """Checkpoint hooks of :class:`~.strategy.AsyncLocalSGDStrategy`: the outer state in rank 0's file, each
-    worker's inner optimizer state and error-feedback residual in its own file (see the module docstring)."""
+    """Checkpoint hooks of :class:`~.strategy.AsyncLocalSGDStrategy` (see the module docstring)."""
 
-    #: Every exchange also sends the worker's inner optimizer state to rank 0 (set by the subclass).
     checkpoint_inner_states = False
-    #: This process's part of the exchange during and after ``fit`` (set by the subclass).
     _exchange: Exchange | None = None
     _resume_state: dict[str, Any] | None = None
     _resume_worker: dict[str, Any] | None = None
-    #: Rank 0: the outer state snapshot ``lightning_module_state_dict`` took for the checkpoint being written.
-    _outer_snapshot: dict[str, Any] | None = None
-    #: True while the workers train apart (set by the subclass): only rank 0's checkpoint decisions count; and
-    #: True once this rank left the exchange (its state is final).
+    _outer_snapshot: dict[str, Any] | None = None  # rank 0: lightning_module_state_dict's, for this checkpoint
     training_apart = False
     left_exchange = False
-    #: While training apart: rank 0's requests (``None``: none are made, e.g. with ``checkpoint_inner_states``),
-    #: how many this rank followed, and its own state as of its latest exchange ``(exchange, serialized)``.
+    # while training apart: rank 0's requests (None: none made), how many this rank followed, and its own state as
+    # of its latest exchange (exchange, serialized)
     _requests: CheckpointRequests | None = None
     _followed = 0
     _kept: tuple[int, Any] | None = None
@@ -129,9 +109,8 @@ class WorkerCheckpoints(RankGroups):
             self.checkpoint_io.save_checkpoint(self._own_state(), own_file)
 
     def take_snapshot(self) -> dict[str, Any] | None:
-        """Rank 0 while training apart: one snapshot of the outer state, the checkpoint's model and outer state both
-        (reused by :meth:`save_checkpoint`), numbered as a request when the workers follow requests; ``None``
-        elsewhere. A snapshot taken and not saved (its request unused) is posted as nothing to do."""
+        """Rank 0 while training apart: one snapshot, the checkpoint's model and outer state both, numbered as a
+        request; ``None`` elsewhere. A snapshot taken and not saved is posted as nothing to do."""
         previous, outer = self._outer_snapshot, self._exchange.outer if self._exchange is not None else None
         if previous is not None and "request" in previous and self._requests is not None:
             self._requests.post(previous["request"], "none")
@@ -142,7 +121,7 @@ class WorkerCheckpoints(RankGroups):
         return snapshot
 
     def _own_state(self) -> dict[str, Any]:
-        """What this rank writes beside a checkpoint: its inner optimizer state and error-feedback residual now."""
+        """What this rank writes beside a checkpoint now."""
         own: dict[str, Any] = {"optimizer": self.optimizer_state(self.optimizers[0])}
         if self._exchange is not None:
             own["error_feedback"] = self._exchange.worker.feedback.state_dict()
@@ -151,17 +130,15 @@ class WorkerCheckpoints(RankGroups):
         return own
 
     def follow_checkpoints(self, store: Any, keep: bool) -> None:
-        """Training apart starts: follow rank 0's checkpoint requests through ``store`` (see the module docstring);
-        ``keep``: hold a host copy of this worker's state as of each exchange (a checkpoint callback may ask for
-        it; without one, a checkpoint rank 0 writes says its workers' states were not kept)."""
+        """Training apart starts: follow rank 0's requests through ``store``; ``keep``: hold a host copy of this
+        worker's state as of each exchange (a checkpoint callback may ask for it)."""
         self._fits += 1  # every rank runs the same entries: one number per fit keeps their requests apart
         self._requests = CheckpointRequests(store, self._fits)
         self._followed, self._kept = 0, None
         self._keeping = keep and self._own_file("") is not None  # a worker's other DDP ranks write nothing
 
     def after_exchange(self) -> None:
-        """After each exchange of this worker (its reply taken): follow the requests the reply announced, then keep
-        its state as of this exchange."""
+        """After each exchange: follow the requests the reply announced, then keep the state as of this exchange."""
         if self._requests is None or self._exchange is None:
             return
         worker = self._exchange.worker
@@ -171,9 +148,8 @@ class WorkerCheckpoints(RankGroups):
             self._kept = (worker.exchanges, state_to_bytes(self._own_state()))
 
     def finish_checkpoints(self, groups: tuple[Any, Any] | None) -> None:
-        """Every worker left (collectives meet again): follow rank 0's requests made after this worker's last reply
-        (rank 0 says how many it made, over the exchange's reply group), with its state as of its leaving push;
-        then no more."""
+        """Every worker left: follow rank 0's requests made after this worker's last reply (rank 0 broadcasts how
+        many), with its state as of its leaving push; then no more."""
         outer = self._exchange.outer if self._exchange is not None else None
         count = torch.tensor([outer.counts.requests if outer is not None else 0], dtype=torch.int64)
         dist.broadcast(count, src=0, group=groups[1] if groups is not None else None)
@@ -199,9 +175,8 @@ class WorkerCheckpoints(RankGroups):
         self._followed = max(self._followed, upto)
 
     def _write_own(self, filepath: Any, exchange: int, now: int | None) -> None:
-        """Write this rank's file beside ``filepath`` with its state as of its ``exchange``-th exchange: its state
-        now (``now``: the exchange it has just done, ``None``: between exchanges) or the copy it kept; or, neither
-        being of that exchange, a file that says so."""
+        """Write this rank's file beside ``filepath`` with its state as of its ``exchange``-th exchange: now (``now``:
+        the exchange just done), the copy it kept, or else a file that says it was not kept."""
         own_file = self._own_file(filepath)
         if own_file is None:
             return
@@ -220,8 +195,7 @@ class WorkerCheckpoints(RankGroups):
         self.checkpoint_io.save_checkpoint(state, own_file)
 
     def _own_file(self, filepath: Any) -> str | None:
-        """This rank's file beside ``filepath``: its worker's (written by the leader), or with FSDP2 inside the
-        worker its own shard's; ``None``: it writes none."""
+        """This rank's file beside ``filepath`` (the leader's, or FSDP2: each shard's); ``None``: it writes none."""
         ranks = self.worker_ranks
         if self.inside_worker == "fsdp":
             return worker_file(filepath, ranks.worker, self.global_rank - ranks.leader)
@@ -229,7 +203,7 @@ class WorkerCheckpoints(RankGroups):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The inner optimizer's state; with FSDP2 inside workers, this rank's shard of it (plain tensors)."""
+        """The inner optimizer's state (FSDP2 inside: this rank's shard, plain tensors)."""
         state = super().optimizer_state(optimizer)
         return local_state(state) if self.inside_worker == "fsdp" else state
 
@@ -266,9 +240,8 @@ class WorkerCheckpoints(RankGroups):
         return checkpoint
 
     def _shard_resume(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any] | None:
-        """FSDP2 inside workers: this rank's shard of its worker's saved state. Its own file if the worker had as
-        many shards then as now (``worker{w}.shard0.pt`` says how many); else all the old shards of its worker,
-        resharded (a file of its name written with another ``k`` holds other rows); ``None`` without any."""
+        """FSDP2 inside: this rank's shard of its worker's saved state: its own file if the worker had as many shards
+        then (``shard0`` says), else all the old shards resharded; ``None`` without any."""
         ranks = self.worker_ranks
         k, j = ranks.ranks_per_worker, self.global_rank - ranks.leader
 
@@ -296,8 +269,7 @@ class WorkerCheckpoints(RankGroups):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each worker resumes its own inner optimizer state: the one it sent to rank 0 (with
-        ``checkpoint_inner_states``), else its own file, else rank 0's."""
+        """Each worker resumes its own inner optimizer state: the one sent to rank 0, else its file, else rank 0's."""
         sent = (checkpoint.get(CHECKPOINT_KEY) or {}).get("inner_optimizer_states") or {}
         worker = self.worker_ranks.worker
         if self.inside_worker == "fsdp":
@@ -314,8 +286,7 @@ class WorkerCheckpoints(RankGroups):
             super().load_optimizer_state_dict(checkpoint)
 
     def _load_shard_state(self) -> None:
-        """FSDP2 inside workers: this rank's shard of its worker's inner optimizer state (its own file, or resharded
-        from the old ones, see :meth:`_shard_resume`); if its worker wrote no files, a fresh state."""
+        """FSDP2 inside: this rank's shard of the inner optimizer state; without files, a fresh state."""
         if self._resume_worker is not None:
             optimizer = self.optimizers[0]
             optimizer.load_state_dict(sharded_optimizer_state(optimizer, self._resume_worker["optimizer"]))
@@ -325,7 +296,7 @@ class WorkerCheckpoints(RankGroups):
                         worker_file("<checkpoint>", self.worker_ranks.worker, 0).replace("shard0", "shard*"))
 
     def restore_worker(self, worker: Worker) -> None:
-        """Give a new :class:`Worker` its error-feedback residual from the checkpoint it resumes (if any)."""
+        """Give a new :class:`Worker` its error-feedback residual from the checkpoint it resumes."""
         saved = (self._resume_worker or {}).get("error_feedback")
         if saved is not None:
             worker.feedback.load_state_dict(saved)

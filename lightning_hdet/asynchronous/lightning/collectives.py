@@ -1,10 +1,5 @@
-"""A DDPStrategy whose collectives are answered locally while the workers train apart.
-
-During asynchronous (or DiLoCo) training the workers are at different step counts, so Lightning's per-step
-collectives (``barrier``, ``broadcast``, ``reduce``, ``all_gather``, ``reduce_boolean_decision``) cannot meet;
-while :attr:`LocalCollectivesStrategy.training_apart` is True each one returns its local answer, and the world size
-reads 1 so that Lightning's loops issue none. Outside training they are DDP's.
-"""
+"""A DDPStrategy whose collectives are answered locally while the workers train apart: they are at different step
+counts, so Lightning's per-step collectives could not meet. Outside training they are DDP's."""
 
 from __future__ import annotations
 
@@ -17,15 +12,14 @@ from typing_extensions import override
 
 
 class LocalCollectivesStrategy(DDPStrategy):
-    """DDPStrategy with local collectives while :attr:`training_apart`; only rank 0 decides meanwhile."""
+    """DDPStrategy with local collectives while :attr:`training_apart` (set by the subclass); rank 0 decides."""
 
-    #: True while the workers train apart (set by the subclass).
     training_apart = False
 
     @property
     @override
     def world_size(self) -> int:
-        """1 while workers train independently, so that Lightning's loops issue no per-step collectives."""
+        """1 while workers train apart, so Lightning's loops issue no collectives."""
         return 1 if self.training_apart else super().world_size
 
     @override
@@ -47,7 +41,7 @@ class LocalCollectivesStrategy(DDPStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """While the workers train apart only rank 0 decides; its stop decision reaches the workers via the exchange."""
+        """While training apart only rank 0 decides; its stop reaches the workers through the exchange."""
         if self.training_apart:
             return bool(decision) and self.is_global_zero
         return super().reduce_boolean_decision(decision, all)

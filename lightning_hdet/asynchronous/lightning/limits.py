@@ -11,9 +11,8 @@ from lightning_hdet._compat import set_loop_max_steps
 
 class LoopLimits:
     """``max_steps`` and ``limit_val_batches`` as the user set them, saved when a worker's ``fit`` starts and
-    restored when it ends or fails. Why: the shared budget, not the loop, stops a worker (the loop runs without
-    ``max_steps``), and a rank that does not validate runs with ``limit_val_batches=0``; left in place after a failed
-    fit, the next entry's ranks disagreed on validating and waited at a barrier."""
+    restored when it ends or fails (the budget, not the loop, stops a worker, and non-validating ranks run with
+    ``limit_val_batches=0``; left in place after a failed fit, the next entry's ranks waited at a barrier)."""
 
     def __init__(self) -> None:
         self._saved: Optional[tuple[int, Any]] = None
@@ -24,8 +23,7 @@ class LoopLimits:
         set_loop_max_steps(trainer, -1)
 
     def restore(self, module: pl.LightningModule) -> None:
-        """Give ``module``'s trainer back what :meth:`lift` saved (once; nothing if nothing was lifted, when the
-        module may not be attached to a trainer any more, e.g. in ``on_exception`` before set-up)."""
+        """Give ``module``'s trainer back what :meth:`lift` saved (once; nothing if nothing was lifted)."""
         if self._saved is not None:
             trainer = module.trainer
             set_loop_max_steps(trainer, self._saved[0])

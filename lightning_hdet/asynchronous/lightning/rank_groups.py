@@ -1,6 +1,5 @@
-"""The strategy's side of workers of several ranks (``ranks_per_worker > 1``; the rank layout and the exchange's
-side are in :mod:`.ranks`): each worker's two process groups, DDP over the worker's ranks, and the rule that
-the ranks of a worker stop together, at the end of a round."""
+"""The strategy's side of workers of several ranks (the exchange's is :mod:`~..exchange.ranks`): each worker's two
+process groups, DDP (or FSDP2) over its ranks, and its ranks stopping together at the end of a round."""
 
 from __future__ import annotations
 
@@ -26,24 +25,18 @@ log = logging.getLogger(__name__)
 
 
 class RankGroups(LocalCollectivesStrategy):
-    """Workers of ``ranks_per_worker`` ranks: the model is wrapped in DDP over its worker's ranks only (gradients
-    all-reduced inside the worker every inner step, so that its ranks' parameters and inner optimizer states stay
-    identical); the exchange hands replies on over a second, ``gloo``, group of the same ranks."""
+    """Workers of ``ranks_per_worker`` ranks: DDP (or FSDP2) over each worker's ranks only; the exchange hands
+    replies on over a second, ``gloo``, group of the same ranks. Settings are set by the subclass."""
 
-    #: Ranks per worker (set by the subclass).
     ranks_per_worker = 1
-    #: What runs inside a worker of several ranks: ``"ddp"`` or ``"fsdp"`` (FSDP2, :mod:`.worker_shards`).
     inside_worker = "ddp"
-    #: With ``inside_worker="fsdp"``: the submodules that become FSDP2 units (``None``: the whole model is one).
     auto_wrap_policy: Any = None
-    #: This fit's exchange (set by the subclass).
     _exchange: Exchange | None = None
-    #: This rank's worker's groups: DDP's (the default backend: NCCL on GPUs) and the exchange's (``gloo``).
+    # this rank's worker's groups: DDP's (the default backend) and the exchange's (gloo)
     _worker_groups: tuple[Any, Any] | None = None
 
     def check_worker_layout(self) -> None:
-        """Before any process group: ``ranks_per_worker`` splits the world into workers; a worker whose ranks span
-        two nodes warns (its all-reduce crosses the network every step)."""
+        """Before any process group: ``ranks_per_worker`` splits the world; a worker across two nodes warns."""
         k, per_node = self.ranks_per_worker, self.num_processes
         check_ranks_per_worker(k, self.num_nodes * per_node)
         if self.num_nodes > 1 and per_node % k and k % per_node:
@@ -64,9 +57,8 @@ class RankGroups(LocalCollectivesStrategy):
         return WorkerRanks(self.num_nodes * self.num_processes, self.ranks_per_worker, self.global_rank)
 
     def wrap_worker_ddp(self) -> None:
-        """With several ranks per worker: create every worker's groups (each rank creates all of them, in the same
-        order) and wrap the model in DDP over this rank's worker, or shard it with FSDP2 over it (during ``fit``
-        only; the strategy's ``configure_ddp``)."""
+        """With several ranks per worker: create every worker's groups (every rank all of them, in order) and wrap
+        the model in DDP, or shard it with FSDP2, over this rank's worker."""
         ranks = self.worker_ranks
         if ranks.ranks_per_worker == 1:
             return
@@ -95,27 +87,25 @@ class RankGroups(LocalCollectivesStrategy):
 
     @property
     def shard_group(self) -> Any:
-        """The group this rank's worker shards its model over (``None`` unless ``inside_worker="fsdp"``)."""
+        """The group this rank's worker shards over (``None`` unless FSDP2 inside)."""
         return self._worker_groups[0] if self.inside_worker == "fsdp" and self._worker_groups is not None else None
 
     @property
     def exchange_group(self) -> Any:
-        """The ``gloo`` group over which this rank's worker hands replies on (``None`` with one rank per worker)."""
+        """The ``gloo`` group this rank's worker hands replies on over (``None``: one rank per worker)."""
         return self._worker_groups[1] if self._worker_groups is not None else None
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Rank 0 validates alone: never through the worker's DDP wrapper, whose forward may sync buffers with the
-        worker's other ranks (they are training meanwhile)."""
+        """Rank 0 validates alone, never through DDP, whose forward may sync buffers with the training ranks."""
         if not isinstance(self.model, DistributedDataParallel):
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
 
     def stop_at_round_end(self, trainer: pl.Trainer) -> None:
-        """Rank 0 decided to stop (EarlyStopping, a Timer...; only rank 0 decides while workers train apart). Its
-        worker's other ranks cannot know before the round ends, and would wait for its gradients: the stop goes to
-        the server instead, and rank 0's worker stops, all its ranks together, when its round ends."""
+        """Rank 0 decided to stop (EarlyStopping, a Timer...): its worker's other ranks would wait for its gradients,
+        so the stop goes to the server and the worker's ranks stop together when its round ends."""
         exchange = self._exchange
         if (self.ranks_per_worker == 1 or not self.training_apart or not trainer.should_stop or exchange is None
                 or exchange.outer is None or exchange.worker.stopped):
@@ -129,8 +119,7 @@ class RankGroups(LocalCollectivesStrategy):
 
 
 class StopAtRoundEnd(Callback):
-    """Installed by the strategy (last): turns rank 0's stop decisions into :meth:`RankGroups.stop_at_round_end`
-    before the training loop acts on them."""
+    """Installed by the strategy: rank 0's stop decisions go through :meth:`RankGroups.stop_at_round_end`."""
 
     @staticmethod
     def _hold(trainer: pl.Trainer) -> None:

@@ -1,5 +1,4 @@
-"""What a finished (or running) exchange tells about itself, read from the strategy that drove it, and the global
-model rank 0 shows validation and checkpoints while the workers train apart."""
+"""The strategy's read-outs of its exchange, and the global model rank 0 shows validation and checkpoints."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from lightning_hdet.records import History
 
 def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None,
                  local_worker: Optional[int] = None) -> AsyncResult:
-    """What the run behind ``outer`` did so far (one consistent read); ``local_worker``: the one in its process."""
+    """What the run behind ``outer`` did so far (one consistent read)."""
     with outer.lock:
         workers = {w: dict(vars(s)) for w, s in outer.workers.items()}
         return make_async_result(outer.step_policy.mode, outer.budget, outer.steps_done, outer.outer_updates, workers,
@@ -27,29 +26,23 @@ def outer_result(outer: OuterState, ended: Optional[Mapping[int, str]] = None,
 
 
 class ExchangeReadouts:
-    """The async strategy's read-outs of its exchange (kept after ``fit``; empty before the first), and its hooks
-    that show validation and checkpoints the global model (rank 0, while training) instead of this worker's."""
+    """The async strategy's read-outs of its exchange (kept after ``fit``), and its hooks that show validation and
+    checkpoints the global model (rank 0, while training). Mixed into the strategy, which sets these:"""
 
-    # Read from the strategy it is mixed into: lightning_module, root_device, is_global_zero (Lightning's), and
-    # shard_group, exchange_group (RankGroups').
     _exchange: Exchange | None
-    #: True while this rank trains apart from the others (set by the strategy).
     training_apart: bool
-    #: Rank 0: the outer metrics logged (a History, for the figures) and the version last logged.
-    report: History
+    report: History  # rank 0: the outer metrics logged, for the figures
     _logged_version = -1
-    #: Rank 0 while training: the outer state's snapshot for the checkpoint being written (``WorkerCheckpoints``').
     take_snapshot: Callable[[], Optional[dict[str, Any]]]
 
     @property
     def _outer(self) -> OuterState | None:
-        """Rank 0, during and after ``fit``: the outer state (``None`` elsewhere)."""
+        """Rank 0, during and after ``fit``: the outer state."""
         return self._exchange.outer if self._exchange is not None else None
 
     @contextmanager
     def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
-        """On rank 0 during training: temporarily swap in the current global parameters and buffers (or those of
-        ``snapshot``, an outer state's ``state_dict``), for validation and checkpoints."""
+        """On rank 0 during training: swap in the global model (or ``snapshot``'s) for the block."""
         if not (self.training_apart and self._outer is not None and self._exchange is not None):
             yield
             return

@@ -1,6 +1,4 @@
-"""The strategy's side of FSDP2 inside workers (``inside_worker="fsdp"``; the exchange's side is in
-:mod:`.worker_shards`): what Lightning may run on a sharded worker, the checkpoint's model state, and the
-fork/spawn launcher's hand-over of the final model."""
+"""The strategy's argument checks, and its side of FSDP2 inside workers (the exchange's: :mod:`.worker_shards`)."""
 
 from __future__ import annotations
 
@@ -29,8 +27,8 @@ def ddp_arguments(kwargs: Mapping[str, Any]) -> list[str]:
 
 
 def check_names_of(cls: type, kwargs: Mapping[str, Any], ranks_per_worker: Any) -> None:
-    """Refuse a name that is neither the strategy's, DDPStrategy's nor, in workers of several ranks (the only place
-    a DistributedDataParallel wraps the model), one of DistributedDataParallel's: elsewhere it would do nothing."""
+    """Refuse a name that is not the strategy's, DDPStrategy's or, in workers of several ranks (only there does DDP
+    wrap the model), DistributedDataParallel's."""
     several = is_int(ranks_per_worker) and ranks_per_worker > 1
     hint = "" if several or not set(kwargs) & set(DDP_OPTIONS) else (
         "With `ranks_per_worker=1` no DistributedDataParallel wraps the model, so its options do nothing; they apply"
@@ -41,16 +39,14 @@ def check_names_of(cls: type, kwargs: Mapping[str, Any], ranks_per_worker: Any) 
 
 
 def check_ddp_hooks(kwargs: Mapping[str, Any], ranks_per_worker: int) -> None:
-    """Refuse DDP's hook arguments where they would do nothing: ``model_averaging_period`` always (the exchange
-    averages the workers), ``ddp_comm_hook`` with one-rank workers (no DDP wraps the model)."""
+    """Refuse DDP's hook arguments where they would do nothing."""
     if "model_averaging_period" in kwargs or ("ddp_comm_hook" in kwargs and ranks_per_worker == 1):
         raise ValueError("`ddp_comm_hook` / `model_averaging_period` do not apply: with `ranks_per_worker=1` the"
                          " model is not wrapped in DDP (a `ddp_comm_hook` applies inside workers of several ranks).")
 
 
 def check_sharded_entry(model: pl.LightningModule) -> None:
-    """Refuse, before any process group, an entry on a module a previous ``fit`` left sharded over process groups
-    that ended with it."""
+    """Refuse an entry on a module a previous ``fit`` left sharded over groups that ended with it."""
     trainer = attached_trainer(model)
     if trainer is not None and is_sharded(model):
         raise ValueError(
@@ -61,9 +57,8 @@ def check_sharded_entry(model: pl.LightningModule) -> None:
 
 def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any] | None, outer: OuterState | None,
                          writes: bool) -> dict[str, Any]:
-    """The state dict a checkpoint holds, never gathered (the worker groups end with ``fit``): on rank 0 the global
-    model of ``snapshot`` (while workers train) or of ``outer`` (after ``fit``); elsewhere this rank's shards
-    (nobody reads them: rank 0 writes). ``writes``: this rank writes the checkpoint."""
+    """The state dict a checkpoint holds, never gathered: rank 0's global model of ``snapshot`` or ``outer``;
+    elsewhere this rank's shards (nobody reads them). ``writes``: this rank writes the checkpoint."""
     if snapshot is not None:
         return state_from_flat(module, snapshot["params"], snapshot["buffers"])
     if outer is not None:
@@ -76,9 +71,8 @@ def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any]
 
 
 class ShardedWorkersLauncher(MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher, whose rank 0 hands the main process the full global model (the outer
-    state's) instead of the module's own state dict: its shards, which the worker groups a gather needs no longer
-    exist to join."""
+    """Lightning's fork/spawn launcher, whose rank 0 hands the main process the outer state's global model instead
+    of the module's shards (the groups a gather needs have ended)."""
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:

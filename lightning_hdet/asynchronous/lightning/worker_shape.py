@@ -1,7 +1,5 @@
-"""What one worker is (:class:`WorkerShape`, the strategy's ``worker=``), and the exchange's arguments checked
-together for both strategies (Trainer and Fabric): the codecs, the outer optimizer object and the overlap with its
-staggered parts depend on one another, and each check names the argument it refuses. Pure: no Lightning, no
-process groups."""
+"""What one worker is (:class:`WorkerShape`, ``worker=``), and the exchange's interdependent arguments checked
+together for the Trainer and Fabric strategies (pure)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_hdet._checks import ArgumentNameError, KnownArguments, check_int
-from lightning_hdet.asynchronous.exchange.overlap import check_overlap_steps, check_stagger_exchange
 from lightning_hdet.asynchronous.exchange.ranks import check_ranks_per_worker
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import Codec, check_codecs, codec_from
@@ -45,7 +42,6 @@ class WorkerShape(KnownArguments):
                   hint="0 is a blocking exchange; τ > 0 inner steps are taken while a round's push and pull travel.")
 
     def numbers(self) -> dict[str, Any]:
-        """Every option (the run config)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "auto_wrap_policy"}
 
 
@@ -60,9 +56,8 @@ def refuse_shape_arguments(owner: str, given: Mapping[str, Any]) -> None:
 def check_exchange_options(settings: OuterSettings, compression: Any, error_feedback: bool | None,
                            pull_compression: Any, overlap_steps: int = 0,
                            ranks_per_worker: int = 1) -> tuple[Codec, Codec, bool]:
-    """Check the codec, ``ranks_per_worker``, ``overlap_steps`` and ``stagger`` arguments against the outer
-    ``settings`` (which checked ``stagger`` with ``mode`` and ``local_steps``); returns the push and pull codec
-    objects and whether error feedback is in force. Raises the package's ``ValueError``."""
+    """Check the codecs, ``ranks_per_worker``, ``overlap_steps`` and ``stagger`` against the outer ``settings``;
+    returns the push and pull codecs and whether error feedback is in force."""
     push, pull = codec_from(compression), codec_from(pull_compression, "pull_compression")
     settings.outer.check_codecs(push, pull)
     feedback = check_codecs(push, pull, error_feedback, settings.outer.forwards_rounds)
@@ -70,3 +65,31 @@ def check_exchange_options(settings: OuterSettings, compression: Any, error_feed
     check_overlap_steps(overlap_steps, settings.local_steps, ranks_per_worker, settings.stagger)
     check_stagger_exchange(settings.stagger, pull, overlap_steps)
     return push, pull, feedback
+
+
+def check_overlap_steps(overlap_steps: int, local_steps: int, ranks_per_worker: int, stagger: int = 1) -> None:
+    """``overlap_steps``: 0 or ``1..local_steps / stagger − 1``; not with workers of several ranks."""
+    check_int("overlap_steps", overlap_steps, minimum=0,
+              hint="0 is a blocking exchange; τ > 0 inner steps are taken while a round's push and pull travel.")
+    round_steps = local_steps // stagger
+    if overlap_steps and overlap_steps >= round_steps:
+        rounds = f"local_steps={local_steps}" + (f" / stagger={stagger}" if stagger > 1 else "")
+        raise ValueError(f"`overlap_steps={overlap_steps}` leaves no step of a round before its push ({rounds});"
+                         f" allowed: 0 (a blocking exchange) or 1..{round_steps - 1}.")
+    if overlap_steps and ranks_per_worker > 1:
+        raise ValueError(f"`overlap_steps={overlap_steps}` is not supported with `ranks_per_worker={ranks_per_worker}`:"
+                         " a worker of several ranks hands its reply on with collectives of its own group, which"
+                         " cannot run beside its training. Use overlap_steps=0, or ranks_per_worker=1.")
+
+
+def check_stagger_exchange(stagger: int, pull_compression: Codec, overlap_steps: int) -> None:
+    """What ``stagger > 1`` is not built for: a blocking exchange and pulls of changes (of the whole model)."""
+    if stagger > 1 and not overlap_steps:
+        # blocking, the goodbye carries no steps and the other parts' last steps would be lost
+        raise ValueError(f"`stagger={stagger}` needs `overlap_steps` >= 1, got overlap_steps=0: a staggered run"
+                         " ends with overlapped steps that carry every part's last steps. Give overlap_steps, or"
+                         " use stagger=1.")
+    if stagger > 1 and pull_compression.sends_changes:
+        raise ValueError(f"`stagger={stagger}` is not supported with `pull_compression={pull_compression!r}`, whose"
+                         " pulls carry changes of the whole model. Use pull_compression='none' or 'bf16', or"
+                         " stagger=1.")
