@@ -106,7 +106,6 @@ def make_async_result(mode: str, budget: Optional[int], steps_done: int, outer_u
 
 
 def _size(n: int) -> str:
-    """Bytes in the largest unit that keeps the number at least 1."""
     value, unit = float(n), "B"
     for next_unit in ("KiB", "MiB", "GiB"):
         if value < 1024:

@@ -27,7 +27,6 @@ from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
 
 def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat host copies of the module's parameters and of its floating-point buffers."""
     params, buffers = list(module.parameters()), float_buffers(module)
     return (read_into(params, host_buffer(numel(params), device), device),
             read_into(buffers, host_buffer(numel(buffers), device), device))
@@ -181,7 +180,6 @@ class Exchange:
             write_from(tensors, saved, self.device)
 
     def _pulled_is_global(self) -> bool:
-        """Rank 0's worker's ``theta_pulled`` is, bit for bit, the current global model."""
         assert self.outer is not None
         pulled, n = self.worker.pulled, self.outer.params.numel()
         if self.worker.fragment.numel() == 0:  # no parameters: nothing to swap through

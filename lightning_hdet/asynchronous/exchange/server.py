@@ -67,14 +67,12 @@ class Server:
             t.start()
 
     def join(self) -> None:
-        """Wait for both threads, then raise if the server failed."""
         for t in self._threads:
             t.join(self.timeout)
         self.raise_error()
 
     @property
     def running(self) -> bool:
-        """Whether a thread is still serving."""
         return any(t.is_alive() for t in self._threads)
 
     def stop(self, timeout: float) -> None:
@@ -140,7 +138,6 @@ class Server:
             raise TimeoutError(f"{who} waited over {self.timeout} s for the previous batch's replies.")
 
     def _replied(self) -> None:
-        """One of the batch's pending replies is done."""
         with self._gate:
             self._replies_pending -= 1
             self._gate.notify_all()

@@ -91,7 +91,6 @@ class Worker:
         self.round_start = time.perf_counter()
 
     def write_pulled(self) -> None:
-        """Write the pulled global model into the module."""
         write_from(model_state(self.module), self.pulled, self.device)
 
     def _outgoing(self, kind: Kind, compute_s: float, pending: int = 0,
@@ -203,6 +202,5 @@ class Worker:
             yield self._encode(codec, values, fragment.start)
 
     def _encode(self, codec: Codec, gradient: Tensor, start: int) -> Tensor:
-        """One fragment's pseudo-gradient (from value ``start``) encoded, with error feedback."""
         out = None if codec.raw else self.message[: codec.nbytes]
         return self.feedback.encode_part(codec, gradient, start, out)

@@ -76,7 +76,6 @@ def shard_worker(module: Module, group: Any, device_type: str, policy: ShardingP
 
 
 def rows(p: DTensor) -> tuple[int, int]:
-    """The rows ``[lo, hi)`` of ``p``'s dim 0 this rank holds."""
     return shard_rows(p.shape[0] if p.dim() else 1, p.device_mesh.size(), p.device_mesh.get_local_rank())
 
 
@@ -168,7 +167,6 @@ class ShardedWorker(Worker):
         return bool(flag)
 
     def write_pulled(self) -> None:
-        """The pulled global model, each rank its own rows."""
         write_shards(list(self.module.parameters()), self.pulled, self.device)
         write_shards(float_buffers(self.module), self.pulled[self.n_params :], self.device)
 

@@ -1,2 +1,1 @@
-"""Lightning glue: the strategy, its logging callback, checkpoints of every worker, and the process groups of
-workers of several ranks."""
+"""Lightning glue: the strategy, its logging callback, every worker's checkpoints, workers' groups."""

@@ -121,7 +121,6 @@ class WorkerCheckpoints(RankGroups):
         return snapshot
 
     def _own_state(self) -> dict[str, Any]:
-        """What this rank writes beside a checkpoint now."""
         own: dict[str, Any] = {"optimizer": self.optimizer_state(self.optimizers[0])}
         if self._exchange is not None:
             own["error_feedback"] = self._exchange.worker.feedback.state_dict()
@@ -228,16 +227,19 @@ class WorkerCheckpoints(RankGroups):
             checkpoint_path, **weights_only_kwargs(weights_only)), checkpoint_path)
         self._resume_state = checkpoint.get(CHECKPOINT_KEY)
         own = self._own_file(checkpoint_path) or worker_file(checkpoint_path, self.worker_ranks.worker)
-        self._resume_worker = None
-        if self.inside_worker == "fsdp":
-            self._resume_worker = self._shard_resume(checkpoint_path, weights_only)
-        elif get_filesystem(own).exists(own):
-            self._resume_worker = self.checkpoint_io.load_checkpoint(own, **weights_only_kwargs(weights_only))
-            if "missing" in self._resume_worker:
-                log.warning("%s: %s holds no state: %s.", self.worker_ranks.describe(), own,
-                            self._resume_worker["missing"])
-                self._resume_worker = None
+        self._resume_worker = (self._shard_resume(checkpoint_path, weights_only) if self.inside_worker == "fsdp"
+                               else self._read_own(own, weights_only))
         return checkpoint
+
+    def _read_own(self, path: str, weights_only: bool | None) -> dict[str, Any] | None:
+        """A worker's file, or ``None`` if there is none or it says its state was not kept."""
+        if not get_filesystem(path).exists(path):
+            return None
+        state = self.checkpoint_io.load_checkpoint(path, **weights_only_kwargs(weights_only))
+        if "missing" in state:
+            log.warning("%s: %s holds no state: %s.", self.worker_ranks.describe(), path, state["missing"])
+            return None
+        return state
 
     def _shard_resume(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any] | None:
         """FSDP2 inside: this rank's shard of its worker's saved state: its own file if the worker had as many shards
@@ -252,12 +254,8 @@ class WorkerCheckpoints(RankGroups):
                                         f" worker {ranks.worker} the checkpoint was written with")
             return self.checkpoint_io.load_checkpoint(path, **weights_only_kwargs(weights_only))
 
-        first = worker_file(checkpoint_path, ranks.worker, 0)
-        if not get_filesystem(first).exists(first):
-            return None
-        head = self.checkpoint_io.load_checkpoint(first, **weights_only_kwargs(weights_only))
-        if "missing" in head:
-            log.warning("%s: %s holds no state: %s.", ranks.describe(), first, head["missing"])
+        head = self._read_own(worker_file(checkpoint_path, ranks.worker, 0), weights_only)
+        if head is None:
             return None
         k_old = head["shards"]
         if k_old == k:
@@ -296,7 +294,6 @@ class WorkerCheckpoints(RankGroups):
                         worker_file("<checkpoint>", self.worker_ranks.worker, 0).replace("shard0", "shard*"))
 
     def restore_worker(self, worker: Worker) -> None:
-        """Give a new :class:`Worker` its error-feedback residual from the checkpoint it resumes."""
         saved = (self._resume_worker or {}).get("error_feedback")
         if saved is not None:
             worker.feedback.load_state_dict(saved)

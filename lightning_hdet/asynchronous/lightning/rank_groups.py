@@ -53,7 +53,6 @@ class RankGroups(LocalCollectivesStrategy):
 
     @property
     def worker_ranks(self) -> WorkerRanks:
-        """This rank's place among the workers."""
         return WorkerRanks(self.num_nodes * self.num_processes, self.ranks_per_worker, self.global_rank)
 
     def wrap_worker_ddp(self) -> None:

@@ -37,7 +37,6 @@ class ExchangeReadouts:
 
     @property
     def _outer(self) -> OuterState | None:
-        """Rank 0, during and after ``fit``: the outer state."""
         return self._exchange.outer if self._exchange is not None else None
 
     @contextmanager

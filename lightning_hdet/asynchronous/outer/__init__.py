@@ -1,2 +1,1 @@
-"""The outer side, pure (no Lightning, no process groups): the outer optimizer (Delayed Nesterov and its momentum
-schedule, SparseLoCo's round), the push checks, the local-step policy and rank 0's outer state."""
+"""The outer side, pure: outer optimizers, SparseLoCo, push checks, local steps and the outer state."""

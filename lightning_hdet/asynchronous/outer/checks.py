@@ -54,7 +54,6 @@ class PushCheck(KnownArguments):
                 "min_history": self.min_history}
 
     def fresh(self) -> PushCheck:
-        """The same options, no history."""
         return PushCheck(**self.numbers())  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -84,7 +83,6 @@ class PushCheck(KnownArguments):
         return self.max_norm_ratio * reference if reference > 0 else math.inf
 
     def accepted(self, worker: int, norm: float, part: int = -1) -> None:
-        """Record an applied push's norm."""
         self._all.setdefault(part, deque(maxlen=self.window)).append(norm)
         self._own.setdefault((worker, part), deque(maxlen=self.window)).append(norm)
 

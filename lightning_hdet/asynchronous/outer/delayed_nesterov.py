@@ -248,6 +248,5 @@ class MomentumSchedule:
         return self.momentum
 
     def restarts(self, update: int) -> bool:
-        """Whether the momentum buffer is zeroed before the ``update``-th momentum update."""
         return bool(self.restart) and update % self.restart == 0
 

@@ -54,12 +54,10 @@ class LocalStepsPolicy(KnownArguments):
         self.exchanges[worker] = smoothed_speed(self.exchanges.get(worker), max(exchange_s, 0.0), self.smoothing)
 
     def forget(self, worker: int) -> None:
-        """``worker`` left: its speed no longer counts."""
         self.speeds.pop(worker, None)
         self.exchanges.pop(worker, None)
 
     def next_local_steps(self, worker: int) -> int:
-        """``worker``'s next round length."""
         if not self.dynamic:
             return self.local_steps
         return dynamic_local_steps(self.speeds.get(worker), self.speeds, self.local_steps, self.min_local_steps,

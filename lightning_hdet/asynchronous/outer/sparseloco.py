@@ -113,11 +113,9 @@ class SparseSyncStep(SyncStep):
         self.round: SparseRound | None = None
 
     def attach(self, sparse_round: SparseRound) -> None:
-        """Where the round's pushes are kept."""
         self.round = sparse_round
 
     def keeps_messages(self, codecs: list, workers: int) -> SparseRound:
-        """Where the server keeps each applied push's messages."""
         self.attach(SparseRound(codecs, workers))
         assert self.round is not None
         return self.round

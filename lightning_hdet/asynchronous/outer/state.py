@@ -53,7 +53,6 @@ class WorkerStats:
     total_wait_s: float = 0.0
 
     def time(self, compute_s: float, wait_s: float) -> None:
-        """Record a push's round: its seconds computing and waiting (the latest, and summed)."""
         self.compute_s, self.wait_s = compute_s, wait_s
         self.total_compute_s += compute_s
         self.total_wait_s += wait_s
@@ -163,19 +162,12 @@ class ExchangeCounts:
     exchanges: dict[int, int] = field(default_factory=dict)
     requests: int = 0
 
-    def received(self, worker: int, mode: str) -> None:
-        """A push of ``worker`` was applied or rejected."""
-        if mode != "sync":
-            self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
-
-    def closed(self, workers: Iterable[int], mode: str) -> None:
-        """A batch of pushes of ``workers`` closed."""
-        if mode == "sync":
-            for w in workers:
-                self.exchanges[w] = self.exchanges.get(w, 0) + 1
+    def count(self, workers: Iterable[int]) -> None:
+        """The model now holds a push of each of ``workers`` (applied or rejected)."""
+        for w in workers:
+            self.exchanges[w] = self.exchanges.get(w, 0) + 1
 
     def reserve(self) -> int:
-        """A new request's number."""
         self.requests += 1
         return self.requests
 
@@ -244,7 +236,8 @@ class OuterState:
                         self.check.accepted(push.worker, norm, push.part)
                 else:
                     self._reject(push, reason)
-            self.counts.received(push.worker, self.step_policy.mode)
+            if self.step_policy.mode == "async":  # DiLoCo: when the round closes
+                self.counts.count([push.worker])
 
     def _apply(self, push: Push, fragments: Iterable[Tensor]) -> None:
         with self.lock:
@@ -279,7 +272,6 @@ class OuterState:
                     streak, self.max_rejections, f" Its {push.steps} inner step(s) do not count." if push.steps else "")
 
     def rejection_streak(self, worker: int) -> int:
-        """How many of ``worker``'s latest pushes in a row were rejected."""
         with self.lock:
             stats = self.workers.get(worker)
             return stats.rejected_streak if stats is not None else 0
@@ -295,7 +287,8 @@ class OuterState:
                 self.buffers.copy_(torch.stack(list(self.worker_buffers.values())).mean(0))
             # DiLoCo's mean is over the pushes applied: a rejected one is not in the sum
             self.step_policy.close(self, sum(p.steps > 0 and p.rejected is None for p in pushes))
-            self.counts.closed([p.worker for p in pushes], self.step_policy.mode)
+            if self.step_policy.mode == "sync":
+                self.counts.count(p.worker for p in pushes)
             self._resize_buffer()  # a change of N waits for a momentum boundary: retried at every batch
             waiting = [p.worker for p in pushes if p.kind != Kind.BYE]
             replies = {w: self._allocate(w, len(waiting)) for w in waiting}
@@ -401,7 +394,6 @@ class OuterState:
             return {w: {k: getattr(s, k) for k in _STAT_KEYS} for w, s in sorted(self.workers.items())}
 
     def global_model(self) -> tuple[Tensor, Tensor]:
-        """Consistent copies of the global parameters and buffers."""
         with self.model_lock:
             return self.params.detach().clone(), self.buffers.clone()
 

@@ -45,7 +45,6 @@ class Codec(KnownArguments):
 
     @property
     def nbytes(self) -> int:
-        """The size of every message."""
         raise NotImplementedError
 
     def options(self) -> dict[str, Any]:
@@ -188,12 +187,10 @@ class TopK(Codec):
         return self.sparse.nbytes
 
     def _encode(self, flat: Tensor, out: Tensor) -> Tensor:
-        assert self.sparse is not None
-        return self.sparse.encode(flat, out)
+        return self.sparse.encode(flat, out)  # type: ignore[union-attr]
 
     def _decode(self, message: Tensor, out: Tensor) -> Tensor:
-        assert self.sparse is not None
-        return self.sparse.decode(message, out)
+        return self.sparse.decode(message, out)  # type: ignore[union-attr]
 
 
 #: The preset names of ``compression=`` / ``pull_compression=``: the only place a codec has a name.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any, ClassVar
 
@@ -37,14 +37,25 @@ class Kind(IntEnum):
     BYE = 2
 
 
-def _decode(tensor: Tensor, size: int, name: str) -> list[float]:
-    if tensor.dtype != torch.float64 or tensor.numel() != size:
-        raise ValueError(f"A {name} is float64[{size}], got {tensor.dtype}[{tensor.numel()}].")
-    return tensor.tolist()
+class _Header:
+    """A header: its fields as one ``float64`` tensor, in order (integers exact up to 2**53)."""
+
+    SIZE: ClassVar[int]
+
+    def encode(self) -> Tensor:
+        return torch.tensor([float(getattr(self, f.name)) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def decode(cls, tensor: Tensor) -> Any:
+        if tensor.dtype != torch.float64 or tensor.numel() != cls.SIZE:
+            name = f"{cls.__name__[:-len('Header')].lower()} header"
+            raise ValueError(f"A {name} is float64[{cls.SIZE}], got {tensor.dtype}[{tensor.numel()}].")
+        kinds = {"Kind": lambda v: Kind(int(v)), "int": int, "float": float}
+        return cls(*(kinds[str(f.type)](v) for f, v in zip(fields(cls), tensor.tolist())))
 
 
 @dataclass(frozen=True)
-class WorkerHeader:
+class WorkerHeader(_Header):
     """The header of a worker's message (``float64[7]``, fields in this order). ``compute_s``: the round's
     seconds; ``wait_s``: the previous exchange's; ``pending``: steps of this round after the push (overlap), in
     the next push; ``part``: ``-1`` all fragments, ``p`` those of a staggered part (the reply carries the same)."""
@@ -59,19 +70,9 @@ class WorkerHeader:
 
     SIZE: ClassVar[int] = 7
 
-    def encode(self) -> Tensor:
-        return torch.tensor([float(self.kind), float(self.steps), self.compute_s, self.wait_s,
-                             float(self.inner_state_bytes), float(self.pending), float(self.part)],
-                            dtype=torch.float64)
-
-    @classmethod
-    def decode(cls, tensor: Tensor) -> WorkerHeader:
-        kind, steps, compute_s, wait_s, state_bytes, pending, part = _decode(tensor, cls.SIZE, "worker header")
-        return cls(Kind(int(kind)), int(steps), compute_s, wait_s, int(state_bytes), int(pending), int(part))
-
 
 @dataclass(frozen=True)
-class ServerHeader:
+class ServerHeader(_Header):
     """The header of the server's reply (``float64[6]``, fields in this order). ``next_local_steps``: 0 means stop;
     ``outer_updates``: the version that follows; ``rejected``: the worker's rejected pushes in a row; ``deltas``:
     ``-1`` the parameters follow, ``n`` the public model's last ``n`` changes; ``checkpoints``: rank 0's checkpoint
@@ -85,15 +86,6 @@ class ServerHeader:
     checkpoints: int = 0
 
     SIZE: ClassVar[int] = 6
-
-    def encode(self) -> Tensor:
-        return torch.tensor([float(self.next_local_steps), float(self.outer_updates), float(self.rejected),
-                             float(self.deltas), float(self.part), float(self.checkpoints)], dtype=torch.float64)
-
-    @classmethod
-    def decode(cls, tensor: Tensor) -> ServerHeader:
-        steps, outer_updates, rejected, deltas, part, checkpoints = _decode(tensor, cls.SIZE, "server header")
-        return cls(int(steps), int(outer_updates), int(rejected), int(deltas), int(part), int(checkpoints))
 
 
 @dataclass
@@ -223,7 +215,6 @@ class Fragments:
         return (self.fragments[chosen[0]].start, self.fragments[chosen[-1]].end) if chosen else (0, 0)
 
     def part_nbytes(self, part: int = -1) -> int:
-        """Bytes of one encoded pseudo-gradient of ``part``."""
         return sum(self.codecs[i].nbytes for i in self.indices(part))
 
     @property
@@ -260,7 +251,6 @@ class Fragments:
 
     @property
     def largest(self) -> int:
-        """Values in the largest fragment."""
         return max((f.numel for f in self.fragments), default=0)
 
     def split(self, flat: Tensor, part: int = -1) -> Iterator[Tensor]:

@@ -151,7 +151,6 @@ def keep_sent(messages: Iterable[Tensor], sent: Sequence[Tensor]) -> Iterator[Te
 
 
 def receive_buffer(layout: Fragments) -> Tensor:
-    """One buffer the size of the largest encoded fragment."""
     return torch.empty(max((c.nbytes for c in layout.codecs), default=0), dtype=torch.uint8)
 
 
