@@ -81,13 +81,13 @@ LEVELS: dict[str, tuple[float, ...]] = {
 METHODS: dict[str, dict | None] = {
     "ddp": None,
     "diloco": {"mode": "sync"},
-    "async_nesterov": {"mode": "async", "outer": "nesterov", "dynamic_local_steps": False},
-    "async_dn": {"mode": "async", "dynamic_local_steps": False},
-    "async_dn_dylu": {"mode": "async", "dynamic_local_steps": True},
+    "async_nesterov": {"mode": "async", "outer": "nesterov", "fixed": True},
+    "async_dn": {"mode": "async", "fixed": True},
+    "async_dn_dylu": {"mode": "async"},
     # The same two outer optimizers with momentum 0.5: in a short run one round moves the model a large part
     # of the way, and stale pushes under momentum 0.9 oscillate (docs/async.md, "Choosing the outer settings").
     "diloco_m0.5": {"mode": "sync", "momentum": 0.5},
-    "async_dn_dylu_m0.5": {"mode": "async", "dynamic_local_steps": True, "momentum": 0.5},
+    "async_dn_dylu_m0.5": {"mode": "async", "momentum": 0.5},
     # The package's async default: DN + DyLU with outer="stable" (the momentum warm-up and restarts, the outer lr
     # derived from the momentum, not --outer-lr); before issue 42, "robust".
     "async_default": {"mode": "async", "outer": "stable"},
@@ -95,7 +95,7 @@ METHODS: dict[str, dict | None] = {
     # Workers of two ranks (DDP inside each, one push per worker; asked for by name, with --world-size 4: issue 42's
     # 2 workers x 2 ranks against 4 one-rank workers and DDP over the same 4 processes, at equal samples)
     "diloco_2ranks": {"mode": "sync", "ranks_per_worker": 2},
-    "async_dn_dylu_2ranks": {"mode": "async", "dynamic_local_steps": True, "ranks_per_worker": 2},
+    "async_dn_dylu_2ranks": {"mode": "async", "ranks_per_worker": 2},
     "async_default_2ranks": {"mode": "async", "outer": "stable", "ranks_per_worker": 2},
     # The registered names as typed, Trainer(strategy="diloco") and Trainer(strategy="async_local_sgd"): every
     # option at the package's default (H = 50 included; issue 60), asked for by name
@@ -139,7 +139,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
                callbacks: Sequence[Callback] = ()) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks, WorkerShape
+    from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks, WorkerShape
 
     spec = replace(run_spec(args, args.lr, weight_decay=0.1, scheduler="cosine", warmup_steps=args.steps // 10),
                    seed=seed, block_size=args.block_size)
@@ -157,7 +157,9 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
         options["worker"] = WorkerShape(ranks_per_worker=options.pop("ranks_per_worker", 1))
         outer = kind if kind in ("stable", "robust") else (Nesterov if kind == "nesterov" else DelayedNesterov)(
             lr=args.outer_lr, momentum=momentum)
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, outer=outer, **options, **common)
+        h, fixed = args.local_steps, options.pop("fixed", False)  # async: DyLU (the default), or fixed rounds
+        strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(h, min=h) if fixed else h, outer=outer, **options,
+                                         **common)
     slow = SlowRanks(factors(level, args.world_size), base_seconds=args.base_seconds)
     run = fit_run(spec, work, strategy=strategy, callbacks=[slow, *callbacks])
     stats = run.rank_extra[0].get("worker_stats", {})

@@ -13,7 +13,7 @@ from lightning_hdet.asynchronous.lightning.strategy import AsyncLocalSGDStrategy
 from lightning_hdet.asynchronous.lightning.worker_shape import WorkerShape
 from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, DelayedNesterovOptimizer, Nesterov
-from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, dynamic_local_steps
+from lightning_hdet.asynchronous.outer.local_steps import AdaptiveSteps, LocalStepsPolicy, dynamic_local_steps
 from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
 from lightning_hdet.asynchronous.wire.codecs import BF16, Int8, NoCodec, TopK
 from lightning_hdet.asynchronous.wire.network import PointToPoint, Transport
@@ -32,6 +32,7 @@ from lightning_hdet.testing import SlowLink, SlowRanks
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AdaptiveSteps",
     "AsyncLocalSGDFabricStrategy",
     "AsyncLocalSGDStrategy",
     "BF16",

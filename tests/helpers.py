@@ -194,3 +194,10 @@ def async_strategy(**kwargs: Any) -> Any:
 
     shape = {k: kwargs.pop(k) for k in SHAPE_OPTIONS if k in kwargs}
     return AsyncLocalSGDStrategy(**kwargs, **({"worker": WorkerShape(**shape)} if shape else {}))
+
+
+def fixed_rounds(local_steps: int, mode: str = "async") -> Any:
+    """``local_steps`` for rounds of exactly ``H`` steps in either mode (async: ``AdaptiveSteps`` with ``min=start``)."""
+    from lightning_hdet import AdaptiveSteps
+
+    return AdaptiveSteps(local_steps, min=local_steps) if mode == "async" else local_steps

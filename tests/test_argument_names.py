@@ -94,7 +94,7 @@ def test_names_that_take_effect_are_accepted() -> None:
     assert HDETFabricStrategy(bucket_cap_mb=10)._ddp_kwargs == {"bucket_cap_mb": 10}
     assert ElasticDDPWorkerStrategy("127.0.0.1:1", gradient_as_bucket_view=True)._ddp_kwargs == {
         "gradient_as_bucket_view": True}
-    assert AsyncLocalSGDFabricStrategy(local_steps=7, timeout=timedelta(seconds=30)).outer_settings.local_steps == 7
+    assert AsyncLocalSGDFabricStrategy(local_steps=7, timeout=timedelta(seconds=30)).outer_settings.rounds == 7
     service = OuterService(torch.nn.Linear(1, 1), "127.0.0.1:0", 10, local_steps=7, mode="sync")
     assert service.settings.local_steps == 7
 

@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hdet import AsyncLocalSGDStrategy
-from tests.helpers import START
+from tests.helpers import START, fixed_rounds
 from tests.test_async_defaults import SGDBoring, _loss
 
 BAD_RANK, BAD_FROM = 1, 2  # rank 1's loss is NaN from its 2nd step on (within its first round)
@@ -64,9 +64,8 @@ def test_a_nan_worker_is_rejected_and_stopped_while_the_others_finish(tmp_path: 
     seed_everything(0)
     model = NaNFrom()
     initial = _loss(model)
-    fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
-    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=4, mode=mode, outer="robust", start_method=START,
-                                                   **fixed),
+    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=fixed_rounds(4, mode), mode=mode, outer="robust",
+                                                   start_method=START),
                       accelerator="cpu", devices=3, max_steps=40, limit_val_batches=0, num_sanity_val_steps=0,
                       logger=CSVLogger(tmp_path, name="logs"), enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, default_root_dir=tmp_path, callbacks=[Record(tmp_path)])

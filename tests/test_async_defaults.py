@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks, SparseLoCo
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks, SparseLoCo
 from lightning_hdet.asynchronous.outer.momentum import stable_outer_lr
 from lightning_hdet.asynchronous.wire.codecs import Int8, TopK
 
@@ -196,8 +196,10 @@ def test_outer_optimizer_options_are_checked_on_creation(make, match):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(mode="sync", grace_period=0.0), r"`grace_period=0.0` has no effect with mode='sync' \(DiLoCo\)"),
-    (dict(mode="sync", dynamic_local_steps=True), r"`dynamic_local_steps=True` has no effect with mode='sync'"),
+    (dict(mode="sync", local_steps=AdaptiveSteps(8)), r"`local_steps` must be an integer H with mode='sync' \(DiLoCo\)"
+                                                       r".* Write local_steps=8"),
+    (dict(grace_period=0.0), r"no longer takes `grace_period`=0.0.* local_steps=AdaptiveSteps\(start=H, grace_period"),
+    (dict(dynamic_local_steps=False), r"no longer takes `dynamic_local_steps`=False.*AdaptiveSteps\(start=H, min=H\)"),
     (dict(mode="sync", outer=DelayedNesterov(lr=0.7, buffer_size=2)),
      r"`buffer_size` must be None with mode='sync' \(DiLoCo\), got 2"),
     (dict(error_feedback=True), r"`error_feedback` must be left unset with compression=NoCodec\(\), got True"),
@@ -208,12 +210,14 @@ def test_an_option_without_effect_is_refused(kwargs, match):
 
 
 def test_the_run_config_records_the_async_only_options_as_in_force_or_not():
-    """Async fills their defaults; DiLoCo records them as not in force (None); error feedback follows the codec."""
-    config = AsyncLocalSGDStrategy().config
-    assert (config["dynamic_local_steps"], config["grace_period"]) == (True, 0.0)
+    """Async: an integer H is AdaptiveSteps(start=H), its numbers recorded; DiLoCo records none of them; error
+    feedback follows the codec."""
+    config = AsyncLocalSGDStrategy(local_steps=20).config
+    assert (config["local_steps"], config["local_steps/min"], config["local_steps/grace_period"]) == (20, 1, 0.0)
+    assert config["local_steps/smoothing"] == 0.5
     assert config["error_feedback"] is False and config["compression"] == "NoCodec"
     config = AsyncLocalSGDStrategy(mode="sync", compression="int8").config
-    assert (config["dynamic_local_steps"], config["grace_period"]) == (None, None)
+    assert config["local_steps"] == 50 and not any(k.startswith("local_steps/") for k in config)
     assert (config["compression"], config["compression/chunk"]) == ("Int8", 256)
     assert config["error_feedback"] is True
     assert AsyncLocalSGDStrategy(compression="bf16", error_feedback=False).config["error_feedback"] is False

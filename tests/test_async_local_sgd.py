@@ -256,8 +256,7 @@ def test_registered_names():
         (dict(local_steps=-3), "local_steps"),
         (dict(outer="fast"), "outer"),
         (dict(outer_lr=0.7), "outer=DelayedNesterov"),
-        (dict(min_local_steps=0), "min_local_steps"),
-        (dict(grace_period=-1), "grace_period"),
+        (dict(min_local_steps=2), r"local_steps=AdaptiveSteps\(start=H, min=...\)"),
     ],
 )
 def test_bad_arguments(kwargs, match):

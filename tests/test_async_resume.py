@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
-from tests.helpers import START, LinearModel, Recorder, Regression, load_ranks, trainer_kwargs
+from tests.helpers import LinearModel, Recorder, Regression, START, fixed_rounds, load_ranks, trainer_kwargs
 from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
 # Documented in docs/failure_modes.md: an asynchronous run resumed from a checkpoint ends within this relative
@@ -25,9 +25,8 @@ def _fit(out: Path, mode: str, max_steps: int, ckpt_path: str | None = None) -> 
     seed_everything(0)
     # One batch, the same on every rank and every step: Lightning's data order on resume is not under test.
     model = LinearModel(lr=0.05, n_train=16)
-    fixed = {"dynamic_local_steps": False} if mode == "async" else {}  # DiLoCo's rounds are fixed anyway
-    strategy = AsyncLocalSGDStrategy(local_steps=2, mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.5, warmup=16, restarts=8), start_method=START,
-                                     **fixed)
+    strategy = AsyncLocalSGDStrategy(local_steps=fixed_rounds(2, mode), mode=mode, start_method=START,
+                                     outer=DelayedNesterov(lr=1.0, momentum=0.5, warmup=16, restarts=8))
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
     trainer = Trainer(strategy=strategy, callbacks=[ckpt, Recorder(out)],
                       **trainer_kwargs(devices=2, max_steps=max_steps, enable_checkpointing=True,
@@ -101,7 +100,7 @@ def _fit_adam(out: Path, checkpoint_inner_states: bool, ckpt_path: str | None = 
     seed_everything(0)
     out.mkdir(parents=True)
     # without inner states on the wire, the pushes are int8 so that each worker also has a residual to save
-    strategy = AsyncLocalSGDStrategy(local_steps=2, dynamic_local_steps=False, start_method="fork",
+    strategy = AsyncLocalSGDStrategy(local_steps=fixed_rounds(2), start_method="fork",
                                      checkpoint_inner_states=checkpoint_inner_states,
                                      compression="none" if checkpoint_inner_states else "int8")
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=3, save_top_k=-1)

@@ -1,10 +1,13 @@
 import pytest
+import torch
 
 from lightning_hdet.asynchronous.outer.local_steps import (
+    AdaptiveSteps,
     LocalStepsPolicy,
     dynamic_local_steps,
     smoothed_speed,
 )
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 
 
 def test_dynamic_local_steps_formula():
@@ -92,3 +95,33 @@ def test_policy_ignores_empty_rounds():
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LocalStepsPolicy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(start=4, min=8), r"`min` must be at most start=4, got 8"),
+        (dict(start=4, min=0), r"`min` must be a positive integer, got 0"),
+        (dict(grace_period=float("inf")), "`grace_period` must be a finite number >= 0, got inf"),
+        (dict(smoothing=1.0), r"`smoothing` must be a number in \[0, 1\), got 1.0"),
+        (dict(start=2.5), "`start` must be a positive integer, got 2.5"),
+    ],
+)
+def test_adaptive_steps_are_checked_on_creation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveSteps(**kwargs)
+
+
+def test_an_integer_is_adaptive_steps_in_async_mode_and_fixed_rounds_in_diloco():
+    """``local_steps=H`` keeps each mode's default: DyLU from H in async, every round H in DiLoCo; ``min=start``
+    fixes async rounds (a slow worker still gets H)."""
+    assert OuterSettings(local_steps=20).local_steps == AdaptiveSteps(20)
+    assert OuterSettings(mode="sync", local_steps=20).local_steps == 20
+    policy = OuterSettings(local_steps=AdaptiveSteps(8, min=8)).build(torch.zeros(1), torch.zeros(0), 2, None).local_steps
+    policy.update(0, 8, 1.0)
+    policy.update(1, 8, 4.0)  # four times slower
+    assert (policy.next_local_steps(0), policy.next_local_steps(1)) == (8, 8)
+    dylu = OuterSettings(local_steps=8).build(torch.zeros(1), torch.zeros(0), 2, None).local_steps
+    dylu.update(0, 8, 1.0)
+    dylu.update(1, 8, 4.0)
+    assert (dylu.next_local_steps(0), dylu.next_local_steps(1)) == (8, 2)

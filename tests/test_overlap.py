@@ -27,7 +27,7 @@ from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport, receive_reply, send_reply
-from tests.helpers import async_strategy
+from tests.helpers import async_strategy, fixed_rounds
 from tests.test_async_defaults import SGDBoring, _loss
 
 
@@ -68,7 +68,7 @@ def test_bad_overlap_steps_are_refused_before_any_process_group(kwargs: dict, ma
 
 # ------------------------------------------------------------------------------- the budget with pending steps
 def _outer(mode: str, budget: int, **kwargs):
-    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False, outer=DelayedNesterov(lr=1.0, momentum=0.0), **kwargs)
+    settings = OuterSettings(mode=mode, local_steps=kwargs.pop("local_steps", 8), check_pushes=False, outer=DelayedNesterov(lr=1.0, momentum=0.0), **kwargs)
     return settings.build(torch.zeros(2), torch.zeros(0), workers=2, budget=budget)
 
 
@@ -96,7 +96,7 @@ def test_async_keeps_every_workers_pending_steps_out_of_the_budget_left() -> Non
     """Budget 30, H = 8 (no dynamic lengths). Both say hello (8 steps each in flight). Worker 0 pushes 5 with 3
     pending: it gets min(8, 30 − 5 − 8 (worker 1's) − 3 (its own pending)) = 8. Worker 1 pushes 5 with 3 pending:
     min(8, 30 − 10 − 8 − 6) = 6. A rejected push frees its pending steps."""
-    outer = _outer("async", 30, dynamic_local_steps=False)
+    outer = _outer("async", 30, local_steps=fixed_rounds(8))
     outer.process([_push(0, 0, kind=Kind.HELLO)])
     outer.process([_push(1, 0, kind=Kind.HELLO)])
     assert outer.process([_push(0, 5, 3)]) == {0: 8}

@@ -39,8 +39,8 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
 
     Args:
         **kwargs: the Trainer strategy's outer-optimizer, codec and transport arguments, the same objects
-            (``local_steps``, ``mode``, ``outer=DelayedNesterov(...)``, ``dynamic_local_steps``,
-            ``compression=Int8()``, ``check_pushes``, ``transport``, ... see
+            (``local_steps=AdaptiveSteps(...)``, ``mode``, ``outer=DelayedNesterov(...)``, ``compression=Int8()``,
+            ``check_pushes``, ``transport``, ... see
             :class:`~lightning_hdet.asynchronous.lightning.strategy.AsyncLocalSGDStrategy`), then
             Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`'s own arguments (``timeout`` also bounds
             every exchange, so it must exceed the longest round); not DistributedDataParallel's options: the model

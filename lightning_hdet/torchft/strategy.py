@@ -18,7 +18,7 @@ from lightning_hdet.asynchronous.lightning.limits import LoopLimits
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
-from lightning_hdet.asynchronous.outer.settings import ASYNC_ONLY, OuterSettings
+from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.torchft.rounds import ReplicaRound, RoundOutcome
 from lightning_hdet.torchft.settings import TorchFT
 
@@ -83,8 +83,8 @@ class TorchFTStrategy(DDPStrategy):
     @property
     def config(self) -> dict[str, Any]:
         """The settings in force (the outer numbers as resolved)."""
-        numbers = {k: v for k, v in self.outer_settings.numbers().items() if k not in ASYNC_ONLY}  # None in DiLoCo
-        return {**numbers, **{f"torchft_{f.name}": getattr(self.torchft, f.name) for f in fields(TorchFT)}}
+        torchft = {f"torchft_{f.name}": getattr(self.torchft, f.name) for f in fields(TorchFT)}
+        return {**self.outer_settings.numbers(), **torchft}
 
     @override
     def setup_environment(self) -> None:

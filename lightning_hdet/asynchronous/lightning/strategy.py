@@ -53,6 +53,7 @@ from lightning_hdet.asynchronous.lightning.shard_hooks import (
 )
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.local_steps import AdaptiveSteps
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import Codec, codec_numbers
@@ -75,7 +76,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     ``world_size * S`` batches (fast workers do more of them).
 
     Args (every default and allowed value: ``docs/configuration.md``):
-        local_steps: ``H``, inner steps per round (of the fastest worker when ``dynamic_local_steps``).
+        local_steps: ``H``, inner steps per round: in async mode the fastest worker's, slower ones proportionally
+            fewer, as ``AdaptiveSteps(start=H)``; pass ``AdaptiveSteps(start, min, grace_period, smoothing)`` to
+            change how (``min=start``: fixed rounds).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
         outer: the outer optimizer: ``DelayedNesterov(...)``, ``Nesterov(...)``, ``SparseLoCo(...)``, or a preset
             that builds one (``"stable"``, the default, ``"published"``, ``"robust"``, ``"sparseloco"``). What it
@@ -88,10 +91,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         error_feedback: each worker adds what its codec lost to its next push (default: on with a lossy codec).
         check_pushes: ``True`` (``PushCheck()``), a ``PushCheck(max_norm_ratio, max_rejections)`` or ``False``: a
             bad push is discarded whole and its worker restarts from the global model.
-        dynamic_local_steps: async only: slower workers get proportionally fewer local steps (default True).
-        min_local_steps: lower bound of a worker's round length (1).
-        grace_period: async only: pushes within this many seconds of a batch's first one are applied as one batch.
-        speed_smoothing: weight of the previous measurement in each worker's steps/s moving average.
         checkpoint_inner_states: every exchange also sends the worker's inner optimizer state to rank 0; False
             (default): each worker writes its own file beside every checkpoint.
         worker: what one worker is (:class:`~.worker_shape.WorkerShape`): its ranks and how it exchanges.
@@ -103,19 +102,17 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     strategy_name = "async_local_sgd"
 
-    def __init__(self, local_steps: int = 50, mode: Mode = "async", outer: OuterOptimizer | str | None = None,
-                 compression: Codec | str = "none", pull_compression: Codec | str = "none",
-                 error_feedback: bool | None = None, check_pushes: PushCheck | bool = True,
-                 dynamic_local_steps: bool | None = None, min_local_steps: int = 1, grace_period: float | None = None,
-                 speed_smoothing: float = 0.5, checkpoint_inner_states: bool = False,
+    def __init__(self, local_steps: int | AdaptiveSteps = 50, mode: Mode = "async",
+                 outer: OuterOptimizer | str | None = None, compression: Codec | str = "none",
+                 pull_compression: Codec | str = "none", error_feedback: bool | None = None,
+                 check_pushes: PushCheck | bool = True, checkpoint_inner_states: bool = False,
                  worker: WorkerShape | None = None, transport: Transport | None = None, **kwargs: Any) -> None:
         refuse_moved(type(self).__name__, kwargs)
         refuse_shape_arguments(type(self).__name__, kwargs)
         shape = WorkerShape() if worker is None else worker
         require("worker", shape, isinstance(shape, WorkerShape), "a WorkerShape(...) or None")
         check_names_of(type(self), kwargs, shape.ranks_per_worker)  # a misspelled name before any value's check
-        self.outer_settings = OuterSettings(mode, local_steps, outer, min_local_steps, dynamic_local_steps,
-                                            grace_period, speed_smoothing, check_pushes, shape.stagger)
+        self.outer_settings = OuterSettings(mode, local_steps, outer, check_pushes, shape.stagger)
         self.compression, self.pull_compression, self.error_feedback = check_exchange_options(
             self.outer_settings, compression, error_feedback, pull_compression, shape.overlap_steps,
             shape.ranks_per_worker)

@@ -62,7 +62,7 @@ def check_exchange_options(settings: OuterSettings, compression: Any, error_feed
     settings.outer.check_codecs(push, pull)
     feedback = check_codecs(push, pull, error_feedback, settings.outer.forwards_rounds)
     check_ranks_per_worker(ranks_per_worker)
-    check_overlap_steps(overlap_steps, settings.local_steps, ranks_per_worker, settings.stagger)
+    check_overlap_steps(overlap_steps, settings.rounds, ranks_per_worker, settings.stagger)
     check_stagger_exchange(settings.stagger, pull, overlap_steps)
     return push, pull, feedback
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
-from lightning_hdet._checks import KnownArguments, check_int, check_number
+from lightning_hdet._checks import KnownArguments, check_int, check_number, require
 
 
 def smoothed_speed(previous: float | None, measured: float, smoothing: float) -> float:
@@ -79,3 +80,31 @@ def validate_local_steps(local_steps: int, min_local_steps: int, smoothing: floa
     if min_local_steps > local_steps:
         raise ValueError(f"`min_local_steps` ({min_local_steps}) must not exceed `local_steps` ({local_steps}).")
     check_number("speed_smoothing", smoothing, low=0, high=1, high_open=True)
+
+
+@dataclass(frozen=True)
+class AdaptiveSteps(KnownArguments):
+    """Async mode's round lengths (``local_steps=AdaptiveSteps(...)``; an integer ``H`` is ``AdaptiveSteps(start=H)``):
+    dynamic local steps (DyLU), ``start`` steps for the fastest worker, fewer for slower ones (``min=start``: fixed).
+
+    Args:
+        start: ``H``, the fastest worker's round length.
+        min: the shortest round (``min=start``: fixed rounds, with a ``grace_period``).
+        grace_period: pushes within this many seconds of a batch's first one are applied as one batch.
+        smoothing: the previous measurement's weight in each worker's steps/s moving average, in [0, 1).
+    """
+
+    start: int = 50
+    min: int = 1
+    grace_period: float = 0.0
+    smoothing: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_int("start", self.start, minimum=1, hint="The fastest worker's round length, H.")
+        check_int("min", self.min, minimum=1)
+        require("min", self.min, self.min <= self.start, f"at most start={self.start}")
+        check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
+        check_number("smoothing", self.smoothing, low=0, high=1, high_open=True)
+
+    def numbers(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

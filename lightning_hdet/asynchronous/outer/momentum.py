@@ -84,7 +84,7 @@ def outer_from(value: OuterOptimizer | str | None) -> OuterOptimizer:
     return DelayedNesterov(lr=lr, momentum=preset.momentum, warmup=preset.warmup, restarts=preset.restart)
 
 
-#: The strategy arguments the outer optimizer objects replaced, and what to write instead.
+#: The strategy arguments objects replaced, and what to write instead.
 MOVED: dict[str, str] = {
     "outer_lr": "outer=DelayedNesterov(lr=...)", "outer_momentum": "outer=DelayedNesterov(lr=..., momentum=...)",
     "delayed_nesterov": "outer=Nesterov(lr=..., momentum=...) (False) or outer=DelayedNesterov(...) (True)",
@@ -95,6 +95,10 @@ MOVED: dict[str, str] = {
     "error_decay": "outer=SparseLoCo(error_decay=...)",
     "max_norm_ratio": "check_pushes=PushCheck(max_norm_ratio=...)",
     "max_rejections": "check_pushes=PushCheck(max_rejections=...)",
+    "dynamic_local_steps": "local_steps=H (True, the async default) or local_steps=AdaptiveSteps(start=H, min=H) (False)",
+    "min_local_steps": "local_steps=AdaptiveSteps(start=H, min=...)",
+    "grace_period": "local_steps=AdaptiveSteps(start=H, grace_period=...)",
+    "speed_smoothing": "local_steps=AdaptiveSteps(start=H, smoothing=...)",
 }
 
 
@@ -102,5 +106,5 @@ def refuse_moved(owner: str, given: Mapping[str, Any]) -> None:
     """Refuse an argument an object now holds (:data:`MOVED`), naming what to write instead."""
     for name, value in given.items():
         if name in MOVED:
-            raise ArgumentNameError(f"{owner} no longer takes `{name}`={value!r}: the outer optimizer and the push"
-                                    f" checks are objects. Write {MOVED[name]} (see docs/async.md).")
+            raise ArgumentNameError(f"{owner} no longer takes `{name}`={value!r}: it is an option of an object now."
+                                    f" Write {MOVED[name]} (see docs/async.md).")

@@ -8,65 +8,61 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_hdet._checks import KnownArguments, check_choice, check_number
+from lightning_hdet._checks import KnownArguments, check_choice, check_int, require
 from lightning_hdet.asynchronous.outer.checks import PushCheck, push_check_from
-from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy, validate_local_steps
+from lightning_hdet.asynchronous.outer.local_steps import AdaptiveSteps, LocalStepsPolicy
 from lightning_hdet.asynchronous.outer.momentum import outer_from
 from lightning_hdet.asynchronous.outer.state import OuterState, check_stagger
 
 MODES = ("async", "sync")
-#: The options only async mode uses, and their defaults there.
-ASYNC_ONLY: dict[str, Any] = {"dynamic_local_steps": True, "grace_period": 0.0}
-_WHY_NOT_SYNC = {
-    "dynamic_local_steps": "every round is `local_steps` long, since each outer step waits for every worker.",
-    "grace_period": "each outer step already waits for every worker's push.",
-}
+DEFAULT_LOCAL_STEPS = 50
 
 
 @dataclass(frozen=True)
 class OuterSettings(KnownArguments):
     """The outer side's settings (the strategies' and :class:`~..elastic.service.OuterService`'s arguments of the same
-    names), checked on creation: the outer optimizer object, the rounds, the push checks."""
+    names), checked on creation; ``outer``, ``local_steps`` and ``check_pushes`` hold their objects once built."""
 
     mode: str = "async"
-    local_steps: int = 50
-    #: An :class:`~.base.OuterOptimizer`, or a preset's name (:mod:`.momentum`; ``None``: ``"stable"``): the object.
+    #: ``H``: in async mode ``AdaptiveSteps(start=H)`` (or an :class:`~.local_steps.AdaptiveSteps`), in DiLoCo every
+    #: round's length (default 50).
+    local_steps: Any = DEFAULT_LOCAL_STEPS
+    #: An :class:`~.base.OuterOptimizer`, or a preset's name (:mod:`.momentum`; ``None``: ``"stable"``).
     outer: Any = None
-    min_local_steps: int = 1
-    #: Async only (``None``: True in async mode; refused with DiLoCo, whose rounds are all ``local_steps`` long).
-    dynamic_local_steps: bool | None = None
-    #: Async only (``None``: 0.0 in async mode; refused with DiLoCo, which always waits for every worker).
-    grace_period: float | None = None
-    speed_smoothing: float = 0.5
-    #: A :class:`~.checks.PushCheck`, ``True`` (its defaults) or ``False``: once built, the object or ``None``.
+    #: A :class:`~.checks.PushCheck`, ``True`` (its defaults) or ``False``.
     check_pushes: Any = True
     #: DiLoCo only: the model is synchronised in this many parts, one every ``local_steps / stagger`` steps.
     stagger: int = 1
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
-        for name, default in ASYNC_ONLY.items():
-            value = getattr(self, name)
-            if self.mode == "sync" and value is not None:  # recorded as in force while doing nothing: refused
-                raise ValueError(f"`{name}={value!r}` has no effect with mode='sync' (DiLoCo): {_WHY_NOT_SYNC[name]}"
-                                 f" Remove it, or use mode='async'.")
-            if self.mode == "async" and value is None:
-                object.__setattr__(self, name, default)  # frozen: filled once, here
+        steps = self.local_steps
+        if isinstance(steps, AdaptiveSteps):
+            require("local_steps", steps, self.mode == "async", "an integer H with mode='sync' (DiLoCo)",
+                    f"Every DiLoCo round is H steps long, each outer step waiting for every worker. Write"
+                    f" local_steps={steps.start}, or use mode='async'.")
+        else:
+            check_int("local_steps", steps, minimum=1, hint="Or, async, AdaptiveSteps(start, min, grace_period,"
+                      " smoothing).")
+            if self.mode == "async":  # frozen: filled once, here
+                object.__setattr__(self, "local_steps", AdaptiveSteps(steps))
         object.__setattr__(self, "outer", outer_from(self.outer))
         object.__setattr__(self, "check_pushes", push_check_from(self.check_pushes))
-        validate_local_steps(self.local_steps, self.min_local_steps, self.speed_smoothing)
-        check_stagger(self.stagger, self.mode, self.local_steps)
-        if self.grace_period is not None:
-            check_number("grace_period", self.grace_period, low=0, hint="It is in seconds; 0 applies each push alone.")
+        check_stagger(self.stagger, self.mode, self.rounds)
         self.outer.check(self.mode, self.stagger)
+
+    @property
+    def rounds(self) -> int:
+        """``H``: every round's length, or the fastest worker's."""
+        return self.local_steps.start if isinstance(self.local_steps, AdaptiveSteps) else self.local_steps
 
     def numbers(self) -> dict[str, Any]:
         """Every setting in force, the objects' numbers included (the run config)."""
-        checks = self.check_pushes
-        return {"mode": self.mode, "local_steps": self.local_steps, "outer": type(self.outer).__name__,
-                **{f"outer/{k}": v for k, v in self.outer.numbers().items()}, "min_local_steps": self.min_local_steps,
-                "dynamic_local_steps": self.dynamic_local_steps, "grace_period": self.grace_period,
-                "speed_smoothing": self.speed_smoothing, "check_pushes": checks is not None,
+        checks, steps = self.check_pushes, self.local_steps.numbers() if self.mode == "async" else {}
+        return {"mode": self.mode, "local_steps": self.rounds,
+                **{f"local_steps/{k}": v for k, v in steps.items() if k != "start"},
+                "outer": type(self.outer).__name__, **{f"outer/{k}": v for k, v in self.outer.numbers().items()},
+                "check_pushes": checks is not None,
                 **({f"check_pushes/{k}": v for k, v in checks.numbers().items()} if checks is not None else {}),
                 "stagger": self.stagger}
 
@@ -77,12 +73,14 @@ class OuterSettings(KnownArguments):
         in (default: one); ``parts``: their indices by part, when staggered (:attr:`~.messages.Fragments.parts`)."""
         params.requires_grad_(False)
         views = [params[s:e] for s, e in ranges or [(0, params.numel())]]  # leaves: params needs no grad
-        outer, is_async = self.outer, self.mode == "async"
-        policy = LocalStepsPolicy(self.local_steps, self.min_local_steps, bool(self.dynamic_local_steps) and is_async,
-                                  self.speed_smoothing)
+        outer, steps = self.outer, self.local_steps
+        if isinstance(steps, AdaptiveSteps):
+            policy, grace = LocalStepsPolicy(steps.start, steps.min, True, steps.smoothing), steps.grace_period
+        else:
+            policy, grace = LocalStepsPolicy(steps, dynamic=False), None
         check = self.check_pushes.fresh() if self.check_pushes is not None else None
         state = OuterState(params, outer.optimizer(views, self.mode, workers), policy,
-                           outer.step_policy(self.mode, self.stagger, self.grace_period), budget, buffers=buffers,
+                           outer.step_policy(self.mode, self.stagger, grace), budget, buffers=buffers,
                            check=check, max_rejections=check.max_rejections if check else PushCheck.MAX_REJECTIONS,
                            follows_live=outer.follows_live(self.mode), configured_buffer=outer.buffer_size,
                            parts=parts or [])
