@@ -32,18 +32,10 @@ class WorkerRecord:
 
 @dataclass(frozen=True)
 class AsyncResult:
-    """What one async (``mode="async"``) or DiLoCo (``mode="sync"``) run did.
-
-    Attributes:
-        mode: ``"async"`` or ``"sync"``.
-        budget: inner steps summed over the workers that the run was given (``None``: none, e.g. a stop request).
-        steps_done: inner steps applied, summed over the workers.
-        outer_updates: how many times the outer optimizer stepped.
-        workers: each worker's record, by worker id (rank, or elastic session id).
-        ended: why each worker's participation ended, where known (elastic sessions: ``"left"``, ``"expired"``...).
-        local_worker: the worker that runs in the outer optimizer's process (rank 0's), whose exchanges cross no
-            wire (``None``: every worker is remote, e.g. elastic sessions).
-    """
+    """What one async (``mode="async"``) or DiLoCo (``mode="sync"``) run did: its budget and inner steps summed over
+    the workers (``None``: no budget), outer updates, each worker's record by id (rank or elastic session), why each
+    ended where known (``"left"``, ``"expired"``...), and ``local_worker``, the one in the outer optimizer's process
+    (rank 0's), whose exchanges cross no wire."""
 
     mode: str
     budget: Optional[int]

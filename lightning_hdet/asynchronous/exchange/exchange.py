@@ -33,18 +33,10 @@ def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torc
 
 
 class Exchange:
-    """Start the exchange (rank 0 also its outer state's server), run it, leave it.
-
-    Args:
-        groups: the strategy's two ``gloo`` groups (pushes, replies; ``()`` in one process).
-        inner_optimizer: sent with every push when given (``checkpoint_inner_states=True``).
-        outer: rank 0 only: the outer state to serve.
-        optimizer: the inner optimizer (its state is cleared after a rejected push).
-        ranks, worker_group: this rank's place among workers of several ranks, and its worker's ``gloo`` group.
-        shard_group: FSDP2 inside the worker over this group (:mod:`.worker_shards`).
-        outer_optimizer: the outer optimizer object (how pulls forward its rounds; its error feedback decay).
-        The others: the strategy's options of the same names.
-    """
+    """Start the exchange (rank 0 also its ``outer`` state's server), run it, leave it. ``groups``: the strategy's
+    two ``gloo`` groups (``()`` in one process); ``inner_optimizer`` is sent with every push; ``optimizer`` is
+    cleared after a rejected push; ``worker_group``/``shard_group``: the worker's own groups; the others are the
+    strategy's options."""
 
     def __init__(self, module: Module, device: torch.device, groups: tuple[Any, Any], workers: int, timeout: float,
                  inner_optimizer: Optimizer | None = None, outer: OuterState | None = None,

@@ -25,15 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    """A worker's round bookkeeping and exchange.
-
-    Args:
-        inner_optimizer: when given, each exchange also sends its state.
-        layout: the fragments and their codecs (default: the parameters', uncompressed).
-        optimizer: the inner optimizer, whose state is cleared after a rejected push.
-        check_self: a round whose parameters or buffers are not finite is discarded (pushed without steps).
-        error_decay: the residual's weight in the next push (:class:`~..wire.codecs.ErrorFeedback`).
-    """
+    """A worker's round bookkeeping and exchange. ``inner_optimizer``: its state is sent with each exchange;
+    ``optimizer``: cleared after a rejected push; ``check_self``: a non-finite round is discarded (pushed without
+    steps); ``error_decay``: :class:`~..wire.codecs.ErrorFeedback`'s."""
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport,
                  inner_optimizer: Optimizer | None = None, layout: Fragments | None = None,

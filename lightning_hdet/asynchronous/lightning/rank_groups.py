@@ -1,5 +1,7 @@
-"""The strategy's side of workers of several ranks (the exchange's is :mod:`~..exchange.ranks`): each worker's two
-process groups, DDP (or FSDP2) over its ranks, and its ranks stopping together at the end of a round."""
+"""The strategy's DDP base while the workers train apart: collectives answered locally (the workers are at different
+step counts, so Lightning's per-step collectives could not meet), and workers of several ranks (the exchange's side
+is :mod:`~..exchange.ranks`): each worker's two process groups, DDP (or FSDP2) over its ranks, and its ranks stopping
+together at the end of a round."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -19,9 +23,44 @@ from lightning_hdet._process_groups import destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange
 from lightning_hdet.asynchronous.exchange.ranks import WorkerRanks, check_ranks_per_worker
 from lightning_hdet.asynchronous.exchange.worker_shards import shard_worker
-from lightning_hdet.asynchronous.lightning.collectives import LocalCollectivesStrategy
 
 log = logging.getLogger(__name__)
+
+
+class LocalCollectivesStrategy(DDPStrategy):
+    """DDPStrategy with local collectives while :attr:`training_apart` (set by the subclass); rank 0 decides."""
+
+    training_apart = False
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """1 while workers train apart, so Lightning's loops issue no collectives."""
+        return 1 if self.training_apart else super().world_size
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self.training_apart:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if self.training_apart else super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        return tensor if self.training_apart else super().reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor if self.training_apart else super().all_gather(tensor, group, sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """While training apart only rank 0 decides; its stop reaches the workers through the exchange."""
+        if self.training_apart:
+            return bool(decision) and self.is_global_zero
+        return super().reduce_boolean_decision(decision, all)
 
 
 class RankGroups(LocalCollectivesStrategy):

@@ -1,9 +1,5 @@
-"""Asynchronous Local-SGD and DiLoCo for Lightning: the glue between Lightning's hooks and the exchange.
-
-Each process runs a worker (:mod:`.worker`); rank 0 also holds the outer state (:mod:`.outer`) and its server
-(:mod:`.server`), wired by :mod:`.exchange` over :mod:`.transport`. Rank 0 alone validates (with the global model),
-decides (early stopping, best checkpoints) and writes checkpoints. See ``docs/async.md``, "How it is built".
-"""
+"""Asynchronous Local-SGD and DiLoCo for Lightning: the glue between Lightning's hooks and the exchange
+(``docs/async.md``, "How it is built"). Rank 0 alone validates, decides and writes checkpoints."""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -22,6 +24,7 @@ from lightning_hdet._checks import KnownArguments, check_int, check_number, requ
 DISCARDED_BY_WORKER = "discarded by the worker (its local steps went non-finite)"
 
 
+@dataclass(eq=True)
 class PushCheck(KnownArguments):
     """The checks on arriving pushes (``check_pushes=PushCheck(...)``) and the recent accepted norms they compare
     with (each run holds a :meth:`fresh` copy).
@@ -33,36 +36,28 @@ class PushCheck(KnownArguments):
         min_history: accepted pushes (overall, of the same part) before the norm rule applies.
     """
 
-    MAX_NORM_RATIO = 10.0
-    MAX_REJECTIONS = 3
+    MAX_NORM_RATIO: ClassVar[float] = 10.0
+    MAX_REJECTIONS: ClassVar[int] = 3
+    max_norm_ratio: float = MAX_NORM_RATIO
+    max_rejections: int = MAX_REJECTIONS
+    window: int = 32
+    min_history: int = 4
+    _all: dict[int, deque[float]] = field(default_factory=dict, init=False, repr=False, compare=False)  # by part
+    _own: dict[tuple[int, int], deque[float]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def __init__(self, max_norm_ratio: float = MAX_NORM_RATIO, max_rejections: int = MAX_REJECTIONS,
-                 window: int = 32, min_history: int = 4) -> None:
-        check_number("max_norm_ratio", max_norm_ratio, low=1, low_open=True,
+    def __post_init__(self) -> None:
+        check_number("max_norm_ratio", self.max_norm_ratio, low=1, low_open=True,
                      hint="A push is refused when its norm exceeds this multiple of the recent median.")
-        check_int("max_rejections", max_rejections, minimum=1,
+        check_int("max_rejections", self.max_rejections, minimum=1,
                   hint="A worker whose pushes are rejected this many times in a row stops.")
-        check_int("window", window, minimum=1)
-        check_int("min_history", min_history, minimum=1)
-        self.max_norm_ratio, self.max_rejections = max_norm_ratio, max_rejections
-        self.window, self.min_history = window, min_history
-        self._all: dict[int, deque[float]] = {}  # by part
-        self._own: dict[tuple[int, int], deque[float]] = {}  # by (worker, part)
+        check_int("window", self.window, minimum=1)
+        check_int("min_history", self.min_history, minimum=1)
 
     def numbers(self) -> dict[str, float]:
-        return {"max_norm_ratio": self.max_norm_ratio, "max_rejections": self.max_rejections, "window": self.window,
-                "min_history": self.min_history}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     def fresh(self) -> PushCheck:
-        return PushCheck(**self.numbers())  # type: ignore[arg-type]
-
-    def __repr__(self) -> str:
-        return f"PushCheck({', '.join(f'{k}={v!r}' for k, v in self.numbers().items())})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PushCheck) and self.numbers() == other.numbers()
-
-    __hash__ = None  # type: ignore[assignment]
+        return replace(self)  # the same options, no history
 
     def limit(self, worker: int, part: int = -1) -> float:
         """The largest norm ``worker``'s next push of ``part`` may have (``inf`` until the rule applies); a

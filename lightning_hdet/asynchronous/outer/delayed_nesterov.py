@@ -21,12 +21,9 @@ from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 
 
 class DelayedNesterovOptimizer(KnownArguments, Optimizer):
-    """Delayed Nesterov as a ``torch.optim.Optimizer`` (what :class:`DelayedNesterov` and :class:`Nesterov` build).
-
-    ``param.grad`` holds one push's pseudo-gradient ``g``. Per :meth:`step`: ``delta += g``; on the ``N``-th push
-    ``m = momentum * m + delta / N`` and ``theta -= lr * ((1 - c*N + c) * momentum * m + g / N)``, then ``delta =
-    0``; otherwise ``theta -= lr * (c * momentum * m + g / N)``. With ``c = 0`` no ``delta`` is kept (each push goes
-    into the momentum as it arrives). ``momentum_warmup`` / ``momentum_restart``: :class:`MomentumSchedule`'s.
+    """Delayed Nesterov as a ``torch.optim.Optimizer`` (what :class:`DelayedNesterov` and :class:`Nesterov` build):
+    per push ``g`` (``param.grad``), ``delta += g``; on the ``N``-th ``m = momentum * m + delta / N`` and ``theta -= lr
+    * ((1 - c*N + c) * momentum * m + g / N)``, ``delta = 0``; otherwise ``theta -= lr * (c * momentum * m + g / N)``.
     """
 
     def __init__(
@@ -146,10 +143,8 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
         state["pushes"], state["updates"] = pushes, updates
 
 
-def validate_outer_hyperparameters(
-    lr: float, momentum: float, buffer_size: int, momentum_activation: float
-) -> None:
-    """Refuse an outer-optimizer hyperparameter out of range, naming it."""
+def validate_outer_hyperparameters(lr: float, momentum: float, buffer_size: int, momentum_activation: float) -> None:
+    """Refuse an outer-optimizer hyperparameter out of range, naming it (a non-number as such first)."""
     for name, value in (("lr", lr), ("momentum", momentum), ("momentum_activation", momentum_activation)):
         check_number(name, value)
     check_number("lr", lr, low=0, low_open=True, hint="The outer lr: 0.7 is DiLoCo's; see docs/async.md.")

@@ -338,14 +338,9 @@ def _unpack(packed: Tensor, bits: int, count: int) -> Tensor:
 
 
 class ErrorFeedback:
-    """A worker's codec with error feedback: each push sends ``codec(g + decay * residual)`` and keeps
-    ``residual = sent - decoded`` (none for a raw codec). ``decay < 1`` is SparseLoCo's accumulator.
-
-    Args:
-        codec: the whole push's codec, bound to the whole model (:meth:`Codec.bind`).
-        enabled: False sends ``codec(g)`` and keeps no residual.
-        decay: ``beta`` in [0, 1], the residual's weight in the next push (1: plain error feedback).
-    """
+    """A worker's ``codec`` (bound to the whole model) with error feedback: each push sends ``codec(g + decay *
+    residual)`` and keeps ``residual = sent - decoded`` (none for a raw codec, or unless ``enabled``); ``decay < 1``
+    is SparseLoCo's accumulator."""
 
     def __init__(self, codec: Codec, enabled: bool = True, decay: float = 1.0) -> None:
         check_number("error_decay", decay, 0.0, 1.0)

@@ -1,10 +1,6 @@
 """Every worker and rank 0's server in one process: the exchange's real messages, in wire order, copied through
-queues (no process group), so one process runs whole rounds (each worker in its own thread where it would block).
-
-    network = MemoryTransport()
-    exchanges = [Exchange(module, cpu, (), W, 60, outer=outer if w == 0 else None,
-                          ranks=WorkerRanks(W, 1, w), transport=network) for w, module in enumerate(modules)]
-"""
+queues (no process group), so one process runs whole rounds (each worker in its own thread where it would block):
+``Exchange(..., transport=MemoryTransport())`` for every worker, ``outer=`` on worker 0's."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The transport a strategy is given (``transport=...``), where another engine's goes: a picklable factory that,
 once the strategy's groups exist, builds rank 0's :class:`~.transport.ServerTransport` and each remote worker's
-:class:`~.transport.WorkerTransport` (:class:`PointToPoint`, the default; :class:`~.memory.MemoryTransport`;
-:class:`~lightning_hdet.testing.SlowLink`). An end over another engine implements ``push`` / ``pull`` and
-``receive`` / ``reply`` on its own point-to-point calls, reusing :func:`~.transport.send_push` and friends for the
-byte order. Every tensor an end sees is on the host, so an end never syncs a device.
-"""
+:class:`~.transport.WorkerTransport`, reusing :func:`~.transport.send_push` and friends for the byte order. Every
+tensor an end sees is on the host, so an end never syncs a device."""
 
 from __future__ import annotations
 
