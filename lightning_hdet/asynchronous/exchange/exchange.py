@@ -107,8 +107,7 @@ class Exchange:
         return outer
 
     def leave(self, stop_everyone: bool) -> None:
-        """Push any unfinished round and leave; rank 0 (``stop_everyone``: e.g. EarlyStopping) then waits for every
-        worker and writes the global model into its module."""
+        """Push any unfinished round and leave; rank 0 waits for every worker and writes the global model."""
         if self.outer is not None and stop_everyone and not self.worker.stopped:
             self.outer.request_stop()
         self.worker.exchange(Kind.BYE)
@@ -118,8 +117,7 @@ class Exchange:
                 self.write_global_model()
 
     def share_global_model(self, group: Any) -> None:
-        """FSDP2 inside workers, after every rank left: rank 0 broadcasts the global model over ``group`` and every
-        rank writes its shards of it."""
+        """FSDP2 inside, after every rank left: rank 0 broadcasts the global model; each writes its shards."""
         flat, n = self.worker.pulled, self.worker.n_params
         if self.outer is not None:
             with self.outer.model_lock:

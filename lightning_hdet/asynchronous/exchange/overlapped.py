@@ -105,8 +105,7 @@ class OverlapWorker(Worker):
         return self.since_merge >= self.round_steps - self.overlap
 
     def exchange(self, kind: Kind) -> None:
-        """``HELLO``: as a blocking worker. ``PUSH``: send, or merge. ``BYE``: merge any exchange in flight, then push
-        what was not pushed yet and leave."""
+        """``HELLO`` as blocking; ``PUSH``: send, or merge; ``BYE``: merge, push what is left and leave."""
         if kind == Kind.HELLO:
             super().exchange(kind)
             self._next_round()
@@ -188,8 +187,7 @@ class OverlapWorker(Worker):
         self.round_start = time.perf_counter()
 
     def _combine(self, reply: ServerHeader, start: int, values: Tensor) -> None:
-        """Rank 0: merge one piece of the global model into the module (``θ_at_send`` read from ``pulled``, which
-        then holds the global model)."""
+        """Rank 0: merge one piece of the global model; ``pulled`` then holds it (the next reference)."""
         end = start + values.numel()
         pieces, kept = flat_pieces(model_state(self.module), start, end), self.pulled[start:end]
         if self._carry and reply.rejected == 0:
@@ -207,8 +205,7 @@ class OverlapWorker(Worker):
             yield self._encode(codec, gradient, fragment.start)
 
     def _keep_sent(self, part: int) -> Iterator[Tensor]:
-        """Rank 0's push; each fragment of ``pulled`` then holds ``θ_at_send`` (written once its message was sent:
-        the message may be a view of it)."""
+        """Rank 0's push; ``pulled`` then holds ``θ_at_send`` (written after each message: it may be a view)."""
         params = list(self.module.parameters())
         for fragment, codec in self._fragments(part):
             local = read_into(flat_pieces(params, fragment.start, fragment.end), self.fragment[: fragment.numel],

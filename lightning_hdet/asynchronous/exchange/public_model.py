@@ -1,13 +1,10 @@
 """Pulls that send only what changed (pure): rank 0's *public model* ``P`` and its log of compressed changes.
 
-With a delta pull codec the workers train from ``P``, which follows the global model ``G``: after a batch moved
-``G``, rank 0 logs ``D = codec(G - P)`` and adds ``decode(D)`` to ``P``; a worker at version ``u`` gets the changes
-after ``u`` and adds them, oldest first, so both ends hold ``P`` bit for bit. What a change left out stays in ``G -
-P`` (pull-side error feedback, as DoubleSqueeze, arXiv 1905.05957); ``G`` is never rounded. Under SparseLoCo a
-change is the round's pushes forwarded (:mod:`~..outer.sparseloco`) and ``P`` equals ``G``.
-
-A worker with no version, or one older than the log, gets ``P`` in ``float32`` (a *dense* pull, counted). The log
-keeps what some remote worker lacks, at most ``max_log_bytes`` (default: one ``float32`` model).
+With a delta pull codec the workers train from ``P``: after a batch moved the global model ``G``, rank 0 logs ``D =
+codec(G - P)`` and adds ``decode(D)`` to ``P``; a worker at version ``u`` gets the changes after ``u`` and adds them,
+oldest first, so both hold ``P`` bit for bit; what a change left out stays in ``G - P`` (pull-side error feedback,
+as DoubleSqueeze). ``G`` is never rounded. A worker with no version, or one older than the log (at most
+``max_log_bytes``, default one float32 model), gets ``P`` in ``float32`` (a counted *dense* pull).
 """
 
 from __future__ import annotations
@@ -70,8 +67,7 @@ class PublicModel:
         self._trim()
 
     def reply(self, worker: int) -> tuple[int, list[Tensor]]:
-        """What ``worker``'s pull carries now: ``(n, messages)``, the ``n`` changes it lacks, or ``(-1, P's
-        fragments)`` (dense); it then holds the current version."""
+        """What ``worker``'s pull carries: ``(n, changes)``, or ``(-1, P's fragments)`` (dense)."""
         held = self._held.get(worker)
         self._held[worker] = self.version
         oldest = self._log[0][0] if self._log else self.version + 1

@@ -40,8 +40,7 @@ def check_ranks_per_worker(ranks_per_worker: int, world_size: int | None = None)
 
 @dataclass(frozen=True)
 class WorkerRanks:
-    """``world_size`` ranks in workers of ``ranks_per_worker`` consecutive ranks (a node's, under torchrun or
-    SLURM), seen from ``rank``."""
+    """``world_size`` ranks in workers of ``ranks_per_worker`` consecutive ranks, seen from ``rank``."""
 
     world_size: int
     ranks_per_worker: int

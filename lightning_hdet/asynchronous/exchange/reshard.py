@@ -22,8 +22,7 @@ def shard_rows(n: int, shards: int, index: int) -> tuple[int, int]:
 
 
 def reshard_entry(values: Sequence[Any], shards: int, index: int) -> Any:
-    """Shard ``index`` of one state entry from its ``k_old`` shards ``values`` (a scalar, e.g. Adam's ``step``: shard
-    0's)."""
+    """Shard ``index`` of one state entry from its old shards ``values`` (a scalar: shard 0's)."""
     if not (isinstance(values[0], Tensor) and values[0].dim() > 0):
         return values[0]
     if any(not isinstance(v, Tensor) or v.shape[1:] != values[0].shape[1:] for v in values):

@@ -1,10 +1,7 @@
 """Rank 0's exchange service on two threads: the *receiver* applies remote pushes fragment by fragment as they
-arrive (rank 0's own worker does so from its training thread) and queues them; the *server* closes batches by the
-step policy and replies to every waiting worker.
-
-Every worker of a batch restarts from the same version: from a batch's close until its last reply is sent, a new
-push waits before it is applied (the *reply gate*); else a fast worker replied to first could have its next round
-applied before a slower worker of the same batch was sent the model.
+arrive (rank 0's own worker does so from its training thread); the *server* closes batches by the step policy and
+replies. Every worker of a batch restarts from one version: until a batch's replies are sent, a new push waits
+before it is applied (the *reply gate*), else a fast worker's next round could be applied before a slow one's reply.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ _STOP: Push = object()  # type: ignore[assignment]
 
 
 class Server:
-    """The outer optimizer's service for ``workers`` workers: worker 0 in this process, the others over ``remote``;
-    ``layout`` defaults to ``outer``'s fragments, uncompressed."""
+    """The outer optimizer's service: worker 0 in this process, the others over ``remote``."""
 
     def __init__(self, outer: OuterState, workers: int, remote: ServerTransport | None, timeout: float,
                  layout: Fragments | None = None) -> None:
@@ -76,8 +72,7 @@ class Server:
         return any(t.is_alive() for t in self._threads)
 
     def stop(self, timeout: float) -> None:
-        """End both threads early (the fit failed), waiting up to ``timeout`` seconds for each (a receiver blocked in
-        its transport returns only once the transport fails)."""
+        """End both threads early (the fit failed); a receiver blocked in its transport waits for it to fail."""
         if self.error is None:
             self.error = RuntimeError("the server was stopped")
         self.inbox.put(_STOP)
@@ -115,8 +110,7 @@ class Server:
 
     def read_model(self, worker: int, into: Tensor, combine: Callable[[int, Tensor], None] | None = None,
                    part: int = -1) -> int:
-        """Rank 0's own pull: the global model (as a pull leaves it) into ``into``, or piece by piece to ``combine``;
-        returns the version."""
+        """Rank 0's own pull into ``into`` (or piece by piece to ``combine``); returns the version."""
         n = self.layout.numel
         with self.outer.model_lock:
             # the public model itself with a delta codec: rank 0's worker trains from what the others hold
@@ -208,8 +202,7 @@ class Server:
         return push
 
     def _collect(self, active: int) -> list[Push]:
-        """One batch: the first push, then those within the policy's window (closed early once every active worker
-        is in it)."""
+        """One batch: the first push, then those within the policy's window (or until all are in)."""
         batch = [self._next(self.timeout)]
         window = self.outer.step_policy.batch_window
         deadline = None if window is None else time.monotonic() + window

@@ -167,16 +167,14 @@ class Worker:
                 group["lr"] = lr
 
     def spare_buffer(self) -> Tensor | None:
-        """``theta_pulled`` once no longer needed (stopped, nothing to push), for rank 0 to hold its own model in
-        while it validates; ``None`` while needed."""
+        """``theta_pulled`` once not needed (stopped, nothing to push), for rank 0's own model; else ``None``."""
         if not self.stopped or self.steps_in_round:
             return None
         self.pulled_lent = True
         return self.pulled
 
     def swap_pulled(self) -> None:
-        """Exchange the model with ``theta_pulled`` (and back, called again), one fragment at a time: no model-sized
-        copy."""
+        """Swap the model and ``theta_pulled`` (again: back), a fragment at a time: no model-sized copy."""
         tensors, total = model_state(self.module), self.pulled.numel()
         size = self.fragment.numel()
         for start in range(0, total, size):

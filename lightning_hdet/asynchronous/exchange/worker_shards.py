@@ -135,8 +135,7 @@ def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Te
 
 
 class ShardedWorker(Worker):
-    """A :class:`~.worker.Worker` sharded with FSDP2 over ``group`` (its finite check's all-reduce); every rank
-    runs it, only the ``leader``'s transport sends."""
+    """A :class:`~.worker.Worker` sharded with FSDP2 over ``group``; only the ``leader`` sends."""
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport, *args: Any,
                  group: Any = None, leader: bool = True, **kwargs: Any) -> None:
@@ -194,8 +193,7 @@ def local_state(obj: Any) -> Any:
 
 
 def sharded_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
-    """A :func:`local_state` of an optimizer's state dict made loadable again (DTensors on the parameters' meshes);
-    a tensor of another shard's shape is refused."""
+    """A :func:`local_state` made loadable again; a tensor of another shard's shape is refused."""
     params = {i: p for group, mine in zip(saved["param_groups"], optimizer.param_groups)
               for i, p in zip(group["params"], mine["params"])}
 

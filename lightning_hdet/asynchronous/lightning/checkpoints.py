@@ -1,16 +1,12 @@
 """The strategy's checkpoint files: rank 0 writes the Lightning checkpoint with the outer state; every worker writes
-its own inner optimizer state and error-feedback residual beside it (:func:`worker_file`), so inner states never
-travel to rank 0 (unless ``checkpoint_inner_states``).
+its own inner optimizer state and error-feedback residual beside it (:func:`worker_file`; FSDP2 inside: each rank its
+shard, resharded on a resume with another ``ranks_per_worker``).
 
-While the workers train apart rank 0 alone decides (best, last, periodic). Each checkpoint it writes is a numbered
-*request*: its snapshot records, per worker, how many of its exchanges the model holds; every later reply carries the
-number, and the request (path, exchanges) waits in the default group's store (:class:`CheckpointRequests`). At its
-next reply a worker writes its file from its state then or from the host copy it kept of its latest exchange,
-whichever the checkpoint's model holds (DiLoCo: the round boundary); removals travel the same way, and requests no
-reply announced are followed when every rank meets at the end. A state not kept is said so in the file and the log.
-Outside training every worker's leader writes its state then. With FSDP2 inside, each rank writes its own shard, and
-a resume with another ``ranks_per_worker`` reshards (:func:`~..exchange.reshard.reshard_optimizer_state`).
-"""
+While the workers train apart rank 0 alone decides. Each checkpoint it writes is a numbered *request* in the default
+group's store (:class:`CheckpointRequests`): its snapshot records each worker's exchanges the model holds, and every
+later reply carries the number; at its next reply (or when all ranks meet at the end) a worker writes its file from
+its state then or the copy it kept of its latest exchange, whichever the model holds (DiLoCo: the round boundary), or
+a file that says the state was not kept. Removals travel the same way."""
 
 from __future__ import annotations
 
@@ -55,8 +51,7 @@ class CheckpointRequests:
         return f"lightning_hdet/async/fit{self.fit}/checkpoint{number}"
 
     def post(self, number: int, op: str, path: Any = None, exchanges: Mapping[int, int] | None = None) -> None:
-        """Request ``number``: ``op`` ``"save"`` (with each worker's state as of its ``exchanges[w]``-th exchange),
-        ``"remove"`` or ``"none"``."""
+        """Request ``number``: ``"save"`` (as of ``exchanges[w]``), ``"remove"`` or ``"none"`` for ``path``."""
         value = {"op": op, "path": None if path is None else str(path),
                  "exchanges": {str(w): int(c) for w, c in (exchanges or {}).items()}}
         self.store.set(self._key(number), json.dumps(value))
@@ -129,8 +124,7 @@ class WorkerCheckpoints(RankGroups):
         return own
 
     def follow_checkpoints(self, store: Any, keep: bool) -> None:
-        """Training apart starts: follow rank 0's requests through ``store``; ``keep``: hold a host copy of this
-        worker's state as of each exchange (a checkpoint callback may ask for it)."""
+        """Follow rank 0's requests through ``store``; ``keep``: copy this worker's state at each exchange."""
         self._fits += 1  # every rank runs the same entries: one number per fit keeps their requests apart
         self._requests = CheckpointRequests(store, self._fits)
         self._followed, self._kept = 0, None
@@ -147,8 +141,7 @@ class WorkerCheckpoints(RankGroups):
             self._kept = (worker.exchanges, state_to_bytes(self._own_state()))
 
     def finish_checkpoints(self, groups: tuple[Any, Any] | None) -> None:
-        """Every worker left: follow rank 0's requests made after this worker's last reply (rank 0 broadcasts how
-        many), with its state as of its leaving push; then no more."""
+        """Every worker left: follow the requests made after this worker's last reply; then no more."""
         outer = self._exchange.outer if self._exchange is not None else None
         count = torch.tensor([outer.counts.requests if outer is not None else 0], dtype=torch.int64)
         dist.broadcast(count, src=0, group=groups[1] if groups is not None else None)

@@ -65,8 +65,7 @@ class ExchangeReadouts:
 
     @property
     def budget_done(self) -> float | None:
-        """The share of the shared inner-step budget the workers have done (rank 0 with a budget; ``None``
-        elsewhere): what ends the run, rather than this worker's own steps."""
+        """The share of the job's inner-step budget done (rank 0 with a budget; else ``None``)."""
         outer = self._outer
         return outer.steps_done / outer.budget if outer is not None and outer.budget else None
 

@@ -27,8 +27,7 @@ def ddp_arguments(kwargs: Mapping[str, Any]) -> list[str]:
 
 
 def check_names_of(cls: type, kwargs: Mapping[str, Any], ranks_per_worker: Any) -> None:
-    """Refuse a name that is not the strategy's, DDPStrategy's or, in workers of several ranks (only there does DDP
-    wrap the model), DistributedDataParallel's."""
+    """Refuse a name not the strategy's, DDPStrategy's or (several ranks per worker) DDP's."""
     several = is_int(ranks_per_worker) and ranks_per_worker > 1
     hint = "" if several or not set(kwargs) & set(DDP_OPTIONS) else (
         "With `ranks_per_worker=1` no DistributedDataParallel wraps the model, so its options do nothing; they apply"

@@ -63,27 +63,22 @@ Mode = Literal["async", "sync"]
 
 
 class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
-    """Asynchronous Local-SGD for devices of unequal speed, and synchronous DiLoCo (``mode="sync"``).
-
-    Gradients are never all-reduced across workers: each worker runs the user's optimizer and schedulers locally
-    for a round of local steps, then exchanges its pseudo-gradient with the outer optimizer on rank 0. A worker is
-    one rank, or ``ranks_per_worker`` consecutive ranks training as DDP (or FSDP2) inside (e.g. one worker per node).
-    ``Trainer(max_steps=S)`` is a sample budget: inner steps summed over all workers equal ``workers * S``, i.e.
-    ``world_size * S`` batches (fast workers do more of them).
+    """Asynchronous Local-SGD for devices of unequal speed, and synchronous DiLoCo (``mode="sync"``): each worker (a
+    rank, or several training as DDP or FSDP2 inside) runs the user's optimizer for a round of local steps, then
+    exchanges its pseudo-gradient with the outer optimizer on rank 0. ``Trainer(max_steps=S)`` is a sample budget:
+    ``workers * S`` inner steps in all (fast workers do more of them).
 
     Args (every default and allowed value: ``docs/configuration.md``):
         local_steps: ``H``, inner steps per round: in async mode the fastest worker's, slower ones proportionally
             fewer, as ``AdaptiveSteps(start=H)``; pass ``AdaptiveSteps(start, min, grace_period, smoothing)`` to
             change how (``min=start``: fixed rounds).
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
-        outer: the outer optimizer: ``DelayedNesterov(...)``, ``Nesterov(...)``, ``SparseLoCo(...)``, or a preset
-            that builds one (``"stable"``, the default, ``"published"``, ``"robust"``, ``"sparseloco"``). What it
-            says is what runs: its repr and :attr:`config` show every number.
+        outer: ``DelayedNesterov(...)``, ``Nesterov(...)``, ``SparseLoCo(...)``, or a preset that builds one
+            (``"stable"``, the default, ``"published"``, ``"robust"``, ``"sparseloco"``); :attr:`config` shows it.
         compression: the pushes' codec: ``NoCodec()``, ``BF16()``, ``Int8()``, ``TopK(fraction, bits)``, or a
             preset (``"none"``, ``"bf16"``, ``"int8"``, ``"topk2"``, ``"topk4"``).
-        pull_compression: the pulls' codec: the global model (``"none"``, ``"bf16"``), its changes since the
-            worker's last pull (``"int8"``; rank 0 holds one model more), or with ``SparseLoCo`` its rounds' pushes
-            forwarded (``compression``'s TopK codec). See ``docs/async.md``, "Fewer bytes".
+        pull_compression: the pulls' codec: the global model (``"none"``, ``"bf16"``), its changes (``"int8"``), or
+            with ``SparseLoCo`` its rounds' pushes (``compression``'s TopK codec). See ``docs/async.md``.
         error_feedback: each worker adds what its codec lost to its next push (default: on with a lossy codec).
         check_pushes: ``True`` (``PushCheck()``), a ``PushCheck(max_norm_ratio, max_rejections)`` or ``False``: a
             bad push is discarded whole and its worker restarts from the global model.
@@ -134,8 +129,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     @property
     def config(self) -> dict[str, Any]:
-        """Every setting in force, the objects' numbers included, as recorded in the logger's run config under
-        ``async/...``."""
+        """Every setting in force, the objects' numbers included (the run config's ``async/...``)."""
         return {**self.outer_settings.numbers(), **codec_numbers("compression", self.compression),
                 **codec_numbers("pull_compression", self.pull_compression), "error_feedback": self.error_feedback,
                 "checkpoint_inner_states": self.checkpoint_inner_states, **self.worker_shape.numbers(),

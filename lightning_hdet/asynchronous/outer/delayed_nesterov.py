@@ -58,8 +58,7 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
         return loss
 
     def resize(self, size: int) -> bool:
-        """Set ``N`` to ``size`` in each group at a momentum-update boundary (a cycle's pushes were each applied with
-        ``1/N``); True if every group took it."""
+        """Set ``N`` in each group at a momentum-update boundary; True if every group took it."""
         check_int("size", size, minimum=1)
         done = True
         for group in self.param_groups:
@@ -209,8 +208,7 @@ class DelayedNesterov(OuterOptimizer):
 
 @dataclass(frozen=True)
 class Nesterov(OuterOptimizer):
-    """Nesterov momentum, DiLoCo's published outer step (arXiv 2311.08105: lr 0.7, momentum 0.9), no warm-up or
-    restarts; in async mode every push is a full Nesterov step."""
+    """DiLoCo's published Nesterov (lr 0.7, momentum 0.9), no schedule; async: each push a full step."""
 
     lr: float
     momentum: float = 0.9

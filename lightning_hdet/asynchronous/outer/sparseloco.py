@@ -1,13 +1,11 @@
 """SparseLoCo (Sarfi et al., arXiv 2508.15706), all in one file (pure): the object (:class:`SparseLoCo`), its outer
 step (:class:`SparseSyncStep`) and the round change its pulls forward (:class:`RoundCodec`, :class:`SparseRound`).
 
-Each worker pushes ``codec(g + beta * residual)`` in a sparse codec (the decayed error feedback stands in for the
-outer momentum); rank 0 moves ``G`` by ``-lr`` times the mean of the decoded pushes, no momentum. ``G``'s change is
-then exactly sparse, so a pull carries it exactly: a *round change* is the round's pushes forwarded as they are,
-one slot per worker, with the factor ``-lr / pushes``, decoded on rank 0 and every worker with the same float32
-operations in the same order: everyone holds ``G`` bit for bit. Why forward pushes rather than the union's values:
-at W = 4 a chunk's round costs 596 bytes forwarded (``topk2``), up to 1,536 as positions and float32 values. A
-worker's pull leaves out its own slot (:meth:`RoundCodec.around`) and fills it with the bytes it pushed.
+Workers push ``codec(g + beta * residual)`` in a sparse codec (the decayed error feedback stands in for momentum);
+rank 0 moves ``G`` by ``-lr`` times the mean of the pushes. That change is exactly sparse, so a pull forwards it: a
+*round change* is the pushes as they are, one slot per worker (cheaper than the union's float32 values: 596 bytes a
+chunk at W = 4 against up to 1,536), decoded everywhere with the same float32 operations in the same order, so every
+copy is ``G`` bit for bit. A worker's pull leaves out its own slot, which it fills with the bytes it pushed.
 """
 
 from __future__ import annotations

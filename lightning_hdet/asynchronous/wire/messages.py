@@ -1,13 +1,10 @@
 """The exchange's wire format, as code (pure). Model-sized vectors travel in fragments of at most
 :data:`FRAGMENT_BYTES` (:class:`Fragments`), so rank 0 applies each as it arrives.
 
-Worker -> server: a :class:`WorkerHeader`; if ``steps > 0``, the float buffers' values; if ``inner_state_bytes >
-0``, the serialized inner optimizer state; if ``steps > 0``, one message per fragment of ``part`` (the
-pseudo-gradient ``theta_pulled - theta_local`` in its codec).
-
-Server -> worker: a :class:`ServerHeader`; if ``next_local_steps > 0``, the global parameters of ``part`` in the
-pull codec, or (``deltas = n >= 0``) ``n`` changes of the public model, oldest first (:mod:`.public_model`); then
-the global buffers. Headers are ``float64``: step counts and seconds share one tensor exactly.
+Worker -> server: a :class:`WorkerHeader`; if ``steps > 0`` the float buffers' values; the serialized inner optimizer
+state if any; if ``steps > 0`` the pseudo-gradient's fragments of ``part``, each in its codec. Server -> worker: a
+:class:`ServerHeader`; unless it says stop, the global parameters of ``part`` in the pull codec or (``deltas = n``)
+the public model's last ``n`` changes (:mod:`~..exchange.public_model`), then the global buffers.
 """
 
 from __future__ import annotations
@@ -133,8 +130,7 @@ class Fragment:
 
 
 def _pieces(shape: torch.Size, max_values: int) -> list[torch.Size]:
-    """``shape`` in pieces of at most ``max_values``: row blocks (at least one row), or chunks of a flat tensor (a
-    multiple of the int8 chunk, so its scales are the whole tensor's)."""
+    """``shape`` in pieces of at most ``max_values``: row blocks, or chunks of a multiple of the int8 chunk."""
     n = shape.numel()
     if n <= max_values:
         return [shape]
@@ -165,8 +161,7 @@ def fragment_layout(shapes: Sequence[torch.Size], max_values: int) -> list[Fragm
 
 
 def stagger_parts(fragments: Sequence[Fragment], parts: int) -> list[range]:
-    """The fragments' indices in ``parts`` runs, each fragment in the part of equal stretches its middle value
-    falls in (Streaming DiLoCo's staggered parts); a part left empty is refused."""
+    """The fragments' indices in ``parts`` runs of about equal values (Streaming DiLoCo's parts)."""
     total = fragments[-1].end if fragments else 0
     owners = [min(parts - 1, (f.start + f.end) * parts // (2 * total)) for f in fragments]
     runs = [range(bisect.bisect_left(owners, p), bisect.bisect_right(owners, p)) for p in range(parts)]
@@ -235,8 +230,7 @@ class Fragments:
         return sum(self.pull_codecs[i].nbytes for i in self.indices(part))
 
     def skips_own(self, deltas: int, rejected: int) -> bool:
-        """Whether a reply's newest change leaves out the worker's slot: a forwarded round that holds its applied
-        push, whose bytes it has."""
+        """Whether a reply's newest change leaves out the worker's slot (a forwarded round holding its push)."""
         return bool(self.round_codecs) and deltas > 0 and rejected == 0
 
     def without_own(self, changes: list[Tensor], worker: int) -> list[Tensor]:
@@ -267,8 +261,7 @@ class Fragments:
         return (codec.encode(part) for codec, part in zip(self.codecs, self.split(flat)))
 
     def encode_pull(self, params: Tensor, buffer: Tensor, part: int = -1) -> Iterator[Tensor]:
-        """Each fragment of ``part`` of ``params`` in its pull codec: views (raw), or messages in ``buffer`` (reused:
-        send each before the next)."""
+        """Each fragment of ``params``'s ``part`` in its pull codec: views, or messages in ``buffer`` (reused)."""
         for codec, values in zip(self._pull_codecs(part), self.split(params, part)):
             yield values if codec.raw else codec.encode(values, buffer[: codec.nbytes])
 
@@ -287,8 +280,7 @@ class Fragments:
             yield self.fragments[i].start, values
 
     def decode(self, messages: Iterable[Tensor], out: Tensor, part: int = -1) -> Iterator[Tensor]:
-        """Each arriving message of ``part`` decoded into ``out`` (reused: consume each before the next); raw codecs
-        yield views. The receiver checks the count."""
+        """Each arriving message of ``part`` decoded into ``out`` (reused), or a view (raw codecs)."""
         for i, message in zip(self.indices(part), messages):
             codec = self.codecs[i]
             yield codec.decode(message, None if codec.raw else out[: codec.numel])

@@ -245,8 +245,7 @@ class InProcessTransport(WorkerTransport):
         self.accept(Push.of(self.worker, header, buffers, inner_state, self.gradient_bytes(header.part)), messages)
 
     def pull(self, into: Tensor, combine: Combine | None = None) -> ServerHeader:
-        """Wait for the reply, then copy the global model into ``into``, or hand it piece by piece to ``combine``
-        (an overlapping worker merges in place, :mod:`.overlapped`)."""
+        """Wait for the reply, then copy the global model into ``into`` (or piece by piece to ``combine``)."""
         header = self._replies.get(timeout=self.timeout)
         self.check()
         if header.next_local_steps > 0:
