@@ -11,9 +11,8 @@ from typing import Any, Optional
 
 @dataclass(frozen=True)
 class WorkerRecord:
-    """One worker (a rank, or an elastic session) as the outer side saw it: inner steps and rounds of its applied
-    pushes, pushes rejected (or discarded as non-finite) and their steps, payload bytes each way (after compression),
-    seconds computing and waiting summed over its rounds, and its speed."""
+    """One worker (a rank, or an elastic session) as the outer side saw it: its applied and rejected pushes and
+    steps, bytes each way, seconds computing and waiting, and speed."""
 
     steps: int
     rounds: int

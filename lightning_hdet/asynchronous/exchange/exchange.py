@@ -127,9 +127,8 @@ class Exchange:
         self.worker.write_pulled()
 
     def close(self) -> None:
-        """End this exchange on every path, before its groups are destroyed: stop rank 0's server threads (after a
-        failed fit), then drop every reference to the groups so their native threads end. The counts stay readable.
-        A receiver blocked on a remote push returns only once the peers' connections close (gloo cannot abort it)."""
+        """End this exchange on every path before its groups go: stop rank 0's server threads, drop every
+        reference to the groups (a receiver blocked in gloo returns once the peers close)."""
         if self.server is not None and self.server.running:
             self.server.stop(timeout=1.0)
         self.worker.transport.close()
@@ -150,9 +149,8 @@ class Exchange:
 
     @contextmanager
     def global_model(self, snapshot: Mapping[str, Any] | None = None) -> Iterator[None]:
-        """Rank 0: the module holds the global model (or ``snapshot``'s) inside the block. When it is the one rank 0's
-        worker pulled (DiLoCo between outer steps) the two are swapped; else the module's own waits in a host copy
-        (the pulled model's buffer once the worker was told to stop)."""
+        """Rank 0: the module holds the global model (or ``snapshot``'s) inside the block: swapped with the one
+        its worker pulled where equal (DiLoCo), else its own waits in a host copy."""
         if snapshot is None and self._pulled_is_global():
             self.worker.swap_pulled()
             try:

@@ -41,9 +41,8 @@ from lightning_hdet.asynchronous.wire.transport import InProcessTransport
 
 
 def overlap_this_round(overlap_steps: int, allocated: int, carried: int) -> int:
-    """How many of a round's ``allocated`` steps come after its push: at most the round, and few enough that the
-    push carries a step (``carried``: the previous round's overlapped steps; a push without steps reads as
-    discarded)."""
+    """How many of a round's ``allocated`` steps come after its push: at most the round, leaving the push a step
+    (``carried``: the previous round's overlapped steps)."""
     return max(0, min(overlap_steps, allocated, carried + allocated - 1))
 
 

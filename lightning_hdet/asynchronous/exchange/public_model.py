@@ -43,8 +43,7 @@ class PublicModel:
 
     @torch.no_grad()
     def publish(self, params: Tensor, source_version: int, change: list[Tensor] | None = None) -> None:
-        """Move ``P`` toward ``params`` (``G`` at ``source_version``) by one logged change (``change``: SparseLoCo's
-        round, else ``codec(G - P)``); while no worker holds a version, ``P`` becomes ``G``. Under the model lock."""
+        """Move ``P`` toward ``params`` by one logged change (``change``: SparseLoCo's round; else encoded)."""
         if source_version == self._source:
             return
         self._source = source_version

@@ -118,8 +118,7 @@ class LeaderTransport(WorkerTransport):
 
 
 class FollowerTransport(WorkerTransport):
-    """A non-leader rank's end: its push only reports its compute time; its pull receives the leader's broadcast.
-    ``gathers`` (FSDP2 inside): the push runs ``messages`` to its end, which takes its part in the leader's gathers."""
+    """A non-leader rank's end: it reports its compute time and receives the leader's broadcast."""
 
     def __init__(self, broadcast: Collective, max_reduce: Collective, gathers: bool = False) -> None:
         self.broadcast, self.max_reduce, self.gathers = broadcast, max_reduce, gathers
@@ -127,7 +126,7 @@ class FollowerTransport(WorkerTransport):
     def push(self, header: WorkerHeader, messages: Iterable[Tensor], buffers: Tensor | None,
              inner_state: Tensor | None) -> None:
         slowest(header, self.max_reduce)
-        if self.gathers:
+        if self.gathers:  # FSDP2: producing the messages is this rank's part in the leader's gathers
             for _ in messages:
                 pass
 

@@ -34,8 +34,7 @@ def reshard_entry(values: Sequence[Any], shards: int, index: int) -> Any:
 
 
 def reshard_optimizer_state(old: Sequence[dict[str, Any]], shards: int, index: int) -> dict[str, Any]:
-    """Shard ``index`` of ``shards`` of a worker's optimizer state dict from the ``k_old`` ranks' ``old`` (rank
-    order); param groups from ``old[0]``. The whole state is held for a moment."""
+    """Shard ``index`` of ``shards`` of a worker's optimizer state from its old ranks' ``old``."""
     if not old:
         raise ValueError("`old` must hold at least one shard's optimizer state")
     keys = [set(o["state"]) for o in old]

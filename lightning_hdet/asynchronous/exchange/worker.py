@@ -25,9 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    """A worker's round bookkeeping and exchange. ``inner_optimizer``: its state is sent with each exchange;
-    ``optimizer``: cleared after a rejected push; ``check_self``: a non-finite round is discarded (pushed without
-    steps); ``error_decay``: :class:`~..wire.codecs.ErrorFeedback`'s."""
+    """A worker's round bookkeeping and exchange (``optimizer``: cleared after a rejected push; ``check_self``: a
+    non-finite round is discarded, pushed without steps)."""
 
     def __init__(self, module: Module, device: torch.device, transport: WorkerTransport,
                  inner_optimizer: Optimizer | None = None, layout: Fragments | None = None,

@@ -64,8 +64,7 @@ def check_inside_worker(inside_worker: str, ranks_per_worker: int, checkpoint_in
 
 
 def shard_worker(module: Module, group: Any, device_type: str, policy: ShardingPolicy = None) -> None:
-    """Shard ``module`` with FSDP2 over ``group`` (``policy``'s units, then the root); ``training_step`` and
-    ``validation_step`` gather as ``forward`` does (Lightning calls them directly)."""
+    """Shard ``module`` with FSDP2 over ``group``; ``training_step``/``validation_step`` gather too."""
     shard(module, DeviceMesh.from_group(group, device_type), policy)
     for method in ("training_step", "validation_step"):
         register_fsdp_forward_method(module, method)
@@ -106,8 +105,7 @@ def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device
 
 
 def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Tensor]]:
-    """Each fragment's pieces of the full parameters, each parameter gathered once, in order (also the empty ones:
-    every rank calls the same gathers) and kept only while a fragment still reads it."""
+    """Each fragment's pieces of the full parameters, each gathered once, in order, by every rank."""
     gathered: dict[int, Tensor] = {}
     next_param, offset, offsets = 0, 0, []
     for p in params:
@@ -228,8 +226,7 @@ def state_from_flat(module: Module, params: Tensor, buffers: Tensor) -> dict[str
 @contextmanager
 def global_model_shards(module: Module, device: torch.device, outer: OuterState | None, group: Any,
                         src: int) -> Iterator[None]:
-    """Worker 0's ranks validate the global model together: inside the block each holds its rows, streamed from
-    rank ``src`` (``outer`` given) one parameter at a time; their own shards wait in a host copy."""
+    """Worker 0's ranks hold their rows of the global model inside the block (streamed from ``src``)."""
     params, buffers = list(module.parameters()), float_buffers(module)
     mine = [local(p.detach()) for p in params] + buffers
     saved = read_into(mine, host_buffer(numel(mine), device), device)

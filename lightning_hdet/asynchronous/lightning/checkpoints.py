@@ -41,8 +41,7 @@ def worker_file(filepath: Any, worker: int, shard: int | None = None) -> str:
 
 
 class CheckpointRequests:
-    """Rank 0's checkpoint writes and removals for the workers to follow, through a key-value ``store`` (``set``, a
-    waiting ``get``); ``fit`` keeps one fit's numbers apart from another's."""
+    """Rank 0's checkpoint writes and removals, numbered in a key-value ``store``, one ``fit`` apart."""
 
     def __init__(self, store: Any, fit: int) -> None:
         self.store, self.fit = store, fit
@@ -104,8 +103,7 @@ class WorkerCheckpoints(RankGroups):
             self.checkpoint_io.save_checkpoint(self._own_state(), own_file)
 
     def take_snapshot(self) -> dict[str, Any] | None:
-        """Rank 0 while training apart: one snapshot, the checkpoint's model and outer state both, numbered as a
-        request; ``None`` elsewhere. A snapshot taken and not saved is posted as nothing to do."""
+        """Rank 0 while training apart: one snapshot for the checkpoint's model and outer state, numbered."""
         previous, outer = self._outer_snapshot, self._exchange.outer if self._exchange is not None else None
         if previous is not None and "request" in previous and self._requests is not None:
             self._requests.post(previous["request"], "none")
@@ -167,8 +165,7 @@ class WorkerCheckpoints(RankGroups):
         self._followed = max(self._followed, upto)
 
     def _write_own(self, filepath: Any, exchange: int, now: int | None) -> None:
-        """Write this rank's file beside ``filepath`` with its state as of its ``exchange``-th exchange: now (``now``:
-        the exchange just done), the copy it kept, or else a file that says it was not kept."""
+        """Write this rank's file with its state as of its ``exchange``-th exchange, or say it was not kept."""
         own_file = self._own_file(filepath)
         if own_file is None:
             return
@@ -235,8 +232,7 @@ class WorkerCheckpoints(RankGroups):
         return state
 
     def _shard_resume(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any] | None:
-        """FSDP2 inside: this rank's shard of its worker's saved state: its own file if the worker had as many shards
-        then (``shard0`` says), else all the old shards resharded; ``None`` without any."""
+        """FSDP2 inside: this rank's saved shard, resharded if the worker had another ``k``; else ``None``."""
         ranks = self.worker_ranks
         k, j = ranks.ranks_per_worker, self.global_rank - ranks.leader
 

@@ -10,9 +10,8 @@ from lightning_hdet._compat import set_loop_max_steps
 
 
 class LoopLimits:
-    """``max_steps`` and ``limit_val_batches`` as the user set them, saved when a worker's ``fit`` starts and
-    restored when it ends or fails (the budget, not the loop, stops a worker, and non-validating ranks run with
-    ``limit_val_batches=0``; left in place after a failed fit, the next entry's ranks waited at a barrier)."""
+    """``max_steps`` and ``limit_val_batches`` as the user set them, lifted while a worker trains apart and
+    restored however ``fit`` ends (left lifted, the next entry's ranks waited at a barrier)."""
 
     def __init__(self) -> None:
         self._saved: Optional[tuple[int, Any]] = None

@@ -64,8 +64,7 @@ class LocalCollectivesStrategy(DDPStrategy):
 
 
 class RankGroups(LocalCollectivesStrategy):
-    """Workers of ``ranks_per_worker`` ranks: DDP (or FSDP2) over each worker's ranks only; the exchange hands
-    replies on over a second, ``gloo``, group of the same ranks. Settings are set by the subclass."""
+    """Workers of ``ranks_per_worker`` ranks: DDP (or FSDP2) over each, a ``gloo`` group to hand replies on."""
 
     ranks_per_worker = 1
     inside_worker = "ddp"
@@ -95,8 +94,7 @@ class RankGroups(LocalCollectivesStrategy):
         return WorkerRanks(self.num_nodes * self.num_processes, self.ranks_per_worker, self.global_rank)
 
     def wrap_worker_ddp(self) -> None:
-        """With several ranks per worker: create every worker's groups (every rank all of them, in order) and wrap
-        the model in DDP, or shard it with FSDP2, over this rank's worker."""
+        """Several ranks per worker: every worker's groups (each rank makes all), then DDP or FSDP2."""
         ranks = self.worker_ranks
         if ranks.ranks_per_worker == 1:
             return
@@ -142,8 +140,7 @@ class RankGroups(LocalCollectivesStrategy):
             return self.lightning_module.validation_step(*args, **kwargs)
 
     def stop_at_round_end(self, trainer: pl.Trainer) -> None:
-        """Rank 0 decided to stop (EarlyStopping, a Timer...): its worker's other ranks would wait for its gradients,
-        so the stop goes to the server and the worker's ranks stop together when its round ends."""
+        """Rank 0 decided to stop: its worker's ranks stop together at the round's end (via the server)."""
         exchange = self._exchange
         if (self.ranks_per_worker == 1 or not self.training_apart or not trainer.should_stop or exchange is None
                 or exchange.outer is None or exchange.worker.stopped):

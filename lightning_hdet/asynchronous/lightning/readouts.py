@@ -70,14 +70,12 @@ class ExchangeReadouts:
         return outer.steps_done / outer.budget if outer is not None and outer.budget else None
 
     def worker_stats(self) -> dict[int, dict[str, float]]:
-        """Per-worker progress as the outer optimizer saw it (rank 0 only; empty elsewhere): inner ``steps``,
-        completed ``rounds``, ``local_steps`` of the next round, ``steps_per_s``, ``staleness``."""
+        """Per-worker progress as the outer optimizer saw it (rank 0; empty elsewhere)."""
         return self._outer.worker_stats() if self._outer is not None else {}
 
     @property
     def result(self) -> AsyncResult | None:
-        """Rank 0, during and after ``fit``: what every worker did (its :meth:`~.result.AsyncResult.summary` is
-        printed at the end of ``fit``); ``None`` on the other ranks and before the first ``fit``."""
+        """Rank 0, during and after ``fit``: what every worker did (summary printed at the end); else ``None``."""
         return outer_result(self._outer, local_worker=0) if self._outer is not None else None  # rank 0's worker
 
     def _log_outer_metrics(self) -> None:
@@ -110,9 +108,8 @@ class ExchangeReadouts:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The global model's state. On rank 0 during training, pushes keep arriving: one snapshot of the outer
-        state is taken here and is both this state dict's source and the checkpoint's outer state (reused by
-        ``save_checkpoint``), so the two always hold the same global model."""
+        """The global model's state. On rank 0 while training, one outer-state snapshot is both this state dict's
+        source and the checkpoint's outer state, so the two always hold the same global model."""
         snapshot = self.take_snapshot()
         if self.shard_group is not None:
             return sharded_module_state(self.lightning_module, snapshot, self._outer, self.is_global_zero)

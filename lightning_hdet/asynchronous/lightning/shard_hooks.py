@@ -70,8 +70,7 @@ def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any]
 
 
 class ShardedWorkersLauncher(MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher, whose rank 0 hands the main process the outer state's global model instead
-    of the module's shards (the groups a gather needs have ended)."""
+    """Lightning's fork/spawn launcher, handing the main process the outer state's global model."""
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:

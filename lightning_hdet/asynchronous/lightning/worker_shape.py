@@ -18,16 +18,13 @@ class WorkerShape(KnownArguments):
     """How one worker trains and exchanges (``AsyncLocalSGDStrategy(worker=WorkerShape(...))``).
 
     Args:
-        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, DDP inside (the strategy's DDP
-            arguments apply there), and push once per round; a divisor of the world size leaving >= 2 workers.
+        ranks_per_worker: ``k`` consecutive ranks (e.g. a node's) train one worker, DDP inside, and push once per
+            round; a divisor of the world size leaving >= 2 workers.
         inside_worker: ``"ddp"`` (each rank holds the model) or ``"fsdp"`` (FSDP2 over the worker's ``k >= 2`` ranks).
         auto_wrap_policy: with ``"fsdp"``, the submodules that become FSDP2 units (as Lightning's ``FSDPStrategy``).
-        overlap_steps: ``τ``, inner steps a worker keeps taking while its exchange travels, then merged onto the
-            pulled model (0: blocking; ``1..local_steps / stagger - 1``; one-rank workers only).
-        stagger: DiLoCo only, with ``overlap_steps``: the model synchronised in ``F`` parts, one every
-            ``local_steps / F`` steps (Streaming DiLoCo; 1: all at once; not with ``SparseLoCo``).
-
-    See ``docs/async.md``, "Workers of several ranks" and "Overlapping the exchange with compute".
+        overlap_steps: ``τ``, inner steps taken while the exchange travels, then merged (0: blocking).
+        stagger: DiLoCo, with ``overlap_steps``: the model synchronised in ``F`` parts, one every ``local_steps /
+            F`` steps (Streaming DiLoCo). See ``docs/async.md``.
     """
 
     ranks_per_worker: int = 1
@@ -56,8 +53,7 @@ def refuse_shape_arguments(owner: str, given: Mapping[str, Any]) -> None:
 def check_exchange_options(settings: OuterSettings, compression: Any, error_feedback: bool | None,
                            pull_compression: Any, overlap_steps: int = 0,
                            ranks_per_worker: int = 1) -> tuple[Codec, Codec, bool]:
-    """Check the codecs, ``ranks_per_worker``, ``overlap_steps`` and ``stagger`` against the outer ``settings``;
-    returns the push and pull codecs and whether error feedback is in force."""
+    """Check the codecs and the worker's shape against ``settings``; the codecs, error feedback."""
     push, pull = codec_from(compression), codec_from(pull_compression, "pull_compression")
     settings.outer.check_codecs(push, pull)
     feedback = check_codecs(push, pull, error_feedback, settings.outer.forwards_rounds)

@@ -60,8 +60,7 @@ class PushCheck(KnownArguments):
         return replace(self)  # the same options, no history
 
     def limit(self, worker: int, part: int = -1) -> float:
-        """The largest norm ``worker``'s next push of ``part`` may have (``inf`` until the rule applies); a
-        whole-model push without history of its own is judged against the parts' medians added in squares."""
+        """The largest norm ``worker``'s next push of ``part`` may have (``inf`` until the rule applies)."""
         everyone = self._all.get(part, ())
         if len(everyone) >= self.min_history:
             reference = statistics.median(everyone)
@@ -83,8 +82,7 @@ class PushCheck(KnownArguments):
 
     def inspect(self, worker: int, fragments: Iterable[Tensor], ranges: Sequence[tuple[int, int]],
                 stage: Tensor | None, part: int = -1) -> tuple[str | None, list[Tensor], float]:
-        """Read every fragment (a stream is always consumed), check its form and norm and keep it (a view, or with
-        ``stage`` a copy: a stream reuses its buffers). Returns ``(reason, kept, norm)``, ``reason`` ``None`` if fine."""
+        """Read, check and keep every fragment (copied into ``stage`` if given); ``(reason, kept, norm)``."""
         reason, kept, squares = None, [], 0.0
         for index, fragment in enumerate(fragments):
             if reason is not None:

@@ -73,8 +73,7 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
         return self.resize(max(1, min(ceiling or live, live)))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Also loads a ``torch.optim.SGD(nesterov=True)`` state (DiLoCo's outer step before, ``N = 1``): its lr,
-        momentum and buffers are kept, the settings it lacks are this optimizer's, the others dropped."""
+        """Also loads a ``torch.optim.SGD(nesterov=True)`` state (DiLoCo's before; ``N = 1``)."""
         groups = [{**{k: v for k, v in own.items() if k != "params"},
                    **{k: v for k, v in saved.items() if k in own}}
                   for own, saved in zip(self.param_groups, state_dict["param_groups"])]
@@ -164,8 +163,7 @@ class DelayedNesterov(OuterOptimizer):
         warmup: momentum updates over which the momentum ramps up linearly from 0 (0: none).
         restarts: zero the momentum before every ``restarts``-th momentum update (0: never).
         buffer_size: async only: ``N``, pushes per momentum update; ``None``: the workers still training.
-        momentum_activation: async only: ``c`` in ``[0, 1/N]``, the share of the momentum step on each
-            intermediate push (0, as published).
+        momentum_activation: async only: ``c`` in ``[0, 1/N]``, the momentum step's share on other pushes.
     """
 
     lr: float
@@ -222,8 +220,7 @@ class Nesterov(OuterOptimizer):
 
 @dataclass(frozen=True)
 class MomentumSchedule:
-    """``beta`` for the k-th momentum update (k = 1, 2, ...; ramped up over ``warmup``) and whether the momentum
-    restarts before it (every ``restart``-th; 0: never)."""
+    """``beta`` for the k-th momentum update (ramped over ``warmup``); restart every ``restart``-th."""
 
     momentum: float
     warmup: int = 0

@@ -25,8 +25,7 @@ def smoothed_speed(previous: float | None, measured: float, smoothing: float) ->
 
 def dynamic_local_steps(speed: float | None, speeds: Mapping[int, float], local_steps: int, min_local_steps: int,
                         exchange: float = 0.0, exchanges: Mapping[int, float] | None = None) -> int:
-    """``max(min_local_steps, floor(speed * (T - exchange)))`` with ``T = min_u (local_steps / speeds[u] +
-    exchanges[u])`` (``exchanges``: seconds per exchange, 0 where missing); ``local_steps`` if speed is unknown."""
+    """``max(min, floor(speed * (T - exchange)))``, ``T`` the quickest cycle at ``H`` (``H`` if unknown)."""
     exchanges = exchanges or {}
     cycles = [local_steps / v + exchanges.get(u, 0.0) for u, v in speeds.items() if v > 0]
     if speed is None or speed <= 0 or not cycles:
@@ -35,8 +34,7 @@ def dynamic_local_steps(speed: float | None, speeds: Mapping[int, float], local_
 
 
 class LocalStepsPolicy(KnownArguments):
-    """Per-worker speeds and the next round's length (``dynamic=False``: always ``H``; ``smoothing``: the previous
-    speed's weight in the moving average, in [0, 1))."""
+    """Per-worker speeds and each next round's length (``dynamic=False``: always ``H``)."""
 
     def __init__(self, local_steps: int, min_local_steps: int = 1, dynamic: bool = True, smoothing: float = 0.5) -> None:
         validate_local_steps(local_steps, min_local_steps, smoothing)
@@ -84,14 +82,14 @@ def validate_local_steps(local_steps: int, min_local_steps: int, smoothing: floa
 
 @dataclass(frozen=True)
 class AdaptiveSteps(KnownArguments):
-    """Async mode's round lengths (``local_steps=AdaptiveSteps(...)``; an integer ``H`` is ``AdaptiveSteps(start=H)``):
-    dynamic local steps (DyLU), ``start`` steps for the fastest worker, fewer for slower ones (``min=start``: fixed).
+    """Async mode's round lengths (an integer ``local_steps=H`` is ``AdaptiveSteps(start=H)``): dynamic local steps
+    (DyLU), ``start`` steps for the fastest worker, fewer for slower ones.
 
     Args:
         start: ``H``, the fastest worker's round length.
-        min: the shortest round (``min=start``: fixed rounds, with a ``grace_period``).
+        min: the shortest round (``min=start``: fixed rounds).
         grace_period: pushes within this many seconds of a batch's first one are applied as one batch.
-        smoothing: the previous measurement's weight in each worker's steps/s moving average, in [0, 1).
+        smoothing: the previous value's weight in each worker's steps/s average, in [0, 1).
     """
 
     start: int = 50

@@ -33,8 +33,7 @@ class OuterPreset:
 
 
 def momentum_tail(momentum: float, restart: int) -> float:
-    """How far one push moves the model in all, in units of ``outer_lr`` times the push, at most: ``1 + beta + ... +
-    beta^restart`` (its Nesterov step and the momentum's echo until a restart), or ``1 / (1 - beta)`` without."""
+    """At most how far one push moves the model, in ``lr`` times the push: ``sum(beta**k, k <= restart)``."""
     if restart == 0:
         return 1.0 / (1.0 - momentum)
     return sum(momentum**k for k in range(restart + 1))

@@ -68,9 +68,8 @@ class OuterSettings(KnownArguments):
 
     def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None,
               ranges: list[tuple[int, int]] | None = None, parts: list[range] | None = None) -> OuterState:
-        """The outer state over the flat host tensors ``params`` and ``buffers`` (the global model's start): the
-        outer optimizer object's ``torch.optim.Optimizer`` and step policy. ``ranges``: the fragments pushes arrive
-        in (default: one); ``parts``: their indices by part, when staggered (:attr:`~.messages.Fragments.parts`)."""
+        """The outer state over the flat host ``params`` and ``buffers`` (the global model's start); ``ranges``:
+        the fragments pushes arrive in; ``parts``: their indices by part, when staggered."""
         params.requires_grad_(False)
         views = [params[s:e] for s, e in ranges or [(0, params.numel())]]  # leaves: params needs no grad
         outer, steps = self.outer, self.local_steps

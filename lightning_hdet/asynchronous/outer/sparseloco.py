@@ -35,8 +35,7 @@ def _padded(nbytes: int) -> int:
 
 
 class RoundCodec:
-    """One fragment's round change: the float32 factor ``-lr / pushes``, then one slot per worker holding its push
-    in ``codec`` (bound TopK) or zeros; it decodes to ``factor * (slot 0 + slot 1 + ...)``, slot by slot."""
+    """One fragment's round change: the factor ``-lr / pushes``, then each worker's push (or zeros)."""
 
     raw = False
 
@@ -102,8 +101,7 @@ class SparseRound:
 
 
 class SparseSyncStep(SyncStep):
-    """DiLoCo with SparseLoCo's update: the model moves by :class:`SparseRound`'s change, decoded as a pull decodes
-    it; no momentum. The decoded fragments it receives were only checked."""
+    """DiLoCo with SparseLoCo's update: the model moves by :class:`SparseRound`'s change; no momentum."""
 
     def __init__(self, lr: float) -> None:
         super().__init__()  # rounds of H steps: SparseLoCo.check refuses stagger

@@ -59,9 +59,8 @@ class WorkerStats:
 
 
 class StepPolicy:
-    """How a batch of pushes becomes outer updates, and how long a worker's next round is. ``mode``: ``"async"`` or
-    ``"sync"`` (in checkpoints); ``batch_window``: seconds after a batch's first push that later ones join it
-    (``None``: until every worker still training has pushed)."""
+    """How a batch of pushes becomes outer updates and how long a worker's next round is; ``batch_window``:
+    seconds after a batch's first push that later ones join it (``None``: until all have pushed)."""
 
     mode: str
     batch_window: float | None = None
@@ -85,8 +84,7 @@ class StepPolicy:
 
 
 class AsyncStep(StepPolicy):
-    """Asynchronous Local-SGD: every push is its own outer update, in arrival order; round lengths follow speeds;
-    pushes within ``grace_period`` seconds of a batch's first join it."""
+    """Async Local-SGD: each push its own outer update (``grace_period``: a batch's window)."""
 
     mode = "async"
 
@@ -108,8 +106,7 @@ class AsyncStep(StepPolicy):
 
 
 class SyncStep(StepPolicy):
-    """DiLoCo: one outer update with the mean of every worker's push; rounds of ``H / stagger`` steps, the last
-    shortened to meet the budget exactly (staggered, each fragment steps with the mean of the pushes carrying it)."""
+    """DiLoCo: one outer update with the mean of the pushes; rounds of ``H / stagger``, the last to the budget."""
 
     mode = "sync"
 
@@ -155,9 +152,8 @@ def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size:
 
 @dataclass
 class ExchangeCounts:
-    """For checkpoints (per run, not saved): each worker's exchanges the global model holds (async: on arrival;
-    DiLoCo: when their round closes) and rank 0's checkpoint requests, numbered under the model lock so a reply
-    sent before a snapshot does not carry its request and one sent after does."""
+    """For checkpoints (per run): each worker's exchanges the global model holds and rank 0's requests, numbered
+    under the model lock so only replies after a snapshot carry its request."""
 
     exchanges: dict[int, int] = field(default_factory=dict)
     requests: int = 0
@@ -174,9 +170,8 @@ class ExchangeCounts:
 
 @dataclass
 class OuterState:
-    """The outer optimizer's side. The global float buffers are the mean of each worker's latest pushed values.
-    :attr:`model_lock` guards the global model for a whole push, reply or snapshot (no reply mixes two versions);
-    :attr:`lock` the counters, taken after :attr:`model_lock`, never before."""
+    """The outer optimizer's side (buffers: the mean of each worker's latest). :attr:`model_lock` guards the
+    global model for a whole push, reply or snapshot; :attr:`lock`, the counters, is taken after it."""
 
     params: Tensor
     optimizer: Optimizer
@@ -296,8 +291,7 @@ class OuterState:
             return replies
 
     def follow_live(self, live: int) -> None:
-        """``live`` workers still train: Delayed Nesterov's ``N`` becomes ``min(buffer_size, live)`` at its next
-        momentum boundary (a larger ``N`` would shrink every push's step and make the momentum wait)."""
+        """``live`` workers train: Delayed Nesterov's ``N`` becomes ``min(buffer_size, live)`` at a boundary."""
         with self.model_lock, self.lock:
             self._live = live
             self._resize_buffer()

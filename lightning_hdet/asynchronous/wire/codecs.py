@@ -233,8 +233,7 @@ def check_codecs(push: Codec, pull: Codec, error_feedback: object, forwards_roun
 
 
 def row_layout(shapes: Sequence[torch.Size], chunk: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:
-    """``(offset, rows, row_length)`` segments covering the flat tensors of ``shapes``: ``shape[0]`` rows of a 2-D+
-    tensor, chunks of ``chunk`` values of a flat one (the last shorter, its own segment)."""
+    """``(offset, rows, row_length)`` over ``shapes``: ``shape[0]`` rows, or chunks of ``chunk`` values."""
     check_int("chunk", chunk, minimum=1)
     segments = []
     offset = 0
@@ -273,8 +272,7 @@ class SparseLayout:
                 message[self._positions : self._levels].view(torch.int16), message[self._levels :])
 
     def _groups(self) -> list[tuple[int, int, int, int, int]]:
-        """``(start, rows, length, k, offset)``: runs of equal chunks (all full ones, then the last) and where their
-        kept values start in the message, so each run is one batched top-k."""
+        """``(start, rows, length, k, offset)``: runs of equal chunks, each one batched top-k."""
         full = sum(1 for _, length in self.chunks if length == SPARSE_CHUNK)
         groups = [(0, full, SPARSE_CHUNK, self.keep[0], 0)] if full else []
         if full < len(self.chunks):
@@ -307,8 +305,7 @@ class SparseLayout:
 
     @torch.no_grad()
     def add_into(self, message: Tensor, out: Tensor) -> Tensor:
-        """Add the values ``message`` stands for to ``out`` (one float32 addition per kept value, so that the sum
-        of several messages is the same, bit for bit, wherever it is computed in the same order)."""
+        """Add ``message``'s values to ``out``: one float32 addition each, the same sum wherever computed."""
         scales, positions, packed = self._views(message)
         levels = _unpack(packed, self.bits, self.kept).to(torch.float32).sub_(self.half)
         for index, (start, rows, length, k, offset) in enumerate(self._groups()):

@@ -88,8 +88,7 @@ class ServerHeader(_Header):
 @dataclass
 class Push:
     """A worker's message as the server sees it once its header, buffers and inner state arrived (the fragments
-    stream; ``pseudo_gradient`` is set only where a whole push is held, e.g. :meth:`~.outer.OuterState.process`).
-    ``payload_bytes``: the encoded fragments and buffers as they travelled; ``rejected``: why it was refused."""
+    stream; ``pseudo_gradient`` only where a whole push is held)."""
 
     worker: int
     kind: Kind

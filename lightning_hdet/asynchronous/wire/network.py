@@ -20,8 +20,7 @@ from lightning_hdet.asynchronous.wire.transport import (
 
 @dataclass(frozen=True)
 class Link:
-    """What a :class:`Transport` builds an end from: the fragments and codecs, the float buffer values, the
-    strategy's two ``gloo`` groups (pushes, replies; ``()`` in one process) and the ranks per worker."""
+    """What a :class:`Transport` builds an end from (``groups``: the strategy's two, ``()`` in one process)."""
 
     layout: Fragments
     n_buffers: int
@@ -49,8 +48,7 @@ class Transport(ABC):
 
 
 class PointToPoint(Transport):
-    """The default: point to point to and from rank 0 over two ``gloo`` groups (pushes, replies: rank 0's receiving
-    and replying threads never share one), whatever the training backend."""
+    """The default: point to point over two ``gloo`` groups (pushes, replies), whatever the backend."""
 
     def server_end(self, link: Link) -> ServerTransport:
         return GlooServerTransport(*link.groups, link.layout, link.n_buffers, ranks_per_worker=link.ranks_per_worker)

@@ -61,8 +61,7 @@ class LimitedTransport(WorkerTransport):
 
 
 class LimitedLink(Transport):
-    """``inner``'s ends (default :class:`~.network.PointToPoint`), each worker's whose leader is in ``ranks``
-    (default: all but rank 0's) behind a :class:`LimitedTransport`."""
+    """``inner``'s ends, each worker's whose leader is in ``ranks`` (default: not rank 0's) slowed."""
 
     def __init__(self, bits_per_s: float, latency_s: float = 0.0, ranks: Sequence[int] | None = None,
                  inner: Transport | None = None) -> None:
