@@ -2,7 +2,8 @@
 examples/torchft_diloco.py's shape): each job reads its own stream of batches (its ``--job`` index), and writes
 its final parameters and read-outs to ``--out``.
 
-Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round ``R``; ``--nan-from-step S`` makes
+Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round ``R`` (``--freeze-in-round R``:
+SIGSTOPs it there, its heartbeats too); ``--nan-from-step S`` makes
 its loss NaN from step ``S`` on (its rounds are rejected until it leaves the run). ``--sync DIR``: once started,
 the job writes ``DIR/ready<job>`` and waits for ``DIR/go<job>`` before ``fit`` (so that the test starts the jobs
 together, or one later), and keeps its committed rounds in ``DIR/rounds<job>``. ``--checkpoint`` saves at every
@@ -71,8 +72,9 @@ class Job(pl.LightningModule):
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         step = self.trainer.global_step
         time.sleep(self.args.step_s)  # emulated compute: rounds long enough for faults to land inside one
-        if self.trainer.strategy.round == self.args.kill_in_round and step % self.args.local_steps == 5:
-            os.kill(os.getpid(), signal.SIGKILL)
+        for fault, sig in ((self.args.kill_in_round, signal.SIGKILL), (self.args.freeze_in_round, signal.SIGSTOP)):
+            if self.trainer.strategy.round == fault and step % self.args.local_steps == 5:
+                os.kill(os.getpid(), sig)
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         return loss * float("nan") if 0 <= self.args.nan_from_step <= step else loss
@@ -98,6 +100,7 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--kill-in-round", type=int, default=-1)
+    parser.add_argument("--freeze-in-round", type=int, default=-1)
     parser.add_argument("--max-rejections", type=int, default=3)
     parser.add_argument("--nan-from-step", type=int, default=-1)
     parser.add_argument("--step-s", type=float, default=0.0)
