@@ -183,7 +183,7 @@ def test_jobs_end_at_diloco_s_model_with_a_nan_job_left_out_of_every_round(tmp_p
     for job in (0, 1, 2):
         record, state = run.result(job)
         assert record == {"committed": 4, "discarded": 0, "rejected": 4 if job == 2 else 0, "healed": 0, "round": 4,
-                          "global_step": STEPS}
+                          "global_step": STEPS, "ddp": False}  # one rank: no DDP wrapper (nothing to reduce)
         assert_close(state, expected)
 
 
@@ -221,5 +221,5 @@ def test_jobs_of_two_ranks_train_ddp_inside_and_end_at_diloco_s_model(tmp_path):
     expected = diloco_by_hand([0, 1], 2)
     for job in (0, 1):
         record, state = run.result(job)
-        assert (record["round"], record["committed"], record["discarded"]) == (2, 2, 0)
+        assert (record["round"], record["committed"], record["discarded"], record["ddp"]) == (2, 2, 0, True)
         assert_close(state, expected)

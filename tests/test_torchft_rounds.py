@@ -179,3 +179,4 @@ def test_torchft_settings_and_the_strategy_refuse_what_would_not_run():
     assert (config["outer"], config["outer/lr"], config["outer/momentum"]) == ("Nesterov", 0.7, 0.9)
     assert (config["check_pushes/max_rejections"], config["local_steps"], config["torchft_min_replicas"]) == (5, 5, 2)
     assert TorchFTStrategy(ok, outer="published").outer_settings.outer == DelayedNesterov(lr=0.7, momentum=0.9)
+

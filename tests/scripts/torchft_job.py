@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_hdet.asynchronous.outer.checks import PushCheck
@@ -80,6 +81,7 @@ class Job(pl.LightningModule):
         return loss * float("nan") if 0 <= self.args.nan_from_step <= step else loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.ddp = isinstance(self.trainer.strategy.model, DistributedDataParallel)
         if self.args.sync is not None:
             (self.args.sync / f"rounds{self.args.job}").write_text(str(self.trainer.strategy.rounds_committed))
 
@@ -137,7 +139,8 @@ def main() -> None:
     torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, args.out.with_suffix(".pt"))
     args.out.write_text(json.dumps({"committed": strategy.rounds_committed, "discarded": strategy.rounds_discarded,
                                     "rejected": strategy.rounds_rejected, "healed": strategy.healed,
-                                    "round": strategy.round, "global_step": trainer.global_step}))
+                                    "round": strategy.round, "global_step": trainer.global_step,
+                                    "ddp": module.ddp}))
 
 
 if __name__ == "__main__":
