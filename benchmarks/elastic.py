@@ -1,23 +1,25 @@
 """Benchmark 6, workers that come and go (issues 16 and 61): final loss, wall-clock, time lost to the fault and
-bytes of four workers when one is SIGKILLed at 50 % of the run, or joins at 50 %, on each engine that has them;
-and the CPU time per inner step that torchft adds inside a job (``--workers`` changes the four).
+bytes of four workers when one is SIGKILLed at 50 % of the run, or joins at 50 %, on each engine; and the CPU time
+per inner step that torchft adds inside a job (``--workers`` changes the four).
 
 Arms (the regression task of the tests, ``LinearModel``; each step padded by ``--step-s`` of emulated compute):
 
-- ``OuterService`` (``ElasticWorkerStrategy`` jobs) in ``--service-modes``: ``async`` (asynchronous Local-SGD, which
-  only the service does) and ``sync`` (DiLoCo): no fault, the last worker SIGKILLed once the service counted half
-  of the budget (inner steps over all workers), the last worker joining then (started early and held before
-  ``fit``, so that its start-up does not count);
-- ``torchft`` DiLoCo (``TorchFTStrategy`` jobs of one process, a Lighthouse in this process, ``min_replicas=2``):
+- ``OuterService async`` (``ElasticWorkerStrategy`` workers; asynchronous Local-SGD, which only the service does):
+  no fault, the last worker SIGKILLed once the service counted half of the budget (inner steps over all workers),
+  the last worker joining then;
+- ``torchft DiLoCo`` (``TorchFTStrategy`` jobs of one process, a Lighthouse in this process, ``min_replicas=2``):
   the same three cases, each job ``budget / workers`` steps; the fault lands once job 0 committed half its rounds;
 - ``single job`` (``AsyncLocalSGDStrategy``, ``devices=4``): DiLoCo without a fault (the CPU baseline) and async
   with rank 3 SIGKILLed at half of its share (Lightning's launcher ends the job).
 
-*Time lost to the fault*: the arm's wall-clock less its engine's fault-free one. *Bytes*: payload on the wire, every
+Every worker or job is started, imports, says it is ready and waits; the clock starts when they all go (a joining
+one is held until its moment), so start-ups are left out; the single job's wall-clock includes its start-up.
+*Time lost to the fault*: the arm's wall-clock less its engine's fault-free one (a joining torchft job adds work
+without lengthening the run; a joining service worker shares the budget). *Bytes*: payload on the wire, every
 byte counted once: the service's pushes and pulls (its counters); torchft's allreduces as a ring moves them
 (``2 (k - 1) S`` per round of ``k`` jobs and ``S`` bytes, computed) plus each heal's state. *CPU per inner step*:
-process CPU (every thread's) from a step's start to the next one's, rounds left out. Wall-clock is from launching
-the processes to the last one exiting. Run: ``python benchmarks/elastic.py [--quick]``.
+process CPU (every thread's) from a step's start to the next one's, rounds left out.
+Run: ``python benchmarks/elastic.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -72,6 +74,17 @@ def cpu_samples(work: Path) -> list[float]:
     return [s for f in sorted(work.glob("*.cpu*.json")) for s in json.loads(f.read_text())]
 
 
+def start_together(procs: list, outs: list[Path], go: Path, timeout: float) -> float:
+    """Wait until every process in ``procs`` is ready (imports done), let them go; the start time."""
+    deadline = time.monotonic() + timeout
+    while not all(o.with_suffix(".ready").exists() for o in outs):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"not all of {outs} became ready")
+        time.sleep(0.05)
+    go.touch()
+    return time.perf_counter()
+
+
 def inject(fault: str | None, victim: subprocess.Popen, go: Path, progress, half: float, alive) -> float | None:
     """Wait until ``progress()`` reaches ``half``, then kill the victim or let it join; when it happened."""
     while fault is not None and alive():
@@ -85,18 +98,18 @@ def inject(fault: str | None, victim: subprocess.Popen, go: Path, progress, half
     return None
 
 
-def service(args: argparse.Namespace, work: Path, mode: str, fault: str | None) -> dict:
+def service(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
     address = f"127.0.0.1:{free_port()}"
-    start = time.perf_counter()
     server = launch("server", work / "server.json", "--address", address, "--budget", str(args.budget),
-                    "--local-steps", str(args.local_steps), "--mode", mode, "--checkpoint", str(work / "ckpt.pt"),
+                    "--local-steps", str(args.local_steps), "--checkpoint", str(work / "ckpt.pt"),
                     "--max-idle-s", "30")  # a run that never spends its budget ends 30 s after its last worker left
-    go = work / "go"
-    workers = [launch("worker", work / f"w{i}.json", "--address", address, "--step-s", str(args.step_s),
-                      "--local-steps", str(args.local_steps),
-                      *(["--go", str(go)] if fault == "join" and i == args.workers - 1 else []))
-               for i in range(args.workers)]
-    at = inject(fault, workers[-1], go, lambda: read_json(work / "ckpt.pt.status.json").get("steps_done", 0),
+    go, outs = work / "go", [work / f"w{i}.json" for i in range(args.workers)]
+    workers = [launch("worker", out, "--address", address, "--step-s", str(args.step_s), "--local-steps",
+                      str(args.local_steps), "--go", str(go.with_suffix(".late" if late else ".all")))
+               for out, late in zip(outs, [False] * (args.workers - 1) + [fault == "join"])]
+    start = start_together(workers, outs[: args.workers - (fault == "join")], go.with_suffix(".all"), args.timeout)
+    at = inject(fault, workers[-1], go.with_suffix(".late"),
+                lambda: read_json(work / "ckpt.pt.status.json").get("steps_done", 0),
                 args.budget // 2, lambda: server.poll() is None)
     codes = [p.wait(timeout=args.timeout) for p in (*workers, server)]
     result = read_json(work / "server.json")
@@ -111,15 +124,14 @@ def torchft(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
-    go = work / "go"
-    start = time.perf_counter()
-    jobs = [launch("torchft", work / f"job{j}.json", "--lighthouse", lighthouse.address(), "--job", str(j),
-                   "--budget", str(args.budget), "--workers", str(args.workers), "--local-steps", str(args.local_steps),
-                   "--step-s", str(args.step_s), "--progress", str(work / f"rounds{j}"),
-                   *(["--go", str(go)] if fault == "join" and j == args.workers - 1 else []))
-            for j in range(args.workers)]
+    go, outs = work / "go", [work / f"job{j}.json" for j in range(args.workers)]
+    jobs = [launch("torchft", out, "--lighthouse", lighthouse.address(), "--job", str(j), "--budget", str(args.budget),
+                   "--workers", str(args.workers), "--local-steps", str(args.local_steps), "--step-s", str(args.step_s),
+                   "--progress", str(work / f"rounds{j}"), "--go", str(go.with_suffix(".late" if late else ".all")))
+            for j, (out, late) in enumerate(zip(outs, [False] * (args.workers - 1) + [fault == "join"]))]
+    start = start_together(jobs, outs[: args.workers - (fault == "join")], go.with_suffix(".all"), args.timeout)
     rounds = args.budget // args.workers // args.local_steps
-    at = inject(fault, jobs[-1], go, lambda: int(read_json(work / "rounds0") or 0), rounds // 2,
+    at = inject(fault, jobs[-1], go.with_suffix(".late"), lambda: int(read_json(work / "rounds0") or 0), rounds // 2,
                 lambda: jobs[0].poll() is None)
     codes = [p.wait(timeout=args.timeout) for p in jobs]
     lighthouse.shutdown()
@@ -151,10 +163,8 @@ def arms(args: argparse.Namespace) -> dict:
     of = f"one of {args.workers}"
     label = {None: "no fault", "kill": f"{of} killed at 50 %", "join": f"the {args.workers}th joining at 50 %"}
     out = {}
-    for mode in args.service_modes:
-        for fault in FAULTS if mode == "sync" else (None, "kill"):
-            out[f"OuterService {'DiLoCo' if mode == 'sync' else 'async'}, {label[fault]}"] = (
-                lambda w, m=mode, f=fault: service(args, w, m, f))
+    for fault in FAULTS:
+        out[f"OuterService async, {label[fault]}"] = lambda w, f=fault: service(args, w, f)
     for fault in FAULTS:
         out[f"torchft DiLoCo, {label[fault]}"] = lambda w, f=fault: torchft(args, w, f)
     out["single job DiLoCo, no fault"] = lambda w: single_job(args, w, "sync", kill=False)
@@ -209,7 +219,6 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--workers", type=int, default=4, choices=range(3, 17), metavar="W",
                         help="workers in each arm, the single job's ranks (default 4)")
-    parser.add_argument("--service-modes", nargs="+", default=["async", "sync"], choices=("async", "sync"))
     parser.add_argument("--single-start-method", default="popen", choices=("popen", "spawn", "fork"),
                         help="how the single job starts its ranks (default: Lightning's subprocess launcher, as a "
                              "user runs it; the tests fork them, which spares W - 1 interpreter start-ups)")

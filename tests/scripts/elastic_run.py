@@ -9,7 +9,7 @@ middle of its round after N exchanges; ``--step-s`` paces each step (so that the
 itself (heartbeats too) as it is about to meet the service after registering, or to pull its first reply.
 ``torchft``: one job of DiLoCo on torchft (``TorchFTStrategy``, ``--lighthouse``, ``--job j`` its data order), the
 same model and outer settings; ``--progress FILE`` keeps its committed rounds there. ``--go FILE``: a worker or job
-waits for the file before ``fit`` (started early, it joins without its start-up). Every process writes its CPU
+says it is ready and waits for the file before ``fit`` (so that start-ups are left out of a run's time). Every process writes its CPU
 seconds per inner step between rounds (``--out`` with the suffix ``.cpu<rank>.json``).
 """
 
@@ -141,6 +141,9 @@ class JobData(LinearModel):
 
 
 def wait_for_go(args: argparse.Namespace) -> None:
+    """With ``--go``: say this process is ready (``--out`` with the suffix ``.ready``), then wait for the file."""
+    if args.go:
+        Path(args.out).with_suffix(".ready").touch()
     deadline = time.monotonic() + 600
     while args.go and not os.path.exists(args.go):
         assert time.monotonic() < deadline, "no go"
