@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--local-steps", type=int, default=10)
     parser.add_argument("--step-s", type=float, default=0.05)
-    parser.add_argument("--timeout", type=float, default=10.0, help="TorchFT(timeout=...): a frozen job's stall")
+    parser.add_argument("--timeout", type=float, default=10.0, help="TorchFT(timeout=...): bounds a round.s allreduce")
     parser.add_argument("--deadline", type=float, default=240.0, help="seconds after which a run counts as hung")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "torchft_stress.json")
     args = parser.parse_args()

@@ -2,8 +2,8 @@
 
 This script starts torchft's Lighthouse and three one-process Lightning jobs on loopback, each its own torchft
 replica group reading its own shard of the data; every 10 steps the live jobs average their pseudo-gradients and
-each runs the same outer step. With ``--kill-one`` job 2 dies (SIGKILL) in the middle of the run: its round is
-trained again by the two left, which finish the run (the same rounds) without it.
+each runs the same outer step. With ``--kill-one`` job 2 dies (SIGKILL) in the middle of the run: the two left
+reduce that round without it (its heartbeats stopped) and finish the run (the same rounds).
 
     pip install lightning-hdet[torchft]
     python examples/torchft_diloco.py [--kill-one]

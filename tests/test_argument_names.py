@@ -95,8 +95,8 @@ def test_names_that_take_effect_are_accepted() -> None:
     assert ElasticDDPWorkerStrategy("127.0.0.1:1", gradient_as_bucket_view=True)._ddp_kwargs == {
         "gradient_as_bucket_view": True}
     assert AsyncLocalSGDFabricStrategy(local_steps=7, timeout=timedelta(seconds=30)).outer_settings.rounds == 7
-    service = OuterService(torch.nn.Linear(1, 1), "127.0.0.1:0", 10, local_steps=7, mode="sync")
-    assert service.settings.local_steps == 7
+    service = OuterService(torch.nn.Linear(1, 1), "127.0.0.1:0", 10, local_steps=7)
+    assert service.settings.rounds == 7
 
 
 def test_the_error_is_both_a_type_error_and_a_value_error() -> None:

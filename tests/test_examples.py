@@ -158,15 +158,15 @@ def test_the_docs_search_then_train_recipe_ends_the_search_in_one_fit(tmp_path: 
 
 @pytest.mark.timeout(480)
 def test_torchft_diloco_three_jobs_one_killed(tmp_path: Path) -> None:
-    """The Lighthouse and three jobs: job 2 dies mid-round halfway; the two left train its round again and end at
-    the run's last round with the same model."""
+    """The Lighthouse and three jobs: job 2 dies mid-round halfway; the two left reduce that round without it and
+    end at the run's last round with the same model."""
     pytest.importorskip("torchft")
     out = run_example(str(EXAMPLES / "torchft_diloco.py"), "--steps", "20", "--kill-one", cwd=tmp_path, timeout=420)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["job"], r["round"]) for r in rows] == [(0, 2), (1, 2)], out  # the two left end the run together
     assert rows[0]["held_out_loss"] == rows[1]["held_out_loss"], out
-    if "job 2: ended with -9" in out:  # killed mid-round: the others discarded that round and trained it again
-        assert max(r["discarded"] for r in rows) == 1, out
+    if "job 2: ended with -9" in out:  # killed during its inner steps: left out of the round's quorum, none discarded
+        assert max(r["discarded"] for r in rows) == 0, out
     else:  # seen in about 1 of 5 runs, cause not yet found (issue 61): job 2 failed before its kill
         assert "job 2: ended with 1" in out, out
         warnings.warn(f"torchft example: job 2 failed before it was killed: {out.splitlines()[-1]}")

@@ -22,25 +22,26 @@ CPU = torch.device("cpu")
 class FakeManager:
     """torchft's Manager as a round uses it: ``allreduce`` (SUM) adds ``peers``' wire vectors to this job's and
     keeps what this job sent; ``should_commit`` answers ``commit``; ``start_quorum`` heals with ``heal_from``'s
-    state when set (as torchft does for a job behind) and counts the quorum."""
+    state when set and allowed (as torchft does for a job behind); ``calls``: what was called, in order."""
 
     def __init__(self, peers: list[list[float]] = (), commit: bool = True) -> None:
         self.peers, self.commit = [torch.tensor(p) for p in peers], commit
         self.sent: list[torch.Tensor] = []
         self.heal_from: dict | None = None
-        self.quorums = 0
+        self.calls: list[str] = []
         self.fns: dict = {}
 
     def register_state_dict_fn(self, key, load, save):  # type: ignore[no-untyped-def]
         self.fns[key] = (load, save)
 
-    def start_quorum(self) -> None:
-        self.quorums += 1
-        if self.heal_from is not None:
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False) -> None:
+        self.calls.append("shrink-only quorum" if shrink_only and not allow_heal else "quorum")
+        if allow_heal and self.heal_from is not None:
             self.fns[STATE_KEY][0](self.heal_from)
 
     def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> "FakeManager":
         assert reduce_op == ReduceOp.SUM
+        self.calls.append("allreduce")
         self.sent.append(tensor.clone())
         for p in self.peers:
             tensor.add_(p)
@@ -77,6 +78,8 @@ def test_a_round_steps_every_job_with_the_mean_of_the_accepted_pseudo_gradients(
     trained(module, [0.5, 1.0])  # pseudo-gradient global - local = [0.5, 1.0]
     out = ft.finish()
     assert torch.equal(manager.sent[0], torch.tensor([0.5, 1.0, 1.0]))  # [pseudo-gradient, accepted]
+    # the quorum again right before the allreduce, shrink-only: a job frozen mid-round is left out of it
+    assert manager.calls == ["quorum", "shrink-only quorum", "allreduce"]
     # mean [1.0, 2.0]; Nesterov from zero momentum: m = g, step 0.7 * (g + 0.9 m) = 1.33 g
     assert (out.committed, out.accepted, out.rejected) == (True, 2, None)
     assert torch.allclose(module.weight, torch.tensor([[1.0 - 1.33, 2.0 - 2.66]]))
@@ -176,3 +179,4 @@ def test_torchft_settings_and_the_strategy_refuse_what_would_not_run():
     assert (config["outer"], config["outer/lr"], config["outer/momentum"]) == ("Nesterov", 0.7, 0.9)
     assert (config["check_pushes/max_rejections"], config["local_steps"], config["torchft_min_replicas"]) == (5, 5, 2)
     assert TorchFTStrategy(ok, outer="published").outer_settings.outer == DelayedNesterov(lr=0.7, momentum=0.9)
+

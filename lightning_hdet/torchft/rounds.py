@@ -5,7 +5,9 @@ whole rounds in one process.
 A round: at its start the job joins the quorum of live jobs (a job behind, e.g. new or restarted, heals there from
 a live peer: the global model and the outer optimizer's state); after ``H`` inner steps it checks its
 pseudo-gradient ``theta_global - theta_local`` (finite, a norm within ``max_norm_ratio`` times its own recent
-median) and sends it through one SUM allreduce of ``[pseudo-gradient, floating-point buffers, accepted]``: a
+median), takes the quorum again, shrink-only (a job frozen or dead during the inner steps misses it once the
+Lighthouse's heartbeat timeout has passed, and the others reduce without it instead of waiting out ``timeout`` in
+the allreduce), and sends it through one SUM allreduce of ``[pseudo-gradient, floating-point buffers, accepted]``: a
 rejected job sends zeros and ``accepted = 0``, so the mean is over the accepted jobs. If torchft commits the round
 (every rank of the job saw the allreduce succeed), every job runs the same outer step on the mean; otherwise (a
 peer died mid-round) the round is discarded. Either way the job restarts from the global model.
@@ -78,6 +80,7 @@ class ReplicaRound:
             wire[-1] = 1.0
         else:
             wire.zero_()
+        self.manager.start_quorum(allow_heal=False, shrink_only=True)  # no one joins mid-round; the missing leave
         self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
         committed = bool(self.manager.should_commit())
         accepted = int(round(float(wire[-1]))) if committed else 0

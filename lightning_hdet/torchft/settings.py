@@ -22,13 +22,14 @@ class TorchFT(KnownArguments):
     """torchft as the fault-tolerance engine of DiLoCo across jobs (see :class:`~.strategy.TorchFTStrategy`).
 
     Each Lightning job (one node, any number of ranks) is one torchft *replica group*; the Lighthouse forms a quorum
-    of the live jobs at the start of every round.
+    of the live jobs at the start of every round, and again (shrink-only) before its allreduce.
 
     Args:
         lighthouse: the Lighthouse's address, ``"http://HOST:PORT"`` (``torchft_lighthouse --bind [::]:PORT``).
         min_replicas: jobs a round needs; with fewer live a job waits at the quorum, up to ``quorum_timeout``.
         replica_id: this job's name in the quorum (torchft adds a unique suffix); ``None``: the host and process id.
-        timeout: seconds a round's allreduce, its commit vote or a heal's transfer may take.
+        timeout: seconds a round's allreduce, its commit vote or a heal's transfer may take (a job frozen inside
+            the allreduce stalls the others this long; one frozen between allreduces, the heartbeat timeout).
         quorum_timeout: seconds a job waits at a round's start for the quorum: longer than a round of the slowest
             job (the live jobs meet there) and than the time a new job takes to start.
         connect_timeout: seconds to reach the Lighthouse and the job's own torchft manager.

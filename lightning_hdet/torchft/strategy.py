@@ -31,8 +31,10 @@ class TorchFTStrategy(DDPStrategy):
 
     Inside a job its ranks train as DDP (one node, say); every ``local_steps`` steps the jobs live in the round's
     quorum reduce their pseudo-gradients through torchft and every job runs the same outer step (no rank is a
-    server). A job that dies drops out of the next quorum and the others go on (the round it died in is discarded
-    and trained again); a new or restarted job heals from a live peer at a round's start and joins. The run ends
+    server). A job that dies or freezes during its inner steps misses the round's second, shrink-only quorum before
+    the allreduce (once its heartbeats are the Lighthouse's heartbeat timeout old) and the others reduce without it;
+    one that dies inside the allreduce fails it, and the round is discarded and trained again. A new or restarted
+    job heals from a live peer at a round's start and joins. The run ends
     after ``max_steps / local_steps`` committed rounds, the same for every job (a job that joined late included).
 
     Args:
@@ -95,6 +97,11 @@ class TorchFTStrategy(DDPStrategy):
                     f"a positive multiple of local_steps={self.local_steps}",
                     "Every job runs max_steps / local_steps rounds of local_steps inner steps.")
         super().setup_environment()
+
+    @override
+    def configure_ddp(self) -> None:
+        if self.world_size > 1:  # one rank has no gradients to reduce: DDP would only add work to every step
+            super().configure_ddp()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

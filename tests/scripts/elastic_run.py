@@ -7,6 +7,10 @@ term``: SIGTERMs, as a preempted spot machine is told) itself in the
 middle of its round after N exchanges; ``--step-s`` paces each step (so that the others are mid-run when it dies);
 ``--nan-from N``: its loss is NaN from its step N on (a worker gone bad); ``--freeze-at join|pull`` SIGSTOPs
 itself (heartbeats too) as it is about to meet the service after registering, or to pull its first reply.
+``torchft``: one job of DiLoCo on torchft (``TorchFTStrategy``, ``--lighthouse``, ``--job j`` its data order), the
+same model and outer settings; ``--progress FILE`` keeps its committed rounds there. ``--go FILE``: a worker or job
+says it is ready and waits for the file before ``fit`` (so that start-ups are left out of a run's time). Every process writes its CPU
+seconds per inner step between rounds (``--out`` with the suffix ``.cpu<rank>.json``).
 """
 
 import argparse
@@ -45,6 +49,7 @@ class Pace(Callback):
     exchanges."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
         self.step_s, self.die_after = args.step_s, args.die_after
         self.die_by = signal.SIGTERM if args.die_by == "term" else signal.SIGKILL
         self.hold_at, self.until, self.mark = args.hold_at, args.hold_until, args.mark_joined
@@ -52,14 +57,36 @@ class Pace(Callback):
     def on_train_start(self, trainer, pl_module):
         if self.mark:
             Path(self.mark).touch()
+        self.cpu, self.last, self.round_ended, self.quorums, self.state_bytes = [], None, True, [], 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        manager = getattr(trainer.strategy, "_manager", None)
+        if self.round_ended and manager is not None:  # torchft: the jobs in this round's quorum
+            self.quorums.append(manager.num_participants())
+        # process CPU (every thread's: a heartbeat's too) from one step's start to the next, rounds left out
+        now = time.process_time()
+        if self.last is not None and not self.round_ended:
+            self.cpu.append(now - self.last)
+        self.last = now
+
+    def on_train_end(self, trainer, pl_module):
+        state = getattr(trainer.strategy, "_round", None)  # torchft: what a heal sends
+        if state is not None:
+            self.state_bytes = sum(4 * t.numel() for t in [state.global_model, *state.optimizer.state[
+                state.optimizer.param_groups[0]["params"][0]].values()] if torch.is_tensor(t))
+        out = Path(self.args.out)
+        out.with_suffix(f".cpu{trainer.global_rank}.json").write_text(json.dumps(self.cpu[self.args.local_steps:]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.round_ended = trainer.global_step % self.args.local_steps == 0
+        if self.args.progress and hasattr(trainer.strategy, "rounds_committed"):
+            Path(self.args.progress).write_text(str(trainer.strategy.rounds_committed))
         time.sleep(self.step_s)
         deadline = time.monotonic() + 900
         while self.until and trainer.global_step >= self.hold_at and not os.path.exists(self.until):
             assert time.monotonic() < deadline, "the joining worker never came"
             time.sleep(0.1)
-        rounds = trainer.strategy.rounds
+        rounds = getattr(trainer.strategy, "rounds", None)
         if self.die_after and len(rounds) > self.die_after and trainer.global_step % 4 == 2:
             os.kill(os.getpid(), self.die_by)  # mid-round: its unfinished round must be discarded
 
@@ -92,7 +119,7 @@ def single(args: argparse.Namespace) -> None:
     seed_everything(0)
     model = LinearModel()
     initial = val_loss(model)["val_loss"]
-    strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, start_method=args.start_method)
+    strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, start_method=args.start_method, mode=args.mode)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=args.workers,
                       max_steps=args.budget // args.workers, logger=False, enable_checkpointing=False,
                       callbacks=[Pace(args), KillRank(args.workers - 1, args.kill_at_step)], enable_progress_bar=False,
@@ -100,6 +127,52 @@ def single(args: argparse.Namespace) -> None:
     trainer.fit(model)
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps({"initial_loss": initial, "final_loss": val_loss(model)["val_loss"]}))
+
+
+class JobData(LinearModel):
+    """``LinearModel`` whose job ``job`` draws its own order of the training data."""
+
+    job = 0
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1000 + self.job)
+        return torch.utils.data.DataLoader(Regression(n=self.hparams.n_train), batch_size=self.hparams.batch_size,
+                                           shuffle=True, generator=g)
+
+
+def wait_for_go(args: argparse.Namespace) -> None:
+    """With ``--go``: say this process is ready (``--out`` with the suffix ``.ready``), then wait for the file."""
+    if args.go:
+        Path(args.out).with_suffix(".ready").touch()
+    deadline = time.monotonic() + 600
+    while args.go and not os.path.exists(args.go):
+        assert time.monotonic() < deadline, "no go"
+        time.sleep(0.05)
+
+
+def torchft_job(args: argparse.Namespace) -> None:
+    """One job of DiLoCo on torchft (one process): the model, data and outer settings of the elastic runs."""
+    from lightning_hdet.torchft import TorchFT, TorchFTStrategy
+
+    logging.basicConfig(level=logging.WARNING)
+    seed_everything(0)
+    model = JobData()
+    model.job = args.job
+    ft = TorchFT(lighthouse=args.lighthouse, min_replicas=2, replica_id=f"job{args.job}", timeout=10.0,
+                 quorum_timeout=120.0, connect_timeout=60.0, hostname="localhost")
+    strategy = TorchFTStrategy(ft, local_steps=args.local_steps, process_group_backend="gloo")
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.budget // args.workers,
+                      logger=False, callbacks=[pace := Pace(args)], enable_checkpointing=False, use_distributed_sampler=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    wait_for_go(args)
+    trainer.fit(model)
+    n = sum(t.numel() for t in model.parameters())
+    Path(args.out).write_text(json.dumps({
+        "final_loss": val_loss(model)["val_loss"], "committed": strategy.rounds_committed,
+        "discarded": strategy.rounds_discarded, "healed": strategy.healed, "round": strategy.round,
+        "steps_done": trainer.global_step, "quorums": pace.quorums,
+        # payload this job sends: a ring allreduce's 2 (k - 1) / k of the wire, per round; a heal's state, received
+        "bytes": int(sum(2 * (k - 1) / k * 4 * (n + 1) for k in pace.quorums)) + strategy.healed * pace.state_bytes}))
 
 
 def server(args: argparse.Namespace) -> None:
@@ -150,6 +223,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=-1, logger=False,
                       callbacks=[Pace(args)], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
+    wait_for_go(args)
     trainer.fit(model)
     out = Path(args.out)
     if trainer.global_rank > 0:
@@ -162,8 +236,12 @@ def worker(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["server", "worker", "single"])
-    parser.add_argument("--address", required=True)
+    parser.add_argument("role", choices=["server", "worker", "single", "torchft"])
+    parser.add_argument("--address", default=None)
+    parser.add_argument("--lighthouse", default=None)  # of `torchft`
+    parser.add_argument("--job", type=int, default=0)  # of `torchft`: its data order
+    parser.add_argument("--progress", default=None)
+    parser.add_argument("--go", default=None)
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=int, default=240)
     parser.add_argument("--local-steps", type=int, default=4)
@@ -186,4 +264,4 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=4)  # of `single`: its ranks
     parser.add_argument("--devices", type=int, default=1)  # of `worker`: the ranks of its job (DDP inside)
     args = parser.parse_args()
-    {"server": server, "worker": worker, "single": single}[args.role](args)
+    {"server": server, "worker": worker, "single": single, "torchft": torchft_job}[args.role](args)

@@ -2,7 +2,8 @@
 examples/torchft_diloco.py's shape): each job reads its own stream of batches (its ``--job`` index), and writes
 its final parameters and read-outs to ``--out``.
 
-Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round ``R``; ``--nan-from-step S`` makes
+Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round ``R`` (``--freeze-in-round R``:
+SIGSTOPs it there, its heartbeats too); ``--nan-from-step S`` makes
 its loss NaN from step ``S`` on (its rounds are rejected until it leaves the run). ``--sync DIR``: once started,
 the job writes ``DIR/ready<job>`` and waits for ``DIR/go<job>`` before ``fit`` (so that the test starts the jobs
 together, or one later), and keeps its committed rounds in ``DIR/rounds<job>``. ``--checkpoint`` saves at every
@@ -27,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_hdet.asynchronous.outer.checks import PushCheck
@@ -71,13 +73,15 @@ class Job(pl.LightningModule):
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         step = self.trainer.global_step
         time.sleep(self.args.step_s)  # emulated compute: rounds long enough for faults to land inside one
-        if self.trainer.strategy.round == self.args.kill_in_round and step % self.args.local_steps == 5:
-            os.kill(os.getpid(), signal.SIGKILL)
+        for fault, sig in ((self.args.kill_in_round, signal.SIGKILL), (self.args.freeze_in_round, signal.SIGSTOP)):
+            if self.trainer.strategy.round == fault and step % self.args.local_steps == 5:
+                os.kill(os.getpid(), sig)
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         return loss * float("nan") if 0 <= self.args.nan_from_step <= step else loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.ddp = isinstance(self.trainer.strategy.model, DistributedDataParallel)
         if self.args.sync is not None:
             (self.args.sync / f"rounds{self.args.job}").write_text(str(self.trainer.strategy.rounds_committed))
 
@@ -98,6 +102,7 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--kill-in-round", type=int, default=-1)
+    parser.add_argument("--freeze-in-round", type=int, default=-1)
     parser.add_argument("--max-rejections", type=int, default=3)
     parser.add_argument("--nan-from-step", type=int, default=-1)
     parser.add_argument("--step-s", type=float, default=0.0)
@@ -134,7 +139,8 @@ def main() -> None:
     torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, args.out.with_suffix(".pt"))
     args.out.write_text(json.dumps({"committed": strategy.rounds_committed, "discarded": strategy.rounds_discarded,
                                     "rejected": strategy.rounds_rejected, "healed": strategy.healed,
-                                    "round": strategy.round, "global_step": trainer.global_step}))
+                                    "round": strategy.round, "global_step": trainer.global_step,
+                                    "ddp": module.ddp}))
 
 
 if __name__ == "__main__":

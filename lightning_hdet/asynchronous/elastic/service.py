@@ -1,7 +1,7 @@
 """The outer optimizer as its own service, for workers that come and go (``docs/elastic.md``).
 
-:class:`OuterService` owns the global model, the outer state (:class:`~..outer.OuterState`: Delayed Nesterov or
-DiLoCo, the sample budget, per-worker statistics), the session table (:mod:`.sessions`), validation and its own
+:class:`OuterService` owns the global model, the outer state (:class:`~..outer.OuterState`: async Delayed
+Nesterov, the sample budget, per-worker statistics), the session table (:mod:`.sessions`), validation and its own
 checkpoints. Workers are separate Lightning jobs (:class:`~.strategy.ElasticWorkerStrategy`) that register a
 session, pull the newest global model and run the usual rounds; one loop here applies their pushes in order, so
 every decision (batches, round lengths, leaving, parking) is taken in one place.
@@ -44,7 +44,11 @@ Evaluate = Callable[[Module], Mapping[str, float]]
 def elastic_settings(compression: Any, pull_compression: Any, outer: Mapping[str, Any]) -> tuple[OuterSettings, Codec,
                                                                                                   Codec]:
     """The service's outer settings and codec objects from its arguments, refusing what an elastic service cannot
-    do."""
+    do (DiLoCo, retired here: torchft runs it, docs/elastic.md says why)."""
+    mode = outer.get("mode", "async")
+    require("mode", mode, mode == "async", "'async' with an elastic service", "DiLoCo across jobs runs on torchft:"
+            " each job TorchFTStrategy(TorchFT(lighthouse='http://HOST:29510', min_replicas=2), local_steps=H)"
+            " (docs/elastic.md, 'DiLoCo on torchft').")
     settings = OuterSettings(**outer)
     push, pull = codec_from(compression), codec_from(pull_compression, "pull_compression")
     settings.outer.check_codecs(push, pull)
@@ -53,9 +57,6 @@ def elastic_settings(compression: Any, pull_compression: Any, outer: Mapping[str
             " service", "A change of the public model needs the version a worker holds; a session that rejoins after"
             " a restart of the service holds none the service knows. Use AsyncLocalSGDStrategy for delta pulls.")
     settings.outer.check_elastic()
-    require("stagger", settings.stagger, settings.stagger == 1, "1 with an elastic service",
-            "Its workers push and pull the whole model every round, so a staggered service would only shorten the"
-            " rounds to local_steps / stagger steps. Use AsyncLocalSGDStrategy for staggered parts.")
     return settings, push, pull
 
 
@@ -81,7 +82,7 @@ class OuterService:
         token: a shared secret every worker must give (``ElasticWorkerStrategy(token=...)``) to open a session;
             ``None`` (default): any process that reaches the address may join. It keeps stray processes out; it is
             not encryption (the model and the pushes still travel in the clear).
-        **outer: :class:`~..outer.state.OuterSettings` (``mode``, ``local_steps``, ``outer=DelayedNesterov(...)``,
+        **outer: :class:`~..outer.state.OuterSettings` (``mode="async"``, ``local_steps``, ``outer=DelayedNesterov(...)``,
             ``check_pushes``, ...), as the strategy takes them.
     """
 
@@ -239,13 +240,12 @@ class OuterService:
 
     # the exchange
     def _collect(self, first: Push) -> list[Push]:
-        """One batch: the first push, then others within the step policy's window; without a window (DiLoCo)
-        until every live session is in the batch (sessions that end meanwhile no longer count)."""
+        """One batch: the first push, then others within ``grace_period`` of it (sessions that end meanwhile no
+        longer count)."""
         batch = [first]
-        window = self.outer.step_policy.batch_window
-        deadline = None if window is None else time.monotonic() + window
+        deadline = time.monotonic() + self.outer.step_policy.batch_window
         while not set(self.table.live) <= {p.worker for p in batch}:
-            left = self.heartbeat_s if deadline is None else deadline - time.monotonic()
+            left = deadline - time.monotonic()
             if left <= 0:
                 break
             item = self._next(left)

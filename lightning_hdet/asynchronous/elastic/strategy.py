@@ -188,7 +188,7 @@ class ElasticWorker:
 
 
 class ElasticWorkerStrategy(ElasticWorker, SingleDeviceStrategy):
-    """One worker of asynchronous Local-SGD (or DiLoCo) served by an :class:`~.service.OuterService`, on one device
+    """One worker of asynchronous Local-SGD served by an :class:`~.service.OuterService`, on one device
     (for a worker of several devices training as DDP, see :class:`~.ddp.ElasticDDPWorkerStrategy`).
 
     ``Trainer(max_steps=...)`` is ignored: the service's budget decides when every worker stops. The worker does
