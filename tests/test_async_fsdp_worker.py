@@ -265,6 +265,7 @@ def _resume_as(path: Path, k: int, rank: int):
     stub = types.SimpleNamespace(worker_ranks=WorkerRanks(2 * k, k, rank), global_rank=rank,
                                  checkpoint_io=types.SimpleNamespace(
                                      load_checkpoint=lambda f, **kw: torch.load(f, weights_only=False)))
+    stub._read_own = lambda f, weights_only: WorkerCheckpoints._read_own(stub, f, weights_only)
     return WorkerCheckpoints._shard_resume(stub, str(path), None)
 
 
