@@ -217,7 +217,9 @@ PARTS = (
                                             "20", "--local-steps", "10", "--batch-size", "4"), minutes=12, full=True),
     Part("crash", "crash.py", CRASH_ARGS, minutes=18),
     Part("crash_published", "crash.py", CRASH_PUBLISHED_ARGS, minutes=30, full=True),
-    Part("elastic", "elastic.py", minutes=2, code=("tests/scripts/elastic_run.py",)),
+    # issue 61: OuterService async and torchft DiLoCo, each with a kill and a join, and the single job: 8 arms, 6.9 min
+    # at load 5-15 from other jobs (2026-12-06)
+    Part("elastic", "elastic.py", minutes=6, code=("tests/scripts/elastic_run.py",)),
     # the peer (issue 60): torchft's DiLoCo beside ours, same workload and settings; ~1.5 min on the idle machine
     Part("torchft_peer", "torchft_peer.py", minutes=3),
     # bytes to a loss (issue 43): DDP, DiLoCo and async with each push codec, on loopback and behind a 100 Mbit/s

@@ -31,6 +31,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 from torchft_job import job_batches, make_model  # noqa: E402
 
 FAULTS = ("kill", "freeze", "nan")
+os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse in this process: its quorum log at INFO drowns the counts
 
 
 def held_out_loss(state: dict[str, torch.Tensor]) -> float:

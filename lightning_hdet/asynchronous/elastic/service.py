@@ -240,8 +240,7 @@ class OuterService:
 
     # the exchange
     def _collect(self, first: Push) -> list[Push]:
-        """One batch: the first push, then others within ``grace_period`` of it (sessions that end meanwhile no
-        longer count)."""
+        """One batch: the first push, then those of other live sessions within ``grace_period`` of it."""
         batch = [first]
         deadline = time.monotonic() + self.outer.step_policy.batch_window
         while not set(self.table.live) <= {p.worker for p in batch}:
