@@ -5,6 +5,7 @@ computed by hand in the comments."""
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 import pytest
 import torch
@@ -180,3 +181,19 @@ def test_torchft_settings_and_the_strategy_refuse_what_would_not_run():
     assert (config["check_pushes/max_rejections"], config["local_steps"], config["torchft_min_replicas"]) == (5, 5, 2)
     assert TorchFTStrategy(ok, outer="published").outer_settings.outer == DelayedNesterov(lr=0.7, momentum=0.9)
 
+
+
+def test_the_heartbeat_interval_written_is_the_one_torchft_runs(monkeypatch):
+    """torchft's own 0.1 s heartbeat costs CPU on every step; the job's interval is ``heartbeat_s`` (0.5 s unless
+    written), refused where not positive."""
+    import torchft
+
+    made = {}
+    monkeypatch.setattr(torchft, "Manager", lambda **kwargs: made.update(kwargs))
+    monkeypatch.setattr(torchft, "ProcessGroupGloo", lambda timeout: None)
+    for ft, seconds in ((TorchFT(lighthouse="http://h:1", min_replicas=2), 0.5),
+                        (TorchFT(lighthouse="http://h:1", min_replicas=2, heartbeat_s=0.25), 0.25)):
+        ft.connect(0, 1, "localhost", 1)
+        assert made["heartbeat_interval"] == timedelta(seconds=seconds)
+    with pytest.raises(ValueError, match="`heartbeat_s` must be"):
+        TorchFT(lighthouse="http://h:1", min_replicas=1, heartbeat_s=0)
