@@ -188,6 +188,24 @@ def test_jobs_end_at_diloco_s_model_with_a_nan_job_left_out_of_every_round(tmp_p
 
 
 @pytest.mark.timeout(420)
+def test_jobs_reducing_in_bfloat16_end_together_near_diloco_s_model(tmp_path):
+    """``compression="bf16"``: two jobs' pseudo-gradients travel (and are summed) as bfloat16. Both jobs take the same
+    outer steps, so they end at the same model, bit for bit; DiLoCo in float32 by hand is within bfloat16's
+    rounding of it (8 bits of mantissa: ~0.4 % of each update), not equal (the float32 wire is, to 1e-5)."""
+    run = Run(tmp_path, min_replicas=2)
+    for job in (0, 1):
+        run.launch(job, "--compression", "bf16")
+    run.go(0, 1)
+    assert run.wait() == {0: 0, 1: 0}, run.logs()
+    (r0, s0), (r1, s1) = run.result(0), run.result(1)
+    assert r0["committed"] == r1["committed"] == 4
+    assert all(torch.equal(s0[k], s1[k]) for k in s0)
+    expected = diloco_by_hand([0, 1], STEPS // H)
+    gap = max(float((s0[k] - expected[k]).abs().max()) for k in s0)
+    assert 1e-5 < gap < 1e-2, gap
+
+
+@pytest.mark.timeout(420)
 def test_a_job_resumed_from_its_checkpoint_at_a_round_s_end_ends_where_it_would_have(tmp_path):
     """A job alone (a quorum of one) runs 40 steps; another, its twin under a second Lighthouse, stops after 20 with a
     checkpoint at that round's end and resumes from it to 40: the same rounds, the same model (the checkpoint held

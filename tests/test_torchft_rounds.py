@@ -91,6 +91,23 @@ def test_a_round_steps_every_job_with_the_mean_of_the_accepted_pseudo_gradients(
     assert torch.allclose(module.weight, torch.tensor([[1.0 - 1.33 - 1.897, 2.0 - 2.66 - 3.794]]), atol=1e-6)
 
 
+def test_a_bf16_wire_carries_the_pseudo_gradient_rounded_to_bfloat16_and_checks_it_in_float32():
+    """``wire_dtype=bfloat16`` (``compression=BF16()``): 2 bytes a value on the wire. This job's pseudo-gradient
+    [1/3, 1] travels as bfloat16 (1/3 -> 0.333984375); the peer's [1/3, 3] likewise; plain SGD outer step (lr 1):
+    theta = [1, 2] - the mean of the two as bfloat16 sums them."""
+    module, manager = linear([1.0, 2.0]), FakeManager()
+    manager.peers = [torch.tensor([1 / 3, 3.0, 1.0], dtype=torch.bfloat16)]
+    sgd = lambda params: torch.optim.SGD([params], lr=1.0)  # noqa: E731
+    ft = ReplicaRound(module, CPU, manager, sgd, PushCheck(), wire_dtype=torch.bfloat16)
+    trained(module, [1.0 - 1 / 3, 1.0])
+    out = ft.finish()
+    third = float(torch.tensor(1 / 3).to(torch.bfloat16))
+    assert manager.sent[0].dtype == torch.bfloat16 and manager.sent[0].tolist() == [third, 1.0, 1.0]
+    assert ft.wire.element_size() == 2 and ft.delta.dtype == torch.float32
+    mean = (torch.tensor([2 * third, 4.0], dtype=torch.bfloat16).float() / 2).tolist()
+    assert out.accepted == 2 and ft.global_model.tolist() == [1.0 - mean[0], 2.0 - mean[1]]
+
+
 def test_a_non_finite_pseudo_gradient_is_left_out_of_the_mean_and_its_job_restarts_from_the_global_model():
     module, manager = linear([1.0, 2.0]), FakeManager(peers=[[1.0, 2.0, 1.0]])
     ft = ReplicaRound(module, CPU, manager, nesterov, PushCheck())
@@ -174,6 +191,9 @@ def test_torchft_settings_and_the_strategy_refuse_what_would_not_run():
         TorchFTStrategy(ok, outer_lr=0.7)
     with pytest.raises(ValueError, match="Did you mean `local_steps`"):
         TorchFTStrategy(ok, local_step=5)
+    with pytest.raises(ValueError, match=r"`compression` must be NoCodec\(\) or BF16\(\), got Int8.*BF16\(\) halves"):
+        TorchFTStrategy(ok, compression="int8")
+    assert TorchFTStrategy(ok, compression="bf16").config["compression"] == "BF16"
     with pytest.raises(ValueError, match="`torchft` must be a TorchFT"):
         TorchFTStrategy("http://h:1")  # type: ignore[arg-type]
     config = TorchFTStrategy(ok, local_steps=5, outer=Nesterov(lr=0.7), check_pushes=PushCheck(max_rejections=5)).config

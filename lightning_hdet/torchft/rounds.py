@@ -8,7 +8,8 @@ pseudo-gradient ``theta_global - theta_local`` (finite, a norm within ``max_norm
 median), takes the quorum again, shrink-only (a job frozen or dead during the inner steps misses it once the
 Lighthouse's heartbeat timeout has passed, and the others reduce without it instead of waiting out ``timeout`` in
 the allreduce), and sends it through one SUM allreduce of ``[pseudo-gradient, floating-point buffers, accepted]``: a
-rejected job sends zeros and ``accepted = 0``, so the mean is over the accepted jobs. If torchft commits the round
+rejected job sends zeros and ``accepted = 0``, so the mean is over the accepted jobs (in bfloat16 with
+``wire_dtype``: half the bytes, the sum rounded as it travels). If torchft commits the round
 (every rank of the job saw the allreduce succeed), every job runs the same outer step on the mean; otherwise (a
 peer died mid-round) the round is discarded. Either way the job restarts from the global model.
 """
@@ -53,15 +54,20 @@ class ReplicaRound:
         manager: this rank's torchft ``Manager`` (or a fake with the same methods).
         outer: builds the outer optimizer over the flat global parameters (e.g. ``DelayedNesterov`` with ``N = 1``).
         check: the pseudo-gradient's checks (``None``: none).
+        wire_dtype: what the allreduce carries: ``float32`` or ``bfloat16`` (``BF16()``; ``accepted`` stays exact
+            up to 256 jobs).
     """
 
     def __init__(self, module: Module, device: torch.device, manager: Any,
-                 outer: Callable[[Tensor], Optimizer], check: PushCheck | None) -> None:
+                 outer: Callable[[Tensor], Optimizer], check: PushCheck | None,
+                 wire_dtype: torch.dtype = torch.float32) -> None:
         self.module, self.device, self.manager, self.check = module, device, manager, check
         self.tensors = list(module.parameters()) + float_buffers(module)
         self.n_params = numel(list(module.parameters()))
         self.global_model = read_into(self.tensors, host_buffer(numel(self.tensors), device), device)
-        self.wire = host_buffer(numel(self.tensors) + 1, device)  # [pseudo-gradient, buffers, accepted]
+        self.wire = host_buffer(numel(self.tensors) + 1, device, wire_dtype)  # [pseudo-gradient, buffers, accepted]
+        # the pseudo-gradient in float32, checked there (the wire itself unless it is narrower)
+        self.delta = self.wire[:-1] if wire_dtype == torch.float32 else host_buffer(numel(self.tensors), device)
         self.optimizer = outer(self.global_model[: self.n_params])
         self.rejected_streak = 0
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
@@ -72,11 +78,12 @@ class ReplicaRound:
 
     def finish(self) -> RoundOutcome:
         """A round's end: check, reduce and (if committed) step; the module then holds the global model."""
-        n, wire = self.n_params, self.wire
-        local = read_into(self.tensors, wire[:-1], self.device)
+        n, wire, delta = self.n_params, self.wire, self.delta
+        local = read_into(self.tensors, delta, self.device)
         torch.sub(self.global_model[:n], local[:n], out=local[:n])  # the pseudo-gradient, in place
         reason, norm = self._inspect()
         if reason is None:
+            wire[:-1].copy_(delta)  # a no-op where the wire is the delta
             wire[-1] = 1.0
         else:
             wire.zero_()
@@ -85,7 +92,7 @@ class ReplicaRound:
         committed = bool(self.manager.should_commit())
         accepted = int(round(float(wire[-1]))) if committed else 0
         if accepted:
-            mean = wire[:-1].div_(accepted)
+            mean = delta.copy_(wire[:-1]).div_(accepted)
             params = self.optimizer.param_groups[0]["params"][0]
             params.grad = mean[:n]
             self.optimizer.step()
@@ -99,11 +106,11 @@ class ReplicaRound:
         return RoundOutcome(committed, accepted, reason)
 
     def _inspect(self) -> tuple[Optional[str], float]:
-        n, wire = self.n_params, self.wire
+        n, delta = self.n_params, self.delta
         if self.check is None:
             return None, math.nan
-        reason, _, norm = self.check.inspect(0, [wire[:n]], [(0, n)], None)
-        if reason is None and not bool(torch.isfinite(wire[n:-1]).all()):
+        reason, _, norm = self.check.inspect(0, [delta[:n]], [(0, n)], None)
+        if reason is None and not bool(torch.isfinite(delta[n:]).all()):
             reason = "non-finite buffer values"
         return reason, norm
 

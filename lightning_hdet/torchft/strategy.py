@@ -7,6 +7,7 @@ from dataclasses import fields
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -19,6 +20,7 @@ from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
+from lightning_hdet.asynchronous.wire.codecs import BF16, Codec, NoCodec, codec_from
 from lightning_hdet.torchft.rounds import ReplicaRound, RoundOutcome
 from lightning_hdet.torchft.settings import TorchFT
 
@@ -49,6 +51,9 @@ class TorchFTStrategy(DDPStrategy):
             job checks its pseudo-gradient before it is reduced (finite, a norm within ``max_norm_ratio`` times its
             own recent median); a rejected one is left out of the round's mean and its job restarts from the global
             model; a job rejected in ``max_rejections`` rounds in a row ends with an error, the others go on.
+        compression: what the round's allreduce carries: ``NoCodec()`` (``"none"``, float32) or ``BF16()``
+            (``"bf16"``: half the bytes; the sum is rounded to bfloat16 as it travels). ``Int8`` and ``TopK`` are not
+            supported: torchft's allreduce adds the jobs' tensors on the way, which their scales and indices are not.
         **kwargs: passed to Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (inside the job).
     """
 
@@ -56,7 +61,7 @@ class TorchFTStrategy(DDPStrategy):
 
     def __init__(self, torchft: TorchFT, local_steps: int = 50, mode: str = "sync",
                  outer: OuterOptimizer | str | None = None, check_pushes: PushCheck | bool = True,
-                 **kwargs: Any) -> None:
+                 compression: Codec | str = "none", **kwargs: Any) -> None:
         refuse_moved(type(self).__name__, kwargs)
         check_names(type(self).__name__, kwargs, own_arguments(type(self)),
                     {"Lightning DDPStrategy": own_arguments(DDPStrategy)})
@@ -70,6 +75,10 @@ class TorchFTStrategy(DDPStrategy):
             raise ValueError(f"`outer={self.outer_settings.outer!r}` is not supported by TorchFTStrategy: its rounds "
                              "forward the workers' sparse messages, which torchft's dense allreduce does not carry. "
                              "Use Nesterov(...) or DelayedNesterov(...), or AsyncLocalSGDStrategy(mode='sync').")
+        self.compression = codec_from(compression)
+        require("compression", self.compression, isinstance(self.compression, (NoCodec, BF16)), "NoCodec() or BF16()",
+                "torchft's allreduce adds the jobs' tensors on the way, which Int8's scales and TopK's indices are "
+                "not; BF16() halves the bytes.")
         super().__init__(**kwargs)
         self.torchft, self.local_steps = torchft, local_steps
         #: the run's round (committed by the live jobs; a healed job's jumps), rounds this job committed,
@@ -86,7 +95,7 @@ class TorchFTStrategy(DDPStrategy):
     def config(self) -> dict[str, Any]:
         """The settings in force (the outer numbers as resolved)."""
         torchft = {f"torchft_{f.name}": getattr(self.torchft, f.name) for f in fields(TorchFT)}
-        return {**self.outer_settings.numbers(), **torchft}
+        return {**self.outer_settings.numbers(), "compression": type(self.compression).__name__, **torchft}
 
     @override
     def setup_environment(self) -> None:
@@ -121,7 +130,8 @@ class TorchFTStrategy(DDPStrategy):
         checks = self.outer_settings.check_pushes
         check = checks.fresh() if checks is not None else None
         self._manager = self.torchft.connect(self.global_rank, self.world_size, env.main_address, env.main_port)
-        self._round = ReplicaRound(self.lightning_module, self.root_device, self._manager, self._outer, check)
+        wire = torch.bfloat16 if isinstance(self.compression, BF16) else torch.float32
+        self._round = ReplicaRound(self.lightning_module, self.root_device, self._manager, self._outer, check, wire)
         if self._resume is not None:  # the checkpoint's round; a job still training further on heals this one
             self._round.load_state_dict(self._resume["round"])
             self._manager.load_state_dict(self._resume["manager"])

@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--nan-from-step", type=int, default=-1)
     parser.add_argument("--step-s", type=float, default=0.0)
     parser.add_argument("--devices", type=int, default=1, help="ranks of the job (DDP inside)")
+    parser.add_argument("--compression", default="none", help="TorchFTStrategy(compression=...)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="saved at every round's end")
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--sync", type=Path, default=None)
@@ -125,7 +126,8 @@ def main() -> None:
                  timeout=args.timeout, quorum_timeout=3 * args.timeout, connect_timeout=args.timeout,
                  hostname="localhost")
     strategy = TorchFTStrategy(ft, local_steps=args.local_steps, outer="published",
-                               check_pushes=PushCheck(max_rejections=args.max_rejections), process_group_backend="gloo")
+                               check_pushes=PushCheck(max_rejections=args.max_rejections),
+                               compression=args.compression, process_group_backend="gloo")
     module = Job(args)
     callbacks = [] if args.checkpoint is None else [ModelCheckpoint(
         dirpath=args.checkpoint.parent, filename=args.checkpoint.stem, every_n_train_steps=args.local_steps,
