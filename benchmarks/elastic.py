@@ -161,7 +161,8 @@ def single_job(args: argparse.Namespace, work: Path, mode: str, kill: bool) -> d
 def arms(args: argparse.Namespace) -> dict:
     """Each arm's label and how it runs (a function of its working directory)."""
     of = f"one of {args.workers}"
-    label = {None: "no fault", "kill": f"{of} killed at 50 %", "join": f"the {args.workers}th joining at 50 %"}
+    nth = f"{args.workers}{'rd' if args.workers == 3 else 'th'}"  # W is 3 to 16
+    label = {None: "no fault", "kill": f"{of} killed at 50 %", "join": f"the {nth} joining at 50 %"}
     out = {}
     for fault in FAULTS:
         out[f"OuterService async, {label[fault]}"] = lambda w, f=fault: service(args, w, f)

@@ -158,20 +158,23 @@ def test_overhead_quick_mode(tmp_path):
 
 @pytest.mark.timeout(1500)
 def test_elastic_quick_mode(tmp_path):
-    # Two workers per arm, the single job's ranks forked: its arms as in the full run, with 7 interpreters fewer.
-    data, table, _ = run_quick(tmp_path, "elastic", "--budget", "64", "--step-s", "0.02", "--workers", "2",
+    # Three workers or jobs per arm (a kill leaves torchft's two), the single job's ranks forked: every arm of the
+    # full run at a smaller size.
+    data, table, _ = run_quick(tmp_path, "elastic", "--budget", "72", "--step-s", "0.02", "--workers", "3",
                                "--single-start-method", "fork")
     rows = data["rows"]
-    assert list(rows) == ["elastic, no failure", "elastic, one of 2 killed at 50 %",
-                          "single job (today), one of 2 killed at 50 %"]
-    for arm in list(rows)[:2]:
-        assert not rows[arm]["job_lost"] and rows[arm]["steps_done"] == 64
-        assert rows[arm]["final_loss"] < rows[arm]["initial_loss"]
-    assert rows["elastic, one of 2 killed at 50 %"]["exit_codes"][1] == -9  # the last worker; the service's is last
-    assert rows["single job (today), one of 2 killed at 50 %"]["job_lost"]
-    assert len(table) == 2 + 3
-    assert (tmp_path / "docs" / "img" / "elastic_quick.png").read_bytes()[:4] == b"\x89PNG"  # drawn and linked
-    assert "](img/elastic_quick.png)" in (tmp_path / "docs" / "benchmarks.md").read_text()
+    faults = ("no fault", "one of 3 killed at 50 %", "the 3rd joining at 50 %")
+    assert list(rows) == [f"{engine}, {fault}" for engine in ("OuterService async", "torchft DiLoCo")
+                          for fault in faults] + ["single job DiLoCo, no fault", "single job async, one of 3 killed at 50 %"]
+    for arm, row in list(rows.items())[:7]:
+        assert not row["job_lost"], arm
+        assert row["final_loss"] < data["rows"]["OuterService async, no fault"]["initial_loss"], arm
+    for engine in ("OuterService async", "torchft DiLoCo"):
+        assert rows[f"{engine}, one of 3 killed at 50 %"]["exit_codes"][2] == -9  # the last worker or job
+    assert rows["OuterService async, no fault"]["steps_done"] == 72
+    assert rows["single job async, one of 3 killed at 50 %"]["job_lost"]
+    assert rows["torchft DiLoCo, no fault"]["cpu_per_step"] and rows["single job DiLoCo, no fault"]["cpu_per_step"]
+    assert len(table) == (2 + 8) + (2 + 2)  # the arms' table, then the CPU per inner step of the two DiLoCo arms
 
 
 def test_comm_bytes_table_counts_bytes_to_diloco_f32s_loss_against_ddps(tmp_path):
