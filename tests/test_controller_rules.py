@@ -145,3 +145,17 @@ def test_each_vote_records_where_its_winner_stood_and_whether_it_led_beyond_nois
     assert inside.winner == 1 and (controller.history[-1]["edge"], controller.history[-1]["clear"]) == (0, 0)
     controller.decide(_interval([1.0, 1.5], (0.5, 1.0)))  # no curves (e.g. monitor): the lead is not judged
     assert (controller.history[-1]["edge"], controller.history[-1]["clear"]) == (-1, "")
+
+
+def test_a_vote_on_which_no_group_learned_travels_up_unless_the_net_is_armed():
+    """First step 1.78: every group inside its 2 % band (1.7444 .. 1.8156), nothing caught: a flat vote, the worst
+    group (1) moves one spacing above the highest LR (27 ** 0.75). The same ties with one group above the band
+    (1.9: a blow-up, which arms the safety net from the next vote on; its plateau rule searches down): an ordinary vote, the worst (3) copies
+    the noise winner at its LR x0.8."""
+    grid = (27 ** -0.25, 1.0, 27 ** 0.25, 27 ** 0.5)
+    flat = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8))))
+    decision = flat.decide(_interval([1.795, 1.799, 1.797, 1.796], grid, first=[1.78] * 4))
+    assert decision.multipliers[:, 0].tolist() == pytest.approx([grid[0], 27 ** 0.75, grid[2], grid[3]])
+    armed = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8))))
+    decision = armed.decide(_interval([1.795, 1.799, 1.797, 1.9], grid, first=[1.78] * 4))
+    assert decision.multipliers[3, 0] == pytest.approx(27 ** -0.25 * 0.8)

@@ -126,3 +126,22 @@ def test_copy_plan_one_step_per_source_and_its_matrix():
     assert plan_matrix([MergeStep([0.25] * 4, [1.0] * 4)], 4) == [[0.25] * 4] * 4  # the published mean merge
     with pytest.raises(ValueError, match="sources are not themselves copied into"):
         copy_plan([1, 2, 2])
+
+
+def test_a_flat_vote_travels_up_from_the_highest_lr_at_once():
+    """No group has learned (``Ballot.flat``): the losses are ties, so the highest LR counts as the leader. The mover
+    (the worst by noise, group 1) copies the best and is placed one grid spacing above the highest LR (27 ** 0.75),
+    and the streak counts a top win. The same ballot not flat: the mover takes the noise winner's LR x0.8 and the
+    streak a bottom win. A leader that is the mover itself (the highest LR the worst) is read as voted on."""
+    grid = [27 ** -0.25, 1.0, 27 ** 0.25, 27 ** 0.5]
+    ties = [1.795, 1.799, 1.797, 1.796]
+    rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
+    flat = rule.explore(Ballot(0, ties, grid, [True] * 4, 0.1, True, flat=True), _gen())
+    assert flat.sources == [0, 0, 2, 3] and flat.multipliers == pytest.approx([grid[0], 27 ** 0.75, grid[2], grid[3]])
+    assert rule.streaks == {0: 1}
+    plain_rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
+    plain = plain_rule.explore(Ballot(0, ties, grid, [True] * 4, 0.1, True), _gen())
+    assert plain.multipliers[1] == pytest.approx(27 ** -0.25 * 0.8) and plain_rule.streaks == {0: -1}
+    top_worst = PBT(resample_probability=0.0, factors=(0.8, 0.8)).explore(
+        Ballot(0, [1.795, 1.796, 1.797, 1.799], grid, [True] * 4, 0.1, True, flat=True), _gen())
+    assert top_worst.sources == [0, 1, 2, 0] and top_worst.multipliers[3] == pytest.approx(27 ** 0.75)

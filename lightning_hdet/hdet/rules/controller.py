@@ -22,7 +22,14 @@ from torch import Tensor
 from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
 from lightning_hdet.hdet.hyperparams import refined as refined_tables
 from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, restarted, rose_above_start
+from lightning_hdet.hdet.rules.collapse import (
+    CollapseHistory,
+    Verdict,
+    advance,
+    none_progressed,
+    restarted,
+    rose_above_start,
+)
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
@@ -255,8 +262,9 @@ class HDETController:
         signal = self._scores(interval, healthy)
         table = interval.multipliers.clone()
         weights, winner, sources = [1.0 / num_groups] * num_groups, 0, list(range(num_groups))
+        flat = self._flat(interval, healthy)
         for p, schedule_lr in enumerate(interval.schedule_lrs):
-            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move)
+            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move, flat)
             result = self.rule.explore(ballot, self.generator)
             if interval.explored.lr:  # (explore={"lr": 1.0}: the ballot still weighs and picks the winner)
                 table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
@@ -295,6 +303,15 @@ class HDETController:
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
                         coefficients, strengths, copies, refined=refined, from_initial=restart, explored=explored,
                         warning=warning)
+
+    def _flat(self, interval: Interval, healthy: Sequence[bool]) -> bool:
+        """Whether no group has learned yet and none has failed (:attr:`Ballot.flat`): every healthy group's loss
+        at or above its starting level's band's lower edge and none above it, the safety net not armed (no group
+        caught, no ladder: a too-high LR shows itself, and the plateau rule then searches down), after warm-up."""
+        if self.plateau_armed or interval.final or interval.step < self.config.warmup_steps:
+            return False
+        history = self.collapse_history
+        return none_progressed(history, interval.losses, healthy) and not rose_above_start(history, interval.losses)
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""

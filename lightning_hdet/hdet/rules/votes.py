@@ -85,6 +85,9 @@ class Ballot(KnownArguments):
     healthy: Sequence[bool]  # groups the safety net did not catch
     schedule_lr: float  # the LR the optimizer/scheduler says for this param group
     move: bool  # False before ``warmup_steps`` and at the final merge: weigh, but leave the LRs alone
+    # No group has left the untrained loss and none has failed (collapse.none_progressed, the safety net unarmed):
+    # the losses are ties, and the LRs tried are too low to show anything yet (a too-high one shows by failing).
+    flat: bool = False
 
 
 class Vote(KnownArguments):
