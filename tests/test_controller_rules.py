@@ -147,15 +147,17 @@ def test_each_vote_records_where_its_winner_stood_and_whether_it_led_beyond_nois
     assert (controller.history[-1]["edge"], controller.history[-1]["clear"]) == (-1, "")
 
 
-def test_a_vote_on_which_no_group_learned_travels_up_unless_the_net_is_armed():
-    """First step 1.78: every group inside its 2 % band (1.7444 .. 1.8156), nothing caught: a flat vote, the worst
-    group (1) moves one spacing above the highest LR (27 ** 0.75). The same ties with one group above the band
-    (1.9: a blow-up, which arms the safety net from the next vote on; its plateau rule searches down): an ordinary vote, the worst (3) copies
-    the noise winner at its LR x0.8."""
+def test_a_vote_on_which_no_group_learned_travels_the_way_the_losses_name():
+    """First step 1.78: every group inside its 2 % band (1.7444 .. 1.8156), nothing caught: every LR too low, the
+    worst two (1, 2) probe one and two spacings above the highest LR (27 ** 0.75, 27). The same ties with one group
+    above the band (1.9: it blew up): too high, the worst two (3, 1) probe below the lowest (27 ** -0.5,
+    27 ** -0.75). One group below the band (1.70: it learned): an ordinary vote, the worst (1) copies the winner (3) x1.2."""
     grid = (27 ** -0.25, 1.0, 27 ** 0.25, 27 ** 0.5)
-    flat = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8))))
-    decision = flat.decide(_interval([1.795, 1.799, 1.797, 1.796], grid, first=[1.78] * 4))
-    assert decision.multipliers[:, 0].tolist() == pytest.approx([grid[0], 27 ** 0.75, grid[2], grid[3]])
-    armed = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8))))
-    decision = armed.decide(_interval([1.795, 1.799, 1.797, 1.9], grid, first=[1.78] * 4))
-    assert decision.multipliers[3, 0] == pytest.approx(27 ** -0.25 * 0.8)
+
+    def moved(losses):
+        controller = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8))))
+        return controller.decide(_interval(losses, grid, first=[1.78] * 4)).multipliers[:, 0].tolist()
+
+    assert moved([1.795, 1.799, 1.797, 1.796]) == pytest.approx([grid[0], 27 ** 0.75, 27.0, grid[3]])
+    assert moved([1.795, 1.799, 1.797, 1.9]) == pytest.approx([grid[0], 27 ** -0.5, grid[2], 27 ** -0.75])
+    assert moved([1.795, 1.799, 1.797, 1.70]) == pytest.approx([grid[0], 27 ** 0.5 * 1.2, grid[2], grid[3]])

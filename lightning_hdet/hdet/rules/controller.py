@@ -262,9 +262,9 @@ class HDETController:
         signal = self._scores(interval, healthy)
         table = interval.multipliers.clone()
         weights, winner, sources = [1.0 / num_groups] * num_groups, 0, list(range(num_groups))
-        flat = self._flat(interval, healthy)
+        direction = self._direction(interval, healthy)
         for p, schedule_lr in enumerate(interval.schedule_lrs):
-            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move, flat)
+            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move, direction)
             result = self.rule.explore(ballot, self.generator)
             if interval.explored.lr:  # (explore={"lr": 1.0}: the ballot still weighs and picks the winner)
                 table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
@@ -304,14 +304,17 @@ class HDETController:
                         coefficients, strengths, copies, refined=refined, from_initial=restart, explored=explored,
                         warning=warning)
 
-    def _flat(self, interval: Interval, healthy: Sequence[bool]) -> bool:
-        """Whether no group has learned yet and none has failed (:attr:`Ballot.flat`): every healthy group's loss
-        at or above its starting level's band's lower edge and none above it, the safety net not armed (no group
-        caught, no ladder: a too-high LR shows itself, and the plateau rule then searches down), after warm-up."""
-        if self.plateau_armed or interval.final or interval.step < self.config.warmup_steps:
-            return False
-        history = self.collapse_history
-        return none_progressed(history, interval.losses, healthy) and not rose_above_start(history, interval.losses)
+    def _direction(self, interval: Interval, healthy: Sequence[bool]) -> int:
+        """:attr:`Ballot.direction`: where the LRs must go while no healthy group has learned yet (every loss at or
+        above its starting level's band's lower edge), after warm-up: down where some group failed (a loss above
+        that band, or not finite), up where none did and the safety net is not armed (no group caught before, no
+        ladder: the plateau rule searches down then); 0 otherwise."""
+        history, losses = self.collapse_history, interval.losses
+        if interval.final or interval.step < self.config.warmup_steps or not none_progressed(history, losses, healthy):
+            return 0
+        if rose_above_start(history, losses):
+            return -1
+        return 0 if self.plateau_armed else 1
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
