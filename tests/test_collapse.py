@@ -13,6 +13,8 @@ from lightning_hdet.hdet.rules.collapse import (
     is_good,
     judge,
     none_progressed,
+    restarted,
+    risen,
     rose_above_start,
 )
 from lightning_hdet.hdet.rules.safety_net import SafetyNet
@@ -192,3 +194,14 @@ def test_none_progressed_until_a_healthy_group_is_below_its_starting_band():
     assert none_progressed(history, [1.80, 1.0, 1.79], [True, False, True])
     assert not none_progressed(CollapseHistory(), [1.8] * 3, [True] * 3)
     assert not none_progressed(history, [1.8] * 3, [False] * 3)
+
+
+def test_risen_names_the_groups_above_their_band_and_a_restart_forgets_only_the_flagged_ones():
+    """Start 1.78 +- 0.0356: 1.82 and NaN rose, 1.80 did not, an unknown level says nothing. Restarting group 1
+    forgets its previous interval, stall count and departure; group 0 keeps them."""
+    history = CollapseHistory([1.78, 1.78, 1.78, math.nan], [1.5, 1.6, 1.7, 1.7], [1, 1, 0, 0], [0.001] * 4,
+                              [True, True, False, False])
+    assert risen(history, [1.82, math.nan, 1.80, 9.0]) == [True, True, False, False]
+    fresh = restarted(history, [False, True, False, False])
+    assert fresh.previous[0] == 1.5 and math.isnan(fresh.previous[1]) and fresh.stalled == [1, 0, 0, 0]
+    assert fresh.left == [True, False, False, False] and fresh.start[:3] == [1.78] * 3

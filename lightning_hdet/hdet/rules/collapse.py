@@ -221,23 +221,30 @@ def advance(
     return CollapseHistory(start, previous, stalled, error, left)
 
 
-def restarted(history: CollapseHistory) -> CollapseHistory:
-    """The history after every group restarted from the initial model (``Search.restart_below``): the starting
-    levels stand (the same model), the previous intervals, stall counts and departures from the start are forgotten,
-    so the climb back to the starting level does not read as a rise."""
+def restarted(history: CollapseHistory, groups: Optional[Sequence[bool]] = None) -> CollapseHistory:
+    """The history after every group (or those flagged in ``groups``) restarted from the initial model
+    (``Search.restart_below``, a probe below a too-high grid): the starting levels stand (the same model), their
+    previous intervals, stall counts and departures from the start are forgotten, so the climb back to the starting
+    level does not read as a rise."""
     n = len(history.start)
-    return CollapseHistory(list(history.start), [NAN] * n, [0] * n, list(history.start_error), [False] * n)
+    fresh = [True] * n if groups is None else list(groups)
+    return CollapseHistory(list(history.start), [NAN if f else x for f, x in zip(fresh, history.previous)],
+                           [0 if f else x for f, x in zip(fresh, history.stalled)], list(history.start_error),
+                           [False if f else x for f, x in zip(fresh, history.left)])
 
 
 def rose_above_start(history: CollapseHistory, losses: Sequence[float]) -> bool:
-    """Whether some group's loss is above its starting level's band (:meth:`CollapseHistory.level_band`: a blow-up,
-    or a collapse knocked above the untrained level; an infinite or NaN loss counts; groups whose level is unknown
-    do not)."""
-    for g, loss in enumerate(losses):
-        if g < len(history.start) and g < len(history.start_error) and math.isfinite(history.start[g]):
-            if not loss <= history.level_band(g)[1]:
-                return True
-    return False
+    """Whether some group's loss is above its starting level's band (:func:`risen`)."""
+    return any(risen(history, losses))
+
+
+def risen(history: CollapseHistory, losses: Sequence[float]) -> list[bool]:
+    """Which groups' losses are above their starting level's band (:meth:`CollapseHistory.level_band`: a blow-up,
+    or a collapse knocked above the untrained level; an infinite or NaN loss counts; a group whose level is unknown
+    does not)."""
+    known = [g < len(history.start) and g < len(history.start_error) and math.isfinite(history.start[g])
+             for g in range(len(losses))]
+    return [k and not loss <= history.level_band(g)[1] for g, (k, loss) in enumerate(zip(known, losses))]
 
 
 def none_progressed(history: CollapseHistory, losses: Sequence[float], healthy: Sequence[bool]) -> bool:

@@ -28,6 +28,7 @@ from lightning_hdet.hdet.rules.collapse import (
     advance,
     none_progressed,
     restarted,
+    risen,
     rose_above_start,
 )
 from lightning_hdet.hdet.rules.config import HDETConfig
@@ -44,7 +45,7 @@ from lightning_hdet.hdet.rules.plateau import (
 )
 from lightning_hdet.hdet.rules.search_end import SearchPhase
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
-from lightning_hdet.hdet.rules.signals import curve_error
+from lightning_hdet.hdet.rules.signals import bin_means, curve_error
 from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, edge_of, winner_of
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class HDETController:
         self.run_steps: Optional[int] = None  # the run's length where known (the callback sizes it): plateau patience
         self.plateau_cuts = 0  # votes at which every group was stuck: a roll-back onto the downward ladder
         self.plateau_armed = False  # whether the run has failed yet: only then may a plateau count as stuck
+        self.rose_seen = False  # some group's loss (or training-loss bin) rose above its start: LRs may be too high
         self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
         self.history: list[dict[str, Any]] = []
         self.rescues = 0
@@ -238,8 +240,10 @@ class HDETController:
         rule = replace(rule, steps=judged_at(steps, self.run_steps, interval.step))
         # The plateau rule acts only once the run has shown a failure (plateau.py): a group caught, now or before,
         # or a loss above its starting level (a collapse knocked above it that no other rule caught).
-        self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or rose_above_start(
-            self.collapse_history.sized(len(interval.losses)), interval.losses)
+        # A training-loss bin above it counts too (rose_seen, from the last vote's curves: a vote on ``monitor`` reads a
+        # validation that may be back at the untrained level by then).
+        self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or self.rose_seen or \
+            rose_above_start(self.collapse_history.sized(len(interval.losses)), interval.losses)
         plateau = judge_plateau(rule, self.plateau_history, verdict, interval.losses, interval.step, errors, progress,
                                 self.plateau_armed)
         self.plateau_history = plateau.history
@@ -299,22 +303,48 @@ class HDETController:
                 self.collapse_history = restarted(self.collapse_history)
             table = grid if interval.explored.lr else table  # (explore={"lr": 1.0}: the LRs stay)
             explored = refined_tables(explored, winner, self.search_phase.refine_spread)
+        elif direction < 0 and interval.holds_initial and self.keeps_initial:
+            restart = self._below(interval, table, sources)
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
                         coefficients, strengths, copies, refined=refined, from_initial=restart, explored=explored,
                         warning=warning)
 
+    def _below(self, interval: Interval, table: Tensor, sources: Sequence[int]) -> list[bool]:
+        """The movers of a too-high vote placed below every LR voted on: they restart from the initial model (the
+        model a too-high LR left is often dead, as a ladder's lower half finds: plateau.py), their collapse
+        history forgotten (the climb back to the starting level is no rise)."""
+        lowest = float(interval.multipliers[:, 0].min())
+        below = [sources[g] != g and float(table[g, 0]) < lowest * (1 - 1e-9) for g in range(len(sources))]
+        if any(below):
+            self.collapse_history = restarted(self.collapse_history, below)
+        return below if any(below) else []
+
     def _direction(self, interval: Interval, healthy: Sequence[bool]) -> int:
         """:attr:`Ballot.direction`: where the LRs must go while no healthy group has learned yet (every loss at or
-        above its starting level's band's lower edge), after warm-up: down where some group failed (a loss above
-        that band, or not finite), up where none did and the safety net is not armed (no group caught before, no
-        ladder: the plateau rule searches down then); 0 otherwise."""
+        above its starting level's band's lower edge), after warm-up: down where every healthy group rose above
+        that band (:meth:`_risen`: each LR tried is too high), up where no group ever rose and the safety net is
+        not armed (no group caught, no ladder); 0 otherwise (a group that rose beside flat ones says only that its
+        own LR is too high: the vote moves it)."""
         history, losses = self.collapse_history, interval.losses
+        rose = self._risen(interval)
+        self.rose_seen = self.rose_seen or any(rose)
         if interval.final or interval.step < self.config.warmup_steps or not none_progressed(history, losses, healthy):
             return 0
-        if rose_above_start(history, losses):
+        if all(r for r, ok in zip(rose, healthy) if ok):
             return -1
-        return 0 if self.plateau_armed else 1
+        return 0 if self.plateau_armed or self.rose_seen else 1
+
+    def _risen(self, interval: Interval) -> list[bool]:
+        """Which groups rose above their starting level's band at this vote (:func:`risen`): by the vote's loss, or
+        by any bin of their training-loss curve (a blow-up the validation a vote on ``monitor`` reads later no
+        longer shows: AdamW 40x too high on a CNN sits at chance by then)."""
+        history = self.collapse_history
+        rose = risen(history, interval.losses)
+        if interval.curves is None:
+            return rose
+        peaks = [max((m for _, m in bin_means(row)), default=-math.inf) for row in interval.curves.tolist()]
+        return [a or b for a, b in zip(rose, risen(history, peaks))]
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
@@ -369,6 +399,7 @@ class HDETController:
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
+            "rose_seen": self.rose_seen,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -384,6 +415,7 @@ class HDETController:
         self.plateau_history.load_state_dict(state_dict["plateau"])
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
+        self.rose_seen = state_dict.get("rose_seen", False)  # (absent from older checkpoints)
 
 
 # Standard errors by which the winner must lead the runner-up for a vote to count as decided (a one-look test).
