@@ -26,12 +26,11 @@ from lightning_hdet.hdet.rules.collapse import (
     CollapseHistory,
     Verdict,
     advance,
-    none_progressed,
     restarted,
-    risen,
     rose_above_start,
 )
 from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.direction import below_grid, direction, risen_now
 from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
@@ -45,7 +44,7 @@ from lightning_hdet.hdet.rules.plateau import (
 )
 from lightning_hdet.hdet.rules.search_end import SearchPhase
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
-from lightning_hdet.hdet.rules.signals import bin_means, curve_error
+from lightning_hdet.hdet.rules.signals import curve_error
 from lightning_hdet.hdet.rules.votes import Ballot, Vote, divergent, edge_of, winner_of
 
 log = logging.getLogger(__name__)
@@ -266,9 +265,9 @@ class HDETController:
         signal = self._scores(interval, healthy)
         table = interval.multipliers.clone()
         weights, winner, sources = [1.0 / num_groups] * num_groups, 0, list(range(num_groups))
-        direction = self._direction(interval, healthy)
+        going = self._direction(interval, healthy)
         for p, schedule_lr in enumerate(interval.schedule_lrs):
-            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move, direction)
+            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move, going)
             result = self.rule.explore(ballot, self.generator)
             if interval.explored.lr:  # (explore={"lr": 1.0}: the ballot still weighs and picks the winner)
                 table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
@@ -303,48 +302,23 @@ class HDETController:
                 self.collapse_history = restarted(self.collapse_history)
             table = grid if interval.explored.lr else table  # (explore={"lr": 1.0}: the LRs stay)
             explored = refined_tables(explored, winner, self.search_phase.refine_spread)
-        elif direction < 0 and interval.holds_initial and self.keeps_initial:
-            restart = self._below(interval, table, sources)
+        elif going < 0 and interval.holds_initial and self.keeps_initial:
+            restart = below_grid(interval.multipliers[:, 0].tolist(), table[:, 0].tolist(), sources)
+            self.collapse_history = restarted(self.collapse_history, restart) if restart else self.collapse_history
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
                         coefficients, strengths, copies, refined=refined, from_initial=restart, explored=explored,
                         warning=warning)
 
-    def _below(self, interval: Interval, table: Tensor, sources: Sequence[int]) -> list[bool]:
-        """The movers of a too-high vote placed below every LR voted on: they restart from the initial model (the
-        model a too-high LR left is often dead, as a ladder's lower half finds: plateau.py), their collapse
-        history forgotten (the climb back to the starting level is no rise)."""
-        lowest = float(interval.multipliers[:, 0].min())
-        below = [sources[g] != g and float(table[g, 0]) < lowest * (1 - 1e-9) for g in range(len(sources))]
-        if any(below):
-            self.collapse_history = restarted(self.collapse_history, below)
-        return below if any(below) else []
-
     def _direction(self, interval: Interval, healthy: Sequence[bool]) -> int:
-        """:attr:`Ballot.direction`: where the LRs must go while no healthy group has learned yet (every loss at or
-        above its starting level's band's lower edge), after warm-up: down where every healthy group rose above
-        that band (:meth:`_risen`: each LR tried is too high), up where no group ever rose and the safety net is
-        not armed (no group caught, no ladder); 0 otherwise (a group that rose beside flat ones says only that its
-        own LR is too high: the vote moves it)."""
-        history, losses = self.collapse_history, interval.losses
-        rose = self._risen(interval)
+        """:attr:`Ballot.direction` (:mod:`~lightning_hdet.hdet.rules.direction`), after warm-up and before the final
+        merge; it remembers whether a group rose (``rose_seen``)."""
+        rose = risen_now(self.collapse_history, interval.losses, interval.curves)
+        failed_before = self.plateau_armed or self.rose_seen
         self.rose_seen = self.rose_seen or any(rose)
-        if interval.final or interval.step < self.config.warmup_steps or not none_progressed(history, losses, healthy):
+        if interval.final or interval.step < self.config.warmup_steps:
             return 0
-        if all(r for r, ok in zip(rose, healthy) if ok):
-            return -1
-        return 0 if self.plateau_armed or self.rose_seen else 1
-
-    def _risen(self, interval: Interval) -> list[bool]:
-        """Which groups rose above their starting level's band at this vote (:func:`risen`): by the vote's loss, or
-        by any bin of their training-loss curve (a blow-up the validation a vote on ``monitor`` reads later no
-        longer shows: AdamW 40x too high on a CNN sits at chance by then)."""
-        history = self.collapse_history
-        rose = risen(history, interval.losses)
-        if interval.curves is None:
-            return rose
-        peaks = [max((m for _, m in bin_means(row)), default=-math.inf) for row in interval.curves.tolist()]
-        return [a or b for a, b in zip(rose, risen(history, peaks))]
+        return direction(self.collapse_history, interval.losses, healthy, rose, failed_before)
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
