@@ -187,4 +187,7 @@ def test_a_training_loss_that_rose_blocks_the_upward_travel_of_a_monitored_vote(
     assert controller.rose_seen and max(first.multipliers[:, 0].tolist()) == pytest.approx(grid[3])
     flat = controller.decide(_interval([1.795, 1.799, 1.797, 1.796], grid, step=8))
     assert max(flat.multipliers[:, 0].tolist()) == pytest.approx(grid[3])
-    assert HDETController(HDETConfig()).state_dict()["rose_seen"] is False
+    assert "rose_seen" not in HDETController(HDETConfig()).state_dict()  # (as in checkpoints from before it)
+    resumed = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8)), monitor="val_loss"))
+    resumed.load_state_dict(controller.state_dict())
+    assert resumed.rose_seen

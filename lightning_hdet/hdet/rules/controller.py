@@ -373,7 +373,7 @@ class HDETController:
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
-            "rose_seen": self.rose_seen,
+            **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
