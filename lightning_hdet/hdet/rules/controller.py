@@ -311,12 +311,15 @@ class HDETController:
                         warning=warning)
 
     def _direction(self, interval: Interval, healthy: Sequence[bool]) -> int:
-        """:attr:`Ballot.direction` (:mod:`~lightning_hdet.hdet.rules.direction`), after warm-up and before the final
-        merge; it remembers whether a group rose (``rose_seen``)."""
+        """:attr:`Ballot.direction` (:mod:`~lightning_hdet.hdet.rules.direction`), inside the search (``Search``, not
+        yet ended: it ends only on a winner that learned) and after warm-up; it remembers whether a group rose
+        (``rose_seen``). After the search, or without one, a flat loss is no reason to travel: a converged run or a
+        fine-tune moves little, and ties there must not walk the LRs up vote after vote."""
         rose = risen_now(self.collapse_history, interval.losses, interval.curves)
         failed_before = self.plateau_armed or self.rose_seen
         self.rose_seen = self.rose_seen or any(rose)
-        if interval.final or interval.step < self.config.warmup_steps:
+        phase = self.search_phase
+        if interval.final or interval.step < self.config.warmup_steps or phase.steps is None or phase.searched_at:
             return 0
         return direction(self.collapse_history, interval.losses, healthy, rose, failed_before)
 
