@@ -261,11 +261,11 @@ def none_progressed(history: CollapseHistory, losses: Sequence[float], healthy: 
 
 
 def has_progressed(history: CollapseHistory, group: int, loss: float) -> bool:
-    """Whether ``loss`` is below group ``group``'s starting level's band (:meth:`CollapseHistory.level_band`: at
-    least ``LEVEL_TOLERANCE`` below it, as :func:`none_progressed` asks; True where that level is unknown)."""
+    """Whether ``loss`` is below group ``group``'s starting level less ``NOISE_Z`` standard errors (True where that
+    level is unknown)."""
     if group >= len(history.start) or group >= len(history.start_error):
         return True
-    start = history.level_band(group)[0]
+    start = history.band(group)[0]
     return not math.isfinite(start) or loss < start
 
 
