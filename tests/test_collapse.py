@@ -6,7 +6,17 @@ import math
 
 import pytest
 
-from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, is_good, judge
+from lightning_hdet.hdet.rules.collapse import (
+    CollapseHistory,
+    Verdict,
+    advance,
+    is_good,
+    judge,
+    none_progressed,
+    restarted,
+    risen,
+    rose_above_start,
+)
 from lightning_hdet.hdet.rules.safety_net import SafetyNet
 
 OK = [True, True, True]
@@ -157,3 +167,41 @@ def test_an_ensemble_back_at_its_untrained_loss_counts_as_risen_at_once():
     assert noisy.reasons == [""] * 4  # 1.80 - 2 x 0.02 = 1.76 is below the edge: not believed yet
     assert judge(SafetyNet(rise_margin=None), history, [1.878] * 4, [True] * 4).reasons == [""] * 4
     assert judge(SafetyNet(), history, [1.878] * 4, [True] * 4, progress=False).reasons == [""] * 4
+
+
+def test_a_loss_within_two_percent_of_its_start_has_not_left_it():
+    """Issue 59's CNN with SGD 40x too low: the untrained model's validation loss sat at 1.798-1.805 against a first
+    training batch of about 1.78 with a tiny error (every item's loss is about ln 6), outside two standard errors:
+    the stall rule counted it as having left its start, then as stalled, and the plateau rule cut every LR 20-100x.
+    The band is at least 2 % of the level either side: 1.78 +- 0.0356 = 1.7444 .. 1.8156."""
+    rule = SafetyNet(stall_patience=1)
+    history = CollapseHistory([1.78], [math.nan], [0], [0.001], [False])
+    verdict = judge(rule, history, [1.805], [True])
+    assert verdict.reasons == [""] and advance(history, verdict, [1.805], rolled_back=False).left == [False]
+    assert judge(rule, history, [1.82], [True]).reasons == ["stalled"]  # knocked above the band: left, at start
+    assert not rose_above_start(history, [1.805]) and rose_above_start(history, [1.82])
+    wide = CollapseHistory([1.0], [math.nan], [0], [0.1], [False])  # 2 standard errors (0.2) beyond 2 %: they hold
+    assert wide.level_band(0) == pytest.approx((0.8, 1.2))
+
+
+def test_none_progressed_until_a_healthy_group_is_below_its_starting_band():
+    """Start 1.78 +- 0.0356 (2 %): 1.75 has not progressed, 1.74 has; above the band is no progress either (a
+    rise is the safety net's to judge). A caught group does not count; an unknown level or no healthy group says
+    nothing (False)."""
+    history = CollapseHistory([1.78] * 3, [math.nan] * 3, [0] * 3, [0.001] * 3, [False] * 3)
+    assert none_progressed(history, [1.80, 1.75, 1.90], [True] * 3)
+    assert not none_progressed(history, [1.80, 1.74, 1.79], [True] * 3)
+    assert none_progressed(history, [1.80, 1.0, 1.79], [True, False, True])
+    assert not none_progressed(CollapseHistory(), [1.8] * 3, [True] * 3)
+    assert not none_progressed(history, [1.8] * 3, [False] * 3)
+
+
+def test_risen_names_the_groups_above_their_band_and_a_restart_forgets_only_the_flagged_ones():
+    """Start 1.78 +- 0.0356: 1.82 and NaN rose, 1.80 did not, an unknown level says nothing. Restarting group 1
+    forgets its previous interval, stall count and departure; group 0 keeps them."""
+    history = CollapseHistory([1.78, 1.78, 1.78, math.nan], [1.5, 1.6, 1.7, 1.7], [1, 1, 0, 0], [0.001] * 4,
+                              [True, True, False, False])
+    assert risen(history, [1.82, math.nan, 1.80, 9.0]) == [True, True, False, False]
+    fresh = restarted(history, [False, True, False, False])
+    assert fresh.previous[0] == 1.5 and math.isnan(fresh.previous[1]) and fresh.stalled == [1, 0, 0, 0]
+    assert fresh.left == [True, False, False, False] and fresh.start[:3] == [1.78] * 3

@@ -9,7 +9,7 @@ import torch
 
 from dataclasses import dataclass
 
-from lightning_hdet import PBT, Best, HDETCallback, SafetyNet, Softmax
+from lightning_hdet import PBT, Best, HDETCallback, SafetyNet, Search, Softmax
 from lightning_hdet.hdet.rules.options import Signal
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
@@ -145,3 +145,55 @@ def test_each_vote_records_where_its_winner_stood_and_whether_it_led_beyond_nois
     assert inside.winner == 1 and (controller.history[-1]["edge"], controller.history[-1]["clear"]) == (0, 0)
     controller.decide(_interval([1.0, 1.5], (0.5, 1.0)))  # no curves (e.g. monitor): the lead is not judged
     assert (controller.history[-1]["edge"], controller.history[-1]["clear"]) == (-1, "")
+
+
+def test_a_vote_on_which_no_group_learned_travels_the_way_the_losses_name():
+    """First step 1.78: every group inside its 2 % band (1.7444 .. 1.8156), none ever above it, nothing caught:
+    every LR too low, the worst two (1, 2) probe one and two spacings above the highest LR (27 ** 0.75, 27). Every
+    group above the band (they blew up): every LR too high, the worst two (3, 1) probe below the lowest
+    (27 ** -0.5, 27 ** -0.75) and restart from the initial model. One group above the band beside flat ones: only
+    its LR is too high, an ordinary vote (the worst, 3, copies the noise winner x0.8). One group below the band
+    (1.70: it learned): an ordinary vote, the worst (1) copies the winner (3) x1.2. All inside the search: without
+    one, ties are an ordinary vote."""
+    grid = (27 ** -0.25, 1.0, 27 ** 0.25, 27 ** 0.5)
+
+    def decided(losses, search=Search(steps=100)):
+        controller = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8)),
+                                               search=search))
+        return controller.decide(_interval(losses, grid, first=[1.78] * 4))
+
+    up = decided([1.795, 1.799, 1.797, 1.796])
+    assert up.multipliers[:, 0].tolist() == pytest.approx([grid[0], 27 ** 0.75, 27.0, grid[3]]) and not up.from_initial
+    down = decided([1.83, 1.95, 1.84, 2.4])
+    assert down.multipliers[:, 0].tolist() == pytest.approx([grid[0], 27 ** -0.5, grid[2], 27 ** -0.75])
+    assert down.from_initial == [False, True, False, True]
+    one = decided([1.795, 1.799, 1.797, 1.9])
+    assert one.multipliers[:, 0].tolist() == pytest.approx([grid[0], grid[1], grid[2], 27 ** -0.25 * 0.8])
+    learned = decided([1.795, 1.799, 1.797, 1.70])
+    assert learned.multipliers[:, 0].tolist() == pytest.approx([grid[0], 27 ** 0.5 * 1.2, grid[2], grid[3]])
+    # No search (or after it ended): ties are an ordinary vote, the worst (1) copies the noise winner (0) x0.8.
+    plain = decided([1.795, 1.799, 1.797, 1.796], search=None)
+    assert plain.multipliers[:, 0].tolist() == pytest.approx([grid[0], 27 ** -0.25 * 0.8, grid[2], grid[3]])
+
+
+def test_a_training_loss_that_rose_blocks_the_upward_travel_of_a_monitored_vote():
+    """Votes on a monitored metric: the validation losses are ties inside the band, but group 3's training-loss
+    curve peaked above it (3.0 in its first bin: a blow-up the validation no longer shows) — that group rose, so
+    every later flat vote stays an ordinary one (no upward travel), here and at the next vote."""
+    grid = (27 ** -0.25, 1.0, 27 ** 0.25, 27 ** 0.5)
+    curves = []
+    for g in range(4):
+        curve = LossCurve(8, 8)
+        for t in range(8):
+            curve.add(t, torch.tensor(3.0 if g == 3 and t == 0 else 1.79))
+        curves.append(curve.row())
+    controller = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8)), monitor="val_loss",
+                                           search=Search(steps=100)))
+    first = controller.decide(_interval([1.795, 1.799, 1.797, 1.796], grid, curves=torch.stack(curves), first=[1.78] * 4))
+    assert controller.rose_seen and max(first.multipliers[:, 0].tolist()) == pytest.approx(grid[3])
+    flat = controller.decide(_interval([1.795, 1.799, 1.797, 1.796], grid, step=8))
+    assert max(flat.multipliers[:, 0].tolist()) == pytest.approx(grid[3])
+    assert "rose_seen" not in HDETController(HDETConfig()).state_dict()  # (as in checkpoints from before it)
+    resumed = HDETController(HDETConfig(vote=PBT(resample_probability=0.0, factors=(0.8, 0.8)), monitor="val_loss"))
+    resumed.load_state_dict(controller.state_dict())
+    assert resumed.rose_seen

@@ -197,6 +197,18 @@ def test_a_restart_from_the_initial_model_makes_it_the_restore_point_and_changes
     assert world.params.flatten().tolist() == ([5.0, 5.0] if held else [6.5, 6.5])
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["held", "none-held"])
+def test_the_flagged_groups_restart_from_the_initial_model_and_the_others_keep_theirs(held):
+    """From 5 the groups train to 6 and 7; group 1, flagged (a probe below a too-high grid), takes the initial
+    model (5) and restarts its optimizer, group 0 keeps 6; without an initial model held nothing changes."""
+    world = FakeWorld(params=[5.0], lr_multipliers=[1.0, 2.0], num_groups=2)
+    world.run(lambda executor: executor.hdet.merger.ensure_restore_point(keep_initial=held))
+    world.run(lambda executor: executor.params.add_(1.0 + executor.group_index))
+    assert world.run(lambda executor: executor.hdet.merger.restart_groups([False, True])) == [held, held]
+    assert world.params.flatten().tolist() == ([6.0, 5.0] if held else [6.0, 7.0])
+    assert world.restarts == ([0, 1] if held else [0, 0])
+
+
 def test_the_fake_holds_every_rank_to_the_same_calls():
     world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
     with pytest.raises(AssertionError, match=r"group [01] called .*set_lr_multipliers.* while group [01] called"):

@@ -126,3 +126,28 @@ def test_copy_plan_one_step_per_source_and_its_matrix():
     assert plan_matrix([MergeStep([0.25] * 4, [1.0] * 4)], 4) == [[0.25] * 4] * 4  # the published mean merge
     with pytest.raises(ValueError, match="sources are not themselves copied into"):
         copy_plan([1, 2, 2])
+
+
+def test_a_vote_on_which_no_group_learned_probes_beyond_the_edge_it_names():
+    """No group has learned (``Ballot.direction``): the losses are ties, so the edge the direction names leads. Up:
+    half the groups (the worst by noise, 1 and 2) copy the best two and probe one and two grid spacings above the
+    highest LR (27 ** 0.75, 27), and the streak counts a top win; down: the same below the lowest (27 ** -0.5,
+    27 ** -0.75). The same ballot without a direction: one mover, at the noise winner's LR x0.8, a bottom win. A
+    leader that is a mover itself (the highest LR the worst) is read as voted on."""
+    grid = [27 ** -0.25, 1.0, 27 ** 0.25, 27 ** 0.5]
+    ties = [1.795, 1.799, 1.797, 1.796]
+    rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
+    up = rule.explore(Ballot(0, ties, grid, [True] * 4, 0.1, True, direction=1), _gen())
+    assert up.sources == [0, 0, 3, 3] and up.multipliers == pytest.approx([grid[0], 27 ** 0.75, 27.0, grid[3]])
+    assert rule.streaks == {0: 1}
+    down_rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
+    down = down_rule.explore(Ballot(0, ties, grid, [True] * 4, 0.1, True, direction=-1), _gen())
+    assert down.multipliers == pytest.approx([grid[0], 27 ** -0.5, 27 ** -0.75, grid[3]])
+    assert down_rule.streaks == {0: -1}
+    plain_rule = PBT(resample_probability=0.0, factors=(0.8, 0.8))
+    plain = plain_rule.explore(Ballot(0, ties, grid, [True] * 4, 0.1, True), _gen())
+    assert plain.sources == [0, 0, 2, 3] and plain.multipliers[1] == pytest.approx(27 ** -0.25 * 0.8)
+    assert plain_rule.streaks == {0: -1}
+    top_worst = PBT(resample_probability=0.0, factors=(0.8, 0.8)).explore(
+        Ballot(0, [1.795, 1.796, 1.797, 1.799], grid, [True] * 4, 0.1, True, direction=1), _gen())
+    assert top_worst.sources == [0, 1, 1, 0] and top_worst.multipliers[2:] == pytest.approx([27 ** 0.75, 27.0])

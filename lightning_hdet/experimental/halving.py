@@ -32,5 +32,6 @@ class Halving(PBT):
     def _moves(self, ballot: Ballot, pairs: dict[int, int], generator: torch.Generator) -> dict[int, float]:
         return {g: ballot.multipliers[src] for g, src in pairs.items()}
 
-    def _keep_spread(self, multipliers: list[float], leader: int, movers: list[int], travel: float = 0.0) -> None:
+    def _keep_spread(self, multipliers: list[float], lead: float, movers: list[int], travel: float = 0.0,
+                     direction: int = 0) -> None:
         """Nothing: halving narrows the population on purpose."""

@@ -382,6 +382,10 @@ class _CheckedMerger(Merger):
         self._agree("restore", tuple(map(bool, initial)))
         super().restore(initial)
 
+    def restart_groups(self, initial: Sequence[bool]) -> bool:
+        self._agree("restart_groups", tuple(map(bool, initial)))
+        return super().restart_groups(initial)
+
     def restart_from_initial(self) -> bool:
         self._agree("restart_from_initial")
         return super().restart_from_initial()

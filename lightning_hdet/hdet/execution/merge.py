@@ -187,6 +187,17 @@ class Merger:
         self.site.clear_optimizer_state()
         log.debug("roll-back to the %s", "initial model" if fresh else "restore point")
 
+    def restart_groups(self, initial: Sequence[bool]) -> bool:
+        """The groups flagged in ``initial`` take the initial model and restart their optimizer state; the others
+        keep theirs (no collective). ``False``, and nothing changes, where no initial model is held."""
+        held = self._initial_point
+        if held is None:
+            return False
+        if initial[self.groups.group_index]:
+            write_from(self._restorable_tensors(), held, self.groups.root_device)
+            self.site.clear_optimizer_state()
+        return True
+
     def restart_from_initial(self) -> bool:
         """Every group takes the initial model, which becomes the restore point too (a later roll-back must not
         return to the weights it replaced), and restarts its optimizer state; ``False``, and nothing changes, where

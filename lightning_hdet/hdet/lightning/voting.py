@@ -55,6 +55,8 @@ def execute(hdet: HDETParts, decision: Decision) -> None:
     elif hdet.num_groups > 1:
         for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
             hdet.merger.merge(step.coefficients, step.strengths, restart=decision.restart, keep=decision.keep)
+        if any(decision.from_initial) and not decision.refined:  # probes below a too-high grid (Ballot.direction)
+            hdet.merger.restart_groups(decision.from_initial)
     hdet.table.set(decision.multipliers)
     if decision.explored:
         hdet.set_explored(decision.explored)

@@ -53,6 +53,13 @@ NOISE_Z = 2.0  # standard errors a difference must exceed before the progress ru
 # false alarm would roll a slow start back (what the stall rule's design avoids; tests/test_plateau.py's blip from
 # 6 % below stays noise).
 RELAPSE_DEPTH = 0.10
+# The least a loss must move from its starting level, relative to it, to count as having left it (the rules that ask
+# whether a group has moved at all: `_left_start`, `rose_above_start`, `none_progressed`). A classifier's untrained
+# loss is about the same on every item, so the first step's standard error is tiny, while the validation loss the
+# votes read (`monitor`) of a model that has not learned yet sits up to 1.5 % off the first training batch's (other
+# items; a few steps that moved only the output bias: a CNN with SGD 10-40x too low, issue 59). That offset armed the
+# stall and plateau rules on ensembles that had not learned yet, which then cut every LR 20-100x.
+LEVEL_TOLERANCE = 0.02
 
 
 @dataclass
@@ -81,6 +88,12 @@ class CollapseHistory:
         half = NOISE_Z * self.start_error[g]
         return self.start[g] - half, self.start[g] + half
 
+    def level_band(self, g: int) -> tuple[float, float]:
+        """:meth:`band`, at least ``LEVEL_TOLERANCE`` of the level either side: inside it a loss has not moved."""
+        low, high = self.band(g)
+        half = LEVEL_TOLERANCE * abs(self.start[g])
+        return min(low, self.start[g] - half), max(high, self.start[g] + half)
+
     def state_dict(self) -> dict:
         return {"start": list(self.start), "previous": list(self.previous), "stalled": list(self.stalled),
                 "start_error": list(self.start_error), "left": list(self.left)}
@@ -107,10 +120,10 @@ class Verdict:
 
 
 def _left_start(history: CollapseHistory, g: int, loss: float) -> bool:
-    """Whether group ``g``'s loss has left its starting level's noise band (``NOISE_Z`` standard errors either
-    side), now or at an earlier vote."""
-    start, band = history.start[g], NOISE_Z * history.start_error[g]
-    now = math.isfinite(start) and math.isfinite(loss) and abs(loss - start) > band
+    """Whether group ``g``'s loss has left its starting level's band (:meth:`CollapseHistory.level_band`), now or at
+    an earlier vote."""
+    low, high = history.level_band(g)
+    now = math.isfinite(history.start[g]) and math.isfinite(loss) and not low <= loss <= high
     return history.left[g] or now
 
 
@@ -208,23 +221,43 @@ def advance(
     return CollapseHistory(start, previous, stalled, error, left)
 
 
-def restarted(history: CollapseHistory) -> CollapseHistory:
-    """The history after every group restarted from the initial model (``Search.restart_below``): the starting
-    levels stand (the same model), the previous intervals, stall counts and departures from the start are forgotten,
-    so the climb back to the starting level does not read as a rise."""
+def restarted(history: CollapseHistory, groups: Optional[Sequence[bool]] = None) -> CollapseHistory:
+    """The history after every group (or those flagged in ``groups``) restarted from the initial model
+    (``Search.restart_below``, a probe below a too-high grid): the starting levels stand (the same model), their
+    previous intervals, stall counts and departures from the start are forgotten, so the climb back to the starting
+    level does not read as a rise."""
     n = len(history.start)
-    return CollapseHistory(list(history.start), [NAN] * n, [0] * n, list(history.start_error), [False] * n)
+    fresh = [True] * n if groups is None else list(groups)
+    return CollapseHistory(list(history.start), [NAN if f else x for f, x in zip(fresh, history.previous)],
+                           [0 if f else x for f, x in zip(fresh, history.stalled)], list(history.start_error),
+                           [False if f else x for f, x in zip(fresh, history.left)])
 
 
 def rose_above_start(history: CollapseHistory, losses: Sequence[float]) -> bool:
-    """Whether some group's loss is above its starting level plus ``NOISE_Z`` standard errors (a blow-up, or a
-    collapse knocked above the untrained level; an infinite or NaN loss counts; groups whose level is unknown do
-    not)."""
-    for g, loss in enumerate(losses):
-        if g < len(history.start) and g < len(history.start_error) and math.isfinite(history.start[g]):
-            if not loss <= history.band(g)[1]:
-                return True
-    return False
+    """Whether some group's loss is above its starting level's band (:func:`risen`)."""
+    return any(risen(history, losses))
+
+
+def risen(history: CollapseHistory, losses: Sequence[float]) -> list[bool]:
+    """Which groups' losses are above their starting level's band (:meth:`CollapseHistory.level_band`: a blow-up,
+    or a collapse knocked above the untrained level; an infinite or NaN loss counts; a group whose level is unknown
+    does not)."""
+    known = [g < len(history.start) and g < len(history.start_error) and math.isfinite(history.start[g])
+             for g in range(len(losses))]
+    return [k and not loss <= history.level_band(g)[1] for g, (k, loss) in enumerate(zip(known, losses))]
+
+
+def none_progressed(history: CollapseHistory, losses: Sequence[float], healthy: Sequence[bool]) -> bool:
+    """Whether no healthy group's loss is below its starting level's band (:meth:`CollapseHistory.level_band`): no LR
+    tried has taught the model anything yet. False where no group is healthy or a healthy group's level is unknown
+    (it cannot be said)."""
+    history = history.sized(len(losses))
+    kept = [g for g, ok in enumerate(healthy) if ok]
+    for g in kept:
+        low = history.level_band(g)[0]
+        if not (math.isfinite(low) and losses[g] >= low):
+            return False
+    return bool(kept)
 
 
 def has_progressed(history: CollapseHistory, group: int, loss: float) -> bool:

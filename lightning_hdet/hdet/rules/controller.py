@@ -22,8 +22,15 @@ from torch import Tensor
 from lightning_hdet.hdet.hyperparams import Explored, values, vote_explored
 from lightning_hdet.hdet.hyperparams import refined as refined_tables
 from lightning_hdet.hdet.rules.blends import blend_coefficients, blend_strengths
-from lightning_hdet.hdet.rules.collapse import CollapseHistory, Verdict, advance, restarted, rose_above_start
+from lightning_hdet.hdet.rules.collapse import (
+    CollapseHistory,
+    Verdict,
+    advance,
+    restarted,
+    rose_above_start,
+)
 from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.direction import below_grid, direction, risen_now
 from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
@@ -119,6 +126,7 @@ class HDETController:
         self.run_steps: Optional[int] = None  # the run's length where known (the callback sizes it): plateau patience
         self.plateau_cuts = 0  # votes at which every group was stuck: a roll-back onto the downward ladder
         self.plateau_armed = False  # whether the run has failed yet: only then may a plateau count as stuck
+        self.rose_seen = False  # some group's loss (or training-loss bin) rose above its start: LRs may be too high
         self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
         self.history: list[dict[str, Any]] = []
         self.rescues = 0
@@ -231,8 +239,10 @@ class HDETController:
         rule = replace(rule, steps=judged_at(steps, self.run_steps, interval.step))
         # The plateau rule acts only once the run has shown a failure (plateau.py): a group caught, now or before,
         # or a loss above its starting level (a collapse knocked above it that no other rule caught).
-        self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or rose_above_start(
-            self.collapse_history.sized(len(interval.losses)), interval.losses)
+        # A training-loss bin above it counts too (rose_seen, from the last vote's curves: a vote on ``monitor`` reads a
+        # validation that may be back at the untrained level by then).
+        self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or self.rose_seen or \
+            rose_above_start(self.collapse_history.sized(len(interval.losses)), interval.losses)
         plateau = judge_plateau(rule, self.plateau_history, verdict, interval.losses, interval.step, errors, progress,
                                 self.plateau_armed)
         self.plateau_history = plateau.history
@@ -255,8 +265,9 @@ class HDETController:
         signal = self._scores(interval, healthy)
         table = interval.multipliers.clone()
         weights, winner, sources = [1.0 / num_groups] * num_groups, 0, list(range(num_groups))
+        going = self._direction(interval, healthy)
         for p, schedule_lr in enumerate(interval.schedule_lrs):
-            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move)
+            ballot = Ballot(p, signal, table[:, p].tolist(), healthy, schedule_lr, move, going)
             result = self.rule.explore(ballot, self.generator)
             if interval.explored.lr:  # (explore={"lr": 1.0}: the ballot still weighs and picks the winner)
                 table[:, p] = torch.tensor(result.multipliers, dtype=torch.float64)
@@ -291,10 +302,26 @@ class HDETController:
                 self.collapse_history = restarted(self.collapse_history)
             table = grid if interval.explored.lr else table  # (explore={"lr": 1.0}: the LRs stay)
             explored = refined_tables(explored, winner, self.search_phase.refine_spread)
+        elif going < 0 and interval.holds_initial and self.keeps_initial:
+            restart = below_grid(interval.multipliers[:, 0].tolist(), table[:, 0].tolist(), sources)
+            self.collapse_history = restarted(self.collapse_history, restart) if restart else self.collapse_history
         table = self._cut(table, rescued)
         return Decision(interval.step, losses, weights, winner, table, _lrs(table, interval), rescued, False,
                         coefficients, strengths, copies, refined=refined, from_initial=restart, explored=explored,
                         warning=warning)
+
+    def _direction(self, interval: Interval, healthy: Sequence[bool]) -> int:
+        """:attr:`Ballot.direction` (:mod:`~lightning_hdet.hdet.rules.direction`), inside the search (``Search``, not
+        yet ended: it ends only on a winner that learned) and after warm-up; it remembers whether a group rose
+        (``rose_seen``). After the search, or without one, a flat loss is no reason to travel: a converged run or a
+        fine-tune moves little, and ties there must not walk the LRs up vote after vote."""
+        rose = risen_now(self.collapse_history, interval.losses, interval.curves)
+        failed_before = self.plateau_armed or self.rose_seen
+        self.rose_seen = self.rose_seen or any(rose)
+        phase = self.search_phase
+        if interval.final or interval.step < self.config.warmup_steps or phase.steps is None or phase.searched_at:
+            return 0
+        return direction(self.collapse_history, interval.losses, healthy, rose, failed_before)
 
     def _roll_back(self, interval: Interval, rescued: list[bool]) -> Decision:
         """Every group returns to the last good merged model; the rescued groups' LRs are cut (all, if all)."""
@@ -349,6 +376,7 @@ class HDETController:
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
+            **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -364,6 +392,7 @@ class HDETController:
         self.plateau_history.load_state_dict(state_dict["plateau"])
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
+        self.rose_seen = state_dict.get("rose_seen", False)  # (absent from older checkpoints)
 
 
 # Standard errors by which the winner must lead the runner-up for a vote to count as decided (a one-look test).

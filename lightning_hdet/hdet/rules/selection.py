@@ -9,7 +9,10 @@ whole population toward the lowest learning rate the way re-centring every group
 The spread never collapses: after the moves, if no group sits at least ``exp(min_spread)`` above (below) the
 leader, a mover is placed there, upward first. An edge of the LRs tried that keeps winning (the highest, or the
 lowest, leads two votes in a row, the search's end between them or not) gets its probe one step of the grid's own
-spacing beyond it instead, so the grid travels that way geometrically, as far as the user's LR was off.
+spacing beyond it instead, so the grid travels that way geometrically, as far as the user's LR was off. A vote on
+which no group has learned yet (``Ballot.direction``) is a tie that names its edge: every LR too low (no group
+failed) or too high (some group blew up); half the groups then probe one and two spacings beyond that edge at once
+(a CNN with SGD 40x off sat at chance on ties to the end of the run: issue 59).
 
 The parameter moves are a :class:`MergePlan`: steps the strategy's ``merge(coefficients, strengths)`` executes
 as they are, one all-reduce each (one per distinct copy source: one for up to seven groups).
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 
@@ -100,7 +103,8 @@ class PBT(Vote):
         factors: the two perturbation factors, picked at random (Ray Tune: 0.8 and 1.2).
         min_spread: log-distance from the leader's multiplier kept on each side by some group (> 0).
         travel: an edge of the LRs that led two votes in a row gets its probe one step of the grid's spacing beyond
-            it (``False``: ``min_spread`` beyond, as any leader).
+            it, and on a vote with a ``Ballot.direction`` half the groups probe beyond the edge it names
+            (``False``: ``min_spread`` beyond, as any leader).
     """
 
     name: ClassVar[str] = "pbt"
@@ -130,11 +134,12 @@ class PBT(Vote):
             return (0, ballot.losses[g], g) if ok else (1, 0.0, g)
         return sorted(range(n), key=key)
 
-    def pairs(self, ballot: Ballot) -> dict[int, int]:
-        """``{mover: source}``: the k-th worst copies the k-th best; every unhealthy group moves too."""
+    def pairs(self, ballot: Ballot, k: Optional[int] = None) -> dict[int, int]:
+        """``{mover: source}``: the k-th worst copies the k-th best; every unhealthy group moves too. ``k``: how
+        many move (``None``: the ``quantile``'s share)."""
         order = self.rank(ballot)
         healthy = [g for g in order if ballot.healthy[g] and math.isfinite(ballot.losses[g])]
-        k = quantile_size(len(order), self.quantile)
+        k = quantile_size(len(order), self.quantile) if k is None else k
         candidates = list(reversed(order))
         movers = [g for g in candidates if g not in healthy]
         movers += [g for g in candidates if g in healthy and g not in movers][: max(k - len(movers), 0)]
@@ -146,15 +151,20 @@ class PBT(Vote):
         winner = winner_of(ballot.losses, ballot.healthy)
         weights = [1.0 if g == winner else 0.0 for g in range(n)]
         multipliers = list(ballot.multipliers)
+        # No group has learned yet (Ballot.direction): the losses are ties, the edge it names leads (the streak too).
+        direction = ballot.direction if winner >= 0 and n >= 2 else 0
+        leader = max(range(n), key=lambda g: (direction * multipliers[g], -g)) if direction else winner
         # (every vote counts into the streak, the search's last one too: it moves nothing, its winner is an edge)
-        streak = self._streak(ballot, winner) if winner >= 0 and n >= 2 else 0
+        streak = self._streak(ballot, leader) if winner >= 0 and n >= 2 else 0
         if not ballot.move or winner < 0 or n < 2:
             return Selection(weights, winner, multipliers, list(range(n)))
-        travel = self._spacing(ballot, winner) if self.travel and abs(streak) >= TRAVEL_AFTER else 0.0
-        pairs = self.pairs(ballot)
+        far = abs(streak) >= TRAVEL_AFTER or direction != 0
+        travel = self._spacing(ballot, leader) if self.travel and far else 0.0
+        # On ties any group is as good as another: half of them probe beyond the edge (twice the reach of one).
+        pairs = self.pairs(ballot, n // 2 if direction and travel > 0 else None)
         for g, m in self._moves(ballot, pairs, generator).items():
             multipliers[g] = m
-        self._keep_spread(multipliers, winner, list(pairs), travel)
+        self._keep_spread(multipliers, ballot.multipliers[leader], list(pairs), travel, direction)
         return Selection(weights, winner, multipliers, [pairs.get(g, g) for g in range(n)])
 
     def _moves(self, ballot: Ballot, pairs: dict[int, int], generator: torch.Generator) -> dict[int, float]:
@@ -185,12 +195,18 @@ class PBT(Vote):
         gaps = [abs(math.log(m / lead)) for g, m in enumerate(ballot.multipliers) if g != leader]
         return min((d for d in gaps if d > 1e-12), default=0.0)
 
-    def _keep_spread(self, multipliers: list[float], leader: int, movers: list[int], travel: float = 0.0) -> None:
-        """Place movers so some group sits ``exp(min_spread)`` above the leader and some below (up first); an edge
-        that keeps winning (``travel``: the grid's spacing there) gets its probe that far beyond instead. The
-        default search's grid (2.28x apart) then walks 2.28x a vote and the grid after it 1.5x, where x1.2 a vote
-        took a start 40x off the whole run (issue 59)."""
-        lead = multipliers[leader]
+    def _keep_spread(self, multipliers: list[float], lead: float, movers: list[int], travel: float = 0.0,
+                     direction: int = 0) -> None:
+        """Place movers so some group sits ``exp(min_spread)`` above the leader's multiplier ``lead`` (as voted on:
+        on a vote with a ``direction`` the leader may be a mover itself) and some below (up first); an edge that
+        keeps winning (``travel``: the grid's spacing there) gets its probe that far beyond instead. The default
+        search's grid (2.28x apart) then walks 2.28x a vote and the grid after it 1.5x, where x1.2 a vote took a
+        start 40x off the whole run (issue 59). With a ``direction`` (no group learned yet) every mover probes that
+        way, one, two, ... spacings beyond the edge."""
+        if direction and travel > 0:
+            for j, g in enumerate(sorted(movers), start=1):
+                multipliers[g] = lead * math.exp(direction * travel * j)
+            return
         step = max(self.min_spread, travel)
         up, down = lead * math.exp(step), lead * math.exp(-step)
         free = list(movers)

@@ -85,6 +85,10 @@ class Ballot(KnownArguments):
     healthy: Sequence[bool]  # groups the safety net did not catch
     schedule_lr: float  # the LR the optimizer/scheduler says for this param group
     move: bool  # False before ``warmup_steps`` and at the final merge: weigh, but leave the LRs alone
+    # No group has learned yet (collapse.none_progressed), so the losses are ties; where the LRs must go: +1 up (none
+    # failed: all too low to show anything yet), -1 down (some group blew up or rose above the untrained loss: too
+    # high), 0 the vote decides.
+    direction: int = 0
 
 
 class Vote(KnownArguments):
