@@ -161,11 +161,6 @@ class SparseLoCo(OuterOptimizer):
         require("compression", push, isinstance(push, TopK), "a TopK codec ('topk2' or 'topk4') with SparseLoCo",
                 "A dense codec would change every value each round: the update would not be sparse.")
 
-    def check_elastic(self) -> None:
-        require("outer", self, False, "a dense outer optimizer with an elastic service", "SparseLoCo steps from each"
-                " round's sparse push messages as AsyncLocalSGDStrategy's server collects them, with pulls that"
-                " forward them (delta pulls, which a rejoining session cannot follow). Use AsyncLocalSGDStrategy.")
-
     def feedback_decay(self) -> float | None:
         return self.error_decay
 
