@@ -261,9 +261,14 @@ def test_a_frozen_worker_expires_and_its_share_of_the_budget_goes_to_the_live_se
     status = tmp_path / "ckpt.pt.status.json"
     server = launch("server", tmp_path / "server.json", "--address", address, "--budget", "192", "--lease-s", "4",
                     "--checkpoint", str(tmp_path / "ckpt.pt"))
-    workers = [launch("worker", tmp_path / f"w{i}.json", "--address", address, "--step-s", "0.05") for i in (1, 2)]
+    go = tmp_path / "go"
+    workers = [launch("worker", tmp_path / f"w{i}.json", "--address", address, "--step-s", "0.05", "--go", str(go))
+               for i in (1, 2)]
     try:
-        # Both workers in (a loaded machine may start the second after the first's rounds began), then freeze one.
+        # Both workers in, then freeze one. They start training together: on a loaded machine the second's start-up
+        # (imports) could otherwise outlast the first's whole budget.
+        _wait_for(lambda: all((tmp_path / f"w{i}.ready").exists() for i in (1, 2)), "both workers to start")
+        go.touch()
         both = lambda: len(read_json(status).get("live", [])) >= 2  # noqa: E731
         _wait_for(lambda: read_json(status).get("outer_updates", 0) >= 2 and both(), "the run under way with both")
         workers[1].send_signal(signal.SIGSTOP)
