@@ -125,12 +125,16 @@ def torchft(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     go, outs = work / "go", [work / f"job{j}.json" for j in range(args.workers)]
+    rounds = args.budget // args.workers // args.local_steps
+    # A job joining at 50 %: the others hold at the end of the round after it (until its quorum request is out), so a
+    # slow start-up on a loaded machine cannot miss the run's last quorum; the hold counts in the arm's wall-clock.
+    hold = ("--hold-at", str((rounds // 2 + 1) * args.local_steps), "--hold-until", str(work / "joined"))
     jobs = [launch("torchft", out, "--lighthouse", lighthouse.address(), "--job", str(j), "--budget", str(args.budget),
                    "--workers", str(args.workers), "--local-steps", str(args.local_steps), "--step-s", str(args.step_s),
-                   "--progress", str(work / f"rounds{j}"), "--go", str(go.with_suffix(".late" if late else ".all")))
+                   "--progress", str(work / f"rounds{j}"), "--go", str(go.with_suffix(".late" if late else ".all")),
+                   *(() if fault != "join" else ("--mark-joined", str(work / "joined")) if late else hold))
             for j, (out, late) in enumerate(zip(outs, [False] * (args.workers - 1) + [fault == "join"]))]
     start = start_together(jobs, outs[: args.workers - (fault == "join")], go.with_suffix(".all"), args.timeout)
-    rounds = args.budget // args.workers // args.local_steps
     at = inject(fault, jobs[-1], go.with_suffix(".late"), lambda: int(read_json(work / "rounds0") or 0), rounds // 2,
                 lambda: jobs[0].poll() is None)
     codes = [p.wait(timeout=args.timeout) for p in jobs]
@@ -226,6 +230,9 @@ def main() -> None:
     add_output_args(parser)
     args = parser.parse_args()
     args.budget = args.budget or (240 if args.quick else 800)
+    if args.budget // args.workers // args.local_steps < 4:  # the joining job needs a round after the others' hold
+        parser.error(f"--budget {args.budget} gives {args.budget // args.workers // args.local_steps} rounds per job "
+                     f"at --workers {args.workers} --local-steps {args.local_steps}: at least 4 are needed")
     name, _ = begin(NAME, args.quick)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

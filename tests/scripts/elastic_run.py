@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -150,6 +151,26 @@ def wait_for_go(args: argparse.Namespace) -> None:
         time.sleep(0.05)
 
 
+def marked_torchft(mark: str) -> type:
+    """``TorchFT`` whose first quorum request touches the file ``mark`` (``--mark-joined``) half a second after it
+    went out: the others, held at a round's end until then (``--hold-at``), find this job waiting in the Lighthouse's
+    next quorum however slowly it started (a job that asks after the others' last round waits for no one)."""
+    from lightning_hdet.torchft import TorchFT
+
+    class Marked(TorchFT):
+        def connect(self, *args):
+            manager = super().connect(*args)
+            start_quorum = manager.start_quorum
+
+            def marking(*a, **kw):
+                threading.Timer(0.5, Path(mark).touch).start()
+                manager.start_quorum = start_quorum
+                return start_quorum(*a, **kw)
+            manager.start_quorum = marking
+            return manager
+    return Marked
+
+
 def torchft_job(args: argparse.Namespace) -> None:
     """One job of DiLoCo on torchft (one process): the model, data and outer settings of the elastic runs."""
     from lightning_hdet.torchft import TorchFT, TorchFTStrategy
@@ -158,8 +179,10 @@ def torchft_job(args: argparse.Namespace) -> None:
     seed_everything(0)
     model = JobData()
     model.job = args.job
-    ft = TorchFT(lighthouse=args.lighthouse, min_replicas=2, replica_id=f"job{args.job}", timeout=10.0,
-                 quorum_timeout=120.0, connect_timeout=60.0, hostname="localhost")
+    mark, args.mark_joined = args.mark_joined, None  # a job marks once its quorum request is out, not at its start
+    ft = (marked_torchft(mark) if mark else TorchFT)(lighthouse=args.lighthouse, min_replicas=2, replica_id=f"job{args.job}",
+                                              timeout=10.0, quorum_timeout=120.0, connect_timeout=60.0,
+                                              hostname="localhost")
     strategy = TorchFTStrategy(ft, local_steps=args.local_steps, process_group_backend="gloo")
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.budget // args.workers,
                       logger=False, callbacks=[pace := Pace(args)], enable_checkpointing=False, use_distributed_sampler=False,
