@@ -19,13 +19,16 @@ without lengthening the run; a joining service worker shares the budget). *Bytes
 byte counted once: the service's pushes and pulls (its counters); torchft's allreduces as a ring moves them
 (``2 (k - 1) S`` per round of ``k`` jobs and ``S`` bytes, computed) plus each heal's state. *CPU per inner step*:
 process CPU (every thread's) from a step's start to the next one's, rounds left out.
-Run: ``python benchmarks/elastic.py [--quick]``.
+Run: ``python benchmarks/elastic.py [--quick]``. ``--cpu-ab N`` runs only the CPU comparison: the fault-free DiLoCo
+arms (the single job, torchft at ``heartbeat_s`` 0.5 and 0.1 s) N times each, interleaved (their order rotated every
+repetition), so a machine whose load drifts weighs on every arm alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -120,7 +123,7 @@ def service(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
             "exit_codes": codes, "job_lost": codes[-1] != 0}
 
 
-def torchft(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
+def torchft(args: argparse.Namespace, work: Path, fault: str | None, heartbeat_s: float = 0.5) -> dict:
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
@@ -132,6 +135,7 @@ def torchft(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
     jobs = [launch("torchft", out, "--lighthouse", lighthouse.address(), "--job", str(j), "--budget", str(args.budget),
                    "--workers", str(args.workers), "--local-steps", str(args.local_steps), "--step-s", str(args.step_s),
                    "--progress", str(work / f"rounds{j}"), "--go", str(go.with_suffix(".late" if late else ".all")),
+                   "--heartbeat-s", str(heartbeat_s),
                    *(() if fault != "join" else ("--mark-joined", str(work / "joined")) if late else hold))
             for j, (out, late) in enumerate(zip(outs, [False] * (args.workers - 1) + [fault == "join"]))]
     start = start_together(jobs, outs[: args.workers - (fault == "join")], go.with_suffix(".all"), args.timeout)
@@ -216,6 +220,42 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> str:
     return head + "\n\n" + markdown_table(headers, body) + cpu
 
 
+def cpu_ab(args: argparse.Namespace, tmp: Path) -> dict[str, list[list[float]]]:
+    """The fault-free DiLoCo arms only, interleaved: each repetition runs the single job and torchft at 0.5 s and
+    0.1 s heartbeats, in an order rotated every repetition (a machine whose load drifts loads every arm alike)."""
+    runs = {"single job DiLoCo": lambda w: single_job(args, w, "sync", kill=False),
+            "torchft DiLoCo, heartbeat_s=0.5": lambda w: torchft(args, w, None, 0.5),
+            "torchft DiLoCo, heartbeat_s=0.1": lambda w: torchft(args, w, None, 0.1)}
+    names, samples = list(runs), {name: [] for name in runs}
+    for rep in range(args.cpu_ab):
+        for name in names[rep % 3:] + names[: rep % 3]:
+            work = tmp / f"{rep}-{names.index(name)}"
+            work.mkdir(parents=True)
+            row = runs[name](work)
+            samples[name].append(row["cpu_per_step"] if not row["job_lost"] else [])
+            print(rep, name, f"{1e3 * statistics.fmean(samples[name][-1] or [math.nan]):.3f} ms", flush=True)
+    return samples
+
+
+def cpu_ab_table(samples: dict[str, list[list[float]]], args: argparse.Namespace) -> str:
+    """Per repetition each arm's mean ± its standard error and its ratio to the single job's, then the spread."""
+    base = samples["single job DiLoCo"]
+    body = []
+    for name, reps in samples.items():
+        ratios = [statistics.fmean(r) / statistics.fmean(b) for r, b in zip(reps, base) if r and b]
+        cells = [f"{1e3 * statistics.fmean(r):.2f} ± {1e3 * statistics.stdev(r) / len(r) ** 0.5:.2f}" if len(r) > 1
+                 else "— (lost)" for r in reps]
+        spread = "1 (baseline)" if reps is base else (
+            f"{statistics.fmean(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "—")
+        body.append([name, *cells, spread])
+    head = (f"CPU time per inner step between rounds, interleaved A/B ({args.cpu_ab} repetitions, the arms' order "
+            f"rotated each one): {args.workers} workers, {args.budget // args.workers} steps per job, H = "
+            f"{args.local_steps}, {args.step_s} s of emulated compute per step; ms, every process's steps, mean ± "
+            "its standard error; the last column: mean of the per-repetition ratios to the single job (min–max).")
+    headers = ["arm", *[f"rep {i + 1}" for i in range(args.cpu_ab)], "÷ single job"]
+    return head + "\n\n" + markdown_table(headers, body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=None, help="inner steps over all workers (default 800, quick 240)")
@@ -227,12 +267,20 @@ def main() -> None:
     parser.add_argument("--single-start-method", default="popen", choices=("popen", "spawn", "fork"),
                         help="how the single job starts its ranks (default: Lightning's subprocess launcher, as a "
                              "user runs it; the tests fork them, which spares W - 1 interpreter start-ups)")
+    parser.add_argument("--cpu-ab", type=int, default=0, metavar="N",
+                        help="only the CPU A/B: N interleaved repetitions of the fault-free DiLoCo arms (the single "
+                             "job, torchft at heartbeat_s 0.5 and 0.1)")
     add_output_args(parser)
     args = parser.parse_args()
     args.budget = args.budget or (240 if args.quick else 800)
     if args.budget // args.workers // args.local_steps < 4:  # the joining job needs a round after the others' hold
         parser.error(f"--budget {args.budget} gives {args.budget // args.workers // args.local_steps} rounds per job "
                      f"at --workers {args.workers} --local-steps {args.local_steps}: at least 4 are needed")
+    if args.cpu_ab:
+        name, _ = begin(NAME + "_cpu_ab", args.quick)
+        with tempfile.TemporaryDirectory() as tmp:
+            samples = cpu_ab(args, Path(tmp))
+        return publish(name, args, {"samples": samples}, cpu_ab_table(samples, args))
     name, _ = begin(NAME, args.quick)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -57,8 +57,9 @@ class Regression(LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def on_train_start(self):
-        # the example's jobs start training together (on a busy machine one would otherwise start after the
-        # others' whole short run); a real job may join at any time and heals from a live one
+        # the example's jobs start training together: each is heartbeating to the Lighthouse by now (the strategy
+        # connects in its setup), so the first quorum waits for all three. Without this a job slow to start on a busy
+        # machine could miss the first rounds and heal into a later one (a real job may join at any time)
         (self.args.barrier / f"ready{self.args.job}").touch()
         deadline = time.monotonic() + 300
         while len(list(self.args.barrier.glob("ready*"))) < JOBS and time.monotonic() < deadline:

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -165,8 +164,9 @@ def test_torchft_diloco_three_jobs_one_killed(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["job"], r["round"]) for r in rows] == [(0, 2), (1, 2)], out  # the two left end the run together
     assert rows[0]["held_out_loss"] == rows[1]["held_out_loss"], out
-    if "job 2: ended with -9" in out:  # killed during its inner steps: left out of the round's quorum, none discarded
-        assert max(r["discarded"] for r in rows) == 0, out
-    else:  # seen in about 1 of 5 runs, cause not yet found (issue 61): job 2 failed before its kill
-        assert "job 2: ended with 1" in out, out
-        warnings.warn(f"torchft example: job 2 failed before it was killed: {out.splitlines()[-1]}")
+    assert "job 2: ended with -9" in out, out  # killed as planned, in round 1's inner steps
+    # the three jobs heartbeat before any asks for a quorum (the strategy connects in its setup, the example's jobs
+    # meet after it), so all three are in every round until the kill; job 2, killed during its inner steps, misses
+    # round 1's shrink-only quorum: nothing is discarded, no one heals. (Before, a job slow to start could miss the
+    # first rounds: it healed into a later one, and a kill in a round of two then left one job, discarded.)
+    assert [(r["discarded"], r["healed"], r["committed"]) for r in rows] == [(0, 0, 2), (0, 0, 2)], out

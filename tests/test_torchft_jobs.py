@@ -52,8 +52,9 @@ class Run:
     def go(self, *jobs: int) -> None:
         """Once each of ``jobs`` has started (Python, Lightning and torch imported), let them ``fit`` together."""
         self.until(lambda: all((self.tmp / f"ready{j}").exists() for j in jobs), f"jobs {jobs} to start")
-        for j in jobs:
-            (self.tmp / f"go{j}").touch()
+        for j in jobs:  # how many start together (they meet again once connected); written whole, then renamed
+            (self.tmp / f"go{j}.tmp").write_text(str(len(jobs)))
+            (self.tmp / f"go{j}.tmp").rename(self.tmp / f"go{j}")
 
     def rounds(self, job: int) -> int:
         path = self.tmp / f"rounds{job}"

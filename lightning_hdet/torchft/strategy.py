@@ -121,15 +121,17 @@ class TorchFTStrategy(DDPStrategy):
             raise ValueError(f"{type(self).__name__} needs exactly one (inner) optimizer, got {len(self.optimizers)}.")
         self._rounds = trainer.max_steps // self.local_steps
         self._limits.lift(trainer)  # failed rounds are trained again: the committed rounds, not the loop, end it
+        # the manager (and its heartbeats) now, before the rest of Lightning's start-up: the Lighthouse then waits
+        # (its join timeout) for this job at the first quorum rather than forming it without a job still starting
+        env = self.cluster_environment
+        assert env is not None
+        self._manager = self.torchft.connect(self.global_rank, self.world_size, env.main_address, env.main_port)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        env = self.cluster_environment
-        assert env is not None
         checks = self.outer_settings.check_pushes
         check = checks.fresh() if checks is not None else None
-        self._manager = self.torchft.connect(self.global_rank, self.world_size, env.main_address, env.main_port)
         wire = torch.bfloat16 if isinstance(self.compression, BF16) else torch.float32
         self._round = ReplicaRound(self.lightning_module, self.root_device, self._manager, self._outer, check, wire)
         if self._resume is not None:  # the checkpoint's round; a job still training further on heals this one

@@ -180,9 +180,9 @@ def torchft_job(args: argparse.Namespace) -> None:
     model = JobData()
     model.job = args.job
     mark, args.mark_joined = args.mark_joined, None  # a job marks once its quorum request is out, not at its start
-    ft = (marked_torchft(mark) if mark else TorchFT)(lighthouse=args.lighthouse, min_replicas=2, replica_id=f"job{args.job}",
-                                              timeout=10.0, quorum_timeout=120.0, connect_timeout=60.0,
-                                              hostname="localhost")
+    ft = (marked_torchft(mark) if mark else TorchFT)(
+        lighthouse=args.lighthouse, min_replicas=2, replica_id=f"job{args.job}", timeout=10.0, quorum_timeout=120.0,
+        connect_timeout=60.0, hostname="localhost", heartbeat_s=args.heartbeat_s)
     strategy = TorchFTStrategy(ft, local_steps=args.local_steps, process_group_backend="gloo")
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.budget // args.workers,
                       logger=False, callbacks=[pace := Pace(args)], enable_checkpointing=False, use_distributed_sampler=False,
@@ -284,6 +284,7 @@ if __name__ == "__main__":
     parser.add_argument("--reconnect-s", type=float, default=60.0)
     parser.add_argument("--stop-below", type=float, default=0.0)
     parser.add_argument("--start-method", default="popen", choices=("popen", "spawn", "fork"))  # of `single`
+    parser.add_argument("--heartbeat-s", type=float, default=0.5)  # of `torchft`: TorchFT(heartbeat_s=...)
     parser.add_argument("--workers", type=int, default=4)  # of `single`: its ranks
     parser.add_argument("--devices", type=int, default=1)  # of `worker`: the ranks of its job (DDP inside)
     args = parser.parse_args()

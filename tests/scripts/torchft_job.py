@@ -6,7 +6,8 @@ Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round
 SIGSTOPs it there, its heartbeats too); ``--nan-from-step S`` makes
 its loss NaN from step ``S`` on (its rounds are rejected until it leaves the run). ``--sync DIR``: once started,
 the job writes ``DIR/ready<job>`` and waits for ``DIR/go<job>`` before ``fit`` (so that the test starts the jobs
-together, or one later), and keeps its committed rounds in ``DIR/rounds<job>``. ``--checkpoint`` saves at every
+together, or one later; the file holds how many jobs start together, and those meet again once connected to the
+Lighthouse), and keeps its committed rounds in ``DIR/rounds<job>``. ``--checkpoint`` saves at every
 round's end, ``--resume`` fits from a checkpoint.
 """
 
@@ -79,6 +80,18 @@ class Job(pl.LightningModule):
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         return loss * float("nan") if 0 <= self.args.nan_from_step <= step else loss
+
+    def on_train_start(self) -> None:
+        # the jobs given "go" together meet here, each heartbeating to the Lighthouse by now (the strategy connects
+        # in its setup), so their first quorum holds them all: without it one slow to start could miss it and heal
+        # into a later round (a job given "go" alone, one joining late, meets no one)
+        sync = self.args.sync
+        if sync is None:
+            return
+        (sync / f"connected{self.args.job}").touch()
+        together, deadline = int((sync / f"go{self.args.job}").read_text() or 1), time.monotonic() + 120
+        while len(list(sync.glob("connected*"))) < together and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
         self.ddp = isinstance(self.trainer.strategy.model, DistributedDataParallel)
