@@ -38,7 +38,6 @@ import torch
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
-from lightning_hdet.asynchronous.outer.local_steps import AdaptiveSteps
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
@@ -111,8 +110,7 @@ def simulate(workers: int, mode: str, outer: OuterOptimizer | str | None, task: 
 def build_outer(flat: torch.Tensor, workers: int, mode: str, local_steps: int,
                 outer: OuterOptimizer | str | None) -> OuterState:
     """The package's outer side over the flat parameters ``flat`` (no buffers), rounds of fixed length."""
-    steps = AdaptiveSteps(local_steps, min=local_steps) if mode == "async" else local_steps  # fixed in both modes
-    return OuterSettings(mode=mode, local_steps=steps, outer=outer).build(
+    return OuterSettings(mode=mode, local_steps=local_steps, outer=outer).build(
         flat, torch.zeros(0), workers, None)
 
 
