@@ -29,6 +29,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -96,15 +97,15 @@ def held_out_loss(flat: torch.Tensor) -> float:
 
 
 def simulate(workers: int, mode: str, outer: OuterOptimizer | str | None, task: str, rounds: int, seed: int,
-             data: str = "shards") -> list[float]:
+             data: str = "shards", wrap: Callable[[OuterState], Any] | None = None) -> list[float]:
     """The global model's held-out loss at the start and after each round per worker; ``outer``: a preset's name or
-    an outer optimizer object."""
+    an outer optimizer object; ``wrap``: what drives the outer state instead of it (``.process``, ``.params``)."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(32, 2)
     flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()]).clone()
     fake = Workers(workers, task, seed, data)
     state = build_outer(flat, workers, mode, fake.local_steps, outer)
-    return drive(state, fake, workers, mode, rounds, seed, held_out_loss)
+    return drive(wrap(state) if wrap else state, fake, workers, mode, rounds, seed, held_out_loss)
 
 
 def build_outer(flat: torch.Tensor, workers: int, mode: str, local_steps: int,
