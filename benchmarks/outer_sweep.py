@@ -63,7 +63,7 @@ WORKERS = (2, 4, 8)
 #: ``stable_outer_lr`` takes there (0.375).
 GRID = ((0.9, (0.163, 0.35, 0.5, 0.7, 1.0)), (0.5, (0.375, 0.5, 0.7, 1.0)))
 #: The agreement-scaled outer lr tried (``k0, low, high``, :class:`AgreementLR`) at 0.375 / 0.5 / on: shrink-only
-#: and both ways.
+#: and both ways. Not a package option: issue 60's trial, not shipped (docs/research/2026-11-async.md).
 AGREEMENT = ((0.2, 0.25, 1.0), (0.2, 0.25, 4.0))
 #: The momentum schedule: warm-up over 16 momentum updates and a restart every 8 (the presets'), or none.
 SCHEDULES = {"on": (16, 8), "off": (0, 0)}
