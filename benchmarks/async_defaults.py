@@ -79,9 +79,9 @@ def run_regression(strategy, slow, seed: int, steps: int, work: Path) -> tuple[f
 def run_task(task: str, outer: str, level: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     from lightning.pytorch import seed_everything
 
-    from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+    from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, SlowRanks
 
-    strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, outer=outer, start_method=args.start_method,
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(args.local_steps), outer=outer, start_method=args.start_method,
                                      process_group_backend="gloo")
     slow = SlowRanks(factors(level, 4), base_seconds=args.base_seconds[task])
     if task == "regression":

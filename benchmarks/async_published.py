@@ -158,7 +158,7 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
         outer = kind if kind in ("stable", "robust") else (Nesterov if kind == "nesterov" else DelayedNesterov)(
             lr=args.outer_lr, momentum=momentum)
         h, fixed = args.local_steps, options.pop("fixed", False)  # async: DyLU (the default), or fixed rounds
-        strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(h, min=h) if fixed else h, outer=outer, **options,
+        strategy = AsyncLocalSGDStrategy(local_steps=h if fixed else AdaptiveSteps(h), outer=outer, **options,
                                          **common)
     slow = SlowRanks(factors(level, args.world_size), base_seconds=args.base_seconds)
     run = fit_run(spec, work, strategy=strategy, callbacks=[slow, *callbacks])

@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
+from benchmarks.common import adaptive_rounds, add_output_args, begin, fmt, markdown_table, publish
 from benchmarks.elastic import free_port
 from lightning_hdet import AsyncLocalSGDStrategy, ElasticWorkerStrategy, OuterService
 from tests.helpers import LinearModel, Regression
@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
             for path in args.paths:
                 for seed in range(args.first_seed, args.first_seed + args.seeds):
                     runs.append(run_set(path, task, args.workers, args.budget, seed, Path(tmp), args.fault,
-                                        local_steps=args.local_steps, outer=args.outer))
+                                        local_steps=adaptive_rounds(args.local_steps, "sync" if path == "diloco" else "async"),
+                                        outer=args.outer))
                     print(runs[-1], flush=True)
     publish(name, args, {"runs": runs}, table(runs, args))
 

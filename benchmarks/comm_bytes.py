@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.common import (
     RunSpec,
+    adaptive_rounds,
     add_output_args,
     add_start_method_arg,
     begin,
@@ -82,7 +83,7 @@ def run_arm(arm: str, seed: int, link: float, args: argparse.Namespace, work: Pa
         callbacks = []
     else:
         tau = args.stagger_overlap_steps if setting[4] else args.overlap_steps
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=setting[0], compression=setting[1],
+        strategy = AsyncLocalSGDStrategy(local_steps=adaptive_rounds(args.local_steps, setting[0]), mode=setting[0], compression=setting[1],
                                          pull_compression=setting[3], outer=setting[5], start_method=args.start_method,
                                          worker=WorkerShape(overlap_steps=tau if setting[2] else 0,
                                                             stagger=args.stagger if setting[4] else 1))

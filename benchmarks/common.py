@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import lightning
 import torch
@@ -150,6 +151,14 @@ class _SetLR(Callback):
                 group["lr"] = self.lr
         for config in trainer.lr_scheduler_configs:
             config.scheduler.base_lrs = [self.lr] * len(config.scheduler.base_lrs)
+
+
+def adaptive_rounds(local_steps: int, mode: str = "async") -> Any:
+    """``local_steps`` for rounds adapted to the workers' speeds from ``H`` in async mode (``AdaptiveSteps(start=H)``,
+    what an integer meant there until issue 60); DiLoCo's ``H``."""
+    from lightning_hdet import AdaptiveSteps
+
+    return AdaptiveSteps(local_steps) if mode == "async" else local_steps
 
 
 def strategy_record(trainer: Trainer) -> dict:

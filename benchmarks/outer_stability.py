@@ -29,6 +29,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -38,7 +39,6 @@ import torch
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
-from lightning_hdet.asynchronous.outer.local_steps import AdaptiveSteps
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
@@ -97,22 +97,21 @@ def held_out_loss(flat: torch.Tensor) -> float:
 
 
 def simulate(workers: int, mode: str, outer: OuterOptimizer | str | None, task: str, rounds: int, seed: int,
-             data: str = "shards") -> list[float]:
+             data: str = "shards", wrap: Callable[[OuterState], Any] | None = None) -> list[float]:
     """The global model's held-out loss at the start and after each round per worker; ``outer``: a preset's name or
-    an outer optimizer object."""
+    an outer optimizer object; ``wrap``: what drives the outer state instead of it (``.process``, ``.params``)."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(32, 2)
     flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()]).clone()
     fake = Workers(workers, task, seed, data)
     state = build_outer(flat, workers, mode, fake.local_steps, outer)
-    return drive(state, fake, workers, mode, rounds, seed, held_out_loss)
+    return drive(wrap(state) if wrap else state, fake, workers, mode, rounds, seed, held_out_loss)
 
 
 def build_outer(flat: torch.Tensor, workers: int, mode: str, local_steps: int,
                 outer: OuterOptimizer | str | None) -> OuterState:
     """The package's outer side over the flat parameters ``flat`` (no buffers), rounds of fixed length."""
-    steps = AdaptiveSteps(local_steps, min=local_steps) if mode == "async" else local_steps  # fixed in both modes
-    return OuterSettings(mode=mode, local_steps=steps, outer=outer).build(
+    return OuterSettings(mode=mode, local_steps=local_steps, outer=outer).build(
         flat, torch.zeros(0), workers, None)
 
 

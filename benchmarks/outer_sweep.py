@@ -17,7 +17,8 @@ against DDP taking ``S`` steps of batch ``W`` × 32 at the same inner optimizer 
 
 ``S`` = 200 (shapes: 120), ``H`` = 10 (``boring``: 8); ``tabular_small`` with AdamW also runs at ``H`` = 25
 and 50 (W = 4). Settings: lr 0.163 (the default), 0.35, 0.5, 0.7 and 1.0 at momentum 0.9, and 0.375, 0.5, 0.7
-and 1.0 at 0.5, each with the momentum schedule on and off.
+and 1.0 at 0.5, each with the momentum schedule on and off; and two outer lrs that follow the workers' agreement
+(:class:`AgreementLR`, ``/agree...`` in the labels).
 Reported per cell: the best setting and its final held-out loss ÷ DDP's; each setting's loss ÷ the cell's best
 (``boring``: its final ÷ initial loss, which reaches 1e-15 and whose ratios are round-off); a setting is *unstable*
 where any run ended above its start, not finite, or (``boring``) rose by more than 10 % over its last 150 rounds.
@@ -40,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,6 +62,9 @@ WORKERS = (2, 4, 8)
 #: (momentum, outer lrs swept at it): from the default (0.163) to past the published lr at 0.9; at 0.5 from the lr
 #: ``stable_outer_lr`` takes there (0.375).
 GRID = ((0.9, (0.163, 0.35, 0.5, 0.7, 1.0)), (0.5, (0.375, 0.5, 0.7, 1.0)))
+#: The agreement-scaled outer lr tried (``k0, low, high``, :class:`AgreementLR`) at 0.375 / 0.5 / on: shrink-only
+#: and both ways. Not a package option: issue 60's trial, not shipped (docs/research/2026-11-async.md).
+AGREEMENT = ((0.2, 0.25, 1.0), (0.2, 0.25, 4.0))
 #: The momentum schedule: warm-up over 16 momentum updates and a restart every 8 (the presets'), or none.
 SCHEDULES = {"on": (16, 8), "off": (0, 0)}
 BATCH = 32
@@ -76,11 +81,13 @@ BORING_ROUNDS = 200
 
 @dataclass(frozen=True)
 class Outer:
-    """One outer setting: Delayed Nesterov's lr and momentum, the momentum schedule on or off."""
+    """One outer setting: Delayed Nesterov's lr and momentum, the momentum schedule on or off, and optionally the
+    lr scaled by the workers' agreement (``k0, low, high`` of :class:`AgreementLR`)."""
 
     lr: float
     momentum: float
     schedule: str
+    agreement: tuple[float, float, float] | None = None
 
     @property
     def optimizer(self) -> DelayedNesterov:
@@ -90,13 +97,55 @@ class Outer:
 
     @property
     def label(self) -> str:
-        return f"{self.lr:g}/{self.momentum:g}/{self.schedule}"
+        k0, low, high = self.agreement or (0, 0, 0)
+        return f"{self.lr:g}/{self.momentum:g}/{self.schedule}" + (f"/agree{k0:g}[{low:g},{high:g}]" if k0 else "")
+
+    def drive(self, state: Any) -> Any:
+        """What drives ``state``: itself, or it with the agreement-scaled lr."""
+        return AgreementLR(state, *self.agreement) if self.agreement else state
+
+
+def agreement(gradients: list[torch.Tensor]) -> float:
+    """The pushes' mean pairwise cosine weighted by their norms, ``(|sum g|^2 - sum |g|^2) / ((W - 1) sum |g|^2)``:
+    1 when they agree, 0 when orthogonal, -1 / (W - 1) when they cancel (workers fitting their own data)."""
+    squares = sum(float(g.norm()) ** 2 for g in gradients)
+    total = float(torch.stack(gradients).sum(0).norm()) ** 2
+    return (total - squares) / ((len(gradients) - 1) * squares) if squares > 0 else 0.0
+
+
+class AgreementLR:
+    """The outer state with its lr scaled before each update by the workers' agreement ``k`` (:func:`agreement`,
+    each new value averaged with the last): ``lr = base * clip(k / k0, low, high)``. DiLoCo: the round's pushes;
+    async: each worker's latest push. Why: where the workers fit their own shards of repeated data their
+    pseudo-gradients cancel (``k`` near 0, and small outer steps end best); where they agree, larger ones do."""
+
+    def __init__(self, state: Any, k0: float, low: float, high: float) -> None:
+        self.state, self.k0, self.low, self.high = state, k0, low, high
+        self.base = [group["lr"] for group in state.optimizer.param_groups]
+        self.latest: dict[int, torch.Tensor] = {}
+        self.k: float | None = None
+
+    @property
+    def params(self) -> torch.Tensor:
+        return self.state.params
+
+    def process(self, pushes: list) -> Any:
+        self.latest.update({p.worker: p.pseudo_gradient for p in pushes})
+        gradients = [p.pseudo_gradient for p in pushes] if len(pushes) > 1 else list(self.latest.values())
+        if len(gradients) > 1:
+            k = agreement(gradients)
+            self.k = k if self.k is None else 0.5 * (self.k + k)
+            scale = min(self.high, max(self.low, self.k / self.k0))
+            for group, base in zip(self.state.optimizer.param_groups, self.base):
+                group["lr"] = base * scale
+        return self.state.process(pushes)
 
 
 def candidates(quick: bool) -> list[Outer]:
     if quick:
         return [Outer(0.163, 0.9, "on"), Outer(0.7, 0.9, "off")]
-    return [Outer(lr, m, s) for m, lrs in GRID for lr in lrs for s in SCHEDULES]
+    return [Outer(lr, m, s) for m, lrs in GRID for lr in lrs for s in SCHEDULES] + [
+        Outer(0.375, 0.5, "on", a) for a in AGREEMENT]
 
 
 def load(workload: str) -> tuple:
@@ -190,14 +239,15 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
     fake = ModelWorkers(model, x, y, workers, inner, lr, wd, local_steps, seed)
     state = build_outer(parameters_to_vector(model.parameters()).detach().clone(), workers, mode, local_steps,
                         outer.optimizer)
-    curve = drive(state, fake, workers, mode, STEPS[workload] // local_steps, seed, held_out(model, vx, vy))
+    curve = drive(outer.drive(state), fake, workers, mode, STEPS[workload] // local_steps, seed,
+                  held_out(model, vx, vy))
     finite = all(math.isfinite(c) for c in curve)
     return {"start": curve[0], "final": curve[-1] if finite else math.inf,
             "stable": finite and curve[-1] < curve[0]}
 
 
 def boring_run(data: str, workers: int, mode: str, outer: Outer, seed: int, rounds: int) -> dict:
-    curve = simulate(workers, mode, outer.optimizer, "sgd", rounds, seed, data)
+    curve = simulate(workers, mode, outer.optimizer, "sgd", rounds, seed, data, wrap=outer.drive)
     v = verdict(curve, min(50, rounds // 2))
     return {"start": 1.0, "final": v["end"], "stable": v["stable"]}
 

@@ -61,6 +61,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.common import (
     RunSpec,
+    adaptive_rounds,
     add_output_args,
     add_start_method_arg,
     begin,
@@ -293,7 +294,8 @@ def run_probe(
         callbacks.append(HDETCallback(every_n_steps=every, search=False))
     else:
         mode = "sync" if kind == "diloco" else "async"
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, checkpoint_inner_states=inner_states,
+        strategy = AsyncLocalSGDStrategy(local_steps=adaptive_rounds(args.local_steps, mode), mode=mode,
+                                         checkpoint_inner_states=inner_states,
                                          compression=compression, pull_compression=pull_compression, **common)
     spec = RunSpec(
         lr=1e-2, steps=steps, devices=args.world_size, batch_size=args.batch_size, max_chars=args.max_chars,

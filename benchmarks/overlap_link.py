@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from benchmarks.common import add_start_method_arg, begin, markdown_table, stamp
+from benchmarks.common import adaptive_rounds, add_start_method_arg, begin, markdown_table, stamp
 
 
 class SGDBoring(BoringModel):
@@ -64,7 +64,7 @@ def fit(mode: str, overlap: int, seed: int, args: argparse.Namespace, work: Path
 
     seed_everything(seed)
     out = work / f"{mode}_{overlap}_{seed}.json"
-    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, start_method=args.start_method,
+    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=adaptive_rounds(args.local_steps, mode), mode=mode, start_method=args.start_method,
                                            worker=WorkerShape(overlap_steps=overlap)),
             accelerator="cpu", devices=2, max_steps=args.steps, limit_val_batches=0, num_sanity_val_steps=0,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -62,7 +62,7 @@ def child(strategies: str, sequence: str, check: bool = False) -> None:
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_hdet import AsyncLocalSGDStrategy
+    from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy
     from lightning_hdet.testing import live_gloo_threads, live_process_groups
 
     warnings.filterwarnings("ignore")
@@ -80,7 +80,8 @@ def child(strategies: str, sequence: str, check: bool = False) -> None:
     for strategy in strategies.split("+"):
         model = Model()
         mode = {"async_local_sgd": "async", "diloco": "sync"}.get(strategy)
-        chosen = AsyncLocalSGDStrategy(local_steps=2, mode=mode) if mode else strategy  # type: ignore[arg-type]
+        steps = AdaptiveSteps(2) if mode == "async" else 2
+        chosen = AsyncLocalSGDStrategy(local_steps=steps, mode=mode) if mode else strategy  # type: ignore[arg-type]
         trainer = Trainer(strategy=chosen,
                           accelerator="cpu", devices=2, max_steps=4, limit_train_batches=4, limit_val_batches=2,
                           limit_test_batches=2, limit_predict_batches=2, num_sanity_val_steps=0, logger=False,

@@ -22,7 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RunSpec, add_start_method_arg, begin, fit_run, fmt, markdown_table, stamp
+from benchmarks.common import RunSpec, adaptive_rounds, add_start_method_arg, begin, fit_run, fmt, markdown_table, stamp
 
 NAME = "worker_ranks"
 #: arm -> (mode, several ranks per worker); ``None``: DDP.
@@ -57,7 +57,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> float:
         mode, several = setting
         inside = {"inside_worker": args.inside_worker} if several else {}
         worker = WorkerShape(ranks_per_worker=k if several else 1, **inside)
-        strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode=mode, worker=worker, **common)
+        strategy = AsyncLocalSGDStrategy(local_steps=adaptive_rounds(args.local_steps, mode), mode=mode, worker=worker,
+                                         **common)
     spec = RunSpec(lr=args.lr, steps=args.steps, seed=seed, devices=2 * k, batch_size=args.batch_size,
                    val_every=args.steps, val_batches=8, workload=args.workload)
     return fit_run(spec, work, strategy=strategy).final_model_val_loss

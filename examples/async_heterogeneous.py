@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, SlowRanks
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, DelayedNesterov, SlowRanks
 
 
 class Regression(LightningModule):
@@ -57,7 +57,9 @@ def main() -> None:
     # DiLoCo's published outer lr 0.7 with the "stable" preset's momentum warm-up and restarts; on this tiny problem
     # the asynchronous updates oscillate with momentum 0.9, so the async run uses 0.5 (docs/async.md, "what to pick").
     outer = DelayedNesterov(lr=0.7, momentum=0.9 if args.sync else 0.5, warmup=16, restarts=8)
-    strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, mode="sync" if args.sync else "async", outer=outer)
+    strategy = AsyncLocalSGDStrategy(  # async: rounds adapted to each worker's speed, from H for the fastest
+        local_steps=args.local_steps if args.sync else AdaptiveSteps(args.local_steps),
+        mode="sync" if args.sync else "async", outer=outer)
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
         val_check_interval=min(50, args.max_steps),

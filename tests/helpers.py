@@ -196,8 +196,3 @@ def async_strategy(**kwargs: Any) -> Any:
     return AsyncLocalSGDStrategy(**kwargs, **({"worker": WorkerShape(**shape)} if shape else {}))
 
 
-def fixed_rounds(local_steps: int, mode: str = "async") -> Any:
-    """``local_steps`` for rounds of exactly ``H`` steps in either mode (async: ``AdaptiveSteps`` with ``min=start``)."""
-    from lightning_hdet import AdaptiveSteps
-
-    return AdaptiveSteps(local_steps, min=local_steps) if mode == "async" else local_steps

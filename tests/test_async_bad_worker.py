@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_hdet import AsyncLocalSGDStrategy
-from tests.helpers import START, fixed_rounds
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy
+from tests.helpers import START
 from tests.test_async_defaults import SGDBoring, _loss
 
 BAD_RANK, BAD_FROM = 1, 2  # rank 1's loss is NaN from its 2nd step on (within its first round)
@@ -64,7 +64,7 @@ def test_a_nan_worker_is_rejected_and_stopped_while_the_others_finish(tmp_path: 
     seed_everything(0)
     model = NaNFrom()
     initial = _loss(model)
-    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=fixed_rounds(4, mode), mode=mode, outer="robust",
+    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=4, mode=mode, outer="robust",
                                                    start_method=START),
                       accelerator="cpu", devices=3, max_steps=40, limit_val_batches=0, num_sanity_val_steps=0,
                       logger=CSVLogger(tmp_path, name="logs"), enable_checkpointing=False, enable_progress_bar=False,
@@ -100,12 +100,13 @@ def test_two_workers_left_by_a_bad_third_keep_improving_over_a_long_run(tmp_path
 
     budget, h = 960, 8
     if path == "elastic":
-        record = fit_elastic(3, budget, 0, fault, work=tmp_path, every=budget // (2 * h), local_steps=h)
+        record = fit_elastic(3, budget, 0, fault, work=tmp_path, every=budget // (2 * h),
+                             local_steps=AdaptiveSteps(h))
         assert record["exit_codes"] == [0, 0, 0, 0]
         assert list(record["ended"].values()).count("excluded: 3 pushes in a row rejected") == 1
     else:
         record = fit_trainer("sync" if path == "diloco" else "async", 3, budget, 0, fault, work=tmp_path,
-                             every=budget // 2, local_steps=h)
+                             every=budget // 2, local_steps=h if path == "diloco" else AdaptiveSteps(h))
     bad = [s for s in record["workers"].values() if s["rejected"]]
     assert len(bad) == 1 and bad[0]["rejected"] == 3  # stopped
     assert (bad[0]["steps"] == 0) == (fault == "nan")  # none of a NaN worker's rounds applied; a huge one's first

@@ -20,6 +20,7 @@ from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
 from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.outer.state import AsyncStep
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
+from benchmarks.common import adaptive_rounds
 from tests.helpers import load_ranks, trainer_kwargs
 
 OFFSET = 10.0  # rank r's inputs have mean r * OFFSET, so the workers' running means differ clearly
@@ -99,7 +100,7 @@ class BNRecorder(Callback):
 def _fit(out: Path, mode: str, ckpt_path: str | None = None) -> list[dict[str, Any]]:
     seed_everything(0)
     out.mkdir(parents=True)
-    strategy = AsyncLocalSGDStrategy(local_steps=2, mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.0),
+    strategy = AsyncLocalSGDStrategy(local_steps=adaptive_rounds(2, mode), mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.0),
                                      start_method="fork")
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=3, save_top_k=-1)
     trainer = Trainer(strategy=strategy, callbacks=[ckpt, BNRecorder(out)],

@@ -16,7 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
-from tests.helpers import START, fixed_rounds, load_ranks, trainer_kwargs
+from tests.helpers import START, load_ranks, trainer_kwargs
 
 
 class AdamBoring(BoringModel):
@@ -73,7 +73,7 @@ class ExchangeStates(Callback):
 def _fit(out: Path, mode: str, ckpt_path: str | None = None, max_steps: int = 24) -> tuple[list[dict[str, Any]], Path]:
     seed_everything(0)
     out.mkdir(parents=True)
-    strategy = AsyncLocalSGDStrategy(local_steps=fixed_rounds(4, mode), mode=mode, start_method=START)
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, start_method=START)
     best = ModelCheckpoint(dirpath=out / "ckpt", monitor="val_loss", save_top_k=2, save_last=True)
     periodic = ModelCheckpoint(dirpath=out / "periodic", every_n_train_steps=6, save_top_k=-1)
     trainer = Trainer(strategy=strategy,

@@ -15,7 +15,6 @@ from lightning_hdet.asynchronous.outer.checks import DISCARDED_BY_WORKER, PushCh
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, Nesterov
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push
-from tests.helpers import fixed_rounds
 from tests.test_async_exchange import CPU, _round, _start
 
 RANGES = [(0, 2), (2, 3)]  # a 3-value model in two fragments
@@ -23,7 +22,7 @@ RANGES = [(0, 2), (2, 3)]  # a 3-value model in two fragments
 
 def _outer(mode: str = "async", budget: int | None = 100, **kwargs):
     """Plain SGD outer step, lr 1 (theta <- theta - g; sync: theta <- theta - mean g), two workers."""
-    settings = OuterSettings(mode=mode, local_steps=fixed_rounds(4, mode), outer=Nesterov(lr=1.0, momentum=0.0),
+    settings = OuterSettings(mode=mode, local_steps=4, outer=Nesterov(lr=1.0, momentum=0.0),
                              **kwargs)
     return settings.build(torch.zeros(3), torch.zeros(1), workers=2, budget=budget, ranges=RANGES)
 
@@ -268,7 +267,7 @@ def test_a_streamed_push_non_finite_in_its_last_fragment_leaves_no_trace() -> No
     its first fragment arrives, and is checked, before the second: the global model stays [0, 0], and worker 1
     (which checks nothing itself here) is told of the rejection and clears its optimizer state."""
     layout = Fragments([torch.Size([2])], max_bytes=4)
-    settings = OuterSettings(local_steps=fixed_rounds(2), outer=Nesterov(lr=1.0, momentum=0.0))
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0))
     server, network, modules = _start(settings, budget=8, layout=layout)
     optimizer = torch.optim.Adam(modules[1].parameters())
     optimizer.state[modules[1].w]["step"] = torch.tensor(3.0)
@@ -289,7 +288,7 @@ def test_a_streamed_push_non_finite_in_its_last_fragment_leaves_no_trace() -> No
 
 def test_a_worker_with_non_finite_steps_does_not_push() -> None:
     layout = Fragments([torch.Size([2])])
-    settings = OuterSettings(local_steps=fixed_rounds(2), outer=Nesterov(lr=1.0, momentum=0.0))
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0))
     server, network, modules = _start(settings, budget=8, layout=layout)
     sent = []
     end = network.ends[1]

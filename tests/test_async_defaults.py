@@ -64,7 +64,7 @@ def _fit_four(tmp_path: Path, strategy: AsyncLocalSGDStrategy, *callbacks: Callb
 def test_defaults_improve_the_model_with_a_slow_worker(tmp_path):
     """With the published outer settings (lr 0.7, momentum 0.9, no warm-up or restarts) this run ended worse than
     it started (loss 1.20 -> 1.40 to 3.7 in the sweep of docs/async.md); at the defaults it must end below."""
-    initial, record = _fit_issue_case(tmp_path, AsyncLocalSGDStrategy(local_steps=12, start_method="fork"))
+    initial, record = _fit_issue_case(tmp_path, AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(12), start_method="fork"))
     # seen in the sweep at the chosen default: 0.01-0.03x the initial loss; asserted with a wide margin, since how
     # stale each push is depends on timing
     assert record["loss"] < 0.5 * initial
@@ -72,7 +72,7 @@ def test_defaults_improve_the_model_with_a_slow_worker(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_int8_pushes_and_bf16_pulls_improve_the_model_with_fewer_bytes(tmp_path):
-    strategy = AsyncLocalSGDStrategy(local_steps=12, compression="int8", error_feedback=True, pull_compression="bf16",
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(12), compression="int8", error_feedback=True, pull_compression="bf16",
                                      start_method="fork")
     initial, record = _fit_issue_case(tmp_path, strategy)
     assert record["loss"] < 0.5 * initial
@@ -89,7 +89,7 @@ def test_int8_pushes_and_int8_delta_pulls_improve_the_model_with_fewer_bytes(tmp
     a remote worker's first pull is the model itself (66 float32 values, 264 bytes), a later one the 78-byte int8
     changes it lacks, or the model again once they would weigh more (the log keeps 264 bytes: 3 changes; the slow
     worker misses more); rank 0's own pulls travel nowhere."""
-    strategy = AsyncLocalSGDStrategy(local_steps=12, compression="int8", pull_compression="int8", start_method="fork")
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(12), compression="int8", pull_compression="int8", start_method="fork")
     initial, record = _fit_issue_case(tmp_path, strategy)
     assert record["loss"] < 0.5 * initial
     change = Int8().bind([torch.Size([2, 32]), torch.Size([2])]).nbytes
@@ -199,7 +199,8 @@ def test_outer_optimizer_options_are_checked_on_creation(make, match):
     (dict(mode="sync", local_steps=AdaptiveSteps(8)), r"`local_steps` must be an integer H with mode='sync' \(DiLoCo\)"
                                                        r".* Write local_steps=8"),
     (dict(grace_period=0.0), r"no longer takes `grace_period`=0.0.* local_steps=AdaptiveSteps\(start=H, grace_period"),
-    (dict(dynamic_local_steps=False), r"no longer takes `dynamic_local_steps`=False.*AdaptiveSteps\(start=H, min=H\)"),
+    (dict(dynamic_local_steps=False), r"no longer takes `dynamic_local_steps`=False.*AdaptiveSteps\(start=H\) \(True"
+                                      r".* or local_steps=H \(False\)"),
     (dict(mode="sync", outer=DelayedNesterov(lr=0.7, buffer_size=2)),
      r"`buffer_size` must be None with mode='sync' \(DiLoCo\), got 2"),
     (dict(error_feedback=True), r"`error_feedback` must be left unset with compression=NoCodec\(\), got True"),
@@ -210,14 +211,18 @@ def test_an_option_without_effect_is_refused(kwargs, match):
 
 
 def test_the_run_config_records_the_async_only_options_as_in_force_or_not():
-    """Async: an integer H is AdaptiveSteps(start=H), its numbers recorded; DiLoCo records none of them; error
-    feedback follows the codec."""
+    """Async: AdaptiveSteps (the default) records its numbers, an integer H fixed rounds and nothing more; DiLoCo
+    records fixed rounds; error feedback follows the codec."""
+    config = AsyncLocalSGDStrategy().config
+    assert (config["local_steps"], config["local_steps/adaptive"], config["local_steps/min"]) == (50, True, 1)
+    assert (config["local_steps/grace_period"], config["local_steps/smoothing"]) == (0.0, 0.5)
     config = AsyncLocalSGDStrategy(local_steps=20).config
-    assert (config["local_steps"], config["local_steps/min"], config["local_steps/grace_period"]) == (20, 1, 0.0)
-    assert config["local_steps/smoothing"] == 0.5
+    assert (config["local_steps"], config["local_steps/adaptive"]) == (20, False)
+    assert [k for k in config if k.startswith("local_steps")] == ["local_steps", "local_steps/adaptive"]
     assert config["error_feedback"] is False and config["compression"] == "NoCodec"
     config = AsyncLocalSGDStrategy(mode="sync", compression="int8").config
-    assert config["local_steps"] == 50 and not any(k.startswith("local_steps/") for k in config)
+    assert config["local_steps"] == 50 and [k for k in config if k.startswith("local_steps/")] == ["local_steps/adaptive"]
+    assert config["local_steps/adaptive"] is False
     assert (config["compression"], config["compression/chunk"]) == ("Int8", 256)
     assert config["error_feedback"] is True
     assert AsyncLocalSGDStrategy(compression="bf16", error_feedback=False).config["error_feedback"] is False

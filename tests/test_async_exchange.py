@@ -38,7 +38,6 @@ from lightning_hdet.asynchronous.wire.transport import (
     receive_reply,
     send_reply,
 )
-from tests.helpers import fixed_rounds
 
 CPU = torch.device("cpu")
 
@@ -175,7 +174,7 @@ def test_gloo_worker_sends_header_buffers_inner_state_then_fragments_in_order() 
 def test_async_rounds_apply_each_push_share_the_budget_and_leave() -> None:
     """Plain SGD outer step (lr 1, no momentum): theta <- theta - g with g = theta_pulled - theta_local, so the
     global model moves by each worker's own change. Budget 6 = 2 workers x 3 steps, rounds of H = 2."""
-    settings = OuterSettings(local_steps=fixed_rounds(2), outer=Nesterov(lr=1.0, momentum=0.0))
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0))
     server, network, (m0, m1) = _start(settings, budget=6)
     w0, w1 = Worker(m0, CPU, server.local), Worker(m1, CPU, network.ends[1])
     w0.exchange(Kind.HELLO)  # H = 2, budget left 6
@@ -215,7 +214,7 @@ def test_int8_pushes_with_error_feedback_reach_the_true_sum() -> None:
     """int8 pushes (one scale per 2-value chunk) through the fake transport; worker 0 keeps its residual and sends
     it with its next push, worker 1 has no error feedback. Plain SGD outer step (lr 1): theta <- theta - decoded g."""
     layout = Fragments([torch.Size([2])], "int8")
-    settings = OuterSettings(local_steps=fixed_rounds(2), outer=Nesterov(lr=1.0, momentum=0.0))
+    settings = OuterSettings(local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0))
     server, network, (m0, m1) = _start(settings, budget=6, layout=layout)
     w0 = Worker(m0, CPU, server.local, layout=layout)
     w1 = Worker(m1, CPU, network.ends[1], layout=layout, error_feedback=False)
@@ -363,7 +362,7 @@ def test_streamed_rounds_match_the_whole_vector_rounds(mode: str) -> None:
     is the hand-computed one, and the reply travelled fragment by fragment. Outer step plain SGD, lr 1 (sync:
     theta <- theta - mean g)."""
     layout = Fragments([torch.Size([2])], max_bytes=4)  # one value per fragment
-    settings = OuterSettings(mode=mode, local_steps=fixed_rounds(2, mode), outer=Nesterov(lr=1.0, momentum=0.0))
+    settings = OuterSettings(mode=mode, local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0))
     server, network, modules = _start(settings, budget=4, layout=layout)
     workers = [Worker(modules[0], CPU, server.local, layout=layout),
                Worker(modules[1], CPU, network.ends[1], layout=layout)]

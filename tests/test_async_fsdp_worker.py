@@ -20,7 +20,7 @@ from lightning_hdet.asynchronous.exchange.reshard import shard_rows
 from lightning_hdet.asynchronous.exchange.worker_shards import full_pieces, local_state, rows
 from lightning_hdet.asynchronous.lightning.checkpoints import WorkerCheckpoints, worker_file
 from lightning_hdet.asynchronous.wire.messages import Fragments
-from tests.helpers import START, async_strategy, fixed_rounds, load_ranks
+from tests.helpers import START, async_strategy, load_ranks
 from tests.test_async_local_sgd import Regression
 from tests.test_async_ranks import _held_bytes
 
@@ -95,7 +95,7 @@ def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = Fa
     seed_everything(0)
     worker = WorkerShape(ranks_per_worker=ranks_per_worker, inside_worker=inside,
                          auto_wrap_policy=kwargs.pop("auto_wrap_policy", None))
-    strategy = AsyncLocalSGDStrategy(local_steps=fixed_rounds(4, mode), mode=mode, start_method=START, worker=worker,
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, start_method=START, worker=worker,
                                      **kwargs)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=out, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -14,6 +14,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+from benchmarks.common import adaptive_rounds
 from tests.helpers import START, flat_params, load_ranks, trainer_kwargs
 
 
@@ -56,7 +57,7 @@ class LastStep(Callback):
 
 def _fit(out: Path, mode: str) -> list[dict[str, Any]]:
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, start_method=START)
+    strategy = AsyncLocalSGDStrategy(local_steps=adaptive_rounds(4, mode), mode=mode, start_method=START)
     # rank 1 twice as slow: in async mode rank 0 takes more of the budget, its global_step ends past max_steps
     trainer = Trainer(strategy=strategy, callbacks=[SlowRanks({1: 2.0}, base_seconds=0.01), LastStep(out)],
                       **trainer_kwargs(devices=2, max_steps=16))

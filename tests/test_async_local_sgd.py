@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.exchange.server import Server
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
@@ -130,7 +130,7 @@ def _assert_same_params(ranks):
 @pytest.mark.timeout(180)
 def test_async_heterogeneous_dynamic_local_steps(tmp_path):
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=8, start_method="fork")
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(8), start_method="fork")
     ranks = _fit(tmp_path, BoringModel(), strategy, max_steps=40, callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS)],
                  limit_val_batches=0, num_sanity_val_steps=0)
     outer = ranks[0]["outer"]
@@ -193,7 +193,7 @@ def test_callbacks_with_slow_worker_then_resume(tmp_path):
         x, y = model.data[256:320]
         initial_val_loss = float(nn.functional.mse_loss(model.layer(x), y))
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1, save_last=True)
-    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer=STABLE_AT_HALF)
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(4), start_method="fork", outer=STABLE_AT_HALF)
     first = _fit(tmp_path / "a", model, strategy, max_steps=20, val_check_interval=5,
                  callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), ckpt])
     outer = first[0]["outer"]
@@ -222,7 +222,7 @@ def test_callbacks_with_slow_worker_then_resume(tmp_path):
         )
     # resume: the budget is the whole run's (world size x max_steps), counters continue
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=4, start_method="fork", outer=STABLE_AT_HALF)
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(4), start_method="fork", outer=STABLE_AT_HALF)
     early = EarlyStopping(monitor="val_loss", stopping_threshold=1e9, check_on_train_epoch_end=False)
     second = _fit(tmp_path / "b", Regression(), strategy, max_steps=400, val_check_interval=5,
                   ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), callbacks=[SlowRanks({3: 4.0}, BASE_SECONDS / 2), early])

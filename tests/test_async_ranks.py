@@ -13,12 +13,12 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks, WorkerShape
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, SlowRanks, WorkerShape
 from lightning_hdet.asynchronous.exchange.ranks import FollowerTransport, LeaderTransport, WorkerRanks
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.wire.messages import Kind, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
-from tests.helpers import LinearModel, START, fixed_rounds, flat_params, load_ranks, trainer_kwargs
+from tests.helpers import LinearModel, START, flat_params, load_ranks, trainer_kwargs
 from tests.test_async_local_sgd import Regression
 
 
@@ -151,7 +151,7 @@ def _fit(tmp_path, mode, ranks_per_worker, max_steps, local_steps=4, devices=4, 
     tmp_path.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     # plain averaging outer step (Local SGD): what is under test is the workers' ranks, not the outer optimizer
-    strategy = AsyncLocalSGDStrategy(local_steps=fixed_rounds(local_steps, mode), mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.0),
+    strategy = AsyncLocalSGDStrategy(local_steps=local_steps, mode=mode, outer=DelayedNesterov(lr=1.0, momentum=0.0),
                                      pull_compression=pull, start_method=START,
                                      worker=WorkerShape(ranks_per_worker=ranks_per_worker))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=tmp_path, logger=False,
@@ -268,7 +268,7 @@ def test_an_early_stop_on_rank_zero_stops_its_worker_at_the_end_of_its_round(tmp
     """EarlyStopping decides on rank 0 in the middle of a round (validation every 4 steps, rounds of 3): rank 0 must
     not leave its worker's other rank waiting for its gradients; the worker stops, both ranks, when the round ends."""
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=fixed_rounds(3),
+    strategy = AsyncLocalSGDStrategy(local_steps=3,
                                      timeout=timedelta(seconds=120), start_method=START,
                                      worker=WorkerShape(ranks_per_worker=2))
     stop = EarlyStopping(monitor="val_loss", mode="max", patience=0)  # the loss falls: stops at the 2nd validation
@@ -296,7 +296,7 @@ def test_a_worker_across_two_nodes_warns():
 def test_dynamic_local_steps_follow_each_workers_slowest_rank(tmp_path):
     """Rank 3 (not a leader) is 4x slower: its worker (ranks 2, 3) gets about 1/4 of the other worker's rounds."""
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=8, start_method=START, worker=WorkerShape(ranks_per_worker=2))
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(8), start_method=START, worker=WorkerShape(ranks_per_worker=2))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       max_steps=40, limit_val_batches=0, num_sanity_val_steps=0,

@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
-from tests.helpers import LinearModel, Recorder, Regression, START, fixed_rounds, load_ranks, trainer_kwargs
+from tests.helpers import LinearModel, Recorder, Regression, START, load_ranks, trainer_kwargs
 from tests.versions import NEEDS_RANK_ZERO_CHECKPOINT_NAMES
 
 # Documented in docs/failure_modes.md: an asynchronous run resumed from a checkpoint ends within this relative
@@ -25,7 +25,7 @@ def _fit(out: Path, mode: str, max_steps: int, ckpt_path: str | None = None) -> 
     seed_everything(0)
     # One batch, the same on every rank and every step: Lightning's data order on resume is not under test.
     model = LinearModel(lr=0.05, n_train=16)
-    strategy = AsyncLocalSGDStrategy(local_steps=fixed_rounds(2, mode), mode=mode, start_method=START,
+    strategy = AsyncLocalSGDStrategy(local_steps=2, mode=mode, start_method=START,
                                      outer=DelayedNesterov(lr=1.0, momentum=0.5, warmup=16, restarts=8))
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
     trainer = Trainer(strategy=strategy, callbacks=[ckpt, Recorder(out)],
@@ -100,7 +100,7 @@ def _fit_adam(out: Path, checkpoint_inner_states: bool, ckpt_path: str | None = 
     seed_everything(0)
     out.mkdir(parents=True)
     # without inner states on the wire, the pushes are int8 so that each worker also has a residual to save
-    strategy = AsyncLocalSGDStrategy(local_steps=fixed_rounds(2), start_method="fork",
+    strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="fork",
                                      checkpoint_inner_states=checkpoint_inner_states,
                                      compression="none" if checkpoint_inner_states else "int8")
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=3, save_top_k=-1)
@@ -182,7 +182,7 @@ def test_a_checkpoint_takes_one_snapshot_of_the_outer_state(tmp_path: Path) -> N
     from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
     model = LinearModel(lr=0.05, n_train=16)
-    strategy = AsyncLocalSGDStrategy(local_steps=2, outer=DelayedNesterov(lr=1.0, momentum=0.0), start_method=START)
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(2), outer=DelayedNesterov(lr=1.0, momentum=0.0), start_method=START)
     strategy.connect(model)
     exchange = Exchange.__new__(Exchange)  # rank 0's part without process groups: its outer state and module
     exchange.module, exchange.device = model, torch.device("cpu")

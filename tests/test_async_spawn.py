@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy, SlowRanks
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, SlowRanks
 from lightning_hdet.asynchronous.lightning.callback import AsyncLogging
 from tests.helpers import LinearModel, Recorder, flat_params, load_ranks, trainer_kwargs
 
@@ -24,7 +24,7 @@ def test_spawn_with_explicit_callbacks_trains(tmp_path: Path, strategy: str) -> 
     model = LinearModel(n_train=64)
     initial = flat_params(model)
     if strategy == "explicit":
-        strategy = AsyncLocalSGDStrategy(local_steps=2, start_method="spawn")  # type: ignore[assignment]
+        strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(2), start_method="spawn")  # type: ignore[assignment]
     callbacks = [SlowRanks({1: 2.0}, base_seconds=0.01), AsyncLogging(), Recorder(tmp_path / "out"),
                  ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=4)]
     trainer = Trainer(strategy=strategy, callbacks=callbacks,

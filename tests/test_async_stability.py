@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy
 from tests.test_async_defaults import SGDBoring, _loss
 
 H, ROUNDS = 8, 60  # rounds per worker: at the outer lr 0.7 two workers had diverged by 30 (benchmarks/outer_stability.py)
@@ -50,7 +50,7 @@ def test_two_workers_keep_improving_over_a_long_run_at_the_defaults(tmp_path: Pa
     model = SGDBoring()
     initial = _loss(model)
     out = tmp_path / "record.json"
-    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=H, mode=mode, start_method="fork"), accelerator="cpu",
+    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(H) if mode == "async" else H, mode=mode, start_method="fork"), accelerator="cpu",
             devices=2, max_steps=H * ROUNDS, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=tmp_path, callbacks=[Halfway(out, 2 * H * ROUNDS)]).fit(model)
@@ -72,7 +72,7 @@ def test_two_elastic_workers_keep_improving_over_a_long_run_at_the_defaults(tmp_
     from benchmarks.bad_worker_paths import fit_elastic
 
     budget = 2 * H * ROUNDS
-    record = fit_elastic(2, budget, 0, None, work=tmp_path, every=ROUNDS, local_steps=H)
+    record = fit_elastic(2, budget, 0, None, work=tmp_path, every=ROUNDS, local_steps=AdaptiveSteps(H))
     assert record["exit_codes"] == [0, 0, 0] and record["steps_done"] == budget
     (middle, *_), end = record["curve"], record["final"]
     assert middle[0] == ROUNDS

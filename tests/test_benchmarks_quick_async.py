@@ -246,6 +246,41 @@ def test_outer_sweep_choose_hand_computed():
     assert [label for label, *_ in choose(results, "async", ["a", "b"])] == ["a", "b"]
 
 
+def test_outer_sweep_agreement_scaled_lr_hand_computed():
+    """Agreement: equal pushes 1, opposite -1, orthogonal 0. The scaled lr (base 0.4, k0 0.2, in [0.25, 4] x base):
+    a DiLoCo round of equal pushes gives k = 1, scale min(4, 1 / 0.2) = 4; a cancelling round k = -1, averaged with
+    the last to 0: scale 0.25. Async: a worker's first push alone changes nothing; the other's orthogonal one, k = 0."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.outer_sweep import AgreementLR, agreement
+
+    e1, e2 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    assert [agreement([e1, e1]), agreement([e1, -e1]), agreement([e1, e2])] == pytest.approx([1.0, -1.0, 0.0], abs=1e-6)
+    assert agreement([e1, e1, -e1]) == pytest.approx((1 - 3) / (2 * 3))  # |sum|^2 = 1, sum |g|^2 = 3
+
+    class State:
+        def __init__(self):
+            self.optimizer = SimpleNamespace(param_groups=[{"lr": 0.4}])
+            self.lrs = []
+
+        def process(self, pushes):
+            self.lrs.append(self.optimizer.param_groups[0]["lr"])
+
+    def push(worker, g):
+        return SimpleNamespace(worker=worker, pseudo_gradient=g)
+
+    sync = AgreementLR(State(), 0.2, 0.25, 4.0)
+    sync.process([push(0, e1), push(1, e1)])
+    sync.process([push(0, e1), push(1, -e1)])
+    assert sync.state.lrs == pytest.approx([1.6, 0.1])
+    asynchronous = AgreementLR(State(), 0.2, 0.25, 1.0)
+    asynchronous.process([push(0, e1)])
+    asynchronous.process([push(1, e2)])
+    assert asynchronous.state.lrs == pytest.approx([0.4, 0.1])
+
+
 def test_outer_sweep_worker_round_is_start_minus_its_local_model():
     """A fake worker copies the global parameters in (no aliasing: the start it is given stays as it was), takes H
     inner steps, and returns start - local; its inner optimizer's state carries over to its next round."""

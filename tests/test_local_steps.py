@@ -112,16 +112,25 @@ def test_adaptive_steps_are_checked_on_creation(kwargs, match):
         AdaptiveSteps(**kwargs)
 
 
-def test_an_integer_is_adaptive_steps_in_async_mode_and_fixed_rounds_in_diloco():
-    """``local_steps=H`` keeps each mode's default: DyLU from H in async, every round H in DiLoCo; ``min=start``
-    fixes async rounds (a slow worker still gets H)."""
-    assert OuterSettings(local_steps=20).local_steps == AdaptiveSteps(20)
-    assert OuterSettings(mode="sync", local_steps=20).local_steps == 20
-    policy = OuterSettings(local_steps=AdaptiveSteps(8, min=8)).build(torch.zeros(1), torch.zeros(0), 2, None).local_steps
-    policy.update(0, 8, 1.0)
-    policy.update(1, 8, 4.0)  # four times slower
-    assert (policy.next_local_steps(0), policy.next_local_steps(1)) == (8, 8)
-    dylu = OuterSettings(local_steps=8).build(torch.zeros(1), torch.zeros(0), 2, None).local_steps
-    dylu.update(0, 8, 1.0)
-    dylu.update(1, 8, 4.0)
-    assert (dylu.next_local_steps(0), dylu.next_local_steps(1)) == (8, 2)
+def _rounds_after_one_slow_round(local_steps, mode="async") -> list[int]:
+    """The next round's length of workers 0 and 1 after each ran 8 steps, worker 1 four times slower (a budget of
+    1000 steps: far from its end)."""
+    outer = OuterSettings(mode=mode, local_steps=local_steps).build(torch.zeros(1), torch.zeros(0), 2, budget=1000)
+    outer.local_steps.update(0, 8, 1.0)
+    outer.local_steps.update(1, 8, 4.0)
+    return [outer.step_policy.allocate(outer, w, 2) for w in (0, 1)]
+
+
+def test_an_integer_is_fixed_rounds_in_either_mode():
+    """What a user writes is what runs: ``local_steps=8`` gives the slow worker 8 steps too, async as DiLoCo; only
+    an explicit ``AdaptiveSteps(start=8)`` gives it 8 / 4 = 2."""
+    assert OuterSettings(local_steps=20).local_steps == OuterSettings(mode="sync", local_steps=20).local_steps == 20
+    assert _rounds_after_one_slow_round(8) == [8, 8]
+    assert _rounds_after_one_slow_round(8, "sync") == [8, 8]
+    assert _rounds_after_one_slow_round(AdaptiveSteps(8)) == [8, 2]
+
+
+def test_unset_local_steps_are_adaptive_in_async_mode_and_50_in_diloco():
+    assert OuterSettings().local_steps == AdaptiveSteps(start=50)
+    assert OuterSettings(mode="sync").local_steps == 50
+    assert _rounds_after_one_slow_round(None) == [50, 12]  # floor(50 / 4)

@@ -21,7 +21,6 @@ from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import Int8
 from lightning_hdet.asynchronous.wire.messages import Kind, WorkerHeader
 from lightning_hdet.testing import MemoryTransport
-from tests.helpers import fixed_rounds
 
 CPU = torch.device("cpu")
 HEADER = 8 * WorkerHeader.SIZE  # a push's float64 header, in bytes
@@ -119,7 +118,7 @@ def test_async_stale_pushes_in_a_given_order_under_delayed_nesterov() -> None:
     Both pull [0, 0]. Worker 1 pushes g = -[2, 0]: m = [-1, 0], theta = [0.5, 0]. Worker 0, stale by one update,
     pushes g = -[0, 4]: m = [-1, -2], theta = [0.5, 0] + [0.25, 0.5] + [0, 1] = [0.75, 1.5]. Worker 1 from [0.5, 0]
     pushes g = -[0, 1] (a new cycle): m = [-0.5, -1.5], theta = [0.75, 1.75]."""
-    settings = OuterSettings(local_steps=fixed_rounds(2), outer=DelayedNesterov(lr=0.5, momentum=0.5))
+    settings = OuterSettings(local_steps=2, outer=DelayedNesterov(lr=0.5, momentum=0.5))
     world = World(settings, 2, None)
     for e in world.exchanges:
         e.worker.exchange(Kind.HELLO)
@@ -141,7 +140,7 @@ def test_a_non_finite_push_is_rejected_whole_and_its_worker_restarts_from_the_gl
     Worker 1's round is [nan, 5]: rejected whole, theta keeps no trace of its finite value; worker 0's [3, 1]
     applies (async: theta = [3, 1]; DiLoCo: the mean of the pushes that passed, the same). Worker 1 is told it was
     rejected and pulls the global model."""
-    settings = OuterSettings(mode=mode, local_steps=fixed_rounds(2, mode), outer=Nesterov(lr=1.0, momentum=0.0))
+    settings = OuterSettings(mode=mode, local_steps=2, outer=Nesterov(lr=1.0, momentum=0.0))
     world = World(settings, 2, None, check_self=False)
     world.outer.params.fill_(1.0)
     world.together(lambda w: world.exchanges[w].worker.exchange(Kind.HELLO))
@@ -163,7 +162,7 @@ def test_a_worker_rejected_max_rejections_times_stops_and_delayed_nesterovs_n_fo
     """Async, 3 workers, Delayed Nesterov at lr 1 and no momentum (each push moves theta by -g / N). Worker 2's
     rounds are non-finite three times: each rejected, the third reply says stop. N follows the 2 workers left (no
     push is buffered: a momentum boundary), so worker 0's [1, 0] and worker 1's [0, 2] move theta by half each."""
-    settings = OuterSettings(local_steps=fixed_rounds(2), check_pushes=PushCheck(max_rejections=3),
+    settings = OuterSettings(local_steps=2, check_pushes=PushCheck(max_rejections=3),
                              outer=DelayedNesterov(lr=1.0, momentum=0.0))
     world = World(settings, 3, None, check_self=False)
     for e in world.exchanges:

@@ -9,7 +9,6 @@ from lightning_hdet.asynchronous.outer.delayed_nesterov import MomentumSchedule
 from lightning_hdet.asynchronous.outer.momentum import OUTER_PRESETS, momentum_tail, outer_from, stable_outer_lr
 from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
-from tests.helpers import fixed_rounds
 
 #: ``1 + 0.9 + ... + 0.9^8``: one push's whole motion, in ``outer_lr`` x the push, at momentum 0.9 restarted every 8
 TAIL = (1 - 0.9**9) / (1 - 0.9)
@@ -203,7 +202,7 @@ def test_a_push_no_later_round_revisits_is_not_carried_past_the_worker_s_own_end
     bound) x 1.996 x 2: to -0.497. At 0.339 / 0.9 (the default before issue 42) to 1 - 0.339 * TAIL * 2 = -3.2:
     3.2 times past the optimum, growth at every such visit."""
     x = torch.ones(1)
-    settings = OuterSettings(mode=mode, local_steps=fixed_rounds(8, mode), check_pushes=False,
+    settings = OuterSettings(mode=mode, local_steps=8, check_pushes=False,
                              outer=DN(lr=stable_outer_lr(momentum, 8), momentum=momentum, restarts=8))
     state = settings.build(x, torch.zeros(0), workers, None)
     for update in range(1, 20):  # the 8th momentum update restarts the momentum before taking the pushes

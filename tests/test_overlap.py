@@ -27,7 +27,8 @@ from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.slow_link import LimitedTransport
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport, receive_reply, send_reply
-from tests.helpers import async_strategy, fixed_rounds
+from benchmarks.common import adaptive_rounds
+from tests.helpers import async_strategy
 from tests.test_async_defaults import SGDBoring, _loss
 
 
@@ -96,7 +97,7 @@ def test_async_keeps_every_workers_pending_steps_out_of_the_budget_left() -> Non
     """Budget 30, H = 8 (no dynamic lengths). Both say hello (8 steps each in flight). Worker 0 pushes 5 with 3
     pending: it gets min(8, 30 − 5 − 8 (worker 1's) − 3 (its own pending)) = 8. Worker 1 pushes 5 with 3 pending:
     min(8, 30 − 10 − 8 − 6) = 6. A rejected push frees its pending steps."""
-    outer = _outer("async", 30, local_steps=fixed_rounds(8))
+    outer = _outer("async", 30, local_steps=8)
     outer.process([_push(0, 0, kind=Kind.HELLO)])
     outer.process([_push(1, 0, kind=Kind.HELLO)])
     assert outer.process([_push(0, 5, 3)]) == {0: 8}
@@ -268,7 +269,7 @@ def _fit(tmp_path: Path, mode: str, overlap: int) -> dict:
     of its 66 parameters: about 105 ms), 240 steps of budget; with τ = 6 (120 ms of steps) the link is hidden."""
     seed_everything(0)
     out = tmp_path / f"{mode}{overlap}.json"
-    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, mode=mode, start_method="fork", worker=WorkerShape(overlap_steps=overlap)),
+    Trainer(strategy=AsyncLocalSGDStrategy(local_steps=adaptive_rounds(8, mode), mode=mode, start_method="fork", worker=WorkerShape(overlap_steps=overlap)),
             accelerator="cpu", devices=2, max_steps=120, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=tmp_path,

@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_hdet import AsyncLocalSGDStrategy, DelayedNesterov, HDETCallback, HDETStrategy
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, DelayedNesterov, HDETCallback, HDETStrategy
 from lightning_hdet.experimental import InitNoise
 from lightning_hdet.hdet.lightning.checkpoints import group_dir, group_file
 from tests.helpers import START, LinearModel, Recorder, SGDBoring, flat_params, load_ranks, trainer_kwargs
@@ -375,7 +375,7 @@ def test_async_killed_worker_fails_fast_and_resume_spends_the_budget(tmp_path: P
     def fit(out: Path, extra: tuple = (), ckpt_path: str | None = None) -> None:
         seed_everything(0)
         ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
-        strategy = AsyncLocalSGDStrategy(local_steps=2, start_method=START, timeout=timedelta(seconds=20))
+        strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(2), start_method=START, timeout=timedelta(seconds=20))
         trainer = Trainer(strategy=strategy, callbacks=[*extra, ckpt],
                           **trainer_kwargs(devices=2, max_steps=24, enable_checkpointing=True, default_root_dir=out))
         trainer.fit(BoringModel(), ckpt_path=ckpt_path)
@@ -421,7 +421,7 @@ def test_async_stuck_worker_fails_within_the_timeout(tmp_path: Path) -> None:
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     seed_everything(0)
-    strategy = AsyncLocalSGDStrategy(local_steps=2, start_method=START, timeout=timedelta(seconds=5))
+    strategy = AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(2), start_method=START, timeout=timedelta(seconds=5))
     trainer = Trainer(strategy=strategy, callbacks=[_Fault("sleep", (1,), (0,)), Recorder(tmp_path)],
                       **trainer_kwargs(devices=2, max_steps=8))
     with pytest.raises(Exception, match=r"(?s)Timed out|timed out|timeout|Timeout"):
@@ -437,7 +437,7 @@ def test_async_checkpoint_resumes_with_another_number_of_workers(tmp_path: Path)
     def fit(out: Path, devices: int, max_steps: int, ckpt_path: str | None = None) -> None:
         seed_everything(0)
         ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=4)
-        trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=2, start_method=START),
+        trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(2), start_method=START),
                           callbacks=[ckpt, Recorder(out), _OuterDump(out / "outer.pt")],
                           **trainer_kwargs(devices=devices, max_steps=max_steps, enable_checkpointing=True))
         trainer.fit(LinearModel(n_train=16), ckpt_path=ckpt_path)

@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hdet  # noqa: F401  (registers the strategies)
-from lightning_hdet import AsyncLocalSGDStrategy
+from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy
 from lightning_hdet.asynchronous.wire.codecs import codec_from
 
 
@@ -54,7 +54,7 @@ def test_sparse_pushes_learn_with_a_hundredth_of_the_bytes(tmp_path: Path, codec
     model = Regression()
     initial = model.full_loss()
     out = tmp_path / "record.json"
-    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=8, compression=codec, start_method="fork"),
+    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=AdaptiveSteps(8), compression=codec, start_method="fork"),
                       accelerator="cpu", devices=2, max_steps=200, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[Record(out)])
     trainer.fit(model)

@@ -34,6 +34,7 @@ from lightning_hdet.asynchronous.elastic import (  # noqa: E402
     ElasticWorkerStrategy,
     OuterService,
 )
+from benchmarks.common import adaptive_rounds  # noqa: E402
 from tests.helpers import LinearModel, Regression  # noqa: E402
 
 
@@ -120,7 +121,8 @@ def single(args: argparse.Namespace) -> None:
     seed_everything(0)
     model = LinearModel()
     initial = val_loss(model)["val_loss"]
-    strategy = AsyncLocalSGDStrategy(local_steps=args.local_steps, start_method=args.start_method, mode=args.mode)
+    strategy = AsyncLocalSGDStrategy(local_steps=adaptive_rounds(args.local_steps, args.mode), start_method=args.start_method,
+                                     mode=args.mode)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=args.workers,
                       max_steps=args.budget // args.workers, logger=False, enable_checkpointing=False,
                       callbacks=[Pace(args), KillRank(args.workers - 1, args.kill_at_step)], enable_progress_bar=False,
@@ -211,7 +213,7 @@ def server(args: argparse.Namespace) -> None:
         return metrics
 
     service = OuterService(model, args.address, args.budget, checkpoint=args.checkpoint, checkpoint_every=1,
-                           lease_s=args.lease_s, local_steps=args.local_steps, mode=args.mode, evaluate=evaluate,
+                           lease_s=args.lease_s, local_steps=adaptive_rounds(args.local_steps, args.mode), mode=args.mode, evaluate=evaluate,
                            evaluate_every=2 if args.stop_below > 0 else 0, max_idle_s=args.max_idle_s)
     start = time.perf_counter()
     service.run()

@@ -69,9 +69,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     ``workers * S`` inner steps in all (fast workers do more of them).
 
     Args (every default and allowed value: ``docs/configuration.md``):
-        local_steps: ``H``, inner steps per round: in async mode the fastest worker's, slower ones proportionally
-            fewer, as ``AdaptiveSteps(start=H)``; pass ``AdaptiveSteps(start, min, grace_period, smoothing)`` to
-            change how (``min=start``: fixed rounds).
+        local_steps: an integer ``H``: every round ``H`` inner steps, in either mode; async only,
+            ``AdaptiveSteps(start, min, grace_period, smoothing)``: ``start`` for the fastest worker, slower ones
+            proportionally fewer. ``None`` (default): ``AdaptiveSteps()`` in async mode, 50 in DiLoCo.
         mode: ``"async"`` (apply each push on arrival) or ``"sync"`` (DiLoCo: mean of all workers' pushes).
         outer: ``DelayedNesterov(...)``, ``Nesterov(...)``, ``SparseLoCo(...)``, or a preset that builds one
             (``"stable"``, the default, ``"published"``, ``"robust"``, ``"sparseloco"``); :attr:`config` shows it.
@@ -93,7 +93,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     strategy_name = "async_local_sgd"
 
-    def __init__(self, local_steps: int | AdaptiveSteps = 50, mode: Mode = "async",
+    def __init__(self, local_steps: int | AdaptiveSteps | None = None, mode: Mode = "async",
                  outer: OuterOptimizer | str | None = None, compression: Codec | str = "none",
                  pull_compression: Codec | str = "none", error_feedback: bool | None = None,
                  check_pushes: PushCheck | bool = True, checkpoint_inner_states: bool = False,

@@ -82,12 +82,12 @@ def validate_local_steps(local_steps: int, min_local_steps: int, smoothing: floa
 
 @dataclass(frozen=True)
 class AdaptiveSteps(KnownArguments):
-    """Async mode's round lengths (an integer ``local_steps=H`` is ``AdaptiveSteps(start=H)``): dynamic local steps
-    (DyLU), ``start`` steps for the fastest worker, fewer for slower ones.
+    """Async rounds adapted to each worker's speed (the default; an integer ``local_steps=H`` fixes every round at
+    ``H``): dynamic local steps (DyLU), ``start`` steps for the fastest worker, fewer for slower ones.
 
     Args:
         start: ``H``, the fastest worker's round length.
-        min: the shortest round (``min=start``: fixed rounds).
+        min: the shortest round.
         grace_period: pushes within this many seconds of a batch's first one are applied as one batch.
         smoothing: the previous value's weight in each worker's steps/s average, in [0, 1).
     """

@@ -94,7 +94,7 @@ MOVED: dict[str, str] = {
     "error_decay": "outer=SparseLoCo(error_decay=...)",
     "max_norm_ratio": "check_pushes=PushCheck(max_norm_ratio=...)",
     "max_rejections": "check_pushes=PushCheck(max_rejections=...)",
-    "dynamic_local_steps": "local_steps=H (True, the async default) or local_steps=AdaptiveSteps(start=H, min=H) (False)",
+    "dynamic_local_steps": "local_steps=AdaptiveSteps(start=H) (True, the async default) or local_steps=H (False)",
     "min_local_steps": "local_steps=AdaptiveSteps(start=H, min=...)",
     "grace_period": "local_steps=AdaptiveSteps(start=H, grace_period=...)",
     "speed_smoothing": "local_steps=AdaptiveSteps(start=H, smoothing=...)",

@@ -24,9 +24,9 @@ class OuterSettings(KnownArguments):
     names), checked on creation; ``outer``, ``local_steps`` and ``check_pushes`` hold their objects once built."""
 
     mode: str = "async"
-    #: ``H``: in async mode ``AdaptiveSteps(start=H)`` (or an :class:`~.local_steps.AdaptiveSteps`), in DiLoCo every
-    #: round's length (default 50).
-    local_steps: Any = DEFAULT_LOCAL_STEPS
+    #: An integer ``H``: every round ``H`` steps, in either mode; an :class:`~.local_steps.AdaptiveSteps`: async
+    #: rounds adapted to each worker's speed; ``None`` (default): ``AdaptiveSteps()`` in async mode, 50 in DiLoCo.
+    local_steps: Any = None
     #: An :class:`~.base.OuterOptimizer`, or a preset's name (:mod:`.momentum`; ``None``: ``"stable"``).
     outer: Any = None
     #: A :class:`~.checks.PushCheck`, ``True`` (its defaults) or ``False``.
@@ -37,15 +37,15 @@ class OuterSettings(KnownArguments):
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         steps = self.local_steps
-        if isinstance(steps, AdaptiveSteps):
+        if steps is None:  # frozen: filled once, here
+            object.__setattr__(self, "local_steps", AdaptiveSteps() if self.mode == "async" else DEFAULT_LOCAL_STEPS)
+        elif isinstance(steps, AdaptiveSteps):
             require("local_steps", steps, self.mode == "async", "an integer H with mode='sync' (DiLoCo)",
                     f"Every DiLoCo round is H steps long, each outer step waiting for every worker. Write"
                     f" local_steps={steps.start}, or use mode='async'.")
         else:
-            check_int("local_steps", steps, minimum=1, hint="Or, async, AdaptiveSteps(start, min, grace_period,"
-                      " smoothing).")
-            if self.mode == "async":  # frozen: filled once, here
-                object.__setattr__(self, "local_steps", AdaptiveSteps(steps))
+            check_int("local_steps", steps, minimum=1, hint="An integer H fixes every round at H steps; for async"
+                      " rounds adapted to each worker's speed write AdaptiveSteps(start=H), or None for the default.")
         object.__setattr__(self, "outer", outer_from(self.outer))
         object.__setattr__(self, "check_pushes", push_check_from(self.check_pushes))
         check_stagger(self.stagger, self.mode, self.rounds)
@@ -58,8 +58,9 @@ class OuterSettings(KnownArguments):
 
     def numbers(self) -> dict[str, Any]:
         """Every setting in force, the objects' numbers included (the run config)."""
-        checks, steps = self.check_pushes, self.local_steps.numbers() if self.mode == "async" else {}
-        return {"mode": self.mode, "local_steps": self.rounds,
+        checks, adaptive = self.check_pushes, isinstance(self.local_steps, AdaptiveSteps)
+        steps = self.local_steps.numbers() if adaptive else {}
+        return {"mode": self.mode, "local_steps": self.rounds, "local_steps/adaptive": adaptive,
                 **{f"local_steps/{k}": v for k, v in steps.items() if k != "start"},
                 "outer": type(self.outer).__name__, **{f"outer/{k}": v for k, v in self.outer.numbers().items()},
                 "check_pushes": checks is not None,
