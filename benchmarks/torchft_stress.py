@@ -59,8 +59,9 @@ def one_run(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
     while not all((work / f"ready{j}").exists() for j in range(args.jobs)) and time.monotonic() - start < 120:
         time.sleep(0.05)
     go = time.monotonic()
-    for j in range(args.jobs):
-        (work / f"go{j}").touch()
+    for j in range(args.jobs):  # how many start together: they meet again once connected (tests/scripts/torchft_job.py)
+        (work / f"go{j}.tmp").write_text(str(args.jobs))
+        (work / f"go{j}.tmp").rename(work / f"go{j}")
     survivors = jobs if fault is None else jobs[:-1]
     frozen = False
     hang = False

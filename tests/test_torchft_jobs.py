@@ -169,6 +169,28 @@ def test_a_job_frozen_mid_round_is_left_out_after_the_heartbeat_timeout_not_the_
 
 
 @pytest.mark.timeout(420)
+def test_a_job_frozen_at_the_round_s_allreduce_stalls_the_others_timeout_then_that_round_is_discarded(tmp_path):
+    """Job 2 SIGSTOPs itself as round 1's allreduce starts, after the round's quorum (so it is in the allreduce's
+    group): gloo cannot abort that allreduce (docs/elastic.md says why), so the others wait out ``timeout`` (8 s),
+    discard the round, leave job 2 out of the next quorum (its heartbeats stopped) and train round 1 again: they end
+    at round 4, one round discarded, with the same model. Nothing hangs: the wait is bounded by ``timeout``."""
+    run = Run(tmp_path, min_replicas=2)
+    for job in (0, 1):
+        run.launch(job, "--timeout", "8")
+    run.launch(2, "--timeout", "8", "--freeze-in-allreduce", "1")
+    run.go(0, 1, 2)
+    try:
+        run.until(lambda: run.jobs[0].poll() is not None and run.jobs[1].poll() is not None, "jobs 0 and 1 to end")
+    finally:
+        run.jobs[2].kill()
+    codes = run.wait()
+    assert codes[0] == codes[1] == 0, run.logs()
+    (r0, s0), (r1, s1) = run.result(0), run.result(1)
+    assert (r0["round"], r0["discarded"], r1["round"], r1["discarded"]) == (4, 1, 4, 1), run.logs()
+    assert_close(s0, s1)
+
+
+@pytest.mark.timeout(420)
 def test_jobs_end_at_diloco_s_model_with_a_nan_job_left_out_of_every_round(tmp_path):
     """Jobs 0 and 1 are healthy, job 2's loss is NaN from its first step: its pseudo-gradient is rejected in every
     round (never in the mean: with ``max_rejections`` above the run's rounds it stays), it restarts from the global

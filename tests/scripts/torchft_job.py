@@ -3,7 +3,8 @@ examples/torchft_diloco.py's shape): each job reads its own stream of batches (i
 its final parameters and read-outs to ``--out``.
 
 Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round ``R`` (``--freeze-in-round R``:
-SIGSTOPs it there, its heartbeats too); ``--nan-from-step S`` makes
+SIGSTOPs it there, its heartbeats too; ``--freeze-in-allreduce R``: as round ``R``'s allreduce starts, after its
+quorum); ``--nan-from-step S`` makes
 its loss NaN from step ``S`` on (its rounds are rejected until it leaves the run). ``--sync DIR``: once started,
 the job writes ``DIR/ready<job>`` and waits for ``DIR/go<job>`` before ``fit`` (so that the test starts the jobs
 together, or one later; the file holds how many jobs start together, and those meet again once connected to the
@@ -85,6 +86,8 @@ class Job(pl.LightningModule):
         # the jobs given "go" together meet here, each heartbeating to the Lighthouse by now (the strategy connects
         # in its setup), so their first quorum holds them all: without it one slow to start could miss it and heal
         # into a later round (a job given "go" alone, one joining late, meets no one)
+        if self.args.freeze_in_allreduce >= 0:
+            self._freeze_at_allreduce(self.trainer.strategy._manager, self.args.freeze_in_allreduce)
         sync = self.args.sync
         if sync is None:
             return
@@ -92,6 +95,18 @@ class Job(pl.LightningModule):
         together, deadline = int((sync / f"go{self.args.job}").read_text() or 1), time.monotonic() + 120
         while len(list(sync.glob("connected*"))) < together and time.monotonic() < deadline:
             time.sleep(0.05)
+
+    @staticmethod
+    def _freeze_at_allreduce(manager, round_: int) -> None:  # type: ignore[no-untyped-def]
+        """SIGSTOP this job as round ``round_``'s allreduce starts: after the round's quorum, in its process group."""
+        allreduce = manager.allreduce
+
+        def frozen(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if manager.current_step() == round_:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return allreduce(*args, **kwargs)
+
+        manager.allreduce = frozen
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
         self.ddp = isinstance(self.trainer.strategy.model, DistributedDataParallel)
@@ -116,6 +131,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--kill-in-round", type=int, default=-1)
     parser.add_argument("--freeze-in-round", type=int, default=-1)
+    parser.add_argument("--freeze-in-allreduce", type=int, default=-1)
     parser.add_argument("--max-rejections", type=int, default=3)
     parser.add_argument("--nan-from-step", type=int, default=-1)
     parser.add_argument("--step-s", type=float, default=0.0)
