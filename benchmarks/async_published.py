@@ -157,7 +157,8 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
         options["worker"] = WorkerShape(ranks_per_worker=options.pop("ranks_per_worker", 1))
         outer = kind if kind in ("stable", "robust") else (Nesterov if kind == "nesterov" else DelayedNesterov)(
             lr=args.outer_lr, momentum=momentum)
-        h, fixed = args.local_steps, options.pop("fixed", False)  # async: DyLU (the default), or fixed rounds
+        # async: DyLU (the default), or fixed rounds; DiLoCo: every round H
+        h, fixed = args.local_steps, options.pop("fixed", False) or options.get("mode") == "sync"
         strategy = AsyncLocalSGDStrategy(local_steps=h if fixed else AdaptiveSteps(h), outer=outer, **options,
                                          **common)
     slow = SlowRanks(factors(level, args.world_size), base_seconds=args.base_seconds)
