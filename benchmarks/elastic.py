@@ -21,7 +21,8 @@ byte counted once: the service's pushes and pulls (its counters); torchft's allr
 process CPU (every thread's) from a step's start to the next one's, rounds left out.
 Run: ``python benchmarks/elastic.py [--quick]``. ``--cpu-ab N`` runs only the CPU comparison: the fault-free DiLoCo
 arms (the single job, torchft at ``heartbeat_s`` 0.5 and 0.1 s) N times each, interleaved (their order rotated every
-repetition), so a machine whose load drifts weighs on every arm alike.
+repetition), so a machine whose load drifts weighs on every arm alike; it prints its stamped table and writes its
+JSON (not a ``make bench`` part).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
+from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish, stamp, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "elastic_run.py"
@@ -280,7 +281,9 @@ def main() -> None:
         name, _ = begin(NAME + "_cpu_ab", args.quick)
         with tempfile.TemporaryDirectory() as tmp:
             samples = cpu_ab(args, Path(tmp))
-        return publish(name, args, {"samples": samples}, cpu_ab_table(samples, args))
+        # not a `make bench` part: the JSON and the stamped table, no docs block (a research note quotes it)
+        write_json(name, {"config": {k: str(v) for k, v in vars(args).items()}, "samples": samples}, args.results_dir)
+        return print(f"{cpu_ab_table(samples, args)}\n\n{stamp([])}", flush=True)
     name, _ = begin(NAME, args.quick)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
