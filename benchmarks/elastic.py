@@ -108,8 +108,13 @@ def service(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
                     "--local-steps", str(args.local_steps), "--checkpoint", str(work / "ckpt.pt"),
                     "--max-idle-s", "30")  # a run that never spends its budget ends 30 s after its last worker left
     go, outs = work / "go", [work / f"w{i}.json" for i in range(args.workers)]
+    # A worker joining at 50 %: the others hold a round past their share of the first half until it has registered
+    # (else a quick run's budget is spent before it starts, and it waits out its reconnect_s); counted in wall-clock.
+    held = (math.ceil(args.budget / 2 / (args.workers - 1) / args.local_steps) + 1) * args.local_steps
+    hold = ("--hold-at", str(held), "--hold-until", str(work / "joined"))
     workers = [launch("worker", out, "--address", address, "--step-s", str(args.step_s), "--local-steps",
-                      str(args.local_steps), "--go", str(go.with_suffix(".late" if late else ".all")))
+                      str(args.local_steps), "--go", str(go.with_suffix(".late" if late else ".all")),
+                      *(() if fault != "join" else ("--mark-joined", str(work / "joined")) if late else hold))
                for out, late in zip(outs, [False] * (args.workers - 1) + [fault == "join"])]
     start = start_together(workers, outs[: args.workers - (fault == "join")], go.with_suffix(".all"), args.timeout)
     at = inject(fault, workers[-1], go.with_suffix(".late"),
@@ -121,7 +126,8 @@ def service(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
     return {"wall_s": time.perf_counter() - start, "final_loss": result.get("final_loss"),
             "initial_loss": result.get("initial_loss"), "steps_done": result.get("steps_done"), "fault_at": at,
             "bytes": sum(s["push_bytes"] + s["pull_bytes"] for s in stats) if stats else None,
-            "exit_codes": codes, "job_lost": codes[-1] != 0}
+            "exit_codes": codes,  # the server's and every worker's but the killed one's
+            "job_lost": any(c != 0 for i, c in enumerate(codes) if not (fault == "kill" and i == args.workers - 1))}
 
 
 def torchft(args: argparse.Namespace, work: Path, fault: str | None, heartbeat_s: float = 0.5) -> dict:
