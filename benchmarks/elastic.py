@@ -280,6 +280,9 @@ def main() -> None:
     add_output_args(parser)
     args = parser.parse_args()
     args.budget = args.budget or (240 if args.quick else 800)
+    if args.budget // args.workers % args.local_steps:  # torchft refuses it, and the join arm's joiner would wait
+        parser.error(f"--budget {args.budget} / --workers {args.workers} must be a multiple of --local-steps "
+                     f"{args.local_steps} (every torchft job runs whole rounds)")
     if args.budget // args.workers // args.local_steps < 4:  # the joining job needs a round after the others' hold
         parser.error(f"--budget {args.budget} gives {args.budget // args.workers // args.local_steps} rounds per job "
                      f"at --workers {args.workers} --local-steps {args.local_steps}: at least 4 are needed")
