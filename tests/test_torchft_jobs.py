@@ -146,16 +146,13 @@ def test_a_job_killed_mid_round_drops_out_and_one_that_joins_late_heals_and_ends
     assert all(torch.isfinite(v).all() for v in s0.values())
 
 
-@pytest.mark.timeout(420)
-def test_a_job_frozen_mid_round_is_left_out_after_the_heartbeat_timeout_not_the_allreduce_timeout(tmp_path):
-    """Job 2 SIGSTOPs itself (its heartbeats too) in the middle of round 1, with a 300 s allreduce timeout: the others
-    take the round's quorum again before its allreduce, the Lighthouse drops job 2 once its heartbeats are 2 s old,
-    and they reduce without it. Before, job 2 stayed in the quorum of the round's start and the others waited in the
-    allreduce until the timeout (past this test's deadline), then discarded the round."""
+def frozen_third_job(tmp_path, timeout: str, freeze: str) -> Run:
+    """Jobs 0 and 1 healthy, job 2 frozen (``freeze`` in round 1), each with this allreduce ``timeout``: the run once
+    jobs 0 and 1 ended by themselves (job 2 killed then), both exited 0."""
     run = Run(tmp_path, min_replicas=2)
     for job in (0, 1):
-        run.launch(job, "--timeout", "300")
-    run.launch(2, "--timeout", "300", "--freeze-in-round", "1")
+        run.launch(job, "--timeout", timeout)
+    run.launch(2, "--timeout", timeout, freeze, "1")
     run.go(0, 1, 2)
     try:
         run.until(lambda: run.jobs[0].poll() is not None and run.jobs[1].poll() is not None, "jobs 0 and 1 to end")
@@ -163,6 +160,16 @@ def test_a_job_frozen_mid_round_is_left_out_after_the_heartbeat_timeout_not_the_
         run.jobs[2].kill()
     codes = run.wait()
     assert codes[0] == codes[1] == 0, run.logs()
+    return run
+
+
+@pytest.mark.timeout(420)
+def test_a_job_frozen_mid_round_is_left_out_after_the_heartbeat_timeout_not_the_allreduce_timeout(tmp_path):
+    """Job 2 SIGSTOPs itself (its heartbeats too) in the middle of round 1, with a 300 s allreduce timeout: the others
+    take the round's quorum again before its allreduce, the Lighthouse drops job 2 once its heartbeats are 2 s old,
+    and they reduce without it. Before, job 2 stayed in the quorum of the round's start and the others waited in the
+    allreduce until the timeout (past this test's deadline), then discarded the round."""
+    run = frozen_third_job(tmp_path, "300", "--freeze-in-round")
     (r0, s0), (r1, s1) = run.result(0), run.result(1)
     assert r0["round"] == r1["round"] == 4 and r0["discarded"] == r1["discarded"] == 0, run.logs()
     assert_close(s0, s1)
@@ -174,17 +181,7 @@ def test_a_job_frozen_at_the_round_s_allreduce_stalls_the_others_timeout_then_th
     group): gloo cannot abort that allreduce (docs/elastic.md says why), so the others wait out ``timeout`` (8 s),
     discard the round, leave job 2 out of the next quorum (its heartbeats stopped) and train round 1 again: they end
     at round 4, one round discarded, with the same model. Nothing hangs: the wait is bounded by ``timeout``."""
-    run = Run(tmp_path, min_replicas=2)
-    for job in (0, 1):
-        run.launch(job, "--timeout", "8")
-    run.launch(2, "--timeout", "8", "--freeze-in-allreduce", "1")
-    run.go(0, 1, 2)
-    try:
-        run.until(lambda: run.jobs[0].poll() is not None and run.jobs[1].poll() is not None, "jobs 0 and 1 to end")
-    finally:
-        run.jobs[2].kill()
-    codes = run.wait()
-    assert codes[0] == codes[1] == 0, run.logs()
+    run = frozen_third_job(tmp_path, "8", "--freeze-in-allreduce")
     (r0, s0), (r1, s1) = run.result(0), run.result(1)
     assert (r0["round"], r0["discarded"], r1["round"], r1["discarded"]) == (4, 1, 4, 1), run.logs()
     assert_close(s0, s1)
