@@ -166,28 +166,6 @@ def test_the_search_ends_on_the_winner_with_a_grid_around_its_lr_and_global_grad
     assert ("set_gradient_sync", "global") in world.calls
 
 
-def test_a_cooldown_scales_every_groups_applied_lr_before_the_search_ending_vote_and_the_vote_reads_the_table():
-    """Votes every 4 steps that leave the LRs alone, the search from step 8, a cool-down of half an interval: steps 7
-    and 8 apply 2/3 and 1/3 of each group's multiplier (1 and 2), every other step the multiplier itself; the search
-    ends at 8 on group 1 (it learns fastest) around its uncooled multiplier 2, and the steps after it run at the new
-    grid's."""
-    world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2, gradient_sync="group")
-    applied = [[], []]
-
-    def step(executor, index):
-        g = executor.group_index
-        applied[g].append(executor.hdet.table.source.multiplier_table.row(g, 1)[0])
-        return _falling(g, index)
-
-    search = Search(steps=8, refine_spread=2.0, cooldown=0.5)
-    vote = Softmax(meta_lr=0.0, permute=False)
-    (cb, _), _ = world.fit(_callback(every_n_steps=4, vote=vote, search=search), step, max_steps=10)
-    assert cb.controller.searched_at == 8
-    assert applied[0] == pytest.approx([1.0] * 6 + [2 / 3, 1 / 3] + [2 / 2**0.5] * 2)
-    assert applied[1] == pytest.approx([2.0] * 6 + [4 / 3, 2 / 3] + [2 * 2**0.5] * 2)
-    assert world.table.get(1)[:, 0].tolist() == pytest.approx([2 / 2**0.5, 2 * 2**0.5])
-
-
 def test_a_search_ending_far_below_the_start_lr_restarts_every_group_from_the_initial_model():
     """Group 0 (x0.25) learns fastest; the search ends on it at step 2 (0.25 <= restart_below=1/3). Every group
     takes its model (2) and then the initial one (0), which becomes the restore point; the LRs are a grid of ratio

@@ -13,14 +13,7 @@ from lightning_hdet import Search
 from lightning_hdet.hdet.rules.collapse import CollapseHistory
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
-from lightning_hdet.hdet.rules.search_end import (
-    SearchPhase,
-    cooldown_end,
-    cooldown_factor,
-    detrended_error,
-    evidence_is_in,
-    refine_span,
-)
+from lightning_hdet.hdet.rules.search_end import SearchPhase, detrended_error, evidence_is_in, refine_span
 
 PATTERN = [0.0, 0.1, -0.1, 0.0]  # about its line (slope -0.02): residuals -0.03, 0.09, -0.09, 0.03
 
@@ -193,20 +186,3 @@ def test_a_checkpoint_older_than_restart_below_loads_without_restarted_at():
     controller.load_state_dict(old)
     assert controller.searched_at == 8 and controller.restarted_at is None
     assert controller.state_dict()["restarted_at"] is None
-
-
-def test_the_cooldown_ends_at_the_vote_that_ends_the_search_or_at_the_validation_it_waits_for():
-    assert cooldown_end(75, 38) == 76  # the first vote at or after step 75
-    assert cooldown_end(75, 38, validate_every=30) == 90  # a vote on val_loss waits for the validation at 90
-    assert cooldown_end(76, 38, validate_every=38) == 76
-
-
-def test_the_cooldown_factor_decays_linearly_to_the_vote_and_holds_its_floor_after_it():
-    # 3 steps before the vote at 10: steps 8, 9, 10 at 3/4, 2/4, 1/4; 1/4 held at 11 should the vote come later
-    assert [cooldown_factor(s, 10, 3) for s in range(6, 12)] == [1.0, 1.0, 0.75, 0.5, 0.25, 0.25]
-
-
-@pytest.mark.parametrize("cooldown", [0, 1.5])
-def test_a_cooldown_must_be_a_fraction_of_the_interval(cooldown):
-    with pytest.raises(ValueError, match=rf"`cooldown` must be a number in \(0, 1\] or None, got {cooldown}"):
-        Search(cooldown=cooldown)

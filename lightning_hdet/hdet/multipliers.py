@@ -21,7 +21,6 @@ class MultiplierTable:
     def __init__(self, initial: Sequence[float]) -> None:
         self._table = torch.tensor(list(initial), dtype=torch.float64)[:, None]
         self._rows: dict[int, list[float]] = {}  # plain floats per group, for the per-step path
-        self._factor = 1.0  # a cool-down's factor on every row as applied (not on what the votes read)
 
     def get(self, num_param_groups: int) -> Tensor:
         """A copy of the table, widened to ``num_param_groups`` columns."""
@@ -34,15 +33,8 @@ class MultiplierTable:
         if self._table.shape[1] < num_param_groups:
             self._widen(num_param_groups)
         if group not in self._rows:
-            self._rows[group] = (self._table[group] * self._factor).tolist()
+            self._rows[group] = self._table[group].tolist()
         return self._rows[group]
-
-    def cool(self, factor: float) -> None:
-        """Apply every row times ``factor`` from the next step on (``Search.cooldown``); :meth:`get`, what the votes
-        read and write, stays the table itself."""
-        if factor != self._factor:
-            self._factor = float(factor)
-            self._rows.clear()
 
     def _widen(self, num_param_groups: int) -> None:
         missing = num_param_groups - self._table.shape[1]

@@ -152,9 +152,8 @@ class FakeWorld:
             validate: Optional[Callable[[FakeExecutor, int], Optional[dict[str, float]]]] = None,
             **trainer: Any) -> list[tuple[Any, FakeTrainer]]:
         """Train every group ``max_steps`` steps under its own ``make_callback()``, as ``Trainer.fit`` calls a
-        callback: ``setup``, ``on_train_start``, then per step ``on_train_batch_start``, ``train_step(executor, step)``
-        (it moves the group's ``executor.params`` and returns the step's loss) and ``on_train_batch_end``, and
-        ``on_train_end``. Returns
+        callback: ``setup``, ``on_train_start``, then per step ``train_step(executor, step)`` (it moves the group's
+        ``executor.params`` and returns the step's loss) and ``on_train_batch_end``, and ``on_train_end``. Returns
         every group's ``(callback, trainer)``; ``trainer`` sets :class:`FakeTrainer` fields.
 
         ``validate``: after each step's ``on_train_batch_end``, ``validate(executor, step)`` may return the metrics a
@@ -172,7 +171,6 @@ class FakeWorld:
                 self._load(executor, callback, run, module, resume[executor.group_index])
             callback.on_train_start(run, module)
             for step in range(run.global_step, max_steps):
-                callback.on_train_batch_start(run, module, None, step)
                 loss = torch.as_tensor(train_step(executor, step), dtype=torch.float64)
                 run.global_step = step + 1
                 callback.on_train_batch_end(run, module, {"loss": loss}, None, step)

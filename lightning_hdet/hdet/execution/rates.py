@@ -45,11 +45,6 @@ class LearningRates:
         time; applied around every later optimizer step."""
         self.source.multiplier_table.set(multipliers, self.source.num_groups, len(self.source.schedule_lrs()))
 
-    def cool(self, factor: float) -> None:
-        """Scale every group's applied LR by ``factor`` from the next step on (``Search.cooldown``), leaving the table
-        the votes read as it is."""
-        self.source.multiplier_table.cool(factor)
-
     def schedule_lrs(self) -> Tensor:
         """What the optimizers and schedulers say, per flattened param group (no multiplier)."""
         return self.source.schedule_lrs()

@@ -58,7 +58,6 @@ from lightning_hdet.hdet.rules.config import HDETConfig, resolve
 from lightning_hdet.hdet.rules.controller import Decision, HDETController
 from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, MIN_INTERVAL, SEARCH_FRACTION, vote_interval
 from lightning_hdet.hdet.rules.options import SafetyNet, Search, Signal, Vote
-from lightning_hdet.hdet.rules.search_end import cooldown_end, cooldown_factor
 from lightning_hdet.records import History, log_report_figures
 from lightning_hdet.records.wandb import (
     finish_worker_run,
@@ -128,7 +127,6 @@ class HDETCallback(KnownArguments, Callback):
         self._checked_strategy: Any = None  # the strategy `_parts` last found to carry HDET's parts
         self._resumed_interval: Optional[Tensor] = None
         self._loaded: dict[str, Any] = {}  # a checkpoint's state, for the monitor "auto" picks at train start
-        self._cooldown: Optional[tuple[int, int]] = None  # (end, length) of Search.cooldown's decay, set at train start
 
     # Read-outs (the rules and settings live in `settings`, the vote's state in `controller`).
     @property
@@ -215,8 +213,6 @@ class HDETCallback(KnownArguments, Callback):
             hdet.set_gradient_sync("global")  # resumed after the search ended
         self.controller.search_phase.steps = search_steps(self.search, trainer)
         self.controller.run_steps = run_length(trainer)
-        self._cooldown = cooldown_plan(self.search, self.controller.search_phase.steps, every,
-                                       self._monitor is not None, trainer)
         if self.controller.searched_at is not None:
             rank_zero_info(f"HDET: resumed after the search ended at step {self.controller.searched_at}")
 
@@ -249,17 +245,6 @@ class HDETCallback(KnownArguments, Callback):
 
     # ------------------------------------------------------------------ per step
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """``Search.cooldown``: every group's LR factor for the coming step, until the vote it ends at has run."""
-        if self._cooldown is None:
-            return
-        end, length = self._cooldown
-        over = self.controller.searched_at is not None or self._last_vote_step >= end
-        factor = 1.0 if over else cooldown_factor(trainer.global_step + 1, end, length)
-        self._parts(trainer).table.cool(factor)
-        if over:
-            self._cooldown = None
-
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -421,19 +406,6 @@ def search_steps(search: Optional[Search], trainer: Trainer) -> Optional[int]:
     (:func:`run_length`)."""
     return search_end(search, run_length(trainer), "HDET: the run's length is unknown (no max_steps or max_epochs): "
                       "the search runs the whole run; give HDETCallback(search=Search(steps=...)) to end it.")
-
-
-def cooldown_plan(search: Optional[Search], search_step: Optional[int], every: int, monitored: bool,
-                  trainer: Trainer) -> Optional[tuple[int, int]]:
-    """``(end, length)`` of ``search.cooldown``'s decay in this run (:func:`~.search_end.cooldown_end`: a vote on a
-    validation metric waits for a validation, every ``val_check_interval`` steps when those are counted in steps);
-    ``None`` without a cool-down or a step where the search ends."""
-    if search is None or search.cooldown is None or search_step is None or trainer.global_step >= search_step:
-        return None
-    validate = trainer.val_check_batch if trainer.check_val_every_n_epoch is None else None
-    validate_every = int(validate) if monitored and isinstance(validate, (int, float)) and math.isfinite(validate) \
-        and trainer.accumulate_grad_batches == 1 else None
-    return (cooldown_end(search_step, every, validate_every), max(1, round(search.cooldown * every)))
 
 
 def _search_plan(search: Optional[Search], trainer: Trainer) -> str:

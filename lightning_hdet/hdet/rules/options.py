@@ -81,17 +81,12 @@ class Search(KnownArguments):
         evidence: standard errors by which every group outside the grid the search ends on must have lost to the
             winner for a vote before ``steps`` to end the search (> 0); ``None``: it ends at ``steps`` only. Needs
             the training-loss curves (not with ``monitor``).
-        cooldown: a cool-down before the vote that ends the search at ``steps``, as a fraction of the vote interval
-            (in (0, 1]): over that many steps every group's LR decays linearly toward 0 (as WSD schedules end), so
-            the vote compares cooled models, not whichever LR is ahead mid-flight; the groups train on from the
-            cooled models. ``None``: no cool-down. Experimental (docs/research).
     """
 
     steps: Optional[int] = None
     refine_spread: float = 1.5
     restart_below: Optional[float] = RESTART_BELOW
     evidence: Optional[float] = None
-    cooldown: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_int("search_steps", self.steps, minimum=1, optional=True,
@@ -102,8 +97,6 @@ class Search(KnownArguments):
                      hint="A fraction of the optimizer's LR, e.g. 1/3; None never restarts from the initial model.")
         check_number("evidence", self.evidence, low=0.0, low_open=True, optional=True,
                      hint="Standard errors, e.g. 2.5; None ends the search at `steps` only.")
-        check_number("cooldown", self.cooldown, 0.0, 1.0, low_open=True, optional=True,
-                     hint="A fraction of the vote interval, e.g. 0.5; None votes without a cool-down.")
 
     def options(self) -> dict[str, Any]:
         """The options as given (the run config)."""

@@ -84,24 +84,6 @@ def curves_show_evidence(rows: Sequence[Sequence[float]], losses: Sequence[float
     return evidence_is_in(losses, errors, healthy, lrs, winner, refine_span(len(losses), ratio), z)
 
 
-def cooldown_end(search_step: int, every: int, validate_every: Optional[int] = None) -> int:
-    """The step of the vote that ends the search at ``search_step``: the first multiple of the vote interval
-    ``every`` at or after it, or, for votes on a validation metric run every ``validate_every`` steps, the first
-    validation at or after that (the vote waits for it)."""
-    vote = -(-search_step // every) * every
-    return vote if validate_every is None else -(-vote // validate_every) * validate_every
-
-
-def cooldown_factor(step: int, end: int, length: int) -> float:
-    """The factor on every group's LR at optimizer step ``step`` (the step that makes ``global_step`` equal
-    ``step``) of a cool-down of ``length`` steps before the vote at step ``end``: 1 before it, then
-    ``(end - step + 1) / (length + 1)``, a linear decay from ``length / (length + 1)`` to ``1 / (length + 1)`` at
-    ``end``, held there should the vote come later."""
-    if step <= end - length:
-        return 1.0
-    return max(end - step + 1, 1) / (length + 1)
-
-
 class SearchPhase:
     """The search's end (:class:`~lightning_hdet.hdet.rules.options.Search`): from which step a vote may end it,
     whether a vote does, and the grid the groups train on after it.
