@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hdet import HDETCallback, HDETReplay, HDETStrategy, LRTrajectory
+from lightning_hdet.records.wandb import log_vote_history
 from lightning_hdet.replay import ReplayHooks
 from tests.helpers import START, Recorder, SGDBoring, load_ranks, quiet_trainer
 
@@ -93,3 +94,18 @@ def test_replay_reproduces_the_winning_lrs_of_an_hdet_run(tmp_path: Path) -> Non
     assert len(replayed) == steps and all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(replayed, expected)), \
         (replayed, expected)
     assert len(set(expected)) > 2, "a trajectory that moves (schedule and votes), not a constant"
+
+
+def test_the_trained_at_columns_leave_the_replayed_schedule_alone(tmp_path: Path) -> None:
+    # The callback's rows since `trained_lr`: the LR (and explored value) before each vote beside the one it set.
+    votes = _rows(3, [0.2, 0.8], 1) + _rows(6, [0.4, 0.1], 0)
+    plain = [{**r, "explored": {"weight_decay": 0.1 * r["lr"]}} for r in votes]
+    rows = [{**r, "loss": 1.0, "weight": 0.5, "rescued": False, "trained_lr": 9.0,
+             "trained_explored": {"weight_decay": 7.0}} for r in plain]
+    log_vote_history(CSVLogger(tmp_path, name="", version=""), rows)
+    assert "trained_lr,weight_decay,trained_weight_decay" in (tmp_path / "vote_history.csv").read_text()
+    initial = {"lr": [0.5, 2.0], "weight_decay": [1.0, 3.0]}
+    expected = LRTrajectory.from_votes(plain, initial["lr"], initial).pieces
+    assert [p.explored["weight_decay"] for p in expected] == pytest.approx([3.0, 0.02, 0.04])
+    assert LRTrajectory.from_votes(rows, initial["lr"], initial).pieces == expected
+    assert HDETReplay(tmp_path / "vote_history.csv", initial_multipliers=initial).trajectory.pieces == expected

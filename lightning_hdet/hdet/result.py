@@ -146,9 +146,16 @@ class HDETResult:
         return plain
 
     def to_rows(self) -> list[dict[str, Any]]:
-        """The vote table: one dict per vote and group (``step, group, lr, loss, weight, winner, rescued`` and the
-        explored hyperparameters' columns, as ``vote_history.csv``), ready for ``csv.DictWriter`` or
-        ``pandas.DataFrame``."""
+        """The vote table: one dict per vote and group (``step, group, lr, loss, weight, winner, rescued,
+        trained_lr`` and the explored hyperparameters' columns, as ``vote_history.csv``), ready for
+        ``csv.DictWriter`` or ``pandas.DataFrame``.
+
+        ``loss`` is what the group reached at ``trained_lr``, the LR it trained at before the vote (the initial one
+        at the first vote); ``lr`` is the LR the vote set, from this vote on (what ``HDETReplay`` replays). Both are
+        the first param group's real LR, its multiplier times the schedule's LR at the vote (under a scheduler the
+        interval's LR moved with it). Each explored hyperparameter likewise: ``<name>`` the value set,
+        ``trained_<name>`` the one trained at. Rows resumed from a checkpoint older than ``trained_lr`` hold NaN
+        there."""
         return [dict(row) for row in self.history]
 
 

@@ -209,7 +209,7 @@ class HDETController:
             decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
                                from_initial=from_initial(table) if decision.roll_back else [])
             self.plateau_cuts += 1
-        self._count(decision, interval.final, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
+        self._count(decision, interval, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
                     _clear(losses, errors, decision.winner, [not r for r in decision.rescued]))
         return decision
 
@@ -341,19 +341,23 @@ class HDETController:
                 table[g] *= self.config.safety_net.rescue_lr_factor
         return table
 
-    def _count(self, decision: Decision, final: bool, edge: int, clear: Optional[bool]) -> None:
+    def _count(self, decision: Decision, interval: Interval, edge: int, clear: Optional[bool]) -> None:
         self.rescues += sum(decision.rescued)
         # A roll-back counts as a vote even at the final merge (it moved the learning rates).
-        self.num_votes += 0 if final and not decision.roll_back else 1
+        self.num_votes += 0 if interval.final and not decision.roll_back else 1
         self.last_winner = decision.winner
-        lrs = decision.lrs
+        # `lr` (and `explored`) is what the vote set, from this vote on; the loss was reached at the values in force
+        # before it (the interval's table, at the same schedule LR): `trained_lr` (and `trained_explored`).
+        lrs, trained = decision.lrs, _lrs(interval.multipliers, interval)
+        was = values(interval.explored.tables, interval.explored) if decision.values else {}
         for g in range(len(decision.losses)):
             self.history.append(
                 {"step": decision.step, "group": g, "lr": lrs[g], "loss": decision.losses[g],
                  "weight": decision.weights[g], "winner": decision.winner, "rescued": bool(decision.rescued[g]),
                  "reason": decision.reasons[g] if decision.reasons else "", "edge": edge,
-                 "clear": "" if clear is None else int(clear),
-                 **({"explored": {n: v[g] for n, v in decision.values.items()}} if decision.values else {})}
+                 "clear": "" if clear is None else int(clear), "trained_lr": trained[g],
+                 **({"explored": {n: v[g] for n, v in decision.values.items()},
+                     "trained_explored": {n: v[g] for n, v in was.items()}} if decision.values else {})}
             )
 
     def finishing_merge(self) -> tuple[list[float], list[float]]:
@@ -382,7 +386,8 @@ class HDETController:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rule.load_state_dict(state_dict["rule"])
         self.generator.set_state(state_dict["generator"])
-        self.history = list(state_dict["history"])
+        # Rows of checkpoints before `trained_lr` existed get it blank (NaN): what they trained at was not recorded.
+        self.history = [{"trained_lr": math.nan, **row} for row in state_dict["history"]]
         self.rescues = state_dict["rescues"]
         self.num_votes = state_dict["num_votes"]
         self.last_winner = state_dict["last_winner"]
