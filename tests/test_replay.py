@@ -15,6 +15,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hdet import HDETCallback, HDETReplay, HDETStrategy, LRTrajectory
+from lightning_hdet.hdet.rules.config import HDETConfig
+from lightning_hdet.hdet.rules.controller import HDETController, Interval
 from lightning_hdet.records.wandb import log_vote_history
 from lightning_hdet.replay import ReplayHooks
 from tests.helpers import START, Recorder, SGDBoring, load_ranks, quiet_trainer
@@ -109,3 +111,16 @@ def test_the_trained_at_columns_leave_the_replayed_schedule_alone(tmp_path: Path
     assert [p.explored["weight_decay"] for p in expected] == pytest.approx([3.0, 0.02, 0.04])
     assert LRTrajectory.from_votes(rows, initial["lr"], initial).pieces == expected
     assert HDETReplay(tmp_path / "vote_history.csv", initial_multipliers=initial).trajectory.pieces == expected
+
+
+def test_the_controllers_own_rows_replay_as_the_csv_does() -> None:
+    # callback.history and a checkpoint hold the controller's rows: with `edge`, `clear`, `reason` and `trained_lr`.
+    controller = HDETController(HDETConfig())
+    table = torch.tensor([[0.5], [2.0]], dtype=torch.float64)
+    for step in (3, 6):
+        controller.decide(Interval(step, [2.0, 1.0], [True, True], table, [0.1], False))
+    assert {"edge", "clear", "reason", "trained_lr"} <= set(controller.history[0])
+    pieces = HDETReplay(controller.history, initial_multipliers=[0.5, 2.0]).trajectory.pieces
+    lrs = {(r["step"], r["group"]): r["lr"] for r in controller.history}
+    assert [(p.start, p.group, p.multiplier, p.lr, p.explored) for p in pieces] == [
+        (0, 1, 2.0, None, {}), (3, 1, None, lrs[3, 1], {}), (6, 1, None, lrs[6, 1], {})]

@@ -172,13 +172,17 @@ class ReplayHooks:
         return {"step": self.step, "multipliers": dict(self.multipliers), "explored": dict(self.explored)}
 
 
+# The controller's row keys that are no hyperparameter (a checkpoint's or ``callback.history``'s rows hold them).
+_BOOKKEEPING = ("reason", "edge", "clear")
+
+
 def _explored_of(row: Mapping[str, Any]) -> dict[str, float]:
     """A vote row's other explored hyperparameters: the callback's ``explored`` entry, or a CSV row's extra columns
     (not ``trained_lr`` nor ``trained_<name>``: what the group trained at before the vote, not what the vote set)."""
     if isinstance(row.get("explored"), Mapping):
         return {n: float(v) for n, v in row["explored"].items()}
-    return {k: float(v) for k, v in row.items()
-            if k not in VOTE_COLUMNS and k != "reason" and not k.startswith(TRAINED) and v not in (None, "")}
+    return {k: float(v) for k, v in row.items() if k not in VOTE_COLUMNS and k not in _BOOKKEEPING
+            and not k.startswith(TRAINED) and v not in (None, "")}
 
 
 def _initial_explored(vote: Mapping[str, Any], initial: Optional[Mapping[str, Sequence[float]]], winner: int
