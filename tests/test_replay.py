@@ -7,6 +7,7 @@ replays it from the run's log dir. The expected sequence is read from what the H
 
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 
@@ -124,3 +125,23 @@ def test_the_controllers_own_rows_replay_as_the_csv_does() -> None:
     lrs = {(r["step"], r["group"]): r["lr"] for r in controller.history}
     assert [(p.start, p.group, p.multiplier, p.lr, p.explored) for p in pieces] == [
         (0, 1, 2.0, None, {}), (3, 1, None, lrs[3, 1], {}), (6, 1, None, lrs[6, 1], {})]
+
+
+def test_each_vote_rows_trained_lr_is_what_its_group_applied_at_the_intervals_first_step(tmp_path: Path) -> None:
+    # 2 processes, one group each, a step schedule: the CSV's trained_lr against the LRs the ranks really applied.
+    torch.manual_seed(0)
+    trainer = quiet_trainer(devices=2, strategy=HDETStrategy(lr_multipliers=[0.5, 2.0], start_method=START),
+                            callbacks=[HDETCallback(every_n_steps=4), Recorder(tmp_path / "hdet")],
+                            logger=CSVLogger(tmp_path, name="run"), max_steps=10, limit_val_batches=0)
+    trainer.fit(SGDBoring(lr=0.1, scheduler="step"))
+    applied = [rank["effective_lrs"] for rank in load_ranks(tmp_path / "hdet", 2)]  # rank g is group g
+    with open(tmp_path / "run" / "version_0" / "vote_history.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    starts = {4: 0, 8: 4, 10: 8}  # each vote's interval begins at the step after the vote before
+    assert [(int(r["step"]), int(r["group"])) for r in rows] == [(s, g) for s in starts for g in range(2)]
+    for r in rows:
+        step, group = int(r["step"]), int(r["group"])
+        assert float(r["trained_lr"]) == pytest.approx(applied[group][starts[step]][0], rel=1e-12)
+        if step < 10:  # `lr`: what the group applied from the vote on
+            assert float(r["lr"]) == pytest.approx(applied[group][step][0], rel=1e-12)
+    assert any(float(r["trained_lr"]) != float(r["lr"]) for r in rows), "the votes moved the LRs"

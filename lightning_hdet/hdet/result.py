@@ -150,12 +150,11 @@ class HDETResult:
         trained_lr`` and the explored hyperparameters' columns, as ``vote_history.csv``), ready for
         ``csv.DictWriter`` or ``pandas.DataFrame``.
 
-        ``loss`` is what the group reached at ``trained_lr``, the LR it trained at before the vote (the initial one
-        at the first vote); ``lr`` is the LR the vote set, from this vote on (what ``HDETReplay`` replays). Both are
-        the first param group's real LR, its multiplier times the schedule's LR at the vote (under a scheduler the
-        interval's LR moved with it). Each explored hyperparameter likewise: ``<name>`` the value set,
-        ``trained_<name>`` the one trained at. Rows resumed from a checkpoint older than ``trained_lr`` hold NaN
-        there."""
+        ``loss`` is what the group reached from ``trained_lr``, its LR at the interval's first step (what the vote
+        before set, the initial LR at the first vote; a scheduler moves it within the interval); ``lr`` is the LR
+        this vote set, from this vote on (what ``HDETReplay`` replays); both of the first param group. Each explored
+        hyperparameter likewise: ``<name>`` the value set, ``trained_<name>`` the one trained at. Rows from a
+        checkpoint older than ``trained_lr`` get the vote before's ``lr`` (NaN at the first vote)."""
         return [dict(row) for row in self.history]
 
 

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 #: Columns of the vote history, in order (``lr``: the LR the vote set, from this vote on).
 VOTE_COLUMNS = ("step", "group", "lr", "loss", "weight", "winner", "rescued")
-#: The column after them, where rows have it (HDET's do): the LR the group trained at to reach the row's ``loss``
-#: (before the vote); ``trained_<name>`` the same for each explored hyperparameter, after their columns.
+#: The column after them, where rows have it (HDET's do): the LR the group started the interval at, from which it
+#: reached the row's ``loss``; ``trained_<name>`` the same for each explored hyperparameter, after their columns.
 TRAINED_LR = "trained_lr"
 TRAINED = "trained_"
 #: Key under which the vote history table is logged.
