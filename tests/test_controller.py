@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_hdet.experimental import PartialMerge
+from lightning_hdet.hdet.hyperparams import Explored
 from lightning_hdet.hdet.multipliers import centred_grid
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.controller import HDETController, Interval
@@ -210,3 +211,59 @@ def test_after_a_restart_from_the_initial_model_the_climb_back_to_the_start_is_n
     after = controller.decide(_interval([1.9, 1.9], multipliers=(0.25 / 1.5**0.5, 0.25 * 1.5**0.5), step=12))
     assert after.rescued == ([False, False] if below is not None else [True, True])
     assert [r for r in after.reasons if r] == ([] if below is not None else ["rose", "rose"])
+
+
+def _rows(controller, step):
+    return [row for row in controller.history if row["step"] == step]
+
+
+def test_each_history_row_pairs_its_loss_with_the_lr_trained_at_and_keeps_the_lr_set_in_lr():
+    # explore={"lr": 1.0}: the votes move no LR, only the safety net's cuts (x 0.25) do; the strategy applies each
+    # decision's table before the next interval, and a scheduler halves the schedule LR between votes 1 and 2.
+    controller = HDETController(HDETConfig(vote=Softmax(permute=False), safety_net=SafetyNet(rescue_lr_factor=0.25)))
+    controller.initial_lrs = [0.1, 0.2, 0.4]  # (the callback sets them when fit starts)
+
+    def vote(losses, multipliers, step, lr):
+        interval = _interval(losses, multipliers=multipliers, step=step, lr=lr)
+        return controller.decide(replace(interval, explored=Explored(lr=False)))
+
+    first = vote([1.0, 1.0, 50.0], (1.0, 2.0, 4.0), 4, 0.1)
+    second = vote([0.9, 60.0, 0.9], first.multipliers[:, 0].tolist(), 8, 0.05)
+    vote([0.8, 0.85, 0.8], second.multipliers[:, 0].tolist(), 12, 0.05)
+    trained = {step: [r["trained_lr"] for r in _rows(controller, step)] for step in (4, 8, 12)}
+    set_lrs = {step: [r["lr"] for r in _rows(controller, step)] for step in (4, 8, 12)}
+    assert trained[4] == pytest.approx([0.1, 0.2, 0.4])  # the initial LRs
+    assert set_lrs[4] == pytest.approx([0.1, 0.2, 0.1])  # group 2 diverged: cut to a quarter
+    assert trained[8] == pytest.approx([0.1, 0.2, 0.1])  # what vote 1 set: the interval's first step's LRs
+    assert set_lrs[8] == pytest.approx([0.05, 0.025, 0.05])  # (1, 2, 1) at the halved schedule; group 1 diverged
+    assert trained[12] == pytest.approx([0.05, 0.025, 0.05]) == set_lrs[12]
+    assert [r["loss"] for r in _rows(controller, 8)] == [0.9, 60.0, 0.9]
+
+
+def test_history_rows_say_what_each_explored_hyperparameter_was_and_became():
+    table = torch.tensor([[1.0], [4.0]], dtype=torch.float64)
+    explored = Explored(tables={"weight_decay": table}, bases={"weight_decay": [0.01]})
+    controller = HDETController(HDETConfig(vote=Softmax(permute=False, meta_lr=1.0)))
+    decision = controller.decide(replace(_interval([2.0, 1.0], multipliers=(1.0, 1.0)), explored=explored))
+    rows = controller.history
+    assert [r["trained_explored"]["weight_decay"] for r in rows] == pytest.approx([0.01, 0.04])
+    assert [r["explored"]["weight_decay"] for r in rows] == decision.values["weight_decay"] != [0.01, 0.04]
+    moved = replace(explored, tables=decision.explored)
+    controller.decide(replace(_interval([2.0, 1.0], multipliers=(1.0, 1.0), step=8), explored=moved))
+    assert [r["trained_explored"]["weight_decay"] for r in controller.history[2:]] == decision.values["weight_decay"]
+    assert all(math.isnan(r["trained_lr"]) for r in rows[:2])  # no initial_lrs given: unknown
+
+
+def test_an_older_checkpoints_history_loads_with_trained_lr_filled_from_the_vote_before():
+    controller = HDETController(HDETConfig(vote=Softmax(permute=False)))
+    first = controller.decide(_interval([2.0, 1.0], step=4))
+    second = controller.decide(_interval([1.8, 1.0], multipliers=first.multipliers[:, 0].tolist(), step=8))
+    state = controller.state_dict()
+    state["history"] = [{k: v for k, v in row.items() if k != "trained_lr"} for row in state["history"]]
+    resumed = HDETController(HDETConfig(vote=Softmax(permute=False)))
+    resumed.load_state_dict(state)
+    assert all(math.isnan(row["trained_lr"]) for row in resumed.history[:2])  # the initial LRs were not kept
+    assert [row["trained_lr"] for row in resumed.history[2:]] == first.lrs
+    assert [row["lr"] for row in resumed.history] == first.lrs + second.lrs
+    resumed.decide(_interval([1.5, 1.0], multipliers=second.multipliers[:, 0].tolist(), step=12))
+    assert [row["trained_lr"] for row in resumed.history[4:]] == second.lrs

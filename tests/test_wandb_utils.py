@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -98,6 +99,24 @@ def test_vote_table_and_plain_fallback(tmp_path):
         vote_rows([{c: 0 for c in VOTE_COLUMNS if c != "rescued"}])
     with pytest.raises(ValueError, match="has 3 values"):
         vote_table([(1, 2, 3)])
+
+
+def test_hdet_rows_add_what_each_group_trained_at_to_the_csv_and_the_wandb_table(tmp_path):
+    # Vote 4 resumed from a checkpoint older than trained_lr (blank), vote 8 recorded it; weight_decay explored.
+    old = [{**dict(zip(VOTE_COLUMNS, v)), "explored": {"weight_decay": 0.02}} for v in VOTES[:2]]
+    new = [{**dict(zip(VOTE_COLUMNS, (8, g, 0.3, 1.0, 0.5, 1, False))), "trained_lr": 1e-3 * (g + 1),
+            "explored": {"weight_decay": 0.03}, "trained_explored": {"weight_decay": 0.02}} for g in range(2)]
+    columns = [*VOTE_COLUMNS, "trained_lr", "weight_decay", "trained_weight_decay"]
+    table = vote_table(old + new)
+    assert table.columns == columns
+    assert table.data[2][7:] == [1e-3, 0.03, 0.02] and table.data[3][7:] == [2e-3, 0.03, 0.02]
+    assert math.isnan(table.data[0][7]) and math.isnan(table.data[0][9]) and table.data[0][8] == 0.02
+    log_vote_history(CSVLogger(tmp_path, name="", version=""), old + new)
+    with open(tmp_path / "vote_history.csv", newline="") as file:
+        written = list(csv.DictReader(file))
+    assert list(written[0]) == columns
+    assert [(r["lr"], r["trained_lr"]) for r in written] == [("0.001", "nan"), ("0.002", "nan"), ("0.3", "0.001"),
+                                                              ("0.3", "0.002")]
 
 
 class _WandbWiring(Callback):

@@ -80,13 +80,18 @@ class HDETLoop(KnownArguments):
         self._last_vote_step = -1
         self._meter = IntervalMeter(self.settings.every_n_steps, self.settings.signal.bins, strategy.root_device)
         self._fresh = True  # the run's first step is ahead (not resumed): its loss is the safety net's start level
-        self.initial_lrs: list[float] = self.hdet.table.current_lrs()[:, 0].tolist()
+        self.controller.initial_lrs = self.hdet.table.current_lrs()[:, 0].tolist()
         self.hdet.merger.ensure_restore_point(keep_initial=self.controller.keeps_initial)
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """One row per vote and group: step, group, new LR, loss, weight, winner, rescued, reason."""
+        """One row per vote and group: step, group, new LR, loss, weight, winner, rescued, reason, trained LR."""
         return self.controller.history
+
+    @property
+    def initial_lrs(self) -> list[float]:
+        """Every group's real learning rate (first param group) when training started."""
+        return self.controller.initial_lrs
 
     def step(self, loss: Tensor) -> Optional[Decision]:
         """Count one optimizer step and its loss (kept on the device); vote when ``every_n_steps`` have passed.

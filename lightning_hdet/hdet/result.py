@@ -146,9 +146,15 @@ class HDETResult:
         return plain
 
     def to_rows(self) -> list[dict[str, Any]]:
-        """The vote table: one dict per vote and group (``step, group, lr, loss, weight, winner, rescued`` and the
-        explored hyperparameters' columns, as ``vote_history.csv``), ready for ``csv.DictWriter`` or
-        ``pandas.DataFrame``."""
+        """The vote table: one dict per vote and group (``step, group, lr, loss, weight, winner, rescued,
+        trained_lr`` and the explored hyperparameters' columns, as ``vote_history.csv``), ready for
+        ``csv.DictWriter`` or ``pandas.DataFrame``.
+
+        ``loss`` is what the group reached from ``trained_lr``, its LR at the interval's first step (what the vote
+        before set, the initial LR at the first vote; a scheduler moves it within the interval); ``lr`` is the LR
+        this vote set, from this vote on (what ``HDETReplay`` replays); both of the first param group. Each explored
+        hyperparameter likewise: ``<name>`` the value set, ``trained_<name>`` the one trained at. Rows from a
+        checkpoint older than ``trained_lr`` get the vote before's ``lr`` (NaN at the first vote)."""
         return [dict(row) for row in self.history]
 
 

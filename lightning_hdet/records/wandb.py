@@ -27,8 +27,12 @@ if TYPE_CHECKING:
     import wandb
     from lightning.pytorch import Trainer
 
-#: Columns of the vote history, in order.
+#: Columns of the vote history, in order (``lr``: the LR the vote set, from this vote on).
 VOTE_COLUMNS = ("step", "group", "lr", "loss", "weight", "winner", "rescued")
+#: The column after them, where rows have it (HDET's do): the LR the group started the interval at, from which it
+#: reached the row's ``loss``; ``trained_<name>`` the same for each explored hyperparameter, after their columns.
+TRAINED_LR = "trained_lr"
+TRAINED = "trained_"
 #: Key under which the vote history table is logged.
 VOTE_TABLE_KEY = "hdet/vote/history"
 
@@ -110,26 +114,36 @@ def explored_columns(rows: Iterable[VoteRow]) -> list[str]:
     return list(names)
 
 
+def extra_columns(rows: Sequence[VoteRow]) -> list[str]:
+    """The columns after :data:`VOTE_COLUMNS`: :data:`TRAINED_LR` where a row has it, the explored
+    hyperparameters' and, where rows hold what they trained at, their ``trained_<name>``."""
+    maps = [r for r in rows if isinstance(r, Mapping)]
+    names = explored_columns(maps)
+    trained = [TRAINED + n for n in names if any(n in (r.get("trained_explored") or {}) for r in maps)]
+    return ([TRAINED_LR] if any(TRAINED_LR in r for r in maps) else []) + names + trained
+
+
 def _full_row(row: VoteRow, extra: Sequence[str]) -> list[Any]:
-    explored = (row.get("explored") or {}) if isinstance(row, Mapping) else {}
-    return _vote_row(row) + [float(explored.get(n, float("nan"))) for n in extra]
+    row_map = row if isinstance(row, Mapping) else {}
+    values = {TRAINED_LR: row_map.get(TRAINED_LR, float("nan")), **(row_map.get("explored") or {}),
+              **{TRAINED + n: v for n, v in (row_map.get("trained_explored") or {}).items()}}
+    return _vote_row(row) + [float(values.get(n, float("nan"))) for n in extra]
 
 
 def vote_rows(rows: Iterable[VoteRow]) -> list[dict[str, Any]]:
-    """The vote history as plain dicts with :data:`VOTE_COLUMNS` and the explored hyperparameters' columns (the
-    non-W&B form)."""
+    """The vote history as plain dicts with :data:`VOTE_COLUMNS` and :func:`extra_columns` (the non-W&B form)."""
     rows = list(rows)
-    columns = list(VOTE_COLUMNS) + explored_columns(rows)
-    return [dict(zip(columns, _full_row(r, columns[len(VOTE_COLUMNS):]))) for r in rows]
+    extra = extra_columns(rows)
+    return [dict(zip(list(VOTE_COLUMNS) + extra, _full_row(r, extra))) for r in rows]
 
 
 def vote_table(rows: Iterable[VoteRow]) -> wandb.Table:
-    """The vote history as a ``wandb.Table`` with :data:`VOTE_COLUMNS` (and the explored hyperparameters'); one row
-    per (vote, group)."""
+    """The vote history as a ``wandb.Table`` with :data:`VOTE_COLUMNS` and :func:`extra_columns`; one row per
+    (vote, group)."""
     import wandb
 
     rows = list(rows)
-    extra = explored_columns(rows)
+    extra = extra_columns(rows)
     return wandb.Table(columns=list(VOTE_COLUMNS) + extra, data=[_full_row(r, extra) for r in rows])
 
 

@@ -37,7 +37,7 @@ from lightning_hdet._checks import KnownArguments
 from lightning_hdet.hdet.hyperparams import ONE_MINUS, base, scaled
 from lightning_hdet.hdet.multipliers import scaled_lr
 from lightning_hdet.replay.sources import Initial, Source, load_run
-from lightning_hdet.records.wandb import VOTE_COLUMNS
+from lightning_hdet.records.wandb import TRAINED, VOTE_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -172,11 +172,17 @@ class ReplayHooks:
         return {"step": self.step, "multipliers": dict(self.multipliers), "explored": dict(self.explored)}
 
 
+# The controller's row keys that are no hyperparameter (a checkpoint's or ``callback.history``'s rows hold them).
+_BOOKKEEPING = ("reason", "edge", "clear")
+
+
 def _explored_of(row: Mapping[str, Any]) -> dict[str, float]:
-    """A vote row's other explored hyperparameters: the callback's ``explored`` entry, or a CSV row's extra columns."""
+    """A vote row's other explored hyperparameters: the callback's ``explored`` entry, or a CSV row's extra columns
+    (not ``trained_lr`` nor ``trained_<name>``: what the group trained at before the vote, not what the vote set)."""
     if isinstance(row.get("explored"), Mapping):
         return {n: float(v) for n, v in row["explored"].items()}
-    return {k: float(v) for k, v in row.items() if k not in VOTE_COLUMNS and k != "reason" and v not in (None, "")}
+    return {k: float(v) for k, v in row.items() if k not in VOTE_COLUMNS and k not in _BOOKKEEPING
+            and not k.startswith(TRAINED) and v not in (None, "")}
 
 
 def _initial_explored(vote: Mapping[str, Any], initial: Optional[Mapping[str, Sequence[float]]], winner: int

@@ -117,7 +117,6 @@ class HDETCallback(KnownArguments, Callback):
         self.config = auto_monitor.recorded(self.settings, self._auto)  # the run config's ``hdet/callback/...``
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
-        self.initial_lrs: list[float] = []  # every group's real learning rate when training started
         self.result: Optional[HDETResult] = None  # what the run found, set at the end of fit (every rank)
         self._last_vote_step = -1
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
@@ -146,8 +145,13 @@ class HDETCallback(KnownArguments, Callback):
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """One row per vote and group: step, group, new LR, loss, weight, winner, rescued."""
+        """One row per vote and group: step, group, new LR, loss, weight, winner, rescued, trained LR."""
         return self.controller.history
+
+    @property
+    def initial_lrs(self) -> list[float]:
+        """Every group's real learning rate (first param group) when training started."""
+        return self.controller.initial_lrs
 
     @property
     def rescues(self) -> int:
@@ -204,7 +208,7 @@ class HDETCallback(KnownArguments, Callback):
             self._meter.load_row(resumed[hdet.groups.group_index] / hdet.groups.layout.group_size)
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
-        self.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
+        self.controller.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
         stepping = stepping_warning(pl_module, len(trainer.optimizers), every)  # (the optimizers exist only now)
         if stepping is not None:
             rank_zero_warn(stepping)

@@ -129,6 +129,9 @@ class HDETController:
         self.rose_seen = False  # some group's loss (or training-loss bin) rose above its start: LRs may be too high
         self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
         self.history: list[dict[str, Any]] = []
+        # Every group's real LR (first param group) when training started: the first vote's `trained_lr`. Set by the
+        # callback (or Fabric loop) at the start of fit; later votes take the `lr` the vote before set.
+        self.initial_lrs: list[float] = []
         self.rescues = 0
         self.num_votes = 0
         self.last_winner = -1
@@ -209,7 +212,7 @@ class HDETController:
             decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
                                from_initial=from_initial(table) if decision.roll_back else [])
             self.plateau_cuts += 1
-        self._count(decision, interval.final, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
+        self._count(decision, interval, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
                     _clear(losses, errors, decision.winner, [not r for r in decision.rescued]))
         return decision
 
@@ -341,20 +344,35 @@ class HDETController:
                 table[g] *= self.config.safety_net.rescue_lr_factor
         return table
 
-    def _count(self, decision: Decision, final: bool, edge: int, clear: Optional[bool]) -> None:
+    def _count(self, decision: Decision, interval: Interval, edge: int, clear: Optional[bool]) -> None:
         self.rescues += sum(decision.rescued)
         # A roll-back counts as a vote even at the final merge (it moved the learning rates).
-        self.num_votes += 0 if final and not decision.roll_back else 1
+        self.num_votes += 0 if interval.final and not decision.roll_back else 1
         self.last_winner = decision.winner
-        lrs = decision.lrs
+        # `lr` (and `explored`) is what the vote set, from this vote on; the loss was reached from the values the
+        # interval started at: `trained_lr` (and `trained_explored`).
+        lrs, (trained, was) = decision.lrs, self._started_at(interval, bool(decision.values))
         for g in range(len(decision.losses)):
             self.history.append(
                 {"step": decision.step, "group": g, "lr": lrs[g], "loss": decision.losses[g],
                  "weight": decision.weights[g], "winner": decision.winner, "rescued": bool(decision.rescued[g]),
                  "reason": decision.reasons[g] if decision.reasons else "", "edge": edge,
-                 "clear": "" if clear is None else int(clear),
-                 **({"explored": {n: v[g] for n, v in decision.values.items()}} if decision.values else {})}
+                 "clear": "" if clear is None else int(clear), "trained_lr": trained[g],
+                 **({"explored": {n: v[g] for n, v in decision.values.items()},
+                     "trained_explored": {n: v[g] for n, v in was.items()}} if decision.values else {})}
             )
+
+    def _started_at(self, interval: Interval, explored: bool) -> tuple[list[float], dict[str, list[float]]]:
+        """Every group's LR (and explored values) at the interval's first step: what the last vote set, or at the
+        first vote the initial LRs (NaN where unknown) and the explored values the interval's tables give."""
+        num_groups = len(interval.losses)
+        last = self.history[-num_groups:]
+        if self.history and [row["group"] for row in last] == list(range(num_groups)):
+            was = {n: [row["explored"][n] for row in last] for n in last[0].get("explored", {})} if explored else {}
+            return [row["lr"] for row in last], was
+        now = values(interval.explored.tables, interval.explored) if explored else {}
+        known = len(self.initial_lrs) == num_groups
+        return (list(self.initial_lrs) if known else [math.nan] * num_groups), now
 
     def finishing_merge(self) -> tuple[list[float], list[float]]:
         """Coefficients and strengths that finish the last vote's merge at full strength (nothing trained since)."""
@@ -382,7 +400,7 @@ class HDETController:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rule.load_state_dict(state_dict["rule"])
         self.generator.set_state(state_dict["generator"])
-        self.history = list(state_dict["history"])
+        self.history = _with_trained_lr(state_dict["history"])  # (older checkpoints' rows lack it)
         self.rescues = state_dict["rescues"]
         self.num_votes = state_dict["num_votes"]
         self.last_winner = state_dict["last_winner"]
@@ -393,6 +411,17 @@ class HDETController:
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
         self.rose_seen = state_dict.get("rose_seen", False)  # (absent from older checkpoints)
+
+
+def _with_trained_lr(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows, each with ``trained_lr``: a row from before it existed gets the ``lr`` its group's row of the vote
+    before holds (NaN at the first vote: the initial LRs were not kept)."""
+    rows: list[dict[str, Any]] = []
+    set_by: dict[int, float] = {}  # every group's `lr` of the last vote read
+    for row in history:
+        rows.append(row if "trained_lr" in row else {**row, "trained_lr": set_by.get(row["group"], math.nan)})
+        set_by[row["group"]] = row["lr"]
+    return rows
 
 
 # Standard errors by which the winner must lead the runner-up for a vote to count as decided (a one-look test).
