@@ -42,6 +42,7 @@ from lightning_hdet.hdet.rules.plateau import (
     patience,
     ladder,
 )
+from lightning_hdet.hdet.rules.relapse import RelapseMemory, after_relapse, capped
 from lightning_hdet.hdet.rules.search_end import SearchPhase
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.rules.signals import curve_error
@@ -134,6 +135,7 @@ class HDETController:
         self.last_winner = -1
         self.last_coefficients: list[float] = []
         self.search_phase = SearchPhase(config.search)
+        self.relapse = RelapseMemory()  # the LR that made the roll-back point, the ceiling after a relapse
 
     @property
     def generator(self) -> torch.Generator:
@@ -209,9 +211,28 @@ class HDETController:
             decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
                                from_initial=from_initial(table) if decision.roll_back else [])
             self.plateau_cuts += 1
+        decision = self._below_relapses(decision, interval)
         self._count(decision, interval.final, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
                     _clear(losses, errors, decision.winner, [not r for r in decision.rescued]))
         return decision
+
+    def _below_relapses(self, decision: Decision, interval: Interval) -> Decision:
+        """The decision's LRs kept below the LRs that relapsed (:mod:`~lightning_hdet.hdet.rules.relapse`): after a
+        relapse of every group the grid at and below the LR that made the roll-back point, at every vote at most one
+        grid step below the ceiling; a vote that keeps its merge as the roll-back point remembers its winner's LR."""
+        net, step = self.config.safety_net, self.search_phase.refine_spread
+        if net is None:
+            return decision
+        step = step if step > 1 else 1 / net.rescue_lr_factor  # (one LR for every group: the rescue's cut)
+        table = decision.multipliers
+        if decision.roll_back and decision.reasons and all(r == "relapsed" for r in decision.reasons):
+            table = after_relapse(self.relapse, interval.multipliers, interval.schedule_lrs, step)
+        table = capped(self.relapse, table, interval.schedule_lrs, step)
+        if decision.keep and not decision.roll_back and decision.winner >= 0 and not interval.final:
+            self.relapse.remember(interval.multipliers[decision.winner].tolist(), interval.schedule_lrs)
+        if table is decision.multipliers:
+            return decision
+        return replace(decision, multipliers=table, lrs=_lrs(table, interval))
 
     def _judge(self, interval: Interval, progress: bool, errors: Optional[list[float]]) -> Verdict:
         """The safety net's verdict (nobody diverged when it is off); progress is not judged before warm-up, nor at
@@ -376,6 +397,7 @@ class HDETController:
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
+            "relapse": self.relapse.state_dict(),
             **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
         }
 
@@ -393,6 +415,7 @@ class HDETController:
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
         self.rose_seen = state_dict.get("rose_seen", False)  # (absent from older checkpoints)
+        self.relapse.load_state_dict(state_dict.get("relapse", {}))  # (absent from older checkpoints)
 
 
 # Standard errors by which the winner must lead the runner-up for a vote to count as decided (a one-look test).
