@@ -397,7 +397,8 @@ class HDETController:
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
-            "relapse": self.relapse.state_dict(),
+            # (nothing remembered yet: left out, as in checkpoints before it)
+            **({"relapse": self.relapse.state_dict()} if self.relapse.good or self.relapse.ceiling else {}),
             **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
         }
 
