@@ -42,7 +42,7 @@ from lightning_hdet.hdet.rules.plateau import (
     patience,
     ladder,
 )
-from lightning_hdet.hdet.rules.relapse import RelapseMemory, after_relapse, capped
+from lightning_hdet.hdet.rules.relapse import RelapseMemory, steered
 from lightning_hdet.hdet.rules.search_end import SearchPhase
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.rules.signals import curve_error
@@ -217,21 +217,16 @@ class HDETController:
         return decision
 
     def _below_relapses(self, decision: Decision, interval: Interval) -> Decision:
-        """The decision's LRs kept below the LRs that relapsed (:mod:`~lightning_hdet.hdet.rules.relapse`): after a
-        relapse of every group the grid at and below the LR that made the roll-back point, at every vote at most one
-        grid step below the ceiling; a vote that keeps its merge as the roll-back point remembers its winner's LR."""
-        net, step = self.config.safety_net, self.search_phase.refine_spread
+        """The decision's LRs kept below the LRs that relapsed (:func:`~lightning_hdet.hdet.rules.relapse.steered`;
+        one grid step: ``refine_spread``, or the rescue's cut where that is 1)."""
+        net, spread = self.config.safety_net, self.search_phase.refine_spread
         if net is None:
             return decision
-        step = step if step > 1 else 1 / net.rescue_lr_factor  # (one LR for every group: the rescue's cut)
-        table = decision.multipliers
-        if decision.roll_back and decision.reasons and all(r == "relapsed" for r in decision.reasons):
-            table = after_relapse(self.relapse, interval.multipliers, interval.schedule_lrs, step)
-        table = capped(self.relapse, table, interval.schedule_lrs, step)
-        if decision.keep and not decision.roll_back and decision.winner >= 0 and not interval.final:
-            self.relapse.remember(interval.multipliers[decision.winner].tolist(), interval.schedule_lrs)
-        if table is decision.multipliers:
-            return decision
+        relapsed = decision.roll_back and bool(decision.reasons) and all(r == "relapsed" for r in decision.reasons)
+        kept = decision.keep and not decision.roll_back and decision.winner >= 0 and not interval.final
+        table = steered(self.relapse, decision.multipliers, interval.multipliers, interval.schedule_lrs,
+                        spread if spread > 1 else 1 / net.rescue_lr_factor, relapsed,
+                        interval.multipliers[decision.winner].tolist() if kept else None)
         return replace(decision, multipliers=table, lrs=_lrs(table, interval))
 
     def _judge(self, interval: Interval, progress: bool, errors: Optional[list[float]]) -> Verdict:
@@ -397,8 +392,7 @@ class HDETController:
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
-            # (nothing remembered yet: left out, as in checkpoints before it)
-            **({"relapse": self.relapse.state_dict()} if self.relapse.good or self.relapse.ceiling else {}),
+            **({"relapse": self.relapse.state_dict()} if self.relapse else {}),  # (none yet: as in older ones)
             **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
         }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -36,6 +37,10 @@ class RelapseMemory:
     def remember(self, multipliers: Sequence[float], schedule_lrs: Sequence[float]) -> None:
         """The roll-back point was just made by a group at these multipliers (before the vote moved them)."""
         self.good = [float(m) * float(lr) for m, lr in zip(multipliers, schedule_lrs)]
+
+    def __bool__(self) -> bool:
+        """Whether anything is remembered yet."""
+        return bool(self.good or self.ceiling)
 
     def state_dict(self) -> dict:
         return {"good": list(self.good), "ceiling": list(self.ceiling)}
@@ -77,4 +82,17 @@ def capped(memory: RelapseMemory, multipliers: Tensor, schedule_lrs: Sequence[fl
         schedule = float(schedule_lrs[p])
         if math.isfinite(ceiling) and schedule > 0:
             table[:, p] = table[:, p].clamp(max=ceiling / step / schedule)
+    return table
+
+
+def steered(memory: RelapseMemory, table: Tensor, before: Tensor, schedule_lrs: Sequence[float], step: float,
+            relapsed: bool, kept: Optional[Sequence[float]]) -> Tensor:
+    """The multiplier table a vote ends on: ``table`` (the vote's), or after a relapse of every group
+    :func:`after_relapse` of the table the groups relapsed at (``before``), either one :func:`capped`. ``kept``: the
+    winner's multipliers before the vote where its merge becomes the roll-back point (``memory`` remembers them)."""
+    if relapsed:
+        table = after_relapse(memory, before, schedule_lrs, step)
+    table = capped(memory, table, schedule_lrs, step)
+    if kept is not None:
+        memory.remember(kept, schedule_lrs)
     return table
