@@ -18,7 +18,7 @@ best") never fires. These rules also judge each group against its *own* history:
   ensemble's previous intervals were clearly below it (``RELAPSE_DEPTH``; needs ``rise_margin``): a classifier that
   collapses falls back to about the untrained loss, never twice a trained interval's, so the doubling alone would
   wait for the ``stalled`` rule's patience while every group trained on from the collapsed model (a CNN with SGD:
-  issue 59). Every group rolls back onto LRs below the ones that relapsed (:mod:`~lightning_hdet.hdet.rules.relapse`);
+  issue 59);
 * ``chance``: the loss is at or above ``(1 - chance_tolerance) * chance_loss``, the loss of a constant predictor
   (e.g. ``ln(num_classes)``; for a language model the unigram entropy is the tighter choice).
 

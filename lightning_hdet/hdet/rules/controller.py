@@ -42,7 +42,6 @@ from lightning_hdet.hdet.rules.plateau import (
     patience,
     ladder,
 )
-from lightning_hdet.hdet.rules.relapse import RelapseMemory, steered
 from lightning_hdet.hdet.rules.search_end import SearchPhase
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
 from lightning_hdet.hdet.rules.signals import curve_error
@@ -135,7 +134,6 @@ class HDETController:
         self.last_winner = -1
         self.last_coefficients: list[float] = []
         self.search_phase = SearchPhase(config.search)
-        self.relapse = RelapseMemory()  # the LR that made the roll-back point, the ceiling after a relapse
 
     @property
     def generator(self) -> torch.Generator:
@@ -211,23 +209,9 @@ class HDETController:
             decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
                                from_initial=from_initial(table) if decision.roll_back else [])
             self.plateau_cuts += 1
-        decision = self._below_relapses(decision, interval)
         self._count(decision, interval.final, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
                     _clear(losses, errors, decision.winner, [not r for r in decision.rescued]))
         return decision
-
-    def _below_relapses(self, decision: Decision, interval: Interval) -> Decision:
-        """The decision's LRs kept below the LRs that relapsed (:func:`~lightning_hdet.hdet.rules.relapse.steered`;
-        one grid step: ``refine_spread``, or the rescue's cut where that is 1)."""
-        net, spread = self.config.safety_net, self.search_phase.refine_spread
-        if net is None:
-            return decision
-        relapsed = decision.roll_back and bool(decision.reasons) and all(r == "relapsed" for r in decision.reasons)
-        kept = decision.keep and not decision.roll_back and decision.winner >= 0 and not interval.final
-        table = steered(self.relapse, decision.multipliers, interval.multipliers, interval.schedule_lrs,
-                        spread if spread > 1 else 1 / net.rescue_lr_factor, relapsed,
-                        interval.multipliers[decision.winner].tolist() if kept else None)
-        return replace(decision, multipliers=table, lrs=_lrs(table, interval))
 
     def _judge(self, interval: Interval, progress: bool, errors: Optional[list[float]]) -> Verdict:
         """The safety net's verdict (nobody diverged when it is off); progress is not judged before warm-up, nor at
@@ -392,7 +376,6 @@ class HDETController:
             "plateau": self.plateau_history.state_dict(),
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
-            **({"relapse": self.relapse.state_dict()} if self.relapse else {}),  # (none yet: as in older ones)
             **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
         }
 
@@ -410,7 +393,6 @@ class HDETController:
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
         self.rose_seen = state_dict.get("rose_seen", False)  # (absent from older checkpoints)
-        self.relapse.load_state_dict(state_dict.get("relapse", {}))  # (absent from older checkpoints)
 
 
 # Standard errors by which the winner must lead the runner-up for a vote to count as decided (a one-look test).
