@@ -50,10 +50,10 @@ if TYPE_CHECKING:
 
 NAN = math.nan
 NOISE_Z = 2.0  # standard errors a difference must exceed before the progress rules believe it (about 95 %)
-# How far below its starting level's band a group's previous interval must have been for a return to that band to
-# count as a relapse ("rose"): 10 % of the level, well beyond a few batches' wobble on an early plateau, where a
-# false alarm would roll a slow start back (what the stall rule's design avoids; tests/test_plateau.py's blip from
-# 6 % below stays noise).
+# How far below its starting level's band the ensemble's lowest previous interval must have been for a return of
+# every group to that level to count as a relapse ("relapsed"): 10 % of the level, well beyond a few batches' wobble
+# on an early plateau, where a false alarm would roll a slow start back (what the stall rule's design avoids;
+# tests/test_plateau.py's blip from 6 % below stays noise).
 RELAPSE_DEPTH = 0.10
 # The least a loss must move from its starting level, relative to it, to count as having left it (the rules that ask
 # whether a group has moved at all: `_left_start`, `rose_above_start`, `none_progressed`). A classifier's untrained
