@@ -87,11 +87,12 @@ def test_constant_predictor_and_rise_rules_rescue_one_group():
 
 
 def test_collapse_rules_are_on_by_default_but_do_not_judge_progress_at_the_final_merge():
-    """Start 1.0 (no noise given); the interval at 0.5 halves it. 2.0 four times that: a rise, except in the final
-    merge's interval (often a fragment of a few steps), where only non-finite and x-best groups are kept out."""
+    """Start 1.0 (no noise given); the interval at 0.5 halves it. 2.0 four times that, every group above its start
+    after learning: a relapse of the ensemble, except in the final merge's interval (often a fragment of a few
+    steps), where only non-finite and x-best groups are kept out."""
     config = HDETConfig(vote=Softmax(permute=False, meta_lr=0.0))
     assert (config.safety_net.stall_patience, config.safety_net.rise_margin) == (2, 1.0)
-    for final, reasons in ((False, ["rose", "rose"]), (True, ["", ""])):
+    for final, reasons in ((False, ["relapsed", "relapsed"]), (True, ["", ""])):
         controller = HDETController(config)
         controller.decide(_interval([0.5, 0.5], (1.0, 2.0), first=[1.0, 1.0]))
         assert controller.decide(_interval([2.0, 2.0], (1.0, 2.0), step=8, final=final)).reasons == reasons

@@ -408,6 +408,49 @@ def test_collapse_without_nan_rolls_back_and_cuts_the_lrs(net):
     assert math.isfinite(final) and final < 0.7 * math.log(CLASSES)  # trains again, far below the collapsed level
 
 
+CHANCE = math.log(6)  # the untrained model's loss; a collapsed one sits 1 % below it (CHANCE_SHORT)
+CHANCE_SHORT = 0.99
+CRITICAL = 0.16  # above this LR the model collapses from step COLLAPSE_AT on
+COLLAPSE_AT = 30
+
+
+def _collapses_above_critical(executor, index):
+    """A model ``(x, dead)``: loss ``CHANCE x^2`` while alive, ``0.99 CHANCE`` dead (no gradient: it never learns
+    again). Each step moves ``x <- x (1 - lr / 30)``, so a higher LR learns faster, until from step ``COLLAPSE_AT`` on
+    an LR above ``CRITICAL`` kills the model before its step: issue 59's CNN with SGD above 2-3x its good LR, whose
+    collapsed validation loss sat at 1.773-1.80 against an untrained 1.79. A merge of dead and alive models is dead
+    from half on."""
+    lr = float(executor.current_lrs()[executor.group_index, 0])
+    if index >= COLLAPSE_AT and lr > CRITICAL:
+        executor.params[1] = 1.0
+    if executor.params[1] >= 0.5:
+        return CHANCE_SHORT * CHANCE
+    x = float(executor.params[0])
+    executor.params[0] = x * (1 - lr / 30)
+    return CHANCE * x**2
+
+
+def test_an_ensemble_that_relapses_to_just_below_its_untrained_loss_rolls_back_and_learns_again():
+    """PBT from 0.10-0.17 moves every group above the critical LR by step 30 (the loss falls from 1.79 to 1.0-1.4);
+    at step 30 all collapse to 1 % below the untrained loss. No group doubled its loss (no ``rose``), none is at or
+    above its untrained level (no ``stalled``, and the relapse rule before this fix asked for that): the ensemble would
+    sit dead to the end. The vote at 40 finds every group within 2 % of its untrained loss after the ensemble was
+    clearly below it: all ``relapsed``, one roll-back to the merge kept at 30 with every LR halved (below 0.16), and
+    the ensemble learns on (its best group at 0.56 by step 120)."""
+    world = FakeWorld(params=[1.0, 0.0], lr_multipliers=[1.0, 1.2, 1.44, 1.728], schedule_lrs=[0.1])
+    ((cb, _), *_) = world.fit(_callback(every_n_steps=10), _collapses_above_critical, max_steps=120)
+    history = cb.history
+    steps = sorted({h["step"] for h in history})
+    roll_backs = [s for s in steps if all(h["rescued"] for h in history if h["step"] == s)]
+    assert roll_backs == [40] and {h["reason"] for h in history if h["step"] == 40} == {"relapsed"}
+    relapsed_at = [h["lr"] for h in history if h["step"] == 30]  # the LRs of steps 30-39
+    before = [h["loss"] for h in history if h["step"] == 30]
+    assert min(relapsed_at) > CRITICAL and min(before) > CHANCE_SHORT * CHANCE / 2  # (no doubling: no `rose`)
+    after = [h["lr"] for h in history if h["step"] == 40]
+    assert after == pytest.approx([lr / 2 for lr in relapsed_at]) and max(after) < CRITICAL
+    assert min(h["loss"] for h in history if h["step"] == 120) < 0.35 * CHANCE
+
+
 @pytest.mark.parametrize(("vote", "search"), [(PBT(), False), ("pbt", Search(steps=6))], ids=["pbt", "search ends at 6"])
 def test_resume_continues_the_votes_exactly(vote, search):
     """Resumed at step 8 from every group's checkpoint: ``PBT`` makes the same random moves from its restored

@@ -13,10 +13,12 @@ best") never fires. These rules also judge each group against its *own* history:
   alone it cannot be told from a collapse back to exactly that level, and rolling back and cutting every LR on a
   plateau only lengthens it (``chance_loss`` catches a group that sits at the constant predictor's level);
 * ``rose``: the loss, less ``NOISE_Z`` standard errors of the interval's mean, exceeds ``(1 + rise_margin)`` times the
-  group's own previous interval; or, for every group at once, the loss is back at its starting level's noise band
-  although each previous interval was clearly below it (``RELAPSE_DEPTH``): a classifier that collapses falls back
-  to about the untrained loss, never twice a trained interval's, so the doubling alone would wait for the
-  ``stalled`` rule's patience while every group trained on from the collapsed model (a CNN with SGD: issue 59);
+  group's own previous interval;
+* ``relapsed``: every group at once is back at its starting level (within ``LEVEL_TOLERANCE``) although the
+  ensemble's previous intervals were clearly below it (``RELAPSE_DEPTH``; needs ``rise_margin``): a classifier that
+  collapses falls back to about the untrained loss, never twice a trained interval's, so the doubling alone would
+  wait for the ``stalled`` rule's patience while every group trained on from the collapsed model (a CNN with SGD:
+  issue 59);
 * ``chance``: the loss is at or above ``(1 - chance_tolerance) * chance_loss``, the loss of a constant predictor
   (e.g. ``ln(num_classes)``; for a language model the unigram entropy is the tighter choice).
 
@@ -48,10 +50,10 @@ if TYPE_CHECKING:
 
 NAN = math.nan
 NOISE_Z = 2.0  # standard errors a difference must exceed before the progress rules believe it (about 95 %)
-# How far below its starting level's band a group's previous interval must have been for a return to that band to
-# count as a relapse ("rose"): 10 % of the level, well beyond a few batches' wobble on an early plateau, where a
-# false alarm would roll a slow start back (what the stall rule's design avoids; tests/test_plateau.py's blip from
-# 6 % below stays noise).
+# How far below its starting level's band the ensemble's lowest previous interval must have been for a return of
+# every group to that level to count as a relapse ("relapsed"): 10 % of the level, well beyond a few batches' wobble
+# on an early plateau, where a false alarm would roll a slow start back (what the stall rule's design avoids;
+# tests/test_plateau.py's blip from 6 % below stays noise).
 RELAPSE_DEPTH = 0.10
 # The least a loss must move from its starting level, relative to it, to count as having left it (the rules that ask
 # whether a group has moved at all: `_left_start`, `rose_above_start`, `none_progressed`). A classifier's untrained
@@ -129,18 +131,24 @@ def _left_start(history: CollapseHistory, g: int, loss: float) -> bool:
 
 def _all_relapsed(history: CollapseHistory, losses: Sequence[float], errors: Sequence[float],
                   bad: Sequence[bool]) -> bool:
-    """Whether every group is back at its starting level (this interval's lower bound at or above the band's lower
-    edge) although each one's previous interval was ``RELAPSE_DEPTH`` below that edge (positive levels): the whole
-    ensemble fell back to its untrained loss, as a classifier does that collapses after every group took the
-    winner's model. A single group's relapse is left to the other rules (rescuing it at once cost more than it
-    saved from 40x too high: research log, issue 59)."""
+    """Whether every group is back at its untrained level (this interval's lower bound inside or above its
+    :meth:`CollapseHistory.level_band`) after the ensemble had learned: every group has a previous interval and the
+    lowest of them was ``RELAPSE_DEPTH`` below its band's lower edge (positive levels). The whole ensemble fell back
+    to its untrained loss, as a classifier does that collapses after every group took the winner's model. A single
+    group's relapse is left to the other rules (rescuing it at once cost more than it saved from 40x too high:
+    research log, issue 59). Why the ensemble's lowest previous interval and the level band, not each group's
+    previous interval and the band's lower edge: the groups share their models at every vote, so one learned model
+    is the ensemble's; and a collapsed CNN's validation loss sits within 1 % of ln(6) either side, below an edge two
+    tiny standard errors under the first batch's, so collapses at 1.77-1.80 were missed (research log 2026-12-07)."""
+    deepest = math.inf
     for g, loss in enumerate(losses):
         edge, previous = history.band(g)[0], history.previous[g]
         if bad[g] or not (math.isfinite(edge) and edge > 0 and math.isfinite(previous)):
             return False
-        if not (previous < (1 - RELAPSE_DEPTH) * edge and loss - NOISE_Z * errors[g] >= edge):
+        if loss - NOISE_Z * errors[g] < history.level_band(g)[0]:
             return False
-    return bool(losses)
+        deepest = min(deepest, previous / edge)
+    return bool(losses) and deepest < 1 - RELAPSE_DEPTH
 
 
 def _worse_than_best(losses: Sequence[float], bad: Sequence[bool], factor: Optional[float]) -> list[bool]:
@@ -168,19 +176,21 @@ def judge(
     worse = _worse_than_best(losses, bad, rule.divergence_factor)
     errors = [e if math.isfinite(e) else 0.0 for e in errors] if errors is not None else [0.0] * len(losses)
     reasons, stalled = [], []
-    relapsed = progress and _all_relapsed(history, losses, errors, bad)
+    relapsed = progress and rule.rise_margin is not None and _all_relapsed(history, losses, errors, bad)
     for g, loss in enumerate(losses):
         start = history.band(g)[1]  # the starting level's upper bound
         previous, low = history.previous[g], loss - NOISE_Z * errors[g]  # this interval's lower bound
         at_start = (progress and not bad[g] and math.isfinite(start) and loss >= floor * start
                     and _left_start(history, g, loss))
         rose = (progress and rule.rise_margin is not None and math.isfinite(previous)
-                and (low > (1 + rule.rise_margin) * previous or relapsed))
+                and low > (1 + rule.rise_margin) * previous)
         stalled.append(history.stalled[g] + 1 if at_start else 0)
         if bad[g]:
             reasons.append("non-finite")
         elif worse[g]:
             reasons.append("x best")
+        elif relapsed:
+            reasons.append("relapsed")
         elif rule.stall_patience is not None and stalled[g] >= rule.stall_patience:
             reasons.append("stalled")
         elif rose:

@@ -30,8 +30,9 @@ class SafetyNet(KnownArguments):
         rescue_lr_factor: multiplier applied to a rescued group's LR (every group's when all diverged), in (0, 1).
         stall_patience: votes in a row at or above its starting level before a group counts as collapsed.
         stall_tolerance: relative margin below the starting level that still counts as no progress.
-        rise_margin: a loss above ``(1 + rise_margin)`` x the group's previous interval counts as diverged, as
-            do all groups back at the untrained level after previous intervals clearly below it; ``None``: neither.
+        rise_margin: a loss above ``(1 + rise_margin)`` x the group's previous interval counts as diverged, and
+            all groups back at the untrained level after the ensemble's previous interval was clearly below it as
+            relapsed; ``None``: neither.
         chance_loss: a constant predictor's loss (e.g. ``ln(classes)``); a group near it counts as collapsed.
         chance_tolerance: relative distance to ``chance_loss`` that counts as "near" (only with ``chance_loss``).
         plateau: "a plateau that is not learning is a failure" (:class:`~lightning_hdet.hdet.rules.plateau.PlateauRule`,
