@@ -130,10 +130,12 @@ def service(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
             "job_lost": any(c != 0 for i, c in enumerate(codes) if not (fault == "kill" and i == args.workers - 1))}
 
 
-def torchft(args: argparse.Namespace, work: Path, fault: str | None, heartbeat_s: float = 0.5) -> dict:
+def torchft(args: argparse.Namespace, work: Path, fault: str | None, heartbeat_s: float = 0.5,
+            join_timeout_ms: int = 1000) -> dict:
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=join_timeout_ms,
+                                  heartbeat_timeout_ms=2000)
     go, outs = work / "go", [work / f"job{j}.json" for j in range(args.workers)]
     rounds = args.budget // args.workers // args.local_steps
     # A job joining at 50 %: the others hold at the end of the round after it (until its quorum request is out), so a
@@ -246,7 +248,10 @@ def cpu_ab(args: argparse.Namespace, tmp: Path) -> dict[str, dict]:
         for h in args.cpu_h:
             at = argparse.Namespace(**{**vars(args), "local_steps": h})
             runs = [lambda w: single_job(at, w, "sync", kill=False),
-                    *(lambda w, s=s: torchft(at, w, None, s) for s in args.cpu_heartbeats)]
+                    # a join timeout past any drift between the jobs: a live job later than it at a round's
+                    # shrink-only quorum is left out and then waits out its quorum_timeout (seen at H = 50 under
+                    # load 25-30, research log 2026-12-07); the quorum waits are rounds, not in the samples
+                    *(lambda w, s=s: torchft(at, w, None, s, join_timeout_ms=30_000) for s in args.cpu_heartbeats)]
             for i in [*range(rep % len(names), len(names)), *range(rep % len(names))]:
                 work = tmp / f"H{h}-{rep}-{i}"
                 work.mkdir(parents=True)
