@@ -19,10 +19,10 @@ without lengthening the run; a joining service worker shares the budget). *Bytes
 byte counted once: the service's pushes and pulls (its counters); torchft's allreduces as a ring moves them
 (``2 (k - 1) S`` per round of ``k`` jobs and ``S`` bytes, computed) plus each heal's state. *CPU per inner step*:
 process CPU (every thread's) from a step's start to the next one's, rounds left out.
-Run: ``python benchmarks/elastic.py [--quick]``. ``--cpu-ab N`` runs only the CPU comparison: the fault-free DiLoCo
-arms (the single job, torchft at ``heartbeat_s`` 0.5 and 0.1 s) N times each, interleaved (their order rotated every
-repetition), so a machine whose load drifts weighs on every arm alike; it prints its stamped table and writes its
-JSON (not a ``make bench`` part).
+Run: ``python benchmarks/elastic.py [--quick]``. ``--cpu-ab N`` runs only the CPU comparison (its own block,
+``elastic_cpu``): the fault-free DiLoCo arms (the single job; torchft at each ``--cpu-heartbeats`` interval, 0.5 s
+by default) N times each at each H of ``--cpu-h``, interleaved (their order rotated every repetition), so a machine
+whose load drifts weighs on every arm alike; per H the paired ratio to the single job with its 95 % interval.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish, stamp, write_json
+from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "elastic_run.py"
@@ -130,10 +130,12 @@ def service(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
             "job_lost": any(c != 0 for i, c in enumerate(codes) if not (fault == "kill" and i == args.workers - 1))}
 
 
-def torchft(args: argparse.Namespace, work: Path, fault: str | None, heartbeat_s: float = 0.5) -> dict:
+def torchft(args: argparse.Namespace, work: Path, fault: str | None, heartbeat_s: float = 0.5,
+            join_timeout_ms: int = 1000) -> dict:
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=join_timeout_ms,
+                                  heartbeat_timeout_ms=2000)
     go, outs = work / "go", [work / f"job{j}.json" for j in range(args.workers)]
     rounds = args.budget // args.workers // args.local_steps
     # A job joining at 50 %: the others hold at the end of the round after it (until its quorum request is out), so a
@@ -227,43 +229,117 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> str:
     return head + "\n\n" + markdown_table(headers, body) + cpu
 
 
-def cpu_ab(args: argparse.Namespace, tmp: Path) -> dict[str, list[list[float]]]:
-    """The fault-free DiLoCo arms only, interleaved: each repetition runs the single job and torchft at 0.5 s and
-    0.1 s heartbeats, in an order rotated every repetition (a machine whose load drifts loads every arm alike)."""
-    runs = {"single job DiLoCo": lambda w: single_job(args, w, "sync", kill=False),
-            "torchft DiLoCo, heartbeat_s=0.5": lambda w: torchft(args, w, None, 0.5),
-            "torchft DiLoCo, heartbeat_s=0.1": lambda w: torchft(args, w, None, 0.1)}
-    names, samples = list(runs), {name: [] for name in runs}
+def load_1min() -> float:
+    """The machine's 1-minute load average (what else runs on it; ``nan`` where /proc is missing)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return math.nan
+
+
+def cpu_ab(args: argparse.Namespace, tmp: Path) -> dict[str, dict]:
+    """The fault-free DiLoCo arms only, at each H of ``--cpu-h``, interleaved: every repetition runs, at each H, the
+    single job and torchft at each ``--cpu-heartbeats`` interval, the arms' order rotated every repetition (a machine
+    whose load drifts loads every arm alike). Per H and arm: each repetition's CPU samples and the 1-minute load
+    average at its end."""
+    names = ["single job DiLoCo", *(f"torchft DiLoCo, heartbeat_s={s:g}" for s in args.cpu_heartbeats)]
+    out = {str(h): {"samples": {n: [] for n in names}, "load": {n: [] for n in names}} for h in args.cpu_h}
     for rep in range(args.cpu_ab):
-        for name in names[rep % 3:] + names[: rep % 3]:
-            work = tmp / f"{rep}-{names.index(name)}"
-            work.mkdir(parents=True)
-            row = runs[name](work)
-            samples[name].append(row["cpu_per_step"] if not row["job_lost"] else [])
-            print(rep, name, f"{1e3 * statistics.fmean(samples[name][-1] or [math.nan]):.3f} ms", flush=True)
-    return samples
+        for h in args.cpu_h:
+            at = argparse.Namespace(**{**vars(args), "local_steps": h})
+            runs = [lambda w: single_job(at, w, "sync", kill=False),
+                    # a join timeout past any drift between the jobs: a live job later than it at a round's
+                    # shrink-only quorum is left out and then waits out its quorum_timeout (seen at H = 50 under
+                    # load 25-30, research log 2026-12-07); the quorum waits are rounds, not in the samples
+                    *(lambda w, s=s: torchft(at, w, None, s, join_timeout_ms=30_000) for s in args.cpu_heartbeats)]
+            for i in [*range(rep % len(names), len(names)), *range(rep % len(names))]:
+                work = tmp / f"H{h}-{rep}-{i}"
+                work.mkdir(parents=True)
+                row = runs[i](work)
+                out[str(h)]["samples"][names[i]].append([] if row["job_lost"] else row["cpu_per_step"])
+                out[str(h)]["load"][names[i]].append(load_1min())
+                print(rep, f"H={h}", names[i], f"{1e3 * statistics.fmean(row['cpu_per_step'] or [math.nan]):.3f} ms",
+                      f"load {out[str(h)]['load'][names[i]][-1]}", flush=True)
+    return out
 
 
-def cpu_ab_table(samples: dict[str, list[list[float]]], args: argparse.Namespace) -> str:
-    """Per repetition each arm's mean ± its standard error and its ratio to the single job's, then the spread."""
+def t_quantile(p: float, df: int) -> float:
+    """Student's t distribution's ``p`` quantile (``p`` > 0.5): bisection of its CDF, the density integrated by
+    Simpson's rule (the benchmark's environment has no scipy)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, n: int = 400) -> float:
+        w = [1 if i in (0, n) else 4 if i % 2 else 2 for i in range(n + 1)]
+        return 0.5 + x / n / 3 * sum(wi * c * (1 + (i * x / n) ** 2 / df) ** (-(df + 1) / 2) for i, wi in enumerate(w))
+
+    lo, hi = 0.0, 64.0
+    for _ in range(50):
+        lo, hi = ((lo + hi) / 2, hi) if cdf((lo + hi) / 2) < p else (lo, (lo + hi) / 2)
+    return (lo + hi) / 2
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Mean of ``a[i] - b[i]`` with its 95 % t interval over the pairs (``nan`` bounds with fewer than two)."""
+    d = [x - y for x, y in zip(a, b)]
+    mean = statistics.fmean(d)
+    if len(d) < 2:
+        return mean, math.nan, math.nan
+    half = t_quantile(0.975, len(d) - 1) * statistics.stdev(d) / len(d) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def cpu_ab_rows(h: str, run: dict) -> list[list[str]]:
+    """One row per torchft arm at H = ``h``: each arm's median over repetitions of its mean CPU per inner step, the
+    ratio of the medians, the paired ratios' geometric mean with its 95 % t interval (over log ratios), whether the
+    interval holds 1, and the paired difference in ms with its interval."""
+    samples = run["samples"]
     base = samples["single job DiLoCo"]
-    body = []
+    rows = []
     for name, reps in samples.items():
-        ratios = [statistics.fmean(r) / statistics.fmean(b) for r, b in zip(reps, base) if r and b]
-        cells = [f"{1e3 * statistics.fmean(r):.2f} ± {1e3 * statistics.stdev(r) / len(r) ** 0.5:.2f}" if len(r) > 1
-                 else "— (lost)" for r in reps]
-        spread = "1 (baseline)" if reps is base else (
-            f"{statistics.fmean(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "—")
-        body.append([name, *cells, spread])
-    head = (f"CPU time per inner step between rounds, interleaved A/B ({args.cpu_ab} repetitions, the arms' order "
-            f"rotated each one): {args.workers} workers, {args.budget // args.workers} steps per job, H = "
-            f"{args.local_steps}, {args.step_s} s of emulated compute per step; ms, every process's steps, mean ± "
-            "its standard error; the last column: mean of the per-repetition ratios to the single job (min–max).")
-    headers = ["arm", *[f"rep {i + 1}" for i in range(args.cpu_ab)], "÷ single job"]
-    return head + "\n\n" + markdown_table(headers, body)
+        if reps is base:
+            continue
+        pairs = [(statistics.fmean(r), statistics.fmean(b)) for r, b in zip(reps, base) if r and b]
+        if not pairs:
+            rows.append([h, name, "0", *["—"] * 6])
+            continue
+        ft, single = [p[0] for p in pairs], [p[1] for p in pairs]
+        g, lo, hi = (math.exp(v) for v in paired([math.log(x) for x in ft], [math.log(x) for x in single]))
+        d, dlo, dhi = (1e3 * v for v in paired(ft, single))
+        verdict = "—" if math.isnan(lo) else "yes" if lo <= 1 <= hi else f"no ({100 * (g - 1):+.0f} %)"
+        rows.append([h, name, str(len(pairs)), f"{1e3 * statistics.median(single):.2f}",
+                     f"{1e3 * statistics.median(ft):.2f}", f"{statistics.median(ft) / statistics.median(single):.3f}",
+                     f"{g:.3f} [{lo:.3f}, {hi:.3f}]", verdict, f"{d:+.3f} [{dlo:+.3f}, {dhi:+.3f}]"])
+    return rows
 
 
-def main() -> None:
+def cpu_ab_table(runs: dict[str, dict], args: argparse.Namespace) -> str:
+    """Per H the interleaved A/B's summary (:func:`cpu_ab_rows`), the machine's load in the head."""
+    loads = [x for run in runs.values() for arm in run["load"].values() for x in arm if not math.isnan(x)]
+    load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
+    head = (f"CPU time per inner step between rounds, interleaved A/B: {args.cpu_ab} repetitions, each running every "
+            f"arm at every H in an order rotated each repetition; {args.workers} jobs (the single job: "
+            f"{args.workers} ranks), {args.budget // args.workers} steps per job, {args.step_s} s of emulated compute "
+            f"per step; a repetition's arm: the mean over every process's steps (the first round's left out). "
+            f"Pairs: the same repetition and H; the interval: 95 %, Student's t over pairs. Machine load (1-minute "
+            f"average at each arm's end): {load}.")
+    headers = ["H", "torchft arm", "pairs", "single job ms (median)", "torchft ms (median)", "ratio of medians",
+               "paired ratio [95 %]", "within noise", "difference ms per step [95 %]"]
+    return head + "\n\n" + markdown_table(headers, [row for h, run in runs.items() for row in cpu_ab_rows(h, run)])
+
+
+def check_rounds(parser: argparse.ArgumentParser, args: argparse.Namespace, flag: str, h: int, least: int,
+                 why: str) -> None:
+    """Refuse a budget that is not whole rounds of ``h`` steps per job, or fewer than ``least`` of them."""
+    per_job = args.budget // args.workers
+    if per_job % h:  # torchft refuses it, and the join arm's joiner would wait
+        parser.error(f"--budget {args.budget} / --workers {args.workers} = {per_job} steps per job must be a "
+                     f"multiple of {flag} {h} (every torchft job runs whole rounds)")
+    if per_job // h < least:
+        parser.error(f"--budget {args.budget} gives {per_job // h} rounds per job at --workers {args.workers} "
+                     f"{flag} {h}: at least {least} are needed ({why})")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=None, help="inner steps over all workers (default 800, quick 240)")
     parser.add_argument("--local-steps", type=int, default=4)
@@ -276,23 +352,39 @@ def main() -> None:
                              "user runs it; the tests fork them, which spares W - 1 interpreter start-ups)")
     parser.add_argument("--cpu-ab", type=int, default=0, metavar="N",
                         help="only the CPU A/B: N interleaved repetitions of the fault-free DiLoCo arms (the single "
-                             "job, torchft at heartbeat_s 0.5 and 0.1)")
+                             "job, torchft at each --cpu-heartbeats) at each --cpu-h")
+    parser.add_argument("--cpu-h", type=int, nargs="+", default=None, metavar="H",
+                        help="with --cpu-ab: the H (inner steps per round) to compare at (default: --local-steps); "
+                             "--budget / --workers must be whole rounds of each")
+    parser.add_argument("--cpu-heartbeats", type=float, nargs="+", default=None, metavar="S",
+                        help="with --cpu-ab: one torchft arm per heartbeat_s (default: 0.5, TorchFT's default)")
     add_output_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.budget = args.budget or (240 if args.quick else 800)
-    if args.budget // args.workers % args.local_steps:  # torchft refuses it, and the join arm's joiner would wait
-        parser.error(f"--budget {args.budget} / --workers {args.workers} must be a multiple of --local-steps "
-                     f"{args.local_steps} (every torchft job runs whole rounds)")
-    if args.budget // args.workers // args.local_steps < 4:  # the joining job needs a round after the others' hold
-        parser.error(f"--budget {args.budget} gives {args.budget // args.workers // args.local_steps} rounds per job "
-                     f"at --workers {args.workers} --local-steps {args.local_steps}: at least 4 are needed")
+    if not args.cpu_ab:
+        for flag in ("cpu_h", "cpu_heartbeats"):
+            if getattr(args, flag) is not None:
+                parser.error(f"--{flag.replace('_', '-')} sets the CPU A/B only: add --cpu-ab N (or leave it out)")
+        check_rounds(parser, args, "--local-steps", args.local_steps, 4, "the joining job needs a round after the "
+                     "others' hold")
+        return args
+    args.cpu_h = args.cpu_h or [args.local_steps]
+    args.cpu_heartbeats = args.cpu_heartbeats or [0.5]
+    for value in args.cpu_heartbeats:
+        if not value > 0:
+            parser.error(f"--cpu-heartbeats {value:g}: heartbeat_s must be > 0 seconds")
+    for h in args.cpu_h:
+        check_rounds(parser, args, "--cpu-h", h, 2, "the first round's steps are left out of the samples")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.cpu_ab:
-        name, _ = begin(NAME + "_cpu_ab", args.quick)
+        name, _ = begin(NAME + "_cpu", args.quick)
         with tempfile.TemporaryDirectory() as tmp:
-            samples = cpu_ab(args, Path(tmp))
-        # not a `make bench` part: the JSON and the stamped table, no docs block (a research note quotes it)
-        write_json(name, {"config": {k: str(v) for k, v in vars(args).items()}, "samples": samples}, args.results_dir)
-        return print(f"{cpu_ab_table(samples, args)}\n\n{stamp([])}", flush=True)
+            runs = cpu_ab(args, Path(tmp))
+        return publish(name, args, {"runs": runs}, cpu_ab_table(runs, args))
     name, _ = begin(NAME, args.quick)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -220,6 +220,12 @@ PARTS = (
     # issue 61: OuterService async and torchft DiLoCo, each with a kill and a join, and the single job: 8 arms, 6.9 min
     # at load 5-15 from other jobs (2026-12-06)
     Part("elastic", "elastic.py", minutes=6, code=("tests/scripts/elastic_run.py",)),
+    # issue 61's CPU target at realistic H: torchft's CPU per inner step against the single job's, interleaved, 5
+    # repetitions at H = 16 and 50 (20 runs of 400 steps per job; the single job's ranks forked: under load 20-35 its
+    # four interpreters took 3-4 min to start); 27.9 min at load 6.5-30 (2026-12-07)
+    Part("elastic_cpu", "elastic.py", ("--cpu-ab", "5", "--cpu-h", "16", "50", "--budget", "1600",
+                                       "--single-start-method", "fork"), minutes=28,
+         code=("tests/scripts/elastic_run.py",), full=True),
     # the peer (issue 60): torchft's DiLoCo beside ours, same workload and settings; ~1.5 min on the idle machine
     Part("torchft_peer", "torchft_peer.py", minutes=3),
     # bytes to a loss (issue 43): DDP, DiLoCo and async with each push codec, on loopback and behind a 100 Mbit/s
