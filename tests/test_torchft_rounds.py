@@ -5,6 +5,7 @@ computed by hand in the comments."""
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from datetime import timedelta
 
 import pytest
@@ -23,7 +24,8 @@ CPU = torch.device("cpu")
 class FakeManager:
     """torchft's Manager as a round uses it: ``allreduce`` (SUM) adds ``peers``' wire vectors to this job's and
     keeps what this job sent; ``should_commit`` answers ``commit``; ``start_quorum`` heals with ``heal_from``'s
-    state when set and allowed (as torchft does for a job behind); ``calls``: what was called, in order."""
+    state when set and allowed (as torchft does for a job behind); ``late``: the round-end quorum is formed without
+    this job (its wait times out); ``calls``: what was called, in order."""
 
     def __init__(self, peers: list[list[float]] = (), commit: bool = True) -> None:
         self.peers, self.commit = [torch.tensor(p) for p in peers], commit
@@ -31,12 +33,22 @@ class FakeManager:
         self.heal_from: dict | None = None
         self.calls: list[str] = []
         self.fns: dict = {}
+        self.late, self.timeouts = False, []  # late: left out of the round-end quorum
+        self._quorum_future: Future | None = None
 
     def register_state_dict_fn(self, key, load, save):  # type: ignore[no-untyped-def]
         self.fns[key] = (load, save)
 
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False) -> None:
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta = None) -> None:
+        if self._quorum_future is not None:  # as torchft 0.2.0: the last quorum's failure is raised again here
+            self._quorum_future.result()
         self.calls.append("shrink-only quorum" if shrink_only and not allow_heal else "quorum")
+        self._quorum_future = Future()
+        if shrink_only and self.late:  # the Lighthouse formed this quorum without the job: its wait times out
+            self.timeouts.append(timeout)
+            self._quorum_future.set_exception(TimeoutError("Timeout expired"))
+            self._quorum_future.result()
+        self._quorum_future.set_result(None)
         if allow_heal and self.heal_from is not None:
             self.fns[STATE_KEY][0](self.heal_from)
 
@@ -158,6 +170,28 @@ def test_a_job_behind_heals_from_a_live_peer_at_the_round_start():
         trained(job.module, (job.global_model - 1.0).tolist())
         job.finish()
     assert torch.equal(module.weight, live_module.weight)
+
+
+def test_a_job_left_out_of_the_round_end_quorum_discards_its_round_then_heals_from_a_live_peer():
+    """A live job later than the join timeout at the round's end: the others reduced without it, its quorum times out
+    (after ``round_end_timeout``). It discards the round (nothing sent, no outer step), restarts from the global
+    model, and the next round's quorum (asked afresh, though torchft keeps the failed one) heals it to the peers'."""
+    module, manager = linear([1.0, 2.0]), FakeManager(peers=[[1.0, 1.0, 1.0]])
+    ft = ReplicaRound(module, CPU, manager, nesterov, PushCheck(), round_end_timeout=timedelta(seconds=7))
+    ft.start()
+    trained(module, [0.0, 0.0])
+    manager.late = True
+    out = ft.finish()
+    assert (out.committed, out.accepted, out.rejected, out.left_out) == (False, 0, None, True)
+    assert manager.timeouts == [timedelta(seconds=7)] and "allreduce" not in manager.calls
+    assert torch.equal(module.weight, torch.tensor([[1.0, 2.0]])) and not ft.optimizer.state
+    manager.late, manager.heal_from = False, {"global_model": torch.tensor([5.0, 6.0]),
+                                              "outer": nesterov(torch.zeros(2)).state_dict()}
+    ft.start()
+    assert torch.equal(module.weight, torch.tensor([[5.0, 6.0]]))
+    trained(module, [4.0, 5.0])  # pseudo-gradient [1, 1], the peer's too: 1.33 [1, 1] from [5, 6]
+    assert ft.finish().committed
+    assert torch.allclose(module.weight, torch.tensor([[5.0 - 1.33, 6.0 - 1.33]]))
 
 
 def test_floating_point_buffers_take_the_mean_of_the_accepted_jobs():

@@ -12,6 +12,10 @@ rejected job sends zeros and ``accepted = 0``, so the mean is over the accepted 
 ``wire_dtype``: half the bytes, the sum rounded as it travels). If torchft commits the round
 (every rank of the job saw the allreduce succeed), every job runs the same outer step on the mean; otherwise (a
 peer died mid-round) the round is discarded. Either way the job restarts from the global model.
+
+A live job later than the Lighthouse's join timeout at that second quorum is left out of it, and its own shrink-only
+request can then never be met (torchft 0.2.0 answers a job only with a quorum that holds it): it waits at most
+``round_end_timeout``, discards its round and takes the next round's quorum, where it heals from a live peer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -43,6 +48,7 @@ class RoundOutcome:
     committed: bool
     accepted: int
     rejected: Optional[str]
+    left_out: bool = False  # late at the round's end: the live jobs reduced without this one
 
 
 class ReplicaRound:
@@ -56,12 +62,15 @@ class ReplicaRound:
         check: the pseudo-gradient's checks (``None``: none).
         wire_dtype: what the allreduce carries: ``float32`` or ``bfloat16`` (``BF16()``; ``accepted`` stays exact
             up to 256 jobs).
+        round_end_timeout: how long the round's end waits for its shrink-only quorum (``None``: the manager's
+            quorum timeout); past it the job was left out and discards its round.
     """
 
     def __init__(self, module: Module, device: torch.device, manager: Any,
                  outer: Callable[[Tensor], Optimizer], check: PushCheck | None,
-                 wire_dtype: torch.dtype = torch.float32) -> None:
+                 wire_dtype: torch.dtype = torch.float32, round_end_timeout: Optional[timedelta] = None) -> None:
         self.module, self.device, self.manager, self.check = module, device, manager, check
+        self.round_end_timeout = round_end_timeout
         self.tensors = list(module.parameters()) + float_buffers(module)
         self.n_params = numel(list(module.parameters()))
         self.global_model = read_into(self.tensors, host_buffer(numel(self.tensors), device), device)
@@ -87,7 +96,9 @@ class ReplicaRound:
             wire[-1] = 1.0
         else:
             wire.zero_()
-        self.manager.start_quorum(allow_heal=False, shrink_only=True)  # no one joins mid-round; the missing leave
+        if not self._round_end_quorum():
+            write_from(self.tensors, self.global_model, self.device)
+            return RoundOutcome(False, 0, None, left_out=True)
         self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
         committed = bool(self.manager.should_commit())
         accepted = int(round(float(wire[-1]))) if committed else 0
@@ -104,6 +115,17 @@ class ReplicaRound:
                 self.check.accepted(0, norm)
         write_from(self.tensors, self.global_model, self.device)
         return RoundOutcome(committed, accepted, reason)
+
+    def _round_end_quorum(self) -> bool:
+        """The shrink-only quorum (no one joins mid-round; the missing leave); False where this job was left out."""
+        try:
+            self.manager.start_quorum(allow_heal=False, shrink_only=True, timeout=self.round_end_timeout)
+        except TimeoutError:
+            # torchft 0.2.0 keeps the failed quorum and raises it again at the next start_quorum: forget it, so that
+            # the next round's quorum is asked for afresh (the Manager has no public way to)
+            self.manager._quorum_future = None
+            return False
+        return True
 
     def _inspect(self) -> tuple[Optional[str], float]:
         n, delta = self.n_params, self.delta

@@ -29,7 +29,9 @@ class TorchFT(KnownArguments):
         min_replicas: jobs a round needs; with fewer live a job waits at the quorum, up to ``quorum_timeout``.
         replica_id: this job's name in the quorum (torchft adds a unique suffix); ``None``: the host and process id.
         timeout: seconds a round's allreduce, its commit vote or a heal's transfer may take (a job frozen inside
-            the allreduce stalls the others this long; one frozen between allreduces, the heartbeat timeout).
+            the allreduce stalls the others this long; one frozen between allreduces, the heartbeat timeout), and
+            that a job waits for the quorum at a round's end: one left out of it (later than the Lighthouse's join
+            timeout) discards its round then and heals at the next round's start.
         quorum_timeout: seconds a job waits at a round's start for the quorum: longer than a round of the slowest
             job (the live jobs meet there) and than the time a new job takes to start.
         connect_timeout: seconds to reach the Lighthouse and the job's own torchft manager.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields
+from datetime import timedelta
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -133,7 +134,8 @@ class TorchFTStrategy(DDPStrategy):
         checks = self.outer_settings.check_pushes
         check = checks.fresh() if checks is not None else None
         wire = torch.bfloat16 if isinstance(self.compression, BF16) else torch.float32
-        self._round = ReplicaRound(self.lightning_module, self.root_device, self._manager, self._outer, check, wire)
+        self._round = ReplicaRound(self.lightning_module, self.root_device, self._manager, self._outer, check, wire,
+                                   round_end_timeout=timedelta(seconds=self.torchft.timeout))
         if self._resume is not None:  # the checkpoint's round; a job still training further on heals this one
             self._round.load_state_dict(self._resume["round"])
             self._manager.load_state_dict(self._resume["manager"])
@@ -177,6 +179,12 @@ class TorchFTStrategy(DDPStrategy):
 
     def _after_round(self, outcome: RoundOutcome, optimizer: Optimizer) -> None:
         log.debug("rank %d: round end, step %d: %s", self.global_rank, self._manager.current_step(), outcome)
+        if outcome.left_out:
+            self.rounds_discarded += 1
+            log.warning("rank %d: this job reached the round's end later than the Lighthouse's --join_timeout_ms after "
+                        "the others, which reduced without it; its round is discarded and it heals from a live peer at "
+                        "the next round's start (a join timeout longer than a job's lag keeps it in)", self.global_rank)
+            return
         if not outcome.committed:
             self.rounds_discarded += 1
             log.warning("rank %d: round discarded (a job failed during it); training it again", self.global_rank)

@@ -4,7 +4,8 @@ its final parameters and read-outs to ``--out``.
 
 Faults: ``--kill-in-round R`` SIGKILLs this job in the middle of the run's round ``R`` (``--freeze-in-round R``:
 SIGSTOPs it there, its heartbeats too; ``--freeze-in-allreduce R``: as round ``R``'s allreduce starts, after its
-quorum); ``--nan-from-step S`` makes
+quorum); ``--late-in-round R --late-s S``: sleeps ``S`` seconds before round ``R``'s last step, once (a
+slow node, a checkpoint save); ``--nan-from-step S`` makes
 its loss NaN from step ``S`` on (its rounds are rejected until it leaves the run). ``--sync DIR``: once started,
 the job writes ``DIR/ready<job>`` and waits for ``DIR/go<job>`` before ``fit`` (so that the test starts the jobs
 together, or one later; the file holds how many jobs start together, and those meet again once connected to the
@@ -78,6 +79,10 @@ class Job(pl.LightningModule):
         for fault, sig in ((self.args.kill_in_round, signal.SIGKILL), (self.args.freeze_in_round, signal.SIGSTOP)):
             if self.trainer.strategy.round == fault and step % self.args.local_steps == 5:
                 os.kill(os.getpid(), sig)
+        if self.trainer.strategy.round == self.args.late_in_round and step % self.args.local_steps == \
+                self.args.local_steps - 1:
+            time.sleep(self.args.late_s)
+            self.args.late_in_round = -1
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         return loss * float("nan") if 0 <= self.args.nan_from_step <= step else loss
@@ -132,6 +137,8 @@ def main() -> None:
     parser.add_argument("--kill-in-round", type=int, default=-1)
     parser.add_argument("--freeze-in-round", type=int, default=-1)
     parser.add_argument("--freeze-in-allreduce", type=int, default=-1)
+    parser.add_argument("--late-in-round", type=int, default=-1)
+    parser.add_argument("--late-s", type=float, default=0.0)
     parser.add_argument("--max-rejections", type=int, default=3)
     parser.add_argument("--nan-from-step", type=int, default=-1)
     parser.add_argument("--step-s", type=float, default=0.0)
