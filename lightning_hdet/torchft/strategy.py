@@ -36,8 +36,9 @@ class TorchFTStrategy(DDPStrategy):
     quorum reduce their pseudo-gradients through torchft and every job runs the same outer step (no rank is a
     server). A job that dies or freezes during its inner steps misses the round's second, shrink-only quorum before
     the allreduce (once its heartbeats are the Lighthouse's heartbeat timeout old) and the others reduce without it;
-    one that dies inside the allreduce fails it, and the round is discarded and trained again. A new or restarted
-    job heals from a live peer at a round's start and joins. The run ends
+    one that dies inside the allreduce fails it, and the round is discarded and trained again. A live job later than
+    the Lighthouse's join timeout at that quorum is left out of it too: after ``timeout`` it discards its round and
+    heals at the next round's start. A new or restarted job heals from a live peer at a round's start and joins. The run ends
     after ``max_steps / local_steps`` committed rounds, the same for every job (a job that joined late included).
 
     Args:
