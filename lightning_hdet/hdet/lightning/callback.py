@@ -44,7 +44,7 @@ from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.lightning import auto_monitor
 from lightning_hdet.hdet.lightning.checkpoints import restore_schedule_lrs, save_plain_lrs
 from lightning_hdet.hdet.lightning.module_checks import check_module, missing_loss, step_loss, stepping_warning
-from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric
+from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric, validation_plan
 from lightning_hdet.hdet.lightning.voting import (
     announce,
     decide_and_execute,
@@ -196,6 +196,9 @@ class HDETCallback(KnownArguments, Callback):
         every = self.settings.every_n_steps
         if self._auto and self._monitor is None and type(self.settings.signal) is Signal:  # "auto" decides now
             self._set_monitor(*auto_monitor.decide(trainer, pl_module, run_length(trainer), every), trainer)
+        if self._monitor is not None:  # votes wait for validation: on its grid, each reads a fresh value
+            self._align_votes(trainer, auto_monitor.validation_period(trainer, pl_module))
+            every = self.settings.every_n_steps
         if self._meter is None:
             self._meter = IntervalMeter(every, self.settings.signal.bins, hdet.groups.root_device)
         self._meter.reset((trainer.global_step // every) * every)  # votes fall on multiples of every_n_steps
@@ -227,6 +230,24 @@ class HDETCallback(KnownArguments, Callback):
         if trainer is not None or line:
             auto_monitor.announce(trainer, trainer and self._parts(trainer), name, line, self.config)
 
+    def _align_votes(self, trainer: Trainer, period: Optional[float]) -> None:
+        """Vote on a whole multiple of the validation interval ``period`` where the interval was sized to the run
+        (:func:`~lightning_hdet.hdet.lightning.monitor.validation_plan`; the run config shows it); warn where a given
+        one is off that grid."""
+        every, line, warning = validation_plan(self._requested_every, self.settings.every_n_steps, period,
+                                               self._monitor.name)
+        if warning:
+            rank_zero_warn(warning)
+        if line:
+            self._set_interval(every)
+            record_config(trainer, "hdet", {**self._parts(trainer).config, "callback": self.config})
+            rank_zero_info(line)
+
+    def _set_interval(self, every: Optional[int]) -> None:
+        self.settings = replace(self.settings, every_n_steps=every)
+        self.controller.config = self.settings  # (its plateau patience and curve signals read the interval)
+        self.config = auto_monitor.recorded(self.settings, self._auto)
+
     def _size_votes(self, run_steps: Optional[int], warn: bool, announce: bool = False) -> None:
         """Set the vote interval for a run of ``run_steps`` optimizer steps (``None``: not known yet, or unknown):
         the one given, else :func:`~lightning_hdet.hdet.rules.defaults.vote_interval`; warn when fewer than two votes
@@ -234,9 +255,7 @@ class HDETCallback(KnownArguments, Callback):
         every, warning = vote_plan(self._requested_every, run_steps)
         if self._requested_every is None and run_steps is None and not announce:
             every = None  # sized at train start
-        self.settings = replace(self.settings, every_n_steps=every)
-        self.controller.config = self.settings  # (its plateau patience and curve signals read the interval)
-        self.config = auto_monitor.recorded(self.settings, self._auto)
+        self._set_interval(every)
         if warn and warning:
             rank_zero_warn(warning)
         if announce and self._requested_every is None:
