@@ -87,13 +87,13 @@ def test_a_repeating_run_that_validates_votes_on_each_groups_val_loss(tmp_path: 
 
 
 def test_a_sized_interval_votes_on_the_validation_grid_a_given_one_as_written(tmp_path: Path) -> None:
-    """64 steps size the votes 8 apart (64 / 4 / 2); validation every 6 steps moves them to every 6, where each reads
-    that step's validation, and the result and run config say 6. ``every_n_steps=8`` given stays 8: its votes wait
-    for the next validation (12, 18, 24, 36, ...)."""
+    """64 steps size the votes 8 apart (64 / 4 / 2); validation every 6 steps moves them to every 6 from step 12 (none
+    before the sized interval), each reading that step's validation, and the result and run config say 6.
+    ``every_n_steps=8`` given stays 8: its votes wait for the next validation (12, 18, 24, 36, ...)."""
     grid = dict(val_check_interval=6, check_val_every_n_epoch=None, limit_val_batches=None)
     ranks = _fit(tmp_path / "sized", every=None, steps=64, **grid)
     assert ranks[0]["monitor"] == "val_loss" and ranks[0]["every"] == ranks[0]["config"] == 6
-    assert sorted({h["step"] for h in ranks[0]["history"]}) == list(range(6, 61, 6)) + [64]  # 64: the final merge
+    assert sorted({h["step"] for h in ranks[0]["history"]}) == list(range(12, 61, 6)) + [64]  # 64: the final merge
     for h in ranks[0]["history"]:
         if h["step"] != 64:
             assert h["loss"] == pytest.approx(ranks[h["group"]]["seen"][h["step"]], rel=1e-6)

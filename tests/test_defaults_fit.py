@@ -108,7 +108,8 @@ def test_a_sized_interval_moves_to_the_nearest_multiple_of_the_validation_interv
 def test_votes_on_validation_say_the_interval_moved_and_warn_once_for_a_given_one_off_the_grid():
     every, line, warning = validation_plan(None, 38, 30.0, "val_loss")
     assert (every, warning) == (30, "")
-    assert "a vote every 30 steps (sized to the run: 38)" in line and "validation interval (30 steps)" in line
+    assert "a vote every 30 steps from step 60 (sized to the run: every 38)" in line
+    assert "validation interval (30 steps)" in line
     assert validation_plan(None, 38, None, "val_loss") == (38, "", "")  # not validated by steps: nothing to align to
     assert validation_plan(None, 60, 30.0, "val_loss") == (60, "", "")  # on the grid already: nothing to say
     every, line, warning = validation_plan(38, 38, 30.0, "val_loss")  # given: honoured, with the fix

@@ -118,7 +118,7 @@ class HDETCallback(KnownArguments, Callback):
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.initial_lrs: list[float] = []  # every group's real learning rate when training started
         self.result: Optional[HDETResult] = None  # what the run found, set at the end of fit (every rank)
-        self._last_vote_step = -1
+        self._last_vote_step, self._first_vote = -1, 1
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
         monitored = self.settings.monitor
@@ -196,6 +196,7 @@ class HDETCallback(KnownArguments, Callback):
         every = self.settings.every_n_steps
         if self._auto and self._monitor is None and type(self.settings.signal) is Signal:  # "auto" decides now
             self._set_monitor(*auto_monitor.decide(trainer, pl_module, run_length(trainer), every), trainer)
+        self._first_vote = every  # a sized interval moved onto validation's steps votes first here, not earlier
         if self._monitor is not None:  # votes wait for validation: on its grid, each reads a fresh value
             every = self._set_interval(on_validation_grid(self._requested_every, every, self._monitor.name,
                                                           auto_monitor.validation_period(trainer, pl_module)), trainer)
@@ -254,7 +255,7 @@ class HDETCallback(KnownArguments, Callback):
             raise missing_loss(pl_module, trainer.global_step)  # at the first step, not at the first vote
         self._first_pending = self._first_pending and trainer.global_step == 0
         step = trainer.global_step
-        vote = step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step
+        vote = step >= self._first_vote and step % self.settings.every_n_steps == 0 and step != self._last_vote_step
         if vote and self._monitor is not None:  # it waits for the validation of this step or a later one
             self._monitor.pending, vote = True, False
         if vote:

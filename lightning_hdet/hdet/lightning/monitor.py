@@ -101,8 +101,9 @@ def validation_plan(requested: Optional[int], every: int, period: Optional[float
     by steps), for a run voting every ``every`` steps (``requested``: the user's ``every_n_steps``, ``None``: sized
     to the run): the interval, the line saying it moved and the warning for a given interval off the validation's
     grid (``""``: none). A sized interval moves to a whole multiple of ``period``
-    (:func:`~lightning_hdet.hdet.rules.defaults.validation_aligned_interval`); a given one stays, what the user wrote
-    is what runs."""
+    (:func:`~lightning_hdet.hdet.rules.defaults.validation_aligned_interval`), its first vote at the first multiple
+    at or after the sized interval (the callback's: an earlier first vote is the most short-horizon-biased decision,
+    the research log's "Votes aligned to validation"); a given one stays, what the user wrote is what runs."""
     if period is None or period <= 0 or not float(period).is_integer():
         return every, "", ""
     period = int(period)
@@ -110,9 +111,10 @@ def validation_plan(requested: Optional[int], every: int, period: Optional[float
     if aligned == every:
         return every, "", ""
     if requested is None:
-        return aligned, (f"HDET: a vote every {aligned} steps (sized to the run: {every}), the nearest whole multiple "
-                         f"of the validation interval ({period} steps), so that every vote reads a fresh `{name}` "
-                         "and the votes are evenly spaced."), ""
+        first = math.ceil(every / aligned) * aligned
+        return aligned, (f"HDET: a vote every {aligned} steps from step {first} (sized to the run: every {every}), "
+                         f"the nearest whole multiple of the validation interval ({period} steps), so that every vote "
+                         f"reads a fresh `{name}` and the votes are evenly spaced."), ""
     return every, "", (f"HDET: HDETCallback(every_n_steps={every}) votes on `{name}`, which validation logs every "
                        f"{period} optimizer steps: a vote due between two validations waits for the next one, so the "
                        f"votes come unevenly and not every {every} steps. Give every_n_steps a multiple of {period} "
