@@ -4,7 +4,7 @@ process, and in a two-process fit."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -55,14 +55,16 @@ class _Validated(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
         hdet = next(cb for cb in trainer.callbacks if isinstance(cb, HDETCallback))
         torch.save({"seen": self.seen, "history": hdet.history, "monitor": hdet.result.monitor,
-                    "summary": hdet.result.summary()}, self.out / f"validated{trainer.global_rank}.pt")
+                    "summary": hdet.result.summary(), "every": hdet.result.every_n_steps,
+                    "config": hdet.config["every_n_steps"]}, self.out / f"validated{trainer.global_rank}.pt")
 
 
-def _fit(out: Path, **trainer: Any) -> list[dict[str, Any]]:
+def _fit(out: Path, every: Optional[int] = 4, steps: int = 16, **trainer: Any) -> list[dict[str, Any]]:
     out.mkdir(parents=True)
     seed_everything(0)
-    fit = Trainer(strategy=HDETStrategy(start_method=START), callbacks=[HDETCallback(every_n_steps=4), _Validated(out)],
-                  **trainer_kwargs(devices=2, max_steps=16, **trainer))
+    fit = Trainer(strategy=HDETStrategy(start_method=START),
+                  callbacks=[HDETCallback(every_n_steps=every), _Validated(out)],
+                  **trainer_kwargs(devices=2, max_steps=steps, **trainer))
     fit.fit(LinearModel(lr=0.02, n_train=64))  # 2 steps an epoch on each of two ranks: 8 epochs in 16 steps
     return [torch.load(out / f"validated{r}.pt", weights_only=False) for r in range(2)]
 
@@ -82,6 +84,22 @@ def test_a_repeating_run_that_validates_votes_on_each_groups_val_loss(tmp_path: 
     plain = _fit(tmp_path / "plain")  # limit_val_batches=0: no validation
     assert plain[0]["monitor"] is None and plain[0]["seen"] == {}
     assert "the votes read each group's training loss" in plain[0]["summary"]
+
+
+def test_a_sized_interval_votes_on_the_validation_grid_a_given_one_as_written(tmp_path: Path) -> None:
+    """64 steps size the votes 8 apart (64 / 4 / 2); validation every 6 steps moves them to every 6 from step 12 (none
+    before the sized interval), each reading that step's validation, and the result and run config say 6.
+    ``every_n_steps=8`` given stays 8: its votes wait for the next validation (12, 18, 24, 36, ...)."""
+    grid = dict(val_check_interval=6, check_val_every_n_epoch=None, limit_val_batches=None)
+    ranks = _fit(tmp_path / "sized", every=None, steps=64, **grid)
+    assert ranks[0]["monitor"] == "val_loss" and ranks[0]["every"] == ranks[0]["config"] == 6
+    assert sorted({h["step"] for h in ranks[0]["history"]}) == list(range(12, 61, 6)) + [64]  # 64: the final merge
+    for h in ranks[0]["history"]:
+        if h["step"] != 64:
+            assert h["loss"] == pytest.approx(ranks[h["group"]]["seen"][h["step"]], rel=1e-6)
+    given = _fit(tmp_path / "given", every=8, steps=64, **grid)
+    assert given[0]["every"] == given[0]["config"] == 8
+    assert sorted({h["step"] for h in given[0]["history"]}) == [12, 18, 24, 36, 42, 48, 60, 64]
 
 
 class _OtherName(LinearModel):

@@ -14,7 +14,14 @@ from lightning_hdet import HDETCallback, HDETStrategy
 from lightning_hdet.hdet.hyperparams import initial_multipliers
 from lightning_hdet.hdet.layout import GroupLayout, make_layout
 from lightning_hdet.hdet.lightning.callback import vote_plan
-from lightning_hdet.hdet.rules.defaults import default_num_groups, span_grid, user_group, vote_interval
+from lightning_hdet.hdet.lightning.monitor import validation_plan
+from lightning_hdet.hdet.rules.defaults import (
+    default_num_groups,
+    span_grid,
+    user_group,
+    validation_aligned_interval,
+    vote_interval,
+)
 from tests.helpers import START, LinearModel, Recorder, SGDBoring, load_ranks, trainer_kwargs
 
 
@@ -83,6 +90,33 @@ def test_the_trainer_strategies_take_the_default_groups_and_the_published_one_ke
 ])
 def test_the_default_interval_is_sized_to_the_run(run_steps, every):
     assert vote_interval(run_steps) == every
+
+
+@pytest.mark.parametrize(("every", "period", "aligned"), [
+    (38, 30, 30),  # issue 59's cells: 38 / 30 = 1.27 -> one validation interval, votes at 30, 60, 90, ...
+    (38, 10, 40),  # 3.8 -> 4
+    (38, 20, 40),  # 1.9 -> 2
+    (38, 76, 76),  # validation rarer than the votes (monitor="auto" reads it up to 2 intervals apart): one
+    (45, 30, 60),  # 1.5, a tie: the longer interval
+    (100, 1, 100), (16, 16, 16),  # already a multiple
+    (38, 7.5, 38), (38, 0, 38),  # no whole-step grid: as sized
+])
+def test_a_sized_interval_moves_to_the_nearest_multiple_of_the_validation_interval(every, period, aligned):
+    assert validation_aligned_interval(every, period) == aligned
+
+
+def test_votes_on_validation_say_the_interval_moved_and_warn_once_for_a_given_one_off_the_grid():
+    every, line, warning = validation_plan(None, 38, 30.0, "val_loss")
+    assert (every, warning) == (30, "")
+    assert "a vote every 30 steps from step 60 (sized to the run: every 38)" in line
+    assert "validation interval (30 steps)" in line
+    assert validation_plan(None, 38, None, "val_loss") == (38, "", "")  # not validated by steps: nothing to align to
+    assert validation_plan(None, 60, 30.0, "val_loss") == (60, "", "")  # on the grid already: nothing to say
+    every, line, warning = validation_plan(38, 38, 30.0, "val_loss")  # given: honoured, with the fix
+    assert (every, line) == (38, "")
+    assert "HDETCallback(every_n_steps=38) votes on `val_loss`" in warning and "every 30 optimizer steps" in warning
+    assert "a multiple of 30 (e.g. 30)" in warning
+    assert validation_plan(60, 60, 30.0, "val_loss") == (60, "", "")
 
 
 def test_a_run_too_short_for_two_votes_warns_with_the_numbers_and_a_given_interval_is_honoured():

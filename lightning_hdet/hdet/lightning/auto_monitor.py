@@ -48,11 +48,11 @@ def epoch_steps(trainer: Trainer) -> Optional[float]:
 def validation_period(trainer: Trainer, pl_module: LightningModule) -> Optional[float]:
     """Optimizer steps between two validations of this fit (``None``: it never validates, or not by steps: an
     iterable of unknown length, a time interval)."""
-    limit = trainer.limit_val_batches
-    if not is_overridden("validation_step", pl_module) or (isinstance(limit, (int, float)) and limit == 0):
-        return None
-    every, per_epoch = trainer.val_check_batch, trainer.num_training_batches
+    every = trainer.val_check_batch
     if not isinstance(every, (int, float)) or not math.isfinite(every) or every <= 0:
+        return None
+    limit, per_epoch = trainer.limit_val_batches, trainer.num_training_batches
+    if not is_overridden("validation_step", pl_module) or (isinstance(limit, (int, float)) and limit == 0):
         return None
     epochs = trainer.check_val_every_n_epoch
     if epochs is not None and epochs > 1 and isinstance(per_epoch, (int, float)) and math.isfinite(per_epoch):

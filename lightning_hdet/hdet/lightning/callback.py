@@ -44,7 +44,7 @@ from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.lightning import auto_monitor
 from lightning_hdet.hdet.lightning.checkpoints import restore_schedule_lrs, save_plain_lrs
 from lightning_hdet.hdet.lightning.module_checks import check_module, missing_loss, step_loss, stepping_warning
-from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric
+from lightning_hdet.hdet.lightning.monitor import FINGERPRINT_WIDTH, MonitoredMetric, validation_plan
 from lightning_hdet.hdet.lightning.voting import (
     announce,
     decide_and_execute,
@@ -77,10 +77,9 @@ class HDETCallback(KnownArguments, Callback):
     quarter of the run, then training around what it found. Research options are in :mod:`lightning_hdet.experimental`.
 
     Args:
-        every_n_steps: the interval T between votes/merges, in optimizer steps. ``None`` sizes it to the run: a
-            quarter of the run over :data:`~lightning_hdet.hdet.rules.defaults.VOTES_IN_SEARCH` (so that many votes fall
-            in the search and three times as many after it), 5 to 100 steps; 100 where the run's length is unknown.
-            A run too short for two votes warns with the numbers.
+        every_n_steps: the interval T between votes/merges, in optimizer steps. ``None`` sizes it to the run
+            (:func:`vote_plan`), on the validation's steps where the votes read a validation metric
+            (:func:`~lightning_hdet.hdet.lightning.monitor.validation_plan`).
         vote: the vote rule (a name gives its defaults): :class:`~lightning_hdet.PBT` (``"pbt"``),
             :class:`~lightning_hdet.Softmax` (``"softmax"``: the published controller), :class:`~lightning_hdet.Best`
             (``"best"``) or :class:`~lightning_hdet.TrustRegion` (``"trust_region"``, ``gradient_sync="global"`` only).
@@ -113,12 +112,12 @@ class HDETCallback(KnownArguments, Callback):
         self._auto = monitor == auto_monitor.AUTO
         self.settings = resolve(every_n_steps, vote, search, safety_net, None if self._auto else monitor, signal,
                                 warmup_steps, seed)
-        self._requested_every = every_n_steps  # None: sized to the run at set-up or train start (`_size_votes`)
+        self._requested_every = every_n_steps  # None: sized to the run at set-up or train start (`sized_interval`)
         self.config = auto_monitor.recorded(self.settings, self._auto)  # the run config's ``hdet/callback/...``
         self.controller = HDETController(self.settings)
         self.report = History()  # what this run logged, for the figures at the end of fit (rank 0)
         self.result: Optional[HDETResult] = None  # what the run found, set at the end of fit (every rank)
-        self._last_vote_step = -1
+        self._last_vote_step, self._first_vote = -1, 1
         self._meter: Optional[IntervalMeter] = None  # this rank's interval, on the device (no host sync per step)
         self._first_pending = False  # the run's first optimizer step has not ended yet (fresh runs only)
         monitored = self.settings.monitor
@@ -188,7 +187,8 @@ class HDETCallback(KnownArguments, Callback):
                 hdet.guard.enable()  # here: before the strategy wraps the model (the guard is a DDP hook)
             # A run bounded by max_steps is sized now; one bounded by epochs at train start (Lightning's estimate
             # loads the training data, which the module's own `setup` may still have to build).
-            self._size_votes(trainer.max_steps if trainer.max_steps > 0 else None, warn=trainer.max_steps > 0)
+            bounded = trainer.max_steps > 0
+            self._set_interval(sized_interval(self._requested_every, trainer.max_steps if bounded else None, bounded))
             record_config(trainer, "hdet", {**hdet.config, "callback": self.config})
             _announce(hdet, self.settings, _search_plan(self.search, trainer))  # here: before any progress bar exists, so not inside one
 
@@ -196,10 +196,14 @@ class HDETCallback(KnownArguments, Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         hdet = self._parts(trainer)
         if trainer.max_steps <= 0:  # bounded by epochs (or not at all): Lightning's estimate of the run's steps
-            self._size_votes(run_length(trainer), warn=True, announce=True)
+            self._set_interval(sized_interval(self._requested_every, run_length(trainer), True, announce=True), trainer)
         every = self.settings.every_n_steps
         if self._auto and self._monitor is None and type(self.settings.signal) is Signal:  # "auto" decides now
             self._set_monitor(*auto_monitor.decide(trainer, pl_module, run_length(trainer), every), trainer)
+        self._first_vote = every  # a sized interval moved onto validation's steps votes first here, not earlier
+        if self._monitor is not None:  # votes wait for validation: on its grid, each reads a fresh value
+            every = self._set_interval(on_validation_grid(self._requested_every, every, self._monitor.name,
+                                                          auto_monitor.validation_period(trainer, pl_module)), trainer)
         if self._meter is None:
             self._meter = IntervalMeter(every, self.settings.signal.bins, hdet.groups.root_device)
         self._meter.reset((trainer.global_step // every) * every)  # votes fall on multiples of every_n_steps
@@ -231,21 +235,16 @@ class HDETCallback(KnownArguments, Callback):
         if trainer is not None or line:
             auto_monitor.announce(trainer, trainer and self._parts(trainer), name, line, self.config)
 
-    def _size_votes(self, run_steps: Optional[int], warn: bool, announce: bool = False) -> None:
-        """Set the vote interval for a run of ``run_steps`` optimizer steps (``None``: not known yet, or unknown):
-        the one given, else :func:`~lightning_hdet.hdet.rules.defaults.vote_interval`; warn when fewer than two votes
-        fit."""
-        every, warning = vote_plan(self._requested_every, run_steps)
-        if self._requested_every is None and run_steps is None and not announce:
-            every = None  # sized at train start
+    def _set_interval(self, every: Optional[int], trainer: Optional[Trainer] = None) -> Optional[int]:
+        """Vote every ``every`` steps (``None``: sized at train start); with ``trainer``, a run config that showed
+        another interval shows this one."""
+        moved = every != self.settings.every_n_steps
         self.settings = replace(self.settings, every_n_steps=every)
         self.controller.config = self.settings  # (its plateau patience and curve signals read the interval)
         self.config = auto_monitor.recorded(self.settings, self._auto)
-        if warn and warning:
-            rank_zero_warn(warning)
-        if announce and self._requested_every is None:
-            length = f"a run of {run_steps} steps" if run_steps is not None else "a run of unknown length"
-            rank_zero_info(f"HDET: a vote every {every} steps ({length})")
+        if trainer is not None and moved:
+            record_config(trainer, "hdet", {**self._parts(trainer).config, "callback": self.config})
+        return every
 
     # ------------------------------------------------------------------ per step
     @override
@@ -260,7 +259,7 @@ class HDETCallback(KnownArguments, Callback):
             raise missing_loss(pl_module, trainer.global_step)  # at the first step, not at the first vote
         self._first_pending = self._first_pending and trainer.global_step == 0
         step = trainer.global_step
-        vote = step > 0 and step % self.settings.every_n_steps == 0 and step != self._last_vote_step
+        vote = step >= self._first_vote and step % self.settings.every_n_steps == 0 and step != self._last_vote_step
         if vote and self._monitor is not None:  # it waits for the validation of this step or a later one
             self._monitor.pending, vote = True, False
         if vote:
@@ -381,6 +380,36 @@ def _no_training_loss(step: int) -> MisconfigurationException:
         f"HDETCallback(monitor=None) votes on the training loss, but no training_step up to step {step} returned"
         " one. Return the loss tensor (or a dict with 'loss') from `training_step` -- also under manual"
         " optimization -- or vote on a logged metric with `monitor=...`.")
+
+
+def sized_interval(requested: Optional[int], run_steps: Optional[int], warn: bool,
+                   announce: bool = False) -> Optional[int]:
+    """The vote interval of a run of ``run_steps`` optimizer steps (``None``: not known yet, or unknown):
+    :func:`vote_plan`, its warning said where ``warn``; ``None`` where a sized one waits for train start (``announce``:
+    it is train start, and a sized interval is said)."""
+    every, warning = vote_plan(requested, run_steps)
+    if requested is None and run_steps is None and not announce:
+        return None  # sized at train start
+    length = f"a run of {run_steps} steps" if run_steps is not None else "a run of unknown length"
+    _say(f"HDET: a vote every {every} steps ({length})" if announce and requested is None else "",
+         warning if warn else None)
+    return every
+
+
+def on_validation_grid(requested: Optional[int], every: int, monitor: str, period: Optional[float]) -> int:
+    """The interval of votes on ``monitor``, logged by a validation every ``period`` optimizer steps:
+    :func:`~lightning_hdet.hdet.lightning.monitor.validation_plan`, its line and warning said."""
+    every, line, warning = validation_plan(requested, every, period, monitor)
+    _say(line, warning)
+    return every
+
+
+def _say(line: str, warning: Optional[str]) -> None:
+    """On rank 0: ``warning`` as a warning and ``line`` as information, each where there is one."""
+    if warning:
+        rank_zero_warn(warning)
+    if line:
+        rank_zero_info(line)
 
 
 def run_length(trainer: Trainer) -> Optional[int]:

@@ -23,6 +23,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_hdet.hdet.rules.defaults import validation_aligned_interval
+
 # Two values the same to this relative tolerance are the same number summed in another order (the all-reduce adds
 # the ranks of a group in an order that may differ per column), not two groups' measurements.
 _SAME = 1e-9
@@ -91,3 +93,29 @@ class MonitoredMetric:
 def _all_same(values: Sequence[float]) -> bool:
     first = values[0]
     return all(math.isclose(v, first, rel_tol=_SAME, abs_tol=0.0) for v in values[1:])
+
+
+def validation_plan(requested: Optional[int], every: int, period: Optional[float],
+                    name: str) -> tuple[int, str, str]:
+    """The vote interval of votes on ``name``, logged by a validation every ``period`` optimizer steps (``None``: not
+    by steps), for a run voting every ``every`` steps (``requested``: the user's ``every_n_steps``, ``None``: sized
+    to the run): the interval, the line saying it moved and the warning for a given interval off the validation's
+    grid (``""``: none). A sized interval moves to a whole multiple of ``period``
+    (:func:`~lightning_hdet.hdet.rules.defaults.validation_aligned_interval`), its first vote at the first multiple
+    at or after the sized interval (the callback's: an earlier first vote is the most short-horizon-biased decision,
+    the research log's "Votes aligned to validation"); a given one stays, what the user wrote is what runs."""
+    if period is None or period <= 0 or not float(period).is_integer():
+        return every, "", ""
+    period = int(period)
+    aligned = validation_aligned_interval(every, period)
+    if aligned == every:
+        return every, "", ""
+    if requested is None:
+        first = math.ceil(every / aligned) * aligned
+        return aligned, (f"HDET: a vote every {aligned} steps from step {first} (sized to the run: every {every}), "
+                         f"the nearest whole multiple of the validation interval ({period} steps), so that every vote "
+                         f"reads a fresh `{name}` and the votes are evenly spaced."), ""
+    return every, "", (f"HDET: HDETCallback(every_n_steps={every}) votes on `{name}`, which validation logs every "
+                       f"{period} optimizer steps: a vote due between two validations waits for the next one, so the "
+                       f"votes come unevenly and not every {every} steps. Give every_n_steps a multiple of {period} "
+                       f"(e.g. {aligned}), or validate every {every} optimizer steps.")

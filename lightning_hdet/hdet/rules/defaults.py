@@ -10,6 +10,7 @@ found with gradients averaged over all ranks. ``strategy="hdet_published"`` is t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -131,3 +132,19 @@ def vote_interval(run_steps: Optional[int]) -> int:
     if run_steps is None:
         return UNKNOWN_LENGTH_INTERVAL
     return min(MAX_INTERVAL, max(MIN_INTERVAL, round(run_steps * SEARCH_FRACTION / VOTES_IN_SEARCH)))
+
+
+def validation_aligned_interval(every: int, period: float) -> int:
+    """The sized vote interval ``every`` moved to the nearest whole multiple of ``period`` (at least one), the
+    optimizer steps between two validations, for votes that read a validation metric. A vote due between two
+    validations waits for the next, so an interval off the validation's grid votes unevenly, and not at the interval
+    the run config shows (38 steps against a validation every 30: votes at 60, 90, 120, 180, ...). The nearest
+    multiple, not the one above or below, keeps the interval as close as the validation allows to the
+    :data:`VOTES_IN_SEARCH` votes it was sized for: at most half a validation interval off, so where validation comes
+    at least every ``every`` steps the vote that ends the search is still the second or later. A tie goes to the
+    longer interval (fewer votes, each on more steps: at chance level a short interval copies on noise). A ``period``
+    of a fraction of a step (accumulated gradients) has no such grid: ``every`` as it was."""
+    if period <= 0 or not float(period).is_integer():
+        return every
+    period = int(period)
+    return period * max(1, math.floor(every / period + 0.5))
