@@ -322,30 +322,10 @@ class HDETCallback(KnownArguments, Callback):
     def vote_and_merge(self, trainer: Trainer, pl_module: LightningModule, final: bool = False) -> None:
         """One vote: losses -> decision (weights, winner, multipliers, rescues) -> merged or rolled-back model."""
         hdet = self._parts(trainer)
-        reading = self._signal(trainer, hdet)
+        reading = _signal(trainer, hdet, self._meter, self._monitor)
         decision = decide_and_execute(hdet, self.controller, trainer.global_step, reading, final)
         _log_vote(trainer, decision, self.controller.rescues, self.report, final)
         self._meter.reset(trainer.global_step)
-
-    def _signal(self, trainer: Trainer, hdet: HDETParts) -> Reading:
-        """Every group's loss curve for this interval and whether it stayed finite (no skipped step): one small
-        all-reduce for all of it."""
-        monitor = self._monitor
-        if monitor is not None and monitor.value is None:
-            raise _missing_metric(trainer, monitor.name)
-        row = self._meter.row(hdet.guard.interval_skipped(reset=True), None if monitor is None else monitor.value)
-        if monitor is not None:
-            row = torch.cat([row, monitor.fingerprint(_model_tensors(hdet), hdet.groups.root_device)])
-        table = hdet.groups.gather_group_values(row)
-        width = self._meter.width
-        reading = self._meter.read(table[:, :width], monitor is not None)
-        tie = None if monitor is None else monitor.check(trainer.global_step, reading.losses,
-                                                         table[:, width : width + FINGERPRINT_WIDTH])
-        if tie is not None:
-            rank_zero_warn(tie)
-        if not reading.counted:
-            raise _no_training_loss(trainer.global_step)
-        return reading
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -373,6 +353,27 @@ class HDETCallback(KnownArguments, Callback):
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         restore_schedule_lrs(checkpoint)  # HDET applies its multipliers itself
         self._resumed_interval = self._parts(trainer).load_ensemble(checkpoint.get("hdet"))
+
+
+def _signal(trainer: Trainer, hdet: HDETParts, meter: IntervalMeter,
+            monitor: Optional[MonitoredMetric]) -> Reading:
+    """Every group's loss curve for this interval and whether it stayed finite (no skipped step): one small
+    all-reduce for all of it."""
+    if monitor is not None and monitor.value is None:
+        raise _missing_metric(trainer, monitor.name)
+    row = meter.row(hdet.guard.interval_skipped(reset=True), None if monitor is None else monitor.value)
+    if monitor is not None:
+        row = torch.cat([row, monitor.fingerprint(_model_tensors(hdet), hdet.groups.root_device)])
+    table = hdet.groups.gather_group_values(row)
+    width = meter.width
+    reading = meter.read(table[:, :width], monitor is not None)
+    tie = None if monitor is None else monitor.check(trainer.global_step, reading.losses,
+                                                     table[:, width : width + FINGERPRINT_WIDTH])
+    if tie is not None:
+        rank_zero_warn(tie)
+    if not reading.counted:
+        raise _no_training_loss(trainer.global_step)
+    return reading
 
 
 def _no_training_loss(step: int) -> MisconfigurationException:

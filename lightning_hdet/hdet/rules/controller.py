@@ -351,7 +351,8 @@ class HDETController:
         self.last_winner = decision.winner
         # `lr` (and `explored`) is what the vote set, from this vote on; the loss was reached from the values the
         # interval started at: `trained_lr` (and `trained_explored`).
-        lrs, (trained, was) = decision.lrs, self._started_at(interval, bool(decision.values))
+        lrs = decision.lrs
+        trained, was = _started_at(self.history, self.initial_lrs, interval, bool(decision.values))
         for g in range(len(decision.losses)):
             self.history.append(
                 {"step": decision.step, "group": g, "lr": lrs[g], "loss": decision.losses[g],
@@ -361,18 +362,6 @@ class HDETController:
                  **({"explored": {n: v[g] for n, v in decision.values.items()},
                      "trained_explored": {n: v[g] for n, v in was.items()}} if decision.values else {})}
             )
-
-    def _started_at(self, interval: Interval, explored: bool) -> tuple[list[float], dict[str, list[float]]]:
-        """Every group's LR (and explored values) at the interval's first step: what the last vote set, or at the
-        first vote the initial LRs (NaN where unknown) and the explored values the interval's tables give."""
-        num_groups = len(interval.losses)
-        last = self.history[-num_groups:]
-        if self.history and [row["group"] for row in last] == list(range(num_groups)):
-            was = {n: [row["explored"][n] for row in last] for n in last[0].get("explored", {})} if explored else {}
-            return [row["lr"] for row in last], was
-        now = values(interval.explored.tables, interval.explored) if explored else {}
-        known = len(self.initial_lrs) == num_groups
-        return (list(self.initial_lrs) if known else [math.nan] * num_groups), now
 
     def finishing_merge(self) -> tuple[list[float], list[float]]:
         """Coefficients and strengths that finish the last vote's merge at full strength (nothing trained since)."""
@@ -411,6 +400,20 @@ class HDETController:
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
         self.rose_seen = state_dict.get("rose_seen", False)  # (absent from older checkpoints)
+
+
+def _started_at(history: Sequence[dict[str, Any]], initial_lrs: Sequence[float], interval: Interval,
+                explored: bool) -> tuple[list[float], dict[str, list[float]]]:
+    """Every group's LR (and explored values) at the interval's first step: what the last vote set, or at the
+    first vote the initial LRs (NaN where unknown) and the explored values the interval's tables give."""
+    num_groups = len(interval.losses)
+    last = history[-num_groups:]
+    if history and [row["group"] for row in last] == list(range(num_groups)):
+        was = {n: [row["explored"][n] for row in last] for n in last[0].get("explored", {})} if explored else {}
+        return [row["lr"] for row in last], was
+    now = values(interval.explored.tables, interval.explored) if explored else {}
+    known = len(initial_lrs) == num_groups
+    return (list(initial_lrs) if known else [math.nan] * num_groups), now
 
 
 def _with_trained_lr(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
