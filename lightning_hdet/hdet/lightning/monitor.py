@@ -104,12 +104,10 @@ def validation_plan(requested: Optional[int], every: int, period: Optional[float
     (:func:`~lightning_hdet.hdet.rules.defaults.validation_aligned_interval`), its first vote at the first multiple
     at or after the sized interval (the callback's: an earlier first vote is the most short-horizon-biased decision,
     the research log's "Votes aligned to validation"); a given one stays, what the user wrote is what runs."""
-    if period is None or period <= 0 or not float(period).is_integer():
+    aligned = every if period is None else validation_aligned_interval(every, period)
+    if aligned == every:  # (no validation grid of whole steps, or already on it)
         return every, "", ""
     period = int(period)
-    aligned = validation_aligned_interval(every, period)
-    if aligned == every:
-        return every, "", ""
     if requested is None:
         first = math.ceil(every / aligned) * aligned
         return aligned, (f"HDET: a vote every {aligned} steps from step {first} (sized to the run: every {every}), "
