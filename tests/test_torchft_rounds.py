@@ -243,7 +243,7 @@ def test_the_heartbeat_interval_written_is_the_one_torchft_runs(monkeypatch):
     import torchft
 
     made = {}
-    monkeypatch.setattr(torchft, "Manager", lambda **kwargs: made.update(kwargs))
+    monkeypatch.setattr(torchft, "Manager", lambda **kwargs: made.update(kwargs) or FakeManager())
     monkeypatch.setattr(torchft, "ProcessGroupGloo", lambda timeout: None)
     for ft, seconds in ((TorchFT(lighthouse="http://h:1", min_replicas=2), 0.5),
                         (TorchFT(lighthouse="http://h:1", min_replicas=2, heartbeat_s=0.25), 0.25)):
@@ -251,3 +251,30 @@ def test_the_heartbeat_interval_written_is_the_one_torchft_runs(monkeypatch):
         assert made["heartbeat_interval"] == timedelta(seconds=seconds)
     with pytest.raises(ValueError, match="`heartbeat_s` must be"):
         TorchFT(lighthouse="http://h:1", min_replicas=1, heartbeat_s=0)
+
+
+def test_a_torchft_whose_manager_lacks_the_failed_quorum_attribute_is_refused_when_the_job_connects(monkeypatch):
+    """A job left out of a round's end resets torchft 0.2.0's private ``Manager._quorum_future``; a torchft without
+    it would have the job die a round later with a re-raised TimeoutError. Connecting refuses it at once, naming
+    both releases and the fix, and shuts the manager down (its heartbeats stop)."""
+    import torchft
+
+    import lightning_hdet.torchft.settings as settings
+
+    class Renamed(FakeManager):  # a later torchft that renamed the attribute
+        def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            super().__init__()
+            del self._quorum_future
+            self.shut = False
+
+        def shutdown(self, wait: bool = True) -> None:
+            self.shut = True
+
+    made: list[Renamed] = []
+    monkeypatch.setattr(torchft, "Manager", lambda **kwargs: made.append(Renamed()) or made[-1])
+    monkeypatch.setattr(torchft, "ProcessGroupGloo", lambda timeout: None)
+    monkeypatch.setattr(settings, "version", lambda name: "0.3.0")
+    with pytest.raises(RuntimeError, match=r"supports torchft 0\.2\.0, and the installed torchft is 0\.3\.0.*"
+                                           r"`pip install torchft==0\.2\.0`"):
+        TorchFT(lighthouse="http://h:1", min_replicas=2).connect(0, 1, "localhost", 1)
+    assert made[0].shut

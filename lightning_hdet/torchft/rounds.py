@@ -16,6 +16,8 @@ peer died mid-round) the round is discarded. Either way the job restarts from th
 A live job later than the Lighthouse's join timeout at that second quorum is left out of it, and its own shrink-only
 request can then never be met (torchft 0.2.0 answers a job only with a quorum that holds it): it waits at most
 ``round_end_timeout``, discards its round and takes the next round's quorum, where it heals from a live peer.
+That needs one private attribute of torchft 0.2.0's ``Manager`` (:data:`FAILED_QUORUM`); :func:`require_supported`
+refuses a ``Manager`` without it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,23 @@ from lightning_hdet.asynchronous.outer.checks import PushCheck
 
 #: The key of this package's state among torchft's healing state.
 STATE_KEY = "lightning_hdet"
+#: Where torchft 0.2.0's ``Manager`` keeps its last quorum, whose failure its next ``start_quorum`` raises again: the
+#: round's end forgets a failed one there (the ``Manager`` has no public way to).
+FAILED_QUORUM = "_quorum_future"
+#: The torchft release whose ``Manager`` this module was built and tested against (the ``torchft`` extra's pin).
+SUPPORTED_TORCHFT = "0.2.0"
+
+
+def require_supported(manager: Any, version: str) -> None:
+    """Refuse a torchft ``Manager`` without :data:`FAILED_QUORUM` (``version``: the installed torchft's): forgetting
+    a failed quorum would silently do nothing, and a job once left out of a round would end later, at the next
+    round's start, with the re-raised TimeoutError."""
+    if not hasattr(manager, FAILED_QUORUM):
+        raise RuntimeError(
+            f"TorchFTStrategy supports torchft {SUPPORTED_TORCHFT}, and the installed torchft is {version}: its "
+            f"Manager has no `{FAILED_QUORUM}`, which a job left out of a round's end (later than the Lighthouse's "
+            "--join_timeout_ms) resets to go on. Install the supported release, as the extra pins it: `pip install "
+            f"torchft=={SUPPORTED_TORCHFT}` (or `pip install lightning-hdet[torchft]`).")
 
 
 @dataclass(frozen=True)
@@ -122,8 +141,8 @@ class ReplicaRound:
             self.manager.start_quorum(allow_heal=False, shrink_only=True, timeout=self.round_end_timeout)
         except TimeoutError:
             # torchft 0.2.0 keeps the failed quorum and raises it again at the next start_quorum: forget it, so that
-            # the next round's quorum is asked for afresh (the Manager has no public way to)
-            self.manager._quorum_future = None
+            # the next round's quorum is asked for afresh
+            setattr(self.manager, FAILED_QUORUM, None)
             return False
         return True
 

@@ -9,9 +9,11 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
 from lightning_hdet._checks import KnownArguments, check_int, check_number, require
+from lightning_hdet.torchft.rounds import require_supported
 
 TORCHFT_MISSING = ("TorchFT needs the torchft package: `pip install lightning-hdet[torchft]` (or `pip install "
                    "torchft`).")
@@ -69,13 +71,14 @@ class TorchFT(KnownArguments):
 
     def connect(self, rank: int, world_size: int, store_addr: str, store_port: int) -> Any:
         """This rank's torchft ``Manager`` (rank 0 of the job also runs the job's manager server), over the job's
-        own TCPStore (at ``store_addr``, which the other jobs must reach), with a synchronous quorum."""
+        own TCPStore (at ``store_addr``, which the other jobs must reach), with a synchronous quorum; refused (and shut
+        down) where the installed torchft's Manager lacks what a round relies on (:func:`~.rounds.require_supported`)."""
         try:
             from torchft import Manager, ProcessGroupGloo
         except ImportError as error:
             raise ImportError(TORCHFT_MISSING) from error
         timeout = timedelta(seconds=self.timeout)
-        return Manager(
+        manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
             min_replica_size=self.min_replicas, use_async_quorum=False,  # DiLoCo: the quorum at the round's start
             timeout=timeout, quorum_timeout=timedelta(seconds=self.quorum_timeout),
@@ -85,3 +88,16 @@ class TorchFT(KnownArguments):
             replica_id=self.replica_id or f"{socket.gethostname()}_{os.getpid()}",
             max_retries=self.max_discarded_rounds - 1,  # torchft raises after max_retries + 1 failed commits
             hostname=self.hostname or socket.gethostname())
+        try:
+            require_supported(manager, _installed_version())
+        except RuntimeError:
+            manager.shutdown(wait=False)
+            raise
+        return manager
+
+
+def _installed_version() -> str:
+    try:
+        return version("torchft")
+    except PackageNotFoundError:  # e.g. torchft-nightly, which installs the same package under another name
+        return "of an unknown version"
