@@ -8,6 +8,7 @@ import math
 from concurrent.futures import Future
 from datetime import timedelta
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -278,3 +279,103 @@ def test_a_torchft_whose_manager_lacks_the_failed_quorum_attribute_is_refused_wh
                                            r"`pip install torchft==0\.2\.0`"):
         TorchFT(lighthouse="http://h:1", min_replicas=2).connect(0, 1, "localhost", 1)
     assert made[0].shut
+
+
+class PeersManager(FakeManager):
+    """The manager of a job among peers that train the run's ``rounds`` on time: at each round's end they commit it
+    (``peers_step``) with a pseudo-gradient of [1, 1]; this job is late at the ends of ``late_rounds`` (the run's
+    round numbers), and a job behind heals to the peers' round at the next round's start (only the round: the model
+    is this test's concern at the run's end). Once the peers committed the last round no quorum forms: torchft's
+    TimeoutError, after its quorum timeout."""
+
+    def __init__(self, rounds: int, late_rounds: set[int]) -> None:
+        super().__init__(peers=[[1.0, 1.0, 1.0]])
+        self.rounds, self.late_rounds, self.step, self.peers_step = rounds, late_rounds, 0, 0
+
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta = None) -> None:
+        if shrink_only:
+            self.late, self.peers_step = self.step in self.late_rounds, self.step + 1
+        elif self.peers_step >= self.rounds:
+            raise TimeoutError("no quorum within quorum_timeout: the other jobs ended")
+        elif allow_heal:
+            self.step = self.peers_step
+        super().start_quorum(allow_heal, shrink_only, timeout)
+
+    def should_commit(self) -> bool:
+        self.step += 1
+        return True
+
+    def current_step(self) -> int:
+        return self.step
+
+    def num_participants(self) -> int:
+        return 2
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+class StandStill(pl.LightningModule):
+    """Inner steps at LR 0 (each round's pseudo-gradient is zero) on w = [1, 2]: each committed round the mean is
+    [0.5, 0.5] and the outer step (Nesterov, lr 1, momentum 0) moves w by -0.5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = linear([1.0, 2.0])
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        return self.net(batch).sum()
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):  # type: ignore[no-untyped-def]
+        return torch.utils.data.DataLoader(torch.ones(64, 2), batch_size=2)
+
+
+def fit_among_peers(monkeypatch, manager: PeersManager, **torchft) -> tuple[TorchFTStrategy, pl.Trainer, nn.Module]:
+    """One job of one process (Lightning's DDP over gloo) whose rounds of 2 steps run against ``manager``."""
+    monkeypatch.setattr(TorchFT, "connect", lambda self, *args: manager)
+    strategy = TorchFTStrategy(TorchFT(lighthouse="http://h:1", min_replicas=2, **torchft), local_steps=2,
+                               outer=Nesterov(lr=1.0, momentum=0.0), check_pushes=False, process_group_backend="gloo")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2 * manager.rounds, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = StandStill()
+    trainer.fit(module)
+    return strategy, trainer, module
+
+
+def test_a_job_left_out_of_the_run_s_last_round_ends_at_once_with_the_global_model_it_holds(monkeypatch, caplog):
+    """Four rounds; the job is late only at the end of the last (round 3). Rounds 0-2 commit: w = [1, 2] - 3 x 0.5.
+    Round 3 is discarded and the job ends there, without another quorum (the peers ended: one would wait out
+    ``quorum_timeout`` and fail), at w = [-0.5, 0.5], and says so; the peers end one outer step further."""
+    manager = PeersManager(rounds=4, late_rounds={3})
+    strategy, trainer, module = fit_among_peers(monkeypatch, manager)
+    assert torch.equal(module.net.weight, torch.tensor([[-0.5, 0.5]]))
+    assert (strategy.round, strategy.rounds_committed, strategy.rounds_discarded) == (3, 3, 1)
+    assert strategy.last_round_discarded and trainer.global_step == 8
+    assert manager.calls[-2:] == ["quorum", "shrink-only quorum"]  # nothing after the last round's end
+    assert "its last round is discarded and it ends now" in caplog.text
+
+
+def test_a_job_left_out_of_rounds_now_and_then_heals_and_trains_on(monkeypatch):
+    """Eight rounds, ``max_discarded_rounds=3``; late at the ends of rounds 0, 1, 3, 4 and 6 (the run's rounds): 0 and
+    1 left out (two in a row), each healing to the next; 2 commits (the count starts again); 3 and 4 left out, 5
+    commits; 6 left out, 7 commits and ends the run: 5 discarded, 3 committed, 5 heals (one after each round left
+    out), the eight rounds trained once each (16 steps); w = [1, 2] - 3 x 0.5 (a heal here brings the round, not the peers' model)."""
+    strategy, trainer, module = fit_among_peers(monkeypatch, PeersManager(rounds=8, late_rounds={0, 1, 3, 4, 6}),
+                                                max_discarded_rounds=3)
+    assert (strategy.round, strategy.rounds_committed, strategy.rounds_discarded, strategy.healed) == (8, 3, 5, 5)
+    assert not strategy.last_round_discarded and trainer.global_step == 16
+    assert torch.equal(module.net.weight, torch.tensor([[-0.5, 0.5]]))
+
+
+def test_a_job_left_out_of_max_discarded_rounds_in_a_row_ends_with_an_error_naming_the_fix(monkeypatch):
+    """Ten rounds, ``max_discarded_rounds=3``, late at every round's end: rounds 0 and 1 are left out (each heals to the
+    next), round 2 is the third in a row: the job stops after 6 steps, having committed none."""
+    manager = PeersManager(rounds=10, late_rounds=set(range(10)))
+    with pytest.raises(RuntimeError, match=r"left out of the round's end in 3 rounds in a row "
+                                           r"\(`TorchFT\(max_discarded_rounds=3\)`\).*--join_timeout_ms above this "
+                                           r"job's lag, or check this node"):
+        fit_among_peers(monkeypatch, manager, max_discarded_rounds=3)
+    assert manager.step == 2 and manager.calls.count("shrink-only quorum") == 3 and "allreduce" not in manager.calls

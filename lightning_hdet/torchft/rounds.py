@@ -97,7 +97,8 @@ class ReplicaRound:
         # the pseudo-gradient in float32, checked there (the wire itself unless it is narrower)
         self.delta = self.wire[:-1] if wire_dtype == torch.float32 else host_buffer(numel(self.tensors), device)
         self.optimizer = outer(self.global_model[: self.n_params])
-        self.rejected_streak = 0
+        #: rounds in a row this job's pseudo-gradient was rejected in, and was left out of the round's end in
+        self.rejected_streak = self.left_out_streak = 0
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
 
     def start(self) -> None:
@@ -116,8 +117,10 @@ class ReplicaRound:
         else:
             wire.zero_()
         if not self._round_end_quorum():
+            self.left_out_streak += 1
             write_from(self.tensors, self.global_model, self.device)
             return RoundOutcome(False, 0, None, left_out=True)
+        self.left_out_streak = 0
         self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
         committed = bool(self.manager.should_commit())
         accepted = int(round(float(wire[-1]))) if committed else 0

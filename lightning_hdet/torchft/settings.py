@@ -44,7 +44,8 @@ class TorchFT(KnownArguments):
             (the Lighthouse drops it once its last beat is the timeout old), but a live job whose beats are delayed
             (a loaded host) is taken for dead sooner.
         max_discarded_rounds: rounds discarded in a row (a peer failing in each, or a quorum smaller than
-            ``min_replicas``) after which the job ends with an error instead of training on.
+            ``min_replicas``), or this job left out of in a row (later than the Lighthouse's join timeout at each
+            round's end), after which the job ends with an error instead of training for nothing.
     """
 
     lighthouse: str
