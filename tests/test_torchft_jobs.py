@@ -166,6 +166,28 @@ def test_a_live_job_later_than_the_join_timeout_at_a_round_s_end_discards_that_r
     assert_close(s0, s2)
 
 
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("late", [3, 2])
+def test_a_live_job_later_than_the_join_timeout_in_one_of_the_run_s_last_two_rounds_ends_there(tmp_path, late):
+    """A 3 s join timeout; job 2 sleeps 8 s before the end of round ``late``, the run's last (3) or the one before
+    (2): jobs 0 and 1 reduce it without job 2, start round 3 without it too (their quorum waits 3 s for it) and end.
+    Job 2 discards its round after its ``timeout`` (5 s) and ends, exit 0, at the global model of that round's start:
+    DiLoCo over the three jobs' first ``late`` rounds, computed here by hand. Before, it asked for another quorum,
+    which no job could meet: it waited out ``quorum_timeout`` and exited 1 with a TimeoutError."""
+    run = Run(tmp_path, min_replicas=2, join_timeout_ms=3000)
+    for job in (0, 1):
+        run.launch(job)
+    run.launch(2, "--timeout", "5", "--late-in-round", str(late), "--late-s", "8")
+    run.go(0, 1, 2)
+    assert run.wait() == {0: 0, 1: 0, 2: 0}, run.logs()
+    (r0, s0), (r1, s1), (r2, s2) = run.result(0), run.result(1), run.result(2)
+    assert r0["round"] == r1["round"] == 4 and r0["discarded"] == r1["discarded"] == 0, run.logs()
+    assert (r2["round"], r2["committed"], r2["discarded"], r2["ended_behind"]) == (late, late, 1, True), run.logs()
+    assert "it ends now, holding the global model" in (tmp_path / "job2.log").read_text()
+    assert_close(s0, s1)
+    assert_close(s2, diloco_by_hand([0, 1, 2], late))
+
+
 def frozen_third_job(tmp_path, timeout: str, freeze: str) -> Run:
     """Jobs 0 and 1 healthy, job 2 frozen (``freeze`` in round 1), each with this allreduce ``timeout``: the run once
     jobs 0 and 1 ended by themselves (job 2 killed then), both exited 0."""
@@ -223,7 +245,8 @@ def test_jobs_end_at_diloco_s_model_with_a_nan_job_left_out_of_every_round(tmp_p
     for job in (0, 1, 2):
         record, state = run.result(job)
         assert record == {"committed": 4, "discarded": 0, "rejected": 4 if job == 2 else 0, "healed": 0, "round": 4,
-                          "global_step": STEPS, "ddp": False}  # one rank: no DDP wrapper (nothing to reduce)
+                          "global_step": STEPS, "ended_behind": False,
+                          "ddp": False}  # one rank: no DDP wrapper (nothing to reduce)
         assert_close(state, expected)
 
 

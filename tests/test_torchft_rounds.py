@@ -284,9 +284,9 @@ def test_a_torchft_whose_manager_lacks_the_failed_quorum_attribute_is_refused_wh
 class PeersManager(FakeManager):
     """The manager of a job among peers that train the run's ``rounds`` on time: at each round's end they commit it
     (``peers_step``) with a pseudo-gradient of [1, 1]; this job is late at the ends of ``late_rounds`` (the run's
-    round numbers), and a job behind heals to the peers' round at the next round's start (only the round: the model
-    is this test's concern at the run's end). Once the peers committed the last round no quorum forms: torchft's
-    TimeoutError, after its quorum timeout."""
+    round numbers). The peers start their next round before a job left out is back, which meets them at the start of
+    the one after and heals to it there (only the round: the model is this test's concern at the run's end); where
+    no round is left, no quorum forms: torchft's TimeoutError, after its quorum timeout."""
 
     def __init__(self, rounds: int, late_rounds: set[int]) -> None:
         super().__init__(peers=[[1.0, 1.0, 1.0]])
@@ -295,9 +295,10 @@ class PeersManager(FakeManager):
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta = None) -> None:
         if shrink_only:
             self.late, self.peers_step = self.step in self.late_rounds, self.step + 1
-        elif self.peers_step >= self.rounds:
-            raise TimeoutError("no quorum within quorum_timeout: the other jobs ended")
-        elif allow_heal:
+        elif self.step < self.peers_step:  # left out: the peers trained another round meanwhile
+            self.peers_step += 1
+            if self.peers_step >= self.rounds:
+                raise TimeoutError("no quorum within quorum_timeout: the other jobs ended")
             self.step = self.peers_step
         super().start_quorum(allow_heal, shrink_only, timeout)
 
@@ -345,37 +346,41 @@ def fit_among_peers(monkeypatch, manager: PeersManager, **torchft) -> tuple[Torc
     return strategy, trainer, module
 
 
-def test_a_job_left_out_of_the_run_s_last_round_ends_at_once_with_the_global_model_it_holds(monkeypatch, caplog):
-    """Four rounds; the job is late only at the end of the last (round 3). Rounds 0-2 commit: w = [1, 2] - 3 x 0.5.
-    Round 3 is discarded and the job ends there, without another quorum (the peers ended: one would wait out
-    ``quorum_timeout`` and fail), at w = [-0.5, 0.5], and says so; the peers end one outer step further."""
-    manager = PeersManager(rounds=4, late_rounds={3})
+@pytest.mark.parametrize(("late", "w", "steps"), [(3, [-0.5, 0.5], 8), (2, [0.0, 1.0], 6)])
+def test_a_job_left_out_of_one_of_the_run_s_last_two_rounds_ends_there_with_the_global_model_it_holds(
+        monkeypatch, caplog, late, w, steps):
+    """Four rounds; the job is late only at the end of round ``late``, the last (3) or the one before (2: the peers
+    start round 3 without it and end after it). The rounds before commit: w = [1, 2] - 0.5 each. Round ``late`` is
+    discarded and the job ends there, without another quorum (one would wait out ``quorum_timeout`` for peers that
+    ended, and fail), and says so; the peers end ``4 - late`` outer steps further."""
+    manager = PeersManager(rounds=4, late_rounds={late})
     strategy, trainer, module = fit_among_peers(monkeypatch, manager)
-    assert torch.equal(module.net.weight, torch.tensor([[-0.5, 0.5]]))
-    assert (strategy.round, strategy.rounds_committed, strategy.rounds_discarded) == (3, 3, 1)
-    assert strategy.last_round_discarded and trainer.global_step == 8
-    assert manager.calls[-2:] == ["quorum", "shrink-only quorum"]  # nothing after the last round's end
-    assert "its last round is discarded and it ends now" in caplog.text
+    assert torch.equal(module.net.weight, torch.tensor([w]))
+    assert (strategy.round, strategy.rounds_committed, strategy.rounds_discarded) == (late, late, 1)
+    assert strategy.ended_behind and trainer.global_step == steps
+    assert manager.calls[-2:] == ["quorum", "shrink-only quorum"]  # nothing after that round's end
+    assert f"it ends now, holding the global model of that round's start, {4 - late} outer step(s) before" in caplog.text
 
 
 def test_a_job_left_out_of_rounds_now_and_then_heals_and_trains_on(monkeypatch):
-    """Eight rounds, ``max_discarded_rounds=3``; late at the ends of rounds 0, 1, 3, 4 and 6 (the run's rounds): 0 and
-    1 left out (two in a row), each healing to the next; 2 commits (the count starts again); 3 and 4 left out, 5
-    commits; 6 left out, 7 commits and ends the run: 5 discarded, 3 committed, 5 heals (one after each round left
-    out), the eight rounds trained once each (16 steps); w = [1, 2] - 3 x 0.5 (a heal here brings the round, not the peers' model)."""
-    strategy, trainer, module = fit_among_peers(monkeypatch, PeersManager(rounds=8, late_rounds={0, 1, 3, 4, 6}),
+    """Eight rounds, ``max_discarded_rounds=3``; late at the ends of rounds 0, 2 and 5 (the run's rounds). Round 0 is
+    left out, the job heals to round 2 (the peers trained 1 meanwhile); round 2 left out (two in a row), heal to 4;
+    4 commits (the count starts again); 5 left out, heal to 7; 7 commits and ends the run: 3 discarded, 2
+    committed, 3 heals, five rounds trained (10 steps); w = [1, 2] - 2 x 0.5 (a heal here brings the round, not the
+    peers' model)."""
+    strategy, trainer, module = fit_among_peers(monkeypatch, PeersManager(rounds=8, late_rounds={0, 2, 5}),
                                                 max_discarded_rounds=3)
-    assert (strategy.round, strategy.rounds_committed, strategy.rounds_discarded, strategy.healed) == (8, 3, 5, 5)
-    assert not strategy.last_round_discarded and trainer.global_step == 16
-    assert torch.equal(module.net.weight, torch.tensor([[-0.5, 0.5]]))
+    assert (strategy.round, strategy.rounds_committed, strategy.rounds_discarded, strategy.healed) == (8, 2, 3, 3)
+    assert not strategy.ended_behind and trainer.global_step == 10
+    assert torch.equal(module.net.weight, torch.tensor([[0.0, 1.0]]))
 
 
 def test_a_job_left_out_of_max_discarded_rounds_in_a_row_ends_with_an_error_naming_the_fix(monkeypatch):
-    """Ten rounds, ``max_discarded_rounds=3``, late at every round's end: rounds 0 and 1 are left out (each heals to the
-    next), round 2 is the third in a row: the job stops after 6 steps, having committed none."""
+    """Ten rounds, ``max_discarded_rounds=3``, late at every round's end: rounds 0 and 2 are left out (each heals to
+    the round after next), round 4 is the third in a row: the job stops after 6 steps, having committed none."""
     manager = PeersManager(rounds=10, late_rounds=set(range(10)))
     with pytest.raises(RuntimeError, match=r"left out of the round's end in 3 rounds in a row "
                                            r"\(`TorchFT\(max_discarded_rounds=3\)`\).*--join_timeout_ms above this "
                                            r"job's lag, or check this node"):
         fit_among_peers(monkeypatch, manager, max_discarded_rounds=3)
-    assert manager.step == 2 and manager.calls.count("shrink-only quorum") == 3 and "allreduce" not in manager.calls
+    assert manager.step == 4 and manager.calls.count("shrink-only quorum") == 3 and "allreduce" not in manager.calls

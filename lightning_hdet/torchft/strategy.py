@@ -38,8 +38,8 @@ class TorchFTStrategy(DDPStrategy):
     the allreduce (once its heartbeats are the Lighthouse's heartbeat timeout old) and the others reduce without it;
     one that dies inside the allreduce fails it, and the round is discarded and trained again. A live job later than
     the Lighthouse's join timeout at that quorum is left out of it too: after ``timeout`` it discards its round and
-    heals at the next round's start; left out of the run's last round it ends there, one outer step before the
-    others' final model (``last_round_discarded``, and a warning); left out of ``TorchFT.max_discarded_rounds`` rounds
+    heals at a later round's start; left out of one of the run's last two rounds it ends there, behind the
+    others' final model (``ended_behind``, and a warning); left out of ``TorchFT.max_discarded_rounds`` rounds
     in a row it ends with an error. A new or restarted job heals from a live peer at a round's start and joins. The
     run ends after ``max_steps / local_steps`` committed rounds, the same for every job (a job that joined late
     included).
@@ -89,8 +89,9 @@ class TorchFTStrategy(DDPStrategy):
         #: the run's round (committed by the live jobs; a healed job's jumps), rounds this job committed,
         #: discarded (a job failed in them), had its pseudo-gradient rejected in, and heals from a live peer
         self.round = self.rounds_committed = self.rounds_discarded = self.rounds_rejected = self.healed = 0
-        #: this job was left out of the run's last round (it ended one outer step before the other jobs' final model)
-        self.last_round_discarded = False
+        #: this job was left out of one of the run's last two rounds and ended there, one or two outer steps before
+        #: the final model the other jobs hold
+        self.ended_behind = False
         self._round: Optional[ReplicaRound] = None
         self._manager: Any = None
         self._steps = 0
@@ -146,7 +147,7 @@ class TorchFTStrategy(DDPStrategy):
             self._round.load_state_dict(self._resume["round"])
             self._manager.load_state_dict(self._resume["manager"])
             self._resume = None
-        self._steps, self.last_round_discarded = 0, False
+        self._steps, self.ended_behind = 0, False
         trainer = self.lightning_module.trainer
         if self.is_global_zero and trainer.logger is not None:
             trainer.logger.log_hyperparams({f"torchft/{k}": v for k, v in self.config.items()})
@@ -178,7 +179,7 @@ class TorchFTStrategy(DDPStrategy):
             outcome = self._round.finish()
             self._after_round(outcome, optimizer)
             self.round = self._manager.current_step()
-            if self.round >= self._rounds or self.last_round_discarded:
+            if self.round >= self._rounds or self.ended_behind:
                 self.lightning_module.trainer.should_stop = True
             else:
                 self._start_round()
@@ -212,7 +213,8 @@ class TorchFTStrategy(DDPStrategy):
 
     def _left_out(self) -> None:
         """This job reached the round's end later than the Lighthouse's join timeout after the others, which reduced
-        without it: its round is discarded; it heals at the next round's start, or ends where that was the last."""
+        without it: its round is discarded. The others start the next round before it is back (their quorum waits
+        the join timeout for it), so it heals at the start of the one after; where no such round is left, it ends."""
         assert self._round is not None
         self.rounds_discarded += 1
         limit = self.torchft.max_discarded_rounds
@@ -224,18 +226,18 @@ class TorchFTStrategy(DDPStrategy):
                 "Lighthouse with a --join_timeout_ms above this job's lag, or check this node (slower than the others, "
                 "overloaded, paused); the other jobs go on.")
         round_ = self._manager.current_step()
-        if round_ + 1 >= self._rounds:  # the others committed the run's last round (or train it again without this
-            # job): a quorum now would wait for jobs that have ended
-            self.last_round_discarded = True
-            log.warning("rank %d: this job reached the end of the run's last round (%d) later than the Lighthouse's "
-                        "--join_timeout_ms after the others, which reduced it without this job: its last round is "
-                        "discarded and it ends now, holding the global model of that round's start (one outer step "
-                        "before the final model; the jobs that committed the last round hold the final one, e.g. in "
-                        "their checkpoints)", self.global_rank, round_)
+        if round_ + 2 >= self._rounds:  # a quorum now would wait out quorum_timeout for jobs that have ended
+            self.ended_behind = True
+            log.warning("rank %d: this job reached the end of round %d (the run's rounds: 0 to %d) later than the "
+                        "Lighthouse's "
+                        "--join_timeout_ms after the others, which reduced it without this job and (at most one round "
+                        "later) end the run: this job's round is discarded and it ends now, holding the global model of "
+                        "that round's start, %d outer step(s) before the final model, which the other jobs hold (e.g. in "
+                        "their checkpoints)", self.global_rank, round_, self._rounds - 1, self._rounds - round_)
             return
         log.warning("rank %d: this job reached the round's end later than the Lighthouse's --join_timeout_ms after "
-                    "the others, which reduced without it; its round is discarded and it heals from a live peer at "
-                    "the next round's start (a join timeout longer than a job's lag keeps it in)", self.global_rank)
+                    "the others, which reduced without it; its round is discarded and it heals from a live peer at a "
+                    "later round's start (a join timeout longer than a job's lag keeps it in)", self.global_rank)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

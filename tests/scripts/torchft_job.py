@@ -178,7 +178,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"committed": strategy.rounds_committed, "discarded": strategy.rounds_discarded,
                                     "rejected": strategy.rounds_rejected, "healed": strategy.healed,
                                     "round": strategy.round, "global_step": trainer.global_step,
-                                    "ddp": module.ddp}))
+                                    "ended_behind": strategy.ended_behind, "ddp": module.ddp}))
 
 
 if __name__ == "__main__":
