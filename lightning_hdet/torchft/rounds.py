@@ -15,7 +15,8 @@ peer died mid-round) the round is discarded. Either way the job restarts from th
 
 A live job later than the Lighthouse's join timeout at that second quorum is left out of it, and its own shrink-only
 request can then never be met (torchft 0.2.0 answers a job only with a quorum that holds it): it waits at most
-``round_end_timeout``, discards its round and takes the next round's quorum, where it heals from a live peer.
+``round_end_timeout``, discards its round and takes a round's quorum again, where it heals from a live peer (the
+strategy decides whether a round is left to meet the others at).
 That needs one private attribute of torchft 0.2.0's ``Manager`` (:data:`FAILED_QUORUM`); :func:`require_supported`
 refuses a ``Manager`` without it.
 """
