@@ -86,7 +86,8 @@ def job(args: argparse.Namespace) -> None:
     with torch.no_grad():
         loss = nn.functional.mse_loss(model.net(x), y).item()
     print(json.dumps({"job": args.job, "round": strategy.round, "committed": strategy.rounds_committed,
-                      "discarded": strategy.rounds_discarded, "healed": strategy.healed, "held_out_loss": loss}))
+                      "discarded": strategy.rounds_discarded, "healed": strategy.healed,
+                      "ended_behind": strategy.ended_behind, "held_out_loss": loss}))  # True: take another job's model
 
 
 def main() -> None:

@@ -169,4 +169,4 @@ def test_torchft_diloco_three_jobs_one_killed(tmp_path: Path) -> None:
     # meet after it), so all three are in every round until the kill; job 2, killed during its inner steps, misses
     # round 1's shrink-only quorum: nothing is discarded, no one heals. (Before, a job slow to start could miss the
     # first rounds: it healed into a later one, and a kill in a round of two then left one job, discarded.)
-    assert [(r["discarded"], r["healed"], r["committed"]) for r in rows] == [(0, 0, 2), (0, 0, 2)], out
+    assert [(r["discarded"], r["healed"], r["committed"], r["ended_behind"]) for r in rows] == [(0, 0, 2, False)] * 2, out

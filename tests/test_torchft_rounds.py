@@ -260,7 +260,7 @@ def test_a_torchft_whose_manager_lacks_the_failed_quorum_attribute_is_refused_wh
     both releases and the fix, and shuts the manager down (its heartbeats stop)."""
     import torchft
 
-    import lightning_hdet.torchft.settings as settings
+    from lightning_hdet.torchft import settings
 
     class Renamed(FakeManager):  # a later torchft that renamed the attribute
         def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -292,7 +292,8 @@ class PeersManager(FakeManager):
         super().__init__(peers=[[1.0, 1.0, 1.0]])
         self.rounds, self.late_rounds, self.step, self.peers_step = rounds, late_rounds, 0, 0
 
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta = None) -> None:
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False,
+                     timeout: timedelta | None = None) -> None:
         if shrink_only:
             self.late, self.peers_step = self.step in self.late_rounds, self.step + 1
         elif self.step < self.peers_step:  # left out: the peers trained another round meanwhile
