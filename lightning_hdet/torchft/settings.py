@@ -72,8 +72,9 @@ class TorchFT(KnownArguments):
 
     def connect(self, rank: int, world_size: int, store_addr: str, store_port: int) -> Any:
         """This rank's torchft ``Manager`` (rank 0 of the job also runs the job's manager server), over the job's
-        own TCPStore (at ``store_addr``, which the other jobs must reach), with a synchronous quorum; refused (and shut
-        down) where the installed torchft's Manager lacks what a round relies on (:func:`~.rounds.require_supported`)."""
+        own TCPStore (at ``store_addr``, which the other jobs must reach), with a synchronous quorum; refused (and
+        shut down) where the installed torchft's Manager lacks what a round relies on
+        (:func:`~.rounds.require_supported`)."""
         try:
             from torchft import Manager, ProcessGroupGloo
         except ImportError as error:

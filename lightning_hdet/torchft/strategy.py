@@ -229,11 +229,11 @@ class TorchFTStrategy(DDPStrategy):
         if round_ + 2 >= self._rounds:  # a quorum now would wait out quorum_timeout for jobs that have ended
             self.ended_behind = True
             log.warning("rank %d: this job reached the end of round %d (the run's rounds: 0 to %d) later than the "
-                        "Lighthouse's "
-                        "--join_timeout_ms after the others, which reduced it without this job and (at most one round "
-                        "later) end the run: this job's round is discarded and it ends now, holding the global model of "
-                        "that round's start, %d outer step(s) before the final model, which the other jobs hold (e.g. in "
-                        "their checkpoints)", self.global_rank, round_, self._rounds - 1, self._rounds - round_)
+                        "Lighthouse's --join_timeout_ms after the others, which reduced it without this job and (at "
+                        "most one round later) end the run: this job's round is discarded and it ends now, holding the "
+                        "global model of that round's start, %d outer step(s) before the final model, which the other "
+                        "jobs hold (e.g. in their checkpoints)", self.global_rank, round_, self._rounds - 1,
+                        self._rounds - round_)
             return
         log.warning("rank %d: this job reached the round's end later than the Lighthouse's --join_timeout_ms after "
                     "the others, which reduced without it; its round is discarded and it heals from a live peer at a "
