@@ -34,6 +34,7 @@ def test_result_without_a_healthy_winner_reports_the_groups_mean() -> None:
     assert result.lrs == pytest.approx([0.2])
     assert "search ended at step 10" in result.summary() and "not written" in result.summary()
     assert "initial model" not in result.summary()
+    assert "winners: no healthy group x1;" in result.summary()  # the -1 sentinel is not shown as a group
     restarted = make_result(_rows(10, 0, [0.4, 0.5]), [[0.1], [0.3]], [0.1, 0.3], 1, 0, 10, [], restarted_at=10)
     assert restarted.summary().splitlines()[0] == ("HDET result: 1 vote(s), 0 rescue(s), search ended at step 10 and "
                                                    "restarted every group from the initial model")

@@ -70,7 +70,8 @@ class HDETResult:
     def summary(self) -> str:
         """The run in a few lines, numbers rounded; without a vote, what the run then was."""
         winner = self.winners[-1][1] if self.winners else -1
-        tally = ", ".join(f"group {g} x{n}" for g, n in sorted(Counter(g for _, g in self.winners).items()))
+        tally = ", ".join(f"group {g} x{n}" if g >= 0 else f"no healthy group x{n}"
+                          for g, n in sorted(Counter(g for _, g in self.winners).items()))
         found = "LRs found" if self.votes else "LRs at the end, never moved"
         lines = [
             f"HDET result: {self.votes} vote(s), {self.rescues} rescue(s)"
