@@ -18,7 +18,7 @@ def test_the_result_adds_up_the_workers_and_says_what_each_did() -> None:
         "DiLoCo result: 38 inner steps of a budget of 40 over 2 worker(s)",
         "  4 outer updates, 2 push(es) rejected, 4.0 MiB on the wire (3.0 MiB out, 1.0 MiB in)",
         "  worker 0: 30 steps in 3 rounds, 12.0 KiB out, 0 B in, 1.50 s computing, 0.25 s waiting",
-        "  worker 2: 8 steps in 1 rounds, 2 rejected (16 steps discarded), 3.0 MiB out, 1.0 MiB in, 6.00 s computing,"
+        "  worker 2: 8 steps in 1 round, 2 rejected (16 steps discarded), 3.0 MiB out, 1.0 MiB in, 6.00 s computing,"
         " 0.00 s waiting; excluded: 3 pushes in a row rejected",
         "  worker 5: nothing pushed; expired",
     ]

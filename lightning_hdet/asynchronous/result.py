@@ -75,7 +75,8 @@ class AsyncResult:
             rejected = f", {r.rejected} rejected ({r.rejected_steps} steps discarded)" if r.rejected else ""
             # out: its pushes, in: its pulls
             wire = "in-process" if w == self.local_worker else f"{_size(r.push_bytes)} out, {_size(r.pull_bytes)} in"
-            lines.append(f"  worker {w}: {r.steps} steps in {r.rounds} rounds{rejected}, {wire},"
+            rounds = "1 round" if r.rounds == 1 else f"{r.rounds} rounds"
+            lines.append(f"  worker {w}: {r.steps} steps in {rounds}{rejected}, {wire},"
                          f" {r.total_compute_s:.2f} s computing, {r.total_wait_s:.2f} s waiting{ended}")
         return "\n".join(lines)
 
