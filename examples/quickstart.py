@@ -2,7 +2,8 @@
 
 The corpus is the Python standard library's own source code (bytes), so nothing is downloaded. Four groups
 start at learning rates spread over 30x (a "bad first guess" included); every ``--every`` steps they vote on
-their training loss, the other groups are re-centred on the winner, and the parameters are merged.
+their validation loss (the run reads its data more than once) and the worst group continues from the winner's model
+at a new LR; after a quarter of the run every group trains from the winner's model at LRs 1.5x apart.
 
     python examples/quickstart.py                 # 4 processes, ~1-2 minutes on 2 CPU cores
     python examples/quickstart.py --wandb         # also log to Weights & Biases (offline unless you log in)
@@ -94,6 +95,7 @@ def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger, val_loss
     print("\nPlots:")
     for path in paths:
         print(f"  {path}")
+    print("\nNext: add HDET to your own script (docs/quickstart.md); what the plots show: docs/watching.md.")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ def test_quickstart_prints_votes_and_writes_plots(tmp_path: Path) -> None:
     assert "last winner: group" in out
     plots = sorted(p.name for p in tmp_path.rglob("*.png"))
     assert plots == ["hdet_loss.png", "hdet_lr.png", "hdet_vote_weights.png"]
+    assert "Next: add HDET to your own script (docs/quickstart.md)" in out
 
 
 @pytest.mark.timeout(300)
