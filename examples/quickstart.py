@@ -2,8 +2,8 @@
 
 The corpus is the Python standard library's own source code (bytes), so nothing is downloaded. Four groups
 start at learning rates spread over 30x (a "bad first guess" included); every ``--every`` steps they vote on
-their validation loss (the run reads its data more than once) and the worst group continues from the winner's model
-at a new LR; after a quarter of the run every group trains from the winner's model at LRs 1.5x apart.
+their validation loss (the run reads its data more than once) and the worst group continues from the winner's
+model at a new LR; after a quarter of the run every group trains from the winner's model at LRs 1.5x apart.
 
     python examples/quickstart.py                 # 4 processes, ~1-2 minutes on 2 CPU cores
     python examples/quickstart.py --wandb         # also log to Weights & Biases (offline unless you log in)

@@ -44,3 +44,10 @@ def test_the_result_exports_plain_values() -> None:
     assert make_async_result("async", None, 0, 0, {}).summary() == (
         "Async Local-SGD result: 0 inner steps over 0 worker(s)\n  0 outer updates, 0 push(es) rejected, 0 B on the"
         " wire (0 B out, 0 B in)")
+
+
+def test_one_round_and_one_outer_update_are_spelled_in_the_singular() -> None:
+    one = {1: {**STATS[2], "rounds": 1, "rejected": 0}}
+    lines = make_async_result("sync", 8, 8, 1, one).summary().splitlines()
+    assert lines[1].startswith("  1 outer update, 0 push(es) rejected")
+    assert lines[2].startswith("  worker 1: 8 steps in 1 round, ")
