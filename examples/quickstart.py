@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=25, help="steps between votes")
     parser.add_argument("--lr", type=float, default=3e-3, help="base learning rate of the model's AdamW")
     parser.add_argument("--multipliers", type=float, nargs="+", default=[0.1, 0.3, 1.0, 3.0],
-                        help="one learning-rate multiplier per group")
+                        help="one learning-rate multiplier per group (their count must divide --devices)")
     parser.add_argument("--vote", choices=("pbt", "softmax", "best"), default="pbt")
     parser.add_argument("--max-chars", type=int, default=400_000, help="corpus size in bytes")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
