@@ -6,7 +6,7 @@ their validation loss (the run reads its data more than once) and the worst grou
 model at a new LR; after a quarter of the run every group trains from the winner's model at LRs 1.5x apart.
 
     python examples/quickstart.py                 # 4 processes, ~1-2 minutes on 2 CPU cores
-    python examples/quickstart.py --wandb         # also log to Weights & Biases (offline unless you log in)
+    python examples/quickstart.py --wandb         # also log to W&B (`wandb login` first, or WANDB_MODE=offline)
     python examples/quickstart.py --accelerator gpu --devices 8 --steps 2000   # on GPUs
 """
 
@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vote", choices=("pbt", "softmax", "best"), default="pbt")
     parser.add_argument("--max-chars", type=int, default=400_000, help="corpus size in bytes")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
-    parser.add_argument("--wandb", action="store_true", help="also log to W&B (offline without an account)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also log to W&B (after `wandb login`, or with WANDB_MODE=offline)")
     return parser.parse_args(argv)
 
 
