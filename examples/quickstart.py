@@ -88,15 +88,19 @@ def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger, val_loss
     print(f"\nLearning rates: started at [{start}], ended at [{end}] (last winner: group {winner}).")
     print(f"Rescues: {hdet.rescues}. Final validation loss of the merged model: {val_loss:.4f}")
     csv_logger.save()
-    try:
-        from lightning_hdet.records import write_report
-    except ImportError:
-        return
-    paths = write_report(csv_logger.log_dir, Path(csv_logger.log_dir) / "plots")
-    print("\nPlots:")
-    for path in paths:
-        print(f"  {path}")
+    print(plots(csv_logger.log_dir))
     print("\nNext: add HDET to your own script (docs/quickstart.md); what the plots show: docs/watching.md.")
+
+
+def plots(log_dir: str) -> str:
+    """Write the run's figures; their paths, or why there are none (matplotlib is the optional `plots` extra)."""
+    from lightning_hdet.records import write_report
+
+    try:
+        paths = write_report(log_dir, Path(log_dir) / "plots")
+    except ImportError as err:
+        return f"\nPlots: none written ({err})."
+    return "\nPlots:\n" + "\n".join(f"  {path}" for path in paths)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,24 @@ def test_quickstart_prints_votes_and_writes_plots(tmp_path: Path) -> None:
     assert "Next: add HDET to your own script (docs/quickstart.md)" in out
 
 
+def test_quickstart_says_why_it_wrote_no_plots_without_matplotlib(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pip install -e .` has no matplotlib (the `plots` extra): the demo ends with the fix instead of a traceback."""
+    spec = importlib.util.spec_from_file_location("example_quickstart", EXAMPLES / "quickstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [{"step": 5, "group": g, "lr": 0.1 * (g + 1), "loss": 1.0 - g / 10, "weight": float(g), "winner": 1,
+             "rescued": False} for g in range(2)]
+    with (tmp_path / "vote_history.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (tmp_path / "metrics.csv").write_text("step,hdet/group0/lr,hdet/group1/lr\n5,0.1,0.2\n")  # a CSVLogger's
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert module.plots(str(tmp_path)) == (
+        "\nPlots: none written (lightning_hdet report plots need matplotlib: pip install 'lightning-hdet[plots]').")
+
+
 @pytest.mark.timeout(300)
 def test_char_lm_hdet_and_ddp(tmp_path: Path) -> None:
     common = ["--steps", "10", "--every", "5", "--max-chars", "100000", "--out", str(tmp_path)]
