@@ -75,11 +75,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger, val_loss: float) -> None:
     """Print what the ensemble found and write the figures."""
-    print("\nHDET votes (lr = each group's learning rate after the vote)")
-    print(f"{'step':>5} {'group':>5} {'lr':>10} {'loss':>8} {'weight':>7} {'winner':>6} {'rescued':>7}")
+    print("\nHDET votes (trained at: the LR that reached the loss; lr after: the LR the vote set)")
+    print(f"{'step':>5} {'group':>5} {'trained at':>10} {'loss':>8} {'lr after':>10} {'weight':>7} {'winner':>6} "
+          f"{'rescued':>7}")
     for row in hdet.history:
-        print(f"{row['step']:>5} {row['group']:>5} {row['lr']:>10.2e} {row['loss']:>8.4f} {row['weight']:>7.3f} "
-              f"{row['winner']:>6} {str(row['rescued']):>7}")
+        print(f"{row['step']:>5} {row['group']:>5} {row['trained_lr']:>10.2e} {row['loss']:>8.4f} {row['lr']:>10.2e} "
+              f"{row['weight']:>7.3f} {row['winner']:>6} {str(row['rescued']):>7}")
     groups = trainer.strategy.num_groups
     last = hdet.history[-groups:]
     winner = last[0]["winner"]

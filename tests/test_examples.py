@@ -33,12 +33,14 @@ def test_quickstart_prints_votes_and_writes_plots(tmp_path: Path) -> None:
     out = run_example(str(EXAMPLES / "quickstart.py"), "--steps", "10", "--every", "5", "--devices", "2",
                       "--max-chars", "100000", "--multipliers", "0.3", "3", "--out", str(tmp_path),
                       cwd=tmp_path)
-    row = r"^\s+(\d+)\s+(\d)\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+(\d)\s+(True|False)$"
+    row = r"^\s+(\d+)\s+(\d)\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.e+-]+)\s+([\d.]+)\s+(\d)\s+(True|False)$"
     rows = re.findall(row, out, re.M)
     assert [(int(s), int(g)) for s, g, *_ in rows] == [(5, 0), (5, 1), (10, 0), (10, 1)], out
     for step in (5, 10):
-        weights = [float(r[4]) for r in rows if int(r[0]) == step]
+        weights = [float(r[5]) for r in rows if int(r[0]) == step]
         assert math.isclose(sum(weights), 1.0, abs_tol=2e-3)
+    # the first vote's losses were reached at the starting LRs (3e-3 x 0.3 and x 3), whatever the vote then set
+    assert [float(r[2]) for r in rows[:2]] == pytest.approx([9e-4, 9e-3], rel=1e-2), out
     assert "last winner: group" in out
     plots = sorted(p.name for p in tmp_path.rglob("*.png"))
     assert plots == ["hdet_loss.png", "hdet_lr.png", "hdet_vote_weights.png"]
