@@ -93,7 +93,7 @@ def test_the_result_exports_a_plain_dict_and_one_row_per_vote_and_group() -> Non
 
 def test_console_lines_round_and_count() -> None:
     assert vote_line(300, 1, [0.123456789, 0.5], [0.0012345678, 0.002]) == (
-        "HDET: vote at step 300: group 1 won (loss 0.5); losses [0.1235, 0.5]; LRs [0.001235, 0.002]")
+        "HDET: vote at step 300: group 1 won (loss 0.5); losses [0.1235, 0.5]; LRs now [0.001235, 0.002]")
     assert "no group was healthy" in vote_line(3, -1, [float("nan")], [0.1], final=True)
     assert rounded_list([float("inf"), 2.0]) == "[inf, 2]"
     assert [counted(1, "rank"), counted(4, "rank")] == ["1 rank", "4 ranks"]

@@ -196,7 +196,8 @@ def make_result(
 
 
 def vote_line(step: int, winner: int, losses: Sequence[float], lrs: Sequence[float], final: bool = False) -> str:
-    """One vote in one short line: ``HDET: vote at step 200: group 2 won (loss 0.4123); losses [...]; LRs [...]``."""
+    """One vote in one short line: ``HDET: vote at step 200: group 2 won (loss 0.4123); losses [...]; LRs now [...]``
+    (the LRs the vote set, not those that reached the losses)."""
     head = f"HDET: {'final merge' if final else 'vote'} at step {step}: "
     won = f"group {winner} won (loss {rounded(losses[winner])})" if winner >= 0 else "no group was healthy"
-    return f"{head}{won}; losses {rounded_list(losses)}; LRs {rounded_list(lrs)}"
+    return f"{head}{won}; losses {rounded_list(losses)}; LRs now {rounded_list(lrs)}"
