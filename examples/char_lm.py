@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-chars", type=int, default=200_000, help="corpus size in bytes")
     parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed on GPUs")
     parser.add_argument("--out", type=Path, default=Path("out/char_lm"))
-    parser.add_argument("--wandb", action="store_true", help="also log to W&B (offline unless you log in)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also log to W&B (after `wandb login`, or with WANDB_MODE=offline)")
     return parser.parse_args(argv)
 
 

@@ -2,10 +2,11 @@
 
 The corpus is the Python standard library's own source code (bytes), so nothing is downloaded. Four groups
 start at learning rates spread over 30x (a "bad first guess" included); every ``--every`` steps they vote on
-their training loss, the other groups are re-centred on the winner, and the parameters are merged.
+their validation loss (the run reads its data more than once) and the worst group continues from the winner's
+model at a new LR; after a quarter of the run every group trains from the winner's model at LRs 1.5x apart.
 
     python examples/quickstart.py                 # 4 processes, ~1-2 minutes on 2 CPU cores
-    python examples/quickstart.py --wandb         # also log to Weights & Biases (offline unless you log in)
+    python examples/quickstart.py --wandb         # also log to W&B (`wandb login` first, or WANDB_MODE=offline)
     python examples/quickstart.py --accelerator gpu --devices 8 --steps 2000   # on GPUs
 """
 
@@ -29,11 +30,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=25, help="steps between votes")
     parser.add_argument("--lr", type=float, default=3e-3, help="base learning rate of the model's AdamW")
     parser.add_argument("--multipliers", type=float, nargs="+", default=[0.1, 0.3, 1.0, 3.0],
-                        help="one learning-rate multiplier per group")
+                        help="one learning-rate multiplier per group (their count must divide --devices)")
     parser.add_argument("--vote", choices=("pbt", "softmax", "best"), default="pbt")
     parser.add_argument("--max-chars", type=int, default=400_000, help="corpus size in bytes")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
-    parser.add_argument("--wandb", action="store_true", help="also log to W&B (offline without an account)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also log to W&B (after `wandb login`, or with WANDB_MODE=offline)")
     return parser.parse_args(argv)
 
 
@@ -73,11 +75,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger, val_loss: float) -> None:
     """Print what the ensemble found and write the figures."""
-    print("\nHDET votes (lr = each group's learning rate after the vote)")
-    print(f"{'step':>5} {'group':>5} {'lr':>10} {'loss':>8} {'weight':>7} {'winner':>6} {'rescued':>7}")
+    print("\nHDET votes (trained at: the LR that reached the loss; lr after: the LR the vote set)")
+    print(f"{'step':>5} {'group':>5} {'trained at':>10} {'loss':>8} {'lr after':>10} {'weight':>7} {'winner':>6} "
+          f"{'rescued':>7}")
     for row in hdet.history:
-        print(f"{row['step']:>5} {row['group']:>5} {row['lr']:>10.2e} {row['loss']:>8.4f} {row['weight']:>7.3f} "
-              f"{row['winner']:>6} {str(row['rescued']):>7}")
+        print(f"{row['step']:>5} {row['group']:>5} {row['trained_lr']:>10.2e} {row['loss']:>8.4f} {row['lr']:>10.2e} "
+              f"{row['weight']:>7.3f} {row['winner']:>6} {str(row['rescued']):>7}")
     groups = trainer.strategy.num_groups
     last = hdet.history[-groups:]
     winner = last[0]["winner"]
@@ -86,14 +89,19 @@ def report(trainer: Trainer, hdet: HDETCallback, csv_logger: CSVLogger, val_loss
     print(f"\nLearning rates: started at [{start}], ended at [{end}] (last winner: group {winner}).")
     print(f"Rescues: {hdet.rescues}. Final validation loss of the merged model: {val_loss:.4f}")
     csv_logger.save()
+    print(plots(csv_logger.log_dir))
+    print("\nNext: add HDET to your own script (docs/quickstart.md); what the plots show: docs/watching.md.")
+
+
+def plots(log_dir: str) -> str:
+    """Write the run's figures; their paths, or why there are none (matplotlib is the optional `plots` extra)."""
+    from lightning_hdet.records import write_report
+
     try:
-        from lightning_hdet.records import write_report
-    except ImportError:
-        return
-    paths = write_report(csv_logger.log_dir, Path(csv_logger.log_dir) / "plots")
-    print("\nPlots:")
-    for path in paths:
-        print(f"  {path}")
+        paths = write_report(log_dir, Path(log_dir) / "plots")
+    except ImportError as err:
+        return f"\nPlots: none written ({err})."
+    return "\nPlots:\n" + "\n".join(f"  {path}" for path in paths)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def test_the_result_adds_up_the_workers_and_says_what_each_did() -> None:
         "DiLoCo result: 38 inner steps of a budget of 40 over 2 worker(s)",
         "  4 outer updates, 2 push(es) rejected, 4.0 MiB on the wire (3.0 MiB out, 1.0 MiB in)",
         "  worker 0: 30 steps in 3 rounds, 12.0 KiB out, 0 B in, 1.50 s computing, 0.25 s waiting",
-        "  worker 2: 8 steps in 1 rounds, 2 rejected (16 steps discarded), 3.0 MiB out, 1.0 MiB in, 6.00 s computing,"
+        "  worker 2: 8 steps in 1 round, 2 rejected (16 steps discarded), 3.0 MiB out, 1.0 MiB in, 6.00 s computing,"
         " 0.00 s waiting; excluded: 3 pushes in a row rejected",
         "  worker 5: nothing pushed; expired",
     ]
@@ -44,3 +44,10 @@ def test_the_result_exports_plain_values() -> None:
     assert make_async_result("async", None, 0, 0, {}).summary() == (
         "Async Local-SGD result: 0 inner steps over 0 worker(s)\n  0 outer updates, 0 push(es) rejected, 0 B on the"
         " wire (0 B out, 0 B in)")
+
+
+def test_one_round_and_one_outer_update_are_spelled_in_the_singular() -> None:
+    one = {1: {**STATS[2], "rounds": 1, "rejected": 0}}
+    lines = make_async_result("sync", 8, 8, 1, one).summary().splitlines()
+    assert lines[1].startswith("  1 outer update, 0 push(es) rejected")
+    assert lines[2].startswith("  worker 1: 8 steps in 1 round, ")

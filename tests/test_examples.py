@@ -33,15 +33,36 @@ def test_quickstart_prints_votes_and_writes_plots(tmp_path: Path) -> None:
     out = run_example(str(EXAMPLES / "quickstart.py"), "--steps", "10", "--every", "5", "--devices", "2",
                       "--max-chars", "100000", "--multipliers", "0.3", "3", "--out", str(tmp_path),
                       cwd=tmp_path)
-    row = r"^\s+(\d+)\s+(\d)\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+(\d)\s+(True|False)$"
+    row = r"^\s+(\d+)\s+(\d)\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.e+-]+)\s+([\d.]+)\s+(\d)\s+(True|False)$"
     rows = re.findall(row, out, re.M)
     assert [(int(s), int(g)) for s, g, *_ in rows] == [(5, 0), (5, 1), (10, 0), (10, 1)], out
     for step in (5, 10):
-        weights = [float(r[4]) for r in rows if int(r[0]) == step]
+        weights = [float(r[5]) for r in rows if int(r[0]) == step]
         assert math.isclose(sum(weights), 1.0, abs_tol=2e-3)
+    # the first vote's losses were reached at the starting LRs (3e-3 x 0.3 and x 3), whatever the vote then set
+    assert [float(r[2]) for r in rows[:2]] == pytest.approx([9e-4, 9e-3], rel=1e-2), out
     assert "last winner: group" in out
     plots = sorted(p.name for p in tmp_path.rglob("*.png"))
     assert plots == ["hdet_loss.png", "hdet_lr.png", "hdet_vote_weights.png"]
+    assert "Next: add HDET to your own script (docs/quickstart.md)" in out
+
+
+def test_quickstart_says_why_it_wrote_no_plots_without_matplotlib(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pip install -e .` has no matplotlib (the `plots` extra): the demo ends with the fix instead of a traceback."""
+    spec = importlib.util.spec_from_file_location("example_quickstart", EXAMPLES / "quickstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [{"step": 5, "group": g, "lr": 0.1 * (g + 1), "loss": 1.0 - g / 10, "weight": float(g), "winner": 1,
+             "rescued": False} for g in range(2)]
+    with (tmp_path / "vote_history.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (tmp_path / "metrics.csv").write_text("step,hdet/group0/lr,hdet/group1/lr\n5,0.1,0.2\n")  # a CSVLogger's
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert module.plots(str(tmp_path)) == (
+        "\nPlots: none written (lightning_hdet report plots need matplotlib: pip install 'lightning-hdet[plots]').")
 
 
 @pytest.mark.timeout(300)

@@ -34,6 +34,7 @@ def test_result_without_a_healthy_winner_reports_the_groups_mean() -> None:
     assert result.lrs == pytest.approx([0.2])
     assert "search ended at step 10" in result.summary() and "not written" in result.summary()
     assert "initial model" not in result.summary()
+    assert "winners: no healthy group x1;" in result.summary()  # the -1 sentinel is not shown as a group
     restarted = make_result(_rows(10, 0, [0.4, 0.5]), [[0.1], [0.3]], [0.1, 0.3], 1, 0, 10, [], restarted_at=10)
     assert restarted.summary().splitlines()[0] == ("HDET result: 1 vote(s), 0 rescue(s), search ended at step 10 and "
                                                    "restarted every group from the initial model")
@@ -92,7 +93,7 @@ def test_the_result_exports_a_plain_dict_and_one_row_per_vote_and_group() -> Non
 
 def test_console_lines_round_and_count() -> None:
     assert vote_line(300, 1, [0.123456789, 0.5], [0.0012345678, 0.002]) == (
-        "HDET: vote at step 300: group 1 won (loss 0.5); losses [0.1235, 0.5]; LRs [0.001235, 0.002]")
+        "HDET: vote at step 300: group 1 won (loss 0.5); losses [0.1235, 0.5]; LRs now [0.001235, 0.002]")
     assert "no group was healthy" in vote_line(3, -1, [float("nan")], [0.1], final=True)
     assert rounded_list([float("inf"), 2.0]) == "[inf, 2]"
     assert [counted(1, "rank"), counted(4, "rank")] == ["1 rank", "4 ranks"]

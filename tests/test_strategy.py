@@ -173,7 +173,9 @@ def test_bf16_accumulation_and_clipping(tmp_path):
         (dict(num_groups=8), 4, "larger than the number of ranks"),
         (dict(num_groups=0), 4, "`num_groups` must be a positive integer"),
         (dict(num_groups=2, lr_multipliers=[1.0, 2.0, 3.0]), 4, "exactly one multiplier per group"),
-        (dict(lr_multipliers=[1.0, 2.0, 3.0]), 4, "does not divide the world size 4"),
+        (dict(lr_multipliers=[1.0, 2.0, 3.0]), 4, "`lr_multipliers` has 3 values, one group each, but 3 groups do "
+                                                  "not divide the world size 4: give 1, 2 or 4 multipliers"),
+        (dict(lr_multipliers=[1.0, 2.0, 3.0, 4.0]), 2, "give 1 or 2 multipliers, or run on a multiple of 4 processes"),
         (dict(lr_multipliers=[1.0, -2.0]), 4, "positive finite numbers"),
         (dict(lr_multipliers=[1.0, float("nan")]), 4, "positive finite numbers"),
         (dict(lr_multipliers=[1.0, float("inf")]), 4, "positive finite numbers"),

@@ -86,8 +86,17 @@ def make_layout(world_size: int, num_groups: Optional[int], multipliers: Optiona
     """The layout a strategy asked for: ``num_groups``, else one group per multiplier, else the world size's default
     (:func:`~lightning_hdet.hdet.rules.defaults.default_num_groups`: four groups from eight ranks on)."""
     groups = num_groups
+    if groups is None and multipliers is not None:
+        groups = len(multipliers)
+        if world_size % groups:  # the user gave multipliers, not a group count: name what they wrote
+            *most, last = map(str, divisors(world_size))
+            allowed = f"{', '.join(most)} or {last}" if most else last
+            raise ValueError(
+                f"`lr_multipliers` has {groups} values, one group each, but {groups} groups do not divide the world "
+                f"size {world_size}: give {allowed} multipliers, or run on a multiple of {groups} processes."
+            )
     if groups is None:
-        groups = len(multipliers) if multipliers is not None else default_num_groups(world_size)
+        groups = default_num_groups(world_size)
     layout = GroupLayout(world_size, groups)
     if multipliers is not None and len(multipliers) != groups:
         raise ValueError(

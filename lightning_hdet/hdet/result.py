@@ -70,7 +70,8 @@ class HDETResult:
     def summary(self) -> str:
         """The run in a few lines, numbers rounded; without a vote, what the run then was."""
         winner = self.winners[-1][1] if self.winners else -1
-        tally = ", ".join(f"group {g} x{n}" for g, n in sorted(Counter(g for _, g in self.winners).items()))
+        tally = ", ".join(f"group {g} x{n}" if g >= 0 else f"no healthy group x{n}"
+                          for g, n in sorted(Counter(g for _, g in self.winners).items()))
         found = "LRs found" if self.votes else "LRs at the end, never moved"
         lines = [
             f"HDET result: {self.votes} vote(s), {self.rescues} rescue(s)"
@@ -195,7 +196,8 @@ def make_result(
 
 
 def vote_line(step: int, winner: int, losses: Sequence[float], lrs: Sequence[float], final: bool = False) -> str:
-    """One vote in one short line: ``HDET: vote at step 200: group 2 won (loss 0.4123); losses [...]; LRs [...]``."""
+    """One vote in one short line: ``HDET: vote at step 200: group 2 won (loss 0.4123); losses [...]; LRs now [...]``
+    (the LRs the vote set, not those that reached the losses)."""
     head = f"HDET: {'final merge' if final else 'vote'} at step {step}: "
     won = f"group {winner} won (loss {rounded(losses[winner])})" if winner >= 0 else "no group was healthy"
-    return f"{head}{won}; losses {rounded_list(losses)}; LRs {rounded_list(lrs)}"
+    return f"{head}{won}; losses {rounded_list(losses)}; LRs now {rounded_list(lrs)}"
