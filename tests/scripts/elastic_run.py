@@ -60,6 +60,7 @@ class Pace(Callback):
         if self.mark:
             Path(self.mark).touch()
         self.cpu, self.last, self.round_ended, self.quorums, self.state_bytes = [], None, True, [], 0
+        self.written = None  # the committed rounds last written to --progress
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         manager = getattr(trainer.strategy, "_manager", None)
@@ -81,8 +82,10 @@ class Pace(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.round_ended = trainer.global_step % self.args.local_steps == 0
-        if self.args.progress and hasattr(trainer.strategy, "rounds_committed"):
-            Path(self.args.progress).write_text(str(trainer.strategy.rounds_committed))
+        committed = getattr(trainer.strategy, "rounds_committed", None)
+        if self.args.progress and committed is not None and committed != self.written:  # once a round: a write
+            Path(self.args.progress).write_text(str(committed))  # costs ~0.1-0.25 ms of CPU, as much as a step's hooks
+            self.written = committed
         time.sleep(self.step_s)
         deadline = time.monotonic() + 900
         while self.until and trainer.global_step >= self.hold_at and not os.path.exists(self.until):
