@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from lightning_hdet.hdet.rules.plateau import (
     ladder,
     patience,
 )
+from lightning_hdet.hdet.rules.signals import LossCurve
 
 FINE = Verdict([False, False], ["", ""], [0, 0])
 
@@ -156,6 +158,37 @@ def test_bad_arguments_name_themselves(kwargs, match):
         PlateauRule(**kwargs)
     with pytest.raises(ValueError, match="`plateau` must be None or a PlateauRule"):
         SafetyNet(plateau=200)
+
+
+def test_a_training_loss_bin_above_the_start_arms_the_plateau_rule_only_for_votes_on_a_validation_metric():
+    """Group 3's training-loss curve peaks at 3.0 in its first bin, above its start of 2.08 +- 0.05, while every
+    group's vote loss has learned (1.60-1.70); six flat votes follow (T = 100, the rule's 200 steps). Voting on the
+    training loss, whose rises the vote's losses would show, that bin is one probe's first steps at too high an LR:
+    the rule stays unarmed and cuts nothing (before, the ladder came at 300: benchmark 2's MLP from its good LR, every
+    seed, research log 2026-12-07). Voting on ``val_loss`` the validation may no longer show a blow-up: armed, the
+    ladder at 300."""
+    def run(monitor):
+        controller, cuts = HDETController(HDETConfig(every_n_steps=100, monitor=monitor)), []
+        losses = [1.60, 1.65, 1.62, 1.70]
+        for k in range(1, 7):
+            curves = None
+            if k == 1:
+                rows = []
+                for g in range(4):
+                    curve = LossCurve(8, 8)
+                    for t in range(8):
+                        curve.add(t, torch.tensor(3.0 if g == 3 and t == 0 else losses[g]))
+                    rows.append(curve.row())
+                curves = torch.stack(rows)
+            interval = _interval(100 * k, losses, [0.9, 0.96, 1.04, 1.1], first=[2.08] * 4 if k == 1 else None)
+            decision = controller.decide(replace(interval, curves=curves))
+            cuts += [100 * k] if decision.reasons == ["plateau"] * 4 else []
+        return controller, cuts
+
+    training, cuts = run(None)
+    assert training.rose_seen and not training.plateau_armed and cuts == []
+    validation, cuts = run("val_loss")
+    assert validation.rose_seen and validation.plateau_armed and cuts == [300]
 
 
 def _interval(step, losses, multipliers, first=None, final=False):

@@ -241,10 +241,14 @@ class HDETController:
         steps = patience(rule, self.run_steps, self.config.every_n_steps, self.plateau_cuts)
         rule = replace(rule, steps=judged_at(steps, self.run_steps, interval.step))
         # The plateau rule acts only once the run has shown a failure (plateau.py): a group caught, now or before,
-        # or a loss above its starting level (a collapse knocked above it that no other rule caught).
-        # A training-loss bin above it counts too (rose_seen, from the last vote's curves: a vote on ``monitor`` reads a
-        # validation that may be back at the untrained level by then).
-        self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or self.rose_seen or \
+        # or a loss above its starting level (a collapse knocked above it that no other rule caught). Where the votes
+        # read a validation metric (``monitor``), a training-loss bin above it counts too (``rose_seen``, from the last
+        # vote's curves): the validation may be back at the untrained level by then. Not where the votes read the
+        # training loss itself, whose rises the vote's losses show: there a bin above the start is one probe's first
+        # steps at too high an LR, and arming on it let the ladder cut every LR 10-100x mid-run from a good start
+        # (benchmark 2's MLP, every seed: research log 2026-12-07).
+        rose = self.rose_seen and self.config.monitor is not None
+        self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or rose or \
             rose_above_start(self.collapse_history.sized(len(interval.losses)), interval.losses)
         plateau = judge_plateau(rule, self.plateau_history, verdict, interval.losses, interval.step, errors, progress,
                                 self.plateau_armed)
