@@ -70,7 +70,9 @@ def _target_rows(arms: list, rows: list[dict], workload: str, starts: dict, vote
     out = []
     for start in starts:
         by_method = {r["method"]: r for r in rows if r["workload"] == workload and r["start"] == start}
-        baselines = {m: r["best_val_loss"] for m, r in by_method.items() if m in BASELINE_LABELS}
+        # a baseline that diverged in most seeds has no median loss (None): no ratio to it, and it is no one's best
+        baselines = {m: r["best_val_loss"] for m, r in by_method.items()
+                     if m in BASELINE_LABELS and r["best_val_loss"] is not None}
         for vote in votes:
             hdet = by_method.get(f"hdet_{vote}")
             if hdet is None:
@@ -82,7 +84,8 @@ def _target_rows(arms: list, rows: list[dict], workload: str, starts: dict, vote
                 if f"hdet_{vote}" not in mine:
                     continue
                 h = mine[f"hdet_{vote}"]
-                others = [a.best_val_loss for m, a in mine.items() if m in BASELINE_LABELS]
+                others = [a.best_val_loss for m, a in mine.items()
+                          if m in BASELINE_LABELS and a.best_val_loss is not None]
                 per_seed.append(_ratio(h.best_val_loss, min(others)) if others else None)
                 if "grid" in mine:
                     lr_ratios.append(h.settled_lr / mine["grid"].settled_lr)

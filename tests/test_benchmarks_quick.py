@@ -434,6 +434,28 @@ def test_search_summary_over_two_seeds_gives_the_targets_as_ratios():
     assert "LRs searched for schedule-free AdamW" in text
 
 
+def test_search_summary_leaves_out_a_baseline_that_diverged_in_most_seeds():
+    """The grid diverged in both seeds (best loss inf: no finite validation; its median is None): the targets are to
+    Prodigy alone (the SGD-with-cosine repeating part stopped on this, comparing None in `min`)."""
+    import argparse
+
+    from benchmarks.search_baselines import Arm
+    from benchmarks.search_report import summarise
+
+    def arm(method, seed, loss):
+        return Arm("shapes", method, "good", seed, 0.01, loss, [], [0.01], 0, 1.0)
+
+    arms = [arm("grid", 0, math.inf), arm("grid", 1, math.inf), arm("prodigy", 0, 1.0), arm("prodigy", 1, 2.0),
+            arm("hdet_best", 0, 1.1), arm("hdet_best", 1, 1.6)]
+    args = argparse.Namespace(workloads=["shapes"], run_methods=["grid", "prodigy", "hdet_best"], votes=["best"],
+                              skipped={}, margin=1.0, quick=False, world_size=4, groups=4, steps=32, pbt_interval=8,
+                              val_every=8, val_batches=8, batch_size=16, seeds=2, good_lr={"shapes": 5e-3},
+                              optimizer="sgd", schedule="cosine")
+    [t] = summarise(arms, args, {"good": 1.0})["targets"]
+    assert t["vs"] == {"prodigy": pytest.approx(1.35 / 1.5)} and t["vs_best_baseline"] == pytest.approx(0.9)
+    assert t["vs_best_baseline_per_seed"] == pytest.approx([1.1, 0.8])
+
+
 def test_issue_59_table_divides_the_handed_back_losses_per_seed_and_shows_the_worst():
     from benchmarks.search_baselines import Arm
     from benchmarks.search_report import baselines_table, handed_back_rows, handed_back_table
