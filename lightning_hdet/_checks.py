@@ -3,7 +3,8 @@
 Every check raises ``ValueError("`name` must be <allowed>, got <value>.")`` (plus a hint on what to do), so an
 error always names the argument, the value and what is allowed. Checks run in constructors, before any process
 or process group exists. A keyword argument no constructor knows raises :class:`ArgumentNameError`, naming the
-closest valid name (:func:`check_names`; :class:`KnownArguments` for constructors without ``**kwargs``).
+closest valid name (:func:`check_names`; :class:`KnownArguments` for constructors without ``**kwargs``); a string
+outside a fixed set of choices is answered with the closest choice (:func:`check_choice`).
 """
 
 from __future__ import annotations
@@ -61,9 +62,24 @@ def check_number(
     require(name, value, ok, _interval(low, high, low_open, high_open) + (" or None" if optional else ""), hint)
 
 
-def check_choice(name: str, value: Any, choices: Sequence[Any], hint: str = "") -> None:
-    """One of ``choices``."""
-    require(name, value, value in tuple(choices), f"one of {tuple(choices)}", hint)
+def check_choice(name: str, value: Any, choices: Sequence[Any], hint: str = "", other: str = "") -> None:
+    """One of ``choices`` (or, with ``other``, what it describes, e.g. "a Vote object", which the caller accepted
+    before calling); a misspelled string is answered with the closest choice."""
+    choices = tuple(choices)
+    if value in choices:
+        return
+    allowed = repr(choices[0]) if len(choices) == 1 else f"one of {choices}"
+    require(name, value, False, allowed + (f" or {other}" if other else ""),
+            " ".join(part for part in (did_you_mean(value, choices, repr), hint) if part))
+
+
+def did_you_mean(given: Any, valid: Sequence[Any], show: Any = "`{}`".format) -> str:
+    """"Did you mean <the valid string closest to ``given``>?", or "" when ``given`` is not a string or none is
+    close."""
+    if not isinstance(given, str):
+        return ""
+    close = difflib.get_close_matches(given, [v for v in valid if isinstance(v, str)], n=1)
+    return f"Did you mean {show(close[0])}?" if close else ""
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -113,8 +129,8 @@ def check_names(owner: str, given: Mapping[str, Any], own: Sequence[str],
     for name, value in given.items():
         if name in valid:
             continue
-        close = difflib.get_close_matches(name, valid, n=1)
-        guess = f" Did you mean `{close[0]}`?" if close else ""
+        guess = did_you_mean(name, valid)
+        guess = f" {guess}" if guess else ""
         rest = "".join(f"; {where}'s: {', '.join(names)}" for where, names in passed_on.items())
         raise ArgumentNameError(f"{owner} got an unsupported argument `{name}`={value!r}.{guess} Its own arguments:"
                                 f" {', '.join(own)}{rest}." + (f" {hint}" if hint else ""))

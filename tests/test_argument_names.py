@@ -122,3 +122,30 @@ def test_a_subclass_taking_any_keyword_checks_its_own() -> None:
             object.__setattr__(self, "scale", scale)
 
     assert Custom(scale=2.0, quantile=0.5).quantile == 0.5  # the keywords reach its __init__
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: HDETCallback(vote="pbtt"), "`vote` must be one of ('pbt', 'softmax', 'best', 'trust_region') or a Vote"
+     " object (PBT(...), Softmax(...), Best(...), TrustRegion(...)), got 'pbtt'. Did you mean 'pbt'?"),
+    (lambda: HDETCallback(signal="maen"),
+     "`signal` must be 'mean' or a Signal object, got 'maen'. Did you mean 'mean'?"),
+    (lambda: HDETStrategy(preset="recomended"), "got 'recomended'. Did you mean 'recommended'?"),
+    (lambda: HDETStrategy(gradient_sync="globl"), "got 'globl'. Did you mean 'global'?"),
+    (lambda: AsyncLocalSGDStrategy(outer="stabel"), "got 'stabel'. Did you mean 'stable'? Or an object"),
+    (lambda: AsyncLocalSGDStrategy(compression="bf61"), "got 'bf61'. Did you mean 'bf16'? Or a codec object"),
+    (lambda: AsyncLocalSGDStrategy(mode="snyc"), "`mode` must be one of ('async', 'sync'), got 'snyc'. Did you mean"
+     " 'sync'?"),
+    (lambda: AsyncLocalSGDStrategy(worker=WorkerShape(ranks_per_worker=2, inside_worker="fdsp")),
+     "`inside_worker` must be one of ('ddp', 'fsdp'), got 'fdsp'. Did you mean 'fsdp'? It says how the ranks"),
+])
+def test_a_misspelled_choice_is_refused_with_the_closest_one(make, message: str) -> None:
+    """A string outside a fixed set of choices names them all and the closest (issue: vote='pbtt')."""
+    with pytest.raises(ValueError) as caught:
+        make()
+    assert message in str(caught.value)
+
+
+def test_a_value_far_from_every_choice_gets_no_guess() -> None:
+    with pytest.raises(ValueError) as caught:
+        HDETCallback(vote="median")
+    assert "Did you mean" not in str(caught.value)

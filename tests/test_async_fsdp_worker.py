@@ -210,7 +210,7 @@ def test_async_with_fsdp_inside_learns_as_ddp_inside(tmp_path):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"inside_worker": "zero3"}, r"`inside_worker='zero3'` must be one of \('ddp', 'fsdp'\)"),
+    ({"inside_worker": "zero3"}, r"`inside_worker` must be one of \('ddp', 'fsdp'\), got 'zero3'"),
     ({"inside_worker": "fsdp"}, r"`inside_worker='fsdp'` has no effect with `ranks_per_worker=1`"),
     ({"inside_worker": "fsdp", "ranks_per_worker": 2, "checkpoint_inner_states": True},
      r"`checkpoint_inner_states=True` is not supported with `inside_worker='fsdp'`"),

@@ -55,6 +55,8 @@ def test_optimizers_that_cannot_explore_a_name_are_refused() -> None:
     with pytest.raises(ValueError, match=r"optimizer 0 \(Adam\) param group 0 has momentum=None; allowed names: .*"
                                          r"'weight_decay'.*'beta1', 'beta2'"):
         check_optimizers([torch.optim.Adam(w, weight_decay=0.1)], ["momentum"])
+    with pytest.raises(ValueError, match=r"has weight_decy=None; .*\. Did you mean 'weight_decay'\?$"):
+        check_optimizers([torch.optim.Adam(w, weight_decay=0.1)], ["weight_decy"])
     with pytest.raises(ValueError, match=r"weight_decay=0.*cannot explore \(allowed: non-zero\)"):
         check_optimizers([torch.optim.SGD(w, lr=0.1)], [WD])
     with pytest.raises(ValueError, match=r"momentum=0.*\(allowed: in \(0, 1\)\)"):

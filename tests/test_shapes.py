@@ -106,7 +106,8 @@ def test_model_rejects_unknown_optimizer_and_bad_lr():
         ShapesCNN(optimizer="adam9")
     with pytest.raises(ValueError, match="lr"):
         ShapesCNN(lr=0)
-    with pytest.raises(ValueError, match="scheduler='cos' is not supported; choose one of"):
+    with pytest.raises(ValueError,
+                       match=r"`scheduler` must be one of \('constant', 'cosine'\), got 'cos'. Did you mean 'cosine'\?"):
         ShapesCNN(scheduler="cos")
 
 

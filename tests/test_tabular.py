@@ -51,7 +51,7 @@ def test_the_mlp_learns_the_task_below_the_label_prior():
     (lambda: TabularDataModule(label_noise=1.0), "`label_noise` must be"),
     (lambda: TabularDataModule(batch_size=0), "`batch_size` must be"),
     (lambda: TabularMLP(depth=0), "`depth` must be"),
-    (lambda: TabularMLP(scheduler="linear"), "scheduler='linear' is not supported"),
+    (lambda: TabularMLP(scheduler="linear"), r"`scheduler` must be one of \('constant', 'cosine'\), got 'linear'"),
 ])
 def test_bad_arguments_name_themselves(call, match):
     with pytest.raises(ValueError, match=match):

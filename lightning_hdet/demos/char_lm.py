@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_hdet._checks import check_choice
 from lightning_hdet.demos.base import DemoModule
 from lightning_hdet.demos.corpus import VOCAB_SIZE
 from lightning_hdet.demos.optim import OPTIMIZERS, make_optimizer
@@ -53,10 +54,8 @@ class CharLM(DemoModule):
         warmup_steps: int = 0,
     ) -> None:
         super().__init__()
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}")
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler={scheduler!r} is not supported; choose one of {SCHEDULERS}")
+        check_choice("optimizer", optimizer, OPTIMIZERS)
+        check_choice("scheduler", scheduler, SCHEDULERS)
         if not (isinstance(lr, (int, float)) and lr > 0):
             raise ValueError(f"lr must be a positive number, got {lr!r}")
         if d_model % n_heads:

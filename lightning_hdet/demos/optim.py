@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from lightning.pytorch import LightningModule
 
+from lightning_hdet._checks import check_choice
 from lightning_hdet._tensors import is_schedule_free
 
 OPTIMIZERS = ("adamw", "sgd", "prodigy", "schedulefree")
@@ -30,8 +31,7 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, w
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    if name not in _OPTIONAL:
-        raise ValueError(f"optimizer={name!r} is not supported; choose one of {OPTIMIZERS}")
+    check_choice("optimizer", name, OPTIMIZERS)
     module, cls = _OPTIONAL[name]
     try:
         package = importlib.import_module(module)
@@ -48,8 +48,7 @@ def with_schedule(optimizer: torch.optim.Optimizer, scheduler: str, module: Ligh
     ``estimated_stepping_batches``, stepped every step (``"cosine"``), so a strategy sees a real scheduler."""
     if scheduler == "constant":
         return optimizer  # no trainer needed: a bare optimizer can be made outside a fit
-    if scheduler != "cosine":
-        raise ValueError(f"scheduler={scheduler!r} is not supported; choose one of {SCHEDULES}")
+    check_choice("scheduler", scheduler, SCHEDULES)
     total = max(int(module.trainer.estimated_stepping_batches), 1)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}

@@ -17,6 +17,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hdet._checks import check_choice
 from lightning_hdet.demos.base import DemoModule, check_shard_train, check_shuffle_seed, training_loader
 from lightning_hdet.demos.optim import OPTIMIZERS, SCHEDULES, make_optimizer, with_schedule
 
@@ -135,10 +136,8 @@ class ShapesCNN(DemoModule):
         weight_decay: float = 0.0, scheduler: str = "constant",
     ) -> None:
         super().__init__()
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}")
-        if scheduler not in SCHEDULES:
-            raise ValueError(f"scheduler={scheduler!r} is not supported; choose one of {SCHEDULES}")
+        check_choice("optimizer", optimizer, OPTIMIZERS)
+        check_choice("scheduler", scheduler, SCHEDULES)
         if not (isinstance(lr, (int, float)) and lr > 0):
             raise ValueError(f"lr must be a positive number, got {lr!r}")
         self.save_hyperparameters()

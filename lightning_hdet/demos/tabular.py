@@ -16,7 +16,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hdet._checks import check_int, check_number
+from lightning_hdet._checks import check_choice, check_int, check_number
 from lightning_hdet.demos.base import DemoModule, check_shard_train, check_shuffle_seed, training_loader
 from lightning_hdet.demos.optim import OPTIMIZERS, SCHEDULES, make_optimizer, with_schedule
 
@@ -124,10 +124,8 @@ class TabularMLP(DemoModule):
         optimizer: str = "adamw", weight_decay: float = 0.0, scheduler: str = "constant",
     ) -> None:
         super().__init__()
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {OPTIMIZERS}")
-        if scheduler not in SCHEDULES:
-            raise ValueError(f"scheduler={scheduler!r} is not supported; choose one of {SCHEDULES}")
+        check_choice("optimizer", optimizer, OPTIMIZERS)
+        check_choice("scheduler", scheduler, SCHEDULES)
         check_number("lr", lr, low=0.0, low_open=True)
         check_int("depth", depth, minimum=1)
         self.save_hyperparameters()

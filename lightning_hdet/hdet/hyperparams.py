@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hdet._checks import is_finite_number, require
+from lightning_hdet._checks import did_you_mean, is_finite_number, require
 from lightning_hdet.hdet.multipliers import MultiplierTable, centred_grid
 from lightning_hdet.hdet.rules.defaults import span_grid, user_group
 from lightning_hdet.hdet.rules.votes import Ballot
@@ -140,7 +140,7 @@ def check_optimizers(optimizers: Sequence[Optimizer], names: Sequence[str]) -> N
                 where = f"HDETStrategy(explore={{{name!r}: ...}}): optimizer {i} ({type(opt).__name__}) param group {j}"
                 if not is_finite_number(value):
                     raise ValueError(f"{where} has {name}={value!r}; allowed names: the numeric hyperparameters its "
-                                     f"param groups hold, {have}.")
+                                     f"param groups hold, {have}. {did_you_mean(name, have, repr)}".rstrip())
                 momentum = name in ONE_MINUS
                 if value == 0 or (momentum and not 0 < value < 1):
                     allowed = "in (0, 1)" if momentum else "non-zero"

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_hdet._checks import check_choice
 from lightning_hdet._sharding import ShardingPolicy, reshard, shard
 from lightning_hdet._tensors import float_buffers, host_buffer, local, numel, read_into, sync_device, write_from
 from lightning_hdet.asynchronous.exchange.reshard import shard_rows
@@ -37,9 +38,9 @@ INSIDE_WORKER = ("ddp", "fsdp")
 def check_inside_worker(inside_worker: str, ranks_per_worker: int, checkpoint_inner_states: bool,
                         ddp_kwargs: Sequence[str], auto_wrap_policy: ShardingPolicy = None) -> None:
     """Refuse an ``inside_worker`` that is unknown or would have no effect (before any process group)."""
-    if inside_worker not in INSIDE_WORKER:
-        raise ValueError(f"`inside_worker={inside_worker!r}` must be one of {INSIDE_WORKER}: how the ranks of a worker"
-                         " train together (DDP: each holds the model; FSDP2: each holds 1/k of it).")
+    check_choice("inside_worker", inside_worker, INSIDE_WORKER,
+                 hint="It says how the ranks of a worker train together (DDP: each holds the model; FSDP2: each holds"
+                 " 1/k of it).")
     if inside_worker == "ddp":
         if auto_wrap_policy is not None:
             raise ValueError(f"`auto_wrap_policy={auto_wrap_policy!r}` has no effect with `inside_worker='ddp'`: it"

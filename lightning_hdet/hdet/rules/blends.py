@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_hdet._checks import check_choice
+
 BLENDS = ("mean", "weighted", "best")
 
 
@@ -18,6 +20,7 @@ def blend_coefficients(blend: str, weights: Sequence[float], winner: int, health
     ``mean``: the published converge, equal weights over healthy groups; ``weighted``: the vote weights
     (renormalised over healthy groups); ``best``: the winner's parameters (population-based training's exploit).
     """
+    check_choice("blend", blend, BLENDS)
     n = len(healthy)
     idx = [g for g, ok in enumerate(healthy) if ok]
     if not idx:
@@ -29,11 +32,9 @@ def blend_coefficients(blend: str, weights: Sequence[float], winner: int, health
         if total <= 0:
             return blend_coefficients("mean", weights, winner, healthy)
         return [weights[g] / total if healthy[g] else 0.0 for g in range(n)]
-    if blend == "best":
-        if winner < 0 or not healthy[winner]:
-            raise ValueError(f"`best` blend needs a healthy winner, got winner={winner}.")
-        return [1.0 if g == winner else 0.0 for g in range(n)]
-    raise ValueError(f"`blend` must be one of {BLENDS}, got {blend!r}.")
+    if winner < 0 or not healthy[winner]:  # "best"
+        raise ValueError(f"`best` blend needs a healthy winner, got winner={winner}.")
+    return [1.0 if g == winner else 0.0 for g in range(n)]
 
 
 def blend_strengths(strength: float, rescued: Sequence[bool]) -> list[float]:

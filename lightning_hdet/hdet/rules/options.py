@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
-from lightning_hdet._checks import KnownArguments, check_int, check_number, require
+from lightning_hdet._checks import KnownArguments, check_choice, check_int, check_number, require
 from lightning_hdet.hdet.rules.defaults import RESTART_BELOW
 from lightning_hdet.hdet.rules.safety_net import SafetyNet
 from lightning_hdet.hdet.rules.selection import PBT
@@ -110,8 +110,8 @@ def as_vote(vote: Union[str, Vote]) -> Vote:
     """``vote`` as a rule object: a name of :data:`VOTES` gives that rule with its defaults."""
     if isinstance(vote, Vote):
         return vote
-    require("vote", vote, isinstance(vote, str) and vote in VOTES,
-            f"one of {tuple(VOTES)} or a Vote object (PBT(...), Softmax(...), Best(...), TrustRegion(...))")
+    check_choice("vote", vote, tuple(VOTES),
+                 other="a Vote object (PBT(...), Softmax(...), Best(...), TrustRegion(...))")
     return VOTES[vote]()
 
 
@@ -119,7 +119,7 @@ def as_signal(signal: Union[str, Signal]) -> Signal:
     """``signal`` as an object: ``"mean"`` or a :class:`Signal`."""
     if isinstance(signal, Signal):
         return signal
-    require("signal", signal, signal == "mean", "'mean' or a Signal object")
+    check_choice("signal", signal, ("mean",), other="a Signal object")
     return Signal()
 
 
