@@ -19,7 +19,7 @@ PURE_MODULES = ["experimental/halving.py", "asynchronous/wire/messages.py", "asy
                 "asynchronous/elastic/sessions.py", "asynchronous/elastic/job.py",
                 "asynchronous/result.py", "asynchronous/exchange/ranks.py", "asynchronous/exchange/reshard.py",
                 "asynchronous/lightning/worker_shape.py", "records/history.py", "records/tensorboard.py",
-                "_checks.py"]
+                "_checks.py", "_text.py"]
 PURE = PURE_MODULES + sorted(p.relative_to(PACKAGE).as_posix() for folder, pattern in PURE_FOLDERS.items()
                              for p in (PACKAGE / folder).glob(pattern))
 # HDET's layers, lowest first: a module of hdet/ imports from its own layer or a lower one. The pure modules beside
@@ -190,7 +190,7 @@ def test_packages_import_each_other_without_cycles() -> None:
                 if target != source:
                     edges.setdefault(source, set()).add(target)
     assert "asynchronous" not in edges.get("hdet", set()) and "hdet" not in edges.get("asynchronous", set())
-    for leaf in ("records", "_checks", "_tensors", "_compat", "_checkpoint", "_sharding"):
+    for leaf in ("records", "_checks", "_tensors", "_compat", "_checkpoint", "_sharding", "_text"):
         assert not edges.get(leaf, set()) & {"hdet", "asynchronous"}, (leaf, edges.get(leaf))
 
 

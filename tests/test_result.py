@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from lightning_hdet.hdet.console import counted, rounded_list
+from lightning_hdet._text import counted
+from lightning_hdet.hdet.console import rounded_list
 from lightning_hdet.hdet.result import make_result, vote_line
 
 

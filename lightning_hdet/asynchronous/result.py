@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+from lightning_hdet._text import counted
+
 
 @dataclass(frozen=True)
 class WorkerRecord:
@@ -64,7 +66,7 @@ class AsyncResult:
         budget = f" of a budget of {self.budget}" if self.budget is not None else ""
         wire = self.push_bytes + self.pull_bytes
         lines = [f"{name} result: {self.steps_done} inner steps{budget} over {len(self.workers)} worker(s)",
-                 f"  {_counted(self.outer_updates, 'outer update')}, {self.rejected} push(es) rejected, "
+                 f"  {counted(self.outer_updates, 'outer update')}, {self.rejected} push(es) rejected, "
                  f"{_size(wire)} on the wire ({_size(self.push_bytes)} out, {_size(self.pull_bytes)} in)"]
         for w in sorted(set(self.workers) | set(self.ended)):
             ended = f"; {self.ended[w]}" if w in self.ended else ""
@@ -75,7 +77,7 @@ class AsyncResult:
             rejected = f", {r.rejected} rejected ({r.rejected_steps} steps discarded)" if r.rejected else ""
             # out: its pushes, in: its pulls
             wire = "in-process" if w == self.local_worker else f"{_size(r.push_bytes)} out, {_size(r.pull_bytes)} in"
-            lines.append(f"  worker {w}: {r.steps} steps in {_counted(r.rounds, 'round')}{rejected}, {wire},"
+            lines.append(f"  worker {w}: {r.steps} steps in {counted(r.rounds, 'round')}{rejected}, {wire},"
                          f" {r.total_compute_s:.2f} s computing, {r.total_wait_s:.2f} s waiting{ended}")
         return "\n".join(lines)
 
@@ -94,11 +96,6 @@ def make_async_result(mode: str, budget: Optional[int], steps_done: int, outer_u
     return AsyncResult(mode, budget, int(steps_done), int(outer_updates),
                        {int(w): WorkerRecord.from_stats(s) for w, s in workers.items()}, dict(ended or {}),
                        local_worker)
-
-
-def _counted(n: int, noun: str) -> str:
-    # hdet.console has the same; the layout keeps asynchronous/ from importing hdet/
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _size(n: int) -> str:

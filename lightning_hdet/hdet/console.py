@@ -1,15 +1,10 @@
-"""How HDET's console lines spell numbers: counts with their noun's number, floats rounded (pure)."""
+"""How HDET's console lines spell floats: rounded (pure; counts with their noun: :mod:`lightning_hdet._text`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 DIGITS = 4  # significant digits of a float in a console line: enough to compare groups, short enough to read
-
-
-def counted(n: int, noun: str) -> str:
-    """``"1 rank"``, ``"4 ranks"``: a count with its noun in the right number (regular plurals only)."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def rounded(value: float) -> str:

@@ -36,7 +36,7 @@ from lightning_hdet._compat import (
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit
 from lightning_hdet._sharding import ShardingPolicy, is_sharded, shard
-from lightning_hdet.hdet.console import counted
+from lightning_hdet._text import counted
 from lightning_hdet.hdet.execution.comm import Communicator
 from lightning_hdet.hdet.fsdp import checkpoint as fsdp_checkpoint
 from lightning_hdet.hdet.fsdp.ensemble import ShardedEnsembleOps, ShardSite

@@ -35,7 +35,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet._checks import KnownArguments
-from lightning_hdet.hdet.console import counted
+from lightning_hdet._text import counted
 from lightning_hdet.hdet.execution.executor import HDETParts, is_executor
 from lightning_hdet.hdet.execution.meter import IntervalMeter, Reading
 from lightning_hdet.hdet.execution.validation import unmerged_validation_warning

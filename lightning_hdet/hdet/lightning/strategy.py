@@ -39,7 +39,7 @@ from lightning_hdet._compat import (
     weights_only_kwargs,
 )
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
-from lightning_hdet.hdet.console import counted
+from lightning_hdet._text import counted
 from lightning_hdet.hdet.execution.comm import Communicator
 from lightning_hdet.hdet.execution.guard import FiniteGuard
 from lightning_hdet.hdet.hyperparams import Span
