@@ -6,6 +6,7 @@ collectives themselves, the guard, checkpoints and the launchers are tested with
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,21 @@ def test_every_group_diverged_rolls_back_to_the_last_good_merge_and_halves_every
     assert [h["winner"] for h in cb.history] == [1, 1, -1, -1]
     assert world.params.flatten().tolist() == [3.0, 3.0]
     assert world.table.get(1)[:, 0].tolist() == pytest.approx([0.5, 1.0]) and world.restarts == [1, 1]
+
+
+def test_a_roll_back_says_each_reason_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The console line names the groups that share a reason together (it said "non-finite; non-finite")."""
+    world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
+
+    def step(executor, index):
+        if index >= 2:
+            executor.params.fill_(math.nan)
+            return math.nan
+        return _drift(_falling)(executor, index)
+
+    with caplog.at_level(logging.INFO):
+        world.fit(_callback(every_n_steps=2, vote=Softmax(meta_lr=0.0, permute=False)), step, max_steps=4)
+    assert "HDET: step 4: groups 0, 1 (non-finite) diverged; every group rolled back" in caplog.text
 
 
 def test_a_blown_up_loss_under_a_shared_gradient_rolls_every_group_back_and_cuts_only_its_lr():

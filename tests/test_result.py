@@ -10,7 +10,7 @@ import pytest
 
 from lightning_hdet._text import counted
 from lightning_hdet.hdet.console import rounded_list
-from lightning_hdet.hdet.result import make_result, vote_line
+from lightning_hdet.hdet.result import failed_groups, make_result, vote_line
 
 
 def _rows(step: int, winner: int, losses: list[float]) -> list[dict]:
@@ -98,6 +98,11 @@ def test_console_lines_round_and_count() -> None:
     assert "no group was healthy" in vote_line(3, -1, [float("nan")], [0.1], final=True)
     assert rounded_list([float("inf"), 2.0]) == "[inf, 2]"
     assert [counted(1, "rank"), counted(4, "rank")] == ["1 rank", "4 ranks"]
+    # the rescued groups, each reason once (a ladder fails every group for the same reason)
+    assert failed_groups([True] * 4, ["plateau"] * 4) == "groups 0, 1, 2, 3 (plateau)"
+    assert failed_groups([True, True, True, False], ["x best", "non-finite", "x best", ""]) == (
+        "groups 0, 2 (x best) and group 1 (non-finite)")
+    assert failed_groups([False, True], []) == "group 1"
 
 
 def _marked(step: int, winner: int, losses: list[float], edge: int, clear: object) -> list[dict]:

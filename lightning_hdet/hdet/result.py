@@ -201,3 +201,14 @@ def vote_line(step: int, winner: int, losses: Sequence[float], lrs: Sequence[flo
     head = f"HDET: {'final merge' if final else 'vote'} at step {step}: "
     won = f"group {winner} won (loss {rounded(losses[winner])})" if winner >= 0 else "no group was healthy"
     return f"{head}{won}; losses {rounded_list(losses)}; LRs now {rounded_list(lrs)}"
+
+
+def failed_groups(rescued: Sequence[bool], reasons: Sequence[str]) -> str:
+    """The rescued groups, each reason said once: ``groups 0, 2 (x best) and group 1 (non-finite)``."""
+    by_reason: dict[str, list[int]] = {}
+    for g, flag in enumerate(rescued):
+        if flag:
+            by_reason.setdefault(reasons[g] if g < len(reasons) else "", []).append(g)
+    parts = [f"group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}" + (f" ({why})" if why else "")
+             for why, groups in by_reason.items()]
+    return " and ".join(parts)

@@ -17,7 +17,7 @@ from lightning_hdet.hdet.clusters import after_vote
 from lightning_hdet.hdet.console import rounded_list
 from lightning_hdet.hdet.execution.meter import Reading
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
-from lightning_hdet.hdet.result import vote_line
+from lightning_hdet.hdet.result import failed_groups, vote_line
 from lightning_hdet.hdet.rules.controller import Decision, HDETController, Interval
 from lightning_hdet.hdet.rules.defaults import SEARCH_FRACTION
 from lightning_hdet.hdet.rules.options import Search
@@ -48,10 +48,8 @@ def execute(hdet: HDETParts, decision: Decision) -> None:
     the search, gradients averaged over all ranks."""
     if decision.roll_back:
         hdet.merger.restore(decision.from_initial)
-        rank_zero_info(
-            f"HDET: step {decision.step}: group(s) {rescued_groups(decision)} diverged "
-            f"({'; '.join(r for r in decision.reasons if r)}); every group rolled back to the last good merged model."
-        )
+        rank_zero_info(f"HDET: step {decision.step}: {failed_groups(decision.rescued, decision.reasons)} diverged;"
+                       " every group rolled back to the last good merged model.")
     elif hdet.num_groups > 1:
         for step in decision.plan:  # one collective each: one blend, or one copy per PBT source
             hdet.merger.merge(step.coefficients, step.strengths, restart=decision.restart, keep=decision.keep)
@@ -98,12 +96,8 @@ def announce(decision: Decision, rescues: int, final: bool) -> None:
     """The vote's console line (rank 0), and one for the groups it rescued."""
     rank_zero_info(vote_line(decision.step, decision.winner, decision.losses, decision.lrs, final))
     if any(decision.rescued):
-        rank_zero_info(f"HDET: step {decision.step}: rescued group(s) {rescued_groups(decision)} (losses "
-                       f"{rounded_list(decision.losses)}); total rescues {rescues}")
-
-
-def rescued_groups(decision: Decision) -> list[int]:
-    return [g for g, flag in enumerate(decision.rescued) if flag]
+        rank_zero_info(f"HDET: step {decision.step}: rescued {failed_groups(decision.rescued, decision.reasons)};"
+                       f" losses {rounded_list(decision.losses)}; total rescues {rescues}")
 
 
 def default_search_step(total: int) -> int:
