@@ -3,15 +3,18 @@ process, and in a two-process fit."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_hdet import HDETCallback, HDETStrategy
-from lightning_hdet.hdet.lightning.auto_monitor import AUTO_METRIC, MAX_WAIT, choose, epochs_read
+from lightning_hdet.hdet.lightning.auto_monitor import AUTO_METRIC, MAX_WAIT, choose, epochs_read, warn_readers
 from tests.helpers import START, LinearModel, trainer_kwargs
 
 
@@ -40,6 +43,30 @@ def test_a_repeating_run_without_usable_validation_warns_with_the_fix() -> None:
     name, line = choose(4.0, MAX_WAIT * 38 + 1, 38)  # validating too rarely: the votes would wait
     assert name is None and "Validate at least every 76 steps (now every 77" in line
     assert "val_check_interval=38, check_val_every_n_epoch=None" in line
+
+
+def _readers_warnings(callbacks: list[Callback], num_groups: int = 4) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_readers(SimpleNamespace(callbacks=callbacks), num_groups, "val_loss")
+    return [str(w.message) for w in caught]
+
+
+def test_callbacks_that_keep_or_stop_on_the_voted_metric_are_warned_about_by_name() -> None:
+    """Validation runs each group's own model while the votes read ``val_loss``: a ModelCheckpoint or EarlyStopping
+    on it would keep or stop on a group's value, and the warning names them and the fix."""
+    [message] = _readers_warnings([ModelCheckpoint(monitor="val_loss"), EarlyStopping(monitor="val_loss"),
+                                   ModelCheckpoint(monitor="train_loss")])
+    assert "ModelCheckpoint(monitor='val_loss') and EarlyStopping(monitor='val_loss') see a group's value" in message
+    assert "HDETCallback(monitor=None)" in message and "train_loss" not in message
+
+
+def test_nothing_reading_the_voted_metric_means_no_warning() -> None:
+    """The demo's case (no checkpointing, or Lightning's default ModelCheckpoint, which monitors nothing): nothing
+    acts on a group's value, so there is nothing to say (the warning there told the user nothing to do)."""
+    assert _readers_warnings([]) == []
+    assert _readers_warnings([ModelCheckpoint()]) == []
+    assert _readers_warnings([EarlyStopping(monitor="val_loss")], num_groups=1) == []  # one group: the merged model
 
 
 class _Validated(Callback):

@@ -20,6 +20,7 @@ validation runs each group's own model, and a warning at the start of fit says w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from torch import Tensor
@@ -27,13 +28,18 @@ from torch import Tensor
 from lightning_hdet._tensors import all_finite, flat_dtype, host_buffer, numel, read_into, write_from
 
 
-def unmerged_validation_warning(monitor: str) -> str:
-    """What validation shows when the vote reads each group's own validation metric."""
+def unmerged_validation_warning(monitor: str, readers: Sequence[str]) -> str:
+    """What ``readers`` (callbacks that keep or stop on ``monitor``, e.g. ``"ModelCheckpoint(monitor='val_loss')"``)
+    see when the vote reads each group's own validation metric; ``""`` when there are none (nothing then acts on a
+    group's value: the votes read each group's own, as they should)."""
+    if not readers:
+        return ""
     return (
         f"HDETCallback(monitor={monitor!r}) votes on each group's own {monitor!r}, so validation runs each group's own "
-        f"model: what ModelCheckpoint, EarlyStopping and the progress bar see for {monitor!r} is a group's value, not "
-        "that of the merged model a checkpoint holds (each group's value is logged as hdet/group{g}/loss at the "
-        "votes). To keep checkpoints by the saved model's own value, vote on the training loss (monitor=None)."
+        f"model: {' and '.join(readers)} see{'s' if len(readers) == 1 else ''} a group's value, not that of the "
+        "merged model a checkpoint holds (each group's value is logged as hdet/group{g}/loss at the votes). To keep "
+        "checkpoints or stop by the saved model's own value, vote on the training loss (HDETCallback(monitor=None)); "
+        "to keep the vote, let them monitor another metric or none."
     )
 
 

@@ -119,5 +119,15 @@ def announce(trainer: Optional[Trainer], hdet: Any, name: Optional[str], line: s
         return
     record_config(trainer, "hdet", {**hdet.config, "callback": config})
     rank_zero_info(line)
-    if hdet.num_groups > 1:
-        rank_zero_warn(unmerged_validation_warning(name))
+    warn_readers(trainer, hdet.num_groups, name)
+
+
+def warn_readers(trainer: Optional[Trainer], num_groups: int, name: str) -> None:
+    """Warn (rank 0) when callbacks keep or stop on ``name`` (``ModelCheckpoint(monitor=name)``,
+    ``EarlyStopping(monitor=name)``, any callback whose ``monitor`` is ``name``), which validation measures on each
+    group's own model while the votes read it; say nothing when none does."""
+    callbacks = trainer.callbacks if trainer is not None and num_groups > 1 else []
+    readers = [f"{type(cb).__name__}(monitor={name!r})" for cb in callbacks if getattr(cb, "monitor", None) == name]
+    warning = unmerged_validation_warning(name, readers)
+    if warning:
+        rank_zero_warn(warning)

@@ -38,7 +38,6 @@ from lightning_hdet._checks import KnownArguments
 from lightning_hdet._text import counted
 from lightning_hdet.hdet.execution.executor import HDETParts, is_executor
 from lightning_hdet.hdet.execution.meter import IntervalMeter, Reading
-from lightning_hdet.hdet.execution.validation import unmerged_validation_warning
 from lightning_hdet.hdet.hyperparams import Explored, values
 from lightning_hdet.hdet.hyperparams import metrics as explored_metrics
 from lightning_hdet.hdet.lightning import auto_monitor
@@ -190,7 +189,7 @@ class HDETCallback(KnownArguments, Callback):
             bounded = trainer.max_steps > 0
             self._set_interval(sized_interval(self._requested_every, trainer.max_steps if bounded else None, bounded))
             record_config(trainer, "hdet", {**hdet.config, "callback": self.config})
-            _announce(hdet, self.settings, _search_plan(self.search, trainer))  # here: before any progress bar exists, so not inside one
+            _announce(trainer, hdet, self.settings, _search_plan(self.search, trainer))  # here: before any progress bar exists, so not inside one
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -452,16 +451,17 @@ def _search_plan(search: Optional[Search], trainer: Trainer) -> str:
     return f"the search ends at a vote from step {steps} on"
 
 
-def _announce(hdet: HDETParts, settings: HDETConfig, plan: str) -> None:
-    """The settings line (rank 0), and what validation shows when the vote reads each group's own metric."""
+def _announce(trainer: Trainer, hdet: HDETParts, settings: HDETConfig, plan: str) -> None:
+    """The settings line (rank 0), and a warning for callbacks that keep or stop on a metric the vote reads from each
+    group's own validation."""
     vote = settings.vote
     blend = "" if vote.copies else f", blend={vote.blend!r}"  # PBT copies, never blends
     every = (f"every {settings.every_n_steps} steps" if settings.every_n_steps is not None
              else "at an interval sized to the run's estimated steps")
     rank_zero_info(f"HDET: {counted(hdet.num_groups, 'group')} of {counted(hdet.groups.layout.group_size, 'rank')}, "
                    f"gradient_sync={hdet.gradient_sync!r}, vote={vote.name!r} {every}{blend}, {plan}")
-    if settings.monitor is not None and hdet.num_groups > 1:
-        rank_zero_warn(unmerged_validation_warning(settings.monitor))
+    if settings.monitor is not None:
+        auto_monitor.warn_readers(trainer, hdet.num_groups, settings.monitor)
 
 
 def _hand_back(trainer: Trainer, callback: HDETCallback, hdet: HDETParts) -> HDETResult:
