@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
@@ -189,12 +191,16 @@ def test_bad_input(kwargs, devices, match):
         Trainer(strategy=HDETStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
 
 
-def test_single_process_warns_and_trains_plainly(tmp_path):
+def test_single_process_warns_and_trains_plainly(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     with pytest.warns(UserWarning, match="needs several data-parallel replicas"):
         trainer = Trainer(strategy=HDETStrategy(lr_multipliers=[1.0, 2.0]), **trainer_kwargs(devices=1))
-    trainer.fit(SGDBoring())
+    model = SGDBoring()
+    trainer.fit(model)
     assert trainer.strategy.num_groups == 1 and trainer.strategy.lr_multiplier == 1.0
     assert trainer.global_step == 8
+    trainer.validate(model, verbose=False)  # makes the same process groups again, without saying so again
+    assert caplog.text.count("HDET: creating 1 process group of 1 rank each") == 1
 
 
 def test_package_exports():

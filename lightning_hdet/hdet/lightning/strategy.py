@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -127,8 +128,10 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        rank_zero_info(f"HDET: creating {counted(self.layout.num_groups, 'process group')} of "
-                       f"{counted(self.layout.group_size, 'rank')} each")
+        module = self.lightning_module
+        if module is not None and module.trainer.state.fn == TrainerFn.FITTING:  # validate, test: the same again
+            rank_zero_info(f"HDET: creating {counted(self.layout.num_groups, 'process group')} of "
+                           f"{counted(self.layout.group_size, 'rank')} each")
         self._group_pgs = self._new_group_process_groups(strategy_timeout(self))
         destroy_default_group_at_exit()
 
