@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
         val_check_interval=args.every,
         limit_val_batches=8,
         check_val_every_n_epoch=None,
+        # The data module shards the training data itself, so every rank validates the same batches: the groups'
+        # `val_loss` compare like with like, and the merged model's is that of the whole set (not a rank's share).
+        use_distributed_sampler=False,
         callbacks=[hdet],
         logger=loggers,
         log_every_n_steps=5,
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
     )
     model = CharLM(lr=args.lr)
-    data = CharCorpusDataModule(block_size=64, batch_size=16, max_chars=args.max_chars)
+    data = CharCorpusDataModule(block_size=64, batch_size=16, max_chars=args.max_chars, shard_train=True)
     trainer.fit(model, datamodule=data)
     merged = trainer.validate(model, datamodule=data, verbose=False)  # every rank now holds the merged model
     if trainer.is_global_zero:

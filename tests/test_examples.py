@@ -19,20 +19,21 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def run_example(*args: str, cwd: Path, timeout: float = 240) -> str:
+def run_example(*args: str, cwd: Path, timeout: float = 240, stderr: bool = False) -> str:
+    """The example's stdout (and its stderr after it, with ``stderr``: warnings, Lightning's lines)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result.stdout
+    return result.stdout + (result.stderr if stderr else "")
 
 
 @pytest.mark.timeout(300)
 def test_quickstart_prints_votes_and_writes_plots(tmp_path: Path) -> None:
     out = run_example(str(EXAMPLES / "quickstart.py"), "--steps", "10", "--every", "5", "--devices", "2",
                       "--max-chars", "100000", "--multipliers", "0.3", "3", "--out", str(tmp_path),
-                      cwd=tmp_path)
+                      cwd=tmp_path, stderr=True)
     row = r"^\s+(\d+)\s+(\d)\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.e+-]+)\s+([\d.]+)\s+(\d)\s+(True|False)$"
     rows = re.findall(row, out, re.M)
     assert [(int(s), int(g)) for s, g, *_ in rows] == [(5, 0), (5, 1), (10, 0), (10, 1)], out
@@ -45,6 +46,9 @@ def test_quickstart_prints_votes_and_writes_plots(tmp_path: Path) -> None:
     plots = sorted(p.name for p in tmp_path.rglob("*.png"))
     assert plots == ["hdet_loss.png", "hdet_lr.png", "hdet_vote_weights.png"]
     assert "Next: add HDET to your own script (docs/quickstart.md)" in out
+    # what a newcomer reads: the process groups said once (not again at the final validate), and every rank
+    # validates the same batches (no DistributedSampler at validate, which Lightning warns about)
+    assert out.count("HDET: creating 2 process groups") == 1 and "DistributedSampler" not in out, out
 
 
 def test_quickstart_says_why_it_wrote_no_plots_without_matplotlib(tmp_path: Path,
