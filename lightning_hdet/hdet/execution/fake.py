@@ -491,6 +491,7 @@ class FakeTrainer:
     estimated_stepping_batches: float = math.inf
     callback_metrics: dict[str, Any] = field(default_factory=dict)
     loggers: list[Any] = field(default_factory=list)
+    callbacks: list[Any] = field(default_factory=list)  # the others a Trainer would hold (e.g. a ModelCheckpoint)
     # The training data per epoch and the validation's cadence (``monitor="auto"``): an unbounded stream by default.
     num_training_batches: float = math.inf
     val_check_batch: Optional[float] = None

@@ -15,7 +15,8 @@ restore point and the optimizer states are left alone). Cost per validation: one
 copy of this rank's part of the model, and the merge's all-reduces.
 
 Not under ``HDETCallback(monitor=...)``: that vote compares each group's own value of a validation metric, so
-validation runs each group's own model, and a warning at the start of fit says what the metric then describes.
+validation runs each group's own model; a warning at the start of fit names any callback that keeps or stops on
+that metric (it would act on a group's value).
 """
 
 from __future__ import annotations
