@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightning_hdet._checks import is_int, require
-from lightning_hdet.demos.optim import set_schedule_free_mode
+from lightning_hdet.demos.optim import make_optimizer, set_schedule_free_mode, with_schedule
 
 
 def check_shuffle_seed(shuffle_seed: object) -> None:
@@ -53,14 +54,25 @@ def training_loader(
 
 
 class DemoModule(LightningModule):
-    """Base of the demo models: subclasses define ``_loss(batch)``; this logs ``train_loss`` every step and
+    """Base of the demo models (cross-entropy of ``self(inputs)`` against the targets; the optimizer and schedule
+    named by the hparams ``optimizer``, ``lr``, ``weight_decay`` and ``scheduler``): logs ``train_loss`` every step and
     ``val_loss`` per validation (unsynchronised: each rank keeps its own value, of the merged model under HDET, or of
-its own group's with ``HDETCallback(monitor="val_loss")``, the vote's signal),
+    its own group's with ``HDETCallback(monitor="val_loss")``, the vote's signal),
     and lets a schedule-free optimizer train on its interpolated weights and validate on its average
     (``optimizer.train()`` / ``optimizer.eval()``; a no-op for every other optimizer)."""
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        raise NotImplementedError
+        """Cross-entropy of the logits ``self(inputs)`` against ``targets``, over every position (a classifier's
+        ``(batch, classes)`` or a language model's ``(batch, time, vocabulary)``)."""
+        inputs, targets = batch
+        logits = self(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @override
+    def configure_optimizers(self) -> object:
+        hp = self.hparams
+        optimizer = make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
+        return with_schedule(optimizer, hp.scheduler, self)
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

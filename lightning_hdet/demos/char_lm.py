@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_hdet._checks import check_choice
@@ -80,11 +79,6 @@ class CharLM(DemoModule):
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device, dtype=h.dtype)
         h = self.blocks(h, mask=mask, is_causal=True)
         return self.head(self.norm(h))
-
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -12,14 +12,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet._checks import check_choice
 from lightning_hdet.demos.base import DemoModule, check_shard_train, check_shuffle_seed, training_loader
-from lightning_hdet.demos.optim import OPTIMIZERS, SCHEDULES, make_optimizer, with_schedule
+from lightning_hdet.demos.optim import OPTIMIZERS, SCHEDULES
 
 CLASSES = ("disc", "square", "plus", "ring", "horizontal stripes", "vertical stripes")
 
@@ -152,11 +151,3 @@ class ShapesCNN(DemoModule):
         """Logits ``(batch, classes)`` for images ``(batch, 1, H, W)``."""
         return self.head(self.features(images))
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        images, labels = batch
-        return F.cross_entropy(self(images), labels)
-
-    def configure_optimizers(self) -> object:
-        hp = self.hparams
-        optimizer = make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
-        return with_schedule(optimizer, hp.scheduler, self)

@@ -11,14 +11,13 @@ correlated (a random mixing of independent Gaussians), as in real tables. A cons
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet._checks import check_choice, check_int, check_number
 from lightning_hdet.demos.base import DemoModule, check_shard_train, check_shuffle_seed, training_loader
-from lightning_hdet.demos.optim import OPTIMIZERS, SCHEDULES, make_optimizer, with_schedule
+from lightning_hdet.demos.optim import OPTIMIZERS, SCHEDULES
 
 
 def make_tabular(
@@ -139,11 +138,3 @@ class TabularMLP(DemoModule):
         """Logits ``(batch, classes)`` for rows ``(batch, features)``."""
         return self.head(self.body(rows))
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        rows, labels = batch
-        return F.cross_entropy(self(rows), labels)
-
-    def configure_optimizers(self) -> object:
-        hp = self.hparams
-        optimizer = make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
-        return with_schedule(optimizer, hp.scheduler, self)
