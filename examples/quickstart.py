@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> None:
         val_check_interval=args.every,
         limit_val_batches=8,
         check_val_every_n_epoch=None,
-        # The data module shards the training data itself, so every rank validates the same batches: the groups'
-        # `val_loss` compare like with like, and the merged model's is that of the whole set (not a rank's share).
+        # The data module shards the training data itself and every rank validates the same batches, so the merged
+        # model's loss printed below is the same on every rank (HDET's votes compare the groups on the same data
+        # with Lightning's own sampler too: it splits a fit's validation over each group's ranks).
         use_distributed_sampler=False,
         callbacks=[hdet],
         logger=loggers,

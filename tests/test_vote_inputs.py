@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet import HDETCallback, HDETStrategy
 from lightning_hdet.hdet.lightning.checkpoints import group_file
@@ -172,7 +172,7 @@ class _GroupValidated(LinearModel):
         self.log("val_loss", loss, sync_dist=True)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(Regression(n=64, seed=1), batch_size=16)  # one batch per rank of 4: no padding
+        return DataLoader(Regression(n=64, seed=1), batch_size=16)  # two batches per rank of a group of 2: no padding
 
     def on_fit_end(self) -> None:
         torch.save({"own": self.own, "train": self.train_losses}, Path(self.out) / f"model{self.global_rank}.pt")
@@ -196,7 +196,7 @@ def test_a_sync_dist_metric_is_each_groups_own_and_a_vote_at_a_validation_step_r
     assert len(saved) == 2 and all(Path(group_file(path, g)).exists() for path in saved for g in range(2)), \
         sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "ckpt").rglob("*"))
     ranks = load_ranks(tmp_path, 4)
-    own = [dict(torch.load(tmp_path / f"model{r}.pt")["own"]) for r in range(4)]
+    own = [_per_step_means(torch.load(tmp_path / f"model{r}.pt")["own"]) for r in range(4)]
     history = ranks[0]["history"]
     assert sorted({h["step"] for h in history}) == [4, 8]
     for step in (4, 8):
@@ -205,6 +205,71 @@ def test_a_sync_dist_metric_is_each_groups_own_and_a_vote_at_a_validation_step_r
         assert voted == pytest.approx(expected, rel=1e-6)
         assert abs(voted[0] - voted[1]) > 1e-3 * abs(voted[0])  # not one job-wide value
     assert all(r["history"] == history for r in ranks)
+
+
+def _per_step_means(values: list[tuple[int, float]]) -> dict[int, float]:
+    """A rank's validation losses averaged per step (equal batches: what Lightning logs for the epoch)."""
+    steps: dict[int, list[float]] = {}
+    for step, value in values:
+        steps.setdefault(step, []).append(value)
+    return {step: sum(v) / len(v) for step, v in steps.items()}
+
+
+class _IndexedValidated(LinearModel):
+    """Records which items each rank trains and validates on (every item carries its index)."""
+
+    def __init__(self, out: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.out = out
+        self.seen: dict[str, list[int]] = {"train": [], "val": []}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, index = batch
+        self.seen["train"] += index.tolist()
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, index = batch
+        if not self.trainer.sanity_checking:
+            self.seen["val"] += index.tolist()
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_indexed(Regression(n=128)), batch_size=8)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(_indexed(Regression(n=32, seed=1)), batch_size=8)
+
+    def on_fit_end(self) -> None:
+        torch.save(self.seen, Path(self.out) / f"seen{self.global_rank}.pt")
+
+
+def _indexed(data: Regression) -> TensorDataset:
+    return TensorDataset(data.x, data.y, torch.arange(len(data)))
+
+
+@pytest.mark.parametrize("monitor", ["val_loss", None])
+def test_under_a_validation_vote_every_group_validates_the_same_data_and_training_stays_split(
+        tmp_path: Path, monitor: str | None) -> None:
+    """4 ranks in 2 groups, Lightning's own distributed sampler. Votes on ``val_loss``: the fit's validation is
+    split over each group's two ranks, so both groups validate all 32 items (each rank 16; Lightning split them over
+    all four ranks, 8 each, so the groups were measured on different items). Training data stay split over the
+    four ranks (no item twice in a step). Votes on the training loss: validation as Lightning splits it."""
+    strategy = HDETStrategy(num_groups=2, lr_multipliers=[0.5, 2.0], gradient_sync="group", start_method=START)
+    callback = HDETCallback(every_n_steps=4, monitor=monitor, search=False)
+    trainer = Trainer(strategy=strategy, callbacks=[callback],
+                      **trainer_kwargs(devices=4, max_steps=4, val_check_interval=4, limit_val_batches=None,
+                                       num_sanity_val_steps=1))
+    trainer.fit(_IndexedValidated(str(tmp_path)))
+    seen = [torch.load(tmp_path / f"seen{r}.pt") for r in range(4)]
+    train = [index for rank in seen for index in rank["train"]]
+    assert sorted(train) == list(range(128))  # 4 steps x 8 items x 4 ranks: each item once
+    groups = [sorted(seen[r]["val"] + seen[r + 1]["val"]) for r in (0, 2)]
+    if monitor is None:
+        assert sorted(groups[0] + groups[1]) == list(range(32))  # each group its own half
+    else:
+        assert groups[0] == groups[1] == list(range(32))
+        assert len(seen[0]["val"]) == 16 and not set(seen[0]["val"]) & set(seen[1]["val"])
 
 
 def test_the_voted_loss_under_accumulation_is_the_per_step_loss(tmp_path: Path) -> None:

@@ -80,8 +80,8 @@ class MLP(LightningModule):
         self.log("val_loss", loss, sync_dist=True)
 
     def val_dataloader(self) -> DataLoader:
-        # 4 items per rank, one batch each: the mean over ranks is the whole set's loss
-        return DataLoader(Regression(n=16, seed=1) if self.validate else [], batch_size=4)
+        # One batch per rank: 8 items under monitor (a fit's validation is split over the group's two ranks), else 4
+        return DataLoader(Regression(n=16, seed=1) if self.validate else [], batch_size=8)
 
 
 def full(module: torch.nn.Module) -> torch.Tensor:
@@ -114,7 +114,8 @@ class Probe(Callback):
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
-        if self.tag == "before" and not trainer.sanity_checking:
+        # At the first batch: the model validated (FSDP2 may leave later batches' parameters unsharded after a forward).
+        if self.tag == "before" and not trainer.sanity_checking and batch_idx == 0:
             self.record.setdefault("validated", {})[trainer.global_step] = full(pl_module)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

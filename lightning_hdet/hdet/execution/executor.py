@@ -132,6 +132,13 @@ class HDETParts:
         if hasattr(self.host, "group_metrics"):
             self.host.group_metrics = on
 
+    def validate_in_groups(self, on: bool) -> None:
+        """Whether a fit's validation is split over each group's ranks only, so that every group validates the same
+        data (:class:`~lightning_hdet.hdet.lightning.metric_sync.GroupMetricSync`; set before the fit builds its
+        validation data; a host without Lightning's samplers has nothing to switch)."""
+        if hasattr(self.host, "group_validation"):
+            self.host.group_validation = on
+
     def save_ensemble(self, interval_row: Any) -> dict[str, Any]:
         """What a checkpoint keeps of the ensemble (``checkpoint["hdet"]``): multipliers, this rank's restore point,
         where every group's own state is (each group writes its own), every group's ``interval_row`` (the vote's

@@ -162,12 +162,6 @@ class HDETFSDPStrategy(GroupMetricSync, HDETGroups, ShardedEnsembleOps, ModelPar
     def _guard_process_group(self) -> Any:
         return self.shard_mesh.get_group()  # a guarded step is skipped by the whole group
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank reads its own data, as with "hdet" (FSDP is data-parallel inside a group too).
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
     # ------------------------------------------------------------------ sharding
     @override
     def setup(self, trainer: Trainer) -> None:

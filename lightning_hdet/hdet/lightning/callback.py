@@ -184,6 +184,10 @@ class HDETCallback(KnownArguments, Callback):
             self.settings.vote.check_strategy(hdet.gradient_sync, list(hdet.explored.tables))  # before the guard
             if self.settings.safety_net is not None:
                 hdet.guard.enable()  # here: before the strategy wraps the model (the guard is a DDP hook)
+            # Every group validates the same data wherever the votes may read a validation metric ("auto" decides
+            # only at train start, after the fit built its validation data): else each group's value is its own
+            # share of the validation set's.
+            hdet.validate_in_groups(self._monitor is not None or (self._auto and type(self.settings.signal) is Signal))
             # A run bounded by max_steps is sized now; one bounded by epochs at train start (Lightning's estimate
             # loads the training data, which the module's own `setup` may still have to build).
             bounded = trainer.max_steps > 0

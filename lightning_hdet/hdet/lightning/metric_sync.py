@@ -8,6 +8,13 @@ the callback turns it on for each validation under ``monitor``
 (:meth:`~lightning_hdet.hdet.execution.executor.HDETParts. sync_metrics_in_groups`). A metric logged with an explicit
 ``sync_dist_group`` is left alone, and Lightning's own decisions (``reduce_boolean_decision``: ``ModelCheckpoint``,
 ``EarlyStopping``, stopping) stay over every rank.
+
+The data a vote compares must be the same for every group, too. Lightning's distributed sampler splits a
+validation set over every rank, so each group would be measured on its own share of it and the vote would compare
+different data (a difference of the size of the leads it decides on). While ``group_validation`` is on (the
+callback's ``monitor`` may read a validation metric), the validation of a fit is split over the ranks of each group
+only: every group validates the same data, each rank ``group size / world size`` of the validation set instead of
+``1 / world size`` of it. Training data stay split over every rank.
 """
 
 from __future__ import annotations
@@ -15,18 +22,32 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import torch
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.distributed import ReduceOp
+
+# The stages in which a fit builds its validation data loader (the sanity check's is the one the fit keeps).
+_VALIDATION_STAGES = (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING)
 
 
 class GroupMetricSync:
     """``reduce`` over this rank's HDET group while :attr:`group_metrics` is on (see the module docstring).
 
     A host provides ``_guard_process_group`` (the process group of this rank's group), ``root_device``,
-    ``world_size``, ``communicator`` (:class:`~lightning_hdet.hdet.execution.comm.Communicator`) and a Lightning
-    ``reduce``.
+    ``world_size``, ``global_rank``, ``layout`` (:class:`~lightning_hdet.hdet.layout.GroupLayout`), ``communicator``
+    (:class:`~lightning_hdet.hdet.execution.comm.Communicator`), Lightning's ``lightning_module`` and ``reduce``.
     """
 
     group_metrics: bool = False  # on only while a validation the vote reads runs
+    group_validation: bool = False  # a fit's validation split over each group's ranks (the callback's monitor)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank its own share of the training data; a fit's validation under ``group_validation`` split over
+        this rank's group only, so that every group validates the same data (the module docstring)."""
+        rank, layout = self.global_rank, self.layout  # type: ignore[attr-defined]
+        if self.group_validation and _fit_validation(self.lightning_module):  # type: ignore[attr-defined]
+            return {"num_replicas": layout.group_size, "rank": rank - layout.ranks(layout.group_of(rank))[0]}
+        return {"num_replicas": layout.world_size, "rank": rank}
 
     def reduce(self, tensor: Any, group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
@@ -41,3 +62,10 @@ class GroupMetricSync:
         self.communicator.all_reduce(count)  # type: ignore[attr-defined]
         return bool(count == self.world_size) if all else bool(count)  # type: ignore[attr-defined]
 
+
+
+def _fit_validation(module: Any) -> bool:
+    """Whether the trainer of ``module`` is building a fit's validation data (not training data, not a later
+    ``validate``/``test``/``predict``, whose model is the one merged model)."""
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.stage in _VALIDATION_STAGES
