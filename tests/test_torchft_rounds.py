@@ -210,9 +210,9 @@ def lineage_wire(delta: list[float], lineage: int, accepted: float = 1.0) -> tor
 
 def test_a_committed_round_chains_the_lineage_over_the_reduced_wire_and_every_job_of_it_holds_the_same():
     """A fresh job's lineage is 0: it sends 32 zero bits and a 1. Its peer holds lineage 0 too: the bits' sums are 0,
-    the jobs' 2, nothing differs. The reduced wire [1, 2, 0 x 32, 2, 2] as float32 bit patterns sums to
-    0x3F800000 + 3 x 0x40000000 = 4286578688; the lineage becomes blake2b("0:4286578688") (4 bytes, little-endian),
-    and the next round sends its bits."""
+    the jobs' 2, nothing differs. The reduced wire [1, 2, 0 x 32, 2, 2] as float32 bit patterns (32-bit words)
+    sums to 0x3F800000 + 3 x 0x40000000 = 4286578688 (below 2**32; no bytes left over); the lineage becomes
+    blake2b("0:4286578688:") (4 bytes, little-endian), and the next round sends its bits."""
     import hashlib
 
     module, manager = linear([1.0, 2.0]), FakeManager(peers=[[0.5, 1.0, 1.0]])
@@ -220,7 +220,7 @@ def test_a_committed_round_chains_the_lineage_over_the_reduced_wire_and_every_jo
     trained(module, [0.5, 1.0])
     assert ft.finish().committed
     assert torch.equal(manager.wires[0], lineage_wire([0.5, 1.0], 0))
-    expected = int.from_bytes(hashlib.blake2b(b"0:4286578688", digest_size=4).digest(), "little")
+    expected = int.from_bytes(hashlib.blake2b(b"0:4286578688:", digest_size=4).digest(), "little")
     assert ft.lineage == expected != 0
     trained(module, (ft.global_model - 1.0).tolist())
     ft.finish()
