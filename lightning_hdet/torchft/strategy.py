@@ -28,9 +28,10 @@ from lightning_hdet.torchft.settings import TorchFT
 log = logging.getLogger(__name__)
 _CHECKPOINT_KEY = "torchft"
 _GONE = ("rank %d: this job was left out of the end of round %d, and its next quorum neither healed it nor held the "
-         "%d jobs of that round (%d now): the jobs that reduced that round without it have ended or failed. It ends "
-         "here, holding the global model of that round's start; the others' final model is the run's (e.g. in their "
-         "checkpoints). Training on would make a model apart from theirs under the same round numbers")
+         "%d jobs of that round (%d now): the jobs that reduced that round without it have ended, failed or look "
+         "dead to the Lighthouse (beats delayed past --heartbeat_timeout_ms). It ends here, holding the global model "
+         "of that round's start; the others' final model is the run's (e.g. in their checkpoints). Training on would "
+         "make a model apart from theirs under the same round numbers")
 
 
 class TorchFTStrategy(DDPStrategy):
@@ -176,8 +177,8 @@ class TorchFTStrategy(DDPStrategy):
         left_out_of, self._left_out_of, self._jobs = self._left_out_of, 0, self._manager.num_participants()
         if self.round == before and self._jobs < left_out_of:
             # no job that reduced the round this one missed is here (it would be a round ahead, and heal this one),
-            # and fewer jobs: they ended or failed. Going on (min_replicas allowing) would train apart from their
-            # model, which torchft's round numbers cannot tell from the run's
+            # and fewer jobs: they ended, failed or look dead. Going on (min_replicas allowing) would train apart
+            # from their model, which torchft's round numbers cannot tell from the run's
             self.ended_behind = True
             log.warning(_GONE, self.global_rank, self.round, left_out_of, self._jobs)
         log.debug("rank %d: round %d starts with %d jobs", self.global_rank, self._manager.current_step(),
