@@ -189,6 +189,29 @@ def test_a_live_job_later_than_the_join_timeout_in_one_of_the_run_s_last_two_rou
     assert_close(s2, diloco_by_hand([0, 1, 2], late))
 
 
+@pytest.mark.timeout(420)
+def test_with_min_replicas_1_a_job_left_out_while_the_others_end_the_run_ends_there_instead_of_training_apart(
+        tmp_path):
+    """``min_replicas=1``, a 1 s join timeout; job 2 sleeps 3 s before round 1's end and waits ``timeout`` (10 s) for
+    the round's quorum: jobs 0 and 1 reduce round 1 without it and end the run (rounds 2 and 3) meanwhile. Job 2's
+    next quorum then holds it alone (once their heartbeats expired), at round 1: nothing to heal from. Before, it
+    trained rounds 1-3 alone and ended at round 4, exit 0, with a model apart from the others' (measured: 0.10 off),
+    silently. Now it ends there, ``ended_behind``, with DiLoCo's model after round 0, computed here by hand."""
+    run = Run(tmp_path, min_replicas=1, join_timeout_ms=1000)
+    for job in (0, 1):
+        run.launch(job)
+    run.launch(2, "--timeout", "10", "--late-in-round", "1", "--late-s", "3")
+    run.go(0, 1, 2)
+    assert run.wait() == {0: 0, 1: 0, 2: 0}, run.logs()
+    (r0, s0), (r1, s1), (r2, s2) = run.result(0), run.result(1), run.result(2)
+    assert r0["round"] == r1["round"] == 4 and r0["discarded"] == r1["discarded"] == 0, run.logs()
+    assert (r2["round"], r2["committed"], r2["discarded"], r2["healed"], r2["ended_behind"]) == (1, 1, 1, 0, True), \
+        run.logs()
+    assert "neither healed it nor held the 3 jobs of that round (1 now)" in (tmp_path / "job2.log").read_text()
+    assert_close(s0, s1)
+    assert_close(s2, diloco_by_hand([0, 1, 2], 1))
+
+
 def frozen_third_job(tmp_path, timeout: str, freeze: str) -> Run:
     """Jobs 0 and 1 healthy, job 2 frozen (``freeze`` in round 1), each with this allreduce ``timeout``: the run once
     jobs 0 and 1 ended by themselves (job 2 killed then), both exited 0."""

@@ -17,20 +17,23 @@ from torch.distributed import ReduceOp
 from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, DelayedNesterovOptimizer, Nesterov
 from lightning_hdet.torchft import TorchFT, TorchFTStrategy
-from lightning_hdet.torchft.rounds import STATE_KEY, ReplicaRound
+from lightning_hdet.torchft.rounds import LINEAGE_BITS, STATE_KEY, ReplicaRound, SplitBrainError
 
 CPU = torch.device("cpu")
 
 
 class FakeManager:
-    """torchft's Manager as a round uses it: ``allreduce`` (SUM) adds ``peers``' wire vectors to this job's and
-    keeps what this job sent; ``should_commit`` answers ``commit``; ``start_quorum`` heals with ``heal_from``'s
-    state when set and allowed (as torchft does for a job behind); ``late``: the round-end quorum is formed without
-    this job (its wait times out); ``calls``: what was called, in order."""
+    """torchft's Manager as a round uses it: ``allreduce`` (SUM) adds ``peers``' wire vectors to this job's (each
+    ``[pseudo-gradient, buffers, accepted]``: a peer holding this job's lineage, whose bits and 1 are put in; or the
+    whole wire) and keeps what this job sent (``sent``: without the lineage's part; ``wires``: whole);
+    ``should_commit`` answers ``commit``; ``start_quorum`` heals with ``heal_from``'s state when set and allowed
+    (as torchft does for a job behind); ``late``: the round-end quorum is formed without this job (its wait times
+    out); ``calls``: what was called, in order."""
 
     def __init__(self, peers: list[list[float]] = (), commit: bool = True) -> None:
         self.peers, self.commit = [torch.tensor(p) for p in peers], commit
         self.sent: list[torch.Tensor] = []
+        self.wires: list[torch.Tensor] = []
         self.heal_from: dict | None = None
         self.calls: list[str] = []
         self.fns: dict = {}
@@ -56,8 +59,12 @@ class FakeManager:
     def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> "FakeManager":
         assert reduce_op == ReduceOp.SUM
         self.calls.append("allreduce")
-        self.sent.append(tensor.clone())
+        self.wires.append(tensor.clone())
+        lineage = tensor[-LINEAGE_BITS - 2:-1].clone()  # this job's lineage bits and its 1
+        self.sent.append(torch.cat([tensor[:-LINEAGE_BITS - 2], tensor[-1:]]))
         for p in self.peers:
+            if len(p) < len(tensor):
+                p = torch.cat([p[:-1], lineage.to(p.dtype), p[-1:]])
             tensor.add_(p)
         return self
 
@@ -167,10 +174,11 @@ def test_a_job_behind_heals_from_a_live_peer_at_the_round_start():
     manager.heal_from = live.fns[STATE_KEY][1]()
     new.start()
     assert torch.equal(module.weight, live_module.weight) and torch.equal(new.global_model, peer.global_model)
+    assert new.lineage == peer.lineage != 0
     for job in (new, peer):  # the same next round: the same model after it (the momentum came along)
         trained(job.module, (job.global_model - 1.0).tolist())
         job.finish()
-    assert torch.equal(module.weight, live_module.weight)
+    assert torch.equal(module.weight, live_module.weight) and new.lineage == peer.lineage
 
 
 def test_a_job_left_out_of_the_round_end_quorum_discards_its_round_then_heals_from_a_live_peer():
@@ -186,13 +194,64 @@ def test_a_job_left_out_of_the_round_end_quorum_discards_its_round_then_heals_fr
     assert (out.committed, out.accepted, out.rejected, out.left_out) == (False, 0, None, True)
     assert manager.timeouts == [timedelta(seconds=7)] and "allreduce" not in manager.calls
     assert torch.equal(module.weight, torch.tensor([[1.0, 2.0]])) and not ft.optimizer.state
-    manager.late, manager.heal_from = False, {"global_model": torch.tensor([5.0, 6.0]),
+    manager.late, manager.heal_from = False, {"global_model": torch.tensor([5.0, 6.0]), "lineage": 7,
                                               "outer": nesterov(torch.zeros(2)).state_dict()}
     ft.start()
     assert torch.equal(module.weight, torch.tensor([[5.0, 6.0]]))
     trained(module, [4.0, 5.0])  # pseudo-gradient [1, 1], the peer's too: 1.33 [1, 1] from [5, 6]
     assert ft.finish().committed
     assert torch.allclose(module.weight, torch.tensor([[5.0 - 1.33, 6.0 - 1.33]]))
+
+
+def lineage_wire(delta: list[float], lineage: int, accepted: float = 1.0) -> torch.Tensor:
+    """A job's whole wire: ``[pseudo-gradient, lineage bits, 1, accepted]``."""
+    return torch.tensor(delta + [float((lineage >> i) & 1) for i in range(LINEAGE_BITS)] + [1.0, accepted])
+
+
+def test_a_committed_round_chains_the_lineage_over_the_reduced_wire_and_every_job_of_it_holds_the_same():
+    """A fresh job's lineage is 0: it sends 32 zero bits and a 1. Its peer holds lineage 0 too: the bits' sums are 0,
+    the jobs' 2, nothing differs. The reduced wire [1, 2, 0 x 32, 2, 2] as float32 bit patterns (32-bit words)
+    sums to 0x3F800000 + 3 x 0x40000000 = 4286578688 (below 2**32; no bytes left over); the lineage becomes
+    blake2b("0:4286578688:") (4 bytes, little-endian), and the next round sends its bits."""
+    import hashlib
+
+    module, manager = linear([1.0, 2.0]), FakeManager(peers=[[0.5, 1.0, 1.0]])
+    ft = ReplicaRound(module, CPU, manager, nesterov, PushCheck())
+    trained(module, [0.5, 1.0])
+    assert ft.finish().committed
+    assert torch.equal(manager.wires[0], lineage_wire([0.5, 1.0], 0))
+    expected = int.from_bytes(hashlib.blake2b(b"0:4286578688:", digest_size=4).digest(), "little")
+    assert ft.lineage == expected != 0
+    trained(module, (ft.global_model - 1.0).tolist())
+    ft.finish()
+    assert torch.equal(manager.wires[1], lineage_wire([1.0, 1.0], expected))
+
+
+def test_jobs_that_committed_rounds_apart_meet_in_one_quorum_and_every_one_stops_with_a_split_brain_error():
+    """Jobs X and Y start from one model (lineage 0) and commit a round each in a quorum apart (X with a peer of
+    pseudo-gradient [1, 1], Y with one of [3, 3]: a split brain): their models and lineages differ though torchft
+    holds both at round 1. They then meet in one quorum: each bit where the two lineages differ sums to 1 of 2 jobs,
+    so both see it, apply nothing and stop, naming the cause and the fix; the rejected pseudo-gradient of Y still
+    carries its lineage."""
+    jobs = {}
+    for name, peer in (("x", [1.0, 1.0, 1.0]), ("y", [3.0, 3.0, 1.0])):
+        module = linear([1.0, 2.0])
+        jobs[name] = ReplicaRound(module, CPU, FakeManager(peers=[peer]), nesterov, PushCheck())
+        trained(module, [0.0, 1.0])  # pseudo-gradient [1, 1]
+        assert jobs[name].finish().committed
+    x, y = jobs["x"], jobs["y"]
+    assert x.lineage != y.lineage and not torch.equal(x.global_model, y.global_model)
+    x.manager.peers = [lineage_wire([0.0, 0.0], y.lineage, accepted=0.0)]  # Y's round rejected: zeros, lineage
+    y.manager.peers = [lineage_wire([1.0, 1.0], x.lineage)]
+    for job in (x, y):
+        before = job.global_model.clone()
+        trained(job.module, (before - 1.0).tolist())
+        with pytest.raises(SplitBrainError, match=r"The 2 jobs of this round's quorum hold different global models "
+                                                  r"\(.*at most 1 of them hold this job's\).*Set min_replicas above "
+                                                  r"half the jobs.*resume that job from it and start the others "
+                                                  r"afresh"):
+            job.finish()
+        assert torch.equal(job.global_model, before)
 
 
 def test_floating_point_buffers_take_the_mean_of_the_accepted_jobs():
@@ -250,6 +309,7 @@ def test_the_heartbeat_interval_written_is_the_one_torchft_runs(monkeypatch):
                         (TorchFT(lighthouse="http://h:1", min_replicas=2, heartbeat_s=0.25), 0.25)):
         ft.connect(0, 1, "localhost", 1)
         assert made["heartbeat_interval"] == timedelta(seconds=seconds)
+        assert made["max_retries"] is None  # the strategy counts discarded rounds, whatever the cause
     with pytest.raises(ValueError, match="`heartbeat_s` must be"):
         TorchFT(lighthouse="http://h:1", min_replicas=1, heartbeat_s=0)
 
@@ -286,32 +346,43 @@ class PeersManager(FakeManager):
     (``peers_step``) with a pseudo-gradient of [1, 1]; this job is late at the ends of ``late_rounds`` (the run's
     round numbers). The peers start their next round before a job left out is back, which meets them at the start of
     the one after and heals to it there (only the round: the model is this test's concern at the run's end); where
-    no round is left, no quorum forms: torchft's TimeoutError, after its quorum timeout."""
+    no round is left, no quorum forms: torchft's TimeoutError, after its quorum timeout (``alone``: min_replicas=1,
+    the Lighthouse forms a quorum of this job alone). ``failed_ends``: round ends where a peer fails, so no one
+    commits; ``ahead``: rounds the peers train while a job left out waits."""
 
-    def __init__(self, rounds: int, late_rounds: set[int]) -> None:
+    def __init__(self, rounds: int, late_rounds: set[int], failed_ends: frozenset[int] = frozenset(),
+                 ahead: int = 1, alone: bool = False) -> None:
         super().__init__(peers=[[1.0, 1.0, 1.0]])
+        self.ahead, self.alone, self.jobs = ahead, alone, 2
         self.rounds, self.late_rounds, self.step, self.peers_step = rounds, late_rounds, 0, 0
+        self.failed_ends, self.ends = failed_ends, 0  # round ends (counted from 0) where a peer fails: no one commits
 
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False,
                      timeout: timedelta | None = None) -> None:
         if shrink_only:
-            self.late, self.peers_step = self.step in self.late_rounds, self.step + 1
-        elif self.step < self.peers_step:  # left out: the peers trained another round meanwhile
-            self.peers_step += 1
-            if self.peers_step >= self.rounds:
+            failed, self.ends = self.ends in self.failed_ends, self.ends + 1
+            self.late = not failed and self.step in self.late_rounds
+            self.late_rounds = self.late_rounds - {self.step} if self.late else self.late_rounds  # late once a round
+            self.peers_step, self.commit = self.step + (not failed), not failed
+        elif self.step < self.peers_step:  # left out: the peers trained ``ahead`` more rounds meanwhile
+            self.peers_step += self.ahead
+            if self.peers_step < self.rounds:
+                self.step = self.peers_step
+            elif self.alone:  # the peers ended; min_replicas=1: a quorum of this job alone, nothing to heal from
+                self.jobs = 1
+            else:
                 raise TimeoutError("no quorum within quorum_timeout: the other jobs ended")
-            self.step = self.peers_step
         super().start_quorum(allow_heal, shrink_only, timeout)
 
     def should_commit(self) -> bool:
-        self.step += 1
-        return True
+        self.step += self.commit
+        return self.commit
 
     def current_step(self) -> int:
         return self.step
 
     def num_participants(self) -> int:
-        return 2
+        return self.jobs
 
     def shutdown(self, wait: bool = True) -> None:
         pass
@@ -380,8 +451,45 @@ def test_a_job_left_out_of_max_discarded_rounds_in_a_row_ends_with_an_error_nami
     """Ten rounds, ``max_discarded_rounds=3``, late at every round's end: rounds 0 and 2 are left out (each heals to
     the round after next), round 4 is the third in a row: the job stops after 6 steps, having committed none."""
     manager = PeersManager(rounds=10, late_rounds=set(range(10)))
-    with pytest.raises(RuntimeError, match=r"left out of the round's end in 3 rounds in a row "
-                                           r"\(`TorchFT\(max_discarded_rounds=3\)`\).*--join_timeout_ms above this "
-                                           r"job's lag, or check this node"):
+    with pytest.raises(RuntimeError, match=r"discarded 3 rounds in a row \(`TorchFT\(max_discarded_rounds=3\)`\), "
+                                           r"the last because this job was left out of its end.*--join_timeout_ms "
+                                           r"above this job's lag, or check this node"):
         fit_among_peers(monkeypatch, manager, max_discarded_rounds=3)
     assert manager.step == 4 and manager.calls.count("shrink-only quorum") == 3 and "allreduce" not in manager.calls
+
+
+def test_rounds_left_out_and_not_committed_in_turn_count_as_one_streak_of_discarded_rounds(monkeypatch):
+    """``max_discarded_rounds=3``: the job is left out at the end of round 0 (heals to 2), a peer fails during round
+    2 (torchft does not commit it; trained again) and the job is left out of round 2's end once more: three rounds
+    in a row that did not commit, the last left out. Before, each cause had its own count, reset by the other (and
+    torchft's own ``max_retries`` counted only the rounds not committed), so alternating causes never stopped."""
+    manager = PeersManager(rounds=10, late_rounds={0, 2}, failed_ends=frozenset({1}))
+    with pytest.raises(RuntimeError, match=r"discarded 3 rounds in a row \(`TorchFT\(max_discarded_rounds=3\)`\), "
+                                           r"the last because this job was left out of its end"):
+        fit_among_peers(monkeypatch, manager, max_discarded_rounds=3)
+    assert manager.step == 2 and manager.calls.count("shrink-only quorum") == 3
+    assert manager.calls.count("allreduce") == 1
+
+
+def test_a_streak_of_rounds_not_committed_ends_the_job_naming_the_cause(monkeypatch):
+    """``max_discarded_rounds=2``; a peer fails during round 1's first two tries: neither commits, the job stops
+    with the count and the cause (torchft itself no longer counts: ``max_retries=None``)."""
+    manager = PeersManager(rounds=4, late_rounds=set(), failed_ends=frozenset({1, 2}))
+    with pytest.raises(RuntimeError, match=r"discarded 2 rounds in a row .*the last because torchft did not commit it "
+                                           r"\(a job failed during it"):
+        fit_among_peers(monkeypatch, manager, max_discarded_rounds=2)
+    assert manager.step == 1 and manager.calls.count("allreduce") == 3
+
+
+def test_a_job_left_out_whose_next_quorum_holds_none_of_the_jobs_ahead_ends_there_instead_of_training_apart(
+        monkeypatch, caplog):
+    """Eight rounds; the job is left out of round 1's end, and the peers (rounds far shorter than its wait) finish
+    the run meanwhile. With min_replicas=1 its next quorum holds it alone, at round 1: no heal, 1 job of the round's
+    2. Before, it trained rounds 1-7 alone and ended at round 8 with a model apart from the peers' under the same
+    round number, silently. Now it ends there: round 0 committed (w = [1, 2] - 0.5), round 1 discarded, 4 steps."""
+    manager = PeersManager(rounds=8, late_rounds={1}, ahead=7, alone=True)
+    strategy, trainer, module = fit_among_peers(monkeypatch, manager)
+    assert (strategy.round, strategy.rounds_committed, strategy.rounds_discarded, strategy.healed) == (1, 1, 1, 0)
+    assert strategy.ended_behind and trainer.global_step == 4
+    assert torch.equal(module.net.weight, torch.tensor([[0.5, 1.5]]))
+    assert "its next quorum neither healed it nor held the 2 jobs of that round (1 now)" in caplog.text

@@ -7,11 +7,18 @@ a live peer: the global model and the outer optimizer's state); after ``H`` inne
 pseudo-gradient ``theta_global - theta_local`` (finite, a norm within ``max_norm_ratio`` times its own recent
 median), takes the quorum again, shrink-only (a job frozen or dead during the inner steps misses it once the
 Lighthouse's heartbeat timeout has passed, and the others reduce without it instead of waiting out ``timeout`` in
-the allreduce), and sends it through one SUM allreduce of ``[pseudo-gradient, floating-point buffers, accepted]``: a
-rejected job sends zeros and ``accepted = 0``, so the mean is over the accepted jobs (in bfloat16 with
-``wire_dtype``: half the bytes, the sum rounded as it travels). If torchft commits the round
+the allreduce), and sends it through one SUM allreduce of ``[pseudo-gradient, floating-point buffers, lineage bits,
+1, accepted]``: a rejected job sends zeros and ``accepted = 0``, so the mean is over the accepted jobs (in bfloat16
+with ``wire_dtype``: half the bytes, the sum rounded as it travels). If torchft commits the round
 (every rank of the job saw the allreduce succeed), every job runs the same outer step on the mean; otherwise (a
 peer died mid-round) the round is discarded. Either way the job restarts from the global model.
+
+The lineage: a 32-bit hash chained over the reduced wires of the rounds a job committed (a healed job takes its
+peer's). The jobs of one quorum hold the same global model exactly when they hold the same lineage; torchft heals by
+round number only, so jobs that committed rounds in quorums apart (a split brain) would meet at one round with two
+models and average on forever. Each job sends its lineage as 32 zeros and ones and a 1: every bit's sum is then 0
+or the number of jobs (exact in bfloat16 too, up to 256 jobs) unless two lineages differ, which every job of the
+quorum sees alike and ends with :class:`SplitBrainError`.
 
 A live job later than the Lighthouse's join timeout at that second quorum is left out of it, and its own shrink-only
 request can then never be met (torchft 0.2.0 answers a job only with a quorum that holds it): it waits at most
@@ -23,6 +30,7 @@ refuses a ``Manager`` without it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +51,8 @@ STATE_KEY = "lightning_hdet"
 #: Where torchft 0.2.0's ``Manager`` keeps its last quorum, whose failure its next ``start_quorum`` raises again: the
 #: round's end forgets a failed one there (the ``Manager`` has no public way to).
 FAILED_QUORUM = "_quorum_future"
+#: How many bits of the lineage each round's wire carries (one value each).
+LINEAGE_BITS = 32
 #: The torchft release whose ``Manager`` this module was built and tested against (the ``torchft`` extra's pin).
 SUPPORTED_TORCHFT = "0.2.0"
 
@@ -57,6 +67,10 @@ def require_supported(manager: Any, version: str) -> None:
             f"Manager has no `{FAILED_QUORUM}`, which a job left out of a round's end (later than the Lighthouse's "
             "--join_timeout_ms) resets to go on. Install the supported release, as the extra pins it: `pip install "
             f"torchft=={SUPPORTED_TORCHFT}` (or `pip install lightning-hdet[torchft]`).")
+
+
+class SplitBrainError(RuntimeError):
+    """The jobs of a round's quorum held different global models: some committed rounds in a quorum apart."""
 
 
 @dataclass(frozen=True)
@@ -92,14 +106,18 @@ class ReplicaRound:
         self.module, self.device, self.manager, self.check = module, device, manager, check
         self.round_end_timeout = round_end_timeout
         self.tensors = list(module.parameters()) + float_buffers(module)
-        self.n_params = numel(list(module.parameters()))
-        self.global_model = read_into(self.tensors, host_buffer(numel(self.tensors), device), device)
-        self.wire = host_buffer(numel(self.tensors) + 1, device, wire_dtype)  # [pseudo-gradient, buffers, accepted]
+        self.n_params, self.size = numel(list(module.parameters())), numel(self.tensors)
+        self.global_model = read_into(self.tensors, host_buffer(self.size, device), device)
+        # [pseudo-gradient, buffers, lineage bits, 1 (this job), accepted]
+        self.wire = host_buffer(self.size + LINEAGE_BITS + 2, device, wire_dtype)
         # the pseudo-gradient in float32, checked there (the wire itself unless it is narrower)
-        self.delta = self.wire[:-1] if wire_dtype == torch.float32 else host_buffer(numel(self.tensors), device)
+        self.delta = self.wire[: self.size] if wire_dtype == torch.float32 else host_buffer(self.size, device)
         self.optimizer = outer(self.global_model[: self.n_params])
-        #: rounds in a row this job's pseudo-gradient was rejected in, and was left out of the round's end in
-        self.rejected_streak = self.left_out_streak = 0
+        #: rounds in a row this job's pseudo-gradient was rejected in, and did not commit (left out of the round's
+        #: end, or not committed by torchft), whatever the cause
+        self.rejected_streak = self.discarded_streak = 0
+        #: the hash chained over the reduced wires of the rounds this job committed (a heal brings its peer's)
+        self.lineage = 0
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
 
     def start(self) -> None:
@@ -107,37 +125,80 @@ class ReplicaRound:
         self.manager.start_quorum()
 
     def finish(self) -> RoundOutcome:
-        """A round's end: check, reduce and (if committed) step; the module then holds the global model."""
-        n, wire, delta = self.n_params, self.wire, self.delta
+        """A round's end: check, reduce and (if committed) step; the module then holds the global model. Raises
+        :class:`SplitBrainError` where the quorum's jobs held different global models."""
+        n, size, wire, delta = self.n_params, self.size, self.wire, self.delta
         local = read_into(self.tensors, delta, self.device)
         torch.sub(self.global_model[:n], local[:n], out=local[:n])  # the pseudo-gradient, in place
         reason, norm = self._inspect()
-        if reason is None:
-            wire[:-1].copy_(delta)  # a no-op where the wire is the delta
-            wire[-1] = 1.0
-        else:
-            wire.zero_()
+        self._fill_wire(reason is None)
         if not self._round_end_quorum():
-            self.left_out_streak += 1
+            self.discarded_streak += 1
             write_from(self.tensors, self.global_model, self.device)
             return RoundOutcome(False, 0, None, left_out=True)
-        self.left_out_streak = 0
         self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
         committed = bool(self.manager.should_commit())
-        accepted = int(round(float(wire[-1]))) if committed else 0
+        accepted = 0
+        if committed:  # a discarded round's wire may be partial: neither checked nor applied
+            self._check_lineage()
+            self._chain_lineage()
+            accepted = int(round(float(wire[-1])))
         if accepted:
-            mean = delta.copy_(wire[:-1]).div_(accepted)
+            mean = delta.copy_(wire[:size]).div_(accepted)
             params = self.optimizer.param_groups[0]["params"][0]
             params.grad = mean[:n]
             self.optimizer.step()
             params.grad = None
             self.global_model[n:].copy_(mean[n:])
+        self.discarded_streak = 0 if committed else self.discarded_streak + 1
         if committed:  # a discarded round neither accepts nor rejects: nothing of it was applied
             self.rejected_streak = 0 if reason is None else self.rejected_streak + 1
             if reason is None and self.check is not None:
                 self.check.accepted(0, norm)
         write_from(self.tensors, self.global_model, self.device)
         return RoundOutcome(committed, accepted, reason)
+
+    def _fill_wire(self, accepted: bool) -> None:
+        """This job's part of the sum: its pseudo-gradient and buffers and ``accepted = 1`` (zeros where rejected),
+        its lineage's bits and a 1 (every job's, rejected or not: the quorum's jobs are compared)."""
+        wire, size = self.wire, self.size
+        if accepted:
+            wire[:size].copy_(self.delta)  # a no-op where the wire is the delta
+            wire[-1] = 1.0
+        else:
+            wire.zero_()
+        bits = [float((self.lineage >> i) & 1) for i in range(LINEAGE_BITS)]
+        wire[size:-1].copy_(torch.tensor(bits + [1.0]))
+
+    def _check_lineage(self) -> None:
+        """Every bit's sum is 0 or the number of jobs where the quorum's jobs hold one lineage; otherwise every job
+        sees the same sums and stops here."""
+        sums = [round(v) for v in self.wire[self.size:-1].tolist()]
+        jobs, split = sums[-1], [i for i, total in enumerate(sums[:-1]) if total not in (0, sums[-1])]
+        if not split:
+            return
+        same = min(sums[i] if (self.lineage >> i) & 1 else jobs - sums[i] for i in split)
+        raise SplitBrainError(
+            f"The {jobs} jobs of this round's quorum hold different global models (their lineages, the rounds each "
+            f"committed, differ; at most {same} of them hold this job's): some committed rounds in a quorum apart from "
+            "the others (a split brain: with TorchFT(min_replicas=...) at most half the jobs, a job whose heartbeats, "
+            "or the others', were delayed past the Lighthouse's --heartbeat_timeout_ms can form a quorum of its own), "
+            "and torchft heals by round number only, so the run would average one outer step over different models "
+            "from here on. Every job of this quorum stops. Set min_replicas above half the jobs (two quorums apart "
+            "cannot both reach it) and a --heartbeat_timeout_ms above the delays a loaded host puts on the beats; "
+            "restart from one job's checkpoint: resume that job from it and start the others afresh (they heal from "
+            "it).")
+
+    def _chain_lineage(self) -> None:
+        """The next lineage: a hash of this one and of the reduced wire (the same bits on every job of the quorum):
+        the sum of its bytes as 32-bit words, modulo 2**32 (exact in any order, so alike on every machine; one
+        vectorised integer pass a round, a tenth of the round's copies), and the bytes left over."""
+        raw = self.wire.view(torch.uint8)
+        words = raw[: raw.numel() // 4 * 4].view(torch.int32)
+        total = int(words.sum(dtype=torch.int32)) % 2**32  # int32 accumulation wraps: the sum modulo 2**32
+        rest = bytes(raw[words.numel() * 4:].tolist()).hex()
+        digest = hashlib.blake2b(f"{self.lineage}:{total}:{rest}".encode(), digest_size=LINEAGE_BITS // 8).digest()
+        self.lineage = int.from_bytes(digest, "little")
 
     def _round_end_quorum(self) -> bool:
         """The shrink-only quorum (no one joins mid-round; the missing leave); False where this job was left out."""
@@ -160,9 +221,9 @@ class ReplicaRound:
         return reason, norm
 
     def state_dict(self) -> dict[str, Any]:
-        """What a healing job receives: the global model and the outer optimizer's state (copies: the sender goes on
-        while the transfer runs)."""
-        return {"global_model": self.global_model.clone(),
+        """What a healing job receives: the global model, its lineage and the outer optimizer's state (copies: the
+        sender goes on while the transfer runs)."""
+        return {"global_model": self.global_model.clone(), "lineage": self.lineage,
                 "outer": {"state": {k: {name: v.clone() if isinstance(v, Tensor) else v for name, v in s.items()}
                                     for k, s in self.optimizer.state_dict()["state"].items()},
                           "param_groups": self.optimizer.state_dict()["param_groups"]}}
@@ -170,5 +231,6 @@ class ReplicaRound:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Heal: take a live peer's global model and outer state; the module restarts from the global model."""
         self.global_model.copy_(state["global_model"])
+        self.lineage = int(state["lineage"])
         self.optimizer.load_state_dict(state["outer"])
         write_from(self.tensors, self.global_model, self.device)

@@ -43,9 +43,9 @@ class TorchFT(KnownArguments):
             0.1 s ~3 ms a second, 0.5 s ~0.6 ms, 1 s ~0.35 ms. A longer interval never delays noticing a frozen job
             (the Lighthouse drops it once its last beat is the timeout old), but a live job whose beats are delayed
             (a loaded host) is taken for dead sooner.
-        max_discarded_rounds: rounds discarded in a row (a peer failing in each, or a quorum smaller than
-            ``min_replicas``), or this job left out of in a row (later than the Lighthouse's join timeout at each
-            round's end), after which the job ends with an error instead of training for nothing.
+        max_discarded_rounds: rounds in a row this job did not commit, whatever the cause (a peer failing during
+            one, a quorum smaller than ``min_replicas``, this job left out of its end: later than the Lighthouse's
+            join timeout there), after which the job ends with an error instead of training for nothing.
     """
 
     lighthouse: str
@@ -88,7 +88,7 @@ class TorchFT(KnownArguments):
             heartbeat_interval=timedelta(seconds=self.heartbeat_s), rank=rank, world_size=world_size,
             store_addr=store_addr, store_port=store_port, lighthouse_addr=self.lighthouse,
             replica_id=self.replica_id or f"{socket.gethostname()}_{os.getpid()}",
-            max_retries=self.max_discarded_rounds - 1,  # torchft raises after max_retries + 1 failed commits
+            max_retries=None,  # max_discarded_rounds counts every discarded round, left out or not committed
             hostname=self.hostname or socket.gethostname())
         try:
             require_supported(manager, _installed_version())

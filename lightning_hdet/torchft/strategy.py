@@ -27,6 +27,11 @@ from lightning_hdet.torchft.settings import TorchFT
 
 log = logging.getLogger(__name__)
 _CHECKPOINT_KEY = "torchft"
+_GONE = ("rank %d: this job was left out of the end of round %d, and its next quorum neither healed it nor held the "
+         "%d jobs of that round (%d now): the jobs that reduced that round without it have ended, failed or look "
+         "dead to the Lighthouse (beats delayed past --heartbeat_timeout_ms). It ends here, holding the global model "
+         "of that round's start; the others' final model is the run's (e.g. in their checkpoints). Training on would "
+         "make a model apart from theirs under the same round numbers")
 
 
 class TorchFTStrategy(DDPStrategy):
@@ -38,11 +43,13 @@ class TorchFTStrategy(DDPStrategy):
     the allreduce (once its heartbeats are the Lighthouse's heartbeat timeout old) and the others reduce without it;
     one that dies inside the allreduce fails it, and the round is discarded and trained again. A live job later than
     the Lighthouse's join timeout at that quorum is left out of it too: after ``timeout`` it discards its round and
-    heals at a later round's start; left out of one of the run's last two rounds it ends there, behind the
-    others' final model (``ended_behind``, and a warning); left out of ``TorchFT.max_discarded_rounds`` rounds
-    in a row it ends with an error. A new or restarted job heals from a live peer at a round's start and joins. The
-    run ends after ``max_steps / local_steps`` committed rounds, the same for every job (a job that joined late
-    included).
+    heals at a later round's start; left out of one of the run's last two rounds, or where its next quorum holds
+    none of the jobs that reduced without it (they ended or failed), it ends there, behind the others' final model
+    (``ended_behind``, and a warning); ``TorchFT.max_discarded_rounds`` rounds in a row discarded, left out or not
+    committed, end it with an error. Where the jobs of a round's quorum hold different global models (jobs
+    committed rounds in quorums apart), every one of them ends with ``SplitBrainError``. A new or restarted job
+    heals from a live peer at a round's start and joins. The run ends after ``max_steps / local_steps`` committed
+    rounds, the same for every job (a job that joined late included).
 
     Args:
         torchft: the Lighthouse, ``min_replicas`` and timeouts (:class:`~.settings.TorchFT`).
@@ -89,9 +96,11 @@ class TorchFTStrategy(DDPStrategy):
         #: the run's round (committed by the live jobs; a healed job's jumps), rounds this job committed,
         #: discarded (a job failed in them), had its pseudo-gradient rejected in, and heals from a live peer
         self.round = self.rounds_committed = self.rounds_discarded = self.rounds_rejected = self.healed = 0
-        #: this job was left out of one of the run's last two rounds and ended there, one or two outer steps before
-        #: the final model the other jobs hold
+        #: this job was left out of a round and ended there, behind the final model the other jobs hold: one of the
+        #: run's last two rounds, or one whose other jobs were gone at the next quorum
         self.ended_behind = False
+        #: the jobs of the round this job's last round started with, and of the one it was last left out of
+        self._jobs, self._left_out_of = 0, 0
         self._round: Optional[ReplicaRound] = None
         self._manager: Any = None
         self._steps = 0
@@ -165,6 +174,13 @@ class TorchFTStrategy(DDPStrategy):
         if self.round != before:  # healed from a live peer (a new or restarted job)
             self.healed += 1
             log.info("rank %d: healed to round %d", self.global_rank, self._manager.current_step())
+        left_out_of, self._left_out_of, self._jobs = self._left_out_of, 0, self._manager.num_participants()
+        if self.round == before and self._jobs < left_out_of:
+            # no job that reduced the round this one missed is here (it would be a round ahead, and heal this one),
+            # and fewer jobs: they ended, failed or look dead. Going on (min_replicas allowing) would train apart
+            # from their model, which torchft's round numbers cannot tell from the run's
+            self.ended_behind = True
+            log.warning(_GONE, self.global_rank, self.round, left_out_of, self._jobs)
         log.debug("rank %d: round %d starts with %d jobs", self.global_rank, self._manager.current_step(),
                   self._manager.num_participants())
 
@@ -179,20 +195,16 @@ class TorchFTStrategy(DDPStrategy):
             outcome = self._round.finish()
             self._after_round(outcome, optimizer)
             self.round = self._manager.current_step()
+            if self.round < self._rounds and not self.ended_behind:
+                self._start_round()  # which may find that the jobs ahead are gone: ended_behind
             if self.round >= self._rounds or self.ended_behind:
                 self.lightning_module.trainer.should_stop = True
-            else:
-                self._start_round()
         return output
 
     def _after_round(self, outcome: RoundOutcome, optimizer: Optimizer) -> None:
         log.debug("rank %d: round end, step %d: %s", self.global_rank, self._manager.current_step(), outcome)
-        if outcome.left_out:
-            self._left_out()
-            return
         if not outcome.committed:
-            self.rounds_discarded += 1
-            log.warning("rank %d: round discarded (a job failed during it); training it again", self.global_rank)
+            self._discarded(outcome.left_out)
             return
         self.rounds_committed += 1
         if outcome.rejected is not None:
@@ -211,20 +223,31 @@ class TorchFTStrategy(DDPStrategy):
                                         outcome.accepted, "torchft/discarded": self.rounds_discarded},
                                        step=trainer.global_step)
 
+    def _discarded(self, left_out: bool) -> None:
+        """A round that did not commit, whatever the cause: counted, and ``max_discarded_rounds`` of them in a row
+        end the job."""
+        assert self._round is not None
+        self.rounds_discarded += 1
+        limit = self.torchft.max_discarded_rounds
+        if self._round.discarded_streak >= limit:
+            last = ("this job was left out of its end" if left_out else
+                    "torchft did not commit it (a job failed during it, or fewer than min_replicas were left)")
+            raise RuntimeError(
+                f"{type(self).__name__}: this job discarded {limit} rounds in a row "
+                f"(`TorchFT(max_discarded_rounds={limit})`), the last because {last}, so it trained for nothing. A "
+                "job is left out of a round's end where it gets there later than the Lighthouse's --join_timeout_ms "
+                "after the others: start the Lighthouse with a --join_timeout_ms above this job's lag, or check this "
+                "node (slower than the others, overloaded, paused); a round is not committed where a job fails during "
+                "it: see the other jobs' logs. The other jobs go on.")
+        if left_out:
+            self._left_out()
+        else:
+            log.warning("rank %d: round discarded (a job failed during it); training it again", self.global_rank)
+
     def _left_out(self) -> None:
         """This job reached the round's end later than the Lighthouse's join timeout after the others, which reduced
         without it: its round is discarded. The others start the next round before it is back (their quorum waits
         the join timeout for it), so it heals at the start of the one after; where no such round is left, it ends."""
-        assert self._round is not None
-        self.rounds_discarded += 1
-        limit = self.torchft.max_discarded_rounds
-        if self._round.left_out_streak >= limit:
-            raise RuntimeError(
-                f"{type(self).__name__}: this job was left out of the round's end in {limit} rounds in a row "
-                f"(`TorchFT(max_discarded_rounds={limit})`): each time it got there later than the Lighthouse's "
-                "--join_timeout_ms after the others, which reduced without it, so it trained for nothing. Start the "
-                "Lighthouse with a --join_timeout_ms above this job's lag, or check this node (slower than the others, "
-                "overloaded, paused); the other jobs go on.")
         round_ = self._manager.current_step()
         if round_ + 2 >= self._rounds:  # a quorum now would wait out quorum_timeout for jobs that have ended
             self.ended_behind = True
@@ -235,6 +258,7 @@ class TorchFTStrategy(DDPStrategy):
                         "jobs hold (e.g. in their checkpoints)", self.global_rank, round_, self._rounds - 1,
                         self._rounds - round_)
             return
+        self._left_out_of = self._jobs
         log.warning("rank %d: this job reached the round's end later than the Lighthouse's --join_timeout_ms after "
                     "the others, which reduced without it; its round is discarded and it heals from a live peer at a "
                     "later round's start (a join timeout longer than a job's lag keeps it in)", self.global_rank)
