@@ -13,8 +13,8 @@ The data a vote compares must be the same for every group, too. Lightning's dist
 validation set over every rank, so each group would be measured on its own share of it and the vote would compare
 different data (a difference of the size of the leads it decides on). While ``group_validation`` is on (the
 callback's ``monitor`` may read a validation metric), the validation of a fit is split over the ranks of each group
-only: every group validates the same data, each rank ``group size / world size`` of the validation set instead of
-``1 / world size`` of it. Training data stay split over every rank.
+only: every group validates the same data, each rank ``1 / group size`` (``num_groups / world size``) of the
+validation set instead of ``1 / world size`` of it. Training data stay split over every rank.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ class GroupMetricSync:
         count = torch.tensor(int(decision), device=self.root_device)  # type: ignore[attr-defined]
         self.communicator.all_reduce(count)  # type: ignore[attr-defined]
         return bool(count == self.world_size) if all else bool(count)  # type: ignore[attr-defined]
-
 
 
 def _fit_validation(module: Any) -> bool:
