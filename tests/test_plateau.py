@@ -21,6 +21,7 @@ from lightning_hdet.hdet.rules.plateau import (
     judge_plateau,
     judged_at,
     ladder,
+    memorising,
     patience,
 )
 from lightning_hdet.hdet.rules.signals import LossCurve
@@ -189,6 +190,42 @@ def test_a_training_loss_bin_above_the_start_arms_the_plateau_rule_only_for_vote
     assert training.rose_seen and not training.plateau_armed and cuts == []
     validation, cuts = run("val_loss")
     assert validation.rose_seen and validation.plateau_armed and cuts == [300]
+
+
+def test_the_lowest_loss_rising_at_two_votes_in_a_row_is_memorising():
+    """The lowest healthy loss per vote 1.0, 1.1, 1.2: the second rise (1.2 > 1.1 > 1.0) is memorising; a fall
+    (0.9) or an unchanged low starts the count again; a diverged group's loss is not the ensemble's low; an older
+    checkpoint's history (no low) has seen no rise."""
+    history, seen = PlateauHistory(), []
+    for lows in ([1.0, 2.0], [1.1, 2.0], [1.2, 0.5], [0.9, 2.0], [1.0, 2.0], [1.0, 2.0], [1.3, 2.0]):
+        verdict = Verdict([False, lows[1] == 0.5], ["", ""], [0, 0])  # 0.5: a diverged group's loss
+        seen.append(memorising(history, lows, verdict))
+        history = judge_plateau(PlateauRule(steps=10_000), history, verdict, lows, step=50 * (len(seen))).history
+    assert seen == [False, False, True, False, False, False, False]
+    assert (history.low, history.rises) == (1.3, 1)
+    again = PlateauHistory()
+    again.load_state_dict({"best": 0.9, "stuck_steps": 0, "last_step": 300})
+    assert math.isnan(again.low) and again.rises == 0 and not memorising(again, [5.0], FINE)
+
+
+def test_validation_votes_that_memorise_arm_the_plateau_rule_and_training_loss_votes_do_not():
+    """Four groups from a start of 2.08 +- 0.05 learn to 1.60 at the first vote, then every group's loss rises,
+    1.65 and 1.70 (T = 100, the rule's 200 steps): nothing blew up or collapsed. Voting on ``val_loss`` that is a
+    run memorising its data: the second rise (vote 3) arms the rule, 200 steps after the best, and the ladder rolls
+    back at once. Voting on the training loss the same numbers arm nothing (the rule waits for a failure)."""
+    def run(monitor):
+        controller, cuts = HDETController(HDETConfig(every_n_steps=100, monitor=monitor)), []
+        for k, low in enumerate([1.60, 1.65, 1.70, 1.75], start=1):
+            losses = [low, low + 0.05, low + 0.02, low + 0.1]
+            decision = controller.decide(_interval(100 * k, losses, [0.9, 0.96, 1.04, 1.1],
+                                                   first=[2.08] * 4 if k == 1 else None))
+            cuts += [100 * k] if decision.reasons == ["plateau"] * 4 else []
+        return controller, cuts
+
+    validation, cuts = run("val_loss")
+    assert validation.plateau_armed and cuts == [300] and not validation.rose_seen
+    training, cuts = run(None)
+    assert not training.plateau_armed and cuts == []
 
 
 def _interval(step, losses, multipliers, first=None, final=False):

@@ -41,6 +41,7 @@ from lightning_hdet.hdet.rules.plateau import (
     judged_at,
     patience,
     ladder,
+    memorising,
 )
 from lightning_hdet.hdet.rules.search_end import SearchPhase
 from lightning_hdet.hdet.rules.selection import MergeStep, Selection, copy_plan
@@ -248,6 +249,8 @@ class HDETController:
         # steps at too high an LR, and arming on it let the ladder cut every LR 10-100x mid-run from a good start
         # (benchmark 2's MLP, every seed: research log 2026-12-07).
         rose = self.rose_seen and self.config.monitor is not None
+        rose = rose or (self.config.monitor is not None and progress and  # a run memorising its data (plateau.py)
+                        memorising(self.plateau_history, interval.losses, verdict))
         self.plateau_armed = self.plateau_armed or self.rescues > 0 or any(verdict.diverged) or rose or \
             rose_above_start(self.collapse_history.sized(len(interval.losses)), interval.losses)
         plateau = judge_plateau(rule, self.plateau_history, verdict, interval.losses, interval.step, errors, progress,

@@ -37,7 +37,11 @@ a third of a short run before it learns, an ensemble at too low an LR sits there
 fast can go flat for two votes on noise; a 10-100x lower LR is wrong for all three. Each of them fired the rule in
 benchmark 2 (128 steps, its 2-votes-in-the-search default) and ended at 1.1-1.3x the untuned run, while every
 collapse the rule exists for (the crash table, 100-300x too high) had a group caught before it went flat
-(research log 2026-12-03).
+(research log 2026-12-03). On votes that read a validation metric (``monitor``), a run that **memorises** counts as
+failed too (:func:`memorising`): its ensemble's lowest loss rose at ``MEMORISING_RISES`` votes in a row, every LR
+fitting the training data at the held-out data's cost. Nothing else arms the rule there (no group blows up), and
+the ladder's roll-back to the last good merge is what stops it (the MLP read 37 times from 10x too high, at 8
+processes: 1.24 -> 1.04x the grid's best; research log 2026-12-07).
 
 :class:`PlateauHistory` is the state (the best level, steps stuck); :func:`judge_plateau` returns a
 :class:`PlateauVerdict`; :func:`ladder` is the all-stuck ensemble's new multiplier table, :func:`from_initial`
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -79,21 +83,31 @@ class PlateauRule(KnownArguments):
                      hint="A relative improvement on the best loss so far, e.g. 0.01.")
 
 
+#: Votes in a row at which the ensemble's lowest loss rose that make a run on a validation metric memorising.
+MEMORISING_RISES = 2
+
+
 @dataclass
 class PlateauHistory:
-    """The ensemble's best interval loss so far, the optimizer steps since it, and the step of the last vote."""
+    """The ensemble's best interval loss so far, the optimizer steps since it, the step of the last vote, the last
+    judged vote's lowest loss and the judged votes in a row at which it rose."""
 
     best: float = math.nan
     stuck_steps: int = 0
     last_step: int = 0
+    low: float = math.nan
+    rises: int = 0
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "stuck_steps": self.stuck_steps, "last_step": self.last_step}
+        return {"best": self.best, "stuck_steps": self.stuck_steps, "last_step": self.last_step, "low": self.low,
+                "rises": self.rises}
 
     def load_state_dict(self, state: dict) -> None:
         self.best = float(state.get("best", math.nan))
         self.stuck_steps = int(state.get("stuck_steps", 0))
         self.last_step = int(state.get("last_step", 0))
+        self.low = float(state.get("low", math.nan))  # (older checkpoints: no rise seen yet)
+        self.rises = int(state.get("rises", 0))
 
 
 @dataclass(frozen=True)
@@ -163,15 +177,34 @@ def judge_plateau(
     judges nothing and does not count the interval; neither does a vote with no healthy group (other rules act).
     ``armed=False`` (nothing has failed in the run yet): the interval is counted, but the ensemble is not stuck.
     """
-    healthy = [g for g, (x, bad) in enumerate(zip(losses, verdict.diverged)) if not bad and math.isfinite(x)]
-    if rule.steps is None or not progress or not healthy:
-        return PlateauVerdict(False, PlateauHistory(history.best, history.stuck_steps, step))
-    g = min(healthy, key=lambda h: (losses[h], h))
+    g = _lowest(losses, verdict)
+    if rule.steps is None or not progress or g is None:
+        return PlateauVerdict(False, replace(history, last_step=step))
+    low, rises = losses[g], _rises(history, losses[g])
     error = errors[g] if errors is not None and math.isfinite(errors[g]) else 0.0
     if improved(rule, history.best, losses[g], error):
-        return PlateauVerdict(False, PlateauHistory(losses[g], 0, step))
+        return PlateauVerdict(False, PlateauHistory(losses[g], 0, step, low, rises))
     stuck_steps = history.stuck_steps + max(step - history.last_step, 0)
-    return PlateauVerdict(armed and stuck_steps >= rule.steps, PlateauHistory(history.best, stuck_steps, step))
+    return PlateauVerdict(armed and stuck_steps >= rule.steps,
+                          PlateauHistory(history.best, stuck_steps, step, low, rises))
+
+
+def memorising(history: PlateauHistory, losses: Sequence[float], verdict: Verdict) -> bool:
+    """Whether this vote's lowest healthy loss rose above the last judged vote's for the ``MEMORISING_RISES``-th
+    vote in a row (see the module docstring; the caller asks only for votes on a validation metric)."""
+    g = _lowest(losses, verdict)
+    return g is not None and _rises(history, losses[g]) >= MEMORISING_RISES
+
+
+def _lowest(losses: Sequence[float], verdict: Verdict) -> Optional[int]:
+    """The healthy group with the lowest finite loss (the lowest index on a tie), ``None`` without one."""
+    healthy = [g for g, (x, bad) in enumerate(zip(losses, verdict.diverged)) if not bad and math.isfinite(x)]
+    return min(healthy, key=lambda h: (losses[h], h)) if healthy else None
+
+
+def _rises(history: PlateauHistory, low: float) -> int:
+    """The votes in a row at which the lowest loss rose, this vote's ``low`` included."""
+    return history.rises + 1 if math.isfinite(history.low) and low > history.low else 0
 
 
 def forget(history: PlateauHistory, restarted: bool) -> PlateauHistory:
