@@ -206,6 +206,10 @@ def test_the_lowest_loss_rising_at_two_votes_in_a_row_is_memorising():
     again = PlateauHistory()
     again.load_state_dict({"best": 0.9, "stuck_steps": 0, "last_step": 300})
     assert math.isnan(again.low) and again.rises == 0 and not memorising(again, [5.0], FINE)
+    assert again.state_dict() == {"best": 0.9, "stuck_steps": 0, "last_step": 300}  # round-trips as it was
+    restored = PlateauHistory()
+    restored.load_state_dict(history.state_dict())
+    assert restored == history
 
 
 def test_validation_votes_that_memorise_arm_the_plateau_rule_and_training_loss_votes_do_not():

@@ -99,8 +99,9 @@ class PlateauHistory:
     rises: int = 0
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "stuck_steps": self.stuck_steps, "last_step": self.last_step, "low": self.low,
-                "rises": self.rises}
+        state = {"best": self.best, "stuck_steps": self.stuck_steps, "last_step": self.last_step}
+        # the memorising count only once a vote was judged: an older checkpoint round-trips as it was
+        return state if math.isnan(self.low) else {**state, "low": self.low, "rises": self.rises}
 
     def load_state_dict(self, state: dict) -> None:
         self.best = float(state.get("best", math.nan))
