@@ -126,16 +126,19 @@ def test_a_diverged_group_is_rescued_from_the_healthy_groups_mean():
     assert world.restarts == [0, 0, 1]  # and its optimizer state restarted
 
 
+def _nan_from_step_2(executor, index):
+    """Every group falls (``_drift(_falling)``) until step 2, then its parameters and loss are NaN."""
+    if index >= 2:
+        executor.params.fill_(math.nan)
+        return math.nan
+    return _drift(_falling)(executor, index)
+
+
 def test_every_group_diverged_rolls_back_to_the_last_good_merge_and_halves_every_lr():
     world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
 
-    def step(executor, index):
-        if index >= 2:
-            executor.params.fill_(math.nan)
-            return math.nan
-        return _drift(_falling)(executor, index)
-
-    (cb, _), _ = world.fit(_callback(every_n_steps=2, vote=Softmax(meta_lr=0.0, permute=False)), step, max_steps=4)
+    vote = Softmax(meta_lr=0.0, permute=False)
+    (cb, _), _ = world.fit(_callback(every_n_steps=2, vote=vote), _nan_from_step_2, max_steps=4)
     # vote at 2: params 2 and 4 merged to 3, a good vote (both below the start): 3 became the restore point
     # vote at 4: both NaN, every group rolled back to 3 with a fresh optimizer state and half its LR
     assert [h["winner"] for h in cb.history] == [1, 1, -1, -1]
@@ -147,14 +150,9 @@ def test_a_roll_back_says_each_reason_once(caplog: pytest.LogCaptureFixture) -> 
     """The console line names the groups that share a reason together (it said "non-finite; non-finite")."""
     world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
 
-    def step(executor, index):
-        if index >= 2:
-            executor.params.fill_(math.nan)
-            return math.nan
-        return _drift(_falling)(executor, index)
-
     with caplog.at_level(logging.INFO):
-        world.fit(_callback(every_n_steps=2, vote=Softmax(meta_lr=0.0, permute=False)), step, max_steps=4)
+        world.fit(_callback(every_n_steps=2, vote=Softmax(meta_lr=0.0, permute=False)), _nan_from_step_2,
+                  max_steps=4)
     assert "HDET: step 4: groups 0, 1 (non-finite) diverged; every group rolled back" in caplog.text
 
 
