@@ -36,6 +36,14 @@ from lightning_hdet.demos.corpus import DEFAULT_MAX_CHARS, VOCAB_SIZE
 from lightning_hdet.demos.shapes import CLASSES
 from lightning_hdet.demos.tabular import TabularDataModule, TabularMLP, make_tabular, prior_loss
 
+# One thread per process for every benchmark, as `make bench` runs them (the Makefile exports OMP_NUM_THREADS=1),
+# whether or not the caller exported it: a stamp must not depend on the shell it was run from. A conv net trained by
+# SGD near its largest stable LR ends several per cent apart after a change in the last bits of its arithmetic, which
+# a different thread count makes (2026-12-07: the CNN's untuned DDP run at its good LR ended at 0.896 with one
+# thread and 0.939 with the caller's variable unset). An explicit OMP_NUM_THREADS is kept and recorded (`machine`).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_DIR = REPO / "docs"

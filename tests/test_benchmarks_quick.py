@@ -719,6 +719,22 @@ def test_stamp_line_names_commit_command_date_machine_seeds_and_wall_clock(monke
     assert common.args_seeds(argparse.Namespace(seed=5)) == [5] and common.args_seeds(argparse.Namespace()) == []
 
 
+def test_every_benchmark_computes_with_one_thread_unless_the_caller_says_otherwise():
+    """A stamp must not depend on whether its shell exported OMP_NUM_THREADS (the CNN's SGD runs end several per cent
+    apart at another thread count); an explicit value is kept. The unset case is the default of torch (one thread per
+    core) on a machine with more than one core."""
+    probe = "import torch, benchmarks.common as c; print(torch.get_num_threads(), c.machine()['omp_num_threads'])"
+
+    def threads(**env: str) -> str:
+        base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        out = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, cwd=REPO, capture_output=True,
+                             text=True, check=True)
+        return out.stdout.split()
+
+    assert threads() == ["1", "1"]
+    assert threads(OMP_NUM_THREADS="2") == ["2", "2"]
+
+
 def test_a_part_run_by_make_bench_stamps_the_command_the_docs_check_accepts(monkeypatch):
     import shlex
 
