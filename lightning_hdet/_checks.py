@@ -66,11 +66,19 @@ def check_choice(name: str, value: Any, choices: Sequence[Any], hint: str = "", 
     """One of ``choices`` (or, with ``other``, what it describes, e.g. "a Vote object", which the caller accepted
     before calling); a misspelled string is answered with the closest choice."""
     choices = tuple(choices)
-    if value in choices:
+    if any(_is_choice(value, choice) for choice in choices):
         return
     allowed = repr(choices[0]) if len(choices) == 1 else f"one of {choices}"
     require(name, value, False, allowed + (f" or {other}" if other else ""),
             " ".join(part for part in (did_you_mean(value, choices, repr), hint) if part))
+
+
+def _is_choice(value: Any, choice: Any) -> bool:
+    """``value == choice``, and a number of the choice's own type: ``True`` is not the choice ``1`` (``bool`` is an
+    ``int``), nor ``2.0`` the choice ``2``."""
+    if isinstance(choice, (int, float)):
+        return type(value) is type(choice) and value == choice
+    return bool(value == choice)
 
 
 def did_you_mean(given: Any, valid: Sequence[Any], show: Any = "`{}`".format) -> str:

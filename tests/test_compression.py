@@ -198,6 +198,11 @@ def test_topk_fraction_sets_the_kept_values_per_chunk_hand_computed():
     (lambda: TopK(bits=3), r"`bits` must be one of \(1, 2, 4, 8\), got 3"),
     (lambda: TopK(fraction=0.0), r"`fraction` must be a number in \(0, 1\], got 0.0"),
     (lambda: Int8(chunk=-1), "`chunk` must be a positive integer, got -1"),
+    # a bool is an int to Python, and 2.0 == 2: neither is a bit count
+    (lambda: TopK(bits=True), r"`bits` must be one of \(1, 2, 4, 8\), got True"),
+    (lambda: TopK(bits=2.0), r"`bits` must be one of \(1, 2, 4, 8\), got 2.0"),
+    (lambda: TopK(fraction=True), r"`fraction` must be a number in \(0, 1\], got True"),
+    (lambda: Int8(chunk=True), "`chunk` must be a positive integer, got True"),
 ])
 def test_codec_options_are_checked_on_creation(make, match) -> None:
     with pytest.raises(ValueError, match=match):

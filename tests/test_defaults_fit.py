@@ -4,6 +4,7 @@ path on 1, 2 and 4 processes (gloo)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -77,6 +78,19 @@ def test_the_trainer_strategies_take_the_default_groups_and_the_published_one_ke
     assert recommended.lr_multipliers[:, 0].tolist() == pytest.approx(span_grid(4, 27.0))
     published = Trainer(strategy="hdet_published", accelerator="cpu", devices=8, logger=False).strategy
     assert (published.layout.num_groups, published.layout.group_size) == (8, 1)
+
+
+def test_a_prime_world_size_above_four_warns_that_every_rank_is_its_own_group():
+    """7 ranks: no count from 2 to 4 divides 7, so 7 groups of one rank, said with the fix; 6 ranks, a given
+    `num_groups` or given multipliers do not warn."""
+    with pytest.warns(UserWarning, match=r"divides the world size 7, so each of its 7 ranks is its own HDET group.*"
+                                         r"Run on 6 or 8 processes.*`num_groups=7`"):
+        strategy = Trainer(strategy="hdet", accelerator="cpu", devices=7, logger=False).strategy
+    assert strategy.layout.num_groups == 7
+    for kwargs, devices in (({}, 6), ({"num_groups": 7}, 7), ({"lr_multipliers": [1.0] * 7}, 7)):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*its own HDET group")
+            Trainer(strategy=HDETStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
 
 
 # ------------------------------------------------------------------ the vote interval

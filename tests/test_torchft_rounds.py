@@ -297,6 +297,19 @@ def test_torchft_settings_and_the_strategy_refuse_what_would_not_run():
 
 
 
+def test_a_checkpoint_without_a_lineage_is_refused_naming_the_key_and_what_to_do(tmp_path):
+    """A development build's checkpoint (no lineage) cannot resume: a fresh lineage would hide a split brain."""
+    strategy = TorchFTStrategy(TorchFT(lighthouse="http://localhost:29510", min_replicas=2))
+    round_state = {"global_model": torch.zeros(2), "outer": {"state": {}, "param_groups": []}}
+    old, new = tmp_path / "old.ckpt", tmp_path / "new.ckpt"
+    torch.save({"torchft": {"round": round_state, "manager": {}}}, old)
+    torch.save({"torchft": {"round": {**round_state, "lineage": 7}, "manager": {}}}, new)
+    with pytest.raises(ValueError, match=r"old.ckpt holds no `torchft` -> `round` -> `lineage`.*development build.*"
+                                         r"Resume from a checkpoint this version wrote, or start the run afresh"):
+        strategy.load_checkpoint(old)
+    assert strategy.load_checkpoint(new)["torchft"]["round"]["lineage"] == 7
+
+
 def test_the_heartbeat_interval_written_is_the_one_torchft_runs(monkeypatch):
     """torchft's own 0.1 s heartbeat costs CPU on every step; the job's interval is ``heartbeat_s`` (0.5 s unless
     written), refused where not positive."""

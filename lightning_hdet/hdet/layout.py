@@ -84,7 +84,7 @@ def divisors(n: int) -> list[int]:
 
 def make_layout(world_size: int, num_groups: Optional[int], multipliers: Optional[Sequence[float]]) -> GroupLayout:
     """The layout a strategy asked for: ``num_groups``, else one group per multiplier, else the world size's default
-    (:func:`~lightning_hdet.hdet.rules.defaults.default_num_groups`: four groups from eight ranks on)."""
+    (:func:`~lightning_hdet.hdet.rules.defaults.default_num_groups`: the largest divisor up to 4, one group per rank for a prime world size)."""
     groups = num_groups
     if groups is None and multipliers is not None:
         groups = len(multipliers)

@@ -275,6 +275,7 @@ class TorchFTStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, **kwargs)  # weights_only: on newer Lightning only
         self._resume = checkpoint.get(_CHECKPOINT_KEY)
+        check_lineage_saved(self._resume, checkpoint_path)
         return checkpoint
 
     def _close(self) -> None:
@@ -300,3 +301,17 @@ class TorchFTStrategy(DDPStrategy):
         self._close()
         super().teardown()
 
+
+def check_lineage_saved(resume: Optional[dict[str, Any]], checkpoint_path: Any) -> None:
+    """Refuse a checkpoint whose round has no lineage (a development build's, from before split-brain detection).
+    Starting a lineage afresh is not safe: two jobs resumed from different models would both hold the fresh one, so
+    their first quorum would see one lineage and average the two models on silently (the split brain the lineage is
+    there to stop); and none can be derived that a live job's chained lineage would match."""
+    if resume is None or "lineage" in resume["round"]:
+        return
+    raise ValueError(
+        f"The checkpoint {checkpoint_path} holds no `{_CHECKPOINT_KEY}` -> `round` -> `lineage`: it was written by a "
+        "development build from before split-brain detection, and a lineage cannot be made up for it (jobs resumed "
+        "from different models would then look alike to each other). Resume from a checkpoint this version wrote, "
+        "or start the run afresh from its weights: load its `state_dict` into the module and call `fit` without "
+        "`ckpt_path`.")

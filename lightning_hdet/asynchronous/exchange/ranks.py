@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from lightning_hdet._checks import check_int
 from lightning_hdet.asynchronous.wire.messages import ServerHeader, WorkerHeader
 from lightning_hdet.asynchronous.wire.transport import WorkerTransport
 
@@ -21,9 +22,8 @@ Collective = Callable[[Tensor], None]
 
 def check_ranks_per_worker(ranks_per_worker: int, world_size: int | None = None) -> None:
     """Refuse a ``ranks_per_worker`` that cannot split ``world_size`` ranks into two workers or more."""
-    if isinstance(ranks_per_worker, bool) or not isinstance(ranks_per_worker, int) or ranks_per_worker < 1:
-        raise ValueError(f"`ranks_per_worker={ranks_per_worker!r}` must be an integer >= 1 (the ranks that train"
-                         " one worker together, DDP inside; 1: every rank is a worker).")
+    check_int("ranks_per_worker", ranks_per_worker, minimum=1,
+              hint="It is the ranks that train one worker together, DDP inside; 1: every rank is a worker.")
     if world_size is None:
         return
     if world_size % ranks_per_worker:

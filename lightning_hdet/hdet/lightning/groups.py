@@ -54,7 +54,7 @@ from lightning_hdet.hdet.multipliers import (
     scaled_lr,
     schedule_lrs,
 )
-from lightning_hdet.hdet.rules.defaults import PRESETS, incumbent_grid, span_grid
+from lightning_hdet.hdet.rules.defaults import PRESETS, incumbent_grid, lone_ranks_warning, span_grid
 
 GradientSync = Literal["global", "group", "cluster"]
 GRADIENT_SYNC = ("global", "group", "cluster")
@@ -171,6 +171,8 @@ class HDETGroups(GradientGroups):
         if groups is None and self.preset.group_per_rank and self._requested_multipliers is None:
             groups = world_size  # the paper's members: one per rank, all sharing one gradient
         layout = make_layout(world_size, groups, self._requested_multipliers)
+        if groups is None and self._requested_multipliers is None and (note := lone_ranks_warning(world_size)):
+            rank_zero_warn(note)
         if self.num_nodes > 1 and layout.crosses_nodes(self.num_processes):
             rank_zero_warn(
                 f"HDET groups of {layout.group_size} ranks straddle nodes of {self.num_processes} processes; "

@@ -57,7 +57,8 @@ class HDETStrategy(GroupMetricSync, HDETGroups, EnsembleOps, DDPStrategy):
 
     Args:
         num_groups: number of groups (the ensemble's members). ``None``: chosen from the world size (one group per
-            rank up to 4 ranks, then four groups: 8 ranks give 4 groups of 2, 64 give 4 of 16;
+            rank up to 4 ranks, then the largest divisor up to 4: 6 ranks give 3 groups of 2, 8 give 4 of 2, 64 give
+            4 of 16, a prime world size one group per rank (with a warning);
             :func:`~lightning_hdet.hdet.rules.defaults.default_num_groups`); ``preset="published"``: one group per rank.
             Ranks are split into contiguous groups of equal size.
         lr_multipliers: one learning-rate multiplier per group, applied to every learning rate the optimizer and

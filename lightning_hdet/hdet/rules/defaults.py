@@ -107,6 +107,17 @@ def default_num_groups(world_size: int) -> int:
     return fits[0] if fits else min(g for g in range(MAX_DEFAULT_GROUPS + 1, world_size + 1) if world_size % g == 0)
 
 
+def lone_ranks_warning(world_size: int) -> Optional[str]:
+    """What to do when :func:`default_num_groups` makes every rank its own group although the job has more than
+    :data:`MAX_DEFAULT_GROUPS` ranks (a prime world size: no group count from 2 up divides it); ``None`` elsewhere."""
+    if world_size <= MAX_DEFAULT_GROUPS or default_num_groups(world_size) < world_size:
+        return None
+    return (f"No group count from 2 to {MAX_DEFAULT_GROUPS} divides the world size {world_size}, so each of its"
+            f" {world_size} ranks is its own HDET group, each on 1/{world_size} of the batch during the search. Run on"
+            f" {world_size - 1} or {world_size + 1} processes for groups of several ranks, or pass"
+            f" `num_groups={world_size}` to keep this layout without this warning.")
+
+
 # HDETCallback's default vote interval, sized to the run: VOTES_IN_SEARCH votes before the search ends (at
 # SEARCH_FRACTION of the run), so three times as many after it, at MIN_INTERVAL to MAX_INTERVAL steps apart.
 # Two, measured on two benchmarks. Benchmark 2 (char LM, shapes CNN, tabular MLP; W = G = 4, 128 steps, from the good
