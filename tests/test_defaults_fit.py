@@ -18,6 +18,7 @@ from lightning_hdet.hdet.lightning.callback import vote_plan
 from lightning_hdet.hdet.lightning.monitor import validation_plan
 from lightning_hdet.hdet.rules.defaults import (
     default_num_groups,
+    lone_ranks_warning,
     span_grid,
     user_group,
     validation_aligned_interval,
@@ -78,6 +79,14 @@ def test_the_trainer_strategies_take_the_default_groups_and_the_published_one_ke
     assert recommended.lr_multipliers[:, 0].tolist() == pytest.approx(span_grid(4, 27.0))
     published = Trainer(strategy="hdet_published", accelerator="cpu", devices=8, logger=False).strategy
     assert (published.layout.num_groups, published.layout.group_size) == (8, 1)
+
+
+def test_the_lone_ranks_warning_names_only_sizes_whose_groups_hold_several_ranks():
+    """5 ranks: 4 would be four groups of one again, so only 6 is named; 7: 6 and 8; no warning where a count from 2
+    to 4 divides the world size, or up to 4 ranks."""
+    assert "Run on 6 processes" in lone_ranks_warning(5)
+    assert "Run on 10 or 12 processes" in lone_ranks_warning(11)
+    assert [w for w in range(1, 14) if lone_ranks_warning(w)] == [5, 7, 11, 13]
 
 
 def test_a_prime_world_size_above_four_warns_that_every_rank_is_its_own_group():

@@ -112,10 +112,13 @@ def lone_ranks_warning(world_size: int) -> Optional[str]:
     :data:`MAX_DEFAULT_GROUPS` ranks (a prime world size: no group count from 2 up divides it); ``None`` elsewhere."""
     if world_size <= MAX_DEFAULT_GROUPS or default_num_groups(world_size) < world_size:
         return None
+    # world_size + 1 is even and above 4, so its default groups hold two ranks or more; world_size - 1 only from 7 on
+    # (5 - 1 = 4 ranks are four groups of one again).
+    sizes = f"{world_size - 1} or {world_size + 1}" if world_size - 1 > MAX_DEFAULT_GROUPS else f"{world_size + 1}"
     return (f"No group count from 2 to {MAX_DEFAULT_GROUPS} divides the world size {world_size}, so each of its"
             f" {world_size} ranks is its own HDET group, each on 1/{world_size} of the batch during the search. Run on"
-            f" {world_size - 1} or {world_size + 1} processes for groups of several ranks, or pass"
-            f" `num_groups={world_size}` to keep this layout without this warning.")
+            f" {sizes} processes for groups of several ranks, or pass `num_groups={world_size}` to keep this layout"
+            " without this warning.")
 
 
 # HDETCallback's default vote interval, sized to the run: VOTES_IN_SEARCH votes before the search ends (at
