@@ -202,7 +202,7 @@ def test_outer_optimizer_options_are_checked_on_creation(make, match):
     (dict(dynamic_local_steps=False), r"no longer takes `dynamic_local_steps`=False.*AdaptiveSteps\(start=H\) \(True"
                                       r".* or local_steps=H \(False\)"),
     (dict(mode="sync", outer=DelayedNesterov(lr=0.7, buffer_size=2)),
-     r"`buffer_size` must be None with mode='sync' \(DiLoCo\), got 2"),
+     r"`buffer_size` must be None \(the default\) with mode='sync' \(DiLoCo\), got 2"),
     (dict(error_feedback=True), r"`error_feedback` must be left unset with compression=NoCodec\(\), got True"),
 ])
 def test_an_option_without_effect_is_refused(kwargs, match):

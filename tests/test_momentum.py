@@ -128,6 +128,14 @@ def test_stable_outer_lr_hand_computed():
         == pytest.approx([1 / TAIL, 0.1, 0.3])  # 0.7 without restarts: min(0.354, 1 / (1 / 0.3))
 
 
+def test_stable_outer_lr_takes_delayed_nesterovs_argument_names():
+    """docs/async.md writes ``stable_outer_lr(momentum, restarts)``, DelayedNesterov's names: a user's keywords work
+    and the lr they give is the default preset's."""
+    lr = stable_outer_lr(momentum=0.5, restarts=8)
+    assert lr == pytest.approx(0.375)
+    assert DN(lr=lr, momentum=0.5, warmup=16, restarts=8) == outer_from("stable")
+
+
 def _nesterov_on_mirror_rounds(lr: float, rounds: int = 300) -> float:
     """DiLoCo on f(x) = x^2 / 2 when every round carries the worker to the mirror image of its start (-x, the most
     a stable inner optimizer can do): pseudo-gradient 2 x, Nesterov SGD (Delayed Nesterov with N = 1), momentum 0.9

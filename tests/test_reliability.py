@@ -80,7 +80,7 @@ def test_hdet_callback_rejects(kwargs: dict[str, Any], match: str) -> None:
         (dict(outer=0.7), r"`outer` must be one of \('stable', 'published', 'robust', 'sparseloco'\), got 0.7"),
         (dict(local_steps=2.5), "`local_steps` must be a positive integer, got 2.5"),
         (dict(mode="sync", outer=DelayedNesterov(lr=0.7, momentum_activation=0.1)),
-         r"`momentum_activation` must be None with mode='sync' \(DiLoCo\), got 0.1"),
+         r"`momentum_activation` must be 0 \(the default\) with mode='sync' \(DiLoCo\), got 0.1"),  # None is refused
         (dict(ddp_comm_hook=lambda *a: None), "`ddp_comm_hook` / `model_averaging_period` do not apply"),
     ],
 )

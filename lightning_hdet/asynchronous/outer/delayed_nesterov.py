@@ -180,8 +180,10 @@ class DelayedNesterov(OuterOptimizer):
         MomentumSchedule(self.momentum, self.warmup, self.restarts)
 
     def check(self, mode: str, stagger: int) -> None:
-        for name, value in (("buffer_size", self.buffer_size), ("momentum_activation", self.momentum_activation or None)):
-            require(name, value, mode == "async" or value is None, "None with mode='sync' (DiLoCo)",
+        for name, value, default in (("buffer_size", self.buffer_size, None),
+                                     ("momentum_activation", self.momentum_activation, 0)):
+            require(name, value, mode == "async" or value == default,
+                    f"{default} (the default) with mode='sync' (DiLoCo)",
                     "DiLoCo's outer step is one Nesterov step on the mean of every worker's push. Remove it.")
 
     def check_workers(self, workers: int) -> None:

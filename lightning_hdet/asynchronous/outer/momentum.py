@@ -32,27 +32,28 @@ class OuterPreset:
     sparse: bool = False
 
 
-def momentum_tail(momentum: float, restart: int) -> float:
-    """At most how far one push moves the model, in ``lr`` times the push: ``sum(beta**k, k <= restart)``."""
-    if restart == 0:
+def momentum_tail(momentum: float, restarts: int) -> float:
+    """At most how far one push moves the model, in ``lr`` times the push: ``sum(beta**k, k <= restarts)``."""
+    if restarts == 0:
         return 1.0 / (1.0 - momentum)
-    return sum(momentum**k for k in range(restart + 1))
+    return sum(momentum**k for k in range(restarts + 1))
 
 
-def stable_outer_lr(momentum: float, restart: int) -> float:
-    """The default outer lr for Nesterov momentum ``beta`` restarted every ``restart`` updates, the smaller of two
-    bounds (0.375 at 0.5 restarted every 8; 0.163 at 0.9; 0.5 without momentum); neither depends on W or ``H``.
+def stable_outer_lr(momentum: float, restarts: int) -> float:
+    """The default outer lr for Nesterov momentum ``beta`` restarted every ``restarts`` updates (as
+    :class:`DelayedNesterov` names them), the smaller of two bounds (0.375 at 0.5 restarted every 8; 0.163 at 0.9;
+    0.5 without momentum); neither depends on W or ``H``.
 
     * **The round**, ``(1 + beta) / (2 * (1 + 2 * beta))``: a stable inner round gives the pseudo-gradient's Jacobian
       eigenvalues in ``[0, 2]``; Nesterov's outer step is stable iff ``lr * lam < 2 (1 + beta) / (1 + 2 beta)``
       (0.679 at 0.9, just below the published 0.7: issue 42's divergence); halved, as one step of delay halves the
       stable range.
-    * **The push's whole echo**, ``1 / momentum_tail(beta, restart)``: where later rounds do not revisit a push's
+    * **The push's whole echo**, ``1 / momentum_tail(beta, restarts)``: where later rounds do not revisit a push's
       directions (each worker reads a dataset of many rounds), nothing corrects what the momentum carried on, so the
       momentum must never move the model further along a push than the round went (at the round's bound alone,
       0.339 at 0.9, issue 42's elastic runs and ``benchmarks/outer_stability.py --data whole`` rose).
     """
-    return min((1.0 + momentum) / (2.0 * (1.0 + 2.0 * momentum)), 1.0 / momentum_tail(momentum, restart))
+    return min((1.0 + momentum) / (2.0 * (1.0 + 2.0 * momentum)), 1.0 / momentum_tail(momentum, restarts))
 
 
 #: ``"stable"``, the default: momentum 0.5 with warm-up and restarts and :func:`stable_outer_lr` (0.375), the best
