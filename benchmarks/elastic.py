@@ -94,7 +94,7 @@ def start_together(procs: list, outs: list[Path], go: Path, timeout: float) -> f
     return time.perf_counter()
 
 
-def inject(fault: str | None, victim: subprocess.Popen, go: Path, progress, half: float, alive) -> float | None:
+def inject(fault: str | None, victim: subprocess.Popen | Forked, go: Path, progress, half: float, alive) -> float | None:
     """Wait until ``progress()`` reaches ``half``, then kill the victim or let it join; when it happened."""
     while fault is not None and alive():
         done = progress()
