@@ -23,6 +23,7 @@ import traceback
 
 #: Imported once, in the forkserver.
 PRELOAD = ["torch", "lightning.pytorch"]
+_started: list[Forked] = []
 
 
 class Forked:
@@ -102,4 +103,13 @@ def start(script: str, argv: list[str], env: dict[str, str], log: str) -> Forked
     """Run ``python script *argv`` with environment ``env`` and its output in the file ``log``, forked."""
     process = _context().Process(target=_main, args=(script, argv, env, log), daemon=False)
     process.start()
-    return Forked(process, [script, *argv])
+    _started.append(Forked(process, [script, *argv]))
+    return _started[-1]
+
+
+@atexit.register  # after multiprocessing's own handler was registered, so before it runs: it joins every child
+def _kill_left_over() -> None:
+    """Kill what a run that failed half-way left running (frozen, waiting on the others), so that this process's
+    exit does not wait for it."""
+    for process in _started:
+        process.kill()
