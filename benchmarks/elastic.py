@@ -43,7 +43,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import forked
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
+from benchmarks.forked import Forked
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "elastic_run.py"
@@ -52,12 +54,15 @@ os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse in this process: its
 FAULTS = (None, "kill", "join")
 
 
-def launch(role: str, out: Path, *args: str) -> subprocess.Popen:
-    """Start one process of an elastic run (tests/scripts/elastic_run.py ``role``), its output in ``out``.log."""
+def launch(role: str, out: Path, *args: str, fork: bool = False) -> subprocess.Popen | Forked:
+    """Start one process of an elastic run (tests/scripts/elastic_run.py ``role``), its output in ``out``.log;
+    ``fork``: forked from an interpreter with torch and Lightning imported (:mod:`benchmarks.forked`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "RUST_LOG": "warn"}
+    argv = [role, "--out", str(out), *args]
+    if fork:
+        return forked.start(str(SCRIPT), argv, env, str(out.with_suffix(".log")))
     log = open(out.with_suffix(".log"), "w")
-    return subprocess.Popen([sys.executable, str(SCRIPT), role, "--out", str(out), *args], stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen([sys.executable, str(SCRIPT), *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def free_port() -> int:
@@ -89,7 +94,7 @@ def start_together(procs: list, outs: list[Path], go: Path, timeout: float) -> f
     return time.perf_counter()
 
 
-def inject(fault: str | None, victim: subprocess.Popen, go: Path, progress, half: float, alive) -> float | None:
+def inject(fault: str | None, victim: subprocess.Popen | Forked, go: Path, progress, half: float, alive) -> float | None:
     """Wait until ``progress()`` reaches ``half``, then kill the victim or let it join; when it happened."""
     while fault is not None and alive():
         done = progress()
@@ -106,7 +111,8 @@ def service(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
     address = f"127.0.0.1:{free_port()}"
     server = launch("server", work / "server.json", "--address", address, "--budget", str(args.budget),
                     "--local-steps", str(args.local_steps), "--checkpoint", str(work / "ckpt.pt"),
-                    "--max-idle-s", "30")  # a run that never spends its budget ends 30 s after its last worker left
+                    "--max-idle-s", "30",  # a run that never spends its budget ends 30 s after its last worker left
+                    fork=args.launch == "fork")
     go, outs = work / "go", [work / f"w{i}.json" for i in range(args.workers)]
     # A worker joining at 50 %: the others hold a round past their share of the first half until it has registered
     # (else a quick run's budget is spent before it starts, and it waits out its reconnect_s); counted in wall-clock.
@@ -114,7 +120,8 @@ def service(args: argparse.Namespace, work: Path, fault: str | None) -> dict:
     hold = ("--hold-at", str(held), "--hold-until", str(work / "joined"))
     workers = [launch("worker", out, "--address", address, "--step-s", str(args.step_s), "--local-steps",
                       str(args.local_steps), "--go", str(go.with_suffix(".late" if late else ".all")),
-                      *(() if fault != "join" else ("--mark-joined", str(work / "joined")) if late else hold))
+                      *(() if fault != "join" else ("--mark-joined", str(work / "joined")) if late else hold),
+                      fork=args.launch == "fork")
                for out, late in zip(outs, [False] * (args.workers - 1) + [fault == "join"])]
     start = start_together(workers, outs[: args.workers - (fault == "join")], go.with_suffix(".all"), args.timeout)
     at = inject(fault, workers[-1], go.with_suffix(".late"),
@@ -145,7 +152,8 @@ def torchft(args: argparse.Namespace, work: Path, fault: str | None, heartbeat_s
                    "--workers", str(args.workers), "--local-steps", str(args.local_steps), "--step-s", str(args.step_s),
                    "--progress", str(work / f"rounds{j}"), "--go", str(go.with_suffix(".late" if late else ".all")),
                    "--heartbeat-s", str(heartbeat_s),
-                   *(() if fault != "join" else ("--mark-joined", str(work / "joined")) if late else hold))
+                   *(() if fault != "join" else ("--mark-joined", str(work / "joined")) if late else hold),
+                   fork=args.launch == "fork")
             for j, (out, late) in enumerate(zip(outs, [False] * (args.workers - 1) + [fault == "join"]))]
     start = start_together(jobs, outs[: args.workers - (fault == "join")], go.with_suffix(".all"), args.timeout)
     at = inject(fault, jobs[-1], go.with_suffix(".late"), lambda: int(read_json(work / "rounds0") or 0), rounds // 2,
@@ -167,7 +175,8 @@ def single_job(args: argparse.Namespace, work: Path, mode: str, kill: bool) -> d
     start = time.perf_counter()
     job = launch("single", work / "single.json", "--budget", str(args.budget), "--local-steps", str(args.local_steps),
                  "--step-s", str(args.step_s), "--kill-at-step", str(args.budget // (2 * args.workers) if kill else 0),
-                 "--mode", mode, "--workers", str(args.workers), "--start-method", args.single_start_method)
+                 "--mode", mode, "--workers", str(args.workers), "--start-method", args.single_start_method,
+                 fork=args.launch == "fork")
     code = job.wait(timeout=args.timeout)
     result = read_json(work / "single.json")
     return {"wall_s": time.perf_counter() - start, "final_loss": result.get("final_loss"),
@@ -350,6 +359,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--single-start-method", default="popen", choices=("popen", "spawn", "fork"),
                         help="how the single job starts its ranks (default: Lightning's subprocess launcher, as a "
                              "user runs it; the tests fork them, which spares W - 1 interpreter start-ups)")
+    parser.add_argument("--launch", default="exec", choices=("exec", "fork"),
+                        help="how every process of an arm starts (default: a new interpreter each, as a user runs "
+                             "them; fork: forked from one that imported torch and Lightning once, which spares each "
+                             "~4 s of imports, the single job's start-up included: the tests' choice)")
     parser.add_argument("--cpu-ab", type=int, default=0, metavar="N",
                         help="only the CPU A/B: N interleaved repetitions of the fault-free DiLoCo arms (the single "
                              "job, torchft at each --cpu-heartbeats) at each --cpu-h")

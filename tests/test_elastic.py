@@ -3,6 +3,7 @@ service and its workers as separate processes on loopback (tests/scripts/elastic
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.elastic import free_port, launch, read_json
+from benchmarks import elastic
+from benchmarks.elastic import free_port, read_json
 from lightning_hdet.asynchronous.elastic.membership import parse_address
 from lightning_hdet.asynchronous.elastic.sessions import (
     SessionTable,
@@ -146,7 +148,36 @@ def test_arguments_are_checked_before_anything_connects() -> None:
     assert service.hub is None and service.outer.budget == 10
 
 
-# processes on loopback (started by benchmarks.elastic.launch)
+# processes on loopback (started by benchmarks.elastic.launch), each forked from an interpreter that imported torch
+# and Lightning once (benchmarks/forked.py): a run of 4 to 6 processes spared their ~4 s of imports each
+launch = functools.partial(elastic.launch, fork=True)
+
+
+def test_a_forked_process_runs_its_script_as_its_own_interpreter_would(tmp_path: Path) -> None:
+    """benchmarks/forked.py, which starts the processes below: the script's directory first on ``sys.path``, its
+    arguments and environment, its output in the log; its exit status (``sys.exit``, an exception's 1 with the
+    traceback, a signal's ``-signum``) after its ``atexit`` handlers ran, as with ``subprocess.Popen``; one still
+    running when this process exits is killed (multiprocessing would wait for it)."""
+    from benchmarks import forked
+
+    (tmp_path / "sibling.py").write_text("WORD = 'sibling'\n")
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, os, sys, time\nimport sibling\n"
+        "atexit.register(lambda: open(sys.argv[1] + '.atexit', 'w').close())\n"
+        "print(sibling.WORD, __name__, os.environ['FORKED_TEST'], *sys.argv[1:], flush=True)\n"
+        "if sys.argv[2] == 'raise': raise KeyError('boom')\n"
+        "if sys.argv[2] == 'sleep': time.sleep(600)\n"
+        "sys.exit(int(sys.argv[2]))\n")
+    procs = {how: forked.start(str(script), [str(tmp_path / how), how], {"FORKED_TEST": "env"}, str(tmp_path / how))
+             for how in ("3", "raise", "sleep")}
+    assert procs["3"].wait(timeout=60) == 3 and procs["raise"].wait(timeout=60) == 1 and procs["sleep"].poll() is None
+    forked._kill_left_over()  # at this process's exit: what still runs is killed, not waited for
+    assert procs["sleep"].wait(timeout=60) == -signal.SIGKILL
+    assert (tmp_path / "3").read_text() == f"sibling __main__ env {tmp_path / '3'} 3\n"
+    assert "KeyError: 'boom'" in (tmp_path / "raise").read_text()
+    assert (tmp_path / "3.atexit").exists() and (tmp_path / "raise.atexit").exists()
+    assert not (tmp_path / "sleep.atexit").exists() and procs["sleep"].poll() == -signal.SIGKILL
 
 
 def _wait_for(condition, what: str, timeout: float = 240.0) -> None:
