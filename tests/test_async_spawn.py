@@ -41,3 +41,6 @@ def test_spawn_with_explicit_callbacks_trains(tmp_path: Path, strategy: str) -> 
     # depending on how the two speeds and the local-step policy split it (seen: 0 of 16).
     during = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["async_local_sgd"]
     assert during["steps_done"] == sum(w["steps"] for w in during["workers"].values()) <= 2 * 8
+    # the launching process's strategy holds rank 0's result (None there before): the whole budget, both workers
+    result = trainer.strategy.result
+    assert result is not None and result.steps_done == result.budget == 16 and sorted(result.workers) == [0, 1]

@@ -71,6 +71,8 @@ def test_a_weighted_partial_merge_through_the_collectives_matches_hand_computati
     assert all(torch.equal(r["final_params"], ranks[0]["final_params"]) for r in ranks)
     # identical vote history on every rank
     assert all(r["history"] == ranks[0]["history"] for r in ranks)
+    # the fit ran in forked processes: the launching process's callback holds rank 0's result (it stayed None before)
+    assert cb.result is not None and cb.result.winners[0] == (4, vote[0]["winner"]) and cb.result.steps == 6
 
 
 def test_init_noise_gives_each_group_its_own_start(tmp_path):

@@ -33,6 +33,7 @@ class ExchangeReadouts:
     training_apart: bool
     report: History  # rank 0: the outer metrics logged, for the figures
     _logged_version = -1
+    _handed_back: AsyncResult | None = None  # the launching process of a fork/spawn fit: rank 0's result
     take_snapshot: Callable[[], Optional[dict[str, Any]]]
 
     @property
@@ -75,8 +76,18 @@ class ExchangeReadouts:
 
     @property
     def result(self) -> AsyncResult | None:
-        """Rank 0, during and after ``fit``: what every worker did (summary printed at the end); else ``None``."""
-        return outer_result(self._outer, local_worker=0) if self._outer is not None else None  # rank 0's worker
+        """Rank 0, during and after ``fit``, and the launching process of a fork/spawn fit after it: what every
+        worker did (summary printed at the end); else ``None``."""
+        if self._outer is None:
+            return self._handed_back
+        return outer_result(self._outer, local_worker=0)  # rank 0's worker
+
+    def hand_back(self) -> AsyncResult | None:
+        """Rank 0 after a fork/spawn fit: the result the launching process's strategy takes back."""
+        return self.result
+
+    def take_back(self, value: AsyncResult) -> None:
+        self._handed_back = value
 
     def _log_outer_metrics(self) -> None:
         """Rank 0: the outer metrics to the loggers (and :attr:`report`), when they changed since last logged."""

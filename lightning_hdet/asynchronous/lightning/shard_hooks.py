@@ -11,7 +11,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_hdet._checks import check_names, is_int, own_arguments
-from lightning_hdet._compat import DDP_OPTIONS, MultiProcessingLauncher, attached_trainer
+from lightning_hdet._compat import DDP_OPTIONS, attached_trainer
+from lightning_hdet._launch import HandingBackLauncher
 from lightning_hdet._sharding import is_sharded
 from lightning_hdet.asynchronous.exchange.worker_shards import local_state, state_from_flat
 from lightning_hdet.asynchronous.outer.state import OuterState
@@ -69,8 +70,8 @@ def sharded_module_state(module: pl.LightningModule, snapshot: Mapping[str, Any]
     return local_state(module.state_dict())
 
 
-class ShardedWorkersLauncher(MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher, handing the main process the outer state's global model."""
+class ShardedWorkersLauncher(HandingBackLauncher):
+    """Lightning's fork/spawn launcher, handing the main process the outer state's global model (and the result)."""
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:

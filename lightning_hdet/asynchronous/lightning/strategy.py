@@ -24,6 +24,7 @@ from lightning_hdet._compat import (
     strategy_timeout,
     sync_module_states,
 )
+from lightning_hdet._launch import handing_back
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange, read_model
 from lightning_hdet.asynchronous.exchange.worker_shards import (
@@ -160,6 +161,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         super()._configure_launcher()
         if self.inside_worker == "fsdp" and type(self._launcher) is MultiProcessingLauncher:
             self._launcher = ShardedWorkersLauncher(self, start_method=self._start_method)
+        self._launcher = handing_back(self, self._launcher)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:

@@ -321,6 +321,13 @@ class HDETCallback(KnownArguments, Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         finish_worker_run(trainer)
 
+    def hand_back(self) -> Optional[HDETResult]:
+        """Rank 0 after a fork/spawn fit: the result the launching process's copy of this callback takes back."""
+        return self.result
+
+    def take_back(self, value: HDETResult) -> None:
+        self.result = value
+
     # ------------------------------------------------------------------ the vote
     def vote_and_merge(self, trainer: Trainer, pl_module: LightningModule, final: bool = False) -> None:
         """One vote: losses -> decision (weights, winner, multipliers, rescues) -> merged or rolled-back model."""

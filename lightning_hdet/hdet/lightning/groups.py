@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_hdet._checks import check_choice, require
 from lightning_hdet._compat import ensure_callback, unwrap_optimizer
+from lightning_hdet._launch import handing_back
 from lightning_hdet.hdet.clusters import equal_rows, stacked_rows
 from lightning_hdet.hdet.execution.comm import Communicator, GroupComm, ProcessGroupCommunicator
 from lightning_hdet.hdet.execution.executor import HDETParts
@@ -151,11 +152,11 @@ class HDETGroups(GradientGroups):
         if self.gradient_sync == "cluster" and all(len(c) == 1 for c in equal_rows(self.rate_rows())):
             rank_zero_warn(
                 f"gradient_sync='cluster' with the multipliers {self._table.get(1)[:, 0].tolist()}: no two groups share "
-                "their rates, so every group trains alone as under 'group'. Clusters need four groups "
-                "or more (the default grid then puts the user's LR on the middle ones) or equal "
-                "`lr_multipliers`."
+                "their rates, so every group trains alone as under 'group'. Clusters need four groups or more (the "
+                "default grid then puts the user's LR on the middle ones) or equal `lr_multipliers`."
             )
         super()._configure_launcher()  # type: ignore[misc]
+        self._launcher = handing_back(self, self._launcher)  # hdet.result in a fork/spawn fit's launching process
 
     def _make_layout(self, world_size: int) -> GroupLayout:
         if world_size == 1:
