@@ -449,6 +449,9 @@ def test_a_token_keeps_out_workers_without_it_and_admits_those_with_it() -> None
                 Registration(address, 1.0, 30.0, 5.0, token="guess")
             registration = Registration(address, 1.0, 30.0, 5.0, token="s3cret")
             registration.close()
+        # the worker learns it is admitted inside `_admitted`, before the thread records the id: let it finish
+        stop.set()
+        thread.join(5)
         assert registration.session == 2 and admitted == [2] and service.table.ended == {1: "refused: wrong token"}
     finally:
         stop.set()
