@@ -267,8 +267,8 @@ class WorkerCheckpoints(RankGroups):
             self.optimizers[0].load_state_dict(self._resume_worker["optimizer"])
         else:
             if worker:
-                log.warning("%s: the checkpoint has no inner optimizer state of this worker (no file %s);"
-                            " it starts from rank 0's", self.worker_ranks.describe(),
+                log.warning("%s: the checkpoint has no inner optimizer state of this worker (%s is absent or holds"
+                            " none); it starts from rank 0's", self.worker_ranks.describe(),
                             worker_file("<checkpoint>", worker))
             super().load_optimizer_state_dict(checkpoint)
 
@@ -278,8 +278,8 @@ class WorkerCheckpoints(RankGroups):
             optimizer = self.optimizers[0]
             optimizer.load_state_dict(sharded_optimizer_state(optimizer, self._resume_worker["optimizer"]))
         else:
-            log.warning("%s: the checkpoint has no inner optimizer state of this worker (no files %s); it starts"
-                        " with a fresh one", self.worker_ranks.describe(),
+            log.warning("%s: the checkpoint has no inner optimizer state of this worker (%s absent or holding"
+                        " none); it starts with a fresh one", self.worker_ranks.describe(),
                         worker_file("<checkpoint>", self.worker_ranks.worker, 0).replace("shard0", "shard*"))
 
     def restore_worker(self, worker: Worker) -> None:
