@@ -45,7 +45,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks import forked
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
-from benchmarks.forked import Forked
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "elastic_run.py"
@@ -54,7 +53,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse in this process: its
 FAULTS = (None, "kill", "join")
 
 
-def launch(role: str, out: Path, *args: str, fork: bool = False) -> subprocess.Popen | Forked:
+def launch(role: str, out: Path, *args: str, fork: bool = False) -> subprocess.Popen | forked.Forked:
     """Start one process of an elastic run (tests/scripts/elastic_run.py ``role``), its output in ``out``.log;
     ``fork``: forked from an interpreter with torch and Lightning imported (:mod:`benchmarks.forked`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "RUST_LOG": "warn"}
@@ -94,7 +93,8 @@ def start_together(procs: list, outs: list[Path], go: Path, timeout: float) -> f
     return time.perf_counter()
 
 
-def inject(fault: str | None, victim: subprocess.Popen | Forked, go: Path, progress, half: float, alive) -> float | None:
+def inject(fault: str | None, victim: subprocess.Popen | forked.Forked, go: Path, progress, half: float,
+           alive) -> float | None:
     """Wait until ``progress()`` reaches ``half``, then kill the victim or let it join; when it happened."""
     while fault is not None and alive():
         done = progress()

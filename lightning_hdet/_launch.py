@@ -67,9 +67,9 @@ class HandingBackLauncher(MultiProcessingLauncher):
                 holders[key].take_back(value)
 
 
-def handing_back(strategy: Any, launcher: Any) -> Any:
-    """``launcher``, or a :class:`HandingBackLauncher` in its place where it is Lightning's own fork/spawn one (a
-    script launcher runs the fit in the user's process: rank 0's objects are the user's)."""
+def handing_back(strategy: Any, launcher: Any, kind: type[HandingBackLauncher] = HandingBackLauncher) -> Any:
+    """``launcher``, or a ``kind`` (a :class:`HandingBackLauncher`) in its place where it is Lightning's own
+    fork/spawn one (a script launcher runs the fit in the user's process: rank 0's objects are the user's)."""
     if type(launcher) is MultiProcessingLauncher:  # built by DDPStrategy, which then holds its start method
-        return HandingBackLauncher(strategy, start_method=strategy._start_method)
+        return kind(strategy, start_method=strategy._start_method)
     return launcher

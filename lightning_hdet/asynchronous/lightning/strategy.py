@@ -15,7 +15,6 @@ from typing_extensions import override
 
 from lightning_hdet._checks import require
 from lightning_hdet._compat import (
-    MultiProcessingLauncher,
     StrategyRegistry,
     attached_trainer,
     default_store,
@@ -24,7 +23,7 @@ from lightning_hdet._compat import (
     strategy_timeout,
     sync_module_states,
 )
-from lightning_hdet._launch import handing_back
+from lightning_hdet._launch import HandingBackLauncher, handing_back
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange, read_model
 from lightning_hdet.asynchronous.exchange.worker_shards import (
@@ -159,9 +158,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.check_worker_layout()
         self.outer_settings.outer.check_workers(self._expected_workers)
         super()._configure_launcher()
-        if self.inside_worker == "fsdp" and type(self._launcher) is MultiProcessingLauncher:
-            self._launcher = ShardedWorkersLauncher(self, start_method=self._start_method)
-        self._launcher = handing_back(self, self._launcher)
+        self._launcher = handing_back(self, self._launcher,
+                                      ShardedWorkersLauncher if self.inside_worker == "fsdp" else HandingBackLauncher)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
