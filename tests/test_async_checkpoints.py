@@ -5,6 +5,7 @@ every worker its own back. Two processes on gloo through Lightning's own launche
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,45 @@ def test_a_checkpoint_whose_workers_states_were_not_kept_says_so_and_resumes_fro
     saved = torch.load(path, weights_only=True)["optimizer_states"][0]  # rank 0's, at its step 6
     for rank in load_ranks(out, 2):
         _same(rank["start"], saved)
+
+
+class SlowValidation(AdamBoring):
+    """Rank 0's validation takes 0.05 s a batch on fixed data, long enough for worker 1 to push several times."""
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(torch.randn(16, 32, generator=torch.Generator().manual_seed(1)), batch_size=4)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        time.sleep(0.05)
+        super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(300)
+def test_an_async_monitored_checkpoint_holds_the_model_its_score_measured(tmp_path: Path) -> None:
+    """Async: the other worker pushes while rank 0 validates. Each checkpoint written at a validation's end holds the
+    global model that validation scored (its recorded score recomputes from the saved weights), and every worker's
+    own state as of the exchanges that model holds; none waited for the validation to end."""
+    seed_everything(0)
+    out = tmp_path / "a"
+    out.mkdir()
+    best = ModelCheckpoint(dirpath=out / "ckpt", monitor="val_loss", save_top_k=-1)
+    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=4, mode="async", start_method=START),
+                      callbacks=[best, SlowRanks({}, base_seconds=0.01), ExchangeStates(out)],
+                      **trainer_kwargs(devices=2, max_steps=40, enable_checkpointing=True, default_root_dir=out,
+                                       limit_val_batches=4, val_check_interval=8, num_sanity_val_steps=0))
+    trainer.fit(SlowValidation())
+    ranks = load_ranks(out, 2)
+    data = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    checkpoints = sorted((out / "ckpt").glob("*.ckpt"))
+    assert len(checkpoints) >= 3
+    for path in checkpoints:
+        saved = torch.load(path, weights_only=False)
+        score = next(s["current_score"] for k, s in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
+        model = SlowValidation()
+        model.load_state_dict(saved["state_dict"])
+        with torch.no_grad():
+            loss = torch.stack([model.step(data[i : i + 4]) for i in range(0, 16, 4)]).mean()
+        torch.testing.assert_close(loss, score.float(), rtol=1e-6, atol=1e-6, msg=f"{path.name}: not the model scored")
+        for w in (0, 1):
+            _same(torch.load(f"{path}.worker{w}.pt", weights_only=True)["optimizer"],
+                  ranks[w]["after"][saved["async_local_sgd"]["exchanges"][w]])

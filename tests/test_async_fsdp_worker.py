@@ -3,12 +3,14 @@ processes as 2 workers x 2 ranks through Lightning's Trainer (gloo, fork), DiLoC
 with DDP inside; checkpoints resumed with another number of ranks per worker (4 <-> 6 processes)."""
 
 import copy
+import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -57,6 +59,22 @@ class MLP(LightningModule):
         return DataLoader(self.data, batch_size=8)
 
 
+class SlowValidation(MLP):
+    """The MLP whose validation takes long enough for worker 1 to push meanwhile."""
+
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.005)
+        super().validation_step(batch, batch_idx)
+
+
+def _val_loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logged ``val_loss`` of ``params``: the mean over the validation batches."""
+    model = MLP()
+    model.load_state_dict(params)
+    with torch.no_grad():
+        return torch.stack([nn.functional.mse_loss(model.net(x), y) for x, y in model.val_dataloader()]).mean()
+
+
 def _mse(params: dict[str, torch.Tensor]) -> float:
     model = MLP()
     model.load_state_dict(params)
@@ -90,18 +108,19 @@ class _Record(Callback):
 
 
 def _fit(out: Path, mode: str, inside: str, max_steps: int = 40, save: bool = False, ckpt_path=None, devices: int = 4,
-         ranks_per_worker: int = 2, **kwargs):
+         ranks_per_worker: int = 2, best: bool = False, **kwargs):
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     worker = WorkerShape(ranks_per_worker=ranks_per_worker, inside_worker=inside,
                          auto_wrap_policy=kwargs.pop("auto_wrap_policy", None))
     strategy = AsyncLocalSGDStrategy(local_steps=4, mode=mode, start_method=START, worker=worker,
                                      **kwargs)
+    checkpoints = [ModelCheckpoint(dirpath=out / "best", monitor="val_loss", save_top_k=-1)] if best else []
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=out, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=best,
                       max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-                      callbacks=[_Record(out, save)])
-    model = MLP()
+                      callbacks=[_Record(out, save), *checkpoints])
+    model = SlowValidation() if best else MLP()
     trainer.fit(model, ckpt_path=ckpt_path)
     ranks = load_ranks(out, devices)
     ranks[0]["handed_back"] = model.state_dict()  # what the fork launcher gave the main process
@@ -196,8 +215,16 @@ def test_fsdp_inside_resumes_with_another_ranks_per_worker(tmp_path, k_old, k_ne
 def test_async_with_fsdp_inside_learns_as_ddp_inside(tmp_path):
     """Async: arrival order varies from run to run, so the final model is compared by its loss, against DDP inside.
     Each linear layer is its own FSDP2 unit here (the whole model is one in the DiLoCo test)."""
-    fsdp = _fit(tmp_path / "fsdp", "async", "fsdp", auto_wrap_policy={nn.Linear})
+    fsdp = _fit(tmp_path / "fsdp", "async", "fsdp", auto_wrap_policy={nn.Linear}, best=True)
     ddp = _fit(tmp_path / "ddp", "async", "ddp")
+    best = sorted((tmp_path / "fsdp" / "best").glob("*.ckpt"))
+    assert len(best) >= 2
+    for path in best:  # each holds the model its score measured, though worker 1 pushed during the validation
+        saved = torch.load(path, weights_only=False)
+        score = next(s["current_score"] for k, s in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
+        torch.testing.assert_close(_val_loss(saved["state_dict"]), score.float(), rtol=1e-6, atol=1e-6)
+        for w, shard in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            assert "missing" not in torch.load(worker_file(path, w, shard), weights_only=True)
     assert fsdp[0]["outer"]["steps_done"] == 2 * 40 and sorted(fsdp[0]["outer"]["workers"]) == [0, 1]
     for leader, follower in ((0, 1), (2, 3)):
         assert fsdp[leader]["rounds"] == fsdp[follower]["rounds"]

@@ -7,7 +7,7 @@ back shard-wise, each rank its own rows. No model-sized copy is added on any ran
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -226,14 +226,16 @@ def state_from_flat(module: Module, params: Tensor, buffers: Tensor) -> dict[str
 
 @contextmanager
 def global_model_shards(module: Module, device: torch.device, outer: OuterState | None, group: Any,
-                        src: int) -> Iterator[None]:
-    """Worker 0's ranks hold their rows of the global model inside the block (streamed from ``src``)."""
+                        src: int, snapshot: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """Worker 0's ranks hold their rows of the global model (or ``src``'s ``snapshot`` of it) inside the block
+    (streamed from ``src``)."""
     params, buffers = list(module.parameters()), float_buffers(module)
     mine = [local(p.detach()) for p in params] + buffers
     saved = read_into(mine, host_buffer(numel(mine), device), device)
-    with outer.model_lock if outer is not None else nullcontext():
-        for tensors, flat in ((params, outer.params if outer is not None else None),
-                              (buffers, outer.buffers if outer is not None else None)):
+    flats = ((snapshot["params"], snapshot["buffers"]) if snapshot is not None
+             else (outer.params, outer.buffers) if outer is not None else (None, None))
+    with outer.model_lock if outer is not None and snapshot is None else nullcontext():
+        for tensors, flat in zip((params, buffers), flats):
             offset = 0
             for t in tensors:
                 full = flat[offset : offset + t.numel()] if flat is not None else torch.empty(t.numel())

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,24 +42,46 @@ def worker_file(filepath: Any, worker: int, shard: int | None = None) -> str:
 
 
 class CheckpointRequests:
-    """Rank 0's checkpoint writes and removals, numbered in a key-value ``store``, one ``fit`` apart."""
+    """Rank 0's checkpoint writes and removals, numbered in a key-value ``store``, one ``fit`` apart. Each is posted
+    in two parts: the exchanges its snapshot holds, as soon as it is numbered (a worker that hears of it keeps its
+    state as of them), and what became of it (written to paths, a removal, nothing) once rank 0 knows: a snapshot
+    taken when validation starts is saved, or not, when it ends, and no worker waits for that."""
 
     def __init__(self, store: Any, fit: int) -> None:
         self.store, self.fit = store, fit
 
-    def _key(self, number: int) -> str:
-        return f"lightning_hdet/async/fit{self.fit}/checkpoint{number}"
+    def _key(self, number: int, part: str) -> str:
+        return f"lightning_hdet/async/fit{self.fit}/checkpoint{number}/{part}"
 
-    def post(self, number: int, op: str, path: Any = None, exchanges: Mapping[int, int] | None = None) -> None:
-        """Request ``number``: ``"save"`` (as of ``exchanges[w]``), ``"remove"`` or ``"none"`` for ``path``."""
-        value = {"op": op, "path": None if path is None else str(path),
-                 "exchanges": {str(w): int(c) for w, c in (exchanges or {}).items()}}
-        self.store.set(self._key(number), json.dumps(value))
+    def reserve(self, number: int, exchanges: Mapping[int, int] | None) -> None:
+        """Request ``number`` holds each worker's ``exchanges`` (``None``: a removal, no state)."""
+        value = None if exchanges is None else {str(w): int(c) for w, c in exchanges.items()}
+        self.store.set(self._key(number, "at"), json.dumps(value))
 
-    def read(self, number: int) -> dict[str, Any]:
-        """Request ``number`` (waits until rank 0 posted it)."""
-        value = json.loads(self.store.get(self._key(number)))
-        return {**value, "exchanges": {int(w): c for w, c in value["exchanges"].items()}}
+    def post(self, number: int, op: str, paths: Sequence[Any] = ()) -> None:
+        """What became of request ``number``: ``"save"`` to ``paths``, ``"remove"`` them, or ``"none"``."""
+        self.store.set(self._key(number, "op"), json.dumps({"op": op, "paths": [str(p) for p in paths]}))
+
+    def reservation(self, number: int) -> dict[int, int] | None:
+        """The exchanges request ``number`` holds (waits: rank 0 posts them as it numbers the request)."""
+        value = json.loads(self.store.get(self._key(number, "at")))
+        return None if value is None else {int(w): c for w, c in value.items()}
+
+    def decision(self, number: int, wait: bool) -> dict[str, Any] | None:
+        """What became of request ``number``; ``None`` if rank 0 has not said yet and ``wait`` is false."""
+        key = self._key(number, "op")
+        if not wait and not self.store.check([key]):
+            return None
+        return json.loads(self.store.get(key))
+
+
+@dataclass
+class _ValidationSnapshot:
+    """Rank 0: the snapshot a validation scores, its request, and the checkpoints written with it."""
+
+    snapshot: dict[str, Any]
+    request: int
+    paths: list[Any] = field(default_factory=list)
 
 
 class WorkerCheckpoints(RankGroups):
@@ -68,13 +91,17 @@ class WorkerCheckpoints(RankGroups):
     _exchange: Exchange | None = None
     _resume_state: dict[str, Any] | None = None
     _resume_worker: dict[str, Any] | None = None
-    _outer_snapshot: dict[str, Any] | None = None  # rank 0: lightning_module_state_dict's, for this checkpoint
+    # rank 0: lightning_module_state_dict's snapshot for this checkpoint, its request, and this validation's
+    _outer_snapshot: dict[str, Any] | None = None
+    _snapshot_request: int | None = None
+    _validation: _ValidationSnapshot | None = None
     training_apart = False
     left_exchange = False
-    # while training apart: rank 0's requests (None: none made), how many this rank followed, and its own state as
-    # of its latest exchange (exchange, serialized)
+    # while training apart: rank 0's requests (None: none made), how many this rank heard of, its state as of each
+    # one rank 0 has not decided yet, and its own state as of its latest exchange (exchange, serialized)
     _requests: CheckpointRequests | None = None
     _followed = 0
+    _pending: dict[int, Any] = {}
     _kept: tuple[int, Any] | None = None
     _keeping = False
     _fits = 0
@@ -82,36 +109,72 @@ class WorkerCheckpoints(RankGroups):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         outer = self._exchange.outer if self._exchange is not None else None
-        snapshot, self._outer_snapshot = self._outer_snapshot, None
-        request = snapshot.pop("request", None) if snapshot is not None else None
+        snapshot, request = self._outer_snapshot, self._snapshot_request
+        self._outer_snapshot = self._snapshot_request = None
         if self.is_global_zero and outer is not None:
             # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
             checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
         whole = bool(self.optimizers) and "optimizer_states" in checkpoint  # not for weights-only ones
-        exchanges = snapshot["exchanges"] if whole and request is not None else {}
-        if request is not None and self._requests is not None:  # posted first: a worker that heard of it waits
-            self._requests.post(request, "save" if whole else "none", filepath, exchanges)
+        validation = self._validation if self._validation is not None and snapshot is self._validation.snapshot else None
+        if validation is not None:  # its request says what became of it when the validation ends
+            request = validation.request
+            if whole:
+                validation.paths.append(filepath)
+        elif request is not None and self._requests is not None:
+            self._requests.post(request, "save" if whole else "none", [filepath] if whole else [])
             self._followed = max(self._followed, request)
         super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
         if self.training_apart:  # rank 0's decision: its own file now, the others' at their next reply
-            if whole and request is not None:  # between exchanges; once it left, its state is that of its last
+            if whole and request is not None and snapshot is not None:
+                # between exchanges; once it left, its state is that of its last
                 now = self._exchange.worker.exchanges if self.left_exchange and self._exchange else None
-                self._write_own(filepath, exchanges.get(self.worker_ranks.worker, 0), now)
+                own = self._own_file(filepath)
+                if own is not None:
+                    self._write_state(own, self._capture(snapshot["exchanges"].get(self.worker_ranks.worker, 0), now))
             return
         own_file = self._own_file(filepath)
         if whole and own_file:
             self.checkpoint_io.save_checkpoint(self._own_state(), own_file)
 
     def take_snapshot(self) -> dict[str, Any] | None:
-        """Rank 0 while training apart: one snapshot for the checkpoint's model and outer state, numbered."""
-        previous, outer = self._outer_snapshot, self._exchange.outer if self._exchange is not None else None
-        if previous is not None and "request" in previous and self._requests is not None:
-            self._requests.post(previous["request"], "none")
-        snapshot = None
-        if self.training_apart and outer is not None:
-            snapshot = outer.state_dict(request=self._requests is not None)
-        self._outer_snapshot = snapshot
+        """Rank 0 while training apart: one snapshot for the checkpoint's model and outer state, numbered (during a
+        validation that keeps one: that one, the model its score measures)."""
+        if self._validation is not None:
+            self._outer_snapshot, self._snapshot_request = self._validation.snapshot, None
+            return self._outer_snapshot
+        if self._snapshot_request is not None and self._requests is not None:  # taken, never saved
+            self._requests.post(self._snapshot_request, "none")
+        self._outer_snapshot, self._snapshot_request = self._numbered_snapshot()
+        return self._outer_snapshot
+
+    def _numbered_snapshot(self) -> tuple[dict[str, Any] | None, int | None]:
+        outer = self._exchange.outer if self._exchange is not None else None
+        if not (self.training_apart and outer is not None):
+            return None, None
+        snapshot = outer.state_dict(request=self._requests is not None)
+        request = snapshot.pop("request", None)
+        if request is not None and self._requests is not None:  # before any reply can announce it
+            self._requests.reserve(request, snapshot["exchanges"])
+        return snapshot, request
+
+    def start_validation(self) -> dict[str, Any] | None:
+        """Rank 0, async, while training apart with a checkpoint callback: the snapshot this validation scores and
+        any checkpoint written at its end saves (the others' pushes meanwhile are in neither); else ``None``."""
+        outer = self._exchange.outer if self._exchange is not None else None
+        if outer is None or outer.step_policy.mode != "async" or not self._keeping or self._validation is not None:
+            return None  # DiLoCo: no round ends while rank 0 validates
+        snapshot, request = self._numbered_snapshot()
+        if snapshot is None or request is None:
+            return None
+        self._validation = _ValidationSnapshot(snapshot, request)
         return snapshot
+
+    def end_validation(self) -> None:
+        """Rank 0: say what became of this validation's snapshot (the workers write their files at their next reply)."""
+        validation, self._validation = self._validation, None
+        if validation is not None and self._requests is not None:
+            self._requests.post(validation.request, "save" if validation.paths else "none", validation.paths)
+            self._followed = max(self._followed, validation.request)
 
     def _own_state(self) -> dict[str, Any]:
         own: dict[str, Any] = {"optimizer": self.optimizer_state(self.optimizers[0])}
@@ -125,18 +188,19 @@ class WorkerCheckpoints(RankGroups):
         """Follow rank 0's requests through ``store``; ``keep``: copy this worker's state at each exchange."""
         self._fits += 1  # every rank runs the same entries: one number per fit keeps their requests apart
         self._requests = CheckpointRequests(store, self._fits)
-        self._followed, self._kept = 0, None
+        self._followed, self._kept, self._pending = 0, None, {}
         self._keeping = keep and self._own_file("") is not None  # a worker's other DDP ranks write nothing
 
     def after_exchange(self) -> None:
-        """After each exchange: follow the requests the reply announced, then keep the state as of this exchange."""
+        """After each exchange: keep the state as of this exchange, then follow the requests the reply announced."""
         if self._requests is None or self._exchange is None:
             return
         worker = self._exchange.worker
-        if not self.is_global_zero:  # rank 0 wrote its own file as it made each request
-            self._follow_requests(worker.checkpoints, now=worker.exchanges)
+        previous = self._kept
         if self._keeping:
             self._kept = (worker.exchanges, state_to_bytes(self._own_state()))
+        if not self.is_global_zero:  # rank 0 wrote its own file as it made each request
+            self._follow_requests(worker.checkpoints, now=worker.exchanges, previous=previous)
 
     def finish_checkpoints(self, groups: tuple[Any, Any] | None) -> None:
         """Every worker left: follow the requests made after this worker's last reply; then no more."""
@@ -144,43 +208,61 @@ class WorkerCheckpoints(RankGroups):
         count = torch.tensor([outer.counts.requests if outer is not None else 0], dtype=torch.int64)
         dist.broadcast(count, src=0, group=groups[1] if groups is not None else None)
         requests = int(count)
-        snapshot, self._outer_snapshot = self._outer_snapshot, None
-        if self._requests is not None and snapshot is not None and "request" in snapshot:
-            self._requests.post(snapshot["request"], "none")  # taken, never saved
+        if self._requests is not None and self._snapshot_request is not None:
+            self._requests.post(self._snapshot_request, "none")  # taken, never saved
         elif self._requests is not None and self._exchange is not None and not self.is_global_zero:
-            self._follow_requests(requests, now=self._exchange.worker.exchanges)
-        self._requests, self._kept = None, None
+            self._follow_requests(requests, now=self._exchange.worker.exchanges, wait=True)
+        self._outer_snapshot = self._snapshot_request = None
+        self._requests, self._kept, self._pending = None, None, {}
         # every file is written when fit returns (and rank 0, which hosts the store, waits for the reads)
         dist.barrier(group=groups[1] if groups is not None else None)
 
-    def _follow_requests(self, upto: int, now: int) -> None:
+    def _follow_requests(self, upto: int, now: int, previous: tuple[int, Any] | None = None,
+                         wait: bool = False) -> None:
+        """Keep this rank's state as of each request heard of; write or remove its files as rank 0 decided, in order
+        (a removal never overtakes the save it removes); what rank 0 has not decided yet waits, never this rank."""
         assert self._requests is not None
+        writes = self._own_file("") is not None
         for number in range(self._followed + 1, upto + 1):
-            request = self._requests.read(number)
-            own = self._own_file(request["path"]) if request["path"] is not None else None
-            if request["op"] == "remove" and own and get_filesystem(own).exists(own):
-                self.checkpoint_io.remove_checkpoint(own)
-            elif request["op"] == "save":
-                self._write_own(request["path"], request["exchanges"].get(self.worker_ranks.worker, 0), now)
+            exchanges = self._requests.reservation(number)
+            self._pending[number] = (self._capture(exchanges.get(self.worker_ranks.worker, 0), now, previous)
+                                     if writes and exchanges is not None else None)
         self._followed = max(self._followed, upto)
+        while self._pending:
+            number = min(self._pending)
+            decision = self._requests.decision(number, wait)
+            if decision is None:
+                break
+            state = self._pending.pop(number)
+            for path in decision["paths"]:
+                own = self._own_file(path)
+                if own is not None and decision["op"] == "remove" and get_filesystem(own).exists(own):
+                    self.checkpoint_io.remove_checkpoint(own)
+                elif own is not None and decision["op"] == "save" and state is not None:
+                    self._write_state(own, state)
+        for number, state in self._pending.items():  # undecided: must not move with this rank's next steps
+            if isinstance(state, dict) and "missing" not in state:
+                self._pending[number] = state_to_bytes(state)
 
-    def _write_own(self, filepath: Any, exchange: int, now: int | None) -> None:
-        """Write this rank's file with its state as of its ``exchange``-th exchange, or say it was not kept."""
-        own_file = self._own_file(filepath)
-        if own_file is None:
-            return
+    def _capture(self, exchange: int, now: int | None, previous: tuple[int, Any] | None = None) -> Any:
+        """This rank's state as of its ``exchange``-th exchange (live, or serialized), or why it was not kept."""
         exchange = max(exchange, 1)  # the first exchange (HELLO) takes no steps: before it, the state is the same
-        kept = self._kept
+        for kept in (self._kept, previous):
+            if kept is not None and kept[0] == exchange:
+                return kept[1]
         if now == exchange:
-            state = self._own_state()
-        elif kept is not None and kept[0] == exchange:
-            state = state_from_bytes(kept[1])
-        else:
-            why = (f"its state as of its exchange {exchange}, which the checkpoint's global model holds last, was not"
-                   f" kept ({'no checkpoint callback' if not self._keeping else f'it holds exchange {kept and kept[0]}'})")
+            return self._own_state()
+        kept = self._kept
+        return {"missing": f"its state as of its exchange {exchange}, which the checkpoint's global model holds last,"
+                           f" was not kept ({'no checkpoint callback' if not self._keeping else f'it holds exchange {kept and kept[0]}'})"}
+
+    def _write_state(self, own_file: str, state: Any) -> None:
+        """Write this rank's file from :meth:`_capture`'s state (saying so where it was not kept)."""
+        if isinstance(state, torch.Tensor):
+            state = state_from_bytes(state)
+        elif "missing" in state:
             log.warning("%s: %s; %s says so and a resume starts it from rank 0's inner state.",
-                        self.worker_ranks.describe(), why, own_file)
-            state = {"missing": why}
+                        self.worker_ranks.describe(), state["missing"], own_file)
         self.checkpoint_io.save_checkpoint(state, own_file)
 
     def _own_file(self, filepath: Any) -> str | None:
@@ -208,7 +290,8 @@ class WorkerCheckpoints(RankGroups):
         if self.training_apart and self._requests is not None and outer is not None:
             with outer.model_lock:
                 number = outer.counts.reserve()
-            self._requests.post(number, "remove", filepath)
+            self._requests.reserve(number, None)
+            self._requests.post(number, "remove", [filepath])
             self._followed = max(self._followed, number)
 
     @override

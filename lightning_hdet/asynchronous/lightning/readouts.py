@@ -35,6 +35,8 @@ class ExchangeReadouts:
     _logged_version = -1
     _handed_back: AsyncResult | None = None  # the launching process of a fork/spawn fit: rank 0's result
     take_snapshot: Callable[[], Optional[dict[str, Any]]]
+    start_validation: Callable[[], Optional[dict[str, Any]]]
+    end_validation: Callable[[], None]
 
     @property
     def _outer(self) -> OuterState | None:
@@ -104,17 +106,19 @@ class ExchangeReadouts:
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._validation_view = ExitStack()  # closed in on_validation_end
+        snapshot = self.start_validation() if self.training_apart else None  # what a checkpoint at its end saves
         if self.shard_group is not None and self.training_apart:
             self._validation_view.enter_context(global_model_shards(
-                self.lightning_module, self.root_device, self._outer, self.exchange_group, 0))
+                self.lightning_module, self.root_device, self._outer, self.exchange_group, 0, snapshot))
         else:
-            self._validation_view.enter_context(self._global_model())
+            self._validation_view.enter_context(self._global_model(snapshot))
 
     @override
     def on_validation_end(self) -> None:
         view = getattr(self, "_validation_view", None)
         if view is not None:
             view.close()
+        self.end_validation()
         super().on_validation_end()
 
     @override
