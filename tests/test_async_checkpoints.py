@@ -170,15 +170,19 @@ class SlowValidation(AdamBoring):
 
 
 @pytest.mark.timeout(300)
-def test_an_async_monitored_checkpoint_holds_the_model_its_score_measured(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inner_states", [False, True])
+def test_an_async_monitored_checkpoint_holds_the_model_its_score_measured(tmp_path: Path, inner_states: bool) -> None:
     """Async: the other worker pushes while rank 0 validates. Each checkpoint written at a validation's end holds the
     global model that validation scored (its recorded score recomputes from the saved weights), and every worker's
-    own state as of the exchanges that model holds; none waited for the validation to end."""
+    own state as of the exchanges that model holds (in its file; or, ``checkpoint_inner_states``, the one its
+    exchange sent)."""
     seed_everything(0)
     out = tmp_path / "a"
     out.mkdir()
     best = ModelCheckpoint(dirpath=out / "ckpt", monitor="val_loss", save_top_k=-1)
-    trainer = Trainer(strategy=AsyncLocalSGDStrategy(local_steps=4, mode="async", start_method=START),
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode="async", start_method=START,
+                                     checkpoint_inner_states=inner_states, compression="none")
+    trainer = Trainer(strategy=strategy,
                       callbacks=[best, SlowRanks({}, base_seconds=0.01), ExchangeStates(out)],
                       **trainer_kwargs(devices=2, max_steps=40, enable_checkpointing=True, default_root_dir=out,
                                        limit_val_batches=4, val_check_interval=8, num_sanity_val_steps=0))
@@ -195,6 +199,8 @@ def test_an_async_monitored_checkpoint_holds_the_model_its_score_measured(tmp_pa
         with torch.no_grad():
             loss = torch.stack([model.step(data[i : i + 4]) for i in range(0, 16, 4)]).mean()
         torch.testing.assert_close(loss, score.float(), rtol=1e-6, atol=1e-6, msg=f"{path.name}: not the model scored")
+        outer = saved["async_local_sgd"]
         for w in (0, 1):
-            _same(torch.load(f"{path}.worker{w}.pt", weights_only=True)["optimizer"],
-                  ranks[w]["after"][saved["async_local_sgd"]["exchanges"][w]])
+            own = (outer["inner_optimizer_states"][w] if inner_states
+                   else torch.load(f"{path}.worker{w}.pt", weights_only=True)["optimizer"])
+            _same(own, ranks[w]["after"][outer["exchanges"][w]])

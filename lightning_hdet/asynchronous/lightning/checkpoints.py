@@ -80,7 +80,7 @@ class _ValidationSnapshot:
     """Rank 0: the snapshot a validation scores, its request, and the checkpoints written with it."""
 
     snapshot: dict[str, Any]
-    request: int
+    request: int | None  # None: the inner states travel in the snapshot (``checkpoint_inner_states``)
     paths: list[Any] = field(default_factory=list)
 
 
@@ -161,10 +161,11 @@ class WorkerCheckpoints(RankGroups):
         """Rank 0, async, while training apart with a checkpoint callback: the snapshot this validation scores and
         any checkpoint written at its end saves (the others' pushes meanwhile are in neither); else ``None``."""
         outer = self._exchange.outer if self._exchange is not None else None
-        if outer is None or outer.step_policy.mode != "async" or not self._keeping or self._validation is not None:
+        if (outer is None or outer.step_policy.mode != "async" or self._validation is not None
+                or not self.lightning_module.trainer.checkpoint_callbacks):
             return None  # DiLoCo: no round ends while rank 0 validates
         snapshot, request = self._numbered_snapshot()
-        if snapshot is None or request is None:
+        if snapshot is None:
             return None
         self._validation = _ValidationSnapshot(snapshot, request)
         return snapshot
@@ -172,7 +173,7 @@ class WorkerCheckpoints(RankGroups):
     def end_validation(self) -> None:
         """Rank 0: say what became of this validation's snapshot (the workers write their files at their next reply)."""
         validation, self._validation = self._validation, None
-        if validation is not None and self._requests is not None:
+        if validation is not None and validation.request is not None and self._requests is not None:
             self._requests.post(validation.request, "save" if validation.paths else "none", validation.paths)
             self._followed = max(self._followed, validation.request)
 
