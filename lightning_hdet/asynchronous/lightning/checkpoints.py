@@ -101,7 +101,7 @@ class WorkerCheckpoints(RankGroups):
     # one rank 0 has not decided yet, and its own state as of its latest exchange (exchange, serialized)
     _requests: CheckpointRequests | None = None
     _followed = 0
-    _pending: dict[int, Any] = {}
+    _pending: dict[int, Any]  # set by follow_checkpoints
     _kept: tuple[int, Any] | None = None
     _keeping = False
     _fits = 0
