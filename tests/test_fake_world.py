@@ -238,6 +238,15 @@ def test_a_monitored_metric_never_logged_is_an_error_naming_the_logged_ones():
         world.fit(_callback(every_n_steps=4, monitor="val_los"), _drift(_falling), max_steps=4,
                   callback_metrics={"val_loss": 1.0, "train_loss": 1.0, "hdet/mean_lr": 0.1})
 
+
+def test_a_misspelled_monitor_is_refused_at_the_first_validation_a_vote_waits_for_naming_the_logged_one():
+    """Not at the end of the run: the validation after step 4 logged `val_loss` and no `val_los`."""
+    world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
+    with pytest.raises(MisconfigurationException, match=r"monitor='val_los'\) found no such metric at the vote at step "
+                                                        r"4\. Logged metrics: \['val_loss'\]\. Did you mean 'val_loss'\?"):
+        world.fit(_callback(every_n_steps=4, monitor="val_los"), _drift(_falling), max_steps=12,
+                  validate=lambda executor, step: {"val_loss": 1.0} if step % 4 == 0 else None)
+
 # ---------------------------------------------------------------------------------------------------------------
 # The vote rules on a real (least-squares) problem, in one process: every group takes SGD steps on the same four
 # batches of 64 in order (as every rank of a multi-process run without a distributed sampler); under

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hdet._checks import KnownArguments
+from lightning_hdet._checks import KnownArguments, did_you_mean
 from lightning_hdet._text import counted
 from lightning_hdet.hdet.execution.executor import HDETParts, is_executor
 from lightning_hdet.hdet.execution.meter import IntervalMeter, Reading
@@ -298,6 +298,8 @@ class HDETCallback(KnownArguments, Callback):
         due = self._monitor.read(trainer.callback_metrics)
         if self._auto and self._monitor.value is None:  # "auto" found no val_loss: back to the training loss
             due, _ = self._monitor.pending, self._set_monitor(None, auto_monitor.missing(trainer.callback_metrics))
+        if self._monitor is not None and self._monitor.pending and self._monitor.value is None:
+            raise _missing_metric(trainer, self._monitor.name)  # (a misspelled name: now, not after the whole run)
         if due:  # the vote that waited for this validation
             self._last_vote_step = trainer.global_step
             # Lightning runs the validation hooks under inference mode; a vote's merge and restore point must stay
@@ -499,10 +501,11 @@ def _model_tensors(hdet: HDETParts) -> list[Tensor]:
 
 def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException:
     names = sorted(k for k in trainer.callback_metrics if not k.startswith("hdet/"))
+    close = did_you_mean(monitor, names, repr)
     return MisconfigurationException(
         f"HDETCallback(monitor={monitor!r}) found no such metric at the vote at step {trainer.global_step}. Logged "
-        f"metrics: {names}. Log it in `validation_step` and validate at least once before the run ends (a vote waits "
-        "for the next validation), or use `monitor=None`."
+        f"metrics: {names}.{' ' + close if close else ''} Log it in `validation_step` and validate at least once "
+        "before the run ends (a vote waits for the next validation), or use `monitor=None`."
     )
 
 
