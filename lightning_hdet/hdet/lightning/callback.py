@@ -268,9 +268,11 @@ class HDETCallback(KnownArguments, Callback):
         if vote:
             self._last_vote_step = step
             self.vote_and_merge(trainer, pl_module)
-        if trainer.is_global_zero and (vote or step % trainer.log_every_n_steps == 0):
+        logs = step % trainer.log_every_n_steps == 0
+        # (a vote on `monitor` ran in the last step's validation, where no `log` may run: its mean LR shows now)
+        if trainer.is_global_zero and (vote or logs or step - 1 == self._last_vote_step):
             lrs = hdet.table.current_lrs()
-            if not vote:  # a vote logged its new learning rates itself
+            if logs and not vote:  # a vote logged its new learning rates itself
                 _log_lrs(trainer, lrs, step, self.report, hdet.explored)
             pl_module.log("hdet/mean_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
 
