@@ -509,6 +509,7 @@ def test_resume_continues_the_votes_exactly(vote, search):
     resumed, resumed_runs = run(max_steps=16, resume=half.checkpoints)
     torch.testing.assert_close(resumed.params, straight.params, rtol=0, atol=1e-12)
     assert resumed.gradient_sync == straight.gradient_sync
+    assert resumed_runs[0][0].initial_lrs == straight_runs[0][0].initial_lrs == [0.005, 0.008, 0.0125, 0.02]
     for h, k in zip(resumed_runs[0][0].history, straight_runs[0][0].history, strict=True):
         assert (h["step"], h["group"], h["winner"]) == (k["step"], k["group"], k["winner"])
         assert h["lr"] == pytest.approx(k["lr"], rel=1e-12) and h["loss"] == pytest.approx(k["loss"], rel=1e-9)

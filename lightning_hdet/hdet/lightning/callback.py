@@ -215,7 +215,8 @@ class HDETCallback(KnownArguments, Callback):
             self._meter.load_row(resumed[hdet.groups.group_index] / hdet.groups.layout.group_size)
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
-        self.controller.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
+        if trainer.ckpt_path is None or len(self.controller.initial_lrs) != hdet.num_groups:  # (resumed: the ckpt's)
+            self.controller.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
         stepping = stepping_warning(pl_module, len(trainer.optimizers), every)  # (the optimizers exist only now)
         if stepping is not None:
             rank_zero_warn(stepping)

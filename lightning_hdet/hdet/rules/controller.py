@@ -381,6 +381,7 @@ class HDETController:
             "rule": self.rule.state_dict(),
             "generator": self.generator.get_state(),
             "history": list(self.history),
+            "initial_lrs": list(self.initial_lrs),
             "rescues": self.rescues,
             "num_votes": self.num_votes,
             "last_winner": self.last_winner,
@@ -397,6 +398,7 @@ class HDETController:
         self.rule.load_state_dict(state_dict["rule"])
         self.generator.set_state(state_dict["generator"])
         self.history = _with_trained_lr(state_dict["history"])  # (older checkpoints' rows lack it)
+        self.initial_lrs = list(state_dict.get("initial_lrs", []))  # (absent from older checkpoints)
         self.rescues = state_dict["rescues"]
         self.num_votes = state_dict["num_votes"]
         self.last_winner = state_dict["last_winner"]
