@@ -381,7 +381,6 @@ class HDETController:
             "rule": self.rule.state_dict(),
             "generator": self.generator.get_state(),
             "history": list(self.history),
-            "initial_lrs": list(self.initial_lrs),
             "rescues": self.rescues,
             "num_votes": self.num_votes,
             "last_winner": self.last_winner,
@@ -392,6 +391,7 @@ class HDETController:
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
             **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
+            **({"initial_lrs": list(self.initial_lrs)} if self.initial_lrs else {}),  # (likewise)
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
