@@ -112,6 +112,8 @@ def test_safety_net_off_judges_nothing_and_keeps_every_finite_merge():
     (lambda: PBT(quantile=0.9), r"`quantile` must be a number in \(0, 0.5\]"),
     (lambda: HDETCallback(signal="slope"), "`signal` must be 'mean' or a Signal object"),
     (lambda: HDETCallback(signal=_Slope(), monitor="val_loss"), "`signal` must be 'mean' when `monitor` is set"),
+    (lambda: HDETCallback(monitor="val_loss", search=Search(evidence=2.0)), "`search` must be a Search without "
+     r"`evidence` when the votes read `monitor` \(got monitor='val_loss'\).*drop `evidence`, or pass monitor=None"),
     (lambda: SafetyNet(stall_patience=0), "`stall_patience` must be a positive integer or None"),
     (lambda: SafetyNet(rise_margin=0), "`rise_margin` must be a finite number > 0 or None"),
     (lambda: SafetyNet(chance_loss=float("nan")), "`chance_loss` must be a finite number or None"),

@@ -97,6 +97,8 @@ def _search_run(fabric: Fabric) -> None:
     step on every rank's gradient is the mean over all ranks (before, each group's own: its rank's own data)."""
     torch.manual_seed(0)
     model, optimizer = fabric.setup(*_model_and_optimizer())
+    # Unset, the interval is sized to max_steps as the Trainer's (two votes in the search): 80 steps vote every 10.
+    assert [HDETLoop(fabric, max_steps=n).settings.every_n_steps for n in (80, 1000, None)] == [10, 100, 100]
     hdet = HDETLoop(fabric, every_n_steps=2, max_steps=8)
     same: list[bool] = []  # per step: every rank's averaged gradient is the same
     for x, y in _batches(fabric.global_rank, 8):

@@ -238,6 +238,31 @@ def test_a_monitored_metric_never_logged_is_an_error_naming_the_logged_ones():
         world.fit(_callback(every_n_steps=4, monitor="val_los"), _drift(_falling), max_steps=4,
                   callback_metrics={"val_loss": 1.0, "train_loss": 1.0, "hdet/mean_lr": 0.1})
 
+
+def test_a_vote_on_a_validation_metric_shows_its_mean_lr_in_the_progress_bar_at_the_next_step():
+    """The vote at step 4 runs after that step's validation; step 5 shows the LRs it set (log_every_n_steps=50)."""
+
+    class Shown(HDETCallback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            super().on_train_batch_end(trainer, pl_module, *args)
+            self.shown = pl_module.logged.get("hdet/mean_lr")
+
+    world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
+    (cb, _), _ = world.fit(lambda: Shown(every_n_steps=4, monitor="val_loss", search=False), _drift(_falling),
+                           max_steps=5, validate=lambda executor, step: {"val_loss": 1.0 + executor.group_index}
+                           if step == 4 else None)
+    lrs = [row["lr"] for row in cb.history if row["step"] == 4]
+    assert lrs[1] != 0.2 and cb.shown == pytest.approx(sum(lrs) / 2)  # group 1 lost: it moved
+
+
+def test_a_misspelled_monitor_is_refused_at_the_first_validation_a_vote_waits_for_naming_the_logged_one():
+    """Not at the end of the run: the validation after step 4 logged `val_loss` and no `val_los`."""
+    world = FakeWorld(params=[0.0], lr_multipliers=[1.0, 2.0], num_groups=2)
+    with pytest.raises(MisconfigurationException, match=r"monitor='val_los'\) found no such metric at the vote at step "
+                                                        r"4\. Logged metrics: \['val_loss'\]\. Did you mean 'val_loss'\?"):
+        world.fit(_callback(every_n_steps=4, monitor="val_los"), _drift(_falling), max_steps=12,
+                  validate=lambda executor, step: {"val_loss": 1.0} if step % 4 == 0 else None)
+
 # ---------------------------------------------------------------------------------------------------------------
 # The vote rules on a real (least-squares) problem, in one process: every group takes SGD steps on the same four
 # batches of 64 in order (as every rank of a multi-process run without a distributed sampler); under
@@ -484,6 +509,7 @@ def test_resume_continues_the_votes_exactly(vote, search):
     resumed, resumed_runs = run(max_steps=16, resume=half.checkpoints)
     torch.testing.assert_close(resumed.params, straight.params, rtol=0, atol=1e-12)
     assert resumed.gradient_sync == straight.gradient_sync
+    assert resumed_runs[0][0].initial_lrs == straight_runs[0][0].initial_lrs == [0.005, 0.008, 0.0125, 0.02]
     for h, k in zip(resumed_runs[0][0].history, straight_runs[0][0].history, strict=True):
         assert (h["step"], h["group"], h["winner"]) == (k["step"], k["group"], k["winner"])
         assert h["lr"] == pytest.approx(k["lr"], rel=1e-12) and h["loss"] == pytest.approx(k["loss"], rel=1e-9)

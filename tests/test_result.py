@@ -150,3 +150,14 @@ def test_the_result_says_what_the_votes_read() -> None:
         _rows(10, 0, [0.1, 0.2]), table, [0.01, 0.02], 1, 0, None, [], monitor="val_loss").summary()
     assert "the votes read each group's training loss" in make_result(
         _rows(10, 0, [0.1, 0.2]), table, [0.01, 0.02], 1, 0, None, []).summary()
+
+
+def test_votes_on_a_monitored_metric_say_the_last_winners_lead_for_want_of_a_noise_estimate() -> None:
+    """No standard error comes with `val_loss`: the summary gives the margin (2.0 against 2.001: 0.05 %), leaving
+    out a rescued group (1.5), rather than saying nothing about noise."""
+    table = [[0.01], [0.02], [0.04]]
+    history = _rows(10, 0, [2.0, 2.2, 2.3]) + _rows(20, 1, [2.001, 2.0, 1.5])
+    history[-1]["rescued"] = True
+    summary = make_result(history, table, [0.01, 0.02, 0.04], 2, 1, None, [], monitor="val_loss").summary()
+    assert "the last vote's winner led the next group by 0.05 % of its value" in summary
+    assert "led the next group" not in make_result(history, table, [0.01, 0.02, 0.04], 2, 1, None, []).summary()

@@ -85,14 +85,15 @@ def test_a_vote_of_the_search_ends_it_early_once_the_evidence_is_in(evidence, sc
         assert not controller.search_ends(300)  # it ended once
 
 
-def test_no_early_end_with_monitor_before_warm_up_or_after_the_search():
+def test_no_early_end_before_warm_up_or_after_the_search_and_none_with_monitor():
+    """With `monitor` the votes read no training-loss curve to weigh: `evidence` is refused, not ignored."""
     interval = _interval(16, [2.0, 1.5, 2.0, 2.6], (0.44, 1.0, 2.3, 5.2), 1.0)
     search = Search(steps=300, evidence=2.5)
-    for config in (HDETConfig(search=search, safety_net=None, monitor="val_loss"),
-                   HDETConfig(search=search, safety_net=None, warmup_steps=32)):
-        controller = HDETController(config)
-        controller.search_phase.steps = 300
-        assert not controller.decide(interval).refined
+    with pytest.raises(ValueError, match="`search` must be a Search without `evidence` when the votes read `monitor`"):
+        HDETConfig(search=search, safety_net=None, monitor="val_loss")
+    controller = HDETController(HDETConfig(search=search, safety_net=None, warmup_steps=32))
+    controller.search_phase.steps = 300
+    assert not controller.decide(interval).refined
     controller = HDETController(HDETConfig(search=search, safety_net=None))
     controller.search_phase.steps = 300
     assert controller.decide(replace(interval, refine=True)).refined  # the search ends at `steps`, once

@@ -22,7 +22,7 @@ from lightning_hdet.hdet.execution.meter import IntervalMeter
 from lightning_hdet.hdet.lightning.voting import decide_and_execute, finish, search_end, vote_metrics
 from lightning_hdet.hdet.rules.config import resolve
 from lightning_hdet.hdet.rules.controller import Decision, HDETController
-from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE
+from lightning_hdet.hdet.rules.defaults import DEFAULT_SEARCH, DEFAULT_VOTE, vote_interval
 from lightning_hdet.hdet.rules.options import SafetyNet, Search, Vote
 from lightning_hdet.records.wandb import log_vote_history
 
@@ -32,7 +32,9 @@ class HDETLoop(KnownArguments):
 
     Args:
         fabric: the launched :class:`~lightning.fabric.Fabric`, after ``fabric.setup(model, optimizer)``.
-        every_n_steps: steps between votes, as for :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback`.
+        every_n_steps: steps between votes, as for :class:`~lightning_hdet.hdet.lightning.callback.HDETCallback`;
+            ``None``: sized to ``max_steps`` as the Trainer sizes it (two votes in the search, 5 to 100 steps apart;
+            100 without ``max_steps``).
         vote: the vote rule (``PBT(...)``, ``Softmax(...)``, ``Best(...)`` or a name), as for HDETCallback;
             ``None``: the strategy's preset's (as the Trainer installs: ``PBT()``, the published preset's
             ``Softmax()``). The votes compare each group's training loss (what :meth:`step` receives); the
@@ -57,7 +59,7 @@ class HDETLoop(KnownArguments):
         hdet.finish()  # every rank holds the merged model
     """
 
-    def __init__(self, fabric: Fabric, every_n_steps: int = 100, vote: Union[str, Vote, None] = None,
+    def __init__(self, fabric: Fabric, every_n_steps: Optional[int] = None, vote: Union[str, Vote, None] = None,
                  search: Union[bool, Search, None] = None, safety_net: Union[bool, SafetyNet] = True,
                  warmup_steps: int = 0, seed: int = 0, max_steps: Optional[int] = None) -> None:
         strategy = fabric.strategy
@@ -71,6 +73,7 @@ class HDETLoop(KnownArguments):
         vote = preset["vote"] if vote is None else vote
         search = preset["search"] if search is None else search
         check_int("max_steps", max_steps, minimum=1, optional=True)
+        every_n_steps = vote_interval(max_steps) if every_n_steps is None else every_n_steps
         self.settings = resolve(every_n_steps, vote, search, safety_net, None, "mean", warmup_steps, seed)
         self.settings.vote.check_strategy(strategy.hdet.gradient_sync, list(strategy.hdet.explored.tables))
         self.fabric, self.strategy, self.hdet = fabric, strategy, strategy.hdet

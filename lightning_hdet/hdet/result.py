@@ -7,6 +7,7 @@ on, which vote picked which group, how often the safety net stepped in and where
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -113,11 +114,25 @@ class HDETResult:
             lines.append(f"  {self.unclear} of {self.judged} votes were within noise (the winner led by under two "
                          "standard errors): the LRs tried trained about equally well, so the one found is no better "
                          "established than its neighbours. More steps per vote (every_n_steps) would tell them apart.")
+        lead = self._last_lead() if self.monitor and not self.judged else None
+        if lead is not None:  # a monitored value comes without a standard error: the margin, for the user to judge
+            lines.append(f"  the votes read one `{self.monitor}` per group, with no standard error to tell noise by: "
+                         f"the last vote's winner led the next group by {lead:.2g} % of its value.")
         if self.votes < 3:
             lines.append(f"  only {self.votes} vote(s): too few to search; train longer or vote more often.")
         lines.append(f"  for a plain run (one LR, e.g. DDP) use lr={rounded_list(self.lrs)} "
                      "(per param group: the LR the last winner ended at).")
         return lines
+
+    def _last_lead(self) -> Optional[float]:
+        """How far the last vote's winner led the next healthy group, in % of its loss (``None``: no such pair)."""
+        step, winner = self.winners[-1] if self.winners else (None, -1)
+        rows = [r for r in self.history if r["step"] == step and not r["rescued"] and math.isfinite(r["loss"])]
+        won = [r["loss"] for r in rows if r["group"] == winner]
+        others = [r["loss"] for r in rows if r["group"] != winner]
+        if not won or not others or won[0] == 0:
+            return None
+        return 100 * (min(others) - won[0]) / abs(won[0])
 
     def _ladders(self) -> str:
         """The plateau rule's interventions: every LR moved far down, which a slow start can trigger too."""

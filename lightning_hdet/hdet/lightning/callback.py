@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hdet._checks import KnownArguments
+from lightning_hdet._checks import KnownArguments, did_you_mean
 from lightning_hdet._text import counted
 from lightning_hdet.hdet.execution.executor import HDETParts, is_executor
 from lightning_hdet.hdet.execution.meter import IntervalMeter, Reading
@@ -215,7 +215,8 @@ class HDETCallback(KnownArguments, Callback):
             self._meter.load_row(resumed[hdet.groups.group_index] / hdet.groups.layout.group_size)
         self._resumed_interval = None
         self._first_pending = trainer.ckpt_path is None and trainer.global_step == 0
-        self.controller.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
+        if trainer.ckpt_path is None or len(self.controller.initial_lrs) != hdet.num_groups:  # (resumed: the ckpt's)
+            self.controller.initial_lrs = hdet.table.current_lrs()[:, 0].tolist()
         stepping = stepping_warning(pl_module, len(trainer.optimizers), every)  # (the optimizers exist only now)
         if stepping is not None:
             rank_zero_warn(stepping)
@@ -268,9 +269,11 @@ class HDETCallback(KnownArguments, Callback):
         if vote:
             self._last_vote_step = step
             self.vote_and_merge(trainer, pl_module)
-        if trainer.is_global_zero and (vote or step % trainer.log_every_n_steps == 0):
+        logs = step % trainer.log_every_n_steps == 0
+        # (a vote on `monitor` ran in the last step's validation, where no `log` may run: its mean LR shows now)
+        if trainer.is_global_zero and (vote or logs or step - 1 == self._last_vote_step):
             lrs = hdet.table.current_lrs()
-            if not vote:  # a vote logged its new learning rates itself
+            if logs and not vote:  # a vote logged its new learning rates itself
                 _log_lrs(trainer, lrs, step, self.report, hdet.explored)
             pl_module.log("hdet/mean_lr", float(lrs[:, 0].mean()), prog_bar=True, logger=False, rank_zero_only=True)
 
@@ -298,6 +301,8 @@ class HDETCallback(KnownArguments, Callback):
         due = self._monitor.read(trainer.callback_metrics)
         if self._auto and self._monitor.value is None:  # "auto" found no val_loss: back to the training loss
             due, _ = self._monitor.pending, self._set_monitor(None, auto_monitor.missing(trainer.callback_metrics))
+        if self._monitor is not None and self._monitor.pending and self._monitor.value is None:
+            raise _missing_metric(trainer, self._monitor.name)  # (a misspelled name: now, not after the whole run)
         if due:  # the vote that waited for this validation
             self._last_vote_step = trainer.global_step
             # Lightning runs the validation hooks under inference mode; a vote's merge and restore point must stay
@@ -499,10 +504,11 @@ def _model_tensors(hdet: HDETParts) -> list[Tensor]:
 
 def _missing_metric(trainer: Trainer, monitor: str) -> MisconfigurationException:
     names = sorted(k for k in trainer.callback_metrics if not k.startswith("hdet/"))
+    close = did_you_mean(monitor, names, repr)
     return MisconfigurationException(
         f"HDETCallback(monitor={monitor!r}) found no such metric at the vote at step {trainer.global_step}. Logged "
-        f"metrics: {names}. Log it in `validation_step` and validate at least once before the run ends (a vote waits "
-        "for the next validation), or use `monitor=None`."
+        f"metrics: {names}.{' ' + close if close else ''} Log it in `validation_step` and validate at least once "
+        "before the run ends (a vote waits for the next validation), or use `monitor=None`."
     )
 
 

@@ -46,6 +46,10 @@ class HDETConfig:
         require("signal", self.signal.name, self.monitor is None or type(self.signal) is Signal,
                 f"'mean' when `monitor` is set (got monitor={self.monitor!r})",
                 "The curve signals need every step's training loss: use `monitor=None`.")
+        require("search", self.search, self.monitor is None or self.search is None or self.search.evidence is None,
+                f"a Search without `evidence` when the votes read `monitor` (got monitor={self.monitor!r})",
+                "`evidence` weighs the training-loss curves, which a vote on a validation metric does not read "
+                "(monitor='auto' picks `val_loss` where the data repeat): drop `evidence`, or pass monitor=None.")
         self.vote.check_signal(self.signal)
 
     def as_dict(self) -> dict[str, Any]:

@@ -391,12 +391,14 @@ class HDETController:
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
             **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
+            **({"initial_lrs": list(self.initial_lrs)} if self.initial_lrs else {}),  # (likewise)
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rule.load_state_dict(state_dict["rule"])
         self.generator.set_state(state_dict["generator"])
         self.history = _with_trained_lr(state_dict["history"])  # (older checkpoints' rows lack it)
+        self.initial_lrs = list(state_dict.get("initial_lrs", []))  # (absent from older checkpoints)
         self.rescues = state_dict["rescues"]
         self.num_votes = state_dict["num_votes"]
         self.last_winner = state_dict["last_winner"]
