@@ -81,6 +81,8 @@ class RunSpec:
     ``use_distributed_sampler=False``), as independent one-process runs would see them: the training order is
     fixed by ``seed`` (the datamodules' ``shuffle_seed``), however the processes were started. ``shard_train``
     (with ``shard_data=False``) shards only the training stream: every process validates on the same batches.
+    ``init_nudge`` > 0 moves the seed's initial weights by one ULP (:func:`nudge_weights`): a change in the last
+    bits of the arithmetic, to measure how far such a change moves a run; 0 leaves them as they are.
     """
 
     lr: float
@@ -96,6 +98,7 @@ class RunSpec:
     shard_data: bool = True
     workload: str = "char_lm"
     shard_train: bool = False
+    init_nudge: int = 0
 
 
 @dataclass
@@ -327,7 +330,32 @@ def fit_run(
 
 
 def build_workload(spec: RunSpec) -> tuple[LightningModule, LightningDataModule]:
-    """The model (at ``spec.lr``, with ``spec.model``'s arguments) and the data of ``spec.workload``."""
+    """The model (at ``spec.lr``, with ``spec.model``'s arguments, its initial weights nudged by
+    ``spec.init_nudge``) and the data of ``spec.workload``. Every arm builds its model here, so all start from the
+    same (nudged) weights."""
+    model, data = _workload(spec)
+    nudge_weights(model, spec.init_nudge)
+    return model, data
+
+
+@torch.no_grad()
+def nudge_weights(model: torch.nn.Module, nudge: int) -> None:
+    """Move a random half of every parameter's elements one ULP up (``torch.nextafter`` toward +inf), the half
+    drawn from a generator seeded by ``nudge`` alone (the global RNG is untouched, so the data order and every
+    later draw stay the seed's); ``nudge=0`` changes nothing. The same ``nudge`` gives the same half on every
+    model of the same shapes, whatever its seed."""
+    if not isinstance(nudge, int) or nudge < 0:
+        raise ValueError(f"init_nudge={nudge!r} must be an int >= 0 (0: the seed's weights as they are)")
+    if nudge == 0:
+        return
+    generator = torch.Generator().manual_seed(nudge)
+    for param in model.parameters():
+        up = torch.rand(param.shape, generator=generator) < 0.5
+        param.copy_(torch.where(up.to(param.device), torch.nextafter(param, torch.full_like(param, math.inf)), param))
+
+
+def _workload(spec: RunSpec) -> tuple[LightningModule, LightningDataModule]:
+    """:func:`build_workload`'s model (its seed's weights) and data."""
     if spec.workload == "char_lm":
         model = CharLM(block_size=spec.block_size, lr=spec.lr, **spec.model)
         return model, CharCorpusDataModule(spec.block_size, spec.batch_size, spec.max_chars, shuffle_seed=spec.seed,

@@ -42,6 +42,8 @@ over the run, in the model's ``configure_optimizers``) apply to every run; the g
 and schedule is measured (``GOOD_LRS``, ``benchmarks/search_calibrate.py``) or given (``--good-lr``). Every arm also
 records the held-out loss of the model it hands back (``Arm.final_loss``): issue 59's targets table
 (``search_report.handed_back_table``) reads it.
+``--init-nudge K`` starts every arm of a seed from the same weights moved by one ULP (``common.nudge_weights``):
+what a change in the last bits of the arithmetic moves each arm's loss by, the resolution of a cell.
 Reported per workload, start and method (medians over seeds, with the range over seeds): best validation
 loss, the LR it settled on, compute and deployed wall-clock to a target loss; then the targets of issue 13
 as ratios, HDET against every baseline.
@@ -400,7 +402,7 @@ def base_spec(args: argparse.Namespace, workload: str, center: float, seed: int)
     return RunSpec(
         lr=center, steps=args.steps, seed=seed, devices=args.world_size // args.groups, batch_size=args.batch_size,
         max_chars=args.max_chars, val_every=args.val_every, val_batches=args.val_batches, model=model,
-        workload=workload,
+        workload=workload, init_nudge=args.init_nudge,
     )
 
 
@@ -511,6 +513,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=None, help="char LM: model width (default 64, quick 32)")
     p.add_argument("--n-layers", type=int, default=2, help="char LM: Transformer blocks")
     p.add_argument("--width", type=int, default=None, help="shapes: channels of the first conv (default 16, quick 8)")
+    p.add_argument("--init-nudge", type=int, default=0, metavar="K",
+                   help="K > 0: after the seed's initialisation, move a K-seeded random half of every parameter's "
+                   "elements one ULP up (torch.nextafter toward +inf), the same weights for every arm: measures how "
+                   "far a change in the last bits moves a run (default 0: the seed's weights, bit-identical)")
     p.add_argument("--margin", type=float, default=0.03, help="target = (1 + margin) × best loss reached")
     p.add_argument("--name", default=NAME, help="name of the results file and of the docs block (e.g. for a table of "
                    "extra seeds beside the main one)")
@@ -539,6 +545,8 @@ def fill_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if any(">" in v for v in args.hdet_votes.split(",")) and args.steps % (2 * args.pbt_interval):
         p.error(f"a FIRST>SECOND arm runs --steps={args.steps} in two halves: they must be multiples of "
                 f"--pbt-interval={args.pbt_interval}")
+    if args.init_nudge < 0:
+        p.error(f"--init-nudge={args.init_nudge} must be >= 0 (0: the seed's weights as they are)")
     if not 0 < args.search_fraction < 1:
         p.error(f"--search-fraction={args.search_fraction} must lie in (0, 1)")
     for flag, value in (("--pbt-interval", args.pbt_interval), ("--val-every", args.val_every)):
