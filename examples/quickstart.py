@@ -5,7 +5,7 @@ start at learning rates spread over 30x (a "bad first guess" included); every ``
 their validation loss (the run reads its data more than once) and the worst group continues from the winner's
 model at a new LR; after a quarter of the run every group trains from the winner's model at LRs 1.5x apart.
 
-    python examples/quickstart.py                 # 4 processes, ~1-2 minutes on 2 CPU cores
+    python examples/quickstart.py                 # 4 processes, under a minute on 2 idle CPU cores
     python examples/quickstart.py --wandb         # also log to W&B (`wandb login` first, or WANDB_MODE=offline)
     python examples/quickstart.py --accelerator gpu --devices 8 --steps 2000   # on GPUs
 """
