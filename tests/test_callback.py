@@ -293,19 +293,25 @@ def test_default_callback_installed_and_user_callback_wins():
 
 
 def test_the_published_setup_is_one_name_away():
-    """``strategy="hdet_published"``: the paper's fan-out, one shared gradient, the softmax vote and no search end;
-    ``"hdet"``: a wide geometric grid holding the optimizer's LR (27 ** (-1/4, 0, 1/4, 1/2) with four groups), each
-    group its own DDP job."""
+    """``strategy="hdet_published"``: the paper's fan-out, one shared gradient, the softmax vote on the training loss
+    (never a validation metric, even where the data repeat) and no search end; ``"hdet"``: a wide geometric grid
+    holding the optimizer's LR (27 ** (-1/4, 0, 1/4, 1/2) with four groups), each group its own DDP job, and
+    ``monitor="auto"``."""
     trainer = Trainer(strategy="hdet_published", accelerator="cpu", devices=4, logger=False)
     model = SGDBoring()
     model.trainer = trainer
     trainer.strategy.connect(model)
     (default,) = [cb for cb in trainer.callbacks if isinstance(cb, HDETCallback)]
     assert (default.vote, default.search, trainer.strategy.gradient_sync) == ("softmax", None, "global")
+    assert not default._auto and default.settings.monitor is None
     assert trainer.strategy.lr_multipliers[:, 0].tolist() == pytest.approx([8 / 9, 26 / 27, 28 / 27, 10 / 9])
     recommended = Trainer(strategy="hdet", accelerator="cpu", devices=4, logger=False).strategy
     assert recommended.gradient_sync == "group"
     assert recommended.lr_multipliers[:, 0].tolist() == pytest.approx([27 ** (k / 4 - 0.25) for k in range(4)])
+    model = SGDBoring()
+    model.trainer = recommended_trainer = Trainer(strategy="hdet", accelerator="cpu", devices=4, logger=False)
+    recommended_trainer.strategy.connect(model)
+    assert [cb._auto for cb in recommended_trainer.callbacks if isinstance(cb, HDETCallback)] == [True]
 
 
 @pytest.mark.parametrize(("max_steps", "estimated", "expected"),

@@ -49,8 +49,9 @@ class Preset:
 
 
 RECOMMENDED = Preset("recommended", DEFAULT_GRADIENT_SYNC, span=DEFAULT_LR_SPAN)
-PUBLISHED = Preset("published", "global", spread=PUBLISHED_SPREAD, callback={"vote": "softmax", "search": False},
-                   group_per_rank=True)
+# The paper's votes read each rank's training loss (ALGORITHMS.md), also where the data repeat: no "auto" monitor.
+PUBLISHED = Preset("published", "global", spread=PUBLISHED_SPREAD,
+                   callback={"vote": "softmax", "search": False, "monitor": None}, group_per_rank=True)
 PRESETS = {p.name: p for p in (RECOMMENDED, PUBLISHED)}
 # The preset of every HDET entry point when none is named: the Trainer's "hdet" and "hdet_fsdp" and Fabric's "hdet"
 # (whose HDETLoop takes the preset's vote and search too), so the three never differ silently.
