@@ -225,6 +225,22 @@ def test_saved_lrs_scale_per_param_group_and_back(tmp_path):
     assert two["lr_schedulers"][0]["base_lrs"] == [0.1]
 
 
+def test_a_resume_with_another_group_count_says_where_the_run_ended():
+    """By hand: a 4-group checkpoint saved for a plain resume at 0.03 and 0.006 (the winner's row times the schedule's
+    0.01 and 0.002); a 2-group run starts afresh and the warning names those LRs. Once HDET has divided them out
+    (its own resume), it names none."""
+    from lightning_hdet.hdet.lightning.checkpoints import own_group_state, save_plain_lrs
+
+    checkpoint = {"optimizer_states": [{"param_groups": [{"lr": 0.01}, {"lr": 0.002}]}],
+                  "hdet": {"group_files": 4, "own": {}}}
+    save_plain_lrs(checkpoint, torch.tensor([[1.0, 1.0], [3.0, 3.0], [5.0, 5.0], [9.0, 9.0]]), winner=1)
+    with pytest.warns(UserWarning, match=r"holds 4 HDET groups but this run has 2.*ended at lr=\[0.03, 0.006\]"):
+        assert own_group_state(checkpoint, num_groups=2, group_index=0) is None
+    checkpoint["hdet"]["plain_lr_multipliers"] = None
+    with pytest.warns(UserWarning, match=r"schedule's\) LR\.$"):
+        own_group_state(checkpoint, num_groups=2, group_index=0)
+
+
 def test_monitor_votes_on_each_groups_own_validation_metric(tmp_path):
     cb = HDETCallback(every_n_steps=4, monitor="val_loss", search=False)
     ranks = _fit(tmp_path, HDETStrategy(spread=0.5, gradient_sync="global", start_method=START), cb, model=LinearModel(), devices=2,

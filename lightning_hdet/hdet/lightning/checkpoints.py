@@ -17,6 +17,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_hdet.hdet.console import rounded_list
+
 
 def group_dir(checkpoint_path: Any) -> str:
     """The folder of the per-group files beside ``checkpoint_path``."""
@@ -55,10 +57,23 @@ def own_group_state(checkpoint: dict[str, Any], num_groups: int, group_index: in
     if count != num_groups:
         rank_zero_warn(
             f"The checkpoint holds {count} HDET groups but this run has {num_groups}; every group "
-            "starts from the checkpoint's merged model and a fresh optimizer state."
+            "starts from the checkpoint's merged model and a fresh optimizer state at your optimizer's (or schedule's) LR"
+            f"{ended_at(checkpoint)}"
         )
         return None
     return hdet["own"]
+
+
+def ended_at(checkpoint: dict[str, Any]) -> str:
+    """What a warning adds about the LRs the checkpoint's run ended at (its optimizers' LRs while they are still
+    scaled for a plain resume, :func:`save_plain_lrs`), or ``"."``: a run with another group count does not start
+    there, and the user should know where it was."""
+    if (checkpoint.get("hdet") or {}).get(PLAIN_KEY) is None:
+        return "."
+    lrs = [pg["lr"] for state in checkpoint.get("optimizer_states") or [] for pg in state.get("param_groups", [])
+           if isinstance(pg.get("lr"), (int, float))]
+    return (f"; the run ended at lr={rounded_list(lrs)} (per param group): set it as your LR to start there, or resume "
+            "with the same number of groups to continue the search.") if lrs else "."
 
 
 def resharded(checkpoint: dict[str, Any], own: Optional[dict[str, Any]]) -> bool:
