@@ -115,7 +115,8 @@ class WorkerCheckpoints(RankGroups):
             # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
             checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
         whole = bool(self.optimizers) and "optimizer_states" in checkpoint  # not for weights-only ones
-        validation = self._validation if self._validation is not None and snapshot is self._validation.snapshot else None
+        validation = self._validation
+        validation = validation if validation is not None and snapshot is validation.snapshot else None
         if validation is not None:  # its request says what became of it when the validation ends
             request = validation.request
             if whole:
@@ -253,9 +254,9 @@ class WorkerCheckpoints(RankGroups):
                 return kept[1]
         if now == exchange:
             return self._own_state()
-        kept = self._kept
+        why = "no checkpoint callback" if not self._keeping else f"it holds exchange {self._kept and self._kept[0]}"
         return {"missing": f"its state as of its exchange {exchange}, which the checkpoint's global model holds last,"
-                           f" was not kept ({'no checkpoint callback' if not self._keeping else f'it holds exchange {kept and kept[0]}'})"}
+                           f" was not kept ({why})"}
 
     def _write_state(self, own_file: str, state: Any) -> None:
         """Write this rank's file from :meth:`_capture`'s state (saying so where it was not kept)."""

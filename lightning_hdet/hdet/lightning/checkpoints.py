@@ -57,8 +57,8 @@ def own_group_state(checkpoint: dict[str, Any], num_groups: int, group_index: in
     if count != num_groups:
         rank_zero_warn(
             f"The checkpoint holds {count} HDET groups but this run has {num_groups}; every group "
-            "starts from the checkpoint's merged model and a fresh optimizer state at your optimizer's (or schedule's) LR"
-            f"{ended_at(checkpoint)}"
+            "starts from the checkpoint's merged model and a fresh optimizer state at your optimizer's (or "
+            f"schedule's) LR{ended_at(checkpoint)}"
         )
         return None
     return hdet["own"]
