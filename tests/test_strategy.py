@@ -55,6 +55,18 @@ def test_fan_out_default_multipliers():
     assert float(m.mean()) == pytest.approx(1.0)
 
 
+def test_the_initial_multipliers_by_hand():
+    """What the groups start at, in order of precedence: the requested ones, `explore={"lr": span}`'s grid, the
+    published spread's fan-out, the preset's grid (clusters: the user's LR on the middle groups)."""
+    from lightning_hdet.hdet.layout import initial_multipliers
+
+    assert initial_multipliers(2, [1.0, 3.0], 0.5, 9.0, True, 27.0) == [1.0, 3.0]
+    assert initial_multipliers(2, None, 0.5, 9.0, False, 27.0) == pytest.approx([1.0, 3.0])  # 9 ** (0, 1/2)
+    assert initial_multipliers(3, None, 0.5, None, False, None) == pytest.approx([0.5, 1.0, 1.5])
+    assert initial_multipliers(4, None, None, None, False, 16.0) == pytest.approx([0.5, 1.0, 2.0, 4.0])
+    assert initial_multipliers(4, None, None, None, True, 16.0) == pytest.approx([0.25, 1.0, 1.0, 4.0])
+
+
 def test_group_sync_params_equal_within_groups_and_differ_across(tmp_path):
     strategy = HDETStrategy(num_groups=2, lr_multipliers=[1.0, 4.0], gradient_sync="group", start_method=START)
     ranks = _fit(tmp_path, strategy, callbacks=[HDETCallback(every_n_steps=1000)])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_hdet._checks import check_number, check_positive_list, is_int, require
-from lightning_hdet.hdet.rules.defaults import default_num_groups
+from lightning_hdet.hdet.rules.defaults import default_num_groups, incumbent_grid, span_grid
 
 
 def fan_out(num_groups: int, spread: float) -> list[float]:
@@ -25,6 +25,21 @@ def fan_out(num_groups: int, spread: float) -> list[float]:
     center = (num_groups - 1) / 2
     half_width = max(center, 0.5)
     return [1.0 + spread * (g - center) / half_width for g in range(num_groups)]
+
+
+def initial_multipliers(num_groups: int, requested: Optional[Sequence[float]], spread: Optional[float],
+                        lr_span: Optional[float], clusters: bool, preset_span: Optional[float]) -> list[float]:
+    """The groups' starting multipliers: the ``requested`` ones; else ``explore={"lr": lr_span}``'s geometric grid;
+    else the published ``spread``'s fan-out; else the preset's geometric grid (``clusters``: with the user's LR on
+    the middle groups)."""
+    if requested is not None:
+        return list(requested)
+    if lr_span is not None:
+        return span_grid(num_groups, lr_span)
+    if spread is not None:
+        return fan_out(num_groups, spread)
+    assert preset_span is not None
+    return (incumbent_grid if clusters else span_grid)(num_groups, preset_span)
 
 
 def check_num_groups(num_groups: int) -> None:

@@ -44,7 +44,7 @@ from lightning_hdet.hdet.layout import (
     check_multipliers,
     check_num_groups,
     check_spread,
-    fan_out,
+    initial_multipliers,
     make_layout,
 )
 from lightning_hdet.hdet.lightning.gradient_groups import GradientGroups
@@ -55,7 +55,7 @@ from lightning_hdet.hdet.multipliers import (
     scaled_lr,
     schedule_lrs,
 )
-from lightning_hdet.hdet.rules.defaults import PRESETS, incumbent_grid, lone_ranks_warning, span_grid
+from lightning_hdet.hdet.rules.defaults import PRESETS, lone_ranks_warning
 
 GradientSync = Literal["global", "group", "cluster"]
 GRADIENT_SYNC = ("global", "group", "cluster")
@@ -205,17 +205,10 @@ class HDETGroups(GradientGroups):
     @property
     def _table(self) -> MultiplierTable:
         if self._multipliers is None:
-            initial = self._requested_multipliers
             lr_span = self._explore.get("lr")
-            if initial is None and isinstance(lr_span, float):
-                initial = span_grid(self.num_groups, lr_span)  # explore={"lr": span}
-            elif initial is None and self.spread is None and self.gradient_sync == "cluster":
-                initial = incumbent_grid(self.num_groups, self.preset.span)  # the user's LR on the middle groups
-            elif initial is None and self.spread is None:
-                initial = span_grid(self.num_groups, self.preset.span)  # the preset's geometric grid
-            elif initial is None:
-                initial = fan_out(self.num_groups, self.spread)
-            self._multipliers = MultiplierTable(initial)
+            self._multipliers = MultiplierTable(initial_multipliers(
+                self.num_groups, self._requested_multipliers, self.spread,
+                lr_span if isinstance(lr_span, float) else None, self.gradient_sync == "cluster", self.preset.span))
         return self._multipliers
 
     @property
