@@ -29,6 +29,7 @@ from lightning_hdet.asynchronous.exchange.reshard import reshard_optimizer_state
 from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.exchange.worker_shards import local_state, sharded_optimizer_state
 from lightning_hdet.asynchronous.lightning.rank_groups import RankGroups
+from lightning_hdet.asynchronous.outer.state import OuterState
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,14 @@ class WorkerCheckpoints(RankGroups):
     _keeping = False
     _fits = 0
 
+    @property
+    def _outer(self) -> OuterState | None:
+        """Rank 0's outer state while it has an exchange (``None`` elsewhere)."""
+        return self._exchange.outer if self._exchange is not None else None
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        outer = self._exchange.outer if self._exchange is not None else None
+        outer = self._outer
         snapshot, request = self._outer_snapshot, self._snapshot_request
         self._outer_snapshot = self._snapshot_request = None
         if self.is_global_zero and outer is not None:
@@ -149,7 +155,7 @@ class WorkerCheckpoints(RankGroups):
         return self._outer_snapshot
 
     def _numbered_snapshot(self) -> tuple[dict[str, Any] | None, int | None]:
-        outer = self._exchange.outer if self._exchange is not None else None
+        outer = self._outer
         if not (self.training_apart and outer is not None):
             return None, None
         snapshot = outer.state_dict(request=self._requests is not None)
@@ -161,7 +167,7 @@ class WorkerCheckpoints(RankGroups):
     def start_validation(self) -> dict[str, Any] | None:
         """Rank 0, async, while training apart with a checkpoint callback: the snapshot this validation scores and
         any checkpoint written at its end saves (the others' pushes meanwhile are in neither); else ``None``."""
-        outer = self._exchange.outer if self._exchange is not None else None
+        outer = self._outer
         if (outer is None or outer.step_policy.mode != "async" or self._validation is not None
                 or not self.lightning_module.trainer.checkpoint_callbacks):
             return None  # DiLoCo: no round ends while rank 0 validates
@@ -206,7 +212,7 @@ class WorkerCheckpoints(RankGroups):
 
     def finish_checkpoints(self, groups: tuple[Any, Any] | None) -> None:
         """Every worker left: follow the requests made after this worker's last reply; then no more."""
-        outer = self._exchange.outer if self._exchange is not None else None
+        outer = self._outer
         count = torch.tensor([outer.counts.requests if outer is not None else 0], dtype=torch.int64)
         dist.broadcast(count, src=0, group=groups[1] if groups is not None else None)
         requests = int(count)
@@ -288,7 +294,7 @@ class WorkerCheckpoints(RankGroups):
         own = self._own_file(filepath)
         if own and get_filesystem(own).exists(own):
             self.checkpoint_io.remove_checkpoint(own)
-        outer = self._exchange.outer if self._exchange is not None else None
+        outer = self._outer
         if self.training_apart and self._requests is not None and outer is not None:
             with outer.model_lock:
                 number = outer.counts.reserve()

@@ -34,13 +34,10 @@ class ExchangeReadouts:
     report: History  # rank 0: the outer metrics logged, for the figures
     _logged_version = -1
     _handed_back: AsyncResult | None = None  # the launching process of a fork/spawn fit: rank 0's result
+    _outer: OuterState | None  # rank 0's outer state while it has an exchange (WorkerCheckpoints')
     take_snapshot: Callable[[], Optional[dict[str, Any]]]
     start_validation: Callable[[], Optional[dict[str, Any]]]
     end_validation: Callable[[], None]
-
-    @property
-    def _outer(self) -> OuterState | None:
-        return self._exchange.outer if self._exchange is not None else None
 
     @contextmanager
     def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
