@@ -17,8 +17,9 @@ against DDP taking ``S`` steps of batch ``W`` × 32 at the same inner optimizer 
 
 ``S`` = 200 (shapes: 120), ``H`` = 10 (``boring``: 8); ``tabular_small`` with AdamW also runs at ``H`` = 25
 and 50 (W = 4). Settings: lr 0.163 (the default), 0.35, 0.5, 0.7 and 1.0 at momentum 0.9, and 0.375, 0.5, 0.7
-and 1.0 at 0.5, each with the momentum schedule on and off; and two outer lrs that follow the workers' agreement
-(:class:`AgreementLR`, ``/agree...`` in the labels).
+and 1.0 at 0.5, each with the momentum schedule on and off; two outer lrs that follow the workers' agreement
+(:class:`AgreementLR`, ``/agree...`` in the labels); and two chosen at every update by a one-step lookahead on a
+held-out split the reported loss does not use (:class:`LookaheadLR`, ``/look...``).
 Reported per cell: the best setting and its final held-out loss ÷ DDP's; each setting's loss ÷ the cell's best
 (``boring``: its final ÷ initial loss, which reaches 1e-15 and whose ratios are round-off); a setting is *unstable*
 where any run ended above its start, not finite, or (``boring``) rose by more than 10 % over its last 150 rounds.
@@ -38,7 +39,9 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,11 @@ GRID = ((0.9, (0.163, 0.35, 0.5, 0.7, 1.0)), (0.5, (0.375, 0.5, 0.7, 1.0)))
 #: The agreement-scaled outer lr tried (``k0, low, high``, :class:`AgreementLR`) at 0.375 / 0.5 / on: shrink-only
 #: and both ways. Not a package option: issue 60's trial, not shipped (docs/research/2026-11-async.md).
 AGREEMENT = ((0.2, 0.25, 1.0), (0.2, 0.25, 4.0))
+#: The lookahead outer lr tried (``lr, momentum, schedule, low, high``, :class:`LookaheadLR`): from the old default's
+#: step and from the default's. Not a package option: issue 60's "what would make it possible", not shipped.
+LOOKAHEAD = ((0.163, 0.9, "on", 0.05, 1.0), (0.375, 0.5, "on", 0.1, 1.0))
+#: The factors of the current outer lr a lookahead tries at each update.
+LOOKAHEAD_SCALES = (0.5, 1.0, 2.0)
 #: The momentum schedule: warm-up over 16 momentum updates and a restart every 8 (the presets'), or none.
 SCHEDULES = {"on": (16, 8), "off": (0, 0)}
 BATCH = 32
@@ -82,12 +90,14 @@ BORING_ROUNDS = 200
 @dataclass(frozen=True)
 class Outer:
     """One outer setting: Delayed Nesterov's lr and momentum, the momentum schedule on or off, and optionally the
-    lr scaled by the workers' agreement (``k0, low, high`` of :class:`AgreementLR`)."""
+    lr scaled by the workers' agreement (``k0, low, high`` of :class:`AgreementLR`) or chosen by a lookahead
+    (``low, high`` of :class:`LookaheadLR`)."""
 
     lr: float
     momentum: float
     schedule: str
     agreement: tuple[float, float, float] | None = None
+    lookahead: tuple[float, float] | None = None
 
     @property
     def optimizer(self) -> DelayedNesterov:
@@ -98,10 +108,14 @@ class Outer:
     @property
     def label(self) -> str:
         k0, low, high = self.agreement or (0, 0, 0)
-        return f"{self.lr:g}/{self.momentum:g}/{self.schedule}" + (f"/agree{k0:g}[{low:g},{high:g}]" if k0 else "")
+        look = f"/look[{self.lookahead[0]:g},{self.lookahead[1]:g}]" if self.lookahead else ""
+        return f"{self.lr:g}/{self.momentum:g}/{self.schedule}" + (f"/agree{k0:g}[{low:g},{high:g}]" if k0 else "") + look
 
-    def drive(self, state: Any) -> Any:
-        """What drives ``state``: itself, or it with the agreement-scaled lr."""
+    def drive(self, state: Any, score: Callable[[torch.Tensor], float] | None = None) -> Any:
+        """What drives ``state``: itself, or it with the agreement-scaled lr, or with the lr a lookahead scored by
+        ``score`` (a held-out split the reported loss does not use) picks."""
+        if self.lookahead:
+            return LookaheadLR(state, score, *self.lookahead)
         return AgreementLR(state, *self.agreement) if self.agreement else state
 
 
@@ -141,11 +155,48 @@ class AgreementLR:
         return self.state.process(pushes)
 
 
+class LookaheadLR:
+    """The outer state with its lr chosen at every update by a one-step lookahead: the update is tried on copies of
+    the state at :data:`LOOKAHEAD_SCALES` times the current lr (within ``[low, high]``), each result scored, and the
+    lowest score's lr kept (a tie keeps the current one). Why: a step that over-fits repeated data or overshoots
+    shows on held-out data at once, where the fixed settings disagree by workload (the sweep above)."""
+
+    def __init__(self, state: Any, score: Callable[[torch.Tensor], float], low: float, high: float) -> None:
+        self.state, self.score, self.low, self.high = state, score, low, high
+        self.lr = [group["lr"] for group in state.optimizer.param_groups]
+
+    @property
+    def params(self) -> torch.Tensor:
+        return self.state.params
+
+    def _set(self, state: Any, scale: float) -> None:
+        for group, lr in zip(state.optimizer.param_groups, self.lr):
+            group["lr"] = min(self.high, max(self.low, lr * scale))
+
+    def _tried(self, pushes: list, scale: float) -> float:
+        locks = {id(v): threading.Lock() for v in vars(self.state).values() if isinstance(v, _LOCK)}
+        trial = copy.deepcopy(self.state, locks)  # the state's locks cannot be copied: fresh ones
+        self._set(trial, scale)
+        trial.process(copy.deepcopy(pushes))
+        return self.score(trial.params)
+
+    def process(self, pushes: list) -> Any:
+        losses = [self._tried(pushes, scale) for scale in LOOKAHEAD_SCALES]
+        best = min(range(len(losses)), key=lambda i: (losses[i], abs(LOOKAHEAD_SCALES[i] - 1.0)))
+        self._set(self.state, LOOKAHEAD_SCALES[best])
+        self.lr = [group["lr"] for group in self.state.optimizer.param_groups]
+        return self.state.process(pushes)
+
+
+_LOCK = type(threading.Lock())
+
+
 def candidates(quick: bool) -> list[Outer]:
     if quick:
         return [Outer(0.163, 0.9, "on"), Outer(0.7, 0.9, "off")]
     return [Outer(lr, m, s) for m, lrs in GRID for lr in lrs for s in SCHEDULES] + [
-        Outer(0.375, 0.5, "on", a) for a in AGREEMENT]
+        Outer(0.375, 0.5, "on", a) for a in AGREEMENT] + [Outer(lr, m, s, lookahead=(low, high))
+                                                          for lr, m, s, low, high in LOOKAHEAD]
 
 
 def load(workload: str) -> tuple:
@@ -208,6 +259,18 @@ def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
         at += p.numel()
 
 
+def lookahead_split(workload: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """512 more held-out rows or images (seed 2) for :class:`LookaheadLR`: not the reported loss's."""
+    return make_shapes(512, seed=2) if workload == "shapes_small" else make_tabular(512, seed=2, task_seed=0)
+
+
+def boring_lookahead(flat: torch.Tensor) -> float:
+    """``outer_stability.held_out_loss`` on 256 other inputs (seed 98), for :class:`LookaheadLR`."""
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(98))
+    with torch.no_grad():
+        return float(((x @ flat[:64].view(2, 32).T + flat[64:] - 1) ** 2).mean())
+
+
 def held_out(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
     """The held-out cross-entropy of ``model`` at flat parameters."""
     def score(flat: torch.Tensor) -> float:
@@ -239,7 +302,8 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
     fake = ModelWorkers(model, x, y, workers, inner, lr, wd, local_steps, seed)
     state = build_outer(parameters_to_vector(model.parameters()).detach().clone(), workers, mode, local_steps,
                         outer.optimizer)
-    curve = drive(outer.drive(state), fake, workers, mode, STEPS[workload] // local_steps, seed,
+    look = held_out(copy.deepcopy(model), *lookahead_split(workload)) if outer.lookahead else None
+    curve = drive(outer.drive(state, look), fake, workers, mode, STEPS[workload] // local_steps, seed,
                   held_out(model, vx, vy))
     finite = all(math.isfinite(c) for c in curve)
     return {"start": curve[0], "final": curve[-1] if finite else math.inf,
@@ -247,7 +311,8 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
 
 
 def boring_run(data: str, workers: int, mode: str, outer: Outer, seed: int, rounds: int) -> dict:
-    curve = simulate(workers, mode, outer.optimizer, "sgd", rounds, seed, data, wrap=outer.drive)
+    curve = simulate(workers, mode, outer.optimizer, "sgd", rounds, seed, data,
+                     wrap=lambda state: outer.drive(state, boring_lookahead))
     v = verdict(curve, min(50, rounds // 2))
     return {"start": 1.0, "final": v["end"], "stable": v["stable"]}
 

@@ -281,6 +281,41 @@ def test_outer_sweep_agreement_scaled_lr_hand_computed():
     assert asynchronous.state.lrs == pytest.approx([0.4, 0.1])
 
 
+def test_outer_sweep_lookahead_lr_hand_computed():
+    """The lookahead tries each update at 0.5, 1 and 2 times the current lr (within [low, high]) on copies of the
+    state and keeps the lowest score's. A fake state steps ``params += lr * g``, the score is ``|params - 0.8|``:
+    from 0 at lr 0.4 with g = 1 the trials end at 0.2, 0.4 and 0.8, so lr 0.8 and params 0.8; next the trials
+    (lrs 0.4, 0.8, 1.6 -> 1.0) end at 1.2, 1.6 and 1.8: lr 0.4, params 1.2. The state itself steps once per
+    update (the trials run on copies, its lock included); a flat score keeps the current lr."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.outer_sweep import LookaheadLR
+
+    class State:
+        def __init__(self):
+            self.optimizer = SimpleNamespace(param_groups=[{"lr": 0.4}])
+            self.params = torch.zeros(1)
+            self.lock = threading.Lock()
+            self.steps = 0
+
+        def process(self, pushes):
+            self.params = self.params + self.optimizer.param_groups[0]["lr"] * sum(p.pseudo_gradient for p in pushes)
+            self.steps += 1
+
+    pushes = [SimpleNamespace(worker=0, pseudo_gradient=torch.ones(1))]
+    look = LookaheadLR(State(), lambda flat: float((flat - 0.8).abs()), 0.1, 1.0)
+    look.process(pushes)
+    assert (look.lr, float(look.params), look.state.steps) == (pytest.approx([0.8]), pytest.approx(0.8), 1)
+    look.process(pushes)
+    assert (look.lr, float(look.params), look.state.steps) == (pytest.approx([0.4]), pytest.approx(1.2), 2)
+    flat = LookaheadLR(State(), lambda flat: 1.0, 0.1, 1.0)
+    flat.process(pushes)
+    assert flat.lr == pytest.approx([0.4])
+
+
 def test_outer_sweep_worker_round_is_start_minus_its_local_model():
     """A fake worker copies the global parameters in (no aliasing: the start it is given stays as it was), takes H
     inner steps, and returns start - local; its inner optimizer's state carries over to its next round."""
