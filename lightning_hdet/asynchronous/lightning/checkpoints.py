@@ -121,27 +121,23 @@ class WorkerCheckpoints(RankGroups):
             # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
             checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
         whole = bool(self.optimizers) and "optimizer_states" in checkpoint  # not for weights-only ones
-        validation = self._validation
-        validation = validation if validation is not None and snapshot is validation.snapshot else None
+        validation = self._validation if self._validation and snapshot is self._validation.snapshot else None
         if validation is not None:  # its request says what became of it when the validation ends
             request = validation.request
             if whole:
                 validation.paths.append(filepath)
         elif request is not None and self._requests is not None:
             self._requests.post(request, "save" if whole else "none", [filepath] if whole else [])
-            self._followed = max(self._followed, request)
         super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
-        if self.training_apart:  # rank 0's decision: its own file now, the others' at their next reply
-            if whole and request is not None and snapshot is not None:
-                # between exchanges; once it left, its state is that of its last
-                now = self._exchange.worker.exchanges if self.left_exchange and self._exchange else None
-                own = self._own_file(filepath)
-                if own is not None:
-                    self._write_state(own, self._capture(snapshot["exchanges"].get(self.worker_ranks.worker, 0), now))
+        own = self._own_file(filepath)
+        if not whole or own is None:
             return
-        own_file = self._own_file(filepath)
-        if whole and own_file:
-            self.checkpoint_io.save_checkpoint(self._own_state(), own_file)
+        if not self.training_apart:
+            self.checkpoint_io.save_checkpoint(self._own_state(), own)
+        elif request is not None and snapshot is not None:  # rank 0's: its file now, the others' at their next reply
+            # between exchanges; once it left, its state is that of its last
+            now = self._exchange.worker.exchanges if self.left_exchange and self._exchange else None
+            self._write_state(own, self._capture(snapshot["exchanges"].get(self.worker_ranks.worker, 0), now))
 
     def take_snapshot(self) -> dict[str, Any] | None:
         """Rank 0 while training apart: one snapshot for the checkpoint's model and outer state, numbered (during a
@@ -182,7 +178,6 @@ class WorkerCheckpoints(RankGroups):
         validation, self._validation = self._validation, None
         if validation is not None and validation.request is not None and self._requests is not None:
             self._requests.post(validation.request, "save" if validation.paths else "none", validation.paths)
-            self._followed = max(self._followed, validation.request)
 
     def _own_state(self) -> dict[str, Any]:
         own: dict[str, Any] = {"optimizer": self.optimizer_state(self.optimizers[0])}
@@ -300,7 +295,6 @@ class WorkerCheckpoints(RankGroups):
                 number = outer.counts.reserve()
             self._requests.reserve(number, None)
             self._requests.post(number, "remove", [filepath])
-            self._followed = max(self._followed, number)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
