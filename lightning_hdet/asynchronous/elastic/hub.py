@@ -76,13 +76,6 @@ class SessionHub:
     def port(self) -> int:
         return self.host.port
 
-    def registered(self) -> int:
-        """The largest session id handed out so far."""
-        return self.host.registered()
-
-    def beats(self, session: int) -> int:
-        return self.host.beats(session)
-
     def attach(self, session: int) -> None:
         """Start ``session``'s receiving thread (it first waits for the worker in the session's group)."""
         threading.Thread(target=self._receive, args=(session,), daemon=True, name=f"elastic-session-{session}").start()

@@ -189,9 +189,9 @@ class OuterService:
             self.table.open(session, now)
             self.hub.attach(session)
             log.info("session %d opened (%d live)", session, len(self.table.live))
-            self._follow_live_set()
+            self.outer.follow_live(len(self.table.live))  # Delayed Nesterov's N follows the live set
         for session in list(self.table.live):
-            self.table.beat(session, self.hub.beats(session), now)
+            self.table.beat(session, self.hub.host.beats(session), now)
         for session in self.table.expired(now):
             self._end(session, "expired")
         if self.table.live:
@@ -202,7 +202,7 @@ class OuterService:
         """Newly registered sessions that may open, in id order: all of them without a token; with one, those
         whose worker proved it knows it (a wrong proof, or none within ``lease_s``, is refused)."""
         assert self.hub is not None
-        registered = self.hub.registered()
+        registered = self.hub.host.registered()
         self._pending.update({s: now for s in range(self._scanned + 1, registered + 1)})
         self._scanned = max(self._scanned, registered)
         admitted = []
@@ -231,12 +231,8 @@ class OuterService:
         self.hub.drop(session, flush=flush, unresponsive=reason == "expired" or reason.startswith("lost"))
         self._parked.pop(session, None)
         self.outer.release(session)
-        self._follow_live_set()
-        self._retry_parked()
-
-    def _follow_live_set(self) -> None:
-        """Delayed Nesterov's ``N`` follows the live sessions (:meth:`~..outer.OuterState.follow_live`)."""
         self.outer.follow_live(len(self.table.live))
+        self._retry_parked()
 
     # the exchange
     def _collect(self, first: Push) -> list[Push]:
@@ -265,7 +261,7 @@ class OuterService:
             elif self.outer.excluded(push.worker):  # told to stop: its session ends, its share goes to the others
                 self._end(push.worker, f"excluded: {self.outer.rejection_streak(push.worker)} pushes in a row rejected",
                           flush=True)
-        self._follow_live_set()
+        self.outer.follow_live(len(self.table.live))
         self._retry_parked()
         self._after_update()
 
