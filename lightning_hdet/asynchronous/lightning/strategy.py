@@ -133,7 +133,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         return {**self.outer_settings.numbers(), **codec_numbers("compression", self.compression),
                 **codec_numbers("pull_compression", self.pull_compression), "error_feedback": self.error_feedback,
                 "checkpoint_inner_states": self.checkpoint_inner_states, **self.worker_shape.numbers(),
-                "transport": repr(self.transport), "workers": self._expected_workers}
+                "transport": repr(self.transport), "workers": self._workers}
 
     def _reset_run_state(self) -> None:
         self.training_apart = False
@@ -144,7 +144,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     # set-up
     @property
-    def _expected_workers(self) -> int:
+    def _workers(self) -> int:
         return self.num_nodes * self.num_processes // self.ranks_per_worker
 
     @override
@@ -156,7 +156,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
                 f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
             )
         self.check_worker_layout()
-        self.outer_settings.outer.check_workers(self._expected_workers)
+        self.outer_settings.outer.check_workers(self._workers)
         super()._configure_launcher()
         self._launcher = handing_back(self, self._launcher,
                                       ShardedWorkersLauncher if self.inside_worker == "fsdp" else HandingBackLauncher)
@@ -191,7 +191,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         destroy_default_group_at_exit()
         # Budget: inner steps summed over workers = workers * max_steps. The loop itself must not stop a fast
         # worker at max_steps, so the strategy stops it (trainer.should_stop) instead.
-        self._workers = self.world_size // self.ranks_per_worker
         max_steps = trainer.fit_loop.max_steps
         self._budget = self._workers * max_steps if max_steps >= 0 else None
         self._limits.lift(trainer)

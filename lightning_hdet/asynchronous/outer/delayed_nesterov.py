@@ -117,10 +117,7 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
                     if schedule.restarts(updates + 1):
                         m.zero_()
                     m.mul_(beta)
-                if n == 1:
-                    m.add_(g)
-                else:
-                    m.add_(g, alpha=1.0 / n)
+                m.add_(g, alpha=1.0 / n)  # alpha 1.0 with N = 1: the same float32 sum as m + g
             else:  # c > 0: intermediate pushes read the last momentum, so the cycle's pushes wait in ``delta``
                 delta = state.get("delta")
                 if delta is None:
@@ -241,4 +238,3 @@ class MomentumSchedule:
 
     def restarts(self, update: int) -> bool:
         return bool(self.restart) and update % self.restart == 0
-

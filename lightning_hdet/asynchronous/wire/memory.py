@@ -58,7 +58,6 @@ class MemoryTransport(Transport):
                                f" receiver expected {received.numel()} bytes: the ends disagree on the layout")
         received.copy_(sent)
 
-
     def _box(self, way: str, worker: int) -> queue.Queue[Tensor]:
         with self._lock:
             return self._boxes.setdefault((way, worker), queue.Queue())
