@@ -23,8 +23,8 @@ from lightning_hdet.asynchronous.elastic.membership import (
     StoreHost,
     abort,
     first_line,
-    meet_key,
     session_group,
+    session_key,
 )
 from lightning_hdet.asynchronous.elastic.transport import SessionServerEnd
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
@@ -106,7 +106,7 @@ class SessionHub:
     def _worker_ready(self, store: Any, session: int) -> bool:
         """Wait until ``session``'s worker is about to meet the service; False once the session was dropped (its
         lease ran out before the worker met us) or the hub is closing."""
-        while not store.check([meet_key(session)]):
+        while not store.check([session_key("meet", session)]):
             with self._lock:
                 if session in self._dropped:
                     return False
@@ -165,15 +165,14 @@ class SessionHub:
         thread.start()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Tear down the sessions still open (none after a normal end; after a failure their threads would stay
-        blocked on their groups), then wait (up to ``timeout`` seconds each) for the replying threads and the groups
-        being torn down: a thread still inside a group's ``abort`` when the interpreter exits makes the C++ runtime
-        terminate the process (seen: the service exited with SIGABRT, "terminate called without an active
-        exception", after a normal end). Not waited for: the replying thread of a session dropped as unresponsive
-        (lost or expired), which may be blocked for good in a send to a frozen worker (gloo's abort does not end a
-        pending send); it is a daemon, as every session's receiving thread is, so it ends with the process. Every
-        other replying thread is joined: one still sending when the process exits aborts it (seen after a normal
-        leave). Waiting for it delayed the end of
+        """Tear down the sessions still open (none after a normal end; after a failure their threads would stay blocked
+        on their groups), then wait (up to ``timeout`` seconds each) for the replying threads and the groups being torn
+        down: a thread still inside a group's ``abort`` when the interpreter exits makes the C++ runtime terminate the
+        process (seen: the service exited with SIGABRT, "terminate called without an active exception", after a normal
+        end). Not waited for: the replying thread of a session dropped as unresponsive (lost or expired), which may be
+        blocked for good in a send to a frozen worker (gloo's abort does not end a pending send); it is a daemon, as
+        every session's receiving thread is, so it ends with the process. Every other replying thread is joined: one
+        still sending when the process exits aborts it (seen after a normal leave). Waiting for it delayed the end of
         ``run()`` by ``timeout`` after a worker froze mid-exchange."""
         self._closing.set()
         with self._lock:
