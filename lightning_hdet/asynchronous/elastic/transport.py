@@ -1,9 +1,8 @@
 """The exchange's messages over one session's two-rank gloo group: the same wire format as the single-job mode
-(:mod:`..messages`, sent and received by the same functions as the single-job transports), the worker's end
-a :class:`~..transport.StreamWorkerTransport` like the others, so the unchanged :class:`~..worker.Worker` runs
-the round. Pushes travel on one tag and replies on another, so that the
-server's receiving thread and its replies never wait on each other. Any failure of the group is a
-:class:`~.membership.SessionLost`.
+(:mod:`..messages`, sent and received by the same functions as the single-job transports), the worker's end a
+:class:`~..transport.StreamWorkerTransport` like the others, so the unchanged :class:`~..worker.Worker` runs the round.
+Pushes travel on one tag and replies on another, so that the server's receiving thread and its replies never wait on
+each other. Any failure of the group is a :class:`~.membership.SessionLost`.
 """
 
 from __future__ import annotations
@@ -17,12 +16,7 @@ from torch import Tensor
 
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, first_line
 from lightning_hdet.asynchronous.wire.messages import Fragments, Push, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.wire.transport import (
-    StreamWorkerTransport,
-    receive_buffer,
-    receive_push,
-    send_reply,
-)
+from lightning_hdet.asynchronous.wire.transport import StreamWorkerTransport, receive_buffer, receive_push, send_reply
 
 PUSH_TAG, REPLY_TAG = 1, 2
 _SERVER, _WORKER = 0, 1

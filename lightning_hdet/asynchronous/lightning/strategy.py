@@ -26,11 +26,7 @@ from lightning_hdet._compat import (
 from lightning_hdet._launch import HandingBackLauncher, handing_back
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange, read_model
-from lightning_hdet.asynchronous.exchange.worker_shards import (
-    check_inside_worker,
-    read_full,
-    read_sharded_model,
-)
+from lightning_hdet.asynchronous.exchange.worker_shards import check_inside_worker, read_full, read_sharded_model
 from lightning_hdet.asynchronous.lightning.callback import AsyncLogging
 from lightning_hdet.asynchronous.lightning.checkpoints import WorkerCheckpoints
 from lightning_hdet.asynchronous.lightning.worker_shape import (

@@ -100,10 +100,9 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
 
     def _step_one(self, p: torch.Tensor, g: torch.Tensor, lr: float, n: int, c: float,
                   schedule: MomentumSchedule) -> None:
-        """One push on one parameter. Buffers only where read: no momentum buffer with momentum 0, no ``delta``
-        unless ``c > 0`` (with ``c = 0`` the momentum is read only at the ``N``-th push, so each push goes into it as
-        it comes: one model of state, as DiLoCo's Nesterov). ``get`` with defaults: older or ``SGD`` states lack
-        keys."""
+        """One push on one parameter. Buffers only where read: no momentum buffer with momentum 0, no ``delta`` unless
+        ``c > 0`` (with ``c = 0`` the momentum is read only at the ``N``-th push, so each push goes into it as it comes:
+        one model of state, as DiLoCo's Nesterov). ``get`` with defaults: older or ``SGD`` states lack keys."""
         state = self.state[p]
         pushes, updates = state.get("pushes", 0) + 1, state.get("updates", 0)
         beta = schedule.beta(updates + 1)  # of the next momentum update
