@@ -112,8 +112,7 @@ class SparseSyncStep(SyncStep):
         self.round = sparse_round
 
     def keeps_messages(self, codecs: list, workers: int) -> SparseRound:
-        self.attach(SparseRound(codecs, workers))
-        assert self.round is not None
+        self.round = SparseRound(codecs, workers)
         return self.round
 
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
