@@ -101,8 +101,7 @@ class ElasticWorker:
     def _open_session(self) -> tuple[int, dict[str, Any]]:
         """Rank 0: (re)open a session with the service; its id and the service's config."""
         assert self._client is not None
-        session = self._client.reopen()
-        return session, self._client.config
+        return self._client.reopen()
 
     def _open(self) -> None:
         """Open a session (rank 0) and take it on every rank: check the model, seed the data, new transport."""
