@@ -40,7 +40,6 @@ class Lost:
     reason: str
 
 
-Inbox = "queue.Queue[Union[Push, Lost]]"
 #: Seconds between a receiving thread's checks that its worker is ready to meet (or that its session ended).
 MEET_POLL_S = 0.05
 _FLUSH = object()  # in a replying thread's queue: send what is queued before it, then tear the group down

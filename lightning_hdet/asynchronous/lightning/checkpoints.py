@@ -341,31 +341,26 @@ class WorkerCheckpoints(RankGroups):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each worker resumes its own inner optimizer state: the one sent to rank 0, else its file, else rank 0's."""
+        """Each worker resumes its own inner optimizer state: the one sent to rank 0, else its file, else rank 0's
+        (FSDP2 inside: this rank's shard from its file, else a fresh state)."""
         sent = (checkpoint.get(CHECKPOINT_KEY) or {}).get("inner_optimizer_states") or {}
-        worker = self.worker_ranks.worker
-        if self.inside_worker == "fsdp":
-            self._load_shard_state()
+        worker, saved = self.worker_ranks.worker, self._resume_worker
+        if self.inside_worker == "fsdp" and saved is not None:
+            self.optimizers[0].load_state_dict(sharded_optimizer_state(self.optimizers[0], saved["optimizer"]))
+        elif self.inside_worker == "fsdp":
+            log.warning("%s: the checkpoint has no inner optimizer state of this worker (%s absent or holding"
+                        " none); it starts with a fresh one", self.worker_ranks.describe(),
+                        worker_file("<checkpoint>", worker, 0).replace("shard0", "shard*"))
         elif worker in sent:
             self.optimizers[0].load_state_dict(sent[worker])
-        elif self._resume_worker is not None:
-            self.optimizers[0].load_state_dict(self._resume_worker["optimizer"])
+        elif saved is not None:
+            self.optimizers[0].load_state_dict(saved["optimizer"])
         else:
             if worker:
                 log.warning("%s: the checkpoint has no inner optimizer state of this worker (%s is absent or holds"
                             " none); it starts from rank 0's", self.worker_ranks.describe(),
                             worker_file("<checkpoint>", worker))
             super().load_optimizer_state_dict(checkpoint)
-
-    def _load_shard_state(self) -> None:
-        """FSDP2 inside: this rank's shard of the inner optimizer state; without files, a fresh state."""
-        if self._resume_worker is not None:
-            optimizer = self.optimizers[0]
-            optimizer.load_state_dict(sharded_optimizer_state(optimizer, self._resume_worker["optimizer"]))
-        else:
-            log.warning("%s: the checkpoint has no inner optimizer state of this worker (%s absent or holding"
-                        " none); it starts with a fresh one", self.worker_ranks.describe(),
-                        worker_file("<checkpoint>", self.worker_ranks.worker, 0).replace("shard0", "shard*"))
 
     def restore_worker(self, worker: Worker) -> None:
         saved = (self._resume_worker or {}).get("error_feedback")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Optional
 
 from typing_extensions import override
@@ -39,14 +39,11 @@ class ExchangeReadouts:
     start_validation: Callable[[], Optional[dict[str, Any]]]
     end_validation: Callable[[], None]
 
-    @contextmanager
-    def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
+    def _global_model(self, snapshot: dict[str, Any] | None = None) -> AbstractContextManager[None]:
         """On rank 0 during training: swap in the global model (or ``snapshot``'s) for the block."""
-        if not (self.training_apart and self._outer is not None and self._exchange is not None):
-            yield
-            return
-        with self._exchange.global_model(snapshot):
-            yield
+        if self.training_apart and self._outer is not None and self._exchange is not None:
+            return self._exchange.global_model(snapshot)
+        return nullcontext()
 
     @property
     def rounds(self) -> list[tuple[int, int]]:
