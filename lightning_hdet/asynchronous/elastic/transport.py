@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
-import torch
 from torch import Tensor
 
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, first_line
@@ -75,9 +74,7 @@ class SessionServerEnd:
     def receive(self) -> Push:
         def receive() -> Push:
             recv = partial(_recv, self.group, src=_WORKER, tag=PUSH_TAG)
-            raw = torch.empty(WorkerHeader.SIZE, dtype=torch.float64)
-            recv(raw)
-            push, messages = receive_push(self.session, WorkerHeader.decode(raw), recv, self.layout, self.n_buffers,
+            push, messages = receive_push(self.session, WorkerHeader.receive(recv), recv, self.layout, self.n_buffers,
                                           self._received)
             if push.steps > 0:
                 push.pseudo_gradient = self.layout.join(messages)

@@ -128,9 +128,7 @@ class FollowerTransport(WorkerTransport):
                 pass
 
     def pull(self, into: Tensor) -> ServerHeader:
-        raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
-        self.broadcast(raw)
-        header = ServerHeader.decode(raw)
+        header = ServerHeader.receive(self.broadcast)
         if header.next_local_steps > 0:
             self.broadcast(into)
         return header
