@@ -94,7 +94,7 @@ def write_shards(params: Sequence[Tensor], flat: Tensor, device: torch.device) -
     sync_device(device)  # ``flat`` may be overwritten next
 
 
-def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device) -> Tensor | None:
+def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device) -> None:
     """Every rank gathers each full parameter in turn; the leader (``out`` given) copies them into ``out``."""
     offset = 0
     for p in params:
@@ -102,7 +102,6 @@ def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device
         if out is not None:
             read_into([full], out[offset : offset + p.numel()], device)
         offset += p.numel()
-    return out
 
 
 def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Tensor]]:
@@ -175,8 +174,8 @@ class ShardedWorker(Worker):
 def read_sharded_model(module: Module, device: torch.device) -> tuple[Tensor, Tensor]:
     """Rank 0: flat host copies of the full parameters (its worker's ranks gather) and the buffers."""
     params, buffers = list(module.parameters()), float_buffers(module)
-    full = read_full(params, host_buffer(numel(params), device), device)
-    assert full is not None
+    full = host_buffer(numel(params), device)
+    read_full(params, full, device)
     return full, read_into(buffers, host_buffer(numel(buffers), device), device)
 
 

@@ -237,7 +237,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         with self._exchange.worker.inner_lr(optimizer):  # cut after rejected pushes in a row
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.training_apart and not self.left_exchange:
-            assert self._exchange is not None
             if self._exchange.worker.step():
                 self._run_exchange(Kind.PUSH)
             if self._exchange.worker.stopped:  # the budget is spent: this step's hooks see the final global model

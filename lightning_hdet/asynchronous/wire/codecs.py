@@ -233,8 +233,7 @@ def check_codecs(push: Codec, pull: Codec, error_feedback: object, forwards_roun
 
 
 def row_layout(shapes: Sequence[torch.Size], chunk: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:
-    """``(offset, rows, row_length)`` over ``shapes``: ``shape[0]`` rows, or chunks of ``chunk`` values."""
-    check_int("chunk", chunk, minimum=1)
+    """``(offset, rows, row_length)`` over ``shapes``: ``shape[0]`` rows, or chunks of ``chunk`` values (>= 1)."""
     segments = []
     offset = 0
     for shape in shapes:
