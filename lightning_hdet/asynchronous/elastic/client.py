@@ -53,10 +53,9 @@ class SessionClient:
             except (SessionLost, RuntimeError) as err:
                 wait = backoff(attempt)
                 if time.monotonic() + wait > deadline:
-                    raise RuntimeError(
-                        f"No outer service reachable at {self.address} within reconnect_s={self.reconnect_s}s: {err}"
-                        " Start (or restart) the service, or raise `reconnect_s` to wait longer."
-                    ) from err
+                    raise RuntimeError(f"No outer service reachable at {self.address} within reconnect_s="
+                                       f"{self.reconnect_s}s: {err} Start (or restart) the service, or raise"
+                                       " `reconnect_s` to wait longer.") from err
                 log.warning("outer service at %s unreachable (%s); retrying in %.1fs", self.address, err, wait)
                 time.sleep(wait)
                 attempt += 1

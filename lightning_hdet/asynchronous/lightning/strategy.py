@@ -147,10 +147,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
     def _configure_launcher(self) -> None:
         world_size = self.num_nodes * self.num_processes
         if world_size < 2:
-            raise ValueError(
-                f"{type(self).__name__} needs at least 2 processes (got devices={self.num_processes},"
-                f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
-            )
+            raise ValueError(f"{type(self).__name__} needs at least 2 processes (got devices={self.num_processes},"
+                             f" num_nodes={self.num_nodes}); use a single-device strategy for one process.")
         self.check_worker_layout()
         self.outer_settings.outer.check_workers(self._workers)
         super()._configure_launcher()

@@ -26,16 +26,9 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
     * ((1 - c*N + c) * momentum * m + g / N)``, ``delta = 0``; otherwise ``theta -= lr * (c * momentum * m + g / N)``.
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float,
-        momentum: float = 0.9,
-        buffer_size: int = 1,
-        momentum_activation: float = 0.0,
-        momentum_warmup: int = 0,
-        momentum_restart: int = 0,
-    ) -> None:
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float, momentum: float = 0.9,
+                 buffer_size: int = 1, momentum_activation: float = 0.0, momentum_warmup: int = 0,
+                 momentum_restart: int = 0) -> None:
         validate_outer_hyperparameters(lr, momentum, buffer_size, momentum_activation)
         MomentumSchedule(momentum, momentum_warmup, momentum_restart)  # validates
         defaults = dict(lr=lr, momentum=momentum, buffer_size=buffer_size, momentum_activation=momentum_activation,
