@@ -6,6 +6,7 @@ back shard-wise, each rank its own rows. No model-sized copy is added on any ran
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -107,10 +108,7 @@ def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device
 def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Tensor]]:
     """Each fragment's pieces of the full parameters, each gathered once, in order, by every rank."""
     gathered: dict[int, Tensor] = {}
-    next_param, offset, offsets = 0, 0, []
-    for p in params:
-        offsets.append(offset)
-        offset += p.numel()
+    next_param, offsets = 0, list(itertools.accumulate((p.numel() for p in params), initial=0))
 
     def gather_upto(end: int) -> None:
         nonlocal next_param

@@ -198,8 +198,7 @@ class WorkerCheckpoints(RankGroups):
         """After each exchange: keep the state as of this exchange, then follow the requests the reply announced."""
         if self._requests is None or self._exchange is None:
             return
-        worker = self._exchange.worker
-        previous = self._kept
+        worker, previous = self._exchange.worker, self._kept
         if self._keeping:
             self._kept = (worker.exchanges, state_to_bytes(self._own_state()))
         if not self.is_global_zero:  # rank 0 wrote its own file as it made each request
@@ -210,11 +209,10 @@ class WorkerCheckpoints(RankGroups):
         outer = self._outer
         count = torch.tensor([outer.counts.requests if outer is not None else 0], dtype=torch.int64)
         dist.broadcast(count, src=0, group=groups[1] if groups is not None else None)
-        requests = int(count)
         if self._requests is not None and self._snapshot_request is not None:
             self._requests.post(self._snapshot_request, "none")  # taken, never saved
         elif self._requests is not None and self._exchange is not None and not self.is_global_zero:
-            self._follow_requests(requests, now=self._exchange.worker.exchanges, wait=True)
+            self._follow_requests(int(count), now=self._exchange.worker.exchanges, wait=True)
         self._outer_snapshot = self._snapshot_request = None
         self._requests, self._kept, self._pending = None, None, {}
         # every file is written when fit returns (and rank 0, which hosts the store, waits for the reads)

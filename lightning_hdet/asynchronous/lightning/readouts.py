@@ -74,9 +74,7 @@ class ExchangeReadouts:
     def result(self) -> AsyncResult | None:
         """Rank 0, during and after ``fit``, and the launching process of a fork/spawn fit after it: what every
         worker did (summary printed at the end); else ``None``."""
-        if self._outer is None:
-            return self._handed_back
-        return outer_result(self._outer, local_worker=0)  # rank 0's worker
+        return self._handed_back if self._outer is None else outer_result(self._outer, local_worker=0)  # rank 0's own
 
     def hand_back(self) -> AsyncResult | None:
         """Rank 0 after a fork/spawn fit: the result the launching process's strategy takes back."""

@@ -224,9 +224,7 @@ class MomentumSchedule:
 
     def beta(self, update: int) -> float:
         """``momentum * min(1, update / warmup)``."""
-        if self.warmup and update < self.warmup:
-            return self.momentum * update / self.warmup
-        return self.momentum
+        return self.momentum * update / self.warmup if self.warmup and update < self.warmup else self.momentum
 
     def restarts(self, update: int) -> bool:
         return bool(self.restart) and update % self.restart == 0

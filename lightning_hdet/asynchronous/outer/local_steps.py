@@ -18,9 +18,7 @@ from lightning_hdet._checks import KnownArguments, check_int, check_number, requ
 
 def smoothed_speed(previous: float | None, measured: float, smoothing: float) -> float:
     """``smoothing * previous + (1 - smoothing) * measured``."""
-    if previous is None:
-        return measured
-    return smoothing * previous + (1.0 - smoothing) * measured
+    return measured if previous is None else smoothing * previous + (1.0 - smoothing) * measured
 
 
 def dynamic_local_steps(speed: float | None, speeds: Mapping[int, float], local_steps: int, min_local_steps: int,
