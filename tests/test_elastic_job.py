@@ -219,9 +219,9 @@ class _Client:
         self.services, self.session = services, 0
         self.config = {"n_params": 4, "n_buffers": 0, "compression": "none", "pull_compression": "none"}
 
-    def reopen(self) -> int:
+    def reopen(self) -> tuple[int, dict[str, Any]]:
         self.session += 1
-        return self.session
+        return self.session, self.config
 
     def transport(self, layout: Any) -> _Service:
         return self.services[self.session - 1]

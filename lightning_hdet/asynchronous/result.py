@@ -26,10 +26,6 @@ class WorkerRecord:
     total_wait_s: float
     steps_per_s: float
 
-    @classmethod
-    def from_stats(cls, stats: Mapping[str, Any]) -> WorkerRecord:
-        return cls(**{f.name: stats.get(f.name, 0) for f in fields(cls)})
-
 
 @dataclass(frozen=True)
 class AsyncResult:
@@ -93,9 +89,9 @@ def make_async_result(mode: str, budget: Optional[int], steps_done: int, outer_u
                       workers: Mapping[int, Mapping[str, Any]], ended: Optional[Mapping[int, str]] = None,
                       local_worker: Optional[int] = None) -> AsyncResult:
     """The result from the outer state's per-worker statistics."""
-    return AsyncResult(mode, budget, int(steps_done), int(outer_updates),
-                       {int(w): WorkerRecord.from_stats(s) for w, s in workers.items()}, dict(ended or {}),
-                       local_worker)
+    records = {int(w): WorkerRecord(**{f.name: s.get(f.name, 0) for f in fields(WorkerRecord)})
+               for w, s in workers.items()}
+    return AsyncResult(mode, budget, int(steps_done), int(outer_updates), records, dict(ended or {}), local_worker)
 
 
 def _size(n: int) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from lightning_hdet.asynchronous.elastic.membership import Registration, SessionLost
 from lightning_hdet.asynchronous.elastic.sessions import backoff
@@ -34,26 +35,14 @@ class SessionClient:
         self.address, self.reconnect_s, self.heartbeat_s, self.timeout_s = address, reconnect_s, heartbeat_s, timeout_s
         self.token = token
         self.registration: Registration | None = None
-        #: Every session this worker opened, in order.
-        self.sessions: list[int] = []
-
-    @property
-    def session(self) -> int:
-        assert self.registration is not None
-        return self.registration.session
-
-    @property
-    def config(self) -> dict:
-        assert self.registration is not None
-        return self.registration.config
 
     def transport(self, layout: Fragments) -> SessionWorkerTransport:
         """The current session's transport, for pushes in ``layout``."""
         assert self.registration is not None
-        return SessionWorkerTransport(self.registration.group, self.session, layout)
+        return SessionWorkerTransport(self.registration.group, self.registration.session, layout)
 
-    def reopen(self) -> int:
-        """Close the current session (if any) and open a new one, retrying with back-off; its id."""
+    def reopen(self) -> tuple[int, dict[str, Any]]:
+        """Close the current session (if any) and open a new one, retrying with back-off; its id and config."""
         self.close()
         deadline, attempt = time.monotonic() + self.reconnect_s, 0
         while True:
@@ -64,16 +53,14 @@ class SessionClient:
             except (SessionLost, RuntimeError) as err:
                 wait = backoff(attempt)
                 if time.monotonic() + wait > deadline:
-                    raise RuntimeError(
-                        f"No outer service reachable at {self.address} within reconnect_s={self.reconnect_s}s: {err}"
-                        " Start (or restart) the service, or raise `reconnect_s` to wait longer."
-                    ) from err
+                    raise RuntimeError(f"No outer service reachable at {self.address} within reconnect_s="
+                                       f"{self.reconnect_s}s: {err} Start (or restart) the service, or raise"
+                                       " `reconnect_s` to wait longer.") from err
                 log.warning("outer service at %s unreachable (%s); retrying in %.1fs", self.address, err, wait)
                 time.sleep(wait)
                 attempt += 1
-        self.sessions.append(self.session)
-        log.info("session %d opened with %s", self.session, self.address)
-        return self.session
+        log.info("session %d opened with %s", self.registration.session, self.address)
+        return self.registration.session, self.registration.config
 
     def close(self) -> None:
         if self.registration is not None:

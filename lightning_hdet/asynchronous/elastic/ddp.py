@@ -13,7 +13,6 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_hdet._checks import check_names, own_arguments
@@ -22,20 +21,7 @@ from lightning_hdet._process_groups import destroy_default_group_at_exit, destro
 from lightning_hdet.asynchronous.elastic.job import JobComm, SoloJob
 from lightning_hdet.asynchronous.elastic.sessions import session_seed
 from lightning_hdet.asynchronous.elastic.strategy import ElasticWorker
-
-
-class GroupJob:
-    """A job's collectives over ``group``, a process group of all its ranks (its rank 0 is the job's rank 0)."""
-
-    def __init__(self, group: Any, rank: int, size: int) -> None:
-        self.group, self.rank, self.size = group, rank, size
-        self._src = dist.get_global_rank(group, 0)
-
-    def broadcast(self, tensor: Tensor) -> None:
-        dist.broadcast(tensor, src=self._src, group=self.group)
-
-    def max_reduce(self, tensor: Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+from lightning_hdet.asynchronous.exchange.exchange import GroupJob
 
 
 class ElasticDDPWorkerStrategy(ElasticWorker, DDPStrategy):

@@ -23,8 +23,8 @@ from lightning_hdet.asynchronous.elastic.membership import (
     StoreHost,
     abort,
     first_line,
-    meet_key,
     session_group,
+    session_key,
 )
 from lightning_hdet.asynchronous.elastic.transport import SessionServerEnd
 from lightning_hdet.asynchronous.wire.messages import Fragments, Kind, Push, ServerHeader
@@ -40,7 +40,6 @@ class Lost:
     reason: str
 
 
-Inbox = "queue.Queue[Union[Push, Lost]]"
 #: Seconds between a receiving thread's checks that its worker is ready to meet (or that its session ended).
 MEET_POLL_S = 0.05
 _FLUSH = object()  # in a replying thread's queue: send what is queued before it, then tear the group down
@@ -76,13 +75,6 @@ class SessionHub:
     def port(self) -> int:
         return self.host.port
 
-    def registered(self) -> int:
-        """The largest session id handed out so far."""
-        return self.host.registered()
-
-    def beats(self, session: int) -> int:
-        return self.host.beats(session)
-
     def attach(self, session: int) -> None:
         """Start ``session``'s receiving thread (it first waits for the worker in the session's group)."""
         threading.Thread(target=self._receive, args=(session,), daemon=True, name=f"elastic-session-{session}").start()
@@ -113,7 +105,7 @@ class SessionHub:
     def _worker_ready(self, store: Any, session: int) -> bool:
         """Wait until ``session``'s worker is about to meet the service; False once the session was dropped (its
         lease ran out before the worker met us) or the hub is closing."""
-        while not store.check([meet_key(session)]):
+        while not store.check([session_key("meet", session)]):
             with self._lock:
                 if session in self._dropped:
                     return False
@@ -172,15 +164,14 @@ class SessionHub:
         thread.start()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Tear down the sessions still open (none after a normal end; after a failure their threads would stay
-        blocked on their groups), then wait (up to ``timeout`` seconds each) for the replying threads and the groups
-        being torn down: a thread still inside a group's ``abort`` when the interpreter exits makes the C++ runtime
-        terminate the process (seen: the service exited with SIGABRT, "terminate called without an active
-        exception", after a normal end). Not waited for: the replying thread of a session dropped as unresponsive
-        (lost or expired), which may be blocked for good in a send to a frozen worker (gloo's abort does not end a
-        pending send); it is a daemon, as every session's receiving thread is, so it ends with the process. Every
-        other replying thread is joined: one still sending when the process exits aborts it (seen after a normal
-        leave). Waiting for it delayed the end of
+        """Tear down the sessions still open (none after a normal end; after a failure their threads would stay blocked
+        on their groups), then wait (up to ``timeout`` seconds each) for the replying threads and the groups being torn
+        down: a thread still inside a group's ``abort`` when the interpreter exits makes the C++ runtime terminate the
+        process (seen: the service exited with SIGABRT, "terminate called without an active exception", after a normal
+        end). Not waited for: the replying thread of a session dropped as unresponsive (lost or expired), which may be
+        blocked for good in a send to a frozen worker (gloo's abort does not end a pending send); it is a daemon, as
+        every session's receiving thread is, so it ends with the process. Every other replying thread is joined: one
+        still sending when the process exits aborts it (seen after a normal leave). Waiting for it delayed the end of
         ``run()`` by ``timeout`` after a worker froze mid-exchange."""
         self._closing.set()
         with self._lock:

@@ -141,10 +141,7 @@ class JobFollowerTransport(FollowerTransport):
 def job_transport(job: JobComm, session: WorkerTransport | None) -> WorkerTransport:
     """This rank's transport: the session's own in a job of one rank (exactly as a one-process worker), else rank
     0's session behind a :class:`JobLeaderTransport`, or a :class:`JobFollowerTransport` (``session``: ``None``)."""
-    if job.size == 1:
-        assert session is not None
-        return session
-    if job.rank == 0:
-        assert session is not None
-        return JobLeaderTransport(session, job)
-    return JobFollowerTransport(job)
+    if job.rank != 0:
+        return JobFollowerTransport(job)
+    assert session is not None
+    return session if job.size == 1 else JobLeaderTransport(session, job)

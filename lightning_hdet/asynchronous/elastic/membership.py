@@ -1,14 +1,13 @@
 """Registration, heartbeats and per-session process groups, on torch's own machinery.
 
-The server hosts a :class:`torch.distributed.TCPStore` at the address the user gives (a socket bound to exactly
-that host and port is handed to the store). A worker registers by incrementing the store's session counter (the
-value it gets back is its session id), beats by incrementing its own counter every ``heartbeat_s``, and meets the
-server in a fresh two-rank ``ProcessGroupGloo`` under the store prefix of its session (server rank 0, worker
-rank 1), each side bound to its own address. Nothing here decides anything: :mod:`.sessions` keeps the books.
-Trusted networks only: the store and gloo neither authenticate nor encrypt. A shared ``token`` (optional) only
-keeps a stray process from joining by mistake: a worker proves it knows the token by writing
-``HMAC-SHA256(token, session id)`` under its session (the token itself never travels), and waits for the
-service's verdict before it meets it.
+The server hosts a :class:`torch.distributed.TCPStore` at the address the user gives (a socket bound to exactly that
+host and port is handed to the store). A worker registers by incrementing the store's session counter (the value it gets
+back is its session id), beats by incrementing its own counter every ``heartbeat_s``, and meets the server in a fresh
+two-rank ``ProcessGroupGloo`` under the store prefix of its session (server rank 0, worker rank 1), each side bound to
+its own address. Nothing here decides anything: :mod:`.sessions` keeps the books. Trusted networks only: the store and
+gloo neither authenticate nor encrypt. A shared ``token`` (optional) only keeps a stray process from joining by mistake:
+a worker proves it knows the token by writing ``HMAC-SHA256(token, session id)`` under its session (the token itself
+never travels), and waits for the service's verdict before it meets it.
 """
 
 from __future__ import annotations
@@ -59,23 +58,12 @@ def session_group(store: dist.Store, session: int, rank: int, host: str, timeout
     return dist.ProcessGroupGloo(dist.PrefixStore(f"elastic/session/{session}/", store), rank, 2, options)
 
 
-def beat_key(session: int) -> str:
-    return f"elastic/beat/{session}"
-
-
-def auth_key(session: int) -> str:
-    return f"elastic/auth/{session}"
-
-
-def verdict_key(session: int) -> str:
-    return f"elastic/verdict/{session}"
-
-
-def meet_key(session: int) -> str:
-    """Set by a worker just before it meets the service in the session's group: until then the service's side waits
-    in short checks it can give up (a worker frozen between registering and meeting must not hold a thread inside
-    gloo's rendezvous, which only ends after ``timeout_s``)."""
-    return f"elastic/meet/{session}"
+def session_key(kind: str, session: int) -> str:
+    """``session``'s store key of a ``kind``: ``"beat"`` (its heartbeat counter), ``"auth"`` (its token's proof),
+    ``"verdict"`` (the service's answer), ``"meet"``: set by a worker just before it meets the service in the session's
+    group; until then the service's side waits in short checks it can give up (a worker frozen between registering and
+    meeting must not hold a thread inside gloo's rendezvous, which only ends after ``timeout_s``)."""
+    return f"elastic/{kind}/{session}"
 
 
 def token_proof(token: str, session: int) -> str:
@@ -85,11 +73,6 @@ def token_proof(token: str, session: int) -> str:
 
 def proof_matches(token: str, session: int, proof: str) -> bool:
     return hmac.compare_digest(token_proof(token, session), proof)
-
-
-def refused_message(address: str) -> str:
-    return (f"The outer service at {address} refused this worker: its `token` does not match the service's. Give"
-            " ElasticWorkerStrategy(token=...) the token the OuterService was started with.")
 
 
 class StoreHost:
@@ -122,19 +105,19 @@ class StoreHost:
 
     def proof(self, session: int) -> str | None:
         """What ``session``'s worker wrote to prove it knows the token (``None``: nothing yet; never blocks)."""
-        key = auth_key(session)
+        key = session_key("auth", session)
         return self.store.get(key).decode() if self.store.check([key]) else None
 
     def decide(self, session: int, admitted: bool) -> None:
         """Tell ``session``'s worker whether it may meet the service."""
-        self.store.set(verdict_key(session), "admitted" if admitted else "refused")
+        self.store.set(session_key("verdict", session), "admitted" if admitted else "refused")
 
     def registered(self) -> int:
         """The largest session id handed out so far."""
         return self.store.add(_COUNTER, 0)
 
     def beats(self, session: int) -> int:
-        return self.store.add(beat_key(session), 0)
+        return self.store.add(session_key("beat", session), 0)
 
 
 class Registration:
@@ -160,10 +143,12 @@ class Registration:
                                       "(token=...) the one the OuterService was started with.")
             self.session = int(self.store.add(_COUNTER, 1))
             if self.config.get("token"):
-                self.store.set(auth_key(self.session), token_proof(token, self.session))
-                self.store.wait([verdict_key(self.session)], timedelta(seconds=timeout))
-                if self.store.get(verdict_key(self.session)).decode() != "admitted":
-                    raise PermissionError(refused_message(address))
+                self.store.set(session_key("auth", self.session), token_proof(token, self.session))
+                self.store.wait([session_key("verdict", self.session)], timedelta(seconds=timeout))
+                if self.store.get(session_key("verdict", self.session)).decode() != "admitted":
+                    raise PermissionError(f"The outer service at {address} refused this worker: its `token` does not"
+                                          " match the service's. Give ElasticWorkerStrategy(token=...) the token the"
+                                          " OuterService was started with.")
         except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError derive from RuntimeError
             raise SessionLost(f"cannot register with the outer service at {address}: {first_line(err)}") from err
         self.alive = True
@@ -172,7 +157,7 @@ class Registration:
                                            name=f"elastic-heartbeat-{self.session}")
         self._heartbeat.start()
         try:
-            self.store.set(meet_key(self.session), "1")
+            self.store.set(session_key("meet", self.session), "1")
             self.group = session_group(self.store, self.session, 1, local_address_towards(host, port), timeout)
         except RuntimeError as err:  # the server went away between registering and meeting
             self._stop.set()
@@ -181,7 +166,7 @@ class Registration:
     def _beat(self, every: float) -> None:
         while not self._stop.is_set():
             try:
-                self._beat_store.add(beat_key(self.session), 1)
+                self._beat_store.add(session_key("beat", self.session), 1)
             except RuntimeError:  # the server is gone: the next exchange finds out and reconnects
                 self.alive = False
                 # and an exchange already waiting on the group returns now: a gloo wait on a killed peer can outlast

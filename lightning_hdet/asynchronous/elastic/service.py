@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch.nn import Module
@@ -145,11 +145,9 @@ class OuterService:
             self.start()
         try:
             while not self._finished():
-                item = self._next(self.heartbeat_s)
-                if isinstance(item, Lost):
-                    self._end(item.session, f"lost: {item.reason}")
-                elif item is not None and self.table.is_live(item.worker):  # else: an ended session's, discarded
-                    self._apply(self._collect(item))
+                push = self._next(self.heartbeat_s)
+                if push is not None:
+                    self._apply(self._collect(push))
         finally:
             self._write_global_model()
             if self.evaluate is not None:
@@ -170,17 +168,21 @@ class OuterService:
         return spent or self.outer.stop_requested or idle
 
     # membership
-    def _next(self, timeout: float) -> Union[Push, Lost, None]:
-        """The next message or loss, or None after ``timeout``; checks membership every ``heartbeat_s``."""
+    def _next(self, timeout: float) -> Push | None:
+        """The next push of a live session, or None after ``timeout`` or a loss (its session ends; an ended session's
+        push is discarded); checks membership every ``heartbeat_s``."""
         assert self.hub is not None
         now = time.monotonic()
         if now >= self._next_tick:
             self._tick(now)
             self._next_tick = now + self.heartbeat_s
         try:
-            return self.hub.inbox.get(timeout=max(0.0, min(timeout, self._next_tick - now)))
+            item = self.hub.inbox.get(timeout=max(0.0, min(timeout, self._next_tick - now)))
         except queue.Empty:
             return None
+        if isinstance(item, Lost):
+            self._end(item.session, f"lost: {item.reason}")
+        return item if isinstance(item, Push) and self.table.is_live(item.worker) else None
 
     def _tick(self, now: float) -> None:
         """Open newly registered sessions, read heartbeats, end the sessions whose lease ran out."""
@@ -189,9 +191,9 @@ class OuterService:
             self.table.open(session, now)
             self.hub.attach(session)
             log.info("session %d opened (%d live)", session, len(self.table.live))
-            self._follow_live_set()
+            self.outer.follow_live(len(self.table.live))  # Delayed Nesterov's N follows the live set
         for session in list(self.table.live):
-            self.table.beat(session, self.hub.beats(session), now)
+            self.table.beat(session, self.hub.host.beats(session), now)
         for session in self.table.expired(now):
             self._end(session, "expired")
         if self.table.live:
@@ -202,7 +204,7 @@ class OuterService:
         """Newly registered sessions that may open, in id order: all of them without a token; with one, those
         whose worker proved it knows it (a wrong proof, or none within ``lease_s``, is refused)."""
         assert self.hub is not None
-        registered = self.hub.registered()
+        registered = self.hub.host.registered()
         self._pending.update({s: now for s in range(self._scanned + 1, registered + 1)})
         self._scanned = max(self._scanned, registered)
         admitted = []
@@ -231,12 +233,8 @@ class OuterService:
         self.hub.drop(session, flush=flush, unresponsive=reason == "expired" or reason.startswith("lost"))
         self._parked.pop(session, None)
         self.outer.release(session)
-        self._follow_live_set()
-        self._retry_parked()
-
-    def _follow_live_set(self) -> None:
-        """Delayed Nesterov's ``N`` follows the live sessions (:meth:`~..outer.OuterState.follow_live`)."""
         self.outer.follow_live(len(self.table.live))
+        self._retry_parked()
 
     # the exchange
     def _collect(self, first: Push) -> list[Push]:
@@ -247,11 +245,9 @@ class OuterService:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            item = self._next(left)
-            if isinstance(item, Lost):
-                self._end(item.session, f"lost: {item.reason}")
-            elif item is not None and self.table.is_live(item.worker):
-                batch.append(item)
+            push = self._next(left)
+            if push is not None:
+                batch.append(push)
         return [p for p in batch if self.table.is_live(p.worker)]
 
     def _apply(self, batch: list[Push]) -> None:
@@ -265,7 +261,7 @@ class OuterService:
             elif self.outer.excluded(push.worker):  # told to stop: its session ends, its share goes to the others
                 self._end(push.worker, f"excluded: {self.outer.rejection_streak(push.worker)} pushes in a row rejected",
                           flush=True)
-        self._follow_live_set()
+        self.outer.follow_live(len(self.table.live))
         self._retry_parked()
         self._after_update()
 

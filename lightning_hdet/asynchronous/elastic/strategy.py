@@ -101,8 +101,7 @@ class ElasticWorker:
     def _open_session(self) -> tuple[int, dict[str, Any]]:
         """Rank 0: (re)open a session with the service; its id and the service's config."""
         assert self._client is not None
-        session = self._client.reopen()
-        return session, self._client.config
+        return self._client.reopen()
 
     def _open(self) -> None:
         """Open a session (rank 0) and take it on every rank: check the model, seed the data, new transport."""
@@ -113,10 +112,9 @@ class ElasticWorker:
         if mine != (config["n_params"], config["n_buffers"]):
             if self._client is not None:
                 self._client.close()
-            raise ValueError(
-                f"This worker's model has {mine[0]} parameters and {mine[1]} floating-point buffer values, the outer"
-                f" service's {config['n_params']} and {config['n_buffers']}: every worker must train the service's model."
-            )
+            raise ValueError(f"This worker's model has {mine[0]} parameters and {mine[1]} floating-point buffer values,"
+                             f" the outer service's {config['n_params']} and {config['n_buffers']}: every worker must"
+                             " train the service's model.")
         torch.manual_seed(session_seed(self.seed, session))
         if self._worker is not None:
             self._worker.transport = self._transport(self._worker.layout)

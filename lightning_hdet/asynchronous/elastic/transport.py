@@ -1,9 +1,8 @@
 """The exchange's messages over one session's two-rank gloo group: the same wire format as the single-job mode
-(:mod:`..messages`, sent and received by the same functions as the single-job transports), the worker's end
-a :class:`~..transport.StreamWorkerTransport` like the others, so the unchanged :class:`~..worker.Worker` runs
-the round. Pushes travel on one tag and replies on another, so that the
-server's receiving thread and its replies never wait on each other. Any failure of the group is a
-:class:`~.membership.SessionLost`.
+(:mod:`..messages`, sent and received by the same functions as the single-job transports), the worker's end a
+:class:`~..transport.StreamWorkerTransport` like the others, so the unchanged :class:`~..worker.Worker` runs the round.
+Pushes travel on one tag and replies on another, so that the server's receiving thread and its replies never wait on
+each other. Any failure of the group is a :class:`~.membership.SessionLost`.
 """
 
 from __future__ import annotations
@@ -12,17 +11,11 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
-import torch
 from torch import Tensor
 
 from lightning_hdet.asynchronous.elastic.membership import SessionLost, first_line
 from lightning_hdet.asynchronous.wire.messages import Fragments, Push, ServerHeader, WorkerHeader
-from lightning_hdet.asynchronous.wire.transport import (
-    StreamWorkerTransport,
-    receive_buffer,
-    receive_push,
-    send_reply,
-)
+from lightning_hdet.asynchronous.wire.transport import StreamWorkerTransport, receive_buffer, receive_push, send_reply
 
 PUSH_TAG, REPLY_TAG = 1, 2
 _SERVER, _WORKER = 0, 1
@@ -81,9 +74,7 @@ class SessionServerEnd:
     def receive(self) -> Push:
         def receive() -> Push:
             recv = partial(_recv, self.group, src=_WORKER, tag=PUSH_TAG)
-            raw = torch.empty(WorkerHeader.SIZE, dtype=torch.float64)
-            recv(raw)
-            push, messages = receive_push(self.session, WorkerHeader.decode(raw), recv, self.layout, self.n_buffers,
+            push, messages = receive_push(self.session, WorkerHeader.receive(recv), recv, self.layout, self.n_buffers,
                                           self._received)
             if push.steps > 0:
                 push.pseudo_gradient = self.layout.join(messages)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -30,6 +30,20 @@ def read_model(module: Module, device: torch.device) -> tuple[torch.Tensor, torc
     params, buffers = list(module.parameters()), float_buffers(module)
     return (read_into(params, host_buffer(numel(params), device), device),
             read_into(buffers, host_buffer(numel(buffers), device), device))
+
+
+class GroupJob:
+    """The collectives of a worker's ranks over ``group``, a process group of them all (its rank 0 broadcasts)."""
+
+    def __init__(self, group: Any, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self._src = dist.get_global_rank(group, 0)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=self._src, group=self.group)
+
+    def max_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
 
 class Exchange:
@@ -83,16 +97,11 @@ class Exchange:
     def _within_worker(ranks: WorkerRanks, group: Any, transport: WorkerTransport | None,
                        inner_optimizer: Optimizer | None, sharded: bool) -> tuple[WorkerTransport, Optimizer | None]:
         """A worker of several ranks: the leader hands replies on over ``group``; the others send no inner state."""
-        def broadcast(tensor: torch.Tensor) -> None:
-            dist.broadcast(tensor, src=ranks.leader, group=group)
-
-        def max_reduce(tensor: torch.Tensor) -> None:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-
+        job = GroupJob(group, ranks.rank - ranks.leader, ranks.ranks_per_worker)  # the leader is its group's rank 0
         if ranks.is_leader:
             assert transport is not None
-            return LeaderTransport(transport, broadcast, max_reduce), inner_optimizer
-        return FollowerTransport(broadcast, max_reduce, gathers=sharded), None
+            return LeaderTransport(transport, job.broadcast, job.max_reduce), inner_optimizer
+        return FollowerTransport(job.broadcast, job.max_reduce, gathers=sharded), None
 
     @staticmethod
     def start_outer(settings: OuterSettings, module: Module, device: torch.device, workers: int,
@@ -139,13 +148,10 @@ class Exchange:
     def write_global_model(self, snapshot: Mapping[str, Any] | None = None) -> None:
         """Rank 0: write the global model (the outer state's, or ``snapshot``'s) into the module."""
         assert self.outer is not None
-        if snapshot is not None:
-            write_from(list(self.module.parameters()), snapshot["params"], self.device)
-            write_from(float_buffers(self.module), snapshot["buffers"], self.device)
-            return
-        with self.outer.model_lock:  # straight from the outer state: no host copy of the global model
-            write_from(list(self.module.parameters()), self.outer.params, self.device)
-            write_from(float_buffers(self.module), self.outer.buffers, self.device)
+        source = snapshot or {"params": self.outer.params, "buffers": self.outer.buffers}
+        with self.outer.model_lock if snapshot is None else nullcontext():  # no host copy of the global model
+            write_from(list(self.module.parameters()), source["params"], self.device)
+            write_from(float_buffers(self.module), source["buffers"], self.device)
 
     @contextmanager
     def global_model(self, snapshot: Mapping[str, Any] | None = None) -> Iterator[None]:

@@ -96,8 +96,7 @@ class OverlapWorker(Worker):
 
     def step(self) -> bool:
         """Count one inner step; True when it is time to send, or (while an exchange travels) to merge."""
-        self.steps_in_round += 1
-        self.inner_steps += 1
+        super().step()
         self.since_merge += 1
         if self._sending:
             return self.steps_in_round >= self.overlap

@@ -62,18 +62,15 @@ class WorkerRanks:
     @property
     def leader(self) -> int:
         """The rank that pushes and pulls for this rank's worker."""
-        return self.leader_of(self.worker)
+        return self.worker * self.ranks_per_worker
 
     @property
     def is_leader(self) -> bool:
         return self.rank == self.leader
 
-    def leader_of(self, worker: int) -> int:
-        return worker * self.ranks_per_worker
-
     def ranks_of(self, worker: int) -> list[int]:
         """The global ranks of ``worker``, its leader first."""
-        start = self.leader_of(worker)
+        start = worker * self.ranks_per_worker
         return list(range(start, start + self.ranks_per_worker))
 
     def describe(self) -> str:
@@ -131,9 +128,7 @@ class FollowerTransport(WorkerTransport):
                 pass
 
     def pull(self, into: Tensor) -> ServerHeader:
-        raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
-        self.broadcast(raw)
-        header = ServerHeader.decode(raw)
+        header = ServerHeader.receive(self.broadcast)
         if header.next_local_steps > 0:
             self.broadcast(into)
         return header

@@ -6,6 +6,7 @@ back shard-wise, each rank its own rows. No model-sized copy is added on any ran
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -94,7 +95,7 @@ def write_shards(params: Sequence[Tensor], flat: Tensor, device: torch.device) -
     sync_device(device)  # ``flat`` may be overwritten next
 
 
-def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device) -> Tensor | None:
+def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device) -> None:
     """Every rank gathers each full parameter in turn; the leader (``out`` given) copies them into ``out``."""
     offset = 0
     for p in params:
@@ -102,16 +103,12 @@ def read_full(params: Sequence[Tensor], out: Tensor | None, device: torch.device
         if out is not None:
             read_into([full], out[offset : offset + p.numel()], device)
         offset += p.numel()
-    return out
 
 
 def full_pieces(params: Sequence[Tensor], layout: Fragments) -> Iterator[list[Tensor]]:
     """Each fragment's pieces of the full parameters, each gathered once, in order, by every rank."""
     gathered: dict[int, Tensor] = {}
-    next_param, offset, offsets = 0, 0, []
-    for p in params:
-        offsets.append(offset)
-        offset += p.numel()
+    next_param, offsets = 0, list(itertools.accumulate((p.numel() for p in params), initial=0))
 
     def gather_upto(end: int) -> None:
         nonlocal next_param
@@ -175,8 +172,8 @@ class ShardedWorker(Worker):
 def read_sharded_model(module: Module, device: torch.device) -> tuple[Tensor, Tensor]:
     """Rank 0: flat host copies of the full parameters (its worker's ranks gather) and the buffers."""
     params, buffers = list(module.parameters()), float_buffers(module)
-    full = read_full(params, host_buffer(numel(params), device), device)
-    assert full is not None
+    full = host_buffer(numel(params), device)
+    read_full(params, full, device)
     return full, read_into(buffers, host_buffer(numel(buffers), device), device)
 
 

@@ -37,8 +37,7 @@ def _async_strategy(trainer: pl.Trainer) -> Any:
 
 class AsyncLogging(Callback):
     """What the async strategy shows: rank 0's progress bar, the run config, the summary and figures at the end.
-    Installed first: its ``on_train_end`` leaves the exchange, so the other callbacks see the final global
-    model."""
+    Installed first: its ``on_train_end`` leaves the exchange, so the other callbacks see the final global model."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

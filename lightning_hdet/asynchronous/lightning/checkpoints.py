@@ -121,27 +121,23 @@ class WorkerCheckpoints(RankGroups):
             # the snapshot checkpoint["state_dict"] was built from (pushes applied since must not split the two)
             checkpoint = {**checkpoint, CHECKPOINT_KEY: snapshot if snapshot is not None else outer.state_dict()}
         whole = bool(self.optimizers) and "optimizer_states" in checkpoint  # not for weights-only ones
-        validation = self._validation
-        validation = validation if validation is not None and snapshot is validation.snapshot else None
+        validation = self._validation if self._validation and snapshot is self._validation.snapshot else None
         if validation is not None:  # its request says what became of it when the validation ends
             request = validation.request
             if whole:
                 validation.paths.append(filepath)
         elif request is not None and self._requests is not None:
             self._requests.post(request, "save" if whole else "none", [filepath] if whole else [])
-            self._followed = max(self._followed, request)
         super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes
-        if self.training_apart:  # rank 0's decision: its own file now, the others' at their next reply
-            if whole and request is not None and snapshot is not None:
-                # between exchanges; once it left, its state is that of its last
-                now = self._exchange.worker.exchanges if self.left_exchange and self._exchange else None
-                own = self._own_file(filepath)
-                if own is not None:
-                    self._write_state(own, self._capture(snapshot["exchanges"].get(self.worker_ranks.worker, 0), now))
+        own = self._own_file(filepath)
+        if not whole or own is None:
             return
-        own_file = self._own_file(filepath)
-        if whole and own_file:
-            self.checkpoint_io.save_checkpoint(self._own_state(), own_file)
+        if not self.training_apart:
+            self.checkpoint_io.save_checkpoint(self._own_state(), own)
+        elif request is not None and snapshot is not None:  # rank 0's: its file now, the others' at their next reply
+            # between exchanges; once it left, its state is that of its last
+            now = self._exchange.worker.exchanges if self.left_exchange and self._exchange else None
+            self._write_state(own, self._capture(snapshot["exchanges"].get(self.worker_ranks.worker, 0), now))
 
     def take_snapshot(self) -> dict[str, Any] | None:
         """Rank 0 while training apart: one snapshot for the checkpoint's model and outer state, numbered (during a
@@ -182,7 +178,6 @@ class WorkerCheckpoints(RankGroups):
         validation, self._validation = self._validation, None
         if validation is not None and validation.request is not None and self._requests is not None:
             self._requests.post(validation.request, "save" if validation.paths else "none", validation.paths)
-            self._followed = max(self._followed, validation.request)
 
     def _own_state(self) -> dict[str, Any]:
         own: dict[str, Any] = {"optimizer": self.optimizer_state(self.optimizers[0])}
@@ -203,8 +198,7 @@ class WorkerCheckpoints(RankGroups):
         """After each exchange: keep the state as of this exchange, then follow the requests the reply announced."""
         if self._requests is None or self._exchange is None:
             return
-        worker = self._exchange.worker
-        previous = self._kept
+        worker, previous = self._exchange.worker, self._kept
         if self._keeping:
             self._kept = (worker.exchanges, state_to_bytes(self._own_state()))
         if not self.is_global_zero:  # rank 0 wrote its own file as it made each request
@@ -215,11 +209,10 @@ class WorkerCheckpoints(RankGroups):
         outer = self._outer
         count = torch.tensor([outer.counts.requests if outer is not None else 0], dtype=torch.int64)
         dist.broadcast(count, src=0, group=groups[1] if groups is not None else None)
-        requests = int(count)
         if self._requests is not None and self._snapshot_request is not None:
             self._requests.post(self._snapshot_request, "none")  # taken, never saved
         elif self._requests is not None and self._exchange is not None and not self.is_global_zero:
-            self._follow_requests(requests, now=self._exchange.worker.exchanges, wait=True)
+            self._follow_requests(int(count), now=self._exchange.worker.exchanges, wait=True)
         self._outer_snapshot = self._snapshot_request = None
         self._requests, self._kept, self._pending = None, None, {}
         # every file is written when fit returns (and rank 0, which hosts the store, waits for the reads)
@@ -300,7 +293,6 @@ class WorkerCheckpoints(RankGroups):
                 number = outer.counts.reserve()
             self._requests.reserve(number, None)
             self._requests.post(number, "remove", [filepath])
-            self._followed = max(self._followed, number)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -347,31 +339,26 @@ class WorkerCheckpoints(RankGroups):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each worker resumes its own inner optimizer state: the one sent to rank 0, else its file, else rank 0's."""
+        """Each worker resumes its own inner optimizer state: the one sent to rank 0, else its file, else rank 0's
+        (FSDP2 inside: this rank's shard from its file, else a fresh state)."""
         sent = (checkpoint.get(CHECKPOINT_KEY) or {}).get("inner_optimizer_states") or {}
-        worker = self.worker_ranks.worker
-        if self.inside_worker == "fsdp":
-            self._load_shard_state()
+        worker, saved = self.worker_ranks.worker, self._resume_worker
+        if self.inside_worker == "fsdp" and saved is not None:
+            self.optimizers[0].load_state_dict(sharded_optimizer_state(self.optimizers[0], saved["optimizer"]))
+        elif self.inside_worker == "fsdp":
+            log.warning("%s: the checkpoint has no inner optimizer state of this worker (%s absent or holding"
+                        " none); it starts with a fresh one", self.worker_ranks.describe(),
+                        worker_file("<checkpoint>", worker, 0).replace("shard0", "shard*"))
         elif worker in sent:
             self.optimizers[0].load_state_dict(sent[worker])
-        elif self._resume_worker is not None:
-            self.optimizers[0].load_state_dict(self._resume_worker["optimizer"])
+        elif saved is not None:
+            self.optimizers[0].load_state_dict(saved["optimizer"])
         else:
             if worker:
                 log.warning("%s: the checkpoint has no inner optimizer state of this worker (%s is absent or holds"
                             " none); it starts from rank 0's", self.worker_ranks.describe(),
                             worker_file("<checkpoint>", worker))
             super().load_optimizer_state_dict(checkpoint)
-
-    def _load_shard_state(self) -> None:
-        """FSDP2 inside: this rank's shard of the inner optimizer state; without files, a fresh state."""
-        if self._resume_worker is not None:
-            optimizer = self.optimizers[0]
-            optimizer.load_state_dict(sharded_optimizer_state(optimizer, self._resume_worker["optimizer"]))
-        else:
-            log.warning("%s: the checkpoint has no inner optimizer state of this worker (%s absent or holding"
-                        " none); it starts with a fresh one", self.worker_ranks.describe(),
-                        worker_file("<checkpoint>", self.worker_ranks.worker, 0).replace("shard0", "shard*"))
 
     def restore_worker(self, worker: Worker) -> None:
         saved = (self._resume_worker or {}).get("error_feedback")

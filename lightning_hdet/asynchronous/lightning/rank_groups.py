@@ -156,20 +156,14 @@ class RankGroups(LocalCollectivesStrategy):
 class StopAtRoundEnd(Callback):
     """Installed by the strategy: rank 0's stop decisions go through :meth:`RankGroups.stop_at_round_end`."""
 
-    @staticmethod
-    def _hold(trainer: pl.Trainer) -> None:
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(trainer.strategy, RankGroups):
             trainer.strategy.stop_at_round_end(trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._hold(trainer)
+        self.on_validation_end(trainer, pl_module)
 
-    @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._hold(trainer)
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._hold(trainer)
+    on_train_epoch_end = on_validation_end

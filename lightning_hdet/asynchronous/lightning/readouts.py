@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Optional
 
 from typing_extensions import override
@@ -39,14 +39,11 @@ class ExchangeReadouts:
     start_validation: Callable[[], Optional[dict[str, Any]]]
     end_validation: Callable[[], None]
 
-    @contextmanager
-    def _global_model(self, snapshot: dict[str, Any] | None = None) -> Iterator[None]:
+    def _global_model(self, snapshot: dict[str, Any] | None = None) -> AbstractContextManager[None]:
         """On rank 0 during training: swap in the global model (or ``snapshot``'s) for the block."""
-        if not (self.training_apart and self._outer is not None and self._exchange is not None):
-            yield
-            return
-        with self._exchange.global_model(snapshot):
-            yield
+        if self.training_apart and self._outer is not None and self._exchange is not None:
+            return self._exchange.global_model(snapshot)
+        return nullcontext()
 
     @property
     def rounds(self) -> list[tuple[int, int]]:
@@ -77,9 +74,7 @@ class ExchangeReadouts:
     def result(self) -> AsyncResult | None:
         """Rank 0, during and after ``fit``, and the launching process of a fork/spawn fit after it: what every
         worker did (summary printed at the end); else ``None``."""
-        if self._outer is None:
-            return self._handed_back
-        return outer_result(self._outer, local_worker=0)  # rank 0's worker
+        return self._handed_back if self._outer is None else outer_result(self._outer, local_worker=0)  # rank 0's own
 
     def hand_back(self) -> AsyncResult | None:
         """Rank 0 after a fork/spawn fit: the result the launching process's strategy takes back."""

@@ -26,11 +26,7 @@ from lightning_hdet._compat import (
 from lightning_hdet._launch import HandingBackLauncher, handing_back
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange, read_model
-from lightning_hdet.asynchronous.exchange.worker_shards import (
-    check_inside_worker,
-    read_full,
-    read_sharded_model,
-)
+from lightning_hdet.asynchronous.exchange.worker_shards import check_inside_worker, read_full, read_sharded_model
 from lightning_hdet.asynchronous.lightning.callback import AsyncLogging
 from lightning_hdet.asynchronous.lightning.checkpoints import WorkerCheckpoints
 from lightning_hdet.asynchronous.lightning.worker_shape import (
@@ -133,7 +129,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         return {**self.outer_settings.numbers(), **codec_numbers("compression", self.compression),
                 **codec_numbers("pull_compression", self.pull_compression), "error_feedback": self.error_feedback,
                 "checkpoint_inner_states": self.checkpoint_inner_states, **self.worker_shape.numbers(),
-                "transport": repr(self.transport), "workers": self._expected_workers}
+                "transport": repr(self.transport), "workers": self._workers}
 
     def _reset_run_state(self) -> None:
         self.training_apart = False
@@ -144,19 +140,17 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
 
     # set-up
     @property
-    def _expected_workers(self) -> int:
+    def _workers(self) -> int:
         return self.num_nodes * self.num_processes // self.ranks_per_worker
 
     @override
     def _configure_launcher(self) -> None:
         world_size = self.num_nodes * self.num_processes
         if world_size < 2:
-            raise ValueError(
-                f"{type(self).__name__} needs at least 2 processes (got devices={self.num_processes},"
-                f" num_nodes={self.num_nodes}); use a single-device strategy for one process."
-            )
+            raise ValueError(f"{type(self).__name__} needs at least 2 processes (got devices={self.num_processes},"
+                             f" num_nodes={self.num_nodes}); use a single-device strategy for one process.")
         self.check_worker_layout()
-        self.outer_settings.outer.check_workers(self._expected_workers)
+        self.outer_settings.outer.check_workers(self._workers)
         super()._configure_launcher()
         self._launcher = handing_back(self, self._launcher,
                                       ShardedWorkersLauncher if self.inside_worker == "fsdp" else HandingBackLauncher)
@@ -191,7 +185,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         destroy_default_group_at_exit()
         # Budget: inner steps summed over workers = workers * max_steps. The loop itself must not stop a fast
         # worker at max_steps, so the strategy stops it (trainer.should_stop) instead.
-        self._workers = self.world_size // self.ranks_per_worker
         max_steps = trainer.fit_loop.max_steps
         self._budget = self._workers * max_steps if max_steps >= 0 else None
         self._limits.lift(trainer)
@@ -242,7 +235,6 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         with self._exchange.worker.inner_lr(optimizer):  # cut after rejected pushes in a row
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.training_apart and not self.left_exchange:
-            assert self._exchange is not None
             if self._exchange.worker.step():
                 self._run_exchange(Kind.PUSH)
             if self._exchange.worker.stopped:  # the budget is spent: this step's hooks see the final global model

@@ -53,20 +53,17 @@ def refuse_shape_arguments(owner: str, given: Mapping[str, Any]) -> None:
 def check_exchange_options(settings: OuterSettings, compression: Any, error_feedback: bool | None,
                            pull_compression: Any, overlap_steps: int = 0,
                            ranks_per_worker: int = 1) -> tuple[Codec, Codec, bool]:
-    """Check the codecs and the worker's shape against ``settings``; the codecs, error feedback."""
+    """Check the codecs and the worker's shape (a :class:`WorkerShape`'s) against ``settings``; codecs, feedback."""
     push, pull = codec_from(compression), codec_from(pull_compression, "pull_compression")
     settings.outer.check_codecs(push, pull)
     feedback = check_codecs(push, pull, error_feedback, settings.outer.forwards_rounds)
-    check_ranks_per_worker(ranks_per_worker)
     check_overlap_steps(overlap_steps, settings.rounds, ranks_per_worker, settings.stagger)
     check_stagger_exchange(settings.stagger, pull, overlap_steps)
     return push, pull, feedback
 
 
 def check_overlap_steps(overlap_steps: int, local_steps: int, ranks_per_worker: int, stagger: int = 1) -> None:
-    """``overlap_steps``: 0 or ``1..local_steps / stagger − 1``; not with workers of several ranks."""
-    check_int("overlap_steps", overlap_steps, minimum=0,
-              hint="0 is a blocking exchange; τ > 0 inner steps are taken while a round's push and pull travel.")
+    """``overlap_steps`` (>= 0): 0 or ``1..local_steps / stagger − 1``; not with workers of several ranks."""
     round_steps = local_steps // stagger
     if overlap_steps and overlap_steps >= round_steps:
         rounds = f"local_steps={local_steps}" + (f" / stagger={stagger}" if stagger > 1 else "")

@@ -113,9 +113,7 @@ def buffers_problem(buffers: Tensor | None, n_buffers: int) -> str | None:
         return None
     if buffers.dtype != torch.float32 or buffers.numel() != n_buffers:
         return f"buffers are {buffers.dtype}[{buffers.numel()}], expected torch.float32[{n_buffers}]"
-    if not bool(torch.isfinite(buffers).all()):
-        return "non-finite buffer values"
-    return None
+    return None if bool(torch.isfinite(buffers).all()) else "non-finite buffer values"
 
 
 def _form(index: int, fragment: Tensor, ranges: Sequence[tuple[int, int]]) -> str | None:

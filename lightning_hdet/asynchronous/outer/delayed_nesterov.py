@@ -26,16 +26,9 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
     * ((1 - c*N + c) * momentum * m + g / N)``, ``delta = 0``; otherwise ``theta -= lr * (c * momentum * m + g / N)``.
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float,
-        momentum: float = 0.9,
-        buffer_size: int = 1,
-        momentum_activation: float = 0.0,
-        momentum_warmup: int = 0,
-        momentum_restart: int = 0,
-    ) -> None:
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float, momentum: float = 0.9,
+                 buffer_size: int = 1, momentum_activation: float = 0.0, momentum_warmup: int = 0,
+                 momentum_restart: int = 0) -> None:
         validate_outer_hyperparameters(lr, momentum, buffer_size, momentum_activation)
         MomentumSchedule(momentum, momentum_warmup, momentum_restart)  # validates
         defaults = dict(lr=lr, momentum=momentum, buffer_size=buffer_size, momentum_activation=momentum_activation,
@@ -100,10 +93,9 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
 
     def _step_one(self, p: torch.Tensor, g: torch.Tensor, lr: float, n: int, c: float,
                   schedule: MomentumSchedule) -> None:
-        """One push on one parameter. Buffers only where read: no momentum buffer with momentum 0, no ``delta``
-        unless ``c > 0`` (with ``c = 0`` the momentum is read only at the ``N``-th push, so each push goes into it as
-        it comes: one model of state, as DiLoCo's Nesterov). ``get`` with defaults: older or ``SGD`` states lack
-        keys."""
+        """One push on one parameter. Buffers only where read: no momentum buffer with momentum 0, no ``delta`` unless
+        ``c > 0`` (with ``c = 0`` the momentum is read only at the ``N``-th push, so each push goes into it as it comes:
+        one model of state, as DiLoCo's Nesterov). ``get`` with defaults: older or ``SGD`` states lack keys."""
         state = self.state[p]
         pushes, updates = state.get("pushes", 0) + 1, state.get("updates", 0)
         beta = schedule.beta(updates + 1)  # of the next momentum update
@@ -117,10 +109,7 @@ class DelayedNesterovOptimizer(KnownArguments, Optimizer):
                     if schedule.restarts(updates + 1):
                         m.zero_()
                     m.mul_(beta)
-                if n == 1:
-                    m.add_(g)
-                else:
-                    m.add_(g, alpha=1.0 / n)
+                m.add_(g, alpha=1.0 / n)  # alpha 1.0 with N = 1: the same float32 sum as m + g
             else:  # c > 0: intermediate pushes read the last momentum, so the cycle's pushes wait in ``delta``
                 delta = state.get("delta")
                 if delta is None:
@@ -235,10 +224,7 @@ class MomentumSchedule:
 
     def beta(self, update: int) -> float:
         """``momentum * min(1, update / warmup)``."""
-        if self.warmup and update < self.warmup:
-            return self.momentum * update / self.warmup
-        return self.momentum
+        return self.momentum * update / self.warmup if self.warmup and update < self.warmup else self.momentum
 
     def restarts(self, update: int) -> bool:
         return bool(self.restart) and update % self.restart == 0
-

@@ -18,9 +18,7 @@ from lightning_hdet._checks import KnownArguments, check_int, check_number, requ
 
 def smoothed_speed(previous: float | None, measured: float, smoothing: float) -> float:
     """``smoothing * previous + (1 - smoothing) * measured``."""
-    if previous is None:
-        return measured
-    return smoothing * previous + (1.0 - smoothing) * measured
+    return measured if previous is None else smoothing * previous + (1.0 - smoothing) * measured
 
 
 def dynamic_local_steps(speed: float | None, speeds: Mapping[int, float], local_steps: int, min_local_steps: int,
@@ -37,11 +35,13 @@ class LocalStepsPolicy(KnownArguments):
     """Per-worker speeds and each next round's length (``dynamic=False``: always ``H``)."""
 
     def __init__(self, local_steps: int, min_local_steps: int = 1, dynamic: bool = True, smoothing: float = 0.5) -> None:
-        validate_local_steps(local_steps, min_local_steps, smoothing)
-        self.local_steps = local_steps
-        self.min_local_steps = min_local_steps
-        self.dynamic = dynamic
-        self.smoothing = smoothing
+        check_int("local_steps", local_steps, minimum=1)
+        check_int("min_local_steps", min_local_steps, minimum=1)
+        if min_local_steps > local_steps:
+            raise ValueError(f"`min_local_steps` ({min_local_steps}) must not exceed `local_steps` ({local_steps}).")
+        check_number("speed_smoothing", smoothing, low=0, high=1, high_open=True)
+        self.local_steps, self.min_local_steps = local_steps, min_local_steps
+        self.dynamic, self.smoothing = dynamic, smoothing
         self.speeds: dict[int, float] = {}
         self.exchanges: dict[int, float] = {}
 
@@ -69,15 +69,6 @@ class LocalStepsPolicy(KnownArguments):
         self.speeds = {int(k): float(v) for k, v in state["speeds"].items()}
         # checkpoints before the exchange times were kept lack them: compute alone until the next rounds report
         self.exchanges = {int(k): float(v) for k, v in state.get("exchanges", {}).items()}
-
-
-def validate_local_steps(local_steps: int, min_local_steps: int, smoothing: float = 0.5) -> None:
-    """Refuse an invalid ``H``, lower bound or speed smoothing, naming it."""
-    check_int("local_steps", local_steps, minimum=1)
-    check_int("min_local_steps", min_local_steps, minimum=1)
-    if min_local_steps > local_steps:
-        raise ValueError(f"`min_local_steps` ({min_local_steps}) must not exceed `local_steps` ({local_steps}).")
-    check_number("speed_smoothing", smoothing, low=0, high=1, high_open=True)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,7 @@ class OuterPreset:
 
 def momentum_tail(momentum: float, restarts: int) -> float:
     """At most how far one push moves the model, in ``lr`` times the push: ``sum(beta**k, k <= restarts)``."""
-    if restarts == 0:
-        return 1.0 / (1.0 - momentum)
-    return sum(momentum**k for k in range(restarts + 1))
+    return 1.0 / (1.0 - momentum) if restarts == 0 else sum(momentum**k for k in range(restarts + 1))
 
 
 def stable_outer_lr(momentum: float, restarts: int) -> float:

@@ -86,5 +86,3 @@ class OuterSettings(KnownArguments):
                            parts=parts or [])
         state.follow_live(workers)
         return state
-
-

@@ -29,11 +29,6 @@ SPARSELOCO_DECAY = 0.95
 _FACTOR_BYTES = 4  # the step's factor, float32
 
 
-def _padded(nbytes: int) -> int:
-    """A slot's bytes rounded up to a multiple of 4, so that each slot's float32 scales stay aligned."""
-    return -(-nbytes // 4) * 4
-
-
 class RoundCodec:
     """One fragment's round change: the factor ``-lr / pushes``, then each worker's push (or zeros)."""
 
@@ -44,7 +39,7 @@ class RoundCodec:
             raise ValueError(f"A round change forwards sparse pushes; the pushes' codec is {codec!r}.")
         self.codec, self.workers = codec, workers
         self.numel = codec.numel
-        self.slot_bytes = _padded(codec.nbytes)
+        self.slot_bytes = -(-codec.nbytes // 4) * 4  # a multiple of 4: each slot's float32 scales stay aligned
         self.nbytes = _FACTOR_BYTES + workers * self.slot_bytes
 
     def slot(self, message: Tensor, worker: int) -> Tensor:
@@ -112,8 +107,7 @@ class SparseSyncStep(SyncStep):
         self.round = sparse_round
 
     def keeps_messages(self, codecs: list, workers: int) -> SparseRound:
-        self.attach(SparseRound(codecs, workers))
-        assert self.round is not None
+        self.round = SparseRound(codecs, workers)
         return self.round
 
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:

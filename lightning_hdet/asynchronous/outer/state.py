@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,15 +139,6 @@ class SyncStep(StepPolicy):
         if outer.budget is None:
             return steps
         return min(steps, (outer.budget - outer.steps_done - outer.pending_steps) // n_waiting)
-
-
-def split_push(gradient: Tensor | None, ranges: Sequence[tuple[int, int]], size: int) -> list[Tensor]:
-    """A whole pseudo-gradient as fragments (one of the wrong shape as it is, for the checks)."""
-    if gradient is None:
-        return []
-    if gradient.dim() != 1 or gradient.numel() != size:
-        return [gradient]
-    return [gradient[s:e] for s, e in ranges]
 
 
 @dataclass
@@ -301,9 +292,12 @@ class OuterState:
             self.optimizer.follow(self._live, self.configured_buffer)  # type: ignore[attr-defined]
 
     def process(self, pushes: list[Push]) -> dict[int, int]:
-        """:meth:`receive` and :meth:`close` whole pushes (tests); every waiting worker then pulls."""
+        """:meth:`receive` and :meth:`close` whole pushes (one of the wrong shape as it is, for the checks); every
+        waiting worker then pulls."""
         for push in pushes:
-            self.receive(push, split_push(push.pseudo_gradient, self.ranges, self.params.numel()), stable=True)
+            g = push.pseudo_gradient
+            whole = g is not None and g.dim() == 1 and g.numel() == self.params.numel()
+            self.receive(push, [] if g is None else [g[s:e] for s, e in self.ranges] if whole else [g], stable=True)
         replies = self.close(pushes)
         for worker in replies:
             self.mark_pulled(worker)

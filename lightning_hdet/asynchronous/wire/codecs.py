@@ -233,8 +233,7 @@ def check_codecs(push: Codec, pull: Codec, error_feedback: object, forwards_roun
 
 
 def row_layout(shapes: Sequence[torch.Size], chunk: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:
-    """``(offset, rows, row_length)`` over ``shapes``: ``shape[0]`` rows, or chunks of ``chunk`` values."""
-    check_int("chunk", chunk, minimum=1)
+    """``(offset, rows, row_length)`` over ``shapes``: ``shape[0]`` rows, or chunks of ``chunk`` values (>= 1)."""
     segments = []
     offset = 0
     for shape in shapes:
@@ -272,24 +271,24 @@ class SparseLayout:
                 message[self._positions : self._levels].view(torch.int16), message[self._levels :])
 
     def _groups(self) -> list[tuple[int, int, int, int, int]]:
-        """``(start, rows, length, k, offset)``: runs of equal chunks, each one batched top-k."""
+        """``(start, rows, length, k, offset, first)``: runs of equal chunks, each one batched top-k (``first``: the
+        run's first chunk)."""
         full = sum(1 for _, length in self.chunks if length == SPARSE_CHUNK)
-        groups = [(0, full, SPARSE_CHUNK, self.keep[0], 0)] if full else []
+        groups = [(0, full, SPARSE_CHUNK, self.keep[0], 0, 0)] if full else []
         if full < len(self.chunks):
             start, length = self.chunks[-1]
-            groups.append((start, 1, length, self.keep[-1], full * (self.keep[0] if full else 0)))
+            groups.append((start, 1, length, self.keep[-1], full * (self.keep[0] if full else 0), len(self.chunks) - 1))
         return groups
 
     @torch.no_grad()
     def encode(self, flat: Tensor, out: Tensor) -> Tensor:
         scales, positions, packed = self._views(out)
         levels = torch.empty(self.kept, dtype=torch.uint8)
-        for index, (start, rows, length, k, offset) in enumerate(self._groups()):
+        for start, rows, length, k, offset, first in self._groups():
             block = flat[start : start + rows * length].view(rows, length)
             top = torch.topk(block.abs(), k, dim=1, sorted=False).indices
             kept = torch.gather(block, 1, top)
             scale = kept.abs().amax(dim=1, keepdim=True) / self.half
-            first = 0 if index == 0 else len(self.chunks) - 1
             scales[first : first + rows].copy_(scale.squeeze(1))
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero chunk sends level "half"
             level = torch.round(kept / safe + self.half).clamp_(0, 2 * self.half)
@@ -308,8 +307,7 @@ class SparseLayout:
         """Add ``message``'s values to ``out``: one float32 addition each, the same sum wherever computed."""
         scales, positions, packed = self._views(message)
         levels = _unpack(packed, self.bits, self.kept).to(torch.float32).sub_(self.half)
-        for index, (start, rows, length, k, offset) in enumerate(self._groups()):
-            first = 0 if index == 0 else len(self.chunks) - 1
+        for start, rows, length, k, offset, first in self._groups():
             values = levels[offset : offset + rows * k].view(rows, k) * scales[first : first + rows].unsqueeze(1)
             # a chunk whose scale is 0 decodes to zeros whatever its levels say
             values = torch.where(scales[first : first + rows].unsqueeze(1) > 0, values, torch.zeros_like(values))

@@ -4,6 +4,7 @@ queues (no process group), so one process runs whole rounds (each worker in its 
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections import Counter
@@ -58,7 +59,6 @@ class MemoryTransport(Transport):
                                f" receiver expected {received.numel()} bytes: the ends disagree on the layout")
         received.copy_(sent)
 
-
     def _box(self, way: str, worker: int) -> queue.Queue[Tensor]:
         with self._lock:
             return self._boxes.setdefault((way, worker), queue.Queue())
@@ -98,13 +98,8 @@ class MemoryServerEnd(ServerTransport):
             worker = self.network._arrivals.get(timeout=self.network.timeout)
         except queue.Empty:
             raise TimeoutError(f"the server waited over {self.network.timeout} s for a push") from None
-
-        def recv(tensor: Tensor) -> None:
-            self.network.take("push", worker, tensor)
-
-        raw = torch.empty(WorkerHeader.SIZE, dtype=torch.float64)
-        recv(raw)
-        return receive_push(worker, WorkerHeader.decode(raw), recv, self.layout, self.n_buffers, self._received)
+        recv = functools.partial(self.network.take, "push", worker)
+        return receive_push(worker, WorkerHeader.receive(recv), recv, self.layout, self.n_buffers, self._received)
 
     def reply(self, worker: int, header: ServerHeader, params: Iterable[Tensor], buffers: Tensor) -> None:
         send_reply(lambda tensor: self.network.put("reply", worker, tensor), header, params, buffers)

@@ -43,6 +43,13 @@ class _Header:
         return torch.tensor([float(getattr(self, f.name)) for f in fields(self)], dtype=torch.float64)
 
     @classmethod
+    def receive(cls, recv: Callable[[Tensor], None]) -> Any:
+        """The header ``recv`` fills in."""
+        raw = torch.empty(cls.SIZE, dtype=torch.float64)
+        recv(raw)
+        return cls.decode(raw)
+
+    @classmethod
     def decode(cls, tensor: Tensor) -> Any:
         if tensor.dtype != torch.float64 or tensor.numel() != cls.SIZE:
             name = f"{cls.__name__[:-len('Header')].lower()} header"

@@ -103,9 +103,7 @@ def receive_reply(recv: Recv, layout: Fragments, into: Tensor, message: Tensor, 
     """A reply into ``into``: the parameters (decoded through ``message``; float32 straight into place) or the
     public model's changes (decoded into ``scratch``, added to ``into``), then the buffers. ``own``: this worker and
     its last push's messages, for the slot a forwarded round leaves out (:meth:`~.messages.Fragments.skips_own`)."""
-    raw = torch.empty(ServerHeader.SIZE, dtype=torch.float64)
-    recv(raw)
-    header = ServerHeader.decode(raw)
+    header = ServerHeader.receive(recv)
     if header.next_local_steps > 0:
         if header.deltas >= 0:
             scratch = torch.empty(layout.largest, dtype=torch.float32) if scratch is None else scratch
