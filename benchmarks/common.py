@@ -440,16 +440,29 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str
 
 
 def machine() -> dict:
-    """What the numbers were measured on."""
+    """What the numbers were measured on. ``cpu`` and ``cpu_capability`` (the vector kernels torch picked): a conv
+    net trained with SGD near its largest stable LR ends up to 1.8x apart after a change in the last bits of its
+    arithmetic (docs/research/2026-12-hdet-search.md), so another CPU can move its numbers with the same code."""
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what :mod:`platform` says."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def write_json(name: str, payload: dict, results_dir: Path = RESULTS_DIR, max_chars: int = DEFAULT_MAX_CHARS) -> Path:
@@ -523,8 +536,8 @@ def wall_text(seconds: float) -> str:
 def stamp(seeds: Iterable[int] | None, wall_s: float | None = None) -> str:
     """The stamp line of a block generated now by this process (see :data:`STAMP`)."""
     m = machine()
-    where = f"{m['cpu_count']} cores, {platform.system()}, Python {m['python']}, torch {m['torch']}, " \
-            f"lightning {m['lightning']}"
+    where = f"{m['cpu_count']} cores ({m['cpu_capability']}), {platform.system()}, Python {m['python']}, " \
+            f"torch {m['torch']}, lightning {m['lightning']}"
     if os.environ.get("BENCH_ACCELERATOR", "cpu") != "cpu":
         where += f", accelerator {os.environ['BENCH_ACCELERATOR']}"
     wall = time.perf_counter() - _STARTED if wall_s is None else wall_s

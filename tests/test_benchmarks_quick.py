@@ -706,6 +706,8 @@ def test_a_record_hashed_another_way_is_stale_and_says_so(tmp_path):
 def test_stamp_line_names_commit_command_date_machine_seeds_and_wall_clock(monkeypatch):
     import argparse
 
+    import torch
+
     from benchmarks import common
 
     monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / "crash.py"), "--seeds", "3"])
@@ -713,7 +715,10 @@ def test_stamp_line_names_commit_command_date_machine_seeds_and_wall_clock(monke
     m = common.STAMP.match(line)
     assert m and not m["legacy"] and m["command"] == "python benchmarks/crash.py --seeds 3"
     assert m["seeds"].strip() == "0–2" and m["wall"] == "2 min" and re.fullmatch(r"[0-9a-f]{10}(\+dirty)?", m["commit"])
-    assert f"{os.cpu_count()} cores" in m["machine"] and "torch " in m["machine"] and "lightning " in m["machine"]
+    assert f"{os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()})" in m["machine"]
+    assert "torch " in m["machine"] and "lightning " in m["machine"]
+    # the CPU and the kernels torch picked on it: another CPU moves the CNN's numbers with the same code
+    assert common.machine()["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and common.machine()["cpu"]
     assert common.seeds_text([4, 1]) == "1, 4" and common.seeds_text(None) == "none"
     assert common.args_seeds(argparse.Namespace(first_seed=3, seed=0, seeds=2)) == [3, 4]
     assert common.args_seeds(argparse.Namespace(seed=5)) == [5] and common.args_seeds(argparse.Namespace()) == []
