@@ -17,7 +17,7 @@ gradient sync (``group`` unless the arm names one), the callback's defaults but 
 ``+search`` arms end the search, where ``Search()`` does (a quarter of the run), so ``pbt+search`` is the default
 of ``strategy="hdet"`` but for its vote interval (``T``, where the default sizes it to the run: 38 steps of 300).
 ``defaults[:OPTION=VALUE...]`` (``hdet_defaults...``, benchmark 2's arm) is ``strategy="hdet"`` exactly, interval
-included, with those options of ``HDETStrategy`` or ``Search`` changed (e.g. ``defaults:evidence=2.5``).
+included, with those options of ``HDETStrategy`` or ``Search`` changed (e.g. ``defaults:refine_spread=1.0``).
 Issue 13's target: HDET's final (merged) model ends below DDP at the low LR (ratio < 1).
 Issue 28's price check: HDET ÷ the untuned run (``ddp_high``: plain DDP at the starting LR) and, with ``--full-grid``,
 HDET ÷ the best of a full-batch grid from the high LR down to the low one (``grid_xG``, the ceiling; target
@@ -107,7 +107,7 @@ def run_default_arm(args: argparse.Namespace, lr: float, optimizer: str, entry: 
 
 
 def default_arm_name(entry: str) -> str:
-    """A ``--default-votes`` arm's row name: ``hdet_pbt+search_defaults``, ``hdet_defaults:evidence=2.5``."""
+    """A ``--default-votes`` arm's row name: ``hdet_pbt+search_defaults``, ``hdet_defaults:refine_spread=1.0``."""
     return f"hdet_{entry}" if is_defaults_arm(entry) else f"hdet_{entry}_defaults"
 
 
@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "them): the strategy's default multipliers and gradient sync (group), the callback's defaults but "
                    "the vote, no warm start; pbt+search is the default of strategy='hdet' (but for the vote interval), "
                    "defaults[:OPTION=VALUE...] exactly that with these options of HDETStrategy or Search, e.g. "
-                   "pbt+search,trust_region@global,defaults:evidence=2.5")
+                   "pbt+search,trust_region@global,defaults:refine_spread=1.0")
     p.add_argument("--full-grid", action="store_true",
                    help=f"also run plain DDP at {GRID_POINTS} LRs from the high LR down to the low one, on all ranks "
                    f"({GRID_POINTS} x the compute), and report HDET ÷ its best (the ceiling)")
