@@ -89,9 +89,10 @@ def _with_bias(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.ones(len(x), 1)], 1)
 
 
-def held_out_loss(flat: torch.Tensor) -> float:
-    """Mean squared error onto ones on 256 fixed held-out inputs (as benchmarks/async_defaults.py)."""
-    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(99))
+def held_out_loss(flat: torch.Tensor, seed: int = 99) -> float:
+    """Mean squared error onto ones on 256 fixed held-out inputs (as benchmarks/async_defaults.py), drawn with
+    ``seed``."""
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return float(((x @ flat[:64].view(2, 32).T + flat[64:] - 1) ** 2).mean())
 

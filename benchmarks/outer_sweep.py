@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import itertools
 import json
 import logging
@@ -53,7 +54,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
-from benchmarks.outer_stability import build_outer, drive, simulate, verdict
+from benchmarks.outer_stability import build_outer, drive, held_out_loss, simulate, verdict
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.demos.optim import make_optimizer
 from lightning_hdet.demos.shapes import ShapesCNN, make_shapes
@@ -155,6 +156,9 @@ class AgreementLR:
         return self.state.process(pushes)
 
 
+_LOCK = type(threading.Lock())
+
+
 class LookaheadLR:
     """The outer state with its lr chosen at every update by a one-step lookahead: the update is tried on copies of
     the state at :data:`LOOKAHEAD_SCALES` times the current lr (within ``[low, high]``), each result scored, and the
@@ -163,13 +167,18 @@ class LookaheadLR:
 
     def __init__(self, state: Any, score: Callable[[torch.Tensor], float], low: float, high: float) -> None:
         self.state, self.score, self.low, self.high = state, score, low, high
-        self.lr = [group["lr"] for group in state.optimizer.param_groups]
 
     @property
     def params(self) -> torch.Tensor:
         return self.state.params
 
+    @property
+    def lr(self) -> list[float]:
+        """The current outer lr of each param group (the state's own)."""
+        return [group["lr"] for group in self.state.optimizer.param_groups]
+
     def _set(self, state: Any, scale: float) -> None:
+        """``state``'s lrs at ``scale`` times the current ones, within ``[low, high]``."""
         for group, lr in zip(state.optimizer.param_groups, self.lr):
             group["lr"] = min(self.high, max(self.low, lr * scale))
 
@@ -184,11 +193,7 @@ class LookaheadLR:
         losses = [self._tried(pushes, scale) for scale in LOOKAHEAD_SCALES]
         best = min(range(len(losses)), key=lambda i: (losses[i], abs(LOOKAHEAD_SCALES[i] - 1.0)))
         self._set(self.state, LOOKAHEAD_SCALES[best])
-        self.lr = [group["lr"] for group in self.state.optimizer.param_groups]
         return self.state.process(pushes)
-
-
-_LOCK = type(threading.Lock())
 
 
 def candidates(quick: bool) -> list[Outer]:
@@ -264,13 +269,6 @@ def lookahead_split(workload: str) -> tuple[torch.Tensor, torch.Tensor]:
     return make_shapes(512, seed=2) if workload == "shapes_small" else make_tabular(512, seed=2, task_seed=0)
 
 
-def boring_lookahead(flat: torch.Tensor) -> float:
-    """``outer_stability.held_out_loss`` on 256 other inputs (seed 98), for :class:`LookaheadLR`."""
-    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(98))
-    with torch.no_grad():
-        return float(((x @ flat[:64].view(2, 32).T + flat[64:] - 1) ** 2).mean())
-
-
 def held_out(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
     """The held-out cross-entropy of ``model`` at flat parameters."""
     def score(flat: torch.Tensor) -> float:
@@ -312,7 +310,7 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
 
 def boring_run(data: str, workers: int, mode: str, outer: Outer, seed: int, rounds: int) -> dict:
     curve = simulate(workers, mode, outer.optimizer, "sgd", rounds, seed, data,
-                     wrap=lambda state: outer.drive(state, boring_lookahead))
+                     wrap=lambda state: outer.drive(state, functools.partial(held_out_loss, seed=98)))
     v = verdict(curve, min(50, rounds // 2))
     return {"start": 1.0, "final": v["end"], "stable": v["stable"]}
 
