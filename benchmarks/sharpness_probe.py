@@ -184,6 +184,75 @@ def probe_run(workload: str, optimizer: str, lr: float, seed: int, args: ProbeAr
             "final_test": rows[-1]["test"]}
 
 
+JUMP = 0.10  # a jump: a record's training loss (mean since the last record) 10 % above the run's lowest before it
+
+
+def first_jump(rows: list[dict]) -> tuple[int | None, float]:
+    """The step of a run's first jump (``None``: none) and its largest rise over the lowest earlier training loss."""
+    best, step, rise = math.inf, None, 0.0
+    for row in rows:
+        if not math.isfinite(row["train"]):
+            continue
+        if math.isfinite(best):
+            rise = max(rise, row["train"] / best - 1)
+            if step is None and row["train"] > (1 + JUMP) * best:
+                step = row["step"]
+        best = min(best, row["train"])
+    return step, rise
+
+
+def _at(rows: list[dict], step: int, key: str) -> float:
+    return next((row[key] for row in rows if row["step"] == step), math.nan)
+
+
+def _span(values: list[float], spec: str = ".2f") -> str:
+    """Median over seeds with the range: ``m (lo-hi)``."""
+    vals = sorted(v for v in values if math.isfinite(v))
+    if not vals:
+        return "—"
+    mid = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+    return f"{mid:{spec}}" if len(vals) == 1 else f"{mid:{spec}} ({vals[0]:{spec}}-{vals[-1]:{spec}})"
+
+
+def report(runs: list[dict], steps: Sequence[int] = (30, 75, 90, 150, 300)) -> str:
+    """Per cell and LR multiple (medians over seeds, ranges): the final held-out loss, ``r`` at ``steps``, its
+    largest value, and the jumps (:func:`first_jump`: seeds that jump, their steps, the largest rise)."""
+    out = []
+    for cell in dict.fromkeys((r["workload"], r["optimizer"]) for r in runs):
+        cell_runs = [r for r in runs if (r["workload"], r["optimizer"]) == cell]
+        out += [f"**{cell[0]} + {cell[1]}** (good LR {cell_runs[0]['good_lr']:g})", "",
+                "| × good LR | final held-out | val at 90 | " + " | ".join(f"r at {s}" for s in steps)
+                + " | r max | jumps (steps) | largest rise |", "|---" * (6 + len(steps)) + "|"]
+        for mult in sorted({r["multiple"] for r in cell_runs}):
+            group = sorted((r for r in cell_runs if r["multiple"] == mult), key=lambda r: r["seed"])
+            jumps = [first_jump(r["rows"]) for r in group]
+            where = ", ".join(str(s) for s, _ in jumps if s is not None) or "—"
+            out.append(f"| {mult:g} | {_span([r['final_test'] for r in group], '.3f')} | "
+                       f"{_span([_at(r['rows'], 90, 'val') for r in group], '.3f')} | "
+                       + " | ".join(_span([_at(r["rows"], s, "r") for r in group]) for s in steps)
+                       + f" | {_span([max(x['r'] for x in r['rows'] if math.isfinite(x['r'])) for r in group])} | "
+                       f"{sum(s is not None for s, _ in jumps)}/{len(group)} ({where}) | "
+                       f"{_span([rise for _, rise in jumps], '.0%')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def trajectory(runs: list[dict], key: str, every: int = 30, spec: str = ".2f") -> str:
+    """Per cell, ``key`` (``r``, ``train``, ...) every ``every`` steps per LR multiple, the median over seeds."""
+    out = []
+    for cell in dict.fromkeys((r["workload"], r["optimizer"]) for r in runs):
+        cell_runs = [r for r in runs if (r["workload"], r["optimizer"]) == cell]
+        steps = sorted({row["step"] for r in cell_runs for row in r["rows"] if row["step"] % every == 0})
+        out += [f"**{cell[0]} + {cell[1]}: {key}** (median over seeds)", "",
+                "| × good LR | " + " | ".join(str(s) for s in steps) + " |", "|---" * (1 + len(steps)) + "|"]
+        for mult in sorted({r["multiple"] for r in cell_runs}):
+            group = [r for r in cell_runs if r["multiple"] == mult]
+            out.append(f"| {mult:g} | " + " | ".join(_span([_at(r["rows"], s, key) for r in group], spec).split(" (")[0]
+                                                    for s in steps) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", nargs="+", default=["shapes_small:sgd", "tabular_small:sgd"],
@@ -197,7 +266,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tol", type=float, default=1e-3)
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/")
+    parser.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of these results files instead")
     args = parser.parse_args(argv)
+    if args.report:
+        runs = [run for path in args.report for run in json.loads(Path(path).read_text())["runs"]]
+        print(report(runs), trajectory(runs, "r"), trajectory(runs, "train"), sep="\n")
+        return
     name, _ = begin(args.out, False)
     shared = ProbeArgs(args.steps, args.every, args.batch, args.sharp_items, args.iters, args.tol)
     runs = []
