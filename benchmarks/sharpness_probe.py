@@ -253,6 +253,33 @@ def trajectory(runs: list[dict], key: str, every: int = 30, spec: str = ".2f") -
     return "\n".join(out)
 
 
+def max_r(rows: list[dict], until: int) -> float:
+    """The largest ``r`` a run recorded up to step ``until`` (NaN: none recorded)."""
+    values = [row["r"] for row in rows if row["step"] <= until and math.isfinite(row["r"])]
+    return max(values) if values else math.nan
+
+
+def per_seed(runs: list[dict], until: int = 90) -> str:
+    """Per cell, LR multiple and seed: ``final held-out / largest r up to step until / first jump's step``: whether
+    a run's sharpness by the search's decision tells how it ends."""
+    out = []
+    for cell in dict.fromkeys((r["workload"], r["optimizer"]) for r in runs):
+        cell_runs = [r for r in runs if (r["workload"], r["optimizer"]) == cell]
+        seeds = sorted({r["seed"] for r in cell_runs})
+        out += [f"**{cell[0]} + {cell[1]}, per seed**: final held-out / largest r to step {until} / first jump", "",
+                "| × good LR | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (1 + len(seeds)) + "|"]
+        for mult in sorted({r["multiple"] for r in cell_runs}):
+            cells = []
+            for seed in seeds:
+                run = next((r for r in cell_runs if r["multiple"] == mult and r["seed"] == seed), None)
+                jump = None if run is None else first_jump(run["rows"])[0]
+                cells.append("—" if run is None else
+                             f"{run['final_test']:.3f} / {max_r(run['rows'], until):.2f} / {jump or '—'}")
+            out.append(f"| {mult:g} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", nargs="+", default=["shapes_small:sgd", "tabular_small:sgd"],
@@ -270,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.report:
         runs = [run for path in args.report for run in json.loads(Path(path).read_text())["runs"]]
-        print(report(runs), trajectory(runs, "r"), trajectory(runs, "train"), sep="\n")
+        print(report(runs), per_seed(runs), trajectory(runs, "r"), trajectory(runs, "train"), sep="\n")
         return
     name, _ = begin(args.out, False)
     shared = ProbeArgs(args.steps, args.every, args.batch, args.sharp_items, args.iters, args.tol)
