@@ -138,9 +138,11 @@ class ProbeArgs:
     tol: float
 
 
-def probe_run(workload: str, optimizer: str, lr: float, seed: int, args: ProbeArgs) -> dict:
+def probe_run(workload: str, optimizer: str, lr: float, seed: int, args: ProbeArgs,
+              switch: tuple[int, float] | None = None) -> dict:
     """Train ``workload`` with ``optimizer`` at a constant ``lr`` from ``seed``'s model and data order, recording
-    every ``args.every`` steps (and at step 0) the losses, ``λ`` and ``r``."""
+    every ``args.every`` steps (and at step 0) the losses, ``λ`` and ``r`` (at the LR then in use). ``switch =
+    (step, factor)`` multiplies the LR by ``factor`` after ``step`` steps: what a vote does to a group."""
     spec = RunSpec(lr=lr, steps=args.steps, seed=seed, batch_size=args.batch, workload=workload,
                    model={"optimizer": optimizer})
     torch.manual_seed(seed)  # what fit_run's seed_everything fixes for the model's initial weights
@@ -164,7 +166,7 @@ def probe_run(workload: str, optimizer: str, lr: float, seed: int, args: ProbeAr
             eig = top_eigenvalue(lambda: model._loss(sharp_batch), params, args.iters, args.tol, scale, seed=step)
         train = sum(losses) / len(losses) if losses else math.nan
         return {"step": step, "train": train, "val": val, "test": test, "lam": eig.value, "iters": eig.iterations,
-                "rel_change": eig.rel_change, "r": eig.value / threshold(optimizer, lr)}
+                "rel_change": eig.rel_change, "r": eig.value / threshold(optimizer, opt.param_groups[0]["lr"])}
 
     rows, losses, step = [record(0, [])], [], 0
     while step < args.steps:
@@ -175,6 +177,9 @@ def probe_run(workload: str, optimizer: str, lr: float, seed: int, args: ProbeAr
             loss.backward()
             opt.step()
             step, losses = step + 1, losses + [float(loss.detach())]
+            if switch is not None and step == switch[0]:
+                for group in opt.param_groups:
+                    group["lr"] *= switch[1]
             if step % args.every == 0 or step == args.steps:
                 rows.append(record(step, losses))
                 losses = []
@@ -292,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sharp-items", type=int, default=512)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tol", type=float, default=1e-3)
+    parser.add_argument("--switch", type=int, help="train at the good LR and multiply it by each of --multiples "
+                        "after this many steps (a vote's move) instead of training at the multiple from the start")
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of these results files instead")
     args = parser.parse_args(argv)
@@ -308,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for seed in args.seeds:
             for mult in args.multiples:
                 start = time.perf_counter()
-                run = {**probe_run(workload, optimizer, good * mult, seed, shared), "multiple": mult, "good_lr": good,
+                lr, switch = (good, (args.switch, mult)) if args.switch else (good * mult, None)
+                run = {**probe_run(workload, optimizer, lr, seed, shared, switch), "multiple": mult, "good_lr": good,
                        "wall_s": time.perf_counter() - start}
                 runs.append(run)
                 print(json.dumps({k: v for k, v in run.items() if k != "rows"}), flush=True)

@@ -71,3 +71,12 @@ def test_probe_run_records_r_as_lambda_over_the_threshold():
         assert row["r"] == pytest.approx(row["lam"] * 0.01 / 3.8)
         assert math.isfinite(row["test"]) and 1 <= row["iters"] <= 10
     assert run["final_test"] == run["rows"][-1]["test"]
+
+
+def test_probe_run_switch_multiplies_the_lr_and_r_follows_it():
+    args = ProbeArgs(steps=4, every=2, batch=16, sharp_items=32, iters=5, tol=1e-3)
+    run = probe_run("tabular_small", "sgd", 0.01, 0, args, switch=(2, 3.0))
+    plain = probe_run("tabular_small", "sgd", 0.01, 0, args)
+    assert run["rows"][1]["lam"] == pytest.approx(plain["rows"][1]["lam"])  # the same weights at the switch
+    assert [row["r"] * 3.8 / row["lam"] for row in run["rows"]] == pytest.approx([0.01, 0.03, 0.03])
+    assert run["rows"][2]["lam"] != pytest.approx(plain["rows"][2]["lam"])  # two steps at 3x moved the weights
