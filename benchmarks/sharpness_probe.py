@@ -297,8 +297,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sharp-items", type=int, default=512)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tol", type=float, default=1e-3)
-    parser.add_argument("--switch", type=int, help="train at the good LR and multiply it by each of --multiples "
-                        "after this many steps (a vote's move) instead of training at the multiple from the start")
+    parser.add_argument("--switch", type=int, help="train at --switch-from x the good LR and move to each of "
+                        "--multiples x it after this many steps (a vote's move) instead of training at the multiple "
+                        "from the start")
+    parser.add_argument("--switch-from", type=float, default=1.0, help="the multiple trained at before --switch")
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of these results files instead")
     args = parser.parse_args(argv)
@@ -315,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for seed in args.seeds:
             for mult in args.multiples:
                 start = time.perf_counter()
-                lr, switch = (good, (args.switch, mult)) if args.switch else (good * mult, None)
+                base = args.switch_from
+                lr, switch = (good * base, (args.switch, mult / base)) if args.switch else (good * mult, None)
                 run = {**probe_run(workload, optimizer, lr, seed, shared, switch), "multiple": mult, "good_lr": good,
                        "wall_s": time.perf_counter() - start}
                 runs.append(run)
