@@ -18,11 +18,12 @@ against DDP taking ``S`` steps of batch ``W`` × 32 at the same inner optimizer 
 - ``boring``: Lightning's BoringModel with SGD (``outer_stability.Workers``), 200 rounds per worker, shards and
   whole datasets per worker: the stability check, scored by its final ÷ initial held-out loss.
 
-``S`` = 200 (shapes: 120), ``H`` = 10 (``boring``: 8); the first workload named (``tabular_small`` by default)
-with AdamW also runs at ``H`` = 25 and 50 (W = 4; ``--h-sweep``). Settings: lr 0.163 (the default), 0.35, 0.5, 0.7 and 1.0 at momentum 0.9, and 0.375, 0.5, 0.7
-and 1.0 at 0.5, each with the momentum schedule on and off; two outer lrs that follow the workers' agreement
-(:class:`AgreementLR`, ``/agree...`` in the labels); and two chosen at every update by a one-step lookahead on a
-held-out split the reported loss does not use (:class:`LookaheadLR`, ``/look...``).
+``S`` = 200 (shapes: 120), ``H`` = 10 (``boring``: 8); the first workload named (``tabular_small`` by default) with
+AdamW also runs at ``H`` = 25 and 50 (W = 4; ``--h-sweep``). Settings: lr 0.163 (the default), 0.35, 0.5, 0.7 and
+1.0 at momentum 0.9, and 0.375, 0.5, 0.7 and 1.0 at 0.5, each with the momentum schedule on and off; two outer lrs
+that follow the workers' agreement (:class:`AgreementLR`, ``/agree...`` in the labels); and two chosen at every
+update by a one-step lookahead on a held-out split the reported loss does not use (:class:`LookaheadLR`,
+``/look...``).
 Reported per cell: the best setting and its final held-out loss ÷ DDP's; each setting's loss ÷ the cell's best
 (``boring``: its final ÷ initial loss, which reaches 1e-15 and whose ratios are round-off); a setting is *unstable*
 where any run ended above its start, not finite, or (``boring``) rose by more than 10 % over its last 150 rounds.
@@ -30,8 +31,9 @@ Per mode, the chosen default: the stable setting whose worst ratio to the best o
 Finished cells are kept in ``outer_sweep[_quick].partial.json`` until the table is written: a run stopped half-way
 resumes from them.
 
-Run: ``python benchmarks/outer_sweep.py [--quick] [--seeds S] [--workloads ...] [--workers ...] [--h-sweep ...]
-[--settings ...]``; the char LM's cells: ``--workloads char_lm --name outer_sweep_char_lm``.
+Run: ``python benchmarks/outer_sweep.py [--quick] [--seeds S] [--workloads ...] [--workers ...] [--modes ...]
+[--h-sweep ...] [--settings ...]``; the char LM's cells: ``--workloads char_lm --name outer_sweep_char_lm`` (a
+partial file per name: runs of disjoint cells under one name can be merged into it and resumed).
 """
 
 from __future__ import annotations
@@ -387,9 +389,9 @@ def cells(args: argparse.Namespace) -> list[tuple]:
         if workload == "boring":
             out += [("boring", d, w, m, 8) for d, w, m in itertools.product(("shards", "whole"), WORKERS, MODES)]
             continue
-        out += [(workload, i, w, m, H) for i, w, m in itertools.product(INNER[workload], args.workers, MODES)]
+        out += [(workload, i, w, m, H) for i, w, m in itertools.product(INNER[workload], args.workers, args.modes)]
         if workload == args.workloads[0] and not args.quick:
-            out += [(workload, "adamw", 4, m, h) for h, m in itertools.product(args.h_sweep, MODES)]
+            out += [(workload, "adamw", 4, m, h) for h, m in itertools.product(args.h_sweep, args.modes)]
     return out
 
 
@@ -456,6 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workloads", nargs="+", default=["tabular_small", "shapes_small", "tabular", "boring"],
                    choices=["tabular_small", "shapes_small", "tabular", "boring", "char_lm"])
     p.add_argument("--workers", nargs="+", type=int, default=list(WORKERS), help="W of the model workloads")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="of the model workloads")
     p.add_argument("--h-sweep", nargs="*", type=int, default=list(H_SWEEP),
                    help=f"H of the extra W = 4 cells of the first workload (default {list(H_SWEEP)}; none: no extra)")
     p.add_argument("--name", default=NAME, help=f"results file and docs block (default {NAME}; another keeps its "

@@ -368,7 +368,8 @@ def test_outer_sweep_char_lm_cell(monkeypatch):
     assert [o.param_groups[0]["lr"] for o in workers.opts] == pytest.approx([0.004, 0.001])
     monkeypatch.setitem(outer_sweep.STEPS, "char_lm", 4)
     monkeypatch.setattr(outer_sweep, "CHAR_HELD_OUT", 16)  # seconds, not tens of them: 16 blocks per score
-    run = outer_sweep.model_run("char_lm", "adamw", 2, "sync", 2, outer_sweep.Outer(0.375, 0.5, "on", None, (0.1, 1)), 0)
+    look = outer_sweep.Outer(0.375, 0.5, "on", lookahead=(0.1, 1.0))
+    run = outer_sweep.model_run("char_lm", "adamw", 2, "sync", 2, look, 0)
     assert run["stable"] and run["final"] < run["start"] and 5.0 < run["start"] < 6.5
 
 
