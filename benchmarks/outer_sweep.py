@@ -425,16 +425,17 @@ def _best(result: dict) -> tuple[str, float]:
 
 
 def table(results: list[dict], labels: list[str], seeds: list[int], rounds: int) -> str:
-    chosen = {m: choose(results, m, labels) for m in MODES}
+    modes = [m for m in MODES if any(r["cell"][3] == m and r["ddp"] is not None for r in results)]  # --modes
+    chosen = {m: choose(results, m, labels) for m in modes}
     default, published = "0.163/0.9/on", "0.7/0.9/off"
-    pick = {m: chosen[m][0][0] for m in MODES}
+    pick = {m: chosen[m][0][0] for m in modes}
     rows = []
     for r in results:
         workload, inner, workers, mode, h = r["cell"]
         label, best = _best(r)
         cols = [workload, inner, str(workers), "DiLoCo" if mode == "sync" else "async", str(h), f"`{label}`",
                 fmt(best / r["ddp"], ".2f") if r["ddp"] else f"{best:.1e}"]
-        for lab in (pick[mode], default, published):
+        for lab in (pick.get(mode), default, published):
             run = r["runs"].get(lab)
             value = None if run is None else (fmt(run["final"] / best, ".2f") if r["ddp"] else f"{run['final']:.1e}")
             cols.append("–" if run is None else value + ("" if run["stable"] else " ✗"))
@@ -442,7 +443,7 @@ def table(results: list[dict], labels: list[str], seeds: list[int], rounds: int)
     head = ["workload", "inner / data", "W", "mode", "H", "best lr/momentum/schedule", "best ÷ DDP",
             "chosen ÷ best", "0.163/0.9/on ÷ best", "0.7/0.9/off ÷ best"]
     summary = [[("DiLoCo" if m == "sync" else "async"), *(f"`{lab}` {w:.2f}{'' if ok else ' ✗'}" for lab, w, ok in
-                                                          chosen[m][:3])] for m in MODES]
+                                                          chosen[m][:3])] for m in modes]
     return (f"Outer settings `lr/momentum/schedule` (schedule on: momentum warm-up 16 and restart every 8), "
             f"{len(labels)} swept; seeds {seeds}; final held-out loss (mean over seeds); boring: {rounds} rounds per "
             "worker, every number its final ÷ initial loss (no ratio to the best: round-off there). ✗: some run "

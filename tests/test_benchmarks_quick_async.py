@@ -233,8 +233,9 @@ def test_outer_stability_quick_mode(tmp_path):
 def test_outer_sweep_choose_hand_computed():
     """Per mode, each setting's worst ratio to its cell's best over the model cells; stability over every cell
     (the stability check's included, its losses in no ratio): "a" is 1.0 and 1.5x the best, "b" 1.2 and 1.0, so
-    "b" (worst 1.2) leads "a" (1.5) — unless "b" diverged on the stability check."""
-    from benchmarks.outer_sweep import choose
+    "b" (worst 1.2) leads "a" (1.5) — unless "b" diverged on the stability check. A table of one mode's cells
+    (``--modes``) sums up that mode alone."""
+    from benchmarks.outer_sweep import choose, table
 
     def cell(workload, a, b, stable_b=True, ddp=1.0):
         return {"cell": [workload, "adamw", 2, "async", 10], "ddp": ddp,
@@ -244,6 +245,8 @@ def test_outer_sweep_choose_hand_computed():
     assert choose(results, "async", ["a", "b"]) == [("b", pytest.approx(1.2), True), ("a", pytest.approx(1.5), True)]
     results[-1]["runs"]["b"]["stable"] = False
     assert [label for label, *_ in choose(results, "async", ["a", "b"])] == ["a", "b"]
+    lines = table(results[:2], ["a", "b"], [0], 20).splitlines()
+    assert lines[-1].startswith("| async | `b` 1.20 | `a` 1.50 |") and not any("DiLoCo" in line for line in lines)
 
 
 def test_outer_sweep_agreement_scaled_lr_hand_computed():
