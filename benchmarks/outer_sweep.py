@@ -12,14 +12,18 @@ against DDP taking ``S`` steps of batch ``W`` × 32 at the same inner optimizer 
   (W = 2) to 50 (W = 8) times; AdamW lr 3e-3 (weight decay 0.1) and SGD lr 0.05 (momentum 0.9) inside;
 - ``shapes_small``: the conv net (width 8) on the 1,536 small images, read 5 to 20 times; AdamW lr 5e-3;
 - ``tabular``: the MLP on 16,384 rows, read 0.8 to 3 times (fresh data); AdamW;
+- ``char_lm`` (asked for by name, not in the default run): benchmark 3's char LM (``benchmarks/async_published.py``:
+  d_model 64, 2 layers, context 64, batch 16, AdamW lr 1e-2, weight decay 0.1, warm-up S/10 then cosine to 10 %)
+  on the stdlib corpus's training split, read under once (fresh data); held-out: blocks of its validation split;
 - ``boring``: Lightning's BoringModel with SGD (``outer_stability.Workers``), 200 rounds per worker, shards and
   whole datasets per worker: the stability check, scored by its final ÷ initial held-out loss.
 
-``S`` = 200 (shapes: 120), ``H`` = 10 (``boring``: 8); ``tabular_small`` with AdamW also runs at ``H`` = 25
-and 50 (W = 4). Settings: lr 0.163 (the default), 0.35, 0.5, 0.7 and 1.0 at momentum 0.9, and 0.375, 0.5, 0.7
-and 1.0 at 0.5, each with the momentum schedule on and off; two outer lrs that follow the workers' agreement
-(:class:`AgreementLR`, ``/agree...`` in the labels); and two chosen at every update by a one-step lookahead on a
-held-out split the reported loss does not use (:class:`LookaheadLR`, ``/look...``).
+``S`` = 200 (shapes: 120), ``H`` = 10 (``boring``: 8); the first workload named (``tabular_small`` by default) with
+AdamW also runs at ``H`` = 25 and 50 (W = 4; ``--h-sweep``). Settings: lr 0.163 (the default), 0.35, 0.5, 0.7 and
+1.0 at momentum 0.9, and 0.375, 0.5, 0.7 and 1.0 at 0.5, each with the momentum schedule on and off; two outer lrs
+that follow the workers' agreement (:class:`AgreementLR`, ``/agree...`` in the labels); and two chosen at every
+update by a one-step lookahead on a held-out split the reported loss does not use (:class:`LookaheadLR`,
+``/look...``).
 Reported per cell: the best setting and its final held-out loss ÷ DDP's; each setting's loss ÷ the cell's best
 (``boring``: its final ÷ initial loss, which reaches 1e-15 and whose ratios are round-off); a setting is *unstable*
 where any run ended above its start, not finite, or (``boring``) rose by more than 10 % over its last 150 rounds.
@@ -27,7 +31,9 @@ Per mode, the chosen default: the stable setting whose worst ratio to the best o
 Finished cells are kept in ``outer_sweep[_quick].partial.json`` until the table is written: a run stopped half-way
 resumes from them.
 
-Run: ``python benchmarks/outer_sweep.py [--quick] [--seeds S] [--workloads ...]``.
+Run: ``python benchmarks/outer_sweep.py [--quick] [--seeds S] [--workloads ...] [--workers ...] [--modes ...]
+[--h-sweep ...] [--settings ...]``; the char LM's cells: ``--workloads char_lm --name outer_sweep_char_lm`` (a
+partial file per name: runs of disjoint cells under one name can be merged into it and resumed).
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from torch.nn.utils import parameters_to_vector
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 from benchmarks.outer_stability import build_outer, drive, held_out_loss, simulate, verdict
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.demos.char_lm import CharLM
+from lightning_hdet.demos.corpus import load_corpus
 from lightning_hdet.demos.optim import make_optimizer
 from lightning_hdet.demos.shapes import ShapesCNN, make_shapes
 from lightning_hdet.demos.tabular import TabularMLP, make_tabular
@@ -80,9 +88,17 @@ BATCH = 32
 H = 10
 #: inner optimizer -> (lr, weight decay) per model workload.
 INNER = {"tabular_small": {"adamw": (3e-3, 0.1), "sgd": (0.05, 0.0)}, "shapes_small": {"adamw": (5e-3, 0.1)},
-         "tabular": {"adamw": (3e-3, 0.1)}}
+         "tabular": {"adamw": (3e-3, 0.1)}, "char_lm": {"adamw": (1e-2, 0.1)}}
 #: Inner steps per worker (equal samples: DDP takes as many steps of W times the batch).
-STEPS = {"tabular_small": 200, "shapes_small": 120, "tabular": 200}
+STEPS = {"tabular_small": 200, "shapes_small": 120, "tabular": 200, "char_lm": 200}
+#: Per-worker batch where not :data:`BATCH` (the char LM's, benchmark 3's).
+BATCHES = {"char_lm": 16}
+#: Workloads whose inner lr follows benchmark 3's schedule (:func:`warmup_cosine`) rather than staying constant.
+SCHEDULED = ("char_lm",)
+#: The char LM's sizes (benchmark 3's) and its held-out blocks: the first ``CHAR_HELD_OUT`` of the validation split
+#: for the reported loss, the next as many for the lookahead's score.
+CHAR_LM = {"d_model": 64, "n_layers": 2, "block_size": 64}
+CHAR_HELD_OUT = 256
 #: The ``H`` sweep: these local step counts at W = 4 on the first workload with AdamW, beside ``H``.
 H_SWEEP = (25, 50)
 BORING_ROUNDS = 200
@@ -206,7 +222,10 @@ def candidates(quick: bool) -> list[Outer]:
 
 def load(workload: str) -> tuple:
     """(model factory, training inputs, labels, held-out inputs, labels): the data of ``benchmarks/common.py``'s
-    workloads of these names (tabular: task seed 0; held-out: 512 other rows or images)."""
+    workloads of these names (tabular: task seed 0; held-out: 512 other rows or images; the char LM: its training
+    split's blocks, held-out the first :data:`CHAR_HELD_OUT` of its validation split)."""
+    if workload == "char_lm":
+        return (CharLMLogits, *char_blocks("train"), *char_blocks("val", 0, CHAR_HELD_OUT))
     if workload == "shapes_small":
         return (lambda: ShapesCNN(width=8), *make_shapes(1536, seed=0), *make_shapes(512, seed=1))
     rows = 1024 if workload == "tabular_small" else 16384
@@ -231,20 +250,24 @@ class Batches:
 
 class ModelWorkers:
     """``W`` fake workers of a real model: each its shard ``w::W`` of the data, its own inner optimizer (state kept
-    between rounds, as a worker's is), ``local_steps`` steps per round from the global parameters it is given."""
+    between rounds, as a worker's is; with ``total_steps``, its lr on :func:`warmup_cosine` over its own steps),
+    ``local_steps`` steps of ``batch`` rows per round from the global parameters it is given."""
 
     def __init__(self, model: torch.nn.Module, x, y, workers: int, inner: str, lr: float, wd: float,
-                 local_steps: int, seed: int) -> None:
+                 local_steps: int, seed: int, batch: int = BATCH, total_steps: int = 0) -> None:
         self.local_steps = local_steps
         self.models = [copy.deepcopy(model) for _ in range(workers)]
         self.opts = [make_optimizer(inner, m.parameters(), lr, wd) for m in self.models]
-        self.data = [Batches(x[w::workers], y[w::workers], BATCH, 1000 * seed + w) for w in range(workers)]
+        self.scheds = [warmup_cosine(o, total_steps) if total_steps else None for o in self.opts]
+        self.data = [Batches(x[w::workers], y[w::workers], batch, 1000 * seed + w) for w in range(workers)]
 
     def round(self, worker: int, start: torch.Tensor) -> torch.Tensor:
-        model, opt, data = self.models[worker], self.opts[worker], self.data[worker]
+        model, opt, data, sched = self.models[worker], self.opts[worker], self.data[worker], self.scheds[worker]
         load_flat(model, start)
         for _ in range(self.local_steps):
             train_step(model, opt, *data.next())
+            if sched is not None:
+                sched.step()
         with torch.no_grad():
             return start - parameters_to_vector(model.parameters())
 
@@ -253,6 +276,43 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     opt.zero_grad(set_to_none=True)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
+
+
+def warmup_cosine(opt: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Benchmark 3's inner schedule (``CharLM``'s ``"cosine"`` with ``warmup_steps`` = S/10): a linear warm-up
+    over ``total // 10`` steps, then a cosine decay to 10 % of the lr at step ``total``, where it stays."""
+    warmup = max(total // 10, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+class CharLMLogits(torch.nn.Module):
+    """Benchmark 3's :class:`CharLM` with its logits laid out as ``cross_entropy`` takes them for ``(batch, time)``
+    targets, ``(batch, vocab, time)``: the mean over every token, as the module's own loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = CharLM(**CHAR_LM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm(tokens).transpose(1, 2)
+
+
+def char_blocks(split: str, first: int = 0, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ``first .. first + count`` of the corpus's ``split`` (``"train"`` or ``"val"``) as benchmark 3's
+    ``BlockDataset`` cuts them: non-overlapping, inputs ``(n, 64)`` and their targets, shifted by one byte."""
+    tokens, size = getattr(load_corpus(), split).long(), CHAR_LM["block_size"]
+    n = (tokens.numel() - 1) // size
+    count = n - first if count is None else count
+    if first + count > n:
+        raise ValueError(f"blocks {first}..{first + count} asked of the {n} of the {split} split")
+    span = tokens[first * size:(first + count) * size + 1]
+    return span[:-1].view(count, size), span[1:].view(count, size)
 
 
 @torch.no_grad()
@@ -265,7 +325,10 @@ def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
 
 
 def lookahead_split(workload: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """512 more held-out rows or images (seed 2) for :class:`LookaheadLR`: not the reported loss's."""
+    """512 more held-out rows or images (seed 2) for :class:`LookaheadLR`, the char LM's next
+    :data:`CHAR_HELD_OUT` validation blocks: not the reported loss's."""
+    if workload == "char_lm":
+        return char_blocks("val", CHAR_HELD_OUT, CHAR_HELD_OUT)
     return make_shapes(512, seed=2) if workload == "shapes_small" else make_tabular(512, seed=2, task_seed=0)
 
 
@@ -285,9 +348,12 @@ def ddp_loss(workload: str, inner: str, workers: int, seed: int) -> float:
     model = make()
     lr, wd = INNER[workload][inner]
     opt = make_optimizer(inner, model.parameters(), lr, wd)
-    data = Batches(x, y, BATCH * workers, 1000 * seed)
+    sched = warmup_cosine(opt, STEPS[workload]) if workload in SCHEDULED else None
+    data = Batches(x, y, BATCHES.get(workload, BATCH) * workers, 1000 * seed)
     for _ in range(STEPS[workload]):
         train_step(model, opt, *data.next())
+        if sched is not None:
+            sched.step()
     return held_out(copy.deepcopy(model), vx, vy)(parameters_to_vector(model.parameters()).detach())
 
 
@@ -297,7 +363,8 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
     torch.manual_seed(seed)
     model = make()
     lr, wd = INNER[workload][inner]
-    fake = ModelWorkers(model, x, y, workers, inner, lr, wd, local_steps, seed)
+    fake = ModelWorkers(model, x, y, workers, inner, lr, wd, local_steps, seed, BATCHES.get(workload, BATCH),
+                        STEPS[workload] if workload in SCHEDULED else 0)
     state = build_outer(parameters_to_vector(model.parameters()).detach().clone(), workers, mode, local_steps,
                         outer.optimizer)
     look = held_out(copy.deepcopy(model), *lookahead_split(workload)) if outer.lookahead else None
@@ -322,9 +389,9 @@ def cells(args: argparse.Namespace) -> list[tuple]:
         if workload == "boring":
             out += [("boring", d, w, m, 8) for d, w, m in itertools.product(("shards", "whole"), WORKERS, MODES)]
             continue
-        out += [(workload, i, w, m, H) for i, w, m in itertools.product(INNER[workload], args.workers, MODES)]
+        out += [(workload, i, w, m, H) for i, w, m in itertools.product(INNER[workload], args.workers, args.modes)]
         if workload == args.workloads[0] and not args.quick:
-            out += [(workload, "adamw", 4, m, h) for h, m in itertools.product(H_SWEEP, MODES)]
+            out += [(workload, "adamw", 4, m, h) for h, m in itertools.product(args.h_sweep, args.modes)]
     return out
 
 
@@ -358,16 +425,17 @@ def _best(result: dict) -> tuple[str, float]:
 
 
 def table(results: list[dict], labels: list[str], seeds: list[int], rounds: int) -> str:
-    chosen = {m: choose(results, m, labels) for m in MODES}
+    modes = [m for m in MODES if any(r["cell"][3] == m and r["ddp"] is not None for r in results)]  # --modes
+    chosen = {m: choose(results, m, labels) for m in modes}
     default, published = "0.163/0.9/on", "0.7/0.9/off"
-    pick = {m: chosen[m][0][0] for m in MODES}
+    pick = {m: chosen[m][0][0] for m in modes}
     rows = []
     for r in results:
         workload, inner, workers, mode, h = r["cell"]
         label, best = _best(r)
         cols = [workload, inner, str(workers), "DiLoCo" if mode == "sync" else "async", str(h), f"`{label}`",
                 fmt(best / r["ddp"], ".2f") if r["ddp"] else f"{best:.1e}"]
-        for lab in (pick[mode], default, published):
+        for lab in (pick.get(mode), default, published):
             run = r["runs"].get(lab)
             value = None if run is None else (fmt(run["final"] / best, ".2f") if r["ddp"] else f"{run['final']:.1e}")
             cols.append("–" if run is None else value + ("" if run["stable"] else " ✗"))
@@ -375,7 +443,7 @@ def table(results: list[dict], labels: list[str], seeds: list[int], rounds: int)
     head = ["workload", "inner / data", "W", "mode", "H", "best lr/momentum/schedule", "best ÷ DDP",
             "chosen ÷ best", "0.163/0.9/on ÷ best", "0.7/0.9/off ÷ best"]
     summary = [[("DiLoCo" if m == "sync" else "async"), *(f"`{lab}` {w:.2f}{'' if ok else ' ✗'}" for lab, w, ok in
-                                                          chosen[m][:3])] for m in MODES]
+                                                          chosen[m][:3])] for m in modes]
     return (f"Outer settings `lr/momentum/schedule` (schedule on: momentum warm-up 16 and restart every 8), "
             f"{len(labels)} swept; seeds {seeds}; final held-out loss (mean over seeds); boring: {rounds} rounds per "
             "worker, every number its final ÷ initial loss (no ratio to the best: round-off there). ✗: some run "
@@ -389,16 +457,28 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..n-1 (default 1)")
     p.add_argument("--workloads", nargs="+", default=["tabular_small", "shapes_small", "tabular", "boring"],
-                   choices=["tabular_small", "shapes_small", "tabular", "boring"])
+                   choices=["tabular_small", "shapes_small", "tabular", "boring", "char_lm"])
     p.add_argument("--workers", nargs="+", type=int, default=list(WORKERS), help="W of the model workloads")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="of the model workloads")
+    p.add_argument("--h-sweep", nargs="*", type=int, default=list(H_SWEEP),
+                   help=f"H of the extra W = 4 cells of the first workload (default {list(H_SWEEP)}; none: no extra)")
+    p.add_argument("--name", default=NAME, help=f"results file and docs block (default {NAME}; another keeps its "
+                   "table: the char LM's is outer_sweep_char_lm)")
+    p.add_argument("--settings", nargs="+", default=None, metavar="LABEL",
+                   help="run only these settings' labels (default all; e.g. the char LM's 18 fixed and one lookahead)")
     add_output_args(p)
     args = p.parse_args(argv)
-    name, t0 = begin(NAME, args.quick)
+    name, t0 = begin(args.name, args.quick)
     torch.set_num_threads(1)
     logging.getLogger("lightning_hdet").setLevel(logging.ERROR)  # the push checks' rejections of diverging runs
     if args.quick:
         STEPS.update({k: 40 for k in STEPS})
     outers, seeds = candidates(args.quick), list(range(args.seeds))
+    if args.settings:
+        unknown = set(args.settings) - {o.label for o in outers}
+        if unknown:
+            p.error(f"--settings {sorted(unknown)}: not among {[o.label for o in outers]}")
+        outers = [o for o in outers if o.label in args.settings]
     rounds = 20 if args.quick else BORING_ROUNDS
     labels = [o.label for o in outers]
     partial = args.results_dir / f"{name}.partial.json"

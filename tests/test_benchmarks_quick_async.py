@@ -233,8 +233,9 @@ def test_outer_stability_quick_mode(tmp_path):
 def test_outer_sweep_choose_hand_computed():
     """Per mode, each setting's worst ratio to its cell's best over the model cells; stability over every cell
     (the stability check's included, its losses in no ratio): "a" is 1.0 and 1.5x the best, "b" 1.2 and 1.0, so
-    "b" (worst 1.2) leads "a" (1.5) — unless "b" diverged on the stability check."""
-    from benchmarks.outer_sweep import choose
+    "b" (worst 1.2) leads "a" (1.5) — unless "b" diverged on the stability check. A table of one mode's cells
+    (``--modes``) sums up that mode alone."""
+    from benchmarks.outer_sweep import choose, table
 
     def cell(workload, a, b, stable_b=True, ddp=1.0):
         return {"cell": [workload, "adamw", 2, "async", 10], "ddp": ddp,
@@ -244,6 +245,8 @@ def test_outer_sweep_choose_hand_computed():
     assert choose(results, "async", ["a", "b"]) == [("b", pytest.approx(1.2), True), ("a", pytest.approx(1.5), True)]
     results[-1]["runs"]["b"]["stable"] = False
     assert [label for label, *_ in choose(results, "async", ["a", "b"])] == ["a", "b"]
+    lines = table(results[:2], ["a", "b"], [0], 20).splitlines()
+    assert lines[-1].startswith("| async | `b` 1.20 | `a` 1.50 |") and not any("DiLoCo" in line for line in lines)
 
 
 def test_outer_sweep_agreement_scaled_lr_hand_computed():
@@ -336,6 +339,41 @@ def test_outer_sweep_worker_round_is_start_minus_its_local_model():
     load_flat(model, start)
     start.add_(1.0)
     assert float(model.weight.abs().sum()) == 0.0  # copied, not a view of ``start``
+
+
+def test_outer_sweep_char_lm_cell(monkeypatch):
+    """The char LM's data are benchmark 3's blocks of the stdlib corpus: targets the inputs shifted by one byte, also
+    across a block's edge; the reported and the lookahead's held-out blocks are the first and the next 256 of the
+    validation split. Its inner lr warms up over S/10 of each worker's own steps, then decays to 10 % (hand-computed
+    factors), each worker's on its own steps. A tiny DiLoCo run (2 workers, 2 rounds of H = 2) with the lookahead
+    ends below its start."""
+    import torch
+
+    from benchmarks import outer_sweep
+    from lightning_hdet.demos.corpus import load_corpus
+
+    make, x, y, vx, vy = outer_sweep.load("char_lm")
+    corpus = load_corpus()
+    assert x.shape == ((corpus.train.numel() - 1) // 64, 64) and vx.shape == (256, 64)
+    assert torch.equal(x[0], corpus.train[:64].long()) and torch.equal(y[0, :-1], x[0, 1:]) and y[0, -1] == x[1, 0]
+    lx, ly = outer_sweep.lookahead_split("char_lm")
+    assert torch.equal(vx[0], corpus.val[:64].long()) and torch.equal(lx[0], corpus.val[256 * 64:257 * 64].long())
+    assert ly[0, -1] == corpus.val[257 * 64] and vy[-1, -1] == lx[0, 0]
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched, lrs = outer_sweep.warmup_cosine(opt, 200), []
+    for _ in range(202):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert [lrs[i] for i in (0, 9, 19, 20, 110, 200, 201)] == pytest.approx([0.05, 0.5, 1.0, 1.0, 0.55, 0.1, 0.1])
+    workers = outer_sweep.ModelWorkers(make(), x, y, 2, "adamw", 0.01, 0.1, 3, 0, batch=16, total_steps=100)
+    workers.round(0, torch.nn.utils.parameters_to_vector(workers.models[0].parameters()).detach())
+    assert [o.param_groups[0]["lr"] for o in workers.opts] == pytest.approx([0.004, 0.001])
+    monkeypatch.setitem(outer_sweep.STEPS, "char_lm", 4)
+    monkeypatch.setattr(outer_sweep, "CHAR_HELD_OUT", 16)  # seconds, not tens of them: 16 blocks per score
+    look = outer_sweep.Outer(0.375, 0.5, "on", lookahead=(0.1, 1.0))
+    run = outer_sweep.model_run("char_lm", "adamw", 2, "sync", 2, look, 0)
+    assert run["stable"] and run["final"] < run["start"] and 5.0 < run["start"] < 6.5
 
 
 def test_outer_sweep_quick_mode(tmp_path):
