@@ -62,8 +62,8 @@ from torch.nn.utils import parameters_to_vector
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 from benchmarks.outer_stability import build_outer, drive, held_out_loss, simulate, verdict
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
-from lightning_hdet.demos.char_lm import CharLM
-from lightning_hdet.demos.corpus import load_corpus
+from lightning_hdet.demos.char_lm import CharLM, warmup_cosine as char_lm_schedule
+from lightning_hdet.demos.corpus import BlockDataset, load_corpus
 from lightning_hdet.demos.optim import make_optimizer
 from lightning_hdet.demos.shapes import ShapesCNN, make_shapes
 from lightning_hdet.demos.tabular import TabularMLP, make_tabular
@@ -279,16 +279,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
 
 
 def warmup_cosine(opt: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Benchmark 3's inner schedule (``CharLM``'s ``"cosine"`` with ``warmup_steps`` = S/10): a linear warm-up
-    over ``total // 10`` steps, then a cosine decay to 10 % of the lr at step ``total``, where it stays."""
-    warmup = max(total // 10, 1)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    """Benchmark 3's inner schedule: ``CharLM``'s ``"cosine"`` with ``warmup_steps`` = S/10 (at least 1)."""
+    return char_lm_schedule(opt, max(total // 10, 1), total)
 
 
 class CharLMLogits(torch.nn.Module):
@@ -305,14 +297,13 @@ class CharLMLogits(torch.nn.Module):
 
 def char_blocks(split: str, first: int = 0, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks ``first .. first + count`` of the corpus's ``split`` (``"train"`` or ``"val"``) as benchmark 3's
-    ``BlockDataset`` cuts them: non-overlapping, inputs ``(n, 64)`` and their targets, shifted by one byte."""
-    tokens, size = getattr(load_corpus(), split).long(), CHAR_LM["block_size"]
-    n = (tokens.numel() - 1) // size
-    count = n - first if count is None else count
-    if first + count > n:
-        raise ValueError(f"blocks {first}..{first + count} asked of the {n} of the {split} split")
-    span = tokens[first * size:(first + count) * size + 1]
-    return span[:-1].view(count, size), span[1:].view(count, size)
+    ``BlockDataset`` cuts them: inputs ``(n, 64)`` and their targets, shifted by one byte."""
+    blocks = BlockDataset(getattr(load_corpus(), split), CHAR_LM["block_size"])
+    count = len(blocks) - first if count is None else count
+    if first + count > len(blocks):
+        raise ValueError(f"blocks {first}..{first + count} asked of the {len(blocks)} of the {split} split")
+    inputs, targets = zip(*(blocks[i] for i in range(first, first + count)))
+    return torch.stack(inputs), torch.stack(targets)
 
 
 @torch.no_grad()

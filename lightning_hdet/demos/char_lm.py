@@ -85,14 +85,18 @@ class CharLM(DemoModule):
         opt = make_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
         if hp.scheduler == "constant":
             return opt
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup = hp.warmup_steps
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        sched = warmup_cosine(opt, hp.warmup_steps, max(int(self.trainer.estimated_stepping_batches), 1))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The ``"cosine"`` schedule: a linear warm-up over ``warmup`` steps, then a cosine decay to 10 % of the lr at
+    step ``total``, where it stays."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
