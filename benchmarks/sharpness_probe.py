@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -215,16 +216,21 @@ def _span(values: list[float], spec: str = ".2f") -> str:
     vals = sorted(v for v in values if math.isfinite(v))
     if not vals:
         return "—"
-    mid = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+    mid = statistics.median(vals)
     return f"{mid:{spec}}" if len(vals) == 1 else f"{mid:{spec}} ({vals[0]:{spec}}-{vals[-1]:{spec}})"
+
+
+def _by_cell(runs: list[dict]) -> list[tuple[tuple[str, str], list[dict]]]:
+    """The runs grouped by ``(workload, optimizer)``, cells in the order they first appear."""
+    cells = dict.fromkeys((r["workload"], r["optimizer"]) for r in runs)
+    return [(cell, [r for r in runs if (r["workload"], r["optimizer"]) == cell]) for cell in cells]
 
 
 def report(runs: list[dict], steps: Sequence[int] = (30, 75, 90, 150, 300)) -> str:
     """Per cell and LR multiple (medians over seeds, ranges): the final held-out loss, ``r`` at ``steps``, its
     largest value, and the jumps (:func:`first_jump`: seeds that jump, their steps, the largest rise)."""
     out = []
-    for cell in dict.fromkeys((r["workload"], r["optimizer"]) for r in runs):
-        cell_runs = [r for r in runs if (r["workload"], r["optimizer"]) == cell]
+    for cell, cell_runs in _by_cell(runs):
         out += [f"**{cell[0]} + {cell[1]}** (good LR {cell_runs[0]['good_lr']:g})", "",
                 "| × good LR | final held-out | val at 90 | " + " | ".join(f"r at {s}" for s in steps)
                 + " | r max | jumps (steps) | largest rise |", "|---" * (6 + len(steps)) + "|"]
@@ -245,8 +251,7 @@ def report(runs: list[dict], steps: Sequence[int] = (30, 75, 90, 150, 300)) -> s
 def trajectory(runs: list[dict], key: str, every: int = 30, spec: str = ".2f") -> str:
     """Per cell, ``key`` (``r``, ``train``, ...) every ``every`` steps per LR multiple, the median over seeds."""
     out = []
-    for cell in dict.fromkeys((r["workload"], r["optimizer"]) for r in runs):
-        cell_runs = [r for r in runs if (r["workload"], r["optimizer"]) == cell]
+    for cell, cell_runs in _by_cell(runs):
         steps = sorted({row["step"] for r in cell_runs for row in r["rows"] if row["step"] % every == 0})
         out += [f"**{cell[0]} + {cell[1]}: {key}** (median over seeds)", "",
                 "| × good LR | " + " | ".join(str(s) for s in steps) + " |", "|---" * (1 + len(steps)) + "|"]
@@ -268,8 +273,7 @@ def per_seed(runs: list[dict], until: int = 90) -> str:
     """Per cell, LR multiple and seed: ``final held-out / largest r up to step until / first jump's step``: whether
     a run's sharpness by the search's decision tells how it ends."""
     out = []
-    for cell in dict.fromkeys((r["workload"], r["optimizer"]) for r in runs):
-        cell_runs = [r for r in runs if (r["workload"], r["optimizer"]) == cell]
+    for cell, cell_runs in _by_cell(runs):
         seeds = sorted({r["seed"] for r in cell_runs})
         out += [f"**{cell[0]} + {cell[1]}, per seed**: final held-out / largest r to step {until} / first jump", "",
                 "| × good LR | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (1 + len(seeds)) + "|"]
