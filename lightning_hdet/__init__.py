@@ -14,6 +14,7 @@ from lightning_hdet.asynchronous.lightning.worker_shape import WorkerShape
 from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov, DelayedNesterovOptimizer, Nesterov
 from lightning_hdet.asynchronous.outer.local_steps import AdaptiveSteps, LocalStepsPolicy, dynamic_local_steps
+from lightning_hdet.asynchronous.outer.lookahead import LookaheadLR
 from lightning_hdet.asynchronous.outer.sparseloco import SparseLoCo
 from lightning_hdet.asynchronous.wire.codecs import BF16, Int8, NoCodec, TopK
 from lightning_hdet.asynchronous.wire.network import PointToPoint, Transport
@@ -48,6 +49,7 @@ __all__ = [
     "HDETLoop",
     "HDETReplay",
     "LRTrajectory",
+    "LookaheadLR",
     "HDETStrategy",
     "Int8",
     "LocalStepsPolicy",

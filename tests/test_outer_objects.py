@@ -143,4 +143,4 @@ def test_what_a_user_writes_is_what_runs_and_the_config_shows_every_number() -> 
     config = strategy.config
     assert {k: v for k, v in config.items() if k.startswith("outer")} == {
         "outer": "DelayedNesterov", "outer/lr": 0.7, "outer/momentum": 0.9, "outer/warmup": 0, "outer/restarts": 0,
-        "outer/buffer_size": None, "outer/momentum_activation": 0.0}
+        "outer/buffer_size": None, "outer/momentum_activation": 0.0, "outer/lookahead": None}

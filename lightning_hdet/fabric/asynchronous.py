@@ -26,6 +26,7 @@ from lightning_hdet._compat import DDP_OPTIONS, register_names, strategy_timeout
 from lightning_hdet._process_groups import destroy_default_group_at_exit, destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange
 from lightning_hdet.asynchronous.lightning.worker_shape import check_exchange_options
+from lightning_hdet.asynchronous.outer.lookahead import refuse_lookahead
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind
@@ -69,6 +70,7 @@ class AsyncLocalSGDFabricStrategy(FabricDDPStrategy):
                     "The model is never wrapped in DistributedDataParallel here, so its options do nothing."
                     if set(kwargs) & set(DDP_OPTIONS) else "")
         self.outer_settings = OuterSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        refuse_lookahead(self.outer_settings.outer, "Fabric", "Fabric has no validation loop to score candidates with.")
         self._codecs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CODEC_OPTIONS}
         self.transport = check_transport(kwargs.pop("transport", None))
         if self.outer_settings.stagger > 1:

@@ -19,6 +19,7 @@ from lightning_hdet._checks import check_names, own_arguments, require
 from lightning_hdet.asynchronous.lightning.limits import LoopLimits
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.checks import PushCheck
+from lightning_hdet.asynchronous.outer.lookahead import refuse_lookahead
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import BF16, Codec, NoCodec, codec_from
@@ -83,6 +84,8 @@ class TorchFTStrategy(DDPStrategy):
                 "Local-SGD across jobs use OuterService with ElasticWorkerStrategy (docs/elastic.md).")
         self.outer_settings = OuterSettings(mode="sync", local_steps=local_steps, outer=outer,
                                             check_pushes=check_pushes)
+        refuse_lookahead(self.outer_settings.outer, "TorchFTStrategy", "Its replicas step the outer optimizer"
+                         " each on its own, with no validation loop between allreduce and step.")
         if self.outer_settings.outer.forwards_rounds:
             raise ValueError(f"`outer={self.outer_settings.outer!r}` is not supported by TorchFTStrategy: its rounds "
                              "forward the workers' sparse messages, which torchft's dense allreduce does not carry. "

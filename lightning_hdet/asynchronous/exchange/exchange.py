@@ -18,6 +18,7 @@ from lightning_hdet.asynchronous.exchange.server import Server
 from lightning_hdet.asynchronous.exchange.worker import Worker
 from lightning_hdet.asynchronous.exchange.worker_shards import ShardedWorker
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
+from lightning_hdet.asynchronous.outer.lookahead import Score
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.codecs import Codec, NoCodec
@@ -107,10 +108,11 @@ class Exchange:
     def start_outer(settings: OuterSettings, module: Module, device: torch.device, workers: int,
                     budget: int | None, resume: dict[str, Any] | None,
                     read: Callable[[Module, torch.device], tuple[torch.Tensor, torch.Tensor]] = read_model,
-                    ) -> OuterState:
-        """Rank 0: the outer state, from this model (``read``) or the checkpoint's outer state ``resume``."""
+                    score: Score | None = None) -> OuterState:
+        """Rank 0: the outer state, from this model (``read``) or the checkpoint's outer state ``resume``;
+        ``score``: a lookahead's (:meth:`OuterSettings.build`)."""
         layout = Fragments([p.shape for p in module.parameters()], parts=settings.stagger)  # the same for every codec
-        outer = settings.build(*read(module, device), workers, budget, layout.ranges, layout.parts)
+        outer = settings.build(*read(module, device), workers, budget, layout.ranges, layout.parts, score)
         if resume is not None:
             outer.load_state_dict(resume, workers=workers)
         return outer

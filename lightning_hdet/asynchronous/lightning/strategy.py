@@ -36,6 +36,7 @@ from lightning_hdet.asynchronous.lightning.worker_shape import (
 )
 from lightning_hdet.asynchronous.lightning.limits import LoopLimits
 from lightning_hdet.asynchronous.lightning.readouts import ExchangeReadouts
+from lightning_hdet.asynchronous.lightning.validation_score import validation_score
 from lightning_hdet.asynchronous.lightning.shard_hooks import (
     ShardedWorkersLauncher,
     check_ddp_hooks,
@@ -46,6 +47,7 @@ from lightning_hdet.asynchronous.lightning.shard_hooks import (
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
 from lightning_hdet.asynchronous.outer.checks import PushCheck
 from lightning_hdet.asynchronous.outer.local_steps import AdaptiveSteps
+from lightning_hdet.asynchronous.outer.lookahead import refuse_lookahead
 from lightning_hdet.asynchronous.outer.momentum import refuse_moved
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.codecs import Codec, codec_numbers
@@ -105,6 +107,8 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             shape.ranks_per_worker)
         check_inside_worker(shape.inside_worker, shape.ranks_per_worker, checkpoint_inner_states,
                             ddp_arguments(kwargs), shape.auto_wrap_policy)
+        if shape.inside_worker == "fsdp":
+            refuse_lookahead(self.outer_settings.outer, "FSDP inside a worker", "Rank 0 holds one shard to score on.")
         check_ddp_hooks(kwargs, shape.ranks_per_worker)
         super().__init__(**kwargs)
         self.worker_shape = shape
@@ -209,8 +213,9 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
             else:
                 read_full(list(module.parameters()), None, device)
         if self.is_global_zero:
+            score = validation_score(module, self.outer_settings.outer.lookahead, device, self.batch_to_device)
             outer = Exchange.start_outer(self.outer_settings, module, device, self._workers, self._budget,
-                                         self._resume_state, read)
+                                         self._resume_state, read, score)
             self._resume_state, self._logged_version = None, -1
         elif self.shard_group is None or ranks.worker != 0:  # with FSDP inside, worker 0's ranks validate together
             module.trainer.limit_val_batches = 0  # only rank 0 validates, with the global model

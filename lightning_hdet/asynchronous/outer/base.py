@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hdet._checks import KnownArguments
+from lightning_hdet.asynchronous.outer.lookahead import LookaheadLR
 from lightning_hdet.asynchronous.outer.state import AsyncStep, StepPolicy, SyncStep
 from lightning_hdet.asynchronous.wire.codecs import Codec
 
@@ -23,10 +24,16 @@ class OuterOptimizer(KnownArguments):
 
     forwards_rounds: ClassVar[bool] = False
     buffer_size: int | None = None
+    lookahead: LookaheadLR | None = None  # the outer lr picked by a lookahead (DelayedNesterov's option)
 
     def numbers(self) -> dict[str, Any]:
-        """Every option in force, by name (the run config)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        """Every option in force, by name (the run config); an option that is an object, by its own numbers."""
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            nested = value.numbers() if hasattr(value, "numbers") else None
+            out.update({f"{f.name}/{k}": v for k, v in nested.items()} if nested else {f.name: value})
+        return out
 
     def check(self, mode: str, stagger: int) -> None:
         """Refuse a ``mode`` (``"async"`` / ``"sync"``) or ``stagger`` this optimizer has no point with."""

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_hdet._checks import KnownArguments, check_int, check_number, require
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
+from lightning_hdet.asynchronous.outer.lookahead import LookaheadLR, refuse_lookahead
 
 
 class DelayedNesterovOptimizer(KnownArguments, Optimizer):
@@ -153,6 +154,8 @@ class DelayedNesterov(OuterOptimizer):
         restarts: zero the momentum before every ``restarts``-th momentum update (0: never).
         buffer_size: async only: ``N``, pushes per momentum update; ``None``: the workers still training.
         momentum_activation: async only: ``c`` in ``[0, 1/N]``, the momentum step's share on other pushes.
+        lookahead: a :class:`~.lookahead.LookaheadLR`: every outer update at the lr (from ``lr``) that scores best
+            on validation batches; ``None`` (default): ``lr`` throughout.
     """
 
     lr: float
@@ -161,12 +164,16 @@ class DelayedNesterov(OuterOptimizer):
     restarts: int = 0
     buffer_size: Optional[int] = None
     momentum_activation: float = 0.0
+    lookahead: Optional[LookaheadLR] = None
 
     def __post_init__(self) -> None:
         check_int("buffer_size", self.buffer_size, minimum=1, optional=True,
                   hint="Pushes per momentum update; None follows the workers still training.")
         validate_outer_hyperparameters(self.lr, self.momentum, self.buffer_size or 1, self.momentum_activation)
         MomentumSchedule(self.momentum, self.warmup, self.restarts)
+        if self.lookahead is not None:
+            require("lookahead", self.lookahead, isinstance(self.lookahead, LookaheadLR), "a LookaheadLR(...) or None")
+            self.lookahead.check_lr(self.lr)
 
     def check(self, mode: str, stagger: int) -> None:
         for name, value, default in (("buffer_size", self.buffer_size, None),
@@ -182,6 +189,7 @@ class DelayedNesterov(OuterOptimizer):
         validate_outer_hyperparameters(self.lr, self.momentum, n, self.momentum_activation)
 
     def check_elastic(self) -> None:
+        refuse_lookahead(self, "an elastic service", "The service holds no model to score candidates on.")
         require("momentum_activation", self.momentum_activation, self.momentum_activation == 0,
                 "0 with an elastic service", "Delayed Nesterov's N follows the live workers, and c must stay <= 1/N.")
 

@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_hdet._checks import KnownArguments, check_choice, check_int, require
 from lightning_hdet.asynchronous.outer.checks import PushCheck, push_check_from
 from lightning_hdet.asynchronous.outer.local_steps import AdaptiveSteps, LocalStepsPolicy
+from lightning_hdet.asynchronous.outer.lookahead import LookaheadStep, Score
 from lightning_hdet.asynchronous.outer.momentum import outer_from
 from lightning_hdet.asynchronous.outer.state import OuterState, check_stagger
 
@@ -68,9 +69,11 @@ class OuterSettings(KnownArguments):
                 "stagger": self.stagger}
 
     def build(self, params: Tensor, buffers: Tensor, workers: int, budget: int | None,
-              ranges: list[tuple[int, int]] | None = None, parts: list[range] | None = None) -> OuterState:
+              ranges: list[tuple[int, int]] | None = None, parts: list[range] | None = None,
+              score: Score | None = None) -> OuterState:
         """The outer state over the flat host ``params`` and ``buffers`` (the global model's start); ``ranges``:
-        the fragments pushes arrive in; ``parts``: their indices by part, when staggered."""
+        the fragments pushes arrive in; ``parts``: their indices by part, when staggered; ``score``: what scores
+        a lookahead's candidates (required with one)."""
         params.requires_grad_(False)
         views = [params[s:e] for s, e in ranges or [(0, params.numel())]]  # leaves: params needs no grad
         outer, steps = self.outer, self.local_steps
@@ -83,6 +86,15 @@ class OuterSettings(KnownArguments):
                            outer.step_policy(self.mode, self.stagger, grace), budget, buffers=buffers,
                            check=check, max_rejections=check.max_rejections if check else PushCheck.MAX_REJECTIONS,
                            follows_live=outer.follows_live(self.mode), configured_buffer=outer.buffer_size,
-                           parts=parts or [])
+                           parts=parts or [], lookahead=self._lookahead(score))
         state.follow_live(workers)
         return state
+
+    def _lookahead(self, score: Score | None) -> LookaheadStep | None:
+        options = self.outer.lookahead
+        if options is None:
+            return None
+        if score is None:
+            raise ValueError("`lookahead` needs a score for its candidates, and this outer side was given none: pass"
+                             " `score=` to OuterSettings.build (the Lightning strategy scores with validation_step).")
+        return LookaheadStep(options, score)

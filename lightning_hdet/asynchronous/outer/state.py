@@ -21,6 +21,7 @@ from lightning_hdet._checks import check_int
 from lightning_hdet._tensors import state_from_bytes
 from lightning_hdet.asynchronous.outer.checks import DISCARDED_BY_WORKER, PushCheck, buffers_problem
 from lightning_hdet.asynchronous.outer.local_steps import LocalStepsPolicy
+from lightning_hdet.asynchronous.outer.lookahead import LookaheadStep
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,11 @@ class StepPolicy:
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
         """One arriving fragment of a push's pseudo-gradient."""
 
+    def arrived(self, outer: OuterState) -> None:
+        """A push's last fragment has arrived (under :attr:`~OuterState.model_lock` only)."""
+
     def pushed(self, outer: OuterState) -> None:
-        """A push's last fragment has arrived."""
+        """A push's last fragment has arrived (under both locks, after :meth:`arrived`)."""
 
     def close(self, outer: OuterState, pushes: int) -> None:
         """The batch closed; ``pushes`` of its pushes carried a pseudo-gradient."""
@@ -90,9 +94,18 @@ class AsyncStep(StepPolicy):
 
     def __init__(self, grace_period: float = 0.0) -> None:
         self.batch_window: float | None = grace_period
+        self._staged: list[tuple[int, Tensor]] = []  # a push's fragments, when a lookahead needs it whole
 
     def receive(self, outer: OuterState, index: int, gradient: Tensor) -> None:
-        outer.step_fragment(index, gradient)
+        if outer.lookahead is None:
+            outer.step_fragment(index, gradient)
+        else:  # copied: a stream may reuse its tensors for the next fragment
+            self._staged.append((index, gradient.clone()))
+
+    def arrived(self, outer: OuterState) -> None:
+        if self._staged:  # outside the counters' lock: a lookahead scores three candidates here
+            outer.step_update(self._staged)
+            self._staged = []
 
     def pushed(self, outer: OuterState) -> None:
         outer.outer_updates += 1
@@ -127,10 +140,9 @@ class SyncStep(StepPolicy):
         if not pushes:
             return
         if self._sum is not None:
-            for index, (start, end) in enumerate(outer.ranges):
-                if self._counts[index]:
-                    outer.step_fragment(index, self._sum[start:end].div_(self._counts[index]))
-                    self._counts[index] = 0
+            outer.step_update([(index, self._sum[start:end].div_(self._counts[index]))
+                               for index, (start, end) in enumerate(outer.ranges) if self._counts[index]])
+            self._counts = [0] * len(outer.ranges)
             self._sum.zero_()
         outer.outer_updates += 1
 
@@ -185,6 +197,7 @@ class OuterState:
     configured_buffer: int | None = None  # the buffer_size given: the most N may follow up to
     parts: list[range] = field(default_factory=list)
     counts: ExchangeCounts = field(default_factory=ExchangeCounts)  # for checkpoints, per run
+    lookahead: LookaheadStep | None = None  # picks each outer update's lr (None: the optimizer's own)
 
     def __post_init__(self) -> None:
         self.views: list[Tensor] = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -236,6 +249,7 @@ class OuterState:
         if count and count != len(indices):
             raise ValueError(f"A push has {len(indices)} fragments, got {count}.")
         if count:
+            self.step_policy.arrived(self)
             with self.lock:
                 self.step_policy.pushed(self)
 
@@ -330,6 +344,14 @@ class OuterState:
             self.local_steps.update(push.worker, push.steps, push.compute_s, push.wait_s)
             stats.steps_per_s = self.local_steps.speeds.get(push.worker, 0.0)
 
+    def step_update(self, fragments: list[tuple[int, Tensor]]) -> None:
+        """One outer update of ``fragments`` (index, pseudo-gradient), at the lr the lookahead picks if one is set."""
+        if self.lookahead is not None:
+            self.lookahead.step(self, fragments)
+        else:
+            for index, gradient in fragments:
+                self.step_fragment(index, gradient)
+
     def step_fragment(self, index: int, gradient: Tensor) -> None:
         """The outer step of one fragment (under :attr:`model_lock`)."""
         view = self.views[index]
@@ -369,6 +391,8 @@ class OuterState:
         """The logged metrics (docs/async.md): counts as integers, rates and seconds as floats."""
         with self.lock:
             out: dict[str, float | int] = {"async/outer_updates": int(self.outer_updates)}
+            if self.lookahead is not None:
+                out["async/outer_lr"] = self.lookahead.lr(self)
             for w, s in sorted(self.workers.items()):
                 for name in ("steps_per_s", "compute_s", "wait_s"):
                     out[f"async/worker{w}/{name}"] = float(getattr(s, name))

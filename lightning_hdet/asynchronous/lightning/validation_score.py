@@ -1,0 +1,68 @@
+"""What scores a :class:`~..outer.lookahead.LookaheadLR`'s candidates on rank 0: the user's own ``validation_step``
+on a copy of the module holding the candidate global model, over the first validation batches, reading the metric it
+logs. A copy, because rank 0's module trains in the main thread while the outer side steps in the server's."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_hdet._tensors import float_buffers, write_from
+from lightning_hdet.asynchronous.outer.lookahead import LookaheadLR, Score
+
+
+class ValidationScore:
+    """``score(params, buffers)``: the mean of what ``validation_step`` logs as ``monitor`` over ``batches`` (already
+    on ``device``), with the flat global ``params`` and ``buffers`` written into ``model`` (a copy, in eval mode)."""
+
+    def __init__(self, model: pl.LightningModule, batches: list[Any], monitor: str, device: torch.device) -> None:
+        self.model, self.batches, self.monitor, self.device = model, batches, monitor, device
+        self._params, self._buffers = list(model.parameters()), float_buffers(model)
+        self._logged: dict[str, Any] = {}
+        # the copy has no trainer to log into: what it logs is read here (log_dict calls log)
+        model.log = lambda name, value, *args, **kwargs: self._logged.__setitem__(name, value)  # type: ignore[method-assign]
+
+    @torch.no_grad()
+    def __call__(self, params: Tensor, buffers: Tensor) -> float:
+        write_from(self._params, params, self.device)
+        write_from(self._buffers, buffers, self.device)
+        total = torch.zeros((), device=self.device)
+        for index, batch in enumerate(self.batches):
+            self._logged.clear()
+            self.model.validation_step(batch, index)
+            if self.monitor not in self._logged:
+                raise ValueError(f"`LookaheadLR(monitor={self.monitor!r})`: your validation_step did not log"
+                                 f" {self.monitor!r} (it logged {sorted(self._logged) or 'nothing'}). Set monitor to"
+                                 " the loss it logs, e.g. self.log('val_loss', loss).")
+            total += torch.as_tensor(self._logged[self.monitor], device=self.device).detach().float().mean()
+        return float(total) / len(self.batches)  # one device-to-host copy per candidate
+
+
+def validation_score(module: pl.LightningModule, options: LookaheadLR | None, device: torch.device,
+                     to_device: Callable[[Any], Any]) -> Score | None:
+    """Rank 0, at the start of fit: the lookahead's score (``None`` without a lookahead), tried once on the initial
+    model so that a missing metric or validation set stops the run before its first round."""
+    if options is None:
+        return None
+    trainer = module.trainer
+    loaders = trainer.val_dataloaders
+    loaders = list(loaders) if isinstance(loaders, (list, tuple)) else [] if loaders is None else [loaders]
+    if len(loaders) != 1:
+        raise ValueError(f"`lookahead` scores candidate outer lrs on your validation data: give the Trainer one"
+                         f" val_dataloader (got {len(loaders)}), and keep validation on (limit_val_batches > 0).")
+    batches = [to_device(batch) for batch in itertools.islice(loaders[0], options.batches)]
+    if not batches:
+        raise ValueError("`lookahead` scores on the first validation batches, and the val_dataloader is empty.")
+    model = copy.deepcopy(module, memo={id(trainer): None})  # not the Trainer: the copy only runs validation_step
+    model.eval()
+    score = ValidationScore(model, batches, options.monitor, device)
+    flat = [torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors] or [torch.zeros(0)])
+            for tensors in (list(module.parameters()), float_buffers(module))]
+    score(*flat)
+    return score
