@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 from lightning_hdet.asynchronous.outer.base import OuterOptimizer
+from lightning_hdet.asynchronous.outer.lookahead import Score
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.outer.state import OuterState
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
@@ -98,22 +99,24 @@ def held_out_loss(flat: torch.Tensor, seed: int = 99) -> float:
 
 
 def simulate(workers: int, mode: str, outer: OuterOptimizer | str | None, task: str, rounds: int, seed: int,
-             data: str = "shards", wrap: Callable[[OuterState], Any] | None = None) -> list[float]:
+             data: str = "shards", wrap: Callable[[OuterState], Any] | None = None, score: Score | None = None
+             ) -> list[float]:
     """The global model's held-out loss at the start and after each round per worker; ``outer``: a preset's name or
-    an outer optimizer object; ``wrap``: what drives the outer state instead of it (``.process``, ``.params``)."""
+    an outer optimizer object; ``wrap``: what drives the outer state instead of it (``.process``, ``.params``);
+    ``score``: a lookahead's."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(32, 2)
     flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()]).clone()
     fake = Workers(workers, task, seed, data)
-    state = build_outer(flat, workers, mode, fake.local_steps, outer)
+    state = build_outer(flat, workers, mode, fake.local_steps, outer, score)
     return drive(wrap(state) if wrap else state, fake, workers, mode, rounds, seed, held_out_loss)
 
 
 def build_outer(flat: torch.Tensor, workers: int, mode: str, local_steps: int,
-                outer: OuterOptimizer | str | None) -> OuterState:
+                outer: OuterOptimizer | str | None, score: Score | None = None) -> OuterState:
     """The package's outer side over the flat parameters ``flat`` (no buffers), rounds of fixed length."""
     return OuterSettings(mode=mode, local_steps=local_steps, outer=outer).build(
-        flat, torch.zeros(0), workers, None)
+        flat, torch.zeros(0), workers, None, score=score)
 
 
 def drive(state: OuterState, fake, workers: int, mode: str, rounds: int, seed: int,

@@ -22,8 +22,8 @@ against DDP taking ``S`` steps of batch ``W`` × 32 at the same inner optimizer 
 AdamW also runs at ``H`` = 25 and 50 (W = 4; ``--h-sweep``). Settings: lr 0.163 (the default), 0.35, 0.5, 0.7 and
 1.0 at momentum 0.9, and 0.375, 0.5, 0.7 and 1.0 at 0.5, each with the momentum schedule on and off; two outer lrs
 that follow the workers' agreement (:class:`AgreementLR`, ``/agree...`` in the labels); and two chosen at every
-update by a one-step lookahead on a held-out split the reported loss does not use (:class:`LookaheadLR`,
-``/look...``).
+update by a one-step lookahead on a held-out split the reported loss does not use (the package's
+``DelayedNesterov(lookahead=LookaheadLR(low, high))``, ``/look...``).
 Reported per cell: the best setting and its final held-out loss ÷ DDP's; each setting's loss ÷ the cell's best
 (``boring``: its final ÷ initial loss, which reaches 1e-15 and whose ratios are round-off); a setting is *unstable*
 where any run ended above its start, not finite, or (``boring``) rose by more than 10 % over its last 150 rounds.
@@ -46,9 +46,7 @@ import json
 import logging
 import math
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +60,7 @@ from torch.nn.utils import parameters_to_vector
 from benchmarks.common import add_output_args, begin, fmt, markdown_table, publish
 from benchmarks.outer_stability import build_outer, drive, held_out_loss, simulate, verdict
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
+from lightning_hdet.asynchronous.outer.lookahead import LookaheadLR
 from lightning_hdet.demos.char_lm import CharLM, warmup_cosine as char_lm_schedule
 from lightning_hdet.demos.corpus import BlockDataset, load_corpus
 from lightning_hdet.demos.optim import make_optimizer
@@ -77,11 +76,9 @@ GRID = ((0.9, (0.163, 0.35, 0.5, 0.7, 1.0)), (0.5, (0.375, 0.5, 0.7, 1.0)))
 #: The agreement-scaled outer lr tried (``k0, low, high``, :class:`AgreementLR`) at 0.375 / 0.5 / on: shrink-only
 #: and both ways. Not a package option: issue 60's trial, not shipped (docs/research/2026-11-async.md).
 AGREEMENT = ((0.2, 0.25, 1.0), (0.2, 0.25, 4.0))
-#: The lookahead outer lr tried (``lr, momentum, schedule, low, high``, :class:`LookaheadLR`): from the old default's
-#: step and from the default's. Not a package option: issue 60's "what would make it possible", not shipped.
+#: The lookahead outer lr tried (``lr, momentum, schedule, low, high``, the package's ``LookaheadLR``): from the old
+#: default's step and from the default's.
 LOOKAHEAD = ((0.163, 0.9, "on", 0.05, 1.0), (0.375, 0.5, "on", 0.1, 1.0))
-#: The factors of the current outer lr a lookahead tries at each update.
-LOOKAHEAD_SCALES = (0.5, 1.0, 2.0)
 #: The momentum schedule: warm-up over 16 momentum updates and a restart every 8 (the presets'), or none.
 SCHEDULES = {"on": (16, 8), "off": (0, 0)}
 BATCH = 32
@@ -108,7 +105,7 @@ BORING_ROUNDS = 200
 class Outer:
     """One outer setting: Delayed Nesterov's lr and momentum, the momentum schedule on or off, and optionally the
     lr scaled by the workers' agreement (``k0, low, high`` of :class:`AgreementLR`) or chosen by a lookahead
-    (``low, high`` of :class:`LookaheadLR`)."""
+    (``low, high`` of the package's ``LookaheadLR``)."""
 
     lr: float
     momentum: float
@@ -120,7 +117,8 @@ class Outer:
     def optimizer(self) -> DelayedNesterov:
         """The object that runs it (in DiLoCo, Delayed Nesterov with N = 1: Nesterov with this schedule)."""
         warmup, restart = SCHEDULES[self.schedule]
-        return DelayedNesterov(lr=self.lr, momentum=self.momentum, warmup=warmup, restarts=restart)
+        look = LookaheadLR(low=self.lookahead[0], high=self.lookahead[1]) if self.lookahead else None
+        return DelayedNesterov(lr=self.lr, momentum=self.momentum, warmup=warmup, restarts=restart, lookahead=look)
 
     @property
     def label(self) -> str:
@@ -128,11 +126,8 @@ class Outer:
         look = f"/look[{self.lookahead[0]:g},{self.lookahead[1]:g}]" if self.lookahead else ""
         return f"{self.lr:g}/{self.momentum:g}/{self.schedule}" + (f"/agree{k0:g}[{low:g},{high:g}]" if k0 else "") + look
 
-    def drive(self, state: Any, score: Callable[[torch.Tensor], float] | None = None) -> Any:
-        """What drives ``state``: itself, or it with the agreement-scaled lr, or with the lr a lookahead scored by
-        ``score`` (a held-out split the reported loss does not use) picks."""
-        if self.lookahead:
-            return LookaheadLR(state, score, *self.lookahead)
+    def drive(self, state: Any) -> Any:
+        """What drives ``state``: itself (a lookahead is inside it), or it with the agreement-scaled lr."""
         return AgreementLR(state, *self.agreement) if self.agreement else state
 
 
@@ -169,46 +164,6 @@ class AgreementLR:
             scale = min(self.high, max(self.low, self.k / self.k0))
             for group, base in zip(self.state.optimizer.param_groups, self.base):
                 group["lr"] = base * scale
-        return self.state.process(pushes)
-
-
-_LOCK = type(threading.Lock())
-
-
-class LookaheadLR:
-    """The outer state with its lr chosen at every update by a one-step lookahead: the update is tried on copies of
-    the state at :data:`LOOKAHEAD_SCALES` times the current lr (within ``[low, high]``), each result scored, and the
-    lowest score's lr kept (a tie keeps the current one). Why: a step that over-fits repeated data or overshoots
-    shows on held-out data at once, where the fixed settings disagree by workload (the sweep above)."""
-
-    def __init__(self, state: Any, score: Callable[[torch.Tensor], float], low: float, high: float) -> None:
-        self.state, self.score, self.low, self.high = state, score, low, high
-
-    @property
-    def params(self) -> torch.Tensor:
-        return self.state.params
-
-    @property
-    def lr(self) -> list[float]:
-        """The current outer lr of each param group (the state's own)."""
-        return [group["lr"] for group in self.state.optimizer.param_groups]
-
-    def _set(self, state: Any, scale: float) -> None:
-        """``state``'s lrs at ``scale`` times the current ones, within ``[low, high]``."""
-        for group, lr in zip(state.optimizer.param_groups, self.lr):
-            group["lr"] = min(self.high, max(self.low, lr * scale))
-
-    def _tried(self, pushes: list, scale: float) -> float:
-        locks = {id(v): threading.Lock() for v in vars(self.state).values() if isinstance(v, _LOCK)}
-        trial = copy.deepcopy(self.state, locks)  # the state's locks cannot be copied: fresh ones
-        self._set(trial, scale)
-        trial.process(copy.deepcopy(pushes))
-        return self.score(trial.params)
-
-    def process(self, pushes: list) -> Any:
-        losses = [self._tried(pushes, scale) for scale in LOOKAHEAD_SCALES]
-        best = min(range(len(losses)), key=lambda i: (losses[i], abs(LOOKAHEAD_SCALES[i] - 1.0)))
-        self._set(self.state, LOOKAHEAD_SCALES[best])
         return self.state.process(pushes)
 
 
@@ -316,7 +271,7 @@ def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
 
 
 def lookahead_split(workload: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """512 more held-out rows or images (seed 2) for :class:`LookaheadLR`, the char LM's next
+    """512 more held-out rows or images (seed 2) for the lookahead's score, the char LM's next
     :data:`CHAR_HELD_OUT` validation blocks: not the reported loss's."""
     if workload == "char_lm":
         return char_blocks("val", CHAR_HELD_OUT, CHAR_HELD_OUT)
@@ -356,10 +311,10 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
     lr, wd = INNER[workload][inner]
     fake = ModelWorkers(model, x, y, workers, inner, lr, wd, local_steps, seed, BATCHES.get(workload, BATCH),
                         STEPS[workload] if workload in SCHEDULED else 0)
-    state = build_outer(parameters_to_vector(model.parameters()).detach().clone(), workers, mode, local_steps,
-                        outer.optimizer)
     look = held_out(copy.deepcopy(model), *lookahead_split(workload)) if outer.lookahead else None
-    curve = drive(outer.drive(state, look), fake, workers, mode, STEPS[workload] // local_steps, seed,
+    state = build_outer(parameters_to_vector(model.parameters()).detach().clone(), workers, mode, local_steps,
+                        outer.optimizer, look and (lambda params, buffers: look(params)))
+    curve = drive(outer.drive(state), fake, workers, mode, STEPS[workload] // local_steps, seed,
                   held_out(model, vx, vy))
     finite = all(math.isfinite(c) for c in curve)
     return {"start": curve[0], "final": curve[-1] if finite else math.inf,
@@ -367,8 +322,9 @@ def model_run(workload: str, inner: str, workers: int, mode: str, local_steps: i
 
 
 def boring_run(data: str, workers: int, mode: str, outer: Outer, seed: int, rounds: int) -> dict:
-    curve = simulate(workers, mode, outer.optimizer, "sgd", rounds, seed, data,
-                     wrap=lambda state: outer.drive(state, functools.partial(held_out_loss, seed=98)))
+    score = functools.partial(held_out_loss, seed=98)
+    curve = simulate(workers, mode, outer.optimizer, "sgd", rounds, seed, data, wrap=outer.drive,
+                     score=(lambda params, buffers: score(params)) if outer.lookahead else None)
     v = verdict(curve, min(50, rounds // 2))
     return {"start": 1.0, "final": v["end"], "stable": v["stable"]}
 

@@ -284,39 +284,20 @@ def test_outer_sweep_agreement_scaled_lr_hand_computed():
     assert asynchronous.state.lrs == pytest.approx([0.4, 0.1])
 
 
-def test_outer_sweep_lookahead_lr_hand_computed():
-    """The lookahead tries each update at 0.5, 1 and 2 times the current lr (within [low, high]) on copies of the
-    state and keeps the lowest score's. A fake state steps ``params += lr * g``, the score is ``|params - 0.8|``:
-    from 0 at lr 0.4 with g = 1 the trials end at 0.2, 0.4 and 0.8, so lr 0.8 and params 0.8; next the trials
-    (lrs 0.4, 0.8, 1.6 -> 1.0) end at 1.2, 1.6 and 1.8: lr 0.4, params 1.2. The state itself steps once per
-    update (the trials run on copies, its lock included); a flat score keeps the current lr."""
-    import threading
-    from types import SimpleNamespace
-
+def test_outer_sweep_lookahead_runs_the_packages_rule_with_the_held_out_score():
+    """A lookahead setting builds the package's DelayedNesterov(lookahead=LookaheadLR(low, high)), scored on the
+    stability check's other inputs, and learns BoringModel's task; without a score it is refused."""
     import torch
 
-    from benchmarks.outer_sweep import LookaheadLR
+    from benchmarks import outer_sweep
+    from benchmarks.outer_stability import build_outer
 
-    class State:
-        def __init__(self):
-            self.optimizer = SimpleNamespace(param_groups=[{"lr": 0.4}])
-            self.params = torch.zeros(1)
-            self.lock = threading.Lock()
-            self.steps = 0
-
-        def process(self, pushes):
-            self.params = self.params + self.optimizer.param_groups[0]["lr"] * sum(p.pseudo_gradient for p in pushes)
-            self.steps += 1
-
-    pushes = [SimpleNamespace(worker=0, pseudo_gradient=torch.ones(1))]
-    look = LookaheadLR(State(), lambda flat: float((flat - 0.8).abs()), 0.1, 1.0)
-    look.process(pushes)
-    assert (look.lr, float(look.params), look.state.steps) == (pytest.approx([0.8]), pytest.approx(0.8), 1)
-    look.process(pushes)
-    assert (look.lr, float(look.params), look.state.steps) == (pytest.approx([0.4]), pytest.approx(1.2), 2)
-    flat = LookaheadLR(State(), lambda flat: 1.0, 0.1, 1.0)
-    flat.process(pushes)
-    assert flat.lr == pytest.approx([0.4])
+    outer = outer_sweep.Outer(0.375, 0.5, "on", lookahead=(0.1, 1.0))
+    assert outer.optimizer.lookahead.numbers() == {"monitor": "val_loss", "batches": 8, "low": 0.1, "high": 1.0}
+    run = outer_sweep.boring_run("whole", 2, "sync", outer, seed=0, rounds=20)
+    assert run["stable"] and run["final"] < 0.5
+    with pytest.raises(ValueError, match="needs a score"):
+        build_outer(torch.zeros(3), 2, "sync", 10, outer.optimizer)
 
 
 def test_outer_sweep_worker_round_is_start_minus_its_local_model():
