@@ -101,13 +101,17 @@ METHODS: dict[str, dict | None] = {
     # option at the package's default (H = 50 included; issue 60), asked for by name
     "diloco_typed": {"mode": "sync", "typed": True},
     "async_typed": {"mode": "async", "typed": True},
+    # The same with the default outer step's lr picked by a lookahead on the first validation batches
+    # (DelayedNesterov(lookahead=LookaheadLR()); asked for by name, scored with --held-out)
+    "diloco_lookahead": {"mode": "sync", "typed": True, "lookahead": True},
+    "async_lookahead": {"mode": "async", "typed": True, "lookahead": True},
     # DiLoCo with compressed exchanges (asked for by name: the loss change against "diloco", same seed and data)
     "diloco_bf16": {"mode": "sync", "compression": "bf16"},
     "diloco_bf16_pull": {"mode": "sync", "compression": "bf16", "pull_compression": "bf16"},
 }
 #: Methods run unless ``--methods`` names others.
 DEFAULT_METHODS = [m for m in METHODS if not m.startswith("diloco_bf16") and m != "async_robust"
-                   and not m.endswith(("_2ranks", "_typed"))]
+                   and not m.endswith(("_2ranks", "_typed", "_lookahead"))]
 # Published final perplexity on C4 (20M model, k = 4) per heterogeneity level; async DN alone is not tabulated.
 PUBLISHED = {
     "diloco": {"none": 41.35, "slight": 41.35, "moderate": 41.35, "very": 41.35},
@@ -116,6 +120,8 @@ PUBLISHED = {
 }
 
 
+#: What ``--held-out`` scores on, for the table's header.
+HELD_OUT_NOTE = " after the first ones (which validation and a lookahead read)"
 #: option -> (full, quick) default; LONG_HORIZON replaces some under ``--long-horizon``.
 DEFAULTS: dict[str, tuple] = {
     "world_size": (4, 2), "steps": (200, 8), "local_steps": (20, 2), "block_size": (64, 64),
@@ -139,16 +145,19 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
                callbacks: Sequence[Callback] = ()) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_hdet import AdaptiveSteps, AsyncLocalSGDStrategy, DelayedNesterov, Nesterov, SlowRanks, WorkerShape
+    from lightning_hdet import (AdaptiveSteps, AsyncLocalSGDStrategy, DelayedNesterov, LookaheadLR, Nesterov,
+                                SlowRanks, WorkerShape)
+    from lightning_hdet.asynchronous.outer.momentum import outer_from
 
     spec = replace(run_spec(args, args.lr, weight_decay=0.1, scheduler="cosine", warmup_steps=args.steps // 10),
-                   seed=seed, block_size=args.block_size)
+                   seed=seed, block_size=args.block_size, held_out=args.held_out)
     common = {"start_method": args.start_method, "process_group_backend": "gloo"}
     options = METHODS[method]
     if options is None:
         strategy = DDPStrategy(**common)
     elif options.get("typed"):  # the registry's arguments only (the start method changes no number)
-        strategy = AsyncLocalSGDStrategy(mode=options["mode"], **common)
+        outer = replace(outer_from(None), lookahead=LookaheadLR()) if options.get("lookahead") else None
+        strategy = AsyncLocalSGDStrategy(mode=options["mode"], outer=outer, **common)
     else:
         # the papers' outer optimizer (Delayed Nesterov, DiLoCo's Nesterov in sync) at --outer-lr / --outer-momentum
         # unless the method names a preset (the package's async default is "stable")
@@ -275,6 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2, help="inner AdamW LR")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--held-out", action="store_true", help="score the final model on the validation batches after"
+                   " the first --val-batches (which validation and a lookahead read)")
     args = p.parse_args(argv)
     for option, (full, quick) in {**DEFAULTS, **(LONG_HORIZON if args.long_horizon else {})}.items():
         if getattr(args, option) is None:
@@ -313,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"past step S stays), outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}; fastest step padded "
         f"to {args.base_seconds:g} s; step-time factors per rank: {ratios}; seeds "
         f"{args.seed}..{args.seed + args.seeds - 1} (medians). Final val loss: the "
-        f"final global model on the first {args.val_batches} validation batches (nats/byte; the paper reports "
+        f"final global model on the {'next' if args.held_out else 'first'} {args.val_batches} validation batches"
+        f"{HELD_OUT_NOTE if args.held_out else ''} (nats/byte; the paper reports "
         f"perplexity on C4). Total wall-clock {total_s:.0f} s.\n\n"
         + (horizon_table(rows) if args.long_horizon else table(rows, args.levels, args.methods))
         + f"\n\n![{name}](img/{plot.name})\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import itertools
 import logging
 import math
 import os
@@ -99,6 +100,9 @@ class RunSpec:
     workload: str = "char_lm"
     shard_train: bool = False
     init_nudge: int = 0
+    #: the final score reads the ``val_batches`` validation batches after the first ones, which validation (and an
+    #: outer lookahead, ``LookaheadLR``) read: data nothing in the run chose by
+    held_out: bool = False
 
 
 @dataclass
@@ -325,7 +329,8 @@ def fit_run(
         fit_s=ranks[0]["fit_s"],
         wall_s=wall_s,
         rank_extra=[r["extra"] for r in ranks],
-        final_model_val_loss=evaluate(model, data, spec.val_batches, test_items(spec)),
+        final_model_val_loss=evaluate(model, data, spec.val_batches, test_items(spec),
+                                      skip=spec.val_batches if spec.held_out else 0),
     )
 
 
@@ -389,9 +394,9 @@ def test_items(spec: RunSpec) -> int:
     return SMALL_TEST
 
 
-def evaluate(model: LightningModule, data: LightningDataModule, batches: int, test: int = 0) -> float:
-    """Mean validation loss of ``model`` (in this process, on CPU) over the first ``batches`` batches; with ``test``,
-    over the validation set's last ``test`` items instead (which no validation read)."""
+def evaluate(model: LightningModule, data: LightningDataModule, batches: int, test: int = 0, skip: int = 0) -> float:
+    """Mean validation loss of ``model`` (in this process, on CPU) over the first ``batches`` batches after ``skip``;
+    with ``test``, over the validation set's last ``test`` items instead (which no validation read)."""
     data.setup("validate")
     model = model.cpu().eval()
     if test:
@@ -399,7 +404,7 @@ def evaluate(model: LightningModule, data: LightningDataModule, batches: int, te
         logits = model(x)
         return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
     losses = []
-    for (x, y), _ in zip(data.val_dataloader(), range(batches)):
+    for (x, y), _ in zip(itertools.islice(data.val_dataloader(), skip, None), range(batches)):
         logits = model(x)
         losses.append(float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))))
     return sum(losses) / len(losses)

@@ -205,10 +205,12 @@ PARTS = (
     Part("async_long_horizon", "async_published.py", ("--long-horizon",), minutes=27, full=True),
     Part("async_2x2", "async_published.py", ASYNC_2X2_ARGS, minutes=22, full_size=ASYNC_FULL_SIZE, full=True),
     Part("async_defaults", "async_defaults.py", ("--start-method", "fork"), minutes=13, full=True),
-    # issue 60: Trainer(strategy="diloco") and strategy="async_local_sgd" as typed against DDP (5 min at load ~20)
+    # issue 60: Trainer(strategy="diloco") and strategy="async_local_sgd" as typed against DDP, and with the lookahead
+    # outer lr; scored on validation batches the lookahead does not read
     Part("async_typed", "async_published.py", ("--name", "async_typed", "--start-method", "fork", "--world-size", "4",
-                                               "--levels", "none", "--seeds", "1", "--methods", "ddp", "diloco_typed",
-                                               "async_typed", "diloco", "async_default"), minutes=5, full=True),
+                                               "--levels", "none", "--seeds", "3", "--held-out", "--methods", "ddp",
+                                               "diloco_typed", "diloco_lookahead", "async_typed", "async_lookahead",
+                                               "diloco", "async_default"), minutes=22, full=True),
     # bench-full since benchmark 2 at HDET's defaults took 53 min (2026-12-03): make bench would need 94 min
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=9, full=True),
     Part("overhead", "overhead.py", minutes=12, code=("benchmarks/sharded_fit.py",)),

@@ -851,3 +851,25 @@ def test_init_nudge_reaches_every_arm_and_refuses_a_negative_value(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--methods", "untuned", "--hdet-votes", "", "--init-nudge", "-1"])
     assert "--init-nudge=-1 must be >= 0" in capsys.readouterr().err
+
+
+def test_evaluate_skips_the_batches_validation_read_when_asked():
+    """``skip`` scores the ``batches`` after the first ones. Batch b's labels are all b, the logits -k for class k, so
+    a batch's loss is logsumexp + b: batches 0-1 average LSE + 0.5, batches 2-3 LSE + 2.5 (by hand)."""
+    import torch
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.common import evaluate
+
+    class Data(LightningDataModule):
+        def val_dataloader(self):
+            return DataLoader(TensorDataset(torch.zeros(8, 1), torch.arange(8) // 2), batch_size=2)
+
+    class Fixed(LightningModule):
+        def forward(self, x):
+            return -torch.arange(4.0).expand(len(x), 4)
+
+    lse = float(torch.logsumexp(-torch.arange(4.0), 0))
+    assert evaluate(Fixed(), Data(), 2) == pytest.approx(lse + 0.5)
+    assert evaluate(Fixed(), Data(), 2, skip=2) == pytest.approx(lse + 2.5)

@@ -145,7 +145,8 @@ class Line(LightningModule):
 
 
 def test_the_lightning_score_is_the_mean_of_what_validation_step_logs_with_the_given_weights():
-    batches = [(torch.tensor([[1.0], [2.0]]), torch.tensor([[1.0], [1.0]])), (torch.tensor([[0.0]]), torch.tensor([[3.0]]))]
+    batches = [(torch.tensor([[1.0], [2.0]]), torch.tensor([[1.0], [1.0]])),
+               (torch.tensor([[0.0]]), torch.tensor([[3.0]]))]
     score = ValidationScore(Line(), batches, "val_mse", torch.device("cpu"))
     # y = 2x + 1: batch 1 predicts 3, 5 for 1, 1 -> mse (4 + 16) / 2 = 10; batch 2 predicts 1 for 3 -> 4
     assert score(torch.tensor([2.0, 1.0]), torch.zeros(0)) == pytest.approx((10.0 + 4.0) / 2)

@@ -26,7 +26,10 @@ class ValidationScore:
         self._params, self._buffers = list(model.parameters()), float_buffers(model)
         self._logged: dict[str, Any] = {}
         # the copy has no trainer to log into: what it logs is read here (log_dict calls log)
-        model.log = lambda name, value, *args, **kwargs: self._logged.__setitem__(name, value)  # type: ignore[method-assign]
+        model.log = self._log  # type: ignore[method-assign]
+
+    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        self._logged[name] = value
 
     @torch.no_grad()
     def __call__(self, params: Tensor, buffers: Tensor) -> float:
