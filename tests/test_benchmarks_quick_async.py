@@ -231,22 +231,32 @@ def test_outer_stability_quick_mode(tmp_path):
 
 
 def test_outer_sweep_choose_hand_computed():
-    """Per mode, each setting's worst ratio to its cell's best over the model cells; stability over every cell
-    (the stability check's included, its losses in no ratio): "a" is 1.0 and 1.5x the best, "b" 1.2 and 1.0, so
-    "b" (worst 1.2) leads "a" (1.5) — unless "b" diverged on the stability check. A table of one mode's cells
-    (``--modes``) sums up that mode alone."""
-    from benchmarks.outer_sweep import choose, table
+    """Per mode, each setting's worst ratio to its cell's best fixed setting over the model cells; stability over
+    every cell (the stability check's included, its losses in no ratio): "a" is 1.0 and 1.5x the best, "b" 1.2 and
+    1.0, so "b" (worst 1.2) leads "a" (1.5) — unless "b" diverged on the stability check. A lookahead lower than
+    both is measured against them, not a best itself (0.9 and 0.95). A table of one mode's cells (``--modes``) sums
+    up that mode alone, with the default's and the lookahead's columns."""
+    from benchmarks.outer_sweep import choose, default_label, table
 
-    def cell(workload, a, b, stable_b=True, ddp=1.0):
+    a, b, look = "0.5/0.5/on", "1/0.9/off", "0.375/0.5/on/look[0.1,1]"
+    assert default_label() == "0.375/0.5/on"
+
+    def cell(workload, fa, fb, stable_b=True, ddp=1.0, fl=None):
+        runs = {a: {"final": fa, "stable": True}, b: {"final": fb, "stable": stable_b}}
         return {"cell": [workload, "adamw", 2, "async", 10], "ddp": ddp,
-                "runs": {"a": {"final": a, "stable": True}, "b": {"final": b, "stable": stable_b}}}
+                "runs": {**runs, **({look: {"final": fl, "stable": True}} if fl else {})}}
 
-    results = [cell("x", 1.0, 1.2), cell("y", 3.0, 2.0), cell("boring", 1e-15, 1e-3, ddp=None)]
-    assert choose(results, "async", ["a", "b"]) == [("b", pytest.approx(1.2), True), ("a", pytest.approx(1.5), True)]
-    results[-1]["runs"]["b"]["stable"] = False
-    assert [label for label, *_ in choose(results, "async", ["a", "b"])] == ["a", "b"]
-    lines = table(results[:2], ["a", "b"], [0], 20).splitlines()
-    assert lines[-1].startswith("| async | `b` 1.20 | `a` 1.50 |") and not any("DiLoCo" in line for line in lines)
+    results = [cell("x", 1.0, 1.2, fl=0.9), cell("y", 3.0, 2.0, fl=1.9), cell("boring", 1e-15, 1e-3, ddp=None)]
+    labels = [a, b, look]
+    assert choose(results, "async", [a, b]) == [(b, pytest.approx(1.2), True), (a, pytest.approx(1.5), True)]
+    assert choose(results[:2], "async", labels)[0] == (look, pytest.approx(0.95), True)
+    results[-1]["runs"][b]["stable"] = False
+    assert [label for label, *_ in choose(results, "async", [a, b])] == [a, b]
+    lines = table(results[:2], labels, [0], 20).splitlines()
+    assert lines[-1].startswith(f"| async | `{look}` 0.95 | `{b}` 1.20 | `{a}` 1.50 |")
+    assert not any("DiLoCo" in line for line in lines)
+    row = next(line for line in lines if line.startswith("| x |"))
+    assert row.endswith(f"| `{a}` | 1.00 | 0.90 | – | 0.90 | – |"), row  # chosen, default (absent), lookahead
 
 
 def test_outer_sweep_agreement_scaled_lr_hand_computed():
