@@ -303,7 +303,8 @@ def test_outer_sweep_lookahead_runs_the_packages_rule_with_the_held_out_score():
     from benchmarks.outer_stability import build_outer
 
     outer = outer_sweep.Outer(0.375, 0.5, "on", lookahead=(0.1, 1.0))
-    assert outer.optimizer.lookahead.numbers() == {"monitor": "val_loss", "batches": 8, "low": 0.1, "high": 1.0}
+    assert outer.optimizer.lookahead.numbers() == {"monitor": "val_loss", "mode": "min", "batches": 8,
+                                                "low": 0.1, "high": 1.0}
     run = outer_sweep.boring_run("whole", 2, "sync", outer, seed=0, rounds=20)
     assert run["stable"] and run["final"] < 0.5
     with pytest.raises(ValueError, match="needs a score"):

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch import LightningModule, seed_everything
 from torch import nn
 
@@ -105,6 +106,7 @@ def test_the_walked_lr_travels_in_the_checkpoint():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(monitor=""), "`monitor` must be the name of a metric"),
     (dict(batches=0), "`batches` must be a positive integer"),
+    (dict(mode="lower"), "`mode` must be one of"),
     (dict(low=0.0), "`low` must be"),
     (dict(low=0.5, high=0.2), "`high` must be a finite number >= 0.5"),
     (dict(bacthes=2), "Did you mean `batches`"),
@@ -130,8 +132,8 @@ def test_refused_where_nothing_can_score_or_the_lr_lies_outside_the_range():
         AsyncLocalSGDStrategy(outer=outer, worker=WorkerShape(ranks_per_worker=2, inside_worker="fsdp"))
     config = AsyncLocalSGDStrategy(outer=outer).config
     assert {k: v for k, v in config.items() if k.startswith("outer/lookahead")} == {
-        "outer/lookahead/monitor": "val_loss", "outer/lookahead/batches": 8, "outer/lookahead/low": 0.1,
-        "outer/lookahead/high": 1.0}
+        "outer/lookahead/monitor": "val_loss", "outer/lookahead/mode": "min", "outer/lookahead/batches": 8,
+        "outer/lookahead/low": 0.1, "outer/lookahead/high": 1.0}
 
 
 class Line(LightningModule):
@@ -144,12 +146,29 @@ class Line(LightningModule):
         self.log_dict({"val_mse": nn.functional.mse_loss(self.layer(x), y), "other": 1.0})
 
 
+class MetricLine(Line):
+    """Logs a torchmetrics object, as many modules do: its value per batch counts, not its running mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mse = torchmetrics.MeanSquaredError()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.mse(self.layer(x), y)
+        self.log("val_mse", self.mse)
+
+
 def test_the_lightning_score_is_the_mean_of_what_validation_step_logs_with_the_given_weights():
     batches = [(torch.tensor([[1.0], [2.0]]), torch.tensor([[1.0], [1.0]])),
                (torch.tensor([[0.0]]), torch.tensor([[3.0]]))]
     score = ValidationScore(Line(), batches, "val_mse", torch.device("cpu"))
     # y = 2x + 1: batch 1 predicts 3, 5 for 1, 1 -> mse (4 + 16) / 2 = 10; batch 2 predicts 1 for 3 -> 4
     assert score(torch.tensor([2.0, 1.0]), torch.zeros(0)) == pytest.approx((10.0 + 4.0) / 2)
+    metric = ValidationScore(MetricLine(), batches, "val_mse", torch.device("cpu"))
+    assert metric(torch.tensor([2.0, 1.0]), torch.zeros(0)) == pytest.approx(7.0)  # per batch: 10 and 4, not 8
+    higher = ValidationScore(Line(), batches, "val_mse", torch.device("cpu"), mode="max")
+    assert higher(torch.tensor([2.0, 1.0]), torch.zeros(0)) == pytest.approx(-7.0)  # the lookahead keeps the lowest
     missing = ValidationScore(Line(), batches, "val_loss", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"did not log 'val_loss' \(it logged \['other', 'val_mse'\]\)"):
         missing(torch.tensor([2.0, 1.0]), torch.zeros(0))

@@ -19,10 +19,13 @@ from lightning_hdet.asynchronous.outer.lookahead import LookaheadLR, Score
 
 class ValidationScore:
     """``score(params, buffers)``: the mean of what ``validation_step`` logs as ``monitor`` over ``batches`` (already
-    on ``device``), with the flat global ``params`` and ``buffers`` written into ``model`` (a copy, in eval mode)."""
+    on ``device``), with the flat global ``params`` and ``buffers`` written into ``model`` (a copy, in eval mode);
+    negated with ``mode="max"`` (the lookahead keeps the lowest score)."""
 
-    def __init__(self, model: pl.LightningModule, batches: list[Any], monitor: str, device: torch.device) -> None:
+    def __init__(self, model: pl.LightningModule, batches: list[Any], monitor: str, device: torch.device,
+                 mode: str = "min") -> None:
         self.model, self.batches, self.monitor, self.device = model, batches, monitor, device
+        self.sign = 1.0 if mode == "min" else -1.0
         self._params, self._buffers = list(model.parameters()), float_buffers(model)
         self._logged: dict[str, Any] = {}
         # the copy has no trainer to log into: what it logs is read here (log_dict calls log)
@@ -43,8 +46,11 @@ class ValidationScore:
                 raise ValueError(f"`LookaheadLR(monitor={self.monitor!r})`: your validation_step did not log"
                                  f" {self.monitor!r} (it logged {sorted(self._logged) or 'nothing'}). Set monitor to"
                                  " the loss it logs, e.g. self.log('val_loss', loss).")
-            total += torch.as_tensor(self._logged[self.monitor], device=self.device).detach().float().mean()
-        return float(total) / len(self.batches)  # one device-to-host copy per candidate
+            value = self._logged[self.monitor]
+            if hasattr(value, "compute"):  # a torchmetrics Metric: this batch's value, then a fresh start
+                value, _ = value.compute(), value.reset()
+            total += torch.as_tensor(value, device=self.device).detach().float().mean()
+        return self.sign * float(total) / len(self.batches)  # one device-to-host copy per candidate
 
 
 def validation_score(module: pl.LightningModule, options: LookaheadLR | None, device: torch.device,
@@ -64,7 +70,7 @@ def validation_score(module: pl.LightningModule, options: LookaheadLR | None, de
         raise ValueError("`lookahead` scores on the first validation batches, and the val_dataloader is empty.")
     model = copy.deepcopy(module, memo={id(trainer): None})  # not the Trainer: the copy only runs validation_step
     model.eval()
-    score = ValidationScore(model, batches, options.monitor, device)
+    score = ValidationScore(model, batches, options.monitor, device, options.mode)
     flat = [torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors] or [torch.zeros(0)])
             for tensors in (list(module.parameters()), float_buffers(module))]
     score(*flat)

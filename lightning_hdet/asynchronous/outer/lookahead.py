@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hdet._checks import KnownArguments, check_int, check_number, require
+from lightning_hdet._checks import KnownArguments, check_choice, check_int, check_number, require
 
 #: The factors of the current outer lr tried at each update; a tie keeps the current lr.
 SCALES = (0.5, 1.0, 2.0)
@@ -41,13 +41,15 @@ class LookaheadLR(KnownArguments):
     lookahead=LookaheadLR())``). Costs three scorings per outer update and a copy of the model on rank 0.
 
     Args:
-        monitor: what the ``validation_step`` logs that scores a candidate (lower is better).
+        monitor: what the ``validation_step`` logs that scores a candidate.
+        mode: ``"min"`` (lower ``monitor`` is better) or ``"max"``, as in ``ModelCheckpoint``.
         batches: validation batches each candidate is scored on (the first ones, fixed for the run).
         low: the smallest outer lr the lookahead may reach.
         high: the largest.
     """
 
     monitor: str = "val_loss"
+    mode: str = "min"
     batches: int = 8
     low: float = 0.1
     high: float = 1.0
@@ -55,13 +57,14 @@ class LookaheadLR(KnownArguments):
     def __post_init__(self) -> None:
         require("monitor", self.monitor, isinstance(self.monitor, str) and bool(self.monitor),
                 "the name of a metric your validation_step logs", "e.g. monitor='val_loss'.")
+        check_choice("mode", self.mode, ("min", "max"), hint="As ModelCheckpoint's: which way monitor is better.")
         check_int("batches", self.batches, minimum=1, hint="Validation batches scored per candidate outer lr.")
         check_number("low", self.low, low=0, low_open=True)
         check_number("high", self.high, low=self.low, hint=f"(at least low={self.low})")
 
     def numbers(self) -> dict[str, Any]:
         """Every option in force, by name (the run config)."""
-        return {"monitor": self.monitor, "batches": self.batches, "low": self.low, "high": self.high}
+        return {"monitor": self.monitor, "mode": self.mode, "batches": self.batches, "low": self.low, "high": self.high}
 
     def check_lr(self, lr: float) -> None:
         """The outer optimizer's own ``lr``, where the lookahead starts, lies in ``[low, high]``."""
