@@ -156,7 +156,9 @@ def run_method(method: str, level: str, seed: int, args: argparse.Namespace, wor
     if options is None:
         strategy = DDPStrategy(**common)
     elif options.get("typed"):  # the registry's arguments only (the start method changes no number)
-        outer = replace(outer_from(None), lookahead=LookaheadLR()) if options.get("lookahead") else None
+        # the lookahead scores the batches validation reads, which --held-out leaves out of the final score
+        look = LookaheadLR(batches=args.val_batches)
+        outer = replace(outer_from(None), lookahead=look) if options.get("lookahead") else None
         strategy = AsyncLocalSGDStrategy(mode=options["mode"], outer=outer, **common)
     else:
         # the papers' outer optimizer (Delayed Nesterov, DiLoCo's Nesterov in sync) at --outer-lr / --outer-momentum

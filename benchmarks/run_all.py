@@ -210,7 +210,7 @@ PARTS = (
     Part("async_typed", "async_published.py", ("--name", "async_typed", "--start-method", "fork", "--world-size", "4",
                                                "--levels", "none", "--seeds", "3", "--held-out", "--methods", "ddp",
                                                "diloco_typed", "diloco_lookahead", "async_typed", "async_lookahead",
-                                               "diloco", "async_default"), minutes=22, full=True),
+                                               "diloco", "async_default"), minutes=9, full=True),
     # bench-full since benchmark 2 at HDET's defaults took 53 min (2026-12-03): make bench would need 94 min
     Part("bad_worker", "bad_worker.py", ("--levels", "none", "very"), minutes=9, full=True),
     Part("overhead", "overhead.py", minutes=12, code=("benchmarks/sharded_fit.py",)),

@@ -9,7 +9,7 @@ fail at import with a message naming it, instead of a hook silently no longer be
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -108,6 +108,18 @@ def sync_module_states(module: Module) -> None:
 def attached_trainer(model: LightningModule) -> Optional[Trainer]:
     """The Trainer a module is attached to, or ``None`` (``model.trainer`` raises when there is none)."""
     return model._trainer  # why: the public property raises instead of returning None before `fit`
+
+
+def validation_loaders(trainer: Trainer) -> list[Any]:
+    """The fit's validation dataloaders, set up as the fit loop sets them up (it skips that when the first epoch
+    does not validate); run with the trainer validating, so the sampler and the transfer hooks see validation."""
+    loaders = trainer.val_dataloaders
+    if loaders is None:
+        trainer.fit_loop.epoch_loop.val_loop.setup_data()  # why: no public way to ask for them before validation
+        loaders = trainer.val_dataloaders
+    if isinstance(loaders, Mapping):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [] if loaders is None else [loaders]
 
 
 def requested_devices(trainer: Trainer) -> int:

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_hdet import AsyncLocalSGDFabricStrategy, AsyncLocalSGDStrategy, LookaheadLR, WorkerShape
 from lightning_hdet.asynchronous.elastic.service import elastic_settings
+from lightning_hdet.asynchronous.lightning.local_metrics import make_metrics_local, restore
 from lightning_hdet.asynchronous.lightning.validation_score import ValidationScore
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
@@ -92,6 +93,39 @@ def test_an_async_push_in_fragments_is_applied_whole_once_every_fragment_arrived
     # candidates 0.25 / 0.5 / 1.0: 1 - lr per value, distances 3 x 0.5625 / 0.25 / 0: lr 1.0
     torch.testing.assert_close(state.params, torch.zeros(3))
     assert state.outer_updates == 1
+
+
+def test_a_stream_that_reuses_one_buffer_for_every_fragment_is_staged_as_it_was():
+    """A decoder writes each fragment into the same buffer (``Layout.decode``): the staged push keeps copies."""
+    state = _state("async", DelayedNesterov(lr=0.5, momentum=0.0, lookahead=LookaheadLR()), _to([0.0, 0.0]),
+                   workers=1, ranges=[(0, 1), (1, 2)])
+    buffer = torch.empty(1)
+
+    def fragments():
+        for value in (1.0, 3.0):
+            buffer.fill_(value)
+            yield buffer
+
+    state.receive(Push(0, Kind.PUSH, 10, 1.0, 0.0, None), fragments())
+    # candidates [1 - lr, 1 - 3 lr]: lr 0.25 -> [0.75, 0.25], distance 0.625; 0.5 -> [0.5, -0.5], 0.5; 1.0 ->
+    # [0, -2], 4: lr 0.5 (had the stage kept the buffer, both fragments would read 3.0)
+    torch.testing.assert_close(state.params, torch.tensor([0.5, -0.5]))
+
+
+def test_a_score_that_raises_leaves_the_model_and_the_lr_as_they_were():
+    def failing(params, buffers):
+        raise RuntimeError("out of memory")
+
+    state = _state("sync", DelayedNesterov(lr=0.4, momentum=0.5, lookahead=LookaheadLR()), failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        state.process([_push(0, [1.0, 1.0]), _push(1, [1.0, 1.0])])
+    torch.testing.assert_close(state.params, torch.tensor([1.0, 1.0]))
+    assert state.optimizer.param_groups[0]["lr"] == 0.4 and not state.optimizer.state
+
+
+def test_a_heavy_momentum_with_a_lookahead_warns_naming_what_was_measured():
+    with pytest.warns(UserWarning, match="measured stable at momentum 0.5 and rising at 0.9"):
+        DelayedNesterov(lr=0.375, momentum=0.9, lookahead=LookaheadLR())
 
 
 def test_the_walked_lr_travels_in_the_checkpoint():
@@ -188,3 +222,51 @@ def test_diloco_with_a_lookahead_scores_on_rank_0s_validation_data_and_logs_its_
     assert len(set(lrs)) > 1, lrs  # the candidates were scored: the lr moved
     assert ranks[0]["outer"]["optimizer"]["param_groups"][0]["lr"] == lrs[-1]
     assert ranks[0]["val_losses"][-1] < ranks[0]["val_losses"][0]
+
+
+class MetricRegression(Regression):
+    """Logs its validation loss through a torchmetrics object too, as many modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        x, y = batch
+        self.val_mse(self.layer(x), y)
+        self.log("val_mse", self.val_mse)
+
+
+@pytest.mark.timeout(180)
+def test_async_with_a_lookahead_on_a_torchmetrics_monitor_walks_its_lr_without_waiting_on_other_ranks(tmp_path):
+    """Two processes, async: rank 0 scores every push (its own in its training thread, the other's where it is
+    received) through a torchmetrics object, which would sync over the world group if the copy let it: the run
+    would hang there. Each logged lr is one the walk from 0.375 can reach (pushes land between rank 0's logs, so
+    several steps of it may lie between two logged values)."""
+    seed_everything(0)
+    outer = DelayedNesterov(lr=0.375, momentum=0.5, warmup=16, restarts=8,
+                            lookahead=LookaheadLR(monitor="val_mse", batches=2))
+    strategy = AsyncLocalSGDStrategy(local_steps=4, mode="async", outer=outer, start_method="fork")
+    ranks = _fit(tmp_path, MetricRegression(), strategy, devices=2, max_steps=24, val_check_interval=8)
+    lrs = [row["async/outer_lr"] for row in _rows(tmp_path) if "async/outer_lr" in row]
+    reachable, frontier = {0.375}, [0.375]
+    while frontier:
+        a = frontier.pop()
+        for b in (min(1.0, max(0.1, a * s)) for s in (0.5, 2.0)):
+            if b not in reachable:
+                reachable.add(b)
+                frontier.append(b)
+    assert lrs and set(lrs) <= reachable, lrs
+    assert ranks[0]["outer"]["outer_updates"] >= 10
+    assert ranks[0]["val_losses"][-1] < ranks[0]["val_losses"][0]
+
+
+def test_metrics_made_local_while_training_apart_sync_again_afterwards():
+    module = MetricRegression()
+    original = module.val_mse.distributed_available_fn
+    saved = make_metrics_local(module)
+    assert list(saved) == [module.val_mse] and module.val_mse.distributed_available_fn() is False
+    assert make_metrics_local(module) == {}  # twice: the first switch is what restore puts back
+    restore(saved)
+    assert module.val_mse.distributed_available_fn is original

@@ -23,14 +23,25 @@ from lightning_hdet._process_groups import destroy_groups
 from lightning_hdet.asynchronous.exchange.exchange import Exchange
 from lightning_hdet.asynchronous.exchange.ranks import WorkerRanks, check_ranks_per_worker
 from lightning_hdet.asynchronous.exchange.worker_shards import shard_worker
+from lightning_hdet.asynchronous.lightning.local_metrics import make_metrics_local, restore
 
 log = logging.getLogger(__name__)
 
 
 class LocalCollectivesStrategy(DDPStrategy):
-    """DDPStrategy with local collectives while :attr:`training_apart` (set by the subclass); rank 0 decides."""
+    """DDPStrategy with local collectives while :attr:`training_apart` (:meth:`train_apart`); rank 0 decides."""
 
     training_apart = False
+    _metric_syncs: dict[Any, Any] = {}
+
+    def train_apart(self, apart: bool) -> None:
+        """The workers start (or stop) training apart: collectives, torchmetrics' own syncs included, stay local."""
+        self.training_apart = apart
+        if apart:
+            self._metric_syncs = make_metrics_local(self.lightning_module)
+        else:
+            restore(self._metric_syncs)
+            self._metric_syncs = {}
 
     @property
     @override

@@ -230,7 +230,7 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         self.restore_worker(self._exchange.worker)
         if not self.checkpoint_inner_states:  # else the states travel with the pushes and rank 0's file holds them
             self.follow_checkpoints(default_store(), keep=bool(module.trainer.checkpoint_callbacks))
-        self.training_apart = True
+        self.train_apart(True)
         self._run_exchange(Kind.HELLO)
 
     @override
@@ -280,14 +280,14 @@ class AsyncLocalSGDStrategy(ExchangeReadouts, WorkerCheckpoints):
         """Leave the exchange if not yet done, follow rank 0's last checkpoint requests; collectives meet again."""
         if self.training_apart:
             self.leave_exchange()
-            self.training_apart = False
+            self.train_apart(False)
             self.finish_checkpoints(self._groups)
             self._limits.restore(self.lightning_module)
         super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self.training_apart = False
+        self.train_apart(False)
         self._limits.restore(self.lightning_module)
         super().on_exception(exception)
 

@@ -1,6 +1,7 @@
 """What scores a :class:`~..outer.lookahead.LookaheadLR`'s candidates on rank 0: the user's own ``validation_step``
 on a copy of the module holding the candidate global model, over the first validation batches, reading the metric it
-logs. A copy, because rank 0's module trains in the main thread while the outer side steps in the server's."""
+logs. A copy, because the outer side steps while rank 0's module trains: remote pushes in the thread that receives
+them, rank 0's own in its training thread (which then waits for the scoring)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_hdet._compat import validation_loaders
 from lightning_hdet._tensors import float_buffers, write_from
+from lightning_hdet.asynchronous.lightning.local_metrics import make_metrics_local
 from lightning_hdet.asynchronous.outer.lookahead import LookaheadLR, Score
 
 
@@ -28,6 +31,7 @@ class ValidationScore:
         self.sign = 1.0 if mode == "min" else -1.0
         self._params, self._buffers = list(model.parameters()), float_buffers(model)
         self._logged: dict[str, Any] = {}
+        make_metrics_local(model)  # rank 0 scores alone
         # the copy has no trainer to log into: what it logs is read here (log_dict calls log)
         model.log = self._log  # type: ignore[method-assign]
 
@@ -60,15 +64,21 @@ def validation_score(module: pl.LightningModule, options: LookaheadLR | None, de
     if options is None:
         return None
     trainer = module.trainer
-    loaders = trainer.val_dataloaders
-    loaders = list(loaders) if isinstance(loaders, (list, tuple)) else [] if loaders is None else [loaders]
-    if len(loaders) != 1:
-        raise ValueError(f"`lookahead` scores candidate outer lrs on your validation data: give the Trainer one"
-                         f" val_dataloader (got {len(loaders)}), and keep validation on (limit_val_batches > 0).")
-    batches = [to_device(batch) for batch in itertools.islice(loaders[0], options.batches)]
+    stage, trainer.validating = trainer.state.stage, True  # the sampler and the transfer hooks see validation
+    try:
+        loaders = validation_loaders(trainer)
+        if len(loaders) != 1:
+            raise ValueError(f"`lookahead` scores candidate outer lrs on your validation data: give the Trainer one"
+                             f" val_dataloader (got {len(loaders)}), and keep validation on (limit_val_batches > 0).")
+        batches = [to_device(batch) for batch in itertools.islice(loaders[0], options.batches)]
+    finally:
+        trainer.state.stage = stage
     if not batches:
         raise ValueError("`lookahead` scores on the first validation batches, and the val_dataloader is empty.")
     model = copy.deepcopy(module, memo={id(trainer): None})  # not the Trainer: the copy only runs validation_step
+    if getattr(model, "_compiler_ctx", None):  # torch.compile'd: its step methods are the original's, bound to it
+        for name in ("forward", "training_step", "validation_step", "test_step", "predict_step"):
+            model.__dict__.pop(name, None)
     model.eval()
     score = ValidationScore(model, batches, options.monitor, device, options.mode)
     flat = [torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors] or [torch.zeros(0)])

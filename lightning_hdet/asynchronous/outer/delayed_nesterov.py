@@ -8,6 +8,7 @@ as ``torch.optim.SGD(nesterov=True)``; with ``N = 1`` it is DiLoCo's Nesterov wi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -174,6 +175,10 @@ class DelayedNesterov(OuterOptimizer):
         if self.lookahead is not None:
             require("lookahead", self.lookahead, isinstance(self.lookahead, LookaheadLR), "a LookaheadLR(...) or None")
             self.lookahead.check_lr(self.lr)
+            if self.momentum > 0.5:  # measured: a one-step lookahead does not see momentum 0.9 carry a push on
+                warnings.warn(f"DelayedNesterov(momentum={self.momentum}, lookahead=...): the lookahead was measured"
+                              " stable at momentum 0.5 and rising at 0.9 (docs/async.md); use momentum=0.5.",
+                              stacklevel=3)
 
     def check(self, mode: str, stagger: int) -> None:
         for name, value, default in (("buffer_size", self.buffer_size, None),

@@ -37,8 +37,10 @@ class OuterSide(Protocol):
 @dataclass(frozen=True)
 class LookaheadLR(KnownArguments):
     """The outer lr chosen at every outer update by a one-step lookahead on the first ``batches`` of the validation
-    data (an option of :class:`~.delayed_nesterov.DelayedNesterov`: ``DelayedNesterov(lr=0.375, momentum=0.5,
-    lookahead=LookaheadLR())``). Costs three scorings per outer update and a copy of the model on rank 0.
+    data, an option of :class:`~.delayed_nesterov.DelayedNesterov`: ``DelayedNesterov(lr=0.375, momentum=0.5,
+    warmup=16, restarts=8, lookahead=LookaheadLR())`` (the default step, measured). Costs three scorings per outer
+    update, a copy of the module on rank 0's device and about three models on its host. What it scores is tuned on:
+    judge the run on other data than its first ``batches``.
 
     Args:
         monitor: what the ``validation_step`` logs that scores a candidate.
@@ -84,25 +86,28 @@ class LookaheadStep:
 
     def __init__(self, options: LookaheadLR, score: Score) -> None:
         self.options, self.score = options, score
-        self.scores: list[float] = []  # the latest update's, one per SCALES entry (logged)
+        self.scores: list[float] = []  # the latest update's, one per SCALES entry
+        self._lr: float | None = None  # the lr in force, never a candidate's (read while candidates are tried)
 
     def lr(self, outer: OuterSide) -> float:
-        """The current outer lr (the first parameter group's: the lookahead moves every group by one factor)."""
-        return float(outer.optimizer.param_groups[0]["lr"])
+        """The outer lr in force (the first parameter group's: the lookahead moves every group by one factor)."""
+        return self._lr if self._lr is not None else float(outer.optimizer.param_groups[0]["lr"])
 
     def step(self, outer: OuterSide, fragments: Sequence[tuple[int, Tensor]]) -> None:
         """Apply one outer update made of ``fragments`` (fragment index, pseudo-gradient) at the best candidate lr."""
         base = [group["lr"] for group in outer.optimizer.param_groups]
-        saved = _snapshot(outer)
-        self.scores = []
+        self._lr, saved, self.scores = base[0], _snapshot(outer), []
         for scale in SCALES:
-            self._apply(outer, fragments, base, scale)
-            loss = float(self.score(outer.params, outer.buffers))
+            try:
+                self._apply(outer, fragments, base, scale)
+                loss = float(self.score(outer.params, outer.buffers))
+            finally:  # a score that raises leaves the model and the lr as they were
+                _restore(outer, saved, base)
             self.scores.append(loss if math.isfinite(loss) else math.inf)
-            _restore(outer, saved)
         # lowest score; a tie (or every candidate non-finite) keeps the current lr
         best = min(range(len(SCALES)), key=lambda i: (self.scores[i], abs(math.log(SCALES[i]))))
         self._apply(outer, fragments, base, SCALES[best])
+        self._lr = float(outer.optimizer.param_groups[0]["lr"])
 
     def _apply(self, outer: OuterSide, fragments: Sequence[tuple[int, Tensor]], base: list[float],
                scale: float) -> None:
@@ -120,11 +125,13 @@ def _snapshot(outer: OuterSide) -> tuple[Tensor, dict[Any, dict[str, Any]]]:
     return outer.params.clone(), state
 
 
-def _restore(outer: OuterSide, saved: tuple[Tensor, dict[Any, dict[str, Any]]]) -> None:
-    """Undo a candidate: the parameters and a fresh copy of the saved optimizer state (a candidate may have created
-    state the snapshot lacks, e.g. the first momentum buffer)."""
+def _restore(outer: OuterSide, saved: tuple[Tensor, dict[Any, dict[str, Any]]], lrs: list[float]) -> None:
+    """Undo a candidate: the parameters, the lrs and a fresh copy of the saved optimizer state (a candidate may have
+    created state the snapshot lacks, e.g. the first momentum buffer)."""
     params, state = saved
     outer.params.copy_(params)
+    for group, lr in zip(outer.optimizer.param_groups, lrs):
+        group["lr"] = lr
     outer.optimizer.state.clear()
     for p, s in state.items():
         outer.optimizer.state[p] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()}

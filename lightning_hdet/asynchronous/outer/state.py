@@ -103,9 +103,9 @@ class AsyncStep(StepPolicy):
             self._staged.append((index, gradient.clone()))
 
     def arrived(self, outer: OuterState) -> None:
-        if self._staged:  # outside the counters' lock: a lookahead scores three candidates here
-            outer.step_update(self._staged)
-            self._staged = []
+        staged, self._staged = self._staged, []  # cleared first: a score that raises leaves none behind
+        if staged:  # outside the counters' lock: a lookahead scores three candidates here
+            outer.step_update(staged)
 
     def pushed(self, outer: OuterState) -> None:
         outer.outer_updates += 1
