@@ -6,10 +6,11 @@ import math
 import pytest
 import torch
 import torchmetrics
-from lightning.pytorch import LightningModule, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
 
 from lightning_hdet import AsyncLocalSGDFabricStrategy, AsyncLocalSGDStrategy, LookaheadLR, WorkerShape
+from lightning_hdet._compat import validation_loaders
 from lightning_hdet.asynchronous.elastic.service import elastic_settings
 from lightning_hdet.asynchronous.lightning.local_metrics import make_metrics_local, restore
 from lightning_hdet.asynchronous.lightning.validation_score import ValidationScore
@@ -270,3 +271,21 @@ def test_metrics_made_local_while_training_apart_sync_again_afterwards():
     assert make_metrics_local(module) == {}  # twice: the first switch is what restore puts back
     restore(saved)
     assert module.val_mse.distributed_available_fn is original
+
+
+def test_validation_loaders_are_set_up_when_the_first_epoch_does_not_validate(tmp_path):
+    """check_val_every_n_epoch=2 without a sanity check: at on_train_start the fit loop has not set up validation
+    (val_dataloaders is None); the lookahead's loaders are then set up as the fit loop would."""
+    seen = {}
+
+    class Look(Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["before"] = trainer.val_dataloaders
+            seen["loaders"] = validation_loaders(trainer)
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, check_val_every_n_epoch=2, num_sanity_val_steps=0,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tmp_path, callbacks=[Look()])
+    trainer.fit(Regression())
+    assert seen["before"] is None
+    assert len(seen["loaders"]) == 1 and len(next(iter(seen["loaders"][0]))[0]) == 16  # its batches of 16
