@@ -398,15 +398,16 @@ def table(results: list[dict], labels: list[str], seeds: list[int], rounds: int)
         rows.append(cols)
     head = ["workload", "inner / data", "W", "mode", "H", "best fixed lr/momentum/schedule", "best ÷ DDP",
             "chosen ÷ best", f"default {default} ÷ best", f"`{look}` ÷ best", f"{published} ÷ best"]
-    summary = [[("DiLoCo" if m == "sync" else "async"), *(f"`{lab}` {w:.2f}{'' if ok else ' ✗'}" for lab, w, ok in
-                                                          chosen[m][:3])] for m in modes]
+    # a list, not a table: the adaptive settings' labels are too long for four columns on a page
+    summary = "\n".join(f"- {'DiLoCo' if m == 'sync' else 'async'}: " + ", ".join(
+        f"`{lab}` {w:.2f}{'' if ok else ' ✗'}" for lab, w, ok in chosen[m][:3]) for m in modes)
     return (f"Outer settings `lr/momentum/schedule` (schedule on: momentum warm-up 16 and restart every 8), "
             f"{len(labels)} swept; seeds {seeds}; final held-out loss (mean over seeds); boring: {rounds} rounds per "
             "worker, every number its final ÷ initial loss (no ratio to the best: round-off there). ✗: some run "
             "ended above its start, not finite, or rose over its last rounds. Chosen per mode: "
             "the stable setting with the smallest worst ratio to each cell's best.\n\n"
             + markdown_table(head, rows) + "\n\nThe three best settings per mode (worst ratio to the best over its "
-            "cells):\n\n" + markdown_table(["mode", "1st", "2nd", "3rd"], summary))
+            "cells):\n\n" + summary)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -252,7 +252,7 @@ PARTS = (
     Part("outer_stability", "outer_stability.py", minutes=4, full=True),
     # issue 60's sweep of the outer lr, momentum, schedule and H on four workloads (one process; estimated from
     # single runs at load ~3, 2026-12-06: ~75 s per setting, 16 settings)
-    Part("outer_sweep", "outer_sweep.py", minutes=38, full=True),
+    Part("outer_sweep", "outer_sweep.py", minutes=20, full=True),
     # a bad worker on every path (issue 42): faulty ÷ fault-free at equal healthy samples, W = 3, 3 seeds, two tasks;
     # 54 short forked runs, 3.5 min (estimated from one seed's 97 s at load ~4, 2026-12-02)
     Part("bad_worker_paths", "bad_worker_paths.py", minutes=5, full=True),

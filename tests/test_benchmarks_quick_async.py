@@ -253,7 +253,7 @@ def test_outer_sweep_choose_hand_computed():
     results[-1]["runs"][b]["stable"] = False
     assert [label for label, *_ in choose(results, "async", [a, b])] == [a, b]
     lines = table(results[:2], labels, [0], 20).splitlines()
-    assert lines[-1].startswith(f"| async | `{look}` 0.95 | `{b}` 1.20 | `{a}` 1.50 |")
+    assert lines[-1] == f"- async: `{look}` 0.95, `{b}` 1.20, `{a}` 1.50"
     assert not any("DiLoCo" in line for line in lines)
     row = next(line for line in lines if line.startswith("| x |"))
     assert row.endswith(f"| `{a}` | 1.00 | 0.90 | – | 0.90 | – |"), row  # chosen, default (absent), lookahead

@@ -109,7 +109,7 @@ def test_presets_build_the_objects_with_every_number_in_force():
     assert outer_from("published") == DN(lr=0.7, momentum=0.9)  # no hidden warm-up
     assert outer_from("sparseloco") == SparseLoCo(lr=1.0, error_decay=0.95)
     assert repr(outer_from("published")) == ("DelayedNesterov(lr=0.7, momentum=0.9, warmup=0, restarts=0,"
-                                             " buffer_size=None, momentum_activation=0.0)")
+                                             " buffer_size=None, momentum_activation=0.0, lookahead=None)")
     mine = DN(lr=0.7, momentum=0.9)
     assert outer_from(mine) is mine
     with pytest.raises(ValueError, match="`outer` must be one of .* Or an object: DelayedNesterov"):

@@ -25,7 +25,7 @@ Score = Callable[[Tensor, Tensor], float]
 
 
 class OuterSide(Protocol):
-    """What a lookahead steps (:class:`~.state.OuterSide` is one): the global model and its outer optimizer."""
+    """What a lookahead steps (:class:`~.state.OuterState` is one): the global model and its outer optimizer."""
 
     params: Tensor
     buffers: Tensor
@@ -66,7 +66,8 @@ class LookaheadLR(KnownArguments):
 
     def numbers(self) -> dict[str, Any]:
         """Every option in force, by name (the run config)."""
-        return {"monitor": self.monitor, "mode": self.mode, "batches": self.batches, "low": self.low, "high": self.high}
+        return {"monitor": self.monitor, "mode": self.mode, "batches": self.batches, "low": self.low,
+                "high": self.high}
 
     def check_lr(self, lr: float) -> None:
         """The outer optimizer's own ``lr``, where the lookahead starts, lies in ``[low, high]``."""
