@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_hdet._compat import validation_loaders
 from lightning_hdet._tensors import float_buffers, write_from
+from lightning_hdet.asynchronous.exchange.exchange import read_model
 from lightning_hdet.asynchronous.lightning.local_metrics import make_metrics_local
 from lightning_hdet.asynchronous.outer.lookahead import LookaheadLR, Score
 
@@ -81,7 +82,5 @@ def validation_score(module: pl.LightningModule, options: LookaheadLR | None, de
             model.__dict__.pop(name, None)
     model.eval()
     score = ValidationScore(model, batches, options.monitor, device, options.mode)
-    flat = [torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors] or [torch.zeros(0)])
-            for tensors in (list(module.parameters()), float_buffers(module))]
-    score(*flat)
+    score(*read_model(module, device))
     return score
