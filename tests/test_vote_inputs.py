@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -151,11 +152,13 @@ def test_several_optimizers_warn_when_votes_would_fall_less_often_than_asked() -
 
 # ------------------------------------------------------------------------------------------ several processes
 class _GroupValidated(LinearModel):
-    """``val_loss`` logged with ``sync_dist=True``; each rank keeps its own (unsynced) value per validation step."""
+    """``val_loss`` logged with ``sync_dist=True``, or as a torchmetrics ``MeanMetric`` left at its default
+    ``process_group`` (``metric=True``); each rank keeps its own (unsynced) value per validation step."""
 
-    def __init__(self, out: str, **kw: Any) -> None:
+    def __init__(self, out: str, metric: bool = False, **kw: Any) -> None:
         super().__init__(**kw)
         self.out = out
+        self.val_metric = torchmetrics.MeanMetric() if metric else None
         self.own: list[tuple[int, float]] = []
         self.train_losses: list[tuple[int, float]] = []
 
@@ -169,19 +172,29 @@ class _GroupValidated(LinearModel):
         loss = torch.nn.functional.mse_loss(self.layer(x), y)
         if not self.trainer.sanity_checking:
             self.own.append((self.trainer.global_step, float(loss)))
-        self.log("val_loss", loss, sync_dist=True)
+        if self.val_metric is None:
+            self.log("val_loss", loss, sync_dist=True)
+        else:
+            self.val_metric.update(loss)
+            self.log("val_loss", self.val_metric)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(Regression(n=64, seed=1), batch_size=16)  # two batches per rank of a group of 2: no padding
 
     def on_fit_end(self) -> None:
-        torch.save({"own": self.own, "train": self.train_losses}, Path(self.out) / f"model{self.global_rank}.pt")
+        synced = None if self.val_metric is None else self.val_metric.process_group
+        torch.save({"own": self.own, "train": self.train_losses, "synced": synced},
+                   Path(self.out) / f"model{self.global_rank}.pt")
 
 
-def test_a_sync_dist_metric_is_each_groups_own_and_a_vote_at_a_validation_step_reads_it(tmp_path: Path) -> None:
-    """4 ranks in 2 groups, ``self.log("val_loss", sync_dist=True)``, validating and voting every 4 steps (which
-    crashed: the vote ran before the step's validation). Each vote reads that step's validation, reduced inside
-    each group: group g's value is the mean of its two ranks' own losses, and the groups' values differ."""
+@pytest.mark.parametrize("metric", [False, True], ids=["sync_dist", "torchmetrics"])
+def test_a_synced_metric_is_each_groups_own_and_a_vote_at_a_validation_step_reads_it(tmp_path: Path,
+                                                                                      metric: bool) -> None:
+    """4 ranks in 2 groups, ``self.log("val_loss", sync_dist=True)`` or a torchmetrics ``MeanMetric`` with no
+    ``process_group`` (which synced over all four ranks: every vote a tie), validating and voting every 4 steps
+    (which crashed: the vote ran before the step's validation). Each vote reads that step's validation, reduced
+    inside each group: group g's value is the mean of its two ranks' own losses, and the groups' values differ; the
+    metric syncs over every rank again after the fit."""
     seed_everything(0)
     strategy = HDETStrategy(num_groups=2, lr_multipliers=[0.2, 5.0], gradient_sync="group", start_method=START)
     callback = HDETCallback(every_n_steps=4, monitor="val_loss", search=False)
@@ -191,12 +204,14 @@ def test_a_sync_dist_metric_is_each_groups_own_and_a_vote_at_a_validation_step_r
     trainer = Trainer(strategy=strategy, callbacks=[callback, Recorder(tmp_path), checkpoint],
                       **trainer_kwargs(devices=4, max_steps=8, val_check_interval=4, limit_val_batches=None,
                                        num_sanity_val_steps=0, enable_checkpointing=True))
-    trainer.fit(_GroupValidated(str(tmp_path), lr=0.05))
+    trainer.fit(_GroupValidated(str(tmp_path), metric=metric, lr=0.05))
     saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
     assert len(saved) == 2 and all(Path(group_file(path, g)).exists() for path in saved for g in range(2)), \
         sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "ckpt").rglob("*"))
     ranks = load_ranks(tmp_path, 4)
-    own = [_per_step_means(torch.load(tmp_path / f"model{r}.pt")["own"]) for r in range(4)]
+    records = [torch.load(tmp_path / f"model{r}.pt", weights_only=False) for r in range(4)]
+    assert [r["synced"] for r in records] == [None] * 4  # the metric's own default again
+    own = [_per_step_means(r["own"]) for r in records]
     history = ranks[0]["history"]
     assert sorted({h["step"] for h in history}) == [4, 8]
     for step in (4, 8):

@@ -15,6 +15,10 @@ different data (a difference of the size of the leads it decides on). While ``gr
 callback's ``monitor`` may read a validation metric), the validation of a fit is split over the ranks of each group
 only: every group validates the same data, each rank ``1 / group size`` (``num_groups / world size``) of the
 validation set instead of ``1 / world size`` of it. Training data stay split over every rank.
+
+A torchmetrics ``Metric`` syncs itself, past ``reduce``, over its own ``process_group``: one left at the default
+(``None``: every rank) is given this rank's group while ``group_metrics`` is on, and its default back after, so a
+metric object logged for the vote is each group's own as well. One given a ``process_group`` is left alone.
 """
 
 from __future__ import annotations
@@ -37,8 +41,25 @@ class GroupMetricSync:
     (:class:`~lightning_hdet.hdet.execution.comm.Communicator`), Lightning's ``lightning_module`` and ``reduce``.
     """
 
-    group_metrics: bool = False  # on only while a validation the vote reads runs
+    _group_metrics: bool = False  # on only while a validation the vote reads runs
+    _grouped: tuple[Any, ...] = ()  # the torchmetrics objects given this rank's group, to hand their default back
     group_validation: bool = False  # a fit's validation split over each group's ranks (the callback's monitor)
+
+    @property
+    def group_metrics(self) -> bool:
+        """Whether metrics are reduced over this rank's group (``sync_dist=True`` and torchmetrics objects)."""
+        return self._group_metrics
+
+    @group_metrics.setter
+    def group_metrics(self, on: bool) -> None:
+        for metric in self._grouped:
+            metric.process_group = None
+        module = self.lightning_module  # type: ignore[attr-defined]
+        group = self._guard_process_group  # type: ignore[attr-defined]
+        self._grouped = tuple(_default_synced(module)) if on and module is not None else ()
+        for metric in self._grouped:
+            metric.process_group = group
+        self._group_metrics = on
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -61,6 +82,13 @@ class GroupMetricSync:
         count = torch.tensor(int(decision), device=self.root_device)  # type: ignore[attr-defined]
         self.communicator.all_reduce(count)  # type: ignore[attr-defined]
         return bool(count == self.world_size) if all else bool(count)  # type: ignore[attr-defined]
+
+
+def _default_synced(module: Any) -> list[Any]:
+    """The torchmetrics objects in ``module`` that sync over every rank (no ``process_group`` of their own), known by
+    ``Metric``'s own switch for every sync (as :mod:`~lightning_hdet.asynchronous.lightning.local_metrics` does)."""
+    return [m for m in module.modules() if callable(getattr(m, "distributed_available_fn", None))
+            and hasattr(m, "process_group") and m.process_group is None]
 
 
 def _fit_validation(module: Any) -> bool:

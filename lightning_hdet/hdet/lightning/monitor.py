@@ -5,8 +5,9 @@
   interval it closes; validating and voting every ``N`` steps puts both at the same step. A run that ends first
   votes in ``on_train_end`` on the last value (``_missing_metric`` if there never was one).
 * **Each group's own.** With ``sync_dist=True`` Lightning would average the value over every rank; the strategy
-  reduces it over the group instead during that validation (:mod:`~lightning_hdet.hdet.lightning.metric_sync`). A value
-  synced some other way (a torchmetrics ``Metric``'s own process group, an explicit ``sync_dist_group``, the user's
+  reduces it over the group instead during that validation, and syncs a torchmetrics ``Metric`` left at its default
+  process group there too (:mod:`~lightning_hdet.hdet.lightning.metric_sync`). A value
+  synced some other way (a ``Metric`` given its own process group, an explicit ``sync_dist_group``, the user's
   own all-reduce) is still the job's: :class:`MonitoredMetric` sees every group report the same value while their
   parameters differ (a fingerprint of each group's parameters rides along the vote's one all-reduce), warns with
   the fix and counts it (``ties``, reported in the result's summary).
@@ -74,8 +75,9 @@ class MonitoredMetric:
             f"HDET: vote at step {step}: every group reported {self.name}={losses[0]:.6g} although the groups' "
             f"parameters differ, so the vote cannot tell them apart (group 0 wins the tie). The value is the whole "
             f"job's, not each group's: a `self.log(..., sync_dist=True)` is reduced inside each group while "
-            f"HDET validates, but a value synced another way is not (a torchmetrics Metric syncs over its own "
-            f"`process_group`, `sync_dist_group=...`, an all_reduce of your own). Sync it over this rank's group "
+            f"HDET validates, and so is a torchmetrics Metric left at its default `process_group`, but a value "
+            f"synced another way is not (a Metric given a `process_group`, `sync_dist_group=...`, an all_reduce of "
+            f"your own). Sync it over this rank's group "
             f"(`trainer.strategy.group_process_group`), log it without syncing, or vote on the training loss "
             f"(monitor=None). Ties so far: {self.ties}."
         )
