@@ -2,8 +2,10 @@
 
 :meth:`HDETController.decide` is the whole vote: which groups diverged (the safety net), whether every group must
 roll back, the vote weights and winner, the new learning-rate multipliers (the vote rule, then the rescue cuts), and
-what the groups merge toward. It owns the vote rule's state, the generator of its random permutations and the vote
-counters, and checkpoints them through ``state_dict``/``load_state_dict``; the search's end is its
+what the groups merge toward. It owns the vote rule's state and the generator of its random permutations
+(:class:`~lightning_hdet.hdet.rules.generator.LazyGenerator`), and checkpoints them through
+``state_dict``/``load_state_dict``; the votes' rows and counters are its
+:class:`~lightning_hdet.hdet.rules.ledger.VoteLedger`, the search's end its
 :class:`~lightning_hdet.hdet.rules.search_end.SearchPhase`. It never touches a model: the callback
 hands the :class:`Decision` to the strategy, which executes it.
 """
@@ -31,6 +33,8 @@ from lightning_hdet.hdet.rules.collapse import (
 )
 from lightning_hdet.hdet.rules.config import HDETConfig
 from lightning_hdet.hdet.rules.direction import below_grid, direction, risen_now
+from lightning_hdet.hdet.rules.generator import LazyGenerator
+from lightning_hdet.hdet.rules.ledger import VoteLedger
 from lightning_hdet.hdet.rules.plateau import (
     PlateauHistory,
     PlateauRule,
@@ -112,7 +116,8 @@ class Decision:
 
 
 class HDETController:
-    """Turns intervals into decisions; owns the vote rule's state, the permutation generator and the vote counters.
+    """Turns intervals into decisions; owns the vote rule's state and the permutation generator (the votes' record:
+    :attr:`ledger`).
 
     It runs the rule objects of ``config`` as they are: ``config.vote``'s ``explore`` (on a fresh copy of it, which
     holds the state), ``config.safety_net``'s ``judge`` and plateau rule, ``config.signal``'s ``scores``."""
@@ -128,38 +133,30 @@ class HDETController:
         self.plateau_cuts = 0  # votes at which every group was stuck: a roll-back onto the downward ladder
         self.plateau_armed = False  # whether the run has failed yet: only then may a plateau count as stuck
         self.rose_seen = False  # some group's loss (or training-loss bin) rose above its start: LRs may be too high
-        self._generator: Optional[torch.Generator] = None  # built on first use: see `__getstate__`
-        self.history: list[dict[str, Any]] = []
-        # Every group's real LR (first param group) when training started: the first vote's `trained_lr`. Set by the
-        # callback (or Fabric loop) at the start of fit; later votes take the `lr` the vote before set.
-        self.initial_lrs: list[float] = []
-        self.rescues = 0
-        self.num_votes = 0
-        self.last_winner = -1
+        self._generator = LazyGenerator()  # built on first use; pickles as bytes, to cross a spawn
+        self.ledger = VoteLedger()  # the votes' rows and counters
         self.last_coefficients: list[float] = []
         self.search_phase = SearchPhase(config.search)
 
     @property
     def generator(self) -> torch.Generator:
         """The generator of the rule's permutations (seeded by ``config.seed``; the global RNG is never touched)."""
-        if self._generator is None:
-            self._generator = torch.Generator().manual_seed(self.config.seed)
-        return self._generator
+        return self._generator.get(self.config.seed)
 
-    def __getstate__(self) -> dict[str, Any]:
-        # A torch.Generator cannot cross torch.multiprocessing's spawn under the default sharing strategy (PyTorch
-        # #146828: "unable to resize file"), and the spawn launcher pickles every callback: send its state as bytes.
-        state = dict(self.__dict__)
-        if self._generator is not None:
-            state["_generator"] = bytes(self._generator.get_state().numpy().tobytes())
-        return state
+    # The ledger's, read by the callback, the Fabric loop and the results.
+    history = property(lambda self: self.ledger.history, doc="Every vote's rows (:class:`VoteLedger`).")
+    rescues = property(lambda self: self.ledger.rescues, doc="Groups rescued so far, summed over the votes.")
+    num_votes = property(lambda self: self.ledger.num_votes, doc="Votes so far (the final merge only at a roll-back).")
+    last_winner = property(lambda self: self.ledger.last_winner, doc="The last vote's winner (-1: none yet).")
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        generator = state.pop("_generator")
-        self.__dict__.update(state)
-        self._generator = None
-        if generator is not None:
-            self.generator.set_state(torch.frombuffer(bytearray(generator), dtype=torch.uint8))
+    @property
+    def initial_lrs(self) -> list[float]:
+        """Every group's real LR (first param group) when training started (:attr:`VoteLedger.initial_lrs`)."""
+        return self.ledger.initial_lrs
+
+    @initial_lrs.setter
+    def initial_lrs(self, lrs: list[float]) -> None:
+        self.ledger.initial_lrs = lrs
 
     @property
     def keeps_initial(self) -> bool:
@@ -213,7 +210,7 @@ class HDETController:
             decision = replace(decision, multipliers=table, lrs=_lrs(table, interval),
                                from_initial=from_initial(table) if decision.roll_back else [])
             self.plateau_cuts += 1
-        self._count(decision, interval, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
+        self.ledger.record(decision, interval, edge_of(interval.multipliers[:, 0].tolist(), decision.winner),
                     _clear(losses, errors, decision.winner, [not r for r in decision.rescued]))
         return decision
 
@@ -351,25 +348,6 @@ class HDETController:
                 table[g] *= self.config.safety_net.rescue_lr_factor
         return table
 
-    def _count(self, decision: Decision, interval: Interval, edge: int, clear: Optional[bool]) -> None:
-        self.rescues += sum(decision.rescued)
-        # A roll-back counts as a vote even at the final merge (it moved the learning rates).
-        self.num_votes += 0 if interval.final and not decision.roll_back else 1
-        self.last_winner = decision.winner
-        # `lr` (and `explored`) is what the vote set, from this vote on; the loss was reached from the values the
-        # interval started at: `trained_lr` (and `trained_explored`).
-        lrs = decision.lrs
-        trained, was = _started_at(self.history, self.initial_lrs, interval, bool(decision.values))
-        for g in range(len(decision.losses)):
-            self.history.append(
-                {"step": decision.step, "group": g, "lr": lrs[g], "loss": decision.losses[g],
-                 "weight": decision.weights[g], "winner": decision.winner, "rescued": bool(decision.rescued[g]),
-                 "reason": decision.reasons[g] if decision.reasons else "", "edge": edge,
-                 "clear": "" if clear is None else int(clear), "trained_lr": trained[g],
-                 **({"explored": {n: v[g] for n, v in decision.values.items()},
-                     "trained_explored": {n: v[g] for n, v in was.items()}} if decision.values else {})}
-            )
-
     def finishing_merge(self) -> tuple[list[float], list[float]]:
         """Coefficients and strengths that finish the last vote's merge at full strength (nothing trained since)."""
         rescued = [c == 0.0 for c in self.last_coefficients]
@@ -380,10 +358,7 @@ class HDETController:
         return {
             "rule": self.rule.state_dict(),
             "generator": self.generator.get_state(),
-            "history": list(self.history),
-            "rescues": self.rescues,
-            "num_votes": self.num_votes,
-            "last_winner": self.last_winner,
+            **self.ledger.state_dict(),  # "history", "rescues", "num_votes", "last_winner", "initial_lrs"
             "last_coefficients": list(self.last_coefficients),
             "collapse": self.collapse_history.state_dict(),
             **self.search_phase.state_dict(),  # "searched_at", "restarted_at"
@@ -391,17 +366,12 @@ class HDETController:
             "plateau_cuts": self.plateau_cuts,
             "plateau_armed": self.plateau_armed,
             **({"rose_seen": True} if self.rose_seen else {}),  # (none yet: left out, as in checkpoints before it)
-            **({"initial_lrs": list(self.initial_lrs)} if self.initial_lrs else {}),  # (likewise)
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rule.load_state_dict(state_dict["rule"])
         self.generator.set_state(state_dict["generator"])
-        self.history = _with_trained_lr(state_dict["history"])  # (older checkpoints' rows lack it)
-        self.initial_lrs = list(state_dict.get("initial_lrs", []))  # (absent from older checkpoints)
-        self.rescues = state_dict["rescues"]
-        self.num_votes = state_dict["num_votes"]
-        self.last_winner = state_dict["last_winner"]
+        self.ledger.load_state_dict(state_dict)
         self.last_coefficients = list(state_dict["last_coefficients"])
         self.collapse_history.load_state_dict(state_dict["collapse"])
         self.search_phase.load_state_dict(state_dict)
@@ -409,31 +379,6 @@ class HDETController:
         self.plateau_cuts = state_dict["plateau_cuts"]
         self.plateau_armed = state_dict["plateau_armed"]
         self.rose_seen = state_dict.get("rose_seen", False)  # (absent from older checkpoints)
-
-
-def _started_at(history: Sequence[dict[str, Any]], initial_lrs: Sequence[float], interval: Interval,
-                explored: bool) -> tuple[list[float], dict[str, list[float]]]:
-    """Every group's LR (and explored values) at the interval's first step: what the last vote set, or at the
-    first vote the initial LRs (NaN where unknown) and the explored values the interval's tables give."""
-    num_groups = len(interval.losses)
-    last = history[-num_groups:]
-    if history and [row["group"] for row in last] == list(range(num_groups)):
-        was = {n: [row["explored"][n] for row in last] for n in last[0].get("explored", {})} if explored else {}
-        return [row["lr"] for row in last], was
-    now = values(interval.explored.tables, interval.explored) if explored else {}
-    known = len(initial_lrs) == num_groups
-    return (list(initial_lrs) if known else [math.nan] * num_groups), now
-
-
-def _with_trained_lr(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows, each with ``trained_lr``: a row from before it existed gets the ``lr`` its group's row of the vote
-    before holds (NaN at the first vote: the initial LRs were not kept)."""
-    rows: list[dict[str, Any]] = []
-    set_by: dict[int, float] = {}  # every group's `lr` of the last vote read
-    for row in history:
-        rows.append(row if "trained_lr" in row else {**row, "trained_lr": set_by.get(row["group"], math.nan)})
-        set_by[row["group"]] = row["lr"]
-    return rows
 
 
 # Standard errors by which the winner must lead the runner-up for a vote to count as decided (a one-look test).
