@@ -144,10 +144,25 @@ class HDETController:
         return self._generator.get(self.config.seed)
 
     # The ledger's, read by the callback, the Fabric loop and the results.
-    history = property(lambda self: self.ledger.history, doc="Every vote's rows (:class:`VoteLedger`).")
-    rescues = property(lambda self: self.ledger.rescues, doc="Groups rescued so far, summed over the votes.")
-    num_votes = property(lambda self: self.ledger.num_votes, doc="Votes so far (the final merge only at a roll-back).")
-    last_winner = property(lambda self: self.ledger.last_winner, doc="The last vote's winner (-1: none yet).")
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every vote's rows (:class:`VoteLedger`)."""
+        return self.ledger.history
+
+    @property
+    def rescues(self) -> int:
+        """Groups rescued so far, summed over the votes."""
+        return self.ledger.rescues
+
+    @property
+    def num_votes(self) -> int:
+        """Votes so far (the final merge only at a roll-back)."""
+        return self.ledger.num_votes
+
+    @property
+    def last_winner(self) -> int:
+        """The last vote's winner (-1: none yet)."""
+        return self.ledger.last_winner
 
     @property
     def initial_lrs(self) -> list[float]:
