@@ -10,12 +10,13 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_hdet import HDETCallback, HDETStrategy
-from lightning_hdet.hdet.lightning.auto_monitor import AUTO_METRIC, MAX_WAIT, choose, epochs_read, warn_readers
-from tests.helpers import START, LinearModel, trainer_kwargs
+from lightning_hdet.hdet.lightning.auto_monitor import (AUTO_METRIC, MAX_WAIT, choose, epochs_read,
+                                                        validation_period, warn_readers)
+from tests.helpers import START, LinearModel, quiet_trainer, trainer_kwargs
 
 
 def test_epochs_read_is_the_run_over_one_epoch_and_unknown_without_either() -> None:
@@ -39,10 +40,30 @@ def test_a_repeating_run_that_validates_often_enough_votes_on_val_loss() -> None
 
 def test_a_repeating_run_without_usable_validation_warns_with_the_fix() -> None:
     name, line = choose(4.0, None, 38)
-    assert name is None and "Log `val_loss` in a `validation_step`" in line and "monitor='your_metric'" in line
+    assert name is None and "Pass validation data and log `val_loss`" in line and "monitor='your_metric'" in line
     name, line = choose(4.0, MAX_WAIT * 38 + 1, 38)  # validating too rarely: the votes would wait
     assert name is None and "Validate at least every 76 steps (now every 77" in line
     assert "val_check_interval=38, check_val_every_n_epoch=None" in line
+
+
+class _Period(Callback):
+    """What :func:`validation_period` reads of the fit at train start."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.period = validation_period(trainer)
+
+
+def test_a_validation_step_without_validation_data_is_no_validation() -> None:
+    """Lightning skips the val loop of a module with a ``validation_step`` but no validation data: "auto" must not
+    wait for a ``val_loss`` that never comes (it did: every vote waited, and the run failed at its end)."""
+    model = LinearModel(n_train=64)  # 4 batches of 16
+    periods = []
+    for val in (None, model.val_dataloader()):
+        seen = _Period()
+        quiet_trainer(max_steps=1, callbacks=[seen], val_check_interval=2).fit(
+            _TrainDataOnly(), train_dataloaders=model.train_dataloader(), val_dataloaders=val)
+        periods.append(seen.period)
+    assert periods == [None, 2.0]
 
 
 def _readers_warnings(callbacks: list[Callback], num_groups: int = 4) -> list[str]:
@@ -127,6 +148,25 @@ def test_a_sized_interval_votes_on_the_validation_grid_a_given_one_as_written(tm
     given = _fit(tmp_path / "given", every=8, steps=64, **grid)
     assert given[0]["every"] == given[0]["config"] == 8
     assert sorted({h["step"] for h in given[0]["history"]}) == [12, 18, 24, 36, 42, 48, 60, 64]
+
+
+class _TrainDataOnly(LightningModule):
+    """A module with a ``validation_step`` and no data hooks: the fit is given the data (validation data or none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 class _OtherName(LinearModel):

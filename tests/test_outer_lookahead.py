@@ -8,12 +8,13 @@ import torch
 import torchmetrics
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hdet import AsyncLocalSGDFabricStrategy, AsyncLocalSGDStrategy, LookaheadLR, WorkerShape
 from lightning_hdet._compat import validation_loaders
 from lightning_hdet.asynchronous.elastic.service import elastic_settings
 from lightning_hdet.asynchronous.lightning.local_metrics import make_metrics_local, restore
-from lightning_hdet.asynchronous.lightning.validation_score import ValidationScore
+from lightning_hdet.asynchronous.lightning.validation_score import ValidationScore, validation_score
 from lightning_hdet.asynchronous.outer.delayed_nesterov import DelayedNesterov
 from lightning_hdet.asynchronous.outer.settings import OuterSettings
 from lightning_hdet.asynchronous.wire.messages import Kind, Push
@@ -289,3 +290,38 @@ def test_validation_loaders_are_set_up_when_the_first_epoch_does_not_validate(tm
     trainer.fit(Regression())
     assert seen["before"] is None
     assert len(seen["loaders"]) == 1 and len(next(iter(seen["loaders"][0]))[0]) == 16  # its batches of 16
+
+
+class FittedLine(Line):
+    """:class:`Line` with no data hooks: the fit is given its data."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_lookahead_without_validation_data_is_refused_naming_the_fix(tmp_path):
+    """A fit given no validation data: Lightning's own error ("`val_dataloader` must be implemented") named neither
+    the lookahead nor the fix; with validation data the score is built."""
+    outcomes = []
+
+    class Score(Callback):
+        def on_train_start(self, trainer, pl_module):
+            try:
+                outcomes.append(validation_score(pl_module, LookaheadLR(monitor="val_mse"), torch.device("cpu"),
+                                                 lambda batch: batch))
+            except ValueError as err:
+                outcomes.append(str(err))
+
+    data = DataLoader(TensorDataset(torch.randn(8, 1), torch.randn(8, 1)), batch_size=4)
+    for val in (None, data):
+        Trainer(accelerator="cpu", devices=1, max_steps=1, num_sanity_val_steps=0, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                default_root_dir=tmp_path, callbacks=[Score()]).fit(FittedLine(), data, val)
+    refusal, score = outcomes
+    assert "`lookahead` scores candidate outer lrs on your validation data" in refusal
+    assert "give the Trainer one val_dataloader (got 0)" in refusal
+    assert isinstance(score, ValidationScore)

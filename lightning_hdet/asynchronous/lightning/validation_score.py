@@ -67,7 +67,8 @@ def validation_score(module: pl.LightningModule, options: LookaheadLR | None, de
     trainer = module.trainer
     stage, trainer.validating = trainer.state.stage, True  # the sampler and the transfer hooks see validation
     try:
-        loaders = validation_loaders(trainer)
+        # no validation data (Lightning's own error for it names neither the lookahead nor the fix): none to score on
+        loaders = validation_loaders(trainer) if trainer.enable_validation else []
         if len(loaders) != 1:
             raise ValueError(f"`lookahead` scores candidate outer lrs on your validation data: give the Trainer one"
                              f" val_dataloader (got {len(loaders)}), and keep validation on (limit_val_batches > 0).")

@@ -38,9 +38,9 @@ class OuterSide(Protocol):
 class LookaheadLR(KnownArguments):
     """The outer lr chosen at every outer update by a one-step lookahead on the first ``batches`` of the validation
     data, an option of :class:`~.delayed_nesterov.DelayedNesterov`: ``DelayedNesterov(lr=0.375, momentum=0.5,
-    warmup=16, restarts=8, lookahead=LookaheadLR())`` (the default step, measured). Costs three scorings per outer
-    update, a copy of the module on rank 0's device and about three models on its host. What it scores is tuned on:
-    judge the run on other data than its first ``batches``.
+    warmup=16, restarts=8, lookahead=LookaheadLR())`` (the default ``"stable"`` step's numbers: ``lr`` is required;
+    measured). Costs three scorings per outer update, a copy of the module on rank 0's device and about three models
+    on its host. What it scores is tuned on: judge the run on other data than its first ``batches``.
 
     Args:
         monitor: what the ``validation_step`` logs that scores a candidate.

@@ -74,7 +74,7 @@ def outer_from(value: OuterOptimizer | str | None) -> OuterOptimizer:
         return value
     name = DEFAULT_OUTER if value is None else value
     check_choice("outer", name, tuple(OUTER_PRESETS), hint="Or an object: DelayedNesterov(lr, momentum, warmup,"
-                 " restarts, buffer_size), Nesterov(lr, momentum), SparseLoCo(lr, error_decay).")
+                 " restarts, buffer_size, lookahead), Nesterov(lr, momentum), SparseLoCo(lr, error_decay).")
     preset = OUTER_PRESETS[name]
     if preset.sparse:
         return SparseLoCo(lr=preset.lr if preset.lr is not None else 1.0)

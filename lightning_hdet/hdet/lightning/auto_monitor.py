@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hdet.hdet.execution.validation import unmerged_validation_warning
@@ -45,14 +44,15 @@ def epoch_steps(trainer: Trainer) -> Optional[float]:
     return batches / trainer.accumulate_grad_batches
 
 
-def validation_period(trainer: Trainer, pl_module: LightningModule) -> Optional[float]:
+def validation_period(trainer: Trainer) -> Optional[float]:
     """Optimizer steps between two validations of this fit (``None``: it never validates, or not by steps: an
     iterable of unknown length, a time interval)."""
     every = trainer.val_check_batch
     if not isinstance(every, (int, float)) or not math.isfinite(every) or every <= 0:
         return None
-    limit, per_epoch = trainer.limit_val_batches, trainer.num_training_batches
-    if not is_overridden("validation_step", pl_module) or (isinstance(limit, (int, float)) and limit == 0):
+    per_epoch = trainer.num_training_batches
+    # Lightning's own test: a `validation_step`, validation data (else it skips the loop) and limit_val_batches > 0
+    if not trainer.enable_validation:
         return None
     epochs = trainer.check_val_every_n_epoch
     if epochs is not None and epochs > 1 and isinstance(per_epoch, (int, float)) and math.isfinite(per_epoch):
@@ -76,7 +76,8 @@ def choose(epochs: Optional[float], period: Optional[float], every: int) -> tupl
         return AUTO_METRIC, (f"HDET: {read}, so the training loss rewards memorising: the votes read each group's "
                              f"own `{AUTO_METRIC}` from validation (monitor='auto'; monitor=None votes on the "
                              "training loss).")
-    fix = (f"Log `{AUTO_METRIC}` in a `validation_step` (the votes then read it)" if period is None else
+    fix = (f"Pass validation data and log `{AUTO_METRIC}` in a `validation_step` (the votes read it)"
+           if period is None else
            f"Validate at least every {int(MAX_WAIT * every)} steps (now every {period:.0f}: Trainer(val_check_interval="
            f"{every}, check_val_every_n_epoch=None)) so that the votes can read `{AUTO_METRIC}`")
     return None, (f"HDET: {read}, so the training loss the votes compare rewards memorising (a higher LR memorises "
@@ -92,13 +93,12 @@ def missing(metrics: dict[str, Any]) -> str:
             f"`{AUTO_METRIC}`, or pass HDETCallback(monitor='your_metric').")
 
 
-def decide(trainer: Trainer, pl_module: LightningModule, run_steps: Optional[int],
-           every: int) -> tuple[Optional[str], str]:
+def decide(trainer: Trainer, run_steps: Optional[int], every: int) -> tuple[Optional[str], str]:
     """:func:`choose` for this fit, voting every ``every`` steps (the validation is looked at only where it matters)."""
     epochs = epochs_read(run_steps, epoch_steps(trainer))
     if epochs is None or epochs <= 1.0:
         return None, ""
-    return choose(epochs, validation_period(trainer, pl_module), every)
+    return choose(epochs, validation_period(trainer), every)
 
 
 def recorded(settings: HDETConfig, auto: bool) -> dict[str, Any]:

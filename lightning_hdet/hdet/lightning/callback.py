@@ -202,11 +202,11 @@ class HDETCallback(KnownArguments, Callback):
             self._set_interval(sized_interval(self._requested_every, run_length(trainer), True, announce=True), trainer)
         every = self.settings.every_n_steps
         if self._auto and self._monitor is None and type(self.settings.signal) is Signal:  # "auto" decides now
-            self._set_monitor(*auto_monitor.decide(trainer, pl_module, run_length(trainer), every), trainer)
+            self._set_monitor(*auto_monitor.decide(trainer, run_length(trainer), every), trainer)
         self._first_vote = every  # a sized interval moved onto validation's steps votes first here, not earlier
         if self._monitor is not None:  # votes wait for validation: on its grid, each reads a fresh value
             every = self._set_interval(on_validation_grid(self._requested_every, every, self._monitor.name,
-                                                          auto_monitor.validation_period(trainer, pl_module)), trainer)
+                                                          auto_monitor.validation_period(trainer)), trainer)
         if self._meter is None:
             self._meter = IntervalMeter(every, self.settings.signal.bins, hdet.groups.root_device)
         self._meter.reset((trainer.global_step // every) * every)  # votes fall on multiples of every_n_steps
