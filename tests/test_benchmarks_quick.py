@@ -247,26 +247,24 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
     assert "<!-- BEGIN extra_seeds_quick -->" in (merged / "benchmarks.md").read_text()
 
 
-def test_the_defaults_arm_runs_hdet_as_a_user_launches_it(tmp_path):
-    """``--hdet-votes defaults``: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given, whatever ``--groups``
-    and ``--pbt-interval`` say: on 2 processes the world size's 2 groups, the first at the start LR itself, a vote
-    every 5 steps (16 steps / 4 / 2 = 2, raised to the floor of 5)."""
-    data, _, _ = _search_quick(tmp_path, "--workloads", "tabular", "--methods", "untuned", "--hdet-votes", "defaults",
-                               "--pbt-interval", "8")
-    (arm,) = [a for a in data["arms"] if a["method"] == "hdet_defaults"]
-    start = data["config"]["good_lr"]["tabular"]
-    first = [row for row in arm["extra"]["history"] if row["step"] == 5]
-    assert sorted({row["step"] for row in arm["extra"]["history"]}) == [5, 10, 15, 16]  # 16: the final merge
-    assert len(first) == 2 and any(math.isclose(lr, start) for lr in arm["lrs_tried"])  # the user's LR trained
+@pytest.fixture(scope="module")
+def pbt_and_defaults(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One tabular run of Ray Tune's PBT (where Ray is installed) and the ``defaults`` HDET arm for the two tests below
+    (starting the script, and Ray, was most of each one's time; PBT's test comes first, under its longer timeout).
+    ``--pbt-interval 8``: PBT's two rounds of ``T`` = 8 steps (one exploit between them), which the defaults arm
+    must ignore."""
+    data, _, _ = _search_quick(tmp_path_factory.mktemp("pbt_and_defaults"), "--workloads", "tabular", "--methods",
+                               "untuned", "pbt", "--hdet-votes", "defaults", "--pbt-interval", "8")
+    return data
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not ray_available(), reason="Ray Tune is in the `bench` extra, not the `test` one")
-def test_search_baselines_quick_mode_runs_ray_tune_pbt(tmp_path):
-    data, _, _ = _search_quick(tmp_path, "--workloads", "shapes", "--methods", "pbt", "--hdet-votes", "")
+def test_search_baselines_quick_mode_runs_ray_tune_pbt(pbt_and_defaults):
+    data = pbt_and_defaults
     cfg = data["config"]
-    [arm] = data["arms"]
-    assert arm["method"] == "pbt" and arm["extra"]["ray_init_s"] > 0
+    [arm] = [a for a in data["arms"] if a["method"] == "pbt"]
+    assert cfg["pbt_interval"] == 8 and arm["extra"]["ray_init_s"] > 0
     _check_equal_compute(data)
     history = arm["extra"]["history"]
     # Synchronous rounds: every member reports at every T, G members; losers restart from a donor's checkpoint.
@@ -275,6 +273,18 @@ def test_search_baselines_quick_mode_runs_ray_tune_pbt(tmp_path):
     assert len(history) >= cfg["groups"] * len(steps)
     lo, hi = min(arm["lrs_tried"]), max(arm["lrs_tried"])
     assert lo > 0 and math.isfinite(hi) and arm["settled_lr"] in arm["lrs_tried"]
+
+
+def test_the_defaults_arm_runs_hdet_as_a_user_launches_it(pbt_and_defaults):
+    """``--hdet-votes defaults``: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given, whatever ``--groups``
+    and ``--pbt-interval`` say: on 2 processes the world size's 2 groups, the first at the start LR itself, a vote
+    every 5 steps (16 steps / 4 / 2 = 2, raised to the floor of 5)."""
+    data = pbt_and_defaults
+    (arm,) = [a for a in data["arms"] if a["method"] == "hdet_defaults"]
+    start = data["config"]["good_lr"]["tabular"]
+    first = [row for row in arm["extra"]["history"] if row["step"] == 5]
+    assert sorted({row["step"] for row in arm["extra"]["history"]}) == [5, 10, 15, 16]  # 16: the final merge
+    assert len(first) == 2 and any(math.isclose(lr, start) for lr in arm["lrs_tried"])  # the user's LR trained
 
 
 @pytest.mark.timeout(360)
