@@ -22,7 +22,7 @@ from benchmarks.common import (
 from benchmarks.search_baselines import STARTS, accepted_votes, defaults_options, lr_grid, parse_hdet_arm
 from benchmarks.search_pbt import pbt_explore, ray_available
 from benchmarks.search_report import to_target
-from tests.bench_quick import REPO, run_quick
+from tests.bench_quick import REPO, run_quick, run_script
 
 
 
@@ -142,10 +142,8 @@ def test_a_defaults_arm_changes_one_option_of_the_strategy_or_of_the_search():
 def _search_quick(tmp_path: Path, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
     """Run benchmark 2 in quick mode on W = G = 2 (HDET's processes forked) from the good start."""
     results, docs = tmp_path / "results", tmp_path / "docs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
-           "--groups", "2", "--starts", "good", "--start-method", "fork", *extra, "--results-dir", str(results),
-           "--docs-dir", str(docs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    proc = run_script(tmp_path, "search_baselines", "--quick", "--world-size", "2", "--groups", "2", "--starts", "good",
+                      "--start-method", "fork", *extra, "--results-dir", str(results), "--docs-dir", str(docs))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((results / "search_baselines_quick.json").read_text())
     text = (docs / "benchmarks.md").read_text()
@@ -238,10 +236,10 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
     # Parts of a run made in parallel merge into the same summary, without training.
     part = tmp_path / "results" / "search_baselines_quick.json"
     merged = tmp_path / "merged"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
-           "--groups", "2", "--merge", str(part), "--results-dir", str(merged), "--docs-dir", str(merged),
-           "--name", "extra_seeds"]  # its own results file and docs block
-    subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
+    merge = run_script(tmp_path, "search_baselines", "--quick", "--world-size", "2", "--groups", "2", "--merge",
+                       str(part), "--results-dir", str(merged), "--docs-dir", str(merged),
+                       "--name", "extra_seeds")  # its own results file and docs block
+    assert merge.returncode == 0, merge.stderr[-3000:]
     again = json.loads((merged / "extra_seeds_quick.json").read_text())
     assert again["rows"] == data["rows"] and again["targets"] == data["targets"]
     assert "<!-- BEGIN extra_seeds_quick -->" in (merged / "benchmarks.md").read_text()
@@ -330,9 +328,10 @@ def test_crash_quick_mode_nan_and_collapse(tmp_path):
     assert "no_such_rule" in proc.stdout and "÷ DDP low LR" in table[0] and "÷ untuned" in table[0]
     # Parts run in parallel merge into one table, without training.
     merged = tmp_path / "merged"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "crash.py"), "--quick", "--seed", "5", "--seeds", "4", "--merge",
-           str(tmp_path / "results" / "crash_quick.json"), "--results-dir", str(merged), "--docs-dir", str(merged)]
-    subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
+    merge = run_script(tmp_path, "crash", "--quick", "--seed", "5", "--seeds", "4", "--merge",
+                       str(tmp_path / "results" / "crash_quick.json"), "--results-dir", str(merged), "--docs-dir",
+                       str(merged))
+    assert merge.returncode == 0, merge.stderr[-3000:]
     assert json.loads((merged / "crash_quick.json").read_text())["rows"] == rows
     assert "1 seed(s) from 0," in (merged / "benchmarks.md").read_text()  # the parts' seeds, not the command's
 
