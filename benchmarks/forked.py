@@ -54,13 +54,21 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _main(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked process: output to ``log``, the environment ``env``, then the script as ``__main__``; the
-    exit status as the interpreter's own (threads joined and ``atexit`` handlers run first)."""
+def _main(script: str, argv: list[str], env: dict[str, str], log: str, cwd: str | None = None,
+          err: str | None = None) -> None:
+    """In the forked process: output to ``log`` (stderr to ``err`` if given), the environment ``env``, the working
+    directory ``cwd`` (else the forkserver's), then the script as ``__main__``; the exit status as the interpreter's
+    own (threads joined and ``atexit`` handlers run first)."""
+    if cwd is not None:
+        os.chdir(cwd)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if err is not None:
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [script, *argv]
@@ -99,9 +107,11 @@ def _context() -> multiprocessing.context.BaseContext:
     return context
 
 
-def start(script: str, argv: list[str], env: dict[str, str], log: str) -> Forked:
-    """Run ``python script *argv`` with environment ``env`` and its output in the file ``log``, forked."""
-    process = _context().Process(target=_main, args=(script, argv, env, log), daemon=False)
+def start(script: str, argv: list[str], env: dict[str, str], log: str, cwd: str | None = None,
+          err: str | None = None) -> Forked:
+    """Run ``python script *argv`` with environment ``env`` and its output in the file ``log``, forked; in ``cwd``
+    and with stderr in the file ``err`` if given, as ``subprocess.Popen``'s ``cwd`` and ``stderr``."""
+    process = _context().Process(target=_main, args=(script, argv, env, log, cwd, err), daemon=False)
     process.start()
     _started.append(Forked(process, [script, *argv]))
     return _started[-1]

@@ -3,20 +3,39 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
+from benchmarks import forked
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python benchmarks/<script>.py *args`` in ``tmp_path`` with this process's environment, run to its end: its
+    exit status, stdout and stderr. Forked from an interpreter that imported torch and Lightning once
+    (benchmarks/forked.py; the script still runs as its own process, as ``__main__``): those imports, ~4 s of CPU
+    in each of the ~16 scripts these tests start, were a large part of the suite's time on 2 cores."""
+    path, logs = str(REPO / "benchmarks" / f"{script}.py"), []
+    for stream in ("out", "err"):
+        fd, log = tempfile.mkstemp(prefix=f"{script}_", suffix=f".{stream}", dir=tmp_path)
+        os.close(fd)
+        logs.append(Path(log))
+    proc = forked.start(path, list(args), dict(os.environ), str(logs[0]), cwd=str(tmp_path), err=str(logs[1]))
+    try:
+        code = proc.wait()
+    finally:
+        proc.kill()  # a test stopped by its timeout leaves no script running (a no-op once it has ended)
+    return subprocess.CompletedProcess([path, *args], code, logs[0].read_text(), logs[1].read_text())
 
 
 def run_quick(tmp_path: Path, script: str, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
     """Run ``benchmarks/<script>.py --quick`` with outputs under ``tmp_path``; return its JSON, the table lines
     of its docs block and the process."""
     results, docs = tmp_path / "results", tmp_path / "docs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--quick", *extra,
-           "--results-dir", str(results), "--docs-dir", str(docs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    proc = run_script(tmp_path, script, "--quick", *extra, "--results-dir", str(results), "--docs-dir", str(docs))
     assert proc.returncode == 0, proc.stderr[-3000:]
     name = f"{script}_quick"
     data = json.loads((results / f"{name}.json").read_text())

@@ -22,7 +22,7 @@ from benchmarks.common import (
 from benchmarks.search_baselines import STARTS, accepted_votes, defaults_options, lr_grid, parse_hdet_arm
 from benchmarks.search_pbt import pbt_explore, ray_available
 from benchmarks.search_report import to_target
-from tests.bench_quick import REPO, run_quick
+from tests.bench_quick import REPO, run_quick, run_script
 
 
 
@@ -142,10 +142,8 @@ def test_a_defaults_arm_changes_one_option_of_the_strategy_or_of_the_search():
 def _search_quick(tmp_path: Path, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:
     """Run benchmark 2 in quick mode on W = G = 2 (HDET's processes forked) from the good start."""
     results, docs = tmp_path / "results", tmp_path / "docs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
-           "--groups", "2", "--starts", "good", "--start-method", "fork", *extra, "--results-dir", str(results),
-           "--docs-dir", str(docs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    proc = run_script(tmp_path, "search_baselines", "--quick", "--world-size", "2", "--groups", "2", "--starts", "good",
+                      "--start-method", "fork", *extra, "--results-dir", str(results), "--docs-dir", str(docs))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((results / "search_baselines_quick.json").read_text())
     text = (docs / "benchmarks.md").read_text()
@@ -238,35 +236,33 @@ def test_search_baselines_quick_mode_on_every_workload(tmp_path):
     # Parts of a run made in parallel merge into the same summary, without training.
     part = tmp_path / "results" / "search_baselines_quick.json"
     merged = tmp_path / "merged"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "search_baselines.py"), "--quick", "--world-size", "2",
-           "--groups", "2", "--merge", str(part), "--results-dir", str(merged), "--docs-dir", str(merged),
-           "--name", "extra_seeds"]  # its own results file and docs block
-    subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
+    merge = run_script(tmp_path, "search_baselines", "--quick", "--world-size", "2", "--groups", "2", "--merge",
+                       str(part), "--results-dir", str(merged), "--docs-dir", str(merged),
+                       "--name", "extra_seeds")  # its own results file and docs block
+    assert merge.returncode == 0, merge.stderr[-3000:]
     again = json.loads((merged / "extra_seeds_quick.json").read_text())
     assert again["rows"] == data["rows"] and again["targets"] == data["targets"]
     assert "<!-- BEGIN extra_seeds_quick -->" in (merged / "benchmarks.md").read_text()
 
 
-def test_the_defaults_arm_runs_hdet_as_a_user_launches_it(tmp_path):
-    """``--hdet-votes defaults``: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given, whatever ``--groups``
-    and ``--pbt-interval`` say: on 2 processes the world size's 2 groups, the first at the start LR itself, a vote
-    every 5 steps (16 steps / 4 / 2 = 2, raised to the floor of 5)."""
-    data, _, _ = _search_quick(tmp_path, "--workloads", "tabular", "--methods", "untuned", "--hdet-votes", "defaults",
-                               "--pbt-interval", "8")
-    (arm,) = [a for a in data["arms"] if a["method"] == "hdet_defaults"]
-    start = data["config"]["good_lr"]["tabular"]
-    first = [row for row in arm["extra"]["history"] if row["step"] == 5]
-    assert sorted({row["step"] for row in arm["extra"]["history"]}) == [5, 10, 15, 16]  # 16: the final merge
-    assert len(first) == 2 and any(math.isclose(lr, start) for lr in arm["lrs_tried"])  # the user's LR trained
+@pytest.fixture(scope="module")
+def pbt_and_defaults(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One tabular run of Ray Tune's PBT (where Ray is installed) and the ``defaults`` HDET arm for the two tests below
+    (starting the script, and Ray, was most of each one's time; PBT's test comes first, under its longer timeout).
+    ``--pbt-interval 8``: PBT's two rounds of ``T`` = 8 steps (one exploit between them), which the defaults arm
+    must ignore."""
+    data, _, _ = _search_quick(tmp_path_factory.mktemp("pbt_and_defaults"), "--workloads", "tabular", "--methods",
+                               "untuned", "pbt", "--hdet-votes", "defaults", "--pbt-interval", "8")
+    return data
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not ray_available(), reason="Ray Tune is in the `bench` extra, not the `test` one")
-def test_search_baselines_quick_mode_runs_ray_tune_pbt(tmp_path):
-    data, _, _ = _search_quick(tmp_path, "--workloads", "shapes", "--methods", "pbt", "--hdet-votes", "")
+def test_search_baselines_quick_mode_runs_ray_tune_pbt(pbt_and_defaults):
+    data = pbt_and_defaults
     cfg = data["config"]
-    [arm] = data["arms"]
-    assert arm["method"] == "pbt" and arm["extra"]["ray_init_s"] > 0
+    [arm] = [a for a in data["arms"] if a["method"] == "pbt"]
+    assert cfg["pbt_interval"] == 8 and arm["extra"]["ray_init_s"] > 0
     _check_equal_compute(data)
     history = arm["extra"]["history"]
     # Synchronous rounds: every member reports at every T, G members; losers restart from a donor's checkpoint.
@@ -275,6 +271,18 @@ def test_search_baselines_quick_mode_runs_ray_tune_pbt(tmp_path):
     assert len(history) >= cfg["groups"] * len(steps)
     lo, hi = min(arm["lrs_tried"]), max(arm["lrs_tried"])
     assert lo > 0 and math.isfinite(hi) and arm["settled_lr"] in arm["lrs_tried"]
+
+
+def test_the_defaults_arm_runs_hdet_as_a_user_launches_it(pbt_and_defaults):
+    """``--hdet-votes defaults``: ``HDETStrategy()`` and ``HDETCallback()`` with nothing given, whatever ``--groups``
+    and ``--pbt-interval`` say: on 2 processes the world size's 2 groups, the first at the start LR itself, a vote
+    every 5 steps (16 steps / 4 / 2 = 2, raised to the floor of 5)."""
+    data = pbt_and_defaults
+    (arm,) = [a for a in data["arms"] if a["method"] == "hdet_defaults"]
+    start = data["config"]["good_lr"]["tabular"]
+    first = [row for row in arm["extra"]["history"] if row["step"] == 5]
+    assert sorted({row["step"] for row in arm["extra"]["history"]}) == [5, 10, 15, 16]  # 16: the final merge
+    assert len(first) == 2 and any(math.isclose(lr, start) for lr in arm["lrs_tried"])  # the user's LR trained
 
 
 @pytest.mark.timeout(360)
@@ -320,9 +328,10 @@ def test_crash_quick_mode_nan_and_collapse(tmp_path):
     assert "no_such_rule" in proc.stdout and "÷ DDP low LR" in table[0] and "÷ untuned" in table[0]
     # Parts run in parallel merge into one table, without training.
     merged = tmp_path / "merged"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "crash.py"), "--quick", "--seed", "5", "--seeds", "4", "--merge",
-           str(tmp_path / "results" / "crash_quick.json"), "--results-dir", str(merged), "--docs-dir", str(merged)]
-    subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=True)
+    merge = run_script(tmp_path, "crash", "--quick", "--seed", "5", "--seeds", "4", "--merge",
+                       str(tmp_path / "results" / "crash_quick.json"), "--results-dir", str(merged), "--docs-dir",
+                       str(merged))
+    assert merge.returncode == 0, merge.stderr[-3000:]
     assert json.loads((merged / "crash_quick.json").read_text())["rows"] == rows
     assert "1 seed(s) from 0," in (merged / "benchmarks.md").read_text()  # the parts' seeds, not the command's
 

@@ -155,9 +155,10 @@ launch = functools.partial(elastic.launch, fork=True)
 
 def test_a_forked_process_runs_its_script_as_its_own_interpreter_would(tmp_path: Path) -> None:
     """benchmarks/forked.py, which starts the processes below: the script's directory first on ``sys.path``, its
-    arguments and environment, its output in the log; its exit status (``sys.exit``, an exception's 1 with the
-    traceback, a signal's ``-signum``) after its ``atexit`` handlers ran, as with ``subprocess.Popen``; one still
-    running when this process exits is killed (multiprocessing would wait for it)."""
+    arguments, environment and working directory, its output in the log (stderr apart if asked); its exit status
+    (``sys.exit``, an exception's 1 with the traceback, a signal's ``-signum``) after its ``atexit`` handlers ran, as
+    with ``subprocess.Popen``; one still running when this process exits is killed (multiprocessing would wait for
+    it)."""
     from benchmarks import forked
 
     (tmp_path / "sibling.py").write_text("WORD = 'sibling'\n")
@@ -165,17 +166,20 @@ def test_a_forked_process_runs_its_script_as_its_own_interpreter_would(tmp_path:
     script.write_text(
         "import atexit, os, sys, time\nimport sibling\n"
         "atexit.register(lambda: open(sys.argv[1] + '.atexit', 'w').close())\n"
-        "print(sibling.WORD, __name__, os.environ['FORKED_TEST'], *sys.argv[1:], flush=True)\n"
+        "print(sibling.WORD, __name__, os.environ['FORKED_TEST'], os.getcwd(), *sys.argv[1:], flush=True)\n"
+        "print('to stderr', file=sys.stderr, flush=True)\n"
         "if sys.argv[2] == 'raise': raise KeyError('boom')\n"
         "if sys.argv[2] == 'sleep': time.sleep(600)\n"
         "sys.exit(int(sys.argv[2]))\n")
-    procs = {how: forked.start(str(script), [str(tmp_path / how), how], {"FORKED_TEST": "env"}, str(tmp_path / how))
+    procs = {how: forked.start(str(script), [str(tmp_path / how), how], {"FORKED_TEST": "env"}, str(tmp_path / how),
+                               cwd=str(tmp_path), err=str(tmp_path / "3.err") if how == "3" else None)
              for how in ("3", "raise", "sleep")}
     assert procs["3"].wait(timeout=60) == 3 and procs["raise"].wait(timeout=60) == 1 and procs["sleep"].poll() is None
     forked._kill_left_over()  # at this process's exit: what still runs is killed, not waited for
     assert procs["sleep"].wait(timeout=60) == -signal.SIGKILL
-    assert (tmp_path / "3").read_text() == f"sibling __main__ env {tmp_path / '3'} 3\n"
-    assert "KeyError: 'boom'" in (tmp_path / "raise").read_text()
+    assert (tmp_path / "3").read_text() == f"sibling __main__ env {tmp_path} {tmp_path / '3'} 3\n"
+    assert (tmp_path / "3.err").read_text() == "to stderr\n"  # apart where asked, as Popen's stderr
+    assert "to stderr\n" in (tmp_path / "raise").read_text() and "KeyError: 'boom'" in (tmp_path / "raise").read_text()
     assert (tmp_path / "3.atexit").exists() and (tmp_path / "raise.atexit").exists()
     assert not (tmp_path / "sleep.atexit").exists() and procs["sleep"].poll() == -signal.SIGKILL
 

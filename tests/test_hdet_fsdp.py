@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,8 @@ def _check_training(ranks: list[dict]) -> None:
             torch.testing.assert_close(f["after"][step], (group0 + group1) / 2)
 
 
-def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(launched: Path) -> None:
+def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(launched: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Validating at each epoch's end too: the validated model is the merged one a checkpoint holds, and each group's
     own state comes back after it (the exact resume and merges below would not hold otherwise)."""
     out, ranks = _run(launched, VALIDATE)
@@ -77,10 +79,12 @@ def test_group_sync_merges_checkpoints_consolidates_and_resumes_exactly(launched
         assert torch.equal(r["start"]["before"], f["before"][STEPS_PER_EPOCH])
         assert r["losses"] == {s: f["losses"][s] for s in r["losses"]}
         torch.testing.assert_close(r["final"], f["final"])
-    # Lightning's own consolidation turns the folder into a file whose state_dict is the merged model
+    # Lightning's own consolidation turns the folder into a file whose state_dict is the merged model (its command
+    # line, `python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER`, run in this process: a fresh
+    # interpreter spent ~4 s of CPU importing Lightning)
     folder = out / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
-    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(folder)],
-                   check=True, capture_output=True)
+    monkeypatch.setattr(sys, "argv", ["consolidate_checkpoint", str(folder)])
+    runpy.run_module("lightning.pytorch.utilities.consolidate_checkpoint", run_name="__main__", alter_sys=True)
     checkpoint = torch.load(f"{folder}.consolidated", weights_only=True)
     plain = MLP()
     plain.load_state_dict(checkpoint["state_dict"])
