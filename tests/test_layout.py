@@ -190,7 +190,8 @@ def test_packages_import_each_other_without_cycles() -> None:
                 if target != source:
                     edges.setdefault(source, set()).add(target)
     assert "asynchronous" not in edges.get("hdet", set()) and "hdet" not in edges.get("asynchronous", set())
-    for leaf in ("records", "_checks", "_tensors", "_compat", "_checkpoint", "_sharding", "_text", "_launch"):
+    for leaf in ("records", "_checks", "_tensors", "_compat", "_checkpoint", "_sharding", "_text", "_launch",
+                 "_metrics"):
         assert not edges.get(leaf, set()) & {"hdet", "asynchronous"}, (leaf, edges.get(leaf))
 
 

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 from torch.nn import Module
 
+from lightning_hdet._metrics import torchmetrics_in
+
 
 def _local() -> bool:
     return False
@@ -18,10 +20,9 @@ def make_metrics_local(module: Module | None) -> dict[Module, Callable[[], bool]
     """Every torchmetrics object in ``module`` computes from its own rank's state; returns what :func:`restore`
     puts back."""
     saved: dict[Module, Callable[[], bool]] = {}
-    for metric in module.modules() if module is not None else ():
-        sync = getattr(metric, "distributed_available_fn", None)  # torchmetrics.Metric's switch for every sync
-        if callable(sync) and sync is not _local:
-            saved[metric] = sync
+    for metric in torchmetrics_in(module):
+        if metric.distributed_available_fn is not _local:
+            saved[metric] = metric.distributed_available_fn
             metric.distributed_available_fn = _local
     return saved
 

@@ -29,6 +29,8 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.distributed import ReduceOp
 
+from lightning_hdet._metrics import torchmetrics_in
+
 # The stages in which a fit builds its validation data loader (the sanity check's is the one the fit keeps).
 _VALIDATION_STAGES = (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING)
 
@@ -54,11 +56,13 @@ class GroupMetricSync:
     def group_metrics(self, on: bool) -> None:
         for metric in self._grouped:
             metric.process_group = None
-        module = self.lightning_module  # type: ignore[attr-defined]
-        group = self._guard_process_group  # type: ignore[attr-defined]
-        self._grouped = tuple(_default_synced(module)) if on and module is not None else ()
-        for metric in self._grouped:
-            metric.process_group = group
+        self._grouped = ()
+        if on:  # the metrics that sync over every rank (no process group of their own): over this rank's group
+            self._grouped = tuple(m for m in torchmetrics_in(self.lightning_module)  # type: ignore[attr-defined]
+                                  if hasattr(m, "process_group") and m.process_group is None)
+            group = self._guard_process_group  # type: ignore[attr-defined]
+            for metric in self._grouped:
+                metric.process_group = group
         self._group_metrics = on
 
     @property
@@ -82,13 +86,6 @@ class GroupMetricSync:
         count = torch.tensor(int(decision), device=self.root_device)  # type: ignore[attr-defined]
         self.communicator.all_reduce(count)  # type: ignore[attr-defined]
         return bool(count == self.world_size) if all else bool(count)  # type: ignore[attr-defined]
-
-
-def _default_synced(module: Any) -> list[Any]:
-    """The torchmetrics objects in ``module`` that sync over every rank (no ``process_group`` of their own), known by
-    ``Metric``'s own switch for every sync (as :mod:`~lightning_hdet.asynchronous.lightning.local_metrics` does)."""
-    return [m for m in module.modules() if callable(getattr(m, "distributed_available_fn", None))
-            and hasattr(m, "process_group") and m.process_group is None]
 
 
 def _fit_validation(module: Any) -> bool:
