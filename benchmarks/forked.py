@@ -18,6 +18,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 
@@ -115,6 +116,25 @@ def start(script: str, argv: list[str], env: dict[str, str], log: str, cwd: str 
     process.start()
     _started.append(Forked(process, [script, *argv]))
     return _started[-1]
+
+
+def run(script: str, argv: list[str], env: dict[str, str], cwd: str,
+        timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, script, *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``,
+    forked (:func:`start`): its exit status, stdout and stderr (kept apart, in files under ``cwd``). Past ``timeout``
+    it raises ``subprocess.TimeoutExpired``; either way nothing is left running."""
+    logs = []
+    for stream in ("out", "err"):
+        fd, log = tempfile.mkstemp(prefix=f"{os.path.basename(script)}_", suffix=f".{stream}", dir=cwd)
+        os.close(fd)
+        logs.append(log)
+    proc = start(script, argv, env, logs[0], cwd=cwd, err=logs[1])
+    try:
+        code = proc.wait(timeout)
+    finally:
+        proc.kill()  # a no-op once it has ended
+    with open(logs[0]) as out, open(logs[1]) as err:
+        return subprocess.CompletedProcess([script, *argv], code, out.read(), err.read())
 
 
 @atexit.register  # after multiprocessing's own handler was registered, so before it runs: it joins every child

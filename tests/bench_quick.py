@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 from benchmarks import forked
@@ -18,17 +17,7 @@ def run_script(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedP
     exit status, stdout and stderr. Forked from an interpreter that imported torch and Lightning once
     (benchmarks/forked.py; the script still runs as its own process, as ``__main__``): those imports, ~4 s of CPU
     in each of the ~16 scripts these tests start, were a large part of the suite's time on 2 cores."""
-    path, logs = str(REPO / "benchmarks" / f"{script}.py"), []
-    for stream in ("out", "err"):
-        fd, log = tempfile.mkstemp(prefix=f"{script}_", suffix=f".{stream}", dir=tmp_path)
-        os.close(fd)
-        logs.append(Path(log))
-    proc = forked.start(path, list(args), dict(os.environ), str(logs[0]), cwd=str(tmp_path), err=str(logs[1]))
-    try:
-        code = proc.wait()
-    finally:
-        proc.kill()  # a test stopped by its timeout leaves no script running (a no-op once it has ended)
-    return subprocess.CompletedProcess([path, *args], code, logs[0].read_text(), logs[1].read_text())
+    return forked.run(str(REPO / "benchmarks" / f"{script}.py"), list(args), dict(os.environ), str(tmp_path))
 
 
 def run_quick(tmp_path: Path, script: str, *extra: str) -> tuple[dict, list[str], subprocess.CompletedProcess]:

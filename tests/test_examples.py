@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,19 +28,9 @@ def run_example(script: str, *args: str, cwd: Path, timeout: float = 240, stderr
     less per example on the suite's 2 cores."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    logs = []
-    for stream in ("out", "err"):
-        fd, log = tempfile.mkstemp(prefix="example_", suffix=f".{stream}", dir=cwd)
-        os.close(fd)
-        logs.append(Path(log))
-    proc = forked.start(script, list(args), env, str(logs[0]), cwd=str(cwd), err=str(logs[1]))
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        proc.kill()  # past its timeout, or this test stopped by its own: nothing left running
-    out, err = logs[0].read_text(), logs[1].read_text()
-    assert code == 0, f"{[script, *args]} failed:\n{out[-3000:]}\n{err[-5000:]}"
-    return out + (err if stderr else "")
+    result = forked.run(script, list(args), env, str(cwd), timeout=timeout)
+    assert result.returncode == 0, f"{[script, *args]} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result.stdout + (result.stderr if stderr else "")
 
 
 @pytest.mark.timeout(300)
